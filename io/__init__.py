@@ -1,0 +1,1 @@
+"""Checkpoints, quantizers, Hugging Face import/export, datasets."""

@@ -1,0 +1,1 @@
+"""Model definitions (GPT-2, Llama) written on tilegraph.nn."""

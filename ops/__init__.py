@@ -1,0 +1,13 @@
+"""Tile ops: each one Op object with forward (records tile kernels), backward (vjp) and cost.
+
+Kernels are NumPy (Numba where it is faster) on the CPU and run on CuPy arrays on a GPU; CuPy is
+imported only when a GPU task runs.
+"""
+
+from .elementwise import add, affine, div, gelu, mul, ones_like, relu, silu, sub, zeros_like
+from .matmul import linear, matmul
+from .reduce import mean, sum
+from .shape import reshape, transpose
+
+__all__ = ["add", "affine", "div", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "relu",
+           "reshape", "silu", "sub", "sum", "transpose", "zeros_like"]

@@ -1,0 +1,84 @@
+"""Helpers shared by the op modules: array namespaces, tensor building, validation, costs."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import Cell, Cost, leaf
+from tilegraph._tensor import TileTensor, Tiling
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def xp_of(x):
+    """NumPy or CuPy, whichever ``x`` belongs to (CuPy is never imported otherwise)."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def new_tensor(tiling: Tiling, dtype, fill: Callable[[tuple[int, ...]], object]) -> TileTensor:
+    """A TileTensor whose tile at grid index ``idx`` is ``fill(idx)`` (a TileRef)."""
+    grid = np.empty(tiling.grid, dtype=object)
+    for idx in np.ndindex(*tiling.grid):
+        grid[idx] = fill(idx)
+    return TileTensor(tiling, dtype, grid)
+
+
+def require_tensor(x, where: str, name: str) -> TileTensor:
+    if not isinstance(x, TileTensor):
+        raise TileError(where, f"{name} must be a TileTensor", type(x).__name__)
+    return x
+
+
+def require_float(x: TileTensor, where: str, name: str = "input") -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TileError(where, f"{name} must have a floating dtype", str(x.dtype))
+
+
+def require_same_dtype(where: str, **tensors: TileTensor) -> np.dtype:
+    dts = {k: t.dtype for k, t in tensors.items() if t is not None}
+    if len(set(dts.values())) > 1:
+        got = ", ".join(f"{k}={v}" for k, v in dts.items())
+        raise TileError(where, "inputs must share one dtype (cast explicitly)", got)
+    return next(iter(dts.values()))
+
+
+def require_same_chunks(where: str, what: str, a: Sequence[int], b: Sequence[int]) -> None:
+    if tuple(a) != tuple(b):
+        raise TileError(where, f"{what} must have the same tiles", f"{tuple(a)} vs {tuple(b)}")
+
+
+def norm_dim(dim: int, ndim: int, where: str) -> int:
+    if not -ndim <= dim < max(ndim, 1):
+        raise TileError(where, f"dim out of range for a {ndim}-d tensor", str(dim))
+    return dim % ndim if ndim else 0
+
+
+def constant(value: np.ndarray, tiles=None) -> TileTensor:
+    from tilegraph._tensor import from_numpy
+
+    return from_numpy(value, tiles)
+
+
+def scalar_leaf(value, dtype) -> object:
+    arr = np.asarray(value, dtype=dtype)
+    return leaf(Cell(arr, arr.shape, arr.dtype, token=f"scalar-{arr.dtype}-{arr.item()!r}"))
+
+
+def numel(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
+
+
+def elementwise_cost(flops_per_elem: float) -> Callable:
+    def cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+        n_out = sum(numel(s) for s in out_shapes)
+        n_in = sum(numel(s) for s in in_shapes)
+        return Cost(flops=flops_per_elem * n_out, bytes=float((n_in + n_out) * itemsize))
+
+    return cost

@@ -1,0 +1,145 @@
+"""Reductions over any dims, as trees over tiles: partial sums per group of tiles, then combines."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from tilegraph._autograd import Op
+from tilegraph._errors import TileError
+from tilegraph._graph import emit1, kernel
+from tilegraph._tensor import TileTensor, Tiling
+
+from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, xp_of
+
+__all__ = ["sum", "mean", "sum_dims", "expand"]
+
+#: tiles combined by one kernel call; a reduction over more tiles becomes a tree of depth log_F(n)
+FAN_IN = 8
+
+
+@kernel("reduce_sum", cost=elementwise_cost(1))
+def _reduce_sum(*tiles, axes, shape, scale):
+    acc = None
+    for t in tiles:
+        s = t.sum(axis=axes, keepdims=True) if axes else t
+        acc = s.copy() if acc is None else acc + s
+    acc = acc.reshape(shape)
+    if scale != 1.0:
+        acc *= acc.dtype.type(scale)
+    return acc
+
+
+@kernel("expand", cost=elementwise_cost(1))
+def _expand(g, keep_shape, shape, scale):
+    xp = xp_of(g)
+    out = xp.broadcast_to(g.reshape(keep_shape), shape)
+    return out * out.dtype.type(scale) if scale != 1.0 else out.copy()
+
+
+def _tree(parts: list, shape, dtype, axes, scale, op):
+    """Sum ``parts`` (tile refs of one output tile) in groups of FAN_IN; the last level scales."""
+    if len(parts) > FAN_IN:
+        kshape = tuple(1 if a in axes else n for a, n in enumerate(parts[0].shape))
+        while len(parts) > FAN_IN:
+            parts = [emit1(_reduce_sum, parts[i:i + FAN_IN], kshape, dtype, op=op, axes=axes, shape=kshape,
+                           scale=1.0) for i in range(0, len(parts), FAN_IN)]
+            axes = ()
+    return emit1(_reduce_sum, parts, shape, dtype, op=op, axes=axes, shape=shape, scale=scale)
+
+
+class Sum(Op):
+    name = "sum"
+
+    def forward(self, x, dims: tuple, keep: tuple, scale: float = 1.0):
+        out_chunks, out_pos = [], []
+        for d in range(x.ndim):
+            if d in dims:
+                if keep[dims.index(d)]:
+                    out_chunks.append((1,))
+                    out_pos.append(d)
+            else:
+                out_chunks.append(x.chunks[d])
+                out_pos.append(d)
+        tiling = Tiling(out_chunks)
+        red_grid = [range(x.tiling.grid[d]) for d in dims]
+
+        def fill(oidx):
+            full = {}
+            for od, d in zip(oidx, out_pos):
+                if d not in dims:
+                    full[d] = od
+            parts = []
+            for ridx in itertools.product(*red_grid):
+                full.update(zip(dims, ridx))
+                parts.append(x.grid[tuple(full[d] for d in range(x.ndim))])
+            shape = tiling.tile_shape(oidx)
+            return _tree(parts, shape, x.dtype, tuple(dims), scale, self.name)
+
+        return new_tensor(tiling, x.dtype, fill), (x, dims, keep, scale)
+
+    def backward(self, ctx, g):
+        x, dims, keep, scale = ctx
+        return (expand(g, x, dims, keep, scale),)
+
+
+_sum_op = Sum()
+
+
+def expand(g: TileTensor, like: TileTensor, dims: tuple, keep: tuple, scale: float = 1.0) -> TileTensor:
+    """Broadcast ``g`` (``like`` reduced over ``dims``) back to the tiling of ``like``."""
+    return _expand_op(g, like, dims=dims, keep=keep, scale=scale)
+
+
+class Expand(Op):
+    name = "expand"
+
+    def forward(self, g, like, dims, keep, scale):
+        out_pos = [d for d in range(like.ndim) if d not in dims or keep[dims.index(d)]]
+
+        def fill(idx):
+            gi = tuple(0 if d in dims else idx[d] for d in out_pos)
+            shape = like.tiling.tile_shape(idx)
+            keep_shape = tuple(1 if d in dims else n for d, n in enumerate(shape))
+            return emit1(_expand, [g.grid[gi]], shape, like.dtype, op="expand", keep_shape=keep_shape,
+                         shape=shape, scale=scale)
+
+        return new_tensor(like.tiling, like.dtype, fill), (dims, keep, scale)
+
+    def backward(self, ctx, dy):
+        dims, keep, scale = ctx
+        return (sum_dims(dy, dims, keep, scale), None)
+
+
+_expand_op = Expand()
+
+
+def sum_dims(x: TileTensor, dims: tuple, keep: tuple, scale: float = 1.0) -> TileTensor:
+    """Sum over ``dims``; ``keep[i]`` keeps dim ``dims[i]`` with size 1. Result times ``scale``."""
+    return _sum_op(x, dims=tuple(dims), keep=tuple(keep), scale=scale)
+
+
+def _dims(x: TileTensor, dim, where: str) -> tuple:
+    if dim is None:
+        return tuple(range(x.ndim))
+    if isinstance(dim, int):
+        dim = (dim,)
+    dims = tuple(sorted({norm_dim(d, x.ndim, where) for d in dim}))
+    if len(dims) != len(tuple(dim)):
+        raise TileError(where, "dims must be distinct", repr(dim))
+    return dims
+
+
+def sum(x: TileTensor, dim=None, keepdims: bool = False) -> TileTensor:  # noqa: A001 - torch name
+    """Sum over ``dim`` (an int, a tuple, or None for all), as a tree over tiles."""
+    require_tensor(x, "tilegraph.sum", "x")
+    dims = _dims(x, dim, "tilegraph.sum")
+    return sum_dims(x, dims, (keepdims,) * len(dims))
+
+
+def mean(x: TileTensor, dim=None, keepdims: bool = False) -> TileTensor:
+    require_tensor(x, "tilegraph.mean", "x")
+    dims = _dims(x, dim, "tilegraph.mean")
+    count = int(np.prod([x.shape[d] for d in dims])) if dims else 1
+    return sum_dims(x, dims, (keepdims,) * len(dims), scale=1.0 / max(count, 1))

@@ -1,0 +1,144 @@
+"""Shared test helpers: the one torch reference comparison, tilings and the tolerance table."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+
+# One tolerance table for every op: (rtol, atol relative to the reference's largest magnitude).
+TOL = {
+    np.dtype(np.float32): (2e-4, 2e-5),
+    np.dtype(np.float64): (1e-9, 1e-11),
+}
+DTYPES = [np.float32, np.float64]
+MODES = ["single", "even", "ragged"]
+
+
+def tile_size(n: int, mode: str) -> int:
+    """Tile size for a dim of size ``n``: one tile, equal tiles, or tiles with a ragged last one."""
+    if mode == "single" or n <= 1:
+        return max(n, 1)
+    if mode == "even":
+        for parts in (2, 3, 4, 5):
+            if n % parts == 0:
+                return n // parts
+        return n
+    if mode == "ragged":
+        for t in range(math.ceil(n / 2.5), n):
+            if n % t:
+                return t
+        return max(1, n - 1)
+    raise ValueError(mode)
+
+
+def tiles_for(shape: Sequence[int], labels: str, mode: str, sizes: dict | None = None) -> tuple:
+    """Tile sizes for ``shape`` whose dims are named by ``labels``; a label gets one size everywhere,
+    so operands that must agree (contraction dims, broadcast dims) do. Uppercase labels stay whole."""
+    sizes = {} if sizes is None else sizes
+    out = []
+    for n, lab in zip(shape, labels):
+        if lab.isupper():
+            out.append(None)
+            continue
+        if lab not in sizes:
+            sizes[lab] = tile_size(n, mode)
+        out.append(min(sizes[lab], n) if n else None)
+    return tuple(out)
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def check_against_torch(fn: Callable, torch_fn: Callable, arrays: Sequence[np.ndarray], dims: str, mode: str,
+                        *, grad: bool = True, grad_of: Sequence[int] | None = None, tol_scale: float = 1.0,
+                        seed: int = 0):
+    """Compare ``fn(*TileTensors)`` with ``torch_fn(*torch tensors)``: forward, and the gradients of
+    ``sum(out * R)`` for a random R with respect to every floating input (or ``grad_of``).
+
+    ``dims`` names each array's dims, comma separated (``"bmk,kn"``); equal letters share tiles.
+    Returns the tilegraph output TileTensor.
+    """
+    torch = _torch()
+    labels = dims.split(",")
+    assert len(labels) == len(arrays), "one label group per array"
+    sizes: dict = {}
+    tts = [tg.from_numpy(a, tiles_for(a.shape, lab, mode, sizes)) for a, lab in zip(arrays, labels)]
+    floats = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating)]
+    grad_of = floats if grad_of is None else list(grad_of)
+    refs = [torch.tensor(a, requires_grad=(i in grad_of and grad)) for i, a in enumerate(arrays)]
+
+    out = fn(*tts)
+    ref = torch_fn(*refs)
+    assert out.shape == tuple(ref.shape), f"shape {out.shape} vs torch {tuple(ref.shape)}"
+    assert out.dtype == np.dtype(str(ref.dtype).replace("torch.", "")), f"dtype {out.dtype} vs {ref.dtype}"
+    dtype = np.dtype(out.dtype)
+    rtol, atol = TOL[dtype]
+    rtol, atol = rtol * tol_scale, atol * tol_scale
+
+    if not grad:
+        (got,) = tg.compute(out)
+        _close(got, ref.detach().numpy(), rtol, atol, "forward")
+        return out
+
+    rng = np.random.default_rng(seed + 1)
+    r = rng.standard_normal(out.shape).astype(dtype)
+    loss = (out * tg.from_numpy(r, out.chunks)).sum()
+    grads = tg.grad(loss, [tts[i] for i in grad_of])
+    got = tg.compute(out, *grads)
+    (ref * torch.tensor(r)).sum().backward()
+    _close(got[0], ref.detach().numpy(), rtol, atol, "forward")
+    for i, g in zip(grad_of, got[1:]):
+        _close(g, refs[i].grad.numpy(), rtol, atol, f"gradient of input {i}")
+    return out
+
+
+def _close(got, want, rtol, atol, what):
+    scale = float(np.max(np.abs(want))) if np.size(want) else 1.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * max(scale, 1.0), err_msg=what)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+@pytest.fixture
+def local_scheduler():
+    """Run graphs on Dask's synchronous scheduler inside the test (restored afterwards)."""
+    old = tg.config.local_scheduler
+    tg.config.local_scheduler = "sync"
+    yield
+    tg.config.local_scheduler = old
+
+
+@pytest.fixture(scope="session")
+def embedded_runtime():
+    """One embedded cluster (2 workers) shared by the distributed tests; use ``rt.as_current()``."""
+    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = False
+    if os.environ.get("TILEGRAPH_GPU_TESTS", "1") != "0":
+        try:
+            import cupy
+
+            has_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:
+            has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA device and CuPy")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

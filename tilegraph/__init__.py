@@ -1,0 +1,22 @@
+"""tilegraph: train large neural networks as dataflow graphs of tile tasks on Dask.
+
+>>> import numpy as np, tilegraph as tg
+>>> x = tg.from_numpy(np.arange(6.0).reshape(2, 3), tiles=(1, 2))
+>>> tg.compute((x * 2).sum())[0]
+array(30.)
+"""
+
+from tilegraph._errors import TileError
+from tilegraph._tensor import TileTensor, Tiling, from_dask_array, from_numpy
+from tilegraph._autograd import Op, grad
+from tilegraph._lower import compile, compute, config
+from tilegraph._runtime import Runtime, connect, current_runtime
+
+from tilegraph import ops
+from tilegraph.ops import *  # noqa: F401,F403 - functional ops live in the tilegraph namespace
+from tilegraph.ops import __all__ as _ops_all
+
+__version__ = "0.1.0"
+
+__all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "compile",
+           "compute", "config", "Runtime", "connect", "current_runtime", "ops", *_ops_all]

@@ -1,0 +1,132 @@
+"""Reverse-mode autodiff over recorded tensor ops.
+
+Every op call records ``Record(op, args, ctx)`` on its output. :func:`grad` walks those records
+backwards from a scalar loss and calls each op's ``backward``, which itself records ordinary tile
+ops, so the backward pass is a tile graph like the forward one (and is placed, fused and lowered
+with it). Contributions to a tensor used several times are summed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tilegraph._errors import TileError
+from tilegraph._tensor import TileTensor
+
+__all__ = ["Op", "Record", "grad"]
+
+
+class Record:
+    __slots__ = ("op", "args", "ctx")
+
+    def __init__(self, op: "Op", args: tuple, ctx: Any):
+        self.op, self.args, self.ctx = op, args, ctx
+
+
+class Op:
+    """A tensor-level operation: ``forward`` records tile kernels, ``backward`` is its vjp.
+
+    ``forward(*args, **params) -> (output TileTensor, ctx)`` validates inputs (output meta), emits
+    the tile kernels and returns whatever the vjp needs as ``ctx``. ``backward(ctx, dout)`` returns
+    one cotangent per positional argument (``None`` where there is none). The cost of an op is the
+    sum of its tile kernels' costs, declared with each kernel.
+    """
+
+    name = "op"
+
+    def __call__(self, *args, **params) -> TileTensor:
+        out, ctx = self.forward(*args, **params)
+        out._record = Record(self, args, ctx)
+        return out
+
+    def forward(self, *args, **params):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def backward(self, ctx, dout: TileTensor) -> Sequence[TileTensor | None]:
+        raise TileError(f"tilegraph.{self.name}", "this op has no gradient")
+
+    def __repr__(self) -> str:
+        return f"<op {self.name}>"
+
+
+def _walk(loss: TileTensor) -> list[TileTensor]:
+    """Tensors reachable from ``loss`` through records, inputs before outputs."""
+    order: list[TileTensor] = []
+    seen: set[int] = set()
+    stack: list[tuple[TileTensor, bool]] = [(loss, False)]
+    while stack:
+        t, expanded = stack.pop()
+        if expanded:
+            order.append(t)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        if t._record is not None:
+            for a in t._record.args:
+                if isinstance(a, TileTensor) and id(a) not in seen:
+                    stack.append((a, False))
+    return order
+
+
+def grad(loss: TileTensor, inputs: Sequence[TileTensor], *, allow_unused: bool = False) -> list[TileTensor]:
+    """Gradients of a scalar ``loss`` with respect to ``inputs`` (symbolic TileTensors).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.arange(3.0))
+    >>> (gx,) = tg.grad((x * x).sum(), [x])
+    >>> gx.numpy()
+    array([0., 2., 4.])
+    """
+    where = "tilegraph.grad"
+    if not isinstance(loss, TileTensor):
+        raise TileError(where, "loss must be a TileTensor", type(loss).__name__)
+    if loss.size != 1:
+        raise TileError(where, "loss must be a scalar (one element); reduce it with sum() or mean()",
+                        f"loss of shape {loss.shape}")
+    single = isinstance(inputs, TileTensor)
+    inputs = [inputs] if single else list(inputs)
+    for i, x in enumerate(inputs):
+        if not isinstance(x, TileTensor):
+            raise TileError(where, f"inputs[{i}] must be a TileTensor", type(x).__name__)
+
+    order = _walk(loss)
+    wanted = {id(x) for x in inputs}
+    # Which tensors lie on a path from an input to the loss.
+    needs: dict[int, bool] = {}
+    for t in order:
+        n = id(t) in wanted
+        if not n and t._record is not None:
+            n = any(isinstance(a, TileTensor) and needs.get(id(a), False) for a in t._record.args)
+        needs[id(t)] = n
+
+    from tilegraph import ops
+
+    cot: dict[int, TileTensor] = {id(loss): ops.ones_like(loss)}
+    for t in reversed(order):
+        g = cot.get(id(t))
+        if g is None or t._record is None or not needs[id(t)]:
+            continue
+        rec = t._record
+        if not any(isinstance(a, TileTensor) and needs.get(id(a), False) for a in rec.args):
+            continue
+        grads = rec.op.backward(rec.ctx, g)
+        for a, ga in zip(rec.args, grads):
+            if not isinstance(a, TileTensor) or ga is None or not needs.get(id(a), False):
+                continue
+            if ga.shape != a.shape:
+                raise AssertionError(f"backward of {rec.op.name} returned shape {ga.shape} for input {a.shape}")
+            prev = cot.get(id(a))
+            cot[id(a)] = ga if prev is None else ops.add(prev, ga)
+
+    out = []
+    for i, x in enumerate(inputs):
+        g = cot.get(id(x))
+        if g is None:
+            if not allow_unused:
+                raise TileError(where, f"inputs[{i}] does not affect the loss (pass allow_unused=True "
+                                "to get None for it)", repr(x))
+        out.append(g)
+    return out[0] if single else out
+

@@ -1,0 +1,201 @@
+"""The logical tile graph: kernels, tile nodes and leaf cells.
+
+Recording a model builds a DAG of :class:`Node` objects, one per tile kernel call. Nothing here
+touches data: a node knows its kernel, parameters, input tile references and the shape/dtype/cost
+of its outputs. Leaves point at a :class:`Cell`, a mutable slot holding the current value of one
+input tile (a NumPy array, a distributed future, a dask key, ...). Because a recorded graph refers
+to cells rather than values, the same graph can be lowered again with new parameter values, which
+is how a training step is recorded once and replayed (see ``_lower.Executable``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["Kernel", "Node", "TileRef", "Cell", "kernel", "get_kernel", "Cost"]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work of one tile kernel call: floating point operations and bytes moved."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+_KERNELS: dict[str, "Kernel"] = {}
+
+
+def _default_cost(in_shapes, out_shapes, in_itemsize, params) -> Cost:
+    n_in = sum(int(np.prod(s)) for s in in_shapes)
+    n_out = sum(int(np.prod(s)) for s in out_shapes)
+    return Cost(flops=float(n_out), bytes=float((n_in + n_out) * in_itemsize))
+
+
+class Kernel:
+    """A named tile kernel.
+
+    ``fn(*arrays, **params)`` is written against the array namespace of its inputs (NumPy on the
+    CPU, CuPy on a GPU); ``cpu`` optionally overrides it with a faster CPU-only version (Numba).
+    ``cost(in_shapes, out_shapes, itemsize, params)`` returns a :class:`Cost`.
+    Kernels pickle by name, so a task graph ships only the name to the workers.
+    """
+
+    __slots__ = ("name", "fn", "cpu", "cost")
+
+    def __init__(self, name: str, fn: Callable, cpu: Callable | None = None, cost: Callable | None = None):
+        self.name = name
+        self.fn = fn
+        self.cpu = cpu
+        self.cost = cost or _default_cost
+
+    def impl(self, device: str) -> Callable:
+        if device == "cpu" and self.cpu is not None:
+            return self.cpu
+        return self.fn
+
+    def __reduce__(self):
+        return (get_kernel, (self.name,))
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+
+def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = None):
+    """Decorator registering ``fn`` as the tile kernel ``name``."""
+
+    def wrap(fn):
+        if name in _KERNELS:
+            raise ValueError(f"[tilegraph.kernel] kernel {name!r} is registered twice")
+        k = Kernel(name, fn, cpu=cpu, cost=cost)
+        _KERNELS[name] = k
+        return k
+
+    return wrap
+
+
+def get_kernel(name: str) -> Kernel:
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        # Workers unpickle kernels by name: make sure the op modules are imported there.
+        import tilegraph.ops  # noqa: F401
+
+        if name in _KERNELS:
+            return _KERNELS[name]
+        raise KeyError(f"[tilegraph.get_kernel] no kernel named {name!r}") from None
+
+
+class Cell:
+    """A mutable slot for the value of one leaf tile.
+
+    ``value`` is a NumPy/CuPy array, a :class:`ValueRef` to an element of a remote result, or a
+    dask key reference. ``token`` identifies the value for deterministic task keys.
+    """
+
+    __slots__ = ("value", "token", "shape", "dtype", "__weakref__")
+    _counter = itertools.count()
+
+    def __init__(self, value: Any, shape: tuple[int, ...], dtype: np.dtype, token: str | None = None):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.set(value, token)
+
+    def set(self, value: Any, token: str | None = None) -> None:
+        self.value = value
+        self.token = token if token is not None else f"cell{next(Cell._counter)}"
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """Element ``index`` of the tuple a lowered cluster task returns (``index is None``: whole)."""
+
+    future: Any
+    index: int | None
+
+
+class Node:
+    """One tile kernel call in the logical graph (or a leaf when ``kernel is None``)."""
+
+    __slots__ = ("kernel", "params", "inputs", "out_meta", "cost", "cell", "device", "op", "__weakref__")
+
+    def __init__(self, kernel: Kernel | None, params: dict, inputs: tuple["TileRef", ...],
+                 out_meta: tuple[tuple[tuple[int, ...], np.dtype], ...], op: str,
+                 cell: Cell | None = None):
+        self.kernel = kernel
+        self.params = params
+        self.inputs = inputs
+        self.out_meta = out_meta
+        self.cell = cell
+        self.op = op
+        self.device: str | None = None
+        if kernel is not None:
+            itemsize = max((np.dtype(r.dtype).itemsize for r in inputs), default=4)
+            self.cost = kernel.cost([r.shape for r in inputs], [m[0] for m in out_meta], itemsize, params)
+        else:
+            self.cost = Cost()
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.kernel is None
+
+    def __repr__(self) -> str:
+        what = self.kernel.name if self.kernel else "leaf"
+        return f"Node({what}, op={self.op}, outs={[m[0] for m in self.out_meta]})"
+
+
+class TileRef:
+    """Reference to output ``index`` of ``node``: the symbolic value of one tile."""
+
+    __slots__ = ("node", "index", "shape", "dtype")
+
+    def __init__(self, node: Node, index: int):
+        self.node = node
+        self.index = index
+        self.shape, self.dtype = node.out_meta[index]
+
+    def __repr__(self) -> str:
+        return f"TileRef({self.node!r}[{self.index}], shape={self.shape}, dtype={self.dtype})"
+
+
+def leaf(cell: Cell) -> TileRef:
+    node = Node(None, {}, (), ((cell.shape, cell.dtype),), op="leaf", cell=cell)
+    return TileRef(node, 0)
+
+
+def emit(kern: Kernel, inputs, out_meta, /, *, op: str, **params) -> list[TileRef]:
+    """Record one kernel call; returns one :class:`TileRef` per declared output."""
+    out_meta = tuple((tuple(int(d) for d in s), np.dtype(dt)) for s, dt in out_meta)
+    node = Node(kern, params, tuple(inputs), out_meta, op=op)
+    return [TileRef(node, i) for i in range(len(out_meta))]
+
+
+def emit1(kern: Kernel, inputs, out_shape, out_dtype, /, *, op: str, **params) -> TileRef:
+    return emit(kern, inputs, [(out_shape, out_dtype)], op=op, **params)[0]
+
+
+def topo_order(roots: list[TileRef]) -> list[Node]:
+    """Nodes reachable from ``roots`` in a dependency-respecting order (iterative DFS)."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(r.node, False) for r in reversed(roots)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for inp in reversed(node.inputs):
+            if id(inp.node) not in seen:
+                stack.append((inp.node, False))
+    return order

@@ -1,0 +1,468 @@
+"""From the logical tile graph to executed Dask tasks: placement, clustering, lowering.
+
+The logical graph has one node per tile kernel call, often thousands per training step, while
+Dask distributed pays milliseconds per dependent task. So nodes are never submitted one by one:
+
+1. placement gives every node a device class ("cpu" or "gpu");
+2. clustering groups neighbouring nodes of one device into coarse tasks (a list-scheduling
+   simulation on the available worker threads decides which nodes may run in parallel; each
+   virtual processor's node sequence is cut once a cluster reaches ``target_seconds`` of estimated
+   work, or when another processor needs one of its values);
+3. lowering writes one raw Dask task per cluster, ``(run_cluster, program, *inputs)``, into a
+   graph whose GPU layer carries a ``{"GPU": 1}`` resource annotation.
+
+An :class:`Executable` keeps the placed, clustered plan; running it again only re-binds the leaf
+cells (parameters, batches) and writes fresh keys, which is how a training step is replayed.
+``fuse=False`` keeps one task per tile kernel for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import Cell, Node, TileRef, ValueRef, topo_order
+from tilegraph._tensor import TileTensor, Tiling
+
+__all__ = ["compile", "compute", "Executable", "config", "DaskKey", "run_cluster"]
+
+
+@dataclass
+class Config:
+    """Global knobs of the lowering (``tilegraph.config``)."""
+
+    fuse: bool = True
+    #: estimated seconds of kernel work per fused task; Dask pays ~1-10 ms per dependent task
+    target_seconds: float = 0.05
+    #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
+    placement: str = "auto"
+    #: array library of GPU tasks: "cupy", or "numpy" to emulate GPU workers on a CPU-only machine
+    gpu_array_module: str = "cupy"
+    #: scheduler when no runtime is connected: "threads" or "sync"
+    local_scheduler: str = "threads"
+    #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
+    speeds: dict = field(default_factory=lambda: {"cpu": (6e10, 1e10, 3e-6), "gpu": (2e13, 2e12, 2e-5)})
+
+
+config = Config()
+
+
+@dataclass(frozen=True)
+class DaskKey:
+    """A leaf whose value is ``key`` of an existing dask ``graph`` (``from_dask_array``)."""
+
+    graph: Any
+    key: Any
+
+
+# -------------------------------------------------------------------------------- execution ----
+class Program:
+    """What one fused task runs: a straight-line list of kernel calls over registers."""
+
+    __slots__ = ("ops", "n_ext", "n_regs", "out_regs", "device", "array_module", "label")
+
+    def __init__(self, ops, n_ext, n_regs, out_regs, device, array_module, label):
+        self.ops = ops
+        self.n_ext, self.n_regs, self.out_regs = n_ext, n_regs, out_regs
+        self.device, self.array_module, self.label = device, array_module, label
+
+    def __getstate__(self):
+        return tuple(getattr(self, s) for s in self.__slots__)
+
+    def __setstate__(self, state):
+        for s, v in zip(self.__slots__, state):
+            setattr(self, s, v)
+
+
+class Bound:
+    """A program plus, for this call, which element of each input argument to take."""
+
+    __slots__ = ("prog", "ext_index")
+
+    def __init__(self, prog: Program, ext_index: tuple):
+        self.prog, self.ext_index = prog, ext_index
+
+    def __getstate__(self):
+        return (self.prog, self.ext_index)
+
+    def __setstate__(self, state):
+        self.prog, self.ext_index = state
+
+
+def _to_device(x, device: str, array_module: str):
+    if device == "gpu" and array_module == "cupy":
+        import cupy
+
+        return cupy.asarray(x)
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    return x
+
+
+def run_cluster(bound: Bound, *args):
+    """Run one fused task: its kernels in order, returning the values other tasks need."""
+    prog = bound.prog
+    regs: list[Any] = [None] * prog.n_regs
+    for r, (a, idx) in enumerate(zip(args, bound.ext_index)):
+        regs[r] = _to_device(a if idx is None else a[idx], prog.device, prog.array_module)
+    for kern, params, ins, outs, metas, free, op in prog.ops:
+        fn = kern.impl(prog.device)
+        try:
+            res = fn(*[regs[i] for i in ins], **params)
+        except Exception as e:  # say which op failed; the traceback keeps the cause
+            e.add_note(f"in tile kernel {kern.name!r} of op {op!r}")
+            raise
+        if len(outs) == 1:
+            res = (res,)
+        for r, val, (shape, dtype) in zip(outs, res, metas):
+            if val.shape != shape or val.dtype != dtype:
+                raise TileError(f"tile kernel {kern.name} of op {op}",
+                                f"computed tile does not match its declared meta {shape} {dtype}",
+                                f"{val.shape} {val.dtype}")
+            regs[r] = val
+        for r in free:
+            regs[r] = None
+    return tuple(regs[r] for r in prog.out_regs)
+
+
+# ------------------------------------------------------------------------------- placement ----
+def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
+    if policy not in ("cpu", "gpu", "auto"):
+        raise TileError("tilegraph.place", "placement must be 'cpu', 'gpu' or 'auto'", repr(policy))
+    if policy == "gpu" and not has_gpu:
+        raise TileError("tilegraph.place", "placement 'gpu' needs workers with a GPU resource",
+                        "a runtime without GPU workers")
+    for n in nodes:
+        if policy == "auto":
+            n.device = "gpu" if has_gpu and n.cost.flops >= 1e6 else "cpu"
+        else:
+            n.device = policy
+
+
+def est_seconds(node: Node) -> float:
+    f, b, c = config.speeds[node.device]
+    return node.cost.flops / f + node.cost.bytes / b + c
+
+
+# ------------------------------------------------------------------------------ clustering ----
+class Cluster:
+    __slots__ = ("id", "device", "proc", "nodes", "seconds", "open")
+
+    def __init__(self, cid: int, device: str, proc: int):
+        self.id, self.device, self.proc = cid, device, proc
+        self.nodes: list[Node] = []
+        self.seconds = 0.0
+        self.open = True
+
+
+def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, fuse: bool) -> tuple[list[Cluster], dict[int, Cluster]]:
+    """Group placed nodes (in topological order) into acyclic clusters.
+
+    A cluster only ever gains dependencies on clusters that are already closed, and every cluster
+    closes after those it depends on, so the cluster graph is acyclic by construction.
+    """
+    clusters: list[Cluster] = []
+    of: dict[int, Cluster] = {}
+    if not fuse:
+        for n in nodes:
+            c = Cluster(len(clusters), n.device, 0)
+            c.nodes.append(n)
+            c.open = False
+            clusters.append(c)
+            of[id(n)] = c
+        return clusters, of
+    free_at = {dev: [0.0] * max(1, p) for dev, p in procs.items()}
+    open_on: dict[tuple[str, int], Cluster | None] = {}
+    finish: dict[int, float] = {}
+    for n in nodes:
+        dev = n.device
+        t = est_seconds(n)
+        producers = [of[id(i.node)] for i in n.inputs if id(i.node) in of]
+        ready = max((finish[id(i.node)] for i in n.inputs if id(i.node) in finish), default=0.0)
+        frees = free_at[dev]
+        starts = [max(ready, f) for f in frees]
+        best = min(range(len(frees)), key=starts.__getitem__)
+        # Stay with the processor of the latest input when that costs little: chains stay local.
+        last = max((c for c in producers if c.device == dev), key=lambda c: finish[id(c.nodes[-1])], default=None)
+        if last is not None and starts[last.proc] <= starts[best] + t:
+            best = last.proc
+        for c in producers:
+            if c.open and (c.device != dev or c.proc != best):
+                c.open = False
+                if open_on.get((c.device, c.proc)) is c:
+                    open_on[(c.device, c.proc)] = None
+        cur = open_on.get((dev, best))
+        if cur is None or not cur.open or (cur.seconds > 0 and cur.seconds + t > target):
+            if cur is not None:
+                cur.open = False
+            cur = Cluster(len(clusters), dev, best)
+            clusters.append(cur)
+            open_on[(dev, best)] = cur
+        cur.nodes.append(n)
+        cur.seconds += t
+        of[id(n)] = cur
+        finish[id(n)] = starts[best] + t
+        frees[best] = starts[best] + t
+    return clusters, of
+
+
+# --------------------------------------------------------------------------------- lowering ----
+@dataclass
+class _Plan:
+    prog: Program
+    ext: list[TileRef]          # external inputs, in argument order
+    outputs: list[TileRef]      # values returned, in tuple order
+    device: str
+
+
+class Executable:
+    """A placed and clustered tile graph, ready to be lowered and run any number of times."""
+
+    def __init__(self, roots: Sequence[TileRef], *, fuse: bool | None = None, target_seconds: float | None = None,
+                 placement: str | None = None, runtime=None):
+        from tilegraph._runtime import current_runtime
+
+        runtime = runtime if runtime is not None else current_runtime()
+        self.runtime = runtime
+        self.roots = list(roots)
+        fuse = config.fuse if fuse is None else fuse
+        target = config.target_seconds if target_seconds is None else target_seconds
+        placement = placement or config.placement
+        nodes = topo_order(self.roots)
+        self.leaves = [n for n in nodes if n.is_leaf]
+        work = [n for n in nodes if not n.is_leaf]
+        procs = runtime.processors() if runtime is not None else {"cpu": os.cpu_count() or 1, "gpu": 0}
+        place(work, placement, procs.get("gpu", 0) > 0)
+        procs = {"cpu": max(1, procs.get("cpu", 1)), "gpu": max(1, procs.get("gpu", 0))}
+        self.clusters, of = cluster_nodes(work, procs, target, fuse)
+        self.n_nodes = len(work)
+
+        # Which values leave their cluster (consumed elsewhere, or wanted by the caller).
+        needed: dict[int, set[tuple[int, int]]] = {c.id: set() for c in self.clusters}
+        for c in self.clusters:
+            for n in c.nodes:
+                for i in n.inputs:
+                    pc = of.get(id(i.node))
+                    if pc is not None and pc is not c:
+                        needed[pc.id].add((id(i.node), i.index))
+        for r in self.roots:
+            pc = of.get(id(r.node))
+            if pc is not None:
+                needed[pc.id].add((id(r.node), r.index))
+
+        self.plans: list[_Plan] = []
+        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # value -> (cluster id, tuple index)
+        array_module = config.gpu_array_module
+        for c in self.clusters:
+            plan = self._plan(c, of, needed[c.id], array_module)
+            self.plans.append(plan)
+            for k, ref in enumerate(plan.outputs):
+                self.where[(id(ref.node), ref.index)] = (c.id, k)
+        self.structure = self._structure_token(nodes)
+
+    @staticmethod
+    def _plan(c: Cluster, of, needed, array_module) -> _Plan:
+        regs: dict[tuple[int, int], int] = {}
+        ext: list[TileRef] = []
+        for n in c.nodes:
+            for i in n.inputs:
+                key = (id(i.node), i.index)
+                if of.get(id(i.node)) is not c and key not in regs:
+                    regs[key] = len(ext)
+                    ext.append(i)
+        n_regs = len(ext)
+        last_use: dict[int, int] = {}
+        body = []
+        for step, n in enumerate(c.nodes):
+            ins = [regs[(id(i.node), i.index)] for i in n.inputs]
+            for r in ins:
+                last_use[r] = step
+            outs = []
+            for k in range(len(n.out_meta)):
+                regs[(id(n), k)] = n_regs
+                outs.append(n_regs)
+                n_regs += 1
+            body.append((n, ins, outs))
+        outputs = [ref for n in c.nodes for ref in (TileRef(n, k) for k in range(len(n.out_meta)))
+                   if (id(n), ref.index) in needed]
+        out_regs = tuple(regs[(id(r.node), r.index)] for r in outputs)
+        keep = set(out_regs)
+        ops = []
+        for step, (n, ins, outs) in enumerate(body):
+            free = tuple(r for r in set(ins) if last_use[r] == step and r not in keep)
+            ops.append((n.kernel, n.params, tuple(ins), tuple(outs), n.out_meta, free, n.op))
+        label = c.nodes[0].op
+        prog = Program(tuple(ops), len(ext), n_regs, out_regs, c.device, array_module, label)
+        return _Plan(prog, ext, outputs, c.device)
+
+    @staticmethod
+    def _structure_token(nodes: Sequence[Node]) -> str:
+        from dask.base import tokenize
+
+        index = {id(n): k for k, n in enumerate(nodes)}
+        desc = []
+        for n in nodes:
+            if n.is_leaf:
+                desc.append(("leaf", n.out_meta))
+            else:
+                desc.append((n.kernel.name, repr(sorted(n.params.items())), n.device,
+                             tuple((index[id(i.node)], i.index) for i in n.inputs), n.out_meta))
+        return tokenize(desc)
+
+    # -- lowering ------------------------------------------------------------------------------
+    @property
+    def n_tasks(self) -> int:
+        return len(self.clusters)
+
+    def lower(self, token: str | None = None):
+        """Write the Dask graph for one call.
+
+        Returns ``(layers, keys)``: ``layers`` maps a device class to its raw task dict (plus
+        ``"data"`` for embedded leaf values and ``"dask"`` for merged dask-array graphs), ``keys``
+        the task key of each cluster.
+        """
+        from dask.base import tokenize
+
+        if token is None:
+            token = tokenize(self.structure, [n.cell.token for n in self.leaves])
+        keys = [f"tg-{p.prog.label}-{c.id}-{token}" for c, p in zip(self.clusters, self.plans)]
+        layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}}
+        for c, plan, key in zip(self.clusters, self.plans, keys):
+            args, idx = [], []
+            for ref in plan.ext:
+                node = ref.node
+                if node.is_leaf:
+                    a, i = self._bind_leaf(node.cell, layers)
+                else:
+                    cid, k = self.where[(id(node), ref.index)]
+                    a, i = keys[cid], k
+                args.append(a)
+                idx.append(i)
+            layers[plan.device][key] = (run_cluster, Bound(plan.prog, tuple(idx)), *args)
+        return layers, keys
+
+    @staticmethod
+    def _bind_leaf(cell: Cell, layers):
+        v = cell.value
+        if isinstance(v, ValueRef):
+            return v.future, v.index
+        if isinstance(v, DaskKey):
+            if v.key not in layers["dask"]:
+                layers["dask"].update(dict(v.graph))
+            return v.key, None
+        key = f"tgc-{cell.token}"
+        layers["data"][key] = v
+        return key, None
+
+    def root_location(self, ref: TileRef) -> tuple[int, int] | None:
+        return self.where.get((id(ref.node), ref.index))
+
+    def run(self, runtime=None) -> list[Any]:
+        """Run once; returns the value of each root (arrays, or ``ValueRef``s on a cluster)."""
+        runtime = runtime if runtime is not None else self.runtime
+        layers, keys = self.lower()
+        wanted = sorted({self.where[(id(r.node), r.index)][0] for r in self.roots if not r.node.is_leaf})
+        want_keys = [keys[c] for c in wanted]
+        if runtime is None:
+            results = dict(zip(want_keys, _local_get(layers, want_keys)))
+        else:
+            results = dict(zip(want_keys, runtime.submit_layers(layers, want_keys)))
+        out = []
+        for r in self.roots:
+            if r.node.is_leaf:
+                v = r.node.cell.value
+                out.append(v)
+                continue
+            cid, k = self.where[(id(r.node), r.index)]
+            res = results[keys[cid]]
+            out.append(res[k] if isinstance(res, tuple) else ValueRef(res, k))
+        return out
+
+
+def _local_get(layers: dict, keys: list):
+    import dask
+
+    dsk = {}
+    for part in layers.values():
+        dsk.update(part)
+    if config.local_scheduler == "sync":
+        return dask.get(dsk, keys)
+    from dask.threaded import get
+
+    return get(dsk, keys)
+
+
+def compile(outputs: Sequence[TileTensor | TileRef], **kw) -> Executable:
+    """Place, cluster and plan the graph behind ``outputs`` (TileTensors or tile refs)."""
+    roots: list[TileRef] = []
+    for o in outputs:
+        if isinstance(o, TileTensor):
+            roots.extend(o.grid.flat)
+        else:
+            roots.append(o)
+    return Executable(roots, **kw)
+
+
+def _assemble(t: TileTensor, tiles: list) -> np.ndarray:
+    if t.ndim == 0:
+        return tiles[0].reshape(())
+    arr = np.empty(t.shape, dtype=t.dtype)
+    for idx, v in zip(np.ndindex(*t.tiling.grid), tiles):
+        arr[t.tiling.slices(idx)] = _host(v)
+    return arr
+
+
+def _host(v):
+    return v.get() if type(v).__module__.startswith("cupy") else np.asarray(v)
+
+
+def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
+    """Run the graph behind ``tensors`` and return them as NumPy arrays.
+
+    Uses the connected runtime (:func:`tilegraph.connect`) when there is one, else Dask's local
+    threaded scheduler. Keyword arguments go to :class:`Executable` (``fuse``, ``placement``...).
+    """
+    for i, t in enumerate(tensors):
+        if not isinstance(t, TileTensor):
+            raise TileError("tilegraph.compute", f"argument {i} must be a TileTensor", type(t).__name__)
+    exe = compile(tensors, **kw)
+    values = exe.run()
+    if any(isinstance(v, ValueRef) for v in values):
+        from tilegraph._runtime import current_runtime
+
+        values = (exe.runtime or current_runtime()).fetch(values)
+    out, k = [], 0
+    for t in tensors:
+        n = t.ntiles
+        out.append(_assemble(t, values[k:k + n]))
+        k += n
+    return out
+
+
+def to_dask_array(t: TileTensor):
+    """The TileTensor as a ``dask.array.Array`` whose chunks are its tiles."""
+    import operator
+
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+
+    exe = compile([t])
+    layers, keys = exe.lower()
+    name = f"tilegraph-{uuid.uuid4().hex[:12]}"
+    dsk: dict = {}
+    for part in layers.values():
+        dsk.update(part)
+    for idx, ref in zip(np.ndindex(*t.tiling.grid), t.grid.flat):
+        if ref.node.is_leaf:
+            a, i = exe._bind_leaf(ref.node.cell, {"data": dsk, "dask": dsk})
+        else:
+            cid, i = exe.root_location(ref)
+            a = keys[cid]
+        dsk[(name,) + idx] = (operator.getitem, a, i) if i is not None else a
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=())
+    return da.Array(graph, name, t.chunks, dtype=t.dtype)

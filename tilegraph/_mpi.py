@@ -1,0 +1,25 @@
+"""dask-mpi launch: rank 0 runs the scheduler, rank 1 the client script, ranks >= 2 workers."""
+
+from __future__ import annotations
+
+from tilegraph._errors import TileError
+
+
+def initialize_mpi() -> None:
+    try:
+        from dask_mpi import initialize
+        from mpi4py import MPI
+    except ImportError as e:
+        raise TileError("tilegraph.connect(mpi=True)", "needs the mpi extra: pip install 'tilegraph[mpi]'",
+                        f"ImportError: {e}") from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 3:
+        raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
+                        "one worker): mpiexec -n 3 or more", f"{comm.Get_size()} ranks")
+    from tilegraph._runtime import _visible_gpus
+
+    # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
+    gpus = _visible_gpus()
+    options = {"resources": {"GPU": 1}} if gpus else {}
+    initialize(interface=None, nthreads=1, worker_options=options, dashboard=comm.Get_rank() == 0,
+               exit=True)

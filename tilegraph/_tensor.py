@@ -1,0 +1,301 @@
+"""Tiled tensors: metadata plus a grid of tile references. No data lives here."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import Cell, TileRef, leaf
+
+__all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array", "full_tiling"]
+
+
+class Tiling:
+    """Tile sizes per dimension, as dask-style chunks: ``((4, 4, 2), (8,))``.
+
+    Build it from a shape and one tile size per dimension with :meth:`from_sizes`; the last tile
+    of a dimension may be smaller (ragged).
+
+    >>> Tiling.from_sizes((10, 8), (4, 8)).chunks
+    ((4, 4, 2), (8,))
+    """
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: Sequence[Sequence[int]]):
+        self.chunks = tuple(tuple(int(c) for c in dim) for dim in chunks)
+
+    @classmethod
+    def from_sizes(cls, shape: Sequence[int], sizes, where: str = "tilegraph.Tiling") -> "Tiling":
+        shape = tuple(int(s) for s in shape)
+        if sizes is None:
+            return cls(tuple((s,) for s in shape))
+        if isinstance(sizes, Tiling):
+            sizes = sizes.chunks
+        if isinstance(sizes, int):
+            sizes = (sizes,) * len(shape)
+        sizes = tuple(sizes)
+        if len(sizes) != len(shape):
+            raise TileError(where, f"expected one tile size per dimension ({len(shape)} for shape {shape})",
+                            f"tiles={sizes!r}")
+        chunks = []
+        for d, (n, t) in enumerate(zip(shape, sizes)):
+            if isinstance(t, (tuple, list)):
+                t = tuple(int(c) for c in t)
+                if sum(t) != n or any(c <= 0 for c in t):
+                    raise TileError(where, f"tiles of dim {d} must be positive and sum to {n}", f"{t}")
+                chunks.append(t)
+                continue
+            if t is None or t == -1:
+                t = n
+            t = int(t)
+            if t <= 0:
+                raise TileError(where, f"tile size of dim {d} must be positive", f"{t}")
+            if t > n and n > 0:
+                raise TileError(where, f"tile size of dim {d} is larger than the dimension ({n}); "
+                                "use None for a single tile", f"tile size {t} for shape {shape}")
+            if n == 0:
+                chunks.append((0,))
+                continue
+            full, rest = divmod(n, t)
+            chunks.append((t,) * full + ((rest,) if rest else ()))
+        return cls(chunks)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(sum(c) for c in self.chunks)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(len(c) for c in self.chunks)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Nominal (first) tile size per dimension."""
+        return tuple(c[0] for c in self.chunks)
+
+    def offsets(self, dim: int) -> tuple[int, ...]:
+        return tuple(itertools.accumulate((0,) + self.chunks[dim][:-1]))
+
+    def tile_shape(self, index: Sequence[int]) -> tuple[int, ...]:
+        return tuple(self.chunks[d][i] for d, i in enumerate(index))
+
+    def slices(self, index: Sequence[int]) -> tuple[slice, ...]:
+        out = []
+        for d, i in enumerate(index):
+            o = sum(self.chunks[d][:i])
+            out.append(slice(o, o + self.chunks[d][i]))
+        return tuple(out)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Tiling) and self.chunks == other.chunks
+
+    def __hash__(self) -> int:
+        return hash(self.chunks)
+
+    def __repr__(self) -> str:
+        return f"Tiling({self.chunks})"
+
+
+def full_tiling(shape) -> Tiling:
+    return Tiling(tuple((int(s),) for s in shape))
+
+
+class TileTensor:
+    """A tensor split into tiles: shape, dtype, tiling and a grid of :class:`TileRef`.
+
+    TileTensors are symbolic: arithmetic records tile kernels and returns new TileTensors. Data
+    only moves at the explicit boundary, :func:`tilegraph.compute` (or ``t.numpy()``).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> a = tg.from_numpy(np.ones((4, 6), np.float32), tiles=(2, 4))
+    >>> (a @ a.T).numpy()[0, 0]
+    6.0
+    """
+
+    __slots__ = ("shape", "dtype", "tiling", "grid", "_record", "name", "__weakref__")
+    __array_priority__ = 1000  # make ``ndarray + TileTensor`` defer to TileTensor
+
+    def __init__(self, tiling: Tiling, dtype, grid: np.ndarray, record=None, name: str | None = None):
+        self.tiling = tiling
+        self.shape = tiling.shape
+        self.dtype = np.dtype(dtype)
+        if grid.shape != tiling.grid:
+            raise AssertionError(f"grid {grid.shape} does not match tiling {tiling}")
+        self.grid = grid
+        self._record = record
+        self.name = name
+
+    # -- metadata ------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def chunks(self) -> tuple[tuple[int, ...], ...]:
+        return self.tiling.chunks
+
+    @property
+    def tiles(self) -> tuple[int, ...]:
+        """Nominal tile size per dimension."""
+        return self.tiling.sizes
+
+    @property
+    def ntiles(self) -> int:
+        return int(self.grid.size)
+
+    def tile(self, *index) -> TileRef:
+        return self.grid[tuple(index)]
+
+    def __repr__(self) -> str:
+        return f"TileTensor(shape={self.shape}, dtype={self.dtype}, tiles={self.chunks})"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    # -- data boundary ---------------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        from tilegraph._lower import compute
+
+        return compute(self)[0]
+
+    def to_dask_array(self):
+        from tilegraph._lower import to_dask_array
+
+        return to_dask_array(self)
+
+    # -- operators ---------------------------------------------------------------------------------
+    def __matmul__(self, other):
+        from tilegraph import ops
+
+        return ops.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        from tilegraph import ops
+
+        return ops.matmul(other, self)
+
+    def __add__(self, other):
+        from tilegraph import ops
+
+        return ops.add(self, other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        from tilegraph import ops
+
+        return ops.sub(self, other)
+
+    def __rsub__(self, other):
+        from tilegraph import ops
+
+        return ops.sub(other, self)
+
+    def __mul__(self, other):
+        from tilegraph import ops
+
+        return ops.mul(self, other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        from tilegraph import ops
+
+        if isinstance(other, (int, float)):
+            return ops.mul(self, 1.0 / other)
+        return ops.div(self, other)
+
+    def __neg__(self):
+        from tilegraph import ops
+
+        return ops.mul(self, -1.0)
+
+    @property
+    def T(self):
+        from tilegraph import ops
+
+        return ops.transpose(self)
+
+    def sum(self, dim=None, keepdims=False):
+        from tilegraph import ops
+
+        return ops.sum(self, dim, keepdims=keepdims)
+
+    def mean(self, dim=None, keepdims=False):
+        from tilegraph import ops
+
+        return ops.mean(self, dim, keepdims=keepdims)
+
+    def reshape(self, *shape):
+        from tilegraph import ops
+
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return ops.reshape(self, shape)
+
+    def transpose(self, *dims):
+        from tilegraph import ops
+
+        return ops.transpose(self, *dims)
+
+
+def tensor_from_cells(tiling: Tiling, dtype, cells: np.ndarray, name: str | None = None) -> TileTensor:
+    grid = np.empty(tiling.grid, dtype=object)
+    for idx in np.ndindex(*tiling.grid):
+        grid[idx] = leaf(cells[idx])
+    return TileTensor(tiling, dtype, grid, name=name)
+
+
+def _split(array, tiling: Tiling) -> np.ndarray:
+    xp = np if isinstance(array, np.ndarray) else __import__(type(array).__module__.split(".")[0])
+    cells = np.empty(tiling.grid, dtype=object)
+    for idx in np.ndindex(*tiling.grid):
+        # a copy: later changes to the caller's array must not reach the graph (and 0-d stays 0-d)
+        tile = xp.array(array[tiling.slices(idx)], order="C")
+        cells[idx] = Cell(tile, tile.shape, tile.dtype)
+    return cells
+
+
+def from_numpy(array, tiles=None, *, name: str | None = None) -> TileTensor:
+    """Split a NumPy (or CuPy) array into tiles of the given sizes (``None``: one tile).
+
+    ``tiles`` is one size per dimension (an int applies to all), ``None``/-1 for a whole dimension,
+    or explicit dask-style chunks.
+    """
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        array = np.asarray(array)
+    tiling = Tiling.from_sizes(array.shape, tiles, where="tilegraph.from_numpy")
+    return tensor_from_cells(tiling, array.dtype, _split(array, tiling), name=name)
+
+
+def from_dask_array(x, *, name: str | None = None) -> TileTensor:
+    """Wrap a dask array: each of its chunks becomes a tile (computed when the graph runs)."""
+    from tilegraph._graph import Cell
+    from tilegraph._lower import DaskKey
+
+    tiling = Tiling(x.chunks)
+    cells = np.empty(tiling.grid, dtype=object)
+    graph = x.__dask_graph__()
+    for idx in np.ndindex(*tiling.grid):
+        key = (x.name,) + tuple(idx)
+        cells[idx] = Cell(DaskKey(graph, key), tiling.tile_shape(idx), x.dtype, token=f"dask-{key}")
+    return tensor_from_cells(tiling, x.dtype, cells, name=name)
+
+
+def as_tensor(x: Any, like: TileTensor | None = None, where: str = "tilegraph") -> TileTensor:
+    if isinstance(x, TileTensor):
+        return x
+    raise TileError(where, "expected a TileTensor (use tilegraph.from_numpy to wrap arrays)",
+                    f"{type(x).__name__}")
+
+
+def tensors_in(items: Iterable[Any]) -> list[TileTensor]:
+    return [t for t in items if isinstance(t, TileTensor)]
