@@ -4,10 +4,12 @@ Kernels are NumPy (Numba where it is faster) on the CPU and run on CuPy arrays o
 imported only when a GPU task runs.
 """
 
+from .attention import scaled_dot_product_attention
 from .elementwise import add, affine, div, gelu, mul, ones_like, relu, silu, sub, zeros_like
 from .matmul import linear, matmul
 from .reduce import mean, sum
+from .rope import rope
 from .shape import reshape, transpose
 
 __all__ = ["add", "affine", "div", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "relu",
-           "reshape", "silu", "sub", "sum", "transpose", "zeros_like"]
+           "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like"]

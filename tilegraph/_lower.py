@@ -41,8 +41,13 @@ class Config:
     target_seconds: float = 0.05
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
+    #: "auto" placement sends kernels of at least this many flops to GPU workers
+    gpu_min_flops: float = 1e6
     #: array library of GPU tasks: "cupy", or "numpy" to emulate GPU workers on a CPU-only machine
     gpu_array_module: str = "cupy"
+    #: latency Dask adds per dependent task (measured ~6 ms on 2 cores); spreading work over
+    #: another worker only pays when it saves more than this
+    hop_seconds: float = 0.005
     #: scheduler when no runtime is connected: "threads" or "sync"
     local_scheduler: str = "threads"
     #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
@@ -139,7 +144,7 @@ def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
                         "a runtime without GPU workers")
     for n in nodes:
         if policy == "auto":
-            n.device = "gpu" if has_gpu and n.cost.flops >= 1e6 else "cpu"
+            n.device = "gpu" if has_gpu and n.cost.flops >= config.gpu_min_flops else "cpu"
         else:
             n.device = policy
 
@@ -176,7 +181,12 @@ def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, f
             clusters.append(c)
             of[id(n)] = c
         return clusters, of
-    free_at = {dev: [0.0] * max(1, p) for dev, p in procs.items()}
+    # Use only as many parallel streams as there is work for: a graph with less than a target's
+    # worth of work per extra stream runs faster as fewer, larger tasks.
+    total = {dev: 0.0 for dev in procs}
+    for n in nodes:
+        total[n.device] += est_seconds(n)
+    free_at = {dev: [0.0] * max(1, min(p, int(total[dev] / target))) for dev, p in procs.items()}
     open_on: dict[tuple[str, int], Cluster | None] = {}
     finish: dict[int, float] = {}
     for n in nodes:
@@ -189,7 +199,7 @@ def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, f
         best = min(range(len(frees)), key=starts.__getitem__)
         # Stay with the processor of the latest input when that costs little: chains stay local.
         last = max((c for c in producers if c.device == dev), key=lambda c: finish[id(c.nodes[-1])], default=None)
-        if last is not None and starts[last.proc] <= starts[best] + t:
+        if last is not None and starts[last.proc] <= starts[best] + config.hop_seconds:
             best = last.proc
         for c in producers:
             if c.open and (c.device != dev or c.proc != best):
@@ -362,25 +372,54 @@ class Executable:
     def root_location(self, ref: TileRef) -> tuple[int, int] | None:
         return self.where.get((id(ref.node), ref.index))
 
-    def run(self, runtime=None) -> list[Any]:
-        """Run once; returns the value of each root (arrays, or ``ValueRef``s on a cluster)."""
+    def run(self, runtime=None, fetch: Sequence[int] | None = None) -> list[Any]:
+        """Run once and return the value of each root.
+
+        Roots listed in ``fetch`` (default: all) come back as arrays; on a distributed runtime the
+        others stay on the workers as :class:`ValueRef` (a future plus a tuple index), so only
+        what the caller asked for crosses to the client.
+        """
         runtime = runtime if runtime is not None else self.runtime
+        fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         layers, keys = self.lower()
-        wanted = sorted({self.where[(id(r.node), r.index)][0] for r in self.roots if not r.node.is_leaf})
-        want_keys = [keys[c] for c in wanted]
-        if runtime is None:
-            results = dict(zip(want_keys, _local_get(layers, want_keys)))
-        else:
-            results = dict(zip(want_keys, runtime.submit_layers(layers, want_keys)))
-        out = []
-        for r in self.roots:
+        out: list[Any] = [None] * len(self.roots)
+        located = {}
+        for pos, r in enumerate(self.roots):
             if r.node.is_leaf:
                 v = r.node.cell.value
-                out.append(v)
+                out[pos] = v if not isinstance(v, ValueRef) or pos not in fetch else None
+                if out[pos] is None:
+                    located[pos] = v
                 continue
-            cid, k = self.where[(id(r.node), r.index)]
-            res = results[keys[cid]]
-            out.append(res[k] if isinstance(res, tuple) else ValueRef(res, k))
+            located[pos] = self.where[(id(r.node), r.index)]
+        if runtime is None:
+            want = sorted({keys[loc[0]] for loc in located.values() if not isinstance(loc, ValueRef)})
+            results = dict(zip(want, _local_get(layers, want)))
+            for pos, loc in located.items():
+                out[pos] = results[keys[loc[0]]][loc[1]]
+            return out
+        import operator
+
+        get_keys, keep_keys = {}, set()
+        for pos, loc in located.items():
+            if isinstance(loc, ValueRef):
+                src, k = loc.future, loc.index
+            else:
+                src, k = keys[loc[0]], loc[1]
+            if pos in fetch:
+                gk = f"tg-fetch-{pos}-{keys[0] if keys else 'leaf'}"
+                layers["cpu"][gk] = (operator.getitem, src, k)
+                get_keys[pos] = gk
+            else:
+                keep_keys.add(src)
+        want = sorted(keep_keys) + list(get_keys.values())
+        futures = dict(zip(want, runtime.submit_layers(layers, want)))
+        fetched = runtime.client.gather([futures[k] for k in get_keys.values()])
+        for pos, val in zip(get_keys, fetched):
+            out[pos] = val
+        for pos, loc in located.items():
+            if pos not in fetch:
+                out[pos] = ValueRef(futures[keys[loc[0]]], loc[1])
         return out
 
 
@@ -432,10 +471,6 @@ def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
             raise TileError("tilegraph.compute", f"argument {i} must be a TileTensor", type(t).__name__)
     exe = compile(tensors, **kw)
     values = exe.run()
-    if any(isinstance(v, ValueRef) for v in values):
-        from tilegraph._runtime import current_runtime
-
-        values = (exe.runtime or current_runtime()).fetch(values)
     out, k = [], 0
     for t in tensors:
         n = t.ntiles

@@ -8,7 +8,6 @@ import os
 from typing import Any, Sequence
 
 from tilegraph._errors import TileError
-from tilegraph._graph import ValueRef
 
 __all__ = ["Runtime", "connect", "current_runtime"]
 
@@ -94,22 +93,6 @@ class Runtime:
             deps["gpu"].add("cpu")
         graph = HighLevelGraph(parts, deps)
         return self.client.get(graph, list(keys), sync=False)
-
-    def fetch(self, values: list) -> list:
-        """Bring ``ValueRef``s (element of a remote task result) back as arrays."""
-        futs = {}
-        for v in values:
-            if isinstance(v, ValueRef):
-                futs[v.future.key] = v.future
-        got = dict(zip(futs, self.client.gather(list(futs.values())))) if futs else {}
-        out = []
-        for v in values:
-            if isinstance(v, ValueRef):
-                r = got[v.future.key]
-                out.append(r if v.index is None else r[v.index])
-            else:
-                out.append(v)
-        return out
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -205,8 +188,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             logging.getLogger(name).setLevel(logging.ERROR)
     cluster = SpecCluster(
         workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit),
-        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1",
-                                                  "dashboard_address": "127.0.0.1:0" if dashboard else None}},
+        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
+                                                  "dashboard_address": "127.0.0.1:0"}},
         silence_logs=logging.ERROR if quiet else logging.WARN,
         name="tilegraph",
     )

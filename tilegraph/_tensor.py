@@ -255,12 +255,14 @@ def tensor_from_cells(tiling: Tiling, dtype, cells: np.ndarray, name: str | None
 
 
 def _split(array, tiling: Tiling) -> np.ndarray:
+    from dask.base import tokenize  # content hash: the same data gives the same task keys
+
     xp = np if isinstance(array, np.ndarray) else __import__(type(array).__module__.split(".")[0])
     cells = np.empty(tiling.grid, dtype=object)
     for idx in np.ndindex(*tiling.grid):
         # a copy: later changes to the caller's array must not reach the graph (and 0-d stays 0-d)
         tile = xp.array(array[tiling.slices(idx)], order="C")
-        cells[idx] = Cell(tile, tile.shape, tile.dtype)
+        cells[idx] = Cell(tile, tile.shape, tile.dtype, token=f"np-{tokenize(tile)}")
     return cells
 
 

@@ -1,0 +1,440 @@
+"""Layer norm and RMS norm over the last dim, which may be split into several tiles.
+
+Both share one :class:`Norm` op: layer norm centres the rows (``center=True``), RMS norm does not.
+When the last dim is one tile (the common case) the forward and the backward are each ONE fused
+kernel per tile; the backward kernel also returns that tile's partial weight/bias gradients, which
+are summed over the row tiles afterwards. When the last dim is split, every tile computes partial
+statistics (count, mean, M2 for layer norm; sum of squares for RMS norm), one kernel per row group
+merges them (a tree above :data:`FAN_IN` tiles), and one kernel per tile normalises; the backward
+merges ``sum(g w xhat)`` (and ``sum(g w)``) the same way.
+
+The fused CPU kernels are Numba loops (a row at a time, statistics accumulated in float64): the
+NumPy expressions take several passes over the tile and are several times slower.
+
+>>> import numpy as np, tilegraph as tg
+>>> from tilegraph.ops.norm import layer_norm
+>>> x = tg.from_numpy(np.array([[1.0, 2.0, 3.0, 6.0]]), tiles=(1, 2))
+>>> layer_norm(x).numpy().round(3)
+array([[-1.069, -0.535,  0.   ,  1.604]])
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from tilegraph._autograd import Op
+from tilegraph._errors import TileError
+from tilegraph._graph import emit, emit1, kernel
+from tilegraph._tensor import TileTensor, Tiling
+
+from ._common import new_tensor, require_float, require_same_chunks, require_tensor, xp_of
+from .softmax import acc_dtype, merge_tree, row_groups, rowwise_cost
+
+__all__ = ["layer_norm", "rms_norm"]
+
+
+# -------------------------------------------------------------------------- kernel arguments ----
+# Kernels take the data tile(s) first, then the row statistics (``mean, rstd`` for layer norm,
+# ``rstd`` for RMS norm; shape (..., 1)), then any merged sums, then the weight and bias tiles
+# that are present.
+def _unpack(rest, center, n_sums=0, has_w=False, has_b=False):
+    """Split ``rest`` into ``(mean, rstd, sums, w, b)``; absent ones are ``None``."""
+    rest = list(rest)
+    mean = rest.pop(0) if center else None
+    rstd = rest.pop(0)
+    sums = [rest.pop(0) for _ in range(n_sums)]
+    w = rest.pop(0) if has_w else None
+    b = rest.pop(0) if has_b else None
+    return mean, rstd, sums, w, b
+
+
+def _row_stats(mean, rstd, center):
+    return (mean, rstd) if center else (rstd,)
+
+
+def _one_or_tuple(outs):
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+# ------------------------------------------------------------------- fused kernels (NumPy/CuPy) ----
+def _norm_fwd_xp(x, *wb, eps, center, has_w, has_b):
+    """Whole rows in one tile: returns ``y`` and the row statistics."""
+    xp = xp_of(x)
+    w = wb[0] if has_w else None
+    b = wb[int(has_w)] if has_b else None
+    xa = x.astype(acc_dtype(x.dtype), copy=False)
+    mean = xa.mean(axis=-1, keepdims=True) if center else None
+    xc = xa - mean if center else xa
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    y = xc * rstd
+    if has_w:
+        y *= w
+    if has_b:
+        y += b
+    return (y.astype(x.dtype, copy=False),) + _row_stats(mean, rstd, center)
+
+
+def _norm_bwd_xp(x, g, *rest, center, has_w, has_b):
+    """Whole rows in one tile: returns ``dx`` and this tile's partial ``dweight``/``dbias`` (C,)."""
+    mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
+    xa, ga = x.astype(rstd.dtype, copy=False), g.astype(rstd.dtype, copy=False)
+    xhat = (xa - mean) * rstd if center else xa * rstd
+    gw = ga * w if has_w else ga
+    dx = gw - xhat * (gw * xhat).mean(axis=-1, keepdims=True)
+    if center:
+        dx -= gw.mean(axis=-1, keepdims=True)
+    dx *= rstd
+    outs = [dx.astype(x.dtype, copy=False)]
+    n = x.shape[-1]
+    if has_w:
+        outs.append((ga * xhat).reshape(-1, n).sum(axis=0))
+    if has_b:
+        outs.append(ga.reshape(-1, n).sum(axis=0))
+    return _one_or_tuple(outs)
+
+
+# ---------------------------------------------------------------------- fused kernels (Numba) ----
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised row sums; keeps inf/nan semantics
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _nb_norm_fwd(x, w, b, y, mean_out, rstd_out, eps, center, has_w, has_b):
+    rows, n = x.shape
+    for r in range(rows):
+        mu = 0.0
+        if center:
+            s = 0.0
+            for j in range(n):
+                s += x[r, j]
+            mu = s / n
+            mean_out[r] = mu
+        q = 0.0
+        for j in range(n):
+            d = x[r, j] - mu
+            q += d * d
+        rs = 1.0 / np.sqrt(q / n + eps)
+        rstd_out[r] = rs
+        # one loop per case, so that each one vectorises
+        if has_w and has_b:
+            for j in range(n):
+                y[r, j] = (x[r, j] - mu) * rs * w[j] + b[j]
+        elif has_w:
+            for j in range(n):
+                y[r, j] = (x[r, j] - mu) * rs * w[j]
+        elif has_b:
+            for j in range(n):
+                y[r, j] = (x[r, j] - mu) * rs + b[j]
+        else:
+            for j in range(n):
+                y[r, j] = (x[r, j] - mu) * rs
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _nb_norm_bwd(x, g, mean, rstd, w, dx, dw, db, center, has_w, has_b):
+    rows, n = x.shape
+    gw = np.empty(n, dtype=np.float64)
+    xh = np.empty(n, dtype=np.float64)
+    for r in range(rows):
+        mu = mean[r] if center else 0.0
+        rs = rstd[r]
+        s1 = 0.0
+        s2 = 0.0
+        for j in range(n):
+            xh[j] = (x[r, j] - mu) * rs
+            gw[j] = g[r, j] * w[j] if has_w else g[r, j]
+            s1 += gw[j] * xh[j]
+            s2 += gw[j]
+        c1 = s1 / n
+        c2 = s2 / n if center else 0.0
+        for j in range(n):
+            dx[r, j] = rs * (gw[j] - c2 - xh[j] * c1)
+        if has_w:
+            for j in range(n):
+                dw[j] += g[r, j] * xh[j]
+        if has_b:
+            for j in range(n):
+                db[j] += g[r, j]
+
+
+_NUMBA_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _rows(a):
+    return np.ascontiguousarray(a).reshape(-1, a.shape[-1])
+
+
+def _vec(a, dtype):
+    """A contiguous 1-d array for Numba; an empty one stands for an absent input."""
+    return np.empty(0, dtype) if a is None else np.ascontiguousarray(a).reshape(-1)
+
+
+def _norm_fwd_cpu(x, *wb, eps, center, has_w, has_b):
+    if x.dtype not in _NUMBA_DTYPES:
+        return _norm_fwd_xp(x, *wb, eps=eps, center=center, has_w=has_w, has_b=has_b)
+    w = wb[0] if has_w else None
+    b = wb[int(has_w)] if has_b else None
+    x2 = _rows(x)
+    y = np.empty_like(x2)
+    mean = np.empty(x2.shape[0] if center else 0, x.dtype)
+    rstd = np.empty(x2.shape[0], x.dtype)
+    _nb_norm_fwd(x2, _vec(w, x.dtype), _vec(b, x.dtype), y, mean, rstd, float(eps), center, has_w, has_b)
+    stat_shape = x.shape[:-1] + (1,)
+    return (y.reshape(x.shape),) + _row_stats(mean.reshape(stat_shape) if center else None,
+                                              rstd.reshape(stat_shape), center)
+
+
+def _norm_bwd_cpu(x, g, *rest, center, has_w, has_b):
+    if x.dtype not in _NUMBA_DTYPES:
+        return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, has_b=has_b)
+    mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
+    x2, g2 = _rows(x), _rows(g)
+    n = x2.shape[1]
+    dx = np.empty_like(x2)
+    dw = np.zeros(n if has_w else 0, np.float64)
+    db = np.zeros(n if has_b else 0, np.float64)
+    _nb_norm_bwd(x2, g2, _vec(mean, x.dtype), _vec(rstd, x.dtype), _vec(w, x.dtype), dx, dw, db, center,
+                 has_w, has_b)
+    outs = [dx.reshape(x.shape)]
+    if has_w:
+        outs.append(dw.astype(x.dtype))
+    if has_b:
+        outs.append(db.astype(x.dtype))
+    return _one_or_tuple(outs)
+
+
+_norm_fwd = kernel("norm_fwd", cost=rowwise_cost(8), cpu=_norm_fwd_cpu)(_norm_fwd_xp)
+_norm_bwd = kernel("norm_bwd", cost=rowwise_cost(12), cpu=_norm_bwd_cpu)(_norm_bwd_xp)
+
+
+# ------------------------------------------------------------------ split-row kernels ----
+@kernel("norm_stats", cost=rowwise_cost(3))
+def _norm_stats(x, center):
+    """Partial statistics of one tile: ``(mean, M2)`` (layer norm) or the sum of squares (RMS)."""
+    xa = x.astype(acc_dtype(x.dtype), copy=False)
+    if not center:
+        return (xa * xa).sum(axis=-1, keepdims=True)
+    mean = xa.mean(axis=-1, keepdims=True)
+    xc = xa - mean
+    return mean, (xc * xc).sum(axis=-1, keepdims=True)
+
+
+@kernel("norm_merge", cost=rowwise_cost(6))
+def _norm_merge(*parts, counts, center, final, eps):
+    """Merge partial statistics of tiles with ``counts`` columns each (Chan et al.'s parallel
+    variance for layer norm). ``final``: return ``(mean, rstd)`` / ``rstd`` instead of partials."""
+    xp = xp_of(parts[0])
+    n = sum(counts)
+    if center:
+        means, m2s = parts[0::2], parts[1::2]
+        mean = sum(c * m for c, m in zip(counts, means)) / n
+        m2 = sum(q + c * (m - mean) ** 2 for c, m, q in zip(counts, means, m2s))
+    else:
+        mean, m2 = None, sum(parts[1:], parts[0])
+    if not final:
+        return (mean, m2) if center else m2
+    rstd = 1.0 / xp.sqrt(m2 / n + eps)
+    return (mean, rstd) if center else rstd
+
+
+@kernel("norm_apply", cost=rowwise_cost(4))
+def _norm_apply(x, *rest, center, has_w, has_b):
+    mean, rstd, _, w, b = _unpack(rest, center, has_w=has_w, has_b=has_b)
+    xa = x.astype(rstd.dtype, copy=False)
+    y = (xa - mean) * rstd if center else xa * rstd
+    if has_w:
+        y *= w
+    if has_b:
+        y += b
+    return y.astype(x.dtype, copy=False)
+
+
+@kernel("norm_bwd_stats", cost=rowwise_cost(6))
+def _norm_bwd_stats(x, g, *rest, center, has_w, has_b):
+    """Partial row sums ``sum(g w xhat)`` (and ``sum(g w)``), plus partial ``dweight``/``dbias``."""
+    mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
+    xa, ga = x.astype(rstd.dtype, copy=False), g.astype(rstd.dtype, copy=False)
+    xhat = (xa - mean) * rstd if center else xa * rstd
+    gw = ga * w if has_w else ga
+    outs = [(gw * xhat).sum(axis=-1, keepdims=True)]
+    if center:
+        outs.append(gw.sum(axis=-1, keepdims=True))
+    n = x.shape[-1]
+    if has_w:
+        outs.append((ga * xhat).reshape(-1, n).sum(axis=0))
+    if has_b:
+        outs.append(ga.reshape(-1, n).sum(axis=0))
+    return _one_or_tuple(outs)
+
+
+@kernel("norm_bwd_apply", cost=rowwise_cost(6))
+def _norm_bwd_apply(x, g, *rest, n, center, has_w):
+    mean, rstd, sums, w, _ = _unpack(rest, center, n_sums=2 if center else 1, has_w=has_w)
+    xa, ga = x.astype(rstd.dtype, copy=False), g.astype(rstd.dtype, copy=False)
+    xhat = (xa - mean) * rstd if center else xa * rstd
+    gw = ga * w if has_w else ga
+    dx = gw - xhat * (sums[0] / n)
+    if center:
+        dx -= sums[1] / n
+    dx *= rstd
+    return dx.astype(x.dtype, copy=False)
+
+
+@kernel("norm_sum_groups", cost=rowwise_cost(1))
+def _sum_groups(*parts, groups, dtype):
+    """Sum the inputs in ``groups`` consecutive equal groups; ``dtype``: cast the sums to it."""
+    k = len(parts) // groups
+    outs = []
+    for i in range(groups):
+        acc = parts[i * k].copy()
+        for p in parts[i * k + 1:(i + 1) * k]:
+            acc += p
+        outs.append(acc if dtype is None else acc.astype(dtype, copy=False))
+    return _one_or_tuple(outs)
+
+
+def _sum_items(items: list, dtype, op: str):
+    """Sum tuples of tile refs elementwise (a tree over many), the results cast to ``dtype``."""
+    k = len(items[0])
+    if len(items) == 1 and all(r.dtype == np.dtype(dtype) for r in items[0]):
+        return items[0]
+
+    def merge(group, final):
+        ins = [item[i] for i in range(k) for item in group]
+        meta = [(r.shape, dtype if final else r.dtype) for r in group[0]]
+        return tuple(emit(_sum_groups, ins, meta, op=op, groups=k, dtype=np.dtype(dtype).name if final else None))
+
+    return merge_tree(items, merge)
+
+
+# ----------------------------------------------------------------------------------------- op ----
+class Norm(Op):
+    """Normalise over the last dim: layer norm (``center=True``) or RMS norm (``center=False``).
+
+    Positional args ``(x, weight, bias)``; ``weight``/``bias`` are ``None`` or (C,) TileTensors
+    with the tiles of ``x``'s last dim.
+    """
+
+    def __init__(self, center: bool):
+        self.center = center
+        self.name = "layer_norm" if center else "rms_norm"
+
+    def forward(self, x, weight, bias, eps):
+        grid, last = x.tiling.grid, x.ndim - 1
+        acc = acc_dtype(x.dtype)
+        has_w, has_b = weight is not None, bias is not None
+        n_stats = 2 if self.center else 1
+        out = np.empty(grid, dtype=object)
+        stats = {}  # row-group key -> (mean, rstd) or (rstd,)
+        for key, tiles in row_groups(grid, last):
+            stat_shape = x.grid[tiles[0]].shape[:-1] + (1,)
+            if len(tiles) == 1:
+                (idx,) = tiles
+                refs = emit(_norm_fwd, [x.grid[idx]] + _params(weight, bias, idx[-1]),
+                            [(x.grid[idx].shape, x.dtype)] + [(stat_shape, acc)] * n_stats, op=self.name,
+                            eps=float(eps), center=self.center, has_w=has_w, has_b=has_b)
+                out[idx], stats[key] = refs[0], tuple(refs[1:])
+                continue
+            parts = [(x.grid[idx].shape[-1], tuple(emit(_norm_stats, [x.grid[idx]], [(stat_shape, acc)] * n_stats,
+                                                      op=self.name, center=self.center))) for idx in tiles]
+
+            def merge(group, final, stat_shape=stat_shape):
+                counts = [c for c, _ in group]
+                refs = emit(_norm_merge, [r for _, rs in group for r in rs], [(stat_shape, acc)] * n_stats,
+                            op=self.name, counts=tuple(counts), center=self.center, final=final, eps=float(eps))
+                return tuple(refs) if final else (sum(counts), tuple(refs))
+
+            stats[key] = merge_tree(parts, merge)
+            for idx in tiles:
+                out[idx] = emit1(_norm_apply, [x.grid[idx], *stats[key]] + _params(weight, bias, idx[-1]),
+                                 x.grid[idx].shape, x.dtype, op=self.name, center=self.center, has_w=has_w,
+                                 has_b=has_b)
+        y = new_tensor(x.tiling, x.dtype, lambda idx: out[idx])
+        return y, (x, weight, bias, stats)
+
+    def backward(self, ctx, g):
+        x, weight, bias, stats = ctx
+        grid, last = x.tiling.grid, x.ndim - 1
+        acc = acc_dtype(x.dtype)
+        has_w, has_b = weight is not None, bias is not None
+        n_sums = 2 if self.center else 1
+        op = f"{self.name}_bwd"
+        dx = np.empty(grid, dtype=object)
+        param_parts: list[list] = [[] for _ in range(grid[-1])]  # per tile of C: (dw, db) partials
+        for key, tiles in row_groups(grid, last):
+            st = list(stats[key])
+            stat_shape = st[0].shape
+            if len(tiles) == 1:
+                (idx,) = tiles
+                ins = [x.grid[idx], g.grid[idx], *st] + _params(weight, None, idx[-1])
+                meta = [(x.grid[idx].shape, x.dtype)] + _param_meta(x, idx, has_w, has_b, acc)
+                refs = emit(_norm_bwd, ins, meta, op=op, center=self.center, has_w=has_w, has_b=has_b)
+                dx[idx] = refs[0]
+                param_parts[idx[-1]].append(tuple(refs[1:]))
+                continue
+            sums = []
+            for idx in tiles:
+                ins = [x.grid[idx], g.grid[idx], *st] + _params(weight, None, idx[-1])
+                meta = [(stat_shape, acc)] * n_sums + _param_meta(x, idx, has_w, has_b, acc)
+                refs = emit(_norm_bwd_stats, ins, meta, op=op, center=self.center, has_w=has_w, has_b=has_b)
+                sums.append(tuple(refs[:n_sums]))
+                param_parts[idx[-1]].append(tuple(refs[n_sums:]))
+            total = _sum_items(sums, acc, op)
+            for idx in tiles:
+                ins = [x.grid[idx], g.grid[idx], *st, *total] + _params(weight, None, idx[-1])
+                dx[idx] = emit1(_norm_bwd_apply, ins, x.grid[idx].shape, x.dtype, op=op, n=x.shape[-1],
+                                center=self.center, has_w=has_w)
+        dxt = new_tensor(x.tiling, x.dtype, lambda idx: dx[idx])
+        if not (has_w or has_b):
+            return dxt, None, None
+        finished = [_sum_items(parts, x.dtype, op) for parts in param_parts]
+        ptiling = Tiling((x.chunks[-1],))
+        dw = new_tensor(ptiling, x.dtype, lambda j: finished[j[0]][0]) if has_w else None
+        db = new_tensor(ptiling, x.dtype, lambda j: finished[j[0]][int(has_w)]) if has_b else None
+        return dxt, dw, db
+
+
+def _params(weight, bias, j) -> list:
+    return [p.grid[j] for p in (weight, bias) if p is not None]
+
+
+def _param_meta(x, idx, has_w, has_b, acc) -> list:
+    shape = (x.grid[idx].shape[-1],)
+    return [(shape, acc)] * (int(has_w) + int(has_b))
+
+
+_layer_norm_op = Norm(center=True)
+_rms_norm_op = Norm(center=False)
+
+
+def _check(where, x, weight, bias, eps):
+    require_tensor(x, where, "x")
+    require_float(x, where, "x")
+    if x.ndim == 0:
+        raise TileError(where, "x needs at least one dim (normalised over the last)", "a 0-d tensor")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        require_tensor(p, where, name)
+        if p.shape != (x.shape[-1],):
+            raise TileError(where, f"{name} must have shape ({x.shape[-1]},), the last dim of x",
+                            f"{name} of shape {p.shape} for x of shape {x.shape}")
+        if p.dtype != x.dtype:
+            raise TileError(where, f"{name} must have the dtype of x (cast explicitly)",
+                            f"{name} {p.dtype}, x {x.dtype}")
+        require_same_chunks(where, f"{name} and the last dim of x", p.chunks[0], x.chunks[-1])
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise TileError(where, "eps must be a non-negative number", repr(eps))
+
+
+def layer_norm(x: TileTensor, weight: TileTensor | None = None, bias: TileTensor | None = None,
+               eps: float = 1e-5) -> TileTensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (biased variance, as torch)."""
+    _check("tilegraph.layer_norm", x, weight, bias, eps)
+    return _layer_norm_op(x, weight, bias, eps=eps)
+
+
+def rms_norm(x: TileTensor, weight: TileTensor | None = None, eps: float = 1e-6) -> TileTensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Llama's RMSNorm)."""
+    _check("tilegraph.rms_norm", x, weight, None, eps)
+    return _rms_norm_op(x, weight, None, eps=eps)

@@ -1,0 +1,169 @@
+"""Attention and rotary embedding against torch autograd, over all tilings, plus graph structure."""
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from conftest import DTYPES, MODES, TOL, check_against_torch
+from tilegraph._graph import topo_order
+from tilegraph.ops.attention import scaled_dot_product_attention as sdpa
+from tilegraph.ops.rope import rope
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+params = pytest.mark.parametrize("mode", MODES)
+dtypes = pytest.mark.parametrize("dtype", DTYPES)
+
+
+def _r(rng, *shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def torch_sdpa(q, k, v, causal=True, scale=None):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def _qkv(rng, dtype, B=2, H=4, hkv=2, T=13, S=13, D=8):
+    return [_r(rng, B, H, T, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype)]
+
+
+# --------------------------------------------------------------------------------------- sdpa ----
+@params
+@dtypes
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_sdpa(rng, mode, dtype, causal, hkv):
+    # T = 15 tiles evenly (3 x 5); 13 gives a ragged last tile of one row
+    T = 15 if mode == "even" else 13
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, causal=causal),
+                        lambda q, k, v: torch_sdpa(q, k, v, causal), _qkv(rng, dtype, hkv=hkv, T=T, S=T),
+                        "bhtD,bgtD,bgtD", mode)
+
+
+@params
+@dtypes
+def test_sdpa_cross_lengths_and_scale(rng, mode, dtype):
+    # non-causal with fewer keys than queries and their own tiling, GQA 4 -> 1
+    arrays = _qkv(rng, dtype, hkv=1, T=13, S=7)
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, causal=False, scale=0.3),
+                        lambda q, k, v: torch_sdpa(q, k, v, False, scale=0.3), arrays, "bhtD,bgsD,bgsD", mode)
+
+
+@dtypes
+@pytest.mark.parametrize("q_tiles,kv_tiles", [((5, 5, 3), (4, 4, 4, 1)), ((1, 12), (13,)), ((13,), (3, 10))])
+def test_sdpa_causal_with_different_query_and_key_tiles(rng, dtype, q_tiles, kv_tiles):
+    q, k, v = _qkv(rng, dtype, H=6, hkv=3)
+    tq = tg.from_numpy(q, (1, (4, 2), q_tiles, None))
+    tk, tv = (tg.from_numpy(a, (1, (1, 2), kv_tiles, None)) for a in (k, v))
+    out = sdpa(tq, tk, tv)
+    r = _r(rng, *out.shape, dtype=dtype)
+    grads = tg.grad((out * tg.from_numpy(r, out.chunks)).sum(), [tq, tk, tv])
+    got = tg.compute(out, *grads)
+    refs = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    ref = torch_sdpa(*refs)
+    (ref * torch.tensor(r)).sum().backward()
+    rtol, atol = TOL[np.dtype(dtype)]
+    for g, w in zip(got, [ref] + [t.grad for t in refs]):
+        w = w.detach().numpy()
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * max(np.abs(w).max(), 1.0))
+
+
+def _kernels(tensors):
+    roots = [r for t in tensors for r in t.grid.flat]
+    return [n for n in topo_order(roots) if not n.is_leaf]
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_sdpa_structure_never_materialises_t_by_t(rng, n):
+    B, H, T, D = 2, 4, 13, 8
+    q, k, v = _qkv(rng, np.float64, B=B, H=H, hkv=2, T=T, S=T, D=D)
+    chunks = tuple(np.diff(np.linspace(0, T, n + 1).round().astype(int)))
+    tq, tk, tv = (tg.from_numpy(a, (None, None, chunks, None)) for a in (q, k, v))
+    out = sdpa(tq, tk, tv)
+    assert tg.compile([out]).n_nodes == n  # one forward kernel per query tile
+    fwd = _kernels([out])
+    # causal: query tile i reads key tiles 0..i only (a k and a v tile each)
+    assert sorted(len(node.inputs) for node in fwd) == [1 + 2 * (i + 1) for i in range(n)]
+
+    dq, dk, dv = tg.grad((out * tg.from_numpy(_r(rng, *out.shape), out.chunks)).sum(), [tq, tk, tv])
+    nodes = _kernels([out, dq, dk, dv])
+    by_name = {}
+    for node in nodes:
+        by_name[node.kernel.name] = by_name.get(node.kernel.name, 0) + 1
+    assert {name: by_name[name] for name in by_name if name.startswith("sdpa")} == {
+        "sdpa_fwd": n, "sdpa_bwd_delta": n, "sdpa_bwd_dq": n, "sdpa_bwd_dkv": n}
+    if n > 1:  # no tile anywhere in forward or backward spans the whole sequence
+        for node in nodes:
+            shapes = [r.shape for r in node.inputs] + [m[0] for m in node.out_meta]
+            assert all(T not in s for s in shapes), f"{node} touches a tile with a full T dim: {shapes}"
+
+
+# --------------------------------------------------------------------------------------- rope ----
+def torch_rope(x, base=10000.0, position_offset=0):
+    """Hugging Face Llama's rotary embedding: inv_freq, cos/sin tables, apply_rotary_pos_emb."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    pos = torch.arange(position_offset, position_offset + x.shape[-2], dtype=torch.float64)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def rotate_half(t):
+        t1, t2 = t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2:]
+        return torch.cat((-t2, t1), dim=-1)
+
+    return x * cos + rotate_half(x) * sin
+
+
+@params
+@dtypes
+@pytest.mark.parametrize("offset", [0, 5])
+def test_rope(rng, mode, dtype, offset):
+    x = _r(rng, 2, 4, 13, 8, dtype=dtype) * 2
+    check_against_torch(lambda x: rope(x, position_offset=offset), lambda x: torch_rope(x, position_offset=offset),
+                        [x], "bhtD", mode)
+    check_against_torch(lambda x: rope(x, base=500.0, position_offset=offset),
+                        lambda x: torch_rope(x, base=500.0, position_offset=offset), [x], "bhtD", mode)
+
+
+# ---------------------------------------------------------------------------------- bad input ----
+def _t(rng, shape, tiles=None, dtype=np.float64):
+    return tg.from_numpy(_r(rng, *shape, dtype=dtype), tiles)
+
+
+def test_sdpa_bad_inputs(rng):
+    q, kv = _t(rng, (2, 4, 6, 8)), _t(rng, (2, 2, 6, 8))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.scaled_dot_product_attention\] the head dim D of q"):
+        sdpa(_t(rng, (2, 4, 6, 8), (None, None, None, 4)), kv, kv)
+    with pytest.raises(tg.TileError, match="the head dim D of k must be a single tile"):
+        sdpa(q, _t(rng, (2, 2, 6, 8), (None, None, 3, 4)), kv)
+    with pytest.raises(tg.TileError, match="must divide the query head count"):
+        sdpa(q, _t(rng, (2, 3, 6, 8)), _t(rng, (2, 3, 6, 8)))
+    with pytest.raises(tg.TileError, match=r"causal attention needs as many keys as queries.*T=6, S=5"):
+        sdpa(q, _t(rng, (2, 2, 5, 8)), _t(rng, (2, 2, 5, 8)))
+    with pytest.raises(tg.TileError, match="inputs must share one dtype"):
+        sdpa(q, _t(rng, (2, 2, 6, 8), dtype=np.float32), kv)
+    with pytest.raises(tg.TileError, match="k and v must have the same shape"):
+        sdpa(q, kv, _t(rng, (2, 2, 6, 4)))
+    with pytest.raises(tg.TileError, match="k/v must be"):
+        sdpa(q, _t(rng, (2, 2, 6, 4)), _t(rng, (2, 2, 6, 4)))
+    with pytest.raises(tg.TileError, match="k and v must have the same tiles"):
+        sdpa(q, kv, _t(rng, (2, 2, 6, 8), (None, None, 3, None)))
+    with pytest.raises(tg.TileError, match="the batch dim of q and k/v must have the same tiles"):
+        sdpa(q, _t(rng, (2, 2, 6, 8), (1, None, None, None)), _t(rng, (2, 2, 6, 8), (1, None, None, None)))
+    with pytest.raises(tg.TileError, match="must have 4 dims"):
+        sdpa(_t(rng, (4, 6, 8)), kv, kv)
+
+
+def test_rope_bad_inputs(rng):
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.rope\] the head dim D must be even.*D=7"):
+        rope(_t(rng, (1, 2, 5, 7)))
+    with pytest.raises(tg.TileError, match="the head dim D must be a single tile"):
+        rope(_t(rng, (1, 2, 5, 8), (None, None, None, 4)))
+    with pytest.raises(tg.TileError, match="must have 4 dims"):
+        rope(_t(rng, (2, 5, 8)))
+    with pytest.raises(tg.TileError, match="position_offset must be a non-negative integer"):
+        rope(_t(rng, (1, 2, 5, 8)), position_offset=-1)

@@ -1,0 +1,215 @@
+"""Embedding and cross-entropy against torch autograd, over all tilings, plus their errors."""
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from conftest import DTYPES, MODES, check_against_torch
+from tilegraph._graph import topo_order
+from tilegraph.ops.embedding import embedding
+from tilegraph.ops.loss import cross_entropy
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+params = pytest.mark.parametrize("mode", MODES)
+dtypes = pytest.mark.parametrize("dtype", DTYPES)
+
+
+def _r(rng, *shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _kernels(*tensors):
+    roots = [r for t in tensors for r in t.grid.flat]
+    return [n.kernel.name for n in topo_order(roots) if not n.is_leaf]
+
+
+def _torch_ce(ignore_index=-100, reduction="mean"):
+    def fn(x, t):
+        out = F.cross_entropy(x.reshape(-1, x.shape[-1]), t.reshape(-1).long(), ignore_index=ignore_index,
+                              reduction=reduction)
+        return out.reshape(t.shape) if reduction == "none" else out
+
+    return fn
+
+
+# ------------------------------------------------------------------------------ embedding ----
+@params
+@dtypes
+@pytest.mark.parametrize("vocab", [13, 12])
+def test_embedding(rng, mode, dtype, vocab):
+    ids, w = rng.integers(0, vocab, (3, 7)), _r(rng, vocab, 10, dtype=dtype)
+    check_against_torch(embedding, F.embedding, [ids, w], "bt,vc", mode, grad_of=[1])
+
+
+@params
+@dtypes
+def test_embedding_repeated_ids_sum_their_gradients(rng, mode, dtype):
+    ids, w = np.full((3, 7), 5), _r(rng, 13, 10, dtype=dtype)
+    ids[1, 2:5] = 12
+    check_against_torch(embedding, F.embedding, [ids, w], "bt,vc", mode, grad_of=[1])
+
+
+@params
+def test_embedding_other_id_shapes_and_dtypes(rng, mode):
+    w = _r(rng, 13, 10)
+    check_against_torch(embedding, F.embedding, [rng.integers(0, 13, (12,)).astype(np.int32), w], "t,vc", mode,
+                        grad_of=[1])
+    check_against_torch(embedding, F.embedding, [rng.integers(0, 13, (2, 3, 5)), w], "abt,vc", mode, grad_of=[1])
+
+
+def test_embedding_graph_shape(rng):
+    ids = tg.from_numpy(rng.integers(0, 13, (3, 7)), (2, 4))  # 2 x 2 id tiles
+    w = tg.from_numpy(_r(rng, 13, 10), (5, 4))  # 3 x 3 weight tiles
+    out = embedding(ids, w)
+    assert out.chunks == ((2, 1), (4, 3), (4, 4, 2))
+    assert _kernels(out).count("embedding") == 4 * 3  # one per output tile, all V tiles at once
+    (gw,) = tg.grad(out.sum(), [w])
+    assert _kernels(gw).count("embedding_bwd") == 9  # one per weight tile
+
+
+@pytest.mark.parametrize("bad", [13, -1])
+@pytest.mark.parametrize("where", ["forward", "gradient"])
+def test_embedding_out_of_range_id_is_reported(rng, bad, where):
+    ids = rng.integers(0, 13, (3, 7))
+    ids[2, 6] = bad  # in the last id tile only
+    tids, w = tg.from_numpy(ids, (2, 4)), tg.from_numpy(_r(rng, 13, 10), (5, 4))
+    out = embedding(tids, w)
+    target = out if where == "forward" else tg.grad(out.sum(), [w])[0]
+    with pytest.raises(tg.TileError, match=rf"\[tilegraph.embedding\] ids must lie in \[0, 13\); received: {bad}"):
+        tg.compute(target)
+
+
+def test_embedding_bad_inputs(rng):
+    w = tg.from_numpy(_r(rng, 13, 10))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.embedding\] ids must have an integer dtype"):
+        embedding(tg.from_numpy(np.zeros((3, 7))), w)
+    ids = tg.from_numpy(rng.integers(0, 13, (3, 7)))
+    with pytest.raises(tg.TileError, match=r"weight must be 2-d"):
+        embedding(ids, tg.from_numpy(_r(rng, 13)))
+    with pytest.raises(tg.TileError, match=r"weight must have a floating dtype"):
+        embedding(ids, tg.from_numpy(np.zeros((13, 10), np.int64)))
+    with pytest.raises(tg.TileError, match=r"ids must be a TileTensor"):
+        embedding(np.zeros((3, 7), np.int64), w)
+
+
+# -------------------------------------------------------------------------- cross entropy ----
+def _targets(rng, shape, vocab, ignored=(), ignore_index=-100):
+    t = rng.integers(0, vocab, shape)
+    for idx in ignored:
+        t[idx] = ignore_index
+    return t
+
+
+@params
+@dtypes
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("vocab", [13, 12])
+def test_cross_entropy(rng, mode, dtype, reduction, vocab):
+    x = _r(rng, 3, 7, vocab, dtype=dtype) * 3
+    t = _targets(rng, (3, 7), vocab, ignored=[(0, 1), (2, 6), (1, 0)])
+    check_against_torch(lambda x, t: cross_entropy(x, t, reduction=reduction), _torch_ce(reduction=reduction),
+                        [x, t], "btv,bt", mode, grad_of=[0])
+
+
+@params
+@dtypes
+def test_cross_entropy_custom_ignore_index_and_2d(rng, mode, dtype):
+    x, t = _r(rng, 12, 13, dtype=dtype), _targets(rng, (12,), 13)
+    t[[0, 5, 11]] = 2  # ignore_index may be a valid class
+    check_against_torch(lambda x, t: cross_entropy(x, t, ignore_index=2), _torch_ce(ignore_index=2),
+                        [x, t], "nv,n", mode, grad_of=[0])
+    check_against_torch(lambda x, t: cross_entropy(x, t, reduction="none"), _torch_ce(reduction="none"),
+                        [x, t.astype(np.int32)], "nv,n", mode, grad_of=[0])
+
+
+def test_cross_entropy_large_logits_are_stable(rng):
+    x, t = _r(rng, 7, 13) * 1000, _targets(rng, (7,), 13)
+    check_against_torch(cross_entropy, _torch_ce(), [x, t], "nv,n", "ragged", grad_of=[0])
+
+
+def test_cross_entropy_all_ignored_mean_is_nan_with_zero_gradient(rng):
+    x = tg.from_numpy(_r(rng, 3, 7, 13), (2, 4, 5))
+    t = tg.from_numpy(np.full((3, 7), -100), (2, 4))
+    loss = cross_entropy(x, t)
+    (gx,) = tg.grad(loss, [x])
+    got, g = tg.compute(loss, gx)
+    assert np.isnan(got) and got.shape == ()
+    np.testing.assert_array_equal(g, 0)
+    assert cross_entropy(x, t, reduction="sum").numpy() == 0
+
+
+def test_cross_entropy_many_row_tiles_use_a_tree(rng):
+    from tilegraph.ops.reduce import FAN_IN
+
+    x, t = _r(rng, 20, 13), _targets(rng, (20,), 13, ignored=[3, 17])
+    out = check_against_torch(cross_entropy, _torch_ce(), [x, t], "nV,n", "single", grad_of=[0])
+    tx, tt = tg.from_numpy(x, (1, 5)), tg.from_numpy(t, 1)  # 20 row tiles x 3 vocab tiles
+    loss = cross_entropy(tx, tt)
+    names = _kernels(loss)
+    assert names.count("cross_entropy_stats") == 60 and names.count("cross_entropy_merge") == 20
+    assert names.count("cross_entropy_total") == -(-20 // FAN_IN) and names.count("cross_entropy_reduce") == 1
+    np.testing.assert_allclose(loss.numpy(), out.numpy(), rtol=1e-12)
+    (gx,) = tg.grad(loss, [tx])
+    assert _kernels(gx).count("cross_entropy_bwd") == 60  # one per logits tile, from the saved lse
+
+
+def test_cross_entropy_bad_inputs(rng):
+    x = tg.from_numpy(_r(rng, 3, 7, 13), (2, 4, 5))
+    t = rng.integers(0, 13, (3, 7))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.cross_entropy\] targets must have an integer dtype"):
+        cross_entropy(x, tg.from_numpy(t.astype(np.float64), (2, 4)))
+    with pytest.raises(tg.TileError, match=r"logits must have a floating dtype"):
+        cross_entropy(tg.from_numpy(np.zeros((3, 7, 13), np.int64), (2, 4, 5)), tg.from_numpy(t, (2, 4)))
+    with pytest.raises(tg.TileError, match=r"targets must have the shape of logits without the last"):
+        cross_entropy(x, tg.from_numpy(t[:, :6], (2, 4)))
+    with pytest.raises(tg.TileError, match=r"targets and the leading dims of logits must have the same tiles"):
+        cross_entropy(x, tg.from_numpy(t, (3, 4)))
+    with pytest.raises(tg.TileError, match=r"reduction must be one of"):
+        cross_entropy(x, tg.from_numpy(t, (2, 4)), reduction="avg")
+    with pytest.raises(tg.TileError, match=r"ignore_index must be an int"):
+        cross_entropy(x, tg.from_numpy(t, (2, 4)), ignore_index=None)
+
+
+@pytest.mark.parametrize("bad", [13, -1])
+def test_cross_entropy_out_of_range_target_is_reported(rng, bad):
+    t = rng.integers(0, 13, (3, 7))
+    t[2, 6] = bad
+    loss = cross_entropy(tg.from_numpy(_r(rng, 3, 7, 13), (2, 4, 5)), tg.from_numpy(t, (2, 4)))
+    with pytest.raises(tg.TileError, match=rf"targets must lie in \[0, 13\) or equal ignore_index \(-100\); "
+                                           rf"received: {bad}"):
+        loss.numpy()
+
+
+def test_language_model_head_end_to_end(rng):
+    """embedding -> matmul -> cross_entropy, gradients of both weights against torch."""
+    ids, targets = rng.integers(0, 13, (3, 7)), _targets(rng, (3, 7), 13, ignored=[(1, 1)])
+    wte, head = _r(rng, 13, 10), _r(rng, 10, 13)
+
+    def fn(ids, wte, head, targets):
+        return cross_entropy(tg.matmul(embedding(ids, wte), head), targets)
+
+    def tfn(ids, wte, head, targets):
+        return _torch_ce()(F.embedding(ids, wte) @ head, targets)
+
+    check_against_torch(fn, tfn, [ids, wte, head, targets], "bt,vc,cv,bt", "ragged", grad_of=[1, 2])
+
+
+@dtypes
+def test_array_namespace_kernels_match_the_numba_ones(rng, dtype, monkeypatch):
+    """The xp kernels (what runs on CuPy) give the same results as the Numba CPU kernels."""
+    from tilegraph._graph import get_kernel
+
+    for name in ("embedding", "embedding_bwd", "cross_entropy_stats", "cross_entropy_bwd"):
+        monkeypatch.setattr(get_kernel(name), "cpu", None)
+    ids, w = rng.integers(0, 13, (3, 7)), _r(rng, 13, 10, dtype=dtype)
+    check_against_torch(embedding, F.embedding, [ids, w], "bt,vc", "ragged", grad_of=[1])
+    x, t = _r(rng, 3, 7, 13, dtype=dtype), _targets(rng, (3, 7), 13, ignored=[(0, 1)])
+    for reduction in ("mean", "none"):
+        check_against_torch(lambda x, t: cross_entropy(x, t, reduction=reduction), _torch_ce(reduction=reduction),
+                            [x, t], "btv,bt", "ragged", grad_of=[0])
+    bad = ids.copy()
+    bad[2, 6] = 13
+    with pytest.raises(tg.TileError, match=r"ids must lie in \[0, 13\); received: 13"):
+        embedding(tg.from_numpy(bad, (2, 4)), tg.from_numpy(w, (5, 4))).numpy()

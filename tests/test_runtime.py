@@ -1,0 +1,95 @@
+"""Runtime: embedded cluster, remote addresses, GPU resource placement, packaging."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+
+pytestmark = pytest.mark.distributed
+
+
+def test_embedded_cluster_binds_localhost_and_prints_dashboard(capsys):
+    with tg.connect(n_workers=1, threads_per_worker=1) as rt:
+        out = capsys.readouterr().out
+        assert "dashboard: http://127.0.0.1:" in out
+        assert rt.client.scheduler.address.startswith("tcp://127.0.0.1:")
+        assert tg.current_runtime() is rt
+        x = tg.from_numpy(np.arange(12.0).reshape(3, 4), (2, 2))
+        np.testing.assert_array_equal((x * 2.0).numpy(), np.arange(12.0).reshape(3, 4) * 2)
+    assert rt.closed and tg.current_runtime() is not rt
+
+
+def test_connect_to_an_address_and_a_scheduler_file(embedded_runtime, tmp_path):
+    addr = embedded_runtime.client.scheduler.address
+    with tg.connect(addr) as rt:
+        assert rt.processors()["cpu"] == 2
+        assert float(tg.from_numpy(np.ones(4)).sum().numpy()) == 4.0
+    path = tmp_path / "sched.json"
+    embedded_runtime.client.write_scheduler_file(str(path))
+    with tg.connect(scheduler_file=str(path)) as rt:
+        assert len(rt.workers()) == 2
+
+
+def test_connect_to_nothing_is_a_clear_error():
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.connect\] no Dask scheduler answered within 1 s.*"
+                                           r"received: tcp://127.0.0.1:9"):
+        tg.connect("tcp://127.0.0.1:9", timeout=1)
+    with pytest.raises(tg.TileError, match=r"scheduler file does not exist"):
+        tg.connect(scheduler_file="/nonexistent/sched.json")
+    with pytest.raises(tg.TileError, match=r"at most one of"):
+        tg.connect("tcp://127.0.0.1:9", scheduler_file="x.json")
+
+
+@pytest.fixture
+def emulated_gpu():
+    old = tg.config.gpu_array_module
+    tg.config.gpu_array_module = "numpy"  # GPU-placed tasks run NumPy kernels on the "GPU" worker
+    yield
+    tg.config.gpu_array_module = old
+
+
+def test_gpu_annotated_tasks_run_only_on_the_gpu_worker(emulated_gpu):
+    from distributed import get_task_stream
+
+    rng = np.random.default_rng(0)
+    a = tg.from_numpy(rng.standard_normal((128, 128)), 64)
+    b = tg.from_numpy(rng.standard_normal((128, 128)), 64)
+    with tg.connect(n_workers=2, gpu=1, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+        gpu_workers = {addr for addr, w in rt.workers().items() if w["resources"].get("GPU")}
+        assert len(gpu_workers) == 1 and rt.processors() == {"cpu": 1, "gpu": 1}
+        y = tg.gelu(a @ b) + 1.0
+        loss = (y * y).mean()
+        grads = tg.grad(loss, [a, b])
+        exe = tg.compile([loss, *grads], placement="auto", target_seconds=1e-5)
+        devices = {c.device for c in exe.clusters}
+        assert devices == {"cpu", "gpu"}  # heavy matmuls on the GPU, light ops on the CPU
+        with get_task_stream(rt.client) as ts:
+            values = exe.run()
+        layers, keys = exe.lower()
+        gpu_keys = {k for k, c in zip(keys, exe.clusters) if c.device == "gpu"}
+        ran = {t["key"]: t["worker"] for t in ts.data}
+        gpu_ran = {k: w for k, w in ran.items() if k in gpu_keys}
+        assert gpu_ran and set(gpu_ran.values()) == gpu_workers
+    want = tg.compute(loss, *grads)
+    for v, w in zip(values[:1], want[:1]):
+        np.testing.assert_allclose(np.asarray(v).reshape(()), w, rtol=1e-10)
+
+
+def test_gpu_placement_without_gpu_workers_is_a_clear_error(embedded_runtime):
+    x = tg.from_numpy(np.ones((4, 4)))
+    with pytest.raises(tg.TileError, match=r"placement 'gpu' needs workers with a GPU resource"):
+        tg.compile([x @ x], placement="gpu", runtime=embedded_runtime)
+
+
+def test_no_top_level_ops_models_io_packages(tmp_path):
+    code = ("import importlib.util, io, tilegraph.io, tilegraph.ops, tilegraph.models;"
+            "assert importlib.util.find_spec('ops') is None;"
+            "assert importlib.util.find_spec('models') is None;"
+            "assert io.__file__ != tilegraph.io.__file__ if hasattr(io, '__file__') else True;"
+            "assert tilegraph.ops.__name__ == 'tilegraph.ops'")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True,
+                   env={**os.environ, "PYTHONPATH": ""})

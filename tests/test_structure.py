@@ -1,0 +1,128 @@
+"""Graph structure: deterministic keys, fusion task counts, declared metas and input errors."""
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from tilegraph._graph import kernel, emit1
+from tilegraph.ops._common import new_tensor
+
+
+def _mlp_graph(rng, tiles=4):
+    x = tg.from_numpy(rng.standard_normal((16, 8)).astype(np.float32), (tiles, tiles))
+    w1 = tg.from_numpy(rng.standard_normal((8, 12)).astype(np.float32), (tiles, tiles))
+    w2 = tg.from_numpy(rng.standard_normal((12, 8)).astype(np.float32), (tiles, tiles))
+    loss = (tg.gelu(x @ w1) @ w2).mean()
+    return loss, tg.grad(loss, [w1, w2])
+
+
+def test_same_graph_gives_same_keys(rng):
+    loss, grads = _mlp_graph(np.random.default_rng(1))
+    again, grads2 = _mlp_graph(np.random.default_rng(1))
+    exe1, exe2 = tg.compile([loss, *grads]), tg.compile([again, *grads2])
+    assert exe1.lower()[1] == exe1.lower()[1]
+    assert exe1.lower()[1] == exe2.lower()[1]
+    other, g3 = _mlp_graph(np.random.default_rng(2))  # other values -> other keys
+    assert set(tg.compile([other, *g3]).lower()[1]).isdisjoint(exe1.lower()[1])
+
+
+def test_fusion_reduces_tasks_and_keeps_results(rng):
+    loss, grads = _mlp_graph(rng)
+    unfused = tg.compile([loss, *grads], fuse=False)
+    fused = tg.compile([loss, *grads])
+    assert unfused.n_tasks == unfused.n_nodes > 50
+    assert fused.n_nodes == unfused.n_nodes
+    assert fused.n_tasks <= 2  # a few ms of work: one or two coarse tasks
+    a = tg.compute(loss, *grads, fuse=False)
+    b = tg.compute(loss, *grads)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_target_seconds_bounds_cluster_size(rng):
+    loss, grads = _mlp_graph(rng, tiles=2)
+    tiny = tg.compile([loss, *grads], target_seconds=1e-5)
+    big = tg.compile([loss, *grads], target_seconds=10.0)
+    assert big.n_tasks < tiny.n_tasks
+    np.testing.assert_allclose(tg.compute(loss, target_seconds=1e-5)[0], tg.compute(loss)[0], rtol=1e-6)
+
+
+def test_cluster_graph_is_acyclic_with_parallel_streams(rng):
+    # wide graph, small target: several streams with cross edges; dask raises on a cycle
+    x = tg.from_numpy(rng.standard_normal((64, 64)), 8)
+    y = x
+    for _ in range(4):
+        y = tg.gelu(y @ x) * 0.1
+    exe = tg.compile([y.sum()], target_seconds=1e-4)
+    assert exe.n_tasks > 4
+    np.testing.assert_allclose(tg.compute(y.sum(), target_seconds=1e-4)[0], tg.compute(y.sum(), fuse=False)[0],
+                               rtol=1e-10)
+
+
+@kernel("test_wrong_shape")
+def _wrong(x):
+    return x[:1]
+
+
+def test_computed_tile_must_match_declared_meta(rng):
+    x = tg.from_numpy(rng.standard_normal((4, 3)), (2, 3))
+    bad = new_tensor(x.tiling, x.dtype, lambda idx: emit1(_wrong, [x.grid[idx]], x.grid[idx].shape, x.dtype,
+                                                           op="bad_op"))
+    with pytest.raises(tg.TileError, match=r"\[tile kernel test_wrong_shape of op bad_op\] computed tile does "
+                                           r"not match its declared meta \(2, 3\) float64; received: \(1, 3\)"):
+        bad.numpy()
+
+
+def test_every_tile_shape_matches_tiling(rng):
+    x = tg.from_numpy(rng.standard_normal((7, 5)), (3, 2))
+    y = tg.gelu(x) + 1.0
+    exe = tg.compile([y])
+    vals = exe.run()
+    for idx, v in zip(np.ndindex(*y.tiling.grid), vals):
+        assert v.shape == y.tiling.tile_shape(idx)
+        assert v.dtype == y.dtype
+
+
+def test_from_numpy_copies_and_roundtrips(rng):
+    a = rng.standard_normal((5, 4))
+    t = tg.from_numpy(a, (2, 3))
+    assert t.chunks == ((2, 2, 1), (3, 1))
+    a[:] = 0  # later changes to the caller's array do not reach the graph
+    assert np.abs(t.numpy()).sum() > 0
+
+
+def test_dask_array_roundtrip(rng):
+    da = pytest.importorskip("dask.array")
+    a = rng.standard_normal((6, 5))
+    x = tg.from_dask_array(da.from_array(a, chunks=(4, 5)))
+    assert x.chunks == ((4, 2), (5,))
+    y = (x * 2.0).to_dask_array()
+    assert y.chunks == ((4, 2), (5,))
+    np.testing.assert_allclose(y.compute(), 2 * a)
+
+
+def test_tiling_errors(rng):
+    a = rng.standard_normal((4, 6))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.from_numpy\] tile size of dim 1 is larger than the "
+                                           r"dimension \(6\).*received: tile size 8 for shape \(4, 6\)"):
+        tg.from_numpy(a, (2, 8))
+    with pytest.raises(tg.TileError, match=r"one tile size per dimension"):
+        tg.from_numpy(a, (2, 2, 2))
+    with pytest.raises(tg.TileError, match=r"must be positive"):
+        tg.from_numpy(a, (0, 2))
+
+
+def test_op_input_errors(rng):
+    a = tg.from_numpy(rng.standard_normal((4, 6)), (2, 3))
+    b = tg.from_numpy(rng.standard_normal((6, 5)), (2, 5))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.matmul\] contraction dim .* must have the same tiles; "
+                                           r"received: \(3, 3\) vs \(2, 2, 2\)"):
+        a @ b
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.matmul\] contraction dims differ"):
+        a @ tg.from_numpy(rng.standard_normal((5, 5)))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.add\] shapes do not broadcast; received: \(4, 6\) and \(5,\)"):
+        a + tg.from_numpy(rng.standard_normal(5))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.mul\] inputs must share one dtype.*a=float64, b=float32"):
+        a * tg.from_numpy(rng.standard_normal((4, 6)).astype(np.float32), (2, 3))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.add\] dim 1 must have the same tiles"):
+        a + tg.from_numpy(rng.standard_normal((4, 6)), (2, 2))

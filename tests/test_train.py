@@ -1,0 +1,74 @@
+"""Training end to end: an MLP learns a synthetic task locally and on the embedded cluster."""
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+
+
+def _data(seed=0, n=256):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 16)).astype(np.float32)
+    w = rng.standard_normal((16, 4)).astype(np.float32) / 4
+    return x, np.tanh(x @ w)
+
+
+def _mse(m, x, y):
+    d = m(x) - y
+    return (d * d).mean()
+
+
+def _train(steps, runtime=None, seed=0, **compile_options):
+    x, y = _data()
+    model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=seed)
+    opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-2, 10, steps), weight_decay=0.0,
+                         clip_grad_norm=1.0)
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(64, 8), (64, None)], runtime=runtime, **compile_options)
+    losses = [step(x, y) for _ in range(steps)]
+    return losses, model, step
+
+
+def test_mlp_reaches_low_loss_locally():
+    losses, _, step = _train(150)
+    assert losses[-1] < 0.1 * losses[0]
+    assert losses[-1] < 0.01
+    assert step.last.record_seconds == 0.0  # replayed, not recorded again
+
+
+def test_nan_loss_stops_with_the_step():
+    model = tg.nn.Linear(2, 1, seed=0)
+    opt = tg.optim.SGD(model.parameters(), lr=1.0)
+    step = tg.TrainStep(model, opt, lambda m, x: (m(x) * m(x)).sum())
+    x = np.array([[np.nan, 1.0]], np.float32)
+    with pytest.raises(FloatingPointError, match=r"loss became nan at step 1"):
+        step(x)
+
+
+@pytest.mark.distributed
+def test_mlp_trains_on_the_embedded_cluster(embedded_runtime):
+    losses, model, step = _train(60, runtime=embedded_runtime)
+    local, local_model, _ = _train(60)
+    assert losses[-1] < 0.2 * losses[0]
+    # the same graph on 2 worker processes gives the same numbers as the local scheduler
+    np.testing.assert_allclose(losses, local, rtol=1e-5)
+    # parameters stayed on the workers: the cells hold references to remote results
+    from tilegraph._graph import ValueRef
+
+    assert all(isinstance(c.value, ValueRef) for p in model.parameters() for c in p.cells.flat)
+    with embedded_runtime.as_current():
+        state = model.state_dict()
+    for k, v in local_model.state_dict().items():
+        np.testing.assert_allclose(state[k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_one_and_two_workers_agree():
+    results = []
+    for n in (1, 2):
+        with tg.connect(n_workers=n, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+            # small tasks, so that two workers really share the step
+            losses, _, step = _train(12, runtime=rt, target_seconds=2e-4)
+            assert step.last.tasks > 4
+            results.append(losses)
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)

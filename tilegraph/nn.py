@@ -1,0 +1,283 @@
+"""Modules: small callables over TileTensors whose parameters are attributes.
+
+A layer only records graph; shapes come from its inputs at call time. Tile sizes of parameters
+are given by ``tile`` (feature dims) and must agree with the activations they meet, e.g. a
+Linear's input tile must equal the tile of the activation's last dim.
+
+>>> import numpy as np, tilegraph as tg
+>>> mlp = tg.nn.MLP(8, 16, tile=4, seed=0)
+>>> x = tg.from_numpy(np.ones((2, 3, 8), np.float32), tiles=(1, 3, 4))
+>>> mlp(x).shape
+(2, 3, 8)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+
+from tilegraph import ops
+from tilegraph._errors import TileError
+from tilegraph._graph import Cell
+from tilegraph._tensor import TileTensor, Tiling, tensor_from_cells
+
+__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "CausalSelfAttention",
+           "ModuleList"]
+
+
+class Parameter(TileTensor):
+    """A trainable leaf TileTensor. Its tiles live in cells whose values the optimizer replaces
+    after each step (arrays on the client, or futures on the workers)."""
+
+    __slots__ = ("cells", "requires_grad")
+
+    def __init__(self, array: np.ndarray, tiles=None, *, name: str | None = None, requires_grad: bool = True):
+        array = np.asarray(array)
+        tiling = Tiling.from_sizes(array.shape, tiles, where=f"tilegraph.nn.Parameter({name or ''})")
+        from dask.base import tokenize
+
+        cells = np.empty(tiling.grid, dtype=object)
+        for idx in np.ndindex(*tiling.grid):
+            tile = np.array(array[tiling.slices(idx)], order="C")
+            cells[idx] = Cell(tile, tile.shape, tile.dtype, token=f"param-{tokenize(tile)}")
+        t = tensor_from_cells(tiling, array.dtype, cells, name=name)
+        super().__init__(t.tiling, t.dtype, t.grid, name=name)
+        self.cells = cells
+        self.requires_grad = requires_grad
+
+    def assign(self, array: np.ndarray) -> None:
+        """Replace the value (same shape and dtype), keeping the tiling."""
+        array = np.asarray(array)
+        if array.shape != self.shape or array.dtype != self.dtype:
+            raise TileError(f"tilegraph.nn.Parameter({self.name}).assign", f"expected {self.shape} {self.dtype}",
+                            f"{array.shape} {array.dtype}")
+        for idx in np.ndindex(*self.tiling.grid):
+            self.cells[idx].set(np.array(array[self.tiling.slices(idx)], order="C"))
+
+    def __repr__(self) -> str:
+        return f"Parameter({self.name}, shape={self.shape}, dtype={self.dtype}, tiles={self.chunks})"
+
+
+def _fit(tile, n: int):
+    """A module-wide tile size applied to a dim of size ``n`` (whole dim when it is larger)."""
+    return None if tile is None or tile >= n else tile
+
+
+def _rng(seed) -> np.random.Generator:
+    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+class Module:
+    """Base class: parameters and submodules are plain attributes (also inside lists/dicts)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        seen: set[int] = set()
+        yield from self._walk(prefix, seen)
+
+    def _walk(self, prefix: str, seen: set) -> Iterator[tuple[str, Parameter]]:
+        for name, value in vars(self).items():
+            yield from _walk_value(f"{prefix}{name}", value, seen)
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameter values as NumPy arrays (computed/fetched from wherever they live)."""
+        from tilegraph._lower import compute
+
+        named = list(self.named_parameters())
+        values = compute(*[p for _, p in named]) if named else []
+        return {n: v for (n, _), v in zip(named, values)}
+
+    def load_state_dict(self, state: dict[str, np.ndarray], strict: bool = True) -> None:
+        named = dict(self.named_parameters())
+        problems = []
+        if strict:
+            problems += [f"missing: {k}" for k in named if k not in state]
+            problems += [f"unexpected: {k}" for k in state if k not in named]
+        for k, v in state.items():
+            if k in named and tuple(np.shape(v)) != named[k].shape:
+                problems.append(f"shape of {k}: expected {named[k].shape}, got {tuple(np.shape(v))}")
+        if problems:
+            raise TileError(f"{type(self).__name__}.load_state_dict", "state does not match the model",
+                            "; ".join(problems))
+        for k, v in state.items():
+            if k in named:
+                named[k].assign(np.asarray(v, dtype=named[k].dtype))
+
+
+def _walk_value(name: str, value, seen: set):
+    if isinstance(value, Parameter):
+        if id(value) not in seen:
+            seen.add(id(value))
+            yield name, value
+    elif isinstance(value, Module):
+        yield from value._walk(f"{name}.", seen)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk_value(f"{name}.{i}", v, seen)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk_value(f"{name}.{k}", v, seen)
+
+
+class ModuleList(Module):
+    def __init__(self, modules):
+        self.layers = list(modules)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def _walk(self, prefix, seen):
+        for i, m in enumerate(self.layers):
+            yield from _walk_value(f"{prefix}{i}", m, seen)
+
+
+class Linear(Module):
+    """``y = x @ weight + bias`` with ``weight`` stored (in, out); torch's default init."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None,
+                 dtype=np.float32, seed=None, init_std: float | None = None):
+        rng = _rng(seed)
+        if init_std is None:
+            bound = 1.0 / math.sqrt(in_features)
+            w = rng.uniform(-bound, bound, (in_features, out_features))
+        else:
+            w = rng.normal(0.0, init_std, (in_features, out_features))
+        self.weight = Parameter(w.astype(dtype), (_fit(tile, in_features), _fit(tile, out_features)), name="weight")
+        self.bias = None
+        if bias:
+            b = rng.uniform(-1.0 / math.sqrt(in_features), 1.0 / math.sqrt(in_features), out_features)
+            self.bias = Parameter((b if init_std is None else np.zeros(out_features)).astype(dtype),
+                                  (_fit(tile, out_features),),
+                                  name="bias")
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.matmul(x, self.weight, bias=self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings: int, dim: int, *, tile=None, vocab_tile=None, dtype=np.float32,
+                 seed=None, init_std: float = 1.0):
+        w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype)
+        self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
+
+    def forward(self, ids: TileTensor) -> TileTensor:
+        return ops.embedding(ids, self.weight)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, tile=None, dtype=np.float32):
+        self.eps = eps
+        self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
+        self.bias = Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias else None
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+
+class RMSNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=np.float32):
+        self.eps = eps
+        self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.rms_norm(x, self.weight, eps=self.eps)
+
+
+class MLP(Module):
+    """``fc2(act(fc1(x)))``; ``act`` is "gelu", "gelu_tanh", "relu" or "silu"."""
+
+    def __init__(self, dim: int, hidden: int, act: str = "gelu", bias: bool = True, *, out_dim: int | None = None,
+                 tile=None, dtype=np.float32, seed=None):
+        if act not in ("gelu", "gelu_tanh", "relu", "silu"):
+            raise TileError("tilegraph.nn.MLP", "act must be gelu, gelu_tanh, relu or silu", repr(act))
+        rng = _rng(seed)
+        self.act = act
+        self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng)
+        self.fc2 = Linear(hidden, out_dim or dim, bias, tile=tile, dtype=dtype, seed=rng)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        h = self.fc1(x)
+        if self.act == "gelu_tanh":
+            h = ops.gelu(h, approximate="tanh")
+        else:
+            h = getattr(ops, self.act)(h)
+        return self.fc2(h)
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention with optional grouped-query heads and rotary embeddings.
+
+    Activations are (B, T, C); the feature tile ``tile`` must hold whole heads (a multiple of
+    ``dim // n_heads``) so that splitting C into (heads, head_dim) moves no data between tiles.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
+                 rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=np.float32, seed=None):
+        where = "tilegraph.nn.CausalSelfAttention"
+        n_kv_heads = n_kv_heads or n_heads
+        if dim % n_heads:
+            raise TileError(where, "n_heads must divide dim", f"dim={dim}, n_heads={n_heads}")
+        if n_heads % n_kv_heads:
+            raise TileError(where, "n_kv_heads must divide n_heads", f"n_heads={n_heads}, n_kv_heads={n_kv_heads}")
+        self.head_dim = dim // n_heads
+        if tile is not None and tile % self.head_dim:
+            raise TileError(where, f"the feature tile must hold whole heads (a multiple of {self.head_dim})",
+                            f"tile={tile}")
+        rng = _rng(seed)
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.rope, self.rope_base = rope, rope_base
+        kv = n_kv_heads * self.head_dim
+        kv_tile = None if tile is None else min(tile, kv)
+        self.q = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng)
+        self.k = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng)
+        self.v = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng)
+        if kv_tile != tile:  # the kv projections' output tiles must hold whole heads as well
+            self.k.weight = Parameter(compute_np(self.k.weight), (tile, kv_tile), name="weight")
+            self.v.weight = Parameter(compute_np(self.v.weight), (tile, kv_tile), name="weight")
+            if bias:
+                self.k.bias = Parameter(compute_np(self.k.bias), (kv_tile,), name="bias")
+                self.v.bias = Parameter(compute_np(self.v.bias), (kv_tile,), name="bias")
+        self.o = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng)
+
+    def _heads(self, x: TileTensor, n: int) -> TileTensor:
+        b, t, _ = x.shape
+        return ops.transpose(ops.reshape(x, (b, t, n, self.head_dim)), 1, 2)  # (B, n, T, hd)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        b, t, c = x.shape
+        q = self._heads(self.q(x), self.n_heads)
+        k = self._heads(self.k(x), self.n_kv_heads)
+        v = self._heads(self.v(x), self.n_kv_heads)
+        if self.rope:
+            q = ops.rope(q, base=self.rope_base)
+            k = ops.rope(k, base=self.rope_base)
+        y = ops.scaled_dot_product_attention(q, k, v, causal=True)  # (B, H, T, hd)
+        y = ops.reshape(ops.transpose(y, 1, 2), (b, t, c))
+        return self.o(y)
+
+
+def compute_np(p: Parameter) -> np.ndarray:
+    """Current value of a parameter that still lives on the client."""
+    out = np.empty(p.shape, p.dtype)
+    for idx in np.ndindex(*p.tiling.grid):
+        out[p.tiling.slices(idx)] = p.cells[idx].value
+    return out

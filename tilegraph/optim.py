@@ -1,0 +1,254 @@
+"""Optimizers that record one fused update kernel per parameter tile, plus LR schedules and
+global-norm gradient clipping.
+
+Per step, the varying scalars (learning rate, step number) travel as one tiny "hyper" tile, so a
+recorded training step is replayed unchanged; clipping adds a tree of per-tile squared norms whose
+result scales the gradients inside the update kernels. State (AdamW's m and v) lives in cells next
+to the parameters: on the workers when a runtime is connected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numba
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf
+from tilegraph._tensor import TileTensor
+from tilegraph.nn import Parameter
+
+__all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant"]
+
+
+# ------------------------------------------------------------------------------- schedules ----
+def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> Callable[[int], float]:
+    """Linear warmup over ``warmup`` steps to ``base_lr``, then cosine decay to ``min_lr`` at ``total``.
+
+    Steps count from 1 (the first update uses ``schedule(1)``).
+    """
+    if warmup < 0 or total < 1 or warmup > total:
+        raise TileError("tilegraph.optim.warmup_cosine", "need 0 <= warmup <= total and total >= 1",
+                        f"warmup={warmup}, total={total}")
+
+    def lr(step: int) -> float:
+        if warmup and step <= warmup:
+            return base_lr * step / warmup
+        if step >= total:
+            return min_lr
+        frac = (step - warmup) / max(1, total - warmup)
+        return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+
+    return lr
+
+
+def constant(base_lr: float) -> Callable[[int], float]:
+    return lambda step: base_lr
+
+
+# --------------------------------------------------------------------------------- kernels ----
+def _sumsq_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    n = sum(int(np.prod(s)) for s in in_shapes)
+    return Cost(2.0 * n, float(n * itemsize))
+
+
+@kernel("sumsq", cost=_sumsq_cost)
+def _sumsq(*tiles):
+    xp = np if not type(tiles[0]).__module__.startswith("cupy") else __import__("cupy")
+    total = 0.0
+    for t in tiles:
+        total += float(xp.vdot(t.ravel(), t.ravel()).real)
+    return np.array([total], dtype=np.float64)
+
+
+@kernel("clip_hyper", cost=_sumsq_cost)
+def _clip_hyper(hyper, *partials, max_norm):
+    """[lr, step] + squared-norm partials -> [lr, step, clip scale, total norm]."""
+    total = math.sqrt(sum(float(p[0]) for p in partials))
+    scale = min(1.0, max_norm / (total + 1e-6))
+    return np.array([hyper[0], hyper[1], scale, total], dtype=np.float64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_adamw(p, g, m, v, po, mo, vo, lr, b1, b2, eps, wd, bc1, bc2, clip):
+    decay = 1.0 - lr * wd
+    step = lr / bc1
+    inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
+    for i in range(p.size):
+        gi = g[i] * clip
+        mi = b1 * m[i] + (1.0 - b1) * gi
+        vi = b2 * v[i] + (1.0 - b2) * gi * gi
+        mo[i] = mi
+        vo[i] = vi
+        po[i] = p[i] * decay - step * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
+
+
+def _hyper(hyper):
+    lr, t = float(hyper[0]), float(hyper[1])
+    clip = float(hyper[2]) if len(hyper) > 2 else 1.0
+    return lr, t, clip
+
+
+def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+    lr, t, clip = _hyper(hyper)
+    if clip != 1.0:
+        g = g * clip
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+    denom = (v ** 0.5) / math.sqrt(bc2) + eps
+    p = p * (1 - lr * weight_decay) - (lr / bc1) * m / denom
+    return p.astype(m.dtype, copy=False), m, v
+
+
+def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+    lr, t, clip = _hyper(hyper)
+    arrs = [np.ascontiguousarray(a) for a in (p, g, m, v)]
+    po, mo, vo = (np.empty_like(a) for a in arrs[:3])
+    _nb_adamw(*(a.reshape(-1) for a in arrs), po.reshape(-1), mo.reshape(-1), vo.reshape(-1), lr, beta1, beta2,
+              eps, weight_decay, 1 - beta1 ** t, 1 - beta2 ** t, clip)
+    return po, mo, vo
+
+
+def _update_cost(n_state):
+    def cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+        n = int(np.prod(in_shapes[0]))
+        return Cost(12.0 * n, float((2 + 2 * n_state) * n * itemsize))
+
+    return cost
+
+
+_adamw_k = kernel("adamw", cost=_update_cost(2), cpu=_adamw_cpu)(_adamw_xp)
+
+
+@kernel("sgd", cost=_update_cost(0))
+def _sgd(p, g, hyper, *, weight_decay):
+    lr, _, clip = _hyper(hyper)
+    d = g * clip if clip != 1.0 else g
+    if weight_decay:
+        d = d + weight_decay * p
+    return (p - lr * d).astype(p.dtype, copy=False)
+
+
+@kernel("sgd_momentum", cost=_update_cost(1))
+def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay):
+    lr, t, clip = _hyper(hyper)
+    d = g * clip if clip != 1.0 else g
+    if weight_decay:
+        d = d + weight_decay * p
+    buf = d.copy() if t <= 1 else momentum * buf + d
+    return (p - lr * buf).astype(p.dtype, copy=False), buf.astype(p.dtype, copy=False)
+
+
+# ------------------------------------------------------------------------------ optimizers ----
+class Optimizer:
+    """Base class. ``schedule(step) -> lr`` gives the learning rate of update ``step`` (from 1)."""
+
+    n_state = 0
+
+    def __init__(self, params: Sequence[Parameter], lr: float | Callable[[int], float],
+                 clip_grad_norm: float | None = None):
+        params = list(params)
+        for i, p in enumerate(params):
+            if not isinstance(p, Parameter):
+                raise TileError(f"tilegraph.optim.{type(self).__name__}", f"params[{i}] is not a Parameter",
+                                type(p).__name__)
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise TileError(f"tilegraph.optim.{type(self).__name__}", "clip_grad_norm must be positive",
+                            repr(clip_grad_norm))
+        self.params = params
+        self.schedule = lr if callable(lr) else constant(float(lr))
+        self.clip_grad_norm = clip_grad_norm
+        self.step_count = 0
+        self.hyper = Cell(np.zeros(2, np.float64), (2,), np.float64, token="hyper")
+        # state[i][k] is the cell grid of state k of parameter i (zeros, same tiles)
+        self.state = [[_zeros_cells(p) for _ in range(self.n_state)] for p in params]
+
+    @property
+    def lr(self) -> float:
+        return self.schedule(max(self.step_count, 1))
+
+    def next_hyper(self) -> None:
+        """Advance the step counter and publish this step's scalars to the hyper cell."""
+        self.step_count += 1
+        lr = self.schedule(self.step_count)
+        self.hyper.set(np.array([lr, self.step_count], np.float64), token=f"hyper-{self.step_count}-{lr!r}")
+
+    def record(self, grads: Sequence[TileTensor]) -> tuple[list[tuple[Cell, TileRef]], TileRef | None]:
+        """Record the update of every parameter tile from ``grads``.
+
+        Returns ``(assignments, norm)``: each assignment pairs a parameter/state cell with the tile
+        ref holding its next value; ``norm`` is a (4,) tile [lr, step, clip scale, grad norm] when
+        clipping is on.
+        """
+        if len(grads) != len(self.params):
+            raise TileError("tilegraph.optim.record", f"expected {len(self.params)} gradients", str(len(grads)))
+        hyper = leaf(self.hyper)
+        norm = None
+        if self.clip_grad_norm is not None:
+            from tilegraph.ops.reduce import FAN_IN
+
+            tiles = [r for g in grads for r in g.grid.flat]
+            parts = [emit1(_sumsq, tiles[i:i + FAN_IN], (1,), np.float64, op="clip_norm")
+                     for i in range(0, len(tiles), FAN_IN)]
+            hyper = norm = emit1(_clip_hyper, [hyper, *parts], (4,), np.float64, op="clip_norm",
+                                 max_norm=float(self.clip_grad_norm))
+        assignments = []
+        for p, g, state in zip(self.params, grads, self.state):
+            if g.chunks != p.chunks:
+                raise AssertionError(f"gradient tiles {g.chunks} differ from parameter tiles {p.chunks}")
+            for idx in np.ndindex(*p.tiling.grid):
+                outs = self._update(p.grid[idx], g.grid[idx], [leaf(s[idx]) for s in state], hyper)
+                assignments.append((p.cells[idx], outs[0]))
+                assignments.extend((s[idx], o) for s, o in zip(state, outs[1:]))
+        return assignments, norm
+
+    def _update(self, p: TileRef, g: TileRef, state: list[TileRef], hyper: TileRef) -> list[TileRef]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count}
+
+
+def _zeros_cells(p: Parameter) -> np.ndarray:
+    cells = np.empty(p.tiling.grid, dtype=object)
+    for idx in np.ndindex(*p.tiling.grid):
+        shape = p.tiling.tile_shape(idx)
+        cells[idx] = Cell(np.zeros(shape, p.dtype), shape, p.dtype, token=f"zeros-{shape}-{p.dtype}")
+    return cells
+
+
+class AdamW(Optimizer):
+    """AdamW as in ``torch.optim.AdamW`` (decoupled weight decay, bias correction), one fused
+    kernel per parameter tile: (param, grad, m, v) in, (param, m, v) out."""
+
+    n_state = 2
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 clip_grad_norm: float | None = None):
+        super().__init__(params, lr, clip_grad_norm)
+        self.betas, self.eps, self.weight_decay = tuple(betas), float(eps), float(weight_decay)
+
+    def _update(self, p, g, state, hyper):
+        m, v = state
+        return emit(_adamw_k, [p, g, m, v, hyper], [(p.shape, p.dtype)] * 3, op="adamw",
+                    beta1=float(self.betas[0]), beta2=float(self.betas[1]), eps=self.eps,
+                    weight_decay=self.weight_decay)
+
+
+class SGD(Optimizer):
+    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``."""
+
+    def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
+                 clip_grad_norm: float | None = None):
+        self.n_state = 1 if momentum else 0
+        super().__init__(params, lr, clip_grad_norm)
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+
+    def _update(self, p, g, state, hyper):
+        if self.momentum:
+            return emit(_sgd_momentum, [p, g, state[0], hyper], [(p.shape, p.dtype)] * 2, op="sgd",
+                        momentum=self.momentum, weight_decay=self.weight_decay)
+        return [emit1(_sgd, [p, g, hyper], p.shape, p.dtype, op="sgd", weight_decay=self.weight_decay)]
