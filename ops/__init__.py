@@ -6,10 +6,12 @@ imported only when a GPU task runs.
 
 from .attention import scaled_dot_product_attention
 from .elementwise import add, affine, div, gelu, mul, ones_like, relu, silu, sub, zeros_like
+from .embedding import embedding
+from .loss import cross_entropy
 from .matmul import linear, matmul
 from .reduce import mean, sum
 from .rope import rope
 from .shape import reshape, transpose
 
-__all__ = ["add", "affine", "div", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "relu",
+__all__ = ["add", "affine", "cross_entropy", "div", "embedding", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like"]

@@ -19,6 +19,8 @@ cells (parameters, batches) and writes fresh keys, which is how a training step 
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -109,16 +111,34 @@ def _to_device(x, device: str, array_module: str):
     return x
 
 
+#: per-process counters: seconds inside kernels, seconds inside fused tasks, tasks run
+_STATS = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0}
+_STATS_LOCK = threading.Lock()
+
+
+def kernel_stats(reset: bool = False) -> dict:
+    """This process's counters (kernel time, task time, task count); see Runtime.kernel_stats."""
+    with _STATS_LOCK:
+        out = dict(_STATS)
+        if reset:
+            _STATS.update(kernel_seconds=0.0, task_seconds=0.0, tasks=0)
+    return out
+
+
 def run_cluster(bound: Bound, *args):
     """Run one fused task: its kernels in order, returning the values other tasks need."""
+    t_start = time.perf_counter()
+    in_kernels = 0.0
     prog = bound.prog
     regs: list[Any] = [None] * prog.n_regs
     for r, (a, idx) in enumerate(zip(args, bound.ext_index)):
         regs[r] = _to_device(a if idx is None else a[idx], prog.device, prog.array_module)
     for kern, params, ins, outs, metas, free, op in prog.ops:
         fn = kern.impl(prog.device)
+        t0 = time.perf_counter()
         try:
             res = fn(*[regs[i] for i in ins], **params)
+            in_kernels += time.perf_counter() - t0
         except Exception as e:  # say which op failed; the traceback keeps the cause
             e.add_note(f"in tile kernel {kern.name!r} of op {op!r}")
             raise
@@ -132,7 +152,12 @@ def run_cluster(bound: Bound, *args):
             regs[r] = val
         for r in free:
             regs[r] = None
-    return tuple(regs[r] for r in prog.out_regs)
+    out = tuple(regs[r] for r in prog.out_regs)
+    with _STATS_LOCK:
+        _STATS["kernel_seconds"] += in_kernels
+        _STATS["task_seconds"] += time.perf_counter() - t_start
+        _STATS["tasks"] += 1
+    return out
 
 
 # ------------------------------------------------------------------------------- placement ----

@@ -94,6 +94,17 @@ class Runtime:
         graph = HighLevelGraph(parts, deps)
         return self.client.get(graph, list(keys), sync=False)
 
+    def kernel_stats(self, reset: bool = False) -> dict:
+        """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""
+        from tilegraph._lower import kernel_stats
+
+        per_worker = self.client.run(kernel_stats, reset)
+        total = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0}
+        for stats in per_worker.values():
+            for k in total:
+                total[k] += stats[k]
+        return total
+
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         if self.closed:

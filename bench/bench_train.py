@@ -1,0 +1,187 @@
+"""Training throughput of tilegraph against PyTorch eager, measured in the same run.
+
+Trains (1) an MLP and (2) a stack of GPT-2 style transformer blocks with tilegraph on the
+embedded Dask cluster and with PyTorch eager on the same machine, then prints tokens/s of both,
+their ratio, and the share of tilegraph's step time spent outside kernels:
+
+    outside = 1 - (seconds inside tile kernels, summed over workers) / (wall seconds x worker threads)
+
+so idle workers, Dask scheduling, transfers and the Python runner all count as "outside".
+
+    python bench/bench_train.py                      # both models, width 768, 6 blocks
+    python bench/bench_train.py --model blocks --width 256 --layers 2 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+
+def build_tilegraph(kind, args, tg):
+    d, tile = args.width, args.tile
+
+    class Block(tg.nn.Module):
+        def __init__(self, rng):
+            self.ln1 = tg.nn.LayerNorm(d, tile=tile)
+            self.attn = tg.nn.CausalSelfAttention(d, args.heads, tile=tile, seed=rng)
+            self.ln2 = tg.nn.LayerNorm(d, tile=tile)
+            self.mlp = tg.nn.MLP(d, 4 * d, act="gelu_tanh", tile=tile, seed=rng)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+    class Stack(tg.nn.Module):
+        def __init__(self):
+            rng = np.random.default_rng(0)
+            if kind == "mlp":
+                self.layers = [tg.nn.MLP(d, 4 * d, act="gelu_tanh", tile=tile, seed=rng) for _ in range(args.layers)]
+            else:
+                self.layers = [Block(rng) for _ in range(args.layers)]
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Stack()
+
+
+def build_torch(kind, state, args, torch):
+    F = torch.nn.functional
+    params = {k: torch.tensor(v, requires_grad=True) for k, v in state.items()}
+    d, h = args.width, args.heads
+
+    def lin(x, p):
+        y = x @ params[p + ".weight"]
+        b = params.get(p + ".bias")
+        return y + b if b is not None else y
+
+    def mlp(x, p):
+        return lin(F.gelu(lin(x, p + "fc1"), approximate="tanh"), p + "fc2")
+
+    def attn(x, p):
+        B, T, _ = x.shape
+        q, k, v = (lin(x, p + n).view(B, T, h, d // h).transpose(1, 2) for n in ("q", "k", "v"))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return lin(y.transpose(1, 2).reshape(B, T, d), p + "o")
+
+    def ln(x, p):
+        return F.layer_norm(x, (d,), params[p + ".weight"], params[p + ".bias"], eps=1e-5)
+
+    def forward(x):
+        for i in range(args.layers):
+            p = f"layers.{i}."
+            if kind == "mlp":
+                x = mlp(x, p)
+            else:
+                x = x + attn(ln(x, p + "ln1"), p + "attn.")
+                x = x + mlp(ln(x, p + "ln2"), p + "mlp.")
+        return x
+
+    return forward, list(params.values())
+
+
+def time_tilegraph(kind, args, x, y, tg):
+    model = build_tilegraph(kind, args, tg)
+    state = model.state_dict()
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def loss_fn(m, x, y):
+        diff = m(x) - y
+        return (diff * diff).mean()
+
+    tiles = (args.batch_tile, args.seq_tile, None)
+    with tg.connect(n_workers=args.workers, threads_per_worker=args.threads, dashboard=False, quiet=True) as rt:
+        step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt,
+                            target_seconds=args.target)
+        t0 = time.perf_counter()
+        first = step(x, y)
+        first_s = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            step(x, y)
+        rt.kernel_stats(reset=True)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step(x, y)
+        wall = time.perf_counter() - t0
+        ks = rt.kernel_stats()
+        threads = args.workers * args.threads
+    return {"loss0": first, "step_s": wall / args.steps, "first_s": first_s, "nodes": step.last.nodes,
+            "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / args.steps,
+            "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / args.steps,
+            "outside": 1.0 - ks["kernel_seconds"] / (wall * threads), "state": state}
+
+
+def time_torch(kind, args, x, y, state, torch):
+    forward, params = build_torch(kind, state, args, torch)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    xt, yt = torch.tensor(x), torch.tensor(y)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = ((forward(xt) - yt) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    first = step()
+    for _ in range(args.warmup - 1):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    return {"loss0": first, "step_s": (time.perf_counter() - t0) / args.steps}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["mlp", "blocks", "all"], default="all")
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--tile", type=int, default=None, help="feature tile (default: whole width)")
+    ap.add_argument("--batch-tile", type=int, default=None, help="default: batch / workers")
+    ap.add_argument("--seq-tile", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=None, help="default: embedded cluster default")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    import tilegraph as tg
+
+    ncpu = os.cpu_count() or 1
+    args.workers = args.workers or min(2, ncpu)
+    args.batch_tile = args.batch_tile or max(1, args.batch // args.workers)
+    torch.set_num_threads(args.workers * args.threads)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch, args.seq, args.width)).astype(np.float32)
+    y = rng.standard_normal((args.batch, args.seq, args.width)).astype(np.float32)
+    tokens = args.batch * args.seq
+    kinds = ["mlp", "blocks"] if args.model == "all" else [args.model]
+    print(f"# {ncpu} cores; tilegraph: {args.workers} workers x {args.threads} threads, batch tile "
+          f"{args.batch_tile}, seq tile {args.seq_tile}, feature tile {args.tile}; torch {torch.__version__} "
+          f"eager, {torch.get_num_threads()} threads; batch {args.batch} x seq {args.seq}, width {args.width}, "
+          f"{args.layers} layers, fp32")
+    print(f"{'model':8} {'tg tok/s':>9} {'torch tok/s':>11} {'ratio':>6} {'outside':>8} {'kernels':>8} "
+          f"{'runner':>7} {'step s':>7} {'nodes':>6} {'tasks':>6} {'loss0 tg/torch':>18}")
+    for kind in kinds:
+        r = time_tilegraph(kind, args, x, y, tg)
+        t = time_torch(kind, args, x, y, r["state"], torch)
+        print(f"{kind:8} {tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} "
+              f"{t['step_s'] / r['step_s']:6.2f} {r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:7.3f} "
+              f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:.5f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
