@@ -54,7 +54,6 @@ def test_softmax(rng, mode, dtype, dim):
 def test_softmax_over_many_tiles_is_a_tree(rng, log):
     x = _r(rng, 3, 40)
     fn, tfn = (log_softmax, torch.log_softmax) if log else (softmax, torch.softmax)
-    out = check_against_torch(lambda x: fn(x, 1), lambda x: tfn(x, 1), [x], "aB", "single")
     t = tg.from_numpy(x, (3, 2))  # 20 tiles per row: 3 partial merges, then a final one
     y = fn(t, 1)
     np.testing.assert_allclose(y.numpy(), tfn(torch.tensor(x), 1).numpy(), rtol=1e-12, atol=1e-12)
@@ -64,7 +63,6 @@ def test_softmax_over_many_tiles_is_a_tree(rng, log):
     xt = torch.tensor(x, requires_grad=True)
     (tfn(xt, 1) ** 2).sum().backward()
     np.testing.assert_allclose(gx.numpy(), xt.grad.numpy(), rtol=1e-10, atol=1e-12)
-    assert out.chunks == ((3,), (40,))
 
 
 @dtypes
