@@ -205,61 +205,76 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_gelu(x, out):
+# Constants arrive as arguments typed like the data (``_consts``), so float32 tiles are computed
+# in float32 (float64 literals would promote every operation); fastmath lets LLVM vectorise.
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _nb_gelu(x, out, k):
+    half, one, inv_sqrt2 = k[0], k[1], k[3]
     for i in range(x.size):
         v = x[i]
-        out[i] = 0.5 * v * (1.0 + math.erf(v * _INV_SQRT2))
+        out[i] = half * v * (one + math.erf(v * inv_sqrt2))
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_gelu_bwd(x, g, out):
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _nb_gelu_bwd(x, g, out, k):
+    half, one, inv_sqrt2, inv_sqrt_2pi = k[0], k[1], k[3], k[4]
     for i in range(x.size):
         v = x[i]
-        cdf = 0.5 * (1.0 + math.erf(v * _INV_SQRT2))
-        pdf = _INV_SQRT_2PI * math.exp(-0.5 * v * v)
+        cdf = half * (one + math.erf(v * inv_sqrt2))
+        pdf = inv_sqrt_2pi * math.exp(-half * v * v)
         out[i] = g[i] * (cdf + v * pdf)
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_gelu_tanh(x, out):
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _nb_gelu_tanh(x, out, k):
+    half, one, two, s2pi, c = k[0], k[1], k[2], k[5], k[6]
     for i in range(x.size):
         v = x[i]
-        u = _SQRT_2_OVER_PI * (v + 0.044715 * v * v * v)
-        t = 1.0 - 2.0 / (math.exp(2.0 * u) + 1.0)
-        out[i] = 0.5 * v * (1.0 + t)
+        u = s2pi * (v + c * v * v * v)
+        t = one - two / (math.exp(two * u) + one)
+        out[i] = half * v * (one + t)
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_gelu_tanh_bwd(x, g, out):
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _nb_gelu_tanh_bwd(x, g, out, k):
+    half, one, two, s2pi, c, c3 = k[0], k[1], k[2], k[5], k[6], k[7]
     for i in range(x.size):
         v = x[i]
-        u = _SQRT_2_OVER_PI * (v + 0.044715 * v * v * v)
-        t = 1.0 - 2.0 / (math.exp(2.0 * u) + 1.0)
-        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
-        out[i] = g[i] * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du)
+        u = s2pi * (v + c * v * v * v)
+        t = one - two / (math.exp(two * u) + one)
+        du = s2pi * (one + c3 * v * v)
+        out[i] = g[i] * (half * (one + t) + half * v * (one - t * t) * du)
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_silu(x, out):
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _nb_silu(x, out, k):
+    one = k[1]
     for i in range(x.size):
         v = x[i]
-        out[i] = v / (1.0 + math.exp(-v))
+        out[i] = v / (one + math.exp(-v))
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_silu_bwd(x, g, out):
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _nb_silu_bwd(x, g, out, k):
+    one = k[1]
     for i in range(x.size):
         v = x[i]
-        s = 1.0 / (1.0 + math.exp(-v))
-        out[i] = g[i] * s * (1.0 + v * (1.0 - s))
+        s = one / (one + math.exp(-v))
+        out[i] = g[i] * s * (one + v * (one - s))
+
+
+_CONSTS = (0.5, 1.0, 2.0, _INV_SQRT2, _INV_SQRT_2PI, _SQRT_2_OVER_PI, 0.044715, 3 * 0.044715)
+
+
+def _consts(dtype) -> np.ndarray:
+    return np.array(_CONSTS, dtype=dtype)
 
 
 def _numba_unary(fn):
     def run(x, **params):
         x = np.ascontiguousarray(x)
         out = np.empty_like(x)
-        fn(x.reshape(-1), out.reshape(-1))
+        fn(x.reshape(-1), out.reshape(-1), _consts(x.dtype))
         return out
 
     return run
@@ -269,7 +284,7 @@ def _numba_binary(fn):
     def run(x, g, **params):
         x, g = np.ascontiguousarray(x), np.ascontiguousarray(g)
         out = np.empty_like(x)
-        fn(x.reshape(-1), g.reshape(-1), out.reshape(-1))
+        fn(x.reshape(-1), g.reshape(-1), out.reshape(-1), _consts(x.dtype))
         return out
 
     return run

@@ -94,6 +94,17 @@ class Runtime:
         graph = HighLevelGraph(parts, deps)
         return self.client.get(graph, list(keys), sync=False)
 
+    def scatter_cells(self, cells) -> None:
+        """Move the array values of ``cells`` to the workers; the cells then hold references."""
+        from tilegraph._graph import ValueRef
+
+        local = [c for c in cells if not isinstance(c.value, ValueRef) and hasattr(c.value, "shape")]
+        if not local:
+            return
+        futures = self.client.scatter([c.value for c in local], hash=False)
+        for c, f in zip(local, futures):
+            c.set(ValueRef(f, None))
+
     def kernel_stats(self, reset: bool = False) -> dict:
         """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""
         from tilegraph._lower import kernel_stats
@@ -192,11 +203,9 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         raise TileError(where, "need n_workers >= 1 and gpu <= n_workers", f"n_workers={n_workers}, gpu={gpu}")
     if threads_per_worker is None:
         threads_per_worker = max(1, ncpu // n_workers)
-    _tune_dask()
+    _tune_dask(quiet)
     if quiet:
-        for name in ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
-                     "distributed.worker", "distributed.http.proxy"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+        _quiet_logs()
     cluster = SpecCluster(
         workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit),
         scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
@@ -206,18 +215,30 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     )
     client = Client(cluster)
     client.wait_for_workers(n_workers, timeout=60)
+    if quiet:  # worker processes take their logging setup from the parent's config: quiet them here
+        client.run(_quiet_logs)
     rt = Runtime(client, cluster, make_current=make_current)
-    if dashboard and not quiet:
+    if dashboard:
         print(f"tilegraph: embedded cluster with {n_workers} workers x {threads_per_worker} threads"
               f"{f', {gpu} GPU' if gpu else ''}; dashboard: {rt.dashboard_link}", flush=True)
     return rt
 
 
-def _tune_dask() -> None:
+_DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
+                 "distributed.worker", "distributed.http.proxy", "distributed.batched")
+
+
+def _quiet_logs() -> None:
+    for name in _DASK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _tune_dask(quiet: bool) -> None:
     import dask
 
     # Measured on the development machine: root-task queuing halves flat-graph throughput.
-    dask.config.set({"distributed.scheduler.worker-saturation": float("inf")})
+    settings = {"distributed.scheduler.worker-saturation": float("inf")}
+    dask.config.set(settings)
 
 
 def _visible_gpus() -> int:

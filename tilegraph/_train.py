@@ -107,6 +107,9 @@ class TrainStep:
             token = tokenize(a)
             for idx in np.ndindex(*tiling.grid):
                 cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"{token}-{idx}")
+        runtime = rec.exe.runtime
+        if runtime is not None and recorded:
+            runtime.scatter_cells(rec.assignments)  # parameters and state move to the workers once
         self.optimizer.next_hyper()
         values = rec.exe.run(fetch=range(rec.n_fetch))
         loss = float(np.asarray(values[0]).reshape(()))

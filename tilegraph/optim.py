@@ -71,7 +71,7 @@ def _clip_hyper(hyper, *partials, max_norm):
     return np.array([hyper[0], hyper[1], scale, total], dtype=np.float64)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _nb_adamw(p, g, m, v, po, mo, vo, lr, b1, b2, eps, wd, bc1, bc2, clip):
     decay = 1.0 - lr * wd
     step = lr / bc1
