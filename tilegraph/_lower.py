@@ -180,6 +180,25 @@ def est_seconds(node: Node) -> float:
 
 
 # ------------------------------------------------------------------------------ clustering ----
+def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
+    """Nodes in decreasing order of their longest estimated path to a sink (HEFT's upward rank).
+
+    A valid topological order that visits the critical path first and leaves work only the end
+    needs (weight-gradient joins, optimizer updates) for last, so it does not cut the parallel
+    streams of the forward and backward passes into small tasks.
+    """
+    rank: dict[int, float] = {}
+    succs: dict[int, list[Node]] = {id(n): [] for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            if id(i.node) in succs:
+                succs[id(i.node)].append(n)
+    for n in reversed(nodes):  # nodes are topologically ordered: successors come later
+        rank[id(n)] = est_seconds(n) + max((rank[id(s)] for s in succs[id(n)]), default=0.0)
+    position = {id(n): k for k, n in enumerate(nodes)}
+    return sorted(nodes, key=lambda n: (-rank[id(n)], position[id(n)]))
+
+
 class Cluster:
     __slots__ = ("id", "device", "proc", "nodes", "seconds", "open")
 
@@ -274,7 +293,7 @@ class Executable:
         procs = runtime.processors() if runtime is not None else {"cpu": os.cpu_count() or 1, "gpu": 0}
         place(work, placement, procs.get("gpu", 0) > 0)
         procs = {"cpu": max(1, procs.get("cpu", 1)), "gpu": max(1, procs.get("gpu", 0))}
-        self.clusters, of = cluster_nodes(work, procs, target, fuse)
+        self.clusters, of = cluster_nodes(by_upward_rank(work), procs, target, fuse)
         self.n_nodes = len(work)
 
         # Which values leave their cluster (consumed elsewhere, or wanted by the caller).
