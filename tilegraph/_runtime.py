@@ -151,7 +151,7 @@ def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit) -> dict:
 def connect(address: str | None = None, *, scheduler_file: str | None = None, mpi: bool = False,
             n_workers: int | None = None, gpu: int | None = None, threads_per_worker: int | None = None,
             dashboard: bool = True, timeout: float = 10.0, quiet: bool = False, memory_limit="auto",
-            make_current: bool = True) -> Runtime:
+            make_current: bool = True, interface: str | None = None) -> Runtime:
     """Connect to Dask distributed and make it the current runtime.
 
     - ``connect()``: start the embedded local cluster (bound to 127.0.0.1, dashboard URL printed);
@@ -160,7 +160,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     - ``connect("tcp://host:8786")``: an existing scheduler.
     - ``connect(scheduler_file="scheduler.json")``: a scheduler started with ``--scheduler-file``.
     - ``connect(mpi=True)``: inside ``mpiexec -n N``, dask-mpi makes rank 0 the scheduler, ranks
-      >= 2 workers, and rank 1 runs the rest of the script.
+      >= 2 workers, and rank 1 runs the rest of the script; ``interface`` picks the network
+      interface the ranks listen on (e.g. "ib0"; default: the host's address).
 
     The runtime becomes the current one (used by ``tilegraph.compute`` and training) unless
     ``make_current=False``; see :meth:`Runtime.as_current`.
@@ -178,7 +179,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     if mpi:
         from tilegraph._mpi import initialize_mpi
 
-        initialize_mpi()
+        initialize_mpi(interface=interface)
         client = Client()
         return Runtime(client, mpi=True, make_current=make_current)
     if address is not None or scheduler_file is not None:
@@ -225,7 +226,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
 
 
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
-                 "distributed.worker", "distributed.http.proxy", "distributed.batched")
+                 "distributed.worker", "distributed.http.proxy", "distributed.batched", "tornado.application")
 
 
 def _quiet_logs() -> None:
