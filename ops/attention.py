@@ -50,25 +50,47 @@ def _pick_heads(x, heads: tuple):
     return xp.take(x, xp.asarray(heads), axis=1)
 
 
-def _causal_mask(xp, q_off: int, tq: int, k_off: int, sk: int):
-    """True where key position > query position (absolute positions); None when nothing is masked."""
-    if k_off + sk - 1 <= q_off:
-        return None
-    q_pos = xp.arange(q_off, q_off + tq)
-    k_pos = xp.arange(k_off, k_off + sk)
-    return k_pos[None, :] > q_pos[:, None]  # (tq, sk)
+#: Rows of a tile handled together: query rows in the forward and dQ kernels, key rows in dK/dV.
+#: A causal block multiplies only by the keys its last query can see (or the queries its first key
+#: is seen by), so the work above the diagonal shrinks to one triangle per block instead of half
+#: the tile, and a (b, h, block, keys) score block stays cache-sized.
+_BLOCK = 64
 
 
-def _scores(q, k, scale, causal, q_off, k_off):
-    """``q k^T * scale`` of one block (b, h, tq, sk), -inf where a key lies after its query."""
-    s = q @ k.swapaxes(-1, -2)
-    s *= s.dtype.type(scale)
-    if causal:
-        xp = xp_of(s)
-        mask = _causal_mask(xp, q_off, q.shape[-2], k_off, k.shape[-2])
-        if mask is not None:  # an additive (tq, sk) bias broadcasts over b and h on NumPy and CuPy
-            s += xp.where(mask, s.dtype.type(-np.inf), s.dtype.type(0))
-    return s
+def _blocks(n: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of ``_BLOCK`` rows covering ``range(n)``."""
+    return [(a, min(a + _BLOCK, n)) for a in range(0, n, _BLOCK)]
+
+
+def _mask_future_keys(s, d: int) -> None:
+    """Set ``s[..., r, c] = -inf`` in place where key column c lies after query row r.
+
+    ``s`` is (b, h, rows, cols) with rows = queries and cols = keys, and ``d`` is the absolute
+    position of row 0 minus that of column 0: column c lies after row r when ``c - r > d``. Only
+    columns from ``d + 1`` on can be masked, so the bias covers just that (rows x few) corner.
+    """
+    c0 = max(d + 1, 0)
+    if c0 >= s.shape[-1]:
+        return
+    xp = xp_of(s)
+    corner = s[..., c0:]
+    r = xp.arange(corner.shape[-2])[:, None]
+    c = xp.arange(corner.shape[-1])[None, :] + c0
+    corner += xp.where(c - r > d, s.dtype.type(-np.inf), s.dtype.type(0))
+
+
+def _mask_past_queries(st, e: int) -> None:
+    """The transposed case: ``st`` is (b, h, rows, cols) with rows = keys and cols = queries, and
+    ``e`` the absolute position of key row 0 minus that of query column 0; sets ``-inf`` where
+    key row r lies after query column c (``c - r < e``), touching only the first columns."""
+    n = min(e + st.shape[-2] - 1, st.shape[-1])
+    if n <= 0:
+        return
+    xp = xp_of(st)
+    corner = st[..., :n]
+    r = xp.arange(corner.shape[-2])[:, None]
+    c = xp.arange(n)[None, :]
+    corner += xp.where(c - r < e, st.dtype.type(-np.inf), st.dtype.type(0))
 
 
 def _split_kv(tiles, n_k: int, n_h: int):
@@ -76,6 +98,18 @@ def _split_kv(tiles, n_k: int, n_h: int):
     ks = [tiles[j * n_h:(j + 1) * n_h] for j in range(n_k)]
     vs = [tiles[(n_k + j) * n_h:(n_k + j + 1) * n_h] for j in range(n_k)]
     return ks, vs
+
+
+def _kv_blocks(kv, n_k: int, n_h: int, heads: tuple, k_offs: tuple):
+    """``(k, v, k_off)`` per key tile, k and v as (b, h, sk, D) for the query heads ``heads``."""
+    ks, vs = _split_kv(kv, n_k, n_h)
+    return [(_pick_heads(_cat_heads(k), heads), _pick_heads(_cat_heads(v), heads), o)
+            for k, v, o in zip(ks, vs, k_offs)]
+
+
+def _visible(causal: bool, last_q: int, k_off: int, sk: int) -> int:
+    """How many leading keys of a key tile at ``k_off`` query position ``last_q`` can see."""
+    return min(sk, last_q + 1 - k_off) if causal else sk
 
 
 def _attn_cost(mult: float, first_k: int):
@@ -96,25 +130,36 @@ def _attn_cost(mult: float, first_k: int):
 def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """Output and row log-sum-exp of one q tile over ``n_k`` key tiles, by online softmax."""
     xp = xp_of(q)
-    ks, vs = _split_kv(kv, n_k, n_h)
+    kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
     b, h, tq, _ = q.shape
-    m = xp.full((b, h, tq), -np.inf, dtype=q.dtype)   # running row max
-    l = xp.zeros((b, h, tq), dtype=q.dtype)           # running row sum of exp(s - m)
-    acc = xp.zeros(q.shape, dtype=q.dtype)            # running sum of exp(s - m) @ v
-    for j in range(n_k):
-        k = _pick_heads(_cat_heads(ks[j]), heads)     # (b, h, sk, D)
-        v = _pick_heads(_cat_heads(vs[j]), heads)
-        s = _scores(q, k, scale, causal, q_off, k_offs[j])
-        m_new = xp.maximum(m, s.max(axis=-1))
-        # A row with no visible key yet keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
-        m_safe = xp.where(xp.isfinite(m_new), m_new, 0).astype(q.dtype)
-        alpha = xp.exp(m - m_safe)
-        p = xp.exp(s - m_safe[..., None])
-        l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + p @ v
-        m = m_new
-    out = acc / l[..., None]
-    lse = m + xp.log(l)
+    out = xp.empty(q.shape, dtype=q.dtype)
+    lse = xp.empty((b, h, tq), dtype=q.dtype)
+    for a0, a1 in _blocks(tq):
+        qb = q[:, :, a0:a1] * q.dtype.type(scale)            # (b, h, rows, D), scale folded in once
+        m = l = acc = None      # running row max, row sum of exp(s - m), sum of exp(s - m) @ v
+        for k, v, k_off in kvs:
+            w = _visible(causal, q_off + a1 - 1, k_off, k.shape[2])
+            if w <= 0:
+                continue
+            s = qb @ k[:, :, :w].swapaxes(-1, -2)            # (b, h, rows, w)
+            if causal:
+                _mask_future_keys(s, q_off + a0 - k_off)
+            m_new = s.max(axis=-1) if m is None else xp.maximum(m, s.max(axis=-1))
+            # A row with no visible key yet keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
+            shift = xp.where(xp.isfinite(m_new), m_new, q.dtype.type(0))
+            s -= shift[..., None]
+            p = xp.exp(s, out=s)
+            if m is None:       # the first key block needs no rescaling of earlier sums
+                l = p.sum(axis=-1)
+                acc = p @ v[:, :, :w]
+            else:
+                alpha = xp.exp(m - shift)
+                l = l * alpha + p.sum(axis=-1)
+                acc *= alpha[..., None]
+                acc += p @ v[:, :, :w]
+            m = m_new
+        out[:, :, a0:a1] = acc / l[..., None]
+        lse[:, :, a0:a1] = m + xp.log(l)
     return out, lse
 
 
@@ -127,16 +172,31 @@ def _sdpa_delta(do, o):
 @kernel("sdpa_bwd_dq", cost=_attn_cost(6.0, 4))
 def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """dQ of one q tile: sum over key tiles of ``dS @ k * scale``, ``dS = P * (dO v^T - delta)``."""
-    ks, vs = _split_kv(kv, n_k, n_h)
     xp = xp_of(q)
+    kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
+    sc = q.dtype.type(scale)
     dq = xp.zeros(q.shape, dtype=q.dtype)
-    for j in range(n_k):
-        k = _pick_heads(_cat_heads(ks[j]), heads)     # (b, h, sk, D)
-        v = _pick_heads(_cat_heads(vs[j]), heads)
-        p = xp.exp(_scores(q, k, scale, causal, q_off, k_offs[j]) - lse[..., None])
-        ds = p * (do @ v.swapaxes(-1, -2) - delta[..., None])
-        dq += ds @ k
-    dq *= dq.dtype.type(scale)
+    for a0, a1 in _blocks(q.shape[2]):
+        qb = q[:, :, a0:a1] * sc                              # (b, h, rows, D)
+        dob = do[:, :, a0:a1]
+        lse_b = lse[:, :, a0:a1, None]
+        delta_b = delta[:, :, a0:a1, None]
+        dqb = dq[:, :, a0:a1]
+        for k, v, k_off in kvs:
+            w = _visible(causal, q_off + a1 - 1, k_off, k.shape[2])
+            if w <= 0:
+                continue
+            k_w = k[:, :, :w]
+            p = qb @ k_w.swapaxes(-1, -2)                     # (b, h, rows, w)
+            if causal:
+                _mask_future_keys(p, q_off + a0 - k_off)
+            p -= lse_b
+            xp.exp(p, out=p)
+            ds = dob @ v[:, :, :w].swapaxes(-1, -2)
+            ds -= delta_b
+            ds *= p
+            dqb += ds @ k_w
+        dqb *= sc
     return dq
 
 
@@ -156,22 +216,42 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
 
     ``qs`` holds q tiles (query-tile major, head-tile minor), then dO, lse and delta tiles in the
     same order; heads ``h_lo:h_hi`` of each concatenation are the query heads of this kv tile.
+    Scores are formed transposed, (keys x queries), so every product is a plain ``a @ b`` or
+    ``a @ b^T`` and dK, dV come out without transposing a score block.
     """
     xp = xp_of(k)
     per = n_i * n_p
     b, g, sk, d = k.shape
-    k_rep = xp.repeat(k, groups, axis=1)              # (b, g * groups, sk, D)
-    v_rep = xp.repeat(v, groups, axis=1)
-    dk = xp.zeros(k_rep.shape, dtype=k.dtype)
-    dv = xp.zeros(v_rep.shape, dtype=v.dtype)
+    sc = k.dtype.type(scale)
+    k_rep = xp.repeat(k, groups, axis=1) if groups > 1 else k   # (b, h, sk, D)
+    v_rep = xp.repeat(v, groups, axis=1) if groups > 1 else v
+    tiles = []
     for i in range(n_i):
         parts = [qs[n * per + i * n_p:n * per + (i + 1) * n_p] for n in range(4)]
-        q, do, lse, delta = (_cat_heads(t)[:, h_lo:h_hi] for t in parts)
-        p = xp.exp(_scores(q, k_rep, scale, causal, q_offs[i], k_off) - lse[..., None])  # (b, h, tq, sk)
-        dv += p.swapaxes(-1, -2) @ do
-        ds = p * (do @ v_rep.swapaxes(-1, -2) - delta[..., None])
-        dk += ds.swapaxes(-1, -2) @ q
-    dk *= dk.dtype.type(scale)
+        tiles.append([_cat_heads(t)[:, h_lo:h_hi] for t in parts] + [q_offs[i]])
+    dk = xp.zeros(k_rep.shape, dtype=k.dtype)
+    dv = xp.zeros(v_rep.shape, dtype=v.dtype)
+    for c0, c1 in _blocks(sk):
+        kb = k_rep[:, :, c0:c1] * sc                          # (b, h, rows, D)
+        vb = v_rep[:, :, c0:c1]
+        dkb, dvb = dk[:, :, c0:c1], dv[:, :, c0:c1]
+        for q, do, lse, delta, q_off in tiles:
+            # causal: query rows before the block's first key see none of it
+            r0 = max(0, k_off + c0 - q_off) if causal else 0
+            if r0 >= q.shape[2]:
+                continue
+            q_r, do_r = q[:, :, r0:], do[:, :, r0:]
+            pt = kb @ q_r.swapaxes(-1, -2)                    # (b, h, rows, queries) = P^T logits
+            if causal:
+                _mask_past_queries(pt, k_off + c0 - q_off - r0)
+            pt -= lse[:, :, None, r0:]
+            xp.exp(pt, out=pt)
+            dvb += pt @ do_r
+            dst = vb @ do_r.swapaxes(-1, -2)                  # (dO v^T)^T
+            dst -= delta[:, :, None, r0:]
+            dst *= pt
+            dkb += dst @ q_r
+    dk *= sc
     if groups > 1:
         dk = dk.reshape(b, g, groups, sk, d).sum(axis=2)
         dv = dv.reshape(b, g, groups, sk, d).sum(axis=2)

@@ -233,19 +233,27 @@ def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, f
     free_at = {dev: [0.0] * max(1, min(p, int(total[dev] / target))) for dev, p in procs.items()}
     open_on: dict[tuple[str, int], Cluster | None] = {}
     finish: dict[int, float] = {}
+    end: dict[int, float] = {}  # cluster id -> finish time of its last node so far
+    hop = config.hop_seconds
     for n in nodes:
         dev = n.device
         t = est_seconds(n)
-        producers = [of[id(i.node)] for i in n.inputs if id(i.node) in of]
-        ready = max((finish[id(i.node)] for i in n.inputs if id(i.node) in finish), default=0.0)
         frees = free_at[dev]
-        starts = [max(ready, f) for f in frees]
-        best = min(range(len(frees)), key=starts.__getitem__)
-        # Stay with the processor of the latest input when that costs little: chains stay local.
-        last = max((c for c in producers if c.device == dev), key=lambda c: finish[id(c.nodes[-1])], default=None)
-        if last is not None and starts[last.proc] <= starts[best] + config.hop_seconds:
-            best = last.proc
-        for c in producers:
+        inputs = [(of[id(i.node)], finish[id(i.node)]) for i in n.inputs if id(i.node) in of]
+        # Earliest start on each processor: a value made on the same processor is ready when its
+        # node finishes; one from elsewhere waits for its whole task to finish, plus a Dask hop.
+        starts = []
+        for p, free in enumerate(frees):
+            ready = 0.0
+            for c, f in inputs:
+                ready = max(ready, f if (c.device == dev and c.proc == p) else end[c.id] + hop)
+            starts.append(max(ready, free))
+        best = min(range(len(frees)), key=lambda p: (starts[p], p))
+        # Ties go to the processor of the latest input: chains stay in one task.
+        last = max(((c, f) for c, f in inputs if c.device == dev), key=lambda cf: cf[1], default=None)
+        if last is not None and starts[last[0].proc] <= starts[best]:
+            best = last[0].proc
+        for c, _ in inputs:
             if c.open and (c.device != dev or c.proc != best):
                 c.open = False
                 if open_on.get((c.device, c.proc)) is c:
@@ -260,7 +268,7 @@ def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, f
         cur.nodes.append(n)
         cur.seconds += t
         of[id(n)] = cur
-        finish[id(n)] = starts[best] + t
+        finish[id(n)] = end[cur.id] = starts[best] + t
         frees[best] = starts[best] + t
     return clusters, of
 
@@ -372,6 +380,29 @@ class Executable:
     @property
     def n_tasks(self) -> int:
         return len(self.clusters)
+
+    def critical_path(self) -> tuple[int, float]:
+        """(tasks, estimated kernel seconds) along the longest chain of dependent tasks: each task
+        on it pays Dask's per-hop latency, so this bounds how much fusion can still save."""
+        deps: dict[int, set[int]] = {c.id: set() for c in self.clusters}
+        for c, plan in zip(self.clusters, self.plans):
+            for ref in plan.ext:
+                if not ref.node.is_leaf:
+                    deps[c.id].add(self.where[(id(ref.node), ref.index)][0])
+        seconds = {c.id: c.seconds for c in self.clusters}
+        best: dict[int, tuple[int, float]] = {}
+        for root in deps:
+            stack = [root]
+            while stack:
+                cid = stack[-1]
+                todo = [d for d in deps[cid] if d not in best]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                stack.pop()
+                n, t = max((best[d] for d in deps[cid]), default=(0, 0.0))
+                best[cid] = (n + 1, t + seconds[cid])
+        return max(best.values(), default=(0, 0.0))
 
     def lower(self, token: str | None = None):
         """Write the Dask graph for one call.
