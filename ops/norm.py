@@ -53,6 +53,17 @@ def _row_stats(mean, rstd, center):
     return (mean, rstd) if center else (rstd,)
 
 
+def _param_grads(ga, xhat, has_w: bool, has_b: bool) -> list:
+    """This tile's partial weight and bias gradients: sums over all rows."""
+    n = ga.shape[-1]
+    outs = []
+    if has_w:
+        outs.append((ga * xhat).reshape(-1, n).sum(axis=0))
+    if has_b:
+        outs.append(ga.reshape(-1, n).sum(axis=0))
+    return outs
+
+
 def _one_or_tuple(outs):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -85,13 +96,7 @@ def _norm_bwd_xp(x, g, *rest, center, has_w, has_b):
     if center:
         dx -= gw.mean(axis=-1, keepdims=True)
     dx *= rstd
-    outs = [dx.astype(x.dtype, copy=False)]
-    n = x.shape[-1]
-    if has_w:
-        outs.append((ga * xhat).reshape(-1, n).sum(axis=0))
-    if has_b:
-        outs.append(ga.reshape(-1, n).sum(axis=0))
-    return _one_or_tuple(outs)
+    return _one_or_tuple([dx.astype(x.dtype, copy=False), *_param_grads(ga, xhat, has_w, has_b)])
 
 
 # ---------------------------------------------------------------------- fused kernels (Numba) ----
@@ -259,12 +264,7 @@ def _norm_bwd_stats(x, g, *rest, center, has_w, has_b):
     outs = [(gw * xhat).sum(axis=-1, keepdims=True)]
     if center:
         outs.append(gw.sum(axis=-1, keepdims=True))
-    n = x.shape[-1]
-    if has_w:
-        outs.append((ga * xhat).reshape(-1, n).sum(axis=0))
-    if has_b:
-        outs.append(ga.reshape(-1, n).sum(axis=0))
-    return _one_or_tuple(outs)
+    return _one_or_tuple(outs + _param_grads(ga, xhat, has_w, has_b))
 
 
 @kernel("norm_bwd_apply", cost=rowwise_cost(6))

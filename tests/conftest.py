@@ -20,6 +20,16 @@ DTYPES = [np.float32, np.float64]
 MODES = ["single", "even", "ragged"]
 
 
+#: parametrize a test over the three tilings and the two float dtypes
+by_mode = pytest.mark.parametrize("mode", MODES)
+by_dtype = pytest.mark.parametrize("dtype", DTYPES)
+
+
+def randn(rng, *shape, dtype=np.float64) -> np.ndarray:
+    """Standard normal test data of ``dtype``."""
+    return rng.standard_normal(shape).astype(dtype)
+
+
 def tile_size(n: int, mode: str) -> int:
     """Tile size for a dim of size ``n``: one tile, equal tiles, or tiles with a ragged last one."""
     if mode == "single" or n <= 1:

@@ -4,17 +4,12 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, check_against_torch
+from conftest import DTYPES, MODES, check_against_torch, by_dtype, by_mode, randn
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-params = pytest.mark.parametrize("mode", MODES)
-dtypes = pytest.mark.parametrize("dtype", DTYPES)
-
-
-def _r(rng, *shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
+params, dtypes, _r = by_mode, by_dtype, randn
 
 
 @params

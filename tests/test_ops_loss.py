@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, check_against_torch
+from conftest import DTYPES, MODES, check_against_torch, by_dtype, by_mode, randn
 from tilegraph._graph import topo_order
 from tilegraph.ops.embedding import embedding
 from tilegraph.ops.loss import cross_entropy
@@ -12,12 +12,7 @@ from tilegraph.ops.loss import cross_entropy
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-params = pytest.mark.parametrize("mode", MODES)
-dtypes = pytest.mark.parametrize("dtype", DTYPES)
-
-
-def _r(rng, *shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
+params, dtypes, _r = by_mode, by_dtype, randn
 
 
 def _kernels(*tensors):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, TOL, check_against_torch, tiles_for
+from conftest import DTYPES, MODES, TOL, check_against_torch, tiles_for, by_dtype, by_mode, randn
 from tilegraph.ops.norm import layer_norm, rms_norm
 from tilegraph.ops.reduce import FAN_IN
 from tilegraph.ops.softmax import log_softmax, softmax
@@ -12,12 +12,7 @@ from tilegraph.ops.softmax import log_softmax, softmax
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-params = pytest.mark.parametrize("mode", MODES)
-dtypes = pytest.mark.parametrize("dtype", DTYPES)
-
-
-def _r(rng, *shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
+params, dtypes, _r = by_mode, by_dtype, randn
 
 
 def _torch_rms_norm(x, w=None, eps=1e-6):
