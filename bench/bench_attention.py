@@ -8,7 +8,9 @@ then times each sdpa kernel on those inputs (summed over all its tiles) next to 
     OMP_NUM_THREADS=1 python bench/bench_attention.py                 # (2, 12, 256, 64), 1 and 4 tiles
     OMP_NUM_THREADS=1 python bench/bench_attention.py --dtype float64 --tiles 1 2
 
-Run it with one thread (the line above) so the numbers compare kernels, not thread pools.
+Run it with one thread (the line above) so the numbers compare kernels, not thread pools. Each
+number is the best of ``--repeat`` runs; torch's backward is its forward+backward minus its
+forward. tilegraph's backward is the sum of its delta, dQ and dK/dV kernels.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=4, default=(2, 12, 256, 64), metavar=("B", "H", "T", "D"))
     ap.add_argument("--tiles", type=int, nargs="+", default=(1, 4), help="query/key tiles along T")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
 
     rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, TOL, check_against_torch
+from conftest import DTYPES, MODES, TOL, by_dtype, by_mode, check_against_torch, randn
 from tilegraph._graph import topo_order
 from tilegraph.ops.attention import scaled_dot_product_attention as sdpa
 from tilegraph.ops.rope import rope
@@ -12,12 +12,7 @@ from tilegraph.ops.rope import rope
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-params = pytest.mark.parametrize("mode", MODES)
-dtypes = pytest.mark.parametrize("dtype", DTYPES)
-
-
-def _r(rng, *shape, dtype=np.float64):
-    return rng.standard_normal(shape).astype(dtype)
+params, dtypes, _r = by_mode, by_dtype, randn
 
 
 def torch_sdpa(q, k, v, causal=True, scale=None):
@@ -69,6 +64,25 @@ def test_sdpa_causal_with_different_query_and_key_tiles(rng, dtype, q_tiles, kv_
     for g, w in zip(got, [ref] + [t.grad for t in refs]):
         w = w.detach().numpy()
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * max(np.abs(w).max(), 1.0))
+
+
+@pytest.mark.parametrize("mode", ["single", "ragged"])
+@dtypes
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block,group_bytes,T", [(None, None, 150), (4, 1, 30), (7, 2000, 23), (7, 600, 23)])
+def test_sdpa_row_blocks_and_head_groups_inside_a_tile(rng, monkeypatch, mode, dtype, causal, block, group_bytes, T):
+    # The kernels cut a tile into row blocks and (batch x head) groups: the default sizes (T = 150
+    # in one tile gives blocks of 64, 64 and 22), one head per group with tiny blocks, and blocks
+    # of 7 that divide neither the tiles (10, 10, 3) nor the sequence, a few heads per group, and
+    # a forward whose key tiles split into several score buffers (600 bytes: online rescaling).
+    import tilegraph.ops.attention as attention
+
+    if block is not None:
+        monkeypatch.setattr(attention, "_BLOCK", block)
+        monkeypatch.setattr(attention, "_GROUP_BYTES", group_bytes)
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, causal=causal),
+                        lambda q, k, v: torch_sdpa(q, k, v, causal),
+                        _qkv(rng, dtype, B=2, H=4, hkv=2, T=T, S=T, D=8), "bhtD,bgtD,bgtD", mode)
 
 
 def _kernels(tensors):
