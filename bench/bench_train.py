@@ -15,7 +15,9 @@ so idle workers, Dask scheduling, transfers and the Python runner all count as "
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
 import time
 
 import numpy as np
@@ -87,6 +89,8 @@ def build_torch(kind, state, args, torch):
 
 
 def time_tilegraph(kind, args, x, y, tg):
+    from tilegraph._lower import kernel_stats
+
     model = build_tilegraph(kind, args, tg)
     state = model.state_dict()
     opt = tg.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -96,20 +100,23 @@ def time_tilegraph(kind, args, x, y, tg):
         return (diff * diff).mean()
 
     tiles = (args.batch_tile, args.seq_tile, None)
-    with tg.connect(n_workers=args.workers, threads_per_worker=args.threads, dashboard=False, quiet=True) as rt:
+    local = args.runtime == "local"
+    with contextlib.nullcontext() if local else tg.connect(n_workers=args.workers, threads_per_worker=args.threads,
+                                                           dashboard=False, quiet=True) as rt:
         step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt,
                             target_seconds=args.target)
+        stats = kernel_stats if local else rt.kernel_stats
         t0 = time.perf_counter()
         first = step(x, y)
         first_s = time.perf_counter() - t0
         for _ in range(args.warmup - 1):
             step(x, y)
-        rt.kernel_stats(reset=True)
+        stats(reset=True)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step(x, y)
         wall = time.perf_counter() - t0
-        ks = rt.kernel_stats()
+        ks = stats()
         threads = args.workers * args.threads
     return {"loss0": first, "step_s": wall / args.steps, "first_s": first_s, "nodes": step.last.nodes,
             "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / args.steps,
@@ -149,27 +156,35 @@ def main():
     ap.add_argument("--tile", type=int, default=None, help="feature tile (default: whole width)")
     ap.add_argument("--batch-tile", type=int, default=None, help="default: batch / workers")
     ap.add_argument("--seq-tile", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=None, help="default: embedded cluster default")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runtime", choices=["embedded", "local"], default="embedded",
+                    help="embedded Dask cluster (default) or Dask's local threaded scheduler in-process")
+    ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
+    ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
+    if args.runtime == "local" and os.environ.get("OMP_NUM_THREADS") != "1":
+        # as in Dask workers: one BLAS thread per kernel, parallelism comes from the tiles. BLAS
+        # reads this when it loads, so restart with it set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OMP_NUM_THREADS": "1"})
 
     import torch
 
     import tilegraph as tg
 
     ncpu = os.cpu_count() or 1
-    args.workers = args.workers or min(2, ncpu)
-    args.batch_tile = args.batch_tile or max(1, args.batch // args.workers)
+    args.threads = args.threads or max(1, ncpu // args.workers)
+    if args.runtime == "local":
+        args.workers, args.threads = 1, ncpu
+    args.batch_tile = args.batch_tile or max(1, args.batch // (args.workers * args.threads))
     torch.set_num_threads(args.workers * args.threads)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch, args.seq, args.width)).astype(np.float32)
     y = rng.standard_normal((args.batch, args.seq, args.width)).astype(np.float32)
     tokens = args.batch * args.seq
     kinds = ["mlp", "blocks"] if args.model == "all" else [args.model]
-    print(f"# {ncpu} cores; tilegraph: {args.workers} workers x {args.threads} threads, batch tile "
+    print(f"# {ncpu} cores; tilegraph on the {args.runtime} runtime: {args.workers} workers x {args.threads} threads, batch tile "
           f"{args.batch_tile}, seq tile {args.seq_tile}, feature tile {args.tile}; torch {torch.__version__} "
           f"eager, {torch.get_num_threads()} threads; batch {args.batch} x seq {args.seq}, width {args.width}, "
           f"{args.layers} layers, fp32")

@@ -7,7 +7,8 @@ import logging
 from tilegraph._errors import TileError
 
 
-def initialize_mpi(interface: str | None = None, quiet: bool = True) -> None:
+def initialize_mpi(interface: str | None = None, quiet: bool = True) -> int:
+    """Turn this MPI rank into its dask-mpi role; on the client rank, return the worker count."""
     try:
         from dask_mpi import initialize
         from mpi4py import MPI
@@ -31,3 +32,4 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True) -> None:
     options = {"resources": {"GPU": 1}} if gpus else {}
     initialize(interface=interface, nthreads=1, worker_options=options, dashboard=comm.Get_rank() == 0,
                exit=True)
+    return comm.Get_size() - 2

@@ -101,8 +101,9 @@ def cmd_train(args) -> int:
     sched = tg.optim.warmup_cosine(args.lr, warmup=max(1, args.steps // 20), total=args.steps,
                                    min_lr=args.lr / 10)
     opt = tg.optim.AdamW(model.parameters(), lr=sched, weight_decay=0.1, clip_grad_norm=1.0)
-    bt = max(1, args.batch // args.workers) if args.workers else None
     with tg.connect(n_workers=args.workers, quiet=True) as rt:
+        streams = max(1, rt.processors()["cpu"])  # one batch tile per worker thread
+        bt = max(1, args.batch // streams)
         step = tg.TrainStep(model, opt, lm_loss, batch_tiles=[(bt, None), (bt, None)], runtime=rt)
         print(f"tilegraph train: byte-level LM, {model.num_parameters():,} parameters, "
               f"{len(tokens):,} bytes of stdlib source, batch {args.batch} x {args.seq}", flush=True)
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     tr.add_argument("--heads", type=int, default=4)
     tr.add_argument("--lr", type=float, default=3e-3)
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--workers", type=int, default=None, help="embedded cluster workers (default: 2 or fewer)")
+    tr.add_argument("--workers", type=int, default=None, help="embedded cluster worker processes (default 1)")
     tr.add_argument("--corpus-mb", type=int, default=4)
     tr.add_argument("--log-every", type=int, default=50)
     tr.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -170,8 +171,6 @@ def main(argv=None) -> int:
     info = sub.add_parser("info", help="versions and devices")
     info.set_defaults(func=cmd_info)
     args = ap.parse_args(argv)
-    if getattr(args, "workers", None) is None and args.command == "train":
-        args.workers = min(2, os.cpu_count() or 1)
     return args.func(args)
 
 
