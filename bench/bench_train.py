@@ -121,7 +121,8 @@ def time_tilegraph(kind, args, x, y, tg):
     return {"loss0": first, "step_s": wall / args.steps, "first_s": first_s, "nodes": step.last.nodes,
             "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / args.steps,
             "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / args.steps,
-            "outside": 1.0 - ks["kernel_seconds"] / (wall * threads), "state": state}
+            "outside": 1.0 - ks["kernel_seconds"] / (wall * threads), "state": state,
+            "top": sorted(ks["by_kernel"].items(), key=lambda kv: -kv[1])[:6]}
 
 
 def time_torch(kind, args, x, y, state, torch):
@@ -162,6 +163,7 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--kernels", action="store_true", help="also print the costliest kernels")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     if args.runtime == "local" and os.environ.get("OMP_NUM_THREADS") != "1":
@@ -196,6 +198,8 @@ def main():
         print(f"{kind:8} {tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} "
               f"{t['step_s'] / r['step_s']:6.2f} {r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:7.3f} "
               f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:.5f}", flush=True)
+        if args.kernels:
+            print("   kernel seconds per step: " + ", ".join(f"{k} {v / args.steps:.3f}" for k, v in r["top"]))
 
 
 if __name__ == "__main__":

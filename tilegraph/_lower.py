@@ -113,15 +113,18 @@ def _to_device(x, device: str, array_module: str):
 
 #: per-process counters: seconds inside kernels, seconds inside fused tasks, tasks run
 _STATS = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0}
+_BY_KERNEL: dict[str, float] = {}
 _STATS_LOCK = threading.Lock()
 
 
 def kernel_stats(reset: bool = False) -> dict:
-    """This process's counters (kernel time, task time, task count); see Runtime.kernel_stats."""
+    """This process's counters: kernel seconds (also ``by_kernel`` name), task seconds, tasks run.
+    See Runtime.kernel_stats for the sum over a cluster's workers."""
     with _STATS_LOCK:
-        out = dict(_STATS)
+        out = dict(_STATS, by_kernel=dict(_BY_KERNEL))
         if reset:
             _STATS.update(kernel_seconds=0.0, task_seconds=0.0, tasks=0)
+            _BY_KERNEL.clear()
     return out
 
 
@@ -129,6 +132,7 @@ def run_cluster(bound: Bound, *args):
     """Run one fused task: its kernels in order, returning the values other tasks need."""
     t_start = time.perf_counter()
     in_kernels = 0.0
+    by_kernel: dict[str, float] = {}
     prog = bound.prog
     regs: list[Any] = [None] * prog.n_regs
     for r, (a, idx) in enumerate(zip(args, bound.ext_index)):
@@ -138,7 +142,9 @@ def run_cluster(bound: Bound, *args):
         t0 = time.perf_counter()
         try:
             res = fn(*[regs[i] for i in ins], **params)
-            in_kernels += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            in_kernels += dt
+            by_kernel[kern.name] = by_kernel.get(kern.name, 0.0) + dt
         except Exception as e:  # say which op failed; the traceback keeps the cause
             e.add_note(f"in tile kernel {kern.name!r} of op {op!r}")
             raise
@@ -157,6 +163,8 @@ def run_cluster(bound: Bound, *args):
         _STATS["kernel_seconds"] += in_kernels
         _STATS["task_seconds"] += time.perf_counter() - t_start
         _STATS["tasks"] += 1
+        for name, dt in by_kernel.items():
+            _BY_KERNEL[name] = _BY_KERNEL.get(name, 0.0) + dt
     return out
 
 
