@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, Cost, leaf
+from tilegraph._graph import Cost
 from tilegraph._tensor import TileTensor, Tiling
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -58,17 +58,6 @@ def norm_dim(dim: int, ndim: int, where: str) -> int:
     if not -ndim <= dim < max(ndim, 1):
         raise TileError(where, f"dim out of range for a {ndim}-d tensor", str(dim))
     return dim % ndim if ndim else 0
-
-
-def constant(value: np.ndarray, tiles=None) -> TileTensor:
-    from tilegraph._tensor import from_numpy
-
-    return from_numpy(value, tiles)
-
-
-def scalar_leaf(value, dtype) -> object:
-    arr = np.asarray(value, dtype=dtype)
-    return leaf(Cell(arr, arr.shape, arr.dtype, token=f"scalar-{arr.dtype}-{arr.item()!r}"))
 
 
 def numel(shape) -> int:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, TOL, by_dtype, by_mode, check_against_torch, randn
+from conftest import TOL, by_dtype, by_mode, check_against_torch, randn
 from tilegraph._graph import topo_order
 from tilegraph.ops.attention import scaled_dot_product_attention as sdpa
 from tilegraph.ops.rope import rope

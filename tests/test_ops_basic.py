@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, check_against_torch, by_dtype, by_mode, randn
+from conftest import by_dtype, by_mode, check_against_torch, randn
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, check_against_torch, by_dtype, by_mode, randn
+from conftest import by_dtype, by_mode, check_against_torch, randn
 from tilegraph._graph import topo_order
 from tilegraph.ops.embedding import embedding
 from tilegraph.ops.loss import cross_entropy

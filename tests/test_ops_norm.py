@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import DTYPES, MODES, TOL, check_against_torch, tiles_for, by_dtype, by_mode, randn
+from conftest import MODES, TOL, by_dtype, by_mode, check_against_torch, randn, tiles_for
 from tilegraph.ops.norm import layer_norm, rms_norm
 from tilegraph.ops.reduce import FAN_IN
 from tilegraph.ops.softmax import log_softmax, softmax

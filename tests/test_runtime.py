@@ -93,3 +93,12 @@ def test_no_top_level_ops_models_io_packages(tmp_path):
             "assert tilegraph.ops.__name__ == 'tilegraph.ops'")
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True,
                    env={**os.environ, "PYTHONPATH": ""})
+
+
+def test_workers_keep_tile_allocations_on_the_heap(embedded_runtime):
+    from tilegraph._runtime import _tune_malloc
+
+    plugins = embedded_runtime.client.run(lambda dask_worker: sorted(dask_worker.plugins))
+    assert all("tilegraph-malloc" in p for p in plugins.values())
+    if sys.platform.startswith("linux"):
+        assert all(embedded_runtime.client.run(_tune_malloc).values())

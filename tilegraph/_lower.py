@@ -29,7 +29,7 @@ import numpy as np
 
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Node, TileRef, ValueRef, topo_order
-from tilegraph._tensor import TileTensor, Tiling
+from tilegraph._tensor import TileTensor
 
 __all__ = ["compile", "compute", "Executable", "config", "DaskKey", "run_cluster"]
 

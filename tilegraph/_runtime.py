@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import Any, Sequence
 
 from tilegraph._errors import TileError
@@ -32,6 +33,10 @@ class Runtime:
         self.cluster = cluster
         self.mpi = mpi
         self.closed = False
+        try:
+            client.register_plugin(_malloc_plugin())
+        except Exception as e:  # a scheduler that refuses plugins still works, only slower
+            logging.getLogger("tilegraph").warning("could not tune worker malloc: %s", e)
         if make_current:
             _CURRENT.append(self)
 
@@ -238,6 +243,40 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     return rt
 
 
+def _tune_malloc() -> bool:
+    """Keep tile-sized allocations on glibc's heap in this process (a worker).
+
+    Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=64 KiB, which also switches off glibc's
+    adaptive mmap threshold: every allocation above 128 KiB is then a fresh mmap. Tile kernels
+    allocate and free large arrays all the time; on the bench block stack that was 340,000 page
+    faults and 1.6 s of system time per 3.6 s step. With blocks up to 32 MiB served from the heap
+    and up to 1 GiB of freed memory kept for reuse: 7,000 faults, 2.7 s per step.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameter numbers from malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
+def _malloc_plugin():
+    """A worker plugin applying :func:`_tune_malloc` on every worker, also those joining later."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class MallocPlugin(WorkerPlugin):
+        name = "tilegraph-malloc"
+        idempotent = True
+
+        def setup(self, worker) -> None:
+            _tune_malloc()
+
+    return MallocPlugin()
+
+
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
                  "distributed.worker", "distributed.http.proxy", "distributed.batched", "tornado.application")
 
@@ -251,14 +290,7 @@ def _quiet_logs() -> None:
 #: Measured on the 2-core development machine: root-task queuing halves flat-graph throughput;
 #: an idle embedded cluster burnt ~20% of a core in periodic callbacks (10 ms worker profiler,
 #: 20 ms event-loop ticks, 100 ms memory and work-stealing polls), about halved by these intervals.
-#: Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=64 KiB, which also switches off glibc's
-#: adaptive mmap threshold: every tile allocation above 128 KiB was then a fresh mmap, 340,000
-#: page faults and 1.6 s of system time per step of the bench block stack (3.6 s per step). Tiles
-#: up to 32 MiB now come from the reusable heap and up to 1 GiB of freed memory is kept for reuse:
-#: 7,000 faults, 2.7 s per step. Set the same two variables for workers you start yourself.
 EMBEDDED_DASK_CONFIG = {
-    "distributed.nanny.pre-spawn-environ.MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": str(1 << 30),
     "distributed.scheduler.worker-saturation": float("inf"),
     "distributed.worker.profile.enabled": False,
     "distributed.admin.tick.interval": "1s",

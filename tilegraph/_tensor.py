@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
 
-__all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array", "full_tiling"]
+__all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array"]
 
 
 class Tiling:
@@ -98,10 +98,6 @@ class Tiling:
 
     def __repr__(self) -> str:
         return f"Tiling({self.chunks})"
-
-
-def full_tiling(shape) -> Tiling:
-    return Tiling(tuple((int(s),) for s in shape))
 
 
 class TileTensor:
@@ -290,14 +286,3 @@ def from_dask_array(x, *, name: str | None = None) -> TileTensor:
         key = (x.name,) + tuple(idx)
         cells[idx] = Cell(DaskKey(graph, key), tiling.tile_shape(idx), x.dtype, token=f"dask-{key}")
     return tensor_from_cells(tiling, x.dtype, cells, name=name)
-
-
-def as_tensor(x: Any, like: TileTensor | None = None, where: str = "tilegraph") -> TileTensor:
-    if isinstance(x, TileTensor):
-        return x
-    raise TileError(where, "expected a TileTensor (use tilegraph.from_numpy to wrap arrays)",
-                    f"{type(x).__name__}")
-
-
-def tensors_in(items: Iterable[Any]) -> list[TileTensor]:
-    return [t for t in items if isinstance(t, TileTensor)]
