@@ -102,3 +102,21 @@ def test_workers_keep_tile_allocations_on_the_heap(embedded_runtime):
     assert all("tilegraph-malloc" in p for p in plugins.values())
     if sys.platform.startswith("linux"):
         assert all(embedded_runtime.client.run(_tune_malloc).values())
+
+
+def test_values_living_on_workers_come_back_and_feed_graphs(embedded_runtime):
+    with embedded_runtime.as_current():
+        m = tg.nn.MLP(4, 8, tile=2, seed=0)
+        before = m.state_dict()
+        embedded_runtime.scatter_cells([c for p in m.parameters() for c in p.cells.flat])
+        from tilegraph._graph import ValueRef
+
+        assert all(isinstance(c.value, ValueRef) for p in m.parameters() for c in p.cells.flat)
+        after = m.state_dict()
+        x = np.ones((3, 4), np.float32)
+        y = m(tg.from_numpy(x, (3, 2))).numpy()
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k])
+    h = np.maximum(0, 0) + x @ before["fc1.weight"] + before["fc1.bias"]
+    h = 0.5 * h * (1 + np.vectorize(__import__("math").erf)(h / np.sqrt(2)))
+    np.testing.assert_allclose(y, h @ before["fc2.weight"] + before["fc2.bias"], rtol=1e-5, atol=1e-6)

@@ -462,47 +462,42 @@ class Executable:
         others stay on the workers as :class:`ValueRef` (a future plus a tuple index), so only
         what the caller asked for crosses to the client.
         """
+        import operator
+
         runtime = runtime if runtime is not None else self.runtime
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         layers, keys = self.lower()
         out: list[Any] = [None] * len(self.roots)
-        located = {}
+        # Where each root's value is: (task key or remote future, tuple index), or a plain value.
+        source: dict[int, tuple[Any, int | None]] = {}
         for pos, r in enumerate(self.roots):
-            if r.node.is_leaf:
-                v = r.node.cell.value
-                out[pos] = v if not isinstance(v, ValueRef) or pos not in fetch else None
-                if out[pos] is None:
-                    located[pos] = v
-                continue
-            located[pos] = self.where[(id(r.node), r.index)]
-        if runtime is None:
-            want = sorted({keys[loc[0]] for loc in located.values() if not isinstance(loc, ValueRef)})
+            if not r.node.is_leaf:
+                cid, k = self.where[(id(r.node), r.index)]
+                source[pos] = (keys[cid], k)
+            elif isinstance(r.node.cell.value, ValueRef):
+                source[pos] = (r.node.cell.value.future, r.node.cell.value.index)
+            else:
+                out[pos] = r.node.cell.value
+        if runtime is None:  # no futures exist without a runtime: every source is a task key
+            want = sorted({key for key, _ in source.values()})
             results = dict(zip(want, _local_get(layers, want)))
-            for pos, loc in located.items():
-                out[pos] = results[keys[loc[0]]][loc[1]]
+            for pos, (key, k) in source.items():
+                out[pos] = results[key][k]
             return out
-        import operator
-
-        get_keys, keep_keys = {}, set()
-        for pos, loc in located.items():
-            if isinstance(loc, ValueRef):
-                src, k = loc.future, loc.index
-            else:
-                src, k = keys[loc[0]], loc[1]
+        # Fetched values come back through small getitem tasks next to their data; the rest stay.
+        fetch_keys = {}
+        for pos, (src, k) in source.items():
             if pos in fetch:
-                gk = f"tg-fetch-{pos}-{keys[0] if keys else 'leaf'}"
-                layers["cpu"][gk] = (operator.getitem, src, k)
-                get_keys[pos] = gk
-            else:
-                keep_keys.add(src)
-        want = sorted(keep_keys) + list(get_keys.values())
+                fetch_keys[pos] = f"tg-fetch-{pos}-{keys[0] if keys else self.structure}"
+                layers["cpu"][fetch_keys[pos]] = (operator.getitem, src, k) if k is not None else src
+        kept = sorted({src for pos, (src, _) in source.items() if pos not in fetch and isinstance(src, str)})
+        want = kept + list(fetch_keys.values())
         futures = dict(zip(want, runtime.submit_layers(layers, want)))
-        fetched = runtime.client.gather([futures[k] for k in get_keys.values()])
-        for pos, val in zip(get_keys, fetched):
+        for pos, val in zip(fetch_keys, runtime.client.gather([futures[k] for k in fetch_keys.values()])):
             out[pos] = val
-        for pos, loc in located.items():
+        for pos, (src, k) in source.items():
             if pos not in fetch:
-                out[pos] = ValueRef(futures[keys[loc[0]]], loc[1])
+                out[pos] = ValueRef(futures[src], k) if isinstance(src, str) else ValueRef(src, k)
         return out
 
 
