@@ -7,19 +7,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import Cost
+from tilegraph._graph import Cost, xp_of  # noqa: F401 - xp_of is used by the op modules
 from tilegraph._tensor import TileTensor, Tiling
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-def xp_of(x):
-    """NumPy or CuPy, whichever ``x`` belongs to (CuPy is never imported otherwise)."""
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
 
 
 def new_tensor(tiling: Tiling, dtype, fill: Callable[[tuple[int, ...]], object]) -> TileTensor:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Kernel", "Node", "TileRef", "Cell", "kernel", "get_kernel", "Cost"]
+__all__ = ["Kernel", "Node", "TileRef", "Cell", "kernel", "get_kernel", "Cost", "xp_of"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,15 @@ class Cost:
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+def xp_of(x):
+    """NumPy or CuPy, whichever ``x`` belongs to (CuPy is never imported otherwise)."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
 
 
 _KERNELS: dict[str, "Kernel"] = {}

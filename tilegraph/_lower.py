@@ -131,7 +131,6 @@ def kernel_stats(reset: bool = False) -> dict:
 def run_cluster(bound: Bound, *args):
     """Run one fused task: its kernels in order, returning the values other tasks need."""
     t_start = time.perf_counter()
-    in_kernels = 0.0
     by_kernel: dict[str, float] = {}
     prog = bound.prog
     regs: list[Any] = [None] * prog.n_regs
@@ -143,7 +142,6 @@ def run_cluster(bound: Bound, *args):
         try:
             res = fn(*[regs[i] for i in ins], **params)
             dt = time.perf_counter() - t0
-            in_kernels += dt
             by_kernel[kern.name] = by_kernel.get(kern.name, 0.0) + dt
         except Exception as e:  # say which op failed; the traceback keeps the cause
             e.add_note(f"in tile kernel {kern.name!r} of op {op!r}")
@@ -160,7 +158,7 @@ def run_cluster(bound: Bound, *args):
             regs[r] = None
     out = tuple(regs[r] for r in prog.out_regs)
     with _STATS_LOCK:
-        _STATS["kernel_seconds"] += in_kernels
+        _STATS["kernel_seconds"] += sum(by_kernel.values())
         _STATS["task_seconds"] += time.perf_counter() - t_start
         _STATS["tasks"] += 1
         for name, dt in by_kernel.items():

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, TileRef, leaf
+from tilegraph._graph import Cell, TileRef, leaf, xp_of
 
 __all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array"]
 
@@ -250,10 +250,11 @@ def tensor_from_cells(tiling: Tiling, dtype, cells: np.ndarray, name: str | None
     return TileTensor(tiling, dtype, grid, name=name)
 
 
-def _split(array, tiling: Tiling) -> np.ndarray:
+def split_into_cells(array, tiling: Tiling) -> np.ndarray:
+    """One cell per tile, each holding a C-ordered copy of that tile of ``array``."""
     from dask.base import tokenize  # content hash: the same data gives the same task keys
 
-    xp = np if isinstance(array, np.ndarray) else __import__(type(array).__module__.split(".")[0])
+    xp = xp_of(array)
     cells = np.empty(tiling.grid, dtype=object)
     for idx in np.ndindex(*tiling.grid):
         # a copy: later changes to the caller's array must not reach the graph (and 0-d stays 0-d)
@@ -271,7 +272,7 @@ def from_numpy(array, tiles=None, *, name: str | None = None) -> TileTensor:
     if not hasattr(array, "shape") or not hasattr(array, "dtype"):
         array = np.asarray(array)
     tiling = Tiling.from_sizes(array.shape, tiles, where="tilegraph.from_numpy")
-    return tensor_from_cells(tiling, array.dtype, _split(array, tiling), name=name)
+    return tensor_from_cells(tiling, array.dtype, split_into_cells(array, tiling), name=name)
 
 
 def from_dask_array(x, *, name: str | None = None) -> TileTensor:

@@ -55,15 +55,10 @@ class TrainStep:
         self._cache: dict[tuple, _Recorded] = {}
         self.last: StepStats | None = None
 
-    def _tiles_for(self, i: int, arr: np.ndarray):
-        if self.batch_tiles is None:
-            return None
-        return self.batch_tiles[i]
-
     def _record(self, batch: Sequence[np.ndarray]) -> _Recorded:
         inputs, tensors = [], []
         for i, a in enumerate(batch):
-            tiling = Tiling.from_sizes(a.shape, self._tiles_for(i, a), where=f"tilegraph.TrainStep batch[{i}]")
+            tiling = Tiling.from_sizes(a.shape, None if self.batch_tiles is None else self.batch_tiles[i], where=f"tilegraph.TrainStep batch[{i}]")
             cells = np.empty(tiling.grid, dtype=object)
             for idx in np.ndindex(*tiling.grid):
                 shape = tiling.tile_shape(idx)
@@ -84,31 +79,31 @@ class TrainStep:
     def signature(self, batch) -> tuple:
         return tuple((a.shape, str(a.dtype)) for a in batch)
 
+    def _lookup(self, batch) -> tuple[_Recorded, bool]:
+        """The recorded step for this batch signature, and whether it was recorded just now."""
+        key = self.signature(batch)
+        rec = self._cache.get(key)
+        if rec is not None:
+            return rec, False
+        rec = self._cache[key] = self._record(batch)
+        return rec, True
+
     def plan(self, *batch) -> Executable:
         """The cached executable for this batch signature (recorded on first use)."""
-        batch = [np.asarray(a) for a in batch]
-        key = self.signature(batch)
-        if key not in self._cache:
-            self._cache[key] = self._record(batch)
-        return self._cache[key].exe
+        return self._lookup([np.asarray(a) for a in batch])[0].exe
 
     def __call__(self, *batch) -> float:
         t0 = time.perf_counter()
         batch = [np.asarray(a) for a in batch]
-        key = self.signature(batch)
-        rec = self._cache.get(key)
-        recorded = rec is None
-        if recorded:
-            rec = self._cache[key] = self._record(batch)
+        rec, recorded = self._lookup(batch)
         t1 = time.perf_counter()
         for i, (a, (tiling, cells)) in enumerate(zip(batch, rec.inputs)):
             # The step number makes keys unique; hashing the batch would cost ~1 ms per MB, every step.
             token = f"batch{i}-{id(self):x}-step{self.optimizer.step_count + 1}"
             for idx in np.ndindex(*tiling.grid):
                 cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"{token}-{idx}")
-        runtime = rec.exe.runtime
-        if runtime is not None and recorded:
-            runtime.scatter_cells(rec.assignments)  # parameters and state move to the workers once
+        if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
+            rec.exe.runtime.scatter_cells(rec.assignments)
         self.optimizer.next_hyper()
         values = rec.exe.run(fetch=range(rec.n_fetch))
         loss = float(np.asarray(values[0]).reshape(()))

@@ -20,8 +20,7 @@ import numpy as np
 
 from tilegraph import ops
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell
-from tilegraph._tensor import TileTensor, Tiling, tensor_from_cells
+from tilegraph._tensor import TileTensor, Tiling, split_into_cells, tensor_from_cells
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "CausalSelfAttention",
            "ModuleList"]
@@ -36,12 +35,7 @@ class Parameter(TileTensor):
     def __init__(self, array: np.ndarray, tiles=None, *, name: str | None = None, requires_grad: bool = True):
         array = np.asarray(array)
         tiling = Tiling.from_sizes(array.shape, tiles, where=f"tilegraph.nn.Parameter({name or ''})")
-        from dask.base import tokenize
-
-        cells = np.empty(tiling.grid, dtype=object)
-        for idx in np.ndindex(*tiling.grid):
-            tile = np.array(array[tiling.slices(idx)], order="C")
-            cells[idx] = Cell(tile, tile.shape, tile.dtype, token=f"param-{tokenize(tile)}")
+        cells = split_into_cells(array, tiling)
         t = tensor_from_cells(tiling, array.dtype, cells, name=name)
         super().__init__(t.tiling, t.dtype, t.grid, name=name)
         self.cells = cells
@@ -245,17 +239,12 @@ class CausalSelfAttention(Module):
         rng = _rng(seed)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.rope, self.rope_base = rope, rope_base
+        # The kv width is a whole number of heads, so its tiles (a multiple of head_dim, or the
+        # whole width when the tile is larger) hold whole heads too.
         kv = n_kv_heads * self.head_dim
-        kv_tile = None if tile is None else min(tile, kv)
         self.q = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng)
         self.k = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng)
         self.v = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng)
-        if kv_tile != tile:  # the kv projections' output tiles must hold whole heads as well
-            self.k.weight = Parameter(compute_np(self.k.weight), (tile, kv_tile), name="weight")
-            self.v.weight = Parameter(compute_np(self.v.weight), (tile, kv_tile), name="weight")
-            if bias:
-                self.k.bias = Parameter(compute_np(self.k.bias), (kv_tile,), name="bias")
-                self.v.bias = Parameter(compute_np(self.v.bias), (kv_tile,), name="bias")
         self.o = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng)
 
     def _heads(self, x: TileTensor, n: int) -> TileTensor:
@@ -274,10 +263,3 @@ class CausalSelfAttention(Module):
         y = ops.reshape(ops.transpose(y, 1, 2), (b, t, c))
         return self.o(y)
 
-
-def compute_np(p: Parameter) -> np.ndarray:
-    """Current value of a parameter that still lives on the client."""
-    out = np.empty(p.shape, p.dtype)
-    for idx in np.ndindex(*p.tiling.grid):
-        out[p.tiling.slices(idx)] = p.cells[idx].value
-    return out

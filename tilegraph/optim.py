@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf
+from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, xp_of
 from tilegraph._tensor import TileTensor
 from tilegraph.nn import Parameter
 
@@ -56,7 +56,7 @@ def _sumsq_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 
 @kernel("sumsq", cost=_sumsq_cost)
 def _sumsq(*tiles):
-    xp = np if not type(tiles[0]).__module__.startswith("cupy") else __import__("cupy")
+    xp = xp_of(tiles[0])
     total = 0.0
     for t in tiles:
         total += float(xp.vdot(t.ravel(), t.ravel()).real)
