@@ -74,6 +74,10 @@ def test_gpu_annotated_tasks_run_only_on_the_gpu_worker(emulated_gpu):
         ran = {t["key"]: t["worker"] for t in ts.data}
         gpu_ran = {k: w for k, w in ran.items() if k in gpu_keys}
         assert gpu_ran and set(gpu_ran.values()) == gpu_workers
+        # and every CPU task asked for the CPU resource, which only the other worker offers
+        assert rt.cpu_resource and set(layers["cpu"]) and len(layers["cpu"]) == len(keys) - len(gpu_keys)
+        cpu_ran = {k: w for k, w in ran.items() if k in layers["cpu"]}
+        assert cpu_ran and set(cpu_ran.values()).isdisjoint(gpu_workers)
     want = tg.compute(loss, *grads)
     for v, w in zip(values[:1], want[:1]):
         np.testing.assert_allclose(np.asarray(v).reshape(()), w, rtol=1e-10)

@@ -126,3 +126,61 @@ def test_op_input_errors(rng):
         a * tg.from_numpy(rng.standard_normal((4, 6)).astype(np.float32), (2, 3))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.add\] dim 1 must have the same tiles"):
         a + tg.from_numpy(rng.standard_normal((4, 6)), (2, 2))
+
+
+_ACTIVE = {"now": 0, "max": 0, "threads": set()}
+_ACTIVE_LOCK = __import__("threading").Lock()
+
+
+def _slow_cost(in_shapes, out_shapes, itemsize, params):
+    from tilegraph._graph import Cost
+
+    return Cost(6e9, 0.0)  # ~0.1 s at the cost model's CPU speed
+
+
+@kernel("test_sleepy", cost=_slow_cost)
+def _sleepy(x, *, fail=False):
+    import threading
+    import time
+
+    with _ACTIVE_LOCK:
+        _ACTIVE["now"] += 1
+        _ACTIVE["max"] = max(_ACTIVE["max"], _ACTIVE["now"])
+        _ACTIVE["threads"].add(threading.get_ident())
+    try:
+        time.sleep(0.05)
+        if fail:
+            raise ValueError("boom")
+        return x + 1.0
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE["now"] -= 1
+
+
+def _sleepy_graph(rng, fail_at=None):
+    x = tg.from_numpy(rng.standard_normal((8, 3)), (1, 3))  # 8 independent tiles
+    return x, new_tensor(x.tiling, x.dtype, lambda idx: emit1(
+        _sleepy, [x.grid[idx]], x.grid[idx].shape, x.dtype, op="sleepy", fail=idx[0] == fail_at))
+
+
+def test_one_task_runs_independent_kernels_on_the_process_threads(rng, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)  # the local scheduler's process: 3 threads
+    _ACTIVE.update(now=0, max=0, threads=set())
+    x, y = _sleepy_graph(rng)
+    exe = tg.compile([y], target_seconds=10.0)
+    assert exe.n_tasks == 1 and exe.plans[0].prog.threads == 3
+    got = tg.compute(y, target_seconds=10.0)[0]
+    assert _ACTIVE["max"] == 3 and len(_ACTIVE["threads"]) == 3  # never more kernels than threads
+    np.testing.assert_array_equal(got, x.numpy() + 1.0)
+
+
+def test_a_failing_kernel_in_a_parallel_task_names_its_op(rng, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    _, y = _sleepy_graph(rng, fail_at=5)
+    with pytest.raises(ValueError, match="boom") as info:
+        tg.compute(y, target_seconds=10.0)
+    assert any("in tile kernel 'test_sleepy' of op 'sleepy'" in n for n in info.value.__notes__)

@@ -72,3 +72,35 @@ def test_one_and_two_workers_agree():
             assert step.last.tasks > 4
             results.append(losses)
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+
+
+def _accum_run(k, runtime=None, steps=3):
+    x, y = _data(n=64)
+    model = tg.nn.MLP(16, 32, out_dim=4, tile=8, seed=1)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2, clip_grad_norm=0.5)
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(8, 8), (8, None)], accum_steps=k, runtime=runtime)
+    losses = [step(x[16 * i:16 * i + 32], y[16 * i:16 * i + 32]) for i in range(steps)]
+    with (runtime.as_current() if runtime else __import__("contextlib").nullcontext()):
+        return losses, model.state_dict(), step
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_gradient_accumulation_matches_one_big_batch(k):
+    want, want_state, _ = _accum_run(1)
+    got, state, step = _accum_run(k)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name, v in want_state.items():
+        np.testing.assert_allclose(state[name], v, rtol=2e-5, atol=1e-6, err_msg=name)
+    assert step.optimizer.step_count == 3  # one update per call, not per micro-batch
+    with pytest.raises(tg.TileError, match=rf"batch\[0\]\] first dim must split into accum_steps={k} equal "
+                                           r"micro-batches; received: shape \(33, 16\)"):
+        step(np.ones((33, 16), np.float32), np.ones((33, 4), np.float32))
+
+
+@pytest.mark.distributed
+def test_gradient_accumulation_on_the_embedded_cluster(embedded_runtime):
+    want, want_state, _ = _accum_run(1)
+    got, state, _ = _accum_run(2, runtime=embedded_runtime)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name, v in want_state.items():
+        np.testing.assert_allclose(state[name], v, rtol=2e-5, atol=1e-6, err_msg=name)

@@ -69,14 +69,23 @@ class DaskKey:
 
 # -------------------------------------------------------------------------------- execution ----
 class Program:
-    """What one fused task runs: a straight-line list of kernel calls over registers."""
+    """What one fused task runs: kernel calls over registers, in a valid order.
 
-    __slots__ = ("ops", "n_ext", "n_regs", "out_regs", "device", "array_module", "label")
+    ``ops[k] = (kernel, params, input regs, output regs, output metas, regs freed after it, op)``.
+    With ``threads > 1`` the task runs its kernels on that many threads of its worker process as
+    their inputs become ready (``deps``/``succs`` give the dependencies between the task's ops,
+    ``uses`` how many ops read each register); otherwise it runs them one after another.
+    """
 
-    def __init__(self, ops, n_ext, n_regs, out_regs, device, array_module, label):
+    __slots__ = ("ops", "n_ext", "n_regs", "out_regs", "device", "array_module", "label", "threads",
+                 "deps", "succs", "uses")
+
+    def __init__(self, ops, n_ext, n_regs, out_regs, device, array_module, label, threads=1,
+                 deps=(), succs=(), uses=()):
         self.ops = ops
         self.n_ext, self.n_regs, self.out_regs = n_ext, n_regs, out_regs
         self.device, self.array_module, self.label = device, array_module, label
+        self.threads, self.deps, self.succs, self.uses = threads, deps, succs, uses
 
     def __getstate__(self):
         return tuple(getattr(self, s) for s in self.__slots__)
@@ -118,8 +127,9 @@ _STATS_LOCK = threading.Lock()
 
 
 def kernel_stats(reset: bool = False) -> dict:
-    """This process's counters: kernel seconds (also ``by_kernel`` name), task seconds, tasks run.
-    See Runtime.kernel_stats for the sum over a cluster's workers."""
+    """This process's counters: kernel seconds (also ``by_kernel`` name), task seconds (wall time
+    times the threads a task held), tasks run. See Runtime.kernel_stats for the sum over a
+    cluster's workers."""
     with _STATS_LOCK:
         out = dict(_STATS, by_kernel=dict(_BY_KERNEL))
         if reset:
@@ -128,38 +138,138 @@ def kernel_stats(reset: bool = False) -> dict:
     return out
 
 
+def _call(op, regs: list, device: str) -> tuple[tuple, float]:
+    """Run one kernel call on its input registers; returns (output values, seconds)."""
+    kern, params, ins, outs, metas, _, name = op
+    fn = kern.impl(device)
+    t0 = time.perf_counter()
+    try:
+        res = fn(*[regs[i] for i in ins], **params)
+    except Exception as e:  # say which op failed; the traceback keeps the cause
+        e.add_note(f"in tile kernel {kern.name!r} of op {name!r}")
+        raise
+    dt = time.perf_counter() - t0
+    if len(outs) == 1:
+        res = (res,)
+    for val, (shape, dtype) in zip(res, metas):
+        if val.shape != shape or val.dtype != dtype:
+            raise TileError(f"tile kernel {kern.name} of op {name}",
+                            f"computed tile does not match its declared meta {shape} {dtype}",
+                            f"{val.shape} {val.dtype}")
+    return res, dt
+
+
+_POOL = None
+_SLOTS: dict[int, threading.BoundedSemaphore] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool_and_slots(threads: int):
+    """This process's kernel threads, and a semaphore letting at most ``threads`` kernels run at
+    once however many fused tasks Dask runs side by side on the worker."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tilegraph-kernel")
+        if threads not in _SLOTS:
+            _SLOTS[threads] = threading.BoundedSemaphore(threads)
+        return _POOL, _SLOTS[threads]
+
+
+class _ParallelRun:
+    """One task's kernels run by several threads, each taking the ready kernel that comes first in
+    the program's order (the planner's priority) until all are done or one failed."""
+
+    def __init__(self, prog: Program, regs: list, slots):
+        import heapq
+
+        self.prog, self.regs, self.slots = prog, regs, slots
+        self.pending = list(prog.deps)
+        self.uses = list(prog.uses)
+        self.keep = set(prog.out_regs)
+        self.ready = [k for k, d in enumerate(prog.deps) if d == 0]
+        heapq.heapify(self.ready)
+        self.left = len(prog.ops)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.by_kernel: dict[str, float] = {}
+
+    def work(self) -> None:
+        import heapq
+
+        prog, regs, cond = self.prog, self.regs, self.cond
+        while True:
+            with cond:
+                while not self.ready and self.left and self.error is None:
+                    cond.wait()
+                if not self.left or self.error is not None:
+                    return
+                k = heapq.heappop(self.ready)
+            op = prog.ops[k]
+            try:
+                with self.slots:
+                    res, dt = _call(op, regs, prog.device)
+            except BaseException as e:
+                with cond:
+                    if self.error is None:
+                        self.error = e
+                    cond.notify_all()
+                return
+            with cond:
+                for r, val in zip(op[3], res):
+                    regs[r] = val
+                for r in set(op[2]):
+                    self.uses[r] -= 1
+                    if not self.uses[r] and r not in self.keep:
+                        regs[r] = None
+                name = op[0].name
+                self.by_kernel[name] = self.by_kernel.get(name, 0.0) + dt
+                woken = 0
+                for s in prog.succs[k]:
+                    self.pending[s] -= 1
+                    if not self.pending[s]:
+                        heapq.heappush(self.ready, s)
+                        woken += 1
+                self.left -= 1
+                if not self.left:
+                    cond.notify_all()
+                elif woken > 1:  # this thread takes one of them itself
+                    cond.notify(woken - 1)
+
+
 def run_cluster(bound: Bound, *args):
-    """Run one fused task: its kernels in order, returning the values other tasks need."""
+    """Run one fused task: its kernels (in order, or on the worker's threads), returning the values
+    other tasks need."""
     t_start = time.perf_counter()
-    by_kernel: dict[str, float] = {}
     prog = bound.prog
     regs: list[Any] = [None] * prog.n_regs
     for r, (a, idx) in enumerate(zip(args, bound.ext_index)):
         regs[r] = _to_device(a if idx is None else a[idx], prog.device, prog.array_module)
-    for kern, params, ins, outs, metas, free, op in prog.ops:
-        fn = kern.impl(prog.device)
-        t0 = time.perf_counter()
-        try:
-            res = fn(*[regs[i] for i in ins], **params)
-            dt = time.perf_counter() - t0
-            by_kernel[kern.name] = by_kernel.get(kern.name, 0.0) + dt
-        except Exception as e:  # say which op failed; the traceback keeps the cause
-            e.add_note(f"in tile kernel {kern.name!r} of op {op!r}")
-            raise
-        if len(outs) == 1:
-            res = (res,)
-        for r, val, (shape, dtype) in zip(outs, res, metas):
-            if val.shape != shape or val.dtype != dtype:
-                raise TileError(f"tile kernel {kern.name} of op {op}",
-                                f"computed tile does not match its declared meta {shape} {dtype}",
-                                f"{val.shape} {val.dtype}")
-            regs[r] = val
-        for r in free:
-            regs[r] = None
+    held = min(prog.threads, len(prog.ops))  # threads this task keeps busy
+    if held > 1:
+        pool, slots = _pool_and_slots(prog.threads)
+        run = _ParallelRun(prog, regs, slots)
+        for _ in range(held - 1):
+            pool.submit(run.work)
+        run.work()
+        if run.error is not None:
+            raise run.error
+        by_kernel = run.by_kernel
+    else:
+        by_kernel: dict[str, float] = {}
+        for op in prog.ops:
+            res, dt = _call(op, regs, prog.device)
+            by_kernel[op[0].name] = by_kernel.get(op[0].name, 0.0) + dt
+            for r, val in zip(op[3], res):
+                regs[r] = val
+            for r in op[5]:
+                regs[r] = None
     out = tuple(regs[r] for r in prog.out_regs)
     with _STATS_LOCK:
         _STATS["kernel_seconds"] += sum(by_kernel.values())
-        _STATS["task_seconds"] += time.perf_counter() - t_start
+        _STATS["task_seconds"] += (time.perf_counter() - t_start) * max(held, 1)
         _STATS["tasks"] += 1
         for name, dt in by_kernel.items():
             _BY_KERNEL[name] = _BY_KERNEL.get(name, 0.0) + dt
@@ -206,17 +316,25 @@ def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
 
 
 class Cluster:
-    __slots__ = ("id", "device", "proc", "nodes", "seconds", "open")
+    __slots__ = ("id", "device", "proc", "threads", "nodes", "seconds", "open")
 
-    def __init__(self, cid: int, device: str, proc: int):
-        self.id, self.device, self.proc = cid, device, proc
+    def __init__(self, cid: int, device: str, proc: int, threads: int = 1):
+        self.id, self.device, self.proc, self.threads = cid, device, proc, threads
         self.nodes: list[Node] = []
         self.seconds = 0.0
         self.open = True
 
 
-def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, fuse: bool) -> tuple[list[Cluster], dict[int, Cluster]]:
-    """Group placed nodes (in topological order) into acyclic clusters.
+def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: float,
+                  fuse: bool) -> tuple[list[Cluster], dict[int, Cluster]]:
+    """Group placed nodes (in a topological order) into acyclic clusters, one Dask task each.
+
+    ``groups`` gives, per device class, the threads of each worker process. A list-scheduling
+    simulation puts every node on the thread where it can start first; the nodes a process runs
+    form its open cluster, which runs them on the process's threads as one task. A value is ready
+    on another thread of the same open cluster when its node finishes, anywhere else only when its
+    cluster's task has finished plus a Dask hop (``config.hop_seconds``). A cluster closes once its
+    estimated wall time passes ``target`` or when another cluster needs one of its values.
 
     A cluster only ever gains dependencies on clusters that are already closed, and every cluster
     closes after those it depends on, so the cluster graph is acyclic by construction.
@@ -231,51 +349,52 @@ def cluster_nodes(nodes: Sequence[Node], procs: dict[str, int], target: float, f
             clusters.append(c)
             of[id(n)] = c
         return clusters, of
-    # Use only as many parallel streams as there is work for: a graph with less than a target's
-    # worth of work per extra stream runs faster as fewer, larger tasks.
-    total = {dev: 0.0 for dev in procs}
+    # Use only as many processes as there is work for: a graph with less than a target's worth of
+    # work per extra process runs faster as fewer, larger tasks.
+    total = {dev: 0.0 for dev in groups}
     for n in nodes:
         total[n.device] += est_seconds(n)
-    free_at = {dev: [0.0] * max(1, min(p, int(total[dev] / target))) for dev, p in procs.items()}
-    open_on: dict[tuple[str, int], Cluster | None] = {}
+    free_at = {dev: [[0.0] * t for t in threads[:max(1, min(len(threads), int(total[dev] / target)))]]
+               for dev, threads in groups.items()}
+    open_on: dict[tuple[str, int], Cluster] = {}
     finish: dict[int, float] = {}
-    end: dict[int, float] = {}  # cluster id -> finish time of its last node so far
+    end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
     hop = config.hop_seconds
+
+    def ready_time(inputs, cur) -> float:
+        return max((f if c is cur else end[c.id] + hop for c, f in inputs), default=0.0)
+
     for n in nodes:
         dev = n.device
         t = est_seconds(n)
-        frees = free_at[dev]
         inputs = [(of[id(i.node)], finish[id(i.node)]) for i in n.inputs if id(i.node) in of]
-        # Earliest start on each processor: a value made on the same processor is ready when its
-        # node finishes; one from elsewhere waits for its whole task to finish, plus a Dask hop.
         starts = []
-        for p, free in enumerate(frees):
-            ready = 0.0
-            for c, f in inputs:
-                ready = max(ready, f if (c.device == dev and c.proc == p) else end[c.id] + hop)
-            starts.append(max(ready, free))
-        best = min(range(len(frees)), key=lambda p: (starts[p], p))
-        # Ties go to the processor of the latest input: chains stay in one task.
+        for g, frees in enumerate(free_at[dev]):
+            cur = open_on.get((dev, g))
+            starts.append(max(ready_time(inputs, cur if cur is not None and cur.open else None), min(frees)))
+        best = min(range(len(starts)), key=lambda g: (starts[g], g))
+        # Ties go to the process of the latest input: chains stay in one task.
         last = max(((c, f) for c, f in inputs if c.device == dev), key=lambda cf: cf[1], default=None)
-        if last is not None and starts[last[0].proc] <= starts[best]:
+        if last is not None and last[0].proc < len(starts) and starts[last[0].proc] <= starts[best]:
             best = last[0].proc
-        for c, _ in inputs:
-            if c.open and (c.device != dev or c.proc != best):
-                c.open = False
-                if open_on.get((c.device, c.proc)) is c:
-                    open_on[(c.device, c.proc)] = None
         cur = open_on.get((dev, best))
-        if cur is None or not cur.open or (cur.seconds > 0 and cur.seconds + t > target):
+        for c, _ in inputs:
+            if c.open and c is not cur:
+                c.open = False
+        frees = free_at[dev][best]
+        if cur is None or not cur.open or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target):
             if cur is not None:
                 cur.open = False
-            cur = Cluster(len(clusters), dev, best)
+            cur = Cluster(len(clusters), dev, best, len(frees))
             clusters.append(cur)
             open_on[(dev, best)] = cur
+        thread = min(range(len(frees)), key=frees.__getitem__)
+        start = max(ready_time(inputs, cur), frees[thread])
         cur.nodes.append(n)
         cur.seconds += t
         of[id(n)] = cur
-        finish[id(n)] = end[cur.id] = starts[best] + t
-        frees[best] = starts[best] + t
+        finish[id(n)] = frees[thread] = start + t
+        end[cur.id] = max(end.get(cur.id, 0.0), start + t)
     return clusters, of
 
 
@@ -304,10 +423,12 @@ class Executable:
         nodes = topo_order(self.roots)
         self.leaves = [n for n in nodes if n.is_leaf]
         work = [n for n in nodes if not n.is_leaf]
-        procs = runtime.processors() if runtime is not None else {"cpu": os.cpu_count() or 1, "gpu": 0}
-        place(work, placement, procs.get("gpu", 0) > 0)
-        procs = {"cpu": max(1, procs.get("cpu", 1)), "gpu": max(1, procs.get("gpu", 0))}
-        self.clusters, of = cluster_nodes(by_upward_rank(work), procs, target, fuse)
+        # Threads of each worker process; without a runtime, Dask's local threaded scheduler runs
+        # in this one process.
+        groups = runtime.worker_threads() if runtime is not None else {"cpu": [os.cpu_count() or 1], "gpu": []}
+        place(work, placement, len(groups.get("gpu", ())) > 0)
+        groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
+        self.clusters, of = cluster_nodes(by_upward_rank(work), groups, target, fuse)
         self.n_nodes = len(work)
 
         # Which values leave their cluster (consumed elsewhere, or wanted by the caller).
@@ -364,8 +485,20 @@ class Executable:
         for step, (n, ins, outs) in enumerate(body):
             free = tuple(r for r in set(ins) if last_use[r] == step and r not in keep)
             ops.append((n.kernel, n.params, tuple(ins), tuple(outs), n.out_meta, free, n.op))
+        # Dependencies between the task's own ops, for running them on several threads.
+        made_by = {r: step for step, (_, _, outs) in enumerate(body) for r in outs}
+        uses = [0] * n_regs
+        deps, succs = [], [[] for _ in body]
+        for step, (_, ins, _) in enumerate(body):
+            producers = {made_by[r] for r in ins if r in made_by}
+            for p in sorted(producers):
+                succs[p].append(step)
+            deps.append(len(producers))
+            for r in set(ins):
+                uses[r] += 1
         label = c.nodes[0].op
-        prog = Program(tuple(ops), len(ext), n_regs, out_regs, c.device, array_module, label)
+        prog = Program(tuple(ops), len(ext), n_regs, out_regs, c.device, array_module, label,
+                       c.threads if c.device == "cpu" else 1, tuple(deps), tuple(map(tuple, succs)), tuple(uses))
         return _Plan(prog, ext, outputs, c.device)
 
     @staticmethod
@@ -453,12 +586,13 @@ class Executable:
     def root_location(self, ref: TileRef) -> tuple[int, int] | None:
         return self.where.get((id(ref.node), ref.index))
 
-    def run(self, runtime=None, fetch: Sequence[int] | None = None) -> list[Any]:
+    def run(self, runtime=None, fetch: Sequence[int] | None = None, wait: bool = True) -> list[Any]:
         """Run once and return the value of each root.
 
         Roots listed in ``fetch`` (default: all) come back as arrays; on a distributed runtime the
         others stay on the workers as :class:`ValueRef` (a future plus a tuple index), so only
-        what the caller asked for crosses to the client.
+        what the caller asked for crosses to the client. With ``wait=False`` the fetched roots
+        come as futures of their values (gather them later) and the call returns at once.
         """
         import operator
 
@@ -491,7 +625,8 @@ class Executable:
         kept = sorted({src for pos, (src, _) in source.items() if pos not in fetch and isinstance(src, str)})
         want = kept + list(fetch_keys.values())
         futures = dict(zip(want, runtime.submit_layers(layers, want)))
-        for pos, val in zip(fetch_keys, runtime.client.gather([futures[k] for k in fetch_keys.values()])):
+        fetched = [futures[k] for k in fetch_keys.values()]
+        for pos, val in zip(fetch_keys, runtime.client.gather(fetched) if wait else fetched):
             out[pos] = val
         for pos, (src, k) in source.items():
             if pos not in fetch:

@@ -29,7 +29,7 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True) -> int:
 
     # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
     gpus = _visible_gpus()
-    options = {"resources": {"GPU": 1}} if gpus else {}
+    options = {"resources": {"GPU": 1} if gpus else {"CPU": 1}}
     initialize(interface=interface, nthreads=1, worker_options=options, dashboard=comm.Get_rank() == 0,
                exit=True)
     return comm.Get_size() - 2

@@ -33,10 +33,13 @@ class Runtime:
         self.cluster = cluster
         self.mpi = mpi
         self.closed = False
+        #: whether CPU workers declare a "CPU" resource; CPU tasks then ask for {"CPU": 1}
+        self.cpu_resource = False
         try:
             client.register_plugin(_malloc_plugin())
         except Exception as e:  # a scheduler that refuses plugins still works, only slower
             logging.getLogger("tilegraph").warning("could not tune worker malloc: %s", e)
+        self.worker_threads()  # learn the workers' resources (plans refresh it)
         if make_current:
             _CURRENT.append(self)
 
@@ -62,13 +65,26 @@ class Runtime:
 
     def processors(self) -> dict[str, int]:
         """Worker threads per device class (a worker with a GPU resource counts as GPU)."""
-        cpu = gpu = 0
-        for w in self.workers().values():
-            if w.get("resources", {}).get("GPU"):
-                gpu += int(w["resources"]["GPU"])
-            else:
-                cpu += int(w.get("nthreads", 1))
-        return {"cpu": cpu, "gpu": gpu}
+        return {dev: sum(threads) for dev, threads in self.worker_threads().items()}
+
+    def worker_threads(self) -> dict[str, list[int]]:
+        """Threads of each worker process per device class: a worker with ``{"GPU": n}`` counts as
+        n single-stream GPU processors, any other worker as one CPU process with its threads.
+
+        Workers tilegraph starts (embedded, MPI) declare ``{"CPU": threads}`` and CPU tasks then
+        ask for ``{"CPU": 1}``; on a cluster whose workers declare no CPU resource, CPU tasks carry
+        no restriction (a restriction nobody offers would leave them waiting forever).
+        """
+        workers = [w for _, w in sorted(self.workers().items())]
+        self.cpu_resource = any(w.get("resources", {}).get("CPU") for w in workers)
+        out: dict[str, list[int]] = {"cpu": [], "gpu": []}
+        for w in workers:
+            res = w.get("resources", {})
+            if res.get("GPU"):
+                out["gpu"].extend([1] * int(res["GPU"]))
+            elif res.get("CPU") or not self.cpu_resource:
+                out["cpu"].append(int(w.get("nthreads", 1)))
+        return out
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self.workers())} workers"
@@ -87,7 +103,8 @@ class Runtime:
                 deps[name] = set()
         below = set(parts)
         if layers.get("cpu"):
-            parts["cpu"] = MaterializedLayer(layers["cpu"])
+            parts["cpu"] = MaterializedLayer(layers["cpu"], annotations={"resources": {"CPU": 1}}
+                                             if self.cpu_resource else None)
             deps["cpu"] = set(below)
         if layers.get("gpu"):
             parts["gpu"] = MaterializedLayer(layers["gpu"], annotations={"resources": {"GPU": 1}})
@@ -148,9 +165,8 @@ def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit) -> dict:
 
     spec = {}
     for i in range(n_workers):
-        opts: dict[str, Any] = {"nthreads": threads, "memory_limit": memory_limit}
-        if i < gpu:
-            opts["resources"] = {"GPU": 1}
+        opts: dict[str, Any] = {"nthreads": threads, "memory_limit": memory_limit,
+                                "resources": {"GPU": 1} if i < gpu else {"CPU": threads}}
         spec[f"{'gpu' if i < gpu else 'cpu'}-{i}"] = {"cls": Nanny, "options": opts}
     return spec
 

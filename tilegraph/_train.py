@@ -44,18 +44,30 @@ class TrainStep:
     only the loss (and the gradient norm when clipping) come back.
 
     ``batch_tiles`` gives tile sizes for each batch input (one tuple per input; None: one tile).
+
+    With ``accum_steps=k`` each batch input is split along its first dim into k micro-batches that
+    run one after another as separate graphs (k-1 that add their gradients into accumulators kept
+    next to the parameters, then one that adds the last and updates), so activations of only one
+    micro-batch exist at a time; the loss returned is the mean over the micro-batches. All k graphs
+    are submitted without waiting; the client waits once per optimizer step.
     """
 
     def __init__(self, model: Module, optimizer: Optimizer, loss_fn: Callable[..., TileTensor], *,
-                 batch_tiles: Sequence | None = None, runtime=None, **compile_options):
+                 batch_tiles: Sequence | None = None, runtime=None, accum_steps: int = 1, **compile_options):
+        if not isinstance(accum_steps, int) or accum_steps < 1:
+            raise TileError("tilegraph.TrainStep", "accum_steps must be an int >= 1", repr(accum_steps))
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.batch_tiles = batch_tiles
         self.runtime = runtime
+        self.accum_steps = accum_steps
         self.compile_options = compile_options
         self._cache: dict[tuple, _Recorded] = {}
+        self._acc_cells: list[np.ndarray] | None = None  # gradient accumulators, one cell per tile
         self.last: StepStats | None = None
 
-    def _record(self, batch: Sequence[np.ndarray]) -> _Recorded:
+    def _record(self, batch: Sequence[np.ndarray], kind: str) -> _Recorded:
+        """Record the step for one (micro-)batch. ``kind``: "step" (whole step), or with
+        accumulation "first" (acc = g/k), "add" (acc += g/k), "last" (update with acc + g/k)."""
         inputs, tensors = [], []
         for i, a in enumerate(batch):
             tiling = Tiling.from_sizes(a.shape, None if self.batch_tiles is None else self.batch_tiles[i], where=f"tilegraph.TrainStep batch[{i}]")
@@ -71,48 +83,99 @@ class TrainStep:
                             repr(loss))
         params = self.optimizer.params
         grads = grad(loss, params, allow_unused=False)
-        assignments, norm = self.optimizer.record(grads)
+        norm = None
+        if kind == "step":
+            assignments, norm = self.optimizer.record(grads)
+        else:
+            acc = self._accumulators()
+            scaled = [g * (1.0 / self.accum_steps) for g in grads]
+            if kind == "first":
+                new = scaled
+            else:
+                new = [a + g for a, g in zip(acc, scaled)]
+            if kind == "last":
+                assignments, norm = self.optimizer.record(new)
+            else:
+                assignments = [(c, r) for a, t in zip(self._acc_cells, new) for c, r in zip(a.flat, t.grid.flat)]
         roots = [loss.grid.flat[0]] + ([norm] if norm is not None else []) + [r for _, r in assignments]
         exe = Executable(roots, runtime=self.runtime, **self.compile_options)
         return _Recorded(exe, inputs, [c for c, _ in assignments], 1 + (norm is not None))
 
+    def _accumulators(self) -> list[TileTensor]:
+        if self._acc_cells is None:
+            self._acc_cells = []
+            for p in self.optimizer.params:
+                cells = np.empty(p.tiling.grid, dtype=object)
+                for idx in np.ndindex(*p.tiling.grid):
+                    cells[idx] = Cell(None, p.tiling.tile_shape(idx), p.dtype, token=f"acc-{id(self):x}-{p.name}-{idx}")
+                self._acc_cells.append(cells)
+        return [tensor_from_cells(p.tiling, p.dtype, cells, name=f"acc.{p.name}")
+                for p, cells in zip(self.optimizer.params, self._acc_cells)]
+
     def signature(self, batch) -> tuple:
         return tuple((a.shape, str(a.dtype)) for a in batch)
 
-    def _lookup(self, batch) -> tuple[_Recorded, bool]:
-        """The recorded step for this batch signature, and whether it was recorded just now."""
-        key = self.signature(batch)
+    def _lookup(self, batch, kind: str = "step") -> tuple[_Recorded, bool]:
+        """The recorded step for this batch signature and kind, and whether it was recorded just now."""
+        key = (kind, self.signature(batch))
         rec = self._cache.get(key)
         if rec is not None:
             return rec, False
-        rec = self._cache[key] = self._record(batch)
+        rec = self._cache[key] = self._record(batch, kind)
         return rec, True
 
+    def _micro_batches(self, batch: list[np.ndarray]) -> list[list[np.ndarray]]:
+        k = self.accum_steps
+        if k == 1:
+            return [batch]
+        for i, a in enumerate(batch):
+            if a.ndim == 0 or a.shape[0] % k:
+                raise TileError(f"tilegraph.TrainStep batch[{i}]",
+                                f"first dim must split into accum_steps={k} equal micro-batches", f"shape {a.shape}")
+        return [[a[j * (a.shape[0] // k):(j + 1) * (a.shape[0] // k)] for a in batch] for j in range(k)]
+
+    def _kinds(self) -> list[str]:
+        k = self.accum_steps
+        return ["step"] if k == 1 else ["first"] + ["add"] * (k - 2) + ["last"]
+
     def plan(self, *batch) -> Executable:
-        """The cached executable for this batch signature (recorded on first use)."""
-        return self._lookup([np.asarray(a) for a in batch])[0].exe
+        """The cached executable of the update for this batch signature (recorded on first use)."""
+        micro = self._micro_batches([np.asarray(a) for a in batch])
+        return self._lookup(micro[-1], self._kinds()[-1])[0].exe
 
     def __call__(self, *batch) -> float:
         t0 = time.perf_counter()
-        batch = [np.asarray(a) for a in batch]
-        rec, recorded = self._lookup(batch)
-        t1 = time.perf_counter()
-        for i, (a, (tiling, cells)) in enumerate(zip(batch, rec.inputs)):
-            # The step number makes keys unique; hashing the batch would cost ~1 ms per MB, every step.
-            token = f"batch{i}-{id(self):x}-step{self.optimizer.step_count + 1}"
-            for idx in np.ndindex(*tiling.grid):
-                cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"{token}-{idx}")
-        if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
-            rec.exe.runtime.scatter_cells(rec.assignments)
-        self.optimizer.next_hyper()
-        values = rec.exe.run(fetch=range(rec.n_fetch))
-        loss = float(np.asarray(values[0]).reshape(()))
+        micro = self._micro_batches([np.asarray(a) for a in batch])
+        record_seconds = 0.0
+        losses = []
+        step_no = self.optimizer.step_count + 1
+        for j, (mb, kind) in enumerate(zip(micro, self._kinds())):
+            t1 = time.perf_counter()
+            rec, recorded = self._lookup(mb, kind)
+            if recorded:
+                record_seconds += time.perf_counter() - t1
+            for i, (a, (tiling, cells)) in enumerate(zip(mb, rec.inputs)):
+                # The step number makes keys unique; hashing the batch would cost ~1 ms per MB, every step.
+                token = f"batch{i}-{id(self):x}-step{step_no}.{j}"
+                for idx in np.ndindex(*tiling.grid):
+                    cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"{token}-{idx}")
+            if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
+                rec.exe.runtime.scatter_cells(rec.assignments)
+            if kind in ("step", "last"):
+                self.optimizer.next_hyper()
+                values = rec.exe.run(fetch=range(rec.n_fetch))
+            else:  # the loss comes back later: the next micro-batch's graph follows at once
+                values = rec.exe.run(fetch=(0,), wait=False)
+            losses.append(values[0])
+            for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
+                cell.set(v)
+        if rec.exe.runtime is not None and any(not hasattr(v, "shape") for v in losses):
+            losses = rec.exe.runtime.client.gather(losses)
+        loss = float(np.mean([np.asarray(v).reshape(()) for v in losses]))
         norm = float(values[1][3]) if rec.n_fetch > 1 else None
-        for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
-            cell.set(v)
         self.last = StepStats(loss, norm, self.optimizer.schedule(self.optimizer.step_count),
-                              time.perf_counter() - t0, t1 - t0 if recorded else 0.0,
-                              rec.exe.n_tasks, rec.exe.n_nodes)
+                              time.perf_counter() - t0, record_seconds, rec.exe.n_tasks, rec.exe.n_nodes)
         if not np.isfinite(loss):
             raise FloatingPointError(f"[tilegraph.TrainStep] loss became {loss} at step {self.optimizer.step_count}")
         return loss
+
