@@ -1,1 +1,78 @@
-"""Model definitions (GPT-2, Llama) written on tilegraph.nn."""
+"""Model definitions (GPT-2, Llama) written on tilegraph.nn, forward only.
+
+Architecture configs are frozen dataclasses with named flavors; how tensors are tiled is a
+separate :class:`ModelTiling`. A model maps token ids (B, T) to logits (B, T, V)::
+
+    >>> import numpy as np, tilegraph as tg
+    >>> from tilegraph import models
+    >>> model = models.build("gpt2-debug", seed=0)
+    >>> ids = np.zeros((2, 8), np.int64)
+    >>> loss = tg.cross_entropy(model(ids), model.tiling.tile_ids(ids))
+    >>> model = models.from_hf("path/to/hf-folder")  # doctest: +SKIP
+    >>> model.to_hf("path/to/out")                   # doctest: +SKIP
+    >>> models.generate(model, ids, 4).shape         # greedy, with a KV cache
+    (2, 12)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tilegraph._errors import TileError
+
+from ._common import CausalLM
+from .generate import Decoder, generate, next_tokens
+from .gpt2 import GPT2, GPT2Config
+from .llama import Llama, LlamaConfig
+from .tiling import ModelTiling
+
+__all__ = ["ARCHITECTURES", "FLAVORS", "CausalLM", "Decoder", "GPT2", "GPT2Config", "Llama", "LlamaConfig",
+           "ModelTiling", "build", "config", "from_hf", "generate", "next_tokens"]
+
+#: architecture name -> (config class, model class)
+ARCHITECTURES = {
+    "gpt2": (GPT2Config, GPT2),
+    "llama": (LlamaConfig, Llama),
+}
+
+#: flavor name -> config; each config class also knows its own flavors by short name ("debug")
+FLAVORS = {
+    "gpt2-debug": GPT2Config.flavor("debug"),
+    "gpt2": GPT2Config.flavor("gpt2"),
+    "gpt2-medium": GPT2Config.flavor("gpt2-medium"),
+    "llama-debug": LlamaConfig.flavor("debug"),
+    "llama-110m": LlamaConfig.flavor("llama-110m"),
+    "tinyllama-1.1b": LlamaConfig.flavor("tinyllama-1.1b"),
+}
+
+
+def config(flavor: str):
+    """The config of a named flavor (see :data:`FLAVORS`)."""
+    if flavor not in FLAVORS:
+        raise TileError("tilegraph.models.config", f"unknown flavor; known: {', '.join(FLAVORS)}", repr(flavor))
+    return FLAVORS[flavor]
+
+
+def _model_class(cfg, where: str):
+    for config_cls, model_cls in ARCHITECTURES.values():
+        if isinstance(cfg, config_cls):
+            return model_cls
+    raise TileError(where, "expected a flavor name or a model config ("
+                    + ", ".join(c.__name__ for c, _ in ARCHITECTURES.values()) + ")", repr(cfg))
+
+
+def build(flavor_or_config, tiling: ModelTiling | None = None, *, seed=0, dtype=np.float32) -> CausalLM:
+    """A randomly initialised model of a flavor name or a config; ``tiling`` defaults to
+    :meth:`ModelTiling.default`."""
+    cfg = config(flavor_or_config) if isinstance(flavor_or_config, str) else flavor_or_config
+    return _model_class(cfg, "tilegraph.models.build")(cfg, tiling, dtype=dtype, seed=seed)
+
+
+def from_hf(path, tiling: ModelTiling | None = None, *, dtype=np.float32) -> CausalLM:
+    """Load a Hugging Face model folder (config.json + safetensors, sharded or not).
+
+    Every missing, unexpected and mis-shaped tensor is reported at once in one TileError.
+    """
+    from tilegraph.io.hf import load_hf
+
+    return load_hf(path, tiling, dtype=dtype)

@@ -1,7 +1,9 @@
 """Scaled dot-product attention over tiles, flash-attention style.
 
 q is (B, H, T, D), k and v are (B, Hkv, S, D) with Hkv dividing H (grouped-query attention: query
-head h reads kv head h // (H // Hkv)). B, H, T and S may be tiled; D is one tile.
+head h reads kv head h // (H // Hkv)). B, H, T and S may be tiled (any tile sizes, the key tiles
+need not match the query tiles); D is one tile. With a causal mask the queries are the last T of
+the S positions (``q_offset = S - T`` positions come before them: decoding against a KV cache).
 
 Forward: one kernel per q tile (b, h, i). It reads the k/v tiles that query tile i can see (for a
 causal mask only key tiles starting at or before its last query position) and folds them in with
@@ -33,7 +35,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import (elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
                       require_tensor, xp_of)
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "kv_cache_append"]
 
 WHERE = "tilegraph.scaled_dot_product_attention"
 
@@ -331,10 +333,11 @@ def _visible_keys(causal: bool, q_off: int, tq: int, k_offs: tuple) -> list[int]
 class _Layout:
     """Tile bookkeeping shared by forward and backward: offsets and the GQA head mapping."""
 
-    def __init__(self, q: TileTensor, k: TileTensor, causal: bool):
+    def __init__(self, q: TileTensor, k: TileTensor, causal: bool, q_offset: int = 0):
         self.q, self.k, self.causal = q, k, causal
         self.groups = q.shape[1] // k.shape[1]
-        self.q_offs = q.tiling.offsets(2)
+        # positions of the query tiles among the keys: the kernels compare them with key offsets
+        self.q_offs = tuple(o + q_offset for o in q.tiling.offsets(2))
         self.k_offs = k.tiling.offsets(2)
         self.qh_offs = q.tiling.offsets(1)
         self.kh_offs = k.tiling.offsets(1)
@@ -378,11 +381,11 @@ class _Layout:
 class ScaledDotProductAttention(Op):
     name = "scaled_dot_product_attention"
 
-    def forward(self, q, k, v, causal=True, scale=None):
-        _validate(q, k, v, causal)
+    def forward(self, q, k, v, causal=True, scale=None, q_offset=0):
+        _validate(q, k, v, causal, q_offset)
         d = q.shape[3]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        lay = _Layout(q, k, causal)
+        lay = _Layout(q, k, causal, q_offset)
         out_grid = np.empty(q.tiling.grid, dtype=object)
         lse_tiling = Tiling(q.chunks[:3])
         lse_grid = np.empty(lse_tiling.grid, dtype=object)
@@ -434,7 +437,7 @@ class ScaledDotProductAttention(Op):
                 TileTensor(v.tiling, v.dtype, dv_grid))
 
 
-def _validate(q, k, v, causal: bool) -> None:
+def _validate(q, k, v, causal: bool, q_offset: int = 0) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         require_tensor(t, WHERE, name)
         if t.ndim != 4:
@@ -451,9 +454,9 @@ def _validate(q, k, v, causal: bool) -> None:
     if hkv == 0 or H % hkv:
         raise TileError(WHERE, "the kv head count must divide the query head count (grouped-query "
                         "attention)", f"H={H}, Hkv={hkv}")
-    if causal and k.shape[2] != T:
-        raise TileError(WHERE, "causal attention needs as many keys as queries (T == S)",
-                        f"T={T}, S={k.shape[2]}")
+    if causal and k.shape[2] != q_offset + T:
+        raise TileError(WHERE, "causal attention needs as many keys as queries, counting the q_offset "
+                        "positions before them (q_offset + T == S)", f"T={T}, S={k.shape[2]}, q_offset={q_offset}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(t.chunks[3]) != 1:
             raise TileError(WHERE, f"the head dim D of {name} must be a single tile",
@@ -466,15 +469,83 @@ _sdpa_op = ScaledDotProductAttention()
 
 
 def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, causal: bool = True,
-                                 scale: float | None = None) -> TileTensor:
+                                 scale: float | None = None, q_offset: int = 0) -> TileTensor:
     """``softmax(q k^T * scale + causal mask) v`` over tiles, as torch's ``is_causal`` SDPA.
 
     q: (B, H, T, D); k, v: (B, Hkv, S, D) with Hkv dividing H (query head h uses kv head
     h // (H // Hkv)); ``scale`` defaults to 1/sqrt(D). T, S, B and the heads may be tiled, D not.
+    ``q_offset``: with ``causal``, query row t sits at position ``q_offset + t`` and sees keys
+    ``0..q_offset + t``, so ``S == q_offset + T`` (new positions against a KV cache of the
+    ``q_offset`` before them); without ``causal`` it changes nothing.
 
     >>> import numpy as np, tilegraph as tg
     >>> x = tg.from_numpy(np.ones((1, 1, 4, 2)), tiles=(1, 1, 2, 2))
     >>> scaled_dot_product_attention(x, x, x).numpy()[0, 0, 3]
     array([1., 1.])
     """
-    return _sdpa_op(q, k, v, causal=bool(causal), scale=scale)
+    if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
+        raise TileError(WHERE, "q_offset must be a non-negative int", repr(q_offset))
+    return _sdpa_op(q, k, v, causal=bool(causal), scale=scale, q_offset=int(q_offset))
+
+
+# --------------------------------------------------------------------------------- KV cache ----
+def _append_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    return Cost(0.0, 2.0 * numel(out_shapes[0]) * itemsize)
+
+
+@kernel("kv_cache_append", cost=_append_cost)
+def _kv_cache_append(*tiles):
+    """Tiles (b, h, s_i, D) joined along the sequence dim: a cache tile grown by new positions."""
+    return xp_of(tiles[0]).concatenate(tiles, axis=2)
+
+
+def kv_cache_append(past: TileTensor | None, new: TileTensor, block: int) -> TileTensor:
+    """Keys (or values) ``past`` (B, H, S, D) followed by ``new`` (B, H, T, D) along the sequence dim.
+
+    Past tiles are reused as they are, wherever they live; only past's last tile may grow: new
+    positions are copied into it while it holds fewer than ``block`` rows, so decoding one token
+    at a time copies at most one ``block``-row tile per step (never the whole cache) and the
+    cache keeps about S / block tiles instead of one per token. The rest of ``new`` keeps its own
+    tiles. B, H and D must be tiled as in ``past``. Inference only: no gradient flows through.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> a = tg.from_numpy(np.zeros((1, 1, 3, 2)), tiles=(1, 1, 2, 2))
+    >>> kv_cache_append(a, tg.from_numpy(np.ones((1, 1, 1, 2))), block=4).chunks[2]
+    (2, 2)
+    """
+    where = "tilegraph.ops.attention.kv_cache_append"
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise TileError(where, "block must be a positive int", repr(block))
+    for name, t in (("past", past), ("new", new)):
+        if t is not None or name == "new":
+            require_tensor(t, where, name)
+            if t.ndim != 4:
+                raise TileError(where, f"{name} must have 4 dims (B, heads, seq, D)", f"shape {t.shape}")
+    if past is None:
+        return new
+    require_same_dtype(where, past=past, new=new)
+    for d, what in ((0, "batch"), (1, "head"), (3, "head dim")):
+        require_same_chunks(where, f"the {what} dim of past and new", past.chunks[d], new.chunks[d])
+    # One entry per sequence tile of the result: [rows, grid columns (B tiles, H tiles, 1, 1) of
+    # the tiles it joins]; an entry of several columns becomes one appended tile.
+    seq: list[list] = [[n, [past.grid[:, :, j:j + 1]]] for j, n in enumerate(past.chunks[2])]
+    for j, n in enumerate(new.chunks[2]):
+        col = new.grid[:, :, j:j + 1]
+        if seq[-1][0] + n <= block:
+            seq[-1][0] += n
+            seq[-1][1].append(col)
+        else:
+            seq.append([n, [col]])
+    chunks = list(past.chunks)
+    chunks[2] = tuple(n for n, _ in seq)
+    tiling = Tiling(chunks)
+    grid = np.empty(tiling.grid, dtype=object)
+    for j, (n, cols) in enumerate(seq):
+        if len(cols) == 1:
+            grid[:, :, j:j + 1] = cols[0]
+            continue
+        for b, h in np.ndindex(*tiling.grid[:2]):
+            shape = (past.chunks[0][b], past.chunks[1][h], n, past.shape[3])
+            grid[b, h, j, 0] = emit1(_kv_cache_append, [c[b, h, 0, 0] for c in cols], shape, past.dtype,
+                                     op="kv_cache_append")
+    return TileTensor(tiling, past.dtype, grid)

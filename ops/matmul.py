@@ -112,10 +112,12 @@ class Matmul(Op):
 
     def backward(self, ctx, g):
         a, b, bias, trans_b = ctx
-        if trans_b:
-            raise TileError("tilegraph.matmul", "no gradient for the internal trans_b form")
-        da = _matmul_op(g, b, trans_b=True)
-        db = _matmul_tn_op(a, g, batched=b.ndim > 2)
+        if trans_b:  # y = a @ b^T: da = g @ b, db = g^T @ a
+            da = _matmul_op(g, b)
+            db = _matmul_tn_op(g, a, batched=b.ndim > 2)
+        else:
+            da = _matmul_op(g, b, trans_b=True)
+            db = _matmul_tn_op(a, g, batched=b.ndim > 2)
         dbias = None
         if bias is not None:
             from .reduce import sum_dims
@@ -158,15 +160,18 @@ _matmul_op = Matmul()
 _matmul_tn_op = MatmulTN()
 
 
-def matmul(a: TileTensor, b: TileTensor, bias: TileTensor | None = None) -> TileTensor:
+def matmul(a: TileTensor, b: TileTensor, bias: TileTensor | None = None, *, trans_b: bool = False) -> TileTensor:
     """``a @ b (+ bias)``: a (..., M, K), b (K, N) or (..., K, N); K tiles must match.
+
+    ``trans_b=True`` computes ``a @ b^T`` for b (N, K) or (..., N, K) without copying b into its
+    transpose (e.g. a tied output projection over an embedding table).
 
     >>> import numpy as np, tilegraph as tg
     >>> a = tg.from_numpy(np.ones((3, 4)), tiles=(2, 2)); b = tg.from_numpy(np.ones((4, 5)), tiles=(2, 5))
     >>> tg.matmul(a, b).numpy()[0]
     array([4., 4., 4., 4., 4.])
     """
-    return _matmul_op(a, b, bias)
+    return _matmul_op(a, b, bias, trans_b=trans_b)
 
 
 def linear(x: TileTensor, weight: TileTensor, bias: TileTensor | None = None) -> TileTensor:

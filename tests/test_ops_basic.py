@@ -83,6 +83,18 @@ def test_matmul_2d_and_batched(rng, mode, dtype):
 
 @params
 @dtypes
+def test_matmul_with_b_transposed(rng, mode, dtype):
+    x, w = _r(rng, 2, 6, 8, dtype=dtype), _r(rng, 10, 8, dtype=dtype)  # w: (N, K), e.g. a tied embedding
+    out = check_against_torch(lambda x, w: tg.matmul(x, w, trans_b=True), lambda x, w: x @ w.T, [x, w],
+                              "btk,nk", mode)
+    assert "transpose" not in {n.kernel.name for n in _nodes(out)}  # b is read in place, never copied
+    y = _r(rng, 2, 5, 8, dtype=dtype)
+    check_against_torch(lambda x, y: tg.matmul(x, y, trans_b=True), lambda x, y: x @ y.transpose(-1, -2), [x, y],
+                        "btk,bnk", mode)
+
+
+@params
+@dtypes
 def test_matmul_bias_epilogue(rng, mode, dtype):
     x, w, b = _r(rng, 2, 6, 8, dtype=dtype), _r(rng, 8, 10, dtype=dtype), _r(rng, 10, dtype=dtype)
     out = check_against_torch(lambda x, w, b: tg.matmul(x, w, bias=b), lambda x, w, b: x @ w + b,

@@ -124,3 +124,16 @@ def test_values_living_on_workers_come_back_and_feed_graphs(embedded_runtime):
     h = x @ before["fc1.weight"] + before["fc1.bias"]
     h = 0.5 * h * (1 + np.vectorize(__import__("math").erf)(h / np.sqrt(2)))
     np.testing.assert_allclose(y, h @ before["fc2.weight"] + before["fc2.bias"], rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_unpickle_where_their_module_was_never_imported():
+    # a worker that has imported only tilegraph finds a kernel registered in tilegraph.io
+    import pickle
+
+    from tilegraph.io import data
+
+    payload = pickle.dumps(data._windows_k)
+    code = ("import pickle, sys; k = pickle.loads(sys.stdin.buffer.read()); "
+            "assert k.name == 'token_windows' and 'tilegraph.io.data' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, check=True)
+    assert out.stdout.strip() == b"ok"

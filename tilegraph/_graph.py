@@ -54,16 +54,19 @@ class Kernel:
     ``fn(*arrays, **params)`` is written against the array namespace of its inputs (NumPy on the
     CPU, CuPy on a GPU); ``cpu`` optionally overrides it with a faster CPU-only version (Numba).
     ``cost(in_shapes, out_shapes, itemsize, params)`` returns a :class:`Cost`.
-    Kernels pickle by name, so a task graph ships only the name to the workers.
+    Kernels pickle by name (plus the module that registers them, which a worker imports when it
+    has not seen the name yet), so a task graph ships only names to the workers.
     """
 
-    __slots__ = ("name", "fn", "cpu", "cost")
+    __slots__ = ("name", "fn", "cpu", "cost", "module")
 
-    def __init__(self, name: str, fn: Callable, cpu: Callable | None = None, cost: Callable | None = None):
+    def __init__(self, name: str, fn: Callable, cpu: Callable | None = None, cost: Callable | None = None,
+                 module: str | None = None):
         self.name = name
         self.fn = fn
         self.cpu = cpu
         self.cost = cost or _default_cost
+        self.module = module or getattr(fn, "__module__", None)
 
     def impl(self, device: str) -> Callable:
         if device == "cpu" and self.cpu is not None:
@@ -71,7 +74,7 @@ class Kernel:
         return self.fn
 
     def __reduce__(self):
-        return (get_kernel, (self.name,))
+        return (get_kernel, (self.name, self.module))
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
@@ -90,16 +93,22 @@ def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = No
     return wrap
 
 
-def get_kernel(name: str) -> Kernel:
+def get_kernel(name: str, module: str | None = None) -> Kernel:
+    """The kernel registered as ``name``; workers unpickling a task import ``module`` (the one that
+    registered it: tilegraph.ops, tilegraph.io, or a user's module) when the name is new to them."""
     try:
         return _KERNELS[name]
     except KeyError:
-        # Workers unpickle kernels by name: make sure the op modules are imported there.
-        import tilegraph.ops  # noqa: F401
+        import importlib
 
+        import tilegraph.ops  # noqa: F401 - the op library registers most kernels
+
+        if name not in _KERNELS and module and module != "__main__":
+            importlib.import_module(module)
         if name in _KERNELS:
             return _KERNELS[name]
-        raise KeyError(f"[tilegraph.get_kernel] no kernel named {name!r}") from None
+        raise KeyError(f"[tilegraph.get_kernel] no kernel named {name!r}"
+                       + (f" (module {module!r} registers none)" if module else "")) from None
 
 
 class Cell:

@@ -20,10 +20,11 @@ import numpy as np
 
 from tilegraph import ops
 from tilegraph._errors import TileError
+from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._tensor import TileTensor, Tiling, split_into_cells, tensor_from_cells
 
-__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "CausalSelfAttention",
-           "ModuleList"]
+__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
+           "CausalSelfAttention", "KVCache", "ModuleList"]
 
 
 class Parameter(TileTensor):
@@ -145,22 +146,28 @@ class ModuleList(Module):
 
 
 class Linear(Module):
-    """``y = x @ weight + bias`` with ``weight`` stored (in, out); torch's default init."""
+    """``y = x @ weight + bias`` with ``weight`` stored (in, out); torch's default init.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None,
+    ``tile`` tiles both dims; ``out_tile`` (default: ``tile``) the output dim alone, e.g. a
+    vocabulary projection whose output tile differs from the feature tile.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None, out_tile=None,
                  dtype=np.float32, seed=None, init_std: float | None = None):
         rng = _rng(seed)
+        out_tile = tile if out_tile is None else out_tile
         if init_std is None:
             bound = 1.0 / math.sqrt(in_features)
             w = rng.uniform(-bound, bound, (in_features, out_features))
         else:
             w = rng.normal(0.0, init_std, (in_features, out_features))
-        self.weight = Parameter(w.astype(dtype), (_fit(tile, in_features), _fit(tile, out_features)), name="weight")
+        self.weight = Parameter(w.astype(dtype), (_fit(tile, in_features), _fit(out_tile, out_features)),
+                                name="weight")
         self.bias = None
         if bias:
             b = rng.uniform(-1.0 / math.sqrt(in_features), 1.0 / math.sqrt(in_features), out_features)
             self.bias = Parameter((b if init_std is None else np.zeros(out_features)).astype(dtype),
-                                  (_fit(tile, out_features),),
+                                  (_fit(out_tile, out_features),),
                                   name="bias")
 
     def forward(self, x: TileTensor) -> TileTensor:
@@ -175,6 +182,10 @@ class Embedding(Module):
 
     def forward(self, ids: TileTensor) -> TileTensor:
         return ops.embedding(ids, self.weight)
+
+    def unembed(self, x: TileTensor) -> TileTensor:
+        """``x @ weight.T``: scores over the vocabulary with the same (tied) weight, (..., C) -> (..., V)."""
+        return ops.matmul(x, self.weight, trans_b=True)
 
 
 class LayerNorm(Module):
@@ -200,13 +211,13 @@ class MLP(Module):
     """``fc2(act(fc1(x)))``; ``act`` is "gelu", "gelu_tanh", "relu" or "silu"."""
 
     def __init__(self, dim: int, hidden: int, act: str = "gelu", bias: bool = True, *, out_dim: int | None = None,
-                 tile=None, dtype=np.float32, seed=None):
+                 tile=None, dtype=np.float32, seed=None, init_std: float | None = None):
         if act not in ("gelu", "gelu_tanh", "relu", "silu"):
             raise TileError("tilegraph.nn.MLP", "act must be gelu, gelu_tanh, relu or silu", repr(act))
         rng = _rng(seed)
         self.act = act
-        self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng)
-        self.fc2 = Linear(hidden, out_dim or dim, bias, tile=tile, dtype=dtype, seed=rng)
+        self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+        self.fc2 = Linear(hidden, out_dim or dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
 
     def forward(self, x: TileTensor) -> TileTensor:
         h = self.fc1(x)
@@ -217,6 +228,20 @@ class MLP(Module):
         return self.fc2(h)
 
 
+class SwiGLU(Module):
+    """Gated MLP of Llama: ``down(silu(gate(x)) * up(x))``, no biases by default."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, *, tile=None, dtype=np.float32, seed=None,
+                 init_std: float | None = None):
+        rng = _rng(seed)
+        self.gate = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+        self.up = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+        self.down = Linear(hidden, dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return self.down(ops.silu(self.gate(x)) * self.up(x))
+
+
 class CausalSelfAttention(Module):
     """Multi-head causal self-attention with optional grouped-query heads and rotary embeddings.
 
@@ -225,7 +250,8 @@ class CausalSelfAttention(Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
-                 rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=np.float32, seed=None):
+                 rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=np.float32, seed=None,
+                 init_std: float | None = None):
         where = "tilegraph.nn.CausalSelfAttention"
         n_kv_heads = n_kv_heads or n_heads
         if dim % n_heads:
@@ -242,24 +268,84 @@ class CausalSelfAttention(Module):
         # The kv width is a whole number of heads, so its tiles (a multiple of head_dim, or the
         # whole width when the tile is larger) hold whole heads too.
         kv = n_kv_heads * self.head_dim
-        self.q = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng)
-        self.k = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng)
-        self.v = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng)
-        self.o = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng)
+        self.q = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+        self.k = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+        self.v = Linear(dim, kv, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
+        self.o = Linear(dim, dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
 
     def _heads(self, x: TileTensor, n: int) -> TileTensor:
         b, t, _ = x.shape
         return ops.transpose(ops.reshape(x, (b, t, n, self.head_dim)), 1, 2)  # (B, n, T, hd)
 
-    def forward(self, x: TileTensor) -> TileTensor:
+    def forward(self, x: TileTensor, cache: "KVCache | None" = None) -> TileTensor:
+        """``x`` (B, T, C) -> (B, T, C). With a ``cache``, x holds the positions after the
+        ``cache.length`` ones already in it: their keys and values are appended to the cache and
+        the queries attend to all of them (decoding; the earlier positions are not recomputed)."""
         b, t, c = x.shape
+        start = 0 if cache is None else cache.length
         q = self._heads(self.q(x), self.n_heads)
         k = self._heads(self.k(x), self.n_kv_heads)
         v = self._heads(self.v(x), self.n_kv_heads)
         if self.rope:
-            q = ops.rope(q, base=self.rope_base)
-            k = ops.rope(k, base=self.rope_base)
-        y = ops.scaled_dot_product_attention(q, k, v, causal=True)  # (B, H, T, hd)
+            q = ops.rope(q, base=self.rope_base, position_offset=start)
+            k = ops.rope(k, base=self.rope_base, position_offset=start)
+        if cache is not None:
+            k, v = cache.append(k, v)                                   # (B, Hkv, start + T, hd)
+        y = ops.scaled_dot_product_attention(q, k, v, causal=True, q_offset=start)  # (B, H, T, hd)
         y = ops.reshape(ops.transpose(y, 1, 2), (b, t, c))
         return self.o(y)
+
+
+class KVCache:
+    """Keys and values (B, Hkv, S, hd) of the positions one attention layer has seen, for decoding.
+
+    ``CausalSelfAttention(x, cache)`` appends the keys and values of ``x`` (see
+    :func:`tilegraph.ops.attention.kv_cache_append`: past tiles are reused, only the last one
+    grows up to ``block`` rows) and leaves them symbolic. After the graph ran, :meth:`store` turns
+    the computed tiles (:meth:`pending`) into leaf cells holding their values, arrays or
+    references to values left on the workers, so the next step reads them where they are.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> attn = tg.nn.CausalSelfAttention(8, 2, seed=0)
+    >>> cache = tg.nn.KVCache()
+    >>> y = attn(tg.from_numpy(np.ones((1, 3, 8), np.float32)), cache)
+    >>> cache.length, len(cache.pending())
+    (3, 2)
+    """
+
+    def __init__(self, block: int = 64):
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+            raise TileError("tilegraph.nn.KVCache", "block must be a positive int", repr(block))
+        self.block = int(block)
+        self.k: TileTensor | None = None
+        self.v: TileTensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions held (S)."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: TileTensor, v: TileTensor) -> tuple[TileTensor, TileTensor]:
+        """Append new keys and values (B, Hkv, T, hd); returns all of them, (B, Hkv, S + T, hd)."""
+        from tilegraph.ops.attention import kv_cache_append
+
+        self.k = kv_cache_append(self.k, k, self.block)
+        self.v = kv_cache_append(self.v, v, self.block)
+        return self.k, self.v
+
+    def pending(self) -> list[TileRef]:
+        """Tiles of k, then v, that are still to be computed (not leaves), in grid order."""
+        return [r for t in (self.k, self.v) if t is not None for r in t.grid.flat if not r.node.is_leaf]
+
+    def store(self, values) -> None:
+        """Replace the :meth:`pending` tiles by leaf cells holding ``values`` (one per tile, same order)."""
+        values = iter(values)
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            grid = np.empty(t.tiling.grid, dtype=object)
+            for idx, r in zip(np.ndindex(*t.tiling.grid), t.grid.flat):
+                grid[idx] = r if r.node.is_leaf else leaf(Cell(next(values), r.shape, r.dtype))
+            setattr(self, name, TileTensor(t.tiling, t.dtype, grid, name=f"cache.{name}"))
 

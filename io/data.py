@@ -1,0 +1,364 @@
+"""Token datasets: text files -> a memory-mapped token file -> batches read on the workers.
+
+:func:`build_token_file` tokenizes text files (or every matching file under folders, in sorted
+order) into one flat file of uint16/uint32 ids plus a JSON sidecar ``<file>.json`` (dtype, count,
+tokenizer, sources and hashes). Both are written under temporary names and renamed only when
+everything succeeded, so a failure never leaves a partial file nor replaces a good one.
+
+:class:`TokenDataset` opens that file with ``np.memmap`` and splits it into a train and a
+validation range. A batch is just the int64 start offsets of its windows
+(:meth:`TokenDataset.batch_offsets`, deterministic given the seed and the step); the windows
+themselves are read by a tile kernel where the task runs (:meth:`TokenDataset.tensors`), so only
+the offsets travel from the client. Every worker must see the token file under the same path.
+
+>>> import tilegraph as tg
+>>> from tilegraph.io import ByteTokenizer, TokenDataset, build_token_file
+>>> build_token_file(["corpus/"], "corpus.tok", ByteTokenizer())  # doctest: +SKIP
+>>> ds = TokenDataset("corpus.tok", seq_len=256, seed=0)  # doctest: +SKIP
+>>> step = tg.TrainStep(model, opt, lambda m, off: loss(m, *ds.tensors(off)))  # doctest: +SKIP
+>>> for i in range(steps): step(ds.batch_offsets(i, 8))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import Cost, emit, kernel, xp_of
+from tilegraph._tensor import TileTensor, Tiling
+
+from .tokenizers import ByteTokenizer, Tokenizer
+
+__all__ = ["DEFAULT_PATTERNS", "find_sources", "read_text", "build_token_file", "read_token_meta",
+           "TokenDataset"]
+
+#: files picked up from folders when no patterns are given
+DEFAULT_PATTERNS = ("*.txt", "*.md", "*.rst", "*.py")
+FORMAT = "tilegraph-tokens"
+VERSION = 1
+_SPLITS = {"train": 0, "val": 1}
+
+
+# ----------------------------------------------------------------------------------- sources ----
+def _as_list(sources) -> list:
+    if isinstance(sources, (str, os.PathLike)):
+        return [sources]
+    return list(sources)
+
+
+def find_sources(sources, patterns: Sequence[str] | str = DEFAULT_PATTERNS, *,
+                 where: str = "tilegraph.io.find_sources") -> list[Path]:
+    """The files to read: files as given, then for each folder every file below it matching one of
+    ``patterns`` (``*.py``, ...), in sorted order; hidden files and folders are skipped. Raises a
+    TileError for a path that does not exist or when no file is found."""
+    patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+    found: list[Path] = []
+    for src in _as_list(sources):
+        p = Path(src)
+        if p.is_file():
+            found.append(p.resolve())
+        elif p.is_dir():
+            below = set()
+            for pat in patterns:
+                for f in p.rglob(pat):
+                    rel = f.relative_to(p).parts
+                    if f.is_file() and not any(part.startswith(".") for part in rel):
+                        below.add(f.resolve())
+            found.extend(sorted(below))
+        else:
+            raise TileError(where, "each source must be an existing text file or folder", str(src))
+    unique = list(dict.fromkeys(found))  # a file named twice is read once, first place kept
+    if not unique:
+        raise TileError(where, f"no files found (folders are searched for {', '.join(patterns)})",
+                        ", ".join(str(s) for s in _as_list(sources)) or "no sources")
+    return unique
+
+
+def read_text(path: Path | str, where: str = "tilegraph.io.read_text") -> str:
+    """The file's content as text; a TileError names the file when it is not UTF-8 text."""
+    data = Path(path).read_bytes()
+    nul = data.find(b"\x00")
+    if nul >= 0:  # valid UTF-8, but no text file has NUL bytes: this is a binary file
+        raise TileError(where, "expected a UTF-8 text file; this one contains NUL bytes (binary?)",
+                        f"{path} (first NUL at byte {nul})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TileError(where, "expected a UTF-8 text file; this one does not decode as UTF-8",
+                        f"{path} (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+
+
+# -------------------------------------------------------------------------------- token file ----
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
+                     patterns: Sequence[str] | str = DEFAULT_PATTERNS, append_eos: bool = True) -> dict:
+    """Tokenize text ``sources`` (files or folders, see :func:`find_sources`) into ``out_path``: a
+    flat file of ``tokenizer.dtype`` ids, and ``out_path + ".json"`` describing it. Files are
+    concatenated in order, each followed by the end-of-text token when the tokenizer has one and
+    ``append_eos``. Returns the sidecar's content.
+
+    Nothing is written under the final names unless every file was read and tokenized: an empty
+    corpus, a file that is not UTF-8 text, or a missing path raises a TileError and leaves any
+    existing token file as it was.
+    """
+    where = "tilegraph.io.build_token_file"
+    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    out = Path(out_path)
+    if not out.parent.is_dir():
+        raise TileError(where, "the output's parent folder must exist", str(out))
+    if out.is_dir():
+        raise TileError(where, "the output must be a file path, not a folder", str(out))
+    files = find_sources(sources, patterns, where=where)
+    dtype = tokenizer.dtype
+    eos = tokenizer.eos_id if append_eos else None
+    tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp_data = out.with_name(f".{out.name}.{tag}.tmp")
+    tmp_meta = out.with_name(f".{out.name}.json.{tag}.tmp")
+    src_hash, tok_hash = hashlib.sha256(), hashlib.sha256()
+    listing, count, text_chars = [], 0, 0
+    try:
+        with open(tmp_data, "wb") as f:
+            for path in files:
+                text = read_text(path, where)
+                ids = np.asarray(tokenizer.encode(text))
+                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
+                    raise TileError(where, f"the tokenizer produced ids outside [0, {tokenizer.vocab_size})",
+                                    f"{path}: {int(ids.min())}..{int(ids.max())}")
+                ids = ids.astype(dtype)
+                if eos is not None:
+                    ids = np.append(ids, np.array(eos, dtype))
+                buf = ids.tobytes()
+                f.write(buf)
+                tok_hash.update(buf)
+                raw = text.encode("utf-8")
+                src_hash.update(len(raw).to_bytes(8, "little"))
+                src_hash.update(raw)
+                listing.append({"path": str(path), "bytes": len(raw), "tokens": int(ids.size)})
+                count += int(ids.size)
+                text_chars += len(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if text_chars == 0:
+            shown = ", ".join(str(p) for p in files[:5]) + (", ..." if len(files) > 5 else "")
+            raise TileError(where, "the corpus is empty: every file found has no text",
+                            f"{len(files)} empty file(s): {shown}")
+        meta = {
+            "format": FORMAT, "version": VERSION, "dtype": dtype.name, "count": count,
+            "vocab_size": tokenizer.vocab_size, "eos_id": eos, "tokenizer": tokenizer.describe(),
+            "sources": listing, "sources_sha256": src_hash.hexdigest(), "tokens_sha256": tok_hash.hexdigest(),
+        }
+        with open(tmp_meta, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        # data first: a reader that finds the new sidecar also finds the new data (and checks the size)
+        os.replace(tmp_data, out)
+        os.replace(tmp_meta, _meta_path(out))
+    finally:
+        tmp_data.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+    return meta
+
+
+def read_token_meta(path: str | os.PathLike, *, verify: bool = False) -> dict:
+    """The sidecar of a token file, checked against the file's size (and its hash if ``verify``)."""
+    where = "tilegraph.io.read_token_meta"
+    path = Path(path)
+    meta_path = _meta_path(path)
+    if not path.is_file() or not meta_path.is_file():
+        raise TileError(where, "expected a token file and its .json sidecar (see build_token_file)",
+                        f"{path} ({'found' if path.is_file() else 'missing'}), "
+                        f"{meta_path} ({'found' if meta_path.is_file() else 'missing'})")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TileError(where, "the sidecar is not valid JSON", f"{meta_path}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise TileError(where, f"the sidecar does not describe a token file (format {FORMAT!r})", str(meta_path))
+    if meta.get("version") != VERSION or meta.get("dtype") not in ("uint16", "uint32"):
+        raise TileError(where, f"unsupported token file (version {VERSION}, dtype uint16/uint32)",
+                        f"version {meta.get('version')}, dtype {meta.get('dtype')}")
+    size = path.stat().st_size
+    want = int(meta["count"]) * np.dtype(meta["dtype"]).itemsize
+    if size != want:
+        raise TileError(where, f"token file size does not match its sidecar ({meta['count']} x {meta['dtype']} "
+                        f"= {want} bytes)", f"{size} bytes in {path}")
+    if verify:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        if h.hexdigest() != meta.get("tokens_sha256"):
+            raise TileError(where, "token file content does not match the hash in its sidecar", str(path))
+    return meta
+
+
+# ------------------------------------------------------------------------- worker-side kernel ----
+# Memory maps opened by this process, by path; reopened when the file was replaced.
+_OPEN: dict[str, tuple[tuple, np.memmap]] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def _open_tokens(path: str, dtype: str, count: int) -> np.memmap:
+    where = "tilegraph.io.TokenDataset"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise TileError(where, "token file not readable where this task runs (every worker must see it "
+                        "under the same path)", f"{path}: {e.strerror}") from None
+    stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    with _OPEN_LOCK:
+        hit = _OPEN.get(path)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        want = count * np.dtype(dtype).itemsize
+        if st.st_size != want:
+            raise TileError(where, f"token file changed since the dataset opened it (expected {want} bytes)",
+                            f"{st.st_size} bytes in {path}")
+        mm = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        _OPEN[path] = (stamp, mm)
+        return mm
+
+
+def _read_windows(offsets, *, path, dtype, count, lo, hi, seq_len, start, length):
+    """Columns ``[start, start + length)`` of the inputs and targets of the windows at ``offsets``:
+    inputs ``tokens[o + start : o + start + length]``, targets shifted by one, both int64."""
+    off = np.asarray(offsets.get() if hasattr(offsets, "get") else offsets).astype(np.int64, copy=False)
+    bad = (off < lo) | (off > hi - seq_len - 1)
+    if bad.any():
+        first = int(off[np.argmax(bad)])
+        raise TileError("tilegraph.io.TokenDataset", f"window offsets must lie in [{lo}, {hi - seq_len - 1}] "
+                        f"(windows of {seq_len + 1} tokens inside the split)", str(first))
+    tokens = _open_tokens(path, dtype, count)
+    cols = np.arange(start, start + length + 1, dtype=np.int64)
+    win = np.array(tokens[off[:, None] + cols[None, :]], dtype=np.int64)  # (b, length + 1), a plain ndarray
+    return np.ascontiguousarray(win[:, :-1]), np.ascontiguousarray(win[:, 1:])
+
+
+def _windows_xp(offsets, **params):
+    x, y = _read_windows(offsets, **params)
+    xp = xp_of(offsets)  # a task placed on a GPU gets CuPy tiles back
+    return (x, y) if xp is np else (xp.asarray(x), xp.asarray(y))
+
+
+def _windows_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    b, n = out_shapes[0]
+    read = b * (n + 1) * np.dtype(params["dtype"]).itemsize
+    return Cost(0.0, float(read + 2 * b * n * 8 + b * 8))
+
+
+# Workers that unpickle a task naming this kernel import this module (Kernel.module) to register it.
+_windows_k = kernel("token_windows", cost=_windows_cost)(_windows_xp)
+
+
+# ---------------------------------------------------------------------------------- dataset ----
+class TokenDataset:
+    """Windows of ``seq_len + 1`` tokens from one split of a token file.
+
+    The first ``1 - val_fraction`` of the tokens are the "train" split, the rest the "val" split;
+    a window never crosses the boundary. ``batch_offsets(step, b)`` draws ``b`` window starts
+    uniformly from the split, the same for the same ``(seed, split, step)``.
+
+    >>> ds = TokenDataset("corpus.tok", seq_len=128, split="val")  # doctest: +SKIP
+    >>> x, y = ds.read(ds.batch_offsets(0, 4))  # (4, 128) int64 each, y is x shifted by one  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike, seq_len: int, *, split: str = "train",
+                 val_fraction: float = 0.1, seed: int = 0):
+        where = "tilegraph.io.TokenDataset"
+        if split not in _SPLITS:
+            raise TileError(where, "split must be 'train' or 'val'", repr(split))
+        if not 0.0 <= val_fraction < 1.0:
+            raise TileError(where, "val_fraction must lie in [0, 1)", str(val_fraction))
+        if int(seq_len) < 1:
+            raise TileError(where, "seq_len must be at least 1", str(seq_len))
+        if int(seed) < 0:
+            raise TileError(where, "seed must be a non-negative integer", str(seed))
+        self.path = Path(path).resolve()
+        self.meta = read_token_meta(self.path)
+        self.seq_len, self.split, self.seed = int(seq_len), split, int(seed)
+        self.val_fraction = float(val_fraction)
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.count = int(self.meta["count"])
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.boundary = self.count - int(self.count * self.val_fraction)  # first validation token
+        self.lo, self.hi = (0, self.boundary) if split == "train" else (self.boundary, self.count)
+        if self.hi - self.lo < self.seq_len + 1:
+            raise TileError(where, f"the {split} split must hold at least one window of seq_len + 1 = "
+                            f"{self.seq_len + 1} tokens", f"{self.hi - self.lo} tokens ({self.count} in "
+                            f"{self.path.name}, val_fraction={val_fraction})")
+        self.tokens = _open_tokens(str(self.path), self.dtype.name, self.count)
+
+    @property
+    def num_windows(self) -> int:
+        """How many distinct window starts the split has."""
+        return self.hi - self.lo - self.seq_len
+
+    @property
+    def _params(self) -> dict:
+        # everything a worker needs to read a window; an absolute path, so the worker's cwd is irrelevant
+        return dict(path=str(self.path), dtype=self.dtype.name, count=self.count, lo=self.lo, hi=self.hi,
+                    seq_len=self.seq_len)
+
+    def batch_offsets(self, step: int, batch_size: int) -> np.ndarray:
+        """Start offsets (int64, shape ``(batch_size,)``) of the windows of batch ``step``."""
+        if int(step) < 0 or int(batch_size) < 1:
+            raise TileError("tilegraph.io.TokenDataset.batch_offsets",
+                            "step must be >= 0 and batch_size >= 1", f"step={step}, batch_size={batch_size}")
+        rng = np.random.default_rng([self.seed, _SPLITS[self.split], int(step)])
+        return self.lo + rng.integers(0, self.num_windows, size=int(batch_size), dtype=np.int64)
+
+    def eval_offsets(self, batch_size: int, max_batches: int | None = None):
+        """Batches of consecutive, non-overlapping window offsets covering the split in order
+        (the last partial batch is dropped), for a validation pass."""
+        starts = np.arange(self.lo, self.hi - self.seq_len, self.seq_len, dtype=np.int64)
+        n = len(starts) // int(batch_size)
+        if max_batches is not None:
+            n = min(n, int(max_batches))
+        for i in range(n):
+            yield starts[i * batch_size:(i + 1) * batch_size]
+
+    def read(self, offsets) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and targets ``(b, seq_len)`` int64 of the windows at ``offsets``, read here."""
+        off = np.asarray(offsets).reshape(-1)
+        return _read_windows(off, **self._params, start=0, length=self.seq_len)
+
+    def tensors(self, offsets: TileTensor, seq_tile: int | None = None) -> tuple[TileTensor, TileTensor]:
+        """Inputs and targets ``(b, seq_len)`` int64 TileTensors read where the tasks run.
+
+        ``offsets`` is a 1-d integer TileTensor (a TrainStep batch input); the results are tiled
+        like it along the batch and by ``seq_tile`` (None: one tile) along the sequence. Each tile
+        pair is one kernel that takes only its offsets tile.
+        """
+        where = "tilegraph.io.TokenDataset.tensors"
+        if not isinstance(offsets, TileTensor):
+            raise TileError(where, "offsets must be a TileTensor (wrap a batch with tg.from_numpy)",
+                            type(offsets).__name__)
+        if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+            raise TileError(where, "offsets must be a 1-d integer tensor", f"{offsets.ndim}-d {offsets.dtype}")
+        seq = Tiling.from_sizes((self.seq_len,), (seq_tile,), where=where).chunks[0]
+        tiling = Tiling(offsets.chunks + (seq,))
+        starts = tiling.offsets(1)
+        gx = np.empty(tiling.grid, dtype=object)
+        gy = np.empty(tiling.grid, dtype=object)
+        params = self._params
+        for i, b in enumerate(offsets.chunks[0]):
+            for j, n in enumerate(seq):
+                gx[i, j], gy[i, j] = emit(_windows_k, [offsets.grid[i]], [((b, n), np.int64)] * 2,
+                                          op="token_windows", **params, start=starts[j], length=n)
+        return TileTensor(tiling, np.int64, gx), TileTensor(tiling, np.int64, gy)
+
+    def __repr__(self) -> str:
+        return (f"TokenDataset({str(self.path)!r}, seq_len={self.seq_len}, split={self.split!r}, "
+                f"tokens [{self.lo}, {self.hi}) of {self.count})")

@@ -1,0 +1,403 @@
+"""Hugging Face model folders (config.json + safetensors) to tilegraph models and back.
+
+Each architecture is three declarative tables: HF config keys -> config fields, HF config values we
+require (features the model code does not implement), and HF tensor names -> tilegraph parameter
+paths with the layout change between them. Nothing here imports torch or transformers.
+
+>>> from tilegraph import models
+>>> model = models.from_hf("gpt2-folder")   # doctest: +SKIP
+>>> model.to_hf("gpt2-copy")                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from tilegraph._errors import TileError
+
+from . import safetensors as st
+
+__all__ = ["Rule", "NameMap", "ConfigKey", "HFSpec", "SPECS", "load_hf", "save_hf", "load_hf_weights", "to_hf_state",
+           "hf_config"]
+
+CONFIG_NAME = "config.json"
+
+
+# --------------------------------------------------------------------------------- name maps ----
+@dataclass(frozen=True)
+class Rule:
+    """One HF tensor and the tilegraph parameter(s) it holds; ``{i}`` stands for a layer index.
+
+    With several tilegraph parameters, HF concatenates them along ``split`` (a dim of the HF
+    tensor); with ``transpose``, HF stores the (in, out) tilegraph matrix as (out, in).
+    """
+
+    hf: str
+    tg: tuple[str, ...]
+    transpose: bool = False
+    split: int | None = None
+
+    def to_hf(self, parts: list[np.ndarray]) -> np.ndarray:
+        parts = [p.T if self.transpose else p for p in parts]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.split)
+
+    def hf_shape(self, tg_shapes: list[tuple]) -> tuple:
+        shapes = [tuple(reversed(s)) if self.transpose else tuple(s) for s in tg_shapes]
+        if len(shapes) == 1:
+            return shapes[0]
+        out = list(shapes[0])
+        out[self.split] = sum(s[self.split] for s in shapes)
+        return tuple(out)
+
+    def to_tilegraph(self, array: np.ndarray, tg_shapes: list[tuple]) -> list[np.ndarray]:
+        if len(tg_shapes) == 1:
+            parts = [array]
+        else:
+            sizes = [(tuple(reversed(s)) if self.transpose else s)[self.split] for s in tg_shapes]
+            parts = np.split(array, np.cumsum(sizes)[:-1], axis=self.split)
+        return [p.T if self.transpose else p for p in parts]
+
+
+def rule(hf: str, *tg: str, transpose: bool = False, split: int | None = None) -> Rule:
+    return Rule(hf, tuple(tg), transpose, split)
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """HF tensor names <-> tilegraph parameter paths for one architecture."""
+
+    rules: tuple[Rule, ...]
+    #: prefix that some checkpoints leave out (a base model saved without its LM head wrapper)
+    bare_prefix: str = ""
+    #: regular expressions of HF tensors that are buffers, not parameters; skipped on import
+    ignore: tuple[str, ...] = ()
+    #: the HF output weight, which a checkpoint of a model with tied embeddings may still carry
+    tied_output: str = ""
+
+    def expand(self, n_layers: int, have: Mapping[str, tuple]) -> dict[str, tuple[Rule, list[str]]]:
+        """HF name -> (rule, tilegraph names) for a model whose parameters and shapes are ``have``."""
+        out = {}
+        for r in self.rules:
+            for i in (range(n_layers) if "{i}" in r.hf else [None]):
+                tg = [t.format(i=i) for t in r.tg]
+                present = [t in have for t in tg]
+                if any(present) and not all(present):  # pragma: no cover - a table or model bug
+                    raise AssertionError(f"{r.hf}: only some of {tg} exist in the model")
+                if all(present):
+                    out[r.hf.format(i=i)] = (r, tg)
+        return out
+
+    def canonical(self, name: str, known) -> str:
+        """``name`` as the table spells it: with the bare prefix added when only that form is ``known``."""
+        if name not in known and self.bare_prefix and self.bare_prefix + name in known:
+            return self.bare_prefix + name
+        return name
+
+    def ignored(self, name: str, tied: bool) -> bool:
+        if tied and name == self.tied_output:
+            return True
+        return any(re.fullmatch(p, n) for p in self.ignore for n in (name, self.bare_prefix + name))
+
+
+# --------------------------------------------------------------------------------- config maps ----
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """An HF config.json key that becomes a config field (``default``: HF's value when absent)."""
+
+    hf: str
+    field: str
+    default: Any = _REQUIRED
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    model_type: str
+    architectures: tuple[str, ...]
+    keys: tuple[ConfigKey, ...]
+    #: HF config values the model code implements: key -> (allowed values; the first is written)
+    supported: dict
+    names: NameMap
+
+
+def _gpt2_spec() -> HFSpec:
+    h = "transformer.h.{i}."
+    b = "blocks.{i}."
+    names = NameMap(
+        rules=(
+            rule("transformer.wte.weight", "wte.weight"),
+            rule("transformer.wpe.weight", "wpe.weight"),
+            rule(h + "ln_1.weight", b + "ln_1.weight"),
+            rule(h + "ln_1.bias", b + "ln_1.bias"),
+            # GPT-2's Conv1D stores (in, out) like tilegraph; q, k and v sit side by side in c_attn
+            rule(h + "attn.c_attn.weight", b + "attn.q.weight", b + "attn.k.weight", b + "attn.v.weight", split=1),
+            rule(h + "attn.c_attn.bias", b + "attn.q.bias", b + "attn.k.bias", b + "attn.v.bias", split=0),
+            rule(h + "attn.c_proj.weight", b + "attn.o.weight"),
+            rule(h + "attn.c_proj.bias", b + "attn.o.bias"),
+            rule(h + "ln_2.weight", b + "ln_2.weight"),
+            rule(h + "ln_2.bias", b + "ln_2.bias"),
+            rule(h + "mlp.c_fc.weight", b + "mlp.fc1.weight"),
+            rule(h + "mlp.c_fc.bias", b + "mlp.fc1.bias"),
+            rule(h + "mlp.c_proj.weight", b + "mlp.fc2.weight"),
+            rule(h + "mlp.c_proj.bias", b + "mlp.fc2.bias"),
+            rule("transformer.ln_f.weight", "ln_f.weight"),
+            rule("transformer.ln_f.bias", "ln_f.bias"),
+            rule("lm_head.weight", "lm_head.weight", transpose=True),  # nn.Linear: (out, in)
+        ),
+        bare_prefix="transformer.",  # the original "gpt2" checkpoints name tensors "h.0...." and "wte.weight"
+        ignore=(r"transformer\.h\.\d+\.attn\.(masked_)?bias",),  # causal-mask buffers of old checkpoints
+        tied_output="lm_head.weight",
+    )
+    keys = (
+        ConfigKey("vocab_size", "vocab_size", 50257),
+        ConfigKey("n_positions", "max_seq_len", 1024),
+        ConfigKey("n_embd", "dim", 768),
+        ConfigKey("n_layer", "n_layers", 12),
+        ConfigKey("n_head", "n_heads", 12),
+        ConfigKey("n_inner", "hidden", None),
+        ConfigKey("layer_norm_epsilon", "norm_eps", 1e-5),
+        ConfigKey("tie_word_embeddings", "tie_embeddings", True),
+    )
+    supported = {
+        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # both are GELU's tanh form
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+        "add_cross_attention": (False,),
+    }
+    return HFSpec("gpt2", ("GPT2LMHeadModel",), keys, supported, names)
+
+
+def _llama_spec() -> HFSpec:
+    h = "model.layers.{i}."
+    b = "blocks.{i}."
+    names = NameMap(
+        rules=(
+            rule("model.embed_tokens.weight", "embed.weight"),
+            rule(h + "input_layernorm.weight", b + "attn_norm.weight"),
+            # nn.Linear stores (out, in); tilegraph stores (in, out)
+            rule(h + "self_attn.q_proj.weight", b + "attn.q.weight", transpose=True),
+            rule(h + "self_attn.k_proj.weight", b + "attn.k.weight", transpose=True),
+            rule(h + "self_attn.v_proj.weight", b + "attn.v.weight", transpose=True),
+            rule(h + "self_attn.o_proj.weight", b + "attn.o.weight", transpose=True),
+            rule(h + "post_attention_layernorm.weight", b + "mlp_norm.weight"),
+            rule(h + "mlp.gate_proj.weight", b + "mlp.gate.weight", transpose=True),
+            rule(h + "mlp.up_proj.weight", b + "mlp.up.weight", transpose=True),
+            rule(h + "mlp.down_proj.weight", b + "mlp.down.weight", transpose=True),
+            rule("model.norm.weight", "norm.weight"),
+            rule("lm_head.weight", "lm_head.weight", transpose=True),
+        ),
+        bare_prefix="model.",
+        ignore=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq"),
+        tied_output="lm_head.weight",
+    )
+    keys = (
+        ConfigKey("vocab_size", "vocab_size", 32000),
+        ConfigKey("max_position_embeddings", "max_seq_len", 2048),
+        ConfigKey("hidden_size", "dim", 4096),
+        ConfigKey("num_hidden_layers", "n_layers", 32),
+        ConfigKey("num_attention_heads", "n_heads", 32),
+        ConfigKey("num_key_value_heads", "n_kv_heads", None),
+        ConfigKey("intermediate_size", "hidden", 11008),
+        ConfigKey("rms_norm_eps", "norm_eps", 1e-6),
+        ConfigKey("tie_word_embeddings", "tie_embeddings", False),
+    )
+    supported = {
+        "hidden_act": ("silu",),
+        "attention_bias": (False,),
+        "mlp_bias": (False,),
+    }
+    return HFSpec("llama", ("LlamaForCausalLM",), keys, supported, names)
+
+
+SPECS = {"gpt2": _gpt2_spec(), "llama": _llama_spec()}
+
+
+# ------------------------------------------------------------------------------ config.json ----
+def _read_config(folder: Path, where: str) -> dict:
+    try:
+        cfg = json.loads((folder / CONFIG_NAME).read_text())
+    except FileNotFoundError:
+        raise TileError(where, f"a Hugging Face model folder needs {CONFIG_NAME}",
+                        f"none in {folder}" if folder.is_dir() else "the folder does not exist") from None
+    except (OSError, ValueError) as e:
+        raise TileError(where, f"{CONFIG_NAME} must be a JSON object", str(e)) from None
+    if not isinstance(cfg, dict):
+        raise TileError(where, f"{CONFIG_NAME} must be a JSON object", type(cfg).__name__)
+    return cfg
+
+
+def _rope_base(hf: dict, where: str) -> float:
+    """rope_theta from either config layout: top-level (older) or inside rope_parameters (newer)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for p in (params, scaling):
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind != "default":
+            raise TileError(where, "only the default rotary embedding is implemented (no rope scaling)",
+                            f"rope_type={kind!r}")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _spec_for(hf: dict, where: str) -> HFSpec:
+    kind = hf.get("model_type")
+    if kind not in SPECS:
+        raise TileError(where, f"unsupported model_type; supported: {', '.join(SPECS)}", repr(kind))
+    return SPECS[kind]
+
+
+def hf_config(hf: dict, where: str = "tilegraph.io.hf"):
+    """The tilegraph config of an HF config dict, and the HF keys it did not use."""
+    from tilegraph.models import ARCHITECTURES
+
+    spec = _spec_for(hf, where)
+    problems = []
+    for key, allowed in spec.supported.items():
+        if key in hf and hf[key] not in allowed:
+            problems.append(f"{key}={hf[key]!r} (supported: {', '.join(map(repr, allowed))})")
+    fields = {}
+    for k in spec.keys:
+        if k.hf in hf and hf[k.hf] is not None:
+            fields[k.field] = hf[k.hf]
+        elif k.default is not _REQUIRED:
+            fields[k.field] = k.default
+        else:  # pragma: no cover - every key has HF's default
+            problems.append(f"{k.hf} is missing")
+    if spec.model_type == "llama":
+        fields["rope_base"] = _rope_base(hf, where)
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
+            problems.append(f"head_dim={head_dim} (supported: hidden_size / num_attention_heads = "
+                            f"{fields['dim'] // fields['n_heads']})")
+    if problems:
+        raise TileError(where, f"config.json asks for {spec.model_type} features tilegraph does not implement",
+                        "; ".join(problems))
+    config_cls = ARCHITECTURES[spec.model_type][0]
+    used = {k.hf for k in spec.keys} | set(spec.supported) | {"model_type", "architectures", "rope_theta",
+                                                              "rope_parameters", "rope_scaling", "head_dim"}
+    return config_cls(**fields), {k: v for k, v in hf.items() if k not in used}
+
+
+def _to_hf_config(model) -> dict:
+    spec = SPECS[model.arch]
+    cfg = model.config
+    out = dict(getattr(model, "hf_extra", None) or {})
+    out.update({"model_type": spec.model_type, "architectures": list(spec.architectures)})
+    out.update({k.hf: getattr(cfg, k.field) for k in spec.keys})
+    out.update({key: allowed[0] for key, allowed in spec.supported.items()})
+    if spec.model_type == "llama":
+        out["head_dim"] = cfg.head_dim
+        out["rope_theta"] = cfg.rope_base
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_base}
+        out.pop("rope_scaling", None)
+    out["torch_dtype"] = out["dtype"] = str(np.dtype(model.dtype))
+    return out
+
+
+# -------------------------------------------------------------------------------- weights ----
+def load_hf_weights(model, path, *, where: str | None = None) -> None:
+    """Load the safetensors of an HF folder (or file) into ``model``, strictly: every missing,
+    unexpected and mis-shaped tensor is reported at once."""
+    path = Path(path)
+    where = where or f"tilegraph.io.hf.load_hf_weights({path})"
+    spec = SPECS[model.arch]
+    names = spec.names
+    params = dict(model.named_parameters())
+    expected = names.expand(model.config.n_layers, {n: p.shape for n, p in params.items()})
+    ckpt = st.open_checkpoint(path)
+    present = {names.canonical(n, expected): n for n in ckpt}
+    tied = bool(model.config.tie_embeddings)
+    problems = [f"missing: {n}" for n in expected if n not in present]
+    problems += [f"unexpected: {present[n]}" for n in present if n not in expected and not names.ignored(n, tied)]
+    for n, (r, tg) in expected.items():
+        if n not in present:
+            continue
+        info = ckpt.info(present[n])
+        want = r.hf_shape([params[t].shape for t in tg])
+        if info.shape != want:
+            problems.append(f"shape of {present[n]}: expected {want}, got {info.shape}")
+        elif info.numpy_dtype.kind != "f":
+            problems.append(f"dtype of {present[n]}: expected a float, got {info.dtype}")
+    if problems:
+        raise TileError(where, f"the checkpoint does not match the {spec.model_type} model "
+                        f"({len(problems)} problems)", "; ".join(problems))
+    state = {}
+    for n, (r, tg) in expected.items():
+        for t, part in zip(tg, r.to_tilegraph(ckpt[present[n]], [params[t].shape for t in tg])):
+            state[t] = np.asarray(part, dtype=params[t].dtype)
+    model.load_state_dict(state)
+
+
+def to_hf_state(model, state: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """HF-named arrays of the model's parameters, or of ``state`` (any arrays named like the model's
+    parameters, e.g. their gradients)."""
+    spec = SPECS[model.arch]
+    state = model.state_dict() if state is None else state
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    expected = spec.names.expand(model.config.n_layers, shapes)
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise TileError("tilegraph.io.hf.to_hf_state", "state lacks model parameters", ", ".join(missing))
+    return {n: np.ascontiguousarray(r.to_hf([np.asarray(state[t]) for t in tg])) for n, (r, tg) in expected.items()}
+
+
+# ------------------------------------------------------------------------------ folders ----
+def load_hf(path, tiling=None, *, dtype=np.float32):
+    """A tilegraph model from an HF folder: config.json, then the (possibly sharded) safetensors."""
+    from tilegraph.models import ARCHITECTURES
+
+    folder = Path(path)
+    where = f"tilegraph.models.from_hf({folder})"
+    hf = _read_config(folder, where)
+    config, extra = hf_config(hf, where)
+    model = ARCHITECTURES[_spec_for(hf, where).model_type][1](config, tiling, dtype=dtype)
+    load_hf_weights(model, folder, where=where)
+    model.hf_extra = extra  # HF-only keys (token ids, ...) that to_hf writes back
+    return model
+
+
+def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool = False) -> None:
+    """Write ``model`` as an HF folder (config.json + safetensors) that transformers loads.
+
+    Everything is written into a temporary folder next to ``path`` and renamed at the end, so a
+    failure leaves neither a partial folder nor a damaged previous one.
+    """
+    path = Path(path)
+    where = f"tilegraph.models.{type(model).__name__}.to_hf({path})"
+    if getattr(model, "arch", None) not in SPECS:
+        raise TileError(where, f"no Hugging Face export for this model; supported: {', '.join(SPECS)}",
+                        type(model).__name__)
+    if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
+        raise TileError(where, "the target exists and is not an empty folder (pass overwrite=True to replace it)",
+                        str(path))
+    config = _to_hf_config(model)
+    tensors = to_hf_state(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
+    moved_aside = False
+    try:
+        tmp.mkdir()
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        st.save_checkpoint(tensors, tmp, max_shard_bytes=max_shard_bytes)
+        if path.exists():
+            os.replace(path, old)
+            moved_aside = True
+        os.replace(tmp, path)
+    except BaseException:
+        if moved_aside and not path.exists():
+            os.replace(old, path)  # put the previous folder back
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)

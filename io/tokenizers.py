@@ -1,0 +1,220 @@
+"""Tokenizers: a built-in byte-level one and byte-level BPE trained offline with ``tokenizers``.
+
+Both turn text into NumPy arrays of token ids in the smallest dtype that holds the vocabulary
+(uint16 up to 65,536 ids, uint32 beyond), which is also the dtype of the token files that
+:func:`tilegraph.io.build_token_file` writes. A tokenizer describes itself as a small JSON-able dict
+(kind, vocabulary size, end-of-text id, a content hash for BPE) that token files record.
+
+The Hugging Face ``tokenizers`` library is imported only when a BPE tokenizer is trained or loaded
+(``pip install tilegraph[data]``). BPE tokenizers are saved and loaded as the library's JSON, never
+pickled.
+
+>>> from tilegraph.io import ByteTokenizer
+>>> tok = ByteTokenizer()
+>>> tok.encode("hé").tolist(), tok.decode(tok.encode("hé"))
+([104, 195, 169], 'hé')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+
+__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "token_dtype", "tokenizer_from_description"]
+
+DEFAULT_EOS = "<|endoftext|>"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id of a ``vocab_size`` vocabulary fits (ids < 65,536), else uint32."""
+    if not 0 < vocab_size <= 2**32:
+        raise TileError("tilegraph.io.token_dtype", "vocabulary size must lie in [1, 2**32]", str(vocab_size))
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class Tokenizer:
+    """What token files need from a tokenizer: ``encode``, ``decode``, ``vocab_size``, ``eos_id``
+    (None when there is no end-of-text token) and ``describe()``."""
+
+    vocab_size: int
+    eos_id: int | None
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Dtype of encoded ids and of token files made with this tokenizer."""
+        return token_dtype(self.vocab_size)
+
+    def encode(self, text: str) -> np.ndarray:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def describe(self) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class ByteTokenizer(Tokenizer):
+    """Token ids are the UTF-8 bytes of the text (vocabulary 256), plus id 256 as an end-of-text
+    token when ``eos=True``. Lossless for any text: ``decode(encode(s)) == s``.
+
+    ``decode`` drops the end-of-text token and replaces bytes that do not form UTF-8 (a window cut
+    inside a multi-byte character) with U+FFFD rather than failing.
+    """
+
+    kind = "byte"
+
+    def __init__(self, eos: bool = False):
+        self.eos_id = 256 if eos else None
+        self.vocab_size = 257 if eos else 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids).reshape(-1)
+        if self.eos_id is not None:
+            ids = ids[ids != self.eos_id]
+        if ids.size and (ids.min() < 0 or ids.max() > 255):
+            raise TileError("tilegraph.io.ByteTokenizer.decode", "byte token ids must lie in [0, 256)",
+                            f"{int(ids.min())}..{int(ids.max())}")
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(eos={self.eos_id is not None})"
+
+
+def _hf():
+    try:
+        import tokenizers
+    except ImportError:
+        raise TileError("tilegraph.io.BPETokenizer", "BPE tokenizers need the 'tokenizers' package "
+                        "(pip install 'tilegraph[data]')", "ImportError") from None
+    return tokenizers
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
+    ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
+    when building token files. Round trips are exact: ``decode(encode(s)) == s``.
+
+    >>> tok = BPETokenizer.train(["corpus/"], vocab_size=1024)  # doctest: +SKIP
+    >>> tok.save("bpe.json"); BPETokenizer.load("bpe.json").encode("def f(x):")  # doctest: +SKIP
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer, eos: str | None = DEFAULT_EOS):
+        self._tok = tokenizer
+        self.eos = eos
+        self.eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @classmethod
+    def train(cls, files: Sequence[str | os.PathLike] | str | os.PathLike, vocab_size: int, *,
+              min_frequency: int = 2, eos: str | None = DEFAULT_EOS,
+              patterns: Sequence[str] | None = None) -> "BPETokenizer":
+        """Learn merges from text ``files`` (files or folders, found as by
+        :func:`~tilegraph.io.build_token_file`) until the vocabulary has ``vocab_size`` ids: 256
+        byte tokens, the end-of-text token ``eos`` (None: none) and the merges."""
+        from tilegraph.io.data import DEFAULT_PATTERNS, find_sources, read_text
+
+        where = "tilegraph.io.BPETokenizer.train"
+        n_fixed = 256 + (eos is not None)
+        if vocab_size < n_fixed:
+            raise TileError(where, f"vocab_size must be at least {n_fixed} (256 bytes"
+                            + (" + the end-of-text token)" if eos is not None else ")"), str(vocab_size))
+        hf = _hf()
+        paths = find_sources(files, DEFAULT_PATTERNS if patterns is None else patterns, where=where)
+        tok = hf.Tokenizer(hf.models.BPE())
+        # no prefix space: the text is reproduced exactly, leading space or not
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = hf.decoders.ByteLevel()
+        trainer = hf.trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+            special_tokens=[eos] if eos is not None else [],
+            initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
+        texts = (read_text(p, where) for p in paths)
+        tok.train_from_iterator(texts, trainer=trainer, length=len(paths))
+        return cls(tok, eos=eos)
+
+    @classmethod
+    def from_str(cls, json_text: str, eos: str | None = DEFAULT_EOS) -> "BPETokenizer":
+        return cls(_hf().Tokenizer.from_str(json_text), eos=eos)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, eos: str | None = DEFAULT_EOS) -> "BPETokenizer":
+        """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file)."""
+        path = Path(path)
+        if not path.is_file():
+            raise TileError("tilegraph.io.BPETokenizer.load", "expected a tokenizer JSON file", str(path))
+        try:
+            return cls.from_str(path.read_text(encoding="utf-8"), eos=eos)
+        except TileError:
+            raise
+        except Exception as e:  # the library raises plain Exceptions for malformed JSON
+            raise TileError("tilegraph.io.BPETokenizer.load", "expected a tokenizers JSON file",
+                            f"{path}: {e}") from None
+
+    def to_str(self) -> str:
+        return self._tok.to_str()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the tokenizer as JSON (to a temporary name, then renamed)."""
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise TileError("tilegraph.io.BPETokenizer.save", "the parent folder must exist", str(path))
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            tmp.write_text(self.to_str(), encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=self.dtype)
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        """Several texts at once (the library spreads them over threads)."""
+        return [np.asarray(e.ids, dtype=self.dtype)
+                for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(np.asarray(ids).reshape(-1).tolist(), skip_special_tokens=True)
+
+    def describe(self) -> dict:
+        digest = hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "eos": self.eos,
+                "sha256": digest}
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size}, eos={self.eos!r})"
+
+
+def tokenizer_from_description(desc: dict, bpe_path: str | os.PathLike | None = None) -> Tokenizer:
+    """Rebuild the tokenizer a token file recorded: byte tokenizers from the description alone,
+    BPE from ``bpe_path``, checked against the recorded hash."""
+    where = "tilegraph.io.tokenizer_from_description"
+    kind = desc.get("kind")
+    if kind == "byte":
+        return ByteTokenizer(eos=desc.get("eos_id") is not None)
+    if kind == "bpe":
+        if bpe_path is None:
+            raise TileError(where, "a BPE token file needs the tokenizer's JSON file (bpe_path)", "None")
+        tok = BPETokenizer.load(bpe_path, eos=desc.get("eos"))
+        if tok.describe()["sha256"] != desc.get("sha256"):
+            raise TileError(where, "the tokenizer file differs from the one the token file was built with",
+                            str(bpe_path))
+        return tok
+    raise TileError(where, "unknown tokenizer kind (expected 'byte' or 'bpe')", repr(kind))

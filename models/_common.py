@@ -1,0 +1,94 @@
+"""Pieces every causal language model shares: config checks, flavor lookup, the model base class."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tilegraph import nn
+from tilegraph._errors import TileError
+from tilegraph._tensor import TileTensor, from_numpy
+
+from .tiling import ModelTiling
+
+
+def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
+    """The checks both architectures share: positive sizes (the fields named in ``sizes``), whole heads."""
+    for name in sizes:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise TileError(where, f"{name} must be a positive int", repr(v))
+    if config.dim % config.n_heads:
+        raise TileError(where, "n_heads must divide dim", f"dim={config.dim}, n_heads={config.n_heads}")
+    if not config.norm_eps >= 0:
+        raise TileError(where, "norm_eps must be a non-negative number", repr(config.norm_eps))
+
+
+def lookup_flavor(cls, flavors: dict, name: str):
+    if name not in flavors:
+        raise TileError(f"tilegraph.models.{cls.__name__}.flavor", f"unknown flavor; known: {', '.join(flavors)}",
+                        repr(name))
+    return flavors[name]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model: ``model(ids)`` maps token ids (B, T) to logits (B, T, V);
+    ``model(ids, cache=model.new_cache())`` also keeps the keys and values for decoding."""
+
+    #: the architecture's name in :data:`tilegraph.models.ARCHITECTURES` (and HF's ``model_type``)
+    arch = ""
+
+    def _setup(self, config, tiling: ModelTiling | None, dtype) -> ModelTiling:
+        tiling = ModelTiling.default(config) if tiling is None else tiling
+        if not isinstance(tiling, ModelTiling):
+            raise TileError(f"tilegraph.models.{type(self).__name__}", "tiling must be a ModelTiling or None",
+                            type(tiling).__name__)
+        tiling.check(config, where=f"tilegraph.models.{type(self).__name__}")
+        self.config, self.tiling, self.dtype = config, tiling, np.dtype(dtype)
+        return tiling
+
+    def new_cache(self, block: int = 64) -> list[nn.KVCache]:
+        """One empty :class:`tilegraph.nn.KVCache` per layer, for ``model(ids, cache=...)``: each
+        call appends the keys and values of ``ids`` and computes only their positions, attending
+        to everything cached before (see :mod:`tilegraph.models.generate`)."""
+        return [nn.KVCache(block) for _ in range(self.config.n_layers)]
+
+    def _start(self, cache) -> int:
+        """Positions already in ``cache`` (0 without one): where the new ids start."""
+        if cache is None:
+            return 0
+        where = f"tilegraph.models.{type(self).__name__}"
+        if (not isinstance(cache, (list, tuple)) or len(cache) != self.config.n_layers
+                or not all(isinstance(c, nn.KVCache) for c in cache)):
+            raise TileError(where, f"cache must be a list of {self.config.n_layers} KVCache (model.new_cache())",
+                            type(cache).__name__)
+        lengths = {c.length for c in cache}
+        if len(lengths) != 1:
+            raise TileError(where, "the layers of the cache hold different numbers of positions", str(sorted(lengths)))
+        return lengths.pop()
+
+    def _ids(self, ids, start: int = 0) -> TileTensor:
+        """Token ids as a TileTensor (a NumPy array gets the tiling's batch and seq tiles)."""
+        where = f"tilegraph.models.{type(self).__name__}"
+        if not isinstance(ids, TileTensor):
+            ids = self.tiling.tile_ids(ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise TileError(where, "ids must be an integer TileTensor of shape (batch, seq)",
+                            f"{ids.dtype} of shape {ids.shape}")
+        if start + ids.shape[1] > self.config.max_seq_len:
+            got = f"seq={start + ids.shape[1]}" + (f" ({start} cached + {ids.shape[1]} new)" if start else "")
+            raise TileError(where, f"sequences may hold at most max_seq_len={self.config.max_seq_len} tokens", got)
+        return ids
+
+    @staticmethod
+    def _positions(ids: TileTensor, start: int = 0) -> TileTensor:
+        """Positions start..start+T-1, tiled like the sequence dim of ``ids``."""
+        return from_numpy(np.arange(start, start + ids.shape[1], dtype=np.int64), (ids.chunks[1],))
+
+    def to_hf(self, path, *, max_shard_bytes: int | None = None, overwrite: bool = False) -> None:
+        """Write a Hugging Face model folder (config.json + safetensors) that transformers loads."""
+        from tilegraph.io.hf import save_hf
+
+        save_hf(self, path, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.config}, {self.tiling}, {self.num_parameters():,} parameters)")

@@ -1,0 +1,276 @@
+"""Text generation with a KV cache: greedy decoding, top-k and top-p (nucleus) sampling.
+
+The prompt runs once (prefill) and leaves every layer's keys and values in a cache of leaf tiles;
+each new token then runs a one-position forward that attends to the cache and appends its own
+keys and values (:class:`Decoder`). The cache tiles stay where they were computed: with a runtime
+connected they are references to values on the workers, and only the logits of the last position
+come back to the client, where the next token is picked (:func:`next_tokens`).
+
+>>> import numpy as np
+>>> from tilegraph import models
+>>> model = models.build("gpt2-debug", seed=0)
+>>> prompt = np.array([[1, 2, 3], [4, 5, 6]])
+>>> generate(model, prompt, 4).shape
+(2, 7)
+>>> generate(model, prompt, 4, strategy="top_p", top_p=0.9, temperature=0.8, seed=1).shape
+(2, 7)
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import ValueRef
+from tilegraph._lower import Executable, _host
+from tilegraph._runtime import current_runtime
+
+from ._common import CausalLM
+
+__all__ = ["generate", "next_tokens", "Decoder", "STRATEGIES"]
+
+#: "greedy" takes the most likely token; "sample" draws from softmax(logits / temperature),
+#: restricted to the ``top_k`` most likely tokens and then to the smallest set holding ``top_p``
+#: of the probability when those are given; "top_k" and "top_p" are "sample" with that one filter.
+STRATEGIES = ("greedy", "sample", "top_k", "top_p")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_sampling(where: str, strategy, temperature, top_k, top_p) -> None:
+    if strategy not in STRATEGIES:
+        raise TileError(where, f"strategy must be one of {', '.join(map(repr, STRATEGIES))}", repr(strategy))
+    if strategy == "greedy" and (top_k is not None or top_p is not None):
+        raise TileError(where, "greedy decoding takes no top_k or top_p (use strategy='sample', 'top_k' or "
+                        "'top_p')", f"top_k={top_k!r}, top_p={top_p!r}")
+    if strategy == "top_k" and (top_k is None or top_p is not None):
+        raise TileError(where, "strategy='top_k' needs top_k and no top_p (strategy='sample' combines both)",
+                        f"top_k={top_k!r}, top_p={top_p!r}")
+    if strategy == "top_p" and (top_p is None or top_k is not None):
+        raise TileError(where, "strategy='top_p' needs top_p and no top_k (strategy='sample' combines both)",
+                        f"top_k={top_k!r}, top_p={top_p!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise TileError(where, "top_k must be an int >= 1", repr(top_k))
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.floating))
+                              or not 0 < top_p <= 1):
+        raise TileError(where, "top_p must be a number in (0, 1]", repr(top_p))
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
+            or not 0 < temperature < np.inf:
+        raise TileError(where, "temperature must be a positive finite number", repr(temperature))
+
+
+def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", temperature: float = 1.0,
+                top_k: int | None = None, top_p: float | None = None) -> np.ndarray:
+    """Pick one token per row of ``logits`` (B, V); returns (B,) int64.
+
+    Sampling follows Hugging Face's order: scale by 1 / temperature, keep the ``top_k`` best
+    tokens, then keep the best tokens until their probability reaches ``top_p`` (a token is kept
+    when the tokens better than it hold less than ``top_p``, so the best one always is), and draw
+    from what is left, renormalised, with one ``rng.random()`` per row. Ties rank by token id.
+
+    >>> rng = np.random.default_rng(0)
+    >>> next_tokens(np.array([[0.0, 3.0, 1.0]]), rng)
+    array([1])
+    >>> next_tokens(np.log([[0.5, 0.3, 0.2]]), rng, strategy="top_p", top_p=0.5)   # only token 0 is kept
+    array([0])
+    """
+    where = "tilegraph.models.generate.next_tokens"
+    _check_sampling(where, strategy, temperature, top_k, top_p)
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or logits.shape[1] == 0 or logits.dtype.kind != "f":
+        raise TileError(where, "logits must be floats of shape (batch, vocab)", f"{logits.dtype} {logits.shape}")
+    if not np.isfinite(logits).all():
+        raise TileError(where, "logits must be finite", f"{int((~np.isfinite(logits)).sum())} entries are not")
+    if strategy == "greedy":
+        return np.argmax(logits, axis=-1).astype(np.int64)
+    z = logits.astype(np.float64) / float(temperature)
+    order = np.argsort(-z, axis=-1, kind="stable")             # best first; ties by token id
+    zs = np.take_along_axis(z, order, axis=-1)
+    p = np.exp(zs - zs[:, :1])
+    if top_k is not None:
+        p[:, top_k:] = 0.0
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1:
+        before = np.cumsum(p, axis=-1) - p                     # mass of the better tokens
+        p[before >= top_p] = 0.0
+        p /= p.sum(axis=-1, keepdims=True)
+    # Kept tokens are a prefix of ``order``; pick by the inverse of the cumulative distribution.
+    c = np.cumsum(p, axis=-1)
+    u = rng.random(len(p))[:, None] * c[:, -1:]
+    pick = np.minimum((c <= u).sum(axis=-1), (p > 0).sum(axis=-1) - 1)
+    return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int64)
+
+
+class Decoder:
+    """Runs a model over successive chunks of token ids, each attending to all earlier ones
+    through a per-layer KV cache; returns the logits of each chunk's last position.
+
+    With a runtime (``runtime`` or the current one) the model's parameters still on the client
+    are scattered to the workers once, and put back on :meth:`close` (use ``with``); the cache
+    tiles stay on the workers as references (:attr:`cache`), and only the last position's
+    logits are fetched. Without one, everything runs on Dask's local scheduler.
+
+    >>> import numpy as np
+    >>> from tilegraph import models
+    >>> model = models.build("llama-debug", seed=0)
+    >>> with Decoder(model) as dec:
+    ...     first = dec.feed(np.array([[1, 2, 3]]))    # prefill: the prompt, once
+    ...     second = dec.feed(np.array([[4]]))         # one more position against the cache
+    ...     print(second.shape, dec.length)
+    (1, 128) 4
+    """
+
+    def __init__(self, model: CausalLM, *, runtime=None, cache_block: int = 64):
+        where = "tilegraph.models.Decoder"
+        if not isinstance(model, CausalLM):
+            raise TileError(where, "model must be a tilegraph.models model (GPT2, Llama)", type(model).__name__)
+        self.model = model
+        self.runtime = runtime if runtime is not None else current_runtime()
+        self.cache = model.new_cache(cache_block)
+        self.batch: int | None = None
+        #: the executable of the last :meth:`feed` (to inspect its graph and tasks)
+        self.last_executable: Executable | None = None
+        self._restore: list = []
+        if self.runtime is not None:
+            cells = [c for p in model.parameters() for c in p.cells.flat if not isinstance(c.value, ValueRef)]
+            self._restore = [(c, c.value, c.token) for c in cells]
+            self.runtime.scatter_cells(cells)
+
+    @property
+    def length(self) -> int:
+        """Positions fed so far."""
+        return self.cache[0].length
+
+    def feed(self, ids) -> np.ndarray:
+        """Run ``ids`` (B, T) after the positions fed before; returns the logits (B, V) of the
+        token that follows ``ids``' last position."""
+        where = "tilegraph.models.Decoder.feed"
+        ids = np.asarray(ids)
+        vocab = self.model.config.vocab_size
+        if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise TileError(where, "ids must be integers of shape (batch, seq), both at least 1",
+                            f"{ids.dtype} array of shape {ids.shape}")
+        if self.batch is not None and ids.shape[0] != self.batch:
+            raise TileError(where, f"every chunk must hold the batch of the first one ({self.batch} rows)",
+                            f"{ids.shape[0]} rows")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise TileError(where, f"token ids must lie in [0, vocab_size={vocab})",
+                            f"min {ids.min()}, max {ids.max()}")
+        saved = [(c.k, c.v) for c in self.cache]
+        try:
+            logits = self.model(ids.astype(np.int64), cache=self.cache)    # (B, T, V)
+            last = logits.grid[:, -1, :]                                    # (B tiles, V tiles)
+            pending = [c.pending() for c in self.cache]
+            exe = Executable(list(last.flat) + [r for p in pending for r in p], runtime=self.runtime)
+            values = exe.run(fetch=range(last.size))
+        except BaseException:
+            for c, (k, v) in zip(self.cache, saved):   # a failed step leaves the cache as it was
+                c.k, c.v = k, v
+            raise
+        self.last_executable = exe
+        self.batch = ids.shape[0]
+        out = np.empty((ids.shape[0], vocab), dtype=logits.dtype)
+        b_offs, v_offs = logits.tiling.offsets(0), logits.tiling.offsets(2)
+        for (i, j), val in zip(np.ndindex(*last.shape), values[:last.size]):
+            tile = _host(val)                                               # (b, t, v) of the last seq tile
+            out[b_offs[i]:b_offs[i] + tile.shape[0], v_offs[j]:v_offs[j] + tile.shape[2]] = tile[:, -1]
+        k = last.size
+        for c, p in zip(self.cache, pending):
+            c.store(values[k:k + len(p)])
+            k += len(p)
+        if self.runtime is not None:
+            self._own_futures()
+        return out
+
+    def _own_futures(self) -> None:
+        """Give each finished cache tile a future of its own.
+
+        A value left on the workers is an element of its fused task's result tuple, which keeps
+        the task's other outputs (activations of the prefill, say) alive while it is referenced.
+        Every tile but the last along the sequence is final (only the last one grows), so those
+        get their own small future (taken on the worker that holds the tuple) and the tuple can go.
+        """
+        client = self.runtime.client
+        for c in self.cache:
+            for t in (c.k, c.v):
+                for ref in t.grid[:, :, :-1].flat:
+                    cell = ref.node.cell
+                    v = cell.value
+                    if isinstance(v, ValueRef) and v.index is not None:
+                        cell.set(ValueRef(client.submit(operator.getitem, v.future, v.index), None), cell.token)
+
+    def close(self) -> None:
+        """Drop the cache and put back the parameter values that were on the client."""
+        self.cache = self.model.new_cache(self.cache[0].block)
+        for cell, value, token in self._restore:
+            cell.set(value, token)
+        self._restore = []
+
+    def __enter__(self) -> "Decoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str = "greedy",
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed=0,
+             eos_id: int | None = None, runtime=None, cache_block: int = 64) -> np.ndarray:
+    """Continue each prompt (B, P) by ``max_new_tokens`` tokens; returns the ids (B, P + N), int64
+    (a 1-D prompt is one row).
+
+    ``strategy`` is one of :data:`STRATEGIES` ("greedy", "sample", "top_k", "top_p"; see
+    :func:`next_tokens` for ``temperature``, ``top_k`` and ``top_p``). Sampling draws from
+    ``np.random.default_rng(seed)`` on the client, so the same seed gives the same tokens. A row
+    that produced ``eos_id`` is continued with ``eos_id``, and generation stops once all rows
+    have (Hugging Face's ``generate`` with ``pad_token_id = eos_token_id``, padded to full length).
+    P + N may not exceed the model's ``max_seq_len``. ``runtime`` and ``cache_block``: see
+    :class:`Decoder`.
+    """
+    where = "tilegraph.models.generate"
+    if not isinstance(model, CausalLM):
+        raise TileError(where, "model must be a tilegraph.models model (GPT2, Llama)", type(model).__name__)
+    _check_sampling(where, strategy, temperature, top_k, top_p)
+    cfg = model.config
+    prompt = np.asarray(prompt_ids)
+    if prompt.ndim == 1:
+        prompt = prompt[None]
+    if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise TileError(where, "prompt_ids must be integers of shape (batch, prompt length), both at least 1",
+                        f"{np.asarray(prompt_ids).dtype} array of shape {np.shape(prompt_ids)}")
+    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
+        raise TileError(where, f"token ids must lie in [0, vocab_size={cfg.vocab_size})",
+                        f"min {prompt.min()}, max {prompt.max()}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise TileError(where, "max_new_tokens must be an int >= 0", repr(max_new_tokens))
+    b, p = prompt.shape
+    if p + max_new_tokens > cfg.max_seq_len:
+        raise TileError(where, f"prompt and new tokens exceed the model's max_seq_len={cfg.max_seq_len}",
+                        f"{p} prompt + {max_new_tokens} new = {p + max_new_tokens}")
+    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
+        raise TileError(where, f"eos_id must be None or a token id in [0, {cfg.vocab_size})", repr(eos_id))
+
+    rng = np.random.default_rng(seed)
+    out = np.empty((b, p + max_new_tokens), dtype=np.int64)
+    out[:, :p] = prompt
+    if max_new_tokens == 0:
+        return out
+    done = np.zeros(b, dtype=bool)
+    with Decoder(model, runtime=runtime, cache_block=cache_block) as dec:
+        logits = dec.feed(prompt)
+        for i in range(max_new_tokens):
+            tok = next_tokens(logits, rng, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p)
+            if eos_id is not None:
+                tok[done] = eos_id
+                done |= tok == eos_id
+            out[:, p + i] = tok
+            if eos_id is not None and done.all():
+                out[:, p + i + 1:] = eos_id
+                break
+            if i + 1 < max_new_tokens:
+                logits = dec.feed(tok[:, None])
+    return out

@@ -1,0 +1,109 @@
+"""GPT-2: learned positions, pre-norm blocks with LayerNorm, GELU (tanh) MLP, tied embeddings.
+
+>>> import numpy as np
+>>> from tilegraph.models import GPT2, GPT2Config
+>>> model = GPT2(GPT2Config.flavor("debug"), seed=0)
+>>> model(np.zeros((2, 5), np.int64)).shape
+(2, 5, 96)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tilegraph import nn
+from tilegraph._tensor import TileTensor
+
+from ._common import CausalLM, check_config, lookup_flavor
+from .tiling import ModelTiling
+
+__all__ = ["GPT2Config", "GPT2"]
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257  # 50,000 BPE merges + 256 bytes + <|endoftext|>
+    max_seq_len: int = 1024  # rows of the learned position table
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    hidden: int | None = None  # MLP width; None means 4 * dim
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True  # the output projection reuses the token embedding
+
+    def __post_init__(self):
+        if self.hidden is None and isinstance(self.dim, int):
+            object.__setattr__(self, "hidden", 4 * self.dim)
+        check_config(self, "tilegraph.models.GPT2Config",
+                     ("vocab_size", "max_seq_len", "dim", "n_layers", "n_heads", "hidden"))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def flavor(cls, name: str) -> "GPT2Config":
+        """A named configuration: "debug", "gpt2" (124M) or "gpt2-medium" (350M)."""
+        return lookup_flavor(cls, FLAVORS, name)
+
+
+FLAVORS = {
+    # small enough for unit tests; odd-ish sizes so that tilings get ragged tiles
+    "debug": GPT2Config(vocab_size=96, max_seq_len=32, dim=32, n_layers=2, n_heads=4),
+    "gpt2": GPT2Config(),
+    "gpt2-medium": GPT2Config(dim=1024, n_layers=24, n_heads=16),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, tile, rng, dtype):
+        std = 0.02
+        self.ln_1 = nn.LayerNorm(cfg.dim, cfg.norm_eps, tile=tile, dtype=dtype)
+        self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, bias=True, tile=tile, dtype=dtype, seed=rng,
+                                           init_std=std)
+        self.ln_2 = nn.LayerNorm(cfg.dim, cfg.norm_eps, tile=tile, dtype=dtype)
+        self.mlp = nn.MLP(cfg.dim, cfg.hidden, act="gelu_tanh", tile=tile, dtype=dtype, seed=rng, init_std=std)
+        # GPT-2 scales the init of the projections back into the residual stream by 1/sqrt(2 * layers)
+        res_std = std / math.sqrt(2 * cfg.n_layers)
+        self.attn.o = nn.Linear(cfg.dim, cfg.dim, tile=tile, dtype=dtype, seed=rng, init_std=res_std)
+        self.mlp.fc2 = nn.Linear(cfg.hidden, cfg.dim, tile=tile, dtype=dtype, seed=rng, init_std=res_std)
+
+    def forward(self, x: TileTensor, cache: nn.KVCache | None = None) -> TileTensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT2(CausalLM):
+    """GPT-2 language model; ``model(ids)`` returns logits (B, T, vocab_size) (``cache``: see
+    :meth:`CausalLM.new_cache`)."""
+
+    arch = "gpt2"
+
+    def __init__(self, config: GPT2Config, tiling: ModelTiling | None = None, *, dtype=np.float32, seed=0):
+        t = self._setup(config, tiling, dtype)
+        rng = np.random.default_rng(seed)
+        self.wte = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
+                                seed=rng, init_std=0.02)
+        self.wpe = nn.Embedding(config.max_seq_len, config.dim, tile=t.feature, dtype=dtype, seed=rng,
+                                init_std=0.01)
+        self.blocks = nn.ModuleList(Block(config, t.feature, rng, dtype) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.dim, config.norm_eps, tile=t.feature, dtype=dtype)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, tile=t.feature, out_tile=t.vocab,
+                                     dtype=dtype, seed=rng, init_std=0.02)
+
+    def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
+        start = self._start(cache)                                 # positions already cached
+        ids = self._ids(ids, start)                                # (B, T)
+        x = self.wte(ids) + self.wpe(self._positions(ids, start))  # (B, T, C) + (T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache[i])
+        x = self.ln_f(x)
+        if self.lm_head is None:
+            return self.wte.unembed(x)                      # (B, T, V)
+        return self.lm_head(x)

@@ -1,0 +1,328 @@
+"""Generation with a KV cache: greedy against Hugging Face generate, the cache against a full forward,
+sampling filters and determinism, input errors, and the cache staying on the workers.
+
+HF models are built from tiny configs with random weights (norm gains and biases too), saved with
+save_pretrained and loaded with tilegraph.models.from_hf, as in test_models_hf.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from conftest import check_against_torch, randn
+from tilegraph import models
+from tilegraph._graph import ValueRef, topo_order
+from tilegraph.models import Decoder, ModelTiling, generate, next_tokens
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, B, P, N = 50, 2, 7, 12
+
+
+def _hf_config(arch: str):
+    # no eos in the configs: HF would stop at it, and the eos test passes its own
+    if arch == "gpt2":
+        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=3, n_positions=32, n_inner=40,
+                                       bos_token_id=None, eos_token_id=None)
+    # grouped-query attention: 4 query heads share 2 key/value heads
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    rms_norm_eps=1e-5, rope_theta=500.0, bos_token_id=None, eos_token_id=None,
+                                    pad_token_id=None)
+
+
+ARCHS = ["gpt2", "llama-gqa"]
+# width 24 (gpt2) or 32 (llama), head_dim 8: feature tiles of 2 or 3 heads leave a ragged last
+# tile, as do vocab 50 in 20s, batch 2 in 1s and a 7-token prompt in 3s
+TILINGS = {
+    "single": lambda arch: ModelTiling(),
+    "ragged": lambda arch: ModelTiling(feature=16 if arch == "gpt2" else 24, vocab=20, batch=1, seq=3),
+}
+
+
+def _randomize(model) -> None:
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("ln" in name or "norm" in name) and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """``get(arch) -> (HF model in eval mode, folder it was saved to)``, built once per module."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            torch.manual_seed(0)
+            cls = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
+            model = cls(_hf_config(arch))
+            _randomize(model)
+            model.eval()
+            folder = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(folder)
+            cache[arch] = model, folder
+        return cache[arch]
+
+    return get
+
+
+def _prompt(seed=0, b=B, p=P):
+    return np.random.default_rng(seed).integers(0, VOCAB, (b, p))
+
+
+def _hf_generate(hf, prompt, n, **kw) -> np.ndarray:
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                          **{"pad_token_id": 0, **kw})
+    return out.numpy()
+
+
+# ------------------------------------------------------------------------------------ greedy ----
+@pytest.mark.parametrize("mode", list(TILINGS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_generate(hf_models, arch, mode):
+    hf, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS[mode](arch))
+    prompt = _prompt()
+    # a 4-row cache block: the prompt's last tile fills up, then new tiles start
+    got = generate(model, prompt, N, cache_block=4 if mode == "ragged" else 64)
+    want = _hf_generate(hf, prompt, N)
+    assert got.shape == (B, P + N) and got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got[:, P:].ravel().tolist())) > 3  # not a degenerate repetition of one token
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eos_ends_rows_like_transformers(hf_models, arch):
+    hf, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS["ragged"](arch))
+    prompt = _prompt(1)
+    free = generate(model, prompt, N)
+    eos = int(free[0, P + 3])  # row 0 produces it after 4 steps (or earlier)
+    got = generate(model, prompt, N, eos_id=eos)
+    want = _hf_generate(hf, prompt, N, eos_token_id=eos, pad_token_id=eos)
+    want = np.pad(want, ((0, 0), (0, P + N - want.shape[1])), constant_values=eos)  # HF stops when all rows end
+    np.testing.assert_array_equal(got, want)
+    first = int(np.argmax(free[0, P:] == eos))
+    assert (got[0, P + first:] == eos).all() and (got[0, :P + first] == free[0, :P + first]).all()
+
+
+# ---------------------------------------------------------------------------------- KV cache ----
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_logits_equal_a_full_forward(hf_models, arch):
+    _, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS["ragged"](arch))
+    seq = _prompt(2, p=P + 3 + 4)
+    want = model(seq).numpy()                                  # (B, T, V), no cache
+    scale = np.abs(want).max()
+    with Decoder(model, cache_block=4) as dec:
+        got = {P - 1: dec.feed(seq[:, :P])}                    # prefill
+        got[P + 2] = dec.feed(seq[:, P:P + 3])                 # a chunk of 3 against the cache
+        # the prompt tiles (3, 3, 1) stay; the chunk fills the last one up to the 4-row block
+        assert dec.cache[0].k.chunks[2] == (3, 3, 4)
+        for t in range(P + 3, seq.shape[1]):                   # then one token at a time
+            got[t] = dec.feed(seq[:, t:t + 1])
+        assert dec.cache[1].v.chunks[2] == (3, 3, 4, 4)
+        assert dec.length == seq.shape[1]
+        for t, logits in got.items():
+            np.testing.assert_allclose(logits, want[:, t], rtol=1e-5, atol=1e-5 * scale, err_msg=f"position {t}")
+
+        # the last step computed the new position only: its only token ids are the new ones, and
+        # every attention kernel has one query row
+        nodes = topo_order(dec.last_executable.roots)
+        int_leaves = [n for n in nodes if n.is_leaf and n.out_meta[0][1].kind in "iu"]
+        assert int_leaves and all(n.out_meta[0][0][-1] == 1 for n in int_leaves)
+        attn = [n for n in nodes if not n.is_leaf and n.kernel.name == "sdpa_fwd"]
+        heads = model.tiling.heads_per_tile(model.config)
+        assert len(attn) == model.config.n_layers * B * -(-model.config.n_heads // heads)
+        assert all(n.inputs[0].shape[2] == 1 for n in attn)
+
+
+def test_attention_with_a_query_offset_matches_torch(rng):
+    """Causal attention of the last T of S positions (q_offset = S - T), forward and gradients."""
+    def ref(q, k, v):
+        t, s = q.shape[2], k.shape[2]
+        mask = torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    for t, s, mode in ((1, 9, "single"), (4, 11, "ragged"), (5, 5, "even")):
+        arrays = [randn(rng, 2, 4, t, 8), randn(rng, 2, 2, s, 8), randn(rng, 2, 2, s, 8)]
+        check_against_torch(lambda q, k, v: tg.scaled_dot_product_attention(q, k, v, q_offset=s - t), ref, arrays,
+                            "bhtD,bgsD,bgsD", mode)
+    q, k = tg.from_numpy(arrays[0]), tg.from_numpy(arrays[1])
+    with pytest.raises(tg.TileError, match=r"q_offset \+ T == S.*T=5, S=5, q_offset=1"):
+        tg.scaled_dot_product_attention(q, k, k, q_offset=1)
+    with pytest.raises(tg.TileError, match="q_offset must be a non-negative int"):
+        tg.scaled_dot_product_attention(q, k, k, q_offset=-1)
+
+
+# ---------------------------------------------------------------------------------- sampling ----
+def test_next_tokens_keeps_to_the_top_k_and_the_nucleus():
+    rng = np.random.default_rng(0)
+    probs = np.array([0.1, 0.4, 0.2, 0.3])                   # ranked: 1, 3, 2, 0
+    logits = np.tile(np.log(probs), (4000, 1)) + 7.0          # a shift changes nothing
+    cases = [(dict(strategy="top_p", top_p=0.5), {1: 0.4, 3: 0.3}),
+             (dict(strategy="top_p", top_p=0.75), {1: 0.4, 3: 0.3, 2: 0.2}),
+             (dict(strategy="top_p", top_p=1.0), {1: 0.4, 3: 0.3, 2: 0.2, 0: 0.1}),
+             (dict(strategy="top_k", top_k=2), {1: 0.4, 3: 0.3}),
+             (dict(strategy="sample", top_k=3, top_p=0.6), {1: 0.4, 3: 0.3}),
+             (dict(strategy="sample"), {1: 0.4, 3: 0.3, 2: 0.2, 0: 0.1})]
+    for kw, kept in cases:
+        tok = next_tokens(logits, rng, **kw)
+        assert tok.dtype == np.int64 and tok.shape == (4000,)
+        freq = np.bincount(tok, minlength=4) / len(tok)
+        total = sum(kept.values())
+        for t in range(4):
+            assert freq[t] == pytest.approx(kept.get(t, 0.0) / total, abs=0.03), (kw, t)
+    # temperature sharpens: at 0.25 token 1 (p 0.4 against 0.3) wins about 3 draws in 4
+    freq = np.bincount(next_tokens(logits, rng, strategy="sample", temperature=0.25), minlength=4) / 4000
+    assert freq[1] == pytest.approx(0.4 ** 4 / (probs ** 4).sum(), abs=0.03)
+    # ties rank by token id, as argmax does
+    tied = np.array([[0.0, 2.0, 2.0, 1.0]])
+    assert next_tokens(tied, rng)[0] == 1
+    assert next_tokens(tied, rng, strategy="top_k", top_k=1)[0] == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_top_k_of_one_is_greedy(hf_models, arch):
+    _, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS["ragged"](arch))
+    prompt = _prompt(3)
+    np.testing.assert_array_equal(generate(model, prompt, N, strategy="top_k", top_k=1, temperature=0.7, seed=5),
+                                  generate(model, prompt, N))
+
+
+def _allowed(logits, temperature, top_k, top_p, slack=1e-4) -> np.ndarray:
+    """Tokens a filter may keep, with a little slack for float32 differences between the cached
+    logits (which the sampler saw) and these full-forward ones."""
+    z = logits.astype(np.float64) / temperature
+    spread = slack * np.abs(z).max()
+    keep = np.ones(z.shape, bool)
+    if top_k is not None:
+        better = (z[None, :] > z[:, None] + spread).sum(axis=1)  # tokens clearly above each one
+        keep &= better < top_k
+    if top_p is not None:
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if top_k is not None:
+            p = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+        mass_before = np.array([p[z > z[i] + spread].sum() for i in range(len(z))])
+        keep &= mass_before < top_p + slack
+    return keep
+
+
+@pytest.mark.parametrize("kw", [dict(strategy="top_k", top_k=3, temperature=1.5),
+                                dict(strategy="top_p", top_p=0.6, temperature=1.2),
+                                dict(strategy="sample", top_k=6, top_p=0.8)], ids=["top_k", "top_p", "both"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_is_seeded_and_stays_inside_its_filter(hf_models, arch, kw):
+    _, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS["single"](arch))
+    prompt = _prompt(4)
+    out = generate(model, prompt, N, seed=7, **kw)
+    np.testing.assert_array_equal(out, generate(model, prompt, N, seed=7, **kw))
+    assert (out != generate(model, prompt, N, seed=8, **kw)).any()
+    assert (out[:, :P] == prompt).all()
+
+    logits = model(out[:, :-1]).numpy()                      # the scores each new token was drawn from
+    off_greedy = 0
+    for b in range(B):
+        for t in range(P, P + N):
+            row = logits[b, t - 1]
+            keep = _allowed(row, kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"))
+            assert keep[out[b, t]], (b, t)
+            off_greedy += out[b, t] != row.argmax()
+    assert off_greedy > 0  # it did sample
+
+
+# ------------------------------------------------------------------------------------ errors ----
+def test_bad_input_is_a_clear_error():
+    model = models.build("gpt2-debug", ModelTiling(seq=4), seed=0)   # max_seq_len 32, vocab 96
+    prompt = np.zeros((2, 5), np.int64)
+    err = tg.TileError
+    with pytest.raises(err, match=r"exceed the model's max_seq_len=32.*5 prompt \+ 28 new = 33"):
+        generate(model, prompt, 28)
+    with pytest.raises(err, match=r"strategy must be one of 'greedy', 'sample', 'top_k', 'top_p'.*'beam'"):
+        generate(model, prompt, 3, strategy="beam")
+    for bad in (0, 0.0, -0.1, 1.5, float("nan"), "0.9"):
+        with pytest.raises(err, match=r"top_p must be a number in \(0, 1\]"):
+            generate(model, prompt, 3, strategy="top_p", top_p=bad)
+    with pytest.raises(err, match=r"top_k must be an int >= 1.*received: 0"):
+        generate(model, prompt, 3, strategy="top_k", top_k=0)
+    with pytest.raises(err, match=r"strategy='top_k' needs top_k"):
+        generate(model, prompt, 3, strategy="top_k")
+    with pytest.raises(err, match=r"greedy decoding takes no top_k or top_p"):
+        generate(model, prompt, 3, top_p=0.9)
+    with pytest.raises(err, match=r"temperature must be a positive finite number"):
+        generate(model, prompt, 3, strategy="sample", temperature=0)
+    with pytest.raises(err, match=r"token ids must lie in \[0, vocab_size=96\).*max 96"):
+        generate(model, np.full((1, 3), 96), 3)
+    with pytest.raises(err, match=r"prompt_ids must be integers of shape \(batch, prompt length\)"):
+        generate(model, np.zeros((2, 0), np.int64), 3)
+    with pytest.raises(err, match=r"max_new_tokens must be an int >= 0"):
+        generate(model, prompt, -1)
+    with pytest.raises(err, match=r"eos_id must be None or a token id in \[0, 96\)"):
+        generate(model, prompt, 3, eos_id=96)
+    with pytest.raises(err, match=r"model must be a tilegraph.models model"):
+        generate(object(), prompt, 3)
+    np.testing.assert_array_equal(generate(model, prompt, 0), prompt)
+
+    # a chunk that does not fit leaves the decoder as it was
+    with Decoder(model) as dec:
+        dec.feed(np.zeros((2, 30), np.int64))
+        with pytest.raises(err, match=r"max_seq_len=32.*seq=33 \(30 cached \+ 3 new\)"):
+            dec.feed(np.zeros((2, 3), np.int64))
+        assert dec.length == 30
+        with pytest.raises(err, match=r"every chunk must hold the batch of the first one \(2 rows\)"):
+            dec.feed(np.zeros((1, 1), np.int64))
+        assert dec.feed(np.zeros((2, 2), np.int64)).shape == (2, 96)
+    with pytest.raises(err, match=r"cache must be a list of 2 KVCache"):
+        model(prompt, cache=[tg.nn.KVCache()])
+
+
+# ------------------------------------------------------------------------------- distributed ----
+@pytest.mark.distributed
+def test_generation_on_the_embedded_cluster_keeps_the_cache_on_the_workers(hf_models, embedded_runtime):
+    rt = embedded_runtime
+    _, folder = hf_models("llama-gqa")
+    model = models.from_hf(folder, TILINGS["ragged"]("llama-gqa"))
+    prompt = _prompt(5)
+    sampled = dict(strategy="top_p", top_p=0.8, seed=3)
+    local, local_sampled = generate(model, prompt, N), generate(model, prompt, N, **sampled)
+    np.testing.assert_array_equal(generate(model, prompt, N, runtime=rt), local)
+    with rt.as_current():  # the current runtime is used when none is given
+        np.testing.assert_array_equal(generate(model, prompt, N, **sampled), local_sampled)
+
+    cells = [c for p in model.parameters() for c in p.cells.flat]
+    twin = models.from_hf(folder, TILINGS["ragged"]("llama-gqa"))   # the same weights, kept on the client
+    with Decoder(model, runtime=rt, cache_block=4) as dec, Decoder(twin) as ref:
+        # parameters moved to the workers once, for the decoder's lifetime
+        assert all(isinstance(c.value, ValueRef) for c in cells)
+        seq = _prompt(6, p=P + 6)
+        chunks = [seq[:, :P]] + [seq[:, t:t + 1] for t in range(P, seq.shape[1])]
+        for ids in chunks:  # float32 sums may run in another order on the workers
+            want = ref.feed(ids)
+            np.testing.assert_allclose(dec.feed(ids), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        tiles = [r for c in dec.cache for t in (c.k, c.v) for r in t.grid.flat]
+        assert dec.cache[0].k.chunks[2] == (3, 3, 4, 3)
+        values = [r.node.cell.value for r in tiles]
+        assert all(isinstance(v, ValueRef) for v in values)   # references, not arrays on the client
+        futures = [v.future for v in values]
+        assert all(f.status == "finished" for f in futures)
+        held = rt.client.who_has(futures)
+        assert all(held[f.key] for f in futures)               # each one is held by a worker
+        # tiles that no longer grow have a future of their own (no fused task's tuple kept alive)
+        final = [r.node.cell.value for c in dec.cache for r in c.k.grid[:, :, :-1].flat]
+        assert all(v.index is None for v in final)
+    # and back on the client afterwards
+    assert all(isinstance(c.value, np.ndarray) for c in cells)
