@@ -104,3 +104,28 @@ def test_gradient_accumulation_on_the_embedded_cluster(embedded_runtime):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for name, v in want_state.items():
         np.testing.assert_allclose(state[name], v, rtol=2e-5, atol=1e-6, err_msg=name)
+
+
+def _worker_bytes(dask_worker):
+    def size(v):
+        if isinstance(v, tuple):
+            return sum(size(x) for x in v)
+        return getattr(v, "nbytes", 0)
+    return sum(size(v) for v in dask_worker.data.values())
+
+
+@pytest.mark.distributed
+def test_between_steps_workers_hold_only_parameters_and_state(embedded_runtime):
+    x, y = _data(n=512)
+    model = tg.nn.MLP(16, 256, out_dim=4, tile=64, seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    # small tasks: parameter updates share tasks with activations that later tasks read
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(64, None), (64, None)], runtime=embedded_runtime,
+                        target_seconds=1e-4)
+    for _ in range(3):
+        step(x, y)
+    assert step.last.tasks > 10
+    state = 3 * sum(p.size * p.dtype.itemsize for p in model.parameters())  # params, exp_avg, exp_avg_sq
+    activations = 512 * 256 * 4
+    held = sum(embedded_runtime.client.run(_worker_bytes).values())
+    assert state <= held < state + activations // 4, (held, state)

@@ -39,8 +39,9 @@ class Config:
     """Global knobs of the lowering (``tilegraph.config``)."""
 
     fuse: bool = True
-    #: estimated seconds of kernel work per fused task; Dask pays ~1-10 ms per dependent task
-    target_seconds: float = 0.05
+    #: estimated wall seconds of one fused task (its kernels spread over its worker's threads);
+    #: Dask pays ~1-10 ms per dependent task, plus the wait for a task's slowest kernel
+    target_seconds: float = 0.5
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
     #: "auto" placement sends kernels of at least this many flops to GPU workers
@@ -53,7 +54,8 @@ class Config:
     #: scheduler when no runtime is connected: "threads" or "sync"
     local_scheduler: str = "threads"
     #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
-    speeds: dict = field(default_factory=lambda: {"cpu": (6e10, 1e10, 3e-6), "gpu": (2e13, 2e12, 2e-5)})
+    #: (CPU: one core of the development machine, OpenBLAS fp32 GEMM ~125 GFLOP/s)
+    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 3e-6), "gpu": (2e13, 2e12, 2e-5)})
 
 
 config = Config()
@@ -611,6 +613,11 @@ class Executable:
             else:
                 out[pos] = r.node.cell.value
         if runtime is None:  # no futures exist without a runtime: every source is a task key
+            remote = [pos for pos, (key, _) in source.items() if not isinstance(key, str)]
+            if remote:
+                raise TileError("tilegraph.compute", "values that live on a runtime's workers need that runtime "
+                                "(pass runtime=..., or run inside `with rt.as_current():`)",
+                                f"{len(remote)} of the graph's values held by a Dask cluster, no runtime")
             want = sorted({key for key, _ in source.values()})
             results = dict(zip(want, _local_get(layers, want)))
             for pos, (key, k) in source.items():
@@ -622,16 +629,40 @@ class Executable:
             if pos in fetch:
                 fetch_keys[pos] = f"tg-fetch-{pos}-{keys[0] if keys else self.structure}"
                 layers["cpu"][fetch_keys[pos]] = (operator.getitem, src, k) if k is not None else src
-        kept = sorted({src for pos, (src, _) in source.items() if pos not in fetch and isinstance(src, str)})
-        want = kept + list(fetch_keys.values())
+        # Values that stay on the workers (parameters, optimizer state) must not keep the rest of
+        # their task's result tuple (activations for later tasks) alive: where a task returns
+        # more than what stays, one small task per task picks out just the kept elements.
+        kept_of: dict[str, set[int]] = {}
+        for pos, (src, k) in source.items():
+            if pos not in fetch and isinstance(src, str):
+                kept_of.setdefault(src, set()).add(k)
+        moved: dict[tuple[str, int], tuple[str, int]] = {}
+        n_out = {key: len(plan.outputs) for key, plan in zip(keys, self.plans)}
+        for src, idx in kept_of.items():
+            if len(idx) < n_out[src]:
+                idx = tuple(sorted(idx))
+                pick = f"tg-keep-{src[3:]}"
+                layers["cpu"][pick] = (_pick, src, idx)
+                moved.update({(src, k): (pick, j) for j, k in enumerate(idx)})
+        want = sorted({moved.get((src, k), (src, k))[0] for pos, (src, k) in source.items()
+                       if pos not in fetch and isinstance(src, str)}) + list(fetch_keys.values())
         futures = dict(zip(want, runtime.submit_layers(layers, want)))
         fetched = [futures[k] for k in fetch_keys.values()]
         for pos, val in zip(fetch_keys, runtime.client.gather(fetched) if wait else fetched):
             out[pos] = val
         for pos, (src, k) in source.items():
             if pos not in fetch:
-                out[pos] = ValueRef(futures[src], k) if isinstance(src, str) else ValueRef(src, k)
+                if isinstance(src, str):
+                    src, k = moved.get((src, k), (src, k))
+                    out[pos] = ValueRef(futures[src], k)
+                else:
+                    out[pos] = ValueRef(src, k)
         return out
+
+
+def _pick(values: tuple, idx: tuple) -> tuple:
+    """The elements ``idx`` of a task's result tuple (so the rest can be released)."""
+    return tuple(values[i] for i in idx)
 
 
 def _local_get(layers: dict, keys: list):

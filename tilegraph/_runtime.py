@@ -160,13 +160,14 @@ class Runtime:
         self.close()
 
 
-def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit) -> dict:
+def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit, quiet: bool) -> dict:
     from distributed import Nanny
 
     spec = {}
     for i in range(n_workers):
         opts: dict[str, Any] = {"nthreads": threads, "memory_limit": memory_limit,
-                                "resources": {"GPU": 1} if i < gpu else {"CPU": threads}}
+                                "resources": {"GPU": 1} if i < gpu else {"CPU": threads},
+                                "silence_logs": logging.ERROR if quiet else logging.WARN}
         spec[f"{'gpu' if i < gpu else 'cpu'}-{i}"] = {"cls": Nanny, "options": opts}
     return spec
 
@@ -242,7 +243,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         if quiet:
             _quiet_logs()
         cluster = SpecCluster(
-            workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit),
+            workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit, quiet),
             scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
                                                       "dashboard_address": "127.0.0.1:0"}},
             silence_logs=logging.ERROR if quiet else logging.WARN,

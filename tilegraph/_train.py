@@ -16,7 +16,7 @@ from tilegraph._tensor import TileTensor, Tiling, tensor_from_cells
 from tilegraph.nn import Module
 from tilegraph.optim import Optimizer
 
-__all__ = ["TrainStep", "StepStats"]
+__all__ = ["TrainStep", "StepStats", "EvalStep"]
 
 
 @dataclass
@@ -28,6 +28,32 @@ class StepStats:
     record_seconds: float   # time spent recording/planning (0 when the plan was cached)
     tasks: int              # Dask tasks submitted
     nodes: int              # tile kernels in the logical graph
+
+
+def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str):
+    """Leaf cells (unbound) and TileTensors for the arrays of a batch signature."""
+    inputs, tensors = [], []
+    for i, a in enumerate(batch):
+        tiling = Tiling.from_sizes(a.shape, None if batch_tiles is None else batch_tiles[i], where=f"{where} batch[{i}]")
+        cells = np.empty(tiling.grid, dtype=object)
+        for idx in np.ndindex(*tiling.grid):
+            cells[idx] = Cell(None, tiling.tile_shape(idx), a.dtype, token="unbound")
+        inputs.append((tiling, cells))
+        tensors.append(tensor_from_cells(tiling, a.dtype, cells, name=f"batch{i}"))
+    return inputs, tensors
+
+
+def _bind_batch(inputs, batch: Sequence[np.ndarray], token: str) -> None:
+    """Put this call's arrays into the batch cells. A per-call token makes keys unique; hashing
+    the batch would cost ~1 ms per MB, every step."""
+    for i, (a, (tiling, cells)) in enumerate(zip(batch, inputs)):
+        for idx in np.ndindex(*tiling.grid):
+            cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"batch{i}-{token}-{idx}")
+
+
+def _check_loss(loss, where: str) -> None:
+    if not isinstance(loss, TileTensor) or loss.size != 1:
+        raise TileError(where, "loss_fn must return a scalar TileTensor", repr(loss))
 
 
 class _Recorded:
@@ -68,19 +94,9 @@ class TrainStep:
     def _record(self, batch: Sequence[np.ndarray], kind: str) -> _Recorded:
         """Record the step for one (micro-)batch. ``kind``: "step" (whole step), or with
         accumulation "first" (acc = g/k), "add" (acc += g/k), "last" (update with acc + g/k)."""
-        inputs, tensors = [], []
-        for i, a in enumerate(batch):
-            tiling = Tiling.from_sizes(a.shape, None if self.batch_tiles is None else self.batch_tiles[i], where=f"tilegraph.TrainStep batch[{i}]")
-            cells = np.empty(tiling.grid, dtype=object)
-            for idx in np.ndindex(*tiling.grid):
-                shape = tiling.tile_shape(idx)
-                cells[idx] = Cell(None, shape, a.dtype, token="unbound")
-            inputs.append((tiling, cells))
-            tensors.append(tensor_from_cells(tiling, a.dtype, cells, name=f"batch{i}"))
+        inputs, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.TrainStep")
         loss = self.loss_fn(self.model, *tensors)
-        if not isinstance(loss, TileTensor) or loss.size != 1:
-            raise TileError("tilegraph.TrainStep", "loss_fn must return a scalar TileTensor",
-                            repr(loss))
+        _check_loss(loss, "tilegraph.TrainStep")
         params = self.optimizer.params
         grads = grad(loss, params, allow_unused=False)
         norm = None
@@ -154,11 +170,7 @@ class TrainStep:
             rec, recorded = self._lookup(mb, kind)
             if recorded:
                 record_seconds += time.perf_counter() - t1
-            for i, (a, (tiling, cells)) in enumerate(zip(mb, rec.inputs)):
-                # The step number makes keys unique; hashing the batch would cost ~1 ms per MB, every step.
-                token = f"batch{i}-{id(self):x}-step{step_no}.{j}"
-                for idx in np.ndindex(*tiling.grid):
-                    cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"{token}-{idx}")
+            _bind_batch(rec.inputs, mb, f"{id(self):x}-step{step_no}.{j}")
             if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
                 rec.exe.runtime.scatter_cells(rec.assignments)
             if kind in ("step", "last"):
@@ -179,3 +191,29 @@ class TrainStep:
             raise FloatingPointError(f"[tilegraph.TrainStep] loss became {loss} at step {self.optimizer.step_count}")
         return loss
 
+
+
+class EvalStep:
+    """``loss = ev(*batch)``: ``loss_fn(model, *inputs)`` without gradients or updates, recorded
+    once per batch signature and replayed like :class:`TrainStep` (parameters are read where they
+    live; only the loss comes back)."""
+
+    def __init__(self, model: Module, loss_fn: Callable[..., TileTensor], *, batch_tiles: Sequence | None = None,
+                 runtime=None, **compile_options):
+        self.model, self.loss_fn, self.batch_tiles = model, loss_fn, batch_tiles
+        self.runtime, self.compile_options = runtime, compile_options
+        self._cache: dict[tuple, tuple[Executable, list]] = {}
+        self._calls = 0
+
+    def __call__(self, *batch) -> float:
+        batch = [np.asarray(a) for a in batch]
+        key = tuple((a.shape, str(a.dtype)) for a in batch)
+        if key not in self._cache:
+            inputs, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
+            loss = self.loss_fn(self.model, *tensors)
+            _check_loss(loss, "tilegraph.EvalStep")
+            self._cache[key] = (Executable([loss.grid.flat[0]], runtime=self.runtime, **self.compile_options), inputs)
+        exe, inputs = self._cache[key]
+        self._calls += 1
+        _bind_batch(inputs, batch, f"eval-{id(self):x}-{self._calls}")
+        return float(np.asarray(exe.run()[0]).reshape(()))

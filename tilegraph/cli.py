@@ -1,133 +1,158 @@
-"""Command line: ``tilegraph train``, ``tilegraph info``.
+"""Command line: ``tilegraph train``, ``tilegraph generate``, ``tilegraph info``.
 
-``tilegraph train`` trains a small byte-level transformer language model on the Python standard
-library's own ``.py`` files (found at run time, so nothing is downloaded) on the embedded Dask
-cluster, showing the loss fall.
+``tilegraph train [CONFIG.toml]`` trains a model from a TOML config; with none, the shipped
+``examples/configs/default.toml`` trains the debug GPT-2 on the Python standard library's own
+``.py`` files (found at run time, so nothing is downloaded) on the embedded Dask cluster, shows
+the loss fall and writes a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
 
 
-# ------------------------------------------------------------------------------------ data ----
-def stdlib_corpus(max_bytes: int) -> np.ndarray:
-    """Bytes of the standard library's .py files (sorted paths, so runs are reproducible)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
+# ---------------------------------------------------------------------------------- config ----
+DEFAULT_CONFIG = "default.toml"
+
+
+def load_config(path: str | None) -> tuple[dict, str]:
+    """The job's settings: the shipped default config updated with the file at ``path``."""
+    import importlib.resources
+    import tomllib
+
+    from tilegraph._errors import TileError
+
+    text = (importlib.resources.files("tilegraph.configs") / DEFAULT_CONFIG).read_text()
+    cfg = tomllib.loads(text)
+    source = f"shipped {DEFAULT_CONFIG} (examples/configs/)"
+    if path is not None:
         try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    if not chunks:
-        raise SystemExit(f"tilegraph train: no .py files found under {root}")
-    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+            user = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise TileError("tilegraph train", "an existing TOML config file", path) from None
+        except tomllib.TOMLDecodeError as e:
+            raise TileError("tilegraph train", "a valid TOML config file", f"{path}: {e}") from None
+        unknown = [f"[{k}]" for k in user if k not in cfg]
+        unknown += [f"{k}.{f}" for k, v in user.items() if k in cfg and k != "model" and isinstance(v, dict)
+                    for f in v if f not in cfg[k]]
+        if unknown:
+            raise TileError("tilegraph train", f"only known sections and keys ({', '.join(f'[{k}]' for k in cfg)})",
+                            f"unknown {', '.join(unknown)} in {path}")
+        for k, v in user.items():
+            cfg[k] = {**cfg[k], **v} if k != "model" else v
+        source = path
+    return cfg, source
 
 
-def batches(tokens: np.ndarray, batch: int, seq: int, seed: int):
-    """Random windows (inputs, next-byte targets), deterministic given the seed."""
-    rng = np.random.default_rng(seed)
-    while True:
-        starts = rng.integers(0, len(tokens) - seq - 1, size=batch)
-        x = np.stack([tokens[s:s + seq] for s in starts]).astype(np.int64)
-        y = np.stack([tokens[s + 1:s + seq + 1] for s in starts]).astype(np.int64)
-        yield x, y
+def stdlib_files(patterns, max_bytes: int) -> list[Path]:
+    """The standard library's own source files (sorted, tests and site-packages left out), UTF-8
+    only, up to ``max_bytes`` in all: a corpus every Python installation has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for pattern in patterns:
+        for path in sorted(root.rglob(pattern)):
+            if {"site-packages", "test", "tests", "idle_test"} & set(path.parts):
+                continue
+            try:
+                data = path.read_bytes()
+                data.decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if b"\x00" in data:
+                continue
+            files.append(path)
+            total += len(data)
+            if total >= max_bytes:
+                return files
+    return files
 
 
-# ----------------------------------------------------------------------------------- model ----
-def byte_lm(dim: int, layers: int, heads: int, seed: int, tile=None):
-    """A small pre-norm transformer over bytes (vocabulary 256) with rotary attention."""
-    import tilegraph as tg
+def build_model(model_cfg: dict, tokenizer, seed: int):
+    import dataclasses
 
-    nn = tg.nn
+    from tilegraph import models
+    from tilegraph._errors import TileError
 
-    class Block(nn.Module):
-        def __init__(self, rng):
-            self.ln1 = nn.LayerNorm(dim, tile=tile)
-            self.attn = nn.CausalSelfAttention(dim, heads, rope=True, tile=tile, seed=rng)
-            self.ln2 = nn.LayerNorm(dim, tile=tile)
-            self.mlp = nn.MLP(dim, 4 * dim, act="gelu_tanh", tile=tile, seed=rng)
-
-        def forward(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
-
-    class ByteLM(nn.Module):
-        def __init__(self):
-            rng = np.random.default_rng(seed)
-            self.embed = nn.Embedding(256, dim, tile=tile, seed=rng, init_std=0.02)
-            self.blocks = nn.ModuleList(Block(rng) for _ in range(layers))
-            self.ln_f = nn.LayerNorm(dim, tile=tile)
-            self.head = nn.Linear(dim, 256, bias=False, tile=tile, seed=rng, init_std=0.02)
-
-        def forward(self, ids):
-            x = self.embed(ids)  # (B, T, C)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))  # (B, T, 256)
-
-    return ByteLM()
+    fields = dict(model_cfg)
+    flavor = fields.pop("flavor", "gpt2-debug")
+    base = models.config(flavor)
+    if fields.get("vocab_size") == "tokenizer":
+        fields["vocab_size"] = tokenizer.vocab_size
+    known = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
+                        f"unknown {', '.join(unknown)}")
+    return models.build(dataclasses.replace(base, **fields), seed=seed)
 
 
-def lm_loss(model, ids, targets):
-    import tilegraph as tg
+def make_tokenizer(name: str):
+    from tilegraph.io import BPETokenizer, ByteTokenizer
 
-    return tg.cross_entropy(model(ids), targets)
+    return ByteTokenizer(eos=True) if name == "byte" else BPETokenizer.load(name)
 
 
 # -------------------------------------------------------------------------------- commands ----
 def cmd_train(args) -> int:
     import tilegraph as tg
-    from tqdm import tqdm
+    from tilegraph.io import TokenDataset, build_token_file
 
-    tokens = stdlib_corpus(args.corpus_mb * 1_000_000)
-    split = int(len(tokens) * 0.95)
-    train, val = tokens[:split], tokens[split:]
-    model = byte_lm(args.dim, args.layers, args.heads, args.seed)
-    sched = tg.optim.warmup_cosine(args.lr, warmup=max(1, args.steps // 20), total=args.steps,
-                                   min_lr=args.lr / 10)
-    opt = tg.optim.AdamW(model.parameters(), lr=sched, weight_decay=0.1, clip_grad_norm=1.0)
-    with tg.connect(n_workers=args.workers, quiet=True) as rt:
-        streams = max(1, rt.processors()["cpu"])  # one batch tile per worker thread
-        bt = max(1, args.batch // streams)
-        step = tg.TrainStep(model, opt, lm_loss, batch_tiles=[(bt, None), (bt, None)], runtime=rt)
-        print(f"tilegraph train: byte-level LM, {model.num_parameters():,} parameters, "
-              f"{len(tokens):,} bytes of stdlib source, batch {args.batch} x {args.seq}", flush=True)
-        data = batches(train, args.batch, args.seq, args.seed)
-        first = None
-        t0 = time.perf_counter()
-        bar = tqdm(range(1, args.steps + 1), desc="train", unit="step", disable=args.no_progress,
-                   dynamic_ncols=True)
-        for i in bar:
-            loss = step(*next(data))
-            first = loss if first is None else first
-            tok_s = args.batch * args.seq * i / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
-            if args.no_progress and (i % args.log_every == 0 or i == 1):
-                print(f"step {i:5d}  loss {loss:.4f}  lr {opt.lr:.2e}  {tok_s:,.0f} tok/s", flush=True)
-        bar.close()
-        val_losses = []
-        vdata = batches(val, args.batch, args.seq, args.seed + 1)
-        for _ in range(4):
-            ids, tgt = next(vdata)
-            val_losses.append(float(tg.compute(lm_loss(model, tg.from_numpy(ids, (bt, None)),
-                                                       tg.from_numpy(tgt, (bt, None))))[0]))
-    print(f"loss {first:.3f} -> {loss:.3f} (validation {np.mean(val_losses):.3f}; uniform guess "
-          f"{np.log(256):.3f}) in {time.perf_counter() - t0:.1f} s", flush=True)
+    cfg, source = load_config(args.config)
+    d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
+    steps = args.steps if args.steps is not None else int(t["steps"])
+    out = Path(args.out or o["dir"])
+    tokenizer = make_tokenizer(d["tokenizer"])
+    model = build_model(cfg["model"], tokenizer, t["seed"])  # bad model settings fail before any work
+    out.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for s in d["sources"]:
+        sources += stdlib_files(d["patterns"], int(d["max_mb"] * 1e6)) if s == "stdlib" else [s]
+    tok_file = out / "tokens.bin"
+    meta = build_token_file(sources, tok_file, tokenizer, patterns=d["patterns"])
+    train = TokenDataset(tok_file, d["seq_len"], split="train", val_fraction=d["val_fraction"], seed=t["seed"])
+    val = TokenDataset(tok_file, d["seq_len"], split="val", val_fraction=d["val_fraction"], seed=t["seed"])
+    sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
+    opt = tg.optim.AdamW(model.parameters(), lr=sched, weight_decay=t["weight_decay"],
+                         clip_grad_norm=t["clip_grad_norm"] or None)
+    address = r["address"] or None
+    rt = tg.connect(address, n_workers=r["workers"] or None, quiet=True) if address is None else tg.connect(address)
+    with rt:
+        print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters; "
+              f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
+              f"{steps} steps", flush=True)
+
+        def save_tokenizer(trainer, path):
+            (Path(path) / "tilegraph_tokenizer.json").write_text(json.dumps(tokenizer.describe()))
+
+        trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
+                             eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
+                             log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
+                             progress=not args.no_progress, on_checkpoint=[save_tokenizer])
+        if args.resume:
+            print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
+        res = trainer.fit(steps)
+        sample = ""
+        try:
+            from tilegraph.models.generate import generate
+
+            prompt = tokenizer.encode("def ")[None, :]
+            ids = generate(model, prompt, min(48, model.config.max_seq_len - prompt.shape[1]), runtime=rt)
+            sample = tokenizer.decode(ids[0])
+        except ImportError:  # generation ships with the models package
+            pass
+    val_loss = res.val_losses[-1][1] if res.val_losses else float("nan")
+    print(f"loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} (validation {val_loss:.3f}; uniform guess "
+          f"{np.log(tokenizer.vocab_size):.3f}) in {res.seconds:.1f} s, {res.tokens_per_s:,.0f} tokens/s", flush=True)
+    print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
+    if sample:
+        print(f"sample (greedy): {sample!r}")
     return 0
 
 
@@ -154,24 +179,25 @@ def cmd_info(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tilegraph", description="Train neural networks as tile graphs on Dask.")
     sub = ap.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="train a small byte-level LM on the stdlib sources (embedded cluster)")
-    tr.add_argument("--steps", type=int, default=300)
-    tr.add_argument("--batch", type=int, default=8)
-    tr.add_argument("--seq", type=int, default=64)
-    tr.add_argument("--dim", type=int, default=64)
-    tr.add_argument("--layers", type=int, default=2)
-    tr.add_argument("--heads", type=int, default=4)
-    tr.add_argument("--lr", type=float, default=3e-3)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--workers", type=int, default=None, help="embedded cluster worker processes (default 1)")
-    tr.add_argument("--corpus-mb", type=int, default=4)
-    tr.add_argument("--log-every", type=int, default=50)
-    tr.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    tr = sub.add_parser("train", help="train a model from a TOML config (default: the debug GPT-2 on the stdlib "
+                                      "sources, embedded cluster)")
+    tr.add_argument("config", nargs="?", default=None,
+                    help="TOML config; its keys override the shipped examples/configs/default.toml")
+    tr.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides [train] steps)")
+    tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
+    tr.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
     info = sub.add_parser("info", help="versions and devices")
     info.set_defaults(func=cmd_info)
     args = ap.parse_args(argv)
-    return args.func(args)
+    from tilegraph._errors import TileError
+
+    try:
+        return args.func(args)
+    except TileError as e:  # bad input: one clear line, no traceback
+        print(f"tilegraph {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

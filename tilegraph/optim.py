@@ -107,8 +107,9 @@ def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
     lr, t, clip = _hyper(hyper)
     arrs = [np.ascontiguousarray(a) for a in (p, g, m, v)]
     po, mo, vo = (np.empty_like(a) for a in arrs[:3])
-    _nb_adamw(*(a.reshape(-1) for a in arrs), po.reshape(-1), mo.reshape(-1), vo.reshape(-1), lr, beta1, beta2,
-              eps, weight_decay, 1 - beta1 ** t, 1 - beta2 ** t, clip)
+    # scalars in the parameters' precision: float32 math vectorizes twice as wide as float64
+    c = [p.dtype.type(x) for x in (lr, beta1, beta2, eps, weight_decay, 1 - beta1 ** t, 1 - beta2 ** t, clip)]
+    _nb_adamw(*(a.reshape(-1) for a in arrs), po.reshape(-1), mo.reshape(-1), vo.reshape(-1), *c)
     return po, mo, vo
 
 
@@ -211,6 +212,40 @@ class Optimizer:
     def state_dict(self) -> dict:
         return {"step": self.step_count}
 
+    #: names of the per-parameter state tensors, as torch.optim calls them
+    state_names: tuple[str, ...] = ()
+
+    def state_tensors(self) -> list[dict[str, TileTensor]]:
+        """Per parameter, its state tensors by name (TileTensors over the state cells; compute
+        them to fetch the values from wherever they live)."""
+        from tilegraph._tensor import tensor_from_cells
+
+        return [{name: tensor_from_cells(p.tiling, p.dtype, grid, name=f"{p.name}.{name}")
+                 for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state)]
+
+    def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int) -> None:
+        """Restore per-parameter state (as from :meth:`state_tensors`) and the step counter;
+        every mismatch is reported at once and nothing is changed when there is one."""
+        where = f"tilegraph.optim.{type(self).__name__}.load_state"
+        problems = []
+        if len(arrays) != len(self.params):
+            problems.append(f"expected state for {len(self.params)} parameters, got {len(arrays)}")
+        for i, (p, a) in enumerate(zip(self.params, arrays)):
+            for name in self.state_names:
+                if name not in a:
+                    problems.append(f"parameter {i} ({p.name}): missing {name}")
+                elif tuple(np.shape(a[name])) != p.shape:
+                    problems.append(f"parameter {i} ({p.name}): {name} has shape {tuple(np.shape(a[name]))}, "
+                                    f"expected {p.shape}")
+        if problems:
+            raise TileError(where, "optimizer state does not match the parameters", "; ".join(problems))
+        for p, a, state in zip(self.params, arrays, self.state):
+            for name, grid in zip(self.state_names, state):
+                value = np.asarray(a[name], dtype=p.dtype)
+                for idx in np.ndindex(*p.tiling.grid):
+                    grid[idx].set(np.array(value[p.tiling.slices(idx)], order="C"))
+        self.step_count = int(step)
+
 
 def _zeros_cells(p: Parameter) -> np.ndarray:
     cells = np.empty(p.tiling.grid, dtype=object)
@@ -225,6 +260,7 @@ class AdamW(Optimizer):
     kernel per parameter tile: (param, grad, m, v) in, (param, m, v) out."""
 
     n_state = 2
+    state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  clip_grad_norm: float | None = None):
@@ -244,6 +280,7 @@ class SGD(Optimizer):
     def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
                  clip_grad_norm: float | None = None):
         self.n_state = 1 if momentum else 0
+        self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(params, lr, clip_grad_norm)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
 

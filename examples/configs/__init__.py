@@ -1,0 +1,1 @@
+"""Training configurations shipped with tilegraph (TOML)."""

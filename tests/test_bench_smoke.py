@@ -1,0 +1,32 @@
+"""The GPT-2 benchmark still runs: one short debug-flavor run on Dask's local scheduler."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_gpt2_debug_runs():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_gpt2.py"), "--flavor", "debug", "--steps", "1", "--warmup", "1",
+         "--runtime", "local"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any("ratio" in line for line in lines), proc.stdout
+    rows = [line.split() for line in lines if line.startswith("debug ")]
+    assert len(rows) == 1, proc.stdout
+    row = rows[0]
+    ratio = float(row[6])
+    assert math.isfinite(ratio) and ratio > 0, proc.stdout
+    # both frameworks start from the same weights and batch: the first losses agree
+    loss_tg, loss_torch = map(float, row[14].split("/"))
+    assert loss_tg == pytest.approx(loss_torch, rel=1e-4), proc.stdout

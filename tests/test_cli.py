@@ -1,0 +1,85 @@
+"""The command line: `tilegraph train` from a TOML config (checkpoint, resume), bad configs, info."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+SMALL = """
+[model]
+flavor = "gpt2-debug"
+vocab_size = "tokenizer"
+[data]
+max_mb = 0.3
+seq_len = 32
+[train]
+steps = 24
+batch_size = 4
+warmup = 4
+eval_every = 12
+eval_batches = 2
+"""
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tilegraph.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):
+    (tmp_path / "small.toml").write_text(SMALL)
+    run = _cli("train", "small.toml", "--out", "run", "--no-progress", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", run.stdout).groups())
+    assert last < first - 1.0  # the loss falls from the uniform guess (ln 257 = 5.55)
+    ck = tmp_path / "run" / "checkpoints" / "step-000024"
+    assert {p.name for p in ck.iterdir()} >= {"config.json", "model.safetensors", "optimizer.safetensors",
+                                              "trainer_state.json", "tilegraph_tokenizer.json"}
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [12, 24]
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
+
+    from transformers import GPT2LMHeadModel
+
+    import tilegraph as tg
+    from tilegraph import models
+
+    hf = GPT2LMHeadModel.from_pretrained(ck)
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    import torch
+
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    got = models.from_hf(ck)(ids).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    again = _cli("train", "small.toml", "--out", "run", "--no-progress", "--resume", str(ck), "--steps", "4",
+                 cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "at step 24" in again.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step-000028" / "trainer_state.json").is_file()
+    assert json.loads((tmp_path / "run" / "checkpoints" / "step-000028" / "trainer_state.json").read_text())["step"] == 28
+    del tg
+
+
+def test_bad_configs_are_one_clear_line(tmp_path):
+    (tmp_path / "bad.toml").write_text('[train]\nstepz = 3\n')
+    run = _cli("train", "bad.toml", "--out", "run", cwd=tmp_path)
+    assert run.returncode == 2 and "unknown train.stepz" in run.stderr and "Traceback" not in run.stderr
+    (tmp_path / "flavor.toml").write_text('[model]\nflavor = "gpt5"\n')
+    run = _cli("train", "flavor.toml", "--out", "run", cwd=tmp_path)
+    assert run.returncode == 2 and "unknown flavor" in run.stderr and "'gpt5'" in run.stderr
+    run = _cli("train", "missing.toml", cwd=tmp_path)
+    assert run.returncode == 2 and "missing.toml" in run.stderr
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_info_prints_versions(tmp_path):
+    run = _cli("info", cwd=tmp_path)
+    assert run.returncode == 0 and "tilegraph" in run.stdout and "dask" in run.stdout

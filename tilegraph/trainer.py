@@ -1,0 +1,320 @@
+"""The training loop: ``tilegraph.Trainer(model, optimizer, data, runtime).fit(steps)``.
+
+One :class:`~tilegraph.TrainStep` per optimizer step (forward, backward and update as one Dask
+graph, recorded once and replayed), with gradient accumulation, a progress bar (loss, tokens/s,
+ETA), a JSONL metrics log, a loss-curve PNG, evaluation on held-out data and checkpoints.
+
+``data`` is either a token dataset (:class:`tilegraph.io.TokenDataset`: a batch is the start
+offsets of its windows, read on the workers; the loss defaults to the next-token cross-entropy of
+``model(inputs)``) or any callable ``data(step) -> tuple of arrays`` used with ``loss_fn(model,
+*tensors)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._train import EvalStep, StepStats, TrainStep
+
+__all__ = ["Trainer", "FitResult", "lm_loss"]
+
+
+def lm_loss(model, inputs, targets):
+    """Mean next-token cross-entropy of ``model(inputs)`` (logits (B, T, V)) against ``targets``."""
+    from tilegraph.ops import cross_entropy
+
+    return cross_entropy(model(inputs), targets)
+
+
+@dataclass
+class FitResult:
+    steps: int                         # optimizer steps run by this call
+    losses: list[float]                # training loss of each step
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    checkpoints: list[str] = field(default_factory=list)
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on ``data``.
+
+    - ``batch_size``: sequences (rows) per optimizer step; with ``accum_steps=k`` they run as k
+      micro-batches whose gradients are summed on the workers before the update.
+    - ``eval_data`` / ``eval_every`` / ``eval_batches``: validation loss every that many steps
+      (and at the end) over that many batches of ``eval_data``.
+    - ``log_dir``: writes ``metrics.jsonl`` (one JSON object per step and per evaluation) and
+      ``loss.png`` (the loss curve, redrawn at each evaluation and at the end).
+    - ``checkpoint_every`` / ``checkpoint_dir``: :meth:`save_checkpoint` every that many steps and
+      at the end; ``on_checkpoint`` hooks are called with ``(trainer, path)`` after each.
+    - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
+    - ``progress``: a tqdm bar; when output is not a terminal it refreshes every 10 s at most.
+
+    A loss that becomes NaN/inf stops training with an error naming the step (the metrics of the
+    steps before it are on disk).
+    """
+
+    def __init__(self, model, optimizer, data, runtime=None, *, batch_size: int = 8, loss_fn: Callable | None = None,
+                 accum_steps: int = 1, eval_data=None, eval_every: int = 0, eval_batches: int = 4,
+                 log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+                 checkpoint_dir: str | os.PathLike | None = None, progress: bool = True,
+                 on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
+                 batch_tiles: Sequence | None = None, **compile_options):
+        where = "tilegraph.Trainer"
+        if not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
+            raise TileError(where, "batch_size must be a positive multiple of accum_steps",
+                            f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
+        if checkpoint_every and checkpoint_dir is None:
+            raise TileError(where, "checkpoint_every needs a checkpoint_dir", f"checkpoint_every={checkpoint_every}")
+        self.model, self.optimizer, self.data, self.runtime = model, optimizer, data, runtime
+        self.batch_size, self.accum_steps = batch_size, accum_steps
+        self.eval_data, self.eval_every, self.eval_batches = eval_data, eval_every, eval_batches
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.progress = progress
+        self.on_step, self.on_checkpoint = list(on_step), list(on_checkpoint)
+        self.token_data = hasattr(data, "batch_offsets") and hasattr(data, "tensors")
+        if self.token_data:
+            seq_tile = getattr(getattr(model, "tiling", None), "seq", None)
+            row_tile = getattr(getattr(model, "tiling", None), "batch", None)
+            micro = batch_size // accum_steps
+            row_tile = row_tile if row_tile is not None else _default_row_tile(runtime, micro)
+            self.batch_tiles = batch_tiles or [(min(row_tile, micro),)]
+
+            def loss_on_offsets(m, offsets, _fn=loss_fn or lm_loss, _ds=data):
+                return _fn(m, *_ds.tensors(offsets, seq_tile=seq_tile))
+
+            def eval_loss(m, offsets, _fn=loss_fn or lm_loss, _ds=eval_data):
+                return _fn(m, *_ds.tensors(offsets, seq_tile=seq_tile))
+
+            self.loss_fn, self.eval_loss_fn = loss_on_offsets, eval_loss
+        else:
+            if not callable(data):
+                raise TileError(where, "data must be a token dataset (batch_offsets, tensors) or a callable "
+                                "data(step) -> tuple of arrays", type(data).__name__)
+            if loss_fn is None:
+                raise TileError(where, "a callable data source needs loss_fn(model, *tensors)", "loss_fn=None")
+            self.batch_tiles = batch_tiles
+            self.loss_fn = self.eval_loss_fn = loss_fn
+        self.step = TrainStep(model, optimizer, self.loss_fn, batch_tiles=self.batch_tiles, runtime=runtime,
+                              accum_steps=accum_steps, **compile_options)
+        self._eval = None
+        if eval_data is not None:
+            self._eval = EvalStep(model, self.eval_loss_fn, batch_tiles=self.batch_tiles, runtime=runtime,
+                                  **compile_options)
+        self.history: list[dict] = []  # every metrics record written, in order
+
+    # -- data ----------------------------------------------------------------------------------
+    def _batch(self, step: int) -> tuple[np.ndarray, ...]:
+        if self.token_data:
+            return (self.data.batch_offsets(step, self.batch_size),)
+        batch = self.data(step)
+        return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+    def _tokens(self, batch) -> int:
+        if self.token_data:
+            return len(batch[0]) * int(self.data.seq_len)
+        a = np.asarray(batch[0])
+        return int(np.prod(a.shape[:2])) if a.ndim >= 2 else int(a.shape[0]) if a.ndim else 1
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean loss over ``batches`` (default ``eval_batches``) batches of ``eval_data``."""
+        if self._eval is None:
+            raise TileError("tilegraph.Trainer.evaluate", "needs eval_data", "eval_data=None")
+        n = batches or self.eval_batches
+        micro = self.batch_size // self.accum_steps
+        losses = []
+        with self._current():
+            if self.token_data:
+                for offsets in self.eval_data.eval_offsets(micro, n):
+                    losses.append(self._eval(offsets))
+            else:
+                for i in range(n):
+                    batch = self.eval_data(i)
+                    losses.append(self._eval(*(batch if isinstance(batch, (tuple, list)) else (batch,))))
+        return float(np.mean(losses))
+
+    def _current(self):
+        return self.runtime.as_current() if self.runtime is not None else contextlib.nullcontext()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self, steps: int) -> FitResult:
+        """Run ``steps`` optimizer steps (continuing from the optimizer's step count)."""
+        from tqdm import tqdm
+
+        if not isinstance(steps, int) or steps < 1:
+            raise TileError("tilegraph.Trainer.fit", "steps must be a positive int", repr(steps))
+        start = self.optimizer.step_count
+        result = FitResult(0, [])
+        tty = sys.stderr.isatty()
+        bar = tqdm(total=steps, desc="train", unit="step", disable=not self.progress, dynamic_ncols=True,
+                   mininterval=0.1 if tty else 10.0, miniters=1 if tty else None)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / "metrics.jsonl", "a") if self.log_dir is not None else None
+        t0 = time.perf_counter()
+        tokens = 0
+        try:
+            for i in range(start + 1, start + steps + 1):
+                batch = self._batch(i)
+                loss = self.step(*batch)
+                stats: StepStats = self.step.last
+                tokens += self._tokens(batch)
+                elapsed = time.perf_counter() - t0
+                result.losses.append(loss)
+                record = {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                          "tokens_per_s": tokens / elapsed, "step_seconds": stats.seconds,
+                          "tasks": stats.tasks, "time": time.time()}
+                self._log(log, record)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+                bar.update(1)
+                for hook in self.on_step:
+                    hook(self, stats)
+                last = i == start + steps
+                if self._eval is not None and ((self.eval_every and i % self.eval_every == 0) or last):
+                    val = self.evaluate()
+                    result.val_losses.append((i, val))
+                    self._log(log, {"step": i, "val_loss": val, "time": time.time()})
+                    bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
+                    self.plot()
+                if self.checkpoint_dir is not None and ((self.checkpoint_every and i % self.checkpoint_every == 0)
+                                                        or last):
+                    result.checkpoints.append(str(self.save_checkpoint(self.checkpoint_dir / f"step-{i:06d}")))
+        finally:
+            bar.close()
+            if log is not None:
+                log.close()
+        result.steps = len(result.losses)
+        result.seconds = time.perf_counter() - t0
+        result.tokens_per_s = tokens / result.seconds
+        self.plot()
+        return result
+
+    def _log(self, log, record: dict) -> None:
+        self.history.append(record)
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+    def plot(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Draw the training (and validation) loss curve to ``path`` (default ``log_dir/loss.png``)."""
+        if path is None:
+            if self.log_dir is None:
+                return None
+            path = self.log_dir / "loss.png"
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)  # files only: no display needed
+        from matplotlib.figure import Figure
+
+        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        fig = Figure(figsize=(6, 4), dpi=100)
+        ax = fig.add_subplot()
+        if train:
+            ax.plot(*zip(*train), label="train", lw=1)
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+        return path
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Write model weights, optimizer state and the trainer's position to the folder ``path``.
+
+        Weights go in Hugging Face layout when the model can export it (``model.to_hf``: a folder
+        transformers loads), else ``model.safetensors`` with tilegraph's names; the optimizer's
+        state goes to ``optimizer.safetensors`` and the step, learning rate and data position to
+        ``trainer_state.json``. Everything is written under a temporary name and renamed when
+        complete, so a failure leaves no partial checkpoint and never replaces an existing one.
+        """
+        from tilegraph._lower import compute
+        from tilegraph.io.safetensors import save_file
+
+        path = Path(path)
+        if path.exists():
+            raise TileError("tilegraph.Trainer.save_checkpoint", "a checkpoint folder that does not exist yet",
+                            f"{path} exists")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        try:
+            with self._current():
+                if hasattr(self.model, "to_hf"):
+                    self.model.to_hf(tmp)
+                else:
+                    tmp.mkdir()
+                    save_file(self.model.state_dict(), tmp / "model.safetensors")
+                states = self.optimizer.state_tensors()
+                flat = [(f"{names[id(p)]}.{k}", t) for p, st in zip(self.optimizer.params, states)
+                        for k, t in st.items()]
+                values = compute(*[t for _, t in flat]) if flat else []
+            save_file({n: v for (n, _), v in zip(flat, values)}, tmp / "optimizer.safetensors")
+            state = {"format": "tilegraph-trainer-1", "step": self.optimizer.step_count,
+                     "optimizer": type(self.optimizer).__name__, "lr": self.optimizer.lr,
+                     "batch_size": self.batch_size, "accum_steps": self.accum_steps,
+                     "data": repr(self.data) if self.token_data else None,
+                     "parameters": [names[id(p)] for p in self.optimizer.params]}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for hook in self.on_checkpoint:
+            hook(self, path)
+        return path
+
+    def load_checkpoint(self, path: str | os.PathLike) -> int:
+        """Restore weights, optimizer state and step from a :meth:`save_checkpoint` folder; the
+        next :meth:`fit` continues with the next step's batch. Returns the step."""
+        from tilegraph.io.safetensors import load_file
+
+        where = "tilegraph.Trainer.load_checkpoint"
+        path = Path(path)
+        state_file = path / "trainer_state.json"
+        if not state_file.is_file():
+            raise TileError(where, "a checkpoint folder written by Trainer.save_checkpoint", f"{path} (no trainer_state.json)")
+        state = json.loads(state_file.read_text())
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if state.get("parameters") != [names[id(p)] for p in self.optimizer.params]:
+            raise TileError(where, "the checkpoint's parameters to match the optimizer's",
+                            f"{len(state.get('parameters', []))} parameters named differently")
+        if hasattr(self.model, "to_hf"):
+            from tilegraph.io.hf import load_hf_weights
+
+            load_hf_weights(self.model, path)
+        else:
+            self.model.load_state_dict(load_file(path / "model.safetensors"))
+        opt = load_file(path / "optimizer.safetensors")
+        arrays = [{k: opt[f"{names[id(p)]}.{k}"] for k in self.optimizer.state_names if f"{names[id(p)]}.{k}" in opt}
+                  for p in self.optimizer.params]
+        self.optimizer.load_state(arrays, int(state["step"]))
+        return int(state["step"])
+
+
+def _default_row_tile(runtime, rows: int) -> int:
+    """One row tile per worker thread, so every thread has a stream of its own."""
+    threads = runtime.processors()["cpu"] if runtime is not None else (os.cpu_count() or 1)
+    return max(1, math.ceil(rows / max(1, threads)))
