@@ -130,8 +130,13 @@ def time_tilegraph(model, data, args, tg):
             step(*b)
         stats(reset=True)
         t0 = time.perf_counter()
+        pending = None  # as tg.Trainer does: step i+1 is submitted before waiting for step i
         for b in data[args.warmup:]:
-            last = step(*b)
+            nxt = step.submit(*b)
+            if pending is not None:
+                pending.result()
+            pending = nxt
+        last = pending.result()
         wall = time.perf_counter() - t0
         ks = stats()
     threads = args.workers * args.threads

@@ -113,8 +113,13 @@ def time_tilegraph(kind, args, x, y, tg):
             step(x, y)
         stats(reset=True)
         t0 = time.perf_counter()
+        pending = None  # as tg.Trainer does: step i+1 is submitted before waiting for step i
         for _ in range(args.steps):
-            step(x, y)
+            nxt = step.submit(x, y)
+            if pending is not None:
+                pending.result()
+            pending = nxt
+        pending.result()
         wall = time.perf_counter() - t0
         ks = stats()
         threads = args.workers * args.threads
@@ -165,6 +170,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--kernels", action="store_true", help="also print the costliest kernels")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="alternate tilegraph and torch runs this many times; print each and the median ratio")
     args = ap.parse_args()
     if args.runtime == "local" and os.environ.get("OMP_NUM_THREADS") != "1":
         # as in Dask workers: one BLAS thread per kernel, parallelism comes from the tiles. BLAS
@@ -193,13 +200,20 @@ def main():
     print(f"{'model':8} {'tg tok/s':>9} {'torch tok/s':>11} {'ratio':>6} {'outside':>8} {'kernels':>8} "
           f"{'runner':>7} {'step s':>7} {'nodes':>6} {'tasks':>6} {'loss0 tg/torch':>18}")
     for kind in kinds:
-        r = time_tilegraph(kind, args, x, y, tg)
-        t = time_torch(kind, args, x, y, r["state"], torch)
-        print(f"{kind:8} {tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} "
-              f"{t['step_s'] / r['step_s']:6.2f} {r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:7.3f} "
-              f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:.5f}", flush=True)
-        if args.kernels:
-            print("   kernel seconds per step: " + ", ".join(f"{k} {v / args.steps:.3f}" for k, v in r["top"]))
+        ratios, outside = [], []
+        for _ in range(args.repeat):  # alternating runs: machine noise hits both sides alike
+            r = time_tilegraph(kind, args, x, y, tg)
+            t = time_torch(kind, args, x, y, r["state"], torch)
+            ratios.append(t["step_s"] / r["step_s"])
+            outside.append(r["outside"])
+            print(f"{kind:8} {tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} "
+                  f"{t['step_s'] / r['step_s']:6.2f} {r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:7.3f} "
+                  f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:.5f}", flush=True)
+            if args.kernels:
+                print("   kernel seconds per step: " + ", ".join(f"{k} {v / args.steps:.3f}" for k, v in r["top"]))
+        if args.repeat > 1:
+            print(f"{kind:8} median ratio {np.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f}), "
+                  f"median outside {np.median(outside):.1%} over {args.repeat} alternating runs", flush=True)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,17 @@ def test_nan_loss_stops_and_keeps_the_log(tmp_path):
         trainer.fit(5)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
+
+
+@pytest.mark.distributed
+def test_pipelined_steps_equal_one_at_a_time_on_the_cluster(embedded_runtime):
+    results = []
+    for pipeline in (True, False):
+        model, _, trainer = _setup(steps=6, pipeline=pipeline, runtime=embedded_runtime)
+        res = trainer.fit(6)
+        with embedded_runtime.as_current():
+            results.append((res.losses, model.state_dict()))
+    (l1, s1), (l2, s2) = results
+    assert l1 == l2
+    for k in s1:
+        np.testing.assert_array_equal(s1[k], s2[k])

@@ -16,7 +16,7 @@ from tilegraph._tensor import TileTensor, Tiling, tensor_from_cells
 from tilegraph.nn import Module
 from tilegraph.optim import Optimizer
 
-__all__ = ["TrainStep", "StepStats", "EvalStep"]
+__all__ = ["TrainStep", "PendingStep", "StepStats", "EvalStep"]
 
 
 @dataclass
@@ -160,6 +160,13 @@ class TrainStep:
         return self._lookup(micro[-1], self._kinds()[-1])[0].exe
 
     def __call__(self, *batch) -> float:
+        """Run one optimizer step on ``batch`` and return its loss."""
+        return self.submit(*batch).result()
+
+    def submit(self, *batch) -> "PendingStep":
+        """Submit one optimizer step without waiting for it; ``.result()`` waits and returns the
+        loss. The next step may be submitted before this one finished: its graph starts from this
+        step's parameters (futures), so consecutive steps overlap Dask's round-trip latency."""
         t0 = time.perf_counter()
         micro = self._micro_batches([np.asarray(a) for a in batch])
         record_seconds = 0.0
@@ -175,22 +182,41 @@ class TrainStep:
                 rec.exe.runtime.scatter_cells(rec.assignments)
             if kind in ("step", "last"):
                 self.optimizer.next_hyper()
-                values = rec.exe.run(fetch=range(rec.n_fetch))
+                values = rec.exe.run(fetch=range(rec.n_fetch), wait=False)
             else:  # the loss comes back later: the next micro-batch's graph follows at once
                 values = rec.exe.run(fetch=(0,), wait=False)
             losses.append(values[0])
             for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
                 cell.set(v)
-        if rec.exe.runtime is not None and any(not hasattr(v, "shape") for v in losses):
-            losses = rec.exe.runtime.client.gather(losses)
-        loss = float(np.mean([np.asarray(v).reshape(()) for v in losses]))
-        norm = float(values[1][3]) if rec.n_fetch > 1 else None
-        self.last = StepStats(loss, norm, self.optimizer.schedule(self.optimizer.step_count),
-                              time.perf_counter() - t0, record_seconds, rec.exe.n_tasks, rec.exe.n_nodes)
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"[tilegraph.TrainStep] loss became {loss} at step {self.optimizer.step_count}")
-        return loss
+        norm = values[1] if rec.n_fetch > 1 else None
+        return PendingStep(self, step_no, losses, norm, self.optimizer.schedule(step_no), t0, record_seconds, rec)
 
+
+class PendingStep:
+    """A submitted training step; :meth:`result` waits for its loss (and gradient norm)."""
+
+    def __init__(self, owner: TrainStep, step: int, losses: list, norm, lr: float, t0: float,
+                 record_seconds: float, rec: _Recorded):
+        self.owner, self.step, self._losses, self._norm, self.lr = owner, step, losses, norm, lr
+        self._t0, self._record_seconds, self._rec = t0, record_seconds, rec
+        self.stats: StepStats | None = None
+
+    def result(self) -> float:
+        if self.stats is None:
+            runtime = self._rec.exe.runtime
+            values = self._losses + ([self._norm] if self._norm is not None else [])
+            if runtime is not None and any(not hasattr(v, "shape") for v in values):
+                values = runtime.client.gather(values)
+            n = len(self._losses)
+            loss = float(np.mean([np.asarray(v).reshape(()) for v in values[:n]]))
+            norm = float(values[n][3]) if self._norm is not None else None
+            self.stats = StepStats(loss, norm, self.lr, time.perf_counter() - self._t0, self._record_seconds,
+                                   self._rec.exe.n_tasks, self._rec.exe.n_nodes)
+            self.owner.last = self.stats
+        loss = self.stats.loss
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"[tilegraph.TrainStep] loss became {loss} at step {self.step}")
+        return loss
 
 
 class EvalStep:

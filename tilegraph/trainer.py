@@ -59,6 +59,10 @@ class Trainer:
     - ``checkpoint_every`` / ``checkpoint_dir``: :meth:`save_checkpoint` every that many steps and
       at the end; ``on_checkpoint`` hooks are called with ``(trainer, path)`` after each.
     - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
+    - ``pipeline``: submit step i+1 before waiting for step i's loss, so consecutive steps overlap
+      Dask's round trip (on steps with an evaluation or a checkpoint the loop waits). Hooks then
+      run while the next step is already under way: its update may already be in the
+      parameters; ``pipeline=False`` runs strictly one step at a time.
     - ``progress``: a tqdm bar; when output is not a terminal it refreshes every 10 s at most.
 
     A loss that becomes NaN/inf stops training with an error naming the step (the metrics of the
@@ -70,7 +74,7 @@ class Trainer:
                  log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
                  checkpoint_dir: str | os.PathLike | None = None, progress: bool = True,
                  on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
-                 batch_tiles: Sequence | None = None, **compile_options):
+                 batch_tiles: Sequence | None = None, pipeline: bool = True, **compile_options):
         where = "tilegraph.Trainer"
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
@@ -84,6 +88,7 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.progress = progress
+        self.pipeline = pipeline
         self.on_step, self.on_checkpoint = list(on_step), list(on_checkpoint)
         self.token_data = hasattr(data, "batch_offsets") and hasattr(data, "tensors")
         if self.token_data:
@@ -167,32 +172,47 @@ class Trainer:
         log = open(self.log_dir / "metrics.jsonl", "a") if self.log_dir is not None else None
         t0 = time.perf_counter()
         tokens = 0
+        end = start + steps
+
+        def synced(i: int) -> bool:  # steps after which the loop waits: evaluation and checkpoints
+            return (i == end or (self._eval is not None and self.eval_every and i % self.eval_every == 0)
+                    or (self.checkpoint_dir is not None and self.checkpoint_every and i % self.checkpoint_every == 0))
+
+        def finish(i: int, pending, batch) -> None:
+            nonlocal tokens
+            loss = pending.result()  # raises on a NaN/inf loss, naming the step
+            stats: StepStats = pending.stats
+            tokens += self._tokens(batch)
+            elapsed = time.perf_counter() - t0
+            result.losses.append(loss)
+            self._log(log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                            "tokens_per_s": tokens / elapsed, "step_seconds": stats.seconds, "tasks": stats.tasks,
+                            "time": time.time()})
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+            bar.update(1)
+            for hook in self.on_step:
+                hook(self, stats)
+            if self._eval is not None and ((self.eval_every and i % self.eval_every == 0) or i == end):
+                val = self.evaluate()
+                result.val_losses.append((i, val))
+                self._log(log, {"step": i, "val_loss": val, "time": time.time()})
+                bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
+                self.plot()
+            if self.checkpoint_dir is not None and ((self.checkpoint_every and i % self.checkpoint_every == 0)
+                                                    or i == end):
+                result.checkpoints.append(str(self.save_checkpoint(self.checkpoint_dir / f"step-{i:06d}")))
+
         try:
-            for i in range(start + 1, start + steps + 1):
+            waiting = None  # (step, pending, batch) submitted but not finished
+            for i in range(start + 1, end + 1):
                 batch = self._batch(i)
-                loss = self.step(*batch)
-                stats: StepStats = self.step.last
-                tokens += self._tokens(batch)
-                elapsed = time.perf_counter() - t0
-                result.losses.append(loss)
-                record = {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                          "tokens_per_s": tokens / elapsed, "step_seconds": stats.seconds,
-                          "tasks": stats.tasks, "time": time.time()}
-                self._log(log, record)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
-                bar.update(1)
-                for hook in self.on_step:
-                    hook(self, stats)
-                last = i == start + steps
-                if self._eval is not None and ((self.eval_every and i % self.eval_every == 0) or last):
-                    val = self.evaluate()
-                    result.val_losses.append((i, val))
-                    self._log(log, {"step": i, "val_loss": val, "time": time.time()})
-                    bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
-                    self.plot()
-                if self.checkpoint_dir is not None and ((self.checkpoint_every and i % self.checkpoint_every == 0)
-                                                        or last):
-                    result.checkpoints.append(str(self.save_checkpoint(self.checkpoint_dir / f"step-{i:06d}")))
+                pending = self.step.submit(*batch)
+                if waiting is not None:
+                    finish(*waiting)
+                waiting = (i, pending, batch)
+                if not self.pipeline or synced(i):
+                    finish(*waiting)
+                    waiting = None
         finally:
             bar.close()
             if log is not None:
