@@ -59,6 +59,11 @@ def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):
     got = models.from_hf(ck)(ids).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
+    gen = _cli("generate", str(ck), "--prompt", "def ", "--max-new-tokens", "8", "--local", "--ids", cwd=tmp_path)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    text, ids = gen.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.startswith("def ") and [int(i) for i in ids.split()][:4] == list(b"def ") and len(ids.split()) == 12
+
     again = _cli("train", "small.toml", "--out", "run", "--no-progress", "--resume", str(ck), "--steps", "4",
                  cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -78,6 +83,14 @@ def test_bad_configs_are_one_clear_line(tmp_path):
     run = _cli("train", "missing.toml", cwd=tmp_path)
     assert run.returncode == 2 and "missing.toml" in run.stderr
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_generate_without_a_tokenizer_is_a_clear_error(tmp_path):
+    from tilegraph import models
+
+    models.build("gpt2-debug").to_hf(tmp_path / "hf")
+    run = _cli("generate", str(tmp_path / "hf"), cwd=tmp_path)
+    assert run.returncode == 2 and "a tokenizer: tilegraph_tokenizer.json" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_info_prints_versions(tmp_path):

@@ -128,8 +128,10 @@ def cmd_train(args) -> int:
               f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
               f"{steps} steps", flush=True)
 
-        def save_tokenizer(trainer, path):
+        def save_tokenizer(trainer, path):  # so that `tilegraph generate CHECKPOINT` finds it
             (Path(path) / "tilegraph_tokenizer.json").write_text(json.dumps(tokenizer.describe()))
+            if hasattr(tokenizer, "save"):  # a BPE tokenizer: its vocabulary and merges too
+                tokenizer.save(Path(path) / "bpe_tokenizer.json")
 
         trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
                              eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
@@ -143,7 +145,8 @@ def cmd_train(args) -> int:
             from tilegraph.models.generate import generate
 
             prompt = tokenizer.encode("def ")[None, :]
-            ids = generate(model, prompt, min(48, model.config.max_seq_len - prompt.shape[1]), runtime=rt)
+            ids = generate(model, prompt, min(48, model.config.max_seq_len - prompt.shape[1]), strategy="top_k",
+                           top_k=10, temperature=0.8, seed=t["seed"], runtime=rt)
             sample = tokenizer.decode(ids[0])
         except ImportError:  # generation ships with the models package
             pass
@@ -152,8 +155,58 @@ def cmd_train(args) -> int:
           f"{np.log(tokenizer.vocab_size):.3f}) in {res.seconds:.1f} s, {res.tokens_per_s:,.0f} tokens/s", flush=True)
     print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
     if sample:
-        print(f"sample (greedy): {sample!r}")
+        print(f"sample (top-k 10, temperature 0.8): {sample!r}")
     return 0
+
+
+def load_tokenizer(folder: Path, override: str | None):
+    """The tokenizer of a checkpoint: ``override`` (byte, or a BPE JSON path), else what
+    ``tilegraph train`` recorded in the folder, else an HF ``tokenizer.json`` there."""
+    from tilegraph._errors import TileError
+    from tilegraph.io import BPETokenizer, tokenizer_from_description
+
+    if override:
+        return make_tokenizer(override)
+    recorded = folder / "tilegraph_tokenizer.json"
+    if recorded.is_file():
+        desc = json.loads(recorded.read_text())
+        bpe = folder / "bpe_tokenizer.json"
+        return tokenizer_from_description(desc, bpe if bpe.is_file() else None)
+    if (folder / "tokenizer.json").is_file():
+        return BPETokenizer.load(folder / "tokenizer.json", eos=None)
+    raise TileError("tilegraph generate", "a tokenizer: tilegraph_tokenizer.json or tokenizer.json in the "
+                    "checkpoint folder, or --tokenizer byte|PATH", str(folder))
+
+
+def cmd_generate(args) -> int:
+    import tilegraph as tg
+    from tilegraph import models
+    from tilegraph.models.generate import generate
+
+    folder = Path(args.checkpoint)
+    tokenizer = load_tokenizer(folder, args.tokenizer)
+    model = models.from_hf(folder)
+    prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
+    if prompt.size == 0:
+        raise tg.TileError("tilegraph generate", "a non-empty prompt", repr(args.prompt))
+    n = args.max_new_tokens
+    if n is None:
+        n = min(64, model.config.max_seq_len - prompt.size)
+    strategy = args.strategy or ("top_k" if args.top_k and not args.top_p else "top_p" if args.top_p and not args.top_k
+                                 else "sample" if args.top_k and args.top_p else "greedy")
+    with (tg.connect(quiet=True, dashboard=False) if not args.local else _nullcontext()) as rt:
+        ids = generate(model, prompt[None, :], n, strategy=strategy, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, eos_id=getattr(tokenizer, "eos_id", None), runtime=rt)
+    print(tokenizer.decode(ids[0]))
+    if args.ids:
+        print(" ".join(map(str, ids[0].tolist())))
+    return 0
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def cmd_info(args) -> int:
@@ -188,6 +241,20 @@ def main(argv=None) -> int:
     tr.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
+    gen = sub.add_parser("generate", help="continue a prompt with a trained model (greedy, top-k, top-p; KV cache)")
+    gen.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
+    gen.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="default: up to 64, within max_seq_len")
+    gen.add_argument("--strategy", choices=["greedy", "sample", "top_k", "top_p"], default=None,
+                     help="default: greedy, or what --top-k/--top-p imply")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
+    gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
+    gen.add_argument("--ids", action="store_true", help="also print the token ids")
+    gen.set_defaults(func=cmd_generate)
     info = sub.add_parser("info", help="versions and devices")
     info.set_defaults(func=cmd_info)
     args = ap.parse_args(argv)
