@@ -52,12 +52,13 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from _common import setup_threads, timed_steps
 
 FLAVOR_CHOICES = ["debug", "6x768", "gpt2", "all"]
 DEFAULT_SEQ = 256
@@ -129,15 +130,7 @@ def time_tilegraph(model, data, args, tg):
         for b in data[1:args.warmup]:
             step(*b)
         stats(reset=True)
-        t0 = time.perf_counter()
-        pending = None  # as tg.Trainer does: step i+1 is submitted before waiting for step i
-        for b in data[args.warmup:]:
-            nxt = step.submit(*b)
-            if pending is not None:
-                pending.result()
-            pending = nxt
-        last = pending.result()
-        wall = time.perf_counter() - t0
+        wall, last = timed_steps(step, data[args.warmup:])
         ks = stats()
     threads = args.workers * args.threads
     return {"loss0": first, "lossN": last, "step_s": wall / args.steps, "first_s": first_s,
@@ -208,10 +201,7 @@ def main():
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be at least 1")
-    if args.runtime == "local" and os.environ.get("OMP_NUM_THREADS") != "1":
-        # as in Dask workers: one BLAS thread per kernel, parallelism comes from the tiles. BLAS
-        # reads this when it loads, so restart with it set (torch gets its threads below).
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OMP_NUM_THREADS": "1"})
+    setup_threads(args)  # (torch gets its threads below)
 
     import torch
     import transformers
@@ -219,14 +209,10 @@ def main():
     import tilegraph as tg
     from tilegraph import models
 
-    ncpu = os.cpu_count() or 1
-    args.threads = args.threads or max(1, ncpu // args.workers)
-    if args.runtime == "local":
-        args.workers, args.threads = 1, ncpu
     torch.set_num_threads(args.workers * args.threads)
     flavors = ["debug", "6x768"] if args.flavor == "all" else [args.flavor]
     target = tg.config.target_seconds if args.target is None else args.target
-    print(f"# {ncpu} cores; tilegraph on the {args.runtime} runtime: {args.workers} workers x {args.threads} threads, "
+    print(f"# {os.cpu_count()} cores; tilegraph on the {args.runtime} runtime: {args.workers} workers x {args.threads} threads, "
           f"fused task target {target:g} s; torch {torch.__version__} eager, transformers {transformers.__version__} "
           f"GPT2LMHeadModel, {torch.get_num_threads()} threads; batch {args.batch}, fp32, AdamW lr {args.lr:g} "
           f"wd {args.weight_decay:g}, random token ids (seed {args.seed}), {args.warmup} warmup + {args.steps} "

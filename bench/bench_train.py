@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
 
 import numpy as np
+
+from _common import setup_threads, timed_steps
 
 
 def build_tilegraph(kind, args, tg):
@@ -112,15 +113,7 @@ def time_tilegraph(kind, args, x, y, tg):
         for _ in range(args.warmup - 1):
             step(x, y)
         stats(reset=True)
-        t0 = time.perf_counter()
-        pending = None  # as tg.Trainer does: step i+1 is submitted before waiting for step i
-        for _ in range(args.steps):
-            nxt = step.submit(x, y)
-            if pending is not None:
-                pending.result()
-            pending = nxt
-        pending.result()
-        wall = time.perf_counter() - t0
+        wall, _ = timed_steps(step, [(x, y)] * args.steps)
         ks = stats()
         threads = args.workers * args.threads
     return {"loss0": first, "step_s": wall / args.steps, "first_s": first_s, "nodes": step.last.nodes,
@@ -173,19 +166,13 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="alternate tilegraph and torch runs this many times; print each and the median ratio")
     args = ap.parse_args()
-    if args.runtime == "local" and os.environ.get("OMP_NUM_THREADS") != "1":
-        # as in Dask workers: one BLAS thread per kernel, parallelism comes from the tiles. BLAS
-        # reads this when it loads, so restart with it set.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OMP_NUM_THREADS": "1"})
+    setup_threads(args)
 
     import torch
 
     import tilegraph as tg
 
     ncpu = os.cpu_count() or 1
-    args.threads = args.threads or max(1, ncpu // args.workers)
-    if args.runtime == "local":
-        args.workers, args.threads = 1, ncpu
     args.batch_tile = args.batch_tile or max(1, args.batch // (args.workers * args.threads))
     torch.set_num_threads(args.workers * args.threads)
     rng = np.random.default_rng(0)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from hf_helpers import hf_model_cache
 from conftest import check_against_torch, randn
 from tilegraph import models
 from tilegraph._graph import ValueRef, topo_order
@@ -44,34 +45,9 @@ TILINGS = {
 }
 
 
-def _randomize(model) -> None:
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ("ln" in name or "norm" in name) and name.endswith("weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """``get(arch) -> (HF model in eval mode, folder it was saved to)``, built once per module."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            torch.manual_seed(0)
-            cls = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
-            model = cls(_hf_config(arch))
-            _randomize(model)
-            model.eval()
-            folder = tmp_path_factory.mktemp(arch)
-            model.save_pretrained(folder)
-            cache[arch] = model, folder
-        return cache[arch]
-
-    return get
+    return hf_model_cache(tmp_path_factory, _hf_config, 0.5)
 
 
 def _prompt(seed=0, b=B, p=P):

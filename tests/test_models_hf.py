@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from hf_helpers import hf_model_cache
 from tilegraph import models
 from tilegraph.io import safetensors as st
 from tilegraph.io.hf import to_hf_state
@@ -44,35 +45,11 @@ TILINGS = {
 }
 
 
-def _randomize(model) -> None:
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ("ln" in name or "norm" in name) and name.endswith("weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """``get(arch) -> (HF model in eval mode, folder it was saved to)``, built once per module."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            torch.manual_seed(0)
-            cls = transformers.GPT2LMHeadModel if arch.startswith("gpt2") else transformers.LlamaForCausalLM
-            model = cls(_hf_config(arch))
-            _randomize(model)
-            model.eval()
-            folder = tmp_path_factory.mktemp(arch)
-            # the untied Llama is saved in shards, so every test on it also reads an index
-            model.save_pretrained(folder, max_shard_size="20KB" if arch == "llama-gqa" else "1GB")
-            cache[arch] = model, folder
-        return cache[arch]
-
-    return get
+    # the untied Llama is saved in shards, so every test on it also reads an index
+    return hf_model_cache(tmp_path_factory, _hf_config, 0.2,
+                          lambda arch: {"max_shard_size": "20KB" if arch == "llama-gqa" else "1GB"})
 
 
 def _batch(seed=0):
