@@ -63,7 +63,8 @@ class Trainer:
       Dask's round trip (on steps with an evaluation or a checkpoint the loop waits). Hooks then
       run while the next step is already under way: its update may already be in the
       parameters; ``pipeline=False`` runs strictly one step at a time.
-    - ``progress``: a tqdm bar; when output is not a terminal it refreshes every 10 s at most.
+    - ``progress``: a tqdm bar; when output is neither a terminal nor Jupyter it refreshes every
+      10 s at most.
 
     A loss that becomes NaN/inf stops training with an error naming the step (the metrics of the
     steps before it are on disk).
@@ -164,7 +165,8 @@ class Trainer:
             raise TileError("tilegraph.Trainer.fit", "steps must be a positive int", repr(steps))
         start = self.optimizer.step_count
         result = FitResult(0, [])
-        tty = sys.stderr.isatty()
+        # a live bar on terminals and in Jupyter; elsewhere (logs) a refresh every 10 s at most
+        tty = sys.stderr.isatty() or "ipykernel" in sys.modules
         bar = tqdm(total=steps, desc="train", unit="step", disable=not self.progress, dynamic_ncols=True,
                    mininterval=0.1 if tty else 10.0, miniters=1 if tty else None)
         if self.log_dir is not None:
