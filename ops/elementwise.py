@@ -6,6 +6,9 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
+from numba.core import types as nb_types
+from numba.extending import intrinsic
 
 from tilegraph._autograd import Op
 from tilegraph._errors import TileError
@@ -198,8 +201,11 @@ def affine(x: TileTensor, scale: float = 1.0, shift: float = 0.0) -> TileTensor:
     return _affine_op(x, scale=scale, shift=shift)
 
 
-# GELU/SiLU kernels in Numba: NumPy expressions are ~4x slower than torch here, and Numba has no
-# SVML on these machines, so tanh is written through exp (6 ms instead of 33 ms for 4096 x 768).
+# GELU/SiLU kernels in Numba: NumPy expressions are ~4x slower than torch here. Numba has no SVML
+# on these machines, so math.exp/math.erf in a loop are scalar libm calls that keep LLVM from
+# vectorising it (4-15 ns/element). float32 tiles therefore take the kernels in the next section,
+# built from arithmetic alone; float64 (and other) tiles keep the libm kernels below (accurate to
+# the last bit, which the float64 tests against torch need).
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -270,21 +276,170 @@ def _consts(dtype) -> np.ndarray:
     return np.array(_CONSTS, dtype=dtype)
 
 
-def _numba_unary(fn):
+# ------------------------------------------------------------------ float32 GELU/SiLU kernels ----
+# Only arithmetic that LLVM vectorises (0.4-0.8 ns/element on one core instead of 3-16 with libm;
+# bench/bench_kernels.py times them against torch):
+#
+# * exp(z), z in [-88, 88]: z = n ln2 + r with n = rint(z / ln2) and |r| <= ln2/2 (ln2 split in
+#   two, Cody-Waite, so r is exact); exp(r) = 1 + r (1 + r (c2 + ... + c6 r^4)); 2^n is written
+#   straight into the exponent bits (``_exp2i``; n = -127 gives exactly 0, the underflow).
+# * sigmoid(z) = 1 / (1 + exp(-z)) for z >= 0 and exp(-|z|) / (1 + exp(-|z|)) below, so it never
+#   overflows and stays relatively accurate in the left tail; sigmoid' = e / (1 + e)^2 with
+#   e = exp(-|z|), without the cancellation of 1 - tanh^2. tanh-GELU is x sigmoid(2u).
+# * Phi(-a) = exp(-a^2/2) R(a) for a = |x|, with R(a) = Phi(-a) exp(a^2/2) a (4, 5) rational fit
+#   (Phi is the standard normal CDF; exact GELU is x Phi(x), Phi(x) = 1 - Phi(-x) for x >= 0).
+#
+# The polynomial and rational coefficients are minimax fits of our own, reproduced (with their
+# errors) by ``python bench/fit_kernel_coeffs.py``: relative error 1.7e-8 for exp(r) and 5.7e-8
+# for R, below float32's half ulp (6e-8). Over a dense grid on [-20, 20] the kernels stay within
+# 2 ulp of max(|result|, 1) of exact float64 values (torch's float32 kernels: 1.3 to 8.7 ulp);
+# tests/test_kernels_fast.py checks 3 ulp, and torch float32 at the shared tolerance.
+#
+# Constants are float32 globals, which Numba freezes as float32 literals (a Python float would
+# promote the arithmetic to float64). The flags leave out "reassoc" (it could undo the ln2 split)
+# and "nnan"/"ninf" (NaN inputs give NaN, as in torch); error_model="numpy" drops the
+# ZeroDivisionError branch that keeps a loop with a division from vectorising.
+_FAST32 = {"nsz", "arcp", "contract", "afn"}
+_F32 = np.float32
+_ZERO_F, _ONE_F = _F32(0.0), _F32(1.0)
+_LOG2E_F = _F32(1.0 / math.log(2.0))
+_LN2_HI_F, _LN2_LO_F = _F32(0.693115234375), _F32(3.194618329871446e-05)  # ln2_hi: 12 bits
+_EXP_MIN_F = _F32(-88.0)  # rint(-88 / ln2) = -127: exp underflows to exactly 0 from about -87.7
+_EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_C6 = (_F32(0.4999999403953552), _F32(0.16666431725025177),
+                                               _F32(0.04166800156235695), _F32(0.00837415549904108),
+                                               _F32(0.0013843643246218562))
+_R_P0, _R_P1, _R_P2, _R_P3, _R_P4 = (_F32(0.5), _F32(0.43723002076148987), _F32(0.18244577944278717),
+                                     _F32(0.04036697372794151), _F32(0.004076734185218811))
+_R_Q1, _R_Q2, _R_Q3, _R_Q4, _R_Q5 = (_F32(1.6723450422286987), _F32(1.1992253065109253),
+                                     _F32(0.4673865735530853), _F32(0.10119181126356125),
+                                     _F32(0.01021872740238905))
+_R_AMAX = _F32(14.0)  # the fit's range; exp(-a^2/2) is 0 in float32 beyond it
+_HALF_F = _F32(0.5)
+_INV_SQRT_2PI_F = _F32(_INV_SQRT_2PI)
+_TWO_S2PI_F = _F32(2.0 * _SQRT_2_OVER_PI)  # tanh-GELU: sigmoid(2u), 2u = 2 sqrt(2/pi) (x + c x^3)
+_GELU_C_F, _GELU_C3_F = _F32(0.044715), _F32(3 * 0.044715)
+_GELU_XMAX_F = _F32(12.0)  # |2u(12)| = 142 > 88: clamping x here changes neither sigmoid nor e
+
+
+@intrinsic
+def _exp2i(typingctx, n):
+    """``2**n`` for a float32 ``n`` holding an integer in [-127, 127], from the exponent bits
+    (n = -127 gives +0.0)."""
+    if n != nb_types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = llvm_ir.IntType(32)
+        k = builder.add(builder.fptosi(args[0], i32), llvm_ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(k, llvm_ir.Constant(i32, 23)), llvm_ir.FloatType())
+
+    return nb_types.float32(nb_types.float32), codegen
+
+
+@numba.njit(cache=True, inline="always", fastmath=_FAST32, error_model="numpy")
+def _exp_f32(z):
+    """exp(z) for a float32 z in [-88, 88]."""
+    n = np.rint(z * _LOG2E_F)
+    r = (z - n * _LN2_HI_F) - n * _LN2_LO_F
+    p = _EXP_C2 + r * (_EXP_C3 + r * (_EXP_C4 + r * (_EXP_C5 + r * _EXP_C6)))
+    return (_ONE_F + r * (_ONE_F + r * p)) * _exp2i(n)
+
+
+@numba.njit(cache=True, inline="always", fastmath=_FAST32, error_model="numpy")
+def _mills_f32(a):
+    """R(a) = Phi(-a) exp(a^2/2) for a float32 a in [0, 14]."""
+    p = _R_P0 + a * (_R_P1 + a * (_R_P2 + a * (_R_P3 + a * _R_P4)))
+    q = _ONE_F + a * (_R_Q1 + a * (_R_Q2 + a * (_R_Q3 + a * (_R_Q4 + a * _R_Q5))))
+    return p / q
+
+
+# Helpers return one scalar each: a tuple return keeps the loop from vectorising.
+@numba.njit(cache=True, nogil=True, fastmath=_FAST32, error_model="numpy")
+def _nb_gelu_tanh_f32(x, out):
+    for i in range(x.size):
+        v = x[i]
+        vc = min(max(v, -_GELU_XMAX_F), _GELU_XMAX_F)
+        z = _TWO_S2PI_F * (vc + _GELU_C_F * vc * vc * vc)
+        e = _exp_f32(max(-abs(z), _EXP_MIN_F))
+        out[i] = (v if z >= _ZERO_F else v * e) / (_ONE_F + e)  # one rounding less than v * s
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST32, error_model="numpy")
+def _nb_gelu_tanh_bwd_f32(x, g, out):
+    # d/dx [x sigmoid(z)] = sigmoid(z) + x z' sigmoid'(z), z = 2u, sigmoid'(z) = e d^2
+    for i in range(x.size):
+        v = x[i]
+        vc = min(max(v, -_GELU_XMAX_F), _GELU_XMAX_F)
+        z = _TWO_S2PI_F * (vc + _GELU_C_F * vc * vc * vc)
+        e = _exp_f32(max(-abs(z), _EXP_MIN_F))
+        d = _ONE_F / (_ONE_F + e)
+        s = d if z >= _ZERO_F else e * d
+        dz = _TWO_S2PI_F * (_ONE_F + _GELU_C3_F * vc * vc)
+        out[i] = g[i] * (s + v * (dz * (e * d * d)))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST32, error_model="numpy")
+def _nb_gelu_f32(x, out):
+    for i in range(x.size):
+        v = x[i]
+        a = min(abs(v), _R_AMAX)
+        t = _exp_f32(max(-_HALF_F * a * a, _EXP_MIN_F)) * _mills_f32(a)  # Phi(-|x|)
+        out[i] = v * (_ONE_F - t if v >= _ZERO_F else t)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST32, error_model="numpy")
+def _nb_gelu_bwd_f32(x, g, out):
+    for i in range(x.size):
+        v = x[i]
+        a = min(abs(v), _R_AMAX)
+        e = _exp_f32(max(-_HALF_F * a * a, _EXP_MIN_F))
+        t = e * _mills_f32(a)
+        cdf = _ONE_F - t if v >= _ZERO_F else t
+        out[i] = g[i] * (cdf + v * (_INV_SQRT_2PI_F * e))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST32, error_model="numpy")
+def _nb_silu_f32(x, out):
+    for i in range(x.size):
+        v = x[i]
+        e = _exp_f32(max(-abs(v), _EXP_MIN_F))
+        out[i] = (v if v >= _ZERO_F else v * e) / (_ONE_F + e)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST32, error_model="numpy")
+def _nb_silu_bwd_f32(x, g, out):
+    for i in range(x.size):
+        v = x[i]
+        e = _exp_f32(max(-abs(v), _EXP_MIN_F))
+        d = _ONE_F / (_ONE_F + e)
+        s = d if v >= _ZERO_F else e * d
+        out[i] = g[i] * (s + v * (e * d * d))
+
+
+_F32_DT = np.dtype(np.float32)
+
+
+def _numba_unary(fn, fn32=None):
     def run(x, **params):
         x = np.ascontiguousarray(x)
         out = np.empty_like(x)
-        fn(x.reshape(-1), out.reshape(-1), _consts(x.dtype))
+        if fn32 is not None and x.dtype == _F32_DT:
+            fn32(x.reshape(-1), out.reshape(-1))
+        else:
+            fn(x.reshape(-1), out.reshape(-1), _consts(x.dtype))
         return out
 
     return run
 
 
-def _numba_binary(fn):
+def _numba_binary(fn, fn32=None):
     def run(x, g, **params):
         x, g = np.ascontiguousarray(x), np.ascontiguousarray(g)
         out = np.empty_like(x)
-        fn(x.reshape(-1), g.reshape(-1), out.reshape(-1), _consts(x.dtype))
+        if fn32 is not None and x.dtype == _F32_DT and g.dtype == _F32_DT:
+            fn32(x.reshape(-1), g.reshape(-1), out.reshape(-1))
+        else:
+            fn(x.reshape(-1), g.reshape(-1), out.reshape(-1), _consts(x.dtype))
         return out
 
     return run
@@ -315,12 +470,17 @@ def _gelu_bwd_xp(x, g, approximate="none"):
     return g * (cdf + x * _INV_SQRT_2PI * xp.exp(-0.5 * x * x))
 
 
+_gelu_cpu_tanh, _gelu_cpu_erf = _numba_unary(_nb_gelu_tanh, _nb_gelu_tanh_f32), _numba_unary(_nb_gelu, _nb_gelu_f32)
+_gelu_bwd_cpu_tanh = _numba_binary(_nb_gelu_tanh_bwd, _nb_gelu_tanh_bwd_f32)
+_gelu_bwd_cpu_erf = _numba_binary(_nb_gelu_bwd, _nb_gelu_bwd_f32)
+
+
 def _gelu_cpu(x, approximate="none"):
-    return _numba_unary(_nb_gelu_tanh if approximate == "tanh" else _nb_gelu)(x)
+    return (_gelu_cpu_tanh if approximate == "tanh" else _gelu_cpu_erf)(x)
 
 
 def _gelu_bwd_cpu(x, g, approximate="none"):
-    return _numba_binary(_nb_gelu_tanh_bwd if approximate == "tanh" else _nb_gelu_bwd)(x, g)
+    return (_gelu_bwd_cpu_tanh if approximate == "tanh" else _gelu_bwd_cpu_erf)(x, g)
 
 
 def _silu_xp(x):
@@ -344,8 +504,9 @@ def _relu_bwd_xp(x, g):
 
 _gelu_k = kernel("gelu", cost=elementwise_cost(20), cpu=_gelu_cpu)(_gelu_xp)
 _gelu_bwd_k = kernel("gelu_bwd", cost=elementwise_cost(30), cpu=_gelu_bwd_cpu)(_gelu_bwd_xp)
-_silu_k = kernel("silu", cost=elementwise_cost(8), cpu=_numba_unary(_nb_silu))(_silu_xp)
-_silu_bwd_k = kernel("silu_bwd", cost=elementwise_cost(12), cpu=_numba_binary(_nb_silu_bwd))(_silu_bwd_xp)
+_silu_k = kernel("silu", cost=elementwise_cost(8), cpu=_numba_unary(_nb_silu, _nb_silu_f32))(_silu_xp)
+_silu_bwd_k = kernel("silu_bwd", cost=elementwise_cost(12),
+                     cpu=_numba_binary(_nb_silu_bwd, _nb_silu_bwd_f32))(_silu_bwd_xp)
 _relu_k = kernel("relu", cost=elementwise_cost(1))(_relu_xp)
 _relu_bwd_k = kernel("relu_bwd", cost=elementwise_cost(2))(_relu_bwd_xp)
 
