@@ -116,7 +116,7 @@ def _worker_bytes(dask_worker):
 
 @pytest.mark.distributed
 def test_between_steps_workers_hold_only_parameters_and_state(embedded_runtime):
-    x, y = _data(n=512)
+    x, y = _data(n=2048)
     model = tg.nn.MLP(16, 256, out_dim=4, tile=64, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
     # small tasks: parameter updates share tasks with activations that later tasks read
@@ -126,6 +126,6 @@ def test_between_steps_workers_hold_only_parameters_and_state(embedded_runtime):
         step(x, y)
     assert step.last.tasks > 10
     state = 3 * sum(p.size * p.dtype.itemsize for p in model.parameters())  # params, exp_avg, exp_avg_sq
-    activations = 512 * 256 * 4
     held = sum(embedded_runtime.client.run(_worker_bytes).values())
-    assert state <= held < state + activations // 4, (held, state)
+    # (the hidden activations alone are 2048 x 256 x 4 bytes, eight times the state)
+    assert state <= held <= 1.1 * state + 4096, (held, state)

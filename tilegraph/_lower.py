@@ -639,9 +639,14 @@ class Executable:
             if pos not in fetch and isinstance(src, str):
                 kept_of.setdefault(src, set()).add(k)
         moved: dict[tuple[str, int], tuple[str, int]] = {}
-        n_out = {key: len(plan.outputs) for key, plan in zip(keys, self.plans)}
+        plan_of = dict(zip(keys, self.plans))
         for src, idx in kept_of.items():
-            if len(idx) < n_out[src]:
+            # A pick is one more dependent hop before the next step can use the values: only
+            # worth it when the rest of the result is more than a tenth of what stays (so the
+            # workers never hold more than 110% of the kept state between steps).
+            outputs = plan_of[src].outputs
+            rest = _nbytes(outputs, exclude=idx)
+            if rest > PICK_MIN_BYTES and rest > 0.1 * _nbytes([outputs[k] for k in idx]):
                 idx = tuple(sorted(idx))
                 pick = f"tg-keep-{src[3:]}"
                 layers["cpu"][pick] = (_pick, src, idx)
@@ -660,6 +665,16 @@ class Executable:
                 else:
                     out[pos] = ValueRef(src, k)
         return out
+
+
+#: kept values are picked out of a task's result only when the rest of it holds more than this
+#: (and more than a tenth of the kept values)
+PICK_MIN_BYTES = 4096
+
+
+def _nbytes(refs: Sequence[TileRef], exclude=()) -> int:
+    skip = set(exclude)
+    return sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for k, r in enumerate(refs) if k not in skip)
 
 
 def _pick(values: tuple, idx: tuple) -> tuple:
