@@ -137,3 +137,50 @@ def test_kernels_unpickle_where_their_module_was_never_imported():
             "assert k.name == 'token_windows' and 'tilegraph.io.data' in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, check=True)
     assert out.stdout.strip() == b"ok"
+
+
+from tilegraph._graph import emit1 as _emit1, kernel as _kernel  # noqa: E402
+
+
+@_kernel("test_user_scaled_add")
+def _user_scaled_add(x, y, *, alpha):
+    return x + alpha * y
+
+
+def test_a_kernel_defined_outside_tilegraph_runs_on_the_workers(embedded_runtime):
+    # as a kernel written in a notebook or a script would: the workers cannot import its module
+    from tilegraph.ops._common import new_tensor
+
+    a = np.arange(12.0).reshape(3, 4)
+    x = tg.from_numpy(a, (2, 2))
+    y = new_tensor(x.tiling, x.dtype, lambda idx: _emit1(_user_scaled_add, [x.grid[idx], x.grid[idx]],
+                                                         x.grid[idx].shape, x.dtype, op="user", alpha=2.0))
+    with embedded_runtime.as_current():
+        np.testing.assert_array_equal(y.numpy(), 3 * a)
+
+
+INTERACTIVE = """
+import numpy as np
+import tilegraph as tg
+from tilegraph._graph import emit1, kernel
+from tilegraph.ops._common import new_tensor
+
+if __name__ == "__main__":
+    @kernel("interactive_scaled_add")   # as in a notebook cell: workers cannot import it
+    def scaled_add(x, y, *, alpha):
+        return x + alpha * y
+
+    with tg.connect(quiet=True, dashboard=False):
+        a = np.arange(12.0).reshape(3, 4)
+        x = tg.from_numpy(a, (2, 2))
+        y = new_tensor(x.tiling, x.dtype, lambda idx: emit1(scaled_add, [x.grid[idx], x.grid[idx]],
+                                                            x.grid[idx].shape, x.dtype, op="user", alpha=2.0))
+        assert np.array_equal(y.numpy(), 3 * a)
+        print("ok")
+"""
+
+
+def test_a_kernel_defined_in_an_interactive_main_travels_by_value(tmp_path):
+    (tmp_path / "script.py").write_text(INTERACTIVE)
+    out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -74,7 +74,19 @@ class Kernel:
         return self.fn
 
     def __reduce__(self):
-        return (get_kernel, (self.name, self.module))
+        if self.module and self.module.split(".")[0] == "tilegraph":
+            return (get_kernel, (self.name, self.module))
+        # A kernel of a notebook or a script's main block: workers cannot import where it was
+        # defined, so it also travels by value (cloudpickle), used when the name is new there.
+        return (_kernel_by_value, (self.name, self.module, self._payload()))
+
+    def _payload(self) -> bytes:
+        cached = _PAYLOADS.get(self.name)
+        if cached is None or cached[0] is not self:
+            import cloudpickle
+
+            cached = _PAYLOADS[self.name] = (self, cloudpickle.dumps((self.fn, self.cpu, self.cost)))
+        return cached[1]
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
@@ -91,6 +103,19 @@ def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = No
         return k
 
     return wrap
+
+
+_PAYLOADS: dict[str, tuple["Kernel", bytes]] = {}
+
+
+def _kernel_by_value(name: str, module: str | None, payload: bytes) -> Kernel:
+    try:
+        return get_kernel(name, module)
+    except (KeyError, ImportError):
+        import pickle
+
+        fn, cpu, cost = pickle.loads(payload)
+        return _KERNELS.setdefault(name, Kernel(name, fn, cpu=cpu, cost=cost, module=module))
 
 
 def get_kernel(name: str, module: str | None = None) -> Kernel:
