@@ -63,15 +63,19 @@ def test_mlp_trains_on_the_embedded_cluster(embedded_runtime):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_one_and_two_workers_agree():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_and_two_workers_agree(threads):
     results = []
     for n in (1, 2):
-        with tg.connect(n_workers=n, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+        with tg.connect(n_workers=n, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
             # small tasks, so that two workers really share the step
-            losses, _, step = _train(12, runtime=rt, target_seconds=2e-4)
-            assert step.last.tasks > 4
+            losses, _, step = _train(12, runtime=rt, target_seconds=5e-5)
+            exe = step.plan(*_data())
+            assert step.last.tasks > 4 and {c.proc for c in exe.clusters} == set(range(n))
+            assert {p.prog.threads for p in exe.plans} == {threads}
             results.append(losses)
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+    np.testing.assert_allclose(results[0], _train(12)[0], rtol=1e-6)  # and the local scheduler
 
 
 def _accum_run(k, runtime=None, steps=3):
