@@ -143,17 +143,34 @@ class MatmulTN(Op):
             tiling = Tiling((a.chunks[-1], g.chunks[-1]))
         contract = a.tiling.grid[-2:-1] if batched else a.tiling.grid[:-1]
 
+        split = _split_partials()
+
         def fill(idx):
             lead, kk, j = idx[:-2], idx[-2], idx[-1]
             pairs = []
             for m in itertools.product(*[range(n) for n in contract]):
                 rows = lead + m if batched else m
                 pairs.append((a.grid[rows + (kk,)], g.grid[rows + (j,)]))
+            shape = tiling.tile_shape(idx)
+            if split and len(pairs) > 1:
+                # one product per row tile, where that tile was made, then a sum tree: the row
+                # tiles' kernels run in parallel, and across processes only gradient-sized
+                # partial sums travel, never the activations
+                from .reduce import _tree
+
+                parts = [emit1(_matmul_tn, [p, q], shape, a.dtype, op="matmul_tn", n=1, batched=batched)
+                         for p, q in pairs]
+                return _tree(parts, shape, a.dtype, (), 1.0, "matmul_tn")
             ins = [p[0] for p in pairs] + [p[1] for p in pairs]
-            return emit1(_matmul_tn, ins, tiling.tile_shape(idx), a.dtype, op="matmul_tn",
-                         n=len(pairs), batched=batched)
+            return emit1(_matmul_tn, ins, shape, a.dtype, op="matmul_tn", n=len(pairs), batched=batched)
 
         return new_tensor(tiling, a.dtype, fill), None
+
+
+def _split_partials() -> bool:
+    from tilegraph._lower import config
+
+    return config.split_weight_grads
 
 
 _matmul_op = Matmul()

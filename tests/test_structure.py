@@ -184,3 +184,15 @@ def test_a_failing_kernel_in_a_parallel_task_names_its_op(rng, monkeypatch):
     with pytest.raises(ValueError, match="boom") as info:
         tg.compute(y, target_seconds=10.0)
     assert any("in tile kernel 'test_sleepy' of op 'sleepy'" in n for n in info.value.__notes__)
+
+
+def test_weight_gradients_are_per_row_tile_products_plus_a_sum(rng, monkeypatch):
+    x = tg.from_numpy(rng.standard_normal((3, 8, 6)), (1, 8, 6))   # three row tiles
+    w = tg.from_numpy(rng.standard_normal((6, 5)), (6, 5))
+    (gw,) = tg.grad((x @ w).sum(), [w])
+    kinds = sorted(n.kernel.name for n in tg.compile([gw]).clusters[0].nodes if n.kernel.name != "expand")
+    assert kinds.count("matmul_tn") == 3 and "reduce_sum" in kinds
+    monkeypatch.setattr(tg.config, "split_weight_grads", False)
+    (gw1,) = tg.grad((x @ w).sum(), [w])
+    assert [n.kernel.name for n in tg.compile([gw1]).clusters[0].nodes].count("matmul_tn") == 1
+    np.testing.assert_allclose(gw.numpy(), gw1.numpy(), rtol=1e-12)

@@ -44,6 +44,9 @@ class Config:
     #: on the bench block stack (2 cores): 0.5 s -> 4 tasks/step, 5.5% outside kernels; 1.0 s ->
     #: 2 tasks/step, 3.9%
     target_seconds: float = 1.0
+    #: weight gradients (``a^T @ g`` summed over row tiles) as one product per row tile plus a
+    #: sum tree, instead of one kernel looping over the row tiles
+    split_weight_grads: bool = True
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
     #: "auto" placement sends kernels of at least this many flops to GPU workers
