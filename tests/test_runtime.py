@@ -184,3 +184,24 @@ def test_a_kernel_defined_in_an_interactive_main_travels_by_value(tmp_path):
     (tmp_path / "script.py").write_text(INTERACTIVE)
     out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_planned_tasks_run_on_the_worker_the_plan_chose():
+    from distributed import get_task_stream
+
+    rng = np.random.default_rng(0)
+    x = tg.from_numpy(rng.standard_normal((4, 64, 64)), (1, 64, 64))  # four independent row tiles
+    w = tg.from_numpy(rng.standard_normal((64, 64)), 64)
+    y = x
+    for _ in range(6):
+        y = tg.gelu(y @ w)
+    loss = (y * y).mean()
+    with tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+        exe = tg.compile([loss, *tg.grad(loss, [w])], target_seconds=1e-5)
+        assert set(exe.worker_of.values()) == set(rt.workers())  # the plan uses both workers
+        with get_task_stream(rt.client) as ts:
+            exe.run()
+        _, keys = exe.lower()
+        ran = {t["key"]: t["worker"] for t in ts.data}
+        planned = {keys[cid]: addr for cid, addr in exe.worker_of.items()}
+        assert planned and all(ran[k] == addr for k, addr in planned.items())

@@ -47,6 +47,9 @@ class Config:
     #: weight gradients (``a^T @ g`` summed over row tiles) as one product per row tile plus a
     #: sum tree, instead of one kernel looping over the row tiles
     split_weight_grads: bool = True
+    #: speed of moving a value between worker processes, for the plan (localhost TCP with
+    #: serialisation: ~1 GB/s)
+    transfer_bytes_per_second: float = 1e9
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
     #: "auto" placement sends kernels of at least this many flops to GPU workers
@@ -366,37 +369,49 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     open_on: dict[tuple[str, int], Cluster] = {}
     finish: dict[int, float] = {}
     end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
+    begin: dict[int, float] = {}  # cluster id -> start of its first node
     hop = config.hop_seconds
 
-    def ready_time(inputs, cur) -> float:
-        return max((f if c is cur else end[c.id] + hop for c, f in inputs), default=0.0)
+    bandwidth = config.transfer_bytes_per_second
+
+    def ready_time(inputs, cur, dev, g) -> float:
+        """When all inputs can be there for a node on process g: at once from its own open task;
+        after their task, a hop and, from another process, the transfer of the bytes otherwise."""
+        return max((f if c is cur else end[c.id] + hop + (0.0 if (c.device, c.proc) == (dev, g) else b / bandwidth)
+                    for c, f, b in inputs), default=0.0)
 
     for n in nodes:
         dev = n.device
         t = est_seconds(n)
-        inputs = [(of[id(i.node)], finish[id(i.node)]) for i in n.inputs if id(i.node) in of]
+        inputs = [(of[id(i.node)], finish[id(i.node)], int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize)
+                  for i in n.inputs if id(i.node) in of]
         starts = []
         for g, frees in enumerate(free_at[dev]):
             cur = open_on.get((dev, g))
-            starts.append(max(ready_time(inputs, cur if cur is not None and cur.open else None), min(frees)))
+            starts.append(max(ready_time(inputs, cur if cur is not None and cur.open else None, dev, g), min(frees)))
         best = min(range(len(starts)), key=lambda g: (starts[g], g))
         # Ties go to the process of the latest input: chains stay in one task.
-        last = max(((c, f) for c, f in inputs if c.device == dev), key=lambda cf: cf[1], default=None)
+        last = max(((c, f) for c, f, _ in inputs if c.device == dev), key=lambda cf: cf[1], default=None)
         if last is not None and last[0].proc < len(starts) and starts[last[0].proc] <= starts[best]:
             best = last[0].proc
         cur = open_on.get((dev, best))
-        for c, _ in inputs:
+        for c, _, _ in inputs:
             if c.open and c is not cur:
                 c.open = False
         frees = free_at[dev][best]
-        if cur is None or not cur.open or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target):
+        # A Dask task starts only once all its inputs exist: a node whose value from elsewhere is
+        # ready only after the open cluster began would hold back the cluster's earlier nodes.
+        late = cur is not None and cur.open and \
+            ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > begin[cur.id]
+        if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target):
             if cur is not None:
                 cur.open = False
             cur = Cluster(len(clusters), dev, best, len(frees))
             clusters.append(cur)
             open_on[(dev, best)] = cur
         thread = min(range(len(frees)), key=frees.__getitem__)
-        start = max(ready_time(inputs, cur), frees[thread])
+        start = max(ready_time(inputs, cur, dev, best), frees[thread])
+        begin.setdefault(cur.id, start)
         cur.nodes.append(n)
         cur.seconds += t
         of[id(n)] = cur
@@ -433,9 +448,17 @@ class Executable:
         # Threads of each worker process; without a runtime, Dask's local threaded scheduler runs
         # in this one process.
         groups = runtime.worker_threads() if runtime is not None else {"cpu": [os.cpu_count() or 1], "gpu": []}
+        addrs = dict(getattr(runtime, "worker_addrs", {}) or {})
         place(work, placement, len(groups.get("gpu", ())) > 0)
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         self.clusters, of = cluster_nodes(by_upward_rank(work), groups, target, fuse)
+        # With several worker processes, each task goes to the worker the plan gave it.
+        self.worker_of: dict[int, str] = {}
+        if fuse:
+            for c in self.clusters:
+                dev_addrs = addrs.get(c.device) or []
+                if len(set(dev_addrs)) > 1 and c.proc < len(dev_addrs):
+                    self.worker_of[c.id] = dev_addrs[c.proc]
         self.n_nodes = len(work)
 
         # Which values leave their cluster (consumed elsewhere, or wanted by the caller).
@@ -656,7 +679,8 @@ class Executable:
                 moved.update({(src, k): (pick, j) for j, k in enumerate(idx)})
         want = sorted({moved.get((src, k), (src, k))[0] for pos, (src, k) in source.items()
                        if pos not in fetch and isinstance(src, str)}) + list(fetch_keys.values())
-        futures = dict(zip(want, runtime.submit_layers(layers, want)))
+        pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
+        futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
         fetched = [futures[k] for k in fetch_keys.values()]
         for pos, val in zip(fetch_keys, runtime.client.gather(fetched) if wait else fetched):
             out[pos] = val

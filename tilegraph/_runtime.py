@@ -35,6 +35,7 @@ class Runtime:
         self.closed = False
         #: whether CPU workers declare a "CPU" resource; CPU tasks then ask for {"CPU": 1}
         self.cpu_resource = False
+        self.worker_addrs: dict[str, list[str]] = {"cpu": [], "gpu": []}
         try:
             client.register_plugin(_malloc_plugin())
         except Exception as e:  # a scheduler that refuses plugins still works, only slower
@@ -75,15 +76,19 @@ class Runtime:
         ask for ``{"CPU": 1}``; on a cluster whose workers declare no CPU resource, CPU tasks carry
         no restriction (a restriction nobody offers would leave them waiting forever).
         """
-        workers = [w for _, w in sorted(self.workers().items())]
-        self.cpu_resource = any(w.get("resources", {}).get("CPU") for w in workers)
+        workers = sorted(self.workers().items())
+        self.cpu_resource = any(w.get("resources", {}).get("CPU") for _, w in workers)
         out: dict[str, list[int]] = {"cpu": [], "gpu": []}
-        for w in workers:
+        #: the worker address of each entry of worker_threads(), for pinning planned tasks
+        self.worker_addrs = {"cpu": [], "gpu": []}
+        for addr, w in workers:
             res = w.get("resources", {})
             if res.get("GPU"):
                 out["gpu"].extend([1] * int(res["GPU"]))
+                self.worker_addrs["gpu"].extend([addr] * int(res["GPU"]))
             elif res.get("CPU") or not self.cpu_resource:
                 out["cpu"].append(int(w.get("nthreads", 1)))
+                self.worker_addrs["cpu"].append(addr)
         return out
 
     def __repr__(self) -> str:
@@ -91,8 +96,14 @@ class Runtime:
         return f"<tilegraph.Runtime {self.client.scheduler.address} {state} dashboard={self.dashboard_link}>"
 
     # -- execution ------------------------------------------------------------------------------
-    def submit_layers(self, layers: dict[str, dict], keys: Sequence[str]) -> list:
-        """Submit one lowered step as a single graph; returns futures for ``keys``."""
+    def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
+                      workers: dict[str, str] | None = None) -> list:
+        """Submit one lowered step as a single graph; returns futures for ``keys``.
+
+        CPU and GPU tasks carry their resource restriction; ``workers`` maps task keys to the
+        worker the plan put them on (a loose restriction: Dask would otherwise run every task
+        next to the parameters, on one worker).
+        """
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
         parts = {}
@@ -102,17 +113,21 @@ class Runtime:
                 parts[name] = MaterializedLayer(layers[name])
                 deps[name] = set()
         below = set(parts)
-        if layers.get("cpu"):
-            parts["cpu"] = MaterializedLayer(layers["cpu"], annotations={"resources": {"CPU": 1}}
-                                             if self.cpu_resource else None)
-            deps["cpu"] = set(below)
-        if layers.get("gpu"):
-            parts["gpu"] = MaterializedLayer(layers["gpu"], annotations={"resources": {"GPU": 1}})
-            deps["gpu"] = set(below)
-        # cpu and gpu tasks depend on each other both ways; declare it so culling keeps both.
-        if "cpu" in parts and "gpu" in parts:
-            deps["cpu"].add("gpu")
-            deps["gpu"].add("cpu")
+        workers = workers or {}
+        tasks = []
+        for dev, resources in (("cpu", {"CPU": 1} if self.cpu_resource else None), ("gpu", {"GPU": 1})):
+            by_worker: dict[str | None, dict] = {}
+            for key, task in (layers.get(dev) or {}).items():
+                by_worker.setdefault(workers.get(key), {})[key] = task
+            for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
+                ann = {"resources": resources} if resources else {}
+                if addr is not None:
+                    ann.update(workers=[addr], allow_other_workers=True)
+                parts[f"{dev}-{i}"] = MaterializedLayer(sub, annotations=ann or None)
+                tasks.append(f"{dev}-{i}")
+        # task layers depend on each other in all directions; declare it so culling keeps them all
+        for name in tasks:
+            deps[name] = below | (set(tasks) - {name})
         graph = HighLevelGraph(parts, deps)
         return self.client.get(graph, list(keys), sync=False)
 
