@@ -204,6 +204,10 @@ class TileRef:
         self.index = index
         self.shape, self.dtype = node.out_meta[index]
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
     def __repr__(self) -> str:
         return f"TileRef({self.node!r}[{self.index}], shape={self.shape}, dtype={self.dtype})"
 

@@ -18,6 +18,7 @@ cells (parameters, batches) and writes fresh keys, which is how a training step 
 
 from __future__ import annotations
 
+import heapq
 import os
 import threading
 import time
@@ -193,8 +194,6 @@ class _ParallelRun:
     the program's order (the planner's priority) until all are done or one failed."""
 
     def __init__(self, prog: Program, regs: list, slots):
-        import heapq
-
         self.prog, self.regs, self.slots = prog, regs, slots
         self.pending = list(prog.deps)
         self.uses = list(prog.uses)
@@ -207,8 +206,6 @@ class _ParallelRun:
         self.by_kernel: dict[str, float] = {}
 
     def work(self) -> None:
-        import heapq
-
         prog, regs, cond = self.prog, self.regs, self.cond
         while True:
             with cond:
@@ -371,7 +368,6 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
     begin: dict[int, float] = {}  # cluster id -> start of its first node
     hop = config.hop_seconds
-
     bandwidth = config.transfer_bytes_per_second
 
     def ready_time(inputs, cur, dev, g) -> float:
@@ -383,8 +379,7 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     for n in nodes:
         dev = n.device
         t = est_seconds(n)
-        inputs = [(of[id(i.node)], finish[id(i.node)], int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize)
-                  for i in n.inputs if id(i.node) in of]
+        inputs = [(of[id(i.node)], finish[id(i.node)], i.nbytes) for i in n.inputs if id(i.node) in of]
         starts = []
         for g, frees in enumerate(free_at[dev]):
             cur = open_on.get((dev, g))
@@ -448,7 +443,7 @@ class Executable:
         # Threads of each worker process; without a runtime, Dask's local threaded scheduler runs
         # in this one process.
         groups = runtime.worker_threads() if runtime is not None else {"cpu": [os.cpu_count() or 1], "gpu": []}
-        addrs = dict(getattr(runtime, "worker_addrs", {}) or {})
+        addrs = runtime.worker_addrs if runtime is not None else {}
         place(work, placement, len(groups.get("gpu", ())) > 0)
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         self.clusters, of = cluster_nodes(by_upward_rank(work), groups, target, fuse)
@@ -671,14 +666,14 @@ class Executable:
             # worth it when the rest of the result is more than a tenth of what stays (so the
             # workers never hold more than 110% of the kept state between steps).
             outputs = plan_of[src].outputs
-            rest = _nbytes(outputs, exclude=idx)
-            if rest > PICK_MIN_BYTES and rest > 0.1 * _nbytes([outputs[k] for k in idx]):
+            rest = sum(r.nbytes for k, r in enumerate(outputs) if k not in idx)
+            if rest > PICK_MIN_BYTES and rest > 0.1 * sum(outputs[k].nbytes for k in idx):
                 idx = tuple(sorted(idx))
                 pick = f"tg-keep-{src[3:]}"
                 layers["cpu"][pick] = (_pick, src, idx)
                 moved.update({(src, k): (pick, j) for j, k in enumerate(idx)})
-        want = sorted({moved.get((src, k), (src, k))[0] for pos, (src, k) in source.items()
-                       if pos not in fetch and isinstance(src, str)}) + list(fetch_keys.values())
+        want = sorted({moved.get((src, k), (src, k))[0] for src, idx in kept_of.items() for k in idx})
+        want += list(fetch_keys.values())
         pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
         futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
         fetched = [futures[k] for k in fetch_keys.values()]
@@ -697,11 +692,6 @@ class Executable:
 #: kept values are picked out of a task's result only when the rest of it holds more than this
 #: (and more than a tenth of the kept values)
 PICK_MIN_BYTES = 4096
-
-
-def _nbytes(refs: Sequence[TileRef], exclude=()) -> int:
-    skip = set(exclude)
-    return sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for k, r in enumerate(refs) if k not in skip)
 
 
 def _pick(values: tuple, idx: tuple) -> tuple:

@@ -35,6 +35,7 @@ class Runtime:
         self.closed = False
         #: whether CPU workers declare a "CPU" resource; CPU tasks then ask for {"CPU": 1}
         self.cpu_resource = False
+        #: the worker address of each entry of worker_threads(), for pinning planned tasks
         self.worker_addrs: dict[str, list[str]] = {"cpu": [], "gpu": []}
         try:
             client.register_plugin(_malloc_plugin())
@@ -79,7 +80,6 @@ class Runtime:
         workers = sorted(self.workers().items())
         self.cpu_resource = any(w.get("resources", {}).get("CPU") for _, w in workers)
         out: dict[str, list[int]] = {"cpu": [], "gpu": []}
-        #: the worker address of each entry of worker_threads(), for pinning planned tasks
         self.worker_addrs = {"cpu": [], "gpu": []}
         for addr, w in workers:
             res = w.get("resources", {})

@@ -250,6 +250,13 @@ def tensor_from_cells(tiling: Tiling, dtype, cells: np.ndarray, name: str | None
     return TileTensor(tiling, dtype, grid, name=name)
 
 
+def assign_cells(cells: np.ndarray, tiling: Tiling, array, token: str | None = None) -> None:
+    """Put a C-ordered copy of each tile of ``array`` into the existing cell of that tile; the
+    cells' tokens are ``token-<tile index>`` (default: fresh ones)."""
+    for idx in np.ndindex(*tiling.grid):
+        cells[idx].set(np.array(array[tiling.slices(idx)], order="C"), token=None if token is None else f"{token}-{idx}")
+
+
 def split_into_cells(array, tiling: Tiling) -> np.ndarray:
     """One cell per tile, each holding a C-ordered copy of that tile of ``array``."""
     from dask.base import tokenize  # content hash: the same data gives the same task keys

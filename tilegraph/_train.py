@@ -12,7 +12,7 @@ from tilegraph._autograd import grad
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell
 from tilegraph._lower import Executable
-from tilegraph._tensor import TileTensor, Tiling, tensor_from_cells
+from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module
 from tilegraph.optim import Optimizer
 
@@ -30,14 +30,24 @@ class StepStats:
     nodes: int              # tile kernels in the logical graph
 
 
+def _signature(batch) -> tuple:
+    return tuple((a.shape, str(a.dtype)) for a in batch)
+
+
+def _unbound_cells(tiling: Tiling, dtype, token: str) -> np.ndarray:
+    """One value-less leaf cell per tile, bound later (batches, gradient accumulators)."""
+    cells = np.empty(tiling.grid, dtype=object)
+    for idx in np.ndindex(*tiling.grid):
+        cells[idx] = Cell(None, tiling.tile_shape(idx), dtype, token=f"{token}-{idx}")
+    return cells
+
+
 def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str):
     """Leaf cells (unbound) and TileTensors for the arrays of a batch signature."""
     inputs, tensors = [], []
     for i, a in enumerate(batch):
         tiling = Tiling.from_sizes(a.shape, None if batch_tiles is None else batch_tiles[i], where=f"{where} batch[{i}]")
-        cells = np.empty(tiling.grid, dtype=object)
-        for idx in np.ndindex(*tiling.grid):
-            cells[idx] = Cell(None, tiling.tile_shape(idx), a.dtype, token="unbound")
+        cells = _unbound_cells(tiling, a.dtype, "unbound")
         inputs.append((tiling, cells))
         tensors.append(tensor_from_cells(tiling, a.dtype, cells, name=f"batch{i}"))
     return inputs, tensors
@@ -47,8 +57,7 @@ def _bind_batch(inputs, batch: Sequence[np.ndarray], token: str) -> None:
     """Put this call's arrays into the batch cells. A per-call token makes keys unique; hashing
     the batch would cost ~1 ms per MB, every step."""
     for i, (a, (tiling, cells)) in enumerate(zip(batch, inputs)):
-        for idx in np.ndindex(*tiling.grid):
-            cells[idx].set(np.array(a[tiling.slices(idx)], order="C"), token=f"batch{i}-{token}-{idx}")
+        assign_cells(cells, tiling, a, token=f"batch{i}-{token}")
 
 
 def _check_loss(loss, where: str) -> None:
@@ -119,17 +128,13 @@ class TrainStep:
 
     def _accumulators(self) -> list[TileTensor]:
         if self._acc_cells is None:
-            self._acc_cells = []
-            for p in self.optimizer.params:
-                cells = np.empty(p.tiling.grid, dtype=object)
-                for idx in np.ndindex(*p.tiling.grid):
-                    cells[idx] = Cell(None, p.tiling.tile_shape(idx), p.dtype, token=f"acc-{id(self):x}-{p.name}-{idx}")
-                self._acc_cells.append(cells)
+            self._acc_cells = [_unbound_cells(p.tiling, p.dtype, f"acc-{id(self):x}-{p.name}")
+                               for p in self.optimizer.params]
         return [tensor_from_cells(p.tiling, p.dtype, cells, name=f"acc.{p.name}")
                 for p, cells in zip(self.optimizer.params, self._acc_cells)]
 
     def signature(self, batch) -> tuple:
-        return tuple((a.shape, str(a.dtype)) for a in batch)
+        return _signature(batch)
 
     def _lookup(self, batch, kind: str = "step") -> tuple[_Recorded, bool]:
         """The recorded step for this batch signature and kind, and whether it was recorded just now."""
@@ -233,7 +238,7 @@ class EvalStep:
 
     def __call__(self, *batch) -> float:
         batch = [np.asarray(a) for a in batch]
-        key = tuple((a.shape, str(a.dtype)) for a in batch)
+        key = _signature(batch)
         if key not in self._cache:
             inputs, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
             loss = self.loss_fn(self.model, *tensors)

@@ -9,6 +9,7 @@ the loss fall and writes a checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -121,9 +122,7 @@ def cmd_train(args) -> int:
     sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
     opt = tg.optim.AdamW(model.parameters(), lr=sched, weight_decay=t["weight_decay"],
                          clip_grad_norm=t["clip_grad_norm"] or None)
-    address = r["address"] or None
-    rt = tg.connect(address, n_workers=r["workers"] or None, quiet=True) if address is None else tg.connect(address)
-    with rt:
+    with tg.connect(r["address"] or None, n_workers=r["workers"] or None, quiet=True) as rt:
         print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters; "
               f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
               f"{steps} steps", flush=True)
@@ -194,19 +193,13 @@ def cmd_generate(args) -> int:
         n = min(64, model.config.max_seq_len - prompt.size)
     strategy = args.strategy or ("top_k" if args.top_k and not args.top_p else "top_p" if args.top_p and not args.top_k
                                  else "sample" if args.top_k and args.top_p else "greedy")
-    with (tg.connect(quiet=True, dashboard=False) if not args.local else _nullcontext()) as rt:
+    with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
         ids = generate(model, prompt[None, :], n, strategy=strategy, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, eos_id=getattr(tokenizer, "eos_id", None), runtime=rt)
     print(tokenizer.decode(ids[0]))
     if args.ids:
         print(" ".join(map(str, ids[0].tolist())))
     return 0
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def cmd_info(args) -> int:

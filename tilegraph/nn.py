@@ -21,7 +21,7 @@ import numpy as np
 from tilegraph import ops
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
-from tilegraph._tensor import TileTensor, Tiling, split_into_cells, tensor_from_cells
+from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells, tensor_from_cells
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
            "CausalSelfAttention", "KVCache", "ModuleList"]
@@ -48,8 +48,7 @@ class Parameter(TileTensor):
         if array.shape != self.shape or array.dtype != self.dtype:
             raise TileError(f"tilegraph.nn.Parameter({self.name}).assign", f"expected {self.shape} {self.dtype}",
                             f"{array.shape} {array.dtype}")
-        for idx in np.ndindex(*self.tiling.grid):
-            self.cells[idx].set(np.array(array[self.tiling.slices(idx)], order="C"))
+        assign_cells(self.cells, self.tiling, array)
 
     def __repr__(self) -> str:
         return f"Parameter({self.name}, shape={self.shape}, dtype={self.dtype}, tiles={self.chunks})"

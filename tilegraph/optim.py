@@ -17,7 +17,7 @@ import numpy as np
 
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, xp_of
-from tilegraph._tensor import TileTensor
+from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
 from tilegraph.nn import Parameter
 
 __all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant"]
@@ -222,8 +222,6 @@ class Optimizer:
     def state_tensors(self) -> list[dict[str, TileTensor]]:
         """Per parameter, its state tensors by name (TileTensors over the state cells; compute
         them to fetch the values from wherever they live)."""
-        from tilegraph._tensor import tensor_from_cells
-
         return [{name: tensor_from_cells(p.tiling, p.dtype, grid, name=f"{p.name}.{name}")
                  for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state)]
 
@@ -245,9 +243,7 @@ class Optimizer:
             raise TileError(where, "optimizer state does not match the parameters", "; ".join(problems))
         for p, a, state in zip(self.params, arrays, self.state):
             for name, grid in zip(self.state_names, state):
-                value = np.asarray(a[name], dtype=p.dtype)
-                for idx in np.ndindex(*p.tiling.grid):
-                    grid[idx].set(np.array(value[p.tiling.slices(idx)], order="C"))
+                assign_cells(grid, p.tiling, np.asarray(a[name], dtype=p.dtype))
         self.step_count = int(step)
 
 

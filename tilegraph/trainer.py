@@ -99,13 +99,11 @@ class Trainer:
             row_tile = row_tile if row_tile is not None else _default_row_tile(runtime, micro)
             self.batch_tiles = batch_tiles or [(min(row_tile, micro),)]
 
-            def loss_on_offsets(m, offsets, _fn=loss_fn or lm_loss, _ds=data):
-                return _fn(m, *_ds.tensors(offsets, seq_tile=seq_tile))
+            def on_offsets(ds, fn=loss_fn or lm_loss):
+                """The loss of the windows at a batch of offsets, read from ``ds`` where tasks run."""
+                return lambda m, offsets: fn(m, *ds.tensors(offsets, seq_tile=seq_tile))
 
-            def eval_loss(m, offsets, _fn=loss_fn or lm_loss, _ds=eval_data):
-                return _fn(m, *_ds.tensors(offsets, seq_tile=seq_tile))
-
-            self.loss_fn, self.eval_loss_fn = loss_on_offsets, eval_loss
+            self.loss_fn, self.eval_loss_fn = on_offsets(data), on_offsets(eval_data)
         else:
             if not callable(data):
                 raise TileError(where, "data must be a token dataset (batch_offsets, tensors) or a callable "
@@ -176,9 +174,12 @@ class Trainer:
         tokens = 0
         end = start + steps
 
-        def synced(i: int) -> bool:  # steps after which the loop waits: evaluation and checkpoints
-            return (i == end or (self._eval is not None and self.eval_every and i % self.eval_every == 0)
-                    or (self.checkpoint_dir is not None and self.checkpoint_every and i % self.checkpoint_every == 0))
+        def evaluates(i: int) -> bool:
+            return self._eval is not None and (i == end or bool(self.eval_every and i % self.eval_every == 0))
+
+        def checkpoints(i: int) -> bool:
+            return self.checkpoint_dir is not None and (i == end or bool(self.checkpoint_every
+                                                                          and i % self.checkpoint_every == 0))
 
         def finish(i: int, pending, batch) -> None:
             nonlocal tokens
@@ -194,14 +195,13 @@ class Trainer:
             bar.update(1)
             for hook in self.on_step:
                 hook(self, stats)
-            if self._eval is not None and ((self.eval_every and i % self.eval_every == 0) or i == end):
+            if evaluates(i):
                 val = self.evaluate()
                 result.val_losses.append((i, val))
                 self._log(log, {"step": i, "val_loss": val, "time": time.time()})
                 bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
                 self.plot()
-            if self.checkpoint_dir is not None and ((self.checkpoint_every and i % self.checkpoint_every == 0)
-                                                    or i == end):
+            if checkpoints(i):
                 result.checkpoints.append(str(self.save_checkpoint(self.checkpoint_dir / f"step-{i:06d}")))
 
         try:
@@ -212,7 +212,8 @@ class Trainer:
                 if waiting is not None:
                     finish(*waiting)
                 waiting = (i, pending, batch)
-                if not self.pipeline or synced(i):
+                # the loop waits after the last step and before an evaluation or a checkpoint
+                if not self.pipeline or i == end or evaluates(i) or checkpoints(i):
                     finish(*waiting)
                     waiting = None
         finally:
@@ -261,6 +262,9 @@ class Trainer:
         return path
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Write model weights, optimizer state and the trainer's position to the folder ``path``.
 
@@ -279,7 +283,7 @@ class Trainer:
                             f"{path} exists")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = self._param_names()
         try:
             with self._current():
                 if hasattr(self.model, "to_hf"):
@@ -319,7 +323,7 @@ class Trainer:
         if not state_file.is_file():
             raise TileError(where, "a checkpoint folder written by Trainer.save_checkpoint", f"{path} (no trainer_state.json)")
         state = json.loads(state_file.read_text())
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = self._param_names()
         if state.get("parameters") != [names[id(p)] for p in self.optimizer.params]:
             raise TileError(where, "the checkpoint's parameters to match the optimizer's",
                             f"{len(state.get('parameters', []))} parameters named differently")
