@@ -22,15 +22,15 @@ def setup_threads(args) -> None:
         args.workers, args.threads = 1, ncpu
 
 
-def timed_steps(step, batches) -> tuple[float, float]:
-    """Run a TrainStep over ``batches`` as tg.Trainer does (step i+1 submitted before waiting for
-    step i); returns (wall seconds, last loss)."""
+def timed_steps(step, batches, group: int = 1) -> tuple[float, float]:
+    """Run a TrainStep over ``batches`` as tg.Trainer does (``group`` steps per graph; group i+1
+    submitted before waiting for group i); returns (wall seconds, last loss)."""
     t0 = time.perf_counter()
     pending = None
-    for batch in batches:
-        nxt = step.submit(*batch)
+    for i in range(0, len(batches), group):
+        nxt = step.submit_steps(batches[i:i + group])
         if pending is not None:
-            pending.result()
+            pending[-1].result()
         pending = nxt
-    last = pending.result()
+    last = pending[-1].result()
     return time.perf_counter() - t0, last

@@ -127,10 +127,13 @@ def time_tilegraph(model, data, args, tg):
         t0 = time.perf_counter()
         first = step(*data[0])
         first_s = time.perf_counter() - t0
-        for b in data[1:args.warmup]:
-            step(*b)
+        if args.group > 1:  # the warmup records the grouped graph too
+            timed_steps(step, data[1:args.warmup], args.group)
+        else:
+            for b in data[1:args.warmup]:
+                step(*b)
         stats(reset=True)
-        wall, last = timed_steps(step, data[args.warmup:])
+        wall, last = timed_steps(step, data[args.warmup:], args.group)
         ks = stats()
     threads = args.workers * args.threads
     return {"loss0": first, "lossN": last, "step_s": wall / args.steps, "first_s": first_s,
@@ -191,6 +194,7 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
+    ap.add_argument("--group", type=int, default=1, help="optimizer steps per graph (TrainStep.submit_steps)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one records the graph)")
     ap.add_argument("--kernels", type=int, nargs="?", const=8, default=0, metavar="N",
@@ -199,8 +203,11 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the token ids")
     args = ap.parse_args()
-    if args.steps < 1 or args.warmup < 1:
-        ap.error("--steps and --warmup must be at least 1")
+    if args.steps < 1 or args.warmup < 1 or args.group < 1:
+        ap.error("--steps, --warmup and --group must be at least 1")
+    if args.group > 1:  # whole groups: the first step alone, then groups in the warmup and timed runs
+        args.warmup = 1 + math.ceil((args.warmup - 1) / args.group) * args.group
+        args.steps = math.ceil(args.steps / args.group) * args.group
     setup_threads(args)  # (torch gets its threads below)
 
     import torch

@@ -64,7 +64,9 @@ def test_mlp_trains_on_the_embedded_cluster(embedded_runtime):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_and_two_workers_agree(threads):
+def test_one_and_two_workers_agree(threads, monkeypatch):
+    # kernels this small would run one after another inside a task; here they use the threads
+    monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
     results = []
     for n in (1, 2):
         with tg.connect(n_workers=n, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
@@ -72,7 +74,7 @@ def test_one_and_two_workers_agree(threads):
             losses, _, step = _train(12, runtime=rt, target_seconds=5e-5)
             exe = step.plan(*_data())
             assert step.last.tasks > 4 and {c.proc for c in exe.clusters} == set(range(n))
-            assert {p.prog.threads for p in exe.plans} == {threads}
+            assert max(p.prog.threads for p in exe.plans) == threads
             results.append(losses)
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
     np.testing.assert_allclose(results[0], _train(12)[0], rtol=1e-6)  # and the local scheduler

@@ -63,8 +63,13 @@ class Config:
     #: scheduler when no runtime is connected: "threads" or "sync"
     local_scheduler: str = "threads"
     #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
-    #: (CPU: one core of the development machine, OpenBLAS fp32 GEMM ~125 GFLOP/s)
-    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 3e-6), "gpu": (2e13, 2e12, 2e-5)})
+    #: (CPU: one core of the development machine, OpenBLAS fp32 GEMM ~125 GFLOP/s; a call on
+    #: tiny tiles takes ~10 us, mostly Python and NumPy dispatch)
+    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 2e-5)})
+    #: what running a task's kernels on several threads costs per kernel (handing kernels between
+    #: threads, which also contend for the GIL): a task runs them on one thread unless the plan's
+    #: parallel schedule saves more than this per kernel
+    thread_handoff_seconds: float = 2e-5
 
 
 config = Config()
@@ -107,18 +112,18 @@ class Program:
 
 
 class Bound:
-    """A program plus, for this call, which element of each input argument to take."""
+    """Which element of each input argument a task takes (None: the whole value)."""
 
-    __slots__ = ("prog", "ext_index")
+    __slots__ = ("ext_index",)
 
-    def __init__(self, prog: Program, ext_index: tuple):
-        self.prog, self.ext_index = prog, ext_index
+    def __init__(self, ext_index: tuple):
+        self.ext_index = ext_index
 
     def __getstate__(self):
-        return (self.prog, self.ext_index)
+        return self.ext_index
 
     def __setstate__(self, state):
-        self.prog, self.ext_index = state
+        self.ext_index = state
 
 
 def _to_device(x, device: str, array_module: str):
@@ -246,11 +251,10 @@ class _ParallelRun:
                     cond.notify(woken - 1)
 
 
-def run_cluster(bound: Bound, *args):
+def run_cluster(bound: Bound, prog: Program, *args):
     """Run one fused task: its kernels (in order, or on the worker's threads), returning the values
     other tasks need."""
     t_start = time.perf_counter()
-    prog = bound.prog
     regs: list[Any] = [None] * prog.n_regs
     for r, (a, idx) in enumerate(zip(args, bound.ext_index)):
         regs[r] = _to_device(a if idx is None else a[idx], prog.device, prog.array_module)
@@ -412,6 +416,10 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
         of[id(n)] = cur
         finish[id(n)] = frees[thread] = start + t
         end[cur.id] = max(end.get(cur.id, 0.0), start + t)
+    # Kernels too small to gain from the worker's threads run one after another.
+    for c in clusters:
+        if c.threads > 1 and c.seconds - (end[c.id] - begin[c.id]) < len(c.nodes) * config.thread_handoff_seconds:
+            c.threads = 1
     return clusters, of
 
 
@@ -477,7 +485,8 @@ class Executable:
             self.plans.append(plan)
             for k, ref in enumerate(plan.outputs):
                 self.where[(id(ref.node), ref.index)] = (c.id, k)
-        self.structure = self._structure_token(nodes)
+        self.structure = self._structure_token(nodes, of)
+        self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
 
     @staticmethod
     def _plan(c: Cluster, of, needed, array_module) -> _Plan:
@@ -526,8 +535,8 @@ class Executable:
                        c.threads if c.device == "cpu" else 1, tuple(deps), tuple(map(tuple, succs)), tuple(uses))
         return _Plan(prog, ext, outputs, c.device)
 
-    @staticmethod
-    def _structure_token(nodes: Sequence[Node]) -> str:
+    def _structure_token(self, nodes: Sequence[Node], of) -> str:
+        """A token of the graph and its plan: equal tokens mean equal programs for every task."""
         from dask.base import tokenize
 
         index = {id(n): k for k, n in enumerate(nodes)}
@@ -537,8 +546,10 @@ class Executable:
                 desc.append(("leaf", n.out_meta))
             else:
                 desc.append((n.kernel.name, repr(sorted(n.params.items())), n.device,
-                             tuple((index[id(i.node)], i.index) for i in n.inputs), n.out_meta))
-        return tokenize(desc)
+                             tuple((index[id(i.node)], i.index) for i in n.inputs), n.out_meta, of[id(n)].id))
+        plan = [(p.prog.threads, p.prog.array_module, [index[id(n)] for n in c.nodes], p.prog.out_regs)
+                for c, p in zip(self.clusters, self.plans)]
+        return tokenize(desc, plan)
 
     # -- lowering ------------------------------------------------------------------------------
     @property
@@ -568,12 +579,13 @@ class Executable:
                 best[cid] = (n + 1, t + seconds[cid])
         return max(best.values(), default=(0, 0.0))
 
-    def lower(self, token: str | None = None):
+    def lower(self, token: str | None = None, programs: Sequence | None = None):
         """Write the Dask graph for one call.
 
         Returns ``(layers, keys)``: ``layers`` maps a device class to its raw task dict (plus
         ``"data"`` for embedded leaf values and ``"dask"`` for merged dask-array graphs), ``keys``
-        the task key of each cluster.
+        the task key of each cluster. ``programs`` replaces each cluster's program in its task
+        (futures of programs already on the workers); default: the programs themselves.
         """
         from dask.base import tokenize
 
@@ -586,17 +598,33 @@ class Executable:
             for ref in plan.ext:
                 node = ref.node
                 if node.is_leaf:
-                    a, i = self._bind_leaf(node.cell, layers)
+                    a, i = self._bind_leaf(node.cell, layers, inline=True)
                 else:
                     cid, k = self.where[(id(node), ref.index)]
                     a, i = keys[cid], k
                 args.append(a)
                 idx.append(i)
-            layers[plan.device][key] = (run_cluster, Bound(plan.prog, tuple(idx)), *args)
+            prog = plan.prog if programs is None else programs[c.id]
+            layers[plan.device][key] = (run_cluster, Bound(tuple(idx)), prog, *args)
         return layers, keys
 
+    def _programs(self, runtime) -> list:
+        """Futures of the clusters' programs, scattered to the workers once per runtime: a
+        program of a few thousand kernel calls takes ~50 ms to unpickle, every call otherwise.
+        Their keys derive from the plan's token, like the task keys: executables of the same
+        graph and plan write the same tasks, with the same dependencies."""
+        cached = self._program_futures
+        if cached is None or cached[0] is not runtime or any(f.status != "finished" for f in cached[1]):
+            progs = {f"tg-program-{c.id}-{self.structure}": p.prog for c, p in zip(self.clusters, self.plans)}
+            futures = list(runtime.client.scatter(progs, broadcast=True).values()) if progs else []
+            cached = self._program_futures = (runtime, futures)
+        return cached[1]
+
     @staticmethod
-    def _bind_leaf(cell: Cell, layers):
+    def _bind_leaf(cell: Cell, layers, inline: bool = False):
+        """The task argument of a leaf's value: a future, a dask key, the array itself (small
+        arrays, ``inline``: a task of its own would cost the scheduler more than the copy) or
+        the key of a data task holding it."""
         v = cell.value
         if isinstance(v, ValueRef):
             return v.future, v.index
@@ -604,6 +632,8 @@ class Executable:
             if v.key not in layers["dask"]:
                 layers["dask"].update(dict(v.graph))
             return v.key, None
+        if inline and getattr(v, "nbytes", INLINE_MAX_BYTES + 1) <= INLINE_MAX_BYTES:
+            return v, None
         key = f"tgc-{cell.token}"
         layers["data"][key] = v
         return key, None
@@ -617,13 +647,11 @@ class Executable:
         Roots listed in ``fetch`` (default: all) come back as arrays; on a distributed runtime the
         others stay on the workers as :class:`ValueRef` (a future plus a tuple index), so only
         what the caller asked for crosses to the client. With ``wait=False`` the fetched roots
-        come as futures of their values (gather them later) and the call returns at once.
+        come as :class:`Fetching` handles (:func:`gather` waits for them) and the call returns at once.
         """
-        import operator
-
         runtime = runtime if runtime is not None else self.runtime
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
-        layers, keys = self.lower()
+        layers, keys = self.lower(programs=None if runtime is None else self._programs(runtime))
         out: list[Any] = [None] * len(self.roots)
         # Where each root's value is: (task key or remote future, tuple index), or a plain value.
         source: dict[int, tuple[Any, int | None]] = {}
@@ -646,12 +674,21 @@ class Executable:
             for pos, (key, k) in source.items():
                 out[pos] = results[key][k]
             return out
-        # Fetched values come back through small getitem tasks next to their data; the rest stay.
-        fetch_keys = {}
+        # Fetched values come back through one small task per task holding some (it picks them
+        # out of the result tuple next to the data); the rest stay.
+        fetch_of: dict[int, tuple[str, int | None]] = {}  # position -> (fetch task key, index in its value)
+        wanted: dict[Any, list[int | None]] = {}
         for pos, (src, k) in source.items():
             if pos in fetch:
-                fetch_keys[pos] = f"tg-fetch-{pos}-{keys[0] if keys else self.structure}"
-                layers["cpu"][fetch_keys[pos]] = (operator.getitem, src, k) if k is not None else src
+                idx = wanted.setdefault(src, [])
+                if k not in idx:
+                    idx.append(k)
+        for n, (src, idx) in enumerate(wanted.items()):
+            key = f"tg-fetch-{n}-{keys[0] if keys else self.structure}"
+            layers["cpu"][key] = src if idx == [None] else (_pick, src, tuple(idx))
+            for pos, (s, k) in source.items():
+                if pos in fetch and s is src:
+                    fetch_of[pos] = (key, None if idx == [None] else idx.index(k))
         # Values that stay on the workers (parameters, optimizer state) must not keep the rest of
         # their task's result tuple (activations for later tasks) alive: where a task returns
         # more than what stays, one small task per task picks out just the kept elements.
@@ -673,12 +710,13 @@ class Executable:
                 layers["cpu"][pick] = (_pick, src, idx)
                 moved.update({(src, k): (pick, j) for j, k in enumerate(idx)})
         want = sorted({moved.get((src, k), (src, k))[0] for src, idx in kept_of.items() for k in idx})
-        want += list(fetch_keys.values())
+        want += sorted({key for key, _ in fetch_of.values()})
         pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
         futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
-        fetched = [futures[k] for k in fetch_keys.values()]
-        for pos, val in zip(fetch_keys, runtime.client.gather(fetched) if wait else fetched):
-            out[pos] = val
+        for pos, (key, k) in fetch_of.items():
+            out[pos] = Fetching(futures[key], k)
+        if wait:
+            out = gather(runtime, out)
         for pos, (src, k) in source.items():
             if pos not in fetch:
                 if isinstance(src, str):
@@ -688,6 +726,29 @@ class Executable:
                     out[pos] = ValueRef(src, k)
         return out
 
+
+@dataclass(frozen=True)
+class Fetching:
+    """A root that :meth:`Executable.run` with ``wait=False`` is fetching: element ``index`` of
+    ``future``'s value (``None``: all of it); :func:`gather` waits for it."""
+
+    future: Any
+    index: int | None
+
+
+def gather(runtime, values: Sequence) -> list:
+    """``values`` with every :class:`Fetching` replaced by its value (one gather for all)."""
+    futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
+    if not futures:
+        return list(values)
+    got = dict(zip(map(id, futures), runtime.client.gather(futures)))
+    return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching) else v
+            for v in values]
+
+
+#: client-side leaf values up to this size travel inside the tasks that read them (batches, the
+#: optimizer's scalars); larger ones as a data task of their own, sent once
+INLINE_MAX_BYTES = 65536
 
 #: kept values are picked out of a task's result only when the rest of it holds more than this
 #: (and more than a tenth of the kept values)

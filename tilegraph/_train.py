@@ -10,8 +10,8 @@ import numpy as np
 
 from tilegraph._autograd import grad
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell
-from tilegraph._lower import Executable
+from tilegraph._graph import Cell, TileRef
+from tilegraph._lower import Executable, gather
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module
 from tilegraph.optim import Optimizer
@@ -66,8 +66,21 @@ def _check_loss(loss, where: str) -> None:
 
 
 class _Recorded:
-    def __init__(self, exe: Executable, inputs: list[tuple[Tiling, np.ndarray]], assignments, n_fetch):
+    """A recorded graph of ``k`` optimizer steps (or one micro-batch of one): the batch input cells
+    of each step, the parameter/state cells its final values go to, and how many values come back
+    (the ``k`` losses, then the ``k`` clipping norms when clipping is on)."""
+
+    def __init__(self, exe: Executable, inputs: list[list[tuple[Tiling, np.ndarray]]], assignments, n_fetch, k,
+                 hypers):
         self.exe, self.inputs, self.assignments, self.n_fetch = exe, inputs, assignments, n_fetch
+        self.k, self.hypers = k, hypers
+
+
+def _refs_of(cells: np.ndarray, current: dict[int, TileRef]) -> np.ndarray:
+    grid = np.empty(cells.shape, dtype=object)
+    for idx in np.ndindex(*cells.shape):
+        grid[idx] = current[id(cells[idx])]
+    return grid
 
 
 class TrainStep:
@@ -79,6 +92,10 @@ class TrainStep:
     only the loss (and the gradient norm when clipping) come back.
 
     ``batch_tiles`` gives tile sizes for each batch input (one tuple per input; None: one tile).
+
+    :meth:`submit_steps` runs several optimizer steps recorded as one graph (each step's update
+    feeding the next step's forward), so a small model pays Dask's per-task latency once per group
+    of steps instead of once per step.
 
     With ``accum_steps=k`` each batch input is split along its first dim into k micro-batches that
     run one after another as separate graphs (k-1 that add their gradients into accumulators kept
@@ -100,31 +117,48 @@ class TrainStep:
         self._acc_cells: list[np.ndarray] | None = None  # gradient accumulators, one cell per tile
         self.last: StepStats | None = None
 
-    def _record(self, batch: Sequence[np.ndarray], kind: str) -> _Recorded:
-        """Record the step for one (micro-)batch. ``kind``: "step" (whole step), or with
-        accumulation "first" (acc = g/k), "add" (acc += g/k), "last" (update with acc + g/k)."""
-        inputs, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.TrainStep")
-        loss = self.loss_fn(self.model, *tensors)
-        _check_loss(loss, "tilegraph.TrainStep")
+    def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1) -> _Recorded:
+        """Record the step for one (micro-)batch. ``kind``: "step" (``k`` whole steps, each one's
+        parameters and state the previous one's update), or with accumulation "first" (acc = g/k),
+        "add" (acc += g/k), "last" (update with acc + g/k)."""
+        where = "tilegraph.TrainStep"
         params = self.optimizer.params
-        grads = grad(loss, params, allow_unused=False)
-        norm = None
-        if kind == "step":
-            assignments, norm = self.optimizer.record(grads)
-        else:
-            acc = self._accumulators()
-            scaled = [g * (1.0 / self.accum_steps) for g in grads]
-            if kind == "first":
-                new = scaled
-            else:
-                new = [a + g for a, g in zip(acc, scaled)]
-            if kind == "last":
-                assignments, norm = self.optimizer.record(new)
-            else:
-                assignments = [(c, r) for a, t in zip(self._acc_cells, new) for c, r in zip(a.flat, t.grid.flat)]
-        roots = [loss.grid.flat[0]] + ([norm] if norm is not None else []) + [r for _, r in assignments]
+        # k > 1: step j's scalars come from a hyper cell of its own
+        hypers = [None] if k == 1 else [Cell(np.zeros(2), (2,), np.float64, token=f"hyper{j}") for j in range(k)]
+        saved = [p.grid for p in params]
+        current: dict[int, TileRef] = {}  # cell -> the ref of its value after the steps recorded so far
+        inputs, losses, norms = [], [], []
+        try:
+            for j in range(k):
+                ins, tensors = _batch_inputs(batch, self.batch_tiles, where)
+                loss = self.loss_fn(self.model, *tensors)
+                _check_loss(loss, where)
+                grads = grad(loss, params, allow_unused=False)
+                norm = None
+                if kind == "step":
+                    assignments, norm = self.optimizer.record(grads, hyper=hypers[j], current=current)
+                else:
+                    acc = self._accumulators()
+                    scaled = [g * (1.0 / self.accum_steps) for g in grads]
+                    new = scaled if kind == "first" else [a + g for a, g in zip(acc, scaled)]
+                    if kind == "last":
+                        assignments, norm = self.optimizer.record(new)
+                    else:
+                        assignments = [(c, r) for a, t in zip(self._acc_cells, new)
+                                       for c, r in zip(a.flat, t.grid.flat)]
+                inputs.append(ins)
+                losses.append(loss.grid.flat[0])
+                norms += [norm] if norm is not None else []
+                if j + 1 < k:  # the next step reads this step's update
+                    current.update((id(c), r) for c, r in assignments)
+                    for p in params:
+                        p.grid = _refs_of(p.cells, current)
+        finally:
+            for p, g in zip(params, saved):
+                p.grid = g
+        roots = losses + norms + [r for _, r in assignments]
         exe = Executable(roots, runtime=self.runtime, **self.compile_options)
-        return _Recorded(exe, inputs, [c for c, _ in assignments], 1 + (norm is not None))
+        return _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), k, hypers)
 
     def _accumulators(self) -> list[TileTensor]:
         if self._acc_cells is None:
@@ -136,13 +170,14 @@ class TrainStep:
     def signature(self, batch) -> tuple:
         return _signature(batch)
 
-    def _lookup(self, batch, kind: str = "step") -> tuple[_Recorded, bool]:
-        """The recorded step for this batch signature and kind, and whether it was recorded just now."""
-        key = (kind, self.signature(batch))
+    def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
+        """The recorded step for this batch signature, kind and number of steps, and whether it
+        was recorded just now."""
+        key = (kind, k, self.signature(batch))
         rec = self._cache.get(key)
         if rec is not None:
             return rec, False
-        rec = self._cache[key] = self._record(batch, kind)
+        rec = self._cache[key] = self._record(batch, kind, k)
         return rec, True
 
     def _micro_batches(self, batch: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -182,20 +217,61 @@ class TrainStep:
             rec, recorded = self._lookup(mb, kind)
             if recorded:
                 record_seconds += time.perf_counter() - t1
-            _bind_batch(rec.inputs, mb, f"{id(self):x}-step{step_no}.{j}")
-            if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
-                rec.exe.runtime.scatter_cells(rec.assignments)
+            _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}")
             if kind in ("step", "last"):
                 self.optimizer.next_hyper()
-                values = rec.exe.run(fetch=range(rec.n_fetch), wait=False)
+                values = self._run(rec, range(rec.n_fetch))
             else:  # the loss comes back later: the next micro-batch's graph follows at once
-                values = rec.exe.run(fetch=(0,), wait=False)
+                values = self._run(rec, (0,))
             losses.append(values[0])
-            for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
-                cell.set(v)
         norm = values[1] if rec.n_fetch > 1 else None
         return PendingStep(self, step_no, losses, norm, self.optimizer.schedule(step_no), t0, record_seconds, rec)
 
+    def submit_steps(self, batches: Sequence[Sequence[np.ndarray]]) -> list["PendingStep"]:
+        """Submit ``len(batches)`` consecutive optimizer steps as one graph (recorded once per
+        number of steps and batch signature); returns one :class:`PendingStep` per step.
+
+        The steps are exactly those of calling :meth:`submit` on each batch in turn, but the graph
+        runs as one task (or a few) instead of one per step: for models whose step takes a few
+        milliseconds, Dask's latency per dependent task would otherwise dominate. Losses come back
+        together when the group has run. Not combined with ``accum_steps`` (a model big enough
+        to need accumulation has steps long enough to run one at a time).
+        """
+        where = "tilegraph.TrainStep.submit_steps"
+        batches = [[np.asarray(a) for a in b] for b in batches]
+        if not batches:
+            raise TileError(where, "at least one batch", "an empty list")
+        if len(batches) == 1:
+            return [self.submit(*batches[0])]
+        if self.accum_steps != 1:
+            raise TileError(where, "accum_steps=1 (several steps per graph do not combine with accumulation)",
+                            f"accum_steps={self.accum_steps}")
+        sig = self.signature(batches[0])
+        for i, b in enumerate(batches[1:], 1):
+            if self.signature(b) != sig:
+                raise TileError(where, "batches with one signature (shapes and dtypes)",
+                                f"batch {i}: {self.signature(b)}, batch 0: {sig}")
+        t0 = time.perf_counter()
+        k = len(batches)
+        rec, recorded = self._lookup(batches[0], "step", k)
+        record_seconds = time.perf_counter() - t0 if recorded else 0.0
+        first = self.optimizer.step_count + 1
+        for j, b in enumerate(batches):
+            _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}")
+            self.optimizer.next_hyper(rec.hypers[j])
+        values = self._run(rec, range(rec.n_fetch))
+        norms = values[k:rec.n_fetch]
+        return [PendingStep(self, first + j, [values[j]], norms[j] if norms else None, self.optimizer.schedule(first + j),
+                            t0, record_seconds if j == 0 else 0.0, rec) for j in range(k)]
+
+    def _run(self, rec: _Recorded, fetch) -> list:
+        """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
+        if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
+            rec.exe.runtime.scatter_cells(rec.assignments)
+        values = rec.exe.run(fetch=fetch, wait=False)
+        for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
+            cell.set(v)
+        return values
 
 class PendingStep:
     """A submitted training step; :meth:`result` waits for its loss (and gradient norm)."""
@@ -210,8 +286,8 @@ class PendingStep:
         if self.stats is None:
             runtime = self._rec.exe.runtime
             values = self._losses + ([self._norm] if self._norm is not None else [])
-            if runtime is not None and any(not hasattr(v, "shape") for v in values):
-                values = runtime.client.gather(values)
+            if runtime is not None:
+                values = gather(runtime, values)
             n = len(self._losses)
             loss = float(np.mean([np.asarray(v).reshape(()) for v in values[:n]]))
             norm = float(values[n][3]) if self._norm is not None else None

@@ -175,22 +175,29 @@ class Optimizer:
     def lr(self) -> float:
         return self.schedule(max(self.step_count, 1))
 
-    def next_hyper(self) -> None:
-        """Advance the step counter and publish this step's scalars to the hyper cell."""
+    def next_hyper(self, cell: Cell | None = None) -> None:
+        """Advance the step counter and publish this step's scalars to the hyper cell (or to
+        ``cell``: the hyper cell of one step of several recorded in one graph)."""
         self.step_count += 1
         lr = self.schedule(self.step_count)
-        self.hyper.set(np.array([lr, self.step_count], np.float64), token=f"hyper-{self.step_count}-{lr!r}")
+        (cell or self.hyper).set(np.array([lr, self.step_count], np.float64),
+                                 token=f"hyper-{self.step_count}-{lr!r}")
 
-    def record(self, grads: Sequence[TileTensor]) -> tuple[list[tuple[Cell, TileRef]], TileRef | None]:
+    def record(self, grads: Sequence[TileTensor], *, hyper: Cell | None = None,
+               current: dict[int, TileRef] | None = None) -> tuple[list[tuple[Cell, TileRef]], TileRef | None]:
         """Record the update of every parameter tile from ``grads``.
 
         Returns ``(assignments, norm)``: each assignment pairs a parameter/state cell with the tile
         ref holding its next value; ``norm`` is a (4,) tile [lr, step, clip scale, grad norm] when
-        clipping is on.
+        clipping is on. Parameters are read from their tensors' tiles; the state from its cells,
+        or from ``current[id(cell)]`` when an update recorded earlier in the same graph produced
+        it (several steps in one graph), as are the scalars from ``hyper`` (default: the
+        optimizer's own hyper cell).
         """
         if len(grads) != len(self.params):
             raise TileError("tilegraph.optim.record", f"expected {len(self.params)} gradients", str(len(grads)))
-        hyper = leaf(self.hyper)
+        current = current or {}
+        hyper = leaf(hyper or self.hyper)
         norm = None
         if self.clip_grad_norm is not None:
             from tilegraph.ops.reduce import FAN_IN
@@ -205,7 +212,8 @@ class Optimizer:
             if g.chunks != p.chunks:
                 raise AssertionError(f"gradient tiles {g.chunks} differ from parameter tiles {p.chunks}")
             for idx in np.ndindex(*p.tiling.grid):
-                outs = self._update(p.grid[idx], g.grid[idx], [leaf(s[idx]) for s in state], hyper)
+                outs = self._update(p.grid[idx], g.grid[idx], [current.get(id(s[idx])) or leaf(s[idx]) for s in state],
+                                    hyper)
                 assignments.append((p.cells[idx], outs[0]))
                 assignments.extend((s[idx], o) for s, o in zip(state, outs[1:]))
         return assignments, norm
