@@ -23,6 +23,11 @@ What both sides do:
 - AdamW in both (``tilegraph.optim.AdamW``, ``torch.optim.AdamW`` with torch's defaults otherwise),
   fp32, torch threads = tilegraph worker processes x threads.
 
+Steps per graph: ``TrainStep.auto_steps_per_graph`` as the Trainer uses it (``--steps-per-graph``
+overrides): the debug flavor's steps run 32 to a graph (one Dask task), the larger flavors' one
+by one. The first step runs alone; warmup and timed steps are rounded up to whole groups, and
+torch runs the same batches.
+
 Flavors: "debug" (the tiny test model: vocab 96, width 32, 2 layers; sequence 32 by default;
 measures overheads only), "6x768" (GPT2Config(dim=768, n_layers=6, n_heads=12), GPT-2's vocab of
 50257, sequence 256 by default), "gpt2" (the 124M model, 12 layers); "all" runs debug and 6x768.
@@ -31,7 +36,10 @@ Default tilings (each can be overridden; 0 keeps a dim whole):
 
 - batch tile: ``batch // (workers x threads)`` rows (at least 1), so that every worker thread has
   a tile of tokens to work on in every layer; one 4 x 256 tile would leave the second thread of
-  the development machine idle in all the matmuls that are not split otherwise;
+  the development machine idle in all the matmuls that are not split otherwise. Not when a tile
+  would hold fewer than ``tilegraph.trainer.MIN_ROW_TILE_ELEMENTS`` (tokens x width): the debug
+  flavor's kernels are so small that the extra calls cost more than a second thread gains (its
+  tasks run on one thread anyway, ``config.thread_handoff_seconds``);
 - vocab tile: GPT-2's 50257 columns are cut into tiles of at most 8192 (``ModelTiling.default``),
   their number rounded up to a multiple of the worker threads when there are fewer threads than
   tiles (8 tiles of 6283 on 2 threads rather than 7 of 7180), so the tied unembedding, the
@@ -43,7 +51,7 @@ Default tilings (each can be overridden; 0 keeps a dim whole):
 
     python bench/bench_gpt2.py                                   # debug and 6x768, batch 4
     python bench/bench_gpt2.py --flavor 6x768 --steps 5 --kernels
-    python bench/bench_gpt2.py --flavor debug --steps 2 --warmup 1 --runtime local
+    python bench/bench_gpt2.py --flavor debug --steps 64 --steps-per-graph 1    # one graph per step
 """
 
 from __future__ import annotations
@@ -79,7 +87,11 @@ def pick_tiling(cfg, args, batch: int, seq: int):
 
     threads = args.workers * args.threads
     base = ModelTiling.default(cfg, batch=batch, seq=seq)
+    from tilegraph.trainer import MIN_ROW_TILE_ELEMENTS
+
     batch_tile = max(1, batch // threads)
+    if batch_tile * seq * cfg.dim < MIN_ROW_TILE_ELEMENTS:  # tiles too small to pay for their kernel calls
+        batch_tile = batch
     if base.batch is not None:
         batch_tile = min(batch_tile, base.batch)
     parts = math.ceil(cfg.vocab_size / MAX_VOCAB_TILE)
@@ -97,11 +109,11 @@ def pick_tiling(cfg, args, batch: int, seq: int):
     return ModelTiling(**tiles)
 
 
-def batches(cfg, args, batch: int, seq: int):
-    """(ids, targets) per step: random token ids; targets are the ids shifted left, -100 at the end."""
+def batches(cfg, args, batch: int, seq: int, n: int):
+    """(ids, targets) for ``n`` steps: random token ids; targets are the ids shifted left, -100 at the end."""
     rng = np.random.default_rng(args.seed)
     out = []
-    for _ in range(args.warmup + args.steps):
+    for _ in range(n):
         ids = rng.integers(0, cfg.vocab_size, size=(batch, seq), dtype=np.int64)
         tgt = np.full_like(ids, -100)
         tgt[:, :-1] = ids[:, 1:]
@@ -109,7 +121,10 @@ def batches(cfg, args, batch: int, seq: int):
     return out
 
 
-def time_tilegraph(model, data, args, tg):
+def time_tilegraph(model, make_data, args, tg):
+    """Train on the embedded cluster (or the local scheduler) in groups of ``steps per graph``
+    optimizer steps; returns the timings and the batches used (warmup and timed steps rounded up
+    to whole groups), for torch to run the same ones."""
     from tilegraph._lower import kernel_stats
 
     opt = tg.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -124,26 +139,31 @@ def time_tilegraph(model, data, args, tg):
         step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt,
                             **({} if args.target is None else {"target_seconds": args.target}))
         stats = kernel_stats if local else rt.kernel_stats
+        first_batch = make_data(1)[0]
+        k = step.auto_steps_per_graph(*first_batch) if args.steps_per_graph == "auto" else int(args.steps_per_graph)
+        # the first step alone (it records the one-step graph), then whole groups; the warmup
+        # groups record the k-step graph
+        warmup = 1 + math.ceil((args.warmup - 1) / k) * k
+        steps = math.ceil(args.steps / k) * k
+        data = make_data(warmup + steps)
         t0 = time.perf_counter()
         first = step(*data[0])
         first_s = time.perf_counter() - t0
-        if args.group > 1:  # the warmup records the grouped graph too
-            timed_steps(step, data[1:args.warmup], args.group)
-        else:
-            for b in data[1:args.warmup]:
-                step(*b)
+        if warmup > 1:
+            timed_steps(step, data[1:warmup], k)
         stats(reset=True)
-        wall, last = timed_steps(step, data[args.warmup:], args.group)
+        wall, last = timed_steps(step, data[warmup:], k)
         ks = stats()
     threads = args.workers * args.threads
-    return {"loss0": first, "lossN": last, "step_s": wall / args.steps, "first_s": first_s,
-            "nodes": step.last.nodes, "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / args.steps,
-            "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / args.steps,
-            "outside": 1.0 - ks["kernel_seconds"] / (wall * threads),
-            "top": sorted(ks["by_kernel"].items(), key=lambda kv: -kv[1])}
+    return data, warmup, {
+        "loss0": first, "lossN": last, "step_s": wall / steps, "first_s": first_s, "k": k,
+        "nodes": step.last.nodes, "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / steps,
+        "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / steps,
+        "outside": 1.0 - ks["kernel_seconds"] / (wall * threads),
+        "top": sorted(ks["by_kernel"].items(), key=lambda kv: -kv[1]), "steps": steps}
 
 
-def time_torch(hf_dir, data, args, torch):
+def time_torch(hf_dir, data, warmup, args, torch):
     import transformers
 
     transformers.logging.set_verbosity_error()  # config notes (GPT-2's token ids outside a small vocab)
@@ -162,12 +182,12 @@ def time_torch(hf_dir, data, args, torch):
         return float(loss.detach())
 
     first = step(ids[0])
-    for x in ids[1:args.warmup]:
+    for x in ids[1:warmup]:
         step(x)
     t0 = time.perf_counter()
-    for x in ids[args.warmup:]:
+    for x in ids[warmup:]:
         last = step(x)
-    return {"loss0": first, "lossN": last, "step_s": (time.perf_counter() - t0) / args.steps,
+    return {"loss0": first, "lossN": last, "step_s": (time.perf_counter() - t0) / len(ids[warmup:]),
             "attn": getattr(hf.config, "_attn_implementation", "?")}
 
 
@@ -194,7 +214,9 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
-    ap.add_argument("--group", type=int, default=1, help="optimizer steps per graph (TrainStep.submit_steps)")
+    ap.add_argument("--steps-per-graph", default="auto",
+                    help="optimizer steps recorded and run as one graph (TrainStep.submit_steps); 'auto' (default): "
+                         "TrainStep.auto_steps_per_graph, several for a small model's short steps, else 1")
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one records the graph)")
     ap.add_argument("--kernels", type=int, nargs="?", const=8, default=0, metavar="N",
@@ -203,11 +225,10 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the token ids")
     args = ap.parse_args()
-    if args.steps < 1 or args.warmup < 1 or args.group < 1:
-        ap.error("--steps, --warmup and --group must be at least 1")
-    if args.group > 1:  # whole groups: the first step alone, then groups in the warmup and timed runs
-        args.warmup = 1 + math.ceil((args.warmup - 1) / args.group) * args.group
-        args.steps = math.ceil(args.steps / args.group) * args.group
+    if args.steps < 1 or args.warmup < 1:
+        ap.error("--steps and --warmup must be at least 1")
+    if args.steps_per_graph != "auto" and not (args.steps_per_graph.isdigit() and int(args.steps_per_graph) >= 1):
+        ap.error(f"--steps-per-graph must be 'auto' or an int >= 1, not {args.steps_per_graph!r}")
     setup_threads(args)  # (torch gets its threads below)
 
     import torch
@@ -224,29 +245,28 @@ def main():
           f"GPT2LMHeadModel, {torch.get_num_threads()} threads; batch {args.batch}, fp32, AdamW lr {args.lr:g} "
           f"wd {args.weight_decay:g}, random token ids (seed {args.seed}), {args.warmup} warmup + {args.steps} "
           f"timed steps; tiles = batch/seq/feature/vocab ('-': whole); ratio = tg tok/s / torch tok/s", flush=True)
-    print(f"{'flavor':7} {'params':>7} {'seq':>4} {'tiles':>14} {'tg tok/s':>9} {'torch tok/s':>11} {'ratio':>6} "
-          f"{'outside':>8} {'kernel s':>8} {'runner s':>8} {'step s':>7} {'first s':>7} {'nodes':>6} {'tasks':>6} "
-          f"{'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)
+    print(f"{'flavor':7} {'params':>7} {'seq':>4} {'tiles':>14} {'k':>3} {'tg tok/s':>9} {'torch tok/s':>11} "
+          f"{'ratio':>6} {'outside':>8} {'kernel s':>8} {'runner s':>8} {'step s':>7} {'first s':>7} {'nodes':>6} "
+          f"{'tasks':>6} {'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)
     for name in flavors:
         cfg = flavor_config(name)
         seq = min(args.seq or DEFAULT_SEQ, cfg.max_seq_len)
         tiling = pick_tiling(cfg, args, args.batch, seq)
         model = models.build(cfg, tiling, seed=args.seed)
-        data = batches(cfg, args, args.batch, seq)
         with tempfile.TemporaryDirectory(prefix="bench_gpt2_") as tmp:
             hf_dir = Path(tmp) / "hf"
             model.to_hf(hf_dir)  # before training: the initial weights, still on the client
-            r = time_tilegraph(model, data, args, tg)
-            t = time_torch(hf_dir, data, args, torch)
+            data, warmup, r = time_tilegraph(model, lambda n: batches(cfg, args, args.batch, seq, n), args, tg)
+            t = time_torch(hf_dir, data, warmup, args, torch)
         tokens = args.batch * seq
-        print(f"{name:7} {count_str(model.num_parameters()):>7} {seq:4d} {tiles_str(tiling):>14} "
+        print(f"{name:7} {count_str(model.num_parameters()):>7} {seq:4d} {tiles_str(tiling):>14} {r['k']:3d} "
               f"{tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} {t['step_s'] / r['step_s']:6.2f} "
               f"{r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:8.3f} {r['step_s']:7.3f} {r['first_s']:7.1f} "
               f"{r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:<9.5f} "
               f"{r['lossN']:9.5f}/{t['lossN']:<9.5f}", flush=True)
         if args.kernels:
             print("   kernel seconds per step: " + ", ".join(
-                f"{k} {v / args.steps:.3f}" for k, v in r["top"][:args.kernels]), flush=True)
+                f"{k} {v / r['steps']:.3f}" for k, v in r["top"][:args.kernels]), flush=True)
         del model
 
 

@@ -153,3 +153,71 @@ def test_values_kept_on_workers_do_not_hold_their_task_result(embedded_runtime):
     assert held < 1000, held
     value = embedded_runtime.client.gather(kept.future)
     assert np.asarray(value if kept.index is None else value[kept.index]).item() == 1.0
+
+
+def _grouped_run(groups, runtime=None):
+    """AdamW with a warmup schedule and clipping, stepped by groups of batches (1: TrainStep())."""
+    x, y = _data(n=96)
+    model = tg.nn.MLP(16, 32, out_dim=4, tile=8, seed=3)
+    opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(2e-2, 3, 8), clip_grad_norm=0.5)
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(8, 8), (8, None)], runtime=runtime)
+    batches = [(x[8 * i:8 * i + 16], y[8 * i:8 * i + 16]) for i in range(sum(groups))]
+    pending, k = [], 0
+    for g in groups:
+        pending += step.submit_steps(batches[k:k + g]) if g > 1 else [step.submit(*batches[k])]
+        k += g
+    losses = [p.result() for p in pending]
+    norms = [p.stats.grad_norm for p in pending]
+    with (runtime.as_current() if runtime else __import__("contextlib").nullcontext()):
+        state = {**model.state_dict(), **{f"{p.name}.{k}": tg.compute(t)[0] for p, st in
+                                          zip(opt.params, opt.state_tensors()) for k, t in st.items()}}
+    return losses, norms, state, opt, step
+
+
+@pytest.mark.parametrize("groups", [[3, 2, 1], [6]])
+def test_steps_in_one_graph_equal_steps_one_at_a_time(groups):
+    want_losses, want_norms, want, _, one = _grouped_run([1] * 6)
+    losses, norms, got, opt, step = _grouped_run(groups)
+    assert losses == want_losses and norms == want_norms  # bitwise: the same kernels in the same order
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    assert opt.step_count == 6
+    assert step.last.nodes == groups[-1] * one.last.nodes  # the last group's graph holds all its steps
+
+
+@pytest.mark.distributed
+def test_steps_in_one_graph_on_the_embedded_cluster(embedded_runtime):
+    want_losses, want_norms, want, _, _ = _grouped_run([1] * 6)
+    losses, norms, got, _, step = _grouped_run([4, 2], runtime=embedded_runtime)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-6)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert step.last.tasks <= 2  # two steps of tiny kernels: one task (or two), not one per step
+
+
+def test_submit_steps_rejects_mixed_batches_and_accumulation():
+    x, y = _data(n=32)
+    model = tg.nn.MLP(16, 8, out_dim=4, tile=8, seed=0)
+    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse)
+    with pytest.raises(tg.TileError, match=r"batches with one signature.*received: batch 1: "):
+        step.submit_steps([(x[:8], y[:8]), (x[:16], y[:16])])
+    with pytest.raises(tg.TileError, match=r"at least one batch; received: an empty list"):
+        step.submit_steps([])
+    acc = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse, accum_steps=2,
+                       batch_tiles=[(8, 8), (8, None)])
+    with pytest.raises(tg.TileError, match=r"accum_steps=1 .*received: accum_steps=2"):
+        acc.submit_steps([(x[:8], y[:8])] * 2)
+    assert acc.auto_steps_per_graph(x[:8], y[:8]) == 1
+
+
+def test_auto_steps_per_graph_groups_only_short_steps(monkeypatch):
+    x, y = _data(n=32)
+    model = tg.nn.MLP(16, 8, out_dim=4, tile=8, seed=0)
+    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse, batch_tiles=[(8, 8), (8, None)])
+    est = step.plan(x, y).est_seconds()
+    assert 0 < est < tg.config.graph_seconds / 4  # a few dozen tiny kernels
+    k = step.auto_steps_per_graph(x, y)
+    assert k == min(tg.config.max_steps_per_graph, int(tg.config.graph_seconds / est)) and k > 1
+    monkeypatch.setattr(tg.config, "graph_seconds", est / 2)  # steps longer than a graph's worth: one each
+    assert step.auto_steps_per_graph(x, y) == 1

@@ -111,3 +111,33 @@ def test_pipelined_steps_equal_one_at_a_time_on_the_cluster(embedded_runtime):
     assert l1 == l2
     for k in s1:
         np.testing.assert_array_equal(s1[k], s2[k])
+
+
+def test_steps_per_graph_gives_the_same_run_and_stops_at_evaluations(tmp_path):
+    runs = {}
+    for per_graph in (1, 4, "auto"):
+        sizes = []
+        model, _, trainer = _setup(steps=11, steps_per_graph=per_graph, eval_every=5, checkpoint_every=5,
+                                   checkpoint_dir=tmp_path / str(per_graph), on_step=[lambda t, s: sizes.append(s.nodes)])
+        res = trainer.fit(11)
+        runs[per_graph] = (res, model.state_dict(), sizes)
+    one, _, one_sizes = runs[1]
+    for per_graph in (4, "auto"):
+        res, state, sizes = runs[per_graph]
+        assert res.losses == one.losses and res.val_losses == one.val_losses
+        assert [s for s, _ in res.val_losses] == [5, 10, 11]
+        assert [p.rsplit("-", 1)[1] for p in res.checkpoints] == ["000005", "000010", "000011"]
+        for k, v in runs[1][1].items():
+            np.testing.assert_array_equal(state[k], v, err_msg=k)
+    # groups end at the evaluation/checkpoint steps 5 and 10 and are cut evenly: 3+2, 3+2, 1
+    n1 = one_sizes[0]
+    assert runs[4][2] == [3 * n1] * 3 + [2 * n1] * 2 + [3 * n1] * 3 + [2 * n1] * 2 + [n1]
+    assert runs["auto"][2] == [5 * n1] * 10 + [n1]  # a tiny MLP: as many steps per graph as the run allows
+
+
+def test_steps_per_graph_is_checked():
+    with pytest.raises(tg.TileError, match=r"steps_per_graph must be 'auto' or an int >= 1; received: 0"):
+        _setup(steps_per_graph=0)
+    with pytest.raises(tg.TileError, match=r"does not combine with accum_steps > 1; received: steps_per_graph=2, "
+                                           r"accum_steps=2"):
+        _setup(steps_per_graph=2, accum_steps=2)

@@ -45,6 +45,12 @@ class Config:
     #: on the bench block stack (2 cores): 0.5 s -> 4 tasks/step, 5.5% outside kernels; 1.0 s ->
     #: 2 tasks/step, 3.9%
     target_seconds: float = 1.0
+    #: training steps whose estimated time is below this are recorded several to a graph
+    #: (``TrainStep.auto_steps_per_graph``, used by the Trainer): one graph then pays Dask's
+    #: ~10-40 ms per submission and dependent hop for all of them
+    graph_seconds: float = 0.1
+    #: at most this many optimizer steps per graph (recording and planning grow with it)
+    max_steps_per_graph: int = 32
     #: weight gradients (``a^T @ g`` summed over row tiles) as one product per row tile plus a
     #: sum tree, instead of one kernel looping over the row tiles
     split_weight_grads: bool = True
@@ -552,6 +558,11 @@ class Executable:
         return tokenize(desc, plan)
 
     # -- lowering ------------------------------------------------------------------------------
+    def est_seconds(self) -> float:
+        """The plan's estimated wall time if its tasks ran one after another (each task's kernels
+        spread over the threads it runs on)."""
+        return sum(c.seconds / p.prog.threads for c, p in zip(self.clusters, self.plans))
+
     @property
     def n_tasks(self) -> int:
         return len(self.clusters)

@@ -11,7 +11,7 @@ import numpy as np
 from tilegraph._autograd import grad
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef
-from tilegraph._lower import Executable, gather
+from tilegraph._lower import Executable, config, gather
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module
 from tilegraph.optim import Optimizer
@@ -24,10 +24,10 @@ class StepStats:
     loss: float
     grad_norm: float | None
     lr: float
-    seconds: float          # wall time of the step as seen by the client
+    seconds: float          # wall time of the step as seen by the client (a share of its group's)
     record_seconds: float   # time spent recording/planning (0 when the plan was cached)
-    tasks: int              # Dask tasks submitted
-    nodes: int              # tile kernels in the logical graph
+    tasks: int              # Dask tasks of the step's graph (of its group's, see TrainStep.submit_steps)
+    nodes: int              # tile kernels in that graph
 
 
 def _signature(batch) -> tuple:
@@ -199,6 +199,15 @@ class TrainStep:
         micro = self._micro_batches([np.asarray(a) for a in batch])
         return self._lookup(micro[-1], self._kinds()[-1])[0].exe
 
+    def auto_steps_per_graph(self, *batch) -> int:
+        """How many steps :meth:`submit_steps` should take at once for batches like ``batch``:
+        enough that one graph holds ``config.graph_seconds`` of estimated work (at most
+        ``config.max_steps_per_graph``); 1 for steps that long already, or with accumulation."""
+        if self.accum_steps != 1:
+            return 1
+        est = self.plan(*batch).est_seconds()
+        return max(1, min(config.max_steps_per_graph, int(config.graph_seconds / max(est, 1e-9))))
+
     def __call__(self, *batch) -> float:
         """Run one optimizer step on ``batch`` and return its loss."""
         return self.submit(*batch).result()
@@ -262,7 +271,7 @@ class TrainStep:
         values = self._run(rec, range(rec.n_fetch))
         norms = values[k:rec.n_fetch]
         return [PendingStep(self, first + j, [values[j]], norms[j] if norms else None, self.optimizer.schedule(first + j),
-                            t0, record_seconds if j == 0 else 0.0, rec) for j in range(k)]
+                            t0, record_seconds if j == 0 else 0.0, rec, group=k) for j in range(k)]
 
     def _run(self, rec: _Recorded, fetch) -> list:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
@@ -277,9 +286,9 @@ class PendingStep:
     """A submitted training step; :meth:`result` waits for its loss (and gradient norm)."""
 
     def __init__(self, owner: TrainStep, step: int, losses: list, norm, lr: float, t0: float,
-                 record_seconds: float, rec: _Recorded):
+                 record_seconds: float, rec: _Recorded, group: int = 1):
         self.owner, self.step, self._losses, self._norm, self.lr = owner, step, losses, norm, lr
-        self._t0, self._record_seconds, self._rec = t0, record_seconds, rec
+        self._t0, self._record_seconds, self._rec, self._group = t0, record_seconds, rec, group
         self.stats: StepStats | None = None
 
     def result(self) -> float:
@@ -291,7 +300,8 @@ class PendingStep:
             n = len(self._losses)
             loss = float(np.mean([np.asarray(v).reshape(()) for v in values[:n]]))
             norm = float(values[n][3]) if self._norm is not None else None
-            self.stats = StepStats(loss, norm, self.lr, time.perf_counter() - self._t0, self._record_seconds,
+            seconds = (time.perf_counter() - self._t0) / self._group  # a group's steps share its time
+            self.stats = StepStats(loss, norm, self.lr, seconds, self._record_seconds,
                                    self._rec.exe.n_tasks, self._rec.exe.n_nodes)
             self.owner.last = self.stats
         loss = self.stats.loss

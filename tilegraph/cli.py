@@ -133,6 +133,7 @@ def cmd_train(args) -> int:
                 tokenizer.save(Path(path) / "bpe_tokenizer.json")
 
         trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
+                             steps_per_graph=t["steps_per_graph"],
                              eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
                              log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
                              progress=not args.no_progress, on_checkpoint=[save_tokenizer])

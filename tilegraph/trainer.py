@@ -59,10 +59,15 @@ class Trainer:
     - ``checkpoint_every`` / ``checkpoint_dir``: :meth:`save_checkpoint` every that many steps and
       at the end; ``on_checkpoint`` hooks are called with ``(trainer, path)`` after each.
     - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
-    - ``pipeline``: submit step i+1 before waiting for step i's loss, so consecutive steps overlap
-      Dask's round trip (on steps with an evaluation or a checkpoint the loop waits). Hooks then
-      run while the next step is already under way: its update may already be in the
-      parameters; ``pipeline=False`` runs strictly one step at a time.
+    - ``steps_per_graph``: optimizer steps recorded and submitted as one graph
+      (:meth:`TrainStep.submit_steps`). ``"auto"`` (default) takes several when a step's
+      estimated time is short (a small model's step is shorter than Dask's per-task latency)
+      and 1 for larger models or with accumulation. Groups end at evaluation and checkpoint
+      steps; their losses arrive together when the group has run.
+    - ``pipeline``: submit step (or group) i+1 before waiting for i's loss, so consecutive graphs
+      overlap Dask's round trip (on steps with an evaluation or a checkpoint the loop waits).
+      Hooks then run while the next step is already under way: its update may already be in
+      the parameters; ``pipeline=False`` runs strictly one graph at a time.
     - ``progress``: a tqdm bar; when output is neither a terminal nor Jupyter it refreshes every
       10 s at most.
 
@@ -75,8 +80,15 @@ class Trainer:
                  log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
                  checkpoint_dir: str | os.PathLike | None = None, progress: bool = True,
                  on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
-                 batch_tiles: Sequence | None = None, pipeline: bool = True, **compile_options):
+                 batch_tiles: Sequence | None = None, pipeline: bool = True, steps_per_graph: int | str = "auto",
+                 **compile_options):
         where = "tilegraph.Trainer"
+        if steps_per_graph != "auto" and (isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int)
+                                          or steps_per_graph < 1):
+            raise TileError(where, "steps_per_graph must be 'auto' or an int >= 1", repr(steps_per_graph))
+        if steps_per_graph != "auto" and steps_per_graph > 1 and accum_steps > 1:
+            raise TileError(where, "steps_per_graph > 1 does not combine with accum_steps > 1",
+                            f"steps_per_graph={steps_per_graph}, accum_steps={accum_steps}")
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
@@ -90,13 +102,15 @@ class Trainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.progress = progress
         self.pipeline = pipeline
+        self.steps_per_graph = steps_per_graph
         self.on_step, self.on_checkpoint = list(on_step), list(on_checkpoint)
         self.token_data = hasattr(data, "batch_offsets") and hasattr(data, "tensors")
         if self.token_data:
             seq_tile = getattr(getattr(model, "tiling", None), "seq", None)
             row_tile = getattr(getattr(model, "tiling", None), "batch", None)
             micro = batch_size // accum_steps
-            row_tile = row_tile if row_tile is not None else _default_row_tile(runtime, micro)
+            width = getattr(getattr(model, "config", None), "dim", 0)
+            row_tile = row_tile if row_tile is not None else _default_row_tile(runtime, micro, data.seq_len * width)
             self.batch_tiles = batch_tiles or [(min(row_tile, micro),)]
 
             def on_offsets(ds, fn=loss_fn or lm_loss):
@@ -204,18 +218,30 @@ class Trainer:
             if checkpoints(i):
                 result.checkpoints.append(str(self.save_checkpoint(self.checkpoint_dir / f"step-{i:06d}")))
 
+        def waits(i: int) -> bool:  # the loop waits after the last step and before an evaluation or checkpoint
+            return i == end or evaluates(i) or checkpoints(i)
+
         try:
-            waiting = None  # (step, pending, batch) submitted but not finished
-            for i in range(start + 1, end + 1):
-                batch = self._batch(i)
-                pending = self.step.submit(*batch)
-                if waiting is not None:
-                    finish(*waiting)
-                waiting = (i, pending, batch)
-                # the loop waits after the last step and before an evaluation or a checkpoint
-                if not self.pipeline or i == end or evaluates(i) or checkpoints(i):
-                    finish(*waiting)
-                    waiting = None
+            first = self._batch(start + 1)  # asked for once: a data callable may be a stream
+            per_graph = self._steps_per_graph(first)
+            waiting = []  # (step, pending, batch) submitted but not finished
+            i = start + 1
+            while i <= end:
+                # this group: up to the next step the loop waits at, cut into near-equal groups
+                # of at most per_graph steps (one recorded graph serves them all)
+                stop = next(j for j in range(i, end + 1) if waits(j))
+                size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
+                steps = range(i, min(stop, i + size - 1) + 1)
+                batches = [first if j == start + 1 else self._batch(j) for j in steps]
+                pendings = self.step.submit_steps(batches)
+                for w in waiting:
+                    finish(*w)
+                waiting = list(zip(steps, pendings, batches))
+                if not self.pipeline or waits(steps[-1]):
+                    for w in waiting:
+                        finish(*w)
+                    waiting = []
+                i = steps[-1] + 1
         finally:
             bar.close()
             if log is not None:
@@ -225,6 +251,12 @@ class Trainer:
         result.tokens_per_s = tokens / result.seconds
         self.plot()
         return result
+
+    def _steps_per_graph(self, batch) -> int:
+        if self.steps_per_graph != "auto":
+            return self.steps_per_graph
+        with self._current():
+            return self.step.auto_steps_per_graph(*batch)
 
     def _log(self, log, record: dict) -> None:
         self.history.append(record)
@@ -340,7 +372,14 @@ class Trainer:
         return int(state["step"])
 
 
-def _default_row_tile(runtime, rows: int) -> int:
-    """One row tile per worker thread, so every thread has a stream of its own."""
+#: a row tile smaller than this many activation elements (tokens x width) costs more in extra
+#: kernel calls (~10 us each) than a thread of its own gains
+MIN_ROW_TILE_ELEMENTS = 1 << 18
+
+
+def _default_row_tile(runtime, rows: int, row_elements: int) -> int:
+    """One row tile per worker thread, so every thread has a stream of its own, unless the tiles
+    would be too small to pay for their kernel calls (then all rows in one tile)."""
     threads = runtime.processors()["cpu"] if runtime is not None else (os.cpu_count() or 1)
-    return max(1, math.ceil(rows / max(1, threads)))
+    tile = max(1, math.ceil(rows / max(1, threads)))
+    return tile if tile * row_elements >= MIN_ROW_TILE_ELEMENTS else rows
