@@ -205,3 +205,35 @@ def test_planned_tasks_run_on_the_worker_the_plan_chose():
         ran = {t["key"]: t["worker"] for t in ts.data}
         planned = {keys[cid]: addr for cid, addr in exe.worker_of.items()}
         assert planned and all(ran[k] == addr for k, addr in planned.items())
+
+
+@pytest.mark.distributed
+def test_programs_go_to_the_workers_once_and_fetches_share_a_task(embedded_runtime):
+    from distributed import Future, get_task_stream
+
+    rng = np.random.default_rng(0)
+
+    def graph():
+        x = tg.from_numpy(rng.standard_normal((8, 16)).astype(np.float32), (4, 8))
+        w = tg.from_numpy(np.ones((16, 4), np.float32), (8, 4))
+        loss = (x @ w).mean()
+        return [loss, *tg.grad(loss, [w])]
+
+    roots = graph()
+    exe = tg.compile(roots, runtime=embedded_runtime)
+    with get_task_stream(embedded_runtime.client) as ts:
+        first = exe.run()
+    futures = exe._program_futures[1]
+    assert exe.run()[0] == pytest.approx(float(first[0]))
+    assert exe._program_futures[1] is futures  # scattered once, reused
+    layers, _ = exe.lower(programs=futures)
+    assert all(isinstance(task[2], Future) for task in layers["cpu"].values())
+    # every fetched root of a task comes back through one small task per task
+    fetches = [t["key"] for t in ts.data if str(t["key"]).startswith("tg-fetch")]
+    sources = {exe.root_location(r)[0] for r in exe.roots if not r.node.is_leaf}
+    assert len(fetches) == len(sources) < len(exe.roots)
+    # an executable of the same graph and plan names its programs (and tasks) the same
+    rng = np.random.default_rng(0)
+    again = tg.compile(graph(), runtime=embedded_runtime)
+    assert [f.key for f in again._programs(embedded_runtime)] == [f.key for f in futures]
+    assert again.lower()[1] == exe.lower()[1]

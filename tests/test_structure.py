@@ -196,3 +196,31 @@ def test_weight_gradients_are_per_row_tile_products_plus_a_sum(rng, monkeypatch)
     (gw1,) = tg.grad((x @ w).sum(), [w])
     assert [n.kernel.name for n in tg.compile([gw1]).clusters[0].nodes].count("matmul_tn") == 1
     np.testing.assert_allclose(gw.numpy(), gw1.numpy(), rtol=1e-12)
+
+
+def test_small_leaf_values_travel_inside_their_tasks(rng):
+    from tilegraph._lower import INLINE_MAX_BYTES
+
+    small = tg.from_numpy(rng.standard_normal((4, 4)).astype(np.float32))
+    big = tg.from_numpy(rng.standard_normal((INLINE_MAX_BYTES // 4 + 1,)).astype(np.float32))
+    exe = tg.compile([(small * 2.0).sum(), (big * 2.0).sum()])
+    layers, _ = exe.lower()
+    assert [v.nbytes for v in layers["data"].values()] == [big.size * 4]  # a data task only for the big one
+    args = [a for task in layers["cpu"].values() for a in task[3:]]
+    assert any(a is small.grid[0, 0].node.cell.value for a in args)  # the small array is in its task
+    got = tg.compute((small * 2.0).sum(), (big * 2.0).sum())
+    np.testing.assert_allclose(got[0], 2 * small.numpy().sum(), rtol=1e-5)
+    np.testing.assert_allclose(got[1], 2 * big.numpy().sum(), rtol=1e-5)
+
+
+def test_tasks_of_tiny_kernels_run_on_one_thread(rng, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    x = tg.from_numpy(rng.standard_normal((8, 3)), (1, 3))  # 8 independent tiles of 3 numbers
+    y = x * 2.0 + 1.0
+    exe = tg.compile([y])
+    assert exe.n_tasks == 1 and exe.plans[0].prog.threads == 1  # handing them between threads costs more
+    monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
+    assert tg.compile([y]).plans[0].prog.threads == 3
+    np.testing.assert_allclose(tg.compute(y)[0], x.numpy() * 2 + 1)
