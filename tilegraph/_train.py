@@ -70,10 +70,9 @@ class _Recorded:
     of each step, the parameter/state cells its final values go to, and how many values come back
     (the ``k`` losses, then the ``k`` clipping norms when clipping is on)."""
 
-    def __init__(self, exe: Executable, inputs: list[list[tuple[Tiling, np.ndarray]]], assignments, n_fetch, k,
-                 hypers):
+    def __init__(self, exe: Executable, inputs: list[list[tuple[Tiling, np.ndarray]]], assignments, n_fetch, hypers):
         self.exe, self.inputs, self.assignments, self.n_fetch = exe, inputs, assignments, n_fetch
-        self.k, self.hypers = k, hypers
+        self.hypers = hypers  # step j's scalar cell (k > 1)
 
 
 def _refs_of(cells: np.ndarray, current: dict[int, TileRef]) -> np.ndarray:
@@ -158,7 +157,7 @@ class TrainStep:
                 p.grid = g
         roots = losses + norms + [r for _, r in assignments]
         exe = Executable(roots, runtime=self.runtime, **self.compile_options)
-        return _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), k, hypers)
+        return _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), hypers)
 
     def _accumulators(self) -> list[TileTensor]:
         if self._acc_cells is None:
