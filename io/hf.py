@@ -360,7 +360,10 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
     where = f"tilegraph.models.from_hf({folder})"
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
-    model = ARCHITECTURES[_spec_for(hf, where).model_type][1](config, tiling, dtype=dtype)
+    from tilegraph.nn import deferred_init
+
+    with deferred_init():  # no random weights: every parameter is loaded (strictly) below
+        model = ARCHITECTURES[_spec_for(hf, where).model_type][1](config, tiling, dtype=dtype)
     load_hf_weights(model, folder, where=where)
     model.hf_extra = extra  # HF-only keys (token ids, ...) that to_hf writes back
     return model

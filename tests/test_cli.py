@@ -51,6 +51,7 @@ def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):
     from tilegraph import models
 
     hf = GPT2LMHeadModel.from_pretrained(ck)
+    assert hf.config.eos_token_id == hf.config.bos_token_id == 256  # the byte tokenizer's end of text
     ids = np.arange(12, dtype=np.int64).reshape(2, 6)
     import torch
 

@@ -104,3 +104,16 @@ def test_module_config_errors():
         tg.nn.CausalSelfAttention(16, 4, tile=6)
     with pytest.raises(tg.TileError, match=r"act must be"):
         tg.nn.MLP(4, 8, act="tanh")
+
+
+def test_deferred_init_builds_shapes_without_values():
+    with tg.nn.deferred_init():
+        mlp = tg.nn.MLP(8, 16, tile=4, seed=0)
+    assert all(c.value is None for p in mlp.parameters() for c in p.cells.flat)  # nothing drawn or stored
+    ref = tg.nn.MLP(8, 16, tile=4, seed=0)
+    assert [(n, p.shape, p.chunks) for n, p in mlp.named_parameters()] == \
+        [(n, p.shape, p.chunks) for n, p in ref.named_parameters()]
+    mlp.load_state_dict(ref.state_dict())
+    x = tg.from_numpy(np.ones((2, 3, 8), np.float32), tiles=(1, 3, 4))
+    np.testing.assert_array_equal(mlp(x).numpy(), ref(x).numpy())
+    assert all(c.value is not None for p in tg.nn.MLP(8, 16, tile=4, seed=0).parameters() for c in p.cells.flat)

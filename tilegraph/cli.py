@@ -111,6 +111,8 @@ def cmd_train(args) -> int:
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
     model = build_model(cfg["model"], tokenizer, t["seed"])  # bad model settings fail before any work
+    if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
+        model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
     sources = []
     for s in d["sources"]:

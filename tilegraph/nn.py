@@ -13,6 +13,7 @@ Linear's input tile must equal the tile of the activation's last dim.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator
 
@@ -24,7 +25,7 @@ from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells, tensor_from_cells
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
-           "CausalSelfAttention", "KVCache", "ModuleList"]
+           "CausalSelfAttention", "KVCache", "ModuleList", "deferred_init"]
 
 
 class Parameter(TileTensor):
@@ -36,7 +37,12 @@ class Parameter(TileTensor):
     def __init__(self, array: np.ndarray, tiles=None, *, name: str | None = None, requires_grad: bool = True):
         array = np.asarray(array)
         tiling = Tiling.from_sizes(array.shape, tiles, where=f"tilegraph.nn.Parameter({name or ''})")
-        cells = split_into_cells(array, tiling)
+        if _DEFERRED:  # no values yet: load_state_dict/assign fills the cells
+            cells = np.empty(tiling.grid, dtype=object)
+            for idx in np.ndindex(*tiling.grid):
+                cells[idx] = Cell(None, tiling.tile_shape(idx), array.dtype, token=f"deferred-{name}-{idx}")
+        else:
+            cells = split_into_cells(array, tiling)
         t = tensor_from_cells(tiling, array.dtype, cells, name=name)
         super().__init__(t.tiling, t.dtype, t.grid, name=name)
         self.cells = cells
@@ -60,7 +66,38 @@ def _fit(tile, n: int):
 
 
 def _rng(seed) -> np.random.Generator:
+    if _DEFERRED:
+        return _NO_DRAW
     return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+
+
+_DEFERRED: list[bool] = []  # non-empty inside deferred_init()
+
+
+class _NoDraw:
+    """Stands in for the random generator under :func:`deferred_init`: float32 zeros that take no
+    memory (a broadcast scalar), so a 1B-parameter model is built without drawing 1B numbers."""
+
+    def _zeros(self, *args, size=None, **kwargs):
+        shape = size if size is not None else args[-1]
+        return np.broadcast_to(np.float32(0.0), (shape,) if isinstance(shape, int) else tuple(shape))
+
+    uniform = normal = _zeros
+
+
+_NO_DRAW = _NoDraw()
+
+
+@contextlib.contextmanager
+def deferred_init():
+    """Build modules without initial values: their parameters get shapes, tiles and empty cells,
+    which :meth:`Module.load_state_dict` then fills (how ``models.from_hf`` skips drawing random
+    weights it would overwrite). A parameter left unloaded holds no value and cannot be computed."""
+    _DEFERRED.append(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.pop()
 
 
 class Module:
@@ -160,12 +197,12 @@ class Linear(Module):
             w = rng.uniform(-bound, bound, (in_features, out_features))
         else:
             w = rng.normal(0.0, init_std, (in_features, out_features))
-        self.weight = Parameter(w.astype(dtype), (_fit(tile, in_features), _fit(out_tile, out_features)),
+        self.weight = Parameter(w.astype(dtype, copy=False), (_fit(tile, in_features), _fit(out_tile, out_features)),
                                 name="weight")
         self.bias = None
         if bias:
             b = rng.uniform(-1.0 / math.sqrt(in_features), 1.0 / math.sqrt(in_features), out_features)
-            self.bias = Parameter((b if init_std is None else np.zeros(out_features)).astype(dtype),
+            self.bias = Parameter((b if init_std is None else np.zeros(out_features)).astype(dtype, copy=False),
                                   (_fit(out_tile, out_features),),
                                   name="bias")
 
@@ -176,7 +213,7 @@ class Linear(Module):
 class Embedding(Module):
     def __init__(self, num_embeddings: int, dim: int, *, tile=None, vocab_tile=None, dtype=np.float32,
                  seed=None, init_std: float = 1.0):
-        w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype)
+        w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
         self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
 
     def forward(self, ids: TileTensor) -> TileTensor:
