@@ -1,5 +1,6 @@
 """Runtime: embedded cluster, remote addresses, GPU resource placement, packaging."""
 
+import json
 import os
 import subprocess
 import sys
@@ -29,7 +30,9 @@ def test_connect_to_an_address_and_a_scheduler_file(embedded_runtime, tmp_path):
         assert rt.processors()["cpu"] == 2
         assert float(tg.from_numpy(np.ones(4)).sum().numpy()) == 4.0
     path = tmp_path / "sched.json"
-    embedded_runtime.client.write_scheduler_file(str(path))
+    # what `dask scheduler --scheduler-file` writes, less the worker details (Client.write_scheduler_file
+    # fails now and then: the workers' metrics it copies can hold tuple keys, which JSON refuses)
+    path.write_text(json.dumps({"type": "Scheduler", "address": addr}))
     with tg.connect(scheduler_file=str(path)) as rt:
         assert len(rt.workers()) == 2
 
