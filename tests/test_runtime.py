@@ -189,8 +189,10 @@ def test_a_kernel_defined_in_an_interactive_main_travels_by_value(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_planned_tasks_run_on_the_worker_the_plan_chose():
+def test_planned_tasks_run_on_the_worker_the_plan_chose(monkeypatch):
     from distributed import get_task_stream
+
+    monkeypatch.setattr(tg.config, "min_process_seconds", 1e-5)  # spread even this small graph
 
     rng = np.random.default_rng(0)
     x = tg.from_numpy(rng.standard_normal((4, 64, 64)), (1, 64, 64))  # four independent row tiles

@@ -224,3 +224,25 @@ def test_tasks_of_tiny_kernels_run_on_one_thread(rng, monkeypatch):
     monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
     assert tg.compile([y]).plans[0].prog.threads == 3
     np.testing.assert_allclose(tg.compute(y)[0], x.numpy() * 2 + 1)
+
+
+def test_work_spreads_over_processes_only_when_each_gets_enough(rng):
+    from tilegraph._lower import by_upward_rank, cluster_nodes, place
+    from tilegraph._graph import topo_order
+
+    _, y = _sleepy_graph(rng)  # 8 independent kernels of ~0.05 s each (estimated)
+    nodes = [n for n in topo_order(list(y.grid.flat)) if not n.is_leaf]
+    place(nodes, "cpu", False)
+    total = sum(n.cost.flops for n in nodes) / tg.config.speeds["cpu"][0]
+
+    def procs(min_seconds):
+        tg.config.min_process_seconds, old = min_seconds, tg.config.min_process_seconds
+        try:
+            clusters, _ = cluster_nodes(by_upward_rank(nodes), {"cpu": [1, 1, 1, 1]}, 10.0, True)
+        finally:
+            tg.config.min_process_seconds = old
+        return {c.proc for c in clusters}
+
+    assert procs(0.99 * total / 4) == {0, 1, 2, 3}  # a quarter each: all four processes
+    assert procs(0.99 * total / 2) == {0, 1}        # a half each: two
+    assert procs(total * 2) == {0}                  # not enough for two: one process, no hops

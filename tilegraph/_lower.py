@@ -45,6 +45,10 @@ class Config:
     #: on the bench block stack (2 cores): 0.5 s -> 4 tasks/step, 5.5% outside kernels; 1.0 s ->
     #: 2 tasks/step, 3.9%
     target_seconds: float = 1.0
+    #: a graph spreads over another worker process only when each gets at least this much estimated
+    #: work (~20 Dask hops). Measured on the bench MLP, 2 workers x 1 thread: a full task's worth
+    #: (1 s) kept its 1.4 s step on one worker (0.48 of torch); 0.1 s spreads it (0.78)
+    min_process_seconds: float = 0.1
     #: training steps whose estimated time is below this are recorded several to a graph
     #: (``TrainStep.auto_steps_per_graph``, used by the Trainer): one graph then pays Dask's
     #: ~10-40 ms per submission and dependent hop for all of them
@@ -366,12 +370,12 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
             clusters.append(c)
             of[id(n)] = c
         return clusters, of
-    # Use only as many processes as there is work for: a graph with less than a target's worth of
-    # work per extra process runs faster as fewer, larger tasks.
+    # Use only as many processes as there is work for: a graph with little work per extra process
+    # runs faster as fewer, larger tasks.
     total = {dev: 0.0 for dev in groups}
     for n in nodes:
         total[n.device] += est_seconds(n)
-    free_at = {dev: [[0.0] * t for t in threads[:max(1, min(len(threads), int(total[dev] / target)))]]
+    free_at = {dev: [[0.0] * t for t in threads[:max(1, min(len(threads), int(total[dev] / config.min_process_seconds)))]]
                for dev, threads in groups.items()}
     open_on: dict[tuple[str, int], Cluster] = {}
     finish: dict[int, float] = {}
