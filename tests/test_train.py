@@ -222,3 +222,17 @@ def test_auto_steps_per_graph_groups_only_short_steps(monkeypatch):
     assert k == min(tg.config.max_steps_per_graph, int(tg.config.graph_seconds / est)) and k > 1
     monkeypatch.setattr(tg.config, "graph_seconds", est / 2)  # steps longer than a graph's worth: one each
     assert step.auto_steps_per_graph(x, y) == 1
+
+
+def test_eval_step_evaluates_several_batches_per_graph():
+    x, y = _data(n=64)
+    model = tg.nn.MLP(16, 8, out_dim=4, tile=8, seed=0)
+    ev = tg.EvalStep(model, _mse, batch_tiles=[(8, 8), (8, None)])
+    batches = [(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8]) for i in range(8)]
+    want = [float(np.mean((tg.compute(model(tg.from_numpy(b[0], (8, 8))))[0] - b[1]) ** 2)) for b in batches]
+    got = ev.losses(batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert [ev(*b) for b in batches] == got  # one at a time: the same numbers
+    assert max(n for n, _ in ev._cache) == 8  # one graph held all eight batches
+    with pytest.raises(tg.TileError, match=r"batches with one signature.*received: batch 1: "):
+        ev.losses([batches[0], (x[:16], y[:16])])

@@ -312,7 +312,7 @@ class PendingStep:
 class EvalStep:
     """``loss = ev(*batch)``: ``loss_fn(model, *inputs)`` without gradients or updates, recorded
     once per batch signature and replayed like :class:`TrainStep` (parameters are read where they
-    live; only the loss comes back)."""
+    live; only the loss comes back). :meth:`losses` evaluates several batches per graph."""
 
     def __init__(self, model: Module, loss_fn: Callable[..., TileTensor], *, batch_tiles: Sequence | None = None,
                  runtime=None, **compile_options):
@@ -321,15 +321,45 @@ class EvalStep:
         self._cache: dict[tuple, tuple[Executable, list]] = {}
         self._calls = 0
 
-    def __call__(self, *batch) -> float:
-        batch = [np.asarray(a) for a in batch]
-        key = _signature(batch)
+    def _lookup(self, batch, n: int) -> tuple[Executable, list]:
+        """The graph of ``n`` losses for batches like ``batch``, and each one's input cells."""
+        key = (n, _signature(batch))
         if key not in self._cache:
-            inputs, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
-            loss = self.loss_fn(self.model, *tensors)
-            _check_loss(loss, "tilegraph.EvalStep")
-            self._cache[key] = (Executable([loss.grid.flat[0]], runtime=self.runtime, **self.compile_options), inputs)
-        exe, inputs = self._cache[key]
-        self._calls += 1
-        _bind_batch(inputs, batch, f"eval-{id(self):x}-{self._calls}")
-        return float(np.asarray(exe.run()[0]).reshape(()))
+            inputs, losses = [], []
+            for _ in range(n):
+                ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
+                loss = self.loss_fn(self.model, *tensors)
+                _check_loss(loss, "tilegraph.EvalStep")
+                inputs.append(ins)
+                losses.append(loss.grid.flat[0])
+            self._cache[key] = (Executable(losses, runtime=self.runtime, **self.compile_options), inputs)
+        return self._cache[key]
+
+    def __call__(self, *batch) -> float:
+        return self.losses([batch])[0]
+
+    def losses(self, batches: Sequence[Sequence[np.ndarray]]) -> list[float]:
+        """The loss of each batch (all of one signature). Batches are evaluated several to a graph
+        when a graph of one is short (as :meth:`TrainStep.auto_steps_per_graph`), so that many
+        small evaluation batches do not pay Dask's round trip each."""
+        batches = [[np.asarray(a) for a in b] for b in batches]
+        if not batches:
+            return []
+        sig = _signature(batches[0])
+        for i, b in enumerate(batches[1:], 1):
+            if _signature(b) != sig:
+                raise TileError("tilegraph.EvalStep.losses", "batches with one signature (shapes and dtypes)",
+                                f"batch {i}: {_signature(b)}, batch 0: {sig}")
+        per_graph = 1
+        if len(batches) > 1:
+            est = self._lookup(batches[0], 1)[0].est_seconds()
+            per_graph = max(1, min(config.max_steps_per_graph, len(batches), int(config.graph_seconds / max(est, 1e-9))))
+        out: list[float] = []
+        for i in range(0, len(batches), per_graph):
+            chunk = batches[i:i + per_graph]
+            exe, inputs = self._lookup(chunk[0], len(chunk))
+            for ins, b in zip(inputs, chunk):
+                self._calls += 1
+                _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
+            out += [float(np.asarray(v).reshape(())) for v in exe.run()]
+        return out

@@ -154,15 +154,12 @@ class Trainer:
             raise TileError("tilegraph.Trainer.evaluate", "needs eval_data", "eval_data=None")
         n = batches or self.eval_batches
         micro = self.batch_size // self.accum_steps
-        losses = []
         with self._current():
             if self.token_data:
-                for offsets in self.eval_data.eval_offsets(micro, n):
-                    losses.append(self._eval(offsets))
+                batches = [(offsets,) for offsets in self.eval_data.eval_offsets(micro, n)]
             else:
-                for i in range(n):
-                    batch = self.eval_data(i)
-                    losses.append(self._eval(*(batch if isinstance(batch, (tuple, list)) else (batch,))))
+                batches = [b if isinstance(b, (tuple, list)) else (b,) for b in map(self.eval_data, range(n))]
+            losses = self._eval.losses(batches)
         return float(np.mean(losses))
 
     def _current(self):
