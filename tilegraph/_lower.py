@@ -702,7 +702,7 @@ class Executable:
             key = f"tg-fetch-{n}-{keys[0] if keys else self.structure}"
             layers["cpu"][key] = src if idx == [None] else (_pick, src, tuple(idx))
             for pos, (s, k) in source.items():
-                if pos in fetch and s is src:
+                if pos in fetch and s == src:
                     fetch_of[pos] = (key, None if idx == [None] else idx.index(k))
         # Values that stay on the workers (parameters, optimizer state) must not keep the rest of
         # their task's result tuple (activations for later tasks) alive: where a task returns
