@@ -210,6 +210,10 @@ def test_planned_tasks_run_on_the_worker_the_plan_chose(monkeypatch):
         ran = {t["key"]: t["worker"] for t in ts.data}
         planned = {keys[cid]: addr for cid, addr in exe.worker_of.items()}
         assert planned and all(ran[k] == addr for k, addr in planned.items())
+        # each task's program was sent to that worker alone
+        who = rt.client.who_has(exe._program_futures[1])
+        for c, f in zip(exe.clusters, exe._program_futures[1]):
+            assert set(who[f.key]) == {exe.worker_of[c.id]}
 
 
 @pytest.mark.distributed

@@ -630,9 +630,17 @@ class Executable:
         graph and plan write the same tasks, with the same dependencies."""
         cached = self._program_futures
         if cached is None or cached[0] is not runtime or any(f.status != "finished" for f in cached[1]):
-            progs = {f"tg-program-{c.id}-{self.structure}": p.prog for c, p in zip(self.clusters, self.plans)}
-            futures = list(runtime.client.scatter(progs, broadcast=True).values()) if progs else []
-            cached = self._program_futures = (runtime, futures)
+            # each to the worker the plan pinned its task to (Dask moves it if another runs the
+            # task); programs of unpinned tasks to every worker
+            by_worker: dict[str | None, dict[str, Program]] = {}
+            for c, p in zip(self.clusters, self.plans):
+                by_worker.setdefault(self.worker_of.get(c.id), {})[f"tg-program-{c.id}-{self.structure}"] = p.prog
+            futures = {}
+            for addr, progs in by_worker.items():
+                where = {"broadcast": True} if addr is None else {"workers": [addr]}
+                futures.update(runtime.client.scatter(progs, **where))
+            cached = self._program_futures = (runtime, [futures[f"tg-program-{c.id}-{self.structure}"]
+                                                        for c in self.clusters])
         return cached[1]
 
     @staticmethod
