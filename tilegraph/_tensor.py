@@ -108,7 +108,7 @@ class TileTensor:
 
     >>> import numpy as np, tilegraph as tg
     >>> a = tg.from_numpy(np.ones((4, 6), np.float32), tiles=(2, 4))
-    >>> (a @ a.T).numpy()[0, 0]
+    >>> float((a @ a.T).numpy()[0, 0])
     6.0
     """
 
