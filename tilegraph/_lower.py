@@ -632,15 +632,15 @@ class Executable:
         if cached is None or cached[0] is not runtime or any(f.status != "finished" for f in cached[1]):
             # each to the worker the plan pinned its task to (Dask moves it if another runs the
             # task); programs of unpinned tasks to every worker
+            names = [f"tg-program-{c.id}-{self.structure}" for c in self.clusters]
             by_worker: dict[str | None, dict[str, Program]] = {}
-            for c, p in zip(self.clusters, self.plans):
-                by_worker.setdefault(self.worker_of.get(c.id), {})[f"tg-program-{c.id}-{self.structure}"] = p.prog
+            for c, p, name in zip(self.clusters, self.plans, names):
+                by_worker.setdefault(self.worker_of.get(c.id), {})[name] = p.prog
             futures = {}
             for addr, progs in by_worker.items():
                 where = {"broadcast": True} if addr is None else {"workers": [addr]}
                 futures.update(runtime.client.scatter(progs, **where))
-            cached = self._program_futures = (runtime, [futures[f"tg-program-{c.id}-{self.structure}"]
-                                                        for c in self.clusters])
+            cached = self._program_futures = (runtime, [futures[name] for name in names])
         return cached[1]
 
     @staticmethod
@@ -700,18 +700,16 @@ class Executable:
         # Fetched values come back through one small task per task holding some (it picks them
         # out of the result tuple next to the data); the rest stay.
         fetch_of: dict[int, tuple[str, int | None]] = {}  # position -> (fetch task key, index in its value)
-        wanted: dict[Any, list[int | None]] = {}
+        wanted: dict[Any, list[tuple[int, int | None]]] = {}  # source -> its fetched (position, index)
         for pos, (src, k) in source.items():
             if pos in fetch:
-                idx = wanted.setdefault(src, [])
-                if k not in idx:
-                    idx.append(k)
-        for n, (src, idx) in enumerate(wanted.items()):
+                wanted.setdefault(src, []).append((pos, k))
+        for n, (src, items) in enumerate(wanted.items()):
+            idx = list(dict.fromkeys(k for _, k in items))
             key = f"tg-fetch-{n}-{keys[0] if keys else self.structure}"
             layers["cpu"][key] = src if idx == [None] else (_pick, src, tuple(idx))
-            for pos, (s, k) in source.items():
-                if pos in fetch and s == src:
-                    fetch_of[pos] = (key, None if idx == [None] else idx.index(k))
+            for pos, k in items:
+                fetch_of[pos] = (key, None if idx == [None] else idx.index(k))
         # Values that stay on the workers (parameters, optimizer state) must not keep the rest of
         # their task's result tuple (activations for later tasks) alive: where a task returns
         # more than what stays, one small task per task picks out just the kept elements.

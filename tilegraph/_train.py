@@ -60,6 +60,21 @@ def _bind_batch(inputs, batch: Sequence[np.ndarray], token: str) -> None:
         assign_cells(cells, tiling, a, token=f"batch{i}-{token}")
 
 
+def _check_one_signature(batches, where: str) -> None:
+    """Several batches recorded into one graph must share their shapes and dtypes."""
+    sig = _signature(batches[0])
+    for i, b in enumerate(batches[1:], 1):
+        if _signature(b) != sig:
+            raise TileError(where, "batches with one signature (shapes and dtypes)",
+                            f"batch {i}: {_signature(b)}, batch 0: {sig}")
+
+
+def _per_graph(est_seconds: float) -> int:
+    """Steps (or evaluation batches) per graph for one whose estimated time is ``est_seconds``:
+    enough for ``config.graph_seconds`` of work, at most ``config.max_steps_per_graph``."""
+    return max(1, min(config.max_steps_per_graph, int(config.graph_seconds / max(est_seconds, 1e-9))))
+
+
 def _check_loss(loss, where: str) -> None:
     if not isinstance(loss, TileTensor) or loss.size != 1:
         raise TileError(where, "loss_fn must return a scalar TileTensor", repr(loss))
@@ -204,8 +219,7 @@ class TrainStep:
         ``config.max_steps_per_graph``); 1 for steps that long already, or with accumulation."""
         if self.accum_steps != 1:
             return 1
-        est = self.plan(*batch).est_seconds()
-        return max(1, min(config.max_steps_per_graph, int(config.graph_seconds / max(est, 1e-9))))
+        return _per_graph(self.plan(*batch).est_seconds())
 
     def __call__(self, *batch) -> float:
         """Run one optimizer step on ``batch`` and return its loss."""
@@ -254,11 +268,7 @@ class TrainStep:
         if self.accum_steps != 1:
             raise TileError(where, "accum_steps=1 (several steps per graph do not combine with accumulation)",
                             f"accum_steps={self.accum_steps}")
-        sig = self.signature(batches[0])
-        for i, b in enumerate(batches[1:], 1):
-            if self.signature(b) != sig:
-                raise TileError(where, "batches with one signature (shapes and dtypes)",
-                                f"batch {i}: {self.signature(b)}, batch 0: {sig}")
+        _check_one_signature(batches, where)
         t0 = time.perf_counter()
         k = len(batches)
         rec, recorded = self._lookup(batches[0], "step", k)
@@ -345,15 +355,10 @@ class EvalStep:
         batches = [[np.asarray(a) for a in b] for b in batches]
         if not batches:
             return []
-        sig = _signature(batches[0])
-        for i, b in enumerate(batches[1:], 1):
-            if _signature(b) != sig:
-                raise TileError("tilegraph.EvalStep.losses", "batches with one signature (shapes and dtypes)",
-                                f"batch {i}: {_signature(b)}, batch 0: {sig}")
+        _check_one_signature(batches, "tilegraph.EvalStep.losses")
         per_graph = 1
         if len(batches) > 1:
-            est = self._lookup(batches[0], 1)[0].est_seconds()
-            per_graph = max(1, min(config.max_steps_per_graph, len(batches), int(config.graph_seconds / max(est, 1e-9))))
+            per_graph = min(len(batches), _per_graph(self._lookup(batches[0], 1)[0].est_seconds()))
         out: list[float] = []
         for i in range(0, len(batches), per_graph):
             chunk = batches[i:i + per_graph]
