@@ -24,6 +24,34 @@ def test_embedded_cluster_binds_localhost_and_prints_dashboard(capsys):
     assert rt.closed and tg.current_runtime() is not rt
 
 
+def _listening(pid: int) -> list[tuple[str, int]]:
+    import psutil
+
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_embedded_cluster_listens_only_on_loopback():
+    """A Dask worker runs any function a peer sends it: a worker reachable from the network would
+    be remote code execution for anyone who can reach its port. Every socket that the embedded
+    cluster's processes (scheduler and nannies in this one, the workers) listen on is loopback."""
+    import ipaddress
+
+    before = set(_listening(os.getpid()))
+    with tg.connect(n_workers=2, threads_per_worker=1, dashboard=True, quiet=True) as rt:
+        worker_pids = rt.client.run(os.getpid)
+        sockets = {"client process": set(_listening(os.getpid())) - before}
+        sockets.update({addr: set(_listening(pid)) for addr, pid in worker_pids.items()})
+        for where, socks in sockets.items():
+            assert socks, f"{where} listens on nothing?"  # the check below must see something
+            exposed = [s for s in socks if not ipaddress.ip_address(s[0]).is_loopback]
+            assert not exposed, f"{where} listens on {exposed}"
+        # and each worker's own dashboard (its HTTP server) is among them, on loopback
+        ports = rt.client.run(lambda dask_worker: dask_worker.http_server.port)
+        for addr, port in ports.items():
+            assert ("127.0.0.1", port) in sockets[addr]
+
+
 def test_connect_to_an_address_and_a_scheduler_file(embedded_runtime, tmp_path):
     addr = embedded_runtime.client.scheduler.address
     with tg.connect(addr) as rt:

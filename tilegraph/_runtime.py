@@ -14,6 +14,9 @@ __all__ = ["Runtime", "connect", "current_runtime"]
 
 _CURRENT: list["Runtime"] = []
 
+#: the only interface the embedded cluster (scheduler, nannies, workers, dashboards) listens on
+LOCALHOST = "127.0.0.1"
+
 
 def current_runtime() -> "Runtime | None":
     """The runtime that ``tilegraph.compute`` and training use (the last one connected)."""
@@ -180,7 +183,10 @@ def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit, quiet: bo
 
     spec = {}
     for i in range(n_workers):
-        opts: dict[str, Any] = {"nthreads": threads, "memory_limit": memory_limit,
+        # Every listener on the loopback interface: a Dask worker runs whatever function a peer
+        # sends it, so a worker reachable from the network is remote code execution for anyone.
+        opts: dict[str, Any] = {"host": LOCALHOST, "dashboard_address": f"{LOCALHOST}:0",
+                                "nthreads": threads, "memory_limit": memory_limit,
                                 "resources": {"GPU": 1} if i < gpu else {"CPU": threads},
                                 "silence_logs": logging.ERROR if quiet else logging.WARN}
         spec[f"{'gpu' if i < gpu else 'cpu'}-{i}"] = {"cls": Nanny, "options": opts}
@@ -259,8 +265,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             _quiet_logs()
         cluster = SpecCluster(
             workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit, quiet),
-            scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
-                                                      "dashboard_address": "127.0.0.1:0"}},
+            scheduler={"cls": Scheduler, "options": {"host": LOCALHOST, "dashboard": dashboard,
+                                                      "dashboard_address": f"{LOCALHOST}:0"}},
             silence_logs=logging.ERROR if quiet else logging.WARN,
             name="tilegraph",
         )
