@@ -105,7 +105,7 @@ def time_tilegraph(kind, args, x, y, tg):
     with contextlib.nullcontext() if local else tg.connect(n_workers=args.workers, threads_per_worker=args.threads,
                                                            dashboard=False, quiet=True) as rt:
         step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt,
-                            target_seconds=args.target)
+                            target_seconds=args.target, parallel=args.parallel)
         stats = kernel_stats if local else rt.kernel_stats
         t0 = time.perf_counter()
         first = step(x, y)
@@ -117,6 +117,7 @@ def time_tilegraph(kind, args, x, y, tg):
         ks = stats()
         threads = args.workers * args.threads
     return {"loss0": first, "step_s": wall / args.steps, "first_s": first_s, "nodes": step.last.nodes,
+            "strategy": step.plan(x, y).strategy,
             "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / args.steps,
             "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / args.steps,
             "outside": 1.0 - ks["kernel_seconds"] / (wall * threads), "state": state,
@@ -160,6 +161,8 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
+    ap.add_argument("--parallel", choices=["auto", "tiles", "data"], default="auto",
+                    help="how a step spreads over worker processes (tilegraph.config.parallel)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--kernels", action="store_true", help="also print the costliest kernels")
     ap.add_argument("--warmup", type=int, default=2)
@@ -185,7 +188,7 @@ def main():
           f"eager, {torch.get_num_threads()} threads; batch {args.batch} x seq {args.seq}, width {args.width}, "
           f"{args.layers} layers, fp32")
     print(f"{'model':8} {'tg tok/s':>9} {'torch tok/s':>11} {'ratio':>6} {'outside':>8} {'kernels':>8} "
-          f"{'runner':>7} {'step s':>7} {'nodes':>6} {'tasks':>6} {'loss0 tg/torch':>18}")
+          f"{'runner':>7} {'step s':>7} {'nodes':>6} {'tasks':>6} {'plan':>5} {'loss0 tg/torch':>18}")
     for kind in kinds:
         ratios, outside = [], []
         for _ in range(args.repeat):  # alternating runs: machine noise hits both sides alike
@@ -195,7 +198,8 @@ def main():
             outside.append(r["outside"])
             print(f"{kind:8} {tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} "
                   f"{t['step_s'] / r['step_s']:6.2f} {r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:7.3f} "
-                  f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:.5f}", flush=True)
+                  f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['strategy']:>5} {r['loss0']:9.5f}/{t['loss0']:.5f}",
+                  flush=True)
             if args.kernels:
                 print("   kernel seconds per step: " + ", ".join(f"{k} {v / args.steps:.3f}" for k, v in r["top"]))
         if args.repeat > 1:

@@ -238,7 +238,7 @@ def test_work_spreads_over_processes_only_when_each_gets_enough(rng):
     def procs(min_seconds):
         tg.config.min_process_seconds, old = min_seconds, tg.config.min_process_seconds
         try:
-            clusters, _ = cluster_nodes(by_upward_rank(nodes), {"cpu": [1, 1, 1, 1]}, 10.0, True)
+            clusters, _, _ = cluster_nodes(by_upward_rank(nodes), {"cpu": [1, 1, 1, 1]}, 10.0, True)
         finally:
             tg.config.min_process_seconds = old
         return {c.proc for c in clusters}

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Kernel", "Node", "TileRef", "Cell", "kernel", "get_kernel", "Cost", "xp_of"]
+__all__ = ["Kernel", "Node", "TileRef", "Cell", "ValueRef", "ReplicatedRef", "kernel", "get_kernel", "Cost", "xp_of"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,22 @@ class ValueRef:
 
     future: Any
     index: int | None
+
+
+@dataclass(frozen=True)
+class ReplicatedRef(ValueRef):
+    """A value held by several worker processes (data-parallel replicas of a parameter or of
+    optimizer state): ``replicas[p]`` is the copy made by process ``p`` of the plan's device class;
+    as a plain :class:`ValueRef` it is replica 0. The copies are equal: every replica applies the
+    same update to the same summed gradients."""
+
+    replicas: tuple = ()
+
+    def on(self, proc: int | None) -> ValueRef:
+        """The copy of process ``proc`` (replica 0 when ``proc`` is None or has none)."""
+        if proc is None or not 0 <= proc < len(self.replicas):
+            return self.replicas[0]
+        return self.replicas[proc]
 
 
 class Node:

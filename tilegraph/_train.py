@@ -171,7 +171,12 @@ class TrainStep:
             for p, g in zip(params, saved):
                 p.grid = g
         roots = losses + norms + [r for _, r in assignments]
-        exe = Executable(roots, runtime=self.runtime, **self.compile_options)
+        # parameters and state are what a data-parallel plan keeps on every replica; it splits
+        # the batch inputs' row tiles among the replicas
+        replicated = range(len(losses) + len(norms), len(roots))
+        batch_cells = [cells for ins in inputs for _, cells in ins]
+        exe = Executable(roots, runtime=self.runtime, replicated=replicated, batch_cells=batch_cells,
+                         **self.compile_options)
         return _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), hypers)
 
     def _accumulators(self) -> list[TileTensor]:
