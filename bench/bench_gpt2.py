@@ -136,7 +136,7 @@ def time_tilegraph(model, make_data, args, tg):
     local = args.runtime == "local"
     with contextlib.nullcontext() if local else tg.connect(n_workers=args.workers, threads_per_worker=args.threads,
                                                            dashboard=False, quiet=True) as rt:
-        step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt,
+        step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt, parallel=args.parallel,
                             **({} if args.target is None else {"target_seconds": args.target}))
         stats = kernel_stats if local else rt.kernel_stats
         first_batch = make_data(1)[0]
@@ -158,6 +158,7 @@ def time_tilegraph(model, make_data, args, tg):
     return data, warmup, {
         "loss0": first, "lossN": last, "step_s": wall / steps, "first_s": first_s, "k": k,
         "nodes": step.last.nodes, "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / steps,
+        "strategy": step.plan(*first_batch).strategy,
         "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / steps,
         "outside": 1.0 - ks["kernel_seconds"] / (wall * threads),
         "top": sorted(ks["by_kernel"].items(), key=lambda kv: -kv[1]), "steps": steps}
@@ -214,6 +215,8 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
+    ap.add_argument("--parallel", choices=["auto", "tiles", "data"], default="auto",
+                    help="how a step spreads over worker processes (tilegraph.config.parallel)")
     ap.add_argument("--steps-per-graph", default="auto",
                     help="optimizer steps recorded and run as one graph (TrainStep.submit_steps); 'auto' (default): "
                          "TrainStep.auto_steps_per_graph, several for a small model's short steps, else 1")
@@ -247,7 +250,7 @@ def main():
           f"timed steps; tiles = batch/seq/feature/vocab ('-': whole); ratio = tg tok/s / torch tok/s", flush=True)
     print(f"{'flavor':7} {'params':>7} {'seq':>4} {'tiles':>14} {'k':>3} {'tg tok/s':>9} {'torch tok/s':>11} "
           f"{'ratio':>6} {'outside':>8} {'kernel s':>8} {'runner s':>8} {'step s':>7} {'first s':>7} {'nodes':>6} "
-          f"{'tasks':>6} {'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)
+          f"{'tasks':>6} {'plan':>5} {'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)
     for name in flavors:
         cfg = flavor_config(name)
         seq = min(args.seq or DEFAULT_SEQ, cfg.max_seq_len)
@@ -262,7 +265,7 @@ def main():
         print(f"{name:7} {count_str(model.num_parameters()):>7} {seq:4d} {tiles_str(tiling):>14} {r['k']:3d} "
               f"{tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} {t['step_s'] / r['step_s']:6.2f} "
               f"{r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:8.3f} {r['step_s']:7.3f} {r['first_s']:7.1f} "
-              f"{r['nodes']:6d} {r['tasks']:6d} {r['loss0']:9.5f}/{t['loss0']:<9.5f} "
+              f"{r['nodes']:6d} {r['tasks']:6d} {r['strategy']:>5} {r['loss0']:9.5f}/{t['loss0']:<9.5f} "
               f"{r['lossN']:9.5f}/{t['lossN']:<9.5f}", flush=True)
         if args.kernels:
             print("   kernel seconds per step: " + ", ".join(

@@ -199,3 +199,51 @@ def test_strategy_names_and_where_data_parallelism_does_not_apply():
     _, step = _step(parallel="data")
     step(x, y)
     assert step.plan(x, y).strategy == "tiles"
+
+
+@pytest.mark.distributed
+def test_buckets_cut_the_backward_without_changing_a_bit(embedded_runtime, monkeypatch):
+    """Smaller buckets make more, smaller tasks (each bucket's gradients leave while the backward
+    goes on); the arithmetic is the same, so the losses are bitwise equal."""
+    x, y = _data()
+    results = []
+    for bucket in (float("inf"), 1.0):
+        monkeypatch.setattr(tg.config, "bucket_bytes", bucket)
+        _, step = _step(runtime=embedded_runtime, parallel="data")
+        results.append(([step(x, y) for _ in range(4)], step.plan(x, y).n_tasks))
+    (one, tasks_one), (many, tasks_many) = results
+    assert tasks_many > tasks_one
+    assert one == many
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_path):
+    """20 steps of the debug GPT-2 through the Trainer (several steps per graph): one worker, two
+    workers with the tiles plan and two with data parallelism give the same losses (float32
+    tolerance: data parallelism sums each replica's gradients first)."""
+    import dataclasses
+
+    from tilegraph import models
+    from tilegraph.io import ByteTokenizer, TokenDataset, build_token_file
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    tok = tmp_path / "tokens.bin"
+    build_token_file([corpus], tok, ByteTokenizer(eos=True))
+    runs = {}
+    for workers, parallel in ((1, "tiles"), (2, "tiles"), (2, "data")):
+        model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=257), seed=0)
+        opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-3, 5, 20), weight_decay=0.1,
+                             clip_grad_norm=1.0)
+        data = TokenDataset(tok, model.config.max_seq_len, split="train", seed=0)
+        with tg.connect(n_workers=workers, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+            trainer = tg.Trainer(model, opt, data, rt, batch_size=8, batch_tiles=[(4,)], progress=False,
+                                 parallel=parallel)
+            runs[(workers, parallel)] = trainer.fit(20).losses
+            plan = trainer.step.plan(trainer._batch(1)[0])
+            assert plan.strategy == (parallel if workers == 2 else "tiles")
+    base = runs[(1, "tiles")]
+    assert base[-1] < base[0]
+    np.testing.assert_allclose(runs[(2, "tiles")], base, rtol=1e-6)
+    np.testing.assert_allclose(runs[(2, "data")], base, rtol=1e-4)
