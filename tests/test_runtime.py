@@ -274,3 +274,11 @@ def test_programs_go_to_the_workers_once_and_fetches_share_a_task(embedded_runti
     again = tg.compile(graph(), runtime=embedded_runtime)
     assert [f.key for f in again._programs(embedded_runtime)] == [f.key for f in futures]
     assert again.lower()[1] == exe.lower()[1]
+
+
+def test_workers_of_another_tilegraph_version_are_refused(embedded_runtime, monkeypatch):
+    """A client must not drive workers of another tilegraph: their kernels and programs may differ."""
+    addr = embedded_runtime.client.scheduler.address
+    monkeypatch.setattr(tg, "__version__", "0.0.0-other")
+    with pytest.raises(tg.TileError, match=r"every worker running tilegraph 0\.0\.0-other.*received: tcp://127"):
+        tg.connect(addr, make_current=False)

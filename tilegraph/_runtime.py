@@ -41,6 +41,13 @@ class Runtime:
         #: the worker address of each entry of worker_threads(), for pinning planned tasks
         self.worker_addrs: dict[str, list[str]] = {"cpu": [], "gpu": []}
         try:
+            _check_worker_versions(client)
+        except BaseException:  # nothing half-connected is left behind
+            client.close()
+            if cluster is not None:
+                cluster.close()
+            raise
+        try:
             client.register_plugin(_malloc_plugin())
         except Exception as e:  # a scheduler that refuses plugins still works, only slower
             logging.getLogger("tilegraph").warning("could not tune worker malloc: %s", e)
@@ -279,6 +286,31 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         print(f"tilegraph: embedded cluster with {n_workers} workers x {threads_per_worker} threads"
               f"{f', {gpu} GPU' if gpu else ''}; dashboard: {rt.dashboard_link}", flush=True)
     return rt
+
+
+def _worker_version() -> str | None:
+    """This process's tilegraph version (run on each worker); None where tilegraph is missing."""
+    try:
+        import tilegraph
+
+        return tilegraph.__version__
+    except ImportError:
+        return None
+
+
+def _check_worker_versions(client) -> None:
+    """Workers must run the client's tilegraph: tasks carry programs of kernel names and
+    parameters that another version may read differently, or not at all."""
+    import tilegraph
+
+    try:
+        versions = client.run(_worker_version)
+    except ImportError as e:  # a worker that cannot even unpickle the check
+        raise TileError("tilegraph.connect", "workers with tilegraph installed", f"a worker raised {e!r}") from None
+    wrong = {addr: v for addr, v in versions.items() if v != tilegraph.__version__}
+    if wrong:
+        raise TileError("tilegraph.connect", f"every worker running tilegraph {tilegraph.__version__} (this client's)",
+                        ", ".join(f"{addr}: {'not installed' if v is None else v}" for addr, v in sorted(wrong.items())))
 
 
 def _tune_malloc() -> bool:
