@@ -215,7 +215,7 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
-    ap.add_argument("--parallel", choices=["auto", "tiles", "data"], default="auto",
+    ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
     ap.add_argument("--steps-per-graph", default="auto",
                     help="optimizer steps recorded and run as one graph (TrainStep.submit_steps); 'auto' (default): "
@@ -250,7 +250,7 @@ def main():
           f"timed steps; tiles = batch/seq/feature/vocab ('-': whole); ratio = tg tok/s / torch tok/s", flush=True)
     print(f"{'flavor':7} {'params':>7} {'seq':>4} {'tiles':>14} {'k':>3} {'tg tok/s':>9} {'torch tok/s':>11} "
           f"{'ratio':>6} {'outside':>8} {'kernel s':>8} {'runner s':>8} {'step s':>7} {'first s':>7} {'nodes':>6} "
-          f"{'tasks':>6} {'plan':>5} {'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)
+          f"{'tasks':>6} {'plan':>7} {'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)
     for name in flavors:
         cfg = flavor_config(name)
         seq = min(args.seq or DEFAULT_SEQ, cfg.max_seq_len)
@@ -265,7 +265,7 @@ def main():
         print(f"{name:7} {count_str(model.num_parameters()):>7} {seq:4d} {tiles_str(tiling):>14} {r['k']:3d} "
               f"{tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} {t['step_s'] / r['step_s']:6.2f} "
               f"{r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:8.3f} {r['step_s']:7.3f} {r['first_s']:7.1f} "
-              f"{r['nodes']:6d} {r['tasks']:6d} {r['strategy']:>5} {r['loss0']:9.5f}/{t['loss0']:<9.5f} "
+              f"{r['nodes']:6d} {r['tasks']:6d} {r['strategy']:>7} {r['loss0']:9.5f}/{t['loss0']:<9.5f} "
               f"{r['lossN']:9.5f}/{t['lossN']:<9.5f}", flush=True)
         if args.kernels:
             print("   kernel seconds per step: " + ", ".join(

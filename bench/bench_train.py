@@ -89,6 +89,13 @@ def build_torch(kind, state, args, torch):
     return forward, list(params.values())
 
 
+def _rss() -> int:
+    """Resident memory of this process (bytes): run on each worker."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def time_tilegraph(kind, args, x, y, tg):
     from tilegraph._lower import kernel_stats
 
@@ -115,9 +122,10 @@ def time_tilegraph(kind, args, x, y, tg):
         stats(reset=True)
         wall, _ = timed_steps(step, [(x, y)] * args.steps)
         ks = stats()
+        rss = max(rt.client.run(_rss).values()) if rt is not None else _rss()
         threads = args.workers * args.threads
     return {"loss0": first, "step_s": wall / args.steps, "first_s": first_s, "nodes": step.last.nodes,
-            "strategy": step.plan(x, y).strategy,
+            "strategy": step.plan(x, y).strategy, "rss": rss,
             "tasks": step.last.tasks, "kernel_s": ks["kernel_seconds"] / args.steps,
             "runner_s": (ks["task_seconds"] - ks["kernel_seconds"]) / args.steps,
             "outside": 1.0 - ks["kernel_seconds"] / (wall * threads), "state": state,
@@ -161,7 +169,7 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
-    ap.add_argument("--parallel", choices=["auto", "tiles", "data"], default="auto",
+    ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--kernels", action="store_true", help="also print the costliest kernels")
@@ -188,7 +196,7 @@ def main():
           f"eager, {torch.get_num_threads()} threads; batch {args.batch} x seq {args.seq}, width {args.width}, "
           f"{args.layers} layers, fp32")
     print(f"{'model':8} {'tg tok/s':>9} {'torch tok/s':>11} {'ratio':>6} {'outside':>8} {'kernels':>8} "
-          f"{'runner':>7} {'step s':>7} {'nodes':>6} {'tasks':>6} {'plan':>5} {'loss0 tg/torch':>18}")
+          f"{'runner':>7} {'step s':>7} {'nodes':>6} {'tasks':>6} {'plan':>7} {'worker MB':>9} {'loss0 tg/torch':>18}")
     for kind in kinds:
         ratios, outside = [], []
         for _ in range(args.repeat):  # alternating runs: machine noise hits both sides alike
@@ -198,7 +206,8 @@ def main():
             outside.append(r["outside"])
             print(f"{kind:8} {tokens / r['step_s']:9.0f} {tokens / t['step_s']:11.0f} "
                   f"{t['step_s'] / r['step_s']:6.2f} {r['outside']:8.1%} {r['kernel_s']:8.3f} {r['runner_s']:7.3f} "
-                  f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['strategy']:>5} {r['loss0']:9.5f}/{t['loss0']:.5f}",
+                  f"{r['step_s']:7.3f} {r['nodes']:6d} {r['tasks']:6d} {r['strategy']:>7} {r['rss'] / 1e6:9.0f} "
+                  f"{r['loss0']:9.5f}/{t['loss0']:.5f}",
                   flush=True)
             if args.kernels:
                 print("   kernel seconds per step: " + ", ".join(f"{k} {v / args.steps:.3f}" for k, v in r["top"]))

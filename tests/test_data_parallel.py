@@ -94,15 +94,16 @@ pytestmark_dist = pytest.mark.distributed
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
 @pytest.mark.parametrize("rows, clip", [(40, 1.0), (36, None)])  # 5 row tiles (3 + 2), and a ragged last tile
-def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip):
+def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip, strategy):
     x, y = _data(n=rows)
     local_model, local_step = _step(clip=clip)
     local = [local_step(x, y) for _ in range(6)]
-    model, step = _step(runtime=embedded_runtime, clip=clip, parallel="data")
+    model, step = _step(runtime=embedded_runtime, clip=clip, parallel=strategy)
     losses = [step(x, y) for _ in range(6)]
     exe = step.plan(x, y)
-    assert exe.strategy == "data" and exe.n_replicas == 2
+    assert exe.strategy == strategy and exe.n_replicas == 2
     # the summation order of the gradients differs (each replica sums its share first)
     np.testing.assert_allclose(losses, local, rtol=2e-5)
     for p, lp in zip(model.parameters(), local_model.parameters()):
@@ -112,6 +113,20 @@ def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip
             a, b = (v[r.index] for v, r in zip(copies, c.value.replicas))
             np.testing.assert_array_equal(a, b)  # the replicas stay bitwise equal
             np.testing.assert_allclose(a, lc.value, rtol=1e-4, atol=1e-6)
+    state = [c.value for grids in step.optimizer.state for g in grids for c in g.flat]
+    if strategy == "sharded":
+        # one copy of each parameter (its owner's), read by every replica; the optimizer state
+        # only on its owner, and each worker owns about half of it
+        assert all(len({id(r.future) for r in c.value.replicas}) == 1 for p in model.parameters() for c in p.cells.flat)
+        assert not any(isinstance(v, ReplicatedRef) for v in state)
+        who = embedded_runtime.client.who_has([v.future for v in state])
+        held = {}
+        for v in state:
+            [w] = who[v.future.key]
+            held[w] = held.get(w, 0) + 1
+        assert len(held) == 2 and min(held.values()) >= 0.3 * len(state)
+    else:
+        assert all(isinstance(v, ReplicatedRef) for v in state)
     with embedded_runtime.as_current():  # reading parameters (checkpoints, state_dict) takes replica 0
         state = model.state_dict()
     for k, v in local_model.state_dict().items():
@@ -131,8 +146,11 @@ def test_each_replica_runs_its_tasks_on_its_own_worker(embedded_runtime):
     # the compute lane of each replica (its forward and backward) and its exchange lane
     assert {exe.process_of(c) for c in exe.clusters} == {0, 1}
     assert {c.proc for c in exe.clusters} == {0, 1, 2, 3}
+    from distributed import wait
+
     with get_task_stream(embedded_runtime.client) as ts:
-        step(x, y)
+        step(x, y)  # returns with the loss: other replicas' updates may still run
+        wait([r.future for p in step.optimizer.params for c in p.cells.flat for r in c.value.replicas])
     layers, keys = exe.lower()
     ran = {t["key"]: t["worker"] for t in ts.data}
     for c, key in zip(exe.clusters, keys):
@@ -142,19 +160,20 @@ def test_each_replica_runs_its_tasks_on_its_own_worker(embedded_runtime):
 
 
 @pytest.mark.distributed
-def test_data_parallel_groups_accumulation_and_evaluation(embedded_runtime):
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
+def test_data_parallel_groups_accumulation_and_evaluation(embedded_runtime, strategy):
     x, y = _data(n=32)
     batches = [_data(n=32, seed=s) for s in range(4)]
     # several steps in one graph are exactly those steps one at a time
-    _, one = _step(runtime=embedded_runtime, parallel="data")
+    _, one = _step(runtime=embedded_runtime, parallel=strategy)
     singles = [one(*b) for b in batches]
-    model, grouped = _step(runtime=embedded_runtime, parallel="data")
+    model, grouped = _step(runtime=embedded_runtime, parallel=strategy)
     pending = grouped.submit_steps(batches)
-    assert grouped.plan(*batches[0]).strategy == "data"
+    assert grouped.plan(*batches[0]).strategy == strategy
     np.testing.assert_array_equal([p.result() for p in pending], singles)
-    # gradient accumulation over replicated accumulators matches one big batch
-    _, big = _step(runtime=embedded_runtime, parallel="data", row_tile=4)
-    _, acc = _step(runtime=embedded_runtime, parallel="data", row_tile=4, accum_steps=2)
+    # gradient accumulation over replicated (or sharded) accumulators matches one big batch
+    _, big = _step(runtime=embedded_runtime, parallel=strategy, row_tile=4)
+    _, acc = _step(runtime=embedded_runtime, parallel=strategy, row_tile=4, accum_steps=2)
     np.testing.assert_allclose([acc(x, y) for _ in range(3)], [big(x, y) for _ in range(3)], rtol=2e-5)
     # evaluation reads the replicas where they are
     ev = tg.EvalStep(model, _mse, batch_tiles=[(8, 8), (8, None)], runtime=embedded_runtime)
@@ -193,7 +212,7 @@ def test_auto_takes_data_parallelism_for_a_large_enough_step(embedded_runtime):
 
 def test_strategy_names_and_where_data_parallelism_does_not_apply():
     x, y = _data()
-    with pytest.raises(tg.TileError, match=r"parallel must be one of 'auto', 'tiles', 'data'.*received: 'ddp'"):
+    with pytest.raises(tg.TileError, match=r"parallel must be one of 'auto', 'tiles', 'data', 'sharded'.*received: 'ddp'"):
         _step(parallel="ddp")[1](x, y)
     # one process (the local scheduler): nothing to split over
     _, step = _step(parallel="data")

@@ -87,9 +87,14 @@ class Config:
     #: how a training step spreads over several worker processes (``PARALLEL_STRATEGIES``):
     #: "tiles" list-schedules the tile kernels over all processes; "data" gives each process a
     #: share of the batch's row tiles and a replica of the parameters and optimizer state
-    #: (gradients summed across replicas inside the graph); "auto" plans both and keeps the one
-    #: whose simulated step finishes first
+    #: (gradients summed across replicas inside the graph); "sharded" is "data" with each
+    #: parameter tile's gradient sum, update and optimizer state on one owner process (ZeRO-2);
+    #: "auto" plans "tiles" and "data" (or "sharded", see replicated_state_fraction) and keeps
+    #: the one whose simulated step finishes first
     parallel: str = "auto"
+    #: "auto" shards the state when parameters plus optimizer state would take more than this
+    #: share of the smallest worker memory limit on every replica
+    replicated_state_fraction: float = 0.25
     #: scheduler when no runtime is connected: "threads" or "sync"
     local_scheduler: str = "threads"
     #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
@@ -105,7 +110,15 @@ class Config:
 config = Config()
 
 #: the values of ``config.parallel`` (and of the ``parallel=`` option of TrainStep and Executable)
-PARALLEL_STRATEGIES = ("auto", "tiles", "data")
+PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded")
+
+
+def _memory_limit(runtime) -> float:
+    """The smallest memory limit of the runtime's workers (bytes; inf where none is set)."""
+    if runtime is None:
+        return float("inf")
+    limits = [w.get("memory_limit") or float("inf") for w in runtime.workers().values()]
+    return min(limits, default=float("inf"))
 
 
 @dataclass(frozen=True)
@@ -485,7 +498,7 @@ class Executable:
 
     def __init__(self, roots: Sequence[TileRef], *, fuse: bool | None = None, target_seconds: float | None = None,
                  placement: str | None = None, runtime=None, parallel: str | None = None,
-                 replicated: Sequence[int] = (), batch_cells: Sequence = ()):
+                 state_groups: Sequence[Sequence[int]] = (), batch_cells: Sequence = ()):
         from tilegraph._runtime import current_runtime
 
         runtime = runtime if runtime is not None else current_runtime()
@@ -514,17 +527,19 @@ class Executable:
         #: data-parallel plans: the replicas (worker processes); process p's tasks run on lanes
         #: p (compute) and replicas + p (exchange)
         self.n_replicas = 1
-        if parallel in ("auto", "data") and fuse:
-            dp = self._data_parallel(work, groups, replicated, batch_cells, target)
+        if parallel != "tiles" and fuse:
+            sharded = parallel == "sharded" or parallel == "auto" and \
+                self._state_bytes(state_groups) > config.replicated_state_fraction * _memory_limit(runtime)
+            dp = self._data_parallel(work, groups, state_groups, batch_cells, target, sharded)
             # "auto": whichever plan the simulation finishes first (the tiles plan's figure
             # corrected for what its simulation leaves out when it spans several processes)
             tiles_seconds = self.est_makespan
             if len({(c.device, c.proc) for c in self.clusters}) > 1:
                 tiles_seconds *= 1.0 + config.tiles_across_processes_penalty
-            if dp is not None and (parallel == "data" or dp[3] < tiles_seconds):
+            if dp is not None and (parallel != "auto" or dp[3] < tiles_seconds):
                 self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas = dp
                 work = [n for n in nodes if not n.is_leaf]
-                self.strategy = "data"
+                self.strategy = "sharded" if sharded else "data"
         # With several worker processes, each task goes to the worker the plan gave it.
         self.worker_of: dict[int, str] = {}
         if fuse:
@@ -559,11 +574,20 @@ class Executable:
         self.structure = self._structure_token(nodes, of)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
 
-    def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], replicated: Sequence[int],
-                       batch_cells: Sequence, target: float):
+    def _state_bytes(self, state_groups: Sequence[Sequence[int]]) -> int:
+        """Bytes of the roots in ``state_groups`` (parameters and optimizer state)."""
+        return sum(self.roots[k].nbytes for g in state_groups for k in g)
+
+    def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], state_groups: Sequence[Sequence[int]],
+                       batch_cells: Sequence, target: float, sharded: bool):
         """The data-parallel plan of this graph: ``(refs of each root, clusters, cluster of each
         node, simulated seconds, nodes, replicas)``; None where it does not apply: no batch to
-        split, one process, or kernels placed on both device classes."""
+        split, one process, or kernels placed on both device classes.
+
+        ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
+        state). Data parallel: every replica keeps all of them. ``sharded``: each group has one
+        owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps its
+        state; the other replicas read the parameter from there."""
         devices = {n.device for n in work}
         if not batch_cells or len(devices) != 1:
             return None
@@ -574,8 +598,17 @@ class Executable:
         procs = min(len(groups[dev]), rows)
         if procs < 2:
             return None
+        if sharded:
+            load, owners = [0] * procs, {}
+            for g in state_groups:
+                o = min(range(procs), key=lambda p: (load[p], p))
+                load[o] += self.roots[g[0]].nbytes
+                owners.update((k, o) for k in g)
+            replicated = [g[0] for g in state_groups]
+        else:
+            owners, replicated = {}, [k for g in state_groups for k in g]
         dp = split_replicas(self.roots, replicated=replicated, groups=batch_groups(batch_cells, procs),
-                            replicas=procs)
+                            replicas=procs, owners=owners)
         # each replica's exchange phase (gradient sums, updates) on a lane of its own, so that
         # its tasks wait for other replicas' values without holding back the backward pass
         lane = {i: p + (procs if i in dp.exchange else 0) for i, p in dp.replica.items()}
@@ -588,7 +621,7 @@ class Executable:
 
     def process_of(self, c: Cluster) -> int:
         """The worker process (index among those of its device class) that runs cluster ``c``."""
-        return c.proc % self.n_replicas if self.strategy == "data" else c.proc
+        return c.proc % self.n_replicas if self.n_replicas > 1 else c.proc
 
     @staticmethod
     def _plan(c: Cluster, of, needed, array_module) -> _Plan:

@@ -171,11 +171,13 @@ class TrainStep:
             for p, g in zip(params, saved):
                 p.grid = g
         roots = losses + norms + [r for _, r in assignments]
-        # parameters and state are what a data-parallel plan keeps on every replica; it splits
-        # the batch inputs' row tiles among the replicas
-        replicated = range(len(losses) + len(norms), len(roots))
+        # the state a data-parallel plan keeps on every replica (or shards): each parameter tile
+        # with its optimizer state (or its accumulator); the batch inputs' row tiles are split
+        # among the replicas
+        first, per = len(losses) + len(norms), (1 + self.optimizer.n_state if kind in ("step", "last") else 1)
+        state_groups = [list(range(k, k + per)) for k in range(first, len(roots), per)]
         batch_cells = [cells for ins in inputs for _, cells in ins]
-        exe = Executable(roots, runtime=self.runtime, replicated=replicated, batch_cells=batch_cells,
+        exe = Executable(roots, runtime=self.runtime, state_groups=state_groups, batch_cells=batch_cells,
                          **self.compile_options)
         return _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), hypers)
 

@@ -38,8 +38,9 @@ from tilegraph._graph import Node, TileRef, topo_order
 
 __all__ = ["split_replicas", "Replicas", "batch_groups"]
 
-#: the kernel whose multi-replica calls are split into one partial sum per replica first
+#: kernels whose calls over several replicas' tiles are split into one partial per replica first
 _SUM_KERNEL = "reduce_sum"
+_SUMSQ_KERNEL = "sumsq"
 
 
 @dataclass
@@ -75,130 +76,202 @@ def _indexed(cells):
         yield idx, cells[idx]
 
 
-def _copy(node: Node, inputs: tuple[TileRef, ...], params: dict) -> Node:
-    """``node`` with other inputs and params (same kernel, metas, cost and device)."""
+def _copy(node: Node, inputs: tuple[TileRef, ...]) -> Node:
+    """``node`` with other inputs (same kernel, params, metas, cost and device)."""
     new = Node.__new__(Node)
-    new.kernel, new.params, new.inputs, new.out_meta = node.kernel, params, inputs, node.out_meta
+    new.kernel, new.params, new.inputs, new.out_meta = node.kernel, node.params, inputs, node.out_meta
     new.cost, new.cell, new.device, new.op = node.cost, node.cell, node.device, node.op
     return new
 
 
+def _like(node: Node, kernel, inputs: tuple[TileRef, ...], params: dict, meta=None) -> Node:
+    """A new call of ``kernel`` in ``node``'s place (its device and op name)."""
+    new = Node(kernel, params, inputs, meta or node.out_meta, op=node.op)
+    new.device = node.device
+    return new
+
+
 def split_replicas(roots: Sequence[TileRef], *, replicated: Sequence[int], groups: dict[int, int],
-                   replicas: int) -> Replicas:
+                   replicas: int, owners: dict[int, int] | None = None) -> Replicas:
     """Rewrite the graph behind ``roots`` for ``replicas`` data-parallel processes.
 
     ``groups`` maps ``id(cell)`` of each batch leaf to its replica; ``replicated`` lists the roots
-    every replica needs (parameters, optimizer state); the others are computed on one replica (the
-    one holding their inputs, else replica 0).
+    every replica needs after the step (parameters; with plain data parallelism also the optimizer
+    state); the others are computed on one replica (the one holding their inputs, else replica 0).
 
     A node whose batch-dependent inputs all come from one replica's share runs once, there. Any
     other node (combining several replicas' shares, or depending on no share) is cloned into each
     replica that needs it. A ``reduce_sum`` over several replicas' tiles first sums each
     replica's tiles where they are, so only one partial per replica travels.
+
+    ``owners`` shards the state (ZeRO-2 style): root ``k`` is computed by replica ``owners[k]``
+    only, and so is every cloned node whose results reach no other owner's roots (a parameter
+    tile's gradient sum, its update, and those of earlier steps in the same graph). Each replica
+    then sends its partial gradient of a tile only to the tile's owner, keeps the optimizer state
+    of its own tiles only, and reads the other parameters from their owners (a replicated root
+    of ``owners`` is one value that every replica reads). A sum of squares over tiles of several
+    owners (gradient clipping) is summed per owner first.
     """
     nodes = topo_order(list(roots))
-    # owner[id(node)]: the replica of a node of one replica's share; None: cloned where needed
-    owner: dict[int, int | None] = {}
+    replicated = set(replicated)
+    owners = owners or {}
+    # share[id(node)]: the replica of a node of one replica's share; None: cloned where needed
+    share: dict[int, int | None] = {}
+    users: dict[int, list[Node]] = {id(n): [] for n in nodes}
     for n in nodes:
         if n.is_leaf:
-            owner[id(n)] = groups.get(id(n.cell))
+            share[id(n)] = groups.get(id(n.cell))
             continue
-        shares = {owner[id(i.node)] for i in n.inputs} - {None}
-        owner[id(n)] = shares.pop() if len(shares) == 1 else None
+        for i in n.inputs:
+            users[id(i.node)].append(n)
+        shares = {share[id(i.node)] for i in n.inputs} - {None}
+        share[id(n)] = shares.pop() if len(shares) == 1 else None
+
+    # pin[id(node)]: the owner that alone computes a cloned node: the one whose roots are all it
+    # reaches along cloned nodes (None: no owner's, or several owners')
+    pin: dict[int, int | None] = {}
+    if owners:
+        reach: dict[int, set[int]] = {}
+        root_owner: dict[int, set[int]] = {}
+        for k, o in owners.items():
+            root_owner.setdefault(id(roots[k].node), set()).add(o)
+        for n in reversed(nodes):
+            if n.is_leaf or share[id(n)] is not None:
+                continue
+            r = set(root_owner.get(id(n), ()))
+            for u in users[id(n)]:
+                if share[id(u)] is None:
+                    r |= reach[id(u)]
+            reach[id(n)] = r
+            pin[id(n)] = next(iter(r)) if len(r) == 1 else None
 
     # which replicas need a clone of each cloned node (reverse topological order)
     need: dict[int, set[int]] = {id(n): set() for n in nodes}
     for k, r in enumerate(roots):
-        if owner[id(r.node)] is None:
-            need[id(r.node)] |= set(range(replicas)) if k in set(replicated) else {0}
+        if share[id(r.node)] is None:
+            need[id(r.node)] |= {owners[k]} if k in owners else set(range(replicas)) if k in replicated else {0}
     for n in reversed(nodes):
         if n.is_leaf:
             continue
-        mine = {owner[id(n)]} if owner[id(n)] is not None else need[id(n)]
-        if owner[id(n)] is None and not mine:
+        if share[id(n)] is not None:
+            mine = {share[id(n)]}
+        elif pin.get(id(n)) is not None:
+            mine = {pin[id(n)]} if need[id(n)] else set()
+        else:
+            mine = need[id(n)]
+        if not mine:
             continue  # a cloned node nobody needs
         for i in n.inputs:
-            if owner[id(i.node)] is None:
+            if share[id(i.node)] is None:
                 need[id(i.node)] |= mine
 
     made: dict[tuple[int, int], Node] = {}   # (id(old node), replica) -> new node
-    presummed: dict = {}
+    split: dict[int, tuple] = {}             # id(old node) -> (inputs, params) of its clones
     cloned: set[int] = set()
     replica: dict[int, int] = {}
     out_nodes: list[Node] = []
 
+    def home(n: Node, p: int) -> int:
+        """The replica whose copy of ``n`` replica ``p`` reads."""
+        if share[id(n)] is not None:
+            return share[id(n)]
+        return pin[id(n)] if pin.get(id(n)) is not None else p
+
     def ref(r: TileRef, p: int) -> TileRef:
         """Root/input ``r`` as seen from replica ``p``."""
-        n = r.node
-        if n.is_leaf:
-            return r
-        o = owner[id(n)]
-        return TileRef(made[(id(n), p if o is None else o)], r.index)
+        return r if r.node.is_leaf else TileRef(made[(id(r.node), home(r.node, p))], r.index)
 
-    def add(new: Node, p: int) -> Node:
+    def add(new: Node, p: int, clone: bool = False) -> Node:
         replica[id(new)] = p
         out_nodes.append(new)
+        if clone:
+            cloned.add(id(new))
         return new
 
     for n in nodes:
         if n.is_leaf:
             continue
-        o = owner[id(n)]
-        for p in ([o] if o is not None else sorted(need[id(n)])):
-            inputs, params = tuple(ref(i, p) for i in n.inputs), n.params
-            if o is None and n.kernel.name == _SUM_KERNEL:
-                if (id(n), "presum") not in presummed:  # one set of partial sums for every clone
-                    presummed[(id(n), "presum")] = _presum(n, inputs, owner, add)
-                inputs, params = presummed[(id(n), "presum")]
-            made[(id(n), p)] = new = add(_copy(n, inputs, params), p)
-            if o is None:
-                cloned.add(id(new))
+        o = share[id(n)]
+        if o is not None:
+            where = [o]
+        elif pin.get(id(n)) is not None:
+            where = [pin[id(n)]] if need[id(n)] else []
+        else:
+            where = sorted(need[id(n)])
+        for p in where:
+            model, inputs = n, tuple(ref(i, p) for i in n.inputs)
+            if o is None and n.kernel.name in (_SUM_KERNEL, _SUMSQ_KERNEL):
+                if id(n) not in split:  # one set of partial sums for every clone
+                    split[id(n)] = (_presum(n, inputs, share, add) if n.kernel.name == _SUM_KERNEL
+                                    else _sumsq_by_replica(n, inputs, replica, add))
+                model = split[id(n)]
+                inputs = model.inputs
+            made[(id(n), p)] = add(_copy(model, inputs), p, clone=o is None)
 
     out_roots = []
     for k, r in enumerate(roots):
-        o = owner[id(r.node)] if not r.node.is_leaf else None
+        copies = replicas if k in replicated else 1
         if r.node.is_leaf:
-            out_roots.append([r] * (replicas if k in set(replicated) else 1))
-        elif o is not None:
-            out_roots.append([ref(r, o)])
+            out_roots.append([r] * copies)
+        elif share[id(r.node)] is not None or k in owners:
+            out_roots.append([ref(r, owners.get(k, 0))] * copies)
         else:
-            out_roots.append([ref(r, p) for p in (range(replicas) if k in set(replicated) else [0])])
+            out_roots.append([ref(r, p) for p in range(copies)])
+    reachable = {id(n) for n in topo_order([r for refs in out_roots for r in refs])}
+    out_nodes = [n for n in out_nodes if id(n) in reachable]
     exchange: set[int] = set()
     for n in out_nodes:  # topological: a node's inputs come before it
         p = replica[id(n)]
-        if any(not i.node.is_leaf and (replica[id(i.node)] != p or id(i.node) in exchange and id(n) in cloned)
-               for i in n.inputs):
+        if id(n) in cloned and any(not i.node.is_leaf and (replica[id(i.node)] != p or id(i.node) in exchange)
+                                   for i in n.inputs):
             exchange.add(id(n))
     return Replicas(out_roots, replica, out_nodes, exchange)
 
 
-def _presum(node: Node, inputs: tuple[TileRef, ...], owner, add) -> tuple[tuple[TileRef, ...], dict]:
-    """Inputs and params of a cloned ``reduce_sum`` whose inputs are tiles of several replicas'
-    shares: each replica's tiles are first summed (over the call's ``axes`` too) where they were
-    made, and the clone adds one partial per replica. Unchanged when an input is not one replica's
-    own tile, or when there is nothing to pre-sum."""
+def _sumsq_by_replica(node: Node, inputs: tuple[TileRef, ...], replica, add) -> Node:
+    """The call every clone of a sum of squares over tiles that different replicas hold (the
+    gradients of a sharded state) makes: each replica sums the squares of its own tiles, and the
+    clones add those partials, so no gradient tile travels for it."""
+    from tilegraph.ops.reduce import _reduce_sum
+
+    by_replica: dict[int, list[TileRef]] = {}
+    for i in inputs:
+        if i.node.is_leaf:
+            return _copy(node, inputs)
+        by_replica.setdefault(replica[id(i.node)], []).append(i)
+    if len(by_replica) < 2:
+        return _copy(node, inputs)
+    partials = tuple(TileRef(add(_copy(node, tuple(tiles)), p, clone=True), 0) for p, tiles in sorted(by_replica.items()))
+    (shape, _), = node.out_meta
+    return _like(node, _reduce_sum, partials, {"axes": (), "shape": shape, "scale": 1.0})
+
+
+def _presum(node: Node, inputs: tuple[TileRef, ...], share, add) -> Node:
+    """The call every clone of a ``reduce_sum`` over tiles of several replicas' shares makes:
+    each replica's tiles are first summed (over the call's ``axes`` too) where they were made,
+    and the clone adds one partial per replica. ``node`` itself when an input is not one
+    replica's own tile, or when there is nothing to pre-sum."""
     from tilegraph.ops.reduce import _reduce_sum
 
     axes = node.params["axes"]
     by_replica: dict[int, list[TileRef]] = {}
     for orig, new in zip(node.inputs, inputs):
-        o = owner[id(orig.node)]
+        o = share[id(orig.node)]
         if o is None:
-            return inputs, node.params
+            return _copy(node, inputs)
         by_replica.setdefault(o, []).append(new)
     if all(len(tiles) == 1 for tiles in by_replica.values()) and not axes:
-        return inputs, node.params
+        return _copy(node, inputs)
     kshape = tuple(1 if a in axes else d for a, d in enumerate(inputs[0].shape))
     partials = []
     for p, tiles in sorted(by_replica.items()):
         if len(tiles) == 1 and not axes:
             partials.append(tiles[0])
             continue
-        part = Node(_reduce_sum, {"axes": axes, "shape": kshape, "scale": 1.0}, tuple(tiles),
-                    ((kshape, tiles[0].dtype),), op=node.op)
-        part.device = node.device
+        part = _like(node, _reduce_sum, tuple(tiles), {"axes": axes, "shape": kshape, "scale": 1.0},
+                     ((kshape, tiles[0].dtype),))
         partials.append(TileRef(add(part, p), 0))
-    return tuple(partials), {**node.params, "axes": ()}
+    return _like(node, node.kernel, tuple(partials), {**node.params, "axes": ()})
 
 
 def visit_order(dp: Replicas, seconds, bucket_bytes: float) -> list[Node]:
