@@ -40,3 +40,78 @@ def test_mpi_needs_three_ranks(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert "dask-mpi needs at least 3 ranks" in proc.stderr
+
+
+def _losses(run_dir: Path) -> list[float]:
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_cli_trains_under_mpiexec_like_two_embedded_workers(tmp_path):
+    """`mpiexec -n 4 tilegraph train --mpi`: rank 0 the scheduler, rank 1 the command, 2 workers.
+    The debug GPT-2's 20 steps give the losses of the embedded cluster with 2 workers of 1 thread
+    (the same plan, so the same arithmetic), and only rank 1 writes files."""
+    mpiexec = _mpiexec()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "tilegraph.cli", "train", "--steps", "20", "--no-progress"]
+    mpi = subprocess.run([mpiexec, "-n", "4", *cli, "--mpi", "--out", "mpi"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=240, env=env)
+    assert mpi.returncode == 0, mpi.stdout + mpi.stderr
+    assert mpi.stdout.count("tilegraph train: GPT2") == 1  # one rank ran the command
+    (tmp_path / "w2.toml").write_text("[runtime]\nworkers = 2\n")
+    embedded = subprocess.run([*cli, "w2.toml", "--out", "embedded"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=240, env={**env, "OMP_NUM_THREADS": "1"})
+    assert embedded.returncode == 0, embedded.stdout + embedded.stderr
+    want = _losses(tmp_path / "embedded")
+    assert len(want) == 20 and want[-1] < want[0]
+    assert _losses(tmp_path / "mpi") == want
+    assert (tmp_path / "mpi" / "checkpoints" / "step-000020" / "config.json").is_file()
+
+
+@pytest.fixture
+def dask_mpi_cluster(tmp_path):
+    """The Jupyter pattern's cluster: `mpiexec -n 3 dask-mpi --scheduler-file s.json` (a
+    scheduler and two workers on the loopback interface), stopped afterwards whatever happens."""
+    mpiexec = _mpiexec()
+    dask_mpi = Path(sys.executable).parent / "dask-mpi"
+    if not dask_mpi.exists():
+        pytest.skip("the mpi extra's dask-mpi command is not installed")
+    sched = tmp_path / "s.json"
+    proc = subprocess.Popen([mpiexec, "-n", "3", str(dask_mpi), "--scheduler-file", str(sched), "--interface", "lo",
+                             "--nthreads", "1", "--scheduler-port", "0"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        yield proc, sched
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_connect_to_a_dask_mpi_cluster_by_its_scheduler_file(dask_mpi_cluster):
+    import time
+
+    import numpy as np
+
+    import tilegraph as tg
+
+    proc, sched = dask_mpi_cluster
+    deadline = time.monotonic() + 60
+    while not sched.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert sched.exists(), "dask-mpi wrote no scheduler file"
+    with tg.connect(scheduler_file=str(sched), timeout=30, make_current=False) as rt:
+        rt.client.wait_for_workers(2, timeout=60)
+        rt.worker_threads()  # the plan learns the workers that joined
+        x = tg.from_numpy(np.arange(64.0).reshape(8, 8), (4, 4))
+        with rt.as_current():
+            np.testing.assert_allclose(((x @ x) + 1.0).numpy(), np.arange(64.0).reshape(8, 8) @
+                                       np.arange(64.0).reshape(8, 8) + 1.0)
+        rt.client.shutdown()  # the scheduler stops, and dask-mpi's ranks with it
+    assert proc.wait(timeout=60) == 0

@@ -107,6 +107,11 @@ def cmd_train(args) -> int:
 
     cfg, source = load_config(args.config)
     d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
+    rt = None
+    if args.mpi or r["mpi"]:
+        # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
+        # returns only on rank 1, which runs the rest (so only it reads data and writes files).
+        rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True)
     steps = args.steps if args.steps is not None else int(t["steps"])
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
@@ -124,7 +129,10 @@ def cmd_train(args) -> int:
     sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
     opt = tg.optim.AdamW(model.parameters(), lr=sched, weight_decay=t["weight_decay"],
                          clip_grad_norm=t["clip_grad_norm"] or None)
-    with tg.connect(r["address"] or None, n_workers=r["workers"] or None, quiet=True) as rt:
+    if rt is None:
+        rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
+                        n_workers=r["workers"] or None, quiet=True)
+    with rt:
         print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters; "
               f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
               f"{steps} steps", flush=True)
@@ -236,6 +244,9 @@ def main(argv=None) -> int:
     tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
     tr.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--mpi", action="store_true",
+                    help="run under mpiexec -n N (N >= 3) on a dask-mpi cluster: rank 0 the scheduler, rank 1 "
+                         "this command, ranks >= 2 workers (overrides [runtime] mpi)")
     tr.set_defaults(func=cmd_train)
     gen = sub.add_parser("generate", help="continue a prompt with a trained model (greedy, top-k, top-p; KV cache)")
     gen.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
