@@ -97,3 +97,37 @@ def test_generate_without_a_tokenizer_is_a_clear_error(tmp_path):
 def test_info_prints_versions(tmp_path):
     run = _cli("info", cwd=tmp_path)
     assert run.returncode == 0 and "tilegraph" in run.stdout and "dask" in run.stdout
+
+
+@pytest.mark.parametrize("model, want", [
+    # the default's max_seq_len (64, the job's windows) and dim survive a key added to its flavor
+    ('flavor = "gpt2-debug"\nn_layers = 1\n', {"n_layers": 1, "max_seq_len": 64, "dim": 64, "vocab_size": 257}),
+    ('n_heads = 2\n', {"n_heads": 2, "dim": 64, "vocab_size": 257}),
+    # another flavor keeps its own shape, and takes the job's vocabulary and windows
+    ('flavor = "llama-debug"\n', {"dim": 64, "hidden": 176, "n_kv_heads": 2, "vocab_size": 257, "max_seq_len": 64}),
+])
+def test_model_sections_override_the_default_key_by_key(tmp_path, model, want):
+    from tilegraph.cli import build_model, load_config, make_tokenizer
+
+    (tmp_path / "c.toml").write_text("[model]\n" + model)
+    cfg, _ = load_config(str(tmp_path / "c.toml"))
+    built = build_model(cfg["model"], make_tokenizer(cfg["data"]["tokenizer"]), 0, cfg["data"]["seq_len"])
+    assert {k: getattr(built.config, k) for k in want} == want
+
+
+@pytest.mark.parametrize("model, message", [
+    ('vocab_size = 100\n', r"vocab_size of at least the tokenizer's 257 .*received: gpt2-debug with vocab_size 100"),
+    ('flavor = "llama-debug"\nvocab_size = 128\n', r"received: llama-debug with vocab_size 128"),
+    ('max_seq_len = 16\n', r"max_seq_len of at least \[data\] seq_len = 64; received: gpt2-debug with max_seq_len 16"),
+])
+def test_a_model_that_does_not_fit_the_job_stops_before_training(tmp_path, model, message):
+    (tmp_path / "c.toml").write_text("[model]\n" + model)
+    run = _cli("train", "c.toml", "--out", "run", cwd=tmp_path)
+    assert run.returncode == 2 and re.search(message, run.stderr) and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_info_lists_the_model_flavors(tmp_path):
+    run = _cli("info", cwd=tmp_path)
+    assert run.returncode == 0
+    assert re.search(r"llama-debug +LlamaConfig +2 layers x 64 wide, 4 heads, vocab 128", run.stdout)

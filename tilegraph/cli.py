@@ -22,6 +22,10 @@ import numpy as np
 # ---------------------------------------------------------------------------------- config ----
 DEFAULT_CONFIG = "default.toml"
 
+#: [model] keys of the shipped config that a config naming another flavor still inherits: they
+#: fit the model to the job's tokenizer and windows; the others shape the default flavor's model
+JOB_MODEL_KEYS = ("vocab_size", "max_seq_len")
+
 
 def load_config(path: str | None) -> tuple[dict, str]:
     """The job's settings: the shipped default config updated with the file at ``path``."""
@@ -46,8 +50,13 @@ def load_config(path: str | None) -> tuple[dict, str]:
         if unknown:
             raise TileError("tilegraph train", f"only known sections and keys ({', '.join(f'[{k}]' for k in cfg)})",
                             f"unknown {', '.join(unknown)} in {path}")
+        model = user.get("model", {})
+        if model.get("flavor", cfg["model"]["flavor"]) != cfg["model"]["flavor"]:
+            # another flavor: the default's shape keys (dim, ...) describe the default flavor's
+            # model, not this one; only the keys that describe the job carry over
+            cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
         for k, v in user.items():
-            cfg[k] = {**cfg[k], **v} if k != "model" else v
+            cfg[k] = {**cfg[k], **v}
         source = path
     return cfg, source
 
@@ -75,7 +84,7 @@ def stdlib_files(patterns, max_bytes: int) -> list[Path]:
     return files
 
 
-def build_model(model_cfg: dict, tokenizer, seed: int):
+def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = None):
     import dataclasses
 
     from tilegraph import models
@@ -91,7 +100,14 @@ def build_model(model_cfg: dict, tokenizer, seed: int):
     if unknown:
         raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
                         f"unknown {', '.join(unknown)}")
-    return models.build(dataclasses.replace(base, **fields), seed=seed)
+    cfg = dataclasses.replace(base, **fields)
+    if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id
+        raise TileError("tilegraph train [model]", f"vocab_size of at least the tokenizer's {tokenizer.vocab_size} "
+                        "(or vocab_size = \"tokenizer\")", f"{flavor} with vocab_size {cfg.vocab_size}")
+    if seq_len is not None and cfg.max_seq_len < seq_len:
+        raise TileError("tilegraph train [model]", f"max_seq_len of at least [data] seq_len = {seq_len}",
+                        f"{flavor} with max_seq_len {cfg.max_seq_len}")
+    return models.build(cfg, seed=seed)
 
 
 def make_tokenizer(name: str):
@@ -115,7 +131,7 @@ def cmd_train(args) -> int:
     steps = args.steps if args.steps is not None else int(t["steps"])
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
-    model = build_model(cfg["model"], tokenizer, t["seed"])  # bad model settings fail before any work
+    model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])  # bad model settings fail before any work
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
         model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +246,13 @@ def cmd_info(args) -> int:
     except Exception as e:  # the GPU extra is optional
         print(f"cupy: not available ({type(e).__name__})")
     print(f"cpu cores: {os.cpu_count()}")
+    from tilegraph import models
+
+    print("model flavors ([model] flavor = ...):")
+    for name in models.FLAVORS:
+        c = models.config(name)
+        print(f"  {name:15} {type(c).__name__:12} {c.n_layers} layers x {c.dim} wide, {c.n_heads} heads, "
+              f"vocab {c.vocab_size:,}, max_seq_len {c.max_seq_len}")
     return 0
 
 
@@ -262,7 +285,7 @@ def main(argv=None) -> int:
     gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
     gen.add_argument("--ids", action="store_true", help="also print the token ids")
     gen.set_defaults(func=cmd_generate)
-    info = sub.add_parser("info", help="versions and devices")
+    info = sub.add_parser("info", help="versions, devices and the model flavors")
     info.set_defaults(func=cmd_info)
     args = ap.parse_args(argv)
     from tilegraph._errors import TileError
