@@ -246,3 +246,28 @@ def test_work_spreads_over_processes_only_when_each_gets_enough(rng):
     assert procs(0.99 * total / 4) == {0, 1, 2, 3}  # a quarter each: all four processes
     assert procs(0.99 * total / 2) == {0, 1}        # a half each: two
     assert procs(total * 2) == {0}                  # not enough for two: one process, no hops
+
+
+def test_task_names_say_which_part_of_the_model_and_which_phase():
+    """Dask names tasks by the alphabetic words at the start of their keys: a step's tasks read as
+    the module path and phase of most of their work (``tg-blocks-attn-fwd``), the layer index
+    follows, and the optimizer's tasks read as updates."""
+    from dask.utils import key_split
+
+    from tilegraph import models
+
+    model = models.build("gpt2-debug", seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = np.zeros((2, 16), np.int64)
+    step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(1, 8)] * 2,
+                        fuse=False)  # one task per kernel: every kernel's own name
+    exe = step.plan(ids, ids)
+    _, keys = exe.lower()
+    prefixes = {key_split(k) for k in keys}
+    assert {"tg-blocks-attn-fwd", "tg-blocks-attn-bwd", "tg-blocks-ln-fwd", "tg-optimizer-update"} <= prefixes, prefixes
+    assert {"tg-blocks-mlp-fc-fwd", "tg-blocks-mlp-fc-bwd"} <= prefixes  # blocks.0.mlp.fc1, fc2
+    # the layer index stays in the key
+    assert any(k.startswith("tg-blocks-attn-fwd-1-") for k in keys)
+    # and a fused task is named after the largest part of its work
+    fused = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(1, 8)] * 2)
+    assert all(key_split(k).startswith("tg-") and len(key_split(k)) > 3 for k in fused.plan(ids, ids).lower()[1])

@@ -11,16 +11,18 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from tilegraph._errors import TileError
+from tilegraph._graph import current_scope, scope
 from tilegraph._tensor import TileTensor
 
 __all__ = ["Op", "Record", "grad"]
 
 
 class Record:
-    __slots__ = ("op", "args", "ctx")
+    __slots__ = ("op", "args", "ctx", "scope")
 
     def __init__(self, op: "Op", args: tuple, ctx: Any):
         self.op, self.args, self.ctx = op, args, ctx
+        self.scope = current_scope()  # where the forward ran: its backward is named after it
 
 
 class Op:
@@ -111,7 +113,8 @@ def grad(loss: TileTensor, inputs: Sequence[TileTensor], *, allow_unused: bool =
         rec = t._record
         if not any(isinstance(a, TileTensor) and needs.get(id(a), False) for a in rec.args):
             continue
-        grads = rec.op.backward(rec.ctx, g)
+        with scope(f"{rec.scope.split(':')[0]}:backward"):
+            grads = rec.op.backward(rec.ctx, g)
         for a, ga in zip(rec.args, grads):
             if not isinstance(a, TileTensor) or ga is None or not needs.get(id(a), False):
                 continue

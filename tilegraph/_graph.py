@@ -10,6 +10,7 @@ is how a training step is recorded once and replayed (see ``_lower.Executable``)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -180,10 +181,29 @@ class ReplicatedRef(ValueRef):
         return self.replicas[proc]
 
 
+_SCOPES: list[str] = []
+
+
+@contextlib.contextmanager
+def scope(name: str):
+    """Record the kernels emitted inside the block under ``name`` (the part of the model, and
+    the phase, that made them: ``"layers.3.attn"``, ``"layers.3.attn:backward"``); task names
+    on the Dask dashboard are made from it."""
+    _SCOPES.append(name)
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
+
+
+def current_scope() -> str:
+    return _SCOPES[-1] if _SCOPES else ""
+
+
 class Node:
     """One tile kernel call in the logical graph (or a leaf when ``kernel is None``)."""
 
-    __slots__ = ("kernel", "params", "inputs", "out_meta", "cost", "cell", "device", "op", "__weakref__")
+    __slots__ = ("kernel", "params", "inputs", "out_meta", "cost", "cell", "device", "op", "scope", "__weakref__")
 
     def __init__(self, kernel: Kernel | None, params: dict, inputs: tuple["TileRef", ...],
                  out_meta: tuple[tuple[tuple[int, ...], np.dtype], ...], op: str,
@@ -194,6 +214,7 @@ class Node:
         self.out_meta = out_meta
         self.cell = cell
         self.op = op
+        self.scope = current_scope()
         self.device: str | None = None
         if kernel is not None:
             itemsize = max((np.dtype(r.dtype).itemsize for r in inputs), default=4)

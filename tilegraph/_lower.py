@@ -352,6 +352,32 @@ def est_seconds(node: Node) -> float:
     return node.cost.flops / f + node.cost.bytes / b + c
 
 
+#: the phase words in task names; "backward" would end Dask's prefix (eight letters that begin
+#: like a hex token look like a hash to ``key_split``)
+_PHASE_WORDS = {"forward": "fwd", "backward": "bwd"}
+
+
+def task_label(nodes: Sequence[Node]) -> str:
+    """A task's name on the Dask dashboard, from the scope of most of its estimated work.
+
+    Dask groups and colours tasks by the alphabetic words at the start of their key (its
+    ``key_split``): ``layers.3.attn:backward`` becomes ``layers-attn-bwd-3``, so the task stream
+    reads ``tg-layers-attn-bwd`` and the key keeps the layer's index; a task spanning several
+    parts of the model is named after the largest, with ``-etc``."""
+    work: dict[str, float] = {}
+    for n in nodes:
+        work[n.scope] = work.get(n.scope, 0.0) + est_seconds(n)
+    top = max(work, key=work.get, default="")
+    path, _, phase = top.partition(":")
+    parts = path.split(".") if path else [nodes[0].op if nodes else "task"]
+    words = ["".join(ch for ch in p if ch.isalpha()) for p in parts if not p.isdigit()]
+    words = [w for w in words if w] + [_PHASE_WORDS.get(phase or "forward", phase)]
+    numbers = [p for p in parts if p.isdigit()]
+    if len(work) > 1:
+        words.append("etc")  # more than one part of the model
+    return "-".join(words + numbers)
+
+
 # ------------------------------------------------------------------------------ clustering ----
 def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
     """Nodes in decreasing order of their longest estimated path to a sink (HEFT's upward rank).
@@ -665,7 +691,7 @@ class Executable:
             deps.append(len(producers))
             for r in set(ins):
                 uses[r] += 1
-        label = c.nodes[0].op
+        label = task_label(c.nodes)
         prog = Program(tuple(ops), len(ext), n_regs, out_regs, c.device, array_module, label,
                        c.threads if c.device == "cpu" else 1, tuple(deps), tuple(map(tuple, succs)), tuple(uses))
         return _Plan(prog, ext, outputs, c.device)

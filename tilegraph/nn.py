@@ -22,6 +22,8 @@ import numpy as np
 from tilegraph import ops
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
+from tilegraph._graph import _SCOPES as _scopes_stack
+from tilegraph._graph import scope as _scope
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells, tensor_from_cells
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
@@ -100,11 +102,40 @@ def deferred_init():
         _DEFERRED.pop()
 
 
+def _scopes() -> list[str]:
+    return _scopes_stack
+
+
 class Module:
     """Base class: parameters and submodules are plain attributes (also inside lists/dicts)."""
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if not _scopes():  # the model itself: name every submodule by its attribute path, once
+            self._name_modules()
+        with _scope(getattr(self, "_scope_name", None) or type(self).__name__.lower()):
+            return self.forward(*args, **kwargs)
+
+    def _name_modules(self) -> None:
+        """Give each submodule the dotted path of its attribute (``layers.3.attn``) as the scope
+        of the kernels it records (the names of its tasks on the Dask dashboard)."""
+        if getattr(self, "_scope_name", None) is not None:
+            return
+        object.__setattr__(self, "_scope_name", type(self).__name__.lower())
+        stack = [(f"{name}", value) for name, value in vars(self).items()]
+        while stack:
+            path, value = stack.pop()
+            if isinstance(value, Module):
+                if getattr(value, "_scope_name", None) is None:
+                    object.__setattr__(value, "_scope_name", path)
+                items = value.layers if isinstance(value, ModuleList) else vars(value).items()
+                if isinstance(value, ModuleList):
+                    stack.extend((f"{path}.{i}", m) for i, m in enumerate(items))
+                else:
+                    stack.extend((f"{path}.{k}", v) for k, v in items if k != "_scope_name")
+            elif isinstance(value, (list, tuple)):
+                stack.extend((f"{path}.{i}", v) for i, v in enumerate(value))
+            elif isinstance(value, dict):
+                stack.extend((f"{path}.{k}", v) for k, v in value.items())
 
     def forward(self, *args, **kwargs):  # pragma: no cover - interface
         raise NotImplementedError

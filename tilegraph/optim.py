@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, xp_of
+from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, scope, xp_of
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
 from tilegraph.nn import Parameter
 
@@ -229,6 +229,10 @@ class Optimizer:
         """
         if len(grads) != len(self.params):
             raise TileError("tilegraph.optim.record", f"expected {len(self.params)} gradients", str(len(grads)))
+        with scope("optimizer:update"):
+            return self._record(grads, hyper, current)
+
+    def _record(self, grads, hyper, current):
         current = current or {}
         hyper = leaf(hyper or self.hyper)
         norm = None

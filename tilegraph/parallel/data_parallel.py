@@ -80,14 +80,14 @@ def _copy(node: Node, inputs: tuple[TileRef, ...]) -> Node:
     """``node`` with other inputs (same kernel, params, metas, cost and device)."""
     new = Node.__new__(Node)
     new.kernel, new.params, new.inputs, new.out_meta = node.kernel, node.params, inputs, node.out_meta
-    new.cost, new.cell, new.device, new.op = node.cost, node.cell, node.device, node.op
+    new.cost, new.cell, new.device, new.op, new.scope = node.cost, node.cell, node.device, node.op, node.scope
     return new
 
 
 def _like(node: Node, kernel, inputs: tuple[TileRef, ...], params: dict, meta=None) -> Node:
     """A new call of ``kernel`` in ``node``'s place (its device and op name)."""
     new = Node(kernel, params, inputs, meta or node.out_meta, op=node.op)
-    new.device = node.device
+    new.device, new.scope = node.device, node.scope
     return new
 
 
