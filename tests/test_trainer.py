@@ -141,3 +141,21 @@ def test_steps_per_graph_is_checked():
     with pytest.raises(tg.TileError, match=r"does not combine with accum_steps > 1; received: steps_per_graph=2, "
                                            r"accum_steps=2"):
         _setup(steps_per_graph=2, accum_steps=2)
+
+
+@pytest.mark.distributed
+def test_fit_reports_time_per_model_part_and_writes_a_dask_performance_report(embedded_runtime, tmp_path):
+    model, opt, _ = _setup(steps=6)
+    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=_mse, batch_size=32,
+                         batch_tiles=[(16, 8), (16, None)], progress=False, steps_per_graph=1,
+                         performance_report=tmp_path / "report" / "step3.html", report_step=3)
+    res = trainer.fit(6)
+    html = (tmp_path / "report" / "step3.html").read_text()
+    assert "Dask Performance Report" in html and len(html) > 10_000
+    # kernel time per part of the model, the optimizer's update among them
+    assert {"fc1", "fc2", "fc1:backward", "optimizer:update"} <= set(res.kernel_seconds), res.kernel_seconds
+    assert list(res.kernel_seconds.values()) == sorted(res.kernel_seconds.values(), reverse=True)
+    assert 0.0 <= res.outside_kernels < 1.0
+    assert res.profile().startswith("kernel time: ") and "outside kernels" in res.profile()
+    with pytest.raises(tg.TileError, match=r"performance_report needs a distributed runtime"):
+        tg.Trainer(model, opt, _data(0), loss_fn=_mse, performance_report=tmp_path / "r.html")

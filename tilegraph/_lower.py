@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -130,10 +130,21 @@ class DaskKey:
 
 
 # -------------------------------------------------------------------------------- execution ----
-class Program:
-    """What one fused task runs: kernel calls over registers, in a valid order.
+class Call(NamedTuple):
+    """One kernel call of a task's program, over the task's registers."""
 
-    ``ops[k] = (kernel, params, input regs, output regs, output metas, regs freed after it, op)``.
+    kernel: Any           # the Kernel
+    params: dict
+    ins: tuple            # input registers
+    outs: tuple           # output registers
+    metas: tuple          # (shape, dtype) of each output
+    free: tuple           # registers freed after it (one thread running the calls in order)
+    op: str               # the op that recorded it (error messages)
+    scope: str            # the model part and phase (timings per part)
+
+
+class Program:
+    """What one fused task runs: kernel calls (:class:`Call`) over registers, in a valid order.
     With ``threads > 1`` the task runs its kernels on that many threads of its worker process as
     their inputs become ready (``deps``/``succs`` give the dependencies between the task's ops,
     ``uses`` how many ops read each register); otherwise it runs them one after another.
@@ -185,37 +196,39 @@ def _to_device(x, device: str, array_module: str):
 #: per-process counters: seconds inside kernels, seconds inside fused tasks, tasks run
 _STATS = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0}
 _BY_KERNEL: dict[str, float] = {}
+_BY_SCOPE: dict[str, float] = {}
 _STATS_LOCK = threading.Lock()
 
 
 def kernel_stats(reset: bool = False) -> dict:
-    """This process's counters: kernel seconds (also ``by_kernel`` name), task seconds (wall time
-    times the threads a task held), tasks run. See Runtime.kernel_stats for the sum over a
-    cluster's workers."""
+    """This process's counters: kernel seconds (also ``by_kernel`` name and ``by_scope``, the
+    model part and phase that recorded the kernels, e.g. ``blocks.0.attn:backward``), task
+    seconds (wall time times the threads a task held), tasks run. See Runtime.kernel_stats for
+    the sum over a cluster's workers."""
     with _STATS_LOCK:
-        out = dict(_STATS, by_kernel=dict(_BY_KERNEL))
+        out = dict(_STATS, by_kernel=dict(_BY_KERNEL), by_scope=dict(_BY_SCOPE))
         if reset:
             _STATS.update(kernel_seconds=0.0, task_seconds=0.0, tasks=0)
             _BY_KERNEL.clear()
+            _BY_SCOPE.clear()
     return out
 
 
-def _call(op, regs: list, device: str) -> tuple[tuple, float]:
+def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
     """Run one kernel call on its input registers; returns (output values, seconds)."""
-    kern, params, ins, outs, metas, _, name = op
-    fn = kern.impl(device)
+    fn = op.kernel.impl(device)
     t0 = time.perf_counter()
     try:
-        res = fn(*[regs[i] for i in ins], **params)
+        res = fn(*[regs[i] for i in op.ins], **op.params)
     except Exception as e:  # say which op failed; the traceback keeps the cause
-        e.add_note(f"in tile kernel {kern.name!r} of op {name!r}")
+        e.add_note(f"in tile kernel {op.kernel.name!r} of op {op.op!r}" + (f" in {op.scope}" if op.scope else ""))
         raise
     dt = time.perf_counter() - t0
-    if len(outs) == 1:
+    if len(op.outs) == 1:
         res = (res,)
-    for val, (shape, dtype) in zip(res, metas):
+    for val, (shape, dtype) in zip(res, op.metas):
         if val.shape != shape or val.dtype != dtype:
-            raise TileError(f"tile kernel {kern.name} of op {name}",
+            raise TileError(f"tile kernel {op.kernel.name} of op {op.op}",
                             f"computed tile does not match its declared meta {shape} {dtype}",
                             f"{val.shape} {val.dtype}")
     return res, dt
@@ -276,14 +289,13 @@ class _ParallelRun:
                     cond.notify_all()
                 return
             with cond:
-                for r, val in zip(op[3], res):
+                for r, val in zip(op.outs, res):
                     regs[r] = val
-                for r in set(op[2]):
+                for r in set(op.ins):
                     self.uses[r] -= 1
                     if not self.uses[r] and r not in self.keep:
                         regs[r] = None
-                name = op[0].name
-                self.by_kernel[name] = self.by_kernel.get(name, 0.0) + dt
+                _count(self.by_kernel, op, dt)
                 woken = 0
                 for s in prog.succs[k]:
                     self.pending[s] -= 1
@@ -315,22 +327,28 @@ def run_cluster(bound: Bound, prog: Program, *args):
             raise run.error
         by_kernel = run.by_kernel
     else:
-        by_kernel: dict[str, float] = {}
+        by_kernel: dict[tuple[str, str], float] = {}
         for op in prog.ops:
             res, dt = _call(op, regs, prog.device)
-            by_kernel[op[0].name] = by_kernel.get(op[0].name, 0.0) + dt
-            for r, val in zip(op[3], res):
+            _count(by_kernel, op, dt)
+            for r, val in zip(op.outs, res):
                 regs[r] = val
-            for r in op[5]:
+            for r in op.free:
                 regs[r] = None
     out = tuple(regs[r] for r in prog.out_regs)
     with _STATS_LOCK:
         _STATS["kernel_seconds"] += sum(by_kernel.values())
         _STATS["task_seconds"] += (time.perf_counter() - t_start) * max(held, 1)
         _STATS["tasks"] += 1
-        for name, dt in by_kernel.items():
+        for (name, where), dt in by_kernel.items():
             _BY_KERNEL[name] = _BY_KERNEL.get(name, 0.0) + dt
+            _BY_SCOPE[where] = _BY_SCOPE.get(where, 0.0) + dt
     return out
+
+
+def _count(seconds: dict, op: Call, dt: float) -> None:
+    key = (op.kernel.name, op.scope)
+    seconds[key] = seconds.get(key, 0.0) + dt
 
 
 # ------------------------------------------------------------------------------- placement ----
@@ -679,7 +697,7 @@ class Executable:
         ops = []
         for step, (n, ins, outs) in enumerate(body):
             free = tuple(r for r in set(ins) if last_use[r] == step and r not in keep)
-            ops.append((n.kernel, n.params, tuple(ins), tuple(outs), n.out_meta, free, n.op))
+            ops.append(Call(n.kernel, n.params, tuple(ins), tuple(outs), n.out_meta, free, n.op, n.scope))
         # Dependencies between the task's own ops, for running them on several threads.
         made_by = {r: step for step, (_, _, outs) in enumerate(body) for r in outs}
         uses = [0] * n_regs

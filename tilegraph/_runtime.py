@@ -157,12 +157,13 @@ class Runtime:
         from tilegraph._lower import kernel_stats
 
         per_worker = self.client.run(kernel_stats, reset)
-        total = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0, "by_kernel": {}}
+        total = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0, "by_kernel": {}, "by_scope": {}}
         for stats in per_worker.values():
             for k in ("kernel_seconds", "task_seconds", "tasks"):
                 total[k] += stats[k]
-            for name, dt in stats["by_kernel"].items():
-                total["by_kernel"][name] = total["by_kernel"].get(name, 0.0) + dt
+            for part in ("by_kernel", "by_scope"):
+                for name, dt in stats[part].items():
+                    total[part][name] = total[part].get(name, 0.0) + dt
         return total
 
     # -- lifetime ---------------------------------------------------------------------------------

@@ -179,6 +179,7 @@ def cmd_train(args) -> int:
     val_loss = res.val_losses[-1][1] if res.val_losses else float("nan")
     print(f"loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} (validation {val_loss:.3f}; uniform guess "
           f"{np.log(tokenizer.vocab_size):.3f}) in {res.seconds:.1f} s, {res.tokens_per_s:,.0f} tokens/s", flush=True)
+    print(res.profile(top=5))
     print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
     if sample:
         print(f"sample (top-k 10, temperature 0.8): {sample!r}")

@@ -45,6 +45,23 @@ class FitResult:
     seconds: float = 0.0
     tokens_per_s: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
+    #: seconds inside tile kernels per part of the model and phase ("blocks.0.attn:backward",
+    #: "optimizer:update"), summed over the workers' threads, largest first
+    kernel_seconds: dict[str, float] = field(default_factory=dict)
+    #: the share of the workers' thread time spent outside kernels (Dask, transfers, waiting)
+    outside_kernels: float = 0.0
+
+    def profile(self, top: int = 8) -> str:
+        """Where the time went: the parts of the model with the most kernel time, and the share
+        outside kernels.
+
+        >>> FitResult(1, [1.0], seconds=2.0, kernel_seconds={"blocks.0.mlp": 1.5, "optimizer:update": 0.5},
+        ...           outside_kernels=0.5).profile()
+        'kernel time: blocks.0.mlp 75%, optimizer:update 25%; outside kernels: 50% of worker thread time'
+        """
+        total = sum(self.kernel_seconds.values()) or 1.0
+        parts = ", ".join(f"{k or '(outside modules)'} {v / total:.0%}" for k, v in list(self.kernel_seconds.items())[:top])
+        return f"kernel time: {parts}; outside kernels: {self.outside_kernels:.0%} of worker thread time"
 
 
 class Trainer:
@@ -70,6 +87,10 @@ class Trainer:
       the parameters; ``pipeline=False`` runs strictly one graph at a time.
     - ``progress``: a tqdm bar; when output is neither a terminal nor Jupyter it refreshes every
       10 s at most.
+    - ``performance_report``: a path: the Dask performance report (HTML: task stream, worker
+      profiles, bandwidth) of the graph holding step ``report_step`` (default: the second step
+      of the fit, after the first one recorded and planned). :attr:`FitResult.kernel_seconds`
+      tells the time per model part, which Dask cannot see inside a task.
 
     A loss that becomes NaN/inf stops training with an error naming the step (the metrics of the
     steps before it are on disk).
@@ -81,6 +102,7 @@ class Trainer:
                  checkpoint_dir: str | os.PathLike | None = None, progress: bool = True,
                  on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
                  batch_tiles: Sequence | None = None, pipeline: bool = True, steps_per_graph: int | str = "auto",
+                 performance_report: str | os.PathLike | None = None, report_step: int | None = None,
                  **compile_options):
         where = "tilegraph.Trainer"
         if steps_per_graph != "auto" and (isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int)
@@ -104,6 +126,10 @@ class Trainer:
         self.pipeline = pipeline
         self.steps_per_graph = steps_per_graph
         self.on_step, self.on_checkpoint = list(on_step), list(on_checkpoint)
+        if performance_report is not None and runtime is None:
+            raise TileError(where, "performance_report needs a distributed runtime (tg.connect())",
+                            f"performance_report={str(performance_report)!r}, runtime=None")
+        self.performance_report, self.report_step = performance_report, report_step
         self.token_data = hasattr(data, "batch_offsets") and hasattr(data, "tensors")
         if self.token_data:
             seq_tile = getattr(getattr(model, "tiling", None), "seq", None)
@@ -181,6 +207,9 @@ class Trainer:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / "metrics.jsonl", "a") if self.log_dir is not None else None
+        self._kernel_stats(reset=True)
+        report = contextlib.ExitStack()
+        report_step = self.report_step if self.report_step is not None else start + min(2, steps)
         t0 = time.perf_counter()
         tokens = 0
         end = start + steps
@@ -230,24 +259,49 @@ class Trainer:
                 size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
                 steps = range(i, min(stop, i + size - 1) + 1)
                 batches = [first if j == start + 1 else self._batch(j) for j in steps]
+                reporting = self.performance_report is not None and report_step in steps
+                if reporting:
+                    self._start_report(report)
                 pendings = self.step.submit_steps(batches)
                 for w in waiting:
                     finish(*w)
                 waiting = list(zip(steps, pendings, batches))
-                if not self.pipeline or waits(steps[-1]):
+                if not self.pipeline or waits(steps[-1]) or reporting:
                     for w in waiting:
                         finish(*w)
                     waiting = []
+                    report.close()
                 i = steps[-1] + 1
         finally:
+            report.close()
             bar.close()
             if log is not None:
                 log.close()
         result.steps = len(result.losses)
         result.seconds = time.perf_counter() - t0
         result.tokens_per_s = tokens / result.seconds
+        ks = self._kernel_stats()
+        result.kernel_seconds = dict(sorted(ks["by_scope"].items(), key=lambda kv: -kv[1]))
+        threads = sum(self.runtime.processors().values()) if self.runtime is not None else (os.cpu_count() or 1)
+        result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / (result.seconds * threads))
         self.plot()
         return result
+
+    def _kernel_stats(self, reset: bool = False) -> dict:
+        """Kernel time counters of the workers (of this process without a runtime)."""
+        if self.runtime is not None:
+            return self.runtime.kernel_stats(reset)
+        from tilegraph._lower import kernel_stats
+
+        return kernel_stats(reset)
+
+    def _start_report(self, stack: contextlib.ExitStack) -> None:
+        """Open the Dask performance report of the next graph."""
+        from distributed import performance_report
+
+        path = Path(self.performance_report)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stack.enter_context(performance_report(filename=str(path)))
 
     def _steps_per_graph(self, batch) -> int:
         if self.steps_per_graph != "auto":
