@@ -117,3 +117,9 @@ def test_deferred_init_builds_shapes_without_values():
     x = tg.from_numpy(np.ones((2, 3, 8), np.float32), tiles=(1, 3, 4))
     np.testing.assert_array_equal(mlp(x).numpy(), ref(x).numpy())
     assert all(c.value is not None for p in tg.nn.MLP(8, 16, tile=4, seed=0).parameters() for c in p.cells.flat)
+
+
+@pytest.mark.parametrize("tiles", [2.5, True, [2.0, 2], (2, "4")])
+def test_tile_sizes_must_be_integers(tiles):
+    with pytest.raises(tg.TileError, match=r"tile size of dim \d must be a positive integer, or None"):
+        tg.from_numpy(np.ones((4, 4)), tiles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +36,7 @@ class Tiling:
             return cls(tuple((s,) for s in shape))
         if isinstance(sizes, Tiling):
             sizes = sizes.chunks
-        if isinstance(sizes, int):
+        if not isinstance(sizes, (tuple, list)):  # one size for every dim (checked below)
             sizes = (sizes,) * len(shape)
         sizes = tuple(sizes)
         if len(sizes) != len(shape):
@@ -49,6 +50,9 @@ class Tiling:
                     raise TileError(where, f"tiles of dim {d} must be positive and sum to {n}", f"{t}")
                 chunks.append(t)
                 continue
+            if isinstance(t, bool) or not (t is None or isinstance(t, numbers.Integral)):
+                raise TileError(where, f"tile size of dim {d} must be a positive integer, or None (or -1) for "
+                                "the whole dim", f"{t!r} ({type(t).__name__})")
             if t is None or t == -1:
                 t = n
             t = int(t)
