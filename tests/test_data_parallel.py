@@ -266,3 +266,20 @@ def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_p
     assert base[-1] < base[0]
     np.testing.assert_allclose(runs[(2, "tiles")], base, rtol=1e-6)
     np.testing.assert_allclose(runs[(2, "data")], base, rtol=1e-4)
+
+
+@pytest.mark.distributed
+def test_data_parallel_over_gpu_workers(monkeypatch):
+    """Replicas on GPU workers (emulated: their tasks run the NumPy kernels), every task asking
+    for the GPU resource."""
+    monkeypatch.setattr(tg.config, "gpu_array_module", "numpy")
+    x, y = _data()
+    _, local_step = _step()
+    local = [local_step(x, y) for _ in range(3)]
+    with tg.connect(n_workers=2, gpu=2, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+        _, step = _step(runtime=rt, parallel="data", placement="gpu")
+        losses = [step(x, y) for _ in range(3)]
+        exe = step.plan(x, y)
+        assert exe.strategy == "data" and {c.device for c in exe.clusters} == {"gpu"}
+        assert sorted(set(exe.worker_of.values())) == sorted(rt.workers())
+    np.testing.assert_allclose(losses, local, rtol=2e-5)
