@@ -9,16 +9,11 @@ from tilegraph._train import _batch_inputs
 from tilegraph.parallel import batch_groups, split_replicas
 
 
+from test_train import _data as _regression, _mse  # the MLP regression task of the training tests
+
+
 def _data(n=40, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, 16)).astype(np.float32)
-    w = rng.standard_normal((16, 4)).astype(np.float32) / 4
-    return x, np.tanh(x @ w)
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
+    return _regression(seed=seed, n=n)
 
 
 def _step(runtime=None, clip=1.0, row_tile=8, **options):
