@@ -7,8 +7,13 @@ import logging
 from tilegraph._errors import TileError
 
 
-def initialize_mpi(interface: str | None = None, quiet: bool = True) -> int:
-    """Turn this MPI rank into its dask-mpi role; on the client rank, return the worker count."""
+def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security=None, tls: bool = False,
+                   tls_files: tuple[str, str, str] | None = None) -> int:
+    """Turn this MPI rank into its dask-mpi role; on the client rank, return the worker count.
+
+    With ``tls_files`` (CA, certificate, key: checked by ``connect``; every rank must be able to
+    read them) or a ``distributed.Security``, every rank speaks ``tls://``.
+    """
     try:
         from dask_mpi import initialize
         from mpi4py import MPI
@@ -27,9 +32,46 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True) -> int:
             for name in ("distributed.batched", "distributed.core", "distributed.worker"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
 
+    tls_config = _tls_config(security, tls, tls_files)
+    if tls_config:
+        import dask
+
+        # Process-wide, not in a `with` block: dask-mpi's Scheduler and Worker build their
+        # Security from dask's config, and so do the Client on rank 1 (after initialize() returns)
+        # and dask-mpi's closing client at exit.
+        dask.config.set(tls_config)
     # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
     gpus = _visible_gpus()
     options = {"resources": {"GPU": 1} if gpus else {"CPU": 1}}
     initialize(interface=interface, nthreads=1, worker_options=options, dashboard=comm.Get_rank() == 0,
-               exit=True)
+               protocol="tls" if tls_config else None, exit=True)
     return comm.Get_size() - 2
+
+
+def _tls_config(security, tls: bool, tls_files) -> dict:
+    """Dask config keys that make this rank's scheduler, worker or client use TLS ({}: plain tcp).
+
+    Each rank reads the files itself, so no key travels between ranks: MPI's own network is
+    usually not encrypted, which is why ``tls=True`` without files (temporary certificates made
+    on one rank) is refused here.
+    """
+    if tls_files:
+        ca_file, cert, key = tls_files
+        roles = {role: (cert, key) for role in ("scheduler", "worker", "client")}
+    elif security is not None:
+        ca_file = security.tls_ca_file
+        roles = {role: (getattr(security, f"tls_{role}_cert"), getattr(security, f"tls_{role}_key"))
+                 for role in ("scheduler", "worker", "client")}
+        if not ca_file:
+            return {}
+    elif tls:
+        raise TileError("tilegraph.connect(mpi=True)", "TLS under MPI needs certificate files every rank can read: "
+                        "tls_ca_file, tls_cert and tls_key (temporary certificates would have to travel between "
+                        "ranks over MPI's network, which is usually not encrypted)", "tls=True without files")
+    else:
+        return {}
+    config = {"distributed.comm.require-encryption": True, "distributed.comm.tls.ca-file": ca_file}
+    for role, (cert, key) in roles.items():
+        config[f"distributed.comm.tls.{role}.cert"] = cert
+        config[f"distributed.comm.tls.{role}.key"] = key
+    return config

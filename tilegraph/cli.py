@@ -124,10 +124,15 @@ def cmd_train(args) -> int:
     cfg, source = load_config(args.config)
     d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
     rt = None
+    # TLS files: the flags override [runtime]; "" is off (connect checks them before connecting)
+    tls = {k: getattr(args, k) or r.get(k) or None for k in ("tls_ca_file", "tls_cert", "tls_key")}
+    from tilegraph._runtime import _tls_files
+
+    _tls_files("tilegraph train [runtime]", *tls.values())  # wrong files stop before the data is read
     if args.mpi or r["mpi"]:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
-        rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True)
+        rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
     steps = args.steps if args.steps is not None else int(t["steps"])
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
@@ -147,7 +152,7 @@ def cmd_train(args) -> int:
                          clip_grad_norm=t["clip_grad_norm"] or None)
     if rt is None:
         rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
-                        n_workers=r["workers"] or None, quiet=True)
+                        n_workers=r["workers"] or None, quiet=True, **tls)
     with rt:
         print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters; "
               f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
@@ -271,6 +276,11 @@ def main(argv=None) -> int:
     tr.add_argument("--mpi", action="store_true",
                     help="run under mpiexec -n N (N >= 3) on a dask-mpi cluster: rank 0 the scheduler, rank 1 "
                          "this command, ranks >= 2 workers (overrides [runtime] mpi)")
+    for flag, what in (("--tls-ca-file", "the cluster's CA certificate"), ("--tls-cert", "this end's certificate"),
+                       ("--tls-key", "this end's private key")):
+        tr.add_argument(flag, default=None, help=f"TLS: {what}, a PEM file; with all three the connection "
+                                                 f"(and an embedded or MPI cluster) uses tls:// "
+                                                 f"(overrides [runtime] {flag[2:].replace('-', '_')})")
     tr.set_defaults(func=cmd_train)
     gen = sub.add_parser("generate", help="continue a prompt with a trained model (greedy, top-k, top-p; KV cache)")
     gen.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
