@@ -131,3 +131,44 @@ def test_info_lists_the_model_flavors(tmp_path):
     run = _cli("info", cwd=tmp_path)
     assert run.returncode == 0
     assert re.search(r"llama-debug +LlamaConfig +2 layers x 64 wide, 4 heads, vocab 128", run.stdout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], r"train\.steps must be an integer >= 1, not 0"),
+    (["--lr", "-1"], r"train\.lr must be a number > 0, not -1\.0"),
+    (["--set", "train.lr=fast"], r"train\.lr must be a number > 0, not 'fast'"),
+    (["--set", 'train.steps="ten"', "--set", "output.checkpoint_every=-3"],
+     r"train\.steps must be an integer >= 1, not 'ten'; output\.checkpoint_every must be an integer >= 0, not -3"),
+    (["--set", "train.eval_batches=0"], r"train\.eval_batches must be an integer >= 1, not 0"),
+    (["--set", "data.seq_len=2.5"], r"data\.seq_len must be an integer >= 1, not 2\.5"),
+    (["--set", "runtime.mpi=1"], r"runtime\.mpi must be true or false, not 1"),
+    (["--batch-size", "6", "--set", "train.accum_steps=4"], r"train\.batch_size \(6\) must be a multiple of train\.accum_steps \(4\)"),
+    (["--set", "train.nope=1"], r"\[tilegraph train --set\] section\.key=value with a known key .*received: 'train\.nope=1'"),
+    (["--set", "lr"], r"received: 'lr'"),
+])
+def test_bad_settings_are_one_line_each_and_nothing_is_written(tmp_path, args, message):
+    run = _cli("train", "--out", "run", *args, cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert re.search(message, run.stderr) and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_settings_in_a_config_file_name_the_file(tmp_path):
+    (tmp_path / "bad.toml").write_text('[train]\nsteps = "ten"\nlr = -1\n')
+    run = _cli("train", "bad.toml", "--out", "run", cwd=tmp_path)
+    assert run.returncode == 2
+    assert re.search(r"train\.steps must be an integer >= 1, not 'ten'; train\.lr must be a number > 0, not -1 "
+                     r"\(in bad\.toml\)", run.stderr), run.stderr
+
+
+def test_set_overrides_any_key(tmp_path):
+    from tilegraph.cli import apply_overrides, check_config, load_config
+
+    cfg, _ = load_config(None)
+    apply_overrides(cfg, ["train.lr=1e-3", "model.n_layers=4", "data.tokenizer=byte", 'output.dir="x y"',
+                          "model.flavor=llama-debug"])
+    check_config(cfg, "test")
+    assert cfg["train"]["lr"] == 1e-3 and cfg["data"]["tokenizer"] == "byte" and cfg["output"]["dir"] == "x y"
+    # another flavor drops the default flavor's shape keys (dim), as in a config file, and keeps
+    # the ones given on the command line
+    assert cfg["model"] == {"flavor": "llama-debug", "vocab_size": "tokenizer", "max_seq_len": 64, "n_layers": 4}

@@ -61,6 +61,85 @@ def load_config(path: str | None) -> tuple[dict, str]:
     return cfg, source
 
 
+def _int(low: int):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}")
+
+
+def _number(low: float, strict: bool = False, high: float | None = None):
+    def ok(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            return False
+        return (v > low if strict else v >= low) and (high is None or v < high)
+    bounds = f"{'>' if strict else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
+    return ok, f"a number {bounds}"
+
+
+def _text():
+    return (lambda v: isinstance(v, str), "a string")
+
+
+def _texts():
+    return (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v),
+            "a non-empty list of strings")
+
+
+#: what each key of the job config must hold (checked after merging and --set, before any work)
+CONFIG_CHECKS = {
+    "data.sources": _texts(), "data.patterns": _texts(), "data.max_mb": _number(0, strict=True),
+    "data.tokenizer": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, high=1),
+    "train.steps": _int(1), "train.batch_size": _int(1), "train.accum_steps": _int(1),
+    "train.steps_per_graph": (lambda v: v == "auto" or _int(1)[0](v), '"auto" or an integer >= 1'),
+    "train.lr": _number(0, strict=True), "train.warmup": _int(0), "train.min_lr": _number(0),
+    "train.weight_decay": _number(0), "train.clip_grad_norm": _number(0), "train.eval_every": _int(0),
+    "train.eval_batches": _int(1), "train.seed": _int(0),
+    "output.dir": _text(), "output.checkpoint_every": _int(0),
+    "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
+    "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
+    "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
+}
+
+
+def check_config(cfg: dict, source: str) -> None:
+    """Every known key holds what it must; all problems in one error."""
+    from tilegraph._errors import TileError
+
+    problems = []
+    for name, (ok, want) in CONFIG_CHECKS.items():
+        section, key = name.split(".")
+        if key in cfg.get(section, {}) and not ok(cfg[section][key]):
+            problems.append(f"{name} must be {want}, not {cfg[section][key]!r}")
+    t = cfg["train"]
+    if not problems and t["batch_size"] % t["accum_steps"]:
+        problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
+                        f"({t['accum_steps']})")
+    if problems:
+        raise TileError("tilegraph train", "valid settings", f"{'; '.join(problems)} (in {source})")
+
+
+def apply_overrides(cfg: dict, pairs: list[str]) -> None:
+    """``--set section.key=value`` (the value as TOML: 1e-3, 4, true, "text"; a bare word is a
+    string)."""
+    import tomllib
+
+    from tilegraph._errors import TileError
+
+    # a flavor first: switching it drops the default flavor's shape keys, never the ones given here
+    for pair in sorted(pairs, key=lambda p: p.partition("=")[0].strip() != "model.flavor"):
+        name, eq, text = pair.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not eq or not dot or section not in cfg or (key not in cfg[section] and section != "model"):
+            known = ", ".join(f"{s}.{k}" for s, keys in cfg.items() for k in keys)
+            raise TileError("tilegraph train --set", f"section.key=value with a known key ({known})", repr(pair))
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        if (section, key) == ("model", "flavor") and value != cfg["model"].get("flavor"):
+            # as in a config file: another flavor keeps only the keys that fit the job
+            cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
+        cfg[section][key] = value
+
+
 def stdlib_files(patterns, max_bytes: int) -> list[Path]:
     """The standard library's own source files (sorted, tests and site-packages left out), UTF-8
     only, up to ``max_bytes`` in all: a corpus every Python installation has."""
@@ -122,6 +201,16 @@ def cmd_train(args) -> int:
     from tilegraph.io import TokenDataset, build_token_file
 
     cfg, source = load_config(args.config)
+    flags = {"train.steps": args.steps, "train.lr": args.lr, "train.batch_size": args.batch_size,
+             "train.seed": args.seed}
+    apply_overrides(cfg, list(args.set or []))
+    for name, value in flags.items():
+        if value is not None:
+            section, key = name.split(".")
+            cfg[section][key] = value
+    if args.set or any(v is not None for v in flags.values()):
+        source += " and the command line"
+    check_config(cfg, source)
     d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
     rt = None
     # TLS files: the flags override [runtime]; "" is off (connect checks them before connecting)
@@ -133,7 +222,7 @@ def cmd_train(args) -> int:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
         rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
-    steps = args.steps if args.steps is not None else int(t["steps"])
+    steps = int(t["steps"])
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
     model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])  # bad model settings fail before any work
@@ -269,7 +358,14 @@ def main(argv=None) -> int:
                                       "sources, embedded cluster)")
     tr.add_argument("config", nargs="?", default=None,
                     help="TOML config; its keys override the shipped examples/configs/default.toml")
-    tr.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides [train] steps)")
+    tr.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps to run (overrides [train] steps); with --resume, steps added after "
+                         "the checkpoint's")
+    tr.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides [train] lr)")
+    tr.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step ([train] batch_size)")
+    tr.add_argument("--seed", type=int, default=None, help="seed of the weights and the batch order ([train] seed)")
+    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
     tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
     tr.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
