@@ -21,7 +21,8 @@ def main():
     args = ap.parse_args()
     rt = tg.connect(mpi=True, interface=args.interface)  # only rank 1 returns from here; other ranks serve and exit
     try:
-        print(f"tilegraph: {len(rt.workers())} MPI workers, processors {rt.processors()}", flush=True)
+        n = len(rt.workers())
+        print(f"tilegraph: {n} MPI worker{'' if n == 1 else 's'}, processors {rt.processors()}", flush=True)
         rng = np.random.default_rng(0)
         x = rng.standard_normal((256, 32)).astype(np.float32)
         y = np.tanh(x @ rng.standard_normal((32, 4)).astype(np.float32) / 6)

@@ -28,6 +28,9 @@ def test_mpiexec_launch_trains(tmp_path):
                           timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 MPI workers" in proc.stdout
+    # each worker rank gets its share of the node's cores (two worker ranks here)
+    cores = os.cpu_count() or 1
+    assert f"processors {{'cpu': {2 * max(1, cores // 2)}" in proc.stdout, proc.stdout
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
     assert last < 0.5 * first
     assert "Traceback" not in proc.stderr  # shutdown noise stays out of users' faces

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from tilegraph._errors import TileError
 
@@ -41,11 +42,26 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
         # and dask-mpi's closing client at exit.
         dask.config.set(tls_config)
     # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
+    threads = _worker_threads(comm, MPI)
     gpus = _visible_gpus()
-    options = {"resources": {"GPU": 1} if gpus else {"CPU": 1}}
-    initialize(interface=interface, nthreads=1, worker_options=options, dashboard=comm.Get_rank() == 0,
+    options = {"resources": {"GPU": 1} if gpus else {"CPU": threads}}
+    initialize(interface=interface, nthreads=threads, worker_options=options, dashboard=comm.Get_rank() == 0,
                protocol="tls" if tls_config else None, exit=True)
     return comm.Get_size() - 2
+
+
+def _worker_threads(comm, MPI) -> int:
+    """Threads of this rank's worker: the cores mpiexec bound it to, or, when it may use the
+    whole node, the node's cores shared among the worker ranks on that node (ranks 0 and 1, the
+    scheduler and the client, mostly wait). Called by every rank: it is collective."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    workers_here = sum(r >= 2 for r in node.allgather(comm.Get_rank()))
+    node.Free()
+    cores = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    if mine < cores:  # bound by mpiexec (--bind-to core, ...): those cores are this rank's
+        return max(1, mine)
+    return max(1, cores // max(1, workers_here))
 
 
 def _tls_config(security, tls: bool, tls_files) -> dict:

@@ -315,7 +315,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             client.run(_quiet_logs)
     rt = Runtime(client, cluster, make_current=make_current)
     if dashboard:
-        print(f"tilegraph: embedded cluster with {n_workers} workers x {threads_per_worker} threads"
+        print(f"tilegraph: embedded cluster with {_plural(n_workers, 'worker')} x {_plural(threads_per_worker, 'thread')}"
               f"{f', {gpu} GPU' if gpu else ''}{', TLS' if security is not None else ''}; "
               f"dashboard: {rt.dashboard_link}", flush=True)
     return rt
@@ -617,6 +617,10 @@ def _check_not_http(host, port, deadline) -> None:
         if _is_http(first) or first[:2] == b"\x15\x03":
             raise _classify(first, closed=False)
         # anything else (a slow Dask server's greeting): the first connection decides
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _worker_version() -> str | None:
