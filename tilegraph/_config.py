@@ -1,0 +1,85 @@
+"""The global knobs (``tilegraph.config``), read by the ops, the planner and training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Config", "config", "PARALLEL_STRATEGIES"]
+
+
+@dataclass
+class Config:
+    """Global knobs of the lowering (``tilegraph.config``)."""
+
+    fuse: bool = True
+    #: estimated wall seconds of one fused task (its kernels spread over its worker's threads);
+    #: Dask pays ~1-10 ms per dependent task, plus the wait for a task's slowest kernel. Measured
+    #: on the bench block stack (2 cores): 0.5 s -> 4 tasks/step, 5.5% outside kernels; 1.0 s ->
+    #: 2 tasks/step, 3.9%
+    target_seconds: float = 1.0
+    #: a graph spreads over another worker process only when each gets at least this much estimated
+    #: work (~20 Dask hops). Measured on the bench MLP, 2 workers x 1 thread: a full task's worth
+    #: (1 s) kept its 1.4 s step on one worker (0.48 of torch); 0.1 s spreads it (0.78)
+    min_process_seconds: float = 0.1
+    #: training steps whose estimated time is below this are recorded several to a graph
+    #: (``TrainStep.auto_steps_per_graph``, used by the Trainer): one graph then pays Dask's
+    #: ~10-40 ms per submission and dependent hop for all of them
+    graph_seconds: float = 0.1
+    #: at most this many optimizer steps per graph (recording and planning grow with it)
+    max_steps_per_graph: int = 32
+    #: weight gradients (``a^T @ g`` summed over row tiles) as one product per row tile plus a
+    #: sum tree, instead of one kernel looping over the row tiles
+    split_weight_grads: bool = True
+    #: speed of moving a value between worker processes, for the plan (localhost TCP with
+    #: serialisation: ~1 GB/s)
+    transfer_bytes_per_second: float = 1e9
+    #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
+    placement: str = "auto"
+    #: "auto" placement sends kernels of at least this many flops to GPU workers
+    gpu_min_flops: float = 1e6
+    #: array library of GPU tasks: "cupy", or "numpy" to emulate GPU workers on a CPU-only machine
+    gpu_array_module: str = "cupy"
+    #: latency Dask adds per dependent task (measured ~6 ms on 2 cores); spreading work over
+    #: another worker only pays when it saves more than this
+    hop_seconds: float = 0.005
+    #: data parallelism: gradients leave their process in buckets of about this many bytes while
+    #: the backward pass goes on (as PyTorch DDP's 25 MB buckets). Default: one exchange after
+    #: the backward. On CPU workers a transfer under way takes CPU and the GIL from the kernels
+    #: it would overlap, and each bucket costs a task boundary. Measured on 2 cores, 2 workers x
+    #: 1 thread, GPT-2 6x768 (330 MB of gradients): 32 MB buckets 262 tok/s, 100 MB 280,
+    #: 256 MB 278, one exchange 305 (one process x 2 threads: 304); block stack: 608 either way.
+    #: Smaller buckets can pay where the link, not the CPU, is the bottleneck (several nodes).
+    bucket_bytes: float = float("inf")
+    #: "auto" parallelism: a tiles plan spread over several worker processes runs this much
+    #: slower than its simulation says (Dask fetches a task's inputs only once it may start, and
+    #: copies take CPU from the kernels). Measured on 2 cores, 2 workers x 1 thread: simulated vs
+    #: real step 0.90 vs 1.06 s (bench MLP), 1.55 vs 1.86 s (block stack); data-parallel plans of
+    #: the same steps: 0.99 vs 0.97 s, 1.67 vs 1.68 s
+    tiles_across_processes_penalty: float = 0.2
+    #: how a training step spreads over several worker processes (``PARALLEL_STRATEGIES``):
+    #: "tiles" list-schedules the tile kernels over all processes; "data" gives each process a
+    #: share of the batch's row tiles and a replica of the parameters and optimizer state
+    #: (gradients summed across replicas inside the graph); "sharded" is "data" with each
+    #: parameter tile's gradient sum, update and optimizer state on one owner process (ZeRO-2);
+    #: "auto" plans "tiles" and "data" (or "sharded", see replicated_state_fraction) and keeps
+    #: the one whose simulated step finishes first
+    parallel: str = "auto"
+    #: "auto" shards the state when parameters plus optimizer state would take more than this
+    #: share of the smallest worker memory limit on every replica
+    replicated_state_fraction: float = 0.25
+    #: scheduler when no runtime is connected: "threads" or "sync"
+    local_scheduler: str = "threads"
+    #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
+    #: (CPU: one core of the development machine, OpenBLAS fp32 GEMM ~125 GFLOP/s; a call on
+    #: tiny tiles takes ~10 us, mostly Python and NumPy dispatch)
+    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 2e-5)})
+    #: what running a task's kernels on several threads costs per kernel (handing kernels between
+    #: threads, which also contend for the GIL): a task runs them on one thread unless the plan's
+    #: parallel schedule saves more than this per kernel
+    thread_handoff_seconds: float = 2e-5
+
+
+config = Config()
+
+#: the values of ``config.parallel`` (and of the ``parallel=`` option of TrainStep and Executable)
+PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded")

@@ -1,0 +1,236 @@
+"""What a fused task runs on a worker: a :class:`Program` of kernel calls over registers, run in
+order on one thread or, as their inputs become ready, on several (:func:`run_cluster`); with
+per-process counters of the time spent inside kernels (:func:`kernel_stats`)."""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from typing import Any, NamedTuple
+
+from tilegraph._errors import TileError
+
+__all__ = ["Call", "Program", "Bound", "run_cluster", "kernel_stats"]
+
+
+class Call(NamedTuple):
+    """One kernel call of a task's program, over the task's registers."""
+
+    kernel: Any           # the Kernel
+    params: dict
+    ins: tuple            # input registers
+    outs: tuple           # output registers
+    metas: tuple          # (shape, dtype) of each output
+    free: tuple           # registers freed after it (one thread running the calls in order)
+    op: str               # the op that recorded it (error messages)
+    scope: str            # the model part and phase (timings per part)
+
+
+class Program:
+    """What one fused task runs: kernel calls (:class:`Call`) over registers, in a valid order.
+    With ``threads > 1`` the task runs its kernels on that many threads of its worker process as
+    their inputs become ready (``deps``/``succs`` give the dependencies between the task's ops,
+    ``uses`` how many ops read each register); otherwise it runs them one after another.
+    """
+
+    __slots__ = ("ops", "n_ext", "n_regs", "out_regs", "device", "array_module", "label", "threads",
+                 "deps", "succs", "uses")
+
+    def __init__(self, ops, n_ext, n_regs, out_regs, device, array_module, label, threads=1,
+                 deps=(), succs=(), uses=()):
+        self.ops = ops
+        self.n_ext, self.n_regs, self.out_regs = n_ext, n_regs, out_regs
+        self.device, self.array_module, self.label = device, array_module, label
+        self.threads, self.deps, self.succs, self.uses = threads, deps, succs, uses
+
+    def __getstate__(self):
+        return tuple(getattr(self, s) for s in self.__slots__)
+
+    def __setstate__(self, state):
+        for s, v in zip(self.__slots__, state):
+            setattr(self, s, v)
+
+
+class Bound:
+    """Which element of each input argument a task takes (None: the whole value)."""
+
+    __slots__ = ("ext_index",)
+
+    def __init__(self, ext_index: tuple):
+        self.ext_index = ext_index
+
+    def __getstate__(self):
+        return self.ext_index
+
+    def __setstate__(self, state):
+        self.ext_index = state
+
+
+def _to_device(x, device: str, array_module: str):
+    if device == "gpu" and array_module == "cupy":
+        import cupy
+
+        return cupy.asarray(x)
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    return x
+
+
+#: per-process counters: seconds inside kernels, seconds inside fused tasks, tasks run
+_STATS = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0}
+_BY_KERNEL: dict[str, float] = {}
+_BY_SCOPE: dict[str, float] = {}
+_STATS_LOCK = threading.Lock()
+
+
+def kernel_stats(reset: bool = False) -> dict:
+    """This process's counters: kernel seconds (also ``by_kernel`` name and ``by_scope``, the
+    model part and phase that recorded the kernels, e.g. ``blocks.0.attn:backward``), task
+    seconds (wall time times the threads a task held), tasks run. See Runtime.kernel_stats for
+    the sum over a cluster's workers."""
+    with _STATS_LOCK:
+        out = dict(_STATS, by_kernel=dict(_BY_KERNEL), by_scope=dict(_BY_SCOPE))
+        if reset:
+            _STATS.update(kernel_seconds=0.0, task_seconds=0.0, tasks=0)
+            _BY_KERNEL.clear()
+            _BY_SCOPE.clear()
+    return out
+
+
+def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
+    """Run one kernel call on its input registers; returns (output values, seconds)."""
+    fn = op.kernel.impl(device)
+    t0 = time.perf_counter()
+    try:
+        res = fn(*[regs[i] for i in op.ins], **op.params)
+    except Exception as e:  # say which op failed; the traceback keeps the cause
+        e.add_note(f"in tile kernel {op.kernel.name!r} of op {op.op!r}" + (f" in {op.scope}" if op.scope else ""))
+        raise
+    dt = time.perf_counter() - t0
+    if len(op.outs) == 1:
+        res = (res,)
+    for val, (shape, dtype) in zip(res, op.metas):
+        if val.shape != shape or val.dtype != dtype:
+            raise TileError(f"tile kernel {op.kernel.name} of op {op.op}",
+                            f"computed tile does not match its declared meta {shape} {dtype}",
+                            f"{val.shape} {val.dtype}")
+    return res, dt
+
+
+_POOL = None
+_SLOTS: dict[int, threading.BoundedSemaphore] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool_and_slots(threads: int):
+    """This process's kernel threads, and a semaphore letting at most ``threads`` kernels run at
+    once however many fused tasks Dask runs side by side on the worker."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tilegraph-kernel")
+        if threads not in _SLOTS:
+            _SLOTS[threads] = threading.BoundedSemaphore(threads)
+        return _POOL, _SLOTS[threads]
+
+
+class _ParallelRun:
+    """One task's kernels run by several threads, each taking the ready kernel that comes first in
+    the program's order (the planner's priority) until all are done or one failed."""
+
+    def __init__(self, prog: Program, regs: list, slots):
+        self.prog, self.regs, self.slots = prog, regs, slots
+        self.pending = list(prog.deps)
+        self.uses = list(prog.uses)
+        self.keep = set(prog.out_regs)
+        self.ready = [k for k, d in enumerate(prog.deps) if d == 0]
+        heapq.heapify(self.ready)
+        self.left = len(prog.ops)
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.by_kernel: dict[str, float] = {}
+
+    def work(self) -> None:
+        prog, regs, cond = self.prog, self.regs, self.cond
+        while True:
+            with cond:
+                while not self.ready and self.left and self.error is None:
+                    cond.wait()
+                if not self.left or self.error is not None:
+                    return
+                k = heapq.heappop(self.ready)
+            op = prog.ops[k]
+            try:
+                with self.slots:
+                    res, dt = _call(op, regs, prog.device)
+            except BaseException as e:
+                with cond:
+                    if self.error is None:
+                        self.error = e
+                    cond.notify_all()
+                return
+            with cond:
+                for r, val in zip(op.outs, res):
+                    regs[r] = val
+                for r in set(op.ins):
+                    self.uses[r] -= 1
+                    if not self.uses[r] and r not in self.keep:
+                        regs[r] = None
+                _count(self.by_kernel, op, dt)
+                woken = 0
+                for s in prog.succs[k]:
+                    self.pending[s] -= 1
+                    if not self.pending[s]:
+                        heapq.heappush(self.ready, s)
+                        woken += 1
+                self.left -= 1
+                if not self.left:
+                    cond.notify_all()
+                elif woken > 1:  # this thread takes one of them itself
+                    cond.notify(woken - 1)
+
+
+def run_cluster(bound: Bound, prog: Program, *args):
+    """Run one fused task: its kernels (in order, or on the worker's threads), returning the values
+    other tasks need."""
+    t_start = time.perf_counter()
+    regs: list[Any] = [None] * prog.n_regs
+    for r, (a, idx) in enumerate(zip(args, bound.ext_index)):
+        regs[r] = _to_device(a if idx is None else a[idx], prog.device, prog.array_module)
+    held = min(prog.threads, len(prog.ops))  # threads this task keeps busy
+    if held > 1:
+        pool, slots = _pool_and_slots(prog.threads)
+        run = _ParallelRun(prog, regs, slots)
+        for _ in range(held - 1):
+            pool.submit(run.work)
+        run.work()
+        if run.error is not None:
+            raise run.error
+        by_kernel = run.by_kernel
+    else:
+        by_kernel: dict[tuple[str, str], float] = {}
+        for op in prog.ops:
+            res, dt = _call(op, regs, prog.device)
+            _count(by_kernel, op, dt)
+            for r, val in zip(op.outs, res):
+                regs[r] = val
+            for r in op.free:
+                regs[r] = None
+    out = tuple(regs[r] for r in prog.out_regs)
+    with _STATS_LOCK:
+        _STATS["kernel_seconds"] += sum(by_kernel.values())
+        _STATS["task_seconds"] += (time.perf_counter() - t_start) * max(held, 1)
+        _STATS["tasks"] += 1
+        for (name, where), dt in by_kernel.items():
+            _BY_KERNEL[name] = _BY_KERNEL.get(name, 0.0) + dt
+            _BY_SCOPE[where] = _BY_SCOPE.get(where, 0.0) + dt
+    return out
+
+
+def _count(seconds: dict, op: Call, dt: float) -> None:
+    key = (op.kernel.name, op.scope)
+    seconds[key] = seconds.get(key, 0.0) + dt
+

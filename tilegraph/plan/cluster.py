@@ -1,0 +1,189 @@
+"""Placement, the cost estimate, task names, and the list-scheduling simulation that clusters
+placed kernels into coarse tasks for worker processes and their threads."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tilegraph._config import config
+from tilegraph._errors import TileError
+from tilegraph._graph import Node
+
+__all__ = ["place", "est_seconds", "task_label", "by_upward_rank", "Cluster", "cluster_nodes"]
+
+
+def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
+    if policy not in ("cpu", "gpu", "auto"):
+        raise TileError("tilegraph.place", "placement must be 'cpu', 'gpu' or 'auto'", repr(policy))
+    if policy == "gpu" and not has_gpu:
+        raise TileError("tilegraph.place", "placement 'gpu' needs workers with a GPU resource",
+                        "a runtime without GPU workers")
+    for n in nodes:
+        if policy == "auto":
+            n.device = "gpu" if has_gpu and n.cost.flops >= config.gpu_min_flops else "cpu"
+        else:
+            n.device = policy
+
+
+def est_seconds(node: Node) -> float:
+    f, b, c = config.speeds[node.device]
+    return node.cost.flops / f + node.cost.bytes / b + c
+
+
+#: the phase words in task names; "backward" would end Dask's prefix (eight letters that begin
+#: like a hex token look like a hash to ``key_split``)
+_PHASE_WORDS = {"forward": "fwd", "backward": "bwd"}
+
+
+def task_label(nodes: Sequence[Node]) -> str:
+    """A task's name on the Dask dashboard, from the scope of most of its estimated work.
+
+    Dask groups and colours tasks by the alphabetic words at the start of their key (its
+    ``key_split``): ``layers.3.attn:backward`` becomes ``layers-attn-bwd-3``, so the task stream
+    reads ``tg-layers-attn-bwd`` and the key keeps the layer's index; a task spanning several
+    parts of the model is named after the largest, with ``-etc``."""
+    work: dict[str, float] = {}
+    for n in nodes:
+        work[n.scope] = work.get(n.scope, 0.0) + est_seconds(n)
+    top = max(work, key=work.get, default="")
+    path, _, phase = top.partition(":")
+    parts = path.split(".") if path else [nodes[0].op if nodes else "task"]
+    words = ["".join(ch for ch in p if ch.isalpha()) for p in parts if not p.isdigit()]
+    words = [w for w in words if w] + [_PHASE_WORDS.get(phase or "forward", phase)]
+    numbers = [p for p in parts if p.isdigit()]
+    if len(work) > 1:
+        words.append("etc")  # more than one part of the model
+    return "-".join(words + numbers)
+
+
+# ------------------------------------------------------------------------------ clustering ----
+def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
+    """Nodes in decreasing order of their longest estimated path to a sink (HEFT's upward rank).
+
+    A valid topological order that visits the critical path first and leaves work only the end
+    needs (weight-gradient joins, optimizer updates) for last, so it does not cut the parallel
+    streams of the forward and backward passes into small tasks.
+    """
+    rank: dict[int, float] = {}
+    succs: dict[int, list[Node]] = {id(n): [] for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            if id(i.node) in succs:
+                succs[id(i.node)].append(n)
+    for n in reversed(nodes):  # nodes are topologically ordered: successors come later
+        rank[id(n)] = est_seconds(n) + max((rank[id(s)] for s in succs[id(n)]), default=0.0)
+    position = {id(n): k for k, n in enumerate(nodes)}
+    return sorted(nodes, key=lambda n: (-rank[id(n)], position[id(n)]))
+
+
+class Cluster:
+    __slots__ = ("id", "device", "proc", "threads", "nodes", "seconds", "open")
+
+    def __init__(self, cid: int, device: str, proc: int, threads: int = 1):
+        self.id, self.device, self.proc, self.threads = cid, device, proc, threads
+        self.nodes: list[Node] = []
+        self.seconds = 0.0
+        self.open = True
+
+
+def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: float,
+                  fuse: bool, fixed: dict[int, int] | None = None,
+                  home: int | None = None) -> tuple[list[Cluster], dict[int, Cluster], float]:
+    """Group placed nodes (in a topological order) into acyclic clusters, one Dask task each.
+
+    ``groups`` gives, per device class, the threads of each worker process. A list-scheduling
+    simulation puts every node on the thread where it can start first; the nodes a process runs
+    form its open cluster, which runs them on the process's threads as one task. A value is ready
+    on another thread of the same open cluster when its node finishes, anywhere else only when its
+    cluster's task has finished plus a Dask hop (``config.hop_seconds``). A cluster closes once its
+    estimated wall time passes ``target`` or when another cluster needs one of its values.
+
+    A cluster only ever gains dependencies on clusters that are already closed, and every cluster
+    closes after those it depends on, so the cluster graph is acyclic by construction.
+
+    ``fixed`` maps ``id(node)`` to the process a strategy put it on (data parallelism: its
+    replica); those nodes only choose among that process's threads. With ``home``, process ``g``
+    is a second lane of worker process ``g % home`` (values between lanes of one process are not
+    copied). Returns the clusters, the cluster of each node and the simulated finish time of the
+    whole graph (seconds).
+    """
+    clusters: list[Cluster] = []
+    of: dict[int, Cluster] = {}
+    if not fuse:
+        for n in nodes:
+            c = Cluster(len(clusters), n.device, 0)
+            c.nodes.append(n)
+            c.open = False
+            clusters.append(c)
+            of[id(n)] = c
+        return clusters, of, sum(est_seconds(n) for n in nodes)
+    # Use only as many processes as there is work for: a graph with little work per extra process
+    # runs faster as fewer, larger tasks.
+    total = {dev: 0.0 for dev in groups}
+    for n in nodes:
+        total[n.device] += est_seconds(n)
+    used = {dev: max(1, min(len(threads), int(total[dev] / config.min_process_seconds))) for dev, threads in groups.items()}
+    if fixed:  # a strategy's processes are all used, whatever the work per process
+        used = {dev: len(threads) for dev, threads in groups.items()}
+    free_at = {dev: [[0.0] * t for t in threads[:used[dev]]] for dev, threads in groups.items()}
+    open_on: dict[tuple[str, int], Cluster] = {}
+    finish: dict[int, float] = {}
+    end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
+    begin: dict[int, float] = {}  # cluster id -> start of its first node
+    hop = config.hop_seconds
+    bandwidth = config.transfer_bytes_per_second
+
+    def where(proc: int) -> int:
+        return proc if home is None else proc % home
+
+    def ready_time(inputs, cur, dev, g) -> float:
+        """When all inputs can be there for a node on process g: at once from its own open task;
+        after their task, a hop and, from another process, the transfer of the bytes otherwise."""
+        return max((f if c is cur else end[c.id] + hop + (0.0 if (c.device, where(c.proc)) == (dev, where(g)) else b / bandwidth)
+                    for c, f, b in inputs), default=0.0)
+
+    for n in nodes:
+        dev = n.device
+        t = est_seconds(n)
+        inputs = [(of[id(i.node)], finish[id(i.node)], i.nbytes) for i in n.inputs if id(i.node) in of]
+        starts = []
+        for g, frees in enumerate(free_at[dev]):
+            cur = open_on.get((dev, g))
+            starts.append(max(ready_time(inputs, cur if cur is not None and cur.open else None, dev, g), min(frees)))
+        if fixed is not None and id(n) in fixed:
+            best = fixed[id(n)]
+        else:
+            best = min(range(len(starts)), key=lambda g: (starts[g], g))
+            # Ties go to the process of the latest input: chains stay in one task.
+            last = max(((c, f) for c, f, _ in inputs if c.device == dev), key=lambda cf: cf[1], default=None)
+            if last is not None and last[0].proc < len(starts) and starts[last[0].proc] <= starts[best]:
+                best = last[0].proc
+        cur = open_on.get((dev, best))
+        for c, _, _ in inputs:
+            if c.open and c is not cur:
+                c.open = False
+        frees = free_at[dev][best]
+        # A Dask task starts only once all its inputs exist: a node whose value from elsewhere is
+        # ready only after the open cluster began would hold back the cluster's earlier nodes.
+        late = cur is not None and cur.open and \
+            ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > begin[cur.id]
+        if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target):
+            if cur is not None:
+                cur.open = False
+            cur = Cluster(len(clusters), dev, best, len(frees))
+            clusters.append(cur)
+            open_on[(dev, best)] = cur
+        thread = min(range(len(frees)), key=frees.__getitem__)
+        start = max(ready_time(inputs, cur, dev, best), frees[thread])
+        begin.setdefault(cur.id, start)
+        cur.nodes.append(n)
+        cur.seconds += t
+        of[id(n)] = cur
+        finish[id(n)] = frees[thread] = start + t
+        end[cur.id] = max(end.get(cur.id, 0.0), start + t)
+    # Kernels too small to gain from the worker's threads run one after another.
+    for c in clusters:
+        if c.threads > 1 and c.seconds - (end[c.id] - begin[c.id]) < len(c.nodes) * config.thread_handoff_seconds:
+            c.threads = 1
+    return clusters, of, max(end.values(), default=0.0)
+
