@@ -282,3 +282,24 @@ def test_workers_of_another_tilegraph_version_are_refused(embedded_runtime, monk
     monkeypatch.setattr(tg, "__version__", "0.0.0-other")
     with pytest.raises(tg.TileError, match=r"every worker running tilegraph 0\.0\.0-other.*received: tcp://127"):
         tg.connect(addr, make_current=False)
+
+
+def test_an_error_inside_a_kernel_is_one_clear_error_on_a_quiet_cluster(tmp_path):
+    """The client raises the kernel's own error (kernel and op named); the workers of a quiet
+    cluster (the CLI's) do not print Dask's "Compute Failed" record and traceback of it."""
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import numpy as np, tilegraph as tg\n"
+        "if __name__ == '__main__':\n"
+        "    with tg.connect(quiet=True, dashboard=False):\n"
+        "        table = tg.from_numpy(np.ones((4, 3), np.float32))\n"
+        "        ids = tg.from_numpy(np.array([[1, 7]]))\n"
+        "        try:\n"
+        "            tg.embedding(ids, table).numpy()\n"
+        "        except tg.TileError as e:\n"
+        "            print('raised:', e, '|', e.__notes__)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "raised: [tilegraph.embedding] ids must lie in [0, 4); received: 7" in run.stdout
+    assert "in tile kernel 'embedding' of op 'embedding'" in run.stdout
+    assert "Compute Failed" not in run.stderr and "Traceback" not in run.stderr, run.stderr

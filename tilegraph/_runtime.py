@@ -695,6 +695,9 @@ _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "d
 def _quiet_logs() -> None:
     for name in _DASK_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    # A failing task's error reaches the client, which raises it with the kernel and op named;
+    # the worker's own "Compute Failed" record of it (a Dask traceback) would only repeat it.
+    logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
 
 
 #: Dask settings of the embedded cluster (``connect(dask_config=...)`` overrides them).
