@@ -1,0 +1,49 @@
+"""The scaling benchmark still runs: a tiny block stack on 1x1 and 2x1, with the DDP row."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_scale_tiny_blocks_runs():
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_scale.py"), "--width", "64", "--layers", "1", "--batch", "2",
+         "--seq", "32", "--steps", "1", "--warmup", "1", "--configs", "1x1,2x1", "--models", "blocks"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = [line for line in lines if line.startswith("model ")]
+    assert len(header) == 1, proc.stdout
+    col = header[0].split()  # a word per column
+    assert {"WxT", "strategy", "used", "auto", "tok/s", "outside", "MB/step", "ratio"} <= set(col), header[0]
+    rows = [dict(zip(col, line.split())) for line in lines if line.startswith("blocks ")]
+    assert all(len(r) == len(col) for r in rows), proc.stdout
+    got = {(r["WxT"], r["strategy"]): r for r in rows}
+    # torch eager for each total of threads; one tilegraph row for 1 worker, one per strategy for 2;
+    # PyTorch DDP beside tilegraph's 2x1
+    expected = {("1x1", "torch"), ("1x2", "torch"), ("1x1", "tiles"), ("2x1", "tiles"), ("2x1", "data"),
+                ("2x1", "torch-DDP")}
+    assert set(got) == expected and len(rows) == len(expected), proc.stdout
+    for r in rows:
+        tok_s, ratio = float(r["tok/s"]), float(r["ratio"])
+        assert math.isfinite(tok_s) and tok_s > 0, proc.stdout
+        assert math.isfinite(ratio) and ratio > 0, proc.stdout
+    for key in [("1x1", "tiles"), ("2x1", "tiles"), ("2x1", "data")]:
+        r = got[key]
+        assert r["used"] in ("tiles", "data", "sharded") and r["auto"] in ("tiles", "data", "sharded"), r
+        assert float(r["MB/step"]) >= 0 and r["outside"].endswith("%"), r
+    assert float(got[("1x1", "tiles")]["MB/step"]) == 0  # one process: nothing moves between processes
+    # two row tiles on two workers: the data-parallel plan applies and exchanges gradients
+    assert got[("2x1", "data")]["used"] == "data", proc.stdout
+    assert float(got[("2x1", "data")]["MB/step"]) > 0, proc.stdout
+    assert float(got[("2x1", "torch-DDP")]["MB/step"]) > 0, proc.stdout
