@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -11,12 +13,12 @@ import numpy as np
 from tilegraph._autograd import grad
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef
-from tilegraph._lower import Executable, config, gather
+from tilegraph._lower import Executable, Fetching, config, gather
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module
 from tilegraph.optim import Optimizer
 
-__all__ = ["TrainStep", "PendingStep", "StepStats", "EvalStep"]
+__all__ = ["TrainStep", "PendingStep", "StepStats", "EvalStep", "WorkerLostError", "StepTimeoutError"]
 
 
 @dataclass
@@ -191,6 +193,12 @@ class TrainStep:
     def signature(self, batch) -> tuple:
         return _signature(batch)
 
+    def reset_plans(self) -> None:
+        """Forget the recorded graphs: their plans pin tasks and programs to the workers there were
+        then. The next step records and plans again on the runtime's workers of that moment."""
+        self._cache.clear()
+        self._acc_cells = None
+
     def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
         """The recorded step for this batch signature, kind and number of steps, and whether it
         was recorded just now."""
@@ -287,7 +295,8 @@ class TrainStep:
         values = self._run(rec, range(rec.n_fetch))
         norms = values[k:rec.n_fetch]
         return [PendingStep(self, first + j, [values[j]], norms[j] if norms else None, self.optimizer.schedule(first + j),
-                            t0, record_seconds if j == 0 else 0.0, rec, group=k) for j in range(k)]
+                            t0, record_seconds if j == 0 else 0.0, rec, group=k, first=first)
+                for j in range(k)]
 
     def _run(self, rec: _Recorded, fetch) -> list:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
@@ -298,21 +307,183 @@ class TrainStep:
             cell.set(v)
         return values
 
+
+# -- lost and stalled workers ------------------------------------------------------------------
+
+#: a worker whose last heartbeat to the scheduler (one every 0.5 s) is older than this is taken
+#: for stalled (stopped, swapped out, hung). Measured on 2 cores, 2 workers x 1 thread: the longest
+#: silence between heartbeats was 1.0 s training the debug GPT-2, 2.7 s during GPT-2 124M's
+#: data-parallel gradient exchange (a worker's event loop busy with 500 MB messages)
+STALL_SECONDS = 10.0
+#: after a time limit, the workers are looked at this often until each has answered since (or one
+#: reaches STALL_SECONDS)
+RECHECK_SECONDS = 0.5
+#: how long the scheduler may take to answer a health check
+SCHEDULER_ANSWER_SECONDS = 10.0
+
+
+@functools.cache
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    """What Dask raises when the data or the task behind a future went with a worker (imported
+    when needed: importing tilegraph does not import distributed)."""
+    from concurrent.futures import CancelledError
+
+    from distributed import KilledWorker
+    from distributed.comm.core import CommClosedError
+
+    return CancelledError, KilledWorker, CommClosedError
+
+
+class WorkerLostError(TileError):
+    """A worker that training needed died, left the cluster or stopped responding.
+
+    ``workers``: the addresses (``stalled``: those among them still connected but silent);
+    ``steps``: the steps whose graph was running. Parameters and optimizer state live on the
+    workers as Dask futures, so what the lost workers held is gone: training resumes from a
+    checkpoint (``Trainer(restart_on_failure=True)`` does it by itself).
+    """
+
+    def __init__(self, where: str, what: str, received: str | None = None, *, workers: Sequence[str] = (),
+                 stalled: Sequence[str] = (), steps: range | None = None):
+        super().__init__(where, what, received)
+        self.workers, self.stalled, self.steps = list(workers), list(stalled), steps
+
+
+class StepTimeoutError(TileError):
+    """A step ran past its time limit while every worker kept answering (busy, or waiting for
+    something that never comes)."""
+
+
+@dataclass
+class WorkerHealth:
+    """What the scheduler says of the workers: those gone and how long each other one was silent."""
+
+    lost: list[str] = field(default_factory=list)
+    silence: dict[str, float] = field(default_factory=dict)  # connected worker -> seconds since heard from
+    timed_out: set[str] = field(default_factory=set)  # lost workers the scheduler removed for silence
+
+    @property
+    def stalled(self) -> dict[str, float]:
+        return {a: s for a, s in self.silence.items() if s >= STALL_SECONDS}
+
+    @property
+    def answering(self) -> list[str]:
+        return sorted(a for a, s in self.silence.items() if s < STALL_SECONDS)
+
+
+def worker_health(runtime, since: float | None = None) -> WorkerHealth:
+    """Ask the scheduler which workers are gone (of those the runtime last planned with, and with
+    ``since``, any removed since that wall time: the scheduler's event log, read only then) and
+    how long ago it heard from each of the others."""
+    def heartbeat_ages(dask_scheduler) -> dict[str, float]:
+        # seconds since each worker's last heartbeat, by the scheduler's clock; a nested function
+        # travels by value, so a scheduler without tilegraph installed runs it too
+        from time import time as now
+
+        t = now()
+        return {addr: t - ws.last_seen for addr, ws in dask_scheduler.workers.items()}
+
+    client = runtime.client
+    try:
+        ages = client.run_on_scheduler(heartbeat_ages, callback_timeout=SCHEDULER_ANSWER_SECONDS)
+    except (TimeoutError, OSError) as e:
+        raise TileError("tilegraph.TrainStep", f"the Dask scheduler to answer a health check within "
+                        f"{SCHEDULER_ANSWER_SECONDS:g} s", _short(e)) from None
+    gone = {a for addrs in runtime.worker_addrs.values() for a in addrs} - set(ages)
+    if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
+        gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
+                 and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)
+    timed_out = set()
+    if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
+        timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
+                     and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
+    return WorkerHealth(sorted(gone), ages, timed_out)
+
+
+def _steps_text(steps: range) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+#: what a lost worker's error tells to do
+LOST_STATE_HINT = ("parameters and optimizer state live on the workers as Dask futures, and what a lost worker held "
+                   "is gone: resume from a checkpoint (Trainer.load_checkpoint), or train with "
+                   "Trainer(restart_on_failure=True, checkpoint_dir=..., checkpoint_every=...)")
+
+
+def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps: range | None = None,
+                      where: str = "tilegraph.TrainStep") -> WorkerLostError:
+    """The error for workers found lost (or, when none is named, for data the cluster lost)
+    while ``during`` ran."""
+    stalled = health.stalled
+    named = [f"{a} (silent past the scheduler's worker-ttl, restarted)" if a in health.timed_out
+             else f"{a} (left the cluster)" for a in health.lost]
+    named += [f"{a} (no heartbeat for {s:.0f} s: stopped or hung)" for a, s in sorted(stalled.items())]
+    if named:
+        what = f"lost worker{'s' if len(named) > 1 else ''} {', '.join(named)} while {during} ran"
+    else:
+        what = f"the cluster lost tasks or data of {during} (no worker was found missing)"
+    return WorkerLostError(where, f"{what}; {LOST_STATE_HINT}", received, workers=[*health.lost, *sorted(stalled)],
+                           stalled=sorted(stalled), steps=steps)
+
+
+def translate_worker_failure(runtime, error: BaseException, during: str, *, steps: range | None = None,
+                             since: float | None = None, where: str = "tilegraph.TrainStep") -> TileError | None:
+    """The clear error for ``error`` (raised while ``during`` ran) when a worker was lost: a
+    :class:`WorkerLostError` naming the workers. None when ``error`` has another cause (a kernel's
+    error, say): the caller re-raises it."""
+    if runtime is None or isinstance(error, TileError):
+        return None
+    dask_loss = isinstance(error, _lost_errors())
+    try:
+        health = worker_health(runtime, since)
+    except Exception as e:  # the scheduler itself is unreachable
+        if not dask_loss:
+            return None
+        return TileError(where, f"{during} failed and the Dask scheduler did not answer ({_short(e, 120)})",
+                         _short(error))
+    if not dask_loss and not health.lost and not health.stalled:
+        return None
+    return lost_worker_error(health, during, _short(error), steps=steps, where=where)
+
+
 class PendingStep:
-    """A submitted training step; :meth:`result` waits for its loss (and gradient norm)."""
+    """A submitted training step; :meth:`result` waits for its loss (and gradient norm).
+
+    ``steps``: the steps of the graph it belongs to (one, or a group from
+    :meth:`TrainStep.submit_steps`); ``submitted``: ``time.perf_counter()`` at submission;
+    ``fresh``: whether the graph was recorded and planned for it (its first run also compiles the
+    kernels on the workers).
+    """
 
     def __init__(self, owner: TrainStep, step: int, losses: list, norm, lr: float, t0: float,
-                 record_seconds: float, rec: _Recorded, group: int = 1):
+                 record_seconds: float, rec: _Recorded, group: int = 1, first: int | None = None):
         self.owner, self.step, self._losses, self._norm, self.lr = owner, step, losses, norm, lr
         self._t0, self._record_seconds, self._rec, self._group = t0, record_seconds, rec, group
+        self.steps = range(first if first is not None else step, (first if first is not None else step) + group)
+        self.submitted, self.fresh = t0, record_seconds > 0
+        self._since = time.time()  # workers removed from here on are suspects when it fails
         self.stats: StepStats | None = None
 
-    def result(self) -> float:
+    def result(self, timeout: float | None = None, *, patient: bool = False) -> float:
+        """Wait for the step and return its loss.
+
+        A worker lost while the step's graph runs ends the wait with a :class:`WorkerLostError`
+        naming it and the steps, instead of Dask's error. ``timeout`` (seconds; default: no
+        limit) bounds the wait; then the workers are checked: one silent for ``STALL_SECONDS``
+        (stopped, hung) is named in a WorkerLostError. When every worker answers, the wait ends
+        with a :class:`StepTimeoutError`, or with ``patient=True`` goes on, checking the workers
+        again every ``timeout`` seconds.
+        """
         if self.stats is None:
             runtime = self._rec.exe.runtime
             values = self._losses + ([self._norm] if self._norm is not None else [])
             if runtime is not None:
-                values = gather(runtime, values)
+                values = self._gather(runtime, values, timeout, patient)
             n = len(self._losses)
             loss = float(np.mean([np.asarray(v).reshape(()) for v in values[:n]]))
             norm = float(values[n][3]) if self._norm is not None else None
@@ -324,6 +495,55 @@ class PendingStep:
         if not np.isfinite(loss):
             raise FloatingPointError(f"[tilegraph.TrainStep] loss became {loss} at step {self.step}")
         return loss
+
+    def _gather(self, runtime, values: list, timeout: float | None, patient: bool) -> list:
+        since = getattr(self.owner, "_healthy_since", self._since)
+        try:
+            if timeout is None:
+                values = gather(runtime, values)
+            else:
+                values = self._gather_within(runtime, values, timeout, patient)
+        except _lost_errors() as e:
+            raise translate_worker_failure(runtime, e, _steps_text(self.steps), steps=self.steps, since=since) from None
+        self.owner._healthy_since = time.time()
+        return values
+
+    def _gather_within(self, runtime, values: list, timeout: float, patient: bool) -> list:
+        """:func:`gather`, checking the workers after each ``timeout`` seconds without the values
+        (a value already computed but held by a stalled worker never arrives either)."""
+        futures = {id(v.future): v.future for v in values if isinstance(v, Fetching)}
+        got: dict[int, object] = {}
+        t0, period = time.perf_counter(), timeout
+        checking = None  # when the time limit passed and the workers began to be checked
+        for key, future in futures.items():
+            while key not in got:
+                try:
+                    got[key] = future.result(timeout=max(period, 0.01))
+                except TimeoutError:
+                    now = time.perf_counter()
+                    checking = checking or now
+                    period = self._check_workers(runtime, timeout, patient, now - t0, now - checking)
+                    if period == timeout:  # patient, and every worker answered: a new time limit
+                        checking = None
+        return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching)
+                else v for v in values]
+
+    def _check_workers(self, runtime, timeout: float, patient: bool, waited: float, checked: float) -> float:
+        """After ``waited`` seconds without the step, the last ``checked`` of them spent checking
+        the workers: raise for a lost or stalled worker, or (unless ``patient``) once every worker
+        has answered since the checks began; else return how long to wait before looking again."""
+        health = worker_health(runtime)
+        received = f"no result after {waited:.1f} s (time limit {timeout:.1f} s)"
+        if health.lost or health.stalled:
+            raise lost_worker_error(health, _steps_text(self.steps), received, steps=self.steps)
+        if any(s >= checked for s in health.silence.values()):  # not heard from since: look again soon
+            return RECHECK_SECONDS
+        if not patient:
+            raise StepTimeoutError("tilegraph.TrainStep", f"{_steps_text(self.steps)} did not finish in time, and "
+                                   "every worker answers (busy, or waiting for something that never comes)", received)
+        logging.getLogger("tilegraph").warning("%s still running after %.0f s (time limit %.0f s); every worker "
+                                               "answers, waiting on", _steps_text(self.steps), waited, timeout)
+        return timeout
 
 
 class EvalStep:
@@ -337,6 +557,10 @@ class EvalStep:
         self.runtime, self.compile_options = runtime, compile_options
         self._cache: dict[tuple, tuple[Executable, list]] = {}
         self._calls = 0
+
+    def reset_plans(self) -> None:
+        """Forget the recorded graphs (planned for the workers there were then)."""
+        self._cache.clear()
 
     def _lookup(self, batch, n: int) -> tuple[Executable, list]:
         """The graph of ``n`` losses for batches like ``batch``, and each one's input cells."""

@@ -12,11 +12,14 @@ offsets of its windows, read on the workers; the loss defaults to the next-token
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +28,31 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._train import EvalStep, StepStats, TrainStep
+from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
+                              lost_worker_error, translate_worker_failure, worker_health)
 
-__all__ = ["Trainer", "FitResult", "lm_loss"]
+__all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError"]
+
+#: ``step_timeout="auto"``: a graph may run this many times the slowest recent step's wall time
+#: (per step of the graph) before the workers are checked...
+STEP_TIMEOUT_FACTOR = 10.0
+#: ...and at least this long (a step of a few milliseconds waits behind the previous graph, the
+#: client's recording, a busy machine)
+STEP_TIMEOUT_MIN = 10.0
+#: the first graph of a plan records, plans and compiles its kernels with Numba on every worker
+#: (debug GPT-2 on 2 cores: ~10 s with an empty Numba cache): it gets at least this long, with
+#: any ``step_timeout``
+FIRST_GRAPH_SECONDS = 60.0
+#: while an evaluation or a checkpoint runs (no time limit of their own), the workers are checked
+#: this often (a scheduler round trip of a few milliseconds)
+WATCH_SECONDS = 2.0
+#: ``restart_on_failure=True``: restarts allowed in one fit
+MAX_RESTARTS = 3
+#: after a loss, how long a restart waits for at least one answering worker (a nanny's
+#: replacement for a killed worker joined within ~1 s on 2 cores)
+RESTART_WAIT_SECONDS = 30.0
+
+logger = logging.getLogger("tilegraph")
 
 
 def lm_loss(model, inputs, targets):
@@ -50,6 +75,9 @@ class FitResult:
     kernel_seconds: dict[str, float] = field(default_factory=dict)
     #: the share of the workers' thread time spent outside kernels (Dask, transfers, waiting)
     outside_kernels: float = 0.0
+    #: ``restart_on_failure``: one record per restart: the steps that were running ("failed"),
+    #: the workers lost, the checkpoint resumed and its step
+    restarts: list[dict] = field(default_factory=list)
 
     def profile(self, top: int = 8) -> str:
         """Where the time went: the parts of the model with the most kernel time, and the share
@@ -92,6 +120,23 @@ class Trainer:
       of the fit, after the first one recorded and planned). :attr:`FitResult.kernel_seconds`
       tells the time per model part, which Dask cannot see inside a task.
 
+    - ``step_timeout``: how long a step may run (seconds; a graph of k steps: k times that).
+      ``"auto"`` (default): ten times the slowest recent step, at least 10 s. When it passes,
+      the workers are checked: one that left or stopped answering the scheduler's heartbeats
+      for 10 s (stopped, hung) ends training with a :class:`WorkerLostError` naming it and the
+      steps; while every worker answers, ``"auto"`` waits on and a number raises
+      :class:`StepTimeoutError`. ``None``: no limit. The first graph of a plan (recording,
+      Numba compilation on the workers) gets at least ``FIRST_GRAPH_SECONDS``. A worker that
+      dies ends training at once with a WorkerLostError, whatever ``step_timeout``.
+    - ``restart_on_failure``: on a lost worker, reload the last checkpoint this trainer wrote
+      (or loaded), plan again on the workers left (a stalled worker is restarted through its
+      nanny first) and go on from the checkpoint's step; ``True`` allows ``MAX_RESTARTS``
+      restarts per fit, an int that many. Needs ``checkpoint_dir`` (and ``checkpoint_every``
+      for checkpoints before the end). The steps after the checkpoint run again (their
+      records then appear twice in ``metrics.jsonl``, around a ``"restart"`` record);
+      :attr:`FitResult.losses` keeps the rerun's losses. Without it, or with no checkpoint
+      yet, the WorkerLostError ends the fit.
+
     A loss that becomes NaN/inf stops training with an error naming the step (the metrics of the
     steps before it are on disk).
     """
@@ -103,6 +148,7 @@ class Trainer:
                  on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
                  batch_tiles: Sequence | None = None, pipeline: bool = True, steps_per_graph: int | str = "auto",
                  performance_report: str | os.PathLike | None = None, report_step: int | None = None,
+                 step_timeout: float | str | None = "auto", restart_on_failure: bool | int = False,
                  **compile_options):
         where = "tilegraph.Trainer"
         if steps_per_graph != "auto" and (isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int)
@@ -116,6 +162,20 @@ class Trainer:
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
         if checkpoint_every and checkpoint_dir is None:
             raise TileError(where, "checkpoint_every needs a checkpoint_dir", f"checkpoint_every={checkpoint_every}")
+        if not (step_timeout is None or step_timeout == "auto" or (isinstance(step_timeout, (int, float))
+                                                                  and not isinstance(step_timeout, bool)
+                                                                  and step_timeout > 0)):
+            raise TileError(where, "step_timeout must be 'auto', None or a number of seconds > 0", repr(step_timeout))
+        if not isinstance(restart_on_failure, (bool, int)) or restart_on_failure < 0:
+            raise TileError(where, "restart_on_failure must be a bool or the number of restarts allowed",
+                            repr(restart_on_failure))
+        if restart_on_failure and checkpoint_dir is None:
+            raise TileError(where, "restart_on_failure resumes from checkpoints: it needs a checkpoint_dir",
+                            f"restart_on_failure={restart_on_failure!r}, checkpoint_dir=None")
+        self.step_timeout = step_timeout
+        self.max_restarts = MAX_RESTARTS if restart_on_failure is True else int(restart_on_failure)
+        self._last_checkpoint: Path | None = None  # written or loaded: where a restart resumes
+        self._recent = collections.deque(maxlen=8)  # wall seconds per step of recent graphs
         self.model, self.optimizer, self.data, self.runtime = model, optimizer, data, runtime
         self.batch_size, self.accum_steps = batch_size, accum_steps
         self.eval_data, self.eval_every, self.eval_batches = eval_data, eval_every, eval_batches
@@ -213,6 +273,8 @@ class Trainer:
         t0 = time.perf_counter()
         tokens = 0
         end = start + steps
+        clock = t0  # when the graph the loop waits for could start: its submission, or the previous one's end
+        fresh = range(0)  # the steps of the last graph that was recorded (and compiled) for its first run
 
         def evaluates(i: int) -> bool:
             return self._eval is not None and (i == end or bool(self.eval_every and i % self.eval_every == 0))
@@ -222,12 +284,18 @@ class Trainer:
                                                                           and i % self.checkpoint_every == 0))
 
         def finish(i: int, pending, batch) -> None:
-            nonlocal tokens
-            loss = pending.result()  # raises on a NaN/inf loss, naming the step
+            nonlocal tokens, clock, fresh
+            # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
+            loss = pending.result(self._time_limit(pending, clock), patient=self.step_timeout == "auto")
+            clock = time.perf_counter()
             stats: StepStats = pending.stats
+            fresh = pending.steps if pending.fresh else fresh
+            if i not in fresh:  # a first run's time (recording, compilation) says little of the next ones
+                self._recent.append(stats.seconds)
             tokens += self._tokens(batch)
             elapsed = time.perf_counter() - t0
-            result.losses.append(loss)
+            if i > start:  # a restart may go back before this fit's first step
+                result.losses.append(loss)
             self._log(log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                             "tokens_per_s": tokens / elapsed, "step_seconds": stats.seconds, "tasks": stats.tasks,
                             "time": time.time()})
@@ -236,42 +304,71 @@ class Trainer:
             for hook in self.on_step:
                 hook(self, stats)
             if evaluates(i):
-                val = self.evaluate()
+                val = self._watched(self.evaluate, f"the evaluation after step {i}", range(i, i + 1))
                 result.val_losses.append((i, val))
                 self._log(log, {"step": i, "val_loss": val, "time": time.time()})
                 bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
                 self.plot()
             if checkpoints(i):
-                result.checkpoints.append(str(self.save_checkpoint(self.checkpoint_dir / f"step-{i:06d}")))
+                path = self._watched(lambda: self._write_checkpoint(self.checkpoint_dir / f"step-{i:06d}"),
+                                     f"the checkpoint of step {i}", range(i, i + 1))
+                for hook in self.on_checkpoint:
+                    hook(self, path)
+                result.checkpoints.append(str(path))
 
         def waits(i: int) -> bool:  # the loop waits after the last step and before an evaluation or checkpoint
             return i == end or evaluates(i) or checkpoints(i)
 
-        try:
-            first = self._batch(start + 1)  # asked for once: a data callable may be a stream
+        def run(i: int) -> None:
+            """Steps ``i`` to ``end``."""
+            first = self._batch(i)  # asked for once: a data callable may be a stream
             per_graph = self._steps_per_graph(first)
             waiting = []  # (step, pending, batch) submitted but not finished
-            i = start + 1
             while i <= end:
                 # this group: up to the next step the loop waits at, cut into near-equal groups
                 # of at most per_graph steps (one recorded graph serves them all)
                 stop = next(j for j in range(i, end + 1) if waits(j))
                 size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
-                steps = range(i, min(stop, i + size - 1) + 1)
-                batches = [first if j == start + 1 else self._batch(j) for j in steps]
-                reporting = self.performance_report is not None and report_step in steps
+                group = range(i, min(stop, i + size - 1) + 1)
+                batches = [first if j == group[0] and first is not None else self._batch(j) for j in group]
+                first = None
+                reporting = self.performance_report is not None and report_step in group
                 if reporting:
                     self._start_report(report)
-                pendings = self.step.submit_steps(batches)
+                with self._translate_lost_workers(_steps_text(group), group):
+                    pendings = self.step.submit_steps(batches)
                 for w in waiting:
                     finish(*w)
-                waiting = list(zip(steps, pendings, batches))
-                if not self.pipeline or waits(steps[-1]) or reporting:
+                waiting = list(zip(group, pendings, batches))
+                if not self.pipeline or waits(group[-1]) or reporting:
                     for w in waiting:
                         finish(*w)
                     waiting = []
                     report.close()
-                i = steps[-1] + 1
+                i = group[-1] + 1
+
+        try:
+            i = start + 1
+            while True:
+                try:
+                    run(i)
+                    break
+                except WorkerLostError as e:
+                    report.close()
+                    # the cached plans pin tasks and programs to workers that are gone: plan
+                    # again (also when the caller resumes by hand after this error)
+                    self.step.reset_plans()
+                    if self._eval is not None:
+                        self._eval.reset_plans()
+                    resumed = self._restart(e, len(result.restarts))
+                    record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
+                              "checkpoint": str(self._last_checkpoint), "step": resumed}
+                    result.restarts.append(record)
+                    self._log(log, {**record, "restart": True, "time": time.time()})
+                    del result.losses[max(0, resumed - start):]
+                    bar.n = max(0, resumed - start)
+                    bar.refresh()
+                    i = resumed + 1
         finally:
             report.close()
             bar.close()
@@ -286,6 +383,97 @@ class Trainer:
         result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / (result.seconds * threads))
         self.plot()
         return result
+
+    # -- lost workers ----------------------------------------------------------------------------
+    def _time_limit(self, pending, clock: float) -> float | None:
+        """Seconds left for ``pending``'s graph, which could start at ``clock`` (None: no limit)."""
+        if self.step_timeout is None or self.runtime is None:
+            return None
+        k = len(pending.steps)
+        if self.step_timeout == "auto":
+            limit = STEP_TIMEOUT_MIN
+            if self._recent:
+                limit = max(limit, STEP_TIMEOUT_FACTOR * max(self._recent) * k)
+        else:
+            limit = float(self.step_timeout) * k
+        if pending.fresh or not self._recent:
+            limit = max(limit, FIRST_GRAPH_SECONDS)
+        return limit - (time.perf_counter() - max(clock, pending.submitted))
+
+    @contextlib.contextmanager
+    def _translate_lost_workers(self, during: str, steps: range):
+        """Dask's errors of a lost worker, raised in the block, as a :class:`WorkerLostError`."""
+        try:
+            yield
+        except Exception as e:
+            err = translate_worker_failure(self.runtime, e, during, steps=steps, where="tilegraph.Trainer.fit")
+            if err is None:
+                raise
+            raise err from None
+
+    def _watched(self, fn: Callable, during: str, steps: range):
+        """``fn()``, work on the workers with no time limit of its own (an evaluation, a
+        checkpoint), while the workers are checked every ``WATCH_SECONDS``: one lost or stalled
+        ends the wait with a :class:`WorkerLostError` (``fn``'s thread then ends when Dask gives
+        up on the worker, or goes on if it comes back)."""
+        if self.runtime is None or self.step_timeout is None:
+            with self._translate_lost_workers(during, steps):
+                return fn()
+        out: dict = {}
+
+        def target():
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # re-raised by the loop's thread
+                out["error"] = e
+
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=target, name=f"tilegraph: {during}", daemon=True)
+        thread.start()
+        while True:
+            thread.join(WATCH_SECONDS)
+            if not thread.is_alive():
+                break
+            health = worker_health(self.runtime)
+            if health.lost or health.stalled:
+                raise lost_worker_error(health, during, f"still running after {time.perf_counter() - t0:.1f} s",
+                                        steps=steps, where="tilegraph.Trainer.fit")
+        if "error" in out:
+            with self._translate_lost_workers(during, steps):
+                raise out["error"]
+        return out["value"]
+
+    def _restart(self, error: WorkerLostError, restarts: int) -> int:
+        """Reload the last checkpoint after ``error`` (the next steps plan again, on the workers
+        left); returns the checkpoint's step. Raises when restarting is off or cannot be done."""
+        where = "tilegraph.Trainer.fit"
+
+        def fail(why: str):
+            return WorkerLostError(where, f"{error.what}; {why}", error.received, workers=error.workers,
+                                   stalled=error.stalled, steps=error.steps)
+
+        if not self.max_restarts:
+            raise error
+        if restarts >= self.max_restarts:
+            raise fail(f"restart_on_failure gave up after {restarts} restarts") from None
+        if self._last_checkpoint is None:
+            raise fail("restart_on_failure has no checkpoint to resume from: this trainer has written or loaded "
+                       "none yet (checkpoint_every sets how often it writes one)") from None
+        client = self.runtime.client
+        if error.stalled:  # its nanny kills the silent process and starts a fresh one (no nanny: removed)
+            client.restart_workers(error.stalled, timeout=RESTART_WAIT_SECONDS, raise_for_error=False)
+        deadline = time.perf_counter() + RESTART_WAIT_SECONDS
+        while not (answering := worker_health(self.runtime).answering):
+            if time.perf_counter() > deadline:
+                raise fail(f"no worker is left to restart on (none answered within {RESTART_WAIT_SECONDS:g} s)") \
+                    from None
+            time.sleep(0.5)
+        step = self.load_checkpoint(self._last_checkpoint)
+        logger.warning("tilegraph.Trainer: lost worker(s) %s while %s ran; resuming from checkpoint %s (step %d) "
+                       "on %d worker(s): %s", ", ".join(error.workers) or "(none named)",
+                       _steps_text(error.steps) if error.steps else "training", self._last_checkpoint, step,
+                       len(answering), ", ".join(answering))
+        return step
 
     def _kernel_stats(self, reset: bool = False) -> dict:
         """Kernel time counters of the workers (of this process without a runtime)."""
@@ -357,6 +545,13 @@ class Trainer:
         ``trainer_state.json``. Everything is written under a temporary name and renamed when
         complete, so a failure leaves no partial checkpoint and never replaces an existing one.
         """
+        path = self._write_checkpoint(path)
+        for hook in self.on_checkpoint:
+            hook(self, path)
+        return path
+
+    def _write_checkpoint(self, path: str | os.PathLike) -> Path:
+        """:meth:`save_checkpoint` without the ``on_checkpoint`` hooks."""
         from tilegraph._lower import compute
         from tilegraph.io.safetensors import save_file
 
@@ -386,13 +581,12 @@ class Trainer:
                      "parameters": [names[id(p)] for p in self.optimizer.params]}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
             os.replace(tmp, path)
+            self._last_checkpoint = path
         except BaseException:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for hook in self.on_checkpoint:
-            hook(self, path)
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> int:
@@ -420,6 +614,7 @@ class Trainer:
         arrays = [{k: opt[f"{names[id(p)]}.{k}"] for k in self.optimizer.state_names if f"{names[id(p)]}.{k}" in opt}
                   for p in self.optimizer.params]
         self.optimizer.load_state(arrays, int(state["step"]))
+        self._last_checkpoint = path
         return int(state["step"])
 
 
