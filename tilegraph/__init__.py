@@ -13,7 +13,7 @@ from tilegraph._lower import compile, compute, config
 from tilegraph._runtime import Runtime, connect, current_runtime
 
 from tilegraph import ops, nn, optim
-from tilegraph._train import EvalStep, StepStats, TrainStep
+from tilegraph._train import EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError
 from tilegraph.trainer import FitResult, Trainer
 from tilegraph.ops import *  # noqa: F401,F403 - functional ops live in the tilegraph namespace
 from tilegraph.ops import __all__ as _ops_all
@@ -21,4 +21,5 @@ from tilegraph.ops import __all__ as _ops_all
 __version__ = "0.1.0"
 
 __all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "compile",
-           "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult", *_ops_all]
+           "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult",
+           "WorkerLostError", "StepTimeoutError", *_ops_all]
