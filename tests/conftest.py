@@ -25,6 +25,20 @@ by_mode = pytest.mark.parametrize("mode", MODES)
 by_dtype = pytest.mark.parametrize("dtype", DTYPES)
 
 
+def stop_process(proc) -> None:
+    """End a subprocess a test started (an mpiexec launch, ...) and wait for it, whatever state it
+    is in: terminate, then kill after 20 s."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def randn(rng, *shape, dtype=np.float64) -> np.ndarray:
     """Standard normal test data of ``dtype``."""
     return rng.standard_normal(shape).astype(dtype)

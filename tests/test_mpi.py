@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import stop_process
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,13 +89,7 @@ def dask_mpi_cluster(tmp_path):
     try:
         yield proc, sched
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 def test_connect_to_a_dask_mpi_cluster_by_its_scheduler_file(dask_mpi_cluster):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import stop_process
 
 import tilegraph as tg
 
@@ -247,13 +248,7 @@ def dask_mpi_tls_cluster(tmp_path, certs):
     try:
         yield proc, sched
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 @pytest.mark.slow
