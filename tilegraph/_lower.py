@@ -34,7 +34,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Node, ReplicatedRef, TileRef, ValueRef, topo_order
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import Bound, Call, Program, kernel_stats, run_cluster  # noqa: F401 - re-exported
-from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, est_seconds,  # noqa: F401
+from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes,  # noqa: F401 - re-exported
                                     place, task_label)
 
 __all__ = ["compile", "compute", "Executable", "config", "DaskKey", "run_cluster"]
@@ -96,24 +96,25 @@ class Executable:
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         #: each root's refs: one, or one per replica for the replicated roots of a data-parallel plan
         self.replicas: list[list[TileRef]] = [[r] for r in self.roots]
-        self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse)
         self.strategy = "tiles"
         #: data-parallel plans: the replicas (worker processes); process p's tasks run on lanes
         #: p (compute) and replicas + p (exchange)
         self.n_replicas = 1
+        dp = None
         if parallel != "tiles" and fuse:
-            sharded = parallel == "sharded" or parallel == "auto" and \
-                self._state_bytes(state_groups) > config.replicated_state_fraction * _memory_limit(runtime)
-            dp = self._data_parallel(work, groups, state_groups, batch_cells, target, sharded)
+            dp = self._data_parallel(work, groups, state_groups, batch_cells, target, parallel)
+        if dp is None or parallel == "auto":  # the tiles plan: the only one, or the one to beat
+            self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse)
             # "auto": whichever plan the simulation finishes first (the tiles plan's figure
             # corrected for what its simulation leaves out when it spans several processes)
             tiles_seconds = self.est_makespan
             if len({(c.device, c.proc) for c in self.clusters}) > 1:
                 tiles_seconds *= 1.0 + config.tiles_across_processes_penalty
-            if dp is not None and (parallel != "auto" or dp[3] < tiles_seconds):
-                self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas = dp
-                work = [n for n in nodes if not n.is_leaf]
-                self.strategy = "sharded" if sharded else "data"
+            if dp is not None and dp[3] >= tiles_seconds:
+                dp = None
+        if dp is not None:
+            self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas, self.strategy = dp
+            work = [n for n in nodes if not n.is_leaf]
         # With several worker processes, each task goes to the worker the plan gave it.
         self.worker_of: dict[int, str] = {}
         if fuse:
@@ -153,15 +154,16 @@ class Executable:
         return sum(self.roots[k].nbytes for g in state_groups for k in g)
 
     def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], state_groups: Sequence[Sequence[int]],
-                       batch_cells: Sequence, target: float, sharded: bool):
+                       batch_cells: Sequence, target: float, parallel: str):
         """The data-parallel plan of this graph: ``(refs of each root, clusters, cluster of each
-        node, simulated seconds, nodes, replicas)``; None where it does not apply: no batch to
-        split, one process, or kernels placed on both device classes.
+        node, simulated seconds, nodes, replicas, strategy)``; None where it does not apply: no
+        batch to split, one process, or kernels placed on both device classes.
 
         ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
-        state). Data parallel: every replica keeps all of them. ``sharded``: each group has one
-        owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps its
-        state; the other replicas read the parameter from there."""
+        state). "data": every replica keeps all of them. "sharded" (and "auto" when they would
+        take over ``config.replicated_state_fraction`` of a worker's memory limit): each group has
+        one owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps
+        its state; the other replicas read the parameter from there."""
         devices = {n.device for n in work}
         if not batch_cells or len(devices) != 1:
             return None
@@ -172,6 +174,8 @@ class Executable:
         procs = min(len(groups[dev]), rows)
         if procs < 2:
             return None
+        sharded = parallel == "sharded" or parallel == "auto" and \
+            self._state_bytes(state_groups) > config.replicated_state_fraction * _memory_limit(self.runtime)
         if sharded:
             load, owners = [0] * procs, {}
             for g in state_groups:
@@ -187,11 +191,11 @@ class Executable:
         # its tasks wait for other replicas' values without holding back the backward pass
         lane = {i: p + (procs if i in dp.exchange else 0) for i, p in dp.replica.items()}
         threads = groups[dev][:procs]
-        order = visit_order(dp, est_seconds, config.bucket_bytes)
+        order = visit_order(dp, config.bucket_bytes)
         clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
                                               fixed=lane, home=procs)
         nodes = topo_order([r for refs in dp.roots for r in refs])
-        return dp.roots, clusters, of, seconds, nodes, procs
+        return dp.roots, clusters, of, seconds, nodes, procs, "sharded" if sharded else "data"
 
     def process_of(self, c: Cluster) -> int:
         """The worker process (index among those of its device class) that runs cluster ``c``."""

@@ -16,7 +16,6 @@ threads, cutting a task where another replica needs one of its values.
 >>> import numpy as np, tilegraph as tg
 >>> from tilegraph._graph import Cell, leaf
 >>> cells = [Cell(np.ones((2, 3), np.float32), (2, 3), np.float32) for _ in range(4)]
->>> w = leaf(Cell(np.ones((3, 3), np.float32), (3, 3), np.float32))
 >>> from tilegraph.ops.matmul import _matmul_tn
 >>> from tilegraph.ops.reduce import _tree
 >>> parts = [tg._graph.emit1(_matmul_tn, [leaf(c), leaf(c)], (3, 3), np.float32, op="g", n=1, batched=False)
@@ -33,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from tilegraph._graph import Node, TileRef, topo_order
 
@@ -63,17 +64,9 @@ def batch_groups(batch_cells: Sequence, replicas: int) -> dict[int, int]:
     groups: dict[int, int] = {}
     for cells in batch_cells:
         rows = cells.shape[0] if cells.ndim else 1
-        for idx, cell in _indexed(cells):
-            r = idx[0] if idx else 0
-            groups[id(cell)] = r * replicas // rows
+        for idx in np.ndindex(*cells.shape):
+            groups[id(cells[idx])] = (idx[0] if idx else 0) * replicas // rows
     return groups
-
-
-def _indexed(cells):
-    import numpy as np
-
-    for idx in np.ndindex(*cells.shape):
-        yield idx, cells[idx]
 
 
 def _copy(node: Node, inputs: tuple[TileRef, ...]) -> Node:
@@ -166,7 +159,7 @@ def split_replicas(roots: Sequence[TileRef], *, replicated: Sequence[int], group
                 need[id(i.node)] |= mine
 
     made: dict[tuple[int, int], Node] = {}   # (id(old node), replica) -> new node
-    split: dict[int, tuple] = {}             # id(old node) -> (inputs, params) of its clones
+    split: dict[int, Node] = {}              # id(old node) -> the call its clones copy (partials first)
     cloned: set[int] = set()
     replica: dict[int, int] = {}
     out_nodes: list[Node] = []
@@ -249,8 +242,8 @@ def _sumsq_by_replica(node: Node, inputs: tuple[TileRef, ...], replica, add) -> 
 def _presum(node: Node, inputs: tuple[TileRef, ...], share, add) -> Node:
     """The call every clone of a ``reduce_sum`` over tiles of several replicas' shares makes:
     each replica's tiles are first summed (over the call's ``axes`` too) where they were made,
-    and the clone adds one partial per replica. ``node`` itself when an input is not one
-    replica's own tile, or when there is nothing to pre-sum."""
+    and the clone adds one partial per replica. When an input is not one
+    replica's own tile, or when there is nothing to pre-sum: a plain copy."""
     from tilegraph.ops.reduce import _reduce_sum
 
     axes = node.params["axes"]
@@ -274,12 +267,11 @@ def _presum(node: Node, inputs: tuple[TileRef, ...], share, add) -> Node:
     return _like(node, node.kernel, tuple(partials), {**node.params, "axes": ()})
 
 
-def visit_order(dp: Replicas, seconds, bucket_bytes: float) -> list[Node]:
+def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
     """A topological order of ``dp.nodes`` for the list scheduler that overlaps the gradient
     exchange with the backward pass, as DDP's buckets do.
 
-    Compute-phase nodes go in decreasing upward rank (longest estimated path to a sink, with
-    ``seconds(node)`` per node), except that a node whose results only feed the exchange (a
+    Compute-phase nodes go in decreasing upward rank (longest estimated path to a sink), except that a node whose results only feed the exchange (a
     weight-gradient product, a replica's partial sum) takes the rank of its inputs' makers, so it
     runs as soon as they are done rather than at the end. Each time the ready exchange nodes would
     move ``bucket_bytes`` across processes (or no compute node is ready), all ready exchange nodes
@@ -288,17 +280,13 @@ def visit_order(dp: Replicas, seconds, bucket_bytes: float) -> list[Node]:
     """
     import heapq
 
-    users: dict[int, list[Node]] = {id(n): [] for n in dp.nodes}
-    pending = {id(n): 0 for n in dp.nodes}
-    for n in dp.nodes:
-        for i in n.inputs:
-            if id(i.node) in users:
-                users[id(i.node)].append(n)
-                pending[id(n)] += 1
-    rank: dict[int, float] = {}
+    from tilegraph.plan.cluster import upward_ranks, users_of
+
+    users = users_of(dp.nodes)
+    pending = {id(n): sum(id(i.node) in users for i in n.inputs) for n in dp.nodes}
+    rank = upward_ranks(dp.nodes, users)
     feeds: set[int] = set()  # compute nodes whose every use is in the exchange (or feeds it)
     for n in reversed(dp.nodes):
-        rank[id(n)] = seconds(n) + max((rank[id(u)] for u in users[id(n)]), default=0.0)
         if id(n) not in dp.exchange and users[id(n)] and \
                 all(id(u) in dp.exchange or id(u) in feeds for u in users[id(n)]):
             feeds.add(id(n))

@@ -9,7 +9,8 @@ from tilegraph._config import config
 from tilegraph._errors import TileError
 from tilegraph._graph import Node
 
-__all__ = ["place", "est_seconds", "task_label", "by_upward_rank", "Cluster", "cluster_nodes"]
+__all__ = ["place", "est_seconds", "task_label", "users_of", "upward_ranks", "by_upward_rank", "Cluster",
+           "cluster_nodes"]
 
 
 def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
@@ -57,6 +58,25 @@ def task_label(nodes: Sequence[Node]) -> str:
 
 
 # ------------------------------------------------------------------------------ clustering ----
+def users_of(nodes: Sequence[Node]) -> dict[int, list[Node]]:
+    """The nodes among ``nodes`` that read each node's outputs, by ``id``."""
+    users: dict[int, list[Node]] = {id(n): [] for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            if id(i.node) in users:
+                users[id(i.node)].append(n)
+    return users
+
+
+def upward_ranks(nodes: Sequence[Node], users: dict[int, list[Node]]) -> dict[int, float]:
+    """Each node's longest estimated path to a sink, itself included (HEFT's upward rank), by
+    ``id``; ``nodes`` are in a topological order."""
+    rank: dict[int, float] = {}
+    for n in reversed(nodes):  # successors come later
+        rank[id(n)] = est_seconds(n) + max((rank[id(s)] for s in users[id(n)]), default=0.0)
+    return rank
+
+
 def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
     """Nodes in decreasing order of their longest estimated path to a sink (HEFT's upward rank).
 
@@ -64,14 +84,7 @@ def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
     needs (weight-gradient joins, optimizer updates) for last, so it does not cut the parallel
     streams of the forward and backward passes into small tasks.
     """
-    rank: dict[int, float] = {}
-    succs: dict[int, list[Node]] = {id(n): [] for n in nodes}
-    for n in nodes:
-        for i in n.inputs:
-            if id(i.node) in succs:
-                succs[id(i.node)].append(n)
-    for n in reversed(nodes):  # nodes are topologically ordered: successors come later
-        rank[id(n)] = est_seconds(n) + max((rank[id(s)] for s in succs[id(n)]), default=0.0)
+    rank = upward_ranks(nodes, users_of(nodes))
     position = {id(n): k for k, n in enumerate(nodes)}
     return sorted(nodes, key=lambda n: (-rank[id(n)], position[id(n)]))
 
