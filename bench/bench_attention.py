@@ -65,7 +65,7 @@ def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int) -> dict[str, float]:
     T = q.shape[2]
     chunks = tuple(np.diff(np.linspace(0, T, n_tiles + 1).round().astype(int)))
     tq, tk, tv = (tg.from_numpy(a, (None, None, chunks, None)) for a in (q, k, v))
-    out = sdpa(tq, tk, tv)
+    out = sdpa(tq, tk, tv, is_causal=True)
     dq, dk, dv = tg.grad((out * tg.from_numpy(do, out.chunks)).sum(), [tq, tk, tv])
     roots = [r for t in (out, dq, dk, dv) for r in t.grid.flat]
     calls = kernel_calls(roots)

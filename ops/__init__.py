@@ -12,8 +12,8 @@ from .matmul import linear, matmul
 from .norm import layer_norm, rms_norm
 from .reduce import mean, sum
 from .rope import rope
-from .shape import reshape, transpose
+from .shape import permute, reshape, transpose
 from .softmax import log_softmax, softmax
 
-__all__ = ["add", "affine", "cross_entropy", "div", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "relu",
+__all__ = ["add", "affine", "cross_entropy", "div", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like"]

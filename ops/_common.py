@@ -8,7 +8,7 @@ import numpy as np
 
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, xp_of  # noqa: F401 - xp_of is used by the op modules
-from tilegraph._tensor import TileTensor, Tiling
+from tilegraph._tensor import Default, TileTensor, Tiling, resolve_alias  # noqa: F401 - for the op modules
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 

@@ -24,6 +24,7 @@ cache; bench/bench_attention.py times the kernels against torch.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -32,8 +33,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import (elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
-                      require_tensor, xp_of)
+from ._common import (Default, elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
+                      require_tensor, resolve_alias, xp_of)
 
 __all__ = ["scaled_dot_product_attention", "kv_cache_append"]
 
@@ -381,7 +382,7 @@ class _Layout:
 class ScaledDotProductAttention(Op):
     name = "scaled_dot_product_attention"
 
-    def forward(self, q, k, v, causal=True, scale=None, q_offset=0):
+    def forward(self, q, k, v, causal, scale=None, q_offset=0):
         _validate(q, k, v, causal, q_offset)
         d = q.shape[3]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -466,26 +467,44 @@ def _validate(q, k, v, causal: bool, q_offset: int = 0) -> None:
 
 
 _sdpa_op = ScaledDotProductAttention()
+_NOT_CAUSAL = Default(False)
 
 
-def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, causal: bool = True,
-                                 scale: float | None = None, q_offset: int = 0) -> TileTensor:
-    """``softmax(q k^T * scale + causal mask) v`` over tiles, as torch's ``is_causal`` SDPA.
+def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, attn_mask=None,
+                                 dropout_p: float = 0.0, is_causal: bool = _NOT_CAUSAL, *, scale: float | None = None,
+                                 q_offset: int = 0, causal: bool | None = None) -> TileTensor:
+    """``softmax(q k^T * scale + mask) v`` over tiles, torch's SDPA with its argument names.
 
     q: (B, H, T, D); k, v: (B, Hkv, S, D) with Hkv dividing H (query head h uses kv head
-    h // (H // Hkv)); ``scale`` defaults to 1/sqrt(D). T, S, B and the heads may be tiled, D not.
-    ``q_offset``: with ``causal``, query row t sits at position ``q_offset + t`` and sees keys
-    ``0..q_offset + t``, so ``S == q_offset + T`` (new positions against a KV cache of the
-    ``q_offset`` before them); without ``causal`` it changes nothing.
+    h // (H // Hkv), torch's ``enable_gqa=True``); ``scale`` defaults to 1/sqrt(D). T, S, B and
+    the heads may be tiled, D not. As in torch, attention is NOT causal unless ``is_causal=True``.
+    ``attn_mask`` and ``dropout_p`` exist so that ported calls bind as in torch; only
+    ``attn_mask=None`` and ``dropout_p=0`` are supported. ``q_offset`` (tilegraph's own): with
+    ``is_causal``, query row t sits at position ``q_offset + t`` and sees keys ``0..q_offset + t``,
+    so ``S == q_offset + T`` (new positions against a KV cache of the ``q_offset`` before them);
+    without ``is_causal`` it changes nothing. ``causal=`` is the older name of ``is_causal``, still
+    accepted (with a DeprecationWarning); passing both is an error.
 
     >>> import numpy as np, tilegraph as tg
     >>> x = tg.from_numpy(np.ones((1, 1, 4, 2)), tiles=(1, 1, 2, 2))
-    >>> scaled_dot_product_attention(x, x, x).numpy()[0, 0, 3]
+    >>> scaled_dot_product_attention(x, x, x, is_causal=True).numpy()[0, 0, 3]
     array([1., 1.])
     """
+    if causal is not None:
+        warnings.warn("scaled_dot_product_attention(causal=...) is deprecated: use is_causal=... (torch's "
+                      "name; the default is False, as in torch)", DeprecationWarning, stacklevel=2)
+    is_causal = resolve_alias(WHERE, "is_causal", is_causal, "causal", causal)
+    if attn_mask is not None:
+        raise TileError(WHERE, "attn_mask is not supported (only is_causal=True masks); a positional 4th "
+                        "argument is attn_mask, as in torch: pass is_causal=True by name",
+                        f"attn_mask of type {type(attn_mask).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise TileError(WHERE, "dropout_p is not supported: only 0 (no attention dropout)", repr(dropout_p))
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TileError(WHERE, "is_causal must be a bool", f"{is_causal!r} ({type(is_causal).__name__})")
     if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
         raise TileError(WHERE, "q_offset must be a non-negative int", repr(q_offset))
-    return _sdpa_op(q, k, v, causal=bool(causal), scale=scale, q_offset=int(q_offset))
+    return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset))
 
 
 # --------------------------------------------------------------------------------- KV cache ----

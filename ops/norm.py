@@ -14,11 +14,13 @@ NumPy expressions take several passes over the tile and are several times slower
 >>> import numpy as np, tilegraph as tg
 >>> from tilegraph.ops.norm import layer_norm
 >>> x = tg.from_numpy(np.array([[1.0, 2.0, 3.0, 6.0]]), tiles=(1, 2))
->>> layer_norm(x).numpy().round(3)
+>>> layer_norm(x, (4,)).numpy().round(3)
 array([[-1.069, -0.535,  0.   ,  1.604]])
 """
 
 from __future__ import annotations
+
+import numbers
 
 import numba
 import numpy as np
@@ -427,11 +429,65 @@ def _check(where, x, weight, bias, eps):
         raise TileError(where, "eps must be a non-negative number", repr(eps))
 
 
-def layer_norm(x: TileTensor, weight: TileTensor | None = None, bias: TileTensor | None = None,
+def _normalized_shape(x: TileTensor, normalized_shape, where: str) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple: the last dims of ``x``, torch's second argument."""
+    order = "layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5), torch's order"
+    if isinstance(normalized_shape, TileTensor):  # tilegraph's older order, (x, weight, bias, eps)
+        raise TileError(where, f"the second argument is normalized_shape ({order}), not the weight: "
+                        f"write layer_norm(x, {(x.shape[-1],) if x.ndim else ()}, weight, bias)",
+                        f"a TileTensor of shape {normalized_shape.shape} as normalized_shape")
+    if normalized_shape is None:
+        raise TileError(where, f"normalized_shape is required ({order}); without a weight write "
+                        f"layer_norm(x, {(x.shape[-1],) if x.ndim else ()}, None, bias)", "None")
+    shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else normalized_shape
+    try:
+        shape = tuple(shape)
+    except TypeError:  # neither an int nor a sequence
+        shape = ()
+    ints = all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in shape)
+    if not shape or not ints or len(shape) > x.ndim or tuple(int(n) for n in shape) != x.shape[x.ndim - len(shape):]:
+        raise TileError(where, f"normalized_shape must be the last dim(s) of x, e.g. {x.shape[-1:]}, as an int or "
+                        "a tuple of ints", f"normalized_shape {normalized_shape!r} for x of shape {x.shape}")
+    return tuple(int(n) for n in shape)
+
+
+def layer_norm(x: TileTensor, normalized_shape, weight: TileTensor | None = None, bias: TileTensor | None = None,
                eps: float = 1e-5) -> TileTensor:
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dim (biased variance, as torch)."""
-    _check("tilegraph.layer_norm", x, weight, bias, eps)
-    return _layer_norm_op(x, weight, bias, eps=eps)
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last ``len(normalized_shape)`` dims
+    (biased variance), torch's ``F.layer_norm`` with its argument order.
+
+    ``weight`` and ``bias`` have shape ``normalized_shape`` and the tiles of those dims of ``x``.
+    Normalising over several dims treats them as one, so only the first of them may be tiled.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.array([[1.0, 2.0, 3.0, 6.0]]), tiles=(1, 2))
+    >>> w = tg.from_numpy(np.full(4, 2.0), tiles=2)
+    >>> tg.layer_norm(x, (4,), w).numpy().round(3)
+    array([[-2.138, -1.069,  0.   ,  3.207]])
+    """
+    where = "tilegraph.layer_norm"
+    require_tensor(x, where, "x")
+    shape = _normalized_shape(x, normalized_shape, where)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if isinstance(p, TileTensor) and p.shape != shape:
+            raise TileError(where, f"{name} must have shape {shape} (normalized_shape)",
+                            f"{name} of shape {p.shape} for x of shape {x.shape}")
+    if len(shape) == 1:
+        _check(where, x, weight, bias, eps)
+        return _layer_norm_op(x, weight, bias, eps=eps)
+    from .shape import checked_reshape
+
+    # several dims normalised as one: merge them, normalise the last dim, split them again
+    flat = (int(np.prod(shape)),)
+    try:
+        xm = checked_reshape(x, x.shape[:-len(shape)] + flat, where)
+        wm, bm = (None if p is None else checked_reshape(require_tensor(p, where, name), flat, where)
+                  for name, p in (("weight", weight), ("bias", bias)))
+    except TileError as e:
+        raise TileError(where, f"normalising over the last {len(shape)} dims {shape} merges them into one: "
+                        f"{e.what}", e.received) from None
+    _check(where, xm, wm, bm, eps)
+    return checked_reshape(_layer_norm_op(xm, wm, bm, eps=eps), x.shape, where)
 
 
 def rms_norm(x: TileTensor, weight: TileTensor | None = None, eps: float = 1e-6) -> TileTensor:

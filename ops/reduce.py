@@ -9,9 +9,9 @@ import numpy as np
 from tilegraph._autograd import Op
 from tilegraph._errors import TileError
 from tilegraph._graph import emit1, kernel
-from tilegraph._tensor import TileTensor, Tiling
+from tilegraph._tensor import NO_KEEPDIM, TileTensor, Tiling
 
-from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, xp_of
+from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, resolve_alias, xp_of
 
 __all__ = ["sum", "mean", "sum_dims", "expand"]
 
@@ -121,25 +121,39 @@ def sum_dims(x: TileTensor, dims: tuple, keep: tuple, scale: float = 1.0) -> Til
 
 
 def _dims(x: TileTensor, dim, where: str) -> tuple:
-    if dim is None:
+    if dim is None or (isinstance(dim, (tuple, list)) and not dim):  # torch: () or [] reduces all dims
         return tuple(range(x.ndim))
-    if isinstance(dim, int):
+    if isinstance(dim, (int, np.integer)):
         dim = (dim,)
-    dims = tuple(sorted({norm_dim(d, x.ndim, where) for d in dim}))
+    dims = tuple(sorted({norm_dim(int(d), x.ndim, where) for d in dim}))
     if len(dims) != len(tuple(dim)):
         raise TileError(where, "dims must be distinct", repr(dim))
     return dims
 
 
-def sum(x: TileTensor, dim=None, keepdims: bool = False) -> TileTensor:  # noqa: A001 - torch name
-    """Sum over ``dim`` (an int, a tuple, or None for all), as a tree over tiles."""
-    require_tensor(x, "tilegraph.sum", "x")
-    dims = _dims(x, dim, "tilegraph.sum")
-    return sum_dims(x, dims, (keepdims,) * len(dims))
+def sum(x: TileTensor, dim=None, keepdim: bool = NO_KEEPDIM, *,  # noqa: A001 - torch name
+        keepdims: bool | None = None) -> TileTensor:
+    """Sum over ``dim`` (an int, a tuple, or None for all), as a tree over tiles.
+
+    ``keepdim=True`` keeps each reduced dim with size 1 (as torch; ``keepdims`` is NumPy's
+    spelling, accepted as in torch).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.sum(tg.from_numpy(np.ones((4, 3)), tiles=(2, 3)), 0, keepdim=True).numpy()
+    array([[4., 4., 4.]])
+    """
+    where = "tilegraph.sum"
+    require_tensor(x, where, "x")
+    keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
+    dims = _dims(x, dim, where)
+    return sum_dims(x, dims, (keep,) * len(dims))
 
 
-def mean(x: TileTensor, dim=None, keepdims: bool = False) -> TileTensor:
-    require_tensor(x, "tilegraph.mean", "x")
-    dims = _dims(x, dim, "tilegraph.mean")
+def mean(x: TileTensor, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None) -> TileTensor:
+    """Mean over ``dim`` (an int, a tuple, or None for all); ``keepdim`` as in :func:`sum`."""
+    where = "tilegraph.mean"
+    require_tensor(x, where, "x")
+    keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
+    dims = _dims(x, dim, where)
     count = int(np.prod([x.shape[d] for d in dims])) if dims else 1
-    return sum_dims(x, dims, (keepdims,) * len(dims), scale=1.0 / max(count, 1))
+    return sum_dims(x, dims, (keep,) * len(dims), scale=1.0 / max(count, 1))

@@ -133,13 +133,13 @@ def test_attention_with_a_query_offset_matches_torch(rng):
 
     for t, s, mode in ((1, 9, "single"), (4, 11, "ragged"), (5, 5, "even")):
         arrays = [randn(rng, 2, 4, t, 8), randn(rng, 2, 2, s, 8), randn(rng, 2, 2, s, 8)]
-        check_against_torch(lambda q, k, v: tg.scaled_dot_product_attention(q, k, v, q_offset=s - t), ref, arrays,
-                            "bhtD,bgsD,bgsD", mode)
+        check_against_torch(lambda q, k, v: tg.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=s - t),
+                            ref, arrays, "bhtD,bgsD,bgsD", mode)
     q, k = tg.from_numpy(arrays[0]), tg.from_numpy(arrays[1])
     with pytest.raises(tg.TileError, match=r"q_offset \+ T == S.*T=5, S=5, q_offset=1"):
-        tg.scaled_dot_product_attention(q, k, k, q_offset=1)
+        tg.scaled_dot_product_attention(q, k, k, is_causal=True, q_offset=1)
     with pytest.raises(tg.TileError, match="q_offset must be a non-negative int"):
-        tg.scaled_dot_product_attention(q, k, k, q_offset=-1)
+        tg.scaled_dot_product_attention(q, k, k, is_causal=True, q_offset=-1)
 
 
 # ---------------------------------------------------------------------------------- sampling ----

@@ -13,9 +13,9 @@ def _model_graph(rng):
     w = tg.from_numpy((rng.standard_normal((96, 96)) / 10).astype(np.float32), (48, 48))
     b = tg.from_numpy(np.zeros(96, np.float32), (48,))
     g = tg.from_numpy(np.ones(96, np.float32), (48,))
-    h = tg.layer_norm(tg.gelu(tg.matmul(x, w, bias=b), approximate="tanh"), g, b)
+    h = tg.layer_norm(tg.gelu(tg.matmul(x, w, bias=b), approximate="tanh"), (96,), g, b)
     q = tg.transpose(tg.reshape(h, (4, 64, 8, 12)), 1, 2)
-    a = tg.scaled_dot_product_attention(q, q, q)
+    a = tg.scaled_dot_product_attention(q, q, q, is_causal=True)
     loss = (a * a).mean() + tg.softmax(h, -1).sum() * 1e-3
     return loss, tg.grad(loss, [x, w, b])
 

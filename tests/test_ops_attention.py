@@ -33,7 +33,7 @@ def _qkv(rng, dtype, B=2, H=4, hkv=2, T=13, S=13, D=8):
 def test_sdpa(rng, mode, dtype, causal, hkv):
     # T = 15 tiles evenly (3 x 5); 13 gives a ragged last tile of one row
     T = 15 if mode == "even" else 13
-    check_against_torch(lambda q, k, v: sdpa(q, k, v, causal=causal),
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=causal),
                         lambda q, k, v: torch_sdpa(q, k, v, causal), _qkv(rng, dtype, hkv=hkv, T=T, S=T),
                         "bhtD,bgtD,bgtD", mode)
 
@@ -43,7 +43,7 @@ def test_sdpa(rng, mode, dtype, causal, hkv):
 def test_sdpa_cross_lengths_and_scale(rng, mode, dtype):
     # non-causal with fewer keys than queries and their own tiling, GQA 4 -> 1
     arrays = _qkv(rng, dtype, hkv=1, T=13, S=7)
-    check_against_torch(lambda q, k, v: sdpa(q, k, v, causal=False, scale=0.3),
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=False, scale=0.3),
                         lambda q, k, v: torch_sdpa(q, k, v, False, scale=0.3), arrays, "bhtD,bgsD,bgsD", mode)
 
 
@@ -53,7 +53,7 @@ def test_sdpa_causal_with_different_query_and_key_tiles(rng, dtype, q_tiles, kv_
     q, k, v = _qkv(rng, dtype, H=6, hkv=3)
     tq = tg.from_numpy(q, (1, (4, 2), q_tiles, None))
     tk, tv = (tg.from_numpy(a, (1, (1, 2), kv_tiles, None)) for a in (k, v))
-    out = sdpa(tq, tk, tv)
+    out = sdpa(tq, tk, tv, is_causal=True)
     r = _r(rng, *out.shape, dtype=dtype)
     grads = tg.grad((out * tg.from_numpy(r, out.chunks)).sum(), [tq, tk, tv])
     got = tg.compute(out, *grads)
@@ -80,7 +80,7 @@ def test_sdpa_row_blocks_and_head_groups_inside_a_tile(rng, monkeypatch, mode, d
     if block is not None:
         monkeypatch.setattr(attention, "_BLOCK", block)
         monkeypatch.setattr(attention, "_GROUP_BYTES", group_bytes)
-    check_against_torch(lambda q, k, v: sdpa(q, k, v, causal=causal),
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=causal),
                         lambda q, k, v: torch_sdpa(q, k, v, causal),
                         _qkv(rng, dtype, B=2, H=4, hkv=2, T=T, S=T, D=8), "bhtD,bgtD,bgtD", mode)
 
@@ -96,7 +96,7 @@ def test_sdpa_structure_never_materialises_t_by_t(rng, n):
     q, k, v = _qkv(rng, np.float64, B=B, H=H, hkv=2, T=T, S=T, D=D)
     chunks = tuple(np.diff(np.linspace(0, T, n + 1).round().astype(int)))
     tq, tk, tv = (tg.from_numpy(a, (None, None, chunks, None)) for a in (q, k, v))
-    out = sdpa(tq, tk, tv)
+    out = sdpa(tq, tk, tv, is_causal=True)
     assert tg.compile([out]).n_nodes == n  # one forward kernel per query tile
     fwd = _kernels([out])
     # causal: query tile i reads key tiles 0..i only (a k and a v tile each)
@@ -157,7 +157,7 @@ def test_sdpa_bad_inputs(rng):
     with pytest.raises(tg.TileError, match="must divide the query head count"):
         sdpa(q, _t(rng, (2, 3, 6, 8)), _t(rng, (2, 3, 6, 8)))
     with pytest.raises(tg.TileError, match=r"causal attention needs as many keys as queries.*T=6, S=5"):
-        sdpa(q, _t(rng, (2, 2, 5, 8)), _t(rng, (2, 2, 5, 8)))
+        sdpa(q, _t(rng, (2, 2, 5, 8)), _t(rng, (2, 2, 5, 8)), is_causal=True)
     with pytest.raises(tg.TileError, match="inputs must share one dtype"):
         sdpa(q, _t(rng, (2, 2, 6, 8), dtype=np.float32), kv)
     with pytest.raises(tg.TileError, match="k and v must have the same shape"):

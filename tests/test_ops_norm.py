@@ -101,7 +101,7 @@ def test_layer_norm(rng, mode, dtype, affine):
 
     def ours(x, *p):
         kw = dict(zip(parts, p))
-        return layer_norm(x, kw.get("w"), kw.get("b"))
+        return layer_norm(x, (12,), kw.get("w"), kw.get("b"))
 
     def ref(x, *p):
         kw = dict(zip(parts, p))
@@ -126,7 +126,7 @@ def test_rms_norm(rng, mode, dtype, weighted):
 def test_norm_over_many_tiles_and_eps(rng, center):
     x, w, b = _r(rng, 5, 40) * 0.01, _r(rng, 40), _r(rng, 40)
     if center:
-        fn = lambda x, w, b: layer_norm(x, w, b, eps=1e-3)  # noqa: E731
+        fn = lambda x, w, b: layer_norm(x, (40,), w, b, eps=1e-3)  # noqa: E731
         tfn = lambda x, w, b: F.layer_norm(x, (40,), w, b, eps=1e-3)  # noqa: E731
         arrays, dims = [x, w, b], "ac,c,c"
     else:
@@ -149,7 +149,7 @@ def test_norm_fused_kernel_counts(rng, center):
     x = tg.from_numpy(_r(rng, 4, 6, 16, dtype=np.float32), (2, 3, None))  # 4 tiles, whole rows
     w = tg.from_numpy(_r(rng, 16, dtype=np.float32))
     b = tg.from_numpy(_r(rng, 16, dtype=np.float32)) if center else None
-    y = layer_norm(x, w, b) if center else rms_norm(x, w)
+    y = layer_norm(x, (16,), w, b) if center else rms_norm(x, w)
     assert _kernels(y) == (4, {"norm_fwd"})
     dx, dw, db = _backward(y, rng)
     assert _kernels(dx) == (8, {"norm_fwd", "norm_bwd"})
@@ -158,7 +158,7 @@ def test_norm_fused_kernel_counts(rng, center):
     assert _kernels(*grads) == (9, {"norm_fwd", "norm_bwd", "norm_sum_groups"})
     # one row tile: forward and backward are one kernel each, the partials are the gradients
     x1 = tg.from_numpy(_r(rng, 8, 16, dtype=np.float32))
-    y1 = layer_norm(x1, w, b) if center else rms_norm(x1, w)
+    y1 = layer_norm(x1, (16,), w, b) if center else rms_norm(x1, w)
     grads = [g for g in _backward(y1, rng) if g is not None]
     assert _kernels(y1, *grads) == (2, {"norm_fwd", "norm_bwd"})
 
@@ -166,7 +166,7 @@ def test_norm_fused_kernel_counts(rng, center):
 def test_norm_split_rows_kernel_counts(rng):
     x = tg.from_numpy(_r(rng, 4, 12), (2, 4))  # 2 row groups of 3 tiles
     w = tg.from_numpy(_r(rng, 12), 4)
-    y = layer_norm(x, w, w)
+    y = layer_norm(x, (12,), w, w)
     assert _kernels(y) == (2 * (3 + 1 + 3), {"norm_stats", "norm_merge", "norm_apply"})
 
 
@@ -175,7 +175,7 @@ def test_norm_float16_upcasts_statistics(rng):
     want = F.layer_norm(torch.tensor(x), (12,)).numpy()
     for tiles in (None, (3, 5)):
         t = tg.from_numpy(x.astype(np.float16), tiles)
-        y = layer_norm(t)
+        y = layer_norm(t, (12,))
         assert y.dtype == np.float16
         np.testing.assert_allclose(y.numpy(), want, atol=0.02)
 
@@ -206,20 +206,20 @@ def _as_tuple(v):
 def test_errors(rng):
     x = tg.from_numpy(_r(rng, 4, 12), (2, 4))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.layer_norm\] weight must have shape \(12,\)"):
-        layer_norm(x, tg.from_numpy(_r(rng, 6)))
+        layer_norm(x, (12,), tg.from_numpy(_r(rng, 6)))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.rms_norm\] weight and the last dim of x must have "
                                            r"the same tiles; received: \(6, 6\) vs \(4, 4, 4\)"):
         rms_norm(x, tg.from_numpy(_r(rng, 12), 6))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.layer_norm\] bias must have the dtype of x"):
-        layer_norm(x, None, tg.from_numpy(_r(rng, 12, dtype=np.float32), 4))
+        layer_norm(x, (12,), None, tg.from_numpy(_r(rng, 12, dtype=np.float32), 4))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.layer_norm\] x must have a floating dtype; "
                                            r"received: int64"):
-        layer_norm(tg.from_numpy(np.arange(12).reshape(3, 4)))
+        layer_norm(tg.from_numpy(np.arange(12).reshape(3, 4)), (4,))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.softmax\] x must have a floating dtype"):
         softmax(tg.from_numpy(np.arange(12).reshape(3, 4)))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.softmax\] dim out of range"):
         softmax(x, 2)
     with pytest.raises(tg.TileError, match=r"\[tilegraph.layer_norm\] weight must be a TileTensor"):
-        layer_norm(x, np.ones(12))
+        layer_norm(x, (12,), np.ones(12))
     with pytest.raises(tg.TileError, match=r"\[tilegraph.rms_norm\] eps must be a non-negative number"):
         rms_norm(x, eps=-1.0)

@@ -14,6 +14,42 @@ from tilegraph._graph import Cell, TileRef, leaf, xp_of
 __all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array"]
 
 
+# -- parameter aliases ---------------------------------------------------------------------------
+# Where tilegraph takes torch's name for a parameter and keeps an older or NumPy spelling, passing
+# both must be an error. They live here, the lowest module that both the TileTensor methods (whose
+# defaults need them) and the ops import.
+class Default:
+    """A parameter's default that can be told from the same value passed explicitly, so that a call
+    passing both a parameter and its alias is an error; it shows (``repr``) and tests (``bool``) as
+    ``value``, so ``help()`` reads ``keepdim: bool = False``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+
+def resolve_alias(where: str, name: str, value, alias: str, alias_value):
+    """The value of parameter ``name``, passed as itself (``value``, a :class:`Default` when not
+    passed) or as ``alias`` (``alias_value``, None when not passed); passing both is an error."""
+    if alias_value is None:
+        return value.value if isinstance(value, Default) else value
+    if not isinstance(value, Default):
+        raise TileError(where, f"pass {name}= or {alias}= (the same parameter), not both",
+                        f"{name}={value!r}, {alias}={alias_value!r}")
+    return alias_value
+
+
+#: ``keepdim``'s default, told apart from an explicit ``keepdim=False`` next to ``keepdims=``
+NO_KEEPDIM = Default(False)
+
+
 class Tiling:
     """Tile sizes per dimension, as dask-style chunks: ``((4, 4, 2), (8,))``.
 
@@ -224,27 +260,59 @@ class TileTensor:
 
         return ops.transpose(self)
 
-    def sum(self, dim=None, keepdims=False):
+    def sum(self, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None):
+        """:func:`tilegraph.sum` (torch's ``Tensor.sum``; ``keepdims`` is an accepted alias)."""
         from tilegraph import ops
 
-        return ops.sum(self, dim, keepdims=keepdims)
+        return ops.sum(self, dim, keepdim, keepdims=keepdims)
 
-    def mean(self, dim=None, keepdims=False):
+    def mean(self, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None):
+        """:func:`tilegraph.mean` (torch's ``Tensor.mean``; ``keepdims`` is an accepted alias)."""
         from tilegraph import ops
 
-        return ops.mean(self, dim, keepdims=keepdims)
+        return ops.mean(self, dim, keepdim, keepdims=keepdims)
 
     def reshape(self, *shape):
-        from tilegraph import ops
+        """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``: :func:`tilegraph.reshape`, which moves no
+        data between tiles and raises a TileError naming the tiling when the tiles do not allow it."""
+        from tilegraph.ops.shape import checked_reshape
 
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-            shape = tuple(shape[0])
-        return ops.reshape(self, shape)
+        where = "tilegraph.TileTensor.reshape"
+        return checked_reshape(self, _sizes(shape, where), where)
+
+    def view(self, *shape):
+        """``x.view(2, -1)``: the same as :meth:`reshape`. Every tilegraph reshape is a view in
+        torch's sense (no data moves between tiles); where the tiles do not allow one it raises, as
+        torch's ``view`` does on a non-contiguous tensor. ``view(dtype)`` is not supported."""
+        from tilegraph.ops.shape import checked_reshape
+
+        where = "tilegraph.TileTensor.view"
+        return checked_reshape(self, _sizes(shape, where), where)
+
+    def permute(self, *dims):
+        """``x.permute(2, 0, 1)`` or ``x.permute((2, 0, 1))``: dim ``i`` of the result is dim
+        ``dims[i]`` of ``x``, with its tiles (any tiling allows it)."""
+        from tilegraph.ops.shape import checked_permute
+
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = tuple(dims[0])
+        return checked_permute(self, dims, "tilegraph.TileTensor.permute")
 
     def transpose(self, *dims):
         from tilegraph import ops
 
         return ops.transpose(self, *dims)
+
+
+def _sizes(shape: tuple, where: str) -> tuple:
+    """The new shape of ``reshape(*shape)`` / ``view(*shape)``: sizes, or one tuple of them."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    for s in shape:
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise TileError(where, "expected sizes (ints, one of them may be -1); a dtype view or a "
+                            "tensor as shape is not supported", f"{shape!r}")
+    return tuple(int(s) for s in shape)
 
 
 def tensor_from_cells(tiling: Tiling, dtype, cells: np.ndarray, name: str | None = None) -> TileTensor:

@@ -262,7 +262,7 @@ class LayerNorm(Module):
         self.bias = Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias else None
 
     def forward(self, x: TileTensor) -> TileTensor:
-        return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
+        return ops.layer_norm(x, self.weight.shape, self.weight, self.bias, eps=self.eps)
 
 
 class RMSNorm(Module):
@@ -358,7 +358,7 @@ class CausalSelfAttention(Module):
             k = ops.rope(k, base=self.rope_base, position_offset=start)
         if cache is not None:
             k, v = cache.append(k, v)                                   # (B, Hkv, start + T, hd)
-        y = ops.scaled_dot_product_attention(q, k, v, causal=True, q_offset=start)  # (B, H, T, hd)
+        y = ops.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=start)  # (B, H, T, hd)
         y = ops.reshape(ops.transpose(y, 1, 2), (b, t, c))
         return self.o(y)
 
