@@ -12,13 +12,14 @@ paths with the layout change between them. Nothing here imports torch or transfo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -30,6 +31,7 @@ __all__ = ["Rule", "NameMap", "ConfigKey", "HFSpec", "SPECS", "load_hf", "save_h
            "hf_config"]
 
 CONFIG_NAME = "config.json"
+_MAX_CONFIG_BYTES = 16 * 1024 * 1024  # real config.json files are a few kB; a larger one is not a config
 
 
 # --------------------------------------------------------------------------------- name maps ----
@@ -102,6 +104,23 @@ class NameMap:
             return self.bare_prefix + name
         return name
 
+    def find(self, name: str, present) -> str | None:
+        """The name under which ``present`` holds the table's tensor ``name`` (with or without the
+        bare prefix), or None."""
+        if name in present:
+            return name
+        if self.bare_prefix and name.startswith(self.bare_prefix) and name[len(self.bare_prefix):] in present:
+            return name[len(self.bare_prefix):]
+        return None
+
+    def layers_in(self, present) -> set[int]:
+        """The layer indices that tensor names in ``present`` carry (``{i}`` of the table's rules)."""
+        prefixes = {r.hf.split("{i}")[0] for r in self.rules if "{i}" in r.hf}
+        if self.bare_prefix:
+            prefixes |= {p.removeprefix(self.bare_prefix) for p in prefixes}
+        pattern = re.compile("(?:" + "|".join(map(re.escape, sorted(prefixes))) + r")(\d+)\.")
+        return {int(m.group(1)) for m in map(pattern.match, present) if m}
+
     def ignored(self, name: str, tied: bool) -> bool:
         if tied and name == self.tied_output:
             return True
@@ -112,13 +131,47 @@ class NameMap:
 _REQUIRED = object()
 
 
+def _finite(v) -> float | None:
+    """A JSON number as a finite float, else None (bools, strings, NaN, infinities, 1e400-sized ints)."""
+    if type(v) not in (int, float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+#: ConfigKey.kind -> (what the value must be, the test)
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "size": ("a positive integer", lambda v: type(v) is int and v > 0),
+    "eps": ("a finite number >= 0", lambda v: _finite(v) is not None and v >= 0),
+    "bool": ("true or false", lambda v: type(v) is bool),
+}
+
+
 @dataclass(frozen=True)
 class ConfigKey:
-    """An HF config.json key that becomes a config field (``default``: HF's value when absent)."""
+    """An HF config.json key that becomes a config field (``default``: HF's value when absent;
+    ``kind``: a key of ``_KINDS``, what its value must be)."""
 
     hf: str
     field: str
     default: Any = _REQUIRED
+    kind: str = "size"
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A config size that a tensor present in the checkpoint shows: dim ``dim`` of HF tensor
+    ``tensor`` must be ``size(config)``. Checked from the headers before any model is built, so
+    that a config.json claiming a million layers or a 10^9 width fails fast instead of allocating."""
+
+    key: str  # the HF config key named in errors
+    field: str
+    tensor: str
+    dim: int
+    size: Callable[[Any], int]
 
 
 @dataclass(frozen=True)
@@ -129,6 +182,9 @@ class HFSpec:
     #: HF config values the model code implements: key -> (allowed values; the first is written)
     supported: dict
     names: NameMap
+    extents: tuple[Extent, ...]
+    #: parameters of a model of a config, from the config alone (the memory check before building)
+    n_params: Callable[[Any], int]
 
 
 def _gpt2_spec() -> HFSpec:
@@ -166,16 +222,30 @@ def _gpt2_spec() -> HFSpec:
         ConfigKey("n_layer", "n_layers", 12),
         ConfigKey("n_head", "n_heads", 12),
         ConfigKey("n_inner", "hidden", None),
-        ConfigKey("layer_norm_epsilon", "norm_eps", 1e-5),
-        ConfigKey("tie_word_embeddings", "tie_embeddings", True),
+        ConfigKey("layer_norm_epsilon", "norm_eps", 1e-5, "eps"),
+        ConfigKey("tie_word_embeddings", "tie_embeddings", True, "bool"),
     )
+    extents = (
+        Extent("vocab_size", "vocab_size", "transformer.wte.weight", 0, lambda c: c.vocab_size),
+        Extent("n_embd", "dim", "transformer.wte.weight", 1, lambda c: c.dim),
+        Extent("n_positions", "max_seq_len", "transformer.wpe.weight", 0, lambda c: c.max_seq_len),
+        Extent("n_embd", "dim", "transformer.ln_f.weight", 0, lambda c: c.dim),
+        Extent("n_inner", "hidden", "transformer.h.0.mlp.c_fc.weight", 1, lambda c: c.hidden),
+    )
+
+    def n_params(c) -> int:
+        # per layer: two LayerNorms, q, k, v and o with biases, the MLP's two matrices with biases
+        per_layer = 2 * 2 * c.dim + 4 * c.dim * (c.dim + 1) + 2 * c.dim * c.hidden + c.hidden + c.dim
+        head = 0 if c.tie_embeddings else c.vocab_size * c.dim
+        return (c.vocab_size + c.max_seq_len) * c.dim + c.n_layers * per_layer + 2 * c.dim + head
+
     supported = {
         "activation_function": ("gelu_new", "gelu_pytorch_tanh"),  # both are GELU's tanh form
         "scale_attn_weights": (True,),
         "scale_attn_by_inverse_layer_idx": (False,),
         "add_cross_attention": (False,),
     }
-    return HFSpec("gpt2", ("GPT2LMHeadModel",), keys, supported, names)
+    return HFSpec("gpt2", ("GPT2LMHeadModel",), keys, supported, names, extents, n_params)
 
 
 def _llama_spec() -> HFSpec:
@@ -209,15 +279,30 @@ def _llama_spec() -> HFSpec:
         ConfigKey("num_attention_heads", "n_heads", 32),
         ConfigKey("num_key_value_heads", "n_kv_heads", None),
         ConfigKey("intermediate_size", "hidden", 11008),
-        ConfigKey("rms_norm_eps", "norm_eps", 1e-6),
-        ConfigKey("tie_word_embeddings", "tie_embeddings", False),
+        ConfigKey("rms_norm_eps", "norm_eps", 1e-6, "eps"),
+        ConfigKey("tie_word_embeddings", "tie_embeddings", False, "bool"),
     )
+    extents = (
+        Extent("vocab_size", "vocab_size", "model.embed_tokens.weight", 0, lambda c: c.vocab_size),
+        Extent("hidden_size", "dim", "model.embed_tokens.weight", 1, lambda c: c.dim),
+        Extent("hidden_size", "dim", "model.norm.weight", 0, lambda c: c.dim),
+        Extent("intermediate_size", "hidden", "model.layers.0.mlp.gate_proj.weight", 0, lambda c: c.hidden),
+        # (out, in) = (n_kv_heads * head_dim, dim)
+        Extent("num_key_value_heads", "n_kv_heads", "model.layers.0.self_attn.k_proj.weight", 0,
+               lambda c: c.n_kv_heads * c.head_dim),
+    )
+
+    def n_params(c) -> int:
+        kv = c.n_kv_heads * c.head_dim
+        per_layer = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.hidden + 2 * c.dim
+        return (2 - bool(c.tie_embeddings)) * c.vocab_size * c.dim + c.n_layers * per_layer + c.dim
+
     supported = {
         "hidden_act": ("silu",),
         "attention_bias": (False,),
         "mlp_bias": (False,),
     }
-    return HFSpec("llama", ("LlamaForCausalLM",), keys, supported, names)
+    return HFSpec("llama", ("LlamaForCausalLM",), keys, supported, names, extents, n_params)
 
 
 SPECS = {"gpt2": _gpt2_spec(), "llama": _llama_spec()}
@@ -225,34 +310,51 @@ SPECS = {"gpt2": _gpt2_spec(), "llama": _llama_spec()}
 
 # ------------------------------------------------------------------------------ config.json ----
 def _read_config(folder: Path, where: str) -> dict:
+    path = folder / CONFIG_NAME
     try:
-        cfg = json.loads((folder / CONFIG_NAME).read_text())
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # reading says what is wrong
+    if size > _MAX_CONFIG_BYTES:
+        raise TileError(where, f"{CONFIG_NAME} must be a JSON object of at most {_MAX_CONFIG_BYTES} bytes",
+                        f"{path}: {size} bytes")
+    try:
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise TileError(where, f"a Hugging Face model folder needs {CONFIG_NAME}",
                         f"none in {folder}" if folder.is_dir() else "the folder does not exist") from None
-    except (OSError, ValueError) as e:
-        raise TileError(where, f"{CONFIG_NAME} must be a JSON object", str(e)) from None
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, an int of over 4300 digits
+        raise TileError(where, f"{CONFIG_NAME} must be a JSON object", f"{path}: {str(e)[:200]}") from None
+    except RecursionError:
+        raise TileError(where, f"{CONFIG_NAME} must be a JSON object of HF settings; it nests too deeply",
+                        str(path)) from None
     if not isinstance(cfg, dict):
-        raise TileError(where, f"{CONFIG_NAME} must be a JSON object", type(cfg).__name__)
+        raise TileError(where, f"{CONFIG_NAME} must be a JSON object", f"{path}: {type(cfg).__name__}")
     return cfg
 
 
 def _rope_base(hf: dict, where: str) -> float:
     """rope_theta from either config layout: top-level (older) or inside rope_parameters (newer)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for p in (params, scaling):
-        kind = p.get("rope_type", p.get("type", "default"))
+    found = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        p = hf.get(key)
+        if p is not None and not isinstance(p, dict):
+            raise TileError(where, f"{CONFIG_NAME}: {key} must be an object or null", st._brief(p))
+        found[key] = p or {}
+        kind = found[key].get("rope_type", found[key].get("type", "default"))
         if kind != "default":
             raise TileError(where, "only the default rotary embedding is implemented (no rope scaling)",
-                            f"rope_type={kind!r}")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+                            f"rope_type={st._brief(kind)}")
+    theta = found["rope_parameters"].get("rope_theta", hf.get("rope_theta", 10000.0))
+    if _finite(theta) is None or theta <= 0:
+        raise TileError(where, f"{CONFIG_NAME}: rope_theta must be a finite number > 0", st._brief(theta))
+    return float(theta)
 
 
 def _spec_for(hf: dict, where: str) -> HFSpec:
     kind = hf.get("model_type")
-    if kind not in SPECS:
-        raise TileError(where, f"unsupported model_type; supported: {', '.join(SPECS)}", repr(kind))
+    if not isinstance(kind, str) or kind not in SPECS:  # a list is not even hashable
+        raise TileError(where, f"unsupported model_type; supported: {', '.join(SPECS)}", st._brief(kind))
     return SPECS[kind]
 
 
@@ -261,21 +363,33 @@ def hf_config(hf: dict, where: str = "tilegraph.io.hf"):
     from tilegraph.models import ARCHITECTURES
 
     spec = _spec_for(hf, where)
+    # first the types and signs of the values, all at once: a size that is a str, a float or
+    # negative would otherwise surface as a TypeError deep inside, or be multiplied out
+    invalid, fields = [], {}
+    for k in spec.keys:
+        value = hf.get(k.hf)
+        if value is None:  # absent or null: HF's default
+            if k.default is _REQUIRED:  # pragma: no cover - every key has HF's default
+                invalid.append(f"{k.hf} is missing")
+            fields[k.field] = k.default
+            continue
+        what, ok = _KINDS[k.kind]
+        if not ok(value):
+            invalid.append(f"{k.hf}={st._brief(value)} (expected {what})")
+        fields[k.field] = value
+    head_dim = hf.get("head_dim") if spec.model_type == "llama" else None
+    if head_dim is not None and not _KINDS["size"][1](head_dim):
+        invalid.append(f"head_dim={st._brief(head_dim)} (expected {_KINDS['size'][0]})")
+        head_dim = None
+    if invalid:
+        raise TileError(where, f"{CONFIG_NAME} has values a {spec.model_type} config cannot take",
+                        "; ".join(invalid))
     problems = []
     for key, allowed in spec.supported.items():
         if key in hf and hf[key] not in allowed:
-            problems.append(f"{key}={hf[key]!r} (supported: {', '.join(map(repr, allowed))})")
-    fields = {}
-    for k in spec.keys:
-        if k.hf in hf and hf[k.hf] is not None:
-            fields[k.field] = hf[k.hf]
-        elif k.default is not _REQUIRED:
-            fields[k.field] = k.default
-        else:  # pragma: no cover - every key has HF's default
-            problems.append(f"{k.hf} is missing")
+            problems.append(f"{key}={st._brief(hf[key])} (supported: {', '.join(map(repr, allowed))})")
     if spec.model_type == "llama":
         fields["rope_base"] = _rope_base(hf, where)
-        head_dim = hf.get("head_dim")
         if head_dim is not None and head_dim * fields["n_heads"] != fields["dim"]:
             problems.append(f"head_dim={head_dim} (supported: hidden_size / num_attention_heads = "
                             f"{fields['dim'] // fields['n_heads']})")
@@ -285,7 +399,12 @@ def hf_config(hf: dict, where: str = "tilegraph.io.hf"):
     config_cls = ARCHITECTURES[spec.model_type][0]
     used = {k.hf for k in spec.keys} | set(spec.supported) | {"model_type", "architectures", "rope_theta",
                                                               "rope_parameters", "rope_scaling", "head_dim"}
-    return config_cls(**fields), {k: v for k, v in hf.items() if k not in used}
+    try:
+        config = config_cls(**fields)
+    except TileError as e:  # sizes that contradict each other (heads that do not divide the width, ...)
+        raise TileError(where, f"{CONFIG_NAME} describes no valid {spec.model_type} model: {e.what}",
+                        e.received) from None
+    return config, {k: v for k, v in hf.items() if k not in used}
 
 
 def _to_hf_config(model) -> dict:
@@ -305,16 +424,16 @@ def _to_hf_config(model) -> dict:
 
 
 # -------------------------------------------------------------------------------- weights ----
-def load_hf_weights(model, path, *, where: str | None = None) -> None:
+def load_hf_weights(model, path, *, where: str | None = None, checkpoint: st.Checkpoint | None = None) -> None:
     """Load the safetensors of an HF folder (or file) into ``model``, strictly: every missing,
-    unexpected and mis-shaped tensor is reported at once."""
+    unexpected and mis-shaped tensor is reported at once. ``checkpoint``: ``path`` already opened."""
     path = Path(path)
     where = where or f"tilegraph.io.hf.load_hf_weights({path})"
     spec = SPECS[model.arch]
     names = spec.names
     params = dict(model.named_parameters())
     expected = names.expand(model.config.n_layers, {n: p.shape for n, p in params.items()})
-    ckpt = st.open_checkpoint(path)
+    ckpt = st.open_checkpoint(path) if checkpoint is None else checkpoint
     present = {names.canonical(n, expected): n for n in ckpt}
     tied = bool(model.config.tie_embeddings)
     problems = [f"missing: {n}" for n in expected if n not in present]
@@ -351,20 +470,103 @@ def to_hf_state(model, state: Mapping[str, np.ndarray] | None = None) -> dict[st
     return {n: np.ascontiguousarray(r.to_hf([np.asarray(state[t]) for t in tg])) for n, (r, tg) in expected.items()}
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory this process can still take: what the OS calls available, within the
+    container's (cgroup v2) limit; None when neither can be read."""
+    found = []
+    try:
+        import psutil  # a dependency of distributed
+
+        found.append(int(psutil.virtual_memory().available))
+    except Exception:  # pragma: no cover - psutil missing or unsupported here
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _count(n: int) -> str:
+    # past 2**80 the digits say nothing more, and past 4300 digits Python refuses to print them
+    return f"{n:,}" if n < 2**80 else f"about 2^{n.bit_length() - 1}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**30:,.2f} GiB)" if n < 2**80 else f"{_count(n)} bytes"
+
+
+def _check_sizes(spec: HFSpec, config, hf: dict, ckpt: st.Checkpoint, dtype, where: str) -> None:
+    """The config's sizes against the tensors present (header shapes, no data read) and the
+    model's bytes against the memory available, before a model of those sizes is built: a
+    config.json claiming a million layers or a 10^9 width fails here in milliseconds instead of
+    building for hours or exhausting memory. Tensors that are absent are left to the strict load."""
+    names = spec.names
+
+    def shown(key: str, field: str) -> str:
+        value = hf.get(key)
+        if value is None:
+            return f"{key} unset ({field}={st._brief(getattr(config, field))})"
+        return f"{key}={st._brief(value)}"
+
+    problems = []
+    layers = names.layers_in(ckpt)
+    numbered_from_0 = not layers or max(layers) == len(layers) - 1  # (distinct ints >= 0: they are 0..n-1)
+    if len(layers) != config.n_layers or not numbered_from_0:  # no range(n_layers): n_layers may be 10^12
+        key = next(k.hf for k in spec.keys if k.field == "n_layers")
+        numbered = "" if numbered_from_0 else f" (numbered {st._brief(sorted(layers))})"
+        problems.append(f"{shown(key, 'n_layers')} but the weights hold {len(layers)} layers{numbered}")
+    for e in spec.extents:
+        name = names.find(e.tensor, ckpt)
+        if name is None:
+            continue
+        shape, want = ckpt.info(name).shape, e.size(config)
+        if len(shape) <= e.dim or shape[e.dim] != want:
+            problems.append(f"{shown(e.key, e.field)} but {name} in {ckpt.file_of(name).name} has shape {shape} "
+                            f"(dim {e.dim} should be {st._brief(want)})")
+    if problems:
+        raise TileError(where, f"{CONFIG_NAME} does not match the weights present", "; ".join(problems))
+    # what no single tensor shows (many layers of empty tensors, say) still cannot exceed the data
+    n_params = spec.n_params(config)
+    present = sum(math.prod(ckpt.info(name).shape) for name in ckpt)
+    if n_params > present:
+        raise TileError(where, f"{CONFIG_NAME} describes a {spec.model_type} model of {_count(n_params)} "
+                        "parameters, more than the weights present hold", f"{present:,} values in {ckpt.path}")
+    need = n_params * np.dtype(dtype).itemsize
+    available = _available_memory()
+    if available is not None and need > available:
+        raise TileError(where, f"the {spec.model_type} model of {CONFIG_NAME} needs {_count(n_params)} parameters x "
+                        f"{np.dtype(dtype).itemsize} bytes = {_bytes(need)}, more than the memory available",
+                        f"{_bytes(max(available, 0))} available")
+
+
 # ------------------------------------------------------------------------------ folders ----
 def load_hf(path, tiling=None, *, dtype=np.float32):
-    """A tilegraph model from an HF folder: config.json, then the (possibly sharded) safetensors."""
+    """A tilegraph model from an HF folder: config.json, then the (possibly sharded) safetensors.
+
+    The config is checked against the tensor shapes in the safetensors headers and the model's
+    size against the memory available before anything of the model's size is allocated.
+    """
     from tilegraph.models import ARCHITECTURES
 
     folder = Path(path)
     where = f"tilegraph.models.from_hf({folder})"
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
+    spec = _spec_for(hf, where)
+    ckpt = st.open_checkpoint(folder)  # headers only; the data is mapped when loaded
+    _check_sizes(spec, config, hf, ckpt, dtype, where)
     from tilegraph.nn import deferred_init
 
     with deferred_init():  # no random weights: every parameter is loaded (strictly) below
-        model = ARCHITECTURES[_spec_for(hf, where).model_type][1](config, tiling, dtype=dtype)
-    load_hf_weights(model, folder, where=where)
+        model = ARCHITECTURES[spec.model_type][1](config, tiling, dtype=dtype)
+    load_hf_weights(model, folder, where=where, checkpoint=ckpt)
     model.hf_extra = extra  # HF-only keys (token ids, ...) that to_hf writes back
     return model
 

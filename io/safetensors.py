@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,6 +47,23 @@ DTYPES = {
 }
 _NAMES = {np.dtype(v).newbyteorder("=").str: k for k, v in DTYPES.items() if k != "BF16"}
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit; a larger length means a corrupt file
+_MAX_NDIM = 32  # NumPy's historical limit; a longer shape is crafted, and its product would be slow to take
+
+class _Brief(reprlib.Repr):
+    def repr_int(self, x, level):  # Python refuses to print ints of over 4300 digits
+        return f"<an int of {x.bit_length()} bits>" if x.bit_length() > 1024 else super().repr_int(x, level)
+
+
+_BRIEF = _Brief()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlevel = 3
+
+
+def _brief(value) -> str:
+    """``repr(value)`` cut short for an error message: long strings and lists are elided and nesting
+    stops at three levels, so a crafted value nested a thousand deep neither floods the message nor
+    exhausts the recursion limit."""
+    return _BRIEF.repr(value)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -71,37 +89,43 @@ class TensorInfo:
 def _parse_header(raw: bytes, data_len: int, where: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: bad JSON, or an int of over 4300 digits
         raise TileError(where, "the header is not valid UTF-8 JSON", str(e)) from None
+    except RecursionError:  # arrays or objects nested about a thousand deep
+        raise TileError(where, "the header is not valid safetensors JSON: it nests too deeply",
+                        f"a {len(raw)}-byte header") from None
     if not isinstance(header, dict):
         raise TileError(where, "the header must be a JSON object", type(header).__name__)
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in metadata.items()):
-        raise TileError(where, "__metadata__ must map strings to strings", repr(metadata)[:200])
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise TileError(where, "__metadata__ must map strings to strings", _brief(metadata))
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise TileError(where, f"tensor {name!r} needs exactly dtype, shape and data_offsets", repr(entry)[:200])
+            raise TileError(where, f"tensor {name!r} needs exactly dtype, shape and data_offsets", _brief(entry))
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or object is not even hashable
             raise TileError(where, f"tensor {name!r} has an unsupported dtype; supported: {', '.join(DTYPES)}",
-                            repr(dtype))
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise TileError(where, f"the shape of tensor {name!r} must be a list of non-negative ints", repr(shape))
+                            _brief(dtype))
+        if (not isinstance(shape, list) or len(shape) > _MAX_NDIM
+                or not all(type(s) is int and s >= 0 for s in shape)):
+            raise TileError(where, f"the shape of tensor {name!r} must be a list of at most {_MAX_NDIM} "
+                            "non-negative ints", _brief(shape))
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data_len):
             raise TileError(where, f"data_offsets of tensor {name!r} must be [begin, end] with "
-                            f"0 <= begin <= end <= {data_len} (the data size)", repr(offsets))
+                            f"0 <= begin <= end <= {data_len} (the data size)", _brief(offsets))
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
         if offsets[1] - offsets[0] != nbytes:
             raise TileError(where, f"tensor {name!r} of {dtype} {tuple(shape)} needs {nbytes} bytes",
                             f"data_offsets {offsets} ({offsets[1] - offsets[0]} bytes)")
         infos[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
     spans = sorted((i.begin, i.end, n) for n, i in infos.items() if i.end > i.begin)
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-        if begin < end:
-            raise TileError(where, "tensors must not overlap", f"{a!r} and {b!r}")
+    for (a_begin, a_end, a), (b_begin, b_end, b) in zip(spans, spans[1:]):
+        if b_begin < a_end:
+            raise TileError(where, "tensors must not overlap",
+                            f"{a!r} at [{a_begin}, {a_end}) and {b!r} at [{b_begin}, {b_end})")
     return infos, metadata
 
 
@@ -243,9 +267,16 @@ class Checkpoint(Mapping):
         try:
             index = json.loads((folder / INDEX_NAME).read_text())
             weight_map = index["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-            raise TileError(where, f"{INDEX_NAME} must be JSON with a weight_map object", repr(e)) from None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise TileError(where, f"{INDEX_NAME} must be JSON with a weight_map object",
+                            f"{folder / INDEX_NAME}: {type(e).__name__}: {str(e)[:200]}") from None
+        if not isinstance(weight_map, dict):  # not an assert: python -O drops those
+            raise TileError(where, f"{INDEX_NAME} must be JSON with a weight_map object",
+                            f"{folder / INDEX_NAME}: weight_map is {_brief(weight_map)}")
+        bad = {name: file for name, file in weight_map.items() if not isinstance(file, str)}
+        if bad:
+            raise TileError(where, f"the weight_map of {INDEX_NAME} must map tensor names to shard file names",
+                            ", ".join(f"{name!r}: {_brief(file)}" for name, file in list(bad.items())[:5]))
         by_file: dict[str, set] = {}
         for name, file in weight_map.items():
             by_file.setdefault(file, set()).add(name)
@@ -273,6 +304,10 @@ class Checkpoint(Mapping):
 
     def info(self, name: str) -> TensorInfo:
         return self.files[self._where[name]].infos[name]
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self.files[self._where[name]].path
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.files[self._where[name]][name]

@@ -27,7 +27,7 @@ import numpy as np
 
 from tilegraph._errors import TileError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "token_dtype", "tokenizer_from_description"]
+__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "as_text", "token_dtype", "tokenizer_from_description"]
 
 DEFAULT_EOS = "<|endoftext|>"
 
@@ -37,6 +37,31 @@ def token_dtype(vocab_size: int) -> np.dtype:
     if not 0 < vocab_size <= 2**32:
         raise TileError("tilegraph.io.token_dtype", "vocabulary size must lie in [1, 2**32]", str(vocab_size))
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def as_text(text, where: str) -> str:
+    """``text`` as a str that encodes to UTF-8: a str, or bytes that decode as UTF-8.
+
+    Invalid UTF-8 is an error here rather than a raw Unicode exception later: bytes that do not
+    decode, and str holding lone surrogates (what Python makes of non-UTF-8 bytes on a command
+    line or in a file read with ``errors="surrogateescape"``).
+    """
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raw = bytes(text)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TileError(where, "text must be valid UTF-8; these bytes are not",
+                            f"{raw[e.start:e.start + 4]!r} at byte {e.start} of {len(raw)} ({e.reason})") from None
+    if not isinstance(text, str):
+        raise TileError(where, "text must be a str (or UTF-8 bytes)", type(text).__name__)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text[e.start:e.end].encode("utf-8", errors="surrogateescape")
+        raise TileError(where, "text must be valid UTF-8, but it holds undecodable bytes (lone surrogates)",
+                        f"{text[e.start:e.end]!r} (bytes {raw!r}) at character {e.start} of {len(text)}") from None
+    return text
 
 
 class Tokenizer:
@@ -75,8 +100,13 @@ class ByteTokenizer(Tokenizer):
         self.eos_id = 256 if eos else None
         self.vocab_size = 257 if eos else 256
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """Token ids of ``text`` (a str, or bytes that are UTF-8)."""
+        try:
+            raw = text.encode("utf-8")
+        except (AttributeError, UnicodeEncodeError):  # bytes, or lone surrogates: as_text says which
+            raw = as_text(text, "tilegraph.io.ByteTokenizer.encode").encode("utf-8")
+        return np.frombuffer(raw, dtype=np.uint8).astype(self.dtype)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)
@@ -149,22 +179,28 @@ class BPETokenizer(Tokenizer):
         return cls(tok, eos=eos)
 
     @classmethod
-    def from_str(cls, json_text: str, eos: str | None = DEFAULT_EOS) -> "BPETokenizer":
-        return cls(_hf().Tokenizer.from_str(json_text), eos=eos)
+    def from_str(cls, json_text: str, eos: str | None = DEFAULT_EOS, *,
+                 where: str = "tilegraph.io.BPETokenizer.from_str", source: str = "the JSON text") -> "BPETokenizer":
+        """A tokenizer from the library's JSON (``source`` names where it came from in errors)."""
+        hf = _hf()
+        try:
+            tok = hf.Tokenizer.from_str(json_text)
+        except Exception as e:  # the library raises plain Exceptions for malformed or truncated JSON
+            what = ("a tokenizers JSON file; this one ends early (truncated?)" if "EOF while parsing" in str(e)
+                    else "a tokenizers JSON file")
+            raise TileError(where, f"expected {what}", f"{source}: {str(e)[:300]}") from None
+        return cls(tok, eos=eos)
 
     @classmethod
     def load(cls, path: str | os.PathLike, eos: str | None = DEFAULT_EOS) -> "BPETokenizer":
         """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file)."""
+        from tilegraph.io.data import read_text
+
+        where = "tilegraph.io.BPETokenizer.load"
         path = Path(path)
         if not path.is_file():
-            raise TileError("tilegraph.io.BPETokenizer.load", "expected a tokenizer JSON file", str(path))
-        try:
-            return cls.from_str(path.read_text(encoding="utf-8"), eos=eos)
-        except TileError:
-            raise
-        except Exception as e:  # the library raises plain Exceptions for malformed JSON
-            raise TileError("tilegraph.io.BPETokenizer.load", "expected a tokenizers JSON file",
-                            f"{path}: {e}") from None
+            raise TileError(where, "expected a tokenizer JSON file", str(path))
+        return cls.from_str(read_text(path, where), eos=eos, where=where, source=str(path))
 
     def to_str(self) -> str:
         return self._tok.to_str()
@@ -181,14 +217,23 @@ class BPETokenizer(Tokenizer):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def encode(self, text: str) -> np.ndarray:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str | bytes) -> np.ndarray:
+        """Token ids of ``text`` (a str, or bytes that are UTF-8)."""
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the library's answer to bytes and to lone surrogates alike: as_text says which
+            ids = self._tok.encode(as_text(text, "tilegraph.io.BPETokenizer.encode"), add_special_tokens=False).ids
         return np.asarray(ids, dtype=self.dtype)
 
-    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Iterable[str | bytes]) -> list[np.ndarray]:
         """Several texts at once (the library spreads them over threads)."""
-        return [np.asarray(e.ids, dtype=self.dtype)
-                for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        texts = list(texts)
+        try:
+            encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+        except TypeError:  # bytes or lone surrogates somewhere: as_text names the first
+            texts = [as_text(t, "tilegraph.io.BPETokenizer.encode_batch") for t in texts]
+            encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=self.dtype) for e in encoded]
 
     def decode(self, ids) -> str:
         return self._tok.decode(np.asarray(ids).reshape(-1).tolist(), skip_special_tokens=True)
@@ -206,6 +251,8 @@ def tokenizer_from_description(desc: dict, bpe_path: str | os.PathLike | None = 
     """Rebuild the tokenizer a token file recorded: byte tokenizers from the description alone,
     BPE from ``bpe_path``, checked against the recorded hash."""
     where = "tilegraph.io.tokenizer_from_description"
+    if not isinstance(desc, dict):
+        raise TileError(where, "a tokenizer description is a JSON object with a 'kind'", type(desc).__name__)
     kind = desc.get("kind")
     if kind == "byte":
         return ByteTokenizer(eos=desc.get("eos_id") is not None)
@@ -217,4 +264,4 @@ def tokenizer_from_description(desc: dict, bpe_path: str | os.PathLike | None = 
             raise TileError(where, "the tokenizer file differs from the one the token file was built with",
                             str(bpe_path))
         return tok
-    raise TileError(where, "unknown tokenizer kind (expected 'byte' or 'bpe')", repr(kind))
+    raise TileError(where, "unknown tokenizer kind (expected 'byte' or 'bpe')", repr(kind)[:100])

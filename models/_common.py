@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tilegraph import nn
@@ -16,11 +18,21 @@ def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
     for name in sizes:
         v = getattr(config, name)
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise TileError(where, f"{name} must be a positive int", repr(v))
+            raise TileError(where, f"{name} must be a positive int", repr(v)[:100])
     if config.dim % config.n_heads:
         raise TileError(where, "n_heads must divide dim", f"dim={config.dim}, n_heads={config.n_heads}")
-    if not config.norm_eps >= 0:
-        raise TileError(where, "norm_eps must be a non-negative number", repr(config.norm_eps))
+    # the type before the comparison: a str from a crafted config.json would make it a TypeError
+    if not (_is_number(config.norm_eps) and config.norm_eps >= 0):
+        raise TileError(where, "norm_eps must be a finite non-negative number", repr(config.norm_eps)[:100])
+    rope_base = getattr(config, "rope_base", None)  # Llama's only
+    if rope_base is not None and not (_is_number(rope_base) and rope_base > 0):
+        raise TileError(where, "rope_base must be a finite positive number", repr(rope_base)[:100])
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        return False
+    return not isinstance(v, (float, np.floating)) or math.isfinite(v)  # (an int may exceed any float)
 
 
 def lookup_flavor(cls, flavors: dict, name: str):
