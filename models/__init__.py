@@ -27,7 +27,7 @@ from .llama import Llama, LlamaConfig
 from .tiling import ModelTiling
 
 __all__ = ["ARCHITECTURES", "FLAVORS", "CausalLM", "Decoder", "GPT2", "GPT2Config", "Llama", "LlamaConfig",
-           "ModelTiling", "build", "config", "from_hf", "generate", "next_tokens"]
+           "ModelTiling", "build", "config", "from_hf", "from_zarr", "generate", "next_tokens"]
 
 #: architecture name -> (config class, model class)
 ARCHITECTURES = {
@@ -76,3 +76,12 @@ def from_hf(path, tiling: ModelTiling | None = None, *, dtype=np.float32) -> Cau
     from tilegraph.io.hf import load_hf
 
     return load_hf(path, tiling, dtype=dtype)
+
+
+def from_zarr(path, tiling: ModelTiling | None = None, *, runtime=None) -> CausalLM:
+    """The model of a Zarr checkpoint (:func:`tilegraph.io.save_checkpoint`), on ``tiling``
+    (default: the stored one); a quantized checkpoint loads dequantized, tile by tile, where the
+    tiles are read (the runtime's workers, or here)."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    return load_checkpoint(path, tiling=tiling, runtime=runtime).model

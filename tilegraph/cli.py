@@ -247,16 +247,11 @@ def cmd_train(args) -> int:
               f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
               f"{steps} steps", flush=True)
 
-        def save_tokenizer(trainer, path):  # so that `tilegraph generate CHECKPOINT` finds it
-            (Path(path) / "tilegraph_tokenizer.json").write_text(json.dumps(tokenizer.describe()))
-            if hasattr(tokenizer, "save"):  # a BPE tokenizer: its vocabulary and merges too
-                tokenizer.save(Path(path) / "bpe_tokenizer.json")
-
         trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
                              steps_per_graph=t["steps_per_graph"],
                              eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
                              log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
-                             progress=not args.no_progress, on_checkpoint=[save_tokenizer])
+                             checkpoint_files=tokenizer_files(tokenizer), progress=not args.no_progress)
         if args.resume:
             print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
         res = trainer.fit(steps)
@@ -280,6 +275,16 @@ def cmd_train(args) -> int:
     return 0
 
 
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files that let `tilegraph generate CHECKPOINT` find the tokenizer (written into every
+    checkpoint before its commit): its description, and a BPE tokenizer's vocabulary and merges
+    as an HF tokenizers JSON."""
+    files = {"tilegraph_tokenizer.json": json.dumps(tokenizer.describe()).encode()}
+    if hasattr(tokenizer, "to_str"):
+        files["bpe_tokenizer.json"] = tokenizer.to_str().encode("utf-8")
+    return files
+
+
 def load_tokenizer(folder: Path, override: str | None):
     """The tokenizer of a checkpoint: ``override`` (byte, or a BPE JSON path), else what
     ``tilegraph train`` recorded in the folder, else an HF ``tokenizer.json`` there."""
@@ -290,7 +295,11 @@ def load_tokenizer(folder: Path, override: str | None):
         return make_tokenizer(override)
     recorded = folder / "tilegraph_tokenizer.json"
     if recorded.is_file():
-        desc = json.loads(recorded.read_text())
+        try:
+            desc = json.loads(recorded.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise TileError("tilegraph generate", "a readable tokenizer description (JSON) in the checkpoint",
+                            f"{recorded}: {e}") from None
         bpe = folder / "bpe_tokenizer.json"
         return tokenizer_from_description(desc, bpe if bpe.is_file() else None)
     if (folder / "tokenizer.json").is_file():
@@ -301,12 +310,11 @@ def load_tokenizer(folder: Path, override: str | None):
 
 def cmd_generate(args) -> int:
     import tilegraph as tg
-    from tilegraph import models
     from tilegraph.models.generate import generate
 
     folder = Path(args.checkpoint)
     tokenizer = load_tokenizer(folder, args.tokenizer)
-    model = models.from_hf(folder)
+    model = load_model(folder, "tilegraph generate")
     prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
     if prompt.size == 0:
         raise tg.TileError("tilegraph generate", "a non-empty prompt", repr(args.prompt))
@@ -324,7 +332,84 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def load_model(folder: Path, where: str):
+    """The model of a Zarr checkpoint or of a Hugging Face folder."""
+    from tilegraph._errors import TileError
+    from tilegraph import models
+    from tilegraph.io.zarr import is_checkpoint
+
+    if (folder / "zarr.json").is_file() or not (folder / "config.json").is_file():
+        if not folder.exists():
+            raise TileError(where, "a checkpoint folder (tilegraph train) or a Hugging Face folder",
+                            f"{folder} does not exist")
+        if is_checkpoint(folder) or (folder / "zarr.json").is_file():
+            return models.from_zarr(folder)  # raises naming what is wrong with an incomplete one
+        raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
+                        f"{folder} holds neither")
+    return models.from_hf(folder)
+
+
+def cmd_convert(args) -> int:
+    """HF folder <-> Zarr checkpoint, optionally quantized."""
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import save_checkpoint
+
+    src, dst = Path(args.src), Path(args.dst)
+    where = "tilegraph convert"
+    if dst.exists():
+        raise TileError(where, "a destination that does not exist yet (nothing is overwritten)", f"{dst} exists")
+    model = load_model(src, where)
+    files = {}
+    for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            files[name] = (src / name).read_bytes()
+    to_zarr = args.to == "zarr" if args.to else (src / "config.json").is_file() and not (src / "zarr.json").is_file()
+    if to_zarr:
+        save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
+    else:
+        if args.quantize:
+            raise TileError(where, "--quantize applies to a Zarr destination (a Hugging Face folder holds the "
+                            "dequantized weights)", f"--quantize {args.quantize} with --to hf")
+        model.to_hf(dst)
+        for name, data in files.items():
+            (dst / name).write_bytes(data)
+    print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}"
+          + (f", quantized {args.quantize}" if args.quantize else "") + ")")
+    return 0
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _print_checkpoint(folder: Path) -> None:
+    from tilegraph.io.zarr import load_checkpoint
+
+    ck = load_checkpoint(folder)
+    info = ck.info
+    model = info.get("model") or {}
+    print(f"checkpoint {folder}: step {ck.step}, format {info['format']} v{info['version']}, created "
+          f"{info.get('created')}, {_size(folder) / 1e6:,.2f} MB on disk")
+    if model.get("architecture"):
+        print(f"model: {model['architecture']} {model.get('config')} tiling {model.get('tiling')}")
+    opt = ck.optimizer_info
+    if opt:
+        print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}")
+    if ck.metadata:
+        print(f"metadata: {json.dumps(ck.metadata)}")
+    print(f"{len(ck.arrays)} arrays:")
+    for name, a in ck.arrays.items():
+        q = a.get("quantized")
+        how = f"{q['method']}" + (f":{q['bits']}" if q.get("bits") else "") if q else a["dtype"]
+        size = _size(folder / name)
+        print(f"  {name:48} {'x'.join(map(str, a['shape'])):>14} {how:>9} {size / 1e6:9.3f} MB  tiles "
+              f"{'x'.join(str(len(c)) for c in a['tiles'])}")
+
+
 def cmd_info(args) -> int:
+    if args.checkpoint:
+        _print_checkpoint(Path(args.checkpoint))
+        return 0
     import dask
     import distributed
     import numba
@@ -392,8 +477,19 @@ def main(argv=None) -> int:
     gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
     gen.add_argument("--ids", action="store_true", help="also print the token ids")
     gen.set_defaults(func=cmd_generate)
-    info = sub.add_parser("info", help="versions, devices and the model flavors")
+    info = sub.add_parser("info", help="versions, devices and the model flavors; or a checkpoint's arrays, sizes, "
+                                       "quantization and metadata")
+    info.add_argument("checkpoint", nargs="?", default=None, help="a Zarr checkpoint folder to describe")
     info.set_defaults(func=cmd_info)
+    conv = sub.add_parser("convert", help="convert between a Hugging Face folder and a Zarr checkpoint (both ways)")
+    conv.add_argument("src", help="a Hugging Face folder (config.json) or a Zarr checkpoint")
+    conv.add_argument("dst", help="the folder to write (must not exist)")
+    conv.add_argument("--to", choices=["zarr", "hf"], default=None,
+                      help="the destination format (default: the other one)")
+    conv.add_argument("--quantize", default=None, metavar="METHOD[:BITS]",
+                      help="store weight matrices quantized (fp16, bf16, int8, int4, kashin:4, auto:4, ...); "
+                           "norms and biases stay exact")
+    conv.set_defaults(func=cmd_convert)
     args = ap.parse_args(argv)
     from tilegraph._errors import TileError
 

@@ -20,14 +20,15 @@ from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, sco
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
 from tilegraph.nn import Parameter
 
-__all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant"]
+__all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant", "schedule_from_spec"]
 
 
 # ------------------------------------------------------------------------------- schedules ----
 def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> Callable[[int], float]:
     """Linear warmup over ``warmup`` steps to ``base_lr``, then cosine decay to ``min_lr`` at ``total``.
 
-    Steps count from 1 (the first update uses ``schedule(1)``).
+    Steps count from 1 (the first update uses ``schedule(1)``). The schedule's ``spec`` (a dict)
+    is saved in checkpoints and rebuilt by :func:`schedule_from_spec`.
     """
     if warmup < 0 or total < 1 or warmup > total:
         raise TileError("tilegraph.optim.warmup_cosine", "need 0 <= warmup <= total and total >= 1",
@@ -41,11 +42,29 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
         frac = (step - warmup) / max(1, total - warmup)
         return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + math.cos(math.pi * frac))
 
+    lr.spec = {"name": "warmup_cosine", "base_lr": float(base_lr), "warmup": int(warmup), "total": int(total),
+               "min_lr": float(min_lr)}
     return lr
 
 
 def constant(base_lr: float) -> Callable[[int], float]:
-    return lambda step: base_lr
+    def lr(step: int) -> float:
+        return base_lr
+
+    lr.spec = {"name": "constant", "base_lr": float(base_lr)}
+    return lr
+
+
+def schedule_from_spec(spec: dict) -> Callable[[int], float]:
+    """The schedule a ``spec`` (as a checkpoint stores it) describes."""
+    where = "tilegraph.optim.schedule_from_spec"
+    if not isinstance(spec, dict) or spec.get("name") not in ("warmup_cosine", "constant"):
+        raise TileError(where, "a schedule spec naming warmup_cosine or constant", repr(spec))
+    args = {k: v for k, v in spec.items() if k != "name"}
+    try:
+        return (warmup_cosine if spec["name"] == "warmup_cosine" else constant)(**args)
+    except TypeError as e:
+        raise TileError(where, f"the arguments of {spec['name']}", f"{args} ({e})") from None
 
 
 # --------------------------------------------------------------------------------- kernels ----

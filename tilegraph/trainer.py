@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -101,8 +101,14 @@ class Trainer:
       (and at the end) over that many batches of ``eval_data``.
     - ``log_dir``: writes ``metrics.jsonl`` (one JSON object per step and per evaluation) and
       ``loss.png`` (the loss curve, redrawn at each evaluation and at the end).
-    - ``checkpoint_every`` / ``checkpoint_dir``: :meth:`save_checkpoint` every that many steps and
-      at the end; ``on_checkpoint`` hooks are called with ``(trainer, path)`` after each.
+    - ``checkpoint_every`` / ``checkpoint_dir``: a Zarr checkpoint (:mod:`tilegraph.io.zarr`:
+      weights, optimizer state, step, LR schedule) ``checkpoint_dir/step-NNNNNN`` every that many
+      steps and at the end; ``checkpoint_keep`` keeps only the newest that many; with
+      ``async_checkpoint`` (default) the workers write while training goes on (the values are
+      those of the step; the end of :meth:`fit` waits for the last write; with
+      ``restart_on_failure`` each save is waited for). ``checkpoint_files``
+      (name -> bytes, e.g. a tokenizer) go into every checkpoint before its commit.
+      ``on_checkpoint`` hooks are called with ``(trainer, path)`` once each is committed.
     - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
     - ``steps_per_graph``: optimizer steps recorded and submitted as one graph
       (:meth:`TrainStep.submit_steps`). ``"auto"`` (default) takes several when a step's
@@ -144,7 +150,9 @@ class Trainer:
     def __init__(self, model, optimizer, data, runtime=None, *, batch_size: int = 8, loss_fn: Callable | None = None,
                  accum_steps: int = 1, eval_data=None, eval_every: int = 0, eval_batches: int = 4,
                  log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-                 checkpoint_dir: str | os.PathLike | None = None, progress: bool = True,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int | None = None,
+                 async_checkpoint: bool = True, checkpoint_files: Mapping[str, bytes] | None = None,
+                 progress: bool = True,
                  on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
                  batch_tiles: Sequence | None = None, pipeline: bool = True, steps_per_graph: int | str = "auto",
                  performance_report: str | os.PathLike | None = None, report_step: int | None = None,
@@ -182,6 +190,16 @@ class Trainer:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_files = dict(checkpoint_files or {})
+        self.checkpoints = None  # the CheckpointManager of checkpoint_dir
+        if checkpoint_dir is not None:
+            from tilegraph.io.zarr import CheckpointManager
+
+            # restarts resume from the last committed checkpoint: with them, each save is waited
+            # for (a background save whose tiles a lost worker held would never commit)
+            self.checkpoints = CheckpointManager(checkpoint_dir, keep=checkpoint_keep, every=checkpoint_every,
+                                                 async_save=async_checkpoint and not self.max_restarts)
+        self._hooked = 0  # committed checkpoints whose on_checkpoint hooks have run
         self.progress = progress
         self.pipeline = pipeline
         self.steps_per_graph = steps_per_graph
@@ -310,11 +328,9 @@ class Trainer:
                 bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
                 self.plot()
             if checkpoints(i):
-                path = self._watched(lambda: self._write_checkpoint(self.checkpoint_dir / f"step-{i:06d}"),
-                                     f"the checkpoint of step {i}", range(i, i + 1))
-                for hook in self.on_checkpoint:
-                    hook(self, path)
+                path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}", range(i, i + 1))
                 result.checkpoints.append(str(path))
+            self._checkpoint_hooks()
 
         def waits(i: int) -> bool:  # the loop waits after the last step and before an evaluation or checkpoint
             return i == end or evaluates(i) or checkpoints(i)
@@ -360,6 +376,12 @@ class Trainer:
                     self.step.reset_plans()
                     if self._eval is not None:
                         self._eval.reset_plans()
+                    if self.checkpoints is not None:
+                        try:  # a save under way when the worker went: it committed, or never will
+                            self.checkpoints.wait()
+                        except Exception:
+                            pass
+                        self._checkpoint_hooks()
                     resumed = self._restart(e, len(result.restarts))
                     record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
                               "checkpoint": str(self._last_checkpoint), "step": resumed}
@@ -369,6 +391,9 @@ class Trainer:
                     bar.n = max(0, resumed - start)
                     bar.refresh()
                     i = resumed + 1
+            if self.checkpoints is not None:
+                self._watched(self.checkpoints.wait, f"the checkpoint of step {end}", range(end, end + 1))
+                self._checkpoint_hooks()
         finally:
             report.close()
             bar.close()
@@ -537,69 +562,71 @@ class Trainer:
         return {id(p): n for n, p in self.model.named_parameters()}
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write model weights, optimizer state and the trainer's position to the folder ``path``.
-
-        Weights go in Hugging Face layout when the model can export it (``model.to_hf``: a folder
-        transformers loads), else ``model.safetensors`` with tilegraph's names; the optimizer's
-        state goes to ``optimizer.safetensors`` and the step, learning rate and data position to
-        ``trainer_state.json``. Everything is written under a temporary name and renamed when
-        complete, so a failure leaves no partial checkpoint and never replaces an existing one.
-        """
-        path = self._write_checkpoint(path)
+        """Write a Zarr checkpoint folder ``path`` (:func:`tilegraph.io.save_checkpoint`): the
+        model's weights and the optimizer's state (each tile written by the worker holding it),
+        the step, the LR schedule, the data position and the trainer's batch settings, plus
+        ``checkpoint_files``. It is written under a temporary name and renamed when complete, so
+        a failure or a kill leaves no partial checkpoint and never replaces an existing one.
+        Waits for the write; the ``on_checkpoint`` hooks run after it."""
+        path = self._prepare_checkpoint(path).run()
+        self._last_checkpoint = path
         for hook in self.on_checkpoint:
             hook(self, path)
         return path
 
-    def _write_checkpoint(self, path: str | os.PathLike) -> Path:
-        """:meth:`save_checkpoint` without the ``on_checkpoint`` hooks."""
-        from tilegraph._lower import compute
-        from tilegraph.io.safetensors import save_file
+    def _trainer_state(self) -> dict:
+        return {"batch_size": self.batch_size, "accum_steps": self.accum_steps,
+                "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1}
 
-        path = Path(path)
-        if path.exists():
-            raise TileError("tilegraph.Trainer.save_checkpoint", "a checkpoint folder that does not exist yet",
-                            f"{path} exists")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        names = self._param_names()
-        try:
-            with self._current():
-                if hasattr(self.model, "to_hf"):
-                    self.model.to_hf(tmp)
-                else:
-                    tmp.mkdir()
-                    save_file(self.model.state_dict(), tmp / "model.safetensors")
-                states = self.optimizer.state_tensors()
-                flat = [(f"{names[id(p)]}.{k}", t) for p, st in zip(self.optimizer.params, states)
-                        for k, t in st.items()]
-                values = compute(*[t for _, t in flat]) if flat else []
-            save_file({n: v for (n, _), v in zip(flat, values)}, tmp / "optimizer.safetensors")
-            state = {"format": "tilegraph-trainer-1", "step": self.optimizer.step_count,
-                     "optimizer": type(self.optimizer).__name__, "lr": self.optimizer.lr,
-                     "batch_size": self.batch_size, "accum_steps": self.accum_steps,
-                     "data": repr(self.data) if self.token_data else None,
-                     "parameters": [names[id(p)] for p in self.optimizer.params]}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            os.replace(tmp, path)
+    def _prepare_checkpoint(self, path):
+        from tilegraph.io.zarr import prepare_save
+
+        with self._current():
+            return prepare_save(path, self.model, self.optimizer, runtime=self.runtime, files=self.checkpoint_files,
+                                trainer_state=self._trainer_state())
+
+    def _start_checkpoint(self, step: int) -> Path:
+        """The checkpoint of ``step`` through the manager (in the background when async)."""
+        with self._current():
+            return self.checkpoints.save(step, self.model, self.optimizer, runtime=self.runtime,
+                                         files=self.checkpoint_files, trainer_state=self._trainer_state())
+
+    def _checkpoint_hooks(self) -> None:
+        """Run the ``on_checkpoint`` hooks of checkpoints committed since the last call."""
+        if self.checkpoints is None:
+            return
+        if not self.checkpoints.busy:
+            self.checkpoints.wait()  # re-raises a failed background save
+        done = self.checkpoints.committed
+        for path in done[self._hooked:]:
             self._last_checkpoint = path
-        except BaseException:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
+            for hook in self.on_checkpoint:
+                hook(self, path)
+        self._hooked = len(done)
 
     def load_checkpoint(self, path: str | os.PathLike) -> int:
-        """Restore weights, optimizer state and step from a :meth:`save_checkpoint` folder; the
-        next :meth:`fit` continues with the next step's batch. Returns the step."""
+        """Restore weights, optimizer state and step from a checkpoint folder (a Zarr checkpoint,
+        on the model's own tiling and the runtime's workers, or a folder of the earlier
+        HF-and-safetensors format); the next :meth:`fit` continues with the next step's batch.
+        Returns the step."""
+        from tilegraph.io.zarr import load_checkpoint
+
+        path = Path(path)
+        if (path / "trainer_state.json").is_file():
+            return self._load_legacy_checkpoint(path)
+        ck = load_checkpoint(path, runtime=self.runtime)
+        ck.load_into(self.model)
+        ck.restore_optimizer(self.optimizer, self.model)
+        self._last_checkpoint = path
+        return ck.step
+
+    def _load_legacy_checkpoint(self, path: Path) -> int:
+        """A checkpoint of tilegraph's first format: HF weights, optimizer.safetensors and
+        trainer_state.json."""
         from tilegraph.io.safetensors import load_file
 
         where = "tilegraph.Trainer.load_checkpoint"
-        path = Path(path)
-        state_file = path / "trainer_state.json"
-        if not state_file.is_file():
-            raise TileError(where, "a checkpoint folder written by Trainer.save_checkpoint", f"{path} (no trainer_state.json)")
-        state = json.loads(state_file.read_text())
+        state = json.loads((path / "trainer_state.json").read_text())
         names = self._param_names()
         if state.get("parameters") != [names[id(p)] for p in self.optimizer.params]:
             raise TileError(where, "the checkpoint's parameters to match the optimizer's",

@@ -1,0 +1,875 @@
+"""Zarr checkpoints: the full training state, written by the workers that hold the tiles.
+
+A checkpoint is a Zarr v3 group (a folder)::
+
+    zarr.json                     attributes["tilegraph"]: format, version, model config and
+                                  tiling, step, optimizer and LR-schedule state, user metadata,
+                                  the list of arrays (with how each is stored) and ``complete``
+    model/<parameter name>        one array per parameter, chunks = the parameter's tiles
+    optimizer/<parameter>/<state> one array per optimizer moment (exp_avg, exp_avg_sq, ...)
+    <extra files>                 e.g. the tokenizer, written before the commit
+
+Every chunk carries a CRC32C checksum (Zarr's ``crc32c`` codec), checked on every read. A
+quantized parameter is a group instead of an array: one subgroup per tile holding that tile's
+quantized parts (codes, scales, codebook); it loads dequantized, tile by tile, on the workers.
+
+Saving never gathers to the client: one task per task result that holds parameter tiles runs
+on the worker holding it and writes those tiles. Everything is written under a hidden temporary
+name next to the target, verified, and renamed: a save that fails or is killed leaves the
+previous checkpoints as they were and nothing that loads as a checkpoint. Loading reads each
+tile of the *model's* tiling on a worker (any tiling, any number of workers: resharding is a
+read of other slices), so the values again never pass through the client.
+
+>>> import tilegraph as tg, numpy as np
+>>> from tilegraph import models
+>>> model = models.build("gpt2-debug", seed=0)
+>>> path = tg.io.save_checkpoint(tmp / "ck", model, step=3)  # doctest: +SKIP
+>>> ck = tg.io.load_checkpoint(tmp / "ck")                   # doctest: +SKIP
+>>> ck.step, ck.model.config == model.config                 # doctest: +SKIP
+(3, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+from tilegraph._graph import ReplicatedRef, ValueRef
+
+__all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
+           "is_checkpoint", "FORMAT", "FORMAT_VERSION",
+           "CheckpointError"]
+
+FORMAT = "tilegraph-checkpoint"
+#: bumped when a reader of an older version could not read what a newer one writes
+FORMAT_VERSION = 1
+ATTR = "tilegraph"
+#: characters a checkpoint array name may hold (parameter names are dotted paths)
+_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class CheckpointError(TileError):
+    """A checkpoint that cannot be written or read: names the path or array and what was wrong."""
+
+
+# ------------------------------------------------------------------------------------ helpers ----
+def _chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """A regular Zarr chunk shape whose chunks never straddle a tile: the first tile size when
+    every tile but the last is that size (the usual tiling), else the gcd of the tile sizes. A
+    tile then covers whole chunks only, so no two writers ever touch the same chunk."""
+    out = []
+    for dim in tiling_chunks:
+        dim = [int(c) for c in dim]
+        if len(dim) == 1 or (all(c == dim[0] for c in dim[:-1]) and dim[-1] <= dim[0]):
+            out.append(max(1, dim[0]))
+        else:
+            out.append(max(1, math.gcd(*dim)))
+    return tuple(out)
+
+
+def _slices(chunks: Sequence[Sequence[int]], idx: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple((sum(c[:i]), sum(c[:i]) + c[i]) for c, i in zip(chunks, idx))
+
+
+def _check_name(name: str, where: str) -> None:
+    if not name or not set(name) <= _NAME_OK or name.startswith(".") or ".." in name:
+        raise CheckpointError(where, "array names may hold only letters, digits, '.', '_' and '-'", repr(name))
+
+
+def _json_ready(value, where: str, what: str):
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(where, f"{what} must be JSON-serialisable (no pickle is ever written)",
+                              f"{e}") from None
+
+
+def _os_error(where: str, e: OSError, path) -> CheckpointError:
+    why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
+           errno.EROFS: "the file system is read-only", errno.EDQUOT: "the disk quota is exceeded"}.get(
+        e.errno, e.strerror or type(e).__name__)
+    return CheckpointError(where, f"could not write the checkpoint ({why}); earlier checkpoints are untouched",
+                           str(path))
+
+
+def _host(v) -> np.ndarray:
+    return v.get() if type(v).__module__.startswith("cupy") else np.asarray(v)
+
+
+def _crc32c_codec():
+    from zarr.codecs import Crc32cCodec
+
+    return Crc32cCodec()
+
+
+def _create_array(root: str, name: str, shape, dtype, chunks) -> None:
+    import zarr
+
+    zarr.create_array(store=root, name=name, shape=tuple(shape), chunks=tuple(chunks) if shape else (),
+                      dtype=np.dtype(dtype), compressors=[_crc32c_codec()], fill_value=0, overwrite=False)
+
+
+# --------------------------------------------------------------------------- worker-side writes ----
+def _write_tiles(value, jobs: Sequence[tuple]) -> dict:
+    """Write tiles of ``value`` (a task's result tuple, or one array) into the checkpoint.
+
+    Each job is ``(index or None, root, array path, ((lo, hi), ...) or None, quantization or
+    None, tile label)``. Runs on the worker holding ``value``; returns the worker's address and
+    the bytes written."""
+    import zarr
+
+    opened: dict[str, Any] = {}
+    written = 0
+    with zarr.config.set({"array.write_empty_chunks": True}):  # an all-zero tile is a chunk too
+        for job in jobs:
+            written += _write_job(value, job, opened)
+    return {"worker": _worker_address(), "bytes": written}
+
+
+def _write_job(value, job: tuple, opened: dict) -> int:
+    import zarr
+
+    index, root, name, region, quant, label = job
+    tile = _host(value if index is None else value[index])
+    if quant is not None:
+        return _write_quantized(root, f"{name}/{label}", tile, quant)
+    arr = opened.get(name)
+    if arr is None:
+        arr = opened[name] = zarr.open_array(store=root, path=name, mode="r+")
+    sel = tuple(slice(lo, hi) for lo, hi in region) if region else ()
+    arr[sel] = tile
+    return tile.nbytes
+
+
+
+
+def _write_quantized(root: str, group: str, tile: np.ndarray, quant: dict) -> int:
+    """Quantize one tile and store its parts as arrays of the group ``group``; returns their bytes."""
+    import zarr
+
+    from tilegraph.io.quantize import quantize
+
+    q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
+    arrays, attrs = q.to_parts()
+    g = zarr.create_group(store=root, path=group, attributes={"quantized": attrs})
+    total = 0
+    for part, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        _create_array(root, f"{group}/{part}", a.shape, a.dtype, a.shape if a.ndim else ())
+        zarr.open_array(store=root, path=f"{group}/{part}", mode="r+")[...] = a
+        total += a.nbytes
+    del g
+    return total
+
+
+def _worker_address() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------- worker-side reads ----
+def _read_region(root: str, name: str, region, info: dict) -> np.ndarray:
+    """The slices ``region`` of checkpoint array ``name`` (dequantized, when it is stored
+    quantized), as a C-ordered array of the stored dtype; every chunk's checksum is verified."""
+    import zarr
+
+    where = f"tilegraph.io.load_checkpoint({root})"
+    sel = tuple(slice(lo, hi) for lo, hi in region)
+    try:
+        if info.get("quantized") is None:
+            arr = zarr.open_array(store=root, path=name, mode="r")
+            return np.ascontiguousarray(arr[sel] if sel else arr[...])
+        return _read_quantized(root, name, region, info)
+    except CheckpointError:
+        raise
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        what = "a chunk failed its checksum (corrupted or truncated)" if "checksum" in str(e).lower() \
+            else "could not read the array"
+        raise CheckpointError(where, f"array {name!r}: {what}", f"{type(e).__name__}: {e}") from None
+
+
+def _read_quantized(root: str, name: str, region, info: dict) -> np.ndarray:
+    import zarr
+
+    from tilegraph.io.quantize import QuantizedArray
+
+    chunks = info["tiles"]
+    out = np.empty(tuple(hi - lo for lo, hi in region), dtype=np.dtype(info["dtype"]))
+    for idx in np.ndindex(*[len(c) for c in chunks]):
+        tile = _slices(chunks, idx)
+        inter = [(max(lo, tlo), min(hi, thi)) for (lo, hi), (tlo, thi) in zip(region, tile)]
+        if any(lo >= hi for lo, hi in inter):
+            continue
+        label = _tile_label(idx)
+        g = zarr.open_group(store=root, path=f"{name}/{label}", mode="r")
+        arrays = {k: np.asarray(a[...]) for k, a in g.arrays()}
+        values = QuantizedArray.from_parts(arrays, dict(g.attrs["quantized"])).dequantize()
+        src = tuple(slice(lo - tlo, hi - tlo) for (lo, hi), (tlo, _) in zip(inter, tile))
+        dst = tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))
+        out[dst] = values[src]
+    return out
+
+
+def _read_regions(root: str, jobs: Sequence[tuple]) -> tuple:
+    """Several regions at once (one task per group of tiles): ``jobs`` of ``(name, region, info)``."""
+    return tuple(_read_region(root, name, region, info) for name, region, info in jobs)
+
+
+def _tile_label(idx: Sequence[int]) -> str:
+    return "t" + ".".join(str(int(i)) for i in idx) if len(idx) else "t"
+
+
+# ----------------------------------------------------------------------------------- quantize ----
+def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
+    """``quantize`` (None, "method", "method:bits", a dict name -> spec, or a callable) as a function
+    of (parameter name, shape) -> {"method", "bits"} or None (stored exact)."""
+    if quantize is None:
+        return lambda name, shape: None
+
+    def parse(spec, name=None):
+        if spec is None:
+            return None
+        if not isinstance(spec, str):
+            raise CheckpointError(where, "a quantization is 'method' or 'method:bits' (e.g. 'int8', 'kashin:4')",
+                                  repr(spec) + (f" for {name}" if name else ""))
+        method, _, bits = spec.partition(":")
+        try:
+            bits = int(bits) if bits else None
+        except ValueError:
+            raise CheckpointError(where, "the bits after ':' must be an integer", repr(spec)) from None
+        from tilegraph.io import quantize as qmod
+
+        if method not in qmod.METHODS:
+            raise CheckpointError(where, f"unknown quantization method; known: {', '.join(qmod.METHODS)}",
+                                  repr(spec))
+        return {"method": method, "bits": bits}
+
+    if callable(quantize):
+        return lambda name, shape: parse(quantize(name, shape), name)
+    if isinstance(quantize, Mapping):
+        specs = {k: parse(v, k) for k, v in quantize.items()}
+        return lambda name, shape: specs.get(name)
+    spec = parse(quantize)
+
+    def default(name: str, shape: tuple) -> dict | None:
+        from tilegraph.io.quantize import default_method
+
+        return spec if default_method(name, shape) is not None else None
+
+    return default
+
+
+# ---------------------------------------------------------------------------------------- save ----
+def _model_info(model) -> dict:
+    info: dict[str, Any] = {"class": type(model).__name__}
+    config = getattr(model, "config", None)
+    if getattr(model, "arch", "") and dataclasses.is_dataclass(config):
+        info.update(architecture=model.arch, config=dataclasses.asdict(config),
+                    dtype=str(np.dtype(getattr(model, "dtype", np.float32))))
+        tiling = getattr(model, "tiling", None)
+        if dataclasses.is_dataclass(tiling):
+            info["tiling"] = dataclasses.asdict(tiling)
+    if getattr(model, "hf_extra", None):  # e.g. the tokenizer's end-of-text id, for HF export
+        info["hf_extra"] = dict(model.hf_extra)
+    return info
+
+
+def _optimizer_info(optimizer) -> dict:
+    hyper = {k: v for k, v in vars(optimizer).items()
+             if k in ("betas", "eps", "weight_decay", "momentum", "clip_grad_norm")}
+    hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in hyper.items()}
+    schedule = getattr(optimizer.schedule, "spec", None)
+    return {"type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
+            "state_names": list(optimizer.state_names), "hyper": hyper,
+            "schedule": schedule, "lr": float(optimizer.lr)}
+
+
+def save_checkpoint(path, model, optimizer=None, *, step: int | None = None, quantize=None,
+                    metadata: Mapping | None = None, runtime=None, files: Mapping[str, bytes] | None = None,
+                    trainer_state: Mapping | None = None) -> Path:
+    """Write ``model`` (and ``optimizer``'s state) as a Zarr checkpoint folder ``path``.
+
+    - Chunks are the parameters' tiles; each tile is written by the worker that holds it (tiles
+      still on the client are written by the client). Nothing is gathered.
+    - ``step`` defaults to the optimizer's step count (0 without one).
+    - ``quantize``: None (exact), ``"method[:bits]"`` for every weight matrix (norms, biases and
+      other 1-D parameters stay exact; see :func:`tilegraph.io.quantize.default_method`), a dict
+      parameter name -> spec, or a callable ``(name, shape) -> spec or None``. Optimizer state is
+      never quantized.
+    - ``metadata``: JSON-serialisable user data, returned by :func:`load_checkpoint` as is.
+    - ``files``: extra files (name -> bytes, e.g. the tokenizer), written before the commit.
+    - ``trainer_state``: what a trainer needs to continue (batch size, data position, run id).
+
+    The folder is written under a temporary name next to ``path``, verified and renamed; an
+    existing ``path`` is never replaced. Returns ``path``.
+    """
+    return prepare_save(path, model, optimizer, step=step, quantize=quantize, metadata=metadata,
+                        runtime=runtime, files=files, trainer_state=trainer_state).run()
+
+
+class PendingSave:
+    """A save whose values are fixed (the tiles' values when it was prepared, so training may go
+    on and replace them) and whose writing is still to do: :meth:`run` writes, verifies and
+    commits (any thread)."""
+
+    def __init__(self, path: Path, where: str, entries: list, attrs: dict, runtime, files: Mapping[str, bytes]):
+        self.path, self.where, self.entries, self.attrs = path, where, entries, attrs
+        self.runtime, self.files = runtime, dict(files)
+        self.workers: set[str] = set()  # the workers that wrote tiles (their addresses)
+
+    def run(self) -> Path:
+        path, where = self.path, self.where
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write(tmp)
+            if os.path.lexists(path):
+                raise CheckpointError(where, "the checkpoint folder appeared while it was being written",
+                                      f"{path} exists")
+            os.rename(tmp, path)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _os_error(where, e, tmp if tmp.exists() or not path.parent.exists() else path.parent) from None
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _is_os_error(e):  # a worker's OSError arrives re-raised (disk full, read-only, ...)
+                raise _os_error(where, e, path.parent) from None
+            raise
+        finally:
+            self.entries = []  # release the values (futures) this save held
+        return path
+
+    def _write(self, tmp: Path) -> None:
+        import zarr
+
+        root = str(tmp)
+        zarr.create_group(store=root, attributes={ATTR: self.attrs})
+        for group in ("model", "optimizer"):
+            zarr.create_group(store=root, path=group)
+        local: list[tuple[Any, list]] = []        # (array, jobs) written here
+        remote: dict[Any, tuple[Any, list]] = {}  # future key -> (future, jobs)
+        for apath, shape, dtype, chunks, tiles, quant in self.entries:
+            if quant is None:
+                _create_array(root, apath, shape, dtype, _chunks_of(chunks))
+            else:
+                zarr.create_group(store=root, path=apath, attributes={"quantized_tiles": [list(c) for c in chunks]})
+            for idx, value in tiles:
+                job = (root, apath, _slices(chunks, idx), quant, _tile_label(idx))
+                if isinstance(value, ValueRef):
+                    _, jobs = remote.setdefault(value.future.key, (value.future, []))
+                    jobs.append((value.index, *job))
+                else:
+                    local.append((value, [(None, *job)]))
+        futures = []
+        if remote:
+            client = self.runtime.client
+            holders = client.who_has([f for f, _ in remote.values()])
+            for key, (fut, jobs) in remote.items():
+                on = list(holders.get(fut.key, ()) or ())
+                futures.append(client.submit(_write_tiles, fut, jobs, key=f"tg-save-{uuid.uuid4().hex[:12]}",
+                                             workers=on or None, allow_other_workers=not on))
+        for value, jobs in local:
+            _write_tiles(value, jobs)
+        if futures:
+            done = self.runtime.client.gather(futures)  # re-raises a worker's error (disk full, ...)
+            self.workers = {d["worker"] for d in done if d["worker"]}
+        for name, data in self.files.items():
+            (tmp / name).write_bytes(bytes(data))
+        _verify(tmp, self.attrs, self.where)
+        g = zarr.open_group(store=root, mode="r+")
+        g.attrs[ATTR] = dict(self.attrs, complete=True)
+        _fsync_tree(tmp)
+
+
+def _is_os_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) or isinstance(getattr(e, "__cause__", None), OSError)
+
+
+def prepare_save(path, model, optimizer=None, *, step: int | None = None, quantize=None,
+                 metadata: Mapping | None = None, runtime=None, files: Mapping[str, bytes] | None = None,
+                 trainer_state: Mapping | None = None) -> PendingSave:
+    """Check the arguments of :func:`save_checkpoint` and fix the values to write (the tiles'
+    current values); returns the :class:`PendingSave` that writes them."""
+    from tilegraph._runtime import current_runtime
+
+    path = Path(path)
+    where = f"tilegraph.io.save_checkpoint({path})"
+    if os.path.lexists(path):
+        raise CheckpointError(where, "the checkpoint folder must not exist yet (a checkpoint is never overwritten)",
+                              f"{path} exists")
+    runtime = runtime if runtime is not None else current_runtime()
+    named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
+    if not named:
+        raise CheckpointError(where, "a model with parameters (a tilegraph.nn.Module)", type(model).__name__)
+    rule = _quant_rule(quantize, where)
+    user = _json_ready(dict(metadata or {}), where, "metadata")
+    trainer = _json_ready(dict(trainer_state or {}), where, "trainer_state")
+    for name, data in (files or {}).items():
+        if not isinstance(name, str) or "/" in name or name in ("zarr.json", "model", "optimizer") \
+                or name.startswith(".") or not isinstance(data, (bytes, bytearray)):
+            raise CheckpointError(where, "extra files are plain file names (not zarr.json, model, optimizer) "
+                                  "mapped to bytes", f"{name!r}: {type(data).__name__}")
+    if step is None:
+        step = int(optimizer.step_count) if optimizer is not None else 0
+
+    # what to write: (array path, shape, dtype, tiles, [(tile index, value)], quantization)
+    entries: list[tuple] = []
+    names_of = {}
+
+    def add(apath, p, cells, quant):
+        entries.append((apath, tuple(p.shape), np.dtype(p.dtype), p.chunks, _values(cells, p, where, runtime), quant))
+
+    for name, p in named:
+        _check_name(name, where)
+        names_of[id(p)] = name
+        add(f"model/{name}", p, p.cells, rule(name, p.shape))
+    if optimizer is not None:
+        for i, p in enumerate(optimizer.params):
+            if id(p) not in names_of:
+                raise CheckpointError(where, "every optimizer parameter must belong to the model",
+                                      f"optimizer.params[{i}] ({p.name}) is not among model.named_parameters()")
+            for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
+                add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)
+    arrays = {apath: {"shape": list(shape), "dtype": str(dtype), "tiles": [list(c) for c in chunks], "quantized": q}
+              for apath, shape, dtype, chunks, _, q in entries}
+    attrs = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False,
+             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "step": int(step), "model": _model_info(model), "parameters": [n for n, _ in named],
+             "optimizer": _optimizer_info(optimizer) if optimizer is not None else None,
+             "trainer": trainer, "metadata": user, "arrays": arrays}
+    attrs = _json_ready(attrs, where, "the model config")
+    return PendingSave(path, where, entries, attrs, runtime, files or {})
+
+
+def _values(cells: np.ndarray, p, where: str, runtime) -> list[tuple[tuple[int, ...], Any]]:
+    """The current value of every tile: a reference to a worker's copy, or an array here."""
+    out = []
+    for idx in np.ndindex(*cells.shape):
+        value = cells[idx].value
+        if isinstance(value, ReplicatedRef):
+            value = value.on(0)
+        if isinstance(value, ValueRef):
+            if runtime is None:
+                raise CheckpointError(where, "the parameters live on a runtime's workers: pass runtime=..., or save "
+                                      "inside `with rt.as_current():`", f"{p.name} tile {idx} held by a Dask worker")
+        elif value is None or not hasattr(value, "shape"):  # a value only a graph makes (a dask key): compute it
+            from tilegraph._lower import compute
+            from tilegraph._tensor import Tiling, tensor_from_cells
+
+            one = np.empty((1,) * len(idx), dtype=object)
+            one[(0,) * len(idx)] = cells[idx]
+            (value,) = compute(tensor_from_cells(Tiling(tuple((s,) for s in cells[idx].shape)), p.dtype, one))
+        out.append((idx, value))
+    return out
+
+
+def _verify(tmp: Path, attrs: dict, where: str) -> None:
+    """Every array holds all its chunks (a worker that silently wrote nothing is caught here)."""
+    import zarr
+
+    for apath, info in attrs["arrays"].items():
+        if info["quantized"] is None:
+            arr = zarr.open_array(store=str(tmp), path=apath, mode="r")
+            if arr.nchunks_initialized != arr.nchunks:
+                raise CheckpointError(where, f"array {apath!r} was not written completely",
+                                      f"{arr.nchunks_initialized} of {arr.nchunks} chunks")
+        else:
+            grid = [len(c) for c in info["tiles"]]
+            missing = [_tile_label(i) for i in np.ndindex(*grid) if not (tmp / apath / _tile_label(i) / "zarr.json").is_file()]
+            if missing:
+                raise CheckpointError(where, f"quantized array {apath!r} misses tiles", ", ".join(missing[:8]))
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush the metadata files to disk before the rename makes the checkpoint visible (chunk
+    data is flushed by the OS; its checksums catch a chunk that did not make it)."""
+    for f in folder.rglob("zarr.json"):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------- load ----
+def is_checkpoint(path) -> bool:
+    """Whether ``path`` is a folder holding a committed tilegraph Zarr checkpoint."""
+    try:
+        _read_attrs(Path(path), "tilegraph.io.is_checkpoint")
+        return True
+    except TileError:
+        return False
+
+
+def _read_attrs(path: Path, where: str) -> dict:
+    if not path.exists():
+        raise CheckpointError(where, "a checkpoint folder", f"{path} does not exist")
+    meta = path / "zarr.json"
+    if not path.is_dir() or not meta.is_file():
+        raise CheckpointError(where, "a tilegraph checkpoint folder (a Zarr group with zarr.json)",
+                              f"{path} is not one" + ("" if path.is_dir() else " (not a folder)"))
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(where, "a readable zarr.json", f"{meta}: {e}") from None
+    attrs = (doc.get("attributes") or {}).get(ATTR) if isinstance(doc, dict) else None
+    if not isinstance(attrs, dict) or attrs.get("format") != FORMAT:
+        raise CheckpointError(where, "a tilegraph checkpoint (a Zarr group without tilegraph's attributes is not one)",
+                              str(path))
+    version = attrs.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(where, f"a checkpoint format version this tilegraph reads (<= {FORMAT_VERSION}); "
+                              "upgrade tilegraph", f"version {version!r}")
+    if attrs.get("complete") is not True:
+        raise CheckpointError(where, "a complete checkpoint; this one is a save that did not finish "
+                              "(a temporary folder of a killed or failed save)", str(path))
+    return attrs
+
+
+class Checkpoint:
+    """A checkpoint opened by :func:`load_checkpoint`.
+
+    - ``step``, ``metadata`` (the user's), ``info`` (every stored attribute), ``arrays`` (name ->
+      shape, dtype, tiles, quantization), ``optimizer_info``, ``trainer_state``.
+    - ``model``: the model built from the stored config (on ``tiling``, default the stored one),
+      its tiles read on the workers.
+    - :meth:`load_into` fills an existing model's parameters; :meth:`restore_optimizer` an
+      optimizer's state and step count; :meth:`array` reads one array to the client.
+    """
+
+    def __init__(self, path, *, tiling=None, runtime=None):
+        self.path = Path(path)
+        self._where = f"tilegraph.io.load_checkpoint({self.path})"
+        self.info = _read_attrs(self.path, self._where)
+        self.step = int(self.info.get("step", 0))
+        self.metadata = self.info.get("metadata") or {}
+        self.arrays: dict[str, dict] = self.info.get("arrays") or {}
+        self.optimizer_info = self.info.get("optimizer")
+        self.trainer_state = self.info.get("trainer") or {}
+        self.parameters: list[str] = list(self.info.get("parameters") or [])
+        self._tiling, self._runtime = tiling, runtime
+        self._model = None
+        missing = [f"model/{n}" for n in self.parameters if f"model/{n}" not in self.arrays]
+        missing += [a for a, info in self.arrays.items()
+                    if not (self.path / a / "zarr.json").is_file()]
+        if missing:
+            raise CheckpointError(self._where, "every array the checkpoint lists", "missing: " + ", ".join(missing[:8]))
+
+    def __repr__(self) -> str:
+        quant = sorted({a["quantized"]["method"] for a in self.arrays.values() if a.get("quantized")})
+        return (f"Checkpoint({str(self.path)!r}, step={self.step}, {len(self.parameters)} parameters"
+                + (f", quantized: {', '.join(quant)}" if quant else "") + ")")
+
+    @property
+    def runtime(self):
+        from tilegraph._runtime import current_runtime
+
+        return self._runtime if self._runtime is not None else current_runtime()
+
+    @property
+    def model(self):
+        """The model of the stored architecture and config, with the stored weights."""
+        if self._model is None:
+            self._model = self._build_model()
+        return self._model
+
+    def _build_model(self):
+        from tilegraph.models import ARCHITECTURES, ModelTiling
+        from tilegraph.nn import deferred_init
+
+        m = self.info.get("model") or {}
+        arch = m.get("architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(self._where, "a checkpoint of a known architecture to build the model from; "
+                                  f"known: {', '.join(ARCHITECTURES)} (use load_into(model) for other models)",
+                                  repr(arch or m.get("class")))
+        config_cls, model_cls = ARCHITECTURES[arch]
+        try:
+            config = config_cls(**m.get("config", {}))
+        except TypeError as e:
+            raise CheckpointError(self._where, f"a stored config that {config_cls.__name__} accepts", str(e)) from None
+        tiling = self._tiling
+        if tiling is None and m.get("tiling") is not None:
+            tiling = ModelTiling(**m["tiling"])
+        with deferred_init():
+            model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")))
+        if m.get("hf_extra"):
+            model.hf_extra = dict(m["hf_extra"])
+        self.load_into(model)
+        return model
+
+    # -- reading ------------------------------------------------------------------------------
+    def _info(self, apath: str) -> dict:
+        info = self.arrays.get(apath)
+        if info is None:
+            raise CheckpointError(self._where, "an array the checkpoint holds", f"{apath!r} is not in it")
+        return info
+
+    def array(self, name: str) -> np.ndarray:
+        """One stored array (``"model/<param>"``, ``"optimizer/<param>/<state>"``, or a parameter
+        name), read to the client and dequantized."""
+        apath = name if name in self.arrays else f"model/{name}"
+        info = self._info(apath)
+        return _read_region(str(self.path), apath, [(0, n) for n in info["shape"]], info)
+
+    def _fill(self, pairs: Sequence[tuple[str, Any, np.ndarray]]) -> None:
+        """Read every tile of each ``(array path, tensor, cells)`` into its cell: on the workers
+        (one task per group of tiles, spread over the workers) or here without a runtime."""
+        jobs = []  # (cell, array path, region, info, nbytes)
+        for apath, t, cells in pairs:
+            info = self._info(apath)
+            if tuple(info["shape"]) != tuple(t.shape):
+                raise CheckpointError(self._where, f"array {apath!r} to have the model's shape {tuple(t.shape)}",
+                                      f"shape {tuple(info['shape'])}")
+            for idx in np.ndindex(*t.tiling.grid):
+                region = _slices(t.chunks, idx)
+                jobs.append((cells[idx], apath, region, info, int(np.prod(t.tiling.tile_shape(idx))) * 4))
+        runtime = self.runtime
+        root = str(self.path)
+        if runtime is None:
+            values = [_read_region(root, a, r, i) for _, a, r, i, _ in jobs]
+            for (cell, *_), v in zip(jobs, values):
+                cell.set(np.asarray(v, dtype=cell.dtype))
+            return
+        addrs = sorted(runtime.workers())
+        if not addrs:
+            raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
+        # groups of about equal bytes, a few per worker, dealt round robin (largest first)
+        groups = max(1, min(len(jobs), 4 * len(addrs)))
+        bins: list[list] = [[] for _ in range(groups)]
+        load = [0] * groups
+        for job in sorted(jobs, key=lambda j: -j[4]):
+            k = load.index(min(load))
+            bins[k].append(job)
+            load[k] += job[4]
+        client = runtime.client
+        futures = []
+        for k, b in enumerate(bins):
+            if b:
+                futures.append((client.submit(_read_regions, root, [(a, r, i) for _, a, r, i, _ in b], pure=False,
+                                              key=f"tg-load-{uuid.uuid4().hex[:12]}", workers=[addrs[k % len(addrs)]],
+                                              allow_other_workers=True), b))
+        from distributed import wait
+
+        wait([f for f, _ in futures])
+        for f, _ in futures:
+            if f.status == "error":
+                f.result()  # raises the worker's CheckpointError (checksum, missing chunk, ...)
+        for f, b in futures:
+            for j, (cell, *_rest) in enumerate(b):
+                cell.set(ValueRef(f, j))
+
+    def load_into(self, model, *, strict: bool = True) -> None:
+        """Put the stored weights into ``model``'s parameters (on its own tiling); every missing,
+        unexpected and mis-shaped array is reported at once, before anything changes."""
+        named = dict(model.named_parameters())
+        stored = set(self.parameters)
+        problems = []
+        if strict:
+            problems += [f"missing: {n}" for n in named if n not in stored]
+            problems += [f"unexpected: {n}" for n in self.parameters if n not in named]
+        for n, p in named.items():
+            if n in stored and tuple(self.arrays[f"model/{n}"]["shape"]) != tuple(p.shape):
+                problems.append(f"shape of {n}: model {tuple(p.shape)}, checkpoint "
+                                f"{tuple(self.arrays[f'model/{n}']['shape'])}")
+        if problems:
+            raise CheckpointError(self._where, "the checkpoint's arrays to match the model", "; ".join(problems))
+        self._fill([(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored])
+
+    def restore_optimizer(self, optimizer, model=None, *, schedule: bool = True) -> None:
+        """Restore ``optimizer``'s state tensors (onto its parameters' tilings), step count and,
+        with ``schedule``, its learning-rate schedule (as saved: the same total step budget, so
+        the run continues exactly). Parameters are matched by name through ``model`` (default:
+        the optimizer's parameter names)."""
+        info = self.optimizer_info
+        if info is None:
+            raise CheckpointError(self._where, "a checkpoint with optimizer state", "saved without an optimizer")
+        if info.get("type") != type(optimizer).__name__:
+            raise CheckpointError(self._where, f"optimizer state of a {type(optimizer).__name__}",
+                                  f"state of a {info.get('type')}")
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+        else:
+            names = {id(p): p.name for p in optimizer.params}
+        pairs, problems = [], []
+        for i, p in enumerate(optimizer.params):
+            n = names.get(id(p))
+            for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
+                apath = f"optimizer/{n}/{sname}"
+                if apath not in self.arrays:
+                    problems.append(f"missing: {apath}")
+                elif tuple(self.arrays[apath]["shape"]) != tuple(p.shape):
+                    problems.append(f"shape of {apath}: {tuple(self.arrays[apath]['shape'])}, expected {p.shape}")
+                else:
+                    pairs.append((apath, p, grid))
+        if problems:
+            raise CheckpointError(self._where, "optimizer state for every parameter", "; ".join(problems[:8]))
+        sched = None
+        if schedule and info.get("schedule") is not None:
+            from tilegraph.optim import schedule_from_spec
+
+            sched = schedule_from_spec(info["schedule"])
+        self._fill(pairs)
+        optimizer.step_count = int(info.get("step_count", self.step))
+        if sched is not None:
+            optimizer.schedule = sched
+
+
+def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:
+    """Open the Zarr checkpoint folder ``path`` (see :class:`Checkpoint`): ``.model`` builds the
+    model (on ``tiling``, default the stored one) with its tiles read on ``runtime``'s workers
+    (default: the current runtime, else here); ``.restore_optimizer(opt)`` restores an
+    optimizer. Problems (not a checkpoint, an unfinished save, a format from a newer tilegraph,
+    a missing array, a chunk that fails its checksum) raise a :class:`CheckpointError` naming
+    the path or array."""
+    return Checkpoint(path, tiling=tiling, runtime=runtime)
+
+
+# ------------------------------------------------------------------------------------- manager ----
+_TMP_PREFIX = "."
+_TMP_MARK = ".tmp-"
+
+
+class CheckpointManager:
+    """Checkpoints ``step-NNNNNN`` in the folder ``dir``: every ``every`` steps (:meth:`due`),
+    the newest ``keep`` kept (None: all), written in the background with ``async_save`` (the
+    values are fixed when :meth:`save` is called, so training goes on while the workers write).
+
+    Temporary folders of saves that a kill or a crash interrupted (``.step-N.tmp-PID-...`` whose
+    process is gone) are removed when the manager starts; they are never loaded.
+
+    >>> mgr = CheckpointManager(tmp / "ck", keep=2, every=100)  # doctest: +SKIP
+    >>> mgr.save(step, model, optimizer)  # returns at once; mgr.wait() for the commit  # doctest: +SKIP
+    >>> mgr.latest()                                                                  # doctest: +SKIP
+    """
+
+    def __init__(self, dir, keep: int | None = None, every: int = 0, async_save: bool = True):
+        where = "tilegraph.io.CheckpointManager"
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise CheckpointError(where, "keep must be None (keep all) or an int >= 1", repr(keep))
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise CheckpointError(where, "every must be an int >= 0 (0: only when asked)", repr(every))
+        self.dir, self.keep, self.every, self.async_save = Path(dir), keep, every, bool(async_save)
+        self._thread = None
+        self._error: BaseException | None = None
+        self._pending: Path | None = None
+        self.committed: list[Path] = []  # saved by this manager, in order (for hooks and restarts)
+        self.removed_stale = self.clean()
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step-{int(step):06d}"
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints in ``dir``, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir() if p.name.startswith("step-") and is_checkpoint(p)]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def clean(self) -> list[Path]:
+        """Remove temporary folders of interrupted saves (their process is gone); returns them."""
+        if not self.dir.is_dir():
+            return []
+        gone = []
+        for p in self.dir.iterdir():
+            if not (p.name.startswith(_TMP_PREFIX) and _TMP_MARK in p.name and p.is_dir()):
+                continue
+            try:
+                pid = int(p.name.split(_TMP_MARK, 1)[1].split("-", 1)[0])
+            except ValueError:
+                continue
+            if pid == os.getpid() and self._pending is not None:
+                continue
+            if pid != os.getpid() and _alive(pid):
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+        return gone
+
+    def save(self, step: int, model, optimizer=None, **kw) -> Path:
+        """Save ``step`` (see :func:`save_checkpoint` for ``kw``); in the background with
+        ``async_save`` (an earlier save still running is waited for first). Returns the path the
+        checkpoint has once committed."""
+        self.wait()
+        path = self.path(step)
+        pending = prepare_save(path, model, optimizer, step=step, **kw)
+        if not self.async_save:
+            self._finish(pending.run())
+            return path
+        import threading
+
+        self._pending = path
+
+        def target():
+            try:
+                self._finish(pending.run())
+            except BaseException as e:  # reported by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name=f"tilegraph-save-{step}", daemon=True)
+        self._thread.start()
+        return path
+
+    def _finish(self, path: Path) -> None:
+        self.committed.append(path)
+        self.prune()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Wait for the background save; re-raises its error. Returns the newest committed path."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return None
+            self._thread, self._pending = None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.committed[-1] if self.committed else None
+
+    def prune(self) -> list[Path]:
+        """Delete all but the newest ``keep`` complete checkpoints; returns the deleted ones."""
+        if self.keep is None:
+            return []
+        old = self.checkpoints()[:-self.keep]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        return old
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,296 @@
+"""Zarr checkpoints (tilegraph.io.zarr): round trips on every tiling, resharding, exact resume,
+worker-side writes, atomic commit under a kill, the manager, and bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from tilegraph import models
+from tilegraph.io import zarr as tz
+from tilegraph.models import ModelTiling
+
+TILINGS = {  # single tile, even tiles, ragged tiles (the debug GPT-2: dim 32, vocab 96, heads of 8)
+    "single": ModelTiling(),
+    "even": ModelTiling(feature=16, vocab=48),
+    "ragged": ModelTiling(feature=24, vocab=40),
+}
+
+
+def _state(model):
+    return model.state_dict()
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("save_on", list(TILINGS))
+@pytest.mark.parametrize("load_on", list(TILINGS))
+def test_round_trip_and_resharding_on_every_tiling(tmp_path, save_on, load_on):
+    model = models.build("gpt2-debug", TILINGS[save_on], seed=1)
+    path = tg.io.save_checkpoint(tmp_path / "ck", model, step=7, metadata={"note": "x", "n": [1, 2]})
+    ck = tg.io.load_checkpoint(path, tiling=TILINGS[load_on])
+    assert ck.step == 7 and ck.metadata == {"note": "x", "n": [1, 2]}
+    loaded = ck.model
+    assert loaded.config == model.config and loaded.tiling == TILINGS[load_on]
+    _assert_same(_state(loaded), _state(model))
+    # chunks are the saved tiles (a ragged tiling: the gcd-free regular grid of its first tile)
+    w = json.loads((path / "model" / "blocks.0.mlp.fc1.weight" / "zarr.json").read_text())
+    want = [c[0] for c in model.blocks[0].mlp.fc1.weight.chunks]
+    assert w["chunk_grid"]["configuration"]["chunk_shape"] == want
+    assert any(c["name"] == "crc32c" for c in w["codecs"])  # a checksum per chunk
+
+
+def _adamw(model, total=12):
+    return tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-3, 2, total), clip_grad_norm=1.0)
+
+
+def _lm_trainer(model, opt, rt=None, **kw):
+    ids = np.random.default_rng(0).integers(0, 96, (64, 17))
+
+    def batch(step):
+        rows = np.random.default_rng([1, step]).integers(0, 64, 4)
+        return ids[rows, :-1], ids[rows, 1:]
+
+    return tg.Trainer(model, opt, batch, rt, loss_fn=lambda m, x, y: tg.cross_entropy(m(x), y), batch_size=4,
+                      progress=False, steps_per_graph=1, **kw)
+
+
+def test_exact_resume_in_this_process_and_the_optimizer_state(tmp_path):
+    straight = models.build("gpt2-debug", seed=0)
+    _lm_trainer(straight, _adamw(straight)).fit(8)
+    first = models.build("gpt2-debug", seed=0)
+    opt = _adamw(first)
+    _lm_trainer(first, opt).fit(4)
+    tg.io.save_checkpoint(tmp_path / "ck", first, opt)
+    for tiling in (None, ModelTiling(feature=16, vocab=48)):
+        ck = tg.io.load_checkpoint(tmp_path / "ck", tiling=tiling)
+        second = ck.model
+        opt2 = tg.optim.AdamW(second.parameters(), lr=1.0, clip_grad_norm=1.0)  # the checkpoint's schedule wins
+        ck.restore_optimizer(opt2, second)
+        assert opt2.step_count == 4 and opt2.schedule(5) == opt.schedule(5)
+        _lm_trainer(second, opt2).fit(4)
+        if tiling is None:  # the same tiles: bit-exact
+            _assert_same(_state(second), _state(straight))
+        else:  # resharded: other tiles sum in another order, equal to float32 rounding
+            for k, v in _state(straight).items():
+                np.testing.assert_allclose(_state(second)[k], v, rtol=1e-4, atol=1e-5, err_msg=k)  # k.bias: noise (no gradient)
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, tilegraph as tg
+    from tilegraph import models
+    sys.path.insert(0, {tests!r})
+    from test_zarr_checkpoint import _adamw, _lm_trainer
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "first":
+        m = models.build("gpt2-debug", seed=0); opt = _adamw(m)
+        t = _lm_trainer(m, opt, checkpoint_dir=path, checkpoint_every=3)
+        t.fit(3)
+    else:
+        m = models.build("gpt2-debug", seed=5)   # other weights: all of them come from the checkpoint
+        opt = _adamw(m, total=99)                  # another schedule: the checkpoint's is restored
+        t = _lm_trainer(m, opt)
+        assert t.load_checkpoint(path) == 3
+        t.fit(3)
+        np.savez(sys.argv[3], **m.state_dict())
+""")
+
+
+def test_exact_resume_in_a_fresh_process(tmp_path):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for args in (["first", str(tmp_path / "ck")],
+                 ["second", str(tmp_path / "ck" / "step-000003"), str(tmp_path / "out.npz")]):
+        run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                             env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+    straight = models.build("gpt2-debug", seed=0)
+    _lm_trainer(straight, _adamw(straight)).fit(6)
+    got = dict(np.load(tmp_path / "out.npz"))
+    _assert_same(got, _state(straight))
+
+
+@pytest.mark.distributed
+def test_workers_write_their_tiles_and_resume_exactly_on_two_workers(tmp_path, embedded_runtime):
+    rt = embedded_runtime
+    with rt.as_current():
+        straight = models.build("gpt2-debug", ModelTiling(feature=16, vocab=48), seed=0)
+        _lm_trainer(straight, _adamw(straight), rt).fit(6)
+        want = _state(straight)
+        first = models.build("gpt2-debug", ModelTiling(feature=16, vocab=48), seed=0)
+        opt = _adamw(first)
+        _lm_trainer(first, opt, rt).fit(3)
+        pending = tz.prepare_save(tmp_path / "ck", first, opt)
+        pending.run()
+        # written where the tiles live: by workers of the cluster, none gathered to this process
+        assert pending.workers and pending.workers <= set(rt.workers())
+        ck = tg.io.load_checkpoint(tmp_path / "ck")
+        second = ck.model
+        opt2 = tg.optim.AdamW(second.parameters(), lr=1.0, clip_grad_norm=1.0)
+        ck.restore_optimizer(opt2, second)
+        cell = second.parameters()[0].cells.flat[0]
+        assert isinstance(cell.value, tg._graph.ValueRef)  # loaded on the workers
+        _lm_trainer(second, opt2, rt).fit(3)
+        _assert_same(_state(second), want)
+
+
+@pytest.mark.distributed
+def test_save_on_two_workers_load_on_one_without_a_cluster(tmp_path, embedded_runtime):
+    with embedded_runtime.as_current():
+        model = models.build("gpt2-debug", ModelTiling(feature=16, vocab=48), seed=3)
+        opt = _adamw(model)
+        _lm_trainer(model, opt, embedded_runtime, parallel="data").fit(2)  # replicas on both workers
+        tg.io.save_checkpoint(tmp_path / "ck", model, opt)
+        want = _state(model)
+    loaded = tg.models.from_zarr(tmp_path / "ck", tiling=ModelTiling(feature=8, vocab=96))  # no runtime: here
+    _assert_same(_state(loaded), want)
+
+
+def test_trainer_checkpoints_async_keep_and_files(tmp_path):
+    seen = []
+    model = models.build("gpt2-debug", seed=0)
+    t = _lm_trainer(model, _adamw(model), checkpoint_dir=tmp_path / "ck", checkpoint_every=2, checkpoint_keep=2,
+                    checkpoint_files={"tokenizer.json": b"{}"}, on_checkpoint=[lambda tr, p: seen.append(p.name)])
+    assert t.checkpoints.async_save
+    res = t.fit(6)
+    assert [p.name for p in t.checkpoints.checkpoints()] == ["step-000004", "step-000006"]  # keep=2
+    assert seen == ["step-000002", "step-000004", "step-000006"] and len(res.checkpoints) == 3
+    assert (tmp_path / "ck" / "step-000006" / "tokenizer.json").read_bytes() == b"{}"
+    ck = tg.io.load_checkpoint(tmp_path / "ck" / "step-000006")
+    assert ck.step == 6 and ck.trainer_state["next_step"] == 7 and ck.optimizer_info["schedule"]["total"] == 12
+    _assert_same(_state(ck.model), _state(model))
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, time, numpy as np, tilegraph as tg
+    import tilegraph.models
+    from tilegraph.io import zarr as tz
+    slow = tz._write_job
+    def write_job(*a):  # a save slow enough to be killed in the middle
+        time.sleep(0.05)
+        return slow(*a)
+    tz._write_job = write_job
+    model = tg.models.build("gpt2-debug", tg.models.ModelTiling(feature=8, vocab=8), seed=1)
+    print("saving", flush=True)
+    tg.io.save_checkpoint(sys.argv[1], model)
+""")
+
+
+def test_a_save_killed_midway_leaves_no_checkpoint_and_the_previous_one_intact(tmp_path):
+    folder = tmp_path / "ck"
+    model = models.build("gpt2-debug", seed=0)
+    good = tg.io.save_checkpoint(folder / "step-000001", model, step=1)
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(folder / "step-000002")], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        deadline = time.time() + 60
+        while not any(p.name.startswith(".step-000002.tmp-") for p in folder.iterdir()):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        time.sleep(0.5)  # some chunks written, not all
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    tmp = [p for p in folder.iterdir() if p.name.startswith(".")]
+    assert len(tmp) == 1 and not (folder / "step-000002").exists()
+    with pytest.raises(tz.CheckpointError, match="did not finish"):
+        tg.io.load_checkpoint(tmp[0])
+    _assert_same(_state(tg.models.from_zarr(good)), _state(model))
+    mgr = tg.io.CheckpointManager(folder)  # the next run removes what the killed save left
+    assert mgr.removed_stale == tmp and not tmp[0].exists()
+    assert mgr.checkpoints() == [good] and mgr.latest() == good
+
+
+def _corrupt(path):
+    b = bytearray(path.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def test_bad_checkpoints_give_one_clear_error(tmp_path):
+    model = models.build("gpt2-debug", seed=0)
+    good = tg.io.save_checkpoint(tmp_path / "good", model, step=2)
+    with pytest.raises(tz.CheckpointError, match="does not exist"):
+        tg.io.load_checkpoint(tmp_path / "nope")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(tz.CheckpointError, match=r"tilegraph checkpoint folder .*plain is not one"):
+        tg.io.load_checkpoint(tmp_path / "plain")
+    with pytest.raises(tz.CheckpointError, match="must not exist yet"):
+        tg.io.save_checkpoint(good, model)
+    # a chunk flipped or cut: the checksum names the array
+    import shutil
+
+    for how in ("flip", "truncate"):
+        bad = tmp_path / how
+        shutil.copytree(good, bad)
+        chunk = next((bad / "model" / "wte.weight" / "c").rglob("*"))
+        while chunk.is_dir():
+            chunk = next(chunk.iterdir())
+        if how == "flip":
+            _corrupt(chunk)
+        else:
+            chunk.write_bytes(chunk.read_bytes()[:-9])
+        with pytest.raises(tz.CheckpointError, match=r"'model/wte.weight': a chunk failed its checksum"):
+            tg.models.from_zarr(bad)
+    # an array gone, a format from the future
+    missing = tmp_path / "missing"
+    shutil.copytree(good, missing)
+    shutil.rmtree(missing / "model" / "wpe.weight")
+    with pytest.raises(tz.CheckpointError, match=r"missing: model/wpe.weight"):
+        tg.io.load_checkpoint(missing)
+    future = tmp_path / "future"
+    shutil.copytree(good, future)
+    meta = json.loads((future / "zarr.json").read_text())
+    meta["attributes"]["tilegraph"]["version"] = tz.FORMAT_VERSION + 1
+    (future / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(tz.CheckpointError, match=r"format version .* upgrade tilegraph; received: version 2"):
+        tg.io.load_checkpoint(future)
+    # a model that does not match: every problem at once, nothing changed
+    other = models.build(models.GPT2Config(vocab_size=96, max_seq_len=32, dim=32, n_layers=3, n_heads=4), seed=9)
+    before = _state(other)
+    with pytest.raises(tz.CheckpointError, match=r"missing: blocks.2.attn.q.weight"):
+        tg.io.load_checkpoint(good).load_into(other)
+    _assert_same(_state(other), before)
+    # metadata that would need pickle
+    with pytest.raises(tz.CheckpointError, match="JSON-serialisable"):
+        tg.io.save_checkpoint(tmp_path / "meta", model, metadata={"f": object()})
+    assert not (tmp_path / "meta").exists()
+
+
+def test_an_unwritable_target_names_the_path_and_leaves_nothing(tmp_path, monkeypatch):
+    model = models.build("gpt2-debug", seed=0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(tz.CheckpointError, match=r"could not write the checkpoint .*file"):
+        tg.io.save_checkpoint(tmp_path / "file" / "ck", model)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tz, "_write_job", full)
+    with pytest.raises(tz.CheckpointError, match=r"the disk is full.*earlier checkpoints are untouched"):
+        tg.io.save_checkpoint(tmp_path / "out" / "ck", model)
+    assert list((tmp_path / "out").iterdir()) == []  # no temporary folder left behind
+
+
+def test_manager_arguments_are_checked(tmp_path):
+    with pytest.raises(tz.CheckpointError, match="keep must be"):
+        tg.io.CheckpointManager(tmp_path, keep=0)
+    with pytest.raises(tz.CheckpointError, match="every must be"):
+        tg.io.CheckpointManager(tmp_path, every=-3)
