@@ -154,23 +154,38 @@ def _write_job(value, job: tuple, opened: dict) -> int:
 
 
 
-def _write_quantized(root: str, group: str, tile: np.ndarray, quant: dict) -> int:
-    """Quantize one tile and store its parts as arrays of the group ``group``; returns their bytes."""
+def _write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
+    """Quantize one tile and store its parts as one byte array ``path`` (one file: the parts of
+    a tile are small), their layout in its attributes; returns the bytes stored."""
     import zarr
 
     from tilegraph.io.quantize import quantize
 
     q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
     arrays, attrs = q.to_parts()
-    g = zarr.create_group(store=root, path=group, attributes={"quantized": attrs})
-    total = 0
+    layout, blobs, offset = [], [], 0
     for part, a in arrays.items():
         a = np.ascontiguousarray(a)
-        _create_array(root, f"{group}/{part}", a.shape, a.dtype, a.shape if a.ndim else ())
-        zarr.open_array(store=root, path=f"{group}/{part}", mode="r+")[...] = a
-        total += a.nbytes
-    del g
-    return total
+        layout.append([part, a.dtype.str, list(a.shape), offset, a.nbytes])
+        blobs.append(a.view(np.uint8).reshape(-1))
+        offset += a.nbytes
+    data = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
+    zarr.create_array(store=root, name=path, shape=data.shape, chunks=(max(1, data.size),), dtype=np.uint8,
+                      compressors=[_crc32c_codec()], fill_value=0, attributes={"quantized": attrs, "parts": layout})
+    zarr.open_array(store=root, path=path, mode="r+")[...] = data
+    return data.nbytes
+
+
+def _quantized_parts(root: str, path: str):
+    """The parts and attributes of one quantized tile (its checksum verified)."""
+    import zarr
+
+    arr = zarr.open_array(store=root, path=path, mode="r")
+    data = np.asarray(arr[...])
+    parts = {}
+    for part, dtype, shape, offset, nbytes in arr.attrs["parts"]:
+        parts[part] = data[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape)
+    return parts, dict(arr.attrs["quantized"])
 
 
 def _worker_address() -> str | None:
@@ -204,8 +219,6 @@ def _read_region(root: str, name: str, region, info: dict) -> np.ndarray:
 
 
 def _read_quantized(root: str, name: str, region, info: dict) -> np.ndarray:
-    import zarr
-
     from tilegraph.io.quantize import QuantizedArray
 
     chunks = info["tiles"]
@@ -215,10 +228,7 @@ def _read_quantized(root: str, name: str, region, info: dict) -> np.ndarray:
         inter = [(max(lo, tlo), min(hi, thi)) for (lo, hi), (tlo, thi) in zip(region, tile)]
         if any(lo >= hi for lo, hi in inter):
             continue
-        label = _tile_label(idx)
-        g = zarr.open_group(store=root, path=f"{name}/{label}", mode="r")
-        arrays = {k: np.asarray(a[...]) for k, a in g.arrays()}
-        values = QuantizedArray.from_parts(arrays, dict(g.attrs["quantized"])).dequantize()
+        values = QuantizedArray.from_parts(*_quantized_parts(root, f"{name}/{_tile_label(idx)}")).dequantize()
         src = tuple(slice(lo - tlo, hi - tlo) for (lo, hi), (tlo, _) in zip(inter, tile))
         dst = tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))
         out[dst] = values[src]
@@ -252,11 +262,10 @@ def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
             bits = int(bits) if bits else None
         except ValueError:
             raise CheckpointError(where, "the bits after ':' must be an integer", repr(spec)) from None
-        from tilegraph.io import quantize as qmod
+        from tilegraph.io.quantize import METHODS
 
-        if method not in qmod.METHODS:
-            raise CheckpointError(where, f"unknown quantization method; known: {', '.join(qmod.METHODS)}",
-                                  repr(spec))
+        if method not in METHODS:
+            raise CheckpointError(where, f"unknown quantization method; known: {', '.join(METHODS)}", repr(spec))
         return {"method": method, "bits": bits}
 
     if callable(quantize):

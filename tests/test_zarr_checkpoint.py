@@ -294,3 +294,45 @@ def test_manager_arguments_are_checked(tmp_path):
         tg.io.CheckpointManager(tmp_path, keep=0)
     with pytest.raises(tz.CheckpointError, match="every must be"):
         tg.io.CheckpointManager(tmp_path, every=-3)
+
+
+@pytest.mark.parametrize("method,bound", [("int8", 0.01), ("int4", 0.2), ("kashin:4", 0.2), ("fp16", 1e-3)])
+def test_quantized_checkpoints_load_dequantized_on_any_tiling(tmp_path, method, bound):
+    cfg = models.GPT2Config(vocab_size=200, max_seq_len=32, dim=128, n_layers=1, n_heads=4)
+    model = models.build(cfg, ModelTiling(feature=64, vocab=100), seed=2)
+    exact = tg.io.save_checkpoint(tmp_path / "exact", model)
+    path = tg.io.save_checkpoint(tmp_path / "q", model, quantize=method)
+    ck = tg.io.load_checkpoint(path, tiling=ModelTiling(feature=96, vocab=72))  # resharded, ragged
+    want = _state(model)
+    got = _state(ck.model)
+    for name, w in want.items():
+        info = ck.arrays[f"model/{name}"]
+        if w.ndim == 1:  # norms and biases stay exact
+            assert info["quantized"] is None
+            np.testing.assert_array_equal(got[name], w)
+        else:
+            assert info["quantized"]["method"] == method.split(":")[0]
+            err = np.linalg.norm(got[name] - w) / np.linalg.norm(w)
+            assert 0 < err < bound, (name, err)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    full = sum(f.stat().st_size for f in exact.rglob("*") if f.is_file())
+    assert size < {"int8": 0.5, "int4": 0.45, "kashin:4": 0.45, "fp16": 0.7}[method] * full
+    with pytest.raises(tz.CheckpointError, match="unknown quantization method"):
+        tg.io.save_checkpoint(tmp_path / "bad", model, quantize="int3")
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.distributed
+def test_quantized_save_from_the_workers(tmp_path, embedded_runtime):
+    with embedded_runtime.as_current():
+        model = models.build("gpt2-debug", TILINGS["even"], seed=4)
+        embedded_runtime.scatter_cells([c for p in model.parameters() for c in p.cells.flat])
+        pending = tz.prepare_save(tmp_path / "q", model, quantize={"wte.weight": "int4"})
+        pending.run()
+        assert pending.workers and pending.workers <= set(embedded_runtime.workers())
+        loaded = tg.models.from_zarr(tmp_path / "q")
+        want, got = _state(model), _state(loaded)
+    quantized = [n for n, a in tg.io.load_checkpoint(tmp_path / "q").arrays.items() if a["quantized"]]
+    assert quantized == ["model/wte.weight"]
+    assert 0 < np.linalg.norm(got["wte.weight"] - want["wte.weight"]) / np.linalg.norm(want["wte.weight"]) < 0.2
+    np.testing.assert_array_equal(got["wpe.weight"], want["wpe.weight"])

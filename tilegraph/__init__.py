@@ -20,6 +20,16 @@ from tilegraph.ops import __all__ as _ops_all
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``tg.io`` (checkpoints, quantizers, data) and ``tg.models`` load on first use."""
+    if name in ("io", "models"):
+        import importlib
+
+        return importlib.import_module(f"tilegraph.{name}")
+    raise AttributeError(f"module 'tilegraph' has no attribute {name!r}")
+
+
 __all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "compile",
            "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult",
            "WorkerLostError", "StepTimeoutError", *_ops_all]
