@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -72,11 +74,36 @@ def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):
     text, ids = gen.stdout.rstrip("\n").rsplit("\n", 1)
     assert text.startswith("def ") and [int(i) for i in ids.split()][:4] == list(b"def ") and len(ids.split()) == 12
 
+    # the same output again without --resume: refused before any work, nothing touched
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    twice = _cli("train", "small.toml", "--out", "run", "--no-progress", cwd=tmp_path)
+    assert twice.returncode == 2 and "holds one (metrics.jsonl, checkpoints step-000024..step-000024)" in twice.stderr
+    assert "--resume run/checkpoints/step-000024 continues it" in twice.stderr and "Traceback" not in twice.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics
+    # a folder another live run holds is refused naming it; a lock whose process is gone is taken over
+    lock = tmp_path / "run" / ".tilegraph.lock"
+    import socket
+
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    busy = _cli("train", "small.toml", "--out", "run", "--no-progress", "--resume", str(ck), cwd=tmp_path)
+    assert busy.returncode == 2 and f"in use by tilegraph train (pid {os.getpid()}" in busy.stderr
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+
     again = _cli("train", "small.toml", "--out", "run", "--no-progress", "--resume", str(ck), "--steps", "4",
                  cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "at step 24" in again.stdout
-    assert tg.io.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000028").step == 28
+    assert not lock.exists()
+    resumed = tg.io.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000028")
+    assert resumed.step == 28
+    # the schedule continued (its total budget saved), and the metrics hold the whole run under one id
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 29)) and len({r["run"] for r in records}) == 1
+    sched = tg.optim.schedule_from_spec(resumed.optimizer_info["schedule"])
+    assert resumed.optimizer_info["schedule"]["total"] == 24
+    assert [r["lr"] for r in steps] == [sched(i) for i in range(1, 29)]
     del tg
 
 
@@ -178,3 +205,32 @@ def test_set_overrides_any_key(tmp_path):
     # another flavor drops the default flavor's shape keys (dim), as in a config file, and keeps
     # the ones given on the command line
     assert cfg["model"] == {"flavor": "llama-debug", "vocab_size": "tokenizer", "max_seq_len": 64, "n_layers": 4}
+
+
+def test_sigterm_stops_with_a_checkpoint_that_resumes(tmp_path):
+    (tmp_path / "small.toml").write_text(SMALL.replace("steps = 24", "steps = 100000").replace("eval_every = 12",
+                                                                                                "eval_every = 0"))
+    proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", "small.toml", "--out", "run",
+                             "--no-progress"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5):
+            assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    step = int(re.search(r"stopped at step (\d+)", out).group(1))
+    assert "SIGTERM: stopping after the steps under way" in err and step >= 5
+    import tilegraph as tg
+
+    ck = tg.io.load_checkpoint(tmp_path / "run" / "checkpoints" / f"step-{step:06d}")
+    assert ck.step == step and (ck.path / "tilegraph_tokenizer.json").is_file()
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert logged == list(range(1, step + 1))
+    assert not (tmp_path / "run" / ".tilegraph.lock").exists()

@@ -196,7 +196,88 @@ def make_tokenizer(name: str):
 
 
 # -------------------------------------------------------------------------------- commands ----
+LOCK_NAME = ".tilegraph.lock"
+
+
+def lock_output(out: Path):
+    """Take ``out`` for this process (a lock file naming it); returns the release function. A
+    folder locked by a live process is refused, naming it; a lock whose process is gone is taken
+    over."""
+    import socket
+
+    from tilegraph._errors import TileError
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / LOCK_NAME
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                held = json.loads(lock.read_text())
+                pid, host = int(held["pid"]), str(held["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, host = None, me["host"]
+            if pid is not None and (host != me["host"] or _alive(pid)):
+                raise TileError("tilegraph train", f"an output folder no other run is using; {out} is in use by "
+                                f"tilegraph train (pid {pid} on {host}): wait for it, or pass another --out",
+                                str(lock)) from None
+            lock.unlink(missing_ok=True)  # its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return lambda: lock.unlink(missing_ok=True)
+    raise TileError("tilegraph train", "a lock on the output folder", f"{lock} could not be taken")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_output(out: Path, resume: str | None, steps: int) -> int | None:
+    """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
+    returns the step of the ``resume`` checkpoint (None without one)."""
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import load_checkpoint
+
+    ckdir = out / "checkpoints"
+    found = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) if ckdir.is_dir() else []
+    if resume is None:
+        if found or (out / "metrics.jsonl").exists():
+            what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
+                                         f"checkpoints {found[0]}..{found[-1]}" if found else ""] if x)
+            hint = f" (--resume {ckdir / found[-1]} continues it)" if found else ""
+            raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds one ({what}): "
+                            f"pass --resume CHECKPOINT to continue it{hint}, or another --out", str(out))
+        return None
+    step = load_checkpoint(resume).step
+    clash = [n for n in found if n.split("-", 1)[1].isdigit() and step < int(n.split("-", 1)[1]) <= step + steps]
+    if clash:
+        raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
+                        f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
+                        f"--resume {resume} --steps {steps}")
+    return step
+
+
 def cmd_train(args) -> int:
+    held: list = []  # release functions (the output lock)
+    try:
+        return _train(args, held)
+    finally:
+        for release in held:
+            release()
+
+
+def _train(args, held: list) -> int:
+    import signal
+
     import tilegraph as tg
     from tilegraph.io import TokenDataset, build_token_file
 
@@ -226,6 +307,8 @@ def cmd_train(args) -> int:
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
     model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])  # bad model settings fail before any work
+    held.append(lock_output(out))  # then the output folder: ours alone, and no earlier run in it
+    check_output(out, args.resume, steps)
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
         model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
@@ -254,8 +337,25 @@ def cmd_train(args) -> int:
                              checkpoint_files=tokenizer_files(tokenizer), progress=not args.no_progress)
         if args.resume:
             print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
-        res = trainer.fit(steps)
+
+        def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
+            trainer.request_stop()
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+            print(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way and writing "
+                  "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            res = trainer.fit(steps)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         sample = ""
+        if res.stopped:
+            last = res.checkpoints[-1] if res.checkpoints else None
+            print(f"stopped at step {opt.step_count}" + (f"; checkpoint: {last} (continue with --resume {last})"
+                                                         if last else ""), flush=True)
+            return 130
         try:
             from tilegraph.models.generate import generate
 
@@ -452,7 +552,9 @@ def main(argv=None) -> int:
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                     help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
     tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
-    tr.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
+    tr.add_argument("--resume", default=None,
+                    help="a checkpoint folder to continue from: its weights, optimizer state, LR schedule (with its "
+                         "total step budget) and data position; --steps then counts the steps added")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.add_argument("--mpi", action="store_true",
                     help="run under mpiexec -n N (N >= 3) on a dask-mpi cluster: rank 0 the scheduler, rank 1 "

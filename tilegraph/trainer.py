@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -78,6 +79,8 @@ class FitResult:
     #: ``restart_on_failure``: one record per restart: the steps that were running ("failed"),
     #: the workers lost, the checkpoint resumed and its step
     restarts: list[dict] = field(default_factory=list)
+    #: :meth:`Trainer.request_stop` (Ctrl-C, SIGTERM in the CLI) ended the fit before its last step
+    stopped: bool = False
 
     def profile(self, top: int = 8) -> str:
         """Where the time went: the parts of the model with the most kernel time, and the share
@@ -237,6 +240,9 @@ class Trainer:
             self._eval = EvalStep(model, self.eval_loss_fn, batch_tiles=self.batch_tiles, runtime=runtime,
                                   **compile_options)
         self.history: list[dict] = []  # every metrics record written, in order
+        #: names this run in every metrics record; a resumed run keeps its checkpoint's
+        self.run_id = uuid.uuid4().hex[:12]
+        self._stop = False
 
     # -- data ----------------------------------------------------------------------------------
     def _batch(self, step: int) -> tuple[np.ndarray, ...]:
@@ -340,7 +346,7 @@ class Trainer:
             first = self._batch(i)  # asked for once: a data callable may be a stream
             per_graph = self._steps_per_graph(first)
             waiting = []  # (step, pending, batch) submitted but not finished
-            while i <= end:
+            while i <= end and not self._stop:
                 # this group: up to the next step the loop waits at, cut into near-equal groups
                 # of at most per_graph steps (one recorded graph serves them all)
                 stop = next(j for j in range(i, end + 1) if waits(j))
@@ -362,12 +368,24 @@ class Trainer:
                     waiting = []
                     report.close()
                 i = group[-1] + 1
+            for w in waiting:  # stopped early (request_stop)
+                finish(*w)
 
+        self._stop = False
         try:
             i = start + 1
             while True:
                 try:
                     run(i)
+                    done = self.optimizer.step_count
+                    if self._stop and done < end:  # stopped: a checkpoint of the last step run
+                        result.stopped = True
+                        bar.write(f"stopping after step {done} (of {end})")
+                        if self.checkpoints is not None and done > start \
+                                and str(self.checkpoints.path(done)) not in result.checkpoints:
+                            path = self._watched(lambda: self._start_checkpoint(done), f"the checkpoint of step {done}",
+                                                 range(done, done + 1))
+                            result.checkpoints.append(str(path))
                     break
                 except WorkerLostError as e:
                     report.close()
@@ -392,7 +410,8 @@ class Trainer:
                     bar.refresh()
                     i = resumed + 1
             if self.checkpoints is not None:
-                self._watched(self.checkpoints.wait, f"the checkpoint of step {end}", range(end, end + 1))
+                last = self.optimizer.step_count
+                self._watched(self.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
                 self._checkpoint_hooks()
         finally:
             report.close()
@@ -523,6 +542,7 @@ class Trainer:
             return self.step.auto_steps_per_graph(*batch)
 
     def _log(self, log, record: dict) -> None:
+        record = {"run": self.run_id, **record}
         self.history.append(record)
         if log is not None:
             log.write(json.dumps(record) + "\n")
@@ -539,8 +559,9 @@ class Trainer:
         matplotlib.use("Agg", force=False)  # files only: no display needed
         from matplotlib.figure import Figure
 
-        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
-        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        # by step, the last record wins (steps run again after a restart)
+        train = sorted({r["step"]: r["loss"] for r in self.history if "loss" in r}.items())
+        val = sorted({r["step"]: r["val_loss"] for r in self.history if "val_loss" in r}.items())
         fig = Figure(figsize=(6, 4), dpi=100)
         ax = fig.add_subplot()
         if train:
@@ -575,7 +596,7 @@ class Trainer:
         return path
 
     def _trainer_state(self) -> dict:
-        return {"batch_size": self.batch_size, "accum_steps": self.accum_steps,
+        return {"batch_size": self.batch_size, "accum_steps": self.accum_steps, "run_id": self.run_id,
                 "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1}
 
     def _prepare_checkpoint(self, path):
@@ -618,7 +639,29 @@ class Trainer:
         ck.load_into(self.model)
         ck.restore_optimizer(self.optimizer, self.model)
         self._last_checkpoint = path
+        run = ck.trainer_state.get("run_id")
+        if isinstance(run, str) and run != self.run_id:  # resuming: the run's earlier records, for the plot
+            self.run_id = run
+            self.history = [r for r in self._logged() if r.get("run") == run and r.get("step", 0) <= ck.step]
         return ck.step
+
+    def _logged(self) -> list[dict]:
+        """The records of ``log_dir/metrics.jsonl`` (none without one)."""
+        f = self.log_dir / "metrics.jsonl" if self.log_dir is not None else None
+        if f is None or not f.is_file():
+            return []
+        out = []
+        for line in f.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line cut by a kill
+                continue
+        return out
+
+    def request_stop(self) -> None:
+        """Ask :meth:`fit` to stop after the steps under way (thread- and signal-safe): it then
+        writes a checkpoint of the last step (with ``checkpoint_dir``) and returns early."""
+        self._stop = True
 
     def _load_legacy_checkpoint(self, path: Path) -> int:
         """A checkpoint of tilegraph's first format: HF weights, optimizer.safetensors and
