@@ -263,6 +263,10 @@ _windows_k = kernel("token_windows", cost=_windows_cost)(_windows_xp)
 
 
 # ---------------------------------------------------------------------------------- dataset ----
+def _is_count(v, low: int) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= low
+
+
 class TokenDataset:
     """Windows of ``seq_len + 1`` tokens from one split of a token file.
 
@@ -319,15 +323,45 @@ class TokenDataset:
         rng = np.random.default_rng([self.seed, _SPLITS[self.split], int(step)])
         return self.lo + rng.integers(0, self.num_windows, size=int(batch_size), dtype=np.int64)
 
-    def eval_offsets(self, batch_size: int, max_batches: int | None = None):
-        """Batches of consecutive, non-overlapping window offsets covering the split in order
-        (the last partial batch is dropped), for a validation pass."""
-        starts = np.arange(self.lo, self.hi - self.seq_len, self.seq_len, dtype=np.int64)
-        n = len(starts) // int(batch_size)
-        if max_batches is not None:
-            n = min(n, int(max_batches))
-        for i in range(n):
-            yield starts[i * batch_size:(i + 1) * batch_size]
+    @property
+    def num_eval_windows(self) -> int:
+        """How many consecutive, non-overlapping windows fit in the split (what a full validation
+        pass reads: each token but the split's last few is a target once)."""
+        return (self.hi - self.lo - 1) // self.seq_len
+
+    def eval_offsets(self, batch_size: int, max_batches: int | None = None) -> list[np.ndarray]:
+        """Batches of ``batch_size`` window offsets for a validation pass, spread evenly over the
+        whole split; the same windows on every call, so the losses of successive evaluations are
+        comparable.
+
+        The split is cut into ``n = num_eval_windows`` consecutive, non-overlapping windows, and
+        ``k`` of them are read, ``k`` the most whole batches that fit in ``n`` and in
+        ``max_batches`` (None: no limit): window ``floor((i + 0.5) * n / k)`` for ``i < k``, one
+        from the middle of each of ``k`` equal stretches of the split, in order. A short
+        validation pass thus sees the whole split rather than its start, and a full one
+        (``k == n``) reads every window.
+
+        For a split of 100 windows of 64 tokens, 2 batches of 2 are windows 12, 37, 62 and 87:
+
+        >>> ds = TokenDataset("corpus.tok", seq_len=64, split="val")  # doctest: +SKIP
+        >>> [(b - ds.lo).tolist() for b in ds.eval_offsets(2, max_batches=2)]  # doctest: +SKIP
+        [[768, 2368], [3968, 5568]]
+        """
+        where = "tilegraph.io.TokenDataset.eval_offsets"
+        if not _is_count(batch_size, 1) or not (max_batches is None or _is_count(max_batches, 1)):
+            raise TileError(where, "batch_size must be an int >= 1 and max_batches None or an int >= 1",
+                            f"batch_size={batch_size!r}, max_batches={max_batches!r}")
+        total = self.num_eval_windows
+        if total < batch_size:
+            raise TileError(where, f"the {self.split} split must hold at least batch_size={batch_size} windows of "
+                            f"seq_len + 1 = {self.seq_len + 1} tokens", f"{total} window(s) in its "
+                            f"{self.hi - self.lo} tokens ({self.path.name})")
+        n = total // batch_size if max_batches is None else min(total // batch_size, max_batches)
+        k = n * batch_size
+        i = np.arange(k, dtype=np.int64)
+        picked = (2 * i + 1) * total // (2 * k)  # the middle of stretch i; every window when k == total
+        starts = self.lo + picked * self.seq_len
+        return [starts[i * batch_size:(i + 1) * batch_size] for i in range(n)]
 
     def read(self, offsets) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and targets ``(b, seq_len)`` int64 of the windows at ``offsets``, read here."""

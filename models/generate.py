@@ -1,4 +1,5 @@
-"""Text generation with a KV cache: greedy decoding, top-k and top-p (nucleus) sampling.
+"""Text generation with a KV cache: greedy decoding, top-k and top-p (nucleus) sampling, a
+repetition penalty and stop strings.
 
 The prompt runs once (prefill) and leaves every layer's keys and values in a cache of leaf tiles;
 each new token then runs a one-position forward that attends to the cache and appends its own
@@ -13,6 +14,10 @@ come back to the client, where the next token is picked (:func:`next_tokens`).
 >>> generate(model, prompt, 4).shape
 (2, 7)
 >>> generate(model, prompt, 4, strategy="top_p", top_p=0.9, temperature=0.8, seed=1).shape
+(2, 7)
+>>> from tilegraph.io import ByteTokenizer
+>>> out = generate(model, prompt, 4, repetition_penalty=1.3, stop=["\\n"], tokenizer=ByteTokenizer(), pad_id=0)
+>>> out.shape
 (2, 7)
 """
 
@@ -29,7 +34,7 @@ from tilegraph._runtime import current_runtime
 
 from ._common import CausalLM
 
-__all__ = ["generate", "next_tokens", "Decoder", "STRATEGIES"]
+__all__ = ["generate", "next_tokens", "penalize_repetition", "find_stop", "Decoder", "STRATEGIES"]
 
 #: "greedy" takes the most likely token; "sample" draws from softmax(logits / temperature),
 #: restricted to the ``top_k`` most likely tokens and then to the smallest set holding ``top_p``
@@ -61,6 +66,69 @@ def _check_sampling(where: str, strategy, temperature, top_k, top_p) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
             or not 0 < temperature < np.inf:
         raise TileError(where, "temperature must be a positive finite number", repr(temperature))
+
+
+def _check_penalty(where: str, penalty) -> None:
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.floating)) or not 0 < penalty < np.inf:
+        raise TileError(where, "repetition_penalty must be a positive finite number (1: none)", repr(penalty))
+
+
+def _penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """``logits`` (B, V) with the entries where ``seen`` (B, V) is True made less likely."""
+    hit = np.where(logits > 0, logits / penalty, logits * penalty)
+    return np.where(seen, hit, logits).astype(logits.dtype, copy=False)
+
+
+def penalize_repetition(logits, ids, penalty: float) -> np.ndarray:
+    """``logits`` (B, V) with every token that occurs in its row of ``ids`` (B, T) penalised as
+    Hugging Face's ``repetition_penalty`` (CTRL, Keskar et al. 2019) does: a positive logit is
+    divided by ``penalty``, a negative one multiplied by it, once however often the token
+    occurs. ``penalty > 1`` discourages repeats, ``1`` changes nothing, below 1 encourages them.
+
+    >>> penalize_repetition(np.array([[2.0, -2.0, 1.0]]), np.array([[0, 1, 0]]), 2.0)
+    array([[ 1., -4.,  1.]])
+    """
+    where = "tilegraph.models.generate.penalize_repetition"
+    _check_penalty(where, penalty)
+    logits, ids = np.asarray(logits), np.asarray(ids)
+    if logits.ndim != 2 or logits.dtype.kind != "f":
+        raise TileError(where, "logits must be floats of shape (batch, vocab)", f"{logits.dtype} {logits.shape}")
+    if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.shape[0] != logits.shape[0]:
+        raise TileError(where, f"ids must be integers of shape (batch={logits.shape[0]}, seq)",
+                        f"{ids.dtype} {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= logits.shape[1]):
+        raise TileError(where, f"ids must lie in [0, vocab={logits.shape[1]})", f"min {ids.min()}, max {ids.max()}")
+    seen = np.zeros(logits.shape, dtype=bool)
+    np.put_along_axis(seen, ids.astype(np.int64), True, axis=1)
+    return _penalize(logits, seen, float(penalty))
+
+
+def find_stop(text: str, stop) -> int | None:
+    """Where ``text`` ends if cut after the first of the ``stop`` strings to be completed in it
+    (the stop string kept), or None when none occurs.
+
+    >>> find_stop("x = 1\\n\\ny = 2\\n", ["\\n\\n", "y"])
+    7
+    >>> find_stop("x = 1", ["\\n"]) is None
+    True
+    """
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    return min(ends) if ends else None
+
+
+def _check_stop(where: str, stop, tokenizer, fill) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise TileError(where, "stop must be a non-empty string or a list of them", repr(stop))
+    if stops and not callable(getattr(tokenizer, "decode", None)):
+        raise TileError(where, "stop strings need the tokenizer that decodes the ids (tokenizer=...)",
+                        f"tokenizer={tokenizer!r}")
+    if stops and fill is None:
+        raise TileError(where, "stop strings need eos_id or pad_id: the id that fills a row after it stopped",
+                        "eos_id=None, pad_id=None")
+    return tuple(stops)
 
 
 def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", temperature: float = 1.0,
@@ -218,23 +286,33 @@ class Decoder:
 
 
 def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str = "greedy",
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, seed=0,
-             eos_id: int | None = None, runtime=None, cache_block: int = 64) -> np.ndarray:
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             repetition_penalty: float = 1.0, seed=0, eos_id: int | None = None, stop=None, tokenizer=None,
+             pad_id: int | None = None, runtime=None, cache_block: int = 64) -> np.ndarray:
     """Continue each prompt (B, P) by ``max_new_tokens`` tokens; returns the ids (B, P + N), int64
     (a 1-D prompt is one row).
 
     ``strategy`` is one of :data:`STRATEGIES` ("greedy", "sample", "top_k", "top_p"; see
     :func:`next_tokens` for ``temperature``, ``top_k`` and ``top_p``). Sampling draws from
-    ``np.random.default_rng(seed)`` on the client, so the same seed gives the same tokens. A row
-    that produced ``eos_id`` is continued with ``eos_id``, and generation stops once all rows
-    have (Hugging Face's ``generate`` with ``pad_token_id = eos_token_id``, padded to full length).
-    P + N may not exceed the model's ``max_seq_len``. ``runtime`` and ``cache_block``: see
-    :class:`Decoder`.
+    ``np.random.default_rng(seed)`` on the client, so the same seed gives the same tokens.
+    ``repetition_penalty`` (Hugging Face's, 1: none) applies :func:`penalize_repetition` with
+    the row's prompt and the tokens generated so far before any other step, for every strategy.
+
+    A row ends when it produces ``eos_id`` (that token kept), or when the text its new tokens
+    decode to (``tokenizer.decode``; the prompt is not searched) contains one of the ``stop``
+    strings (a string or a list). A stopped row keeps the token that completed the stop string,
+    so its text holds the stop string whole, and may run past it by the rest of that token:
+    ``text[:find_stop(text, stop)]`` cuts it right after the stop string (:func:`find_stop`).
+    Later positions of an ended row hold ``pad_id`` (default ``eos_id``; stop strings need one
+    of the two), and generation stops once all rows have ended (Hugging Face's ``generate``
+    with ``pad_token_id``, padded to full length). P + N may not exceed the model's
+    ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`.
     """
     where = "tilegraph.models.generate"
     if not isinstance(model, CausalLM):
         raise TileError(where, "model must be a tilegraph.models model (GPT2, Llama)", type(model).__name__)
     _check_sampling(where, strategy, temperature, top_k, top_p)
+    _check_penalty(where, repetition_penalty)
     cfg = model.config
     prompt = np.asarray(prompt_ids)
     if prompt.ndim == 1:
@@ -251,25 +329,37 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     if p + max_new_tokens > cfg.max_seq_len:
         raise TileError(where, f"prompt and new tokens exceed the model's max_seq_len={cfg.max_seq_len}",
                         f"{p} prompt + {max_new_tokens} new = {p + max_new_tokens}")
-    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
-        raise TileError(where, f"eos_id must be None or a token id in [0, {cfg.vocab_size})", repr(eos_id))
+    for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+        if value is not None and (not _is_int(value) or not 0 <= value < cfg.vocab_size):
+            raise TileError(where, f"{name} must be None or a token id in [0, {cfg.vocab_size})", repr(value))
+    fill = eos_id if pad_id is None else pad_id
+    stops = _check_stop(where, stop, tokenizer, fill)
 
     rng = np.random.default_rng(seed)
     out = np.empty((b, p + max_new_tokens), dtype=np.int64)
     out[:, :p] = prompt
     if max_new_tokens == 0:
         return out
+    rows = np.arange(b)
     done = np.zeros(b, dtype=bool)
+    seen = np.zeros((b, cfg.vocab_size), dtype=bool)   # (B, V): tokens the penalty applies to
+    seen[rows[:, None], prompt] = True
     with Decoder(model, runtime=runtime, cache_block=cache_block) as dec:
         logits = dec.feed(prompt)
         for i in range(max_new_tokens):
+            if repetition_penalty != 1:
+                logits = _penalize(logits, seen, float(repetition_penalty))
             tok = next_tokens(logits, rng, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p)
-            if eos_id is not None:
-                tok[done] = eos_id
-                done |= tok == eos_id
+            if done.any():
+                tok[done] = fill
             out[:, p + i] = tok
-            if eos_id is not None and done.all():
-                out[:, p + i + 1:] = eos_id
+            seen[rows, tok] = True
+            if eos_id is not None:
+                done |= tok == eos_id
+            for r in np.flatnonzero(~done) if stops else ():
+                done[r] = find_stop(tokenizer.decode(out[r, p:p + i + 1]), stops) is not None
+            if done.all():
+                out[:, p + i + 1:] = fill
                 break
             if i + 1 < max_new_tokens:
                 logits = dec.feed(tok[:, None])

@@ -212,9 +212,42 @@ def test_read_returns_shifted_windows(token_file):
     for row, o in enumerate(off):
         np.testing.assert_array_equal(x[row], tokens[o:o + 16])
         np.testing.assert_array_equal(y[row], tokens[o + 1:o + 17])
-    batches = list(ds.eval_offsets(4, max_batches=2))
-    assert len(batches) == 2
-    np.testing.assert_array_equal(np.concatenate(batches), np.arange(8) * 16)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_eval_windows_spread_evenly_over_the_split(token_file, split):
+    ds = TokenDataset(token_file, seq_len=16, split=split, val_fraction=0.3)
+    total = ds.num_eval_windows
+    assert total == (ds.hi - ds.lo - 1) // 16 and total > 8
+    # no limit: as many whole batches as the split holds; every window when they fill whole batches
+    full = ds.eval_offsets(4)
+    assert len(full) == total // 4 and all(b.shape == (4,) and b.dtype == np.int64 for b in full)
+    assert len(ds.eval_offsets(4, max_batches=10 ** 6)) == total // 4
+    np.testing.assert_array_equal(np.concatenate(ds.eval_offsets(1)), ds.lo + np.arange(total) * 16)
+    kept = (np.concatenate(full) - ds.lo) // 16                   # the windows left out are spread out too
+    assert len(kept) == total - total % 4 and np.diff(kept).max() <= 2 and kept[0] <= 1 and kept[-1] >= total - 2
+    # two batches of 4: the window in the middle of each eighth of the split, not the first 8 windows
+    short = ds.eval_offsets(4, max_batches=2)
+    starts = np.concatenate(short)
+    np.testing.assert_array_equal(starts, ds.lo + np.array([(2 * i + 1) * total // 16 for i in range(8)]) * 16)
+    assert (np.diff(starts) >= 16).all()                         # no overlap
+    assert starts[0] - ds.lo < (ds.hi - ds.lo) / 8 and ds.hi - (starts[-1] + 17) < (ds.hi - ds.lo) / 8
+    assert starts.min() >= ds.lo and starts.max() + 17 <= ds.hi  # inside the split, targets included
+    # the same windows every time, whatever the seed (evaluations stay comparable)
+    again = TokenDataset(token_file, seq_len=16, split=split, val_fraction=0.3, seed=5).eval_offsets(4, 2)
+    np.testing.assert_array_equal(np.concatenate(again), starts)
+    x, y = ds.read(short[1])
+    assert x.shape == y.shape == (4, 16)
+
+
+def test_eval_windows_need_a_full_batch(token_file):
+    ds = TokenDataset(token_file, seq_len=16, split="val", val_fraction=0.05)
+    with pytest.raises(tg.TileError, match=rf"the val split must hold at least batch_size=64 windows of seq_len \+ 1 "
+                       rf"= 17 tokens.*received: {ds.num_eval_windows} window"):
+        ds.eval_offsets(64)
+    for bad in (dict(batch_size=0), dict(batch_size=2, max_batches=0), dict(batch_size=2.0)):
+        with pytest.raises(tg.TileError, match=r"batch_size must be an int >= 1 and max_batches None or an int >= 1"):
+            ds.eval_offsets(**bad)
 
 
 @pytest.mark.parametrize("tiles", [(None, None), (3, 5), (2, 16)])

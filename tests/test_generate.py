@@ -1,5 +1,6 @@
 """Generation with a KV cache: greedy against Hugging Face generate, the cache against a full forward,
-sampling filters and determinism, input errors, and the cache staying on the workers.
+sampling filters and determinism, the repetition penalty against Hugging Face's, stop strings, input
+errors, and the cache staying on the workers.
 
 HF models are built from tiny configs with random weights (norm gains and biases too), saved with
 save_pretrained and loaded with tilegraph.models.from_hf, as in test_models_hf.py.
@@ -15,7 +16,9 @@ from hf_helpers import hf_model_cache
 from conftest import check_against_torch, randn
 from tilegraph import models
 from tilegraph._graph import ValueRef, topo_order
+from tilegraph.io import ByteTokenizer
 from tilegraph.models import Decoder, ModelTiling, generate, next_tokens
+from tilegraph.models.generate import find_stop, penalize_repetition
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -221,6 +224,119 @@ def test_sampling_is_seeded_and_stays_inside_its_filter(hf_models, arch, kw):
     assert off_greedy > 0  # it did sample
 
 
+# ------------------------------------------------------------------------ repetition penalty ----
+def test_repetition_penalty_matches_transformers_processor(rng):
+    # mixed signs, zeros, repeated ids, a row whose ids are all one token; float32 as decoding sees it
+    logits = (rng.standard_normal((4, 33)) * 3).astype(np.float32)
+    logits[:, :3] = 0.0
+    ids = rng.integers(0, 33, (4, 11))
+    ids[3] = 5
+    for penalty in (0.5, 1.0, 1.3, 2.0, 7):
+        want = transformers.RepetitionPenaltyLogitsProcessor(float(penalty))(torch.tensor(ids), torch.tensor(logits))
+        got = penalize_repetition(logits, ids, penalty)
+        assert got.dtype == np.float32 and got.shape == logits.shape
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=f"penalty {penalty}")
+    np.testing.assert_array_equal(penalize_repetition(logits, np.zeros((4, 0), np.int64), 2.0), logits)
+    with pytest.raises(tg.TileError, match=r"ids must lie in \[0, vocab=33\).*max 33"):
+        penalize_repetition(logits, np.full((4, 1), 33), 2.0)
+    with pytest.raises(tg.TileError, match=r"ids must be integers of shape \(batch=4, seq\)"):
+        penalize_repetition(logits, ids[:2], 2.0)
+
+
+@pytest.mark.parametrize("penalty", [1.8, 0.7])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_repetition_penalty_generates_like_transformers(hf_models, arch, penalty):
+    hf, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS["ragged"](arch))
+    prompt = _prompt(7)
+    got = generate(model, prompt, N, repetition_penalty=penalty)
+    np.testing.assert_array_equal(got, _hf_generate(hf, prompt, N, repetition_penalty=penalty))
+    free = generate(model, prompt, N)
+    assert (got != free).any()  # it changed the continuation, towards fewer repeats when > 1, more when < 1
+
+    def repeats(ids):
+        return sum(len(row) - len(set(row.tolist())) for row in ids)
+    assert repeats(got) < repeats(free) if penalty > 1 else repeats(got) > repeats(free)
+
+
+def test_repetition_penalty_applies_before_sampling(hf_models):
+    """Sampling with a penalty draws what next_tokens draws from the penalised logits of the
+    prompt and the tokens so far (the order of Hugging Face's processors: penalty, then temperature
+    and the filters)."""
+    _, folder = hf_models("gpt2")
+    model = models.from_hf(folder, TILINGS["single"]("gpt2"))
+    prompt = _prompt(8)
+    kw = dict(strategy="sample", top_k=8, temperature=0.9)
+    out = generate(model, prompt, N, repetition_penalty=1.5, seed=11, **kw)
+    logits = model(out[:, :-1]).numpy()
+    rng = np.random.default_rng(11)
+    for t in range(P, P + N):
+        scores = penalize_repetition(logits[:, t - 1], out[:, :t], 1.5)
+        np.testing.assert_array_equal(next_tokens(scores, rng, **kw), out[:, t], err_msg=f"position {t}")
+
+
+# ------------------------------------------------------------------------------ stop strings ----
+def test_find_stop_cuts_after_the_first_completed_stop_string():
+    assert find_stop("a = 1\n\nb = 2", ["\n\n"]) == 7
+    assert find_stop("a = 1\n\nb = 2", ["b", "\n\n"]) == 7       # the one completed first
+    assert find_stop("abc", ["bc", "c"]) == 3 and find_stop("abc", ["abc", "b"]) == 2
+    assert find_stop("abc", ["x"]) is None and find_stop("", ["x"]) is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stop_strings_end_rows_with_the_byte_tokenizer(hf_models, arch):
+    _, folder = hf_models(arch)
+    model = models.from_hf(folder, TILINGS["ragged"](arch))    # vocab 50: ids are bytes 0..49 ("0", "1", ...)
+    tok = ByteTokenizer()
+    prompt = _prompt(9)
+    free = generate(model, prompt, N)
+    text0 = tok.decode(free[0, P:])
+    stop = text0[3:5]                                          # two tokens of row 0's continuation
+    end0 = text0.index(stop) + 2
+    assert end0 <= 5
+    out = generate(model, prompt, N, stop=stop, tokenizer=tok, pad_id=49)
+    want = free.copy()
+    for r in range(B):   # one byte per token: a row ends with the token that completes the stop string
+        end = find_stop(tok.decode(free[r, P:]), [stop])
+        if end is not None:
+            want[r, P + end:] = 49
+    np.testing.assert_array_equal(out, want)
+    assert tok.decode(out[0, P:P + end0]).endswith(stop) and (out[0, P + end0:] == 49).all()
+
+    # the prompt is not searched: a character of the prompt that the continuation never produces
+    only_in_prompt = [c for c in tok.decode(prompt[0]) if c not in text0]
+    assert only_in_prompt
+    np.testing.assert_array_equal(generate(model, prompt[:1], N, stop=[only_in_prompt[0]], tokenizer=tok,
+                                           pad_id=0), free[:1])
+    # several stop strings: the first completed ends the row; eos pads when no pad_id is given
+    out = generate(model, prompt[:1], N, stop=["\x7f", stop], tokenizer=tok, eos_id=48)   # "\x7f": never
+    first_eos = np.flatnonzero(free[0, P:] == 48)
+    end = min(end0, int(first_eos[0]) + 1) if first_eos.size else end0
+    np.testing.assert_array_equal(out[0, :P + end], free[0, :P + end])
+    assert (out[0, P + end:] == 48).all()
+
+
+def test_a_stop_string_may_end_inside_a_token(hf_models):
+    """With tokens of several characters the row keeps the token that completes the stop string;
+    find_stop cuts its text right after the stop string."""
+    class Pairs:   # each id decodes to two characters: "ab" ends inside a token when "b" starts one
+        def decode(self, ids):
+            return "".join(f"{chr(97 + i % 26)}{chr(97 + (i + 1) % 26)}" for i in ids)
+
+    _, folder = hf_models("gpt2")
+    model = models.from_hf(folder, TILINGS["single"]("gpt2"))
+    prompt = _prompt(10)[:1]
+    free = generate(model, prompt, N)
+    text = Pairs().decode(free[0, P:])
+    stop = text[5:7]        # from the middle of the third token to the middle of the fourth
+    out = generate(model, prompt, N, stop=stop, tokenizer=Pairs(), pad_id=0)
+    k = next(k for k in range(1, N + 1) if stop in Pairs().decode(free[0, P:P + k]))
+    np.testing.assert_array_equal(out[0, :P + k], free[0, :P + k])
+    assert (out[0, P + k:] == 0).all()
+    got = Pairs().decode(out[0, P:P + k])
+    assert got[:find_stop(got, [stop])].endswith(stop) and len(got) - find_stop(got, [stop]) == 1
+
+
 # ------------------------------------------------------------------------------------ errors ----
 def test_bad_input_is_a_clear_error():
     model = models.build("gpt2-debug", ModelTiling(seq=4), seed=0)   # max_seq_len 32, vocab 96
@@ -251,6 +367,19 @@ def test_bad_input_is_a_clear_error():
         generate(model, prompt, 3, eos_id=96)
     with pytest.raises(err, match=r"model must be a tilegraph.models model"):
         generate(object(), prompt, 3)
+    for bad in (0, -1.2, float("nan"), float("inf"), True, "1.2"):
+        with pytest.raises(err, match=r"repetition_penalty must be a positive finite number \(1: none\)"):
+            generate(model, prompt, 3, repetition_penalty=bad)
+    with pytest.raises(err, match=r"pad_id must be None or a token id in \[0, 96\)"):
+        generate(model, prompt, 3, pad_id=-1)
+    byte = ByteTokenizer()
+    for bad in ("", ["x", ""], [3], {"x"}):
+        with pytest.raises(err, match=r"stop must be a non-empty string or a list of them"):
+            generate(model, prompt, 3, stop=bad, tokenizer=byte, pad_id=0)
+    with pytest.raises(err, match=r"stop strings need the tokenizer that decodes the ids \(tokenizer=...\)"):
+        generate(model, prompt, 3, stop="x", pad_id=0)
+    with pytest.raises(err, match=r"stop strings need eos_id or pad_id.*eos_id=None, pad_id=None"):
+        generate(model, prompt, 3, stop="x", tokenizer=byte)
     np.testing.assert_array_equal(generate(model, prompt, 0), prompt)
 
     # a chunk that does not fit leaves the decoder as it was

@@ -1,4 +1,4 @@
-"""Command line: ``tilegraph train``, ``tilegraph generate``, ``tilegraph info``.
+"""Command line: ``tilegraph train``, ``tilegraph eval``, ``tilegraph generate``, ``tilegraph info``.
 
 ``tilegraph train [CONFIG.toml]`` trains a model from a TOML config; with none, the shipped
 ``examples/configs/default.toml`` trains the debug GPT-2 on the Python standard library's own
@@ -385,7 +385,7 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
     return files
 
 
-def load_tokenizer(folder: Path, override: str | None):
+def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph generate"):
     """The tokenizer of a checkpoint: ``override`` (byte, or a BPE JSON path), else what
     ``tilegraph train`` recorded in the folder, else an HF ``tokenizer.json`` there."""
     from tilegraph._errors import TileError
@@ -398,14 +398,36 @@ def load_tokenizer(folder: Path, override: str | None):
         try:
             desc = json.loads(recorded.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise TileError("tilegraph generate", "a readable tokenizer description (JSON) in the checkpoint",
+            raise TileError(where, "a readable tokenizer description (JSON) in the checkpoint",
                             f"{recorded}: {e}") from None
         bpe = folder / "bpe_tokenizer.json"
         return tokenizer_from_description(desc, bpe if bpe.is_file() else None)
     if (folder / "tokenizer.json").is_file():
         return BPETokenizer.load(folder / "tokenizer.json", eos=None)
-    raise TileError("tilegraph generate", "a tokenizer: tilegraph_tokenizer.json or tokenizer.json in the "
+    raise TileError(where, "a tokenizer: tilegraph_tokenizer.json or tokenizer.json in the "
                     "checkpoint folder, or --tokenizer byte|PATH", str(folder))
+
+
+def unescape(text: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` in a command-line argument as the characters they name (a
+    shell passes ``--stop '\n'`` as a backslash and an n)."""
+    import re
+
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def stopped_text(tokenizer, new_ids, stops) -> tuple[str, int]:
+    """The text of ``new_ids`` cut right after the first stop string completed in it (as
+    :func:`tilegraph.models.generate.find_stop`), and how many ids made it; all of them when no
+    stop string occurs."""
+    from tilegraph.models.generate import find_stop
+
+    for k in range(1, len(new_ids) + 1) if stops else ():
+        text = tokenizer.decode(new_ids[:k])
+        end = find_stop(text, stops)
+        if end is not None:
+            return text[:end], k
+    return tokenizer.decode(new_ids), len(new_ids)
 
 
 def cmd_generate(args) -> int:
@@ -423,12 +445,78 @@ def cmd_generate(args) -> int:
         n = min(64, model.config.max_seq_len - prompt.size)
     strategy = args.strategy or ("top_k" if args.top_k and not args.top_p else "top_p" if args.top_p and not args.top_k
                                  else "sample" if args.top_k and args.top_p else "greedy")
+    stops = [unescape(s) for s in args.stop or []]
+    eos = getattr(tokenizer, "eos_id", None)
     with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
+        # the ids after a stop string are cut off below: any pad id will do
         ids = generate(model, prompt[None, :], n, strategy=strategy, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, eos_id=getattr(tokenizer, "eos_id", None), runtime=rt)
-    print(tokenizer.decode(ids[0]))
+                       top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed, eos_id=eos,
+                       stop=stops or None, tokenizer=tokenizer, pad_id=0 if stops and eos is None else None,
+                       runtime=rt)
+    text, kept = stopped_text(tokenizer, ids[0, prompt.size:], stops)
+    print(tokenizer.decode(prompt) + text)
     if args.ids:
-        print(" ".join(map(str, ids[0].tolist())))
+        print(" ".join(map(str, ids[0, :prompt.size + kept].tolist())))
+    return 0
+
+
+#: the default corpus of `tilegraph eval`, as `tilegraph train` builds it with the shipped config
+EVAL_DEFAULT_CORPUS = "the shipped config's corpus (the standard library's sources), its validation split"
+
+
+def cmd_eval(args) -> int:
+    """Loss and perplexity of a checkpoint on a corpus, over windows spread evenly across it."""
+    import tempfile
+
+    import tilegraph as tg
+    from tilegraph._errors import TileError
+    from tilegraph.io import TokenDataset, build_token_file
+    from tilegraph.io.data import DEFAULT_PATTERNS
+    from tilegraph.trainer import _default_row_tile, lm_loss, perplexity
+
+    where = "tilegraph eval"
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise TileError(where, f"{flag} must be an integer >= 1", str(value))
+    folder = Path(args.checkpoint)
+    model = load_model(folder, where)
+    tokenizer = load_tokenizer(folder, args.tokenizer, where)
+    cfg = model.config
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise TileError(where, f"a tokenizer whose ids fit the model's vocab_size={cfg.vocab_size}",
+                        f"{tokenizer!r} with {tokenizer.vocab_size} ids")
+    job, _ = load_config(None)
+    d = job["data"]
+    seq_len = args.seq_len if args.seq_len is not None else min(int(d["seq_len"]), cfg.max_seq_len)
+    if seq_len > cfg.max_seq_len:
+        raise TileError(where, f"--seq-len of at most the model's max_seq_len={cfg.max_seq_len}", str(seq_len))
+    if args.data:  # the whole of the user's corpus
+        sources, split, val_fraction, what = list(args.data), "train", 0.0, "the corpus"
+        patterns = DEFAULT_PATTERNS
+    else:  # what `tilegraph train` trains on by default; only its held-out part
+        sources, split, val_fraction = stdlib_files(d["patterns"], int(d["max_mb"] * 1e6)), "val", d["val_fraction"]
+        what = f"the validation split (last {val_fraction:.0%}) of the default training corpus"
+        patterns = d["patterns"]
+    batch_size = args.batch_size
+    with tempfile.TemporaryDirectory(prefix="tilegraph-eval-") as tmp:
+        meta = build_token_file(sources, Path(tmp) / "tokens.bin", tokenizer, patterns=patterns)
+        if meta["count"] < seq_len + 1 or (meta["count"] - 1) // seq_len < batch_size:
+            raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
+                            f"{seq_len + 1} tokens", f"{meta['count']:,} tokens from {len(sources)} source(s)")
+        ds = TokenDataset(Path(tmp) / "tokens.bin", seq_len, split=split, val_fraction=val_fraction)
+        batches = ds.eval_offsets(batch_size, args.batches)
+        windows = len(batches) * batch_size
+        print(f"tilegraph eval: {type(model).__name__} ({model.num_parameters():,} parameters) from {folder}; "
+              f"{what}: {ds.hi - ds.lo:,} tokens, {windows:,} windows of {seq_len} spread over "
+              f"{'all of it' if windows == ds.num_eval_windows else 'it'} "
+              f"({windows * seq_len / (ds.hi - ds.lo):.1%} of its tokens)", flush=True)
+        with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
+            rows = getattr(model.tiling, "batch", None) or _default_row_tile(rt, batch_size, seq_len * cfg.dim)
+            seq_tile = getattr(model.tiling, "seq", None)
+            ev = tg.EvalStep(model, lambda m, offsets: lm_loss(m, *ds.tensors(offsets, seq_tile=seq_tile)),
+                             batch_tiles=[(min(rows, batch_size),)], runtime=rt)
+            loss = float(np.mean(ev.losses([(b,) for b in batches])))
+    print(f"loss {loss:.4f}, perplexity {perplexity(loss):.3f}")
     return 0
 
 
@@ -574,11 +662,33 @@ def main(argv=None) -> int:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                     help="divide the positive logits of tokens already in the text by X, multiply the negative "
+                          "ones (Hugging Face's repetition_penalty; > 1 discourages repeats; default: 1, none)")
+    gen.add_argument("--stop", action="append", metavar="STR",
+                     help="stop once the new text contains STR; the text printed ends with it (repeatable; "
+                          "\\n and \\t are a newline and a tab)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
     gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
     gen.add_argument("--ids", action="store_true", help="also print the token ids")
     gen.set_defaults(func=cmd_generate)
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a corpus (windows spread evenly "
+                                     "over it)")
+    ev.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
+    ev.add_argument("--data", nargs="+", metavar="FILES_OR_DIRS",
+                    help="text files, or folders (their *.txt, *.md, *.rst and *.py files), to evaluate on, all "
+                         "of it (default: "
+                         f"{EVAL_DEFAULT_CORPUS}, the held-out text `tilegraph train` validates on)")
+    ev.add_argument("--batches", type=int, default=64,
+                    help="batches to evaluate, their windows spread evenly over the corpus; more than it holds "
+                         "reads all of it (default: %(default)s)")
+    ev.add_argument("--batch-size", type=int, default=8, help="windows per batch (default: %(default)s)")
+    ev.add_argument("--seq-len", type=int, default=None,
+                    help="tokens per window (default: the shipped config's seq_len, at most the model's max_seq_len)")
+    ev.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
+    ev.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
+    ev.set_defaults(func=cmd_eval)
     info = sub.add_parser("info", help="versions, devices and the model flavors; or a checkpoint's arrays, sizes, "
                                        "quantization and metadata")
     info.add_argument("checkpoint", nargs="?", default=None, help="a Zarr checkpoint folder to describe")

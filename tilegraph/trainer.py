@@ -63,6 +63,11 @@ def lm_loss(model, inputs, targets):
     return cross_entropy(model(inputs), targets)
 
 
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean next-token loss in nats (inf past float64's range, not an error)."""
+    return math.inf if loss >= 709.0 else math.exp(loss)  # a NaN loss stays NaN
+
+
 @dataclass
 class FitResult:
     steps: int                         # optimizer steps run by this call
@@ -81,6 +86,11 @@ class FitResult:
     restarts: list[dict] = field(default_factory=list)
     #: :meth:`Trainer.request_stop` (Ctrl-C, SIGTERM in the CLI) ended the fit before its last step
     stopped: bool = False
+
+    @property
+    def val_perplexities(self) -> list[tuple[int, float]]:
+        """(step, validation perplexity): :func:`perplexity` of each of :attr:`val_losses`."""
+        return [(step, perplexity(loss)) for step, loss in self.val_losses]
 
     def profile(self, top: int = 8) -> str:
         """Where the time went: the parts of the model with the most kernel time, and the share
@@ -259,10 +269,18 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, batches: int | None = None) -> float:
-        """Mean loss over ``batches`` (default ``eval_batches``) batches of ``eval_data``."""
+        """Mean loss over ``batches`` (default ``eval_batches``) batches of ``eval_data``
+        (:func:`perplexity` of it is the validation perplexity).
+
+        A token dataset gives the same windows each time, spread evenly over its whole split
+        (:meth:`TokenDataset.eval_offsets`); a callable gives batches ``0 .. batches - 1``.
+        """
+        where = "tilegraph.Trainer.evaluate"
         if self._eval is None:
-            raise TileError("tilegraph.Trainer.evaluate", "needs eval_data", "eval_data=None")
-        n = batches or self.eval_batches
+            raise TileError(where, "needs eval_data", "eval_data=None")
+        n = self.eval_batches if batches is None else batches
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise TileError(where, "batches (or eval_batches) must be an int >= 1", repr(n))
         micro = self.batch_size // self.accum_steps
         with self._current():
             if self.token_data:
@@ -330,8 +348,8 @@ class Trainer:
             if evaluates(i):
                 val = self._watched(self.evaluate, f"the evaluation after step {i}", range(i, i + 1))
                 result.val_losses.append((i, val))
-                self._log(log, {"step": i, "val_loss": val, "time": time.time()})
-                bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}")
+                self._log(log, {"step": i, "val_loss": val, "val_ppl": perplexity(val), "time": time.time()})
+                bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f} (perplexity {perplexity(val):.2f})")
                 self.plot()
             if checkpoints(i):
                 path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}", range(i, i + 1))
