@@ -117,24 +117,144 @@ def _host(v) -> np.ndarray:
 _TEMPLATES: dict[str, dict] = {}
 
 
-def _array_meta(shape, dtype, chunks, attributes: dict | None = None) -> dict:
-    """The zarr.json document of an array (from one zarr-python makes, so the format is its)."""
+def _array_meta(shape, dtype, chunks, attributes: dict | None = None, shards=None) -> dict:
+    """The zarr.json document of an array (from one zarr-python makes, so the format is its);
+    with ``shards``, chunks of ``chunks`` inside shard files of shape ``shards``."""
     dt = np.dtype(dtype)
-    template = _TEMPLATES.get(dt.str)
+    key = (dt.str, shards is not None)
+    template = _TEMPLATES.get(key)
     if template is None:
         import zarr
         from zarr.codecs import Crc32cCodec
         from zarr.core.buffer import default_buffer_prototype
 
-        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(1,), chunks=(1,), dtype=dt,
-                                compressors=[Crc32cCodec()], fill_value=0)
+        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(2,), chunks=(1,), dtype=dt,
+                                shards=(2,) if shards is not None else None, compressors=[Crc32cCodec()],
+                                fill_value=0)
         doc = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
-        template = _TEMPLATES[dt.str] = json.loads(doc)
+        template = _TEMPLATES[key] = json.loads(doc)
     meta = json.loads(json.dumps(template))
     meta["shape"] = [int(n) for n in shape]
-    meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
+    if shards is not None:
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in shards]
+        meta["codecs"][0]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
+    else:
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
     meta["attributes"] = attributes or {}
     return meta
+
+
+#: tiles smaller than this go into shard files of several tiles (one file per tile would cost
+#: more in file system calls than in bytes); a shard holds up to SHARD_BYTES
+SHARD_TILE_BYTES = 1 << 20
+SHARD_BYTES = 32 << 20
+_EMPTY = np.uint64(2 ** 64 - 1)
+
+
+def _shards_of(shape, dtype, tiling_chunks) -> tuple[int, ...] | None:
+    """The shard shape of an array of small tiles (whole tiles per shard; the tiling must be
+    regular: every tile but the last of a dimension of one size), or None."""
+    chunk = _chunks_of(tiling_chunks)
+    grid = [len(c) for c in tiling_chunks]
+    regular = all(c[0] == k for c, k in zip(tiling_chunks, chunk))
+    nbytes = int(np.prod(chunk)) * np.dtype(dtype).itemsize if chunk else 0
+    if not regular or int(np.prod(grid)) < 2 or not 0 < nbytes < SHARD_TILE_BYTES:
+        return None
+    m, size = [1] * len(grid), nbytes
+    for d in reversed(range(len(grid))):  # whole trailing dims first: shards of contiguous rows
+        m[d] = max(1, min(grid[d], SHARD_BYTES // size))
+        size *= m[d]
+    return tuple(c * k for c, k in zip(chunk, m))
+
+
+def _encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
+    """A chunk's bytes (an edge chunk padded to the full shape) and its CRC32C."""
+    import google_crc32c
+
+    if part.shape != tuple(chunk_shape):
+        full = np.zeros(chunk_shape, part.dtype)
+        full[tuple(slice(0, n) for n in part.shape)] = part
+        part = full
+    data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
+    return data, np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
+
+
+def _write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shape, chunk_shape,
+                 shard_shape, shard_idx) -> int:
+    """One shard file: the tiles (each one inner chunk) it covers, then the index of (offset,
+    length) per inner chunk, C order, with its CRC32C. Written by one task, all at once."""
+    import google_crc32c
+
+    per = [s // c for s, c in zip(shard_shape, chunk_shape)]
+    at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
+    index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
+    path = _chunk_path(root, name, shard_idx)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    offset = 0
+    with open(path, "wb") as f:
+        for k, rel in enumerate(np.ndindex(*per)):
+            idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
+            if any(i * c >= n for i, c, n in zip(idx, chunk_shape, shape)):
+                continue  # past the array's end: no chunk
+            tile = at.get(idx)
+            if tile is None:
+                raise CheckpointError(f"tilegraph.io.save_checkpoint({root})", f"array {name!r}: every tile of "
+                                      "a shard to write it", f"shard {shard_idx} lacks chunk {idx}")
+            data, crc = _encode_chunk(np.asarray(tile), chunk_shape)
+            f.write(data)
+            f.write(crc)
+            index[k] = (offset, data.nbytes + 4)
+            offset += data.nbytes + 4
+        raw = index.astype("<u8").tobytes()
+        f.write(raw)
+        f.write(np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes())
+    return offset
+
+
+def _write_shard_task(values: Sequence, indices: Sequence, spec: tuple) -> dict:
+    """A save task of one shard: its tiles (task results, with their tuple positions) in."""
+    tiles = [_host(v if i is None else v[i]) for v, i in zip(values, indices)]
+    root, name, *rest = spec
+    written = _write_shard(root, name, tiles, *rest)
+    return {"worker": _worker_address(), "bytes": written}
+
+
+def _read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtype, cache: dict) -> np.ndarray:
+    """One inner chunk of a sharded array, its shard's index and its own checksum verified."""
+    import google_crc32c
+
+    per = [s // c for s, c in zip(shard_shape, chunk_shape)]
+    shard = tuple(i // p for i, p in zip(idx, per))
+    key = "/".join(["c", *map(str, shard)])
+    where = f"tilegraph.io.load_checkpoint({root})"
+    path = _chunk_path(root, name, shard)
+    index = cache.get(shard)
+    n = int(np.prod(per))
+    if index is None:
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 16 * n - 4))
+                raw = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(where, f"array {name!r}: a shard is missing", f"{key} (no file {path})") from None
+        if len(raw) != 16 * n + 4 or np.frombuffer(raw, "<u4", 1, 16 * n)[0] != google_crc32c.value(raw[:16 * n]):
+            raise CheckpointError(where, f"array {name!r}: a shard's index failed its checksum (corrupted or "
+                                  "truncated)", f"{key}: {size} bytes")
+        index = cache[shard] = np.frombuffer(raw, "<u8", 2 * n).reshape(n, 2)
+    k = int(np.ravel_multi_index(tuple(i % p for i, p in zip(idx, per)), per))
+    offset, length = (int(x) for x in index[k])
+    want = int(np.prod(chunk_shape)) * dtype.itemsize
+    if index[k][0] == _EMPTY or length != want + 4:
+        raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard", f"{key}, chunk {idx}")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    if len(raw) != length or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
+        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
+                              f"{key}, chunk {idx}")
+    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
 
 
 def _group_meta(attributes: dict | None = None) -> dict:
@@ -227,12 +347,16 @@ def _read_array_region(root: str, name: str, region, info: dict) -> np.ndarray:
     chunk_shape = info.get("chunks") or _chunks_of(info["tiles"])
     dtype = np.dtype(info["dtype"])
     out = np.empty(tuple(hi - lo for lo, hi in region), dtype)
-    if dtype.byteorder != ">" and all(lo % c == 0 and hi - lo == c for (lo, hi), c in zip(region, chunk_shape)):
+    shards = info.get("shards")
+    if not shards and dtype.byteorder != ">" and all(lo % c == 0 and hi - lo == c
+                                                      for (lo, hi), c in zip(region, chunk_shape)):
         _read_whole_chunk(root, name, [lo // c for (lo, _), c in zip(region, chunk_shape)], out)  # no copy
         return out
     ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, chunk_shape)]
+    cache: dict = {}  # shard index -> its chunk index
     for idx in itertools.product(*ranges):
-        chunk = _read_chunk(root, name, idx, chunk_shape, dtype)
+        chunk = (_read_sharded_chunk(root, name, idx, chunk_shape, shards, dtype, cache) if shards
+                 else _read_chunk(root, name, idx, chunk_shape, dtype))
         span = [(i * c, i * c + c) for i, c in zip(idx, chunk_shape)]
         inter = [(max(lo, clo), min(hi, chi)) for (lo, hi), (clo, chi) in zip(region, span)]
         out[tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))] = \
@@ -489,10 +613,25 @@ class PendingSave:
         groups = {"model", "optimizer"}
         local: list[tuple[Any, list]] = []        # (array, jobs) written here
         remote: dict[Any, tuple[Any, list]] = {}  # future key -> (future, jobs)
+        shard_jobs = []                           # (values, tuple positions, spec) of each shard
         for apath, shape, dtype, chunks, tiles, quant in self.entries:
             parts = apath.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
             chunk_shape = _chunks_of(chunks)
+            shards = self.attrs["arrays"][apath].get("shards")
+            if quant is None and shards:
+                _write_meta(root, apath, _array_meta(shape, dtype, chunk_shape, shards=shards))
+                by_shard: dict[tuple, list] = {}
+                for idx, value in tiles:
+                    region = _slices(chunks, idx)
+                    at = tuple(lo // sh for (lo, _), sh in zip(region, shards))
+                    by_shard.setdefault(at, []).append((value, region))
+                for at, items in by_shard.items():
+                    values = [v.future if isinstance(v, ValueRef) else v for v, _ in items]
+                    indices = [v.index if isinstance(v, ValueRef) else None for v, _ in items]
+                    spec = (root, apath, [r for _, r in items], shape, chunk_shape, tuple(shards), at)
+                    shard_jobs.append((values, indices, spec))
+                continue
             if quant is None:
                 _write_meta(root, apath, _array_meta(shape, dtype, chunk_shape))
             else:
@@ -527,6 +666,8 @@ class PendingSave:
                     futures.append(client.submit(_write_values, [f for f, _ in batch], [j for _, j in batch],
                                                  key=f"tg-save-{uuid.uuid4().hex[:12]}",
                                                  workers=[addr] if addr else None, allow_other_workers=True))
+        if shard_jobs:
+            futures += self._write_shards(shard_jobs)
         for value, jobs in local:
             _write_tiles(value, jobs)
         if futures:
@@ -537,6 +678,34 @@ class PendingSave:
         _verify(tmp, self.attrs, self.where, bool(futures))
         _write_meta(root, "", _group_meta({ATTR: dict(self.attrs, complete=True)}))
         _fsync(tmp / "zarr.json")
+
+    def _write_shards(self, shard_jobs: list) -> list:
+        """Write each shard in one task: here when its tiles are all here, else on the worker
+        holding most of its bytes (Dask brings it the other, small, tiles). Returns futures."""
+        remote = [job for job in shard_jobs if any(not hasattr(v, "shape") for v in job[0])]
+        for values, indices, spec in shard_jobs:
+            if all(hasattr(v, "shape") for v in values):
+                root, name, *rest = spec
+                _write_shard(root, name, [_host(v) for v in values], *rest)
+        if not remote:
+            return []
+        client = self.runtime.client
+        keys = {v.key: v for values, _, _ in remote for v in values if not hasattr(v, "shape")}
+        holders = client.who_has(list(keys.values()))
+        futures = []
+        assigned: dict[str, int] = {}  # bytes of the shards given to each worker: ties go to the least busy
+        for values, indices, spec in remote:
+            weight: dict[str, int] = {}
+            for v, region in zip(values, spec[2]):
+                for addr in holders.get(getattr(v, "key", None), ()) or ():
+                    weight[addr] = weight.get(addr, 0) + int(np.prod([hi - lo for lo, hi in region]))
+            best = max(weight, key=lambda a: (weight[a], -assigned.get(a, 0))) if weight else None
+            if best is not None:
+                assigned[best] = assigned.get(best, 0) + sum(weight.values())
+            futures.append(client.submit(_write_shard_task, values, indices, spec,
+                                         key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
+                                         workers=[best] if best else None, allow_other_workers=True))
+        return futures
 
 
 def _is_os_error(e: BaseException) -> bool:
@@ -589,9 +758,12 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
                                       f"optimizer.params[{i}] ({p.name}) is not among model.named_parameters()")
             for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
                 add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)
-    arrays = {apath: {"shape": list(shape), "dtype": str(dtype), "tiles": [list(c) for c in chunks],
-                      "chunks": list(_chunks_of(chunks)), "quantized": q}
-              for apath, shape, dtype, chunks, _, q in entries}
+    arrays = {}
+    for apath, shape, dtype, chunks, _, q in entries:
+        shards = _shards_of(shape, dtype, chunks) if q is None else None
+        arrays[apath] = {"shape": list(shape), "dtype": str(dtype), "tiles": [list(c) for c in chunks],
+                         "chunks": list(_chunks_of(chunks)), "shards": list(shards) if shards else None,
+                         "quantized": q}
     attrs = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False,
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "step": int(step), "model": _model_info(model), "parameters": [n for n, _ in named],
@@ -630,7 +802,7 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
     for apath, info in attrs["arrays"].items():
         grid = [len(c) for c in info["tiles"]]
         if info["quantized"] is None:
-            chunk_shape = info["chunks"]
+            chunk_shape = info.get("shards") or info["chunks"]  # a shard is one file
             counts = [-(-n // c) for n, c in zip(info["shape"], chunk_shape)]
             keys = ["/".join(map(str, i)) for i in np.ndindex(*counts)]
             missing += [f"{apath}/c/{k}" for k in keys if not os.path.isfile(_chunk_path(str(tmp), apath, k.split("/") if k else []))]

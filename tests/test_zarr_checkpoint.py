@@ -44,11 +44,17 @@ def test_round_trip_and_resharding_on_every_tiling(tmp_path, save_on, load_on):
     loaded = ck.model
     assert loaded.config == model.config and loaded.tiling == TILINGS[load_on]
     _assert_same(_state(loaded), _state(model))
-    # chunks are the saved tiles (a ragged tiling: the gcd-free regular grid of its first tile)
+    # chunks are the saved tiles (a ragged tiling: the regular grid of its first tile); small
+    # tiles go into shard files of several tiles
     w = json.loads((path / "model" / "blocks.0.mlp.fc1.weight" / "zarr.json").read_text())
     want = [c[0] for c in model.blocks[0].mlp.fc1.weight.chunks]
-    assert w["chunk_grid"]["configuration"]["chunk_shape"] == want
-    assert any(c["name"] == "crc32c" for c in w["codecs"])  # a checksum per chunk
+    codecs = w["codecs"]
+    if save_on == "single":  # one tile: one chunk, no shard
+        assert w["chunk_grid"]["configuration"]["chunk_shape"] == want
+    else:
+        assert codecs[0]["name"] == "sharding_indexed" and codecs[0]["configuration"]["chunk_shape"] == want
+        codecs = codecs[0]["configuration"]["codecs"]
+    assert any(c["name"] == "crc32c" for c in codecs)  # a checksum per chunk
     # a Zarr v3 store any Zarr reader opens: every array equal through zarr-python
     import zarr
 
@@ -187,11 +193,12 @@ KILL_SCRIPT = textwrap.dedent("""
     import sys, time, numpy as np, tilegraph as tg
     import tilegraph.models
     from tilegraph.io import zarr as tz
-    slow = tz._write_job
-    def write_job(*a):  # a save slow enough to be killed in the middle
-        time.sleep(0.05)
-        return slow(*a)
-    tz._write_job = write_job
+    def slowly(fn):  # a save slow enough to be killed in the middle
+        def slow(*a):
+            time.sleep(0.05)
+            return fn(*a)
+        return slow
+    tz._write_job, tz._write_shard = slowly(tz._write_job), slowly(tz._write_shard)
     model = tg.models.build("gpt2-debug", tg.models.ModelTiling(feature=8, vocab=8), seed=1)
     print("saving", flush=True)
     tg.io.save_checkpoint(sys.argv[1], model)
@@ -294,6 +301,7 @@ def test_an_unwritable_target_names_the_path_and_leaves_nothing(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(tz, "_write_job", full)
+    monkeypatch.setattr(tz, "_write_shard", full)
     with pytest.raises(tz.CheckpointError, match=r"the disk is full.*earlier checkpoints are untouched"):
         tg.io.save_checkpoint(tmp_path / "out" / "ck", model)
     assert list((tmp_path / "out").iterdir()) == []  # no temporary folder left behind
@@ -346,3 +354,24 @@ def test_quantized_save_from_the_workers(tmp_path, embedded_runtime):
     assert quantized == ["model/wte.weight"]
     assert 0 < np.linalg.norm(got["wte.weight"] - want["wte.weight"]) / np.linalg.norm(want["wte.weight"]) < 0.2
     np.testing.assert_array_equal(got["wpe.weight"], want["wpe.weight"])
+
+
+def test_a_damaged_shard_names_the_array(tmp_path):
+    import shutil
+
+    model = models.build("gpt2-debug", TILINGS["even"], seed=0)  # small tiles: shard files of several tiles
+    good = tg.io.save_checkpoint(tmp_path / "good", model)
+    info = tg.io.load_checkpoint(good).arrays["model/blocks.0.mlp.fc1.weight"]
+    assert info["shards"] and info["shards"] != info["chunks"]
+    for how, message in (("flip", "a chunk failed its checksum"), ("truncate", "a shard's index failed its checksum")):
+        bad = tmp_path / how
+        shutil.copytree(good, bad)
+        shard = bad / "model" / "blocks.0.mlp.fc1.weight" / "c" / "0" / "0"
+        if how == "flip":
+            b = bytearray(shard.read_bytes())
+            b[10] ^= 0xFF
+            shard.write_bytes(bytes(b))
+        else:
+            shard.write_bytes(shard.read_bytes()[:-3])
+        with pytest.raises(tz.CheckpointError, match=rf"'model/blocks.0.mlp.fc1.weight': {message}"):
+            tg.models.from_zarr(bad)
