@@ -234,3 +234,24 @@ def test_sigterm_stops_with_a_checkpoint_that_resumes(tmp_path):
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert logged == list(range(1, step + 1))
     assert not (tmp_path / "run" / ".tilegraph.lock").exists()
+
+
+def test_convert_hf_to_a_quantized_zarr_checkpoint_and_back(tmp_path):
+    from tilegraph import models
+
+    model = models.build(models.GPT2Config(vocab_size=200, max_seq_len=32, dim=128, n_layers=1, n_heads=4), seed=0)
+    model.to_hf(tmp_path / "hf")
+    conv = _cli("convert", "hf", "q4", "--quantize", "int4", cwd=tmp_path)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    info = _cli("info", "q4", cwd=tmp_path)
+    assert info.returncode == 0 and "int4:4" not in info.stdout and " int4 " in info.stdout, info.stdout
+    assert "float32" in info.stdout  # the norms and biases stay exact
+    back = _cli("convert", "q4", "hf2", cwd=tmp_path)
+    assert back.returncode == 0, back.stderr[-3000:]
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    want, got = model(ids).numpy(), models.from_hf(tmp_path / "hf2")(ids).numpy()
+    assert 0 < np.linalg.norm(got - want) < 0.3 * np.linalg.norm(want)  # quantized (int4 ~0.1-0.2 per matrix)
+    again = _cli("convert", "hf", "q4", cwd=tmp_path)
+    assert again.returncode == 2 and "does not exist yet" in again.stderr
+    bad = _cli("convert", "hf", "q3", "--quantize", "int3", cwd=tmp_path)
+    assert bad.returncode == 2 and "unknown quantization method" in bad.stderr and not (tmp_path / "q3").exists()
