@@ -1,6 +1,7 @@
 """Trainer: the loop, its logs, plot, evaluation, checkpoints/resume, accumulation and NaN stops."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -159,3 +160,137 @@ def test_fit_reports_time_per_model_part_and_writes_a_dask_performance_report(em
     assert res.profile().startswith("kernel time: ") and "outside kernels" in res.profile()
     with pytest.raises(tg.TileError, match=r"performance_report needs a distributed runtime"):
         tg.Trainer(model, opt, _data(0), loss_fn=_mse, performance_report=tmp_path / "r.html")
+
+
+# -- TensorBoard, progress lines, the plot ---------------------------------------------------------
+class _FakeWriter:
+    """tensorboardX.SummaryWriter as the trainer uses it: the scalars, by tag."""
+    opened: list = []
+
+    def __init__(self, logdir, flush_secs=120):
+        self.logdir, self.scalars, self.closed = logdir, {}, False
+        _FakeWriter.opened.append(self)
+
+    def add_scalar(self, tag, value, step, walltime=None):
+        assert isinstance(value, (int, float)) and not isinstance(value, bool) and walltime > 0
+        self.scalars.setdefault(tag, []).append((step, value))
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_tensorboardx(monkeypatch):
+    import types
+
+    _FakeWriter.opened = []
+    monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=_FakeWriter))
+    return _FakeWriter
+
+
+def test_fit_writes_every_metric_to_tensorboard(tmp_path, fake_tensorboardx):
+    _, _, trainer = _setup(steps=10, log_dir=tmp_path, tensorboard=True, eval_every=5)
+    res = trainer.fit(10)
+    (writer,) = fake_tensorboardx.opened
+    assert writer.logdir == str(tmp_path / "tensorboard") and writer.closed  # closed (flushed) when fit ends
+    assert writer.scalars["train/loss"] == list(zip(range(1, 11), res.losses))
+    assert [s for s, _ in writer.scalars["train/lr"]] == list(range(1, 11))
+    assert {"train/grad_norm", "train/tokens_per_s", "train/step_seconds"} <= set(writer.scalars)
+    assert writer.scalars["val/loss"] == res.val_losses
+    assert not [tag for tag in writer.scalars if tag.endswith(("run", "time", "step"))]
+    _, _, trainer = _setup(steps=2, tensorboard=tmp_path / "tb")  # a folder of its own, no log_dir needed
+    trainer.fit(2)
+    assert fake_tensorboardx.opened[-1].logdir == str(tmp_path / "tb")
+
+
+def test_tensorboard_missing_or_misplaced_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # neither writer imports
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.Trainer\] TensorBoard logging needs a SummaryWriter: "
+                                           r"pip install tensorboardX"):
+        _setup(log_dir=tmp_path, tensorboard=True)
+    with pytest.raises(tg.TileError, match=r"tensorboard=True writes under log_dir"):
+        _setup(tensorboard=True)
+    with pytest.raises(tg.TileError, match=r"tensorboard must be True, False or a folder; received: 1"):
+        _setup(tensorboard=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_config_tensorboard_key(monkeypatch):
+    from tilegraph import cli
+
+    cfg, source = cli.load_config(None)
+    assert cfg["output"]["tensorboard"] is False
+    cli.check_config(cfg, source)
+    cfg["output"]["tensorboard"] = True
+    monkeypatch.setattr(cli, "has_tensorboard", lambda: False)
+    with pytest.raises(tg.TileError, match=r"output.tensorboard must be false, or true with TensorBoard installed "
+                                           r"\(pip install tensorboardX.*\), not True"):
+        cli.check_config(cfg, source)
+    monkeypatch.setattr(cli, "has_tensorboard", lambda: True)
+    cli.check_config(cfg, source)
+    cfg["output"]["tensorboard"] = "yes"
+    with pytest.raises(tg.TileError, match=r"output.tensorboard must be .*, not 'yes'"):
+        cli.check_config(cfg, source)
+
+
+def test_progress_to_a_file_prints_plain_lines_with_the_recent_rate(monkeypatch):
+    import io
+
+    from tilegraph import trainer as trainer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: clock[0])
+    out = io.StringIO()
+    lines = trainer_module._ProgressLines(100, every=10.0, file=out)
+    for _ in range(20):  # 20 steps at 1 step/s: a line at 10 s and at 20 s
+        clock[0] += 1.0
+        lines.set_postfix(loss="2.5000", refresh=False)
+        lines.update(1)
+    for _ in range(40):  # 40 steps at 4 steps/s: a line at 30 s with that rate, not the one before
+        clock[0] += 0.25
+        lines.update(1)
+    clock[0] += 5.0  # the end, 5 s after the last line: the mean rate, no ETA
+    lines.close()
+    assert out.getvalue().splitlines() == [
+        "train: step 10/100, 10.0 s, 1 steps/s, ETA 90.0 s, loss=2.5000",
+        "train: step 20/100, 20.0 s, 1 steps/s, ETA 80.0 s, loss=2.5000",
+        "train: step 60/100, 30.0 s, 4 steps/s, ETA 10.0 s, loss=2.5000",
+        "train: step 60/100, 35.0 s, 1.71 steps/s on average, loss=2.5000"]
+
+
+def test_fit_progress_into_a_log_has_no_bar_redraws(capsys):
+    _, _, trainer = _setup(steps=5)
+    trainer.progress = True
+    trainer.fit(5)
+    err = capsys.readouterr().err  # pytest's capture is not a terminal
+    assert "\r" not in err and err.startswith("train: step 5/5, ") and "steps/s on average, loss=" in err
+
+
+def test_plot_of_a_language_model_draws_the_uniform_guess(tmp_path, monkeypatch):
+    import dataclasses
+
+    import matplotlib.image
+
+    from tilegraph import plotting
+    from tilegraph.io import ByteTokenizer, TokenDataset, build_token_file
+
+    drawn = []
+
+    def spy(records, **kw):
+        drawn.append(kw)
+        return plot_training(records, **kw)
+
+    plot_training = plotting.plot_training
+    monkeypatch.setattr(plotting, "plot_training", spy)
+    tok = ByteTokenizer(eos=True)
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    build_token_file([tmp_path / "a.txt"], tmp_path / "t.bin", tok)
+    data = TokenDataset(tmp_path / "t.bin", 16, split="train", seed=0)
+    config = dataclasses.replace(tg.models.config("gpt2-debug"), vocab_size=tok.vocab_size, max_seq_len=16, dim=32)
+    model = tg.models.build(config, seed=0)
+    trainer = tg.Trainer(model, tg.optim.AdamW(model.parameters(), lr=1e-3), data, batch_size=2, progress=False,
+                         log_dir=tmp_path / "run")
+    trainer.fit(3)
+    assert drawn == [{"vocab_size": 257, "path": tmp_path / "run" / "loss.png", "run": trainer.run_id}]
+    assert matplotlib.image.imread(tmp_path / "run" / "loss.png").shape[:2] == (500, 700)

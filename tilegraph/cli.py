@@ -13,10 +13,12 @@ import contextlib
 import json
 import os
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
+
+from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
+from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
 
 # ---------------------------------------------------------------------------------- config ----
@@ -93,6 +95,8 @@ CONFIG_CHECKS = {
     "train.weight_decay": _number(0), "train.clip_grad_norm": _number(0), "train.eval_every": _int(0),
     "train.eval_batches": _int(1), "train.seed": _int(0),
     "output.dir": _text(), "output.checkpoint_every": _int(0),
+    "output.tensorboard": (lambda v: v is False or (v is True and has_tensorboard()),
+                           f"false, or true with TensorBoard installed ({TENSORBOARD_INSTALL})"),
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
     "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
@@ -138,29 +142,6 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
             # as in a config file: another flavor keeps only the keys that fit the job
             cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
         cfg[section][key] = value
-
-
-def stdlib_files(patterns, max_bytes: int) -> list[Path]:
-    """The standard library's own source files (sorted, tests and site-packages left out), UTF-8
-    only, up to ``max_bytes`` in all: a corpus every Python installation has."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files, total = [], 0
-    for pattern in patterns:
-        for path in sorted(root.rglob(pattern)):
-            if {"site-packages", "test", "tests", "idle_test"} & set(path.parts):
-                continue
-            try:
-                data = path.read_bytes()
-                data.decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if b"\x00" in data:
-                continue
-            files.append(path)
-            total += len(data)
-            if total >= max_bytes:
-                return files
-    return files
 
 
 def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = None):
@@ -334,7 +315,8 @@ def _train(args, held: list) -> int:
                              steps_per_graph=t["steps_per_graph"],
                              eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
                              log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
-                             checkpoint_files=tokenizer_files(tokenizer), progress=not args.no_progress)
+                             checkpoint_files=tokenizer_files(tokenizer), progress=not args.no_progress,
+                             tensorboard=o.get("tensorboard", False))
         if args.resume:
             print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
 

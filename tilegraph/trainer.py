@@ -132,8 +132,12 @@ class Trainer:
       overlap Dask's round trip (on steps with an evaluation or a checkpoint the loop waits).
       Hooks then run while the next step is already under way: its update may already be in
       the parameters; ``pipeline=False`` runs strictly one graph at a time.
-    - ``progress``: a tqdm bar; when output is neither a terminal nor Jupyter it refreshes every
-      10 s at most.
+    - ``progress``: a tqdm bar on a terminal and in Jupyter (``tqdm.auto``: a widget where
+      ipywidgets is installed); when stderr is a file or a pipe, a plain line every
+      ``PROGRESS_LOG_SECONDS`` instead, whose rate is that of the steps since the line before.
+    - ``tensorboard``: also write every metric to TensorBoard (tensorboardX, or torch with
+      tensorboard): ``True`` under ``log_dir/tensorboard``, or a folder. Checked here: without
+      the package, the Trainer is refused with what to install.
     - ``performance_report``: a path: the Dask performance report (HTML: task stream, worker
       profiles, bandwidth) of the graph holding step ``report_step`` (default: the second step
       of the fit, after the first one recorded and planned). :attr:`FitResult.kernel_seconds`
@@ -165,7 +169,7 @@ class Trainer:
                  log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int | None = None,
                  async_checkpoint: bool = True, checkpoint_files: Mapping[str, bytes] | None = None,
-                 progress: bool = True,
+                 progress: bool = True, tensorboard: bool | str | os.PathLike = False,
                  on_step: Sequence[Callable] = (), on_checkpoint: Sequence[Callable] = (),
                  batch_tiles: Sequence | None = None, pipeline: bool = True, steps_per_graph: int | str = "auto",
                  performance_report: str | os.PathLike | None = None, report_step: int | None = None,
@@ -214,6 +218,8 @@ class Trainer:
                                                  async_save=async_checkpoint and not self.max_restarts)
         self._hooked = 0  # committed checkpoints whose on_checkpoint hooks have run
         self.progress = progress
+        self.tensorboard_dir, self._summary_writer = _tensorboard(tensorboard, self.log_dir)
+        self._tb = None  # the SummaryWriter while fit() runs
         self.pipeline = pipeline
         self.steps_per_graph = steps_per_graph
         self.on_step, self.on_checkpoint = list(on_step), list(on_checkpoint)
@@ -296,19 +302,16 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def fit(self, steps: int) -> FitResult:
         """Run ``steps`` optimizer steps (continuing from the optimizer's step count)."""
-        from tqdm import tqdm
-
         if not isinstance(steps, int) or steps < 1:
             raise TileError("tilegraph.Trainer.fit", "steps must be a positive int", repr(steps))
         start = self.optimizer.step_count
         result = FitResult(0, [])
-        # a live bar on terminals and in Jupyter; elsewhere (logs) a refresh every 10 s at most
-        tty = sys.stderr.isatty() or "ipykernel" in sys.modules
-        bar = tqdm(total=steps, desc="train", unit="step", disable=not self.progress, dynamic_ncols=True,
-                   mininterval=0.1 if tty else 10.0, miniters=1 if tty else None)
+        bar = _progress(steps, self.progress)
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / "metrics.jsonl", "a") if self.log_dir is not None else None
+        if self._summary_writer is not None:  # flushed every 10 s, so TensorBoard follows the run
+            self._tb = self._summary_writer(str(self.tensorboard_dir), flush_secs=10)
         self._kernel_stats(reset=True)
         report = contextlib.ExitStack()
         report_step = self.report_step if self.report_step is not None else start + min(2, steps)
@@ -436,6 +439,9 @@ class Trainer:
             bar.close()
             if log is not None:
                 log.close()
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
         result.steps = len(result.losses)
         result.seconds = time.perf_counter() - t0
         result.tokens_per_s = tokens / result.seconds
@@ -565,36 +571,23 @@ class Trainer:
         if log is not None:
             log.write(json.dumps(record) + "\n")
             log.flush()
+        if self._tb is not None:
+            _tensorboard_write(self._tb, record)
 
     def plot(self, path: str | os.PathLike | None = None) -> Path | None:
-        """Draw the training (and validation) loss curve to ``path`` (default ``log_dir/loss.png``)."""
+        """Draw this run's curves to ``path`` (default ``log_dir/loss.png``) with
+        :func:`tilegraph.plotting.plot_training`: training loss (raw and smoothed), validation
+        loss, learning rate and, for a language model, the uniform guess ``ln(vocab_size)``."""
+        from tilegraph.plotting import plot_training
+
         if path is None:
             if self.log_dir is None:
                 return None
             path = self.log_dir / "loss.png"
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)  # files only: no display needed
-        from matplotlib.figure import Figure
-
-        # by step, the last record wins (steps run again after a restart)
-        train = sorted({r["step"]: r["loss"] for r in self.history if "loss" in r}.items())
-        val = sorted({r["step"]: r["val_loss"] for r in self.history if "val_loss" in r}.items())
-        fig = Figure(figsize=(6, 4), dpi=100)
-        ax = fig.add_subplot()
-        if train:
-            ax.plot(*zip(*train), label="train", lw=1)
-        if val:
-            ax.plot(*zip(*val), "o-", label="validation")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp)
-        os.replace(tmp, path)
-        return path
+        # the uniform guess over the model's outputs: the loss a language model starts near
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) if self.token_data else None
+        plot_training(self.history, vocab_size=vocab if isinstance(vocab, int) else None, path=path, run=self.run_id)
+        return Path(path)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _param_names(self) -> dict[int, str]:
@@ -717,3 +710,110 @@ def _default_row_tile(runtime, rows: int, row_elements: int) -> int:
     threads = runtime.processors()["cpu"] if runtime is not None else (os.cpu_count() or 1)
     tile = max(1, math.ceil(rows / max(1, threads)))
     return tile if tile * row_elements >= MIN_ROW_TILE_ELEMENTS else rows
+
+
+# -- progress and TensorBoard --------------------------------------------------------------------
+#: with stderr a file or a pipe, a progress line at most this often (seconds)
+PROGRESS_LOG_SECONDS = 10.0
+
+
+def _progress(total: int, enabled: bool):
+    """The progress display of a fit: a tqdm bar on a terminal and in Jupyter, plain lines when
+    stderr is a file or a pipe. (A bar redrawn seldom into a file showed, at each later write such
+    as an evaluation's line or the end, the rate of its last redraw up to 10 s before.)"""
+    if enabled and not sys.stderr.isatty() and "ipykernel" not in sys.modules:
+        return _ProgressLines(total)
+    import warnings
+
+    from tqdm import TqdmWarning
+
+    with warnings.catch_warnings():  # Jupyter without ipywidgets: tqdm.auto's text bar, without its warning
+        warnings.simplefilter("ignore", TqdmWarning)
+        from tqdm.auto import tqdm
+    return tqdm(total=total, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+class _ProgressLines:
+    """What fit() uses of a tqdm bar (``update``, ``set_postfix``, ``write``, ``n``, ``refresh``,
+    ``close``) as plain lines on stderr: one every ``every`` seconds, with the rate of the steps
+    since the line before, and one at the end with the fit's mean rate::
+
+        train: step 120/300, 5.1 s, 23.7 steps/s, ETA 7.6 s, loss=2.5876, tok_s=12,410
+    """
+
+    def __init__(self, total: int, desc: str = "train", every: float = PROGRESS_LOG_SECONDS, file=None):
+        self.total, self.desc, self.every, self.file = total, desc, every, file
+        self.n = 0
+        self._postfix = ""
+        self._t0 = self._since_t = time.perf_counter()
+        self._since_n = 0
+        self._closed = False
+
+    def set_postfix(self, refresh: bool = True, **values) -> None:
+        self._postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if time.perf_counter() - self._since_t >= self.every:
+            self._line(final=False)
+
+    def refresh(self) -> None:
+        """After ``n`` was set back (a restart): the next rate counts from here."""
+        self._since_t, self._since_n = time.perf_counter(), self.n
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)  # as tqdm.write: to stdout
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._line(final=True)
+
+    def _line(self, final: bool) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._t0
+        if final:
+            rate, what = (self.n / elapsed if elapsed > 0 else 0.0), " on average"
+        else:
+            dt = now - self._since_t
+            rate, what = ((self.n - self._since_n) / dt if dt > 0 else 0.0), ""
+        parts = [f"{self.desc}: step {self.n}/{self.total}", f"{elapsed:.1f} s", f"{rate:.3g} steps/s{what}"]
+        if not final and rate > 0 and self.n < self.total:
+            parts.append(f"ETA {(self.total - self.n) / rate:.1f} s")
+        if self._postfix:
+            parts.append(self._postfix)
+        print(", ".join(parts), file=self.file or sys.stderr, flush=True)
+        self._since_t, self._since_n = now, self.n
+
+
+def _tensorboard(setting, log_dir: Path | None) -> tuple[Path | None, type | None]:
+    """``Trainer(tensorboard=...)``: the folder to write and the SummaryWriter class (both None when
+    off). The class is imported here, so a missing package stops the Trainer before any step."""
+    where = "tilegraph.Trainer"
+    if setting is False or setting is None:
+        return None, None
+    if setting is True:
+        if log_dir is None:
+            raise TileError(where, "tensorboard=True writes under log_dir: give a log_dir, or a folder as tensorboard=",
+                            "tensorboard=True, log_dir=None")
+        folder = log_dir / "tensorboard"
+    elif isinstance(setting, (str, os.PathLike)):
+        folder = Path(setting)
+    else:
+        raise TileError(where, "tensorboard must be True, False or a folder", repr(setting))
+    from tilegraph.plotting import summary_writer_class
+
+    return folder, summary_writer_class(where)
+
+
+def _tensorboard_write(writer, record: dict) -> None:
+    """A metrics record's numbers as TensorBoard scalars at its step: ``val_*`` keys under
+    ``val/``, the others under ``train/`` (``val_loss`` -> ``val/loss``, ``lr`` -> ``train/lr``)."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return
+    for key, value in record.items():
+        if key in ("step", "time") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        tag = f"val/{key[len('val_'):]}" if key.startswith("val_") else f"train/{key}"
+        writer.add_scalar(tag, value, step, walltime=record.get("time"))

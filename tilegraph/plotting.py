@@ -1,0 +1,172 @@
+"""Plots and logs of training runs: one function draws the training plot for
+:meth:`tilegraph.Trainer.plot` (``loss.png``) and for notebooks; TensorBoard's writer, when installed.
+
+>>> records = [{"run": "a", "step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 41)]
+>>> records.append({"run": "a", "step": 40, "val_loss": 0.2})
+>>> fig = plot_training(records, vocab_size=257)
+>>> [ax.get_ylabel() for ax in fig.axes]
+['loss (nats)', 'learning rate']
+
+It takes the records of ``Trainer.history`` or of a ``metrics.jsonl`` file (its path will do):
+one record per step (``loss``, ``lr``) and one per evaluation (``val_loss``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from tilegraph._errors import TileError
+
+__all__ = ["plot_training", "read_metrics", "smooth", "has_tensorboard", "summary_writer_class"]
+
+#: what to install for TensorBoard logging (the writer of torch.utils.tensorboard needs both torch
+#: and tensorboard; tensorboardX needs neither)
+TENSORBOARD_INSTALL = "pip install tensorboardX (or, with torch, pip install tensorboard)"
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file, in order (a line cut short by a kill is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def smooth(values, window: int) -> np.ndarray:
+    """Centered moving average of ``values`` over ``window`` points (an odd count: ``window`` or
+    one more). Near the ends the window shrinks symmetrically, down to the end point alone, so a
+    steep start is not pulled up the way a trailing average (an EMA) pulls it.
+
+    >>> smooth([0.0, 1.0, 2.0, 3.0, 10.0], 3).tolist()
+    [0.0, 1.0, 2.0, 5.0, 10.0]
+    """
+    x = np.asarray(values, dtype=np.float64)
+    n = len(x)
+    i = np.arange(n)
+    half = np.minimum(np.minimum(i, n - 1 - i), max(0, int(window) // 2))  # points each side
+    sums = np.concatenate([[0.0], np.cumsum(x)])
+    return (sums[i + half + 1] - sums[i - half]) / (2 * half + 1)
+
+
+def _curves(records: list[dict], run: str | None) -> tuple[list, list, list]:
+    """(step, loss), (step, val_loss) and (step, lr) of one run, sorted by step; where a step was
+    logged twice (the steps after a restart run again) its last record wins."""
+    if run is None:  # a metrics.jsonl of several runs: the last one
+        runs = [r["run"] for r in records if "run" in r]
+        run = runs[-1] if runs else None
+    if run is not None:
+        records = [r for r in records if r.get("run") == run]
+
+    def curve(key):
+        by_step = {r["step"]: r[key] for r in records
+                   if "step" in r and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
+        return sorted(by_step.items())
+
+    return curve("loss"), curve("val_loss"), curve("lr")
+
+
+def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: int | None = None,
+                  path: str | os.PathLike | None = None, run: str | None = None, window: int | None = None,
+                  title: str | None = None):
+    """Draw a training run: the raw training loss (faint) under its centered moving average, the
+    validation loss, the uniform-guess line ``ln(vocab_size)`` and, below, the learning rate.
+
+    - ``records``: ``Trainer.history``, records read from ``metrics.jsonl``, or that file's path.
+    - ``vocab_size``: draws the loss of a uniform guess over that many tokens (None: no line).
+    - ``run``: the run id to draw (records carry it as ``"run"``); None: the last run in
+      ``records``.
+    - ``window``: points the centered moving average spans (None: a 25th of the steps, at most
+      201; 1: none).
+    - ``path``: also write a PNG there (written under a temporary name, then renamed, so a
+      reader never sees half a file).
+
+    Returns the :class:`matplotlib.figure.Figure`: a notebook shows it with
+    ``display(fig)``. It is drawn without pyplot, so it needs no display and leaves pyplot's
+    current figure and backend alone.
+    """
+    from matplotlib.figure import Figure
+
+    if isinstance(records, (str, os.PathLike)):
+        records = read_metrics(records)
+    train, val, lr = _curves(list(records), run)
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise TileError("tilegraph.plotting.plot_training", "vocab_size must be a positive int or None",
+                        repr(vocab_size))
+
+    fig = Figure(figsize=(7, 5), dpi=100, layout="constrained")
+    # the loss on top; the learning rate in a short panel under it, on the same steps
+    if lr:
+        ax, ax_lr = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    else:
+        ax, ax_lr = fig.subplots(), None
+    if train:
+        steps, losses = map(np.asarray, zip(*train))
+        w = int(window) if window is not None else min(201, max(1, len(steps) // 25))
+        if w > 1:
+            ax.plot(steps, losses, color="C0", lw=0.8, alpha=0.25, label="train")
+            span = 2 * (w // 2) + 1  # smooth() averages w // 2 points each side
+            ax.plot(steps, smooth(losses, w), color="C0", lw=1.6, label=f"train (centered mean of {span} steps)")
+        else:
+            ax.plot(steps, losses, color="C0", lw=1.2, label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", color="C1", ms=4, label="validation")
+    if vocab_size is not None:
+        guess = math.log(vocab_size)
+        if ax.has_data():  # axhline does not widen the autoscaled limits: keep the line in view
+            lo, hi = ax.get_ylim()
+            ax.set_ylim(min(lo, guess - 0.05 * (hi - lo)), max(hi, guess + 0.05 * (hi - lo)))
+        ax.axhline(guess, color="gray", ls="--", lw=1, label=f"uniform guess (ln {vocab_size} = {guess:.2f})")
+    ax.set_ylabel("loss (nats)")
+    ax.grid(alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    if ax_lr is not None:
+        ax_lr.plot(*zip(*lr), color="C2", lw=1.2)
+        ax_lr.set_ylabel("learning rate")
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        ax_lr.grid(alpha=0.3)
+    (ax_lr or ax).set_xlabel("step")
+
+    if path is not None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+        try:
+            fig.savefig(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return fig
+
+
+# ----------------------------------------------------------------------------- TensorBoard ----
+def has_tensorboard() -> bool:
+    """Whether :func:`summary_writer_class` will find a writer (without importing torch)."""
+    from importlib.util import find_spec
+
+    return find_spec("tensorboardX") is not None or (find_spec("torch") is not None
+                                                      and find_spec("tensorboard") is not None)
+
+
+def summary_writer_class(where: str = "tilegraph.plotting.summary_writer_class"):
+    """TensorBoard's ``SummaryWriter``: tensorboardX's (light, no torch) or else torch's. Raises a
+    :class:`~tilegraph.TileError` naming what to install when neither imports."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # no torch, or torch without the tensorboard package
+            raise TileError(where, f"TensorBoard logging needs a SummaryWriter: {TENSORBOARD_INSTALL}",
+                            f"neither tensorboardX nor torch.utils.tensorboard imports ({e})") from None
+    return SummaryWriter
