@@ -36,7 +36,6 @@ import datetime
 import errno
 import itertools
 import json
-import math
 import os
 import shutil
 import uuid
@@ -48,6 +47,10 @@ import numpy as np
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
+from ._store import (CheckpointError, array_meta, chunk_path, chunks_of, group_meta, job_bytes,
+                     read_region, read_regions, shards_of, slices, tile_label, write_meta, write_shard_task,
+                     write_tiles, write_values)
+
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "FORMAT", "FORMAT_VERSION",
            "CheckpointError"]
@@ -58,29 +61,6 @@ FORMAT_VERSION = 1
 ATTR = "tilegraph"
 #: characters a checkpoint array name may hold (parameter names are dotted paths)
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-class CheckpointError(TileError):
-    """A checkpoint that cannot be written or read: names the path or array and what was wrong."""
-
-
-# ------------------------------------------------------------------------------------ helpers ----
-def _chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """A regular Zarr chunk shape whose chunks never straddle a tile: the first tile size when
-    every tile but the last is that size (the usual tiling), else the gcd of the tile sizes. A
-    tile then covers whole chunks only, so no two writers ever touch the same chunk."""
-    out = []
-    for dim in tiling_chunks:
-        dim = [int(c) for c in dim]
-        if len(dim) == 1 or (all(c == dim[0] for c in dim[:-1]) and dim[-1] <= dim[0]):
-            out.append(max(1, dim[0]))
-        else:
-            out.append(max(1, math.gcd(*dim)))
-    return tuple(out)
-
-
-def _slices(chunks: Sequence[Sequence[int]], idx: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    return tuple((sum(c[:i]), sum(c[:i]) + c[i]) for c, i in zip(chunks, idx))
 
 
 def _check_name(name: str, where: str) -> None:
@@ -103,389 +83,6 @@ def _os_error(where: str, e: OSError, path) -> CheckpointError:
     return CheckpointError(where, f"could not write the checkpoint ({why}); earlier checkpoints are untouched",
                            str(path))
 
-
-def _host(v) -> np.ndarray:
-    return v.get() if type(v).__module__.startswith("cupy") else np.asarray(v)
-
-
-# ------------------------------------------------------------------------------ chunk files ----
-# Arrays are written and read here directly, file by file, in the format Zarr v3 specifies for
-# them (zarr.json metadata; a regular chunk grid; chunk ``c/i/j`` = the chunk's bytes, C order,
-# little-endian, edge chunks padded to the full chunk shape, then the CRC32C of those bytes):
-# zarr-python reads them as any other array (a test checks it), and going through its generic
-# machinery per tile costs ~5 ms per call, which alone held saves to a tenth of numpy.save.
-_TEMPLATES: dict[str, dict] = {}
-
-
-def _array_meta(shape, dtype, chunks, attributes: dict | None = None, shards=None) -> dict:
-    """The zarr.json document of an array (from one zarr-python makes, so the format is its);
-    with ``shards``, chunks of ``chunks`` inside shard files of shape ``shards``."""
-    dt = np.dtype(dtype)
-    key = (dt.str, shards is not None)
-    template = _TEMPLATES.get(key)
-    if template is None:
-        import zarr
-        from zarr.codecs import Crc32cCodec
-        from zarr.core.buffer import default_buffer_prototype
-
-        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(2,), chunks=(1,), dtype=dt,
-                                shards=(2,) if shards is not None else None, compressors=[Crc32cCodec()],
-                                fill_value=0)
-        doc = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
-        template = _TEMPLATES[key] = json.loads(doc)
-    meta = json.loads(json.dumps(template))
-    meta["shape"] = [int(n) for n in shape]
-    if shards is not None:
-        meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in shards]
-        meta["codecs"][0]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
-    else:
-        meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
-    meta["attributes"] = attributes or {}
-    return meta
-
-
-#: tiles smaller than this go into shard files of several tiles (one file per tile would cost
-#: more in file system calls than in bytes); a shard holds up to SHARD_BYTES
-SHARD_TILE_BYTES = 1 << 20
-SHARD_BYTES = 32 << 20
-_EMPTY = np.uint64(2 ** 64 - 1)
-
-
-def _shards_of(shape, dtype, tiling_chunks) -> tuple[int, ...] | None:
-    """The shard shape of an array of small tiles (whole tiles per shard; the tiling must be
-    regular: every tile but the last of a dimension of one size), or None."""
-    chunk = _chunks_of(tiling_chunks)
-    grid = [len(c) for c in tiling_chunks]
-    regular = all(c[0] == k for c, k in zip(tiling_chunks, chunk))
-    nbytes = int(np.prod(chunk)) * np.dtype(dtype).itemsize if chunk else 0
-    if not regular or int(np.prod(grid)) < 2 or not 0 < nbytes < SHARD_TILE_BYTES:
-        return None
-    m, size = [1] * len(grid), nbytes
-    for d in reversed(range(len(grid))):  # whole trailing dims first: shards of contiguous rows
-        m[d] = max(1, min(grid[d], SHARD_BYTES // size))
-        size *= m[d]
-    return tuple(c * k for c, k in zip(chunk, m))
-
-
-def _encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
-    """A chunk's bytes (an edge chunk padded to the full shape) and its CRC32C."""
-    import google_crc32c
-
-    if part.shape != tuple(chunk_shape):
-        full = np.zeros(chunk_shape, part.dtype)
-        full[tuple(slice(0, n) for n in part.shape)] = part
-        part = full
-    data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
-    return data, np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
-
-
-def _write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shape, chunk_shape,
-                 shard_shape, shard_idx) -> int:
-    """One shard file: the tiles (each one inner chunk) it covers, then the index of (offset,
-    length) per inner chunk, C order, with its CRC32C. Written by one task, all at once."""
-    import google_crc32c
-
-    per = [s // c for s, c in zip(shard_shape, chunk_shape)]
-    at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
-    index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
-    path = _chunk_path(root, name, shard_idx)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    offset = 0
-    with open(path, "wb") as f:
-        for k, rel in enumerate(np.ndindex(*per)):
-            idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
-            if any(i * c >= n for i, c, n in zip(idx, chunk_shape, shape)):
-                continue  # past the array's end: no chunk
-            tile = at.get(idx)
-            if tile is None:
-                raise CheckpointError(f"tilegraph.io.save_checkpoint({root})", f"array {name!r}: every tile of "
-                                      "a shard to write it", f"shard {shard_idx} lacks chunk {idx}")
-            data, crc = _encode_chunk(np.asarray(tile), chunk_shape)
-            f.write(data)
-            f.write(crc)
-            index[k] = (offset, data.nbytes + 4)
-            offset += data.nbytes + 4
-        raw = index.astype("<u8").tobytes()
-        f.write(raw)
-        f.write(np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes())
-    return offset
-
-
-def _write_shard_task(values: Sequence, indices: Sequence, spec: tuple) -> dict:
-    """A save task of one shard: its tiles (task results, with their tuple positions) in."""
-    tiles = [_host(v if i is None else v[i]) for v, i in zip(values, indices)]
-    root, name, *rest = spec
-    written = _write_shard(root, name, tiles, *rest)
-    return {"worker": _worker_address(), "bytes": written}
-
-
-def _read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtype, cache: dict) -> np.ndarray:
-    """One inner chunk of a sharded array, its shard's index and its own checksum verified."""
-    import google_crc32c
-
-    per = [s // c for s, c in zip(shard_shape, chunk_shape)]
-    shard = tuple(i // p for i, p in zip(idx, per))
-    key = "/".join(["c", *map(str, shard)])
-    where = f"tilegraph.io.load_checkpoint({root})"
-    path = _chunk_path(root, name, shard)
-    index = cache.get(shard)
-    n = int(np.prod(per))
-    if index is None:
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 16 * n - 4))
-                raw = f.read()
-        except FileNotFoundError:
-            raise CheckpointError(where, f"array {name!r}: a shard is missing", f"{key} (no file {path})") from None
-        if len(raw) != 16 * n + 4 or np.frombuffer(raw, "<u4", 1, 16 * n)[0] != google_crc32c.value(raw[:16 * n]):
-            raise CheckpointError(where, f"array {name!r}: a shard's index failed its checksum (corrupted or "
-                                  "truncated)", f"{key}: {size} bytes")
-        index = cache[shard] = np.frombuffer(raw, "<u8", 2 * n).reshape(n, 2)
-    k = int(np.ravel_multi_index(tuple(i % p for i, p in zip(idx, per)), per))
-    offset, length = (int(x) for x in index[k])
-    want = int(np.prod(chunk_shape)) * dtype.itemsize
-    if index[k][0] == _EMPTY or length != want + 4:
-        raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard", f"{key}, chunk {idx}")
-    with open(path, "rb") as f:
-        f.seek(offset)
-        raw = f.read(length)
-    if len(raw) != length or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
-        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}, chunk {idx}")
-    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
-
-
-def _group_meta(attributes: dict | None = None) -> dict:
-    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
-
-
-def _write_meta(root: str, path: str, meta: dict) -> None:
-    folder = os.path.join(root, path) if path else root
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "zarr.json"), "w") as f:
-        json.dump(meta, f)
-
-
-def _chunk_path(root: str, name: str, idx: Sequence[int]) -> str:
-    return os.path.join(root, name, "c", *[str(int(i)) for i in idx])
-
-
-def _write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape) -> int:
-    """Write ``tile``, the slices ``region`` of array ``name`` (whole chunks: the chunk grid is
-    chosen so that no tile straddles a chunk), one chunk file each; returns the bytes written."""
-    import google_crc32c
-
-    tile = np.ascontiguousarray(tile)
-    if tile.dtype.byteorder == ">":
-        tile = tile.astype(tile.dtype.newbyteorder("<"))
-    written = 0
-    first = [lo // c for (lo, _), c in zip(region, chunk_shape)]
-    counts = [-(-(hi - lo) // c) for (lo, hi), c in zip(region, chunk_shape)]
-    made: set[str] = set()
-    for rel in np.ndindex(*counts):
-        src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
-        part = tile[src]
-        if part.shape != tuple(chunk_shape):  # an edge chunk: padded with the fill value
-            full = np.zeros(chunk_shape, tile.dtype)
-            full[tuple(slice(0, n) for n in part.shape)] = part
-            part = full
-        data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
-        crc = np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
-        path = _chunk_path(root, name, [f + r for f, r in zip(first, rel)])
-        parent = os.path.dirname(path)
-        if parent not in made:
-            os.makedirs(parent, exist_ok=True)
-            made.add(parent)
-        with open(path, "wb") as f:
-            f.write(data)
-            f.write(crc)
-        written += data.nbytes
-    return written
-
-
-def _read_chunk(root: str, name: str, idx, chunk_shape, dtype) -> np.ndarray:
-    """One chunk, its checksum verified."""
-    import google_crc32c
-
-    path = _chunk_path(root, name, idx)
-    key = "/".join(["c", *map(str, idx)])
-    where = f"tilegraph.io.load_checkpoint({root})"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
-    want = int(np.prod(chunk_shape)) * dtype.itemsize
-    if len(raw) != want + 4 or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
-        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}: {len(raw)} bytes, expected {want + 4}")
-    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
-
-
-def _read_whole_chunk(root: str, name: str, idx, out: np.ndarray) -> None:
-    """Read the chunk ``idx`` straight into ``out`` (its exact shape), checksum verified."""
-    import google_crc32c
-
-    path = _chunk_path(root, name, idx)
-    key = "/".join(["c", *map(str, idx)])
-    where = f"tilegraph.io.load_checkpoint({root})"
-    flat = out.reshape(-1).view(np.uint8)
-    try:
-        with open(path, "rb") as f:
-            got = f.readinto(flat)
-            tail = f.read(5)
-    except FileNotFoundError:
-        raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
-    if got != flat.nbytes or len(tail) != 4 or np.frombuffer(tail, "<u4")[0] != google_crc32c.value(flat):
-        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}: {got + len(tail)} bytes, expected {flat.nbytes + 4}")
-
-
-def _read_array_region(root: str, name: str, region, info: dict) -> np.ndarray:
-    chunk_shape = info.get("chunks") or _chunks_of(info["tiles"])
-    dtype = np.dtype(info["dtype"])
-    out = np.empty(tuple(hi - lo for lo, hi in region), dtype)
-    shards = info.get("shards")
-    if not shards and dtype.byteorder != ">" and all(lo % c == 0 and hi - lo == c
-                                                      for (lo, hi), c in zip(region, chunk_shape)):
-        _read_whole_chunk(root, name, [lo // c for (lo, _), c in zip(region, chunk_shape)], out)  # no copy
-        return out
-    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, chunk_shape)]
-    cache: dict = {}  # shard index -> its chunk index
-    for idx in itertools.product(*ranges):
-        chunk = (_read_sharded_chunk(root, name, idx, chunk_shape, shards, dtype, cache) if shards
-                 else _read_chunk(root, name, idx, chunk_shape, dtype))
-        span = [(i * c, i * c + c) for i, c in zip(idx, chunk_shape)]
-        inter = [(max(lo, clo), min(hi, chi)) for (lo, hi), (clo, chi) in zip(region, span)]
-        out[tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))] = \
-            chunk[tuple(slice(lo - clo, hi - clo) for (lo, hi), (clo, _) in zip(inter, span))]
-    return out
-
-
-# --------------------------------------------------------------------------- worker-side writes ----
-def _write_tiles(value, jobs: Sequence[tuple]) -> dict:
-    """Write tiles of ``value`` (a task's result tuple, or one array) into the checkpoint.
-
-    Each job is ``(index or None, root, array path, ((lo, hi), ...), chunk shape, quantization
-    or None, tile label)``. Runs on the worker holding ``value``; returns the worker's address and
-    the bytes written."""
-    written = 0
-    for job in jobs:
-        written += _write_job(value, job)
-    return {"worker": _worker_address(), "bytes": written}
-
-
-def _write_values(values: Sequence, jobs: Sequence[Sequence[tuple]]) -> dict:
-    """:func:`_write_tiles` for several values (task results) at once."""
-    written = sum(_write_tiles(v, j)["bytes"] for v, j in zip(values, jobs))
-    return {"worker": _worker_address(), "bytes": written}
-
-
-def _job_bytes(jobs: Sequence[tuple]) -> int:
-    return sum(int(np.prod([hi - lo for lo, hi in job[3]])) for job in jobs)
-
-
-def _write_job(value, job: tuple) -> int:
-    index, root, name, region, chunk_shape, quant, label = job
-    tile = _host(value if index is None else value[index])
-    if quant is not None:
-        return _write_quantized(root, f"{name}/{label}", tile, quant)
-    return _write_chunks(root, name, tile, region, chunk_shape)
-
-
-def _write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
-    """Quantize one tile and store its parts as one byte array ``path`` (one file: the parts of
-    a tile are small), their layout in its attributes; returns the bytes stored."""
-    from tilegraph.io.quantize import quantize
-
-    q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
-    arrays, attrs = q.to_parts()
-    layout, blobs, offset = [], [], 0
-    for part, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        layout.append([part, a.dtype.str, list(a.shape), offset, a.nbytes])
-        blobs.append(a.view(np.uint8).reshape(-1))
-        offset += a.nbytes
-    data = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
-    shape = (max(1, data.size),)
-    _write_meta(root, path, _array_meta(data.shape, np.uint8, shape, {"quantized": attrs, "parts": layout}))
-    if data.size:
-        _write_chunks(root, path, data, [(0, data.size)], shape)
-    return data.nbytes
-
-
-def _quantized_parts(root: str, path: str):
-    """The parts and attributes of one quantized tile (its checksum verified)."""
-    where = f"tilegraph.io.load_checkpoint({root})"
-    try:
-        meta = json.loads(Path(root, path, "zarr.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(where, f"array {path!r}: a readable zarr.json", f"{type(e).__name__}: {e}") from None
-    attrs = meta.get("attributes") or {}
-    size = int(meta["shape"][0])
-    data = _read_chunk(root, path, (0,), (max(1, size),), np.dtype(np.uint8))[:size] if size else np.zeros(0, np.uint8)
-    parts = {}
-    for part, dtype, shape, offset, nbytes in attrs["parts"]:
-        parts[part] = data[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape)
-    return parts, dict(attrs["quantized"])
-
-
-def _worker_address() -> str | None:
-    import sys
-
-    if "distributed" not in sys.modules:  # not on a Dask worker
-        return None
-    try:
-        from distributed import get_worker
-
-        return get_worker().address
-    except ValueError:
-        return None
-
-
-# ---------------------------------------------------------------------------- worker-side reads ----
-def _read_region(root: str, name: str, region, info: dict) -> np.ndarray:
-    """The slices ``region`` of checkpoint array ``name`` (dequantized, when it is stored
-    quantized), as a C-ordered array of the stored dtype; every chunk's checksum is verified."""
-    if info.get("quantized") is None:
-        return _read_array_region(root, name, region, info)
-    try:
-        return _read_quantized(root, name, region, info)
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"tilegraph.io.load_checkpoint({root})", f"array {name!r}: could not decode a "
-                              "quantized tile", f"{type(e).__name__}: {e}") from None
-
-
-def _read_quantized(root: str, name: str, region, info: dict) -> np.ndarray:
-    from tilegraph.io.quantize import QuantizedArray
-
-    chunks = info["tiles"]
-    out = np.empty(tuple(hi - lo for lo, hi in region), dtype=np.dtype(info["dtype"]))
-    for idx in np.ndindex(*[len(c) for c in chunks]):
-        tile = _slices(chunks, idx)
-        inter = [(max(lo, tlo), min(hi, thi)) for (lo, hi), (tlo, thi) in zip(region, tile)]
-        if any(lo >= hi for lo, hi in inter):
-            continue
-        values = QuantizedArray.from_parts(*_quantized_parts(root, f"{name}/{_tile_label(idx)}")).dequantize()
-        src = tuple(slice(lo - tlo, hi - tlo) for (lo, hi), (tlo, _) in zip(inter, tile))
-        dst = tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))
-        out[dst] = values[src]
-    return out
-
-
-def _read_regions(root: str, jobs: Sequence[tuple]) -> tuple:
-    """Several regions at once (one task per group of tiles): ``jobs`` of ``(name, region, info)``."""
-    return tuple(_read_region(root, name, region, info) for name, region, info in jobs)
-
-
-def _tile_label(idx: Sequence[int]) -> str:
-    return "t" + ".".join(str(int(i)) for i in idx) if len(idx) else "t"
 
 
 # ----------------------------------------------------------------------------------- quantize ----
@@ -609,7 +206,7 @@ class PendingSave:
 
     def _write(self, tmp: Path) -> None:
         root = str(tmp)
-        _write_meta(root, "", _group_meta({ATTR: self.attrs}))
+        write_meta(root, "", group_meta({ATTR: self.attrs}))
         groups = {"model", "optimizer"}
         local: list[tuple[Any, list]] = []        # (array, jobs) written here
         remote: dict[Any, tuple[Any, list]] = {}  # future key -> (future, jobs)
@@ -617,13 +214,13 @@ class PendingSave:
         for apath, shape, dtype, chunks, tiles, quant in self.entries:
             parts = apath.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-            chunk_shape = _chunks_of(chunks)
+            chunk_shape = chunks_of(chunks)
             shards = self.attrs["arrays"][apath].get("shards")
             if quant is None and shards:
-                _write_meta(root, apath, _array_meta(shape, dtype, chunk_shape, shards=shards))
+                write_meta(root, apath, array_meta(shape, dtype, chunk_shape, shards=shards))
                 by_shard: dict[tuple, list] = {}
                 for idx, value in tiles:
-                    region = _slices(chunks, idx)
+                    region = slices(chunks, idx)
                     at = tuple(lo // sh for (lo, _), sh in zip(region, shards))
                     by_shard.setdefault(at, []).append((value, region))
                 for at, items in by_shard.items():
@@ -633,18 +230,18 @@ class PendingSave:
                     shard_jobs.append((values, indices, spec))
                 continue
             if quant is None:
-                _write_meta(root, apath, _array_meta(shape, dtype, chunk_shape))
+                write_meta(root, apath, array_meta(shape, dtype, chunk_shape))
             else:
-                _write_meta(root, apath, _group_meta({"quantized_tiles": [list(c) for c in chunks]}))
+                write_meta(root, apath, group_meta({"quantized_tiles": [list(c) for c in chunks]}))
             for idx, value in tiles:
-                job = (root, apath, _slices(chunks, idx), chunk_shape, quant, _tile_label(idx))
+                job = (root, apath, slices(chunks, idx), chunk_shape, quant, tile_label(idx))
                 if isinstance(value, ValueRef):
                     _, jobs = remote.setdefault(value.future.key, (value.future, []))
                     jobs.append((value.index, *job))
                 else:
                     local.append((value, [(None, *job)]))
         for group in sorted(groups):
-            _write_meta(root, group, _group_meta())
+            write_meta(root, group, group_meta())
         futures = []
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
@@ -658,25 +255,25 @@ class PendingSave:
                 n = max(1, min(len(items), threads.get(addr, 1)))
                 batches: list[list] = [[] for _ in range(n)]
                 load = [0] * n
-                for fut, jobs in sorted(items, key=lambda it: -_job_bytes(it[1])):
+                for fut, jobs in sorted(items, key=lambda it: -job_bytes(it[1])):
                     k = load.index(min(load))
                     batches[k].append((fut, jobs))
-                    load[k] += _job_bytes(jobs)
+                    load[k] += job_bytes(jobs)
                 for batch in batches:
-                    futures.append(client.submit(_write_values, [f for f, _ in batch], [j for _, j in batch],
+                    futures.append(client.submit(write_values, [f for f, _ in batch], [j for _, j in batch],
                                                  key=f"tg-save-{uuid.uuid4().hex[:12]}",
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
             futures += self._write_shards(shard_jobs)
         for value, jobs in local:
-            _write_tiles(value, jobs)
+            write_tiles(value, jobs)
         if futures:
             done = self.runtime.client.gather(futures)  # re-raises a worker's error (disk full, ...)
             self.workers = {d["worker"] for d in done if d["worker"]}
         for name, data in self.files.items():
             (tmp / name).write_bytes(bytes(data))
         _verify(tmp, self.attrs, self.where, bool(futures))
-        _write_meta(root, "", _group_meta({ATTR: dict(self.attrs, complete=True)}))
+        write_meta(root, "", group_meta({ATTR: dict(self.attrs, complete=True)}))
         _fsync(tmp / "zarr.json")
 
     def _write_shards(self, shard_jobs: list) -> list:
@@ -685,8 +282,7 @@ class PendingSave:
         remote = [job for job in shard_jobs if any(not hasattr(v, "shape") for v in job[0])]
         for values, indices, spec in shard_jobs:
             if all(hasattr(v, "shape") for v in values):
-                root, name, *rest = spec
-                _write_shard(root, name, [_host(v) for v in values], *rest)
+                write_shard_task(values, indices, spec)
         if not remote:
             return []
         client = self.runtime.client
@@ -702,7 +298,7 @@ class PendingSave:
             best = max(weight, key=lambda a: (weight[a], -assigned.get(a, 0))) if weight else None
             if best is not None:
                 assigned[best] = assigned.get(best, 0) + sum(weight.values())
-            futures.append(client.submit(_write_shard_task, values, indices, spec,
+            futures.append(client.submit(write_shard_task, values, indices, spec,
                                          key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
@@ -760,9 +356,9 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
                 add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)
     arrays = {}
     for apath, shape, dtype, chunks, _, q in entries:
-        shards = _shards_of(shape, dtype, chunks) if q is None else None
+        shards = shards_of(shape, dtype, chunks) if q is None else None
         arrays[apath] = {"shape": list(shape), "dtype": str(dtype), "tiles": [list(c) for c in chunks],
-                         "chunks": list(_chunks_of(chunks)), "shards": list(shards) if shards else None,
+                         "chunks": list(chunks_of(chunks)), "shards": list(shards) if shards else None,
                          "quantized": q}
     attrs = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False,
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -805,10 +401,10 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
             chunk_shape = info.get("shards") or info["chunks"]  # a shard is one file
             counts = [-(-n // c) for n, c in zip(info["shape"], chunk_shape)]
             keys = ["/".join(map(str, i)) for i in np.ndindex(*counts)]
-            missing += [f"{apath}/c/{k}" for k in keys if not os.path.isfile(_chunk_path(str(tmp), apath, k.split("/") if k else []))]
+            missing += [f"{apath}/c/{k}" for k in keys if not os.path.isfile(chunk_path(str(tmp), apath, k.split("/") if k else []))]
         else:
-            missing += [f"{apath}/{_tile_label(i)}" for i in np.ndindex(*grid)
-                        if not (tmp / apath / _tile_label(i) / "zarr.json").is_file()]
+            missing += [f"{apath}/{tile_label(i)}" for i in np.ndindex(*grid)
+                        if not (tmp / apath / tile_label(i) / "zarr.json").is_file()]
     if missing:
         shared = (" (the workers wrote them to a disk this process does not see? the checkpoint folder must be "
                   "on a file system that every worker and this process share)") if remote else ""
@@ -947,7 +543,7 @@ class Checkpoint:
         name), read to the client and dequantized."""
         apath = name if name in self.arrays else f"model/{name}"
         info = self._info(apath)
-        return _read_region(str(self.path), apath, [(0, n) for n in info["shape"]], info)
+        return read_region(str(self.path), apath, [(0, n) for n in info["shape"]], info)
 
     def _fill(self, pairs: Sequence[tuple[str, Any, np.ndarray]]) -> None:
         """Read every tile of each ``(array path, tensor, cells)`` into its cell: on the workers
@@ -959,12 +555,12 @@ class Checkpoint:
                 raise CheckpointError(self._where, f"array {apath!r} to have the model's shape {tuple(t.shape)}",
                                       f"shape {tuple(info['shape'])}")
             for idx in np.ndindex(*t.tiling.grid):
-                region = _slices(t.chunks, idx)
+                region = slices(t.chunks, idx)
                 jobs.append((cells[idx], apath, region, info, int(np.prod(t.tiling.tile_shape(idx))) * 4))
         runtime = self.runtime
         root = str(self.path)
         if runtime is None:
-            values = [_read_region(root, a, r, i) for _, a, r, i, _ in jobs]
+            values = [read_region(root, a, r, i) for _, a, r, i, _ in jobs]
             for (cell, *_), v in zip(jobs, values):
                 cell.set(np.asarray(v, dtype=cell.dtype))
             return
@@ -983,7 +579,7 @@ class Checkpoint:
         futures = []
         for k, b in enumerate(bins):
             if b:
-                futures.append((client.submit(_read_regions, root, [(a, r, i) for _, a, r, i, _ in b], pure=False,
+                futures.append((client.submit(read_regions, root, [(a, r, i) for _, a, r, i, _ in b], pure=False,
                                               key=f"tg-load-{uuid.uuid4().hex[:12]}", workers=[addrs[k % len(addrs)]],
                                               allow_other_workers=True), b))
         from distributed import wait
@@ -1124,7 +720,7 @@ class CheckpointManager:
                 continue
             if pid == os.getpid() and self._pending is not None:
                 continue
-            if pid != os.getpid() and _alive(pid):
+            if pid != os.getpid() and process_alive(pid):
                 continue
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p)
@@ -1184,7 +780,8 @@ class CheckpointManager:
         return old
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (ours to signal or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -192,13 +192,13 @@ def test_trainer_checkpoints_async_keep_and_files(tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time, numpy as np, tilegraph as tg
     import tilegraph.models
-    from tilegraph.io import zarr as tz
+    from tilegraph.io import _store
     def slowly(fn):  # a save slow enough to be killed in the middle
         def slow(*a):
             time.sleep(0.05)
             return fn(*a)
         return slow
-    tz._write_job, tz._write_shard = slowly(tz._write_job), slowly(tz._write_shard)
+    _store.write_job, _store.write_shard = slowly(_store.write_job), slowly(_store.write_shard)
     model = tg.models.build("gpt2-debug", tg.models.ModelTiling(feature=8, vocab=8), seed=1)
     print("saving", flush=True)
     tg.io.save_checkpoint(sys.argv[1], model)
@@ -300,8 +300,10 @@ def test_an_unwritable_target_names_the_path_and_leaves_nothing(tmp_path, monkey
     def full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tz, "_write_job", full)
-    monkeypatch.setattr(tz, "_write_shard", full)
+    from tilegraph.io import _store
+
+    monkeypatch.setattr(_store, "write_job", full)
+    monkeypatch.setattr(_store, "write_shard", full)
     with pytest.raises(tz.CheckpointError, match=r"the disk is full.*earlier checkpoints are untouched"):
         tg.io.save_checkpoint(tmp_path / "out" / "ck", model)
     assert list((tmp_path / "out").iterdir()) == []  # no temporary folder left behind

@@ -187,6 +187,7 @@ def lock_output(out: Path):
     import socket
 
     from tilegraph._errors import TileError
+    from tilegraph.io.zarr import process_alive
 
     out.mkdir(parents=True, exist_ok=True)
     lock = out / LOCK_NAME
@@ -200,7 +201,7 @@ def lock_output(out: Path):
                 pid, host = int(held["pid"]), str(held["host"])
             except (OSError, ValueError, KeyError, TypeError):
                 pid, host = None, me["host"]
-            if pid is not None and (host != me["host"] or _alive(pid)):
+            if pid is not None and (host != me["host"] or process_alive(pid)):
                 raise TileError("tilegraph train", f"an output folder no other run is using; {out} is in use by "
                                 f"tilegraph train (pid {pid} on {host}): wait for it, or pass another --out",
                                 str(lock)) from None
@@ -210,16 +211,6 @@ def lock_output(out: Path):
             json.dump(me, f)
         return lambda: lock.unlink(missing_ok=True)
     raise TileError("tilegraph train", "a lock on the output folder", f"{lock} could not be taken")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def check_output(out: Path, resume: str | None, steps: int) -> int | None:

@@ -1,0 +1,428 @@
+"""The part of Zarr v3 that tilegraph's checkpoints use, read and written file by file.
+
+An array's metadata is the ``zarr.json`` zarr-python itself makes (a regular chunk grid, the
+``bytes`` codec, little-endian, then ``crc32c``); a chunk file ``c/i/j`` holds the chunk's bytes in C
+order (edge chunks padded to the full shape) followed by their CRC32C. Arrays of small tiles use
+Zarr's sharding codec: one file holds several whole tiles, each with its checksum, then the index
+of (offset, length) per inner chunk and the index's checksum. A quantized tile is one byte array
+of its parts, their layout in its attributes. zarr-python opens all of it (tests check); going
+through its generic machinery per tile cost ~5 ms a call, which held saves to a tenth of
+``numpy.save``.
+
+Everything here runs where the tiles are: on the workers, or in the client for tiles it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from tilegraph._errors import TileError
+
+
+class CheckpointError(TileError):
+    """A checkpoint that cannot be written or read: names the path or array and what was wrong."""
+
+
+# ------------------------------------------------------------------------------------ helpers ----
+def chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """A regular Zarr chunk shape whose chunks never straddle a tile: the first tile size when
+    every tile but the last is that size (the usual tiling), else the gcd of the tile sizes. A
+    tile then covers whole chunks only, so no two writers ever touch the same chunk."""
+    out = []
+    for dim in tiling_chunks:
+        dim = [int(c) for c in dim]
+        if len(dim) == 1 or (all(c == dim[0] for c in dim[:-1]) and dim[-1] <= dim[0]):
+            out.append(max(1, dim[0]))
+        else:
+            out.append(max(1, math.gcd(*dim)))
+    return tuple(out)
+
+
+def slices(chunks: Sequence[Sequence[int]], idx: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple((sum(c[:i]), sum(c[:i]) + c[i]) for c, i in zip(chunks, idx))
+
+
+def host(v) -> np.ndarray:
+    return v.get() if type(v).__module__.startswith("cupy") else np.asarray(v)
+
+
+# ------------------------------------------------------------------------------ chunk files ----
+_TEMPLATES: dict[str, dict] = {}
+
+
+def array_meta(shape, dtype, chunks, attributes: dict | None = None, shards=None) -> dict:
+    """The zarr.json document of an array (from one zarr-python makes, so the format is its);
+    with ``shards``, chunks of ``chunks`` inside shard files of shape ``shards``."""
+    dt = np.dtype(dtype)
+    key = (dt.str, shards is not None)
+    template = _TEMPLATES.get(key)
+    if template is None:
+        import zarr
+        from zarr.codecs import Crc32cCodec
+        from zarr.core.buffer import default_buffer_prototype
+
+        arr = zarr.create_array(store=zarr.storage.MemoryStore(), shape=(2,), chunks=(1,), dtype=dt,
+                                shards=(2,) if shards is not None else None, compressors=[Crc32cCodec()],
+                                fill_value=0)
+        doc = arr.metadata.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+        template = _TEMPLATES[key] = json.loads(doc)
+    meta = json.loads(json.dumps(template))
+    meta["shape"] = [int(n) for n in shape]
+    if shards is not None:
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in shards]
+        meta["codecs"][0]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
+    else:
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [int(c) for c in chunks]
+    meta["attributes"] = attributes or {}
+    return meta
+
+
+#: tiles smaller than this go into shard files of several tiles (one file per tile would cost
+#: more in file system calls than in bytes); a shard holds up to SHARD_BYTES
+SHARD_TILE_BYTES = 1 << 20
+SHARD_BYTES = 32 << 20
+_EMPTY = np.uint64(2 ** 64 - 1)
+
+
+def shards_of(shape, dtype, tiling_chunks) -> tuple[int, ...] | None:
+    """The shard shape of an array of small tiles (whole tiles per shard; the tiling must be
+    regular: every tile but the last of a dimension of one size), or None."""
+    chunk = chunks_of(tiling_chunks)
+    grid = [len(c) for c in tiling_chunks]
+    regular = all(c[0] == k for c, k in zip(tiling_chunks, chunk))
+    nbytes = int(np.prod(chunk)) * np.dtype(dtype).itemsize if chunk else 0
+    if not regular or int(np.prod(grid)) < 2 or not 0 < nbytes < SHARD_TILE_BYTES:
+        return None
+    m, size = [1] * len(grid), nbytes
+    for d in reversed(range(len(grid))):  # whole trailing dims first: shards of contiguous rows
+        m[d] = max(1, min(grid[d], SHARD_BYTES // size))
+        size *= m[d]
+    return tuple(c * k for c, k in zip(chunk, m))
+
+
+def encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
+    """A chunk's bytes (an edge chunk padded to the full shape) and its CRC32C."""
+    import google_crc32c
+
+    if part.shape != tuple(chunk_shape):
+        full = np.zeros(chunk_shape, part.dtype)
+        full[tuple(slice(0, n) for n in part.shape)] = part
+        part = full
+    data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
+    return data, np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
+
+
+def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shape, chunk_shape,
+                 shard_shape, shard_idx) -> int:
+    """One shard file: the tiles (each one inner chunk) it covers, then the index of (offset,
+    length) per inner chunk, C order, with its CRC32C. Written by one task, all at once."""
+    import google_crc32c
+
+    per = [s // c for s, c in zip(shard_shape, chunk_shape)]
+    at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
+    index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
+    path = chunk_path(root, name, shard_idx)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    offset = 0
+    with open(path, "wb") as f:
+        for k, rel in enumerate(np.ndindex(*per)):
+            idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
+            if any(i * c >= n for i, c, n in zip(idx, chunk_shape, shape)):
+                continue  # past the array's end: no chunk
+            tile = at.get(idx)
+            if tile is None:
+                raise CheckpointError(f"tilegraph.io.save_checkpoint({root})", f"array {name!r}: every tile of "
+                                      "a shard to write it", f"shard {shard_idx} lacks chunk {idx}")
+            data, crc = encode_chunk(np.asarray(tile), chunk_shape)
+            f.write(data)
+            f.write(crc)
+            index[k] = (offset, data.nbytes + 4)
+            offset += data.nbytes + 4
+        raw = index.astype("<u8").tobytes()
+        f.write(raw)
+        f.write(np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes())
+    return offset
+
+
+def write_shard_task(values: Sequence, indices: Sequence, spec: tuple) -> dict:
+    """A save task of one shard: its tiles (task results, with their tuple positions) in."""
+    tiles = [host(v if i is None else v[i]) for v, i in zip(values, indices)]
+    root, name, *rest = spec
+    written = write_shard(root, name, tiles, *rest)
+    return {"worker": worker_address(), "bytes": written}
+
+
+def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtype, cache: dict) -> np.ndarray:
+    """One inner chunk of a sharded array, its shard's index and its own checksum verified."""
+    import google_crc32c
+
+    per = [s // c for s, c in zip(shard_shape, chunk_shape)]
+    shard = tuple(i // p for i, p in zip(idx, per))
+    key = "/".join(["c", *map(str, shard)])
+    where = f"tilegraph.io.load_checkpoint({root})"
+    path = chunk_path(root, name, shard)
+    index = cache.get(shard)
+    n = int(np.prod(per))
+    if index is None:
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 16 * n - 4))
+                raw = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(where, f"array {name!r}: a shard is missing", f"{key} (no file {path})") from None
+        if len(raw) != 16 * n + 4 or np.frombuffer(raw, "<u4", 1, 16 * n)[0] != google_crc32c.value(raw[:16 * n]):
+            raise CheckpointError(where, f"array {name!r}: a shard's index failed its checksum (corrupted or "
+                                  "truncated)", f"{key}: {size} bytes")
+        index = cache[shard] = np.frombuffer(raw, "<u8", 2 * n).reshape(n, 2)
+    k = int(np.ravel_multi_index(tuple(i % p for i, p in zip(idx, per)), per))
+    offset, length = (int(x) for x in index[k])
+    want = int(np.prod(chunk_shape)) * dtype.itemsize
+    if index[k][0] == _EMPTY or length != want + 4:
+        raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard", f"{key}, chunk {idx}")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    if len(raw) != length or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
+        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
+                              f"{key}, chunk {idx}")
+    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
+
+
+def group_meta(attributes: dict | None = None) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+def write_meta(root: str, path: str, meta: dict) -> None:
+    folder = os.path.join(root, path) if path else root
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "zarr.json"), "w") as f:
+        json.dump(meta, f)
+
+
+def chunk_path(root: str, name: str, idx: Sequence[int]) -> str:
+    return os.path.join(root, name, "c", *[str(int(i)) for i in idx])
+
+
+def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape) -> int:
+    """Write ``tile``, the slices ``region`` of array ``name`` (whole chunks: the chunk grid is
+    chosen so that no tile straddles a chunk), one chunk file each; returns the bytes written."""
+    import google_crc32c
+
+    tile = np.ascontiguousarray(tile)
+    if tile.dtype.byteorder == ">":
+        tile = tile.astype(tile.dtype.newbyteorder("<"))
+    written = 0
+    first = [lo // c for (lo, _), c in zip(region, chunk_shape)]
+    counts = [-(-(hi - lo) // c) for (lo, hi), c in zip(region, chunk_shape)]
+    made: set[str] = set()
+    for rel in np.ndindex(*counts):
+        src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
+        part = tile[src]
+        if part.shape != tuple(chunk_shape):  # an edge chunk: padded with the fill value
+            full = np.zeros(chunk_shape, tile.dtype)
+            full[tuple(slice(0, n) for n in part.shape)] = part
+            part = full
+        data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
+        crc = np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
+        path = chunk_path(root, name, [f + r for f, r in zip(first, rel)])
+        parent = os.path.dirname(path)
+        if parent not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.write(crc)
+        written += data.nbytes
+    return written
+
+
+def read_chunk(root: str, name: str, idx, chunk_shape, dtype) -> np.ndarray:
+    """One chunk, its checksum verified."""
+    import google_crc32c
+
+    path = chunk_path(root, name, idx)
+    key = "/".join(["c", *map(str, idx)])
+    where = f"tilegraph.io.load_checkpoint({root})"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
+    want = int(np.prod(chunk_shape)) * dtype.itemsize
+    if len(raw) != want + 4 or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
+        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
+                              f"{key}: {len(raw)} bytes, expected {want + 4}")
+    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
+
+
+def read_whole_chunk(root: str, name: str, idx, out: np.ndarray) -> None:
+    """Read the chunk ``idx`` straight into ``out`` (its exact shape), checksum verified."""
+    import google_crc32c
+
+    path = chunk_path(root, name, idx)
+    key = "/".join(["c", *map(str, idx)])
+    where = f"tilegraph.io.load_checkpoint({root})"
+    flat = out.reshape(-1).view(np.uint8)
+    try:
+        with open(path, "rb") as f:
+            got = f.readinto(flat)
+            tail = f.read(5)
+    except FileNotFoundError:
+        raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
+    if got != flat.nbytes or len(tail) != 4 or np.frombuffer(tail, "<u4")[0] != google_crc32c.value(flat):
+        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
+                              f"{key}: {got + len(tail)} bytes, expected {flat.nbytes + 4}")
+
+
+def read_array_region(root: str, name: str, region, info: dict) -> np.ndarray:
+    chunk_shape = info.get("chunks") or chunks_of(info["tiles"])
+    dtype = np.dtype(info["dtype"])
+    out = np.empty(tuple(hi - lo for lo, hi in region), dtype)
+    shards = info.get("shards")
+    if not shards and dtype.byteorder != ">" and all(lo % c == 0 and hi - lo == c
+                                                      for (lo, hi), c in zip(region, chunk_shape)):
+        read_whole_chunk(root, name, [lo // c for (lo, _), c in zip(region, chunk_shape)], out)  # no copy
+        return out
+    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, chunk_shape)]
+    cache: dict = {}  # shard index -> its chunk index
+    for idx in itertools.product(*ranges):
+        chunk = (read_sharded_chunk(root, name, idx, chunk_shape, shards, dtype, cache) if shards
+                 else read_chunk(root, name, idx, chunk_shape, dtype))
+        span = [(i * c, i * c + c) for i, c in zip(idx, chunk_shape)]
+        inter = [(max(lo, clo), min(hi, chi)) for (lo, hi), (clo, chi) in zip(region, span)]
+        out[tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))] = \
+            chunk[tuple(slice(lo - clo, hi - clo) for (lo, hi), (clo, _) in zip(inter, span))]
+    return out
+
+
+# --------------------------------------------------------------------------- worker-side writes ----
+def write_tiles(value, jobs: Sequence[tuple]) -> dict:
+    """Write tiles of ``value`` (a task's result tuple, or one array) into the checkpoint.
+
+    Each job is ``(index or None, root, array path, ((lo, hi), ...), chunk shape, quantization
+    or None, tile label)``. Runs on the worker holding ``value``; returns the worker's address and
+    the bytes written."""
+    written = 0
+    for job in jobs:
+        written += write_job(value, job)
+    return {"worker": worker_address(), "bytes": written}
+
+
+def write_values(values: Sequence, jobs: Sequence[Sequence[tuple]]) -> dict:
+    """:func:`write_tiles` for several values (task results) at once."""
+    written = sum(write_tiles(v, j)["bytes"] for v, j in zip(values, jobs))
+    return {"worker": worker_address(), "bytes": written}
+
+
+def job_bytes(jobs: Sequence[tuple]) -> int:
+    return sum(int(np.prod([hi - lo for lo, hi in job[3]])) for job in jobs)
+
+
+def write_job(value, job: tuple) -> int:
+    index, root, name, region, chunk_shape, quant, label = job
+    tile = host(value if index is None else value[index])
+    if quant is not None:
+        return write_quantized(root, f"{name}/{label}", tile, quant)
+    return write_chunks(root, name, tile, region, chunk_shape)
+
+
+def write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
+    """Quantize one tile and store its parts as one byte array ``path`` (one file: the parts of
+    a tile are small), their layout in its attributes; returns the bytes stored."""
+    from tilegraph.io.quantize import quantize
+
+    q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
+    arrays, attrs = q.to_parts()
+    layout, blobs, offset = [], [], 0
+    for part, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        layout.append([part, a.dtype.str, list(a.shape), offset, a.nbytes])
+        blobs.append(a.view(np.uint8).reshape(-1))
+        offset += a.nbytes
+    data = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
+    shape = (max(1, data.size),)
+    write_meta(root, path, array_meta(data.shape, np.uint8, shape, {"quantized": attrs, "parts": layout}))
+    if data.size:
+        write_chunks(root, path, data, [(0, data.size)], shape)
+    return data.nbytes
+
+
+def quantized_parts(root: str, path: str):
+    """The parts and attributes of one quantized tile (its checksum verified)."""
+    where = f"tilegraph.io.load_checkpoint({root})"
+    try:
+        meta = json.loads(Path(root, path, "zarr.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(where, f"array {path!r}: a readable zarr.json", f"{type(e).__name__}: {e}") from None
+    attrs = meta.get("attributes") or {}
+    size = int(meta["shape"][0])
+    data = read_chunk(root, path, (0,), (max(1, size),), np.dtype(np.uint8))[:size] if size else np.zeros(0, np.uint8)
+    parts = {}
+    for part, dtype, shape, offset, nbytes in attrs["parts"]:
+        parts[part] = data[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape)
+    return parts, dict(attrs["quantized"])
+
+
+def worker_address() -> str | None:
+    import sys
+
+    if "distributed" not in sys.modules:  # not on a Dask worker
+        return None
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------- worker-side reads ----
+def read_region(root: str, name: str, region, info: dict) -> np.ndarray:
+    """The slices ``region`` of checkpoint array ``name`` (dequantized, when it is stored
+    quantized), as a C-ordered array of the stored dtype; every chunk's checksum is verified."""
+    if info.get("quantized") is None:
+        return read_array_region(root, name, region, info)
+    try:
+        return read_quantized(root, name, region, info)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"tilegraph.io.load_checkpoint({root})", f"array {name!r}: could not decode a "
+                              "quantized tile", f"{type(e).__name__}: {e}") from None
+
+
+def read_quantized(root: str, name: str, region, info: dict) -> np.ndarray:
+    from tilegraph.io.quantize import QuantizedArray
+
+    chunks = info["tiles"]
+    out = np.empty(tuple(hi - lo for lo, hi in region), dtype=np.dtype(info["dtype"]))
+    for idx in np.ndindex(*[len(c) for c in chunks]):
+        tile = slices(chunks, idx)
+        inter = [(max(lo, tlo), min(hi, thi)) for (lo, hi), (tlo, thi) in zip(region, tile)]
+        if any(lo >= hi for lo, hi in inter):
+            continue
+        values = QuantizedArray.from_parts(*quantized_parts(root, f"{name}/{tile_label(idx)}")).dequantize()
+        src = tuple(slice(lo - tlo, hi - tlo) for (lo, hi), (tlo, _) in zip(inter, tile))
+        dst = tuple(slice(lo - rlo, hi - rlo) for (lo, hi), (rlo, _) in zip(inter, region))
+        out[dst] = values[src]
+    return out
+
+
+def read_regions(root: str, jobs: Sequence[tuple]) -> tuple:
+    """Several regions at once (one task per group of tiles): ``jobs`` of ``(name, region, info)``."""
+    return tuple(read_region(root, name, region, info) for name, region, info in jobs)
+
+
+def tile_label(idx: Sequence[int]) -> str:
+    return "t" + ".".join(str(int(i)) for i in idx) if len(idx) else "t"
