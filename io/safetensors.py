@@ -319,7 +319,8 @@ class Checkpoint(Mapping):
         return len(self._where)
 
     def __repr__(self) -> str:
-        return f"Checkpoint({str(self.path)!r}, {len(self)} tensors in {len(self.files)} files)"
+        n = len(self.files)
+        return f"Checkpoint({str(self.path)!r}, {len(self)} tensors in {n} file{'' if n == 1 else 's'})"
 
 
 def open_checkpoint(path) -> Checkpoint:

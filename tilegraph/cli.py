@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tilegraph._runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
@@ -95,6 +96,7 @@ CONFIG_CHECKS = {
     "train.weight_decay": _number(0), "train.clip_grad_norm": _number(0), "train.eval_every": _int(0),
     "train.eval_batches": _int(1), "train.seed": _int(0),
     "output.dir": _text(), "output.checkpoint_every": _int(0),
+    "output.checkpoint_keep": _int(0),
     "output.tensorboard": (lambda v: v is False or (v is True and has_tensorboard()),
                            f"false, or true with TensorBoard installed ({TENSORBOARD_INSTALL})"),
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
@@ -299,13 +301,14 @@ def _train(args, held: list) -> int:
                         n_workers=r["workers"] or None, quiet=True, **tls)
     with rt:
         print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters; "
-              f"{meta['count']:,} tokens from {len(sources)} sources; batch {t['batch_size']} x {d['seq_len']}, "
-              f"{steps} steps", flush=True)
+              f"{meta['count']:,} tokens from {_plural(len(sources), 'source')}; batch {t['batch_size']} x "
+              f"{d['seq_len']}, {_plural(steps, 'step')}", flush=True)
 
         trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
                              steps_per_graph=t["steps_per_graph"],
                              eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
                              log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
+                             checkpoint_keep=o["checkpoint_keep"] or None,
                              checkpoint_files=tokenizer_files(tokenizer), progress=not args.no_progress,
                              tensorboard=o.get("tensorboard", False))
         if args.resume:

@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
+from tilegraph._runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
                               lost_worker_error, translate_worker_failure, worker_health)
 
@@ -523,7 +524,7 @@ class Trainer:
         if not self.max_restarts:
             raise error
         if restarts >= self.max_restarts:
-            raise fail(f"restart_on_failure gave up after {restarts} restarts") from None
+            raise fail(f"restart_on_failure gave up after {_plural(restarts, 'restart')}") from None
         if self._last_checkpoint is None:
             raise fail("restart_on_failure has no checkpoint to resume from: this trainer has written or loaded "
                        "none yet (checkpoint_every sets how often it writes one)") from None
