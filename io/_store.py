@@ -205,7 +205,7 @@ def write_meta(root: str, path: str, meta: dict) -> None:
     folder = os.path.join(root, path) if path else root
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "zarr.json"), "w") as f:
-        json.dump(meta, f)
+        f.write(json.dumps(meta))
 
 
 def chunk_path(root: str, name: str, idx: Sequence[int]) -> str:

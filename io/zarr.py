@@ -207,6 +207,7 @@ class PendingSave:
     def _write(self, tmp: Path) -> None:
         root = str(tmp)
         write_meta(root, "", group_meta({ATTR: self.attrs}))
+        metas: list[tuple[str, dict]] = []  # written while the workers write their tiles
         groups = {"model", "optimizer"}
         local: list[tuple[Any, list]] = []        # (array, jobs) written here
         remote: dict[Any, tuple[Any, list]] = {}  # future key -> (future, jobs)
@@ -217,7 +218,7 @@ class PendingSave:
             chunk_shape = chunks_of(chunks)
             shards = self.attrs["arrays"][apath].get("shards")
             if quant is None and shards:
-                write_meta(root, apath, array_meta(shape, dtype, chunk_shape, shards=shards))
+                metas.append((apath, array_meta(shape, dtype, chunk_shape, shards=shards)))
                 by_shard: dict[tuple, list] = {}
                 for idx, value in tiles:
                     region = slices(chunks, idx)
@@ -230,9 +231,9 @@ class PendingSave:
                     shard_jobs.append((values, indices, spec))
                 continue
             if quant is None:
-                write_meta(root, apath, array_meta(shape, dtype, chunk_shape))
+                metas.append((apath, array_meta(shape, dtype, chunk_shape)))
             else:
-                write_meta(root, apath, group_meta({"quantized_tiles": [list(c) for c in chunks]}))
+                metas.append((apath, group_meta({"quantized_tiles": [list(c) for c in chunks]})))
             for idx, value in tiles:
                 job = (root, apath, slices(chunks, idx), chunk_shape, quant, tile_label(idx))
                 if isinstance(value, ValueRef):
@@ -240,8 +241,7 @@ class PendingSave:
                     jobs.append((value.index, *job))
                 else:
                     local.append((value, [(None, *job)]))
-        for group in sorted(groups):
-            write_meta(root, group, group_meta())
+        metas += [(group, group_meta()) for group in sorted(groups)]
         futures = []
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
@@ -265,6 +265,8 @@ class PendingSave:
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
             futures += self._write_shards(shard_jobs)
+        for path, meta in metas:
+            write_meta(root, path, meta)
         for value, jobs in local:
             write_tiles(value, jobs)
         if futures:
