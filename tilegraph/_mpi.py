@@ -25,7 +25,7 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     if comm.Get_size() < 3:
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
                         "one worker): mpiexec -n 3 or more", f"{comm.Get_size()} ranks")
-    from tilegraph._runtime import _quiet_logs, _visible_gpus
+    from tilegraph._runtime import LOG_LENGTH_DASK_CONFIG, _quiet_logs, _visible_gpus
 
     if quiet:  # dask-mpi ranks log connection noise (CommClosedError) at a clean shutdown
         _quiet_logs()
@@ -33,13 +33,15 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
             for name in ("distributed.batched", "distributed.core", "distributed.worker"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
 
+    import dask
+
+    # Process-wide, not in a `with` block: dask-mpi's Scheduler and Worker read dask's config
+    # while they run (the logs' lengths) or start (their Security), and so do the Client on rank 1
+    # (after initialize() returns) and dask-mpi's closing client at exit. The logs' lengths bound
+    # what every rank keeps of past work, as in the embedded cluster.
+    dask.config.set(LOG_LENGTH_DASK_CONFIG)
     tls_config = _tls_config(security, tls, tls_files)
     if tls_config:
-        import dask
-
-        # Process-wide, not in a `with` block: dask-mpi's Scheduler and Worker build their
-        # Security from dask's config, and so do the Client on rank 1 (after initialize() returns)
-        # and dask-mpi's closing client at exit.
         dask.config.set(tls_config)
     # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
     threads = _worker_threads(comm, MPI)

@@ -56,6 +56,10 @@ class Runtime:
             client.register_plugin(_malloc_plugin())
         except Exception as e:  # a scheduler that refuses plugins still works, only slower
             logging.getLogger("tilegraph").warning("could not tune worker malloc: %s", e)
+        try:
+            client.register_plugin(_unchain_plugin())
+        except Exception as e:  # training still works; the workers' task records grow with the steps
+            logging.getLogger("tilegraph").warning("could not install the task-record cleanup on the workers: %s", e)
         self.worker_threads()  # learn the workers' resources (plans refresh it)
         if make_current:
             _CURRENT.append(self)
@@ -272,8 +276,11 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             target = address
         address, security = _client_security(where, address, security, tls, tls_files)
         _probe_scheduler(where, address, target, timeout, security)
+        import dask
+
         try:
-            client = Client(address, timeout=f"{timeout}s", security=security)
+            with dask.config.set(LOG_LENGTH_DASK_CONFIG):  # the client's own logs (the cluster's are its own)
+                client = Client(address, timeout=f"{timeout}s", security=security)
         except (OSError, TimeoutError) as e:
             raise TileError(where, f"no Dask scheduler answered within {timeout:g} s; is it running "
                             "and reachable?", f"{target} ({type(e).__name__}: {e})") from None
@@ -688,6 +695,47 @@ def _malloc_plugin():
     return MallocPlugin()
 
 
+def _unchain(state, key) -> None:
+    """Unlink the finished task ``key`` from its dependencies in memory (a worker's state machine).
+
+    A Dask worker forgets a released task only once it has no dependents left, and a dependent
+    stays linked until it is forgotten itself. Training steps form an endless chain: step n's
+    task reads the parameters step n-1's task left, and the newest one always holds the current
+    parameters; so the worker kept a released record of every step before it, back to the first
+    (measured over 5,500 steps of the debug GPT-2, one per graph: +1 task record and +41 KB of
+    worker memory per step; with this plugin 4 records and +0.4 KB per step, Dask's cache of key
+    names). A task in memory never reads its inputs again; unlinked from them, each input is
+    forgotten as soon as the scheduler releases it, as it would be at the end of a finite graph.
+    An input still linked to tasks that wait for it keeps those links; a task computed again
+    gets its inputs linked anew by the scheduler's compute-task message."""
+    ts = state.tasks.get(key)
+    if ts is None or ts.state != "memory":
+        return
+    for dep in [d for d in ts.dependencies if d.state == "memory"]:
+        ts.dependencies.discard(dep)
+        dep.dependents.discard(ts)
+
+
+def _unchain_plugin():
+    """A worker plugin applying :func:`_unchain` to tilegraph's tasks (keys ``tg-...``) as they
+    finish, on every worker, also those joining later; other tasks keep Dask's bookkeeping."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class UnchainPlugin(WorkerPlugin):
+        name = "tilegraph-unchain"
+        idempotent = True
+
+        def setup(self, worker) -> None:
+            self.state = worker.state
+
+        def transition(self, key, start, finish, **kwargs) -> None:
+            # called by the worker's state machine, on its event loop, after each transition
+            if finish == "memory" and isinstance(key, str) and key.startswith("tg-"):
+                _unchain(self.state, key)
+
+    return UnchainPlugin()
+
+
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
                  "distributed.worker", "distributed.http.proxy", "distributed.batched", "tornado.application")
 
@@ -699,6 +747,20 @@ def _quiet_logs() -> None:
     # the worker's own "Compute Failed" record of it (a Dask traceback) would only repeat it.
     logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
 
+
+#: Dask settings that bound what the scheduler, the workers and the client keep of past work.
+#: Dask keeps the last ``low-level-log-length`` entries of each of its logs: the scheduler's
+#: transition log and event topics, each worker's transition and stimulus logs, and the "recent
+#: messages" of every batched stream, each of which is a whole message under 1 MB (graphs with
+#: their inline batches, compute-task messages with their arguments). Dask's default of 1,000 let
+#: the client of the debug GPT-2 grow by ~16 KB per step until the logs filled (139 to 155 MB
+#: over the first 1,000 steps of one step per graph, and for far longer with several steps per
+#: graph; with 100, 134.8 MB at step 500 and 136.0 MB at step 1,000); 100 entries keep a few seconds of history, which is what debugging a hung step reads
+#: (``Client.story``, the worker's ``story``) and what the failure checks read (a worker's
+#: removal among the scheduler's events, see ``_train.worker_health``).
+LOG_LENGTH_DASK_CONFIG = {
+    "distributed.admin.low-level-log-length": 100,
+}
 
 #: Dask settings of the embedded cluster (``connect(dask_config=...)`` overrides them).
 #: Measured on the 2-core development machine: root-task queuing halves flat-graph throughput;
@@ -717,6 +779,7 @@ EMBEDDED_DASK_CONFIG = {
     # 2 cores: 2.7 s, in GPT-2 124M's data-parallel gradient exchange (2 workers x 1 thread). The
     # scheduler looks every ttl, so a stall ends waits in 1-2 minutes; the Trainer checks sooner.
     "distributed.scheduler.worker-ttl": "60s",
+    **LOG_LENGTH_DASK_CONFIG,
 }
 
 
