@@ -8,6 +8,7 @@ from .attention import scaled_dot_product_attention
 from .elementwise import add, affine, div, gelu, mul, ones_like, relu, silu, sub, zeros_like
 from .embedding import embedding
 from .loss import cross_entropy
+from .lora import lora_linear  # noqa: F401 - tg.ops.lora_linear (RunLoRA's choice: tilegraph.ops.lora)
 from .matmul import linear, matmul
 from .norm import layer_norm, rms_norm
 from .reduce import mean, sum
