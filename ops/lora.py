@@ -40,7 +40,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import new_tensor, require_float, require_same_chunks, require_same_dtype, require_tensor
 from .matmul import _matmul, _matmul_tn_op
 
-__all__ = ["lora_linear", "choose_variant", "variant_flops", "requires_grad", "FORWARD", "BACKWARD", "CRITERIA"]
+__all__ = ["lora_linear", "choose_variant", "variant_flops", "requires_grad", "merged_weight", "FORWARD", "BACKWARD", "CRITERIA"]
 
 WHERE = "tilegraph.lora_linear"
 
@@ -133,9 +133,9 @@ def _outputs(needs) -> tuple[str, ...]:
     return tuple(name for name, need in zip(("dx", "du", "dv"), needs) if need)
 
 
-def _check_variant_name(name, known, what: str) -> str:
+def _check_variant_name(name, known, what: str, where: str = WHERE) -> str:
     if name not in known:
-        raise TileError(WHERE, f"unknown {what} variant; known: {', '.join(known)}", repr(name))
+        raise TileError(where, f"unknown {what} variant; known: {', '.join(known)}", repr(name))
     return name
 
 
@@ -381,16 +381,30 @@ def _check_inputs(x, w, u, v, bias) -> None:
                         "to False (tilegraph.peft.apply_lora freezes it)", repr(w))
 
 
+def _resolve_variant_name(variant, where: str = WHERE):
+    """None (choose per call) or a checked (forward, backward) pair."""
+    if variant is None or variant == "auto":
+        return None
+    if not (isinstance(variant, (tuple, list)) and len(variant) == 2):
+        raise TileError(where, "variant must be None/'auto' or a pair such as ('f1', 'b1')", repr(variant))
+    return (_check_variant_name(variant[0], FORWARD, "forward", where),
+            _check_variant_name(variant[1], BACKWARD, "backward", where))
+
+
 def _resolve_variant(variant, choose, x, w, u, needs, bias: bool, device: str) -> tuple[str, str]:
     if choose not in CRITERIA:
         raise TileError(WHERE, f"choose must be one of {', '.join(CRITERIA)}", repr(choose))
-    if variant is None or variant == "auto":
+    pair = _resolve_variant_name(variant)
+    if pair is None:
         n, m = w.shape
         return choose_variant(math.prod(x.shape[:-1]), n, m, u.shape[1], needs=needs, by=choose, dtype=x.dtype,
                               device=device, bias=bias)
-    if not (isinstance(variant, (tuple, list)) and len(variant) == 2):
-        raise TileError(WHERE, "variant must be None/'auto' or a pair such as ('f1', 'b1')", repr(variant))
-    return (_check_variant_name(variant[0], FORWARD, "forward"), _check_variant_name(variant[1], BACKWARD, "backward"))
+    return pair
+
+
+def merged_weight(w: TileTensor, u: TileTensor, v: TileTensor, scale: float = 1.0) -> TileTensor:
+    """``w + scale * u @ v`` on w's tiles (what LoRA merging and the f2/b4/b5 variants compute)."""
+    return _run_tiles((_WEFF,), {"w": w, "u": _scaled(u, scale), "v": v}, ("weff",))["weff"]
 
 
 _lora_op = LoRALinearOp()

@@ -180,3 +180,105 @@ def test_op_bad_inputs():
         tg.ops.lora_linear(x, w, tg.from_numpy(np.ones((N_IN, RANK)), (3, u.chunks[1])), v)
     with pytest.raises(tg.TileError, match="w is the frozen base weight"):
         tg.ops.lora_linear(x, tg.nn.Parameter(np.ones((N_IN, M_OUT)), w.chunks), u, v)
+
+
+# ---------------------------------------------------------------------------------- models ----
+from tilegraph import models, peft  # noqa: E402
+
+TARGETS = {"gpt2": ["c_attn", "attn.o", "mlp.fc1"], "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"]}
+LAYERS = {"gpt2": {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1"},
+          "llama": {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"}}
+
+
+def _ids(vocab, seed=0, shape=(2, 8)):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def _lm_loss(model, ids, targets):
+    return tg.cross_entropy(model(ids), targets)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_apply_lora_starts_as_the_base_model_and_freezes_it(arch):
+    base = models.build(f"{arch}-debug", seed=0)
+    ids = _ids(base.config.vocab_size)
+    want = tg.compute(base(ids))[0]
+    names = [n for n, _ in base.named_parameters()]
+    model = peft.apply_lora(models.build(f"{arch}-debug", seed=0), TARGETS[arch], rank=4, alpha=8)
+    layers = peft.lora_layers(model)
+    assert {n.split(".", 2)[2] for n in layers} == LAYERS[arch] and len(layers) == 2 * len(LAYERS[arch])
+    assert all(isinstance(m, tg.nn.LoRALinear) and m.scale == 2.0 for m in layers.values())
+    # base parameters keep their names; only the adapters are new, and only they are trainable
+    adapted = dict(model.named_parameters())
+    assert [n for n in adapted if "lora_" not in n] == names
+    trainable = peft.trainable_parameters(model)
+    assert {id(p) for p in trainable} == {id(p) for m in layers.values() for p in (m.lora_u, m.lora_v)}
+    got = tg.compute(model(ids))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_lora_training_moves_only_adapters_merge_and_adapter_files(arch, tmp_path):
+    model = peft.apply_lora(models.build(f"{arch}-debug", seed=0), TARGETS[arch][:2], rank=4, alpha=8)
+    vocab = model.config.vocab_size
+    ids = _ids(vocab, 1, (4, 9))
+    before = model.state_dict()
+    opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=2e-2, weight_decay=0.0)
+    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=_lm_loss, batch_size=4,
+                         progress=False)
+    res = trainer.fit(6)
+    assert res.losses[-1] < res.losses[0]
+    after = model.state_dict()
+    for name, value in after.items():
+        if "lora_v" in name:  # V starts at zero; U moves too once V is not zero
+            assert np.abs(value).max() > 0, name
+        elif "lora_" not in name:
+            np.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert any(not np.array_equal(after[n], before[n]) for n in after if "lora_u" in n)
+    probe = _ids(vocab, 2)
+    adapted = tg.compute(model(probe))[0]
+
+    # the adapters alone round trip through a Zarr checkpoint, onto a fresh base model
+    peft.save_adapters(tmp_path / "adapters", model)
+    fresh = peft.load_adapters(tmp_path / "adapters", models.build(f"{arch}-debug", seed=0))
+    np.testing.assert_allclose(tg.compute(fresh(probe))[0], adapted, rtol=1e-6, atol=1e-6)
+    stored = tg.io.load_checkpoint(tmp_path / "adapters")
+    assert sorted(stored.parameters) == sorted(n for n in after if "lora_" in n)
+
+    # merged: plain Linear layers again, same outputs
+    peft.merge_lora(model)
+    assert not peft.lora_layers(model) and "lora_" not in " ".join(n for n, _ in model.named_parameters())
+    np.testing.assert_allclose(tg.compute(model(probe))[0], adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs(tmp_path):
+    model = models.build("gpt2-debug", seed=0)
+    with pytest.raises(tg.TileError, match=r"targets \['attn.qq', 'nothing'\] match no Linear layer of the GPT2; "
+                                           r"its Linear layers: blocks.0.attn.q, .*blocks.1.mlp.fc2"):
+        peft.apply_lora(model, ["attn.q", "attn.qq", "nothing"], rank=2)
+    with pytest.raises(tg.TileError, match=r"rank must be at most min\(in, out\) of every targeted layer; too "
+                                           r"small: blocks.0.attn.q \(32, 32\).*; received: rank=33"):
+        peft.apply_lora(model, ["attn.q"], rank=33)
+    for rank in (0, -1, 2.5, True):
+        with pytest.raises(tg.TileError, match=r"rank must be an int >= 1"):
+            peft.apply_lora(model, ["attn.q"], rank=rank)
+    for alpha in (0, -1.0, float("nan")):
+        with pytest.raises(tg.TileError, match=r"alpha must be a finite number > 0"):
+            peft.apply_lora(model, ["attn.q"], rank=2, alpha=alpha)
+    with pytest.raises(tg.TileError, match=r"dropout is not supported"):
+        peft.apply_lora(model, ["attn.q"], rank=2, dropout=0.1)
+    with pytest.raises(tg.TileError, match=r"unknown forward variant; known: f1, f2; received: 'f9'"):
+        peft.apply_lora(model, ["attn.q"], rank=2, variant=("f9", "b1"))
+    with pytest.raises(tg.TileError, match=r"choose must be one of flops, time"):
+        peft.apply_lora(model, ["attn.q"], rank=2, choose="fastest")
+    assert not peft.lora_layers(model) and all(p.requires_grad for p in model.parameters())  # nothing changed
+    # adapters of another model shape (or rank) are refused, every problem named
+    peft.save_adapters(tmp_path / "a", peft.apply_lora(models.build("gpt2-debug"), ["attn.q"], rank=2))
+    other = peft.apply_lora(models.build("llama-debug"), ["attn.q"], rank=2)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.peft.load_adapters\] the adapters in .* to match the model's "
+                                           r"LoRA layers; received: blocks.0.attn.q: model \(64, 64\) rank 2, "
+                                           r"adapters for \(32, 32\) rank 2; blocks.1.attn.q"):
+        peft.load_adapters(tmp_path / "a", other)
+    with pytest.raises(tg.TileError, match="a model with LoRA layers"):
+        peft.save_adapters(tmp_path / "b", models.build("gpt2-debug"))

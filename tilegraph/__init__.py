@@ -22,8 +22,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``tg.io`` (checkpoints, quantizers, data) and ``tg.models`` load on first use."""
-    if name in ("io", "models"):
+    """``tg.io`` (checkpoints, quantizers, data), ``tg.models`` and ``tg.peft`` load on first use."""
+    if name in ("io", "models", "peft"):
         import importlib
 
         return importlib.import_module(f"tilegraph.{name}")

@@ -416,3 +416,5 @@ class KVCache:
                 grid[idx] = r if r.node.is_leaf else leaf(Cell(next(values), r.shape, r.dtype))
             setattr(self, name, TileTensor(t.tiling, t.dtype, grid, name=f"cache.{name}"))
 
+
+from tilegraph.peft import LoRALinear  # noqa: E402,F401 - tg.nn.LoRALinear; it lives with apply_lora
