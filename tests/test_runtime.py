@@ -303,3 +303,19 @@ def test_an_error_inside_a_kernel_is_one_clear_error_on_a_quiet_cluster(tmp_path
     assert "raised: [tilegraph.embedding] ids must lie in [0, 4); received: 7" in run.stdout
     assert "in tile kernel 'embedding' of op 'embedding'" in run.stdout
     assert "Compute Failed" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.distributed
+def test_a_tile_larger_than_a_workers_memory_limit_fails_before_running():
+    with tg.connect(n_workers=1, threads_per_worker=1, memory_limit="400MB", dashboard=False, quiet=True,
+                    make_current=False) as rt:
+        a = tg.from_numpy(np.ones((20000, 8), np.float32))
+        b = tg.from_numpy(np.ones((8, 20000), np.float32))
+        with pytest.raises(tg.TileError, match=r"fit in a worker's memory limit \(381 MiB\): 'matmul'.* reads and "
+                                               r"writes 1,527 MiB; use smaller tiles.*received: tiles \[\(20000, 8\), "
+                                               r"\(8, 20000\)\] -> \[\(20000, 20000\)\]"):
+            tg.compute(a @ b, runtime=rt)
+        assert not rt.client.who_has()  # nothing was submitted
+        a, b = tg.from_numpy(np.ones((2000, 8), np.float32)), tg.from_numpy(np.ones((8, 2000), np.float32))
+        (ok,) = tg.compute((a @ b).sum(), runtime=rt)  # tiles that fit run
+        assert float(ok) == 2000 * 2000 * 8

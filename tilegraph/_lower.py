@@ -41,11 +41,34 @@ __all__ = ["compile", "compute", "Executable", "config", "DaskKey", "run_cluster
 
 
 def _memory_limit(runtime) -> float:
-    """The smallest memory limit of the runtime's workers (bytes; inf where none is set)."""
+    """The smallest memory limit of the runtime's workers (bytes; inf where none is set), as the
+    runtime last learnt its workers (every plan asks for their threads first)."""
     if runtime is None:
         return float("inf")
-    limits = [w.get("memory_limit") or float("inf") for w in runtime.workers().values()]
-    return min(limits, default=float("inf"))
+    limits = getattr(runtime, "memory_limits", None)
+    if limits is None:
+        limits = {a: w.get("memory_limit") for a, w in runtime.workers().items()}
+    return min((v or float("inf") for v in limits.values()), default=float("inf"))
+
+
+def _check_fits(work: Sequence[Node], limit: float) -> None:
+    """Fail before running when one kernel call's tiles (inputs and outputs) exceed a worker's
+    memory limit: Dask would otherwise pause, spill and finally kill the worker, again and again."""
+    if not work or limit == float("inf"):
+        return
+
+    def nbytes(n: Node) -> int:
+        outs = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in n.out_meta)
+        return outs + sum(r.nbytes for r in n.inputs)
+
+    big = max(work, key=nbytes)
+    if nbytes(big) > limit:
+        mb = 1 << 20
+        raise TileError("tilegraph.compile", f"every kernel call's tiles to fit in a worker's memory limit "
+                        f"({limit / mb:,.0f} MiB): {big.op!r}" + (f" in {big.scope!r}" if big.scope else "")
+                        + f" reads and writes {nbytes(big) / mb:,.0f} MiB; use smaller tiles (tiles=...), or "
+                        "workers with more memory (tg.connect(memory_limit=...))",
+                        f"tiles {[r.shape for r in big.inputs]} -> {[s for s, _ in big.out_meta]}")
 
 
 
@@ -93,6 +116,7 @@ class Executable:
         groups = runtime.worker_threads() if runtime is not None else {"cpu": [os.cpu_count() or 1], "gpu": []}
         addrs = runtime.worker_addrs if runtime is not None else {}
         place(work, placement, len(groups.get("gpu", ())) > 0)
+        _check_fits(work, _memory_limit(runtime))
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         #: each root's refs: one, or one per replica for the replicated roots of a data-parallel plan
         self.replicas: list[list[TileRef]] = [[r] for r in self.roots]

@@ -97,6 +97,8 @@ class Runtime:
         no restriction (a restriction nobody offers would leave them waiting forever).
         """
         workers = sorted(self.workers().items())
+        #: each worker's memory limit in bytes (None: no limit), as of the last worker_threads()
+        self.memory_limits = {addr: w.get("memory_limit") or None for addr, w in workers}
         self.cpu_resource = any(w.get("resources", {}).get("CPU") for _, w in workers)
         out: dict[str, list[int]] = {"cpu": [], "gpu": []}
         self.worker_addrs = {"cpu": [], "gpu": []}
@@ -111,7 +113,7 @@ class Runtime:
         return out
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self.workers())} workers"
+        state = "closed" if self.closed else _plural(len(self.workers()), "worker")
         return f"<tilegraph.Runtime {self.client.scheduler.address} {state} dashboard={self.dashboard_link}>"
 
     # -- execution ------------------------------------------------------------------------------
