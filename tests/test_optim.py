@@ -107,3 +107,20 @@ def test_warmup_cosine_values():
 def test_optimizer_rejects_non_parameters():
     with pytest.raises(tg.TileError, match=r"params\[0\] is not a Parameter"):
         tg.optim.AdamW([tg.from_numpy(np.ones(3))])
+
+
+def test_frozen_parameters_are_left_out_of_the_optimizer():
+    model = tg.nn.MLP(4, 8, out_dim=2, seed=0)
+    params = model.parameters()
+    params[0].requires_grad = False
+    opt = tg.optim.AdamW(params, lr=1e-2)
+    assert opt.params == params[1:] and len(opt.state) == len(params) - 1
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    before = params[0].numpy().copy()
+    step = tg.TrainStep(model, opt, lambda m, x: (m(x) * m(x)).mean())
+    step(x)
+    np.testing.assert_array_equal(params[0].numpy(), before)  # frozen: no update
+    for p in params:
+        p.requires_grad = False
+    with pytest.raises(tg.TileError, match="all frozen"):
+        tg.optim.SGD(params, lr=0.1)

@@ -201,7 +201,11 @@ def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay):
 
 # ------------------------------------------------------------------------------ optimizers ----
 class Optimizer:
-    """Base class. ``schedule(step) -> lr`` gives the learning rate of update ``step`` (from 1)."""
+    """Base class. ``schedule(step) -> lr`` gives the learning rate of update ``step`` (from 1).
+
+    Parameters with ``requires_grad=False`` (frozen: a LoRA base, say) are left out, as torch's
+    optimizers skip parameters without gradients: they get no gradient, no update and no state.
+    """
 
     n_state = 0
 
@@ -212,6 +216,11 @@ class Optimizer:
             if not isinstance(p, Parameter):
                 raise TileError(f"tilegraph.optim.{type(self).__name__}", f"params[{i}] is not a Parameter",
                                 type(p).__name__)
+        frozen = [p for p in params if not p.requires_grad]
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise TileError(f"tilegraph.optim.{type(self).__name__}", "at least one parameter that requires a "
+                            "gradient", f"{len(frozen)} parameters, all frozen (requires_grad=False)")
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise TileError(f"tilegraph.optim.{type(self).__name__}", "clip_grad_norm must be positive",
                             repr(clip_grad_norm))
