@@ -235,3 +235,36 @@ def test_fault_options_are_checked(tmp_path):
     with pytest.raises(tg.TileError, match=r"restart_on_failure resumes from checkpoints: it needs a checkpoint_dir"):
         _trainer(None, 4, restart_on_failure=True)
     assert _trainer(None, 4, restart_on_failure=True, checkpoint_dir=tmp_path).max_restarts == 3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_compute_on_a_lost_worker_ends_with_a_clear_error(cluster, how):
+    # tg.compute (and evaluations) watch their wait as training does: the worker running the
+    # task killed, or stopped (SIGSTOP), ends tg.compute naming it instead of hanging
+    import threading
+
+    x = tg.from_numpy(np.random.default_rng(0).standard_normal((1500, 1500)).astype(np.float32))
+    y = x
+    for _ in range(40):  # seconds of work in one task
+        y = (y @ x) * 1e-3
+    lost = {}
+
+    def lose():
+        deadline = time.perf_counter() + 20
+        while not lost and time.perf_counter() < deadline:
+            busy = [a for a, keys in cluster.rt.client.processing().items() if keys]
+            if busy:
+                lost["addr"] = busy[0]
+                (cluster.kill if how == "kill" else cluster.stop)(busy[0])
+            time.sleep(0.05)
+
+    t0 = time.perf_counter()
+    threading.Thread(target=lose, daemon=True).start()
+    with cluster.rt.as_current(), pytest.raises(WorkerLostError) as info:
+        tg.compute(y.sum())
+    assert time.perf_counter() - t0 < 40
+    msg = str(info.value)
+    assert msg.startswith(f"[tilegraph.compute] lost worker {lost['addr']}") and "tilegraph.compute ran" in msg
+    assert ("no heartbeat" in msg) == (how == "stop")

@@ -23,6 +23,7 @@ this module writes and runs the Dask graph.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -393,7 +394,8 @@ class Executable:
     def root_location(self, ref: TileRef) -> tuple[int, int] | None:
         return self.where.get((id(ref.node), ref.index))
 
-    def run(self, runtime=None, fetch: Sequence[int] | None = None, wait: bool = True) -> list[Any]:
+    def run(self, runtime=None, fetch: Sequence[int] | None = None, wait: bool = True,
+            during: str = "tilegraph.compute") -> list[Any]:
         """Run once and return the value of each root.
 
         Roots listed in ``fetch`` (default: all) come back as arrays; on a distributed runtime the
@@ -473,7 +475,7 @@ class Executable:
         for pos, (key, k) in fetch_of.items():
             out[pos] = Fetching(futures[key], k)
         if wait:
-            out = gather(runtime, out)
+            out = gather(runtime, out, during)
         stays: dict[int, list[ValueRef]] = {}
         for pos, p in kept:
             src, k = source[(pos, p)]
@@ -496,14 +498,51 @@ class Fetching:
     index: int | None
 
 
-def gather(runtime, values: Sequence) -> list:
-    """``values`` with every :class:`Fetching` replaced by its value (one gather for all)."""
+def gather(runtime, values: Sequence, during: str | None = None) -> list:
+    """``values`` with every :class:`Fetching` replaced by its value (one gather for all).
+
+    With ``during`` (what is running, for the error), the wait is watched: every
+    ``WATCH_SECONDS`` without the values the workers are checked, and one that died, left or
+    stopped answering (``tilegraph._train.STALL_SECONDS``) ends it with a WorkerLostError naming
+    it, never a hang or Dask's traceback."""
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)
-    got = dict(zip(map(id, futures), runtime.client.gather(futures)))
+    if during is None:
+        got = dict(zip(map(id, futures), runtime.client.gather(futures)))
+    else:
+        got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during)))
     return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching) else v
             for v in values]
+
+
+#: how often a watched wait (compute(), evaluation) looks at the workers while it has no result
+WATCH_SECONDS = 2.0
+
+
+def _watched_gather(runtime, futures: list, during: str) -> list:
+    from distributed import wait
+
+    from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
+
+    where = "tilegraph.compute"
+    t0 = time.perf_counter()
+    try:
+        while True:
+            try:
+                wait(futures, timeout=WATCH_SECONDS)
+                break
+            except TimeoutError:
+                health = worker_health(runtime)
+                if health.lost or health.stalled:
+                    raise lost_worker_error(health, during, f"no result after {time.perf_counter() - t0:.1f} s",
+                                            where=where) from None
+        return runtime.client.gather(futures)
+    except _lost_errors() as e:
+        error = translate_worker_failure(runtime, e, during, where=where)
+        if error is None:
+            raise
+        raise error from None
 
 
 #: client-side leaf values up to this size travel inside the tasks that read them (batches, the

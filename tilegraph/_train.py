@@ -597,5 +597,5 @@ class EvalStep:
             for ins, b in zip(inputs, chunk):
                 self._calls += 1
                 _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
-            out += [float(np.asarray(v).reshape(())) for v in exe.run()]
+            out += [float(np.asarray(v).reshape(())) for v in exe.run(during="the evaluation")]
         return out
