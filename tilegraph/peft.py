@@ -21,18 +21,22 @@ the adapter tensors (a Zarr checkpoint).
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 import numbers
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from tilegraph._autograd import Op
 from tilegraph._errors import TileError
-from tilegraph._tensor import TileTensor
+from tilegraph._graph import Cell, emit1, kernel, leaf
+from tilegraph._tensor import TileTensor, Tiling
 from tilegraph.nn import Linear, Module, ModuleList, Parameter
 
-__all__ = ["LoRALinear", "apply_lora", "merge_lora", "lora_layers", "trainable_parameters", "save_adapters",
-           "load_adapters"]
+__all__ = ["LoRALinear", "LoTRLinear", "apply_lora", "apply_lotr", "merge_lora", "lora_layers", "lotr_layers",
+           "trainable_parameters", "save_adapters", "load_adapters", "QuantizedTensor", "QuantizedLinear",
+           "from_quantized"]
 
 #: Hugging Face module names accepted as targets, per architecture: tilegraph keeps GPT-2's fused
 #: c_attn as separate q, k and v layers (each then gets its own rank-r adapter)
@@ -82,8 +86,9 @@ class LoRALinear(Module):
     def __init__(self, base: Linear, rank: int, alpha: float | None = None, *, dropout: float = 0.0,
                  variant=None, choose: str = "flops", seed=None):
         where = "tilegraph.nn.LoRALinear"
-        if not isinstance(base, Linear):
-            raise TileError(where, "base must be a tilegraph.nn.Linear", type(base).__name__)
+        if not isinstance(base, (Linear, QuantizedLinear)):
+            raise TileError(where, "base must be a tilegraph.nn.Linear (or a peft.QuantizedLinear)",
+                            type(base).__name__)
         alpha = rank if alpha is None else alpha
         _check_rank_alpha(where, rank, alpha, dropout)
         n, m = base.weight.shape
@@ -94,7 +99,7 @@ class LoRALinear(Module):
         self.rank, self.alpha = int(rank), float(alpha)
         self.weight, self.bias = base.weight, base.bias
         for p in (self.weight, self.bias):
-            if p is not None:
+            if isinstance(p, Parameter):  # a QuantizedTensor has no gradient at all
                 p.requires_grad = False
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         dtype = self.weight.dtype
@@ -108,28 +113,116 @@ class LoRALinear(Module):
         return self.alpha / self.rank
 
     def forward(self, x: TileTensor) -> TileTensor:
-        from tilegraph._config import config
-        from tilegraph.ops.lora import lora_linear
-
-        return lora_linear(x, self.weight, self.lora_u, self.lora_v, self.bias, scale=self.scale,
-                           variant=self.variant, choose=self.choose,
-                           device="gpu" if config.placement == "gpu" else "cpu")
+        return _adapted_linear(x, self.weight, self.lora_u, self.lora_v, self.bias, self.scale, self.variant,
+                               self.choose)
 
     def merged(self) -> Linear:
         """A plain Linear whose weight is ``weight + scale * lora_u @ lora_v`` (computed where the
         tiles are, fetched here), on the same tiles; the bias is the same Parameter."""
-        from tilegraph._lower import compute
-        from tilegraph.ops.lora import merged_weight
-
-        (w,) = compute(merged_weight(self.weight, self.lora_u, self.lora_v, self.scale))
-        lin = Linear.__new__(Linear)  # no init draw: the weight is given
-        lin.weight = Parameter(w, self.weight.chunks, name="weight", requires_grad=self.weight.requires_grad)
-        lin.bias = self.bias
-        return lin
+        return _merged_linear(self, self.lora_u, self.lora_v, self.scale)
 
     def __repr__(self) -> str:
         n, m = self.weight.shape
         return f"LoRALinear({n}, {m}, rank={self.rank}, alpha={self.alpha:g}, bias={self.bias is not None})"
+
+
+class LoTRLinear(Module):
+    """A frozen :class:`~tilegraph.nn.Linear` plus LoTR's update (arXiv:2402.01376, ALGORITHMS.md
+    section 3): ``y = x @ weight + bias + (scale / rank) * ((x @ lotr_left) @ lotr_core) @ lotr_right``.
+
+    ``lotr_left`` (in, rank) and ``lotr_right`` (rank, out) are the paper's R and L, *shared*: every
+    layer of a group holds the same two Parameter objects (one storage, gradients summed over the
+    group); ``lotr_core`` (rank, rank) is this layer's own M_l, zero at init so the layer starts
+    equal to its base. Build groups with :func:`apply_lotr`.
+
+    The update runs as a LoRA layer with ``U = lotr_left @ lotr_core`` (an n x r x r product per
+    layer and step), so RunLoRA's graph choice applies: ``X (R M) L`` costs 2Nr(n + m) + 2nr^2
+    against 2Nr(n + m + r) for ``((X R) M) L``, less whenever N > n, and the same gradients.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> from tilegraph import peft
+    >>> left, right = tg.nn.Parameter(np.ones((6, 2))), tg.nn.Parameter(np.ones((2, 5)))
+    >>> layer = peft.LoTRLinear(tg.nn.Linear(6, 5, seed=0), left, right)
+    >>> layer.lotr_core.shape, float(np.abs(layer.lotr_core.numpy()).max()), layer.weight.requires_grad
+    ((2, 2), 0.0, False)
+    """
+
+    def __init__(self, base: Linear, left: Parameter, right: Parameter, scale: float = 1.0, *, variant=None,
+                 choose: str = "flops"):
+        where = "tilegraph.peft.LoTRLinear"
+        if not isinstance(base, (Linear, QuantizedLinear)):
+            raise TileError(where, "base must be a tilegraph.nn.Linear (or a peft.QuantizedLinear)",
+                            type(base).__name__)
+        _check_scale(where, scale)
+        n, m = base.weight.shape
+        rank = left.shape[1] if left.ndim == 2 else -1
+        if left.shape != (n, rank) or right.shape != (rank, m):
+            raise TileError(where, f"left (in, rank) and right (rank, out) factors for a ({n}, {m}) weight",
+                            f"left {left.shape}, right {right.shape}")
+        if left.chunks[0] != base.weight.chunks[0] or right.chunks[1] != base.weight.chunks[1]:
+            raise TileError(where, "the shared factors' tiles to match the weight's: left's rows its rows, right's "
+                            "columns its columns", f"weight {base.weight.chunks}, left {left.chunks}, "
+                            f"right {right.chunks}")
+        self.variant, self.choose = _check_choice(where, variant, choose)
+        self.rank, self.scale = int(rank), float(scale)
+        self.weight, self.bias = base.weight, base.bias
+        for p in (self.weight, self.bias):
+            if isinstance(p, Parameter):
+                p.requires_grad = False
+        self.lotr_left, self.lotr_right = left, right
+        self.lotr_core = Parameter(np.zeros((rank, rank), left.dtype), (None, None), name="lotr_core")
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        from tilegraph import ops
+
+        u = ops.matmul(self.lotr_left, self.lotr_core)  # (n, r): R M_l, on R's tiles
+        return _adapted_linear(x, self.weight, u, self.lotr_right, self.bias, self.scale / self.rank,
+                               self.variant, self.choose)
+
+    def merged(self) -> Linear:
+        """A plain Linear whose weight is ``weight + scale / rank * lotr_left @ lotr_core @ lotr_right``."""
+        from tilegraph import ops
+
+        return _merged_linear(self, ops.matmul(self.lotr_left, self.lotr_core), self.lotr_right,
+                              self.scale / self.rank)
+
+    def __repr__(self) -> str:
+        n, m = self.weight.shape
+        return f"LoTRLinear({n}, {m}, rank={self.rank}, scale={self.scale:g}, bias={self.bias is not None})"
+
+
+def _check_scale(where: str, scale) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise TileError(where, "scale must be a finite number > 0 (the update is scaled by scale / rank)",
+                        repr(scale))
+
+
+def _adapted_linear(x, weight, u, v, bias, scale, variant, choose):
+    """The LoRA graph over a frozen weight: a Parameter, or a :class:`QuantizedTensor` whose tiles
+    are dequantized where they are used (:class:`_QuantizedBaseLoRA`)."""
+    from tilegraph._config import config
+    from tilegraph.ops.lora import lora_linear
+
+    device = "gpu" if config.placement == "gpu" else "cpu"
+    if isinstance(weight, QuantizedTensor):
+        return _quantized_base_lora(x, weight, u, v, bias, scale=scale, variant=variant, choose=choose,
+                                    device=device)
+    return lora_linear(x, weight, u, v, bias, scale=scale, variant=variant, choose=choose, device=device)
+
+
+def _merged_linear(layer, u, v, scale) -> Linear:
+    """A plain Linear of ``layer.weight + scale * u @ v`` (computed where the tiles are, fetched
+    here) on the weight's tiles; the bias is the same Parameter."""
+    from tilegraph._lower import compute
+    from tilegraph.ops.lora import merged_weight
+
+    w = layer.weight
+    dense = w.dequantized() if isinstance(w, QuantizedTensor) else w
+    (value,) = compute(merged_weight(dense, u, v, scale))
+    lin = Linear.__new__(Linear)  # no init draw: the weight is given
+    lin.weight = Parameter(value, w.chunks, name="weight", requires_grad=getattr(w, "requires_grad", False))
+    lin.bias = layer.bias
+    return lin
 
 
 # ---------------------------------------------------------------------------- module walk ----
@@ -215,18 +308,7 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     alpha = rank if alpha is None else alpha
     _check_rank_alpha(where, rank, alpha, dropout)
     _check_choice(where, variant, choose)  # every check before the model changes
-    patterns = _patterns(model, targets, where)
-    found = [(name, m, setter) for name, m, setter in _named_modules(model) if isinstance(m, Linear)]
-    chosen, unmatched = {}, []
-    for target, pats in patterns.items():
-        hits = [(name, m, s) for name, m, s in found if any(_matches(name, p) for p in pats)]
-        if not hits:
-            unmatched.append(target)
-        chosen.update((name, (m, s)) for name, m, s in hits)
-    if unmatched:
-        names = ", ".join(name for name, _, _ in found) or "none"
-        raise TileError(where, f"targets {unmatched} match no Linear layer of the {type(model).__name__}; its "
-                        f"Linear layers: {names}", f"targets={list(patterns)}")
+    chosen = _chosen_linears(model, targets, where)
     too_small = [f"{name} ({m.weight.shape[0]}, {m.weight.shape[1]})" for name, (m, _) in chosen.items()
                  if rank > min(m.weight.shape)]
     if too_small:
@@ -238,6 +320,84 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     for name, (m, setter) in chosen.items():
         _replace(setter, m, LoRALinear(m, rank, alpha, variant=variant, choose=choose, seed=rng))
     return model
+
+
+def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: float = 1.0, *, variant=None,
+               choose: str = "flops", seed=0) -> Module:
+    """Replace, in place, every Linear of ``model`` whose name matches one of ``targets`` (as in
+    :func:`apply_lora`) by a :class:`LoTRLinear`, freeze every other parameter, and return ``model``.
+
+    The matched layers are grouped by weight shape: each group of L layers of shape (n, m) shares
+    one left factor R (n, rank) and one right factor L (rank, m), both drawn from N(0, 1), and each
+    layer has its own core M_l (rank, rank), zero, so the model starts equal to its base. A group
+    has ``n r + r m + L r^2`` trainable values (``2 d r + L r^2`` for square d x d layers; LoRA's
+    rank-r adapters on the same layers: ``L 2 d r``). The update is scaled by ``scale / rank``.
+
+    >>> from tilegraph import models, peft
+    >>> model = peft.apply_lotr(models.build("gpt2-debug", seed=0), ["attn.q", "attn.v"], rank=4)
+    >>> sum(p.size for p in peft.trainable_parameters(model))  # 2 x 32 x 4 + 4 cores x 4 x 4
+    320
+    """
+    where = "tilegraph.peft.apply_lotr"
+    _check_rank_alpha(where, rank, 1.0, 0.0)
+    _check_scale(where, scale)
+    _check_choice(where, variant, choose)  # every check before the model changes
+    chosen = _chosen_linears(model, targets, where)
+    too_small = [f"{name} ({m.weight.shape[0]}, {m.weight.shape[1]})" for name, (m, _) in chosen.items()
+                 if rank > min(m.weight.shape)]
+    if too_small:
+        raise TileError(where, "rank must be at most min(in, out) of every targeted layer; too small: "
+                        + ", ".join(too_small), f"rank={rank}")
+    groups: dict[tuple, list[str]] = {}
+    for name, (m, _) in chosen.items():
+        groups.setdefault(tuple(m.weight.shape), []).append(name)
+    for shape, names in groups.items():  # one R and L per group: every layer must tile them alike
+        tilings = {tuple(map(tuple, chosen[n][0].weight.chunks)) for n in names}
+        if len(tilings) > 1:
+            raise TileError(where, f"the ({shape[0]}, {shape[1]}) layers of a group share R and L, so their weights "
+                            "must have the same tiles", ", ".join(f"{n} {chosen[n][0].weight.chunks}" for n in names))
+    rng = np.random.default_rng(seed)
+    for p in model.parameters():
+        p.requires_grad = False
+    for (n, m), names in groups.items():
+        w = chosen[names[0]][0].weight
+        left = Parameter(rng.standard_normal((n, rank)).astype(w.dtype), (w.chunks[0], None), name="lotr_left")
+        right = Parameter(rng.standard_normal((rank, m)).astype(w.dtype), (None, w.chunks[1]), name="lotr_right")
+        for name in names:
+            layer, setter = chosen[name]
+            _replace(setter, layer, LoTRLinear(layer, left, right, scale, variant=variant, choose=choose))
+    return model
+
+
+def _chosen_linears(model: Module, targets, where: str) -> dict[str, tuple[Module, Callable]]:
+    """The Linear layers (plain or quantized) that ``targets`` match, by name, with their setters;
+    a target matching none is an error naming every Linear of the model."""
+    patterns = _patterns(model, targets, where)
+    found = [(name, m, setter) for name, m, setter in _named_modules(model) if isinstance(m, (Linear, QuantizedLinear))]
+    chosen, unmatched = {}, []
+    for target, pats in patterns.items():
+        hits = [(name, m, s) for name, m, s in found if any(_matches(name, p) for p in pats)]
+        if not hits:
+            unmatched.append(target)
+        chosen.update((name, (m, s)) for name, m, s in hits)
+    if unmatched:
+        names = ", ".join(name for name, _, _ in found) or "none"
+        raise TileError(where, f"targets {unmatched} match no Linear layer of the {type(model).__name__}; its "
+                        f"Linear layers: {names}", f"targets={list(patterns)}")
+    return chosen
+
+
+def lotr_layers(model: Module) -> dict[str, LoTRLinear]:
+    """The model's LoTR layers by name."""
+    return {name: m for name, m, _ in _named_modules(model) if isinstance(m, LoTRLinear)}
+
+
+def _lotr_groups(model: Module) -> list[list[str]]:
+    """The model's LoTR layer names, one list per shared (R, L) pair, in model order."""
+    groups: dict[int, list[str]] = {}
+    for name, m in lotr_layers(model).items():
+        groups.setdefault(id(m.lotr_left), []).append(name)
+    return list(groups.values())
 
 
 def lora_layers(model: Module) -> dict[str, LoRALinear]:
@@ -253,23 +413,28 @@ def trainable_parameters(model: Module) -> list[Parameter]:
 
 
 def merge_lora(model: Module) -> Module:
-    """Fold every adapter into its base weight (``W + alpha / r * U V``) and put plain Linear
-    layers back, in place; returns ``model``. Every parameter keeps its ``requires_grad``."""
+    """Fold every adapter into its base weight (LoRA: ``W + alpha / r * U V``; LoTR:
+    ``W + scale / r * R M_l L``) and put plain Linear layers back, in place; returns ``model``.
+    Every parameter keeps its ``requires_grad``; a quantized base comes back dequantized."""
     for name, m, setter in list(_named_modules(model)):
-        if isinstance(m, LoRALinear):
+        if isinstance(m, (LoRALinear, LoTRLinear)):
             _replace(setter, m, m.merged())
     return model
 
 
 class _Adapters(Module):
     """The adapter parameters of a model under their names in it, as one module (what
-    :func:`save_adapters` writes with the Zarr checkpoint writer)."""
+    :func:`save_adapters` writes with the Zarr checkpoint writer). A LoTR group's shared R and L
+    are named after its first layer, as ``model.named_parameters()`` names them."""
 
     def __init__(self, model: Module):
         self.named = {}
         for name, layer in lora_layers(model).items():
             self.named[f"{name}.lora_u"] = layer.lora_u
             self.named[f"{name}.lora_v"] = layer.lora_v
+        for name, layer in lotr_layers(model).items():
+            for attr in ("lotr_left", "lotr_core", "lotr_right"):
+                self.named[f"{name}.{attr}"] = getattr(layer, attr)
 
     def _walk(self, prefix: str, seen: set):
         for name, p in self.named.items():
@@ -279,33 +444,45 @@ class _Adapters(Module):
 
 
 def save_adapters(path, model: Module) -> None:
-    """Write only the adapter tensors of ``model`` (and each layer's rank and alpha) as a Zarr
-    checkpoint folder ``path`` (:func:`tilegraph.io.save_checkpoint`)."""
+    """Write only the adapter tensors of ``model`` (LoRA: each layer's rank and alpha; LoTR: each
+    group's layers, rank and scale) as a Zarr checkpoint folder ``path``
+    (:func:`tilegraph.io.save_checkpoint`)."""
     from tilegraph.io.zarr import save_checkpoint
 
-    layers = lora_layers(model)
-    if not layers:
-        raise TileError("tilegraph.peft.save_adapters", "a model with LoRA layers (tilegraph.peft.apply_lora)",
-                        f"{type(model).__name__} has none")
-    meta = {"lora": {name: {"rank": m.rank, "alpha": m.alpha, "shape": list(m.weight.shape)}
-                     for name, m in layers.items()}}
+    layers, lotr = lora_layers(model), lotr_layers(model)
+    if not layers and not lotr:
+        raise TileError("tilegraph.peft.save_adapters", "a model with LoRA layers (tilegraph.peft.apply_lora) or "
+                        "LoTR layers (apply_lotr)", f"{type(model).__name__} has none")
+    meta = {}
+    if layers:
+        meta["lora"] = {name: {"rank": m.rank, "alpha": m.alpha, "shape": list(m.weight.shape)}
+                        for name, m in layers.items()}
+    if lotr:
+        meta["lotr"] = [{"layers": names, "rank": lotr[names[0]].rank, "scale": lotr[names[0]].scale,
+                         "shape": list(lotr[names[0]].weight.shape)} for names in _lotr_groups(model)]
     save_checkpoint(path, _Adapters(model), metadata=meta)
 
 
 def load_adapters(path, model: Module) -> Module:
-    """Read adapters written by :func:`save_adapters` into ``model``: into its LoRA layers, or, when
-    it has none, into new ones on the layers named in the checkpoint (as :func:`apply_lora`).
-    Every missing, unexpected and mis-shaped adapter is reported at once. Returns ``model``."""
+    """Read adapters written by :func:`save_adapters` into ``model``: into its LoRA and LoTR layers,
+    or, when it has none, into new ones on the layers named in the checkpoint (as
+    :func:`apply_lora` and :func:`apply_lotr`). Every missing, unexpected and mis-shaped adapter is
+    reported at once. Returns ``model``."""
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph.peft.load_adapters"
     ck = load_checkpoint(path)
-    stored = (ck.metadata or {}).get("lora")
-    if not isinstance(stored, dict) or not stored:
-        raise TileError(where, "a folder written by tilegraph.peft.save_adapters", f"{path} holds no LoRA metadata")
-    if not lora_layers(model):
+    stored = (ck.metadata or {}).get("lora") or {}
+    groups = (ck.metadata or {}).get("lotr") or []
+    if not isinstance(stored, dict) or not isinstance(groups, list) or not (stored or groups):
+        raise TileError(where, "a folder written by tilegraph.peft.save_adapters",
+                        f"{path} holds no LoRA or LoTR metadata")
+    if stored and not lora_layers(model):
         for name, info in stored.items():
             apply_lora(model, [name], info["rank"], info["alpha"])
+    if groups and not lotr_layers(model):
+        for g in groups:
+            apply_lotr(model, g["layers"], g["rank"], g["scale"])
     problems = []
     layers = lora_layers(model)
     for name, info in stored.items():
@@ -316,10 +493,314 @@ def load_adapters(path, model: Module) -> Module:
             problems.append(f"{name}: model ({m.weight.shape[0]}, {m.weight.shape[1]}) rank {m.rank}, "
                             f"adapters for ({info['shape'][0]}, {info['shape'][1]}) rank {info['rank']}")
     problems += [f"LoRA layer {name} has no stored adapter" for name in layers if name not in stored]
+    problems += _lotr_problems(model, groups)
     if problems:
-        raise TileError(where, f"the adapters in {path} to match the model's LoRA layers", "; ".join(problems))
+        kinds = " and ".join(k for k, present in (("LoRA", stored or layers), ("LoTR", groups or lotr_layers(model)))
+                             if present)
+        raise TileError(where, f"the adapters in {path} to match the model's {kinds} layers", "; ".join(problems))
     ck.load_into(_Adapters(model))
     for name, info in stored.items():
         layers[name].alpha = float(info["alpha"])
+    lotr = lotr_layers(model)
+    for g in groups:
+        for name in g["layers"]:
+            lotr[name].scale = float(g["scale"])
     return model
 
+
+def _lotr_problems(model: Module, groups: list) -> list[str]:
+    """How the model's LoTR groups differ from the stored ones (layers, shapes, ranks)."""
+    problems = []
+    have = {tuple(names) for names in _lotr_groups(model)}
+    lotr = lotr_layers(model)
+    for g in groups:
+        names = tuple(g["layers"])
+        missing = [n for n in names if n not in lotr]
+        if missing:
+            problems.append(f"no LoTR layer {', '.join(missing)} in the model")
+            continue
+        m = lotr[names[0]]
+        if list(m.weight.shape) != list(g["shape"]) or m.rank != g["rank"]:
+            problems.append(f"{names[0]}: model ({m.weight.shape[0]}, {m.weight.shape[1]}) rank {m.rank}, adapters "
+                            f"for ({g['shape'][0]}, {g['shape'][1]}) rank {g['rank']}")
+        elif names not in have:
+            problems.append(f"LoTR group {', '.join(names)} shares its factors differently in the model")
+    stored = {n for g in groups for n in g["layers"]}
+    problems += [f"LoTR layer {name} has no stored adapter" for name in lotr if name not in stored]
+    return problems
+
+
+# ------------------------------------------------------------------------- quantized base ----
+# QLoRA-style fine-tuning: the frozen weights stay quantized (each tile's parts are leaf cells)
+# and a kernel dequantizes one tile inside the step graph, right where a matmul reads it. The
+# backward dequantizes again instead of keeping the forward's tile, so a dequantized tile lives
+# only between its dequantize kernel and the products that read it (one task when the planner
+# fuses them): the full float weights are never all resident, on the workers or here.
+
+@kernel("dequantize_tile")
+def _dequantize_tile(*parts, names, attrs, dtype):
+    from tilegraph._graph import xp_of
+    from tilegraph.io.quantize import QuantizedArray
+
+    xp = xp_of(parts[0]) if parts else np
+    host = [p if xp is np else xp.asnumpy(p) for p in parts]  # the decoders are NumPy code
+    out = QuantizedArray.from_parts(dict(zip(names, host)), json.loads(attrs)).dequantize()
+    out = out.astype(dtype, copy=False)
+    return out if xp is np else xp.asarray(out)
+
+
+class QuantizedTensor:
+    """A frozen weight whose tiles are held quantized: per tile, the parts of a
+    :class:`tilegraph.io.quantize.QuantizedArray` (codes, scales, codebook) as leaf cells.
+    :meth:`dequantized` records one ``dequantize_tile`` kernel per tile and returns the float
+    TileTensor they make; each call records new kernels (so a backward recomputes its tiles rather
+    than keeping the forward's). Not a Parameter: it has no gradient and no optimizer state, and
+    ``model.named_parameters()`` leaves it out.
+
+    >>> import numpy as np
+    >>> w = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+    >>> q = QuantizedTensor.from_array(w, (32, 48), "int8")
+    >>> q.shape, q.chunks, q.nbytes < w.nbytes / 3
+    ((64, 48), ((32, 32), (48,)), True)
+    >>> bool(np.abs(q.dequantized().numpy() - w).max() < 0.05)
+    True
+    """
+
+    requires_grad = False
+
+    def __init__(self, tiling: Tiling, dtype, tiles: dict, name: str | None = None):
+        """``tiles``: grid index -> :class:`~tilegraph.io.quantize.QuantizedArray` of that tile."""
+        where = f"tilegraph.peft.QuantizedTensor({name or ''})"
+        self.tiling, self.dtype, self.name = tiling, np.dtype(dtype), name
+        problems = [f"tile {idx}: {tiles[idx].shape if idx in tiles else 'missing'}, expected {tiling.tile_shape(idx)}"
+                    for idx in np.ndindex(*tiling.grid)
+                    if idx not in tiles or tuple(tiles[idx].shape) != tuple(tiling.tile_shape(idx))]
+        if problems:
+            raise TileError(where, "one quantized array of the tile's shape per tile", "; ".join(problems))
+        self._tiles = {}  # idx -> (part names, leaf refs, attrs as JSON): recorded once, like a Parameter's
+        for idx in np.ndindex(*tiling.grid):
+            arrays, attrs = tiles[idx].to_parts()
+            names = tuple(sorted(arrays))
+            refs = tuple(leaf(Cell(np.ascontiguousarray(arrays[k]), arrays[k].shape, arrays[k].dtype))
+                         for k in names)
+            self._tiles[idx] = (names, refs, json.dumps(attrs, sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def from_array(cls, array, tiles, method: str = "int4", bits: int | None = None, *, name=None):
+        """Quantize ``array`` tile by tile (``tiles`` as :class:`~tilegraph.nn.Parameter` takes
+        them) with :func:`tilegraph.io.quantize.quantize`, as a checkpoint stores it."""
+        from tilegraph.io.quantize import quantize
+
+        array = np.asarray(array)
+        tiling = Tiling.from_sizes(array.shape, tiles, where="tilegraph.peft.QuantizedTensor.from_array")
+        quantized = {idx: quantize(np.ascontiguousarray(array[_region(tiling, idx)], dtype=np.float32), method, bits)
+                     for idx in np.ndindex(*tiling.grid)}
+        return cls(tiling, array.dtype, quantized, name)
+
+    shape = property(lambda self: self.tiling.shape)
+    chunks = property(lambda self: self.tiling.chunks)
+    ndim = property(lambda self: len(self.tiling.shape))
+    size = property(lambda self: math.prod(self.tiling.shape))
+
+    @property
+    def cells(self) -> list[Cell]:
+        """Every part's leaf cell (to move them to the workers once: ``runtime.scatter_cells``)."""
+        return [r.node.cell for _, refs, _ in self._tiles.values() for r in refs]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized parts held (the float weight would take ``size * itemsize``)."""
+        return sum(r.nbytes for _, refs, _ in self._tiles.values() for r in refs)
+
+    def dequantized(self) -> TileTensor:
+        """The weight as a float TileTensor of ``dtype``, one new dequantize kernel per tile."""
+        from tilegraph.ops._common import new_tensor
+
+        def fill(idx):
+            names, refs, attrs = self._tiles[idx]
+            return emit1(_dequantize_tile, refs, self.tiling.tile_shape(idx), self.dtype, op="dequantize",
+                         names=names, attrs=attrs, dtype=self.dtype.str)
+
+        return new_tensor(self.tiling, self.dtype, fill)
+
+    def __repr__(self) -> str:
+        method = json.loads(next(iter(self._tiles.values()))[2]).get("method") if self._tiles else "?"
+        return f"QuantizedTensor({self.name}, shape={self.shape}, {method}, tiles={self.chunks})"
+
+
+def _region(tiling: Tiling, idx) -> tuple[slice, ...]:
+    out = []
+    for sizes, i in zip(tiling.chunks, idx):
+        lo = sum(sizes[:i])
+        out.append(slice(lo, lo + sizes[i]))
+    return tuple(out)
+
+
+class QuantizedLinear(Module):
+    """A frozen Linear over a :class:`QuantizedTensor` weight: ``y = x @ dequantize(weight) + bias``,
+    each tile dequantized where it is used (forward and, for the input's gradient, again in the
+    backward). :func:`apply_lora` and :func:`apply_lotr` adapt it like a Linear."""
+
+    def __init__(self, weight: QuantizedTensor, bias: Parameter | None = None):
+        if not isinstance(weight, QuantizedTensor):
+            raise TileError("tilegraph.peft.QuantizedLinear", "weight must be a QuantizedTensor", type(weight).__name__)
+        self.weight, self.bias = weight, bias
+        if bias is not None:
+            bias.requires_grad = False
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return _quantized_linear(x, self.weight, self.bias)
+
+    def __repr__(self) -> str:
+        n, m = self.weight.shape
+        return f"QuantizedLinear({n}, {m}, bias={self.bias is not None})"
+
+
+def _check_quantized_inputs(where, x, w: QuantizedTensor, bias) -> None:
+    from tilegraph.ops._common import require_same_chunks, require_same_dtype, require_tensor
+
+    require_tensor(x, where, "x")
+    require_same_dtype(where, x=x, w=w, bias=bias)
+    if x.ndim < 2 or x.shape[-1] != w.shape[0] or (bias is not None and bias.shape != (w.shape[1],)):
+        raise TileError(where, "shapes x (..., n), w (n, m), bias (m,)",
+                        f"x {x.shape}, w {w.shape}" + (f", bias {bias.shape}" if bias is not None else ""))
+    require_same_chunks(where, "x's last dim and w's rows (n)", x.chunks[-1], w.chunks[0])
+    if bias is not None:
+        require_same_chunks(where, "bias and w's columns (m)", bias.chunks[0], w.chunks[1])
+
+
+def _ops_lora():
+    # the LoRA op's step lists and tile graph are reused as they are (frozen W, no W gradient);
+    # imported late so that importing tilegraph.peft stays light
+    from tilegraph.ops import lora
+
+    return lora
+
+
+class _QuantizedLinearOp(Op):
+    """``y = x @ W + b`` over a quantized W: dX = dY W^T with W dequantized again, no dW."""
+
+    name = "quantized_linear"
+
+    def forward(self, x, w: QuantizedTensor, bias=None):
+        L = _ops_lora()
+        _check_quantized_inputs(f"tilegraph.{self.name}", x, w, bias)
+        step = L.Step("y", (L._nn("x", "w"),), "b")
+        y = L._run_tiles((step,), {"x": x, "w": w.dequantized(), "b": bias}, ("y",))["y"]
+        return y, (w, bias is not None)
+
+    def backward(self, ctx, dy):
+        L = _ops_lora()
+        w, has_bias = ctx
+        step = L.Step("dx", (L._nt("dy", "w"),))
+        dx = L._run_tiles((step,), {"dy": dy, "w": w.dequantized()}, ("dx",))["dx"]
+        db = None
+        if has_bias:
+            from tilegraph.ops.reduce import sum_dims
+
+            db = sum_dims(dy, tuple(range(dy.ndim - 1)), (False,) * (dy.ndim - 1))
+        return dx, None, db
+
+
+def _quantized_linear(x, w, bias=None):
+    return _QUANTIZED_LINEAR(x, w, bias)
+
+
+_QUANTIZED_LINEAR = _QuantizedLinearOp()
+
+
+def _quantized_base_lora(x, w, u, v, bias=None, **params):
+    """:func:`tilegraph.ops.lora_linear` over a :class:`QuantizedTensor` base (same variants and
+    choice): the forward reads freshly dequantized tiles, and so does the backward."""
+    global _QUANTIZED_LORA
+    if _QUANTIZED_LORA is None:
+        L = _ops_lora()
+
+        class _QuantizedBaseLoRAOp(L.LoRALinearOp):
+            name = "lora_linear_quantized_base"
+
+            def forward(self, x, w, u, v, bias=None, **params):
+                y, ctx = super().forward(x, w.dequantized(), u, v, bias, **params)
+                return y, (ctx, w)  # the quantized weight, not the forward's dequantized tiles
+
+            def backward(self, ctx, dy):
+                ctx, w = ctx
+                return super().backward(ctx._replace(w=w.dequantized()), dy)
+
+        _QUANTIZED_LORA = _QuantizedBaseLoRAOp()
+    return _QUANTIZED_LORA(x, w, u, v, bias, **params)
+
+
+_QUANTIZED_LORA = None
+
+
+def from_quantized(path, tiling=None, *, runtime=None):
+    """The model of a quantized Zarr checkpoint (``tilegraph.io.save_checkpoint(path, model,
+    quantize="int4" | "int8" | "kashin" ...)``) whose Linear layers stay quantized: each becomes
+    a :class:`QuantizedLinear` holding the stored parts of every tile (read here; a fraction of
+    the float bytes), dequantized per tile inside each step graph. Parameters stored exact, and
+    quantized ones that are not Linear weights (embeddings), load as :func:`tilegraph.models.from_zarr`
+    loads them. With a runtime (``runtime`` or the current one) the parts move to its workers
+    once. Then adapt and train as usual::
+
+        model = peft.apply_lora(peft.from_quantized("ck-int4"), ["attn.q", "attn.v"], rank=8)
+        opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=1e-3)
+
+    The model's tiling must be the stored one for the quantized weights (their tiles were
+    quantized one by one); ``tiling`` may only change what loads dequantized.
+    """
+    from tilegraph._runtime import current_runtime
+    from tilegraph.io._store import quantized_parts, tile_label
+    from tilegraph.io.quantize import QuantizedArray
+    from tilegraph.io.zarr import load_checkpoint
+    from tilegraph.models import ARCHITECTURES, ModelTiling
+    from tilegraph.nn import deferred_init
+
+    ck = load_checkpoint(path, tiling=tiling, runtime=runtime)
+    where = f"tilegraph.peft.from_quantized({path})"
+    m = ck.info.get("model") or {}
+    if m.get("architecture") not in ARCHITECTURES:
+        raise TileError(where, f"a checkpoint of a known architecture; known: {', '.join(ARCHITECTURES)}",
+                        repr(m.get("architecture") or m.get("class")))
+    config_cls, model_cls = ARCHITECTURES[m["architecture"]]
+    if tiling is None and m.get("tiling") is not None:
+        tiling = ModelTiling(**m["tiling"])
+    with deferred_init():  # no random draw for weights about to be read
+        model = model_cls(config_cls(**m.get("config", {})), tiling, dtype=np.dtype(m.get("dtype", "float32")))
+    if m.get("hf_extra"):
+        model.hf_extra = dict(m["hf_extra"])
+
+    replace, problems = [], []
+    for name, layer, setter in _named_modules(model):
+        info = ck.arrays.get(f"model/{name}.weight")
+        if not isinstance(layer, Linear) or info is None or not info.get("quantized"):
+            continue
+        stored = tuple(tuple(c) for c in info["tiles"])
+        if stored != tuple(map(tuple, layer.weight.chunks)):
+            problems.append(f"{name}.weight: model tiles {layer.weight.chunks}, stored {stored}")
+        else:
+            replace.append((name, layer, setter))
+    if problems:
+        raise TileError(where, "the model's tiling to be the stored one for every quantized weight (each tile was "
+                        "quantized on its own; load with tilegraph.models.from_zarr to retile dequantized)",
+                        "; ".join(problems))
+    if not replace:
+        raise TileError(where, "a checkpoint with quantized Linear weights (save_checkpoint(..., quantize='int4'))",
+                        "none is stored quantized")
+    root = str(ck.path)
+    for name, layer, setter in replace:
+        w = layer.weight
+        tiles = {idx: QuantizedArray.from_parts(*quantized_parts(root, f"model/{name}.weight/{tile_label(idx)}"))
+                 for idx in np.ndindex(*w.tiling.grid)}
+        _replace(setter, layer, QuantizedLinear(QuantizedTensor(w.tiling, w.dtype, tiles, f"{name}.weight"),
+                                                layer.bias))
+    named = dict(model.named_parameters())
+    missing = [n for n in named if n not in set(ck.parameters)]
+    if missing:
+        raise TileError(where, "every parameter of the model in the checkpoint", "missing: " + ", ".join(missing))
+    ck.load_into(model, strict=False)  # the rest: exact, or dequantized (embeddings) where read
+    rt = runtime if runtime is not None else current_runtime()
+    if rt is not None:
+        rt.scatter_cells([c for _, layer, _ in _named_modules(model) if isinstance(layer, QuantizedLinear)
+                          for c in layer.weight.cells])
+    return model
