@@ -645,7 +645,7 @@ class QuantizedLinear(Module):
         if not isinstance(weight, QuantizedTensor):
             raise TileError("tilegraph.peft.QuantizedLinear", "weight must be a QuantizedTensor", type(weight).__name__)
         self.weight, self.bias = weight, bias
-        if bias is not None:
+        if isinstance(bias, Parameter):
             bias.requires_grad = False
 
     def forward(self, x: TileTensor) -> TileTensor:

@@ -1,0 +1,149 @@
+"""Fine-tuning on a quantized base (issue 13 item 4): frozen weights held as quantized tile parts
+and dequantized per tile inside the step graph. Forward and gradients against torch on the
+dequantized weight (float64, three tilings), the graph keeps no forward dequantized tile for the
+backward, and LoRA / LoTR training from int4, int8 and Kashin checkpoints equals training on the
+same checkpoint loaded dequantized."""
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from tilegraph import models, peft
+from tilegraph._graph import topo_order
+
+from conftest import MODES, TOL, _close, tiles_for
+
+B, T, N_IN, M_OUT, RANK, SCALE = 2, 5, 7, 9, 3, 0.75
+
+
+def _arrays(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((B, T, N_IN)), "w": rng.standard_normal((N_IN, M_OUT)).astype(np.float32),
+            "u": rng.standard_normal((N_IN, RANK)), "v": rng.standard_normal((RANK, M_OUT)),
+            "b": rng.standard_normal(M_OUT), "r": rng.standard_normal((B, T, M_OUT))}
+
+
+def _setup(mode, method="int8"):
+    a = _arrays()
+    sizes: dict = {}
+    dims = {"x": "btn", "u": "nk", "v": "km", "b": "m", "r": "btm"}
+    t = {k: tg.from_numpy(v, tiles_for(v.shape, dims[k], mode, sizes)) for k, v in a.items() if k != "w"}
+    q = peft.QuantizedTensor.from_array(a["w"].astype(np.float64), tiles_for(a["w"].shape, "nm", mode, sizes), method)
+    return a, t, q
+
+
+def _dense(q: peft.QuantizedTensor) -> np.ndarray:
+    return tg.compute(q.dequantized())[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_linear_and_lora_on_a_quantized_base_match_torch(mode):
+    torch = pytest.importorskip("torch")
+    a, t, q = _setup(mode)
+    w = _dense(q)
+    assert w.dtype == np.float64 and np.abs(w - a["w"]).max() < 0.05  # int8 of the float32 weight
+    plain = peft._quantized_linear(t["x"], q, t["b"])  # what QuantizedLinear(q, bias) records
+    lora = peft._quantized_base_lora(t["x"], q, t["u"], t["v"], t["b"], scale=SCALE)
+    loss = (plain * t["r"]).sum() + (lora * t["r"]).sum()
+    grads = tg.grad(loss, [t["x"], t["u"], t["v"], t["b"]])
+    got = tg.compute(plain, lora, *grads)
+
+    ref = {k: torch.tensor(v, requires_grad=k in "xuvb") for k, v in a.items() if k != "w"}
+    wt = torch.tensor(w)
+    want_plain = ref["x"] @ wt + ref["b"]
+    want_lora = ref["x"] @ wt + (ref["x"] @ (SCALE * ref["u"])) @ ref["v"] + ref["b"]
+    ((want_plain * ref["r"]).sum() + (want_lora * ref["r"]).sum()).backward()
+    rtol, atol = TOL[np.dtype(np.float64)]
+    wants = [("plain", want_plain.detach().numpy()), ("lora", want_lora.detach().numpy())]
+    wants += [(f"d{k}", ref[k].grad.numpy()) for k in "xuvb"]
+    for g, (what, want) in zip(got, wants):
+        assert g.shape == want.shape and g.dtype == np.float64, what
+        _close(g, want, rtol, atol, what)
+
+
+def test_backward_dequantizes_again_instead_of_keeping_forward_tiles():
+    _, t, q = _setup("ragged")
+    for y in (peft._quantized_base_lora(t["x"], q, t["u"], t["v"], scale=SCALE),
+              peft.QuantizedLinear(q)(t["x"])):
+        (dx,) = tg.grad((y * t["r"]).sum(), [t["x"]])
+        forward = topo_order(list(y.grid.flat))
+        fwd_ids = {id(n) for n in forward}
+        fwd_dequant = {id(n) for n in forward if n.op == "dequantize"}
+        assert len(fwd_dequant) == q.tiling.grid[0] * q.tiling.grid[1]  # one kernel per tile
+        backward = [n for n in topo_order(list(dx.grid.flat)) if id(n) not in fwd_ids]
+        assert sum(n.op == "dequantize" for n in backward) == len(fwd_dequant)  # each tile once more
+        # no backward kernel reads a dequantized tile of the forward: none is kept across the step
+        assert not any(id(i.node) in fwd_dequant for n in backward for i in n.inputs)
+
+
+# ------------------------------------------------------------------------ from a checkpoint ----
+def _ids(vocab, seed=0, shape=(4, 9)):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def _lm_loss(model, ids, targets):
+    return tg.cross_entropy(model(ids), targets)
+
+
+def _train(model, ids, steps=5, lr=2e-2):
+    opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=lr, weight_decay=0.0)
+    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=_lm_loss, batch_size=4,
+                         progress=False)
+    return trainer.fit(steps).losses
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = models.build("gpt2-debug", seed=0)
+    root = tmp_path_factory.mktemp("quantized")
+    out = {m: tg.io.save_checkpoint(root / m, base, quantize=m) for m in ("int4", "int8", "kashin")}
+    out["exact"] = tg.io.save_checkpoint(root / "exact", base)
+    return out
+
+
+ADAPT = {"lora": lambda m: peft.apply_lora(m, ["attn.q", "attn.v", "mlp.fc1"], rank=4, alpha=8),
+         "lotr": lambda m: peft.apply_lotr(m, ["attn.q", "attn.v"], rank=4)}
+
+
+@pytest.mark.parametrize("method,adapter", [("int4", "lora"), ("int8", "lora"), ("kashin", "lora"), ("int4", "lotr")])
+def test_fine_tune_on_a_quantized_checkpoint_equals_dequantize_then_train(checkpoints, method, adapter):
+    model = peft.from_quantized(checkpoints[method])
+    linears = {n for n, m, _ in peft._named_modules(model) if isinstance(m, peft.QuantizedLinear)}
+    assert linears == {f"blocks.{i}.{k}" for i in range(2) for k in ("attn.q", "attn.k", "attn.v", "attn.o",
+                                                                      "mlp.fc1", "mlp.fc2")}
+    assert not any(n.endswith(("attn.q.weight", "mlp.fc2.weight")) for n, _ in model.named_parameters())
+    reference = models.from_zarr(checkpoints[method])  # every tile dequantized when loaded
+    ids = _ids(model.config.vocab_size, 1)
+    np.testing.assert_allclose(tg.compute(model(ids[:, :-1]))[0], tg.compute(reference(ids[:, :-1]))[0],
+                               rtol=1e-5, atol=1e-5)
+
+    model, reference = ADAPT[adapter](model), ADAPT[adapter](reference)
+    got, want = _train(model, ids), _train(reference, ids)
+    assert got[-1] < got[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    trained, expected = model.state_dict(), reference.state_dict()
+    assert sorted(trained) == sorted(n for n in expected if not n.endswith(tuple(f"{k}.weight" for k in (
+        "attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2"))))
+    for name, value in trained.items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_quantized_base_holds_a_fraction_of_the_float_bytes(checkpoints):
+    model = peft.from_quantized(checkpoints["int4"])
+    weights = [m.weight for _, m, _ in peft._named_modules(model) if isinstance(m, peft.QuantizedLinear)]
+    held, full = sum(w.nbytes for w in weights), sum(w.size * 4 for w in weights)
+    assert held / full < 0.2  # 4.25 bits an entry at block 64 (a 32-row tile: one scale per column)
+
+
+def test_bad_inputs(checkpoints):
+    with pytest.raises(tg.TileError, match=r"a checkpoint with quantized Linear weights.*none is stored quantized"):
+        peft.from_quantized(checkpoints["exact"])
+    retiled = models.ModelTiling(feature=16)
+    with pytest.raises(tg.TileError, match=r"the model's tiling to be the stored one for every quantized weight.*"
+                                           r"blocks.0.attn.q.weight: model tiles \(\(16, 16\)"):
+        peft.from_quantized(checkpoints["int8"], retiled)
+    with pytest.raises(tg.TileError, match=r"one quantized array of the tile's shape per tile"):
+        peft.QuantizedTensor(tg.Tiling.from_sizes((4, 4), (2, 4)), np.float32, {})
+    _, t, q = _setup("ragged")  # n = 7 in tiles of 3
+    with pytest.raises(tg.TileError, match=r"x's last dim and w's rows \(n\) must have the same tiles"):
+        peft.QuantizedLinear(q)(tg.from_numpy(np.ones((2, N_IN)), (2, N_IN)))
