@@ -6,7 +6,10 @@ frozen) and freezes every other parameter, so only the adapters get gradients an
 state: build the optimizer from :func:`trainable_parameters`. Each layer's forward and backward
 graphs are RunLoRA's cheapest for its shapes (:mod:`tilegraph.ops.lora`). :func:`merge_lora` folds
 the adapters into the weights; :func:`save_adapters` / :func:`load_adapters` write and read only
-the adapter tensors (a Zarr checkpoint).
+the adapter tensors (a Zarr checkpoint). :func:`apply_lotr` adds LoTR adapters instead (left and
+right factors shared by a group of same-shape layers, an r x r core per layer), and
+:func:`from_quantized` opens a quantized checkpoint whose Linear weights stay quantized, each tile
+dequantized inside the step graph where it is used (a QLoRA-style frozen base for either).
 
 >>> import numpy as np, tilegraph as tg
 >>> from tilegraph import models, peft
