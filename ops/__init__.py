@@ -11,6 +11,7 @@ from .loss import cross_entropy
 from .lora import lora_linear  # noqa: F401 - tg.ops.lora_linear (RunLoRA's choice: tilegraph.ops.lora)
 from .matmul import linear, matmul
 from .norm import layer_norm, rms_norm
+from .rmm import sketched_linear  # noqa: F401 - tg.ops.sketched_linear (randomized weight gradients: tilegraph.ops.rmm)
 from .reduce import mean, sum
 from .rope import rope
 from .shape import permute, reshape, transpose

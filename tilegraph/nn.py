@@ -217,10 +217,22 @@ class Linear(Module):
 
     ``tile`` tiles both dims; ``out_tile`` (default: ``tile``) the output dim alone, e.g. a
     vocabulary projection whose output tile differs from the feature tile.
+
+    ``grad_sketch`` ("gaussian", "rademacher", "rows", "dct" or "wta-crs"; None: exact) estimates
+    the weight gradient from a sketch of the input with ``sketch_ratio * N`` of its N rows, kept
+    instead of the input (randomized matmul, :mod:`tilegraph.ops.rmm`); ``sketch_seed`` is the
+    base seed of the sketches, which change every step. The forward and dX stay exact.
     """
 
+    grad_sketch: str | None = None  # class defaults: also for Linears made without __init__
+    sketch_ratio: float = 0.2
+    sketch_seed: int = 0
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None, out_tile=None,
-                 dtype=np.float32, seed=None, init_std: float | None = None):
+                 dtype=np.float32, seed=None, init_std: float | None = None, grad_sketch: str | None = None,
+                 sketch_ratio: float = 0.2, sketch_seed: int = 0):
+        self.grad_sketch, self.sketch_ratio, self.sketch_seed = ops.rmm.check_grad_sketch(
+            grad_sketch, sketch_ratio, sketch_seed, "tilegraph.nn.Linear")
         rng = _rng(seed)
         out_tile = tile if out_tile is None else out_tile
         if init_std is None:
@@ -238,6 +250,9 @@ class Linear(Module):
                                   name="bias")
 
     def forward(self, x: TileTensor) -> TileTensor:
+        if self.grad_sketch is not None:
+            return ops.sketched_linear(x, self.weight, self.bias, sketch=self.grad_sketch, ratio=self.sketch_ratio,
+                                       seed=self.sketch_seed)
         return ops.matmul(x, self.weight, bias=self.bias)
 
 
