@@ -39,7 +39,7 @@ from tilegraph.nn import Linear, Module, ModuleList, Parameter
 
 __all__ = ["LoRALinear", "LoTRLinear", "apply_lora", "apply_lotr", "merge_lora", "lora_layers", "lotr_layers",
            "trainable_parameters", "save_adapters", "load_adapters", "QuantizedTensor", "QuantizedLinear",
-           "from_quantized"]
+           "from_quantized", "apply_grad_sketch"]
 
 #: Hugging Face module names accepted as targets, per architecture: tilegraph keeps GPT-2's fused
 #: c_attn as separate q, k and v layers (each then gets its own rank-r adapter)
@@ -807,3 +807,11 @@ def from_quantized(path, tiling=None, *, runtime=None):
         rt.scatter_cells([c for _, layer, _ in _named_modules(model) if isinstance(layer, QuantizedLinear)
                           for c in layer.weight.cells])
     return model
+
+
+def apply_grad_sketch(model, targets, kind="gaussian", ratio=0.2, *, seed=0):
+    """Randomized-matmul weight gradients for the Linear layers of ``model`` matching ``targets``
+    (the same patterns as :func:`apply_lora`): :func:`tilegraph.sketch.apply_grad_sketch`."""
+    from tilegraph.sketch import apply_grad_sketch as apply
+
+    return apply(model, targets, kind, ratio, seed=seed)

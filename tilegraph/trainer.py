@@ -718,11 +718,22 @@ def _default_row_tile(runtime, rows: int, row_elements: int) -> int:
 PROGRESS_LOG_SECONDS = 10.0
 
 
+def _in_jupyter() -> bool:
+    """Whether this runs in a Jupyter kernel (ipykernel merely imported, by a test or a library,
+    is not one)."""
+    ipython = sys.modules.get("IPython")
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+    except Exception:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def _progress(total: int, enabled: bool):
     """The progress display of a fit: a tqdm bar on a terminal and in Jupyter, plain lines when
     stderr is a file or a pipe. (A bar redrawn seldom into a file showed, at each later write such
     as an evaluation's line or the end, the rate of its last redraw up to 10 s before.)"""
-    if enabled and not sys.stderr.isatty() and "ipykernel" not in sys.modules:
+    if enabled and not sys.stderr.isatty() and not _in_jupyter():
         return _ProgressLines(total)
     import warnings
 
