@@ -312,17 +312,22 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     _check_rank_alpha(where, rank, alpha, dropout)
     _check_choice(where, variant, choose)  # every check before the model changes
     chosen = _chosen_linears(model, targets, where)
-    too_small = [f"{name} ({m.weight.shape[0]}, {m.weight.shape[1]})" for name, (m, _) in chosen.items()
-                 if rank > min(m.weight.shape)]
-    if too_small:
-        raise TileError(where, "rank must be at most min(in, out) of every targeted layer; too small: "
-                        + ", ".join(too_small), f"rank={rank}")
+    _check_rank_fits(where, chosen, rank)
     rng = np.random.default_rng(seed)
     for p in model.parameters():
         p.requires_grad = False
     for name, (m, setter) in chosen.items():
         _replace(setter, m, LoRALinear(m, rank, alpha, variant=variant, choose=choose, seed=rng))
     return model
+
+
+def _check_rank_fits(where: str, chosen: dict, rank: int) -> None:
+    """A rank no larger than min(in, out) of every chosen layer (all the others named at once)."""
+    too_small = [f"{name} ({m.weight.shape[0]}, {m.weight.shape[1]})" for name, (m, _) in chosen.items()
+                 if rank > min(m.weight.shape)]
+    if too_small:
+        raise TileError(where, "rank must be at most min(in, out) of every targeted layer; too small: "
+                        + ", ".join(too_small), f"rank={rank}")
 
 
 def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: float = 1.0, *, variant=None,
@@ -346,11 +351,7 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
     _check_scale(where, scale)
     _check_choice(where, variant, choose)  # every check before the model changes
     chosen = _chosen_linears(model, targets, where)
-    too_small = [f"{name} ({m.weight.shape[0]}, {m.weight.shape[1]})" for name, (m, _) in chosen.items()
-                 if rank > min(m.weight.shape)]
-    if too_small:
-        raise TileError(where, "rank must be at most min(in, out) of every targeted layer; too small: "
-                        + ", ".join(too_small), f"rank={rank}")
+    _check_rank_fits(where, chosen, rank)
     groups: dict[tuple, list[str]] = {}
     for name, (m, _) in chosen.items():
         groups.setdefault(tuple(m.weight.shape), []).append(name)
