@@ -105,34 +105,42 @@ RESUME_SCRIPT = textwrap.dedent("""
     from tilegraph import models
     sys.path.insert(0, {tests!r})
     from test_zarr_checkpoint import _adamw, _lm_trainer
-    mode, path = sys.argv[1], sys.argv[2]
-    if mode == "first":
-        m = models.build("gpt2-debug", seed=0); opt = _adamw(m)
-        t = _lm_trainer(m, opt, checkpoint_dir=path, checkpoint_every=3)
-        t.fit(3)
-    else:
-        m = models.build("gpt2-debug", seed=5)   # other weights: all of them come from the checkpoint
-        opt = _adamw(m, total=99)                  # another schedule: the checkpoint's is restored
-        t = _lm_trainer(m, opt)
-        assert t.load_checkpoint(path) == 3
-        t.fit(3)
-        np.savez(sys.argv[3], **m.state_dict())
+    if __name__ == "__main__":
+        mode, workers, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        rt = tg.connect(n_workers=workers, threads_per_worker=1, dashboard=False, quiet=True) if workers else None
+        tiling = models.ModelTiling(feature=16, vocab=48)
+        if mode in ("first", "straight"):
+            m = models.build("gpt2-debug", tiling, seed=0); opt = _adamw(m)
+            t = _lm_trainer(m, opt, rt, **({{"checkpoint_dir": path, "checkpoint_every": 3}} if mode == "first" else {{}}))
+            t.fit(3 if mode == "first" else 6)
+        else:
+            m = models.build("gpt2-debug", tiling, seed=5)  # other weights: all of them come from the checkpoint
+            opt = _adamw(m, total=99)                       # another schedule: the checkpoint's is restored
+            t = _lm_trainer(m, opt, rt)
+            assert t.load_checkpoint(path) == 3
+            t.fit(3)
+        if mode != "first":
+            np.savez(sys.argv[4], **m.state_dict())
+        if rt is not None:
+            rt.close()
 """)
 
 
-def test_exact_resume_in_a_fresh_process(tmp_path):
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=[pytest.mark.distributed, pytest.mark.slow]),
+                                     pytest.param(2, marks=[pytest.mark.distributed, pytest.mark.slow])])
+def test_exact_resume_in_a_fresh_process(tmp_path, workers):
+    # 6 steps straight == 3 steps, a checkpoint, a fresh process that loads it, 3 steps: bit-exact
+    # (weights, AdamW moments, step, LR schedule, data position), here (0) and on 1 and 2 workers
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for args in (["first", str(tmp_path / "ck")],
-                 ["second", str(tmp_path / "ck" / "step-000003"), str(tmp_path / "out.npz")]):
-        run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
-                             env=env)
+    ck = tmp_path / "ck"
+    for args in (["first", ck], ["second", ck / "step-000003", tmp_path / "out.npz"],
+                 ["straight", "-", tmp_path / "want.npz"]):
+        run = subprocess.run([sys.executable, str(script), args[0], str(workers), *map(str, args[1:])],
+                             capture_output=True, text=True, timeout=300, env=env)
         assert run.returncode == 0, run.stderr[-3000:]
-    straight = models.build("gpt2-debug", seed=0)
-    _lm_trainer(straight, _adamw(straight)).fit(6)
-    got = dict(np.load(tmp_path / "out.npz"))
-    _assert_same(got, _state(straight))
+    _assert_same(dict(np.load(tmp_path / "out.npz")), dict(np.load(tmp_path / "want.npz")))
 
 
 @pytest.mark.distributed

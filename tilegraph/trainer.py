@@ -608,8 +608,12 @@ class Trainer:
         return path
 
     def _trainer_state(self) -> dict:
+        # The random state of training: a token dataset draws each step's windows from (seed, split,
+        # step) alone, so the next step and the seed are the whole data position; nothing else draws
+        # (no dropout; gradient sketches seed themselves from the weights).
         return {"batch_size": self.batch_size, "accum_steps": self.accum_steps, "run_id": self.run_id,
-                "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1}
+                "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1,
+                "rng": {"data_seed": getattr(self.data, "seed", None), "data_split": getattr(self.data, "split", None)}}
 
     def _prepare_checkpoint(self, path):
         from tilegraph.io.zarr import prepare_save
