@@ -385,3 +385,20 @@ def test_a_damaged_shard_names_the_array(tmp_path):
             shard.write_bytes(shard.read_bytes()[:-3])
         with pytest.raises(tz.CheckpointError, match=rf"'model/blocks.0.mlp.fc1.weight': {message}"):
             tg.models.from_zarr(bad)
+
+
+def test_a_resumed_run_keeps_its_run_id_and_its_history(tmp_path):
+    model = models.build("gpt2-debug", seed=0)
+    first = _lm_trainer(model, _adamw(model), log_dir=tmp_path / "run", checkpoint_dir=tmp_path / "ck",
+                        checkpoint_every=4)
+    first.fit(4)
+    again = models.build("gpt2-debug", seed=1)
+    second = _lm_trainer(again, _adamw(again), log_dir=tmp_path / "run")
+    assert second.run_id != first.run_id
+    second.load_checkpoint(tmp_path / "ck" / "step-000004")
+    assert second.run_id == first.run_id  # the run goes on under its id
+    second.fit(2)
+    steps = [r["step"] for r in second.history if "loss" in r]  # what loss.png draws: the whole run
+    assert steps == [1, 2, 3, 4, 5, 6] and {r["run"] for r in second.history} == {first.run_id}
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == steps
