@@ -9,6 +9,7 @@ import numpy as np
 from tilegraph import nn
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor, from_numpy
+from tilegraph.recompute import checkpoint
 
 from .tiling import ModelTiling
 
@@ -48,6 +49,11 @@ class CausalLM(nn.Module):
 
     #: the architecture's name in :data:`tilegraph.models.ARCHITECTURES` (and HF's ``model_type``)
     arch = ""
+    #: activation recompute: each block's backward re-runs the block's forward from its input
+    #: (:func:`tilegraph.checkpoint`), so a training step keeps one activation per block (its input)
+    #: instead of all of them, for one more forward pass of compute; settable on any model
+    #: (``model.recompute = True``, also after ``models.from_hf``)
+    recompute: bool = False
 
     def _setup(self, config, tiling: ModelTiling | None, dtype) -> ModelTiling:
         tiling = ModelTiling.default(config) if tiling is None else tiling
@@ -57,6 +63,13 @@ class CausalLM(nn.Module):
         tiling.check(config, where=f"tilegraph.models.{type(self).__name__}")
         self.config, self.tiling, self.dtype = config, tiling, np.dtype(dtype)
         return tiling
+
+    def _block(self, block: nn.Module, x: TileTensor, cache: nn.KVCache | None) -> TileTensor:
+        """One transformer block, recorded for recompute when the model trains with it (decoding
+        with a cache never recomputes: it has no backward, and the cache must grow once)."""
+        if self.recompute and cache is None:
+            return checkpoint(block, x)
+        return block(x, cache)
 
     def new_cache(self, block: int = 64) -> list[nn.KVCache]:
         """One empty :class:`tilegraph.nn.KVCache` per layer, for ``model(ids, cache=...)``: each

@@ -83,8 +83,10 @@ class GPT2(CausalLM):
 
     arch = "gpt2"
 
-    def __init__(self, config: GPT2Config, tiling: ModelTiling | None = None, *, dtype=np.float32, seed=0):
+    def __init__(self, config: GPT2Config, tiling: ModelTiling | None = None, *, dtype=np.float32, seed=0,
+                 recompute: bool = False):
         t = self._setup(config, tiling, dtype)
+        self.recompute = bool(recompute)  # see CausalLM.recompute
         rng = np.random.default_rng(seed)
         self.wte = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
                                 seed=rng, init_std=0.02)
@@ -102,7 +104,7 @@ class GPT2(CausalLM):
         ids = self._ids(ids, start)                                # (B, T)
         x = self.wte(ids) + self.wpe(self._positions(ids, start))  # (B, T, C) + (T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i])
+            x = self._block(block, x, None if cache is None else cache[i])
         x = self.ln_f(x)
         if self.lm_head is None:
             return self.wte.unembed(x)                      # (B, T, V)

@@ -90,8 +90,10 @@ class Llama(CausalLM):
 
     arch = "llama"
 
-    def __init__(self, config: LlamaConfig, tiling: ModelTiling | None = None, *, dtype=np.float32, seed=0):
+    def __init__(self, config: LlamaConfig, tiling: ModelTiling | None = None, *, dtype=np.float32, seed=0,
+                 recompute: bool = False):
         t = self._setup(config, tiling, dtype)
+        self.recompute = bool(recompute)  # see CausalLM.recompute
         rng = np.random.default_rng(seed)
         self.embed = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
                                   seed=rng, init_std=0.02)
@@ -105,7 +107,7 @@ class Llama(CausalLM):
     def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
         x = self.embed(self._ids(ids, self._start(cache)))   # (B, T, C); RoPE takes positions from the cache
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i])
+            x = self._block(block, x, None if cache is None else cache[i])
         x = self.norm(x)
         if self.lm_head is None:
             return self.embed.unembed(x)  # (B, T, V)

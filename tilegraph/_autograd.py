@@ -16,6 +16,9 @@ from tilegraph._tensor import TileTensor
 
 __all__ = ["Op", "Record", "grad"]
 
+#: one list per :func:`tilegraph.checkpoint` region being recorded: the tensors its ops make
+_REGIONS: list[list[TileTensor]] = []
+
 
 class Record:
     __slots__ = ("op", "args", "ctx", "scope")
@@ -39,6 +42,8 @@ class Op:
     def __call__(self, *args, **params) -> TileTensor:
         out, ctx = self.forward(*args, **params)
         out._record = Record(self, args, ctx)
+        if _REGIONS:
+            _REGIONS[-1].append(out)
         return out
 
     def forward(self, *args, **params):  # pragma: no cover - interface
@@ -47,15 +52,21 @@ class Op:
     def backward(self, ctx, dout: TileTensor) -> Sequence[TileTensor | None]:
         raise TileError(f"tilegraph.{self.name}", "this op has no gradient")
 
+    def vjp(self, ctx, dout: TileTensor, needed: Sequence[bool]) -> Sequence[TileTensor | None]:
+        """:meth:`backward`, told which positional arguments need a cotangent (``needed``); an op
+        whose backward can skip work for the others overrides this (a recomputed block)."""
+        return self.backward(ctx, dout)
+
     def __repr__(self) -> str:
         return f"<op {self.name}>"
 
 
-def _walk(loss: TileTensor) -> list[TileTensor]:
-    """Tensors reachable from ``loss`` through records, inputs before outputs."""
+def _walk(roots: Sequence[TileTensor], stop: set[int] = frozenset()) -> list[TileTensor]:
+    """Tensors reachable from ``roots`` through records (not past those in ``stop``), inputs
+    before outputs."""
     order: list[TileTensor] = []
     seen: set[int] = set()
-    stack: list[tuple[TileTensor, bool]] = [(loss, False)]
+    stack: list[tuple[TileTensor, bool]] = [(t, False) for t in reversed(roots)]
     while stack:
         t, expanded = stack.pop()
         if expanded:
@@ -65,7 +76,7 @@ def _walk(loss: TileTensor) -> list[TileTensor]:
             continue
         seen.add(id(t))
         stack.append((t, True))
-        if t._record is not None:
+        if t._record is not None and id(t) not in stop:
             for a in t._record.args:
                 if isinstance(a, TileTensor) and id(a) not in seen:
                     stack.append((a, False))
@@ -93,30 +104,45 @@ def grad(loss: TileTensor, inputs: Sequence[TileTensor], *, allow_unused: bool =
         if not isinstance(x, TileTensor):
             raise TileError(where, f"inputs[{i}] must be a TileTensor", type(x).__name__)
 
-    order = _walk(loss)
+    return vjp([loss], [None], inputs, allow_unused=allow_unused, where=where, single=single)
+
+
+def vjp(outputs: Sequence[TileTensor], cotangents: Sequence[TileTensor | None], inputs: Sequence[TileTensor], *,
+        leaves: Sequence[TileTensor] = (), allow_unused: bool = False, where: str = "tilegraph.grad",
+        single: bool = False):
+    """Cotangents of ``inputs`` given those of ``outputs`` (None: ones, for a scalar loss).
+
+    ``leaves`` are taken as given: the walk does not go past them into the ops that made them (a
+    recomputed block differentiates its own graph only, down to the values it was given)."""
+    stop = {id(t) for t in leaves}
+    order = _walk(outputs, stop)
     wanted = {id(x) for x in inputs}
-    # Which tensors lie on a path from an input to the loss.
+    # Which tensors lie on a path from an input to the outputs.
     needs: dict[int, bool] = {}
     for t in order:
         n = id(t) in wanted
-        if not n and t._record is not None:
+        if not n and t._record is not None and id(t) not in stop:
             n = any(isinstance(a, TileTensor) and needs.get(id(a), False) for a in t._record.args)
         needs[id(t)] = n
 
     from tilegraph import ops
 
-    cot: dict[int, TileTensor] = {id(loss): ops.ones_like(loss)}
+    cot: dict[int, TileTensor] = {}
+    for t, g in zip(outputs, cotangents):
+        g = ops.ones_like(t) if g is None else g
+        cot[id(t)] = g if id(t) not in cot else ops.add(cot[id(t)], g)
     for t in reversed(order):
         g = cot.get(id(t))
-        if g is None or t._record is None or not needs[id(t)]:
+        if g is None or t._record is None or id(t) in stop or not needs[id(t)]:
             continue
         rec = t._record
-        if not any(isinstance(a, TileTensor) and needs.get(id(a), False) for a in rec.args):
+        needed = [isinstance(a, TileTensor) and needs.get(id(a), False) for a in rec.args]
+        if not any(needed):
             continue
         with scope(f"{rec.scope.split(':')[0]}:backward"):
-            grads = rec.op.backward(rec.ctx, g)
-        for a, ga in zip(rec.args, grads):
-            if not isinstance(a, TileTensor) or ga is None or not needs.get(id(a), False):
+            grads = rec.op.vjp(rec.ctx, g, needed)
+        for a, ga, need in zip(rec.args, grads, needed):
+            if ga is None or not need:
                 continue
             if ga.shape != a.shape:
                 raise AssertionError(f"backward of {rec.op.name} returned shape {ga.shape} for input {a.shape}")
@@ -132,4 +158,3 @@ def grad(loss: TileTensor, inputs: Sequence[TileTensor], *, allow_unused: bool =
                                 "to get None for it)", repr(x))
         out.append(g)
     return out[0] if single else out
-
