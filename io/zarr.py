@@ -245,12 +245,15 @@ class PendingSave:
         futures = []
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
-            holders = client.who_has([f for f, _ in remote.values()])
+            holders = _holders(client, [f for f, _ in remote.values()])
             threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
             by_worker: dict[str | None, list] = {}
-            for fut, jobs in remote.values():
+            assigned: dict[str | None, int] = {}  # a value several workers hold: the least loaded writes it
+            for fut, jobs in sorted(remote.values(), key=lambda item: -job_bytes(item[1])):
                 on = sorted(holders.get(fut.key, ()) or ())
-                by_worker.setdefault(on[0] if on else None, []).append((fut, jobs))
+                addr = min(on, key=lambda a: (assigned.get(a, 0), a)) if on else None
+                assigned[addr] = assigned.get(addr, 0) + job_bytes(jobs)
+                by_worker.setdefault(addr, []).append((fut, jobs))
             for addr, items in by_worker.items():
                 n = max(1, min(len(items), threads.get(addr, 1)))
                 batches: list[list] = [[] for _ in range(n)]
@@ -289,7 +292,7 @@ class PendingSave:
             return []
         client = self.runtime.client
         keys = {v.key: v for values, _, _ in remote for v in values if not hasattr(v, "shape")}
-        holders = client.who_has(list(keys.values()))
+        holders = _holders(client, list(keys.values()))
         futures = []
         assigned: dict[str, int] = {}  # bytes of the shards given to each worker: ties go to the least busy
         for values, indices, spec in remote:
@@ -304,6 +307,15 @@ class PendingSave:
                                          key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
+
+
+def _holders(client, futures: list) -> dict:
+    """Which workers hold each future's value, once computed (a value still being computed has
+    no holder yet, and its write would go wherever Dask likes)."""
+    from distributed import wait
+
+    wait(futures)
+    return client.who_has(futures)
 
 
 def _is_os_error(e: BaseException) -> bool:
