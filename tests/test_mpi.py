@@ -40,10 +40,11 @@ def test_mpiexec_launch_trains(tmp_path):
 def test_mpi_needs_three_ranks(tmp_path):
     mpiexec = _mpiexec()
     code = "import tilegraph as tg; tg.connect(mpi=True)"
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "dask-mpi needs at least 3 ranks" in proc.stderr
+    for n, received in (("2", "received: 2 ranks"), ("1", "received: 1 rank\n")):
+        proc = subprocess.run([mpiexec, "-n", n, sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0
+        assert "dask-mpi needs at least 3 ranks" in proc.stderr and received in proc.stderr, proc.stderr
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -21,10 +21,12 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     except ImportError as e:
         raise TileError("tilegraph.connect(mpi=True)", "needs the mpi extra: pip install 'tilegraph[mpi]'",
                         f"ImportError: {e}") from None
+    from tilegraph._runtime import _plural
+
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 3:
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
-                        "one worker): mpiexec -n 3 or more", f"{comm.Get_size()} ranks")
+                        "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank"))
     from tilegraph._runtime import LOG_LENGTH_DASK_CONFIG, _quiet_logs, _visible_gpus
 
     if quiet:  # dask-mpi ranks log connection noise (CommClosedError) at a clean shutdown
