@@ -203,8 +203,9 @@ def test_set_overrides_any_key(tmp_path):
     check_config(cfg, "test")
     assert cfg["train"]["lr"] == 1e-3 and cfg["data"]["tokenizer"] == "byte" and cfg["output"]["dir"] == "x y"
     # another flavor drops the default flavor's shape keys (dim), as in a config file, and keeps
-    # the ones given on the command line
-    assert cfg["model"] == {"flavor": "llama-debug", "vocab_size": "tokenizer", "max_seq_len": 64, "n_layers": 4}
+    # the ones given on the command line and those of the job (init: where the weights come from)
+    assert cfg["model"] == {"flavor": "llama-debug", "vocab_size": "tokenizer", "max_seq_len": 64, "init": "",
+                            "n_layers": 4}
 
 
 def test_sigterm_stops_with_a_checkpoint_that_resumes(tmp_path):

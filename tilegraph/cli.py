@@ -19,6 +19,7 @@ import numpy as np
 
 from tilegraph._runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
+from tilegraph.ops.rmm import SKETCHES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
 
@@ -26,8 +27,12 @@ from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 DEFAULT_CONFIG = "default.toml"
 
 #: [model] keys of the shipped config that a config naming another flavor still inherits: they
-#: fit the model to the job's tokenizer and windows; the others shape the default flavor's model
-JOB_MODEL_KEYS = ("vocab_size", "max_seq_len")
+#: fit the model to the job's tokenizer and windows, or name its starting weights; the others
+#: shape the default flavor's model
+JOB_MODEL_KEYS = ("vocab_size", "max_seq_len", "init")
+
+#: [peft] method -> the keys that fix its adapters (what a resumed run must repeat)
+PEFT_METHODS = {"none": (), "lora": ("rank", "alpha", "targets"), "lotr": ("rank", "scale", "targets")}
 
 
 def load_config(path: str | None) -> tuple[dict, str]:
@@ -86,6 +91,10 @@ def _texts():
             "a non-empty list of strings")
 
 
+def _one_of(*names: str):
+    return (lambda v: isinstance(v, str) and v in names, f"one of {', '.join(map(repr, names))}")
+
+
 #: what each key of the job config must hold (checked after merging and --set, before any work)
 CONFIG_CHECKS = {
     "data.sources": _texts(), "data.patterns": _texts(), "data.max_mb": _number(0, strict=True),
@@ -102,6 +111,12 @@ CONFIG_CHECKS = {
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
     "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
+    "model.init": _text(),
+    "peft.method": _one_of(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
+    "peft.scale": _number(0, strict=True), "peft.targets": _texts(),
+    "peft.grad_sketch": _one_of("none", *SKETCHES),
+    "peft.sketch_ratio": (lambda v: _number(0, strict=True)[0](v) and v <= 1, "a number > 0 and <= 1"),
+    "peft.sketch_targets": _texts(),
 }
 
 
@@ -114,10 +129,15 @@ def check_config(cfg: dict, source: str) -> None:
         section, key = name.split(".")
         if key in cfg.get(section, {}) and not ok(cfg[section][key]):
             problems.append(f"{name} must be {want}, not {cfg[section][key]!r}")
-    t = cfg["train"]
+    t, p = cfg["train"], cfg.get("peft", {})
     if not problems and t["batch_size"] % t["accum_steps"]:
         problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
                         f"({t['accum_steps']})")
+    if not problems and p.get("method", "none") != "none" and p.get("grad_sketch", "none") != "none":
+        # a sketch replaces the weight gradient of a trained Linear; adapters freeze every base weight
+        problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "
+                        f"weight gradients of trained Linear layers, and the adapters freeze them), not "
+                        f"{p['grad_sketch']!r}")
     if problems:
         raise TileError("tilegraph train", "valid settings", f"{'; '.join(problems)} (in {source})")
 
@@ -153,6 +173,7 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
     from tilegraph._errors import TileError
 
     fields = dict(model_cfg)
+    fields.pop("init", None)  # where the weights come from, not a field: see init_model
     flavor = fields.pop("flavor", "gpt2-debug")
     base = models.config(flavor)
     if fields.get("vocab_size") == "tokenizer":
@@ -176,6 +197,225 @@ def make_tokenizer(name: str):
     from tilegraph.io import BPETokenizer, ByteTokenizer
 
     return ByteTokenizer(eos=True) if name == "byte" else BPETokenizer.load(name)
+
+
+# ----------------------------------------------------------------------------- fine-tuning ----
+#: written into every checkpoint of a run started from ``[model] init`` or with adapters: how to
+#: rebuild its model (the base, the adapters), for --resume, generate, eval and convert
+PEFT_FILE = "tilegraph_peft.json"
+
+
+def given_model_keys(cfg: dict, path: str | None, pairs: list[str]) -> dict:
+    """The [model] keys the user gave (in the config file at ``path`` or as ``--set
+    model.KEY=...``) with their values in the merged ``cfg``; not the shipped defaults, nor init."""
+    import tomllib
+
+    names = set(tomllib.loads(Path(path).read_text()).get("model", {})) if path is not None else set()
+    names |= {pair.partition("=")[0].strip().partition(".")[2] for pair in pairs
+              if pair.partition("=")[0].strip().partition(".")[0] == "model"}
+    return {k: cfg["model"][k] for k in sorted(names - {"init"}) if k in cfg["model"]}
+
+
+def adapter_settings(p: dict) -> dict:
+    """The settings that fix a run's adapters: method and, for an adapter method, its keys."""
+    return {"method": p["method"], **{k: p[k] for k in PEFT_METHODS.get(p["method"], ())}}
+
+
+def _describe(settings: dict) -> str:
+    return ", ".join(f"{k} = {v!r}" for k, v in settings.items())
+
+
+def read_peft_record(folder: Path, where: str) -> dict | None:
+    """The record :data:`PEFT_FILE` of a checkpoint (None when it has none)."""
+    from tilegraph._errors import TileError
+
+    f = folder / PEFT_FILE
+    if not f.is_file():
+        return None
+    try:
+        record = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TileError(where, f"a readable {PEFT_FILE} in the checkpoint", f"{f}: {e}") from None
+    if not isinstance(record, dict) or record.get("method") not in PEFT_METHODS \
+            or any(k not in record for k in PEFT_METHODS[record["method"]]):
+        raise TileError(where, f"a {PEFT_FILE} naming a method ({', '.join(PEFT_METHODS)}) and its settings",
+                        f"{f}: {record!r}")
+    return record
+
+
+def init_model(init: str, method: str):
+    """The model of ``[model] init`` (a Hugging Face folder or a Zarr checkpoint) and whether its
+    Linear weights stay quantized: a quantized checkpoint under adapters opens with
+    :func:`tilegraph.peft.from_quantized` (each tile dequantized where a step uses it), else it
+    loads dequantized to train every weight."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    where = "tilegraph train model.init"
+    folder = Path(init)
+    if method != "none" and (folder / "zarr.json").is_file() and read_peft_record(folder, where) is None:
+        ck = load_checkpoint(folder)
+        if any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
+            from tilegraph import peft
+
+            return peft.from_quantized(folder, runtime=None), True
+    return load_model(folder, where), False
+
+
+def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int) -> None:
+    """The [model] keys the user gave agree with the architecture of ``model`` (loaded from
+    ``init``), and it fits the job's tokenizer and windows; every disagreement in one error."""
+    import dataclasses
+
+    from tilegraph import models
+    from tilegraph._errors import TileError
+
+    cfg = model.config
+    have = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    problems = []
+    if "flavor" in given:
+        flavor = models.config(given["flavor"])  # an unknown name: the flavor list
+        if type(flavor) is not type(cfg):
+            problems.append(f"flavor = {given['flavor']!r} is a {type(flavor).__name__}, {init} a {type(cfg).__name__}")
+        else:  # its shape; the job's keys (vocab_size, max_seq_len) are checked against the job below
+            differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS and getattr(flavor, k) != have[k]]
+            if differ:
+                ours = ", ".join(f"{k} {getattr(flavor, k)}" for k in differ)
+                problems.append(f"flavor = {given['flavor']!r} has {ours}, {init} "
+                                + ", ".join(f"{k} {have[k]}" for k in differ))
+    for key, value in given.items():
+        if key == "flavor" or (key == "vocab_size" and value == "tokenizer"):
+            continue
+        if key not in have:
+            problems.append(f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})")
+        elif value != have[key]:
+            problems.append(f"{key} = {value!r}, {init} has {have[key]!r}")
+    if problems:
+        raise TileError("tilegraph train [model]", f"[model] keys that agree with model.init's {type(cfg).__name__} "
+                        "(or none: the architecture comes from the init weights)", "; ".join(problems))
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise TileError("tilegraph train [model]", f"model.init's vocab_size to hold the tokenizer's "
+                        f"{tokenizer.vocab_size} ids ([data] tokenizer)", f"{init} with vocab_size {cfg.vocab_size}")
+    if cfg.max_seq_len < seq_len:
+        raise TileError("tilegraph train [model]", "model.init's max_seq_len to be at least [data] seq_len = "
+                        f"{seq_len}", f"{init} with max_seq_len {cfg.max_seq_len}")
+
+
+def add_adapters(model, p: dict, seed: int, where: str = "tilegraph train [peft]"):
+    """Apply the [peft] adapters (``p``: method and its keys) to ``model`` in place; a target
+    matching no layer, or a rank too large for one, is an error naming the key."""
+    from tilegraph import peft
+    from tilegraph._errors import TileError
+
+    try:
+        if p["method"] == "lora":
+            peft.apply_lora(model, p["targets"], p["rank"], p["alpha"], seed=seed)
+        elif p["method"] == "lotr":
+            peft.apply_lotr(model, p["targets"], p["rank"], p["scale"], seed=seed)
+    except TileError as e:  # the message names targets or rank; only where it comes from changes
+        raise TileError(where, e.what, e.received) from None
+    return model
+
+
+def add_grad_sketch(model, p: dict, seed: int):
+    from tilegraph._errors import TileError
+    from tilegraph.sketch import apply_grad_sketch
+
+    if p["grad_sketch"] != "none":
+        try:
+            apply_grad_sketch(model, p["sketch_targets"], p["grad_sketch"], p["sketch_ratio"], seed=seed)
+        except TileError as e:
+            raise TileError("tilegraph train [peft] sketch_targets", e.what, e.received) from None
+    return model
+
+
+def resume_settings(resume: str, p: dict, init: str) -> str:
+    """The init of a resumed run (the job's, else the one its checkpoint records), after checking
+    that the job asks for the adapters the checkpoint holds."""
+    from tilegraph._errors import TileError
+
+    where = "tilegraph train --resume"
+    folder = Path(resume)
+    if not folder.is_dir():
+        return init  # check_output names the missing checkpoint
+    record = read_peft_record(folder, where)
+    job = adapter_settings(p)
+    if record is None:
+        if job["method"] != "none":
+            raise TileError(where, "a checkpoint of a run with the [peft] adapters asked for (to fine-tune a "
+                            "checkpoint with new adapters, pass it as --init)",
+                            f"{resume} holds none; {_describe(job)}")
+        return init
+    stored = adapter_settings(record)
+    if job != stored:
+        raise TileError(where, "the [peft] settings of the run that wrote the checkpoint (its adapters are "
+                        "restored as they are): pass that run's config", f"{_describe(job)} here, "
+                        f"{_describe(stored)} in {folder / PEFT_FILE}")
+    base = record.get("init") or ""
+    if init and base and Path(init).resolve() != Path(base).resolve():
+        raise TileError(where, f"model.init to be the base of the run that wrote the checkpoint ({base}), or "
+                        "left out", init)
+    return init or base
+
+
+def peft_record(p: dict, init: str, quantized_base: bool) -> dict:
+    """What :data:`PEFT_FILE` holds: the adapter settings, the base (its absolute path) and
+    whether the checkpoint holds the base weights (not when they stayed quantized: then the base
+    checkpoint must stay where it is)."""
+    return {**adapter_settings(p), "init": str(Path(init).resolve()) if init else None,
+            "base_in_checkpoint": not quantized_base}
+
+
+def _unloaded_model(ck, where: str):
+    """The model of a checkpoint's stored architecture, config and tiling, its weights not read."""
+    from tilegraph._errors import TileError
+    from tilegraph.models import ARCHITECTURES, ModelTiling
+    from tilegraph.nn import deferred_init
+
+    m = ck.info.get("model") or {}
+    if m.get("architecture") not in ARCHITECTURES:
+        raise TileError(where, f"a checkpoint of a known architecture ({', '.join(ARCHITECTURES)})",
+                        repr(m.get("architecture") or m.get("class")))
+    config_cls, model_cls = ARCHITECTURES[m["architecture"]]
+    with deferred_init():  # no random draw for weights about to be read
+        model = model_cls(config_cls(**m.get("config", {})), ModelTiling(**m["tiling"]) if m.get("tiling") else None,
+                          dtype=np.dtype(m.get("dtype", "float32")))
+    if m.get("hf_extra"):
+        model.hf_extra = dict(m["hf_extra"])
+    return model
+
+
+def adapted_model(folder: Path, record: dict, where: str):
+    """The model of a checkpoint written by an adapted run, its adapters merged into the weights
+    (plain Linear layers): the base from the checkpoint, or from the recorded base checkpoint when
+    the run kept it quantized (read dequantized), then the adapters and every stored weight."""
+    import dataclasses
+
+    from tilegraph import models, peft
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import load_checkpoint
+
+    ck = load_checkpoint(folder)
+    if record.get("base_in_checkpoint", True):
+        model = _unloaded_model(ck, where)
+    else:
+        base = record.get("init")
+        if not base or not (Path(base) / "zarr.json").is_file():
+            raise TileError(where, "the quantized base checkpoint the run was fine-tuned from (its Linear weights "
+                            "are not copied into the run's checkpoints)", f"{folder / PEFT_FILE} names {base!r}, "
+                            "which is not a checkpoint (moved or deleted?)")
+        model = models.from_zarr(base)
+        stored = (ck.info.get("model") or {}).get("config")
+        have = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as stored: tuples are lists
+        if have != stored:
+            raise TileError(where, f"the base checkpoint {base} to have the run's config", f"{stored}, the base {have}")
+    add_adapters(model, record, seed=0, where=where)
+    named = dict(model.named_parameters())
+    unexpected = [n for n in ck.parameters if n not in named]
+    if unexpected:
+        raise TileError(where, f"the arrays of {folder} to match its model and the adapters of {PEFT_FILE}",
+                        "unexpected: " + ", ".join(unexpected))
+    ck.load_into(model, strict=record.get("base_in_checkpoint", True))
+    return peft.merge_lora(model)
 
 
 # -------------------------------------------------------------------------------- commands ----
@@ -257,7 +497,7 @@ def _train(args, held: list) -> int:
 
     cfg, source = load_config(args.config)
     flags = {"train.steps": args.steps, "train.lr": args.lr, "train.batch_size": args.batch_size,
-             "train.seed": args.seed}
+             "train.seed": args.seed, "model.init": args.init}
     apply_overrides(cfg, list(args.set or []))
     for name, value in flags.items():
         if value is not None:
@@ -280,7 +520,19 @@ def _train(args, held: list) -> int:
     steps = int(t["steps"])
     out = Path(args.out or o["dir"])
     tokenizer = make_tokenizer(d["tokenizer"])
-    model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])  # bad model settings fail before any work
+    # bad model and adapter settings fail before any work
+    p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
+    if args.resume:  # the adapters of the checkpoint; its base when the job names none
+        init = resume_settings(args.resume, p, init)
+    if init:
+        model, quantized_base = init_model(init, p["method"])
+        check_init_fits(model, given_model_keys(cfg, args.config, list(args.set or [])), init, tokenizer, d["seq_len"])
+    else:
+        model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
+    add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
+    files = tokenizer_files(tokenizer)
+    if init or p["method"] != "none":
+        files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
     held.append(lock_output(out))  # then the output folder: ours alone, and no earlier run in it
     check_output(out, args.resume, steps)
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
@@ -294,22 +546,27 @@ def _train(args, held: list) -> int:
     train = TokenDataset(tok_file, d["seq_len"], split="train", val_fraction=d["val_fraction"], seed=t["seed"])
     val = TokenDataset(tok_file, d["seq_len"], split="val", val_fraction=d["val_fraction"], seed=t["seed"])
     sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
-    opt = tg.optim.AdamW(model.parameters(), lr=sched, weight_decay=t["weight_decay"],
-                         clip_grad_norm=t["clip_grad_norm"] or None)
+    opt = tg.optim.AdamW(tg.peft.trainable_parameters(model), lr=sched, weight_decay=t["weight_decay"],
+                         clip_grad_norm=t["clip_grad_norm"] or None)  # with adapters: only theirs
     if rt is None:
         rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
                         n_workers=r["workers"] or None, quiet=True, **tls)
     with rt:
-        print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters; "
-              f"{meta['count']:,} tokens from {_plural(len(sources), 'source')}; batch {t['batch_size']} x "
-              f"{d['seq_len']}, {_plural(steps, 'step')}", flush=True)
+        if quantized_base:  # the quantized tiles' parts move to the workers once, as parameters do
+            rt.scatter_cells([c for _, m, _ in tg.peft._named_modules(model)
+                              if isinstance(getattr(m, "weight", None), tg.peft.QuantizedTensor)
+                              for c in m.weight.cells])
+        print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters"
+              f"{describe_start(model, p, init, quantized_base)}; {meta['count']:,} tokens from "
+              f"{_plural(len(sources), 'source')}; batch {t['batch_size']} x {d['seq_len']}, {_plural(steps, 'step')}",
+              flush=True)
 
         trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
                              steps_per_graph=t["steps_per_graph"],
                              eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
                              log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
                              checkpoint_keep=o["checkpoint_keep"] or None,
-                             checkpoint_files=tokenizer_files(tokenizer), progress=not args.no_progress,
+                             checkpoint_files=files, progress=not args.no_progress,
                              tensorboard=o.get("tensorboard", False))
         if args.resume:
             print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
@@ -326,6 +583,9 @@ def _train(args, held: list) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        adapters = save_final_adapters(trainer, res, p)
+        if adapters:
+            print(f"adapters: {adapters}", flush=True)
         sample = ""
         if res.stopped:
             last = res.checkpoints[-1] if res.checkpoints else None
@@ -349,6 +609,35 @@ def _train(args, held: list) -> int:
     if sample:
         print(f"sample (top-k 10, temperature 0.8): {sample!r}")
     return 0
+
+
+def describe_start(model, p: dict, init: str, quantized_base: bool) -> str:
+    """What the train line says about the starting weights and the adapters ('' for neither)."""
+    from tilegraph import peft
+
+    parts = [f"from {init}" + (" (its Linear weights kept quantized)" if quantized_base else "")] if init else []
+    if p["method"] != "none":
+        trained = sum(x.size for x in peft.trainable_parameters(model))
+        parts.append(f"{p['method']} rank {p['rank']} on {', '.join(p['targets'])}: {trained:,} trained")
+    if p["grad_sketch"] != "none":
+        parts.append(f"{p['grad_sketch']} weight-gradient sketch {p['sketch_ratio']:g} on "
+                     f"{', '.join(p['sketch_targets'])}")
+    return "".join(f", {x}" for x in parts)
+
+
+def save_final_adapters(trainer, res, p: dict) -> Path | None:
+    """Write the adapters alone (:func:`tilegraph.peft.save_adapters`) into the run's last
+    checkpoint, as ``adapters/``, when that checkpoint is of the model's current step (the earlier
+    ones are written while training goes on, so the model has moved past them)."""
+    from tilegraph import peft
+
+    if p["method"] == "none" or not res.checkpoints or trainer.checkpoints is None:
+        return None
+    last = Path(res.checkpoints[-1])
+    if last != trainer.checkpoints.path(trainer.optimizer.step_count) or not last.is_dir():
+        return None
+    peft.save_adapters(last / "adapters", trainer.model)
+    return last / "adapters"
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
@@ -497,7 +786,8 @@ def cmd_eval(args) -> int:
 
 
 def load_model(folder: Path, where: str):
-    """The model of a Zarr checkpoint or of a Hugging Face folder."""
+    """The model of a Zarr checkpoint or of a Hugging Face folder; a checkpoint of a run with
+    adapters comes with them merged into its weights."""
     from tilegraph._errors import TileError
     from tilegraph import models
     from tilegraph.io.zarr import is_checkpoint
@@ -506,6 +796,9 @@ def load_model(folder: Path, where: str):
         if not folder.exists():
             raise TileError(where, "a checkpoint folder (tilegraph train) or a Hugging Face folder",
                             f"{folder} does not exist")
+        record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
+        if record is not None:  # a run from init weights or with adapters: rebuilt as it ran, merged
+            return adapted_model(folder, record, where)
         if is_checkpoint(folder) or (folder / "zarr.json").is_file():
             return models.from_zarr(folder)  # raises naming what is wrong with an incomplete one
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
@@ -561,6 +854,12 @@ def _print_checkpoint(folder: Path) -> None:
         print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}")
     if ck.metadata:
         print(f"metadata: {json.dumps(ck.metadata)}")
+    record = read_peft_record(folder, "tilegraph info")
+    if record is not None:
+        kept = record.get("base_in_checkpoint", True)
+        print(f"fine-tuning ({PEFT_FILE}): {_describe(adapter_settings(record))}; from {record.get('init')}"
+              + ("" if kept else " (its quantized Linear weights are not in this checkpoint: keep it there)")
+              + (f"; the adapters alone in {folder / 'adapters'}" if (folder / "adapters").is_dir() else ""))
     print(f"{len(ck.arrays)} arrays:")
     for name, a in ck.arrays.items():
         q = a.get("quantized")
@@ -615,6 +914,9 @@ def main(argv=None) -> int:
     tr.add_argument("--seed", type=int, default=None, help="seed of the weights and the batch order ([train] seed)")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                     help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
+    tr.add_argument("--init", default=None, metavar="PATH",
+                    help="start from pretrained weights: a Hugging Face folder (config.json + safetensors) or a "
+                         "Zarr checkpoint, quantized ones too; the architecture comes from it (overrides [model] init)")
     tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
     tr.add_argument("--resume", default=None,
                     help="a checkpoint folder to continue from: its weights, optimizer state, LR schedule (with its "
