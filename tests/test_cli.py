@@ -175,6 +175,7 @@ def test_info_lists_the_model_flavors(tmp_path):
     (["--set", "train.eval_batches=0"], r"train\.eval_batches must be an integer >= 1, not 0"),
     (["--set", "data.seq_len=2.5"], r"data\.seq_len must be an integer >= 1, not 2\.5"),
     (["--set", "runtime.mpi=1"], r"runtime\.mpi must be true or false, not 1"),
+    (["--set", "model.recompute=yes"], r"model\.recompute must be true or false, not 'yes'"),
     (["--batch-size", "6", "--set", "train.accum_steps=4"], r"train\.batch_size \(6\) must be a multiple of train\.accum_steps \(4\)"),
     (["--set", "train.nope=1"], r"\[tilegraph train --set\] section\.key=value with a known key .*received: 'train\.nope=1'"),
     (["--set", "lr"], r"received: 'lr'"),
@@ -205,7 +206,7 @@ def test_set_overrides_any_key(tmp_path):
     # another flavor drops the default flavor's shape keys (dim), as in a config file, and keeps
     # the ones given on the command line and those of the job (init: where the weights come from)
     assert cfg["model"] == {"flavor": "llama-debug", "vocab_size": "tokenizer", "max_seq_len": 64, "init": "",
-                            "n_layers": 4}
+                            "recompute": False, "n_layers": 4}
 
 
 def test_sigterm_stops_with_a_checkpoint_that_resumes(tmp_path):
@@ -256,3 +257,16 @@ def test_convert_hf_to_a_quantized_zarr_checkpoint_and_back(tmp_path):
     assert again.returncode == 2 and "does not exist yet" in again.stderr
     bad = _cli("convert", "hf", "q3", "--quantize", "int3", cwd=tmp_path)
     assert bad.returncode == 2 and "unknown quantization method" in bad.stderr and not (tmp_path / "q3").exists()
+
+
+def test_recompute_from_the_config_trains_the_same_losses(tmp_path):
+    (tmp_path / "small.toml").write_text(SMALL.replace("steps = 24", "steps = 6").replace("eval_every = 12",
+                                                                                           "eval_every = 0"))
+    runs = {}
+    for name, extra in (("plain", []), ("recompute", ["--set", "model.recompute=true"])):
+        run = _cli("train", "small.toml", "--out", name, "--no-progress", *extra, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[name] = [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                      if "loss" in json.loads(x)]
+    assert len(runs["plain"]) == 6
+    np.testing.assert_allclose(runs["recompute"], runs["plain"], rtol=1e-5)

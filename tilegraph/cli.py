@@ -29,7 +29,7 @@ DEFAULT_CONFIG = "default.toml"
 #: [model] keys of the shipped config that a config naming another flavor still inherits: they
 #: fit the model to the job's tokenizer and windows, or name its starting weights; the others
 #: shape the default flavor's model
-JOB_MODEL_KEYS = ("vocab_size", "max_seq_len", "init")
+JOB_MODEL_KEYS = ("vocab_size", "max_seq_len", "init", "recompute")
 
 #: [peft] method -> the keys that fix its adapters (what a resumed run must repeat)
 PEFT_METHODS = {"none": (), "lora": ("rank", "alpha", "targets"), "lotr": ("rank", "scale", "targets")}
@@ -111,7 +111,7 @@ CONFIG_CHECKS = {
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
     "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
-    "model.init": _text(),
+    "model.init": _text(), "model.recompute": (lambda v: isinstance(v, bool), "true or false"),
     "peft.method": _one_of(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
     "peft.scale": _number(0, strict=True), "peft.targets": _texts(),
     "peft.grad_sketch": _one_of("none", *SKETCHES),
@@ -174,6 +174,7 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
 
     fields = dict(model_cfg)
     fields.pop("init", None)  # where the weights come from, not a field: see init_model
+    fields.pop("recompute", None)  # how the backward runs, not a field
     flavor = fields.pop("flavor", "gpt2-debug")
     base = models.config(flavor)
     if fields.get("vocab_size") == "tokenizer":
@@ -213,7 +214,7 @@ def given_model_keys(cfg: dict, path: str | None, pairs: list[str]) -> dict:
     names = set(tomllib.loads(Path(path).read_text()).get("model", {})) if path is not None else set()
     names |= {pair.partition("=")[0].strip().partition(".")[2] for pair in pairs
               if pair.partition("=")[0].strip().partition(".")[0] == "model"}
-    return {k: cfg["model"][k] for k in sorted(names - {"init"}) if k in cfg["model"]}
+    return {k: cfg["model"][k] for k in sorted(names - {"init", "recompute"}) if k in cfg["model"]}
 
 
 def adapter_settings(p: dict) -> dict:
@@ -530,6 +531,7 @@ def _train(args, held: list) -> int:
     else:
         model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
     add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
+    model.recompute = bool(cfg["model"].get("recompute", False))  # each block's activations recomputed in the backward
     files = tokenizer_files(tokenizer)
     if init or p["method"] != "none":
         files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
