@@ -1,0 +1,120 @@
+"""Command line: ``tilegraph train``, ``tilegraph eval``, ``tilegraph generate``, ``tilegraph info``.
+
+``tilegraph train [CONFIG.toml]`` trains a model from a TOML config; with none, the shipped
+``examples/configs/default.toml`` trains the debug GPT-2 on the Python standard library's own
+``.py`` files (found at run time, so nothing is downloaded) on the embedded Dask cluster, shows
+the loss fall and writes a checkpoint.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# what the commands and tests use, importable from tilegraph.cli as before the package split
+from tilegraph.cli.commands import (EVAL_DEFAULT_CORPUS, cmd_convert, cmd_eval, cmd_generate, cmd_info,
+                                    load_tokenizer, stopped_text, unescape)
+from tilegraph.cli.config import (CONFIG_CHECKS, DEFAULT_CONFIG, JOB_MODEL_KEYS, PEFT_METHODS, apply_overrides,
+                                  build_model, check_config, load_config, make_tokenizer)
+from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, adapted_model, init_model, load_model,
+                                    read_peft_record)
+from tilegraph.cli.train import LOCK_NAME, check_output, cmd_train, lock_output, tokenizer_files
+from tilegraph.io.data import stdlib_files
+
+__all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_info", "load_config", "check_config",
+           "apply_overrides", "build_model", "make_tokenizer", "add_adapters", "add_grad_sketch", "adapted_model",
+           "init_model", "load_model", "read_peft_record", "load_tokenizer", "stopped_text", "unescape",
+           "tokenizer_files", "lock_output", "check_output", "stdlib_files", "CONFIG_CHECKS", "DEFAULT_CONFIG",
+           "JOB_MODEL_KEYS", "PEFT_METHODS", "PEFT_FILE", "LOCK_NAME", "EVAL_DEFAULT_CORPUS"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tilegraph", description="Train neural networks as tile graphs on Dask.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train a model from a TOML config (default: the debug GPT-2 on the stdlib "
+                                      "sources, embedded cluster)")
+    tr.add_argument("config", nargs="?", default=None,
+                    help="TOML config; its keys override the shipped examples/configs/default.toml")
+    tr.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps to run (overrides [train] steps); with --resume, steps added after "
+                         "the checkpoint's")
+    tr.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides [train] lr)")
+    tr.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step ([train] batch_size)")
+    tr.add_argument("--seed", type=int, default=None, help="seed of the weights and the batch order ([train] seed)")
+    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
+    tr.add_argument("--init", default=None, metavar="PATH",
+                    help="start from pretrained weights: a Hugging Face folder (config.json + safetensors) or a "
+                         "Zarr checkpoint, quantized ones too; the architecture comes from it (overrides [model] init)")
+    tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
+    tr.add_argument("--resume", default=None,
+                    help="a checkpoint folder to continue from: its weights, optimizer state, LR schedule (with its "
+                         "total step budget) and data position; --steps then counts the steps added")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--mpi", action="store_true",
+                    help="run under mpiexec -n N (N >= 3) on a dask-mpi cluster: rank 0 the scheduler, rank 1 "
+                         "this command, ranks >= 2 workers (overrides [runtime] mpi)")
+    for flag, what in (("--tls-ca-file", "the cluster's CA certificate"), ("--tls-cert", "this end's certificate"),
+                       ("--tls-key", "this end's private key")):
+        tr.add_argument(flag, default=None, help=f"TLS: {what}, a PEM file; with all three the connection "
+                                                 f"(and an embedded or MPI cluster) uses tls:// "
+                                                 f"(overrides [runtime] {flag[2:].replace('-', '_')})")
+    tr.set_defaults(func=cmd_train)
+    gen = sub.add_parser("generate", help="continue a prompt with a trained model (greedy, top-k, top-p; KV cache)")
+    gen.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
+    gen.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="default: up to 64, within max_seq_len")
+    gen.add_argument("--strategy", choices=["greedy", "sample", "top_k", "top_p"], default=None,
+                     help="default: greedy, or what --top-k/--top-p imply")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                     help="divide the positive logits of tokens already in the text by X, multiply the negative "
+                          "ones (Hugging Face's repetition_penalty; > 1 discourages repeats; default: 1, none)")
+    gen.add_argument("--stop", action="append", metavar="STR",
+                     help="stop once the new text contains STR; the text printed ends with it (repeatable; "
+                          "\\n and \\t are a newline and a tab)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
+    gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
+    gen.add_argument("--ids", action="store_true", help="also print the token ids")
+    gen.set_defaults(func=cmd_generate)
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a corpus (windows spread evenly "
+                                     "over it)")
+    ev.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
+    ev.add_argument("--data", nargs="+", metavar="FILES_OR_DIRS",
+                    help="text files, or folders (their *.txt, *.md, *.rst and *.py files), to evaluate on, all "
+                         "of it (default: "
+                         f"{EVAL_DEFAULT_CORPUS}, the held-out text `tilegraph train` validates on)")
+    ev.add_argument("--batches", type=int, default=64,
+                    help="batches to evaluate, their windows spread evenly over the corpus; more than it holds "
+                         "reads all of it (default: %(default)s)")
+    ev.add_argument("--batch-size", type=int, default=8, help="windows per batch (default: %(default)s)")
+    ev.add_argument("--seq-len", type=int, default=None,
+                    help="tokens per window (default: the shipped config's seq_len, at most the model's max_seq_len)")
+    ev.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
+    ev.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
+    ev.set_defaults(func=cmd_eval)
+    info = sub.add_parser("info", help="versions, devices and the model flavors; or a checkpoint's arrays, sizes, "
+                                       "quantization and metadata")
+    info.add_argument("checkpoint", nargs="?", default=None, help="a Zarr checkpoint folder to describe")
+    info.set_defaults(func=cmd_info)
+    conv = sub.add_parser("convert", help="convert between a Hugging Face folder and a Zarr checkpoint (both ways)")
+    conv.add_argument("src", help="a Hugging Face folder (config.json) or a Zarr checkpoint")
+    conv.add_argument("dst", help="the folder to write (must not exist)")
+    conv.add_argument("--to", choices=["zarr", "hf"], default=None,
+                      help="the destination format (default: the other one)")
+    conv.add_argument("--quantize", default=None, metavar="METHOD[:BITS]",
+                      help="store weight matrices quantized (fp16, bf16, int8, int4, kashin:4, auto:4, ...); "
+                           "norms and biases stay exact")
+    conv.set_defaults(func=cmd_convert)
+    args = ap.parse_args(argv)
+    from tilegraph._errors import TileError
+
+    try:
+        return args.func(args)
+    except TileError as e:  # bad input: one clear line, no traceback
+        print(f"tilegraph {args.command}: error: {e}", file=sys.stderr)
+        return 2

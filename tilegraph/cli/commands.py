@@ -1,0 +1,244 @@
+"""``tilegraph generate``, ``eval``, ``convert`` and ``info``: the commands that read checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
+from tilegraph.cli.config import load_config, make_tokenizer
+from tilegraph.cli.finetune import (PEFT_FILE, _describe, adapter_settings, load_model,
+                                    read_peft_record)
+
+
+def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph generate"):
+    """The tokenizer of a checkpoint: ``override`` (byte, or a BPE JSON path), else what
+    ``tilegraph train`` recorded in the folder, else an HF ``tokenizer.json`` there."""
+    from tilegraph._errors import TileError
+    from tilegraph.io import BPETokenizer, tokenizer_from_description
+
+    if override:
+        return make_tokenizer(override)
+    recorded = folder / "tilegraph_tokenizer.json"
+    if recorded.is_file():
+        try:
+            desc = json.loads(recorded.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise TileError(where, "a readable tokenizer description (JSON) in the checkpoint",
+                            f"{recorded}: {e}") from None
+        bpe = folder / "bpe_tokenizer.json"
+        return tokenizer_from_description(desc, bpe if bpe.is_file() else None)
+    if (folder / "tokenizer.json").is_file():
+        return BPETokenizer.load(folder / "tokenizer.json", eos=None)
+    raise TileError(where, "a tokenizer: tilegraph_tokenizer.json or tokenizer.json in the "
+                    "checkpoint folder, or --tokenizer byte|PATH", str(folder))
+
+
+def unescape(text: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` in a command-line argument as the characters they name (a
+    shell passes ``--stop '\n'`` as a backslash and an n)."""
+    import re
+
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def stopped_text(tokenizer, new_ids, stops) -> tuple[str, int]:
+    """The text of ``new_ids`` cut right after the first stop string completed in it (as
+    :func:`tilegraph.models.generate.find_stop`), and how many ids made it; all of them when no
+    stop string occurs."""
+    from tilegraph.models.generate import find_stop
+
+    for k in range(1, len(new_ids) + 1) if stops else ():
+        text = tokenizer.decode(new_ids[:k])
+        end = find_stop(text, stops)
+        if end is not None:
+            return text[:end], k
+    return tokenizer.decode(new_ids), len(new_ids)
+
+
+def cmd_generate(args) -> int:
+    import tilegraph as tg
+    from tilegraph.models.generate import generate
+
+    folder = Path(args.checkpoint)
+    tokenizer = load_tokenizer(folder, args.tokenizer)
+    model = load_model(folder, "tilegraph generate")
+    prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
+    if prompt.size == 0:
+        raise tg.TileError("tilegraph generate", "a non-empty prompt", repr(args.prompt))
+    n = args.max_new_tokens
+    if n is None:
+        n = min(64, model.config.max_seq_len - prompt.size)
+    strategy = args.strategy or ("top_k" if args.top_k and not args.top_p else "top_p" if args.top_p and not args.top_k
+                                 else "sample" if args.top_k and args.top_p else "greedy")
+    stops = [unescape(s) for s in args.stop or []]
+    eos = getattr(tokenizer, "eos_id", None)
+    with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
+        # the ids after a stop string are cut off below: any pad id will do
+        ids = generate(model, prompt[None, :], n, strategy=strategy, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed, eos_id=eos,
+                       stop=stops or None, tokenizer=tokenizer, pad_id=0 if stops and eos is None else None,
+                       runtime=rt)
+    text, kept = stopped_text(tokenizer, ids[0, prompt.size:], stops)
+    print(tokenizer.decode(prompt) + text)
+    if args.ids:
+        print(" ".join(map(str, ids[0, :prompt.size + kept].tolist())))
+    return 0
+
+
+#: the default corpus of `tilegraph eval`, as `tilegraph train` builds it with the shipped config
+EVAL_DEFAULT_CORPUS = "the shipped config's corpus (the standard library's sources), its validation split"
+
+
+def cmd_eval(args) -> int:
+    """Loss and perplexity of a checkpoint on a corpus, over windows spread evenly across it."""
+    import tempfile
+
+    import tilegraph as tg
+    from tilegraph._errors import TileError
+    from tilegraph.io import TokenDataset, build_token_file
+    from tilegraph.io.data import DEFAULT_PATTERNS
+    from tilegraph.trainer import _default_row_tile, lm_loss, perplexity
+
+    where = "tilegraph eval"
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise TileError(where, f"{flag} must be an integer >= 1", str(value))
+    folder = Path(args.checkpoint)
+    model = load_model(folder, where)
+    tokenizer = load_tokenizer(folder, args.tokenizer, where)
+    cfg = model.config
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise TileError(where, f"a tokenizer whose ids fit the model's vocab_size={cfg.vocab_size}",
+                        f"{tokenizer!r} with {tokenizer.vocab_size} ids")
+    job, _ = load_config(None)
+    d = job["data"]
+    seq_len = args.seq_len if args.seq_len is not None else min(int(d["seq_len"]), cfg.max_seq_len)
+    if seq_len > cfg.max_seq_len:
+        raise TileError(where, f"--seq-len of at most the model's max_seq_len={cfg.max_seq_len}", str(seq_len))
+    if args.data:  # the whole of the user's corpus
+        sources, split, val_fraction, what = list(args.data), "train", 0.0, "the corpus"
+        patterns = DEFAULT_PATTERNS
+    else:  # what `tilegraph train` trains on by default; only its held-out part
+        sources, split, val_fraction = stdlib_files(d["patterns"], int(d["max_mb"] * 1e6)), "val", d["val_fraction"]
+        what = f"the validation split (last {val_fraction:.0%}) of the default training corpus"
+        patterns = d["patterns"]
+    batch_size = args.batch_size
+    with tempfile.TemporaryDirectory(prefix="tilegraph-eval-") as tmp:
+        meta = build_token_file(sources, Path(tmp) / "tokens.bin", tokenizer, patterns=patterns)
+        if meta["count"] < seq_len + 1 or (meta["count"] - 1) // seq_len < batch_size:
+            raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
+                            f"{seq_len + 1} tokens", f"{meta['count']:,} tokens from {len(sources)} source(s)")
+        ds = TokenDataset(Path(tmp) / "tokens.bin", seq_len, split=split, val_fraction=val_fraction)
+        batches = ds.eval_offsets(batch_size, args.batches)
+        windows = len(batches) * batch_size
+        print(f"tilegraph eval: {type(model).__name__} ({model.num_parameters():,} parameters) from {folder}; "
+              f"{what}: {ds.hi - ds.lo:,} tokens, {windows:,} windows of {seq_len} spread over "
+              f"{'all of it' if windows == ds.num_eval_windows else 'it'} "
+              f"({windows * seq_len / (ds.hi - ds.lo):.1%} of its tokens)", flush=True)
+        with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
+            rows = getattr(model.tiling, "batch", None) or _default_row_tile(rt, batch_size, seq_len * cfg.dim)
+            seq_tile = getattr(model.tiling, "seq", None)
+            ev = tg.EvalStep(model, lambda m, offsets: lm_loss(m, *ds.tensors(offsets, seq_tile=seq_tile)),
+                             batch_tiles=[(min(rows, batch_size),)], runtime=rt)
+            loss = float(np.mean(ev.losses([(b,) for b in batches])))
+    print(f"loss {loss:.4f}, perplexity {perplexity(loss):.3f}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """HF folder <-> Zarr checkpoint, optionally quantized."""
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import save_checkpoint
+
+    src, dst = Path(args.src), Path(args.dst)
+    where = "tilegraph convert"
+    if dst.exists():
+        raise TileError(where, "a destination that does not exist yet (nothing is overwritten)", f"{dst} exists")
+    model = load_model(src, where)
+    files = {}
+    for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            files[name] = (src / name).read_bytes()
+    to_zarr = args.to == "zarr" if args.to else (src / "config.json").is_file() and not (src / "zarr.json").is_file()
+    if to_zarr:
+        save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
+    else:
+        if args.quantize:
+            raise TileError(where, "--quantize applies to a Zarr destination (a Hugging Face folder holds the "
+                            "dequantized weights)", f"--quantize {args.quantize} with --to hf")
+        model.to_hf(dst)
+        for name, data in files.items():
+            (dst / name).write_bytes(data)
+    print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}"
+          + (f", quantized {args.quantize}" if args.quantize else "") + ")")
+    return 0
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _print_checkpoint(folder: Path) -> None:
+    from tilegraph.io.zarr import load_checkpoint
+
+    ck = load_checkpoint(folder)
+    info = ck.info
+    model = info.get("model") or {}
+    print(f"checkpoint {folder}: step {ck.step}, format {info['format']} v{info['version']}, created "
+          f"{info.get('created')}, {_size(folder) / 1e6:,.2f} MB on disk")
+    if model.get("architecture"):
+        print(f"model: {model['architecture']} {model.get('config')} tiling {model.get('tiling')}")
+    opt = ck.optimizer_info
+    if opt:
+        print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}")
+    if ck.metadata:
+        print(f"metadata: {json.dumps(ck.metadata)}")
+    record = read_peft_record(folder, "tilegraph info")
+    if record is not None:
+        kept = record.get("base_in_checkpoint", True)
+        print(f"fine-tuning ({PEFT_FILE}): {_describe(adapter_settings(record))}; from {record.get('init')}"
+              + ("" if kept else " (its quantized Linear weights are not in this checkpoint: keep it there)")
+              + (f"; the adapters alone in {folder / 'adapters'}" if (folder / "adapters").is_dir() else ""))
+    print(f"{len(ck.arrays)} arrays:")
+    for name, a in ck.arrays.items():
+        q = a.get("quantized")
+        how = f"{q['method']}" + (f":{q['bits']}" if q.get("bits") else "") if q else a["dtype"]
+        size = _size(folder / name)
+        print(f"  {name:48} {'x'.join(map(str, a['shape'])):>14} {how:>9} {size / 1e6:9.3f} MB  tiles "
+              f"{'x'.join(str(len(c)) for c in a['tiles'])}")
+
+
+def cmd_info(args) -> int:
+    if args.checkpoint:
+        _print_checkpoint(Path(args.checkpoint))
+        return 0
+    import dask
+    import distributed
+    import numba
+
+    import tilegraph as tg
+
+    print(f"tilegraph {tg.__version__}")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, dask {dask.__version__}, "
+          f"distributed {distributed.__version__}, numba {numba.__version__}")
+    try:
+        import cupy
+
+        print(f"cupy {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} CUDA device(s)")
+    except Exception as e:  # the GPU extra is optional
+        print(f"cupy: not available ({type(e).__name__})")
+    print(f"cpu cores: {os.cpu_count()}")
+    from tilegraph import models
+
+    print("model flavors ([model] flavor = ...):")
+    for name in models.FLAVORS:
+        c = models.config(name)
+        print(f"  {name:15} {type(c).__name__:12} {c.n_layers} layers x {c.dim} wide, {c.n_heads} heads, "
+              f"vocab {c.vocab_size:,}, max_seq_len {c.max_seq_len}")
+    return 0

@@ -1,0 +1,186 @@
+"""The job config of ``tilegraph train``: the shipped default, a user's TOML merged key by key,
+``--set`` overrides, the checks of every key, and the model and tokenizer it describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tilegraph.ops.rmm import SKETCHES
+from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
+
+
+# ---------------------------------------------------------------------------------- config ----
+DEFAULT_CONFIG = "default.toml"
+
+#: [model] keys of the shipped config that a config naming another flavor still inherits: they
+#: fit the model to the job's tokenizer and windows, or name its starting weights; the others
+#: shape the default flavor's model
+JOB_MODEL_KEYS = ("vocab_size", "max_seq_len", "init", "recompute")
+
+#: [peft] method -> the keys that fix its adapters (what a resumed run must repeat)
+PEFT_METHODS = {"none": (), "lora": ("rank", "alpha", "targets"), "lotr": ("rank", "scale", "targets")}
+
+
+def load_config(path: str | None) -> tuple[dict, str]:
+    """The job's settings: the shipped default config updated with the file at ``path``."""
+    import importlib.resources
+    import tomllib
+
+    from tilegraph._errors import TileError
+
+    text = (importlib.resources.files("tilegraph.configs") / DEFAULT_CONFIG).read_text()
+    cfg = tomllib.loads(text)
+    source = f"shipped {DEFAULT_CONFIG} (examples/configs/)"
+    if path is not None:
+        try:
+            user = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise TileError("tilegraph train", "an existing TOML config file", path) from None
+        except tomllib.TOMLDecodeError as e:
+            raise TileError("tilegraph train", "a valid TOML config file", f"{path}: {e}") from None
+        unknown = [f"[{k}]" for k in user if k not in cfg]
+        unknown += [f"{k}.{f}" for k, v in user.items() if k in cfg and k != "model" and isinstance(v, dict)
+                    for f in v if f not in cfg[k]]
+        if unknown:
+            raise TileError("tilegraph train", f"only known sections and keys ({', '.join(f'[{k}]' for k in cfg)})",
+                            f"unknown {', '.join(unknown)} in {path}")
+        model = user.get("model", {})
+        if model.get("flavor", cfg["model"]["flavor"]) != cfg["model"]["flavor"]:
+            # another flavor: the default's shape keys (dim, ...) describe the default flavor's
+            # model, not this one; only the keys that describe the job carry over
+            cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
+        for k, v in user.items():
+            cfg[k] = {**cfg[k], **v}
+        source = path
+    return cfg, source
+
+
+def _int(low: int):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}")
+
+
+def _number(low: float, strict: bool = False, high: float | None = None):
+    def ok(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            return False
+        return (v > low if strict else v >= low) and (high is None or v < high)
+    bounds = f"{'>' if strict else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
+    return ok, f"a number {bounds}"
+
+
+def _text():
+    return (lambda v: isinstance(v, str), "a string")
+
+
+def _texts():
+    return (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v),
+            "a non-empty list of strings")
+
+
+def _one_of(*names: str):
+    return (lambda v: isinstance(v, str) and v in names, f"one of {', '.join(map(repr, names))}")
+
+
+#: what each key of the job config must hold (checked after merging and --set, before any work)
+CONFIG_CHECKS = {
+    "data.sources": _texts(), "data.patterns": _texts(), "data.max_mb": _number(0, strict=True),
+    "data.tokenizer": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, high=1),
+    "train.steps": _int(1), "train.batch_size": _int(1), "train.accum_steps": _int(1),
+    "train.steps_per_graph": (lambda v: v == "auto" or _int(1)[0](v), '"auto" or an integer >= 1'),
+    "train.lr": _number(0, strict=True), "train.warmup": _int(0), "train.min_lr": _number(0),
+    "train.weight_decay": _number(0), "train.clip_grad_norm": _number(0), "train.eval_every": _int(0),
+    "train.eval_batches": _int(1), "train.seed": _int(0),
+    "output.dir": _text(), "output.checkpoint_every": _int(0),
+    "output.checkpoint_keep": _int(0),
+    "output.tensorboard": (lambda v: v is False or (v is True and has_tensorboard()),
+                           f"false, or true with TensorBoard installed ({TENSORBOARD_INSTALL})"),
+    "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
+    "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
+    "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
+    "model.init": _text(), "model.recompute": (lambda v: isinstance(v, bool), "true or false"),
+    "peft.method": _one_of(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
+    "peft.scale": _number(0, strict=True), "peft.targets": _texts(),
+    "peft.grad_sketch": _one_of("none", *SKETCHES),
+    "peft.sketch_ratio": (lambda v: _number(0, strict=True)[0](v) and v <= 1, "a number > 0 and <= 1"),
+    "peft.sketch_targets": _texts(),
+}
+
+
+def check_config(cfg: dict, source: str) -> None:
+    """Every known key holds what it must; all problems in one error."""
+    from tilegraph._errors import TileError
+
+    problems = []
+    for name, (ok, want) in CONFIG_CHECKS.items():
+        section, key = name.split(".")
+        if key in cfg.get(section, {}) and not ok(cfg[section][key]):
+            problems.append(f"{name} must be {want}, not {cfg[section][key]!r}")
+    t, p = cfg["train"], cfg.get("peft", {})
+    if not problems and t["batch_size"] % t["accum_steps"]:
+        problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
+                        f"({t['accum_steps']})")
+    if not problems and p.get("method", "none") != "none" and p.get("grad_sketch", "none") != "none":
+        # a sketch replaces the weight gradient of a trained Linear; adapters freeze every base weight
+        problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "
+                        f"weight gradients of trained Linear layers, and the adapters freeze them), not "
+                        f"{p['grad_sketch']!r}")
+    if problems:
+        raise TileError("tilegraph train", "valid settings", f"{'; '.join(problems)} (in {source})")
+
+
+def apply_overrides(cfg: dict, pairs: list[str]) -> None:
+    """``--set section.key=value`` (the value as TOML: 1e-3, 4, true, "text"; a bare word is a
+    string)."""
+    import tomllib
+
+    from tilegraph._errors import TileError
+
+    # a flavor first: switching it drops the default flavor's shape keys, never the ones given here
+    for pair in sorted(pairs, key=lambda p: p.partition("=")[0].strip() != "model.flavor"):
+        name, eq, text = pair.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not eq or not dot or section not in cfg or (key not in cfg[section] and section != "model"):
+            known = ", ".join(f"{s}.{k}" for s, keys in cfg.items() for k in keys)
+            raise TileError("tilegraph train --set", f"section.key=value with a known key ({known})", repr(pair))
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        if (section, key) == ("model", "flavor") and value != cfg["model"].get("flavor"):
+            # as in a config file: another flavor keeps only the keys that fit the job
+            cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
+        cfg[section][key] = value
+
+
+def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = None):
+    import dataclasses
+
+    from tilegraph import models
+    from tilegraph._errors import TileError
+
+    fields = dict(model_cfg)
+    fields.pop("init", None)  # where the weights come from, not a field: see init_model
+    fields.pop("recompute", None)  # how the backward runs, not a field
+    flavor = fields.pop("flavor", "gpt2-debug")
+    base = models.config(flavor)
+    if fields.get("vocab_size") == "tokenizer":
+        fields["vocab_size"] = tokenizer.vocab_size
+    known = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
+                        f"unknown {', '.join(unknown)}")
+    cfg = dataclasses.replace(base, **fields)
+    if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id
+        raise TileError("tilegraph train [model]", f"vocab_size of at least the tokenizer's {tokenizer.vocab_size} "
+                        "(or vocab_size = \"tokenizer\")", f"{flavor} with vocab_size {cfg.vocab_size}")
+    if seq_len is not None and cfg.max_seq_len < seq_len:
+        raise TileError("tilegraph train [model]", f"max_seq_len of at least [data] seq_len = {seq_len}",
+                        f"{flavor} with max_seq_len {cfg.max_seq_len}")
+    return models.build(cfg, seed=seed)
+
+
+def make_tokenizer(name: str):
+    from tilegraph.io import BPETokenizer, ByteTokenizer
+
+    return ByteTokenizer(eos=True) if name == "byte" else BPETokenizer.load(name)

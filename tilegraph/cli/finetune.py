@@ -1,0 +1,251 @@
+"""Fine-tuning in ``tilegraph train``: starting weights (``[model] init``), adapters and gradient
+sketches (``[peft]``), and the record a checkpoint of such a run keeps to rebuild its model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tilegraph.cli.config import JOB_MODEL_KEYS, PEFT_METHODS
+
+
+# ----------------------------------------------------------------------------- fine-tuning ----
+#: written into every checkpoint of a run started from ``[model] init`` or with adapters: how to
+#: rebuild its model (the base, the adapters), for --resume, generate, eval and convert
+PEFT_FILE = "tilegraph_peft.json"
+
+
+def given_model_keys(cfg: dict, path: str | None, pairs: list[str]) -> dict:
+    """The [model] keys the user gave (in the config file at ``path`` or as ``--set
+    model.KEY=...``) with their values in the merged ``cfg``; not the shipped defaults, nor init."""
+    import tomllib
+
+    names = set(tomllib.loads(Path(path).read_text()).get("model", {})) if path is not None else set()
+    names |= {pair.partition("=")[0].strip().partition(".")[2] for pair in pairs
+              if pair.partition("=")[0].strip().partition(".")[0] == "model"}
+    return {k: cfg["model"][k] for k in sorted(names - {"init", "recompute"}) if k in cfg["model"]}
+
+
+def adapter_settings(p: dict) -> dict:
+    """The settings that fix a run's adapters: method and, for an adapter method, its keys."""
+    return {"method": p["method"], **{k: p[k] for k in PEFT_METHODS.get(p["method"], ())}}
+
+
+def _describe(settings: dict) -> str:
+    return ", ".join(f"{k} = {v!r}" for k, v in settings.items())
+
+
+def read_peft_record(folder: Path, where: str) -> dict | None:
+    """The record :data:`PEFT_FILE` of a checkpoint (None when it has none)."""
+    from tilegraph._errors import TileError
+
+    f = folder / PEFT_FILE
+    if not f.is_file():
+        return None
+    try:
+        record = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TileError(where, f"a readable {PEFT_FILE} in the checkpoint", f"{f}: {e}") from None
+    if not isinstance(record, dict) or record.get("method") not in PEFT_METHODS \
+            or any(k not in record for k in PEFT_METHODS[record["method"]]):
+        raise TileError(where, f"a {PEFT_FILE} naming a method ({', '.join(PEFT_METHODS)}) and its settings",
+                        f"{f}: {record!r}")
+    return record
+
+
+def init_model(init: str, method: str):
+    """The model of ``[model] init`` (a Hugging Face folder or a Zarr checkpoint) and whether its
+    Linear weights stay quantized: a quantized checkpoint under adapters opens with
+    :func:`tilegraph.peft.from_quantized` (each tile dequantized where a step uses it), else it
+    loads dequantized to train every weight."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    where = "tilegraph train model.init"
+    folder = Path(init)
+    if method != "none" and (folder / "zarr.json").is_file() and read_peft_record(folder, where) is None:
+        ck = load_checkpoint(folder)
+        if any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
+            from tilegraph import peft
+
+            return peft.from_quantized(folder, runtime=None), True
+    return load_model(folder, where), False
+
+
+def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int) -> None:
+    """The [model] keys the user gave agree with the architecture of ``model`` (loaded from
+    ``init``), and it fits the job's tokenizer and windows; every disagreement in one error."""
+    import dataclasses
+
+    from tilegraph import models
+    from tilegraph._errors import TileError
+
+    cfg = model.config
+    have = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    problems = []
+    if "flavor" in given:
+        flavor = models.config(given["flavor"])  # an unknown name: the flavor list
+        if type(flavor) is not type(cfg):
+            problems.append(f"flavor = {given['flavor']!r} is a {type(flavor).__name__}, {init} a {type(cfg).__name__}")
+        else:  # its shape; the job's keys (vocab_size, max_seq_len) are checked against the job below
+            differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS and getattr(flavor, k) != have[k]]
+            if differ:
+                ours = ", ".join(f"{k} {getattr(flavor, k)}" for k in differ)
+                problems.append(f"flavor = {given['flavor']!r} has {ours}, {init} "
+                                + ", ".join(f"{k} {have[k]}" for k in differ))
+    for key, value in given.items():
+        if key == "flavor" or (key == "vocab_size" and value == "tokenizer"):
+            continue
+        if key not in have:
+            problems.append(f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})")
+        elif value != have[key]:
+            problems.append(f"{key} = {value!r}, {init} has {have[key]!r}")
+    if problems:
+        raise TileError("tilegraph train [model]", f"[model] keys that agree with model.init's {type(cfg).__name__} "
+                        "(or none: the architecture comes from the init weights)", "; ".join(problems))
+    if cfg.vocab_size < tokenizer.vocab_size:
+        raise TileError("tilegraph train [model]", f"model.init's vocab_size to hold the tokenizer's "
+                        f"{tokenizer.vocab_size} ids ([data] tokenizer)", f"{init} with vocab_size {cfg.vocab_size}")
+    if cfg.max_seq_len < seq_len:
+        raise TileError("tilegraph train [model]", "model.init's max_seq_len to be at least [data] seq_len = "
+                        f"{seq_len}", f"{init} with max_seq_len {cfg.max_seq_len}")
+
+
+def add_adapters(model, p: dict, seed: int, where: str = "tilegraph train [peft]"):
+    """Apply the [peft] adapters (``p``: method and its keys) to ``model`` in place; a target
+    matching no layer, or a rank too large for one, is an error naming the key."""
+    from tilegraph import peft
+    from tilegraph._errors import TileError
+
+    try:
+        if p["method"] == "lora":
+            peft.apply_lora(model, p["targets"], p["rank"], p["alpha"], seed=seed)
+        elif p["method"] == "lotr":
+            peft.apply_lotr(model, p["targets"], p["rank"], p["scale"], seed=seed)
+    except TileError as e:  # the message names targets or rank; only where it comes from changes
+        raise TileError(where, e.what, e.received) from None
+    return model
+
+
+def add_grad_sketch(model, p: dict, seed: int):
+    from tilegraph._errors import TileError
+    from tilegraph.sketch import apply_grad_sketch
+
+    if p["grad_sketch"] != "none":
+        try:
+            apply_grad_sketch(model, p["sketch_targets"], p["grad_sketch"], p["sketch_ratio"], seed=seed)
+        except TileError as e:
+            raise TileError("tilegraph train [peft] sketch_targets", e.what, e.received) from None
+    return model
+
+
+def resume_settings(resume: str, p: dict, init: str) -> str:
+    """The init of a resumed run (the job's, else the one its checkpoint records), after checking
+    that the job asks for the adapters the checkpoint holds."""
+    from tilegraph._errors import TileError
+
+    where = "tilegraph train --resume"
+    folder = Path(resume)
+    if not folder.is_dir():
+        return init  # check_output names the missing checkpoint
+    record = read_peft_record(folder, where)
+    job = adapter_settings(p)
+    if record is None:
+        if job["method"] != "none":
+            raise TileError(where, "a checkpoint of a run with the [peft] adapters asked for (to fine-tune a "
+                            "checkpoint with new adapters, pass it as --init)",
+                            f"{resume} holds none; {_describe(job)}")
+        return init
+    stored = adapter_settings(record)
+    if job != stored:
+        raise TileError(where, "the [peft] settings of the run that wrote the checkpoint (its adapters are "
+                        "restored as they are): pass that run's config", f"{_describe(job)} here, "
+                        f"{_describe(stored)} in {folder / PEFT_FILE}")
+    base = record.get("init") or ""
+    if init and base and Path(init).resolve() != Path(base).resolve():
+        raise TileError(where, f"model.init to be the base of the run that wrote the checkpoint ({base}), or "
+                        "left out", init)
+    return init or base
+
+
+def peft_record(p: dict, init: str, quantized_base: bool) -> dict:
+    """What :data:`PEFT_FILE` holds: the adapter settings, the base (its absolute path) and
+    whether the checkpoint holds the base weights (not when they stayed quantized: then the base
+    checkpoint must stay where it is)."""
+    return {**adapter_settings(p), "init": str(Path(init).resolve()) if init else None,
+            "base_in_checkpoint": not quantized_base}
+
+
+def _unloaded_model(ck, where: str):
+    """The model of a checkpoint's stored architecture, config and tiling, its weights not read."""
+    from tilegraph._errors import TileError
+    from tilegraph.models import ARCHITECTURES, ModelTiling
+    from tilegraph.nn import deferred_init
+
+    m = ck.info.get("model") or {}
+    if m.get("architecture") not in ARCHITECTURES:
+        raise TileError(where, f"a checkpoint of a known architecture ({', '.join(ARCHITECTURES)})",
+                        repr(m.get("architecture") or m.get("class")))
+    config_cls, model_cls = ARCHITECTURES[m["architecture"]]
+    with deferred_init():  # no random draw for weights about to be read
+        model = model_cls(config_cls(**m.get("config", {})), ModelTiling(**m["tiling"]) if m.get("tiling") else None,
+                          dtype=np.dtype(m.get("dtype", "float32")))
+    if m.get("hf_extra"):
+        model.hf_extra = dict(m["hf_extra"])
+    return model
+
+
+def adapted_model(folder: Path, record: dict, where: str):
+    """The model of a checkpoint written by an adapted run, its adapters merged into the weights
+    (plain Linear layers): the base from the checkpoint, or from the recorded base checkpoint when
+    the run kept it quantized (read dequantized), then the adapters and every stored weight."""
+    import dataclasses
+
+    from tilegraph import models, peft
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import load_checkpoint
+
+    ck = load_checkpoint(folder)
+    if record.get("base_in_checkpoint", True):
+        model = _unloaded_model(ck, where)
+    else:
+        base = record.get("init")
+        if not base or not (Path(base) / "zarr.json").is_file():
+            raise TileError(where, "the quantized base checkpoint the run was fine-tuned from (its Linear weights "
+                            "are not copied into the run's checkpoints)", f"{folder / PEFT_FILE} names {base!r}, "
+                            "which is not a checkpoint (moved or deleted?)")
+        model = models.from_zarr(base)
+        stored = (ck.info.get("model") or {}).get("config")
+        have = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as stored: tuples are lists
+        if have != stored:
+            raise TileError(where, f"the base checkpoint {base} to have the run's config", f"{stored}, the base {have}")
+    add_adapters(model, record, seed=0, where=where)
+    named = dict(model.named_parameters())
+    unexpected = [n for n in ck.parameters if n not in named]
+    if unexpected:
+        raise TileError(where, f"the arrays of {folder} to match its model and the adapters of {PEFT_FILE}",
+                        "unexpected: " + ", ".join(unexpected))
+    ck.load_into(model, strict=record.get("base_in_checkpoint", True))
+    return peft.merge_lora(model)
+
+
+def load_model(folder: Path, where: str):
+    """The model of a Zarr checkpoint or of a Hugging Face folder; a checkpoint of a run with
+    adapters comes with them merged into its weights."""
+    from tilegraph._errors import TileError
+    from tilegraph import models
+    from tilegraph.io.zarr import is_checkpoint
+
+    if (folder / "zarr.json").is_file() or not (folder / "config.json").is_file():
+        if not folder.exists():
+            raise TileError(where, "a checkpoint folder (tilegraph train) or a Hugging Face folder",
+                            f"{folder} does not exist")
+        record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
+        if record is not None:  # a run from init weights or with adapters: rebuilt as it ran, merged
+            return adapted_model(folder, record, where)
+        if is_checkpoint(folder) or (folder / "zarr.json").is_file():
+            return models.from_zarr(folder)  # raises naming what is wrong with an incomplete one
+        raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
+                        f"{folder} holds neither")
+    return models.from_hf(folder)

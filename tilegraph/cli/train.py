@@ -1,0 +1,250 @@
+"""``tilegraph train``: one run per output folder, the training job itself, what its checkpoints
+carry (the tokenizer, the adapters)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tilegraph._runtime import _plural
+from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
+from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
+from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, check_init_fits, given_model_keys,
+                                    init_model, peft_record, resume_settings)
+
+
+# -------------------------------------------------------------------------------- commands ----
+LOCK_NAME = ".tilegraph.lock"
+
+
+def lock_output(out: Path):
+    """Take ``out`` for this process (a lock file naming it); returns the release function. A
+    folder locked by a live process is refused, naming it; a lock whose process is gone is taken
+    over."""
+    import socket
+
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import process_alive
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / LOCK_NAME
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                held = json.loads(lock.read_text())
+                pid, host = int(held["pid"]), str(held["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, host = None, me["host"]
+            if pid is not None and (host != me["host"] or process_alive(pid)):
+                raise TileError("tilegraph train", f"an output folder no other run is using; {out} is in use by "
+                                f"tilegraph train (pid {pid} on {host}): wait for it, or pass another --out",
+                                str(lock)) from None
+            lock.unlink(missing_ok=True)  # its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return lambda: lock.unlink(missing_ok=True)
+    raise TileError("tilegraph train", "a lock on the output folder", f"{lock} could not be taken")
+
+
+def check_output(out: Path, resume: str | None, steps: int) -> int | None:
+    """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
+    returns the step of the ``resume`` checkpoint (None without one)."""
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import load_checkpoint
+
+    ckdir = out / "checkpoints"
+    found = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) if ckdir.is_dir() else []
+    if resume is None:
+        if found or (out / "metrics.jsonl").exists():
+            what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
+                                         f"checkpoints {found[0]}..{found[-1]}" if found else ""] if x)
+            hint = f" (--resume {ckdir / found[-1]} continues it)" if found else ""
+            raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds one ({what}): "
+                            f"pass --resume CHECKPOINT to continue it{hint}, or another --out", str(out))
+        return None
+    step = load_checkpoint(resume).step
+    clash = [n for n in found if n.split("-", 1)[1].isdigit() and step < int(n.split("-", 1)[1]) <= step + steps]
+    if clash:
+        raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
+                        f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
+                        f"--resume {resume} --steps {steps}")
+    return step
+
+
+def cmd_train(args) -> int:
+    held: list = []  # release functions (the output lock)
+    try:
+        return _train(args, held)
+    finally:
+        for release in held:
+            release()
+
+
+def _train(args, held: list) -> int:
+    import signal
+
+    import tilegraph as tg
+    from tilegraph.io import TokenDataset, build_token_file
+
+    cfg, source = load_config(args.config)
+    flags = {"train.steps": args.steps, "train.lr": args.lr, "train.batch_size": args.batch_size,
+             "train.seed": args.seed, "model.init": args.init}
+    apply_overrides(cfg, list(args.set or []))
+    for name, value in flags.items():
+        if value is not None:
+            section, key = name.split(".")
+            cfg[section][key] = value
+    if args.set or any(v is not None for v in flags.values()):
+        source += " and the command line"
+    check_config(cfg, source)
+    d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
+    rt = None
+    # TLS files: the flags override [runtime]; "" is off (connect checks them before connecting)
+    tls = {k: getattr(args, k) or r.get(k) or None for k in ("tls_ca_file", "tls_cert", "tls_key")}
+    from tilegraph._runtime import _tls_files
+
+    _tls_files("tilegraph train [runtime]", *tls.values())  # wrong files stop before the data is read
+    if args.mpi or r["mpi"]:
+        # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
+        # returns only on rank 1, which runs the rest (so only it reads data and writes files).
+        rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
+    steps = int(t["steps"])
+    out = Path(args.out or o["dir"])
+    tokenizer = make_tokenizer(d["tokenizer"])
+    # bad model and adapter settings fail before any work
+    p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
+    if args.resume:  # the adapters of the checkpoint; its base when the job names none
+        init = resume_settings(args.resume, p, init)
+    if init:
+        model, quantized_base = init_model(init, p["method"])
+        check_init_fits(model, given_model_keys(cfg, args.config, list(args.set or [])), init, tokenizer, d["seq_len"])
+    else:
+        model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
+    add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
+    model.recompute = bool(cfg["model"].get("recompute", False))  # each block's activations recomputed in the backward
+    files = tokenizer_files(tokenizer)
+    if init or p["method"] != "none":
+        files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
+    held.append(lock_output(out))  # then the output folder: ours alone, and no earlier run in it
+    check_output(out, args.resume, steps)
+    if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
+        model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
+    out.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for s in d["sources"]:
+        sources += stdlib_files(d["patterns"], int(d["max_mb"] * 1e6)) if s == "stdlib" else [s]
+    tok_file = out / "tokens.bin"
+    meta = build_token_file(sources, tok_file, tokenizer, patterns=d["patterns"])
+    train = TokenDataset(tok_file, d["seq_len"], split="train", val_fraction=d["val_fraction"], seed=t["seed"])
+    val = TokenDataset(tok_file, d["seq_len"], split="val", val_fraction=d["val_fraction"], seed=t["seed"])
+    sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
+    opt = tg.optim.AdamW(tg.peft.trainable_parameters(model), lr=sched, weight_decay=t["weight_decay"],
+                         clip_grad_norm=t["clip_grad_norm"] or None)  # with adapters: only theirs
+    if rt is None:
+        rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
+                        n_workers=r["workers"] or None, quiet=True, **tls)
+    with rt:
+        if quantized_base:  # the quantized tiles' parts move to the workers once, as parameters do
+            rt.scatter_cells([c for _, m, _ in tg.peft._named_modules(model)
+                              if isinstance(getattr(m, "weight", None), tg.peft.QuantizedTensor)
+                              for c in m.weight.cells])
+        print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters"
+              f"{describe_start(model, p, init, quantized_base)}; {meta['count']:,} tokens from "
+              f"{_plural(len(sources), 'source')}; batch {t['batch_size']} x {d['seq_len']}, {_plural(steps, 'step')}",
+              flush=True)
+
+        trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
+                             steps_per_graph=t["steps_per_graph"],
+                             eval_data=val, eval_every=t["eval_every"], eval_batches=t["eval_batches"],
+                             log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
+                             checkpoint_keep=o["checkpoint_keep"] or None,
+                             checkpoint_files=files, progress=not args.no_progress,
+                             tensorboard=o.get("tensorboard", False))
+        if args.resume:
+            print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
+
+        def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
+            trainer.request_stop()
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+            print(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way and writing "
+                  "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            res = trainer.fit(steps)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        adapters = save_final_adapters(trainer, res, p)
+        if adapters:
+            print(f"adapters: {adapters}", flush=True)
+        sample = ""
+        if res.stopped:
+            last = res.checkpoints[-1] if res.checkpoints else None
+            print(f"stopped at step {opt.step_count}" + (f"; checkpoint: {last} (continue with --resume {last})"
+                                                         if last else ""), flush=True)
+            return 130
+        try:
+            from tilegraph.models.generate import generate
+
+            prompt = tokenizer.encode("def ")[None, :]
+            ids = generate(model, prompt, min(48, model.config.max_seq_len - prompt.shape[1]), strategy="top_k",
+                           top_k=10, temperature=0.8, seed=t["seed"], runtime=rt)
+            sample = tokenizer.decode(ids[0])
+        except ImportError:  # generation ships with the models package
+            pass
+    val_loss = res.val_losses[-1][1] if res.val_losses else float("nan")
+    print(f"loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} (validation {val_loss:.3f}; uniform guess "
+          f"{np.log(tokenizer.vocab_size):.3f}) in {res.seconds:.1f} s, {res.tokens_per_s:,.0f} tokens/s", flush=True)
+    print(res.profile(top=5))
+    print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
+    if sample:
+        print(f"sample (top-k 10, temperature 0.8): {sample!r}")
+    return 0
+
+
+def describe_start(model, p: dict, init: str, quantized_base: bool) -> str:
+    """What the train line says about the starting weights and the adapters ('' for neither)."""
+    from tilegraph import peft
+
+    parts = [f"from {init}" + (" (its Linear weights kept quantized)" if quantized_base else "")] if init else []
+    if p["method"] != "none":
+        trained = sum(x.size for x in peft.trainable_parameters(model))
+        parts.append(f"{p['method']} rank {p['rank']} on {', '.join(p['targets'])}: {trained:,} trained")
+    if p["grad_sketch"] != "none":
+        parts.append(f"{p['grad_sketch']} weight-gradient sketch {p['sketch_ratio']:g} on "
+                     f"{', '.join(p['sketch_targets'])}")
+    return "".join(f", {x}" for x in parts)
+
+
+def save_final_adapters(trainer, res, p: dict) -> Path | None:
+    """Write the adapters alone (:func:`tilegraph.peft.save_adapters`) into the run's last
+    checkpoint, as ``adapters/``, when that checkpoint is of the model's current step (the earlier
+    ones are written while training goes on, so the model has moved past them)."""
+    from tilegraph import peft
+
+    if p["method"] == "none" or not res.checkpoints or trainer.checkpoints is None:
+        return None
+    last = Path(res.checkpoints[-1])
+    if last != trainer.checkpoints.path(trainer.optimizer.step_count) or not last.is_dir():
+        return None
+    peft.save_adapters(last / "adapters", trainer.model)
+    return last / "adapters"
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files that let `tilegraph generate CHECKPOINT` find the tokenizer (written into every
+    checkpoint before its commit): its description, and a BPE tokenizer's vocabulary and merges
+    as an HF tokenizers JSON."""
+    files = {"tilegraph_tokenizer.json": json.dumps(tokenizer.describe()).encode()}
+    if hasattr(tokenizer, "to_str"):
+        files["bpe_tokenizer.json"] = tokenizer.to_str().encode("utf-8")
+    return files
