@@ -185,7 +185,7 @@ def quantization(args, tmp: Path) -> None:
 def perplexity(args, tmp: Path) -> None:
     import tilegraph as tg
     from tilegraph import models
-    from tilegraph.cli import stdlib_files
+    from tilegraph.io.data import stdlib_files
     from tilegraph.io import ByteTokenizer, TokenDataset, build_token_file
 
     tok = ByteTokenizer(eos=True)
