@@ -218,16 +218,17 @@ def test_tensorboard_missing_or_misplaced_is_refused_before_training(tmp_path, m
 
 def test_cli_config_tensorboard_key(monkeypatch):
     from tilegraph import cli
+    from tilegraph.cli import config as cli_config
 
     cfg, source = cli.load_config(None)
     assert cfg["output"]["tensorboard"] is False
     cli.check_config(cfg, source)
     cfg["output"]["tensorboard"] = True
-    monkeypatch.setattr(cli, "has_tensorboard", lambda: False)
+    monkeypatch.setattr(cli_config, "has_tensorboard", lambda: False)
     with pytest.raises(tg.TileError, match=r"output.tensorboard must be false, or true with TensorBoard installed "
                                            r"\(pip install tensorboardX.*\), not True"):
         cli.check_config(cfg, source)
-    monkeypatch.setattr(cli, "has_tensorboard", lambda: True)
+    monkeypatch.setattr(cli_config, "has_tensorboard", lambda: True)
     cli.check_config(cfg, source)
     cfg["output"]["tensorboard"] = "yes"
     with pytest.raises(tg.TileError, match=r"output.tensorboard must be .*, not 'yes'"):
