@@ -167,3 +167,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def lm_ids(vocab: int, seed: int = 0, shape=(2, 8)) -> np.ndarray:
+    """Random token ids for the language-model tests."""
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def lm_loss(model, ids, targets):
+    """Next-token cross-entropy of ``model`` (a tg.Trainer loss_fn)."""
+    return tg.cross_entropy(model(ids), targets)

@@ -10,7 +10,7 @@ import tilegraph as tg
 from tilegraph._graph import topo_order
 from tilegraph.ops import lora as L
 
-from conftest import MODES, TOL, _close, by_mode, tiles_for
+from conftest import TOL, _close, by_mode, lm_ids, lm_loss, tiles_for
 
 # X (B, T, n), W (n, m), U (n, r), V (r, m): awkward sizes so even and ragged tilings differ
 B, T, N_IN, M_OUT, RANK, SCALE = 2, 5, 7, 9, 4, 0.75
@@ -191,18 +191,11 @@ LAYERS = {"gpt2": {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1"},
           "llama": {"attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"}}
 
 
-def _ids(vocab, seed=0, shape=(2, 8)):
-    return np.random.default_rng(seed).integers(0, vocab, shape)
-
-
-def _lm_loss(model, ids, targets):
-    return tg.cross_entropy(model(ids), targets)
-
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_apply_lora_starts_as_the_base_model_and_freezes_it(arch):
     base = models.build(f"{arch}-debug", seed=0)
-    ids = _ids(base.config.vocab_size)
+    ids = lm_ids(base.config.vocab_size)
     want = tg.compute(base(ids))[0]
     names = [n for n, _ in base.named_parameters()]
     model = peft.apply_lora(models.build(f"{arch}-debug", seed=0), TARGETS[arch], rank=4, alpha=8)
@@ -222,10 +215,10 @@ def test_apply_lora_starts_as_the_base_model_and_freezes_it(arch):
 def test_lora_training_moves_only_adapters_merge_and_adapter_files(arch, tmp_path):
     model = peft.apply_lora(models.build(f"{arch}-debug", seed=0), TARGETS[arch][:2], rank=4, alpha=8)
     vocab = model.config.vocab_size
-    ids = _ids(vocab, 1, (4, 9))
+    ids = lm_ids(vocab, 1, (4, 9))
     before = model.state_dict()
     opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=2e-2, weight_decay=0.0)
-    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=_lm_loss, batch_size=4,
+    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=lm_loss, batch_size=4,
                          progress=False)
     res = trainer.fit(6)
     assert res.losses[-1] < res.losses[0]
@@ -236,7 +229,7 @@ def test_lora_training_moves_only_adapters_merge_and_adapter_files(arch, tmp_pat
         elif "lora_" not in name:
             np.testing.assert_array_equal(value, before[name], err_msg=name)
     assert any(not np.array_equal(after[n], before[n]) for n in after if "lora_u" in n)
-    probe = _ids(vocab, 2)
+    probe = lm_ids(vocab, 2)
     adapted = tg.compute(model(probe))[0]
 
     # the adapters alone round trip through a Zarr checkpoint, onto a fresh base model

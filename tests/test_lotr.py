@@ -8,7 +8,7 @@ import pytest
 import tilegraph as tg
 from tilegraph import models, peft
 
-from conftest import MODES, TOL, _close
+from conftest import MODES, TOL, _close, lm_ids, lm_loss
 
 # two (N_IN, M_OUT) layers form one group, one (M_OUT, N_IN) layer another: awkward sizes so even
 # and ragged tilings differ (6 -> 3+3 or 4+2, 9 -> 3+3+3 or 4+4+1)
@@ -105,18 +105,11 @@ def test_parameter_count_of_algorithms_md_roberta_check():
     assert sum(p.size for p in peft.trainable_parameters(lora)) == 36864 * r
 
 
-def _ids(vocab, seed=0, shape=(2, 8)):
-    return np.random.default_rng(seed).integers(0, vocab, shape)
-
-
-def _lm_loss(model, ids, targets):
-    return tg.cross_entropy(model(ids), targets)
-
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_apply_lotr_starts_as_the_base_model(arch):
     base = models.build(f"{arch}-debug", seed=0)
-    ids = _ids(base.config.vocab_size)
+    ids = lm_ids(base.config.vocab_size)
     want = tg.compute(base(ids))[0]
     names = [n for n, _ in base.named_parameters()]
     targets = ["c_attn"] if arch == "gpt2" else ["q_proj", "o_proj"]  # Llama's k, v are narrower (GQA)
@@ -134,10 +127,10 @@ def test_apply_lotr_starts_as_the_base_model(arch):
 def test_lotr_training_moves_only_lotr_parameters_and_adapter_files(tmp_path):
     model = peft.apply_lotr(models.build("gpt2-debug", seed=0), ["attn.q", "attn.v", "mlp.fc1"], rank=4)
     vocab = model.config.vocab_size
-    ids = _ids(vocab, 1, (4, 9))
+    ids = lm_ids(vocab, 1, (4, 9))
     before = model.state_dict()
     opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=1e-2, weight_decay=0.0)
-    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=_lm_loss, batch_size=4,
+    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=lm_loss, batch_size=4,
                          progress=False)
     res = trainer.fit(6)
     assert res.losses[-1] < res.losses[0]
@@ -149,7 +142,7 @@ def test_lotr_training_moves_only_lotr_parameters_and_adapter_files(tmp_path):
             np.testing.assert_array_equal(value, before[name], err_msg=name)
     groups = peft._lotr_groups(model)
     assert [len(g) for g in groups] == [4, 2]  # q and v of 2 blocks (32 x 32); fc1 of 2 blocks (32 x 128)
-    probe = _ids(vocab, 2)
+    probe = lm_ids(vocab, 2)
     adapted = tg.compute(model(probe))[0]
 
     peft.save_adapters(tmp_path / "adapters", model)
