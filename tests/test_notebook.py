@@ -117,6 +117,10 @@ def test_notebook_runs_trains_and_samples(tmp_path, monkeypatch):
         assert line, f"no {label} sample in\n{text[-2000:]}"
         sample = ast.literal_eval(line.group(1))
         assert sample.startswith("def ") and len(sample) > len("def ") + 16, sample
+    # (7) LoRA on the int4 checkpoint of the model trains a few thousand values and does not diverge
+    trained, before, after = re.search(r"LoRA on the int4 base: ([\d,]+) trained values of [\d,]+; "
+                                       r"validation loss ([\d.]+) -> ([\d.]+)", text).groups()
+    assert 0 < int(trained.replace(",", "")) < 10_000 and float(after) < float(before) + 0.02, (before, after)
     # running it leaves nothing in its working directory, and its temporary folder is gone
     assert list(cwd.iterdir()) == []
     assert not list(tmp.glob("tilegraph-notebook-*"))
