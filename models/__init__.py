@@ -61,11 +61,13 @@ def _model_class(cfg, where: str):
                     + ", ".join(c.__name__ for c, _ in ARCHITECTURES.values()) + ")", repr(cfg))
 
 
-def build(flavor_or_config, tiling: ModelTiling | None = None, *, seed=0, dtype=np.float32) -> CausalLM:
+def build(flavor_or_config, tiling: ModelTiling | None = None, *, seed=0, dtype=np.float32,
+          recompute: bool = False) -> CausalLM:
     """A randomly initialised model of a flavor name or a config; ``tiling`` defaults to
-    :meth:`ModelTiling.default`."""
+    :meth:`ModelTiling.default`; ``recompute``: each block's activations recomputed in the
+    backward (:func:`tilegraph.checkpoint`)."""
     cfg = config(flavor_or_config) if isinstance(flavor_or_config, str) else flavor_or_config
-    return _model_class(cfg, "tilegraph.models.build")(cfg, tiling, dtype=dtype, seed=seed)
+    return _model_class(cfg, "tilegraph.models.build")(cfg, tiling, dtype=dtype, seed=seed, recompute=recompute)
 
 
 def from_hf(path, tiling: ModelTiling | None = None, *, dtype=np.float32) -> CausalLM:

@@ -164,3 +164,10 @@ def test_decoding_with_a_cache_does_not_recompute():
     want = models.generate(model, ids, 3)
     model.recompute = True
     np.testing.assert_array_equal(models.generate(model, ids, 3), want)
+
+
+def test_build_takes_recompute():
+    from tilegraph import models
+
+    assert models.build("gpt2-debug", recompute=True).recompute is True
+    assert models.build("llama-debug").recompute is False
