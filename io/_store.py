@@ -107,24 +107,42 @@ def shards_of(shape, dtype, tiling_chunks) -> tuple[int, ...] | None:
     return tuple(c * k for c, k in zip(chunk, m))
 
 
-def encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
-    """A chunk's bytes (an edge chunk padded to the full shape) and its CRC32C."""
+def crc32c(data) -> int:
+    """The CRC32C of a bytes object or a uint8 array (what Zarr's ``crc32c`` codec stores)."""
     import google_crc32c
 
+    return google_crc32c.value(data)
+
+
+def crc_bytes(data) -> bytes:
+    """The CRC32C of ``data`` as the 4 little-endian bytes that follow it in a file."""
+    return np.uint32(crc32c(data)).astype("<u4").tobytes()
+
+
+def encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
+    """A chunk's bytes (an edge chunk padded to the full shape, with the fill value 0) and its
+    CRC32C."""
     if part.shape != tuple(chunk_shape):
         full = np.zeros(chunk_shape, part.dtype)
         full[tuple(slice(0, n) for n in part.shape)] = part
         part = full
     data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
-    return data, np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
+    return data, crc_bytes(data)
+
+
+def decode_chunk(raw: bytes, chunk_shape, dtype: np.dtype) -> np.ndarray | None:
+    """The chunk stored in ``raw`` (its bytes, then their CRC32C), or None when the length or
+    the checksum is wrong (corrupted or truncated)."""
+    want = int(np.prod(chunk_shape)) * dtype.itemsize
+    if len(raw) != want + 4 or np.frombuffer(raw, "<u4", 1, want)[0] != crc32c(raw[:want]):
+        return None
+    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
 
 
 def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shape, chunk_shape,
                  shard_shape, shard_idx) -> int:
     """One shard file: the tiles (each one inner chunk) it covers, then the index of (offset,
     length) per inner chunk, C order, with its CRC32C. Written by one task, all at once."""
-    import google_crc32c
-
     per = [s // c for s, c in zip(shard_shape, chunk_shape)]
     at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
     index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
@@ -147,7 +165,7 @@ def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shap
             offset += data.nbytes + 4
         raw = index.astype("<u8").tobytes()
         f.write(raw)
-        f.write(np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes())
+        f.write(crc_bytes(raw))
     return offset
 
 
@@ -161,8 +179,6 @@ def write_shard_task(values: Sequence, indices: Sequence, spec: tuple) -> dict:
 
 def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtype, cache: dict) -> np.ndarray:
     """One inner chunk of a sharded array, its shard's index and its own checksum verified."""
-    import google_crc32c
-
     per = [s // c for s, c in zip(shard_shape, chunk_shape)]
     shard = tuple(i // p for i, p in zip(idx, per))
     key = "/".join(["c", *map(str, shard)])
@@ -179,7 +195,7 @@ def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtyp
                 raw = f.read()
         except FileNotFoundError:
             raise CheckpointError(where, f"array {name!r}: a shard is missing", f"{key} (no file {path})") from None
-        if len(raw) != 16 * n + 4 or np.frombuffer(raw, "<u4", 1, 16 * n)[0] != google_crc32c.value(raw[:16 * n]):
+        if len(raw) != 16 * n + 4 or np.frombuffer(raw, "<u4", 1, 16 * n)[0] != crc32c(raw[:16 * n]):
             raise CheckpointError(where, f"array {name!r}: a shard's index failed its checksum (corrupted or "
                                   "truncated)", f"{key}: {size} bytes")
         index = cache[shard] = np.frombuffer(raw, "<u8", 2 * n).reshape(n, 2)
@@ -190,11 +206,11 @@ def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtyp
         raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard", f"{key}, chunk {idx}")
     with open(path, "rb") as f:
         f.seek(offset)
-        raw = f.read(length)
-    if len(raw) != length or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
+        chunk = decode_chunk(f.read(length), chunk_shape, dtype)
+    if chunk is None:
         raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
                               f"{key}, chunk {idx}")
-    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
+    return chunk
 
 
 def group_meta(attributes: dict | None = None) -> dict:
@@ -215,8 +231,6 @@ def chunk_path(root: str, name: str, idx: Sequence[int]) -> str:
 def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape) -> int:
     """Write ``tile``, the slices ``region`` of array ``name`` (whole chunks: the chunk grid is
     chosen so that no tile straddles a chunk), one chunk file each; returns the bytes written."""
-    import google_crc32c
-
     tile = np.ascontiguousarray(tile)
     if tile.dtype.byteorder == ">":
         tile = tile.astype(tile.dtype.newbyteorder("<"))
@@ -226,13 +240,7 @@ def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape) ->
     made: set[str] = set()
     for rel in np.ndindex(*counts):
         src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
-        part = tile[src]
-        if part.shape != tuple(chunk_shape):  # an edge chunk: padded with the fill value
-            full = np.zeros(chunk_shape, tile.dtype)
-            full[tuple(slice(0, n) for n in part.shape)] = part
-            part = full
-        data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)  # no copy of a whole-chunk tile
-        crc = np.uint32(google_crc32c.value(data)).astype("<u4").tobytes()
+        data, crc = encode_chunk(tile[src], chunk_shape)
         path = chunk_path(root, name, [f + r for f, r in zip(first, rel)])
         parent = os.path.dirname(path)
         if parent not in made:
@@ -247,8 +255,6 @@ def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape) ->
 
 def read_chunk(root: str, name: str, idx, chunk_shape, dtype) -> np.ndarray:
     """One chunk, its checksum verified."""
-    import google_crc32c
-
     path = chunk_path(root, name, idx)
     key = "/".join(["c", *map(str, idx)])
     where = f"tilegraph.io.load_checkpoint({root})"
@@ -257,17 +263,16 @@ def read_chunk(root: str, name: str, idx, chunk_shape, dtype) -> np.ndarray:
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
-    want = int(np.prod(chunk_shape)) * dtype.itemsize
-    if len(raw) != want + 4 or np.frombuffer(raw, "<u4", 1, want)[0] != google_crc32c.value(raw[:want]):
+    chunk = decode_chunk(raw, chunk_shape, dtype)
+    if chunk is None:
+        want = int(np.prod(chunk_shape)) * dtype.itemsize
         raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
                               f"{key}: {len(raw)} bytes, expected {want + 4}")
-    return np.frombuffer(raw, dtype.newbyteorder("<"), int(np.prod(chunk_shape))).reshape(chunk_shape)
+    return chunk
 
 
 def read_whole_chunk(root: str, name: str, idx, out: np.ndarray) -> None:
     """Read the chunk ``idx`` straight into ``out`` (its exact shape), checksum verified."""
-    import google_crc32c
-
     path = chunk_path(root, name, idx)
     key = "/".join(["c", *map(str, idx)])
     where = f"tilegraph.io.load_checkpoint({root})"
@@ -278,7 +283,7 @@ def read_whole_chunk(root: str, name: str, idx, out: np.ndarray) -> None:
             tail = f.read(5)
     except FileNotFoundError:
         raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
-    if got != flat.nbytes or len(tail) != 4 or np.frombuffer(tail, "<u4")[0] != google_crc32c.value(flat):
+    if got != flat.nbytes or len(tail) != 4 or np.frombuffer(tail, "<u4")[0] != crc32c(flat):
         raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
                               f"{key}: {got + len(tail)} bytes, expected {flat.nbytes + 4}")
 

@@ -243,9 +243,11 @@ class PendingSave:
                     local.append((value, [(None, *job)]))
         metas += [(group, group_meta()) for group in sorted(groups)]
         futures = []
+        shard_futures = {v.key: v for values, _, _ in shard_jobs for v in values if not hasattr(v, "shape")}
+        holders = _holders(self.runtime.client, [f for f, _ in remote.values()] + list(shard_futures.values())) \
+            if remote or shard_futures else {}
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
-            holders = _holders(client, [f for f, _ in remote.values()])
             threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
             by_worker: dict[str | None, list] = {}
             assigned: dict[str | None, int] = {}  # a value several workers hold: the least loaded writes it
@@ -255,19 +257,12 @@ class PendingSave:
                 assigned[addr] = assigned.get(addr, 0) + job_bytes(jobs)
                 by_worker.setdefault(addr, []).append((fut, jobs))
             for addr, items in by_worker.items():
-                n = max(1, min(len(items), threads.get(addr, 1)))
-                batches: list[list] = [[] for _ in range(n)]
-                load = [0] * n
-                for fut, jobs in sorted(items, key=lambda it: -job_bytes(it[1])):
-                    k = load.index(min(load))
-                    batches[k].append((fut, jobs))
-                    load[k] += job_bytes(jobs)
-                for batch in batches:
+                for batch in _balanced(items, threads.get(addr, 1), lambda it: job_bytes(it[1])):
                     futures.append(client.submit(write_values, [f for f, _ in batch], [j for _, j in batch],
                                                  key=f"tg-save-{uuid.uuid4().hex[:12]}",
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
-            futures += self._write_shards(shard_jobs)
+            futures += self._write_shards(shard_jobs, holders)
         for path, meta in metas:
             write_meta(root, path, meta)
         for value, jobs in local:
@@ -281,9 +276,10 @@ class PendingSave:
         write_meta(root, "", group_meta({ATTR: dict(self.attrs, complete=True)}))
         _fsync(tmp / "zarr.json")
 
-    def _write_shards(self, shard_jobs: list) -> list:
+    def _write_shards(self, shard_jobs: list, holders: dict) -> list:
         """Write each shard in one task: here when its tiles are all here, else on the worker
-        holding most of its bytes (Dask brings it the other, small, tiles). Returns futures."""
+        holding most of its bytes (``holders``: the workers holding each value; Dask brings it
+        the other, small, tiles). Returns futures."""
         remote = [job for job in shard_jobs if any(not hasattr(v, "shape") for v in job[0])]
         for values, indices, spec in shard_jobs:
             if all(hasattr(v, "shape") for v in values):
@@ -291,8 +287,6 @@ class PendingSave:
         if not remote:
             return []
         client = self.runtime.client
-        keys = {v.key: v for values, _, _ in remote for v in values if not hasattr(v, "shape")}
-        holders = _holders(client, list(keys.values()))
         futures = []
         assigned: dict[str, int] = {}  # bytes of the shards given to each worker: ties go to the least busy
         for values, indices, spec in remote:
@@ -307,6 +301,18 @@ class PendingSave:
                                          key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
+
+
+def _balanced(items: Sequence, n: int, weight: Callable) -> list[list]:
+    """``items`` dealt into ``n`` bins of about equal total ``weight`` (largest first, each to the
+    lightest bin so far); empty bins are dropped."""
+    bins: list[list] = [[] for _ in range(max(1, n))]
+    load = [0] * len(bins)
+    for item in sorted(items, key=lambda it: -weight(it)):
+        k = load.index(min(load))
+        bins[k].append(item)
+        load[k] += weight(item)
+    return [b for b in bins if b]
 
 
 def _holders(client, futures: list) -> dict:
@@ -570,7 +576,8 @@ class Checkpoint:
                                       f"shape {tuple(info['shape'])}")
             for idx in np.ndindex(*t.tiling.grid):
                 region = slices(t.chunks, idx)
-                jobs.append((cells[idx], apath, region, info, int(np.prod(t.tiling.tile_shape(idx))) * 4))
+                nbytes = int(np.prod(t.tiling.tile_shape(idx))) * np.dtype(info["dtype"]).itemsize
+                jobs.append((cells[idx], apath, region, info, nbytes))
         runtime = self.runtime
         root = str(self.path)
         if runtime is None:
@@ -581,21 +588,13 @@ class Checkpoint:
         addrs = sorted(runtime.workers())
         if not addrs:
             raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
-        # groups of about equal bytes, a few per worker, dealt round robin (largest first)
-        groups = max(1, min(len(jobs), 4 * len(addrs)))
-        bins: list[list] = [[] for _ in range(groups)]
-        load = [0] * groups
-        for job in sorted(jobs, key=lambda j: -j[4]):
-            k = load.index(min(load))
-            bins[k].append(job)
-            load[k] += job[4]
+        # groups of about equal bytes, a few per worker, dealt round robin
         client = runtime.client
         futures = []
-        for k, b in enumerate(bins):
-            if b:
-                futures.append((client.submit(read_regions, root, [(a, r, i) for _, a, r, i, _ in b], pure=False,
-                                              key=f"tg-load-{uuid.uuid4().hex[:12]}", workers=[addrs[k % len(addrs)]],
-                                              allow_other_workers=True), b))
+        for k, b in enumerate(_balanced(jobs, 4 * len(addrs), lambda j: j[4])):
+            futures.append((client.submit(read_regions, root, [(a, r, i) for _, a, r, i, _ in b], pure=False,
+                                          key=f"tg-load-{uuid.uuid4().hex[:12]}", workers=[addrs[k % len(addrs)]],
+                                          allow_other_workers=True), b))
         from distributed import wait
 
         wait([f for f, _ in futures])
