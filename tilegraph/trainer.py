@@ -326,8 +326,7 @@ class Trainer:
             return self._eval is not None and (i == end or bool(self.eval_every and i % self.eval_every == 0))
 
         def checkpoints(i: int) -> bool:
-            return self.checkpoint_dir is not None and (i == end or bool(self.checkpoint_every
-                                                                          and i % self.checkpoint_every == 0))
+            return self.checkpoints is not None and (i == end or self.checkpoints.due(i))
 
         def finish(i: int, pending, batch) -> None:
             nonlocal tokens, clock, fresh
@@ -615,18 +614,20 @@ class Trainer:
                 "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1,
                 "rng": {"data_seed": getattr(self.data, "seed", None), "data_split": getattr(self.data, "split", None)}}
 
+    def _save_options(self) -> dict:
+        """What every checkpoint of this trainer is saved with, besides the model and optimizer."""
+        return {"runtime": self.runtime, "files": self.checkpoint_files, "trainer_state": self._trainer_state()}
+
     def _prepare_checkpoint(self, path):
         from tilegraph.io.zarr import prepare_save
 
         with self._current():
-            return prepare_save(path, self.model, self.optimizer, runtime=self.runtime, files=self.checkpoint_files,
-                                trainer_state=self._trainer_state())
+            return prepare_save(path, self.model, self.optimizer, **self._save_options())
 
     def _start_checkpoint(self, step: int) -> Path:
         """The checkpoint of ``step`` through the manager (in the background when async)."""
         with self._current():
-            return self.checkpoints.save(step, self.model, self.optimizer, runtime=self.runtime,
-                                         files=self.checkpoint_files, trainer_state=self._trainer_state())
+            return self.checkpoints.save(step, self.model, self.optimizer, **self._save_options())
 
     def _checkpoint_hooks(self) -> None:
         """Run the ``on_checkpoint`` hooks of checkpoints committed since the last call."""
