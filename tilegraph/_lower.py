@@ -34,8 +34,9 @@ from tilegraph._config import PARALLEL_STRATEGIES, Config, config  # noqa: F401 
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Node, ReplicatedRef, TileRef, ValueRef, topo_order
 from tilegraph._tensor import TileTensor
-from tilegraph.exec.program import Bound, Call, Program, kernel_stats, run_cluster  # noqa: F401 - re-exported
-from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes,  # noqa: F401 - re-exported
+from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
+                                    run_cluster)
+from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes,  # noqa: F401 - re-exported
                                     place, task_label)
 
 __all__ = ["compile", "compute", "Executable", "config", "DaskKey", "run_cluster"]
@@ -59,8 +60,7 @@ def _check_fits(work: Sequence[Node], limit: float) -> None:
         return
 
     def nbytes(n: Node) -> int:
-        outs = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in n.out_meta)
-        return outs + sum(r.nbytes for r in n.inputs)
+        return out_bytes(n) + sum(r.nbytes for r in n.inputs)
 
     big = max(work, key=nbytes)
     if nbytes(big) > limit:
@@ -117,7 +117,13 @@ class Executable:
         groups = runtime.worker_threads() if runtime is not None else {"cpu": [os.cpu_count() or 1], "gpu": []}
         addrs = runtime.worker_addrs if runtime is not None else {}
         place(work, placement, len(groups.get("gpu", ())) > 0)
-        _check_fits(work, _memory_limit(runtime))
+        limit = _memory_limit(runtime)
+        _check_fits(work, limit)
+        # Tasks are kept under a memory bound where the step's values could outgrow what a worker
+        # holds before Dask spills (a model larger than the workers' memory); elsewhere only the
+        # time target shapes them
+        total = sum(out_bytes(n) for n in nodes)
+        self.max_task_bytes = config.task_memory_fraction * limit if total > 0.5 * limit else float("inf")
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         #: each root's refs: one, or one per replica for the replicated roots of a data-parallel plan
         self.replicas: list[list[TileRef]] = [[r] for r in self.roots]
@@ -129,7 +135,8 @@ class Executable:
         if parallel != "tiles" and fuse:
             dp = self._data_parallel(work, groups, state_groups, batch_cells, target, parallel)
         if dp is None or parallel == "auto":  # the tiles plan: the only one, or the one to beat
-            self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse)
+            self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse,
+                                                                max_bytes=self.max_task_bytes)
             # "auto": whichever plan the simulation finishes first (the tiles plan's figure
             # corrected for what its simulation leaves out when it spans several processes)
             tiles_seconds = self.est_makespan
@@ -140,6 +147,8 @@ class Executable:
         if dp is not None:
             self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas, self.strategy = dp
             work = [n for n in nodes if not n.is_leaf]
+        #: roots that other worker processes read in the next call: a sharded plan's parameters
+        self.shared_roots = {g[0] for g in state_groups} if self.strategy == "sharded" else set()
         # With several worker processes, each task goes to the worker the plan gave it.
         self.worker_of: dict[int, str] = {}
         if fuse:
@@ -218,9 +227,19 @@ class Executable:
         threads = groups[dev][:procs]
         order = visit_order(dp, config.bucket_bytes)
         clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
-                                              fixed=lane, home=procs)
+                                              fixed=lane, home=procs, max_bytes=self.max_task_bytes)
         nodes = topo_order([r for refs in dp.roots for r in refs])
         return dp.roots, clusters, of, seconds, nodes, procs, "sharded" if sharded else "data"
+
+    def root_workers(self) -> list[str | None]:
+        """The worker that computes each root (its first replica's), where the plan pins it;
+        None for leaves and unpinned tasks. Initial values of state go there (its owner, in a
+        sharded plan)."""
+        out = []
+        for refs in self.replicas:
+            loc = None if refs[0].node.is_leaf else self.where.get((id(refs[0].node), refs[0].index))
+            out.append(None if loc is None else self.worker_of.get(loc[0]))
+        return out
 
     def process_of(self, c: Cluster) -> int:
         """The worker process (index among those of its device class) that runs cluster ``c``."""
@@ -450,11 +469,16 @@ class Executable:
         # Values that stay on the workers (parameters, optimizer state) must not keep the rest of
         # their task's result tuple (activations for later tasks) alive: where a task returns
         # more than what stays, one small task per task picks out just the kept elements.
+        # In a sharded plan the parameters also go apart from their optimizer state: the other
+        # replicas fetch them, and Dask moves (and spills) a task's value whole.
         kept_of: dict[str, set[int]] = {}
+        shared_of: dict[str, set[int]] = {}
         for at in kept:
             src, k = source[at]
             if isinstance(src, str):
                 kept_of.setdefault(src, set()).add(k)
+                if at[0] in self.shared_roots:
+                    shared_of.setdefault(src, set()).add(k)
         moved: dict[tuple[str, int], tuple[str, int]] = {}
         plan_of = dict(zip(keys, self.plans))
         for src, idx in kept_of.items():
@@ -463,11 +487,14 @@ class Executable:
             # workers never hold more than 110% of the kept state between steps).
             outputs = plan_of[src].outputs
             rest = sum(r.nbytes for k, r in enumerate(outputs) if k not in idx)
-            if rest > PICK_MIN_BYTES and rest > 0.1 * sum(outputs[k].nbytes for k in idx):
-                idx = tuple(sorted(idx))
-                pick = f"tg-keep-{src[3:]}"
-                layers["cpu"][pick] = (_pick, src, idx)
-                moved.update({(src, k): (pick, j) for j, k in enumerate(idx)})
+            shared = shared_of.get(src, set())
+            if shared and shared != idx or rest > PICK_MIN_BYTES and rest > 0.1 * sum(outputs[k].nbytes for k in idx):
+                for name, part in (("keep", idx - shared), ("params", shared)):
+                    if part:
+                        part = tuple(sorted(part))
+                        pick = f"tg-{name}-{src[3:]}"
+                        layers["cpu"][pick] = (_pick, src, part)
+                        moved.update({(src, k): (pick, j) for j, k in enumerate(part)})
         want = sorted({moved.get((src, k), (src, k))[0] for src, idx in kept_of.items() for k in idx})
         want += sorted({key for key, _ in fetch_of.values()})
         pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
@@ -534,7 +561,7 @@ def _watched_gather(runtime, futures: list, during: str) -> list:
                 break
             except TimeoutError:
                 health = worker_health(runtime)
-                if health.lost or health.stalled:
+                if health.lost or health.stalled or health.stuck:
                     raise lost_worker_error(health, during, f"no result after {time.perf_counter() - t0:.1f} s",
                                             where=where) from None
         return runtime.client.gather(futures)
@@ -556,7 +583,7 @@ PICK_MIN_BYTES = 4096
 
 def _pick(values: tuple, idx: tuple) -> tuple:
     """The elements ``idx`` of a task's result tuple (so the rest can be released)."""
-    return tuple(values[i] for i in idx)
+    return measured_exactly(tuple(values[i] for i in idx))
 
 
 def _local_get(layers: dict, keys: list):

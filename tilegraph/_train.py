@@ -301,7 +301,7 @@ class TrainStep:
     def _run(self, rec: _Recorded, fetch) -> list:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
         if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
-            rec.exe.runtime.scatter_cells(rec.assignments)
+            rec.exe.runtime.scatter_cells(rec.assignments, rec.exe.root_workers()[-len(rec.assignments):])
         values = rec.exe.run(fetch=fetch, wait=False)
         for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
             cell.set(v)
@@ -318,6 +318,10 @@ STALL_SECONDS = 10.0
 #: after a time limit, the workers are looked at this often until each has answered since (or one
 #: reaches STALL_SECONDS)
 RECHECK_SECONDS = 0.5
+#: a worker that Dask's memory manager paused (its process over 80% of its memory limit) this long
+#: is taken for stuck: memory that is not a task result (no spilling frees it) holds it there.
+#: Measured pauses while a sharded model 4x the workers' limits trained: about 1 s each
+PAUSED_SECONDS = 60.0
 #: how long the scheduler may take to answer a health check
 SCHEDULER_ANSWER_SECONDS = 10.0
 
@@ -361,10 +365,17 @@ class WorkerHealth:
     lost: list[str] = field(default_factory=list)
     silence: dict[str, float] = field(default_factory=dict)  # connected worker -> seconds since heard from
     timed_out: set[str] = field(default_factory=set)  # lost workers the scheduler removed for silence
+    #: workers Dask's memory manager paused: (seconds since, process memory, memory limit) in bytes
+    paused: dict[str, tuple[float, int, int]] = field(default_factory=dict)
 
     @property
     def stalled(self) -> dict[str, float]:
         return {a: s for a, s in self.silence.items() if s >= STALL_SECONDS}
+
+    @property
+    def stuck(self) -> dict[str, tuple[float, int, int]]:
+        """Workers paused for :data:`PAUSED_SECONDS` or longer."""
+        return {a: p for a, p in self.paused.items() if p[0] >= PAUSED_SECONDS}
 
     @property
     def answering(self) -> list[str]:
@@ -375,13 +386,23 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
     """Ask the scheduler which workers are gone (of those the runtime last planned with, and with
     ``since``, any removed since that wall time: the scheduler's event log, read only then) and
     how long ago it heard from each of the others."""
-    def heartbeat_ages(dask_scheduler) -> dict[str, float]:
-        # seconds since each worker's last heartbeat, by the scheduler's clock; a nested function
+    def heartbeat_ages(dask_scheduler) -> dict[str, tuple]:
+        # seconds since each worker's last heartbeat, by the scheduler's clock, and for a paused
+        # worker how long since it paused, its process memory and its limit; a nested function
         # travels by value, so a scheduler without tilegraph installed runs it too
         from time import time as now
 
         t = now()
-        return {addr: t - ws.last_seen for addr, ws in dask_scheduler.workers.items()}
+        out = {}
+        for addr, ws in dask_scheduler.workers.items():
+            paused = None
+            if ws.status.name == "paused":
+                since = max((e for e, m in dask_scheduler.get_events(addr) if isinstance(m, dict)
+                             and m.get("action") == "worker-status-change" and m.get("status") == "paused"),
+                            default=t)
+                paused = (t - since, int(ws.memory.process), int(ws.memory_limit or 0))
+            out[addr] = (t - ws.last_seen, paused)
+        return out
 
     client = runtime.client
     try:
@@ -389,6 +410,8 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
     except (TimeoutError, OSError) as e:
         raise TileError("tilegraph.TrainStep", f"the Dask scheduler to answer a health check within "
                         f"{SCHEDULER_ANSWER_SECONDS:g} s", _short(e)) from None
+    paused = {a: p for a, (_, p) in ages.items() if p is not None}
+    ages = {a: age for a, (age, _) in ages.items()}
     gone = {a for addrs in runtime.worker_addrs.values() for a in addrs} - set(ages)
     if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
         gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
@@ -397,7 +420,7 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
     if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
         timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
                      and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
-    return WorkerHealth(sorted(gone), ages, timed_out)
+    return WorkerHealth(sorted(gone), ages, timed_out, paused)
 
 
 def _steps_text(steps: range) -> str:
@@ -423,6 +446,13 @@ def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps
     named = [f"{a} (silent past the scheduler's worker-ttl, restarted)" if a in health.timed_out
              else f"{a} (left the cluster)" for a in health.lost]
     named += [f"{a} (no heartbeat for {s:.0f} s: stopped or hung)" for a, s in sorted(stalled.items())]
+    stuck = {a: p for a, p in health.stuck.items() if a not in stalled}
+    mb = 1 << 20
+    named += [f"{a} (paused by Dask's memory manager for {t:.0f} s, its process at {m / mb:,.0f} MiB of its "
+              f"{lim / mb:,.0f} MiB memory limit: memory that spilling to disk cannot free; give the workers more "
+              "memory (tg.connect(memory_limit=...)), or lower tilegraph.config.task_memory_fraction)"
+              for a, (t, m, lim) in sorted(stuck.items())]
+    stalled = {**stalled, **{a: p[0] for a, p in stuck.items()}}
     if named:
         what = f"lost worker{'s' if len(named) > 1 else ''} {', '.join(named)} while {during} ran"
     else:
@@ -446,7 +476,7 @@ def translate_worker_failure(runtime, error: BaseException, during: str, *, step
             return None
         return TileError(where, f"{during} failed and the Dask scheduler did not answer ({_short(e, 120)})",
                          _short(error))
-    if not dask_loss and not health.lost and not health.stalled:
+    if not dask_loss and not health.lost and not health.stalled and not health.stuck:
         return None
     return lost_worker_error(health, during, _short(error), steps=steps, where=where)
 
@@ -534,7 +564,7 @@ class PendingStep:
         has answered since the checks began; else return how long to wait before looking again."""
         health = worker_health(runtime)
         received = f"no result after {waited:.1f} s (time limit {timeout:.1f} s)"
-        if health.lost or health.stalled:
+        if health.lost or health.stalled or health.stuck:
             raise lost_worker_error(health, _steps_text(self.steps), received, steps=self.steps)
         if any(s >= checked for s in health.silence.values()):  # not heard from since: look again soon
             return RECHECK_SECONDS

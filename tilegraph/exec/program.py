@@ -5,13 +5,41 @@ per-process counters of the time spent inside kernels (:func:`kernel_stats`)."""
 from __future__ import annotations
 
 import heapq
+import sys
 import threading
 import time
 from typing import Any, NamedTuple
 
 from tilegraph._errors import TileError
 
-__all__ = ["Call", "Program", "Bound", "run_cluster", "kernel_stats"]
+__all__ = ["Call", "Program", "Bound", "Results", "run_cluster", "kernel_stats"]
+
+
+class Results(tuple):
+    """A task's result values. Dask sizes a plain tuple of more than ten values from ten sampled
+    ones; the size of these is exact, which is what a worker's spilling to disk and its memory
+    limit go by (a task's results are a tuple of tiles of very different sizes)."""
+
+    __slots__ = ()
+
+
+_SIZEOF = []  # Dask's sizeof, once :func:`measured_exactly` registered Results with it
+
+
+def _results_sizeof(values: Results) -> int:
+    size = _SIZEOF[0]
+    return sys.getsizeof(values) + sum(size(v) for v in values)
+
+
+def measured_exactly(values: tuple) -> Results:
+    """``values`` as :class:`Results`, whose size Dask measures exactly (registered with Dask's
+    ``sizeof`` on first use: in a worker, where Dask is loaded anyway)."""
+    if not _SIZEOF:
+        from dask.sizeof import sizeof
+
+        sizeof.register(Results)(_results_sizeof)
+        _SIZEOF.append(sizeof)
+    return Results(values)
 
 
 class Call(NamedTuple):
@@ -82,6 +110,9 @@ _STATS = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0}
 _BY_KERNEL: dict[str, float] = {}
 _BY_SCOPE: dict[str, float] = {}
 _STATS_LOCK = threading.Lock()
+#: called (no arguments) in this process after each task's kernels: a worker under a memory limit
+#: hands freed memory back to the system there (see ``tilegraph._runtime._tune_malloc``)
+AFTER_TASK: list = []
 
 
 def kernel_stats(reset: bool = False) -> dict:
@@ -219,7 +250,10 @@ def run_cluster(bound: Bound, prog: Program, *args):
                 regs[r] = val
             for r in op.free:
                 regs[r] = None
-    out = tuple(regs[r] for r in prog.out_regs)
+    out = measured_exactly(tuple(regs[r] for r in prog.out_regs))
+    del regs
+    for hook in AFTER_TASK:
+        hook()
     with _STATS_LOCK:
         _STATS["kernel_seconds"] += sum(by_kernel.values())
         _STATS["task_seconds"] += (time.perf_counter() - t_start) * max(held, 1)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from tilegraph._config import config
 from tilegraph._errors import TileError
 from tilegraph._graph import Node
 
 __all__ = ["place", "est_seconds", "task_label", "users_of", "upward_ranks", "by_upward_rank", "Cluster",
-           "cluster_nodes"]
+           "cluster_nodes", "out_bytes"]
 
 
 def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
@@ -89,19 +91,58 @@ def by_upward_rank(nodes: Sequence[Node]) -> list[Node]:
     return sorted(nodes, key=lambda n: (-rank[id(n)], position[id(n)]))
 
 
+def out_bytes(node: Node) -> int:
+    """Bytes of a node's outputs."""
+    return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in node.out_meta)
+
+
 class Cluster:
-    __slots__ = ("id", "device", "proc", "threads", "nodes", "seconds", "open")
+    __slots__ = ("id", "device", "proc", "threads", "nodes", "seconds", "open", "bytes", "made", "reads")
 
     def __init__(self, cid: int, device: str, proc: int, threads: int = 1):
         self.id, self.device, self.proc, self.threads = cid, device, proc, threads
         self.nodes: list[Node] = []
         self.seconds = 0.0
         self.open = True
+        #: the task's memory bound (bytes): what it reads, plus everything its kernels write
+        #: (:attr:`made`; an over-estimate, the runner frees values at last use). A worker holds a
+        #: task's inputs whole: another task's result tuple counts with all it holds (at most
+        #: that task's :attr:`made`), a leaf value with its own bytes
+        self.bytes = 0
+        self.made = 0
+        self.reads: set = set()  # the clusters (by id) and leaf values (id(node), index) it reads
+
+    def _new_reads(self, node: Node, of: dict[int, "Cluster"]) -> dict:
+        """What ``node`` would add to this task's reads, with their bytes."""
+        new = {}
+        for i in node.inputs:
+            src = of.get(id(i.node))
+            if src is self:
+                continue
+            key, size = (("c", src.id), src.made) if src is not None else ((id(i.node), i.index), i.nbytes)
+            if key not in self.reads:
+                new[key] = size
+        return new
+
+    def added_bytes(self, node: Node, of: dict[int, "Cluster"]) -> int:
+        """How much :attr:`bytes` grows with ``node`` in this cluster."""
+        return out_bytes(node) + sum(self._new_reads(node, of).values())
+
+    def add(self, node: Node, seconds: float, of: dict[int, "Cluster"]) -> None:
+        new = self._new_reads(node, of)
+        self.reads.update(new)
+        made = out_bytes(node)
+        self.bytes += made + sum(new.values())
+        self.made += made
+        self.nodes.append(node)
+        self.seconds += seconds
+        of[id(node)] = self
 
 
 def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: float,
                   fuse: bool, fixed: dict[int, int] | None = None,
-                  home: int | None = None) -> tuple[list[Cluster], dict[int, Cluster], float]:
+                  home: int | None = None,
+                  max_bytes: float = float("inf")) -> tuple[list[Cluster], dict[int, Cluster], float]:
     """Group placed nodes (in a topological order) into acyclic clusters, one Dask task each.
 
     ``groups`` gives, per device class, the threads of each worker process. A list-scheduling
@@ -109,7 +150,10 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     form its open cluster, which runs them on the process's threads as one task. A value is ready
     on another thread of the same open cluster when its node finishes, anywhere else only when its
     cluster's task has finished plus a Dask hop (``config.hop_seconds``). A cluster closes once its
-    estimated wall time passes ``target`` or when another cluster needs one of its values.
+    estimated wall time passes ``target``, when another cluster needs one of its values, or before
+    its memory bound (:attr:`Cluster.bytes`: what it reads plus all it writes) would pass
+    ``max_bytes``: a worker must hold a task's inputs and results at once, and Dask can spill
+    only whole task results to disk.
 
     A cluster only ever gains dependencies on clusters that are already closed, and every cluster
     closes after those it depends on, so the cluster graph is acyclic by construction.
@@ -180,7 +224,8 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
         # ready only after the open cluster began would hold back the cluster's earlier nodes.
         late = cur is not None and cur.open and \
             ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > begin[cur.id]
-        if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target):
+        if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target) \
+                or (cur.nodes and cur.bytes + cur.added_bytes(n, of) > max_bytes):
             if cur is not None:
                 cur.open = False
             cur = Cluster(len(clusters), dev, best, len(frees))
@@ -189,9 +234,7 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
         thread = min(range(len(frees)), key=frees.__getitem__)
         start = max(ready_time(inputs, cur, dev, best), frees[thread])
         begin.setdefault(cur.id, start)
-        cur.nodes.append(n)
-        cur.seconds += t
-        of[id(n)] = cur
+        cur.add(n, t, of)
         finish[id(n)] = frees[thread] = start + t
         end[cur.id] = max(end.get(cur.id, 0.0), start + t)
     # Kernels too small to gain from the worker's threads run one after another.
