@@ -1,0 +1,186 @@
+"""Capacity: train a model whose training state is several times one worker's memory limit.
+
+A GPT-2-shaped model (``--dim``, ``--layers``, ``--vocab``) trains on the embedded Dask cluster
+of ``--workers`` processes x 1 thread, each under ``--memory-limit``, with the sharded strategy
+(``TrainStep(parallel="sharded")``: each parameter tile's gradient sum, update and AdamW state on
+one owner worker, the others fetching the parameter when they use it). The planner keeps every
+task's inputs and outputs under ``tilegraph.config.task_memory_fraction`` of the limit and Dask
+spills the rest of what the workers hold to disk (their local directory).
+
+It prints:
+
+- ``state``: parameters + gradients + AdamW moments (16 bytes per fp32 parameter) and its ratio
+  to one worker's limit (the issue's capacity figure);
+- per step: the loss and the wall seconds;
+- per worker: its peak resident memory (``VmHWM``) against the limit, and what Dask spilled;
+- ``torch``: the same model (transformers' ``GPT2LMHeadModel``, same sizes) trained by PyTorch
+  in one process under the same budget: the child imports torch, then limits its address space
+  to what it has mapped plus the budget less what it already holds (``RLIMIT_AS``), so the
+  budget counts the same bytes a Dask worker's limit does (its resident memory); it prints how
+  far it got, or the error that stopped it. ``--torch-budget 0`` gives it no limit (its peak
+  resident memory is then printed). Its run without a limit follows, for its speed and peak.
+
+    python bench/bench_capacity.py                                   # ~4.3x: 4.1 GB of state, 2 x 0.95 GiB
+    python bench/bench_capacity.py --layers 4 --memory-limit 1GB     # a smaller model, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def tilegraph_run(args) -> dict:
+    import tilegraph as tg
+    from tilegraph import models
+    from tilegraph.models import GPT2Config, ModelTiling
+
+    cfg = GPT2Config(vocab_size=args.vocab, max_seq_len=args.seq, dim=args.dim, n_layers=args.layers,
+                     n_heads=args.dim // 64)
+    rt = tg.connect(n_workers=args.workers, threads_per_worker=1, memory_limit=args.memory_limit, quiet=True)
+    try:
+        rt.worker_threads()  # learns the workers' memory limits
+        limit = min(rt.memory_limits.values())
+        model = models.build(cfg, ModelTiling(feature=args.feature, batch=args.batch_tile), seed=0)
+        n_params = sum(p.size for p in model.parameters())
+        print(f"model: GPT-2 {args.layers} x {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M parameters; "
+              f"state (params + grads + AdamW) {16 * n_params / 1e9:.2f} GB = "
+              f"{16 * n_params / limit:.2f}x one worker's limit ({limit / 2**30:.2f} GiB), "
+              f"{args.workers} workers x 1 thread", flush=True)
+        opt = tg.optim.AdamW(model.parameters(), lr=1e-4)
+        tiles = [(args.batch_tile, None)] * 2
+        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=tiles, parallel="sharded")
+        ids, tgt = batch(args, cfg)
+        exe = step.plan(ids, tgt)
+        print(f"plan: {exe.strategy}, {exe.n_tasks} tasks, largest task "
+              f"{max(c.bytes for c in exe.clusters) / 2**20:.0f} MiB (bound {exe.max_task_bytes / 2**20:.0f} MiB)",
+              flush=True)
+        losses, seconds = [], []
+        for s in range(args.steps):
+            t0 = time.perf_counter()
+            losses.append(step(ids, tgt))
+            seconds.append(time.perf_counter() - t0)
+            print(f"step {s + 1}: loss {losses[-1]:.4f}, {seconds[-1]:.1f} s", flush=True)
+        peaks = rt.client.run(_worker_memory)
+        for addr, (peak, spilled, spilled_bytes) in sorted(peaks.items()):
+            print(f"worker {addr}: peak resident {peak / 2**20:,.0f} MiB of {limit / 2**20:,.0f} MiB "
+                  f"({peak / limit:.0%}); spilled to disk now: {spilled} values, {spilled_bytes / 2**20:,.0f} MiB",
+                  flush=True)
+        return {"params": n_params, "limit": limit, "losses": losses, "seconds": seconds,
+                "peak": max(p for p, _, _ in peaks.values())}
+    finally:
+        rt.close()
+
+
+def _worker_memory(dask_worker) -> tuple[int, int, int]:
+    from tilegraph._runtime import peak_resident_bytes
+
+    peak = peak_resident_bytes()
+    spilled = getattr(dask_worker.data, "spilled_total", None)  # (bytes in memory, bytes on disk)
+    return peak, len(getattr(dask_worker.data, "slow", ())), int(getattr(spilled, "disk", 0) or 0)
+
+
+def batch(args, cfg):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, size=(args.workers * args.batch_tile, args.seq), dtype=np.int64)
+    tgt = np.full_like(ids, -100)
+    tgt[:, :-1] = ids[:, 1:]
+    return ids, tgt
+
+
+_TORCH_CHILD = r"""
+import json, resource, sys, time
+args = json.loads(sys.argv[1])
+phase = "import"
+out = {}
+try:
+    import numpy as np, torch, transformers
+    torch.set_num_threads(args["threads"])
+    phase = "limit"
+    if args["budget"]:
+        def status(key):
+            for line in open("/proc/self/status"):
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        mapped, resident = status("VmSize:"), status("VmRSS:")
+        room = args["budget"] - resident
+        if room <= 0:
+            raise MemoryError(f"{resident} bytes resident after import, over the budget")
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + room, mapped + room))
+    phase = "build"
+    cfg = transformers.GPT2Config(vocab_size=args["vocab"], n_positions=args["seq"], n_embd=args["dim"],
+                                  n_layer=args["layers"], n_head=args["dim"] // 64, attn_pdrop=0.0,
+                                  embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, args["vocab"], size=(args["batch"], args["seq"])))
+    for s in range(args["steps"]):
+        phase = f"step {s + 1}"
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        out.setdefault("seconds", []).append(time.perf_counter() - t0)
+    out["ok"] = True
+except BaseException as e:
+    out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+out["phase"] = phase
+out["peak"] = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps(out))
+"""
+
+
+def torch_run(args, budget: int) -> dict:
+    params = {"vocab": args.vocab, "seq": args.seq, "dim": args.dim, "layers": args.layers, "steps": args.steps,
+              "batch": args.workers * args.batch_tile, "threads": args.workers, "budget": budget}
+    proc = subprocess.run([sys.executable, "-c", _TORCH_CHILD, json.dumps(params)], capture_output=True, text=True,
+                          timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", "phase": "?", "peak": 0}
+    return json.loads(lines[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--feature", type=int, default=256, help="feature tile (whole heads)")
+    ap.add_argument("--batch-tile", type=int, default=2, help="sequences per worker")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--memory-limit", default="1GB", help="per worker, as tg.connect(memory_limit=...)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--torch-budget", default=None,
+                    help="PyTorch's budget in bytes or with a unit (default: one worker's limit; 0: none)")
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    print(f"machine: {os.cpu_count()} cores", flush=True)
+    tg_result = tilegraph_run(args)
+    if args.no_torch:
+        return
+    from dask.utils import parse_bytes
+
+    budget = tg_result["limit"] if args.torch_budget is None else parse_bytes(args.torch_budget)
+    for limit in dict.fromkeys([budget, 0]):  # under the budget, then (for its speed) without one
+        r = torch_run(args, limit)
+        where = f"under {limit / 2**20:,.0f} MiB" if limit else "with no limit"
+        if r.get("ok"):
+            print(f"torch, one process with {args.workers} threads ({where}): trained {args.steps} steps, "
+                  f"{np.median(r['seconds']):.1f} s/step (median), peak resident {r['peak'] / 2**20:,.0f} MiB", flush=True)
+        else:
+            print(f"torch, one process ({where}): stopped at {r['phase']}: {r['error']} "
+                  f"(peak resident {r['peak'] / 2**20:,.0f} MiB)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
