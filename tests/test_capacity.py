@@ -36,9 +36,12 @@ def test_tasks_stay_under_the_memory_bound(bound_kib):
     bounded, of, _ = cluster_nodes(order, {"cpu": [2], "gpu": [1]}, 10.0, True, max_bytes=bound)
     assert len(bounded) > len(free)  # the bound cut tasks the time target alone would not
     assert sorted(id(n) for c in bounded for n in c.nodes) == sorted(map(id, nodes))
+    from tilegraph.plan.cluster import RESULT_SHARE
+
     for c in bounded:
         if len(c.nodes) > 1:
             assert c.bytes <= bound, (c.id, c.bytes)
+            assert c.made <= RESULT_SHARE * bound, (c.id, c.made)
         # the bound counts every task read once, whole, every leaf value read once, and every output
         made = sum(out_bytes(n) for n in c.nodes)
         assert c.made == made
