@@ -71,8 +71,8 @@ class Config:
     #: this share of the smallest worker memory limit, so that a worker can hold a task while
     #: Dask spills the other task results it keeps (parameters, optimizer state, activations)
     #: to disk: what lets a sharded model larger than the workers' memory train. A worker runs
-    #: up to two tasks at once (data-parallel plans: the backward and the gradient exchange),
-    #: and Dask pauses it at 80% of its limit, with the interpreter's own ~150 MB counted.
+    #: a task per thread at once, and Dask pauses it at 80% of its limit, with the
+    #: interpreter's own ~150 MB counted.
     #: Applied where all of a step's values (leaves and kernel outputs) take over half the limit:
     #: elsewhere nothing needs spilling, and tasks shaped by time alone run faster.
     task_memory_fraction: float = 0.1

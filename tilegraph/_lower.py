@@ -561,7 +561,7 @@ def _watched_gather(runtime, futures: list, during: str) -> list:
                 break
             except TimeoutError:
                 health = worker_health(runtime)
-                if health.lost or health.stalled or health.stuck:
+                if health.failing:
                     raise lost_worker_error(health, during, f"no result after {time.perf_counter() - t0:.1f} s",
                                             where=where) from None
         return runtime.client.gather(futures)

@@ -172,18 +172,20 @@ class Runtime:
         by_worker: dict[str | None, list] = {}
         for c, w in local:
             by_worker.setdefault(w, []).append(c)
+        def send(batch: list, w: str | None) -> None:
+            futures = self.client.scatter([c.value for c in batch], hash=False, workers=None if w is None else [w])
+            for c, f in zip(batch, futures):
+                c.set(ValueRef(f, None))
+
         for w, group in by_worker.items():
             batch, size = [], 0
-            for k, c in enumerate(group):
+            for c in group:
+                if batch and size + c.value.nbytes > budget:
+                    send(batch, w)
+                    batch, size = [], 0
                 batch.append(c)
                 size += c.value.nbytes
-                last = k + 1 == len(group)
-                if last or size + group[k + 1].value.nbytes > budget:
-                    futures = self.client.scatter([b.value for b in batch], hash=False,
-                                                  workers=None if w is None else [w])
-                    for b, f in zip(batch, futures):
-                        b.set(ValueRef(f, None))
-                    batch, size = [], 0
+            send(batch, w)
 
     def kernel_stats(self, reset: bool = False) -> dict:
         """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""

@@ -378,6 +378,11 @@ class WorkerHealth:
         return {a: p for a, p in self.paused.items() if p[0] >= PAUSED_SECONDS}
 
     @property
+    def failing(self) -> bool:
+        """Whether a worker is lost, stalled or stuck: waiting on would not end."""
+        return bool(self.lost or self.stalled or self.stuck)
+
+    @property
     def answering(self) -> list[str]:
         return sorted(a for a, s in self.silence.items() if s < STALL_SECONDS)
 
@@ -476,7 +481,7 @@ def translate_worker_failure(runtime, error: BaseException, during: str, *, step
             return None
         return TileError(where, f"{during} failed and the Dask scheduler did not answer ({_short(e, 120)})",
                          _short(error))
-    if not dask_loss and not health.lost and not health.stalled and not health.stuck:
+    if not dask_loss and not health.failing:
         return None
     return lost_worker_error(health, during, _short(error), steps=steps, where=where)
 
@@ -564,7 +569,7 @@ class PendingStep:
         has answered since the checks began; else return how long to wait before looking again."""
         health = worker_health(runtime)
         received = f"no result after {waited:.1f} s (time limit {timeout:.1f} s)"
-        if health.lost or health.stalled or health.stuck:
+        if health.failing:
             raise lost_worker_error(health, _steps_text(self.steps), received, steps=self.steps)
         if any(s >= checked for s in health.silence.values()):  # not heard from since: look again soon
             return RECHECK_SECONDS

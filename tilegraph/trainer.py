@@ -503,7 +503,7 @@ class Trainer:
             if not thread.is_alive():
                 break
             health = worker_health(self.runtime)
-            if health.lost or health.stalled or health.stuck:
+            if health.failing:
                 raise lost_worker_error(health, during, f"still running after {time.perf_counter() - t0:.1f} s",
                                         steps=steps, where="tilegraph.Trainer.fit")
         if "error" in out:

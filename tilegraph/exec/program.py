@@ -251,7 +251,6 @@ def run_cluster(bound: Bound, prog: Program, *args):
             for r in op.free:
                 regs[r] = None
     out = measured_exactly(tuple(regs[r] for r in prog.out_regs))
-    del regs
     for hook in AFTER_TASK:
         hook()
     with _STATS_LOCK:

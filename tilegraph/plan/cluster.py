@@ -3,6 +3,7 @@ placed kernels into coarse tasks for worker processes and their threads."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -101,7 +102,7 @@ RESULT_SHARE = 0.25
 
 def out_bytes(node: Node) -> int:
     """Bytes of a node's outputs."""
-    return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in node.out_meta)
+    return sum(math.prod(s) * np.dtype(d).itemsize for s, d in node.out_meta)
 
 
 class Cluster:
@@ -197,6 +198,7 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     begin: dict[int, float] = {}  # cluster id -> start of its first node
     hop = config.hop_seconds
     bandwidth = config.transfer_bytes_per_second
+    bounded = max_bytes < float("inf")
 
     def where(proc: int) -> int:
         return proc if home is None else proc % home
@@ -233,8 +235,8 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
         late = cur is not None and cur.open and \
             ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > begin[cur.id]
         if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target) \
-                or (cur.nodes and (cur.bytes + cur.added_bytes(n, of) > max_bytes
-                                   or cur.made + out_bytes(n) > max_bytes * RESULT_SHARE)):
+                or (bounded and cur.nodes and (cur.bytes + cur.added_bytes(n, of) > max_bytes
+                                               or cur.made + out_bytes(n) > max_bytes * RESULT_SHARE)):
             if cur is not None:
                 cur.open = False
             cur = Cluster(len(clusters), dev, best, len(frees))
