@@ -13,6 +13,13 @@ dU or dV, and W only in those that make dX; the graph is lazy, so a gradient tha
 for is never computed, and the tiles only it would read are not kept for the backward: X is kept
 only when U or V need a gradient, W only when X does. W gets no gradient at all.
 
+With ``dropout=p > 0`` (LoRA's dropout on the adapter's input, as Hugging Face peft's) the layer
+is ``Y = b + X W + scale * (D(X) U) V`` with D the inverted dropout of :mod:`tilegraph.ops.dropout`,
+a new mask every optimizer step (its seed hashes a base seed with U's and V's first tiles), no
+mask stored: the backward regenerates D(X) from X and applies the same mask to dX's adapter part
+(dX = dY W^T + D(Z U^T)). Only the variants that keep the adapter branch apart are valid then:
+forward f1, backward b1, b2, b3 (f2, b4 and b5 multiply by W + U V, one X for both branches).
+
 >>> import numpy as np, tilegraph as tg
 >>> from tilegraph.ops.lora import choose_variant
 >>> choose_variant(512, 1024, 1024, 8), choose_variant(8192, 1024, 1024, 8)
@@ -38,16 +45,20 @@ from tilegraph._graph import emit1
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import new_tensor, require_float, require_same_chunks, require_same_dtype, require_tensor
+from .dropout import _dropout_tiles, check_dropout, seed_tensor
 from .matmul import _matmul, _matmul_tn_op
 
-__all__ = ["lora_linear", "choose_variant", "variant_flops", "requires_grad", "merged_weight", "FORWARD", "BACKWARD", "CRITERIA"]
+__all__ = ["lora_linear", "choose_variant", "variant_flops", "requires_grad", "merged_weight", "FORWARD", "BACKWARD",
+           "CRITERIA", "DROPOUT_FORWARD", "DROPOUT_BACKWARD"]
 
 WHERE = "tilegraph.lora_linear"
 
 
 class Term(NamedTuple):
     """One matrix product: ``a @ b`` ("nn"), ``a @ b^T`` ("nt") or ``a^T @ b`` over all leading
-    dims ("tn"). Operands are named: x, w, u, v, b (bias), dy, or an earlier step's output."""
+    dims ("tn"). Operands are named: x, w, u, v, b (bias), dy, or an earlier step's output.
+    ("drop": not a product but the dropout of ``a`` under the seed ``b``, in the steps of
+    :func:`_with_dropout` only.)"""
 
     kind: str
     a: str
@@ -101,6 +112,33 @@ _BACKWARD = {
 
 FORWARD = tuple(_FORWARD)
 BACKWARD = tuple(_BACKWARD)
+#: the variants valid with dropout on the adapter's input: those that keep X W and (X U) V apart
+DROPOUT_FORWARD = ("f1",)
+DROPOUT_BACKWARD = ("b1", "b2", "b3")
+
+
+def _with_dropout(steps) -> tuple[Step, ...]:
+    """A variant's steps with dropout on the adapter branch: the products of X with anything but W
+    read XD = D(X) (recomputed from X and the seed in the backward, never kept), and the split
+    ``dX = dY W^T + Z U^T`` becomes ``dY W^T + D(Z U^T)`` (the same mask, from the same seed)."""
+    out = [Step("xd", (Term("drop", "x", "seed"),))]
+    for s in steps:
+        if s.out == "dx":
+            base = tuple(t for t in s.terms if t.b == "w")
+            adapter = tuple(t for t in s.terms if t.b != "w")
+            assert len(base) == len(adapter) == 1, s  # the merged dX (W + U V) has no adapter part
+            out += [Step("dxa", adapter), Step("dxd", (Term("drop", "dxa", "seed"),)), Step("dx", base, "dxd")]
+            continue
+        assert s.out != "weff", s
+        out.append(s._replace(terms=tuple(t if "w" in (t.a, t.b) else
+                                          t._replace(a="xd" if t.a == "x" else t.a, b="xd" if t.b == "x" else t.b)
+                                          for t in s.terms)))
+    return tuple(out)
+
+
+_FORWARD_DROPOUT = {f: _with_dropout(_FORWARD[f]) for f in DROPOUT_FORWARD}
+_BACKWARD_DROPOUT = {b: _with_dropout(_BACKWARD[b]) for b in DROPOUT_BACKWARD}
+
 #: how a variant is chosen: "flops" (ALGORITHMS.md's formulas) or "time" (measured, then cached)
 CRITERIA = ("flops", "time")
 
@@ -167,8 +205,10 @@ _TIMED: dict[tuple, tuple[str, str]] = {}  # key -> (forward, backward) chosen b
 
 
 def choose_variant(N: int, n: int, m: int, r: int, *, needs=(True, True, True), by: str = "flops",
-                   dtype=np.float32, device: str = "cpu", bias: bool = False) -> tuple[str, str]:
-    """The (forward, backward) pair for these shapes and the gradients in ``needs`` (of X, U, V).
+                   dtype=np.float32, device: str = "cpu", bias: bool = False, dropout: bool = False) -> tuple[str, str]:
+    """The (forward, backward) pair for these shapes and the gradients in ``needs`` (of X, U, V);
+    with ``dropout``, among :data:`DROPOUT_FORWARD` and :data:`DROPOUT_BACKWARD` only (their
+    products and FLOPs are those without dropout; the masks cost the same in each).
 
     ``by="flops"``: the variants with the fewest FLOPs (ties: the lowest index). ``by="time"``:
     each candidate is run once on ``device`` ("cpu": NumPy; "gpu": CuPy) on random data of these
@@ -176,17 +216,20 @@ def choose_variant(N: int, n: int, m: int, r: int, *, needs=(True, True, True), 
     needs, bias), so each layer shape is measured once per process.
     """
     needs = tuple(bool(f) for f in needs)
+    forward, backward = (DROPOUT_FORWARD, DROPOUT_BACKWARD) if dropout else (FORWARD, BACKWARD)
     if by == "flops":
-        fwd = min(FORWARD, key=lambda f: (variant_flops(f, N, n, m, r), FORWARD.index(f)))
-        bwd = min(BACKWARD, key=lambda b: (variant_flops(b, N, n, m, r, needs), BACKWARD.index(b)))
+        fwd = min(forward, key=lambda f: (variant_flops(f, N, n, m, r), FORWARD.index(f)))
+        bwd = min(backward, key=lambda b: (variant_flops(b, N, n, m, r, needs), BACKWARD.index(b)))
         return fwd, bwd
     if by != "time":
         raise TileError(WHERE, f"choose must be one of {', '.join(CRITERIA)}", repr(by))
     if device not in ("cpu", "gpu"):
         raise TileError(WHERE, "device must be 'cpu' or 'gpu'", repr(device))
     key = (int(N), int(n), int(m), int(r), np.dtype(dtype).str, device, needs, bool(bias))
+    if dropout:
+        key += ("dropout",)
     if key not in _TIMED:
-        _TIMED[key] = _measure(*key)
+        _TIMED[key] = _measure(*key[:8], forward, backward)
     return _TIMED[key]
 
 
@@ -209,7 +252,7 @@ def _evaluate(steps, env: dict, wanted, xp) -> dict:
     return env
 
 
-def _measure(N, n, m, r, dtype, device, needs, bias) -> tuple[str, str]:
+def _measure(N, n, m, r, dtype, device, needs, bias, forward=FORWARD, backward=BACKWARD) -> tuple[str, str]:
     """Time each forward and each backward candidate once (after one warm-up call)."""
     if device == "gpu":
         import cupy as xp
@@ -233,9 +276,9 @@ def _measure(N, n, m, r, dtype, device, needs, bias) -> tuple[str, str]:
         return time.perf_counter() - t0
 
     run(_FORWARD["f1"], ("y",))  # warm-up: BLAS threads, CuPy kernels, caches
-    fwd = min(FORWARD, key=lambda f: run(_FORWARD[f], ("y",)))
+    fwd = min(forward, key=lambda f: run(_FORWARD[f], ("y",)))
     wanted = _outputs(needs)
-    bwd = min(BACKWARD, key=lambda b: run(_BACKWARD[b], wanted)) if wanted else BACKWARD[0]
+    bwd = min(backward, key=lambda b: run(_BACKWARD[b], wanted)) if wanted else backward[0]
     return fwd, bwd
 
 
@@ -273,6 +316,9 @@ def _tile_step(step: Step, env: dict) -> TileTensor:
     """Record one step over tiles: a "tn" product through the weight-gradient op (one product
     per row tile plus a sum tree), the others as one fused kernel per output tile that sums every
     term's K tiles and adds the addend (a bias vector or a full tile)."""
+    if step.terms[0].kind == "drop":
+        (t,) = step.terms
+        return _dropout_tiles(env[t.a], env[t.b], env["p"])
     if step.terms[0].kind == "tn":
         (t,) = step.terms
         return _matmul_tn_op(env[t.a], env[t.b])
@@ -306,8 +352,9 @@ def _run_tiles(steps, env: dict, wanted) -> dict:
 
 class LoRAContext(NamedTuple):
     """What the backward needs: the inputs (references, not copies; the workers keep only the
-    tiles that the kernels of the gradients actually asked for read), the scale and the chosen
-    backward variant."""
+    tiles that the kernels of the gradients actually asked for read), the scale, the chosen
+    backward variant and, with dropout, its probability and the step's seed tile (the mask is
+    regenerated from it, never stored)."""
 
     x: TileTensor
     w: TileTensor
@@ -316,29 +363,44 @@ class LoRAContext(NamedTuple):
     has_bias: bool
     scale: float
     backward: str
+    dropout: float = 0.0
+    seed: TileTensor | None = None
 
 
 class LoRALinearOp(Op):
-    """``Y = b + X W + scale * (X U) V`` with RunLoRA's variants; W gets no gradient."""
+    """``Y = b + X W + scale * (D(X) U) V`` with RunLoRA's variants (D: dropout, the identity
+    when ``dropout=0``); W gets no gradient."""
 
     name = "lora_linear"
 
     def forward(self, x, w, u, v, bias=None, *, scale=1.0, variant=None, choose="flops", needs=None,
-                device="cpu"):
+                device="cpu", dropout=0.0, seed=0):
         _check_inputs(x, w, u, v, bias)
+        p = check_dropout(dropout, WHERE)
         if needs is None:
             needs = (requires_grad(x), requires_grad(u), requires_grad(v))
-        fwd, bwd = _resolve_variant(variant, choose, x, w, u, needs, bias is not None, device)
+        fwd, bwd = _resolve_variant(variant, choose, x, w, u, needs, bias is not None, device, p)
         env = {"x": x, "w": w, "u": _scaled(u, scale), "v": v, "b": bias}
-        y = _run_tiles(_FORWARD[fwd], env, ("y",))["y"]
-        return y, LoRAContext(x, w, u, v, bias is not None, float(scale), bwd)
+        steps, step_seed = _FORWARD[fwd], None
+        if p > 0:
+            # one seed tile per layer and step, hashed from the trainable U and V (new values every
+            # optimizer step, so a replayed step graph draws a new mask); the backward reuses it
+            step_seed = seed_tensor(u, v, base=seed)
+            env.update(seed=step_seed, p=p)
+            steps = _FORWARD_DROPOUT[fwd]
+        y = _run_tiles(steps, env, ("y",))["y"]
+        return y, LoRAContext(x, w, u, v, bias is not None, float(scale), bwd, p, step_seed)
 
     def backward(self, ctx: LoRAContext, dy):
         env = {"x": ctx.x, "w": ctx.w, "u": _scaled(ctx.u, ctx.scale), "v": ctx.v, "dy": dy}
+        steps = _BACKWARD[ctx.backward]
+        if ctx.dropout > 0:
+            env.update(seed=ctx.seed, p=ctx.dropout)
+            steps = _BACKWARD_DROPOUT[ctx.backward]
         # all three gradients are recorded, by the chosen variant; the graph is lazy, so the ones
         # tilegraph.grad does not ask for are never computed (a wrong guess of which are needed
         # costs speed, never correctness)
-        env = _run_tiles(_BACKWARD[ctx.backward], env, ("dx", "du", "dv"))
+        env = _run_tiles(steps, env, ("dx", "du", "dv"))
         du = env["du"]
         if ctx.scale != 1.0:
             du = du * ctx.scale  # d/dU of (X (scale U)) V
@@ -391,14 +453,23 @@ def _resolve_variant_name(variant, where: str = WHERE):
             _check_variant_name(variant[1], BACKWARD, "backward", where))
 
 
-def _resolve_variant(variant, choose, x, w, u, needs, bias: bool, device: str) -> tuple[str, str]:
+def check_dropout_variant(pair, dropout: float, where: str = WHERE) -> None:
+    """With dropout, a forced (forward, backward) pair must keep the adapter branch apart."""
+    if dropout > 0 and pair is not None and (pair[0] not in DROPOUT_FORWARD or pair[1] not in DROPOUT_BACKWARD):
+        raise TileError(where, f"with dropout > 0 a variant whose adapter branch reads the dropped-out X apart "
+                        f"from X W: forward {', '.join(DROPOUT_FORWARD)} and backward {', '.join(DROPOUT_BACKWARD)} "
+                        f"(f2, b4, b5 multiply by W + U V)", f"{tuple(pair)!r} with dropout={dropout:g}")
+
+
+def _resolve_variant(variant, choose, x, w, u, needs, bias: bool, device: str, dropout: float = 0.0) -> tuple[str, str]:
     if choose not in CRITERIA:
         raise TileError(WHERE, f"choose must be one of {', '.join(CRITERIA)}", repr(choose))
     pair = _resolve_variant_name(variant)
     if pair is None:
         n, m = w.shape
         return choose_variant(math.prod(x.shape[:-1]), n, m, u.shape[1], needs=needs, by=choose, dtype=x.dtype,
-                              device=device, bias=bias)
+                              device=device, bias=bias, dropout=dropout > 0)
+    check_dropout_variant(pair, dropout)
     return pair
 
 
@@ -412,9 +483,9 @@ _lora_op = LoRALinearOp()
 
 def lora_linear(x: TileTensor, w: TileTensor, u: TileTensor, v: TileTensor, bias: TileTensor | None = None, *,
                 scale: float = 1.0, variant=None, choose: str = "flops", requires_grad=None,
-                device: str = "cpu") -> TileTensor:
-    """``bias + x @ w + scale * (x @ u) @ v``: a LoRA linear layer over a frozen ``w`` (n, m) with
-    adapter factors ``u`` (n, r) and ``v`` (r, m).
+                device: str = "cpu", dropout: float = 0.0, seed: int = 0) -> TileTensor:
+    """``bias + x @ w + scale * (dropout(x) @ u) @ v``: a LoRA linear layer over a frozen ``w``
+    (n, m) with adapter factors ``u`` (n, r) and ``v`` (r, m).
 
     - ``variant``: None or "auto" picks the forward ("f1", "f2") and backward ("b1".."b5")
       graphs by ``choose`` ("flops" or "time", see :func:`choose_variant`); a pair such as
@@ -422,6 +493,12 @@ def lora_linear(x: TileTensor, w: TileTensor, u: TileTensor, v: TileTensor, bias
     - ``requires_grad``: which of (x, u, v) will get gradients, for the choice; by default
       inferred from the graph (:func:`requires_grad`). Every gradient stays available either way.
     - ``device``: where the "time" criterion measures ("cpu" or "gpu").
+    - ``dropout``: the probability of zeroing an element of the adapter's input (the base product
+      reads x as it is), 0 for none; the kept ones are scaled by 1 / (1 - dropout). The mask comes
+      from ``seed`` and a hash of the first tiles of ``u`` and ``v``, so it changes whenever they
+      do (every optimizer step of a replayed step graph; see :mod:`tilegraph.ops.dropout`). It
+      applies whenever given: :class:`tilegraph.nn.LoRALinear` passes it in training only.
+      Restricts the variants to :data:`DROPOUT_FORWARD` and :data:`DROPOUT_BACKWARD`.
 
     Tiles: x's last dim, w's and u's rows share tiles (n); w's, v's and bias' columns (m); u's
     columns and v's rows (r, usually one tile).
@@ -431,4 +508,4 @@ def lora_linear(x: TileTensor, w: TileTensor, u: TileTensor, v: TileTensor, bias
             raise TileError(WHERE, "requires_grad must be three bools, for x, u and v", repr(requires_grad))
         requires_grad = tuple(bool(f) for f in requires_grad)
     return _lora_op(x, w, u, v, bias, scale=scale, variant=variant, choose=choose, needs=requires_grad,
-                    device=device)
+                    device=device, dropout=dropout, seed=seed)

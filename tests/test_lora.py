@@ -259,8 +259,8 @@ def test_bad_inputs(tmp_path):
     for alpha in (0, -1.0, float("nan")):
         with pytest.raises(tg.TileError, match=r"alpha must be a finite number > 0"):
             peft.apply_lora(model, ["attn.q"], rank=2, alpha=alpha)
-    with pytest.raises(tg.TileError, match=r"dropout is not supported"):
-        peft.apply_lora(model, ["attn.q"], rank=2, dropout=0.1)
+    with pytest.raises(tg.TileError, match=r"dropout must be a number in \[0, 1\)"):  # more: test_lora_dropout.py
+        peft.apply_lora(model, ["attn.q"], rank=2, dropout=1.0)
     with pytest.raises(tg.TileError, match=r"unknown forward variant; known: f1, f2; received: 'f9'"):
         peft.apply_lora(model, ["attn.q"], rank=2, variant=("f9", "b1"))
     with pytest.raises(tg.TileError, match=r"choose must be one of flops, time"):

@@ -15,7 +15,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef
 from tilegraph._lower import Executable, Fetching, config, gather
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
-from tilegraph.nn import Module
+from tilegraph.nn import Module, training
 from tilegraph.optim import Optimizer
 
 __all__ = ["TrainStep", "PendingStep", "StepStats", "EvalStep", "WorkerLostError", "StepTimeoutError"]
@@ -147,9 +147,10 @@ class TrainStep:
         try:
             for j in range(k):
                 ins, tensors = _batch_inputs(batch, self.batch_tiles, where)
-                loss = self.loss_fn(self.model, *tensors)
-                _check_loss(loss, where)
-                grads = grad(loss, params, allow_unused=False)
+                with training():  # train-only behaviour (LoRA dropout), also in a recomputed block's backward
+                    loss = self.loss_fn(self.model, *tensors)
+                    _check_loss(loss, where)
+                    grads = grad(loss, params, allow_unused=False)
                 norm = None
                 if kind == "step":
                     assignments, norm = self.optimizer.record(grads, hyper=hypers[j], current=current)

@@ -14,6 +14,7 @@ Linear's input tile must equal the tile of the activation's last dim.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from typing import Iterator
 
@@ -27,7 +28,7 @@ from tilegraph._graph import scope as _scope
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells, tensor_from_cells
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
-           "CausalSelfAttention", "KVCache", "ModuleList", "deferred_init"]
+           "CausalSelfAttention", "KVCache", "ModuleList", "deferred_init", "training", "is_training"]
 
 
 class Parameter(TileTensor):
@@ -100,6 +101,36 @@ def deferred_init():
         yield
     finally:
         _DEFERRED.pop()
+
+
+_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("tilegraph_training", default=False)
+
+
+@contextlib.contextmanager
+def training(mode: bool = True):
+    """Record the graphs made inside the block as a training step's: layers that behave
+    differently in training (:class:`~tilegraph.peft.LoRALinear`'s dropout) do so.
+    :class:`~tilegraph.TrainStep` records its step in it; an evaluation, generation or plain forward
+    records outside it. torch's ``model.train()`` / ``model.eval()`` for what is being recorded: a
+    graph is recorded once and replayed, so the mode is the recorded graph's, not the model's.
+
+    >>> import tilegraph as tg
+    >>> with tg.nn.training():
+    ...     tg.nn.is_training()
+    True
+    >>> tg.nn.is_training()
+    False
+    """
+    token = _TRAINING.set(bool(mode))
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
+
+
+def is_training() -> bool:
+    """Whether the graph being recorded is a training step's (inside :func:`training`)."""
+    return _TRAINING.get()
 
 
 def _scopes() -> list[str]:

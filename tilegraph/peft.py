@@ -57,9 +57,18 @@ def _check_rank_alpha(where: str, rank, alpha, dropout) -> None:
             or alpha <= 0):
         raise TileError(where, "alpha must be a finite number > 0 (the update is scaled by alpha / rank)",
                         repr(alpha))
-    if dropout != 0:
-        # a dropout mask must change every step while the recorded step graph is replayed as is
-        raise TileError(where, "dropout is not supported: only 0 (no dropout on the adapter's input)", repr(dropout))
+    from tilegraph.ops.dropout import check_dropout
+
+    check_dropout(dropout, where)
+
+
+def _check_choice_dropout(where: str, variant, choose, dropout: float):
+    """:func:`_check_choice`, and a forced variant that dropout allows (f1 with b1, b2 or b3)."""
+    from tilegraph.ops.lora import check_dropout_variant
+
+    pair, choose = _check_choice(where, variant, choose)
+    check_dropout_variant(pair, dropout, where)
+    return pair, choose
 
 
 def _check_choice(where: str, variant, choose):
@@ -72,13 +81,20 @@ def _check_choice(where: str, variant, choose):
 
 class LoRALinear(Module):
     """A frozen :class:`~tilegraph.nn.Linear` plus a low-rank update:
-    ``y = x @ weight + bias + (alpha / rank) * (x @ lora_u) @ lora_v``.
+    ``y = x @ weight + bias + (alpha / rank) * (dropout(x) @ lora_u) @ lora_v``.
 
     ``weight`` and ``bias`` are the base layer's parameters (same objects, so the model's parameter
     names do not change), frozen. ``lora_u`` (in, rank) starts uniform in +-1/sqrt(in) and
     ``lora_v`` (rank, out) at zero (peft's A and B, transposed), so the layer starts equal to its
     base. ``variant``/``choose``: see :func:`tilegraph.ops.lora.lora_linear` (default: the graphs
     with the fewest FLOPs for each call's shapes).
+
+    ``dropout`` (peft's ``lora_dropout``): in a training step's graph (recorded under
+    :func:`tilegraph.nn.training`, as ``TrainStep`` does) each element of the adapter's input is
+    zeroed with this probability and the others scaled by 1 / (1 - dropout), a new mask every
+    optimizer step; the base product reads x as it is. Evaluation, generation and a plain forward
+    have no dropout. The masks' base seed (``dropout_seed``) is a hash of the initial ``lora_u``,
+    so the draws of ``seed`` are those of a layer without dropout.
 
     >>> import numpy as np, tilegraph as tg
     >>> layer = tg.nn.LoRALinear(tg.nn.Linear(6, 5, seed=0), rank=2, alpha=4, seed=0)
@@ -98,8 +114,8 @@ class LoRALinear(Module):
         if rank > min(n, m):
             raise TileError(where, f"rank must be at most min(in, out) = {min(n, m)} of the layer",
                             f"rank={rank} for a ({n}, {m}) weight")
-        self.variant, self.choose = _check_choice(where, variant, choose)
-        self.rank, self.alpha = int(rank), float(alpha)
+        self.variant, self.choose = _check_choice_dropout(where, variant, choose, dropout)
+        self.rank, self.alpha, self.dropout = int(rank), float(alpha), float(dropout)
         self.weight, self.bias = base.weight, base.bias
         for p in (self.weight, self.bias):
             if isinstance(p, Parameter):  # a QuantizedTensor has no gradient at all
@@ -107,17 +123,23 @@ class LoRALinear(Module):
         rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         dtype = self.weight.dtype
         bound = 1.0 / math.sqrt(n)  # torch's kaiming_uniform_(a=sqrt(5)), as peft initialises A
-        self.lora_u = Parameter(rng.uniform(-bound, bound, (n, rank)).astype(dtype),
-                                (self.weight.chunks[0], None), name="lora_u")
+        u = rng.uniform(-bound, bound, (n, rank)).astype(dtype)
+        self.lora_u = Parameter(u, (self.weight.chunks[0], None), name="lora_u")
         self.lora_v = Parameter(np.zeros((rank, m), dtype), (None, self.weight.chunks[1]), name="lora_v")
+        # each layer's own masks, drawing nothing from rng (the adapters' initial values stay those
+        # of a layer without dropout); every step's seed also hashes the current U and V
+        self.dropout_seed = _hash_seed(u)
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
     def forward(self, x: TileTensor) -> TileTensor:
+        from tilegraph.nn import is_training
+
+        dropout = self.dropout if is_training() else 0.0
         return _adapted_linear(x, self.weight, self.lora_u, self.lora_v, self.bias, self.scale, self.variant,
-                               self.choose)
+                               self.choose, dropout, self.dropout_seed)
 
     def merged(self) -> Linear:
         """A plain Linear whose weight is ``weight + scale * lora_u @ lora_v`` (computed where the
@@ -126,7 +148,16 @@ class LoRALinear(Module):
 
     def __repr__(self) -> str:
         n, m = self.weight.shape
-        return f"LoRALinear({n}, {m}, rank={self.rank}, alpha={self.alpha:g}, bias={self.bias is not None})"
+        drop = f", dropout={self.dropout:g}" if self.dropout else ""
+        return f"LoRALinear({n}, {m}, rank={self.rank}, alpha={self.alpha:g}{drop}, bias={self.bias is not None})"
+
+
+def _hash_seed(array: np.ndarray) -> int:
+    """A 63-bit seed from an array's bytes."""
+    import hashlib
+
+    digest = hashlib.blake2b(np.ascontiguousarray(array).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class LoTRLinear(Module):
@@ -200,17 +231,19 @@ def _check_scale(where: str, scale) -> None:
                         repr(scale))
 
 
-def _adapted_linear(x, weight, u, v, bias, scale, variant, choose):
+def _adapted_linear(x, weight, u, v, bias, scale, variant, choose, dropout=0.0, seed=0):
     """The LoRA graph over a frozen weight: a Parameter, or a :class:`QuantizedTensor` whose tiles
-    are dequantized where they are used (:class:`_QuantizedBaseLoRA`)."""
+    are dequantized where they are used (:class:`_QuantizedBaseLoRA`). ``dropout`` > 0 drops out
+    the adapter's input (the caller passes it in training only), its masks seeded by ``seed``."""
     from tilegraph._config import config
     from tilegraph.ops.lora import lora_linear
 
     device = "gpu" if config.placement == "gpu" else "cpu"
+    drop = {"dropout": dropout, "seed": seed} if dropout else {}  # none: the graph of a layer without dropout
     if isinstance(weight, QuantizedTensor):
         return _quantized_base_lora(x, weight, u, v, bias, scale=scale, variant=variant, choose=choose,
-                                    device=device)
-    return lora_linear(x, weight, u, v, bias, scale=scale, variant=variant, choose=choose, device=device)
+                                    device=device, **drop)
+    return lora_linear(x, weight, u, v, bias, scale=scale, variant=variant, choose=choose, device=device, **drop)
 
 
 def _merged_linear(layer, u, v, scale) -> Linear:
@@ -306,18 +339,21 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     ...), fnmatch patterns (``"blocks.1.mlp.*"``), or Hugging Face names of the architecture
     (:data:`HF_TARGETS`: GPT-2's ``c_attn``, ``c_proj``, ``c_fc``; Llama's ``q_proj`` ...
     ``down_proj``). A target matching no Linear is an error naming every Linear of the model.
+    ``dropout``: the probability of zeroing an element of each adapter's input in training
+    (inverted dropout, a new mask every step; none in evaluation or generation): see
+    :class:`LoRALinear`.
     """
     where = "tilegraph.peft.apply_lora"
     alpha = rank if alpha is None else alpha
     _check_rank_alpha(where, rank, alpha, dropout)
-    _check_choice(where, variant, choose)  # every check before the model changes
+    _check_choice_dropout(where, variant, choose, dropout)  # every check before the model changes
     chosen = _chosen_linears(model, targets, where)
     _check_rank_fits(where, chosen, rank)
     rng = np.random.default_rng(seed)
     for p in model.parameters():
         p.requires_grad = False
     for name, (m, setter) in chosen.items():
-        _replace(setter, m, LoRALinear(m, rank, alpha, variant=variant, choose=choose, seed=rng))
+        _replace(setter, m, LoRALinear(m, rank, alpha, dropout=dropout, variant=variant, choose=choose, seed=rng))
     return model
 
 

@@ -99,7 +99,7 @@ CONFIG_CHECKS = {
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
     "model.init": _text(), "model.recompute": (lambda v: isinstance(v, bool), "true or false"),
     "peft.method": _one_of(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
-    "peft.scale": _number(0, strict=True), "peft.targets": _texts(),
+    "peft.scale": _number(0, strict=True), "peft.targets": _texts(), "peft.dropout": _number(0, high=1),
     "peft.grad_sketch": _one_of("none", *SKETCHES),
     "peft.sketch_ratio": (lambda v: _number(0, strict=True)[0](v) and v <= 1, "a number > 0 and <= 1"),
     "peft.sketch_targets": _texts(),
@@ -124,6 +124,9 @@ def check_config(cfg: dict, source: str) -> None:
         problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "
                         f"weight gradients of trained Linear layers, and the adapters freeze them), not "
                         f"{p['grad_sketch']!r}")
+    if not problems and p.get("dropout", 0) and p.get("method", "none") != "lora":
+        problems.append(f"peft.dropout must be 0 with peft.method = {p['method']!r} (LoRA's dropout on the "
+                        f"adapters' input), not {p['dropout']!r}")
     if problems:
         raise TileError("tilegraph train", "valid settings", f"{'; '.join(problems)} (in {source})")
 

@@ -120,7 +120,7 @@ def add_adapters(model, p: dict, seed: int, where: str = "tilegraph train [peft]
 
     try:
         if p["method"] == "lora":
-            peft.apply_lora(model, p["targets"], p["rank"], p["alpha"], seed=seed)
+            peft.apply_lora(model, p["targets"], p["rank"], p["alpha"], p.get("dropout", 0.0), seed=seed)
         elif p["method"] == "lotr":
             peft.apply_lotr(model, p["targets"], p["rank"], p["scale"], seed=seed)
     except TileError as e:  # the message names targets or rank; only where it comes from changes

@@ -1,0 +1,255 @@
+"""Inverted dropout whose mask changes every training step of a recorded, replayed step graph.
+
+``dropout(x, p, seed)`` zeroes each element with probability ``p`` and scales the kept ones by
+1 / (1 - p) (torch's ``F.dropout`` in training). A step graph is recorded once and replayed
+(``TrainStep``), so the mask cannot be drawn while recording; it comes from a counter-based
+generator instead:
+
+- **the step's seed** is a (1,) uint64 tile made by one tiny kernel (:func:`seed_tensor`) that
+  hashes a base seed with a strided sample of the first tile of some tensors, as
+  :mod:`tilegraph.ops.rmm` seeds its sketches. Seeded from trainable parameters (a LoRA layer's U
+  and V: every optimizer step changes them), each replay gets a new seed without help from the
+  training loop; data-parallel replicas, whose parameters are bitwise equal, get the same one.
+- **the mask** of element i (its row-major index in the whole tensor) keeps it when the top 53
+  bits of splitmix64(seed + (i + 1) * 0x9E3779B97F4A7C15) are at least p * 2^53. Each tile
+  computes its elements' bits from its offset, with array ops that run alike on NumPy and CuPy
+  (the same mask on either device). So every tile gets its own mask, and the mask does not depend
+  on the tiling at all: an element keeps its fate however the tensor is cut.
+- **the backward** applies the same mask to the cotangent, regenerated from the same seed tile:
+  no mask is stored (a bit mask would be 1/32 of a float32 activation, regenerating it is a few
+  integer ops per element, and the seed tile is 8 bytes).
+
+:func:`keep_mask` returns the mask for given seed values (for tests and references), and
+:func:`step_seed` the seed that :func:`seed_tensor`'s kernel computes from tile values.
+
+Limits: the seed hashes the *first tile* of each tensor, so the same values tiled with another
+first tile give another seed, hence other masks (given the seed, the mask is the same for every
+tiling). A mask repeats when those tiles do not change between steps (learning rate 0, zero
+gradients), and the micro-batches of one optimizer step (``accum_steps``) share the parameters,
+hence their masks element for element (data-parallel replicas hold other rows of the batch, and
+rows have masks of their own).
+
+>>> import numpy as np, tilegraph as tg
+>>> x = tg.from_numpy(np.ones((4, 6)), tiles=(2, 3))
+>>> y = tg.ops.dropout(x, 0.5, seed=7).numpy()
+>>> sorted(set(y.ravel().tolist())), bool((y == 2 * keep_mask(7, (4, 6), 0.5)).all())
+([0.0, 2.0], True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+
+import numba
+import numpy as np
+
+from tilegraph._autograd import Op
+from tilegraph._errors import TileError
+from tilegraph._graph import Cost, emit1, kernel, xp_of
+from tilegraph._tensor import TileTensor, Tiling
+
+from ._common import new_tensor, numel, require_float, require_tensor
+
+__all__ = ["dropout", "seed_tensor", "step_seed", "keep_mask", "check_dropout"]
+
+WHERE = "tilegraph.dropout"
+#: elements of each tile hashed into a step's seed (a strided sample, as ops.rmm's)
+_SEED_SAMPLE = 16384
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def check_dropout(p, where: str = WHERE, name: str = "dropout") -> float:
+    """``p`` as a float, or a TileError naming ``name`` unless it is a real number in [0, 1)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p) or not 0 <= p < 1:
+        raise TileError(where, f"{name} must be a number in [0, 1) (the probability of zeroing an element)",
+                        repr(p))
+    return float(p)
+
+
+# ------------------------------------------------------------------------------- the seed ----
+def _sample(flat):
+    return flat[::max(1, flat.size // _SEED_SAMPLE)]
+
+
+def _hash(base: int, samples) -> int:
+    h = hashlib.blake2b(int(base).to_bytes(8, "little"), digest_size=8)
+    for s in samples:
+        h.update(np.ascontiguousarray(s).tobytes())
+    return int(np.frombuffer(h.digest(), dtype=np.uint64)[0])
+
+
+def step_seed(base: int, *tiles: np.ndarray) -> int:
+    """The seed :func:`seed_tensor` computes from the values of its tensors' first tiles."""
+    return _hash(base, [_sample(np.asarray(t).reshape(-1)) for t in tiles])
+
+
+def _seed_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    n = sum(min(numel(s), _SEED_SAMPLE) for s in in_shapes)
+    return Cost(float(n), float(n * itemsize))
+
+
+@kernel("dropout_seed", cost=_seed_cost)
+def _seed_k(*tiles, base):
+    """This step's seed: a hash of the base seed and a sample of each tile (moved to the host)."""
+    xp = xp_of(tiles[0])
+    samples = [_sample(t.reshape(-1)) for t in tiles]
+    if xp is not np:
+        samples = [xp.asnumpy(s) for s in samples]
+    return xp.asarray(np.array([_hash(base, samples)], dtype=np.uint64))
+
+
+def seed_tensor(*tensors: TileTensor, base: int = 0) -> TileTensor:
+    """A (1,) uint64 seed that changes whenever the first tile of one of ``tensors`` does (every
+    optimizer step, for trainable parameters). It has no autograd record: no gradient flows
+    through a seed, and the tensors it hashes need none for it."""
+    if isinstance(base, bool) or not isinstance(base, numbers.Integral) or not 0 <= base < 2 ** 64:
+        raise TileError(WHERE, "the base seed must be an int in [0, 2**64)", repr(base))
+    refs = [t.grid[(0,) * t.ndim] for t in tensors]
+    return new_tensor(Tiling(((1,),)), np.uint64,
+                      lambda idx: emit1(_seed_k, refs, (1,), np.uint64, op="dropout", base=int(base)))
+
+
+# ------------------------------------------------------------------------------- the mask ----
+def _keep(xp, key, shape, offset, tile_shape, p: float):
+    """Boolean keep-mask of the tile at ``offset`` (``tile_shape``) of a tensor of ``shape``."""
+    z = xp.zeros(tuple(tile_shape), dtype=np.uint64)
+    stride = 1
+    for d in reversed(range(len(shape))):  # row-major index of each element in the whole tensor
+        r = xp.arange(offset[d], offset[d] + tile_shape[d], dtype=np.uint64) * np.uint64(stride)
+        z += r.reshape([-1 if e == d else 1 for e in range(len(shape))])
+        stride *= int(shape[d])
+    z += np.uint64(1)
+    z *= _GOLDEN
+    z += key  # splitmix64's state for draw i of a generator seeded with key; then its output mix
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)) >= _threshold(p)
+
+
+def keep_mask(seed: int, shape, p: float, offset=None, tile_shape=None) -> np.ndarray:
+    """The keep-mask (bool, True = kept) that :func:`dropout` with step seed ``seed`` applies to a
+    tensor of ``shape`` (or to its region at ``offset`` of ``tile_shape``), on the host."""
+    shape = tuple(int(s) for s in shape)
+    offset = (0,) * len(shape) if offset is None else tuple(offset)
+    tile_shape = shape if tile_shape is None else tuple(tile_shape)
+    return _keep(np, np.array(int(seed), dtype=np.uint64), shape, offset, tile_shape, float(p))
+
+
+def _dropout_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    n = numel(out_shapes[0])
+    return Cost(15.0 * n, float(2 * n * params["itemsize"]))  # ~15 integer ops per element's bits
+
+
+def _threshold(p: float) -> np.uint64:
+    return np.uint64(round(p * 2.0 ** 53))
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_dropout(a, out, base, key, threshold, scale, k):
+    """The CPU kernel: ``_keep``'s bits element by element, without its ~10 temporaries."""
+    zero = scale * 0
+    one, s30, s27, s31, s11 = np.uint64(1), np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+    for r in range(a.shape[0]):
+        b0 = base[r] + one
+        for j in range(a.shape[1]):
+            z = (b0 + np.uint64(j)) * k[0] + key
+            z = (z ^ (z >> s30)) * k[1]
+            z = (z ^ (z >> s27)) * k[2]
+            z = z ^ (z >> s31)
+            y = a[r, j] * scale
+            out[r, j] = y if (z >> s11) >= threshold else y * zero  # as x * 0: NaN stays NaN
+
+
+_CONSTS = np.array([_GOLDEN, _MIX1, _MIX2], dtype=np.uint64)
+
+
+def _dropout_cpu(seed, a, *, p, shape, offset, itemsize):
+    if a.ndim == 0 or a.size == 0:
+        return _dropout_k.fn(seed, a, p=p, shape=shape, offset=offset, itemsize=itemsize)
+    a2 = np.ascontiguousarray(a).reshape(-1, a.shape[-1])
+    base = np.full(a.shape[:-1], offset[-1], dtype=np.uint64)  # each row's first element's index
+    stride = int(shape[-1])
+    for d in reversed(range(a.ndim - 1)):
+        rows = np.arange(offset[d], offset[d] + a.shape[d], dtype=np.uint64) * np.uint64(stride)
+        base += rows.reshape([-1 if e == d else 1 for e in range(a.ndim - 1)])
+        stride *= int(shape[d])
+    out = np.empty_like(a2)
+    _nb_dropout(a2, out, base.reshape(-1), np.uint64(seed.reshape(-1)[0]), _threshold(p),
+                a.dtype.type(1.0 / (1.0 - p)), _CONSTS)
+    return out.reshape(a.shape)
+
+
+@kernel("dropout", cost=_dropout_cost, cpu=_dropout_cpu)
+def _dropout_k(seed, a, *, p, shape, offset, itemsize):
+    """``a * keep / (1 - p)`` for the tile of a tensor of ``shape`` at ``offset``."""
+    xp = xp_of(a)
+    keep = _keep(xp, seed.reshape(()), shape, offset, a.shape, p)
+    out = a * a.dtype.type(1.0 / (1.0 - p))  # as torch: x times the mask's 1 / (1 - p)
+    out *= keep
+    return out
+
+
+def _dropout_tiles(a: TileTensor, seed: TileTensor, p: float) -> TileTensor:
+    """The dropout kernels over every tile of ``a`` (no autograd record: ops that use it give
+    their own backward, and :class:`Dropout` its own)."""
+    offs = [a.tiling.offsets(d) for d in range(a.ndim)]
+    seed_ref = seed.grid[(0,)]
+
+    def fill(idx):
+        offset = tuple(int(offs[d][i]) for d, i in enumerate(idx))
+        return emit1(_dropout_k, [seed_ref, a.grid[idx]], a.tiling.tile_shape(idx), a.dtype, op="dropout", p=p,
+                     shape=a.shape, offset=offset, itemsize=a.dtype.itemsize)
+
+    return new_tensor(a.tiling, a.dtype, fill)
+
+
+# ---------------------------------------------------------------------------------- the op ----
+class Dropout(Op):
+    """``y = x * keep / (1 - p)``; ``dx = dy * keep / (1 - p)``, the mask regenerated from the seed."""
+
+    name = "dropout"
+
+    def forward(self, x, seed, *, p):
+        require_tensor(x, WHERE, "x")
+        require_float(x, WHERE, "x")
+        _check_seed_tensor(seed)
+        return _dropout_tiles(x, seed, p), (seed, p)
+
+    def backward(self, ctx, dy):
+        seed, p = ctx
+        return _dropout_tiles(dy, seed, p), None
+
+
+def _check_seed_tensor(seed) -> None:
+    if not isinstance(seed, TileTensor) or seed.shape != (1,) or seed.dtype != np.uint64 or seed.chunks != ((1,),):
+        raise TileError(WHERE, "seed must be an int or a (1,) uint64 TileTensor (ops.dropout.seed_tensor)",
+                        repr(seed))
+
+
+_DROPOUT = Dropout()
+
+
+def dropout(x: TileTensor, p: float, seed=0) -> TileTensor:
+    """Inverted dropout of ``x``: each element zeroed with probability ``p``, the others scaled by
+    1 / (1 - p); ``p = 0`` returns ``x`` itself. ``seed``: an int (then the mask is the same every
+    time the graph runs) or a (1,) uint64 TileTensor such as :func:`seed_tensor` makes from
+    trainable parameters (a new mask every optimizer step). Apply it only to a training step's
+    graph (under :func:`tilegraph.nn.training`, as ``TrainStep`` records). See the module doc."""
+    p = check_dropout(p, WHERE, "p")
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        if not 0 <= seed < 2 ** 64:
+            raise TileError(WHERE, "an int seed must be in [0, 2**64)", repr(seed))
+        from tilegraph._tensor import from_numpy
+
+        seed = from_numpy(np.array([int(seed)], dtype=np.uint64))
+    _check_seed_tensor(seed)
+    if p == 0:
+        return x
+    return _DROPOUT(x, seed, p=p)
