@@ -11,6 +11,10 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
   again (steps submitted as ``tg.Trainer`` does them: step i+1 before waiting for step i);
 - ``outside`` = 1 - (kernel seconds summed over workers) / (wall seconds x worker processes x threads):
   idle threads, Dask scheduling, transfers and the Python runner all count as outside;
+- ``dask_CPU``: CPU seconds of the workers' own Dask threads (the event loop, which sends and
+  receives every transfer, and the deserialisation thread) / (wall seconds x worker processes x
+  threads): the part of ``outside`` that is not idle, measured per thread (``/proc``, psutil);
+  each worker's tile-kernel threads do not count;
 - ``MB/step``: bytes moved between worker processes per step, estimated from the plan: for every
   task (cluster), the bytes of its external inputs made by a task on another worker process, each
   value counted once per process that reads it (Dask fetches it once per worker); leaf inputs
@@ -118,6 +122,19 @@ def gpt2_workload(args, tg, workers, threads) -> Workload:
                     {"lr": ns.lr, "weight_decay": ns.weight_decay})
 
 
+def dask_thread_cpu() -> float:
+    """CPU seconds (user + system) of this worker's threads that run no tile kernel: the event
+    loop, the offload thread and the rest of Dask's own (run on a worker)."""
+    import threading
+
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    compute = ("Dask-Default-Threads", "tilegraph-kernel")
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads()
+               if not any(c in names.get(t.id, "") for c in compute))
+
+
 def wait_idle(rt, poll: float = 0.01) -> None:
     """Wait until the cluster runs no task: a step's loss comes back before its backward pass and
     update have finished."""
@@ -143,10 +160,12 @@ def time_config(work_of, workers, threads, strategies, args, tg) -> list[dict]:
                 step(*b)
             wait_idle(rt)
             rt.kernel_stats(reset=True)
+            cpu0 = rt.client.run(dask_thread_cpu)
             t0 = time.perf_counter()
             timed_steps(step, data[args.warmup:])
             wait_idle(rt)  # the last step's backward and update too, not only its loss
             wall = time.perf_counter() - t0
+            dask_cpu = sum(rt.client.run(dask_thread_cpu).values()) - sum(cpu0.values())
             ks = rt.kernel_stats()
             exe = step.plan(*data[0])
             if auto is None:  # the plan "auto" makes here (recorded and planned, not run)
@@ -155,6 +174,7 @@ def time_config(work_of, workers, threads, strategies, args, tg) -> list[dict]:
             rows.append({"model": w.name, "config": f"{workers}x{threads}", "strategy": strategy,
                          "used": exe.strategy, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
+                         "dask_cpu": dask_cpu / (wall * workers * threads),
                          "moved": moved_bytes(exe), "step_s": wall / args.steps, "first_s": first_s})
             del step, opt, model, exe
     return rows
@@ -272,11 +292,11 @@ def fmt_row(r: dict) -> str:
         return "-" if v is None else format(v * scale, f)
 
     return (f"{r['model']:12} {r['config']:>6} {r['strategy']:>9} {r.get('used') or '-':>7} {r.get('auto') or '-':>7} "
-            f"{r['tok_s']:9.0f} {opt('outside', '8.1%'):>8} {opt('moved', '8.1f', 1e-6):>8} "
+            f"{r['tok_s']:9.0f} {opt('outside', '8.1%'):>8} {opt('dask_cpu', '9.1%'):>9} {opt('moved', '8.1f', 1e-6):>8} "
             f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7}")
 
 
-HEADER = (f"{'model':12} {'WxT':>6} {'strategy':>9} {'used':>7} {'auto':>7} {'tok/s':>9} {'outside':>8} "
+HEADER = (f"{'model':12} {'WxT':>6} {'strategy':>9} {'used':>7} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
           f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7}")
 
 
@@ -343,7 +363,7 @@ def main():
     print("# " + "; ".join(shapes), flush=True)
     print("# strategy: tilegraph's TrainStep(parallel=...), or torch (PyTorch eager, one process) or torch-DDP (P "
           "processes, gloo); used: the plan's; auto: what parallel='auto' picks there; outside = 1 - kernel s / "
-          "(wall x W x T); MB/step: between worker processes, from the plan (DDP: ring all-reduce, 2 (P-1) x "
+          "(wall x W x T); dask_CPU: CPU s of the workers' Dask threads (transfers) / (wall x W x T); MB/step: between worker processes, from the plan (DDP: ring all-reduce, 2 (P-1) x "
           "gradient bytes); ratio = tok/s / torch eager tok/s with W x T threads", flush=True)
     print(HEADER, flush=True)
 

@@ -278,3 +278,47 @@ def test_data_parallel_over_gpu_workers(monkeypatch):
         assert exe.strategy == "data" and {c.device for c in exe.clusters} == {"gpu"}
         assert sorted(set(exe.worker_of.values())) == sorted(rt.workers())
     np.testing.assert_allclose(losses, local, rtol=2e-5)
+
+
+def _incoming_bytes(dask_worker) -> int:
+    return sum(t["total"] for t in dask_worker.transfer_incoming_log)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
+def test_a_process_fetches_only_the_values_it_reads(embedded_runtime, strategy):
+    """Dask moves a task's value whole: a replica reading another's partial loss would fetch all
+    of that forward task's activations. Send tasks pick out what each process reads, so a step's
+    transfers are what the plan reads across processes (plus a sharded plan's parameters)."""
+    from distributed import wait
+
+    from tilegraph import models
+
+    model = models.build("gpt2-debug", seed=0)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+    x, y = ids, np.roll(ids, -1, axis=1)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None), (2, None)],
+                        runtime=embedded_runtime, parallel=strategy)
+    step(x, y)
+    exe = step.plan(x, y)
+    assert exe.sends, "the forward tasks' activations are not what the other replica reads"
+    read = {}  # (value, reading process) -> bytes, as the plan reads across processes
+    for c, plan in zip(exe.clusters, exe.plans):
+        for ref in plan.ext:
+            if not ref.node.is_leaf:
+                cid, k = exe.where[(id(ref.node), ref.index)]
+                if exe.process_of(exe.clusters[cid]) != exe.process_of(c):
+                    read[(cid, k, exe.process_of(c))] = ref.nbytes
+    whole = sum(sum(o.nbytes for o in exe.plans[cid].outputs) for cid, _ in {(cid, p) for cid, _, p in read})
+    params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters()) if strategy == "sharded" else 0
+    client = embedded_runtime.client
+    step(x, y)  # the second call sends the programs
+    wait([r.future for p in opt.params for c in p.cells.flat for r in c.value.replicas])
+    before = sum(client.run(_incoming_bytes).values())
+    for _ in range(3):
+        step(x, y)
+    wait([r.future for p in opt.params for c in p.cells.flat for r in c.value.replicas])
+    per_step = (sum(client.run(_incoming_bytes).values()) - before) / 3
+    assert per_step <= 1.05 * sum(read.values()) + params + 64 * 1024, (per_step, sum(read.values()), whole)
+    assert per_step < 0.5 * whole + params  # what fetching whole results would move

@@ -137,12 +137,15 @@ class Runtime:
         below = set(parts)
         workers = workers or {}
         tasks = []
-        for dev, resources in (("cpu", {"CPU": 1} if self.cpu_resource else None), ("gpu", {"GPU": 1})):
+        # "send" tasks (a pick out of a result another process reads) need no resource, and run
+        # before the tasks waiting for a thread next to them: a reader elsewhere waits for them
+        for dev, ann0 in (("cpu", {"resources": {"CPU": 1}} if self.cpu_resource else {}),
+                          ("gpu", {"resources": {"GPU": 1}}), ("send", {"priority": SEND_PRIORITY})):
             by_worker: dict[str | None, dict] = {}
             for key, task in (layers.get(dev) or {}).items():
                 by_worker.setdefault(workers.get(key), {})[key] = task
             for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
-                ann = {"resources": resources} if resources else {}
+                ann = dict(ann0)
                 if addr is not None:
                     ann.update(workers=[addr], allow_other_workers=True)
                 parts[f"{dev}-{i}"] = MaterializedLayer(sub, annotations=ann or None)
@@ -220,6 +223,10 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+#: Dask priority of the tasks that pick out of a result what another worker process reads
+#: (the tasks of a step have priority 0; higher runs first)
+SEND_PRIORITY = 100
 
 #: memory a worker process takes before it holds any data: measured 121 MiB (RSS) for an idle
 #: embedded worker with tilegraph, NumPy and Dask loaded, plus room for a task's transient
