@@ -142,6 +142,10 @@ def test_lora_from_a_checkpoint_trains_only_the_adapters(root, pretrained, lora)
     merged = load_model(ck, "test")
     assert not peft.lora_layers(merged)
     np.testing.assert_allclose(merged(ids).numpy(), adapted(ids).numpy(), rtol=1e-4, atol=1e-5)
+    # and in peft's layout (found by its adapter_config.json), the same adapters
+    assert re.search(r"^adapters \(peft layout\): .*step-000010/adapters-peft$", run.stdout, re.M), run.stdout
+    from_peft = peft.load_adapters(ck / "adapters-peft", models.from_zarr(pretrained[1]))
+    np.testing.assert_allclose(from_peft(ids).numpy(), adapted(ids).numpy(), rtol=1e-5, atol=1e-6)
 
     gen = _cli("generate", str(ck), "--prompt", "the ", "--max-new-tokens", "8", "--local", "--ids", cwd=root)
     assert gen.returncode == 0, gen.stderr[-3000:]

@@ -209,6 +209,30 @@ def test_save_peft_then_load_peft_gives_the_same_adapters(tmp_path):
     assert _rel(_logits(merged), _hf_logits(hf)) < 1e-5
 
 
+def test_save_and_load_adapters_in_either_format_keep_the_dropout(tmp_path):
+    tiling = TILINGS["single"]("gpt2")
+    model = models.build(_tg_config("gpt2"), tiling, seed=3)
+    peft.apply_lora(model, ["c_attn", "c_fc"], rank=4, alpha=8, dropout=0.1, seed=1)
+    _randomize_adapters(model)
+    peft.save_adapters(tmp_path / "p", model, format="peft")
+    peft.save_adapters(tmp_path / "z", model)
+    assert json.loads((tmp_path / "p" / ADAPTER_CONFIG).read_text())["lora_dropout"] == 0.1
+    for folder in ("p", "z"):  # the peft folder is recognised by its adapter_config.json
+        fresh = peft.load_adapters(tmp_path / folder, models.build(_tg_config("gpt2"), tiling, seed=3))
+        layers = peft.lora_layers(fresh)
+        assert sorted(layers) == sorted(peft.lora_layers(model)), folder
+        assert {m.dropout for m in layers.values()} == {0.1}, folder
+        np.testing.assert_allclose(_logits(fresh), _logits(model), rtol=1e-5, atol=1e-6, err_msg=folder)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.peft.save_adapters\] format must be one of 'zarr', "
+                       r"'peft'; received: 'safetensors'"):
+        peft.save_adapters(tmp_path / "q", model, format="safetensors")
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.peft.load_adapters\] format must be one of"):
+        peft.load_adapters(tmp_path / "p", model, format="bin")
+    peft.lora_layers(model)["blocks.0.attn.q"].dropout = 0.2
+    with pytest.raises(tg.TileError, match=r"one dropout for every LoRA layer .*blocks.0.attn.q: 0.2"):
+        save_peft(tmp_path / "r", model)
+
+
 # ----------------------------------------------------------------------------- bad input ----
 class _Tiny(tg.nn.Module):
     def __init__(self):

@@ -27,6 +27,7 @@ import fnmatch
 import json
 import math
 import numbers
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -483,19 +484,38 @@ class _Adapters(Module):
                 yield f"{prefix}{name}", p
 
 
-def save_adapters(path, model: Module) -> None:
-    """Write only the adapter tensors of ``model`` (LoRA: each layer's rank and alpha; LoTR: each
-    group's layers, rank and scale) as a Zarr checkpoint folder ``path``
-    (:func:`tilegraph.io.save_checkpoint`)."""
+ADAPTER_FORMATS = ("zarr", "peft")
+
+
+def _check_format(where: str, format) -> str:
+    if format not in ADAPTER_FORMATS:
+        raise TileError(where, f"format must be one of {', '.join(map(repr, ADAPTER_FORMATS))}", repr(format))
+    return format
+
+
+def save_adapters(path, model: Module, format: str = "zarr") -> None:
+    """Write only the adapter tensors of ``model`` into the folder ``path``.
+
+    ``format="zarr"``: a Zarr checkpoint (:func:`tilegraph.io.save_checkpoint`) with each LoRA
+    layer's rank, alpha and dropout and each LoTR group's layers, rank and scale.
+    ``format="peft"``: Hugging Face peft's folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``, :func:`tilegraph.peft_hf.save_peft`), which
+    ``peft.PeftModel.from_pretrained`` loads onto the model that ``model.to_hf`` writes (LoRA
+    only)."""
+    where = "tilegraph.peft.save_adapters"
+    if _check_format(where, format) == "peft":
+        from tilegraph.peft_hf import save_peft
+
+        return save_peft(path, model)
     from tilegraph.io.zarr import save_checkpoint
 
     layers, lotr = lora_layers(model), lotr_layers(model)
     if not layers and not lotr:
-        raise TileError("tilegraph.peft.save_adapters", "a model with LoRA layers (tilegraph.peft.apply_lora) or "
+        raise TileError(where, "a model with LoRA layers (tilegraph.peft.apply_lora) or "
                         "LoTR layers (apply_lotr)", f"{type(model).__name__} has none")
     meta = {}
     if layers:
-        meta["lora"] = {name: {"rank": m.rank, "alpha": m.alpha, "shape": list(m.weight.shape)}
+        meta["lora"] = {name: {"rank": m.rank, "alpha": m.alpha, "dropout": m.dropout, "shape": list(m.weight.shape)}
                         for name, m in layers.items()}
     if lotr:
         meta["lotr"] = [{"layers": names, "rank": lotr[names[0]].rank, "scale": lotr[names[0]].scale,
@@ -503,14 +523,25 @@ def save_adapters(path, model: Module) -> None:
     save_checkpoint(path, _Adapters(model), metadata=meta)
 
 
-def load_adapters(path, model: Module) -> Module:
+def load_adapters(path, model: Module, format: str | None = None) -> Module:
     """Read adapters written by :func:`save_adapters` into ``model``: into its LoRA and LoTR layers,
     or, when it has none, into new ones on the layers named in the checkpoint (as
     :func:`apply_lora` and :func:`apply_lotr`). Every missing, unexpected and mis-shaped adapter is
-    reported at once. Returns ``model``."""
+    reported at once. Returns ``model``.
+
+    ``format``: ``"zarr"`` or ``"peft"`` (a folder of Hugging Face peft, written by peft's
+    ``save_pretrained`` or by ``save_adapters(..., format="peft")``:
+    :func:`tilegraph.peft_hf.load_peft`); by default, ``"peft"`` where the folder holds an
+    ``adapter_config.json``."""
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph.peft.load_adapters"
+    if format is None:
+        format = "peft" if (Path(path) / "adapter_config.json").is_file() else "zarr"
+    if _check_format(where, format) == "peft":
+        from tilegraph.peft_hf import load_peft
+
+        return load_peft(path, model)
     ck = load_checkpoint(path)
     stored = (ck.metadata or {}).get("lora") or {}
     groups = (ck.metadata or {}).get("lotr") or []
@@ -519,7 +550,7 @@ def load_adapters(path, model: Module) -> Module:
                         f"{path} holds no LoRA or LoTR metadata")
     if stored and not lora_layers(model):
         for name, info in stored.items():
-            apply_lora(model, [name], info["rank"], info["alpha"])
+            apply_lora(model, [name], info["rank"], info["alpha"], info.get("dropout", 0.0))
     if groups and not lotr_layers(model):
         for g in groups:
             apply_lotr(model, g["layers"], g["rank"], g["scale"])

@@ -164,7 +164,12 @@ def save_peft(path, model: Module, *, base_model_name_or_path: str | None = None
         ranks[t.hf], alphas[t.hf] = rank, alpha
         if block is not None:
             blocks[t.hf] = block
+    rates = sorted({lora[p].dropout for t in adapted for p in t.parts})
+    if len(rates) > 1:  # peft's config has one lora_dropout, and no pattern for it
+        raise TileError(where, "one dropout for every LoRA layer (peft's lora_dropout has no per-layer form)",
+                        ", ".join(f"{n}: {m.dropout:g}" for n, m in lora.items()))
     config = _peft_config(model, targets, ranks, alphas, base_model_name_or_path)
+    config["lora_dropout"] = rates[0]
     if path.exists() and not path.is_dir():
         raise TileError(where, "a folder to write the adapters into", f"{path} is a file")
     path.mkdir(parents=True, exist_ok=True)
@@ -281,9 +286,8 @@ def load_peft(path, model: Module) -> Module:
     B each layer's outputs), or the original three when :func:`save_peft` stacked them.
 
     ``lora_alpha`` / ``alpha_pattern`` / ``rank_pattern`` and ``use_rslora`` (scale
-    ``alpha / sqrt(r)``) give each layer's alpha. ``lora_dropout`` is read but not used: tilegraph's
-    LoRA layers have no dropout, so the adapters load with dropout 0 (the same at inference;
-    training on goes on without it). Errors, each listing every problem found: a missing folder or
+    ``alpha / sqrt(r)``) give each layer's alpha. ``lora_dropout`` becomes the dropout of the LoRA
+    layers this call adds (layers the model already has keep theirs). Errors, each listing every problem found: a missing folder or
     file, ``peft_type`` other than LORA, options that change the adapter beyond lora_A and lora_B
     (DoRA, biases, modules_to_save ...), keys for modules the model lacks or of other kinds, shapes
     of another model's size, and ranks that the config or the model's LoRA layers contradict.
@@ -314,7 +318,7 @@ def load_peft(path, model: Module) -> Module:
     if problems:
         raise TileError(where, "adapters that fit the model's layers", "; ".join(problems))
     if not lora:
-        _apply(model, plan)
+        _apply(model, plan, config.get("lora_dropout") or 0.0)
         lora = lora_layers(model)
     for t, entries in plan:
         for name, (u, v, alpha) in zip(t.parts, entries):
@@ -325,13 +329,13 @@ def load_peft(path, model: Module) -> Module:
     return model
 
 
-def _apply(model: Module, plan) -> None:
+def _apply(model: Module, plan, dropout: float) -> None:
     """LoRA layers of the plan's ranks and alphas on a model that has none."""
     from tilegraph.peft import apply_lora
 
     for t, entries in plan:
         for name, (u, _, alpha) in zip(t.parts, entries):
-            apply_lora(model, [name], rank=u.shape[1], alpha=alpha)
+            apply_lora(model, [name], rank=u.shape[1], alpha=alpha, dropout=dropout)
 
 
 def _read_adapter_config(folder: Path, where: str) -> dict:

@@ -183,9 +183,8 @@ def _train(args, held: list) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        adapters = save_final_adapters(trainer, res, p)
-        if adapters:
-            print(f"adapters: {adapters}", flush=True)
+        for line in save_final_adapters(trainer, res, p):
+            print(line, flush=True)
         sample = ""
         if res.stopped:
             last = res.checkpoints[-1] if res.checkpoints else None
@@ -225,19 +224,30 @@ def describe_start(model, p: dict, init: str, quantized_base: bool) -> str:
     return "".join(f", {x}" for x in parts)
 
 
-def save_final_adapters(trainer, res, p: dict) -> Path | None:
+def save_final_adapters(trainer, res, p: dict) -> list[str]:
     """Write the adapters alone (:func:`tilegraph.peft.save_adapters`) into the run's last
-    checkpoint, as ``adapters/``, when that checkpoint is of the model's current step (the earlier
-    ones are written while training goes on, so the model has moved past them)."""
+    checkpoint, as ``adapters/`` (Zarr) and, for LoRA on layers that Hugging Face names, as
+    ``adapters-peft/`` (peft's folder, which ``peft.PeftModel.from_pretrained`` loads onto the
+    model ``tilegraph convert`` writes), when that checkpoint is of the model's current step (the
+    earlier ones are written while training goes on, so the model has moved past them). Returns
+    the lines to print."""
     from tilegraph import peft
+    from tilegraph._errors import TileError
 
     if p["method"] == "none" or not res.checkpoints or trainer.checkpoints is None:
-        return None
+        return []
     last = Path(res.checkpoints[-1])
     if last != trainer.checkpoints.path(trainer.optimizer.step_count) or not last.is_dir():
-        return None
+        return []
     peft.save_adapters(last / "adapters", trainer.model)
-    return last / "adapters"
+    lines = [f"adapters: {last / 'adapters'}"]
+    if p["method"] == "lora":
+        try:
+            peft.save_adapters(last / "adapters-peft", trainer.model, format="peft")
+            lines.append(f"adapters (peft layout): {last / 'adapters-peft'}")
+        except TileError as e:  # e.g. an adapter on only q of GPT-2's fused c_attn
+            lines.append(f"adapters (peft layout): not written: {e}")
+    return lines
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
