@@ -40,15 +40,51 @@ Loss: the mean of the last 5 steps' losses on a synthetic bigram language (4 suc
 token, entropy ln 4 = 1.39 nats).
 
     python bench/bench_peft.py --parts b c --steps 20
+
+Part (d), LoRA fine-tuning of GPT-2 124M against Hugging Face peft + torch eager on the same CPU
+(the issue's target: tilegraph >= 1.0x peft's tokens/s). The same weights on both sides:
+``tg.models.build("gpt2")`` (bench_gpt2.py's tiling for 1 worker x ``--threads``: batch tile
+batch / threads, 8 vocab tiles of 6283), written with ``model.to_hf`` and loaded into
+transformers' ``GPT2LMHeadModel`` (dropout 0, no KV cache). Adapters: rank 8, alpha 16 on c_attn,
+no dropout; tilegraph ``peft.apply_lora(model, ["c_attn"], rank=8, alpha=16)`` (c_attn is three
+layers q, k, v there, each with its own rank-8 adapter: 442k trained parameters), peft
+``get_peft_model(LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))``
+(one adapter on the fused 768 x 2304 layer: 295k). The base models compute the same function and
+both adapters start at zero (V, peft's B), so the first step's losses agree; the later ones differ
+a little (different adapters, different random U / A). AdamW over the trained parameters
+(``--d-lr``, weight decay 0), torch with ``torch.set_num_threads(--threads)``, tilegraph on an
+embedded cluster of 1 worker x ``--threads`` threads (``tg.TrainStep``, one step per graph as
+``tg.Trainer`` runs a model this size, step i+1 submitted before waiting for step i). Random token ids, the same ``--batch`` x ``--seq`` batches in both, mean
+next-token cross-entropy (HF's ``labels=ids``).
+
+Timing: ``--d-warmup`` steps each, then ``--d-rounds`` rounds of ``--d-steps`` steps, the
+frameworks alternating round by round (the machine is shared); a tilegraph round runs from an idle
+cluster until it is idle again. Printed per run: tokens/s (median and best round), s/step, the
+first and last step's loss; for tilegraph also ``outside`` = 1 - kernel seconds / (wall x threads),
+the kernel seconds per step (summed over the worker's threads) and the runner seconds per step
+(the worker's task seconds outside kernels); and the ratio tilegraph / peft (median of the per-round
+ratios, and best / best). ``--d-extra`` adds runs to the same rotation, for profiling:
+
+    tg-full           tilegraph full fine-tuning (AdamW on every parameter) of the same model
+    tg-lora-placed    tilegraph LoRA with the frozen weights moved to the worker once
+                      (``rt.scatter_cells``) instead of travelling with every step's graph
+    torch-full        torch eager full fine-tuning of the same model
+
+``--kernels N`` prints each tilegraph run's N costliest kernels and model parts (per step).
+
+    python bench/bench_peft.py --parts d                     # GPT-2 124M, batch 4 x 256, 2 threads
+    python bench/bench_peft.py --parts d --d-extra tg-full tg-lora-placed --kernels 8
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -283,9 +319,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--parts", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"])
+    ap.add_argument("--parts", nargs="+", choices=["a", "b", "c", "d"], default=["a", "b", "c"],
+                    help="(d) is not in the default: it needs torch, transformers and peft and takes minutes")
     ap.add_argument("--steps", type=int, default=20, help="training steps of parts (b) and (c)")
-    ap.add_argument("--threads", type=int, default=2, help="worker threads in parts (b) and (c)")
+    ap.add_argument("--threads", type=int, default=2, help="worker threads in parts (b), (c) and (d); torch's in (d)")
+    ap.add_argument("--batch", type=int, default=4, help="(d): sequences per step")
+    ap.add_argument("--seq", type=int, default=256, help="(d): tokens per sequence")
+    ap.add_argument("--d-flavor", choices=["gpt2", "debug"], default="gpt2", help="(d): the model (debug: smoke tests)")
+    ap.add_argument("--d-warmup", type=int, default=2, help="(d): untimed steps of each run first")
+    ap.add_argument("--d-rounds", type=int, default=3, help="(d): timed rounds, the runs alternating")
+    ap.add_argument("--d-steps", type=int, default=3, help="(d): steps per round")
+    ap.add_argument("--d-lr", type=float, default=1e-3, help="(d): AdamW learning rate (weight decay 0)")
+    ap.add_argument("--d-extra", nargs="*", choices=list(D_EXTRA), default=[],
+                    help="(d): more runs in the rotation, for profiling (see the docstring)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="(d): print the N costliest kernels and model parts of each tilegraph run")
+    ap.add_argument("--seed", type=int, default=0, help="(d): seed of the weights and the token ids")
     args = ap.parse_args()
     if "a" in args.parts:
         part_a(args)
@@ -293,6 +342,8 @@ def main() -> None:
         part_b(args.steps, args.threads)
     if "c" in args.parts:
         part_c(args.steps, args.threads)
+    if "d" in args.parts:
+        part_d(args)
 
 
 def part_a(args) -> None:
@@ -323,6 +374,193 @@ def part_a(args) -> None:
             print(f"{r:>4} {label:>6} {'/'.join(chosen):>8} {t_naive * 1e3:8.1f} {t_rl * 1e3:8.1f} "
                   f"{'/'.join(timed) + f' {t_time * 1e3:.1f}':>14} {t_torch * 1e3:8.1f} "
                   f"{t_naive / t_rl:9.2f} {t_torch / t_rl:9.2f}")
+
+
+# ------------------------------------------------------------------------------- part (d) ----
+#: the runs --d-extra can add to part (d)'s rotation
+D_EXTRA = {"tg-full": "tg full", "tg-lora-placed": "tg LoRA placed", "torch-full": "torch full"}
+
+
+def wait_idle(rt, poll: float = 0.01) -> None:
+    """Wait until the cluster runs no task: a step's loss comes back before its backward pass and
+    update have finished."""
+    while any(rt.client.processing().values()):
+        time.sleep(poll)
+
+
+class TgRun:
+    """One tilegraph training run of part (d): a TrainStep on the shared runtime."""
+
+    framework = "tilegraph"
+
+    def __init__(self, model, params, rt, args):
+        self.rt = rt
+        opt = tg.optim.AdamW(params, lr=args.d_lr, weight_decay=0.0)
+        tiles = (model.tiling.batch, model.tiling.seq)
+        self.step = tg.TrainStep(model, opt, lambda m, ids, tgt: tg.cross_entropy(m(ids), tgt),
+                                 batch_tiles=[tiles, tiles], runtime=rt)
+        self.trained = sum(p.size for p in params)
+        self.ks = {"kernel_seconds": 0.0, "task_seconds": 0.0, "by_kernel": {}, "by_scope": {}}
+        self.client_s = 0.0
+
+    def warmup(self, data):
+        from _common import timed_steps
+
+        first = self.step(*data[0])
+        if len(data) > 1:
+            timed_steps(self.step, data[1:])
+        wait_idle(self.rt)
+        return first
+
+    def timed(self, data):
+        from _common import timed_steps
+
+        self.rt.kernel_stats(reset=True)
+        t0 = time.perf_counter()
+        _, last = timed_steps(self.step, data)
+        wait_idle(self.rt)  # the last step's backward and update too, not only its loss
+        wall = time.perf_counter() - t0
+        ks = self.rt.kernel_stats()
+        for key in ("kernel_seconds", "task_seconds"):
+            self.ks[key] += ks[key]
+        for part in ("by_kernel", "by_scope"):
+            for name, dt in ks[part].items():
+                self.ks[part][name] = self.ks[part].get(name, 0.0) + dt
+        return wall, last
+
+
+class TorchRun:
+    """One torch eager training run of part (d): HF GPT2LMHeadModel, peft-wrapped or not."""
+
+    framework = "torch"
+
+    def __init__(self, hf_dir, lora: bool, args):
+        import torch
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        model = transformers.GPT2LMHeadModel.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
+        self.attn = getattr(model.config, "_attn_implementation", "?")
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(args.seed)  # peft draws A from torch's generator
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0,
+                                                     fan_in_fan_out=True))
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.model, self.trained = model, sum(p.numel() for p in params)
+        self.opt = torch.optim.AdamW(params, lr=args.d_lr, weight_decay=0.0)
+        self.torch = torch
+
+    def one(self, ids) -> float:
+        x = self.torch.from_numpy(ids)
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=x, labels=x).loss
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+    def warmup(self, data):
+        losses = [self.one(ids) for ids, _ in data]
+        return losses[0]
+
+    def timed(self, data):
+        t0 = time.perf_counter()
+        for ids, _ in data:
+            last = self.one(ids)
+        return time.perf_counter() - t0, last
+
+
+def part_d(args) -> None:
+    import os
+
+    import torch
+    import transformers
+
+    import peft as hf_peft
+    from bench_gpt2 import batches as token_batches
+    from bench_gpt2 import flavor_config, pick_tiling
+    from tilegraph import models, peft
+
+    T = args.threads
+    torch.set_num_threads(T)
+    cfg = flavor_config(args.d_flavor)
+    batch, seq = args.batch, min(args.seq, cfg.max_seq_len)
+    tiling = pick_tiling(cfg, SimpleNamespace(workers=1, threads=T, feature_tile=None, vocab_tile=None,
+                                              batch_tile=None, seq_tile=None), batch, seq)
+    n = args.d_warmup + args.d_rounds * args.d_steps
+    data = token_batches(cfg, SimpleNamespace(seed=args.seed), batch, seq, n)
+    warm, rounds = data[:args.d_warmup], [data[args.d_warmup + r * args.d_steps:][:args.d_steps]
+                                          for r in range(args.d_rounds)]
+    print(f"(d) LoRA r8 alpha 16 on c_attn, GPT-2 {args.d_flavor} ({cfg.n_layers} x {cfg.dim}, vocab {cfg.vocab_size}), "
+          f"batch {batch} x {seq}, AdamW lr {args.d_lr:g} wd 0, fp32; tilegraph 1 worker x {T} threads, tiles "
+          f"batch/seq/feature/vocab {tiling.batch}/{tiling.seq}/{tiling.feature}/{tiling.vocab}; torch {torch.__version__} "
+          f"eager {torch.get_num_threads()} threads, transformers {transformers.__version__}, peft {hf_peft.__version__}; "
+          f"{os.cpu_count()} cores; {args.d_warmup} warmup + {args.d_rounds} rounds x {args.d_steps} steps, alternating",
+          flush=True)
+
+    def lora_model():
+        return peft.apply_lora(models.build(cfg, tiling, seed=args.seed), ["c_attn"], rank=8, alpha=16)
+
+    with tempfile.TemporaryDirectory(prefix="bench_peft_d_") as tmp:
+        base = models.build(cfg, tiling, seed=args.seed)
+        base.to_hf(Path(tmp) / "hf")
+        del base
+        with tg.connect(n_workers=1, threads_per_worker=T, dashboard=False, quiet=True) as rt:
+            runs = {}
+            m = lora_model()
+            runs["tg LoRA"] = TgRun(m, peft.trainable_parameters(m), rt, args)
+            runs["peft+torch LoRA"] = TorchRun(Path(tmp) / "hf", True, args)
+            if "tg-full" in args.d_extra:
+                m = models.build(cfg, tiling, seed=args.seed)
+                runs["tg full"] = TgRun(m, m.parameters(), rt, args)
+            if "tg-lora-placed" in args.d_extra:
+                m = lora_model()
+                rt.scatter_cells([c for p in m.parameters() if not p.requires_grad for c in p.cells.flat])
+                runs["tg LoRA placed"] = TgRun(m, peft.trainable_parameters(m), rt, args)
+            if "torch-full" in args.d_extra:
+                runs["torch full"] = TorchRun(Path(tmp) / "hf", False, args)
+            res = {name: {"loss0": r.warmup(warm), "walls": [], "last": None} for name, r in runs.items()}
+            for chunk in rounds:
+                for name, r in runs.items():
+                    wall, res[name]["last"] = r.timed(chunk)
+                    res[name]["walls"].append(wall)
+    tokens = batch * seq * args.d_steps
+    print(f"{'run':>16} {'trained':>9} {'tok/s med':>9} {'tok/s best':>10} {'s/step med':>10} "
+          f"{'outside':>8} {'kernel s':>8} {'runner s':>8} {'loss first':>10} {'loss last':>10}  rounds tok/s")
+    for name, r in runs.items():
+        walls = res[name]["walls"]
+        steps = len(walls) * args.d_steps
+        extra = f"{'':>8} {'':>8} {'':>8}"
+        if r.framework == "tilegraph":
+            extra = (f"{1 - r.ks['kernel_seconds'] / (sum(walls) * T):8.1%} {r.ks['kernel_seconds'] / steps:8.3f} "
+                     f"{(r.ks['task_seconds'] - r.ks['kernel_seconds']) / steps:8.3f}")
+        print(f"{name:>16} {r.trained:>9,} {tokens / statistics.median(walls):9.0f} "
+              f"{tokens / min(walls):10.0f} {statistics.median(walls) / args.d_steps:10.3f} {extra} "
+              f"{res[name]['loss0']:10.5f} {res[name]['last']:10.5f}  "
+              + " ".join(f"{tokens / w:.0f}" for w in walls), flush=True)
+    tg_w, pt_w = res["tg LoRA"]["walls"], res["peft+torch LoRA"]["walls"]
+    per_round = [p / t for t, p in zip(tg_w, pt_w)]
+    l0, p0 = res["tg LoRA"]["loss0"], res["peft+torch LoRA"]["loss0"]
+    print(f"ratio tg LoRA / peft+torch LoRA tok/s: median of rounds {statistics.median(per_round):.2f} "
+          f"(rounds {', '.join(f'{x:.2f}' for x in per_round)}), best/best {min(pt_w) / min(tg_w):.2f}; "
+          f"first losses differ by {abs(l0 - p0) / abs(p0):.1e} relative; torch attention: "
+          f"{runs['peft+torch LoRA'].attn}", flush=True)
+    if args.kernels:
+        for name, r in runs.items():
+            if r.framework != "tilegraph":
+                continue
+            steps = len(res[name]["walls"]) * args.d_steps
+            scopes: dict[str, float] = {}
+            for scope, dt in r.ks["by_scope"].items():  # the blocks' parts summed over the blocks
+                key = ".".join("*" if w.isdigit() else w for w in scope.split("."))
+                scopes[key] = scopes.get(key, 0.0) + dt
+            for label, table in (("kernels", r.ks["by_kernel"]), ("scopes", scopes)):
+                top = sorted(table.items(), key=lambda kv: -kv[1])[:args.kernels]
+                print(f"   {name} {label}, s/step: " + ", ".join(f"{k} {v / steps:.3f}" for k, v in top), flush=True)
 
 
 if __name__ == "__main__":

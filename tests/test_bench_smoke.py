@@ -33,3 +33,26 @@ def test_bench_gpt2_debug_runs():
     # both frameworks start from the same weights and batch: the first losses agree
     loss_tg, loss_torch = map(float, row["loss0"].split("/"))
     assert loss_tg == pytest.approx(loss_torch, rel=1e-4), proc.stdout
+
+
+def test_bench_peft_part_d_debug_runs():
+    """bench_peft.py part (d) (LoRA tilegraph vs peft + torch) on the debug GPT-2: both train from
+    the same weights, so the first losses agree."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_peft.py"), "--parts", "d", "--d-flavor", "debug", "--seq", "32",
+         "--d-warmup", "1", "--d-rounds", "1", "--d-steps", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {name: line.split() for line in proc.stdout.splitlines()
+            for name in ("tg LoRA", "peft+torch LoRA") if line.strip().startswith(name + " ")}
+    assert len(rows) == 2, proc.stdout
+    ratio = [line for line in proc.stdout.splitlines() if line.startswith("ratio tg LoRA / peft+torch LoRA")]
+    assert len(ratio) == 1, proc.stdout
+    words = ratio[0].split()
+    median = float(words[words.index("rounds") + 1])
+    assert math.isfinite(median) and median > 0, proc.stdout
+    rel = float(words[words.index("differ") + 2])
+    assert rel < 1e-4, proc.stdout
