@@ -8,7 +8,9 @@ quantization method costs in size, error and perplexity. One run prints three ta
    every tile is in worker memory); beside it ``numpy.save`` (one .npy per array) and
    safetensors (``safetensors.numpy.save_file``) of the same arrays from this process, and their
    loads. MB/s = state bytes / seconds; ``vs numpy`` = Zarr MB/s / numpy.save MB/s of the same
-   bytes in the same run. The page cache is not dropped (no root needed): loads read warm files.
+   bytes in the same round (``--repeat`` rounds per worker count, medians shown; ``os.sync()``
+   before each timing, untimed). The page cache is not dropped (no root needed): loads read warm
+   files.
 2. ``quantization``: per method, on the GPT-2 weight matrices (``--quant-flavor``'s random init
    unless ``--hf FOLDER`` gives real weights) and on Student-t(3) 768 x 768 matrices: the
    checkpoint's size (model only, all files, metadata included) over the fp32 checkpoint's, and
@@ -19,6 +21,7 @@ quantization method costs in size, error and perplexity. One run prints three ta
 
     python bench/bench_checkpoint.py                        # everything (a few minutes on 2 cores)
     python bench/bench_checkpoint.py --flavor gpt2-debug --train-steps 60   # a quick smoke run
+    python bench/bench_checkpoint.py --only throughput --repeat 5             # the throughput table only
 """
 
 from __future__ import annotations
@@ -53,7 +56,23 @@ def _state_arrays(model, opt) -> dict[str, np.ndarray]:
     return out
 
 
+def _timed(fn) -> float:
+    """Seconds ``fn()`` takes, after ``os.sync()`` (untimed): the dirty pages an earlier write left
+    are flushed first, so no run pays for another's writeback (the kernel throttles a writer once
+    dirty pages pass a share of memory, and a 1.5 GB state is most of that share)."""
+    os.sync()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def throughput(args, tmp: Path) -> list[dict]:
+    """Per worker count, ``--repeat`` rounds of: Zarr save, Zarr load, numpy.save, np.load,
+    safetensors save and load (the order of Zarr and the baselines alternating from round to
+    round), each timed after an untimed ``os.sync()``. A round's ratios are against that round's
+    numpy figures; the table shows the medians over the rounds (seconds and ratios)."""
+    import statistics
+
     import tilegraph as tg
     from safetensors.numpy import load_file, save_file
     from tilegraph import models
@@ -73,50 +92,67 @@ def throughput(args, tmp: Path) -> list[dict]:
             cells += [c for st in opt.state for g in st for c in g.flat]
             rt.scatter_cells(cells)  # the state lives on the workers, spread over them
             nbytes = sum(int(np.prod(c.shape)) * 4 for c in cells)
-            ck = tmp / f"zarr-{workers}"
-            t0 = time.perf_counter()
-            tg.io.save_checkpoint(ck, model, opt)
-            save_s = time.perf_counter() - t0
+            arrays = _state_arrays(model, opt)  # the same bytes, here, for the baselines
             model2 = models.build(args.flavor, seed=1)
             opt2 = tg.optim.AdamW(model2.parameters(), lr=1e-4)
-            t0 = time.perf_counter()
-            c = tg.io.load_checkpoint(ck)
-            c.load_into(model2)
-            c.restore_optimizer(opt2, model2)  # returns once every tile is in a worker's memory
-            load_s = time.perf_counter() - t0
-            arrays = _state_arrays(model, opt) if workers == args.workers[0] else None
+            times: dict[str, list[float]] = {}
+            for r in range(args.repeat):
+                ck, folder, st_file = tmp / f"zarr-{workers}-{r}", tmp / f"npy-{r}", tmp / f"state-{r}.safetensors"
+
+                def zarr_runs():
+                    times.setdefault("zarr save", []).append(_timed(lambda: tg.io.save_checkpoint(ck, model, opt)))
+
+                    def load():
+                        c = tg.io.load_checkpoint(ck)
+                        c.load_into(model2)
+                        c.restore_optimizer(opt2, model2)  # returns once every tile is in a worker's memory
+                    times.setdefault("zarr load", []).append(_timed(load))
+
+                def baseline_runs():
+                    folder.mkdir()
+
+                    def np_save():
+                        for k, v in arrays.items():
+                            np.save(folder / f"{k}.npy", v)
+                    times.setdefault("numpy save", []).append(_timed(np_save))
+                    back = {}
+                    times.setdefault("numpy load", []).append(
+                        _timed(lambda: back.update({k: np.load(folder / f"{k}.npy") for k in arrays})))
+                    back.clear()
+                    times.setdefault("st save", []).append(_timed(lambda: save_file(arrays, str(st_file))))
+                    times.setdefault("st load", []).append(_timed(lambda: back.update(load_file(str(st_file)))))
+                    back.clear()
+
+                for run in ((zarr_runs, baseline_runs) if r % 2 == 0 else (baseline_runs, zarr_runs)):
+                    run()
+                shutil.rmtree(ck, ignore_errors=True)
+                shutil.rmtree(folder, ignore_errors=True)
+                st_file.unlink(missing_ok=True)
+            arrays.clear()
         rt.close()
-        rows.append({"what": f"zarr, {workers} worker{'s' if workers > 1 else ''}", "bytes": nbytes,
-                     "save": save_s, "load": load_s})
-        if arrays is not None:
-            folder = tmp / "npy"
-            folder.mkdir()
-            t0 = time.perf_counter()
-            for k, v in arrays.items():
-                np.save(folder / f"{k}.npy", v)
-            np_save = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            back = {k: np.load(folder / f"{k}.npy") for k in arrays}
-            np_load = time.perf_counter() - t0
-            del back
-            t0 = time.perf_counter()
-            save_file(arrays, str(tmp / "state.safetensors"))
-            st_save = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            back = load_file(str(tmp / "state.safetensors"))
-            st_load = time.perf_counter() - t0
-            del back, arrays
-            rows.append({"what": "numpy.save / np.load", "bytes": nbytes, "save": np_save, "load": np_load})
-            rows.append({"what": "safetensors", "bytes": nbytes, "save": st_save, "load": st_load})
-        shutil.rmtree(ck, ignore_errors=True)
-    base = next(r for r in rows if r["what"].startswith("numpy"))
-    print(f"\n1. throughput: {args.flavor} training state, {base['bytes'] / 1e6:,.0f} MB "
-          f"(weights + AdamW moments, fp32)")
+        for what, key in ((f"zarr, {workers} worker{'s' if workers > 1 else ''}", "zarr"),
+                          ("numpy.save / np.load", "numpy"), ("safetensors", "st")):
+            rows.append({"what": what, "workers": workers, "bytes": nbytes,
+                         "save": statistics.median(times[f"{key} save"]),
+                         "load": statistics.median(times[f"{key} load"]),
+                         "save_ratio": statistics.median(n / z for z, n in zip(times[f"{key} save"],
+                                                                                times["numpy save"])),
+                         "load_ratio": statistics.median(n / z for z, n in zip(times[f"{key} load"],
+                                                                                times["numpy load"])),
+                         "save_all": times[f"{key} save"], "load_all": times[f"{key} load"]})
+    mb = rows[0]["bytes"] / 1e6
+    print(f"\n1. throughput: {args.flavor} training state, {mb:,.0f} MB (weights + AdamW moments, fp32); "
+          f"medians of {args.repeat} round{'s' if args.repeat > 1 else ''}, each against the numpy figures "
+          "of its own round")
     print(f"{'':28} {'save MB/s':>10} {'load MB/s':>10} {'save vs numpy':>14} {'load vs numpy':>14}")
     for r in rows:
-        s, l = r["bytes"] / 1e6 / r["save"], r["bytes"] / 1e6 / r["load"]
-        print(f"{r['what']:28} {s:10,.0f} {l:10,.0f} {s / (base['bytes'] / 1e6 / base['save']):14.2f} "
-              f"{l / (base['bytes'] / 1e6 / base['load']):14.2f}")
+        label = r["what"] if len(args.workers) < 2 or r["what"].startswith("zarr") else \
+            f"{r['what']} ({r['workers']}w run)"
+        print(f"{label:28} {mb / r['save']:10,.0f} {mb / r['load']:10,.0f} {r['save_ratio']:14.2f} {r['load_ratio']:14.2f}")
+    if args.verbose:
+        for r in rows:
+            print(f"  {r['what'] + ' (' + str(r['workers']) + 'w)':32} save s: {' '.join(f'{t:.2f}' for t in r['save_all'])}   "
+                  f"load s: {' '.join(f'{t:.2f}' for t in r['load_all'])}")
     return rows
 
 
@@ -230,6 +266,9 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--only", default="throughput,quantization,perplexity")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds of the throughput table (medians shown; Zarr and the baselines alternate first)")
+    ap.add_argument("--verbose", action="store_true", help="the throughput table's seconds of every round")
     args = ap.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
     args.methods = [m for m in args.methods.split(",") if m]

@@ -14,6 +14,7 @@ Everything here runs where the tiles are: on the workers, or in the client for t
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -116,7 +117,71 @@ def crc32c(data) -> int:
 
 def crc_bytes(data) -> bytes:
     """The CRC32C of ``data`` as the 4 little-endian bytes that follow it in a file."""
-    return np.uint32(crc32c(data)).astype("<u4").tobytes()
+    return crc32c(data).to_bytes(4, "little")
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_IOV_MAX = 512  # buffers per writev (Linux takes 1024)
+
+
+def write_file(path: str, parts: Sequence) -> int:
+    """Create ``path`` holding ``parts`` (bytes or C-contiguous arrays) one after the other with
+    ``writev`` (no Python file object, no copy into a buffer; a short write goes on with the
+    rest). An OSError (a full disk, ...) propagates. Returns the bytes written."""
+    views = [memoryview(b).cast("B") for b in parts]
+    total = sum(v.nbytes for v in views)
+    fd = os.open(path, _WRITE_FLAGS, 0o666)
+    try:
+        i = 0
+        while i < len(views):
+            n = os.writev(fd, views[i:i + _IOV_MAX])
+            if n == 0 and views[i].nbytes:  # never for a file, but never a loop without end
+                raise OSError(errno.EIO, "writev wrote nothing", path)
+            while i < len(views) and n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
+            if n:
+                views[i] = views[i][n:]
+    finally:
+        os.close(fd)
+    return total
+
+
+def read_file_into(path: str, buffers: Sequence) -> int:
+    """Fill ``buffers`` (writable, C-contiguous; a few) from the start of ``path`` with ``readv``
+    until they are full or the file ends; returns the bytes read (fewer: the file is shorter)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        got, i = 0, 0
+        while i < len(views):
+            n = os.readv(fd, views[i:])
+            if n == 0:
+                break
+            got += n
+            while i < len(views) and n >= views[i].nbytes:
+                n -= views[i].nbytes
+                i += 1
+            if n:
+                views[i] = views[i][n:]
+    finally:
+        os.close(fd)
+    return got
+
+
+def make_dir(folder: str, made: set) -> None:
+    """``os.makedirs(folder, exist_ok=True)``, at most once per ``made`` (a set of the folders
+    made so far), trying one ``mkdir`` first: the parent is there but for a tile's first chunk."""
+    if folder in made:
+        return
+    try:
+        os.mkdir(folder)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+    made.add(folder)
 
 
 def encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
@@ -147,25 +212,22 @@ def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shap
     at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
     index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
     path = chunk_path(root, name, shard_idx)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    offset = 0
-    with open(path, "wb") as f:
-        for k, rel in enumerate(np.ndindex(*per)):
-            idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
-            if any(i * c >= n for i, c, n in zip(idx, chunk_shape, shape)):
-                continue  # past the array's end: no chunk
-            tile = at.get(idx)
-            if tile is None:
-                raise CheckpointError(f"tilegraph.io.save_checkpoint({root})", f"array {name!r}: every tile of "
-                                      "a shard to write it", f"shard {shard_idx} lacks chunk {idx}")
-            data, crc = encode_chunk(np.asarray(tile), chunk_shape)
-            f.write(data)
-            f.write(crc)
-            index[k] = (offset, data.nbytes + 4)
-            offset += data.nbytes + 4
-        raw = index.astype("<u8").tobytes()
-        f.write(raw)
-        f.write(crc_bytes(raw))
+    make_dir(os.path.dirname(path), set())
+    offset, parts = 0, []
+    for k, rel in enumerate(np.ndindex(*per)):
+        idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
+        if any(i * c >= n for i, c, n in zip(idx, chunk_shape, shape)):
+            continue  # past the array's end: no chunk
+        tile = at.get(idx)
+        if tile is None:
+            raise CheckpointError(f"tilegraph.io.save_checkpoint({root})", f"array {name!r}: every tile of "
+                                  "a shard to write it", f"shard {shard_idx} lacks chunk {idx}")
+        data, crc = encode_chunk(tile_bytes(tile), chunk_shape)
+        parts += [data, crc]
+        index[k] = (offset, data.nbytes + 4)
+        offset += data.nbytes + 4
+    raw = index.astype("<u8").tobytes()
+    write_file(path, [*parts, raw, crc_bytes(raw)])
     return offset
 
 
@@ -217,38 +279,43 @@ def group_meta(attributes: dict | None = None) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def write_meta(root: str, path: str, meta: dict) -> None:
+def write_meta(root: str, path: str, meta: dict, made: set | None = None) -> None:
     folder = os.path.join(root, path) if path else root
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "zarr.json"), "w") as f:
-        f.write(json.dumps(meta))
+    if made is None:
+        os.makedirs(folder, exist_ok=True)
+    else:
+        make_dir(folder, made)
+    write_file(os.path.join(folder, "zarr.json"), (json.dumps(meta).encode(),))
 
 
 def chunk_path(root: str, name: str, idx: Sequence[int]) -> str:
     return os.path.join(root, name, "c", *[str(int(i)) for i in idx])
 
 
-def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape) -> int:
-    """Write ``tile``, the slices ``region`` of array ``name`` (whole chunks: the chunk grid is
-    chosen so that no tile straddles a chunk), one chunk file each; returns the bytes written."""
+def tile_bytes(tile) -> np.ndarray:
+    """``tile`` as a C-ordered little-endian array (no copy when it is one already)."""
     tile = np.ascontiguousarray(tile)
     if tile.dtype.byteorder == ">":
         tile = tile.astype(tile.dtype.newbyteorder("<"))
+    return tile
+
+
+def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape, made: set | None = None) -> int:
+    """Write ``tile``, the slices ``region`` of array ``name`` (whole chunks: the chunk grid is
+    chosen so that no tile straddles a chunk), one chunk file each (the chunk's bytes straight
+    from the tile when it is one whole chunk, then its CRC32C, in one ``writev``); returns the
+    bytes written. ``made``: the folders already made (shared by the calls of one task)."""
+    tile = tile_bytes(tile)
     written = 0
     first = [lo // c for (lo, _), c in zip(region, chunk_shape)]
     counts = [-(-(hi - lo) // c) for (lo, hi), c in zip(region, chunk_shape)]
-    made: set[str] = set()
+    made = set() if made is None else made
     for rel in np.ndindex(*counts):
         src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
         data, crc = encode_chunk(tile[src], chunk_shape)
         path = chunk_path(root, name, [f + r for f, r in zip(first, rel)])
-        parent = os.path.dirname(path)
-        if parent not in made:
-            os.makedirs(parent, exist_ok=True)
-            made.add(parent)
-        with open(path, "wb") as f:
-            f.write(data)
-            f.write(crc)
+        make_dir(os.path.dirname(path), made)
+        write_file(path, (data, crc))
         written += data.nbytes
     return written
 
@@ -277,15 +344,14 @@ def read_whole_chunk(root: str, name: str, idx, out: np.ndarray) -> None:
     key = "/".join(["c", *map(str, idx)])
     where = f"tilegraph.io.load_checkpoint({root})"
     flat = out.reshape(-1).view(np.uint8)
+    tail = bytearray(5)  # the checksum, and a byte more: a longer file fails too
     try:
-        with open(path, "rb") as f:
-            got = f.readinto(flat)
-            tail = f.read(5)
+        got = read_file_into(path, (flat, tail))
     except FileNotFoundError:
         raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
-    if got != flat.nbytes or len(tail) != 4 or np.frombuffer(tail, "<u4")[0] != crc32c(flat):
+    if got != flat.nbytes + 4 or int.from_bytes(tail[:4], "little") != crc32c(flat):
         raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}: {got + len(tail)} bytes, expected {flat.nbytes + 4}")
+                              f"{key}: {got} bytes, expected {flat.nbytes + 4}")
 
 
 def read_array_region(root: str, name: str, region, info: dict) -> np.ndarray:
@@ -316,9 +382,9 @@ def write_tiles(value, jobs: Sequence[tuple]) -> dict:
     Each job is ``(index or None, root, array path, ((lo, hi), ...), chunk shape, quantization
     or None, tile label)``. Runs on the worker holding ``value``; returns the worker's address and
     the bytes written."""
-    written = 0
+    written, made = 0, set()
     for job in jobs:
-        written += write_job(value, job)
+        written += write_job(value, job, made)
     return {"worker": worker_address(), "bytes": written}
 
 
@@ -332,12 +398,12 @@ def job_bytes(jobs: Sequence[tuple]) -> int:
     return sum(int(np.prod([hi - lo for lo, hi in job[3]])) for job in jobs)
 
 
-def write_job(value, job: tuple) -> int:
+def write_job(value, job: tuple, made: set | None = None) -> int:
     index, root, name, region, chunk_shape, quant, label = job
     tile = host(value if index is None else value[index])
     if quant is not None:
         return write_quantized(root, f"{name}/{label}", tile, quant)
-    return write_chunks(root, name, tile, region, chunk_shape)
+    return write_chunks(root, name, tile, region, chunk_shape, made)
 
 
 def write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:

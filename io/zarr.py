@@ -263,8 +263,9 @@ class PendingSave:
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
             futures += self._write_shards(shard_jobs, holders)
+        made: set[str] = set()
         for path, meta in metas:
-            write_meta(root, path, meta)
+            write_meta(root, path, meta, made)
         for value, jobs in local:
             write_tiles(value, jobs)
         if futures:
@@ -412,16 +413,41 @@ def _values(cells: np.ndarray, p, where: str, runtime, deal) -> list[tuple[tuple
 
 
 def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
-    """Every chunk of every array is there, as this process sees the folder (a worker that wrote
-    nothing, or wrote to a disk of its own, is caught here)."""
-    missing = []
+    """Every chunk file of every array is there, as this process sees the folder (a worker that
+    wrote nothing, or wrote to a disk of its own, is caught here), with exactly the size its
+    chunks make: a chunk's bytes and CRC32C, a shard's inner chunks and index.
+
+    The files are not read back: a write that failed raised in its task (the gather re-raises
+    it), a short or interrupted write leaves a file of the wrong size (caught here, one ``stat``
+    per file), and the bytes themselves are checked against the CRC32C on every load, which the
+    writer computed from the values in memory, so a chunk that the disk or the page cache
+    garbles after it was written is caught there, naming the chunk. Re-reading 1.5 GB right after
+    writing it would only read the page cache, which holds what was written."""
+    missing, wrong = [], []
     for apath, info in attrs["arrays"].items():
         grid = [len(c) for c in info["tiles"]]
         if info["quantized"] is None:
-            chunk_shape = info.get("shards") or info["chunks"]  # a shard is one file
-            counts = [-(-n // c) for n, c in zip(info["shape"], chunk_shape)]
-            keys = ["/".join(map(str, i)) for i in np.ndindex(*counts)]
-            missing += [f"{apath}/c/{k}" for k in keys if not os.path.isfile(chunk_path(str(tmp), apath, k.split("/") if k else []))]
+            chunk = [int(c) for c in info["chunks"]]
+            shards = info.get("shards")
+            chunk_bytes = int(np.prod(chunk)) * np.dtype(info["dtype"]).itemsize + 4
+            file_shape = shards or chunk  # a shard is one file
+            counts = [-(-int(n) // c) for n, c in zip(info["shape"], file_shape)]
+            inner = [-(-int(n) // c) for n, c in zip(info["shape"], chunk)]  # chunks per dimension
+            per = [s // c for s, c in zip(shards, chunk)] if shards else None
+            for idx in np.ndindex(*counts):
+                if per is None:
+                    size = chunk_bytes
+                else:  # the inner chunks inside the array, then the index of every slot and its CRC32C
+                    present = np.prod([max(0, min(p, k - i * p)) for i, p, k in zip(idx, per, inner)])
+                    size = int(present) * chunk_bytes + 16 * int(np.prod(per)) + 4
+                key = f"{apath}/c" + "".join(f"/{i}" for i in idx)
+                try:
+                    got = os.stat(chunk_path(str(tmp), apath, idx)).st_size
+                except FileNotFoundError:
+                    missing.append(key)
+                    continue
+                if got != size:
+                    wrong.append(f"{key}: {got} bytes, expected {size}")
         else:
             missing += [f"{apath}/{tile_label(i)}" for i in np.ndindex(*grid)
                         if not (tmp / apath / tile_label(i) / "zarr.json").is_file()]
@@ -429,6 +455,9 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
         shared = (" (the workers wrote them to a disk this process does not see? the checkpoint folder must be "
                   "on a file system that every worker and this process share)") if remote else ""
         raise CheckpointError(where, f"every chunk written; {len(missing)} missing{shared}", ", ".join(missing[:6]))
+    if wrong:
+        raise CheckpointError(where, f"every chunk written whole; {len(wrong)} of the wrong size (a short or "
+                              "failed write)", ", ".join(wrong[:6]))
 
 
 def _fsync(path: Path) -> None:

@@ -402,3 +402,64 @@ def test_a_resumed_run_keeps_its_run_id_and_its_history(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6] and {r["run"] for r in second.history} == {first.run_id}
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == steps
+
+
+def test_a_short_chunk_write_fails_the_save_and_a_longer_chunk_fails_the_load(tmp_path, monkeypatch):
+    """The save's check stats every chunk file (it does not read them back): a chunk file cut
+    short after its write fails the save and leaves nothing; on load a chunk with a byte too many
+    fails its checksum like a flipped or cut one."""
+    import shutil
+
+    from tilegraph.io import _store
+
+    write_file = _store.write_file
+    for tiling, victim, sharded in (("single", "model/wte.weight/c/", False),
+                                    ("even", "model/blocks.0.mlp.fc1.weight/c/", True)):
+        model = models.build("gpt2-debug", TILINGS[tiling], seed=0)
+        info = tg.io.load_checkpoint(tg.io.save_checkpoint(tmp_path / tiling, model)).arrays[victim.split("/c/")[0]]
+        assert bool(info["shards"]) == sharded  # a file per chunk, then a shard file of several
+        def short(path, parts, victim=victim):
+            n = write_file(path, parts)
+            if victim in path.replace(os.sep, "/"):
+                os.truncate(path, n - 1)  # a write that stopped one byte early and said nothing
+            return n
+
+        monkeypatch.setattr(_store, "write_file", short)
+        with pytest.raises(tz.CheckpointError, match=rf"of the wrong size \(a short or failed write\).*{victim}"):
+            tg.io.save_checkpoint(tmp_path / "out" / "ck", model)
+        assert list((tmp_path / "out").iterdir()) == []
+        monkeypatch.setattr(_store, "write_file", write_file)
+    bad = tmp_path / "long"
+    shutil.copytree(tg.io.save_checkpoint(tmp_path / "whole", models.build("gpt2-debug", seed=0)), bad)
+    chunk = bad / "model" / "wte.weight" / "c" / "0" / "0"  # one file per tile
+    chunk.write_bytes(chunk.read_bytes() + b"\0")
+    with pytest.raises(tz.CheckpointError, match=r"'model/wte.weight': a chunk failed its checksum.*c/0/0"):
+        tg.models.from_zarr(bad)
+
+
+def test_chunk_files_survive_short_reads_and_writes_and_many_parts(tmp_path, monkeypatch):
+    """write_file and read_file_into go on after a short writev/readv, and a file of more parts
+    than one writev takes (a shard of many small tiles) is written whole."""
+    from tilegraph.io import _store
+
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in rng.integers(0, 9, 3 * _store._IOV_MAX)]
+    want = b"".join(p.tobytes() for p in parts)
+    writev, readv = os.writev, os.readv
+
+    def short_writev(fd, bufs):
+        return writev(fd, [memoryview(bufs[0])[:3]] if len(bufs[0]) else bufs[:2])
+
+    def short_readv(fd, bufs):
+        return readv(fd, [memoryview(bufs[0])[:5]])
+
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(os, "writev", short_writev)
+            monkeypatch.setattr(os, "readv", short_readv)
+        path = str(tmp_path / f"f{patch}")
+        assert _store.write_file(path, parts) == len(want)
+        assert open(path, "rb").read() == want
+        out, tail = np.empty(len(want) - 3, np.uint8), bytearray(5)
+        assert _store.read_file_into(path, (out, tail)) == len(want)
+        assert out.tobytes() + bytes(tail[:3]) == want
