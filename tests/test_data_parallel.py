@@ -316,9 +316,19 @@ def test_a_process_fetches_only_the_values_it_reads(embedded_runtime, strategy):
     step(x, y)  # the second call sends the programs
     wait([r.future for p in opt.params for c in p.cells.flat for r in c.value.replicas])
     before = sum(client.run(_incoming_bytes).values())
-    for _ in range(3):
-        step(x, y)
-    wait([r.future for p in opt.params for c in p.cells.flat for r in c.value.replicas])
+    from distributed import get_task_stream
+
+    with get_task_stream(client) as ts:
+        for _ in range(3):
+            step(x, y)
+        wait([r.future for p in opt.params for c in p.cells.flat for r in c.value.replicas])
+    # each send ran next to its producer, each receive next to its readers
+    addr = {p: next(a for c, a in exe.worker_of.items() if exe.process_of(exe.clusters[c]) == p) for p in (0, 1)}
+    ran = [(t["key"], t["worker"]) for t in ts.data if t["key"].startswith(("tg-send-", "tg-receive-"))]
+    assert {k.split("-")[1] for k, _ in ran} == {"send", "receive"}
+    for key, worker in ran:
+        reader = int(key.split("-")[2][3:])  # tg-send-cpu1-...: read by process 1
+        assert worker == (addr[reader] if key.startswith("tg-receive-") else addr[1 - reader]), (key, worker)
     per_step = (sum(client.run(_incoming_bytes).values()) - before) / 3
     assert per_step <= 1.05 * sum(read.values()) + params + 64 * 1024, (per_step, sum(read.values()), whole)
     assert per_step < 0.5 * whole + params  # what fetching whole results would move

@@ -180,9 +180,11 @@ class Executable:
             self.plans.append(plan)
             for k, ref in enumerate(plan.outputs):
                 self.where[(id(ref.node), ref.index)] = (c.id, k)
-        #: values read by another worker process (cluster id, (device, process) of the readers)
-        #: -> the result tuple indices they read, where a task of their own pays (``_sends``)
-        self.sends = self._sends()
+        #: values read by another worker process: (cluster id, (device, process) of the readers)
+        #: -> the result tuple indices they read (``_cross_reads``)
+        self.cross = self._cross_reads()
+        #: those that a send task picks out of their task's result
+        self.sends = {edge for edge, read in self.cross.items() if self._pick_pays(edge[0], read)}
         self.structure = self._structure_token(nodes, of)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
 
@@ -248,13 +250,21 @@ class Executable:
         """The worker process (index among those of its device class) that runs cluster ``c``."""
         return c.proc % self.n_replicas if self.n_replicas > 1 else c.proc
 
-    def _sends(self) -> dict[tuple[int, tuple[str, int]], tuple[int, ...]]:
-        """Dask moves a task's value whole: a task reading one small value of a task on another
-        worker process would fetch all of its result (a forward task's activations, to read a
-        partial loss: 254 MB for 0.1 MB on GPT-2 6 x 768, data parallel). Where the rest of the
-        result is more than :data:`PICK_MIN_BYTES` and a tenth of what is read, a small task on
-        the producer's worker (:func:`send_key`) picks out what that process reads, and its
-        tasks fetch that instead."""
+    def _cross_reads(self) -> dict[tuple[int, tuple[str, int]], tuple[int, ...]]:
+        """What each worker process reads of each task run by another.
+
+        Dask moves a task's value whole, and fetches a task's inputs only once all of them are
+        done. So :meth:`lower` writes, for each such (task, reading process):
+
+        - a *send* task on the producer's worker, where the rest of the result is large
+          (:meth:`_pick_pays`): it picks out what that process reads, and only that moves (a
+          forward task's activations, 254 MB, to read a 0.1 MB partial loss: GPT-2 6 x 768,
+          data parallel);
+        - a *receive* task on the reading process's worker, depending on that value alone: the
+          value moves as soon as it is made, while the reader still computes (the last gradient
+          bucket of a backward used to wait for the whole backward before moving at all).
+
+        Readers read the receive task's value, which is already on their worker."""
         reads: dict[tuple[int, tuple[str, int]], set[int]] = {}
         for c, plan in zip(self.clusters, self.plans):
             dst = (c.device, self.process_of(c))
@@ -265,14 +275,26 @@ class Executable:
                 src = self.clusters[cid]
                 if (src.device, self.process_of(src)) != dst:
                     reads.setdefault((cid, dst), set()).add(k)
-        sends = {}
-        for (cid, dst), read in reads.items():
-            outputs = self.plans[cid].outputs
-            size = sum(outputs[k].nbytes for k in read)
-            rest = sum(r.nbytes for r in outputs) - size
-            if rest > PICK_MIN_BYTES and rest > 0.1 * size:
-                sends[(cid, dst)] = tuple(sorted(read))
-        return sends
+        return {edge: tuple(sorted(read)) for edge, read in reads.items()}
+
+    def _pick_pays(self, cid: int, read: Sequence[int]) -> bool:
+        """Whether the rest of task ``cid``'s result is more than :data:`PICK_MIN_BYTES` and a
+        tenth of what is read of it."""
+        outputs = self.plans[cid].outputs
+        size = sum(outputs[k].nbytes for k in read)
+        rest = sum(r.nbytes for r in outputs) - size
+        return rest > PICK_MIN_BYTES and rest > 0.1 * size
+
+    def _transfer_workers(self, keys: Sequence[str]) -> dict[str, str]:
+        """The worker of each send task (its producer's) and receive task (its readers')."""
+        at = {(c.device, self.process_of(c)): self.worker_of[c.id] for c in self.clusters if c.id in self.worker_of}
+        out = {}
+        for cid, dst in self.cross:
+            if (cid, dst) in self.sends and cid in self.worker_of:
+                out[send_key(keys[cid], dst)] = self.worker_of[cid]
+            if dst in at:
+                out[receive_key(keys[cid], dst)] = at[dst]
+        return out
 
     @staticmethod
     def _plan(c: Cluster, of, needed, array_module) -> _Plan:
@@ -383,11 +405,17 @@ class Executable:
         if token is None:
             token = tokenize(self.structure, [n.cell.token for n in self.leaves])
         keys = [f"tg-{p.prog.label}-{c.id}-{token}" for c, p in zip(self.clusters, self.plans)]
-        layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "send": {}}
-        sent: dict[tuple[int, tuple[str, int]], dict[int, int]] = {}  # -> {index in the task: in the send}
-        for (cid, dst), part in self.sends.items():
-            layers["send"][send_key(keys[cid], dst)] = (_pick, keys[cid], part)
-            sent[(cid, dst)] = {k: j for j, k in enumerate(part)}
+        layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "transfer": {}}
+        at: dict[tuple[int, tuple[str, int]], dict[int, int]] = {}  # -> {index in the task: in the received}
+        for (cid, dst), read in self.cross.items():
+            src = keys[cid]
+            if (cid, dst) in self.sends:
+                layers["transfer"][send_key(src, dst)] = (_pick, src, read)
+                src = send_key(src, dst)
+                at[(cid, dst)] = {k: j for j, k in enumerate(read)}
+            else:
+                at[(cid, dst)] = {k: k for k in read}
+            layers["transfer"][receive_key(keys[cid], dst)] = (_received, src)
         for c, plan, key in zip(self.clusters, self.plans, keys):
             args, idx = [], []
             dst = (c.device, self.process_of(c))
@@ -397,8 +425,8 @@ class Executable:
                     a, i = self._bind_leaf(node.cell, layers, inline=True, proc=self.process_of(c))
                 else:
                     cid, k = self.where[(id(node), ref.index)]
-                    if (cid, dst) in sent:
-                        a, i = send_key(keys[cid], dst), sent[(cid, dst)][k]
+                    if (cid, dst) in at:
+                        a, i = receive_key(keys[cid], dst), at[(cid, dst)][k]
                     else:
                         a, i = keys[cid], k
                 args.append(a)
@@ -535,7 +563,7 @@ class Executable:
         want = sorted({moved.get((src, k), (src, k))[0] for src, idx in kept_of.items() for k in idx})
         want += sorted({key for key, _ in fetch_of.values()})
         pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
-        pinned.update({send_key(keys[cid], dst): self.worker_of[cid] for cid, dst in self.sends if cid in self.worker_of})
+        pinned.update(self._transfer_workers(keys))
         futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
         for pos, (key, k) in fetch_of.items():
             out[pos] = Fetching(futures[key], k)
@@ -621,8 +649,18 @@ PICK_MIN_BYTES = 4096
 
 def send_key(src: str, dst: tuple[str, int]) -> str:
     """The key of the task picking out of task ``src``'s result what process ``dst`` (device
-    class, process index) reads (:meth:`Executable._sends`)."""
+    class, process index) reads (:meth:`Executable._cross_reads`)."""
     return f"tg-send-{dst[0]}{dst[1]}-{src[3:]}"
+
+
+def receive_key(src: str, dst: tuple[str, int]) -> str:
+    """The key of the task on process ``dst`` that takes in what it reads of task ``src``."""
+    return f"tg-receive-{dst[0]}{dst[1]}-{src[3:]}"
+
+
+def _received(values: tuple) -> tuple:
+    """A receive task: its input, now on the reading worker."""
+    return values
 
 
 def _pick(values: tuple, idx: tuple) -> tuple:

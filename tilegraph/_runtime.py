@@ -137,10 +137,10 @@ class Runtime:
         below = set(parts)
         workers = workers or {}
         tasks = []
-        # "send" tasks (a pick out of a result another process reads) need no resource, and run
-        # before the tasks waiting for a thread next to them: a reader elsewhere waits for them
+        # "transfer" tasks (picking what another process reads, taking it in there) need no
+        # resource, and run before the tasks waiting for a thread next to them: readers wait
         for dev, ann0 in (("cpu", {"resources": {"CPU": 1}} if self.cpu_resource else {}),
-                          ("gpu", {"resources": {"GPU": 1}}), ("send", {"priority": SEND_PRIORITY})):
+                          ("gpu", {"resources": {"GPU": 1}}), ("transfer", {"priority": TRANSFER_PRIORITY})):
             by_worker: dict[str | None, dict] = {}
             for key, task in (layers.get(dev) or {}).items():
                 by_worker.setdefault(workers.get(key), {})[key] = task
@@ -224,9 +224,10 @@ class Runtime:
         self.close()
 
 
-#: Dask priority of the tasks that pick out of a result what another worker process reads
-#: (the tasks of a step have priority 0; higher runs first)
-SEND_PRIORITY = 100
+#: Dask priority of the tasks that move values between worker processes (picking out of a
+#: result what another process reads, taking it in there); a step's tasks have priority 0,
+#: and higher runs first
+TRANSFER_PRIORITY = 100
 
 #: memory a worker process takes before it holds any data: measured 121 MiB (RSS) for an idle
 #: embedded worker with tilegraph, NumPy and Dask loaded, plus room for a task's transient
