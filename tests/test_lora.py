@@ -275,3 +275,44 @@ def test_bad_inputs(tmp_path):
         peft.load_adapters(tmp_path / "a", other)
     with pytest.raises(tg.TileError, match="a model with LoRA layers"):
         peft.save_adapters(tmp_path / "b", models.build("gpt2-debug"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["tiles", "data"])
+def test_frozen_weights_move_to_the_workers_once(embedded_runtime, parallel):
+    """A frozen base weight is read by every step as it is: it goes to the workers reading it once
+    (to each replica's worker), not inside every step's graph."""
+    from distributed import wait
+
+    from tilegraph._graph import ValueRef
+    from tilegraph._lower import INLINE_MAX_BYTES
+
+    def build():
+        model = tg.nn.MLP(128, 512, out_dim=128, tile=256, seed=0)
+        return peft.apply_lora(model, ["fc1", "fc2"], rank=4, alpha=8, seed=1)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 128)).astype(np.float32)
+    y = rng.standard_normal((32, 128)).astype(np.float32)
+
+    def mse(m, a, b):
+        d = m(a) - b
+        return (d * d).mean()
+
+    losses = {}
+    for rt in (None, embedded_runtime):
+        model = build()
+        opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=1e-2)
+        step = tg.TrainStep(model, opt, mse, batch_tiles=[(8, None), (8, None)], runtime=rt, parallel=parallel)
+        losses[rt is None] = [step(x, y) for _ in range(3)]
+    frozen = [c for m in peft.lora_layers(model).values() for c in m.weight.cells.flat]
+    big = [c for c in frozen if np.prod(c.shape) * 4 > INLINE_MAX_BYTES]
+    assert big and all(isinstance(c.value, ValueRef) for c in big)
+    exe = step.plan(x, y)
+    layers, _ = exe.lower()
+    assert all(getattr(v, "nbytes", 0) <= INLINE_MAX_BYTES for v in layers["data"].values())
+    wait([c.value.future for c in big])
+    who = embedded_runtime.client.who_has([c.value.future for c in big])
+    assert exe.strategy == parallel
+    assert all(len(w) == (2 if parallel == "data" else 1) for w in who.values()), who  # each replica's copy
+    np.testing.assert_allclose(losses[False], losses[True], rtol=1e-5)

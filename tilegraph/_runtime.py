@@ -159,7 +159,8 @@ class Runtime:
     def scatter_cells(self, cells, workers: Sequence[str | None] | None = None) -> None:
         """Move the array values of ``cells`` to the workers; the cells then hold references.
 
-        ``workers`` names each cell's worker (None: Dask's choice). Values go in batches of at
+        ``workers`` names each cell's worker (None: Dask's choice; a tuple: a copy on each of
+        those workers). Values go in batches of at
         most a ``config.task_memory_fraction`` share of the smallest worker memory limit (and
         at least one value): a worker takes in each message whole, and spills what it holds to
         disk only between messages."""
@@ -176,7 +177,9 @@ class Runtime:
         for c, w in local:
             by_worker.setdefault(w, []).append(c)
         def send(batch: list, w: str | None) -> None:
-            futures = self.client.scatter([c.value for c in batch], hash=False, workers=None if w is None else [w])
+            many = isinstance(w, tuple)
+            futures = self.client.scatter([c.value for c in batch], hash=False, broadcast=many and len(w) > 1,
+                                          workers=None if w is None else list(w) if many else [w])
             for c, f in zip(batch, futures):
                 c.set(ValueRef(f, None))
 

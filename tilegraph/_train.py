@@ -90,6 +90,27 @@ class _Recorded:
     def __init__(self, exe: Executable, inputs: list[list[tuple[Tiling, np.ndarray]]], assignments, n_fetch, hypers):
         self.exe, self.inputs, self.assignments, self.n_fetch = exe, inputs, assignments, n_fetch
         self.hypers = hypers  # step j's scalar cell (k > 1)
+        self.fixed = self._fixed_leaves()
+
+    def _fixed_leaves(self) -> tuple[list[Cell], list]:
+        """The leaf values every run reads as they are (frozen weights: an adapter's base; no
+        batch input, nothing the step updates, nothing small enough to travel inside its task),
+        with the workers of the tasks reading each (a tuple; None: unknown). Left on the client,
+        they would travel inside every step's graph: 475 MB per step for LoRA on GPT-2 124M."""
+        from tilegraph._lower import INLINE_MAX_BYTES
+
+        skip = {id(c) for step in self.inputs for _, cells in step for c in cells.flat}
+        skip |= {id(c) for c in self.assignments}
+        cells: dict[int, Cell] = {}
+        readers: dict[int, set] = {}
+        for c, plan in zip(self.exe.clusters, self.exe.plans):
+            for ref in plan.ext:
+                cell = ref.node.cell if ref.node.is_leaf else None
+                if cell is None or id(cell) in skip or getattr(cell.value, "nbytes", 0) <= INLINE_MAX_BYTES:
+                    continue
+                cells[id(cell)] = cell
+                readers.setdefault(id(cell), set()).add(self.exe.worker_of.get(c.id))
+        return list(cells.values()), [None if None in r else tuple(sorted(r)) for r in readers.values()]
 
 
 def _refs_of(cells: np.ndarray, current: dict[int, TileRef]) -> np.ndarray:
@@ -303,6 +324,7 @@ class TrainStep:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
         if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
             rec.exe.runtime.scatter_cells(rec.assignments, rec.exe.root_workers()[-len(rec.assignments):])
+            rec.exe.runtime.scatter_cells(*rec.fixed)  # and frozen weights, to each worker reading them
         values = rec.exe.run(fetch=fetch, wait=False)
         for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
             cell.set(v)
