@@ -66,14 +66,12 @@ the kernel seconds per step (summed over the worker's threads) and the runner se
 ratios, and best / best). ``--d-extra`` adds runs to the same rotation, for profiling:
 
     tg-full           tilegraph full fine-tuning (AdamW on every parameter) of the same model
-    tg-lora-placed    tilegraph LoRA with the frozen weights moved to the worker once
-                      (``rt.scatter_cells``) instead of travelling with every step's graph
     torch-full        torch eager full fine-tuning of the same model
 
 ``--kernels N`` prints each tilegraph run's N costliest kernels and model parts (per step).
 
     python bench/bench_peft.py --parts d                     # GPT-2 124M, batch 4 x 256, 2 threads
-    python bench/bench_peft.py --parts d --d-extra tg-full tg-lora-placed --kernels 8
+    python bench/bench_peft.py --parts d --d-extra tg-full torch-full --kernels 8
 """
 
 from __future__ import annotations
@@ -378,7 +376,7 @@ def part_a(args) -> None:
 
 # ------------------------------------------------------------------------------- part (d) ----
 #: the runs --d-extra can add to part (d)'s rotation
-D_EXTRA = {"tg-full": "tg full", "tg-lora-placed": "tg LoRA placed", "torch-full": "torch full"}
+D_EXTRA = {"tg-full": "tg full", "torch-full": "torch full"}
 
 
 def wait_idle(rt, poll: float = 0.01) -> None:
@@ -517,10 +515,6 @@ def part_d(args) -> None:
             if "tg-full" in args.d_extra:
                 m = models.build(cfg, tiling, seed=args.seed)
                 runs["tg full"] = TgRun(m, m.parameters(), rt, args)
-            if "tg-lora-placed" in args.d_extra:
-                m = lora_model()
-                rt.scatter_cells([c for p in m.parameters() if not p.requires_grad for c in p.cells.flat])
-                runs["tg LoRA placed"] = TgRun(m, peft.trainable_parameters(m), rt, args)
             if "torch-full" in args.d_extra:
                 runs["torch full"] = TorchRun(Path(tmp) / "hf", False, args)
             res = {name: {"loss0": r.warmup(warm), "walls": [], "last": None} for name, r in runs.items()}
