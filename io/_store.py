@@ -125,6 +125,17 @@ _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _IOV_MAX = 512  # buffers per writev (Linux takes 1024)
 
 
+def _advance(views: list, i: int, n: int) -> int:
+    """After a readv/writev moved ``n`` bytes of ``views[i:]``: the index of the first view not
+    done, that view cut to what is left of it."""
+    while i < len(views) and n >= views[i].nbytes:
+        n -= views[i].nbytes
+        i += 1
+    if n:
+        views[i] = views[i][n:]
+    return i
+
+
 def write_file(path: str, parts: Sequence) -> int:
     """Create ``path`` holding ``parts`` (bytes or C-contiguous arrays) one after the other with
     ``writev`` (no Python file object, no copy into a buffer; a short write goes on with the
@@ -138,11 +149,7 @@ def write_file(path: str, parts: Sequence) -> int:
             n = os.writev(fd, views[i:i + _IOV_MAX])
             if n == 0 and views[i].nbytes:  # never for a file, but never a loop without end
                 raise OSError(errno.EIO, "writev wrote nothing", path)
-            while i < len(views) and n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            if n:
-                views[i] = views[i][n:]
+            i = _advance(views, i, n)
     finally:
         os.close(fd)
     return total
@@ -160,11 +167,7 @@ def read_file_into(path: str, buffers: Sequence) -> int:
             if n == 0:
                 break
             got += n
-            while i < len(views) and n >= views[i].nbytes:
-                n -= views[i].nbytes
-                i += 1
-            if n:
-                views[i] = views[i][n:]
+            i = _advance(views, i, n)
     finally:
         os.close(fd)
     return got
