@@ -203,6 +203,7 @@ def _ddp_process(rank, procs, port, threads, args, results):
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=procs)
+    model = opt = None
     try:
         ns = block_args(args)
         state = build_tilegraph("blocks", ns, tg).state_dict()  # the weights of the tilegraph runs
@@ -245,6 +246,12 @@ def _ddp_process(rank, procs, port, threads, args, results):
         if rank == 0:
             results.put(wall)
     finally:
+        # DDP's reducer goes before its process group: destroyed after it, at interpreter exit,
+        # it aborted the process now and then ("terminate called without an active exception")
+        model = opt = None
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
 
 
