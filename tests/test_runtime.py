@@ -157,6 +157,21 @@ def test_values_living_on_workers_come_back_and_feed_graphs(embedded_runtime):
     np.testing.assert_allclose(y, h @ before["fc2.weight"] + before["fc2.bias"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.distributed
+def test_values_of_a_closed_runtime_are_a_clear_error():
+    m = tg.nn.MLP(4, 8, tile=2, seed=0)
+    x = tg.from_numpy(np.ones((3, 4), np.float32), (3, 2))
+    with tg.connect(n_workers=1, threads_per_worker=1, dashboard=False, quiet=True, make_current=False) as rt:
+        rt.scatter_cells([c for p in m.parameters() for c in p.cells.flat])
+        with pytest.raises(tg.TileError, match=r"need that runtime \(pass runtime="):
+            m(x).numpy()  # not the current runtime: the values are still there
+    # a forward (the parameters are leaves inside the graph) and a parameter itself (a root)
+    for compute in (lambda: m(x).numpy(), lambda: m.fc1.weight.numpy()):
+        with pytest.raises(tg.TileError, match=r"the runtime holding them was closed .*take what you need out "
+                           r"before closing it .*received: \d+ of the graph's values held by a Dask cluster"):
+            compute()
+
+
 def test_kernels_unpickle_where_their_module_was_never_imported():
     # a worker that has imported only tilegraph finds a kernel registered in tilegraph.io
     import pickle

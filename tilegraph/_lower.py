@@ -506,10 +506,15 @@ class Executable:
                 elif p == 0:
                     out[pos] = r.node.cell.value
         if runtime is None:  # no futures exist without a runtime: every source is a task key
-            remote = [pos for pos, (key, _) in source.items() if not isinstance(key, str)]
+            remote = [v for v in (n.cell.value for n in self.leaves) if isinstance(v, ValueRef)]
             if remote:
+                closed = any(getattr(getattr(v.future, "client", None), "status", None) in ("closing", "closed")
+                             for v in remote)
                 raise TileError("tilegraph.compute", "values that live on a runtime's workers need that runtime "
-                                "(pass runtime=..., or run inside `with rt.as_current():`)",
+                                + ("open: the runtime holding them was closed (Runtime.close, or the end of its "
+                                   "`with` block); take what you need out before closing it (model.state_dict(), "
+                                   "tilegraph.io.save_checkpoint, model.to_hf)" if closed else
+                                   "(pass runtime=..., or run inside `with rt.as_current():`)"),
                                 f"{len(remote)} of the graph's values held by a Dask cluster, no runtime")
             want = sorted({key for (_, p), (key, _) in source.items() if p == 0})
             results = dict(zip(want, _local_get(layers, want)))
