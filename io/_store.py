@@ -415,7 +415,14 @@ def write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
     from tilegraph.io.quantize import quantize
 
     q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
-    arrays, attrs = q.to_parts()
+    return write_parts(root, path, *q.to_parts())
+
+
+def write_parts(root: str, path: str, arrays, attrs: dict) -> int:
+    """Store the parts of one quantized tile (name -> array, in the order given) as one byte
+    array ``path``, their layout and the attributes ``attrs`` in its zarr.json; returns the
+    bytes stored. :func:`write_quantized` after quantizing, and the copy of a quantized weight
+    a model holds (:class:`tilegraph.peft.QuantizedTensor`) as it is."""
     layout, blobs, offset = [], [], 0
     for part, a in arrays.items():
         a = np.ascontiguousarray(a)
@@ -430,6 +437,41 @@ def write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
     if data.size:
         write_chunks(root, path, data, [(0, data.size)], shape)
     return data.nbytes
+
+
+def write_parts_task(values: Sequence, indices: Sequence, jobs: Sequence[tuple]) -> dict:
+    """A save task writing quantized tiles' parts as they are (no quantization): ``jobs`` of
+    ``(root, path, part names, first position in values, attrs)``, each tile's parts the next
+    ``len(names)`` of ``values`` (task results, with their tuple positions, or arrays)."""
+    written = 0
+    for root, path, names, start, attrs in jobs:
+        parts = {n: host(v if i is None else v[i])
+                 for n, v, i in zip(names, values[start:start + len(names)], indices[start:start + len(names)])}
+        written += write_parts(root, path, parts, attrs)
+    return {"worker": worker_address(), "bytes": written}
+
+
+def quantized_layout(root: str, path: str) -> tuple[dict, dict]:
+    """The parts (name -> (dtype, shape)) and attributes of one stored quantized tile, from its
+    zarr.json alone (no data read)."""
+    where = f"tilegraph.io.load_checkpoint({root})"
+    try:
+        attrs = json.loads(Path(root, path, "zarr.json").read_text()).get("attributes") or {}
+        parts = {part: (np.dtype(dtype), tuple(shape)) for part, dtype, shape, _, _ in attrs["parts"]}
+        return parts, dict(attrs["quantized"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(where, f"array {path!r}: a readable zarr.json of a quantized tile",
+                              f"{type(e).__name__}: {e}") from None
+
+
+def read_parts_task(root: str, jobs: Sequence[tuple]) -> tuple:
+    """The parts of several quantized tiles, as stored (not dequantized): ``jobs`` of ``(path,
+    part names)``; one flat tuple, each tile's parts in the order of its names."""
+    out = []
+    for path, names in jobs:
+        parts, _ = quantized_parts(root, path)
+        out += [parts[n] for n in names]
+    return tuple(out)
 
 
 def quantized_parts(root: str, path: str):

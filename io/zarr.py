@@ -12,6 +12,10 @@ A checkpoint is a Zarr v3 group (a folder)::
 Every chunk carries a CRC32C checksum (Zarr's ``crc32c`` codec), checked on every read. A
 quantized parameter is a group instead of an array: one subgroup per tile holding that tile's
 quantized parts (codes, scales, codebook); it loads dequantized, tile by tile, on the workers.
+A weight the model holds quantized (a :class:`tilegraph.peft.QuantizedTensor`: the frozen base
+of a fine-tuning run on a quantized checkpoint) is stored the same way, its parts copied as they
+are, so the checkpoint is complete: ``peft.from_quantized`` reopens it with the same parts, and
+``load_into`` puts them back into a model holding that weight quantized.
 
 Saving never gathers to the client: one task per task result that holds parameter tiles runs
 on the worker holding it and writes those tiles. Everything is written under a hidden temporary
@@ -48,8 +52,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CheckpointError, array_meta, chunk_path, chunks_of, group_meta, job_bytes,
-                     read_region, read_regions, shards_of, slices, tile_label, write_meta, write_shard_task,
-                     write_tiles, write_values)
+                     quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
+                     slices, tile_label, write_meta, write_parts_task, write_shard_task, write_tiles, write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "FORMAT", "FORMAT_VERSION",
@@ -164,6 +168,10 @@ def save_checkpoint(path, model, optimizer=None, *, step: int | None = None, qua
     - ``metadata``: JSON-serialisable user data, returned by :func:`load_checkpoint` as is.
     - ``files``: extra files (name -> bytes, e.g. the tokenizer), written before the commit.
     - ``trainer_state``: what a trainer needs to continue (batch size, data position, run id).
+    - Weights the model holds quantized (:class:`tilegraph.peft.QuantizedTensor`, e.g. the
+      Linear weights of :func:`tilegraph.peft.from_quantized`) are stored as ``quantize=``
+      stores a quantized weight, their parts copied bit for bit (never requantized), whatever
+      ``quantize`` says; they load dequantized into a model of Parameters.
 
     The folder is written under a temporary name next to ``path``, verified and renamed; an
     existing ``path`` is never replaced. Returns ``path``.
@@ -177,8 +185,11 @@ class PendingSave:
     on and replace them) and whose writing is still to do: :meth:`run` writes, verifies and
     commits (any thread)."""
 
-    def __init__(self, path: Path, where: str, entries: list, attrs: dict, runtime, files: Mapping[str, bytes]):
+    def __init__(self, path: Path, where: str, entries: list, attrs: dict, runtime, files: Mapping[str, bytes],
+                 copies: Sequence[tuple] = ()):
         self.path, self.where, self.entries, self.attrs = path, where, entries, attrs
+        # quantized tiles to copy: (array path, tile label, part names, values, attrs, sizes)
+        self.copies = list(copies)
         self.runtime, self.files = runtime, dict(files)
         self.workers: set[str] = set()  # the workers that wrote tiles (their addresses)
 
@@ -201,7 +212,7 @@ class PendingSave:
                 raise _os_error(where, e, path.parent) from None
             raise
         finally:
-            self.entries = []  # release the values (futures) this save held
+            self.entries, self.copies = [], []  # release the values (futures) this save held
         return path
 
     def _write(self, tmp: Path) -> None:
@@ -241,11 +252,25 @@ class PendingSave:
                     jobs.append((value.index, *job))
                 else:
                     local.append((value, [(None, *job)]))
+        copy_local, copy_remote = [], []  # quantized tiles copied as they are: (job, values, indices, sizes)
+        copied: set[str] = set()
+        for apath, label, names, values, attrs, sizes in self.copies:
+            if apath not in copied:
+                copied.add(apath)
+                metas.append((apath, group_meta({"quantized_tiles": self.attrs["arrays"][apath]["tiles"]})))
+                parts = apath.split("/")
+                groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+            job = (root, f"{apath}/{label}", names, attrs)
+            refs = [isinstance(v, ValueRef) for v in values]
+            (copy_remote if any(refs) else copy_local).append(
+                (job, [v.future if r else v for v, r in zip(values, refs)],
+                 [v.index if r else None for v, r in zip(values, refs)], sizes))
         metas += [(group, group_meta()) for group in sorted(groups)]
         futures = []
         shard_futures = {v.key: v for values, _, _ in shard_jobs for v in values if not hasattr(v, "shape")}
-        holders = _holders(self.runtime.client, [f for f, _ in remote.values()] + list(shard_futures.values())) \
-            if remote or shard_futures else {}
+        copy_futures = {v.key: v for _, values, _, _ in copy_remote for v in values if not hasattr(v, "shape")}
+        holders = _holders(self.runtime.client, [f for f, _ in remote.values()] + list(shard_futures.values())
+                           + list(copy_futures.values())) if remote or shard_futures or copy_futures else {}
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
             threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
@@ -263,11 +288,15 @@ class PendingSave:
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
             futures += self._write_shards(shard_jobs, holders)
+        if copy_remote:
+            futures += self._write_copies(copy_remote, holders)
         made: set[str] = set()
         for path, meta in metas:
             write_meta(root, path, meta, made)
         for value, jobs in local:
             write_tiles(value, jobs)
+        for (root_, path, names, attrs), values, indices, _ in copy_local:
+            write_parts_task(values, indices, [(root_, path, names, 0, attrs)])
         if futures:
             done = self.runtime.client.gather(futures)  # re-raises a worker's error (disk full, ...)
             self.workers = {d["worker"] for d in done if d["worker"]}
@@ -276,6 +305,39 @@ class PendingSave:
         _verify(tmp, self.attrs, self.where, bool(futures))
         write_meta(root, "", group_meta({ATTR: dict(self.attrs, complete=True)}))
         _fsync(tmp / "zarr.json")
+
+    def _write_copies(self, copies: list, holders: dict) -> list:
+        """Copy quantized tiles whose parts are on the workers: each tile by a worker holding its
+        largest part (Dask brings it the others, small), a task per worker thread, as tiles of
+        parameters are written. Returns futures."""
+        client = self.runtime.client
+        threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
+
+        def size(item) -> int:
+            return sum(item[3]) or 1
+
+        by_worker: dict[str | None, list] = {}
+        assigned: dict[str | None, int] = {}
+        for item in sorted(copies, key=lambda it: -size(it)):
+            _, values, _, sizes = item
+            remote = [(n, v) for n, v in zip(sizes, values) if not hasattr(v, "shape")]
+            big = max(remote, key=lambda nv: nv[0])[1]  # the largest part on a worker (the codes)
+            on = sorted(holders.get(big.key, ()) or ())
+            addr = min(on, key=lambda a: (assigned.get(a, 0), a)) if on else None
+            assigned[addr] = assigned.get(addr, 0) + size(item)
+            by_worker.setdefault(addr, []).append(item)
+        futures = []
+        for addr, items in by_worker.items():
+            for batch in _balanced(items, threads.get(addr, 1), size):
+                values, indices, jobs = [], [], []
+                for (root, path, names, attrs), vals, idxs, _ in batch:
+                    jobs.append((root, path, names, len(values), attrs))
+                    values += vals
+                    indices += idxs
+                futures.append(client.submit(write_parts_task, values, indices, jobs,
+                                             key=f"tg-save-copy-{uuid.uuid4().hex[:12]}",
+                                             workers=[addr] if addr else None, allow_other_workers=True))
+        return futures
 
     def _write_shards(self, shard_jobs: list, holders: dict) -> list:
         """Write each shard in one task: here when its tiles are all here, else on the worker
@@ -368,6 +430,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
         _check_name(name, where)
         names_of[id(p)] = name
         add(f"model/{name}", p, p.cells, rule(name, p.shape))
+    held, copies = _quantized_weights(model, dict(named), where, runtime, deal)
     if optimizer is not None:
         for i, p in enumerate(optimizer.params):
             if id(p) not in names_of:
@@ -381,13 +444,53 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
         arrays[apath] = {"shape": list(shape), "dtype": str(dtype), "tiles": [list(c) for c in chunks],
                          "chunks": list(chunks_of(chunks)), "shards": list(shards) if shards else None,
                          "quantized": q}
+    for name, q, spec in held:
+        arrays[f"model/{name}"] = {"shape": list(q.shape), "dtype": str(q.dtype), "tiles": [list(c) for c in q.chunks],
+                                   "chunks": list(chunks_of(q.chunks)), "shards": None, "quantized": spec}
     attrs = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False,
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "step": int(step), "model": _model_info(model), "parameters": [n for n, _ in named],
+             "step": int(step), "model": _model_info(model),
+             "parameters": [n for n, _ in named] + [n for n, _, _ in held],
              "optimizer": _optimizer_info(optimizer) if optimizer is not None else None,
              "trainer": trainer, "metadata": user, "arrays": arrays}
     attrs = _json_ready(attrs, where, "the model config")
-    return PendingSave(path, where, entries, attrs, runtime, files or {})
+    return PendingSave(path, where, entries, attrs, runtime, files or {}, copies)
+
+
+def _quantized_weights(model, named: dict, where: str, runtime, deal) -> tuple[list, list]:
+    """The weights ``model`` holds quantized (:class:`tilegraph.peft.QuantizedTensor`), to store as
+    they are: ``[(name, tensor, {"method", "bits"})]`` and, per tile, ``(array path, tile label,
+    part names, part values, attributes, part sizes)``. The values are the parts' cells' current
+    values: arrays here, or references to the workers' copies (``scatter_cells`` put them there),
+    which those workers write (:meth:`PendingSave._write_copies`)."""
+    held, copies = [], []
+    for name, q in _held_quantized(model).items():
+        _check_name(name, where)
+        if name in named:
+            raise CheckpointError(where, "one value per name", f"{name} is both a Parameter and a quantized weight")
+        spec = None
+        for idx, (names, refs, attrs) in q._tiles.items():
+            cells = [r.node.cell for r in refs]
+            attrs = json.loads(attrs)
+            spec = spec or {"method": attrs.get("method"), "bits": attrs.get("bits")}
+            values = []
+            for c in cells:
+                value = c.value
+                if isinstance(value, ReplicatedRef):  # equal copies on several workers: dealt over them
+                    value = value.on(next(deal) % max(1, len(value.replicas)))
+                if isinstance(value, ValueRef):
+                    if runtime is None:
+                        raise CheckpointError(where, "the quantized weights live on a runtime's workers: pass "
+                                              "runtime=..., or save inside `with rt.as_current():`",
+                                              f"{name} tile {idx} held by a Dask worker")
+                elif not hasattr(value, "shape"):
+                    raise CheckpointError(where, "quantized weights whose parts are arrays or worker values",
+                                          f"{name} tile {idx}: {type(value).__name__}")
+                values.append(value)
+            copies.append((f"model/{name}", tile_label(idx), list(names), values, attrs,
+                           [int(np.prod(c.shape)) * c.dtype.itemsize for c in cells]))
+        held.append((name, q, spec))
+    return held, copies
 
 
 def _values(cells: np.ndarray, p, where: str, runtime, deal) -> list[tuple[tuple[int, ...], Any]]:
@@ -636,20 +739,97 @@ class Checkpoint:
 
     def load_into(self, model, *, strict: bool = True) -> None:
         """Put the stored weights into ``model``'s parameters (on its own tiling); every missing,
-        unexpected and mis-shaped array is reported at once, before anything changes."""
+        unexpected and mis-shaped array is reported at once, before anything changes.
+
+        A weight the model holds quantized (:class:`tilegraph.peft.QuantizedTensor`) gets the
+        stored parts of each of its tiles, as they are: the checkpoint must store it quantized
+        alike (the same tiles, parts and quantization attributes). One the checkpoint does not
+        hold (written before checkpoints held them) keeps its parts."""
+        self._load_into(model, strict, quantized=True)
+
+    def _load_into(self, model, strict: bool, quantized: bool) -> None:
         named = dict(model.named_parameters())
+        held = _held_quantized(model)
         stored = set(self.parameters)
         problems = []
         if strict:
             problems += [f"missing: {n}" for n in named if n not in stored]
-            problems += [f"unexpected: {n}" for n in self.parameters if n not in named]
+            problems += [f"unexpected: {n}" for n in self.parameters if n not in named and n not in held]
         for n, p in named.items():
             if n in stored and tuple(self.arrays[f"model/{n}"]["shape"]) != tuple(p.shape):
                 problems.append(f"shape of {n}: model {tuple(p.shape)}, checkpoint "
                                 f"{tuple(self.arrays[f'model/{n}']['shape'])}")
+        pairs = [(f"model/{n}", q) for n, q in held.items() if n in stored] if quantized else []
+        problems += self._quantized_problems(pairs)
         if problems:
             raise CheckpointError(self._where, "the checkpoint's arrays to match the model", "; ".join(problems))
         self._fill([(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored])
+        self._fill_quantized(pairs)
+
+    def _quantized_problems(self, pairs) -> list[str]:
+        """How the stored arrays differ from the quantized weights they go into (read from the
+        tiles' zarr.json, no data)."""
+        problems, root = [], str(self.path)
+        for apath, q in pairs:
+            info, name = self.arrays[apath], apath.split("/", 1)[1]
+            if not info.get("quantized"):
+                problems.append(f"{name}: stored exact, the model holds it quantized")
+                continue
+            tiles = tuple(tuple(c) for c in info["tiles"])
+            if tiles != tuple(map(tuple, q.chunks)) or np.dtype(info["dtype"]) != q.dtype:
+                problems.append(f"{name}: model {q.dtype} in tiles {q.chunks}, stored {info['dtype']} in tiles {tiles}")
+                continue
+            for idx, (names, refs, attrs) in q._tiles.items():
+                parts, stored_attrs = quantized_layout(root, f"{apath}/{tile_label(idx)}")
+                have = {n: (r.node.cell.dtype, tuple(r.node.cell.shape)) for n, r in zip(names, refs)}
+                if parts != have or stored_attrs != json.loads(attrs):
+                    problems.append(f"{name} tile {idx}: stored {stored_attrs.get('method')} parts "
+                                    f"{_describe_parts(parts)}, the model's {json.loads(attrs).get('method')} "
+                                    f"{_describe_parts(have)} (other quantization attributes or parts)")
+                    break
+        return problems
+
+    def _fill_quantized(self, pairs) -> None:
+        """Set the parts of every tile of each ``(array path, QuantizedTensor)`` to the stored ones
+        (the leaf cells stay: graphs recorded with them read the new values): read on the
+        workers, where steps use them, or here without a runtime."""
+        jobs = [(r.node.cell, f"{apath}/{tile_label(idx)}", names, i)
+                for apath, q in pairs for idx, (names, refs, _) in q._tiles.items() for i, r in enumerate(refs)]
+        if not jobs:
+            return
+        root, runtime = str(self.path), self.runtime
+        tiles: dict[str, tuple] = {}  # tile path -> part names, in the order of its cells
+        for _, path, names, _ in jobs:
+            tiles.setdefault(path, tuple(names))
+        if runtime is None:
+            parts = {path: quantized_parts(root, path)[0] for path in tiles}
+            for cell, path, names, i in jobs:
+                cell.set(parts[path][names[i]])
+            return
+        addrs = sorted(runtime.workers())
+        if not addrs:
+            raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
+        client = runtime.client
+        where_of: dict[str, tuple] = {}  # tile path -> (future, position of its first part)
+        groups = _balanced(list(tiles.items()), 4 * len(addrs), lambda t: len(t[1]))
+        futures = []
+        for k, group in enumerate(groups):
+            f = client.submit(read_parts_task, root, group, pure=False, key=f"tg-load-q-{uuid.uuid4().hex[:12]}",
+                              workers=[addrs[k % len(addrs)]], allow_other_workers=True)
+            futures.append(f)
+            at = 0
+            for path, names in group:
+                where_of[path] = (f, at)
+                at += len(names)
+        from distributed import wait
+
+        wait(futures)
+        for f in futures:
+            if f.status == "error":
+                f.result()  # raises the worker's CheckpointError
+        for cell, path, _, i in jobs:
+            f, at = where_of[path]
+            cell.set(ValueRef(f, at + i))
 
     def restore_optimizer(self, optimizer, model=None, *, schedule: bool = True) -> None:
         """Restore ``optimizer``'s state tensors (onto its parameters' tilings), step count and,
@@ -688,6 +868,21 @@ class Checkpoint:
         optimizer.step_count = int(info.get("step_count", self.step))
         if sched is not None:
             optimizer.schedule = sched
+
+
+def _held_quantized(model) -> dict:
+    """The weights ``model`` holds quantized, by name (none when tilegraph.peft was never imported)."""
+    import sys
+
+    if "tilegraph.peft" not in sys.modules:
+        return {}
+    from tilegraph.peft import named_quantized
+
+    return dict(named_quantized(model))
+
+
+def _describe_parts(parts: dict) -> str:
+    return ", ".join(f"{n} {np.dtype(d).str} {tuple(s)}" for n, (d, s) in sorted(parts.items()))
 
 
 def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:

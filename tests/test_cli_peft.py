@@ -181,31 +181,112 @@ def test_resume_with_other_adapters_is_refused(root, lora, capsys, monkeypatch):
     assert (root / "lora" / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_lora_on_a_quantized_base(root, pretrained):
+def _size(path):
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _old_style(ck, dst, base):
+    """``ck`` as tilegraph wrote it before checkpoints held a quantized base: without the Linear
+    weights kept quantized, its record naming ``base`` with base_in_checkpoint false."""
+    import shutil
+
+    shutil.copytree(ck, dst)
+    doc = json.loads((dst / "zarr.json").read_text())
+    attrs = doc["attributes"]["tilegraph"]
+    for name in [n for n in attrs["parameters"] if attrs["arrays"][f"model/{n}"]["quantized"]]:
+        attrs["parameters"].remove(name)
+        del attrs["arrays"][f"model/{name}"]
+        shutil.rmtree(dst / "model" / name)
+    (dst / "zarr.json").write_text(json.dumps(doc))
+    record = json.loads((dst / "tilegraph_peft.json").read_text())
+    (dst / "tilegraph_peft.json").write_text(json.dumps({**record, "init": str(base.resolve()),
+                                                          "base_in_checkpoint": False}))
+
+
+def test_lora_on_a_quantized_base_checkpoints_hold_it(root, pretrained, lora):
+    """LoRA on an int4 base: the run's checkpoints hold the quantized Linear weights, their parts as
+    the base stores them, so generate, convert, load_model and --resume work with the base gone."""
+    import shutil
+
     import tilegraph as tg
-    from tilegraph import models
+    from tilegraph import models, peft
+    from tilegraph.cli import load_model
+    from tilegraph.io._store import quantized_parts, tile_label
 
-    q8 = root / "q8"
-    tg.io.save_checkpoint(q8, models.from_zarr(pretrained[1]), quantize="int8")
-    run = _cli("train", "lora.toml", "--init", "q8", "--out", "qlora", "--no-progress", cwd=root)
+    q4 = root / "q4"
+    tg.io.save_checkpoint(q4, models.from_zarr(pretrained[1]), quantize="int4")
+    run = _cli("train", "lora.toml", "--init", "q4", "--out", "qlora", "--no-progress", "--set",
+               "output.checkpoint_every=5", "--set", "output.checkpoint_keep=0", cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "from q8 (its Linear weights kept quantized)" in run.stdout
+    assert "from q4 (its Linear weights kept quantized)" in run.stdout
     losses = _losses(root / "qlora")
-    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.15, losses
+    assert len(losses) == 10 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.15, losses
     ck = root / "qlora" / "checkpoints" / "step-000010"
-    tuned = tg.io.load_checkpoint(ck)
-    # the quantized weights stay in the base checkpoint, which the record names; the rest is here
-    assert not any(f"{n}.weight" in tuned.parameters for n in ADAPTED)
-    assert {f"{n}.lora_u" for n in ADAPTED} <= set(tuned.parameters) and "wte.weight" in tuned.parameters
+    tuned, base = tg.io.load_checkpoint(ck), tg.io.load_checkpoint(q4)
+    assert set(tuned.parameters) == set(base.parameters) | {f"{n}.lora_{x}" for n in ADAPTED for x in "uv"}
     record = json.loads((ck / "tilegraph_peft.json").read_text())
-    assert record["init"] == str(q8.resolve()) and record["base_in_checkpoint"] is False
+    assert record["init"] == str(q4.resolve()) and record["base_in_checkpoint"] is True
+    # the quantized weights as the base stores them, bit for bit; the run's optimizer state only for the adapters
+    for name in (f"{n}.weight" for n in ADAPTED):
+        info = tuned.arrays[f"model/{name}"]
+        assert info["quantized"]["method"] == "int4" and info["tiles"] == base.arrays[f"model/{name}"]["tiles"]
+        for idx in np.ndindex(*[len(c) for c in info["tiles"]]):
+            got, got_attrs = quantized_parts(str(ck), f"model/{name}/{tile_label(idx)}")
+            want, want_attrs = quantized_parts(str(q4), f"model/{name}/{tile_label(idx)}")
+            assert got_attrs == want_attrs and sorted(got) == sorted(want), name
+            for part in want:
+                assert got[part].dtype == want[part].dtype and got[part].tobytes() == want[part].tobytes(), name
+    assert {a.split("/")[1].rsplit(".", 1)[1] for a in tuned.arrays if a.startswith("optimizer/")} == {"lora_u",
+                                                                                                      "lora_v"}
+    # about the quantized size: the Linear weights take what they take in the base, a fifth of float32's
+    # (int4 codes, a scale per 64 rows, and each tile's zarr.json, much of it at this size)
+    linear = sum(_size(ck / "model" / f"{n}.weight") for n in ADAPTED)
+    assert abs(linear - sum(_size(q4 / "model" / f"{n}.weight") for n in ADAPTED)) < 0.01 * linear
+    full = sum(_size(lora[1] / "model" / f"{n}.weight") for n in ADAPTED)  # the same run on the float base
+    assert linear < 0.25 * full
+    assert _size(lora[1] / "model") - _size(ck / "model") > 0.75 * full  # the rest the same (wte float32 in both)
 
-    again = _cli("train", "lora.toml", "--out", "qlora", "--no-progress", "--resume", str(ck), "--steps", "2",
-                 cwd=root)
-    assert again.returncode == 0 and "at step 10" in again.stdout, again.stderr[-3000:]
-    gen = _cli("generate", str(root / "qlora" / "checkpoints" / "step-000012"), "--prompt", "the ",
-               "--max-new-tokens", "6", "--local", cwd=root)
-    assert gen.returncode == 0 and gen.stdout.startswith("the "), gen.stderr[-3000:]
+    ids = np.arange(24, dtype=np.int64).reshape(2, 12) * 7 % 257
+    logits = load_model(ck, "test")(ids).numpy()
+    want = peft.load_adapters(ck / "adapters", models.from_zarr(q4))(ids).numpy()  # on the base dequantized
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-5)
+    gen_args = ("generate", str(ck), "--prompt", "the ", "--max-new-tokens", "6", "--local", "--ids")
+    generated = _cli(*gen_args, cwd=root)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+
+    # an old-style checkpoint (its base named, not held) loads while the base is there
+    _old_style(ck, root / "qlora-old", q4)
+    np.testing.assert_allclose(load_model(root / "qlora-old", "test")(ids).numpy(), logits, rtol=1e-5, atol=1e-6)
+
+    shutil.move(q4, root / "q4-moved")  # the base is gone
+    try:
+        np.testing.assert_array_equal(load_model(ck, "test")(ids).numpy(), logits)
+        assert _cli(*gen_args, cwd=root).stdout == generated.stdout
+        conv = _cli("convert", str(ck), str(root / "qlora-hf"), cwd=root)
+        assert conv.returncode == 0, conv.stderr[-3000:]
+        np.testing.assert_allclose(models.from_hf(root / "qlora-hf")(ids).numpy(), logits, rtol=1e-5, atol=1e-5)
+        reopened = peft.from_quantized(ck)  # the run's checkpoint is a quantized checkpoint like the base
+        assert {n for n, _ in peft.named_quantized(reopened)} == {f"{n}.weight" for n in ADAPTED}
+
+        # --resume from step 5 with the base gone: steps 6..10 as the run took them
+        again = _cli("train", "lora.toml", "--out", "qlora-resumed", "--no-progress", "--resume",
+                     str(root / "qlora" / "checkpoints" / "step-000005"), "--steps", "5", cwd=root)
+        assert again.returncode == 0 and "at step 5" in again.stdout, again.stderr[-3000:]
+        assert "(its Linear weights kept quantized)" in again.stdout
+        np.testing.assert_allclose(_losses(root / "qlora-resumed"), losses[5:], rtol=1e-5)
+        resumed = root / "qlora-resumed" / "checkpoints" / "step-000010"
+        np.testing.assert_allclose(load_model(resumed, "test")(ids).numpy(), logits, rtol=1e-4, atol=1e-5)
+
+        # the old-style checkpoint, its base gone: an error naming the path it looked in
+        with pytest.raises(tg.TileError, match=r"the quantized base checkpoint the run was fine-tuned from.*"
+                                               rf"names '{re.escape(str(q4.resolve()))}', which is not a checkpoint"):
+            load_model(root / "qlora-old", "test")
+        old = _cli("train", "lora.toml", "--out", "qlora-old-run", "--no-progress", "--resume",
+                   str(root / "qlora-old"), "--steps", "1", cwd=root)
+        assert old.returncode == 2 and re.search(rf"\[tilegraph train --resume\] the quantized base .*"
+                                                 rf"{re.escape(str(q4.resolve()))}", old.stderr), old.stderr
+    finally:
+        shutil.move(root / "q4-moved", q4)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -147,3 +147,60 @@ def test_bad_inputs(checkpoints):
     _, t, q = _setup("ragged")  # n = 7 in tiles of 3
     with pytest.raises(tg.TileError, match=r"x's last dim and w's rows \(n\) must have the same tiles"):
         peft.QuantizedLinear(q)(tg.from_numpy(np.ones((2, N_IN)), (2, N_IN)))
+
+
+# ------------------------------------------------- checkpoints of a model on a quantized base ----
+def _parts(path, name, idx):
+    from tilegraph.io._store import quantized_parts, tile_label
+
+    return quantized_parts(str(path), f"model/{name}/{tile_label(idx)}")
+
+
+@pytest.mark.parametrize("method", ["int4", "kashin"])
+def test_checkpoints_of_a_model_on_a_quantized_base_hold_its_quantized_weights(checkpoints, method, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(checkpoints[method], base)
+    model = ADAPT["lora"](peft.from_quantized(base))
+    ids = _ids(model.config.vocab_size, 2)
+    _train(model, ids, steps=3)
+    logits = tg.compute(model(ids[:, :-1]))[0]
+    run = tg.io.save_checkpoint(tmp_path / "run", model, step=3)
+    shutil.rmtree(base)  # the run's checkpoint is complete without it
+
+    ck, stored = tg.io.load_checkpoint(run), tg.io.load_checkpoint(checkpoints[method])
+    held = dict(peft.named_quantized(model))
+    assert sorted(held) == sorted(n for n in stored.parameters if stored.arrays[f"model/{n}"]["quantized"]
+                                  and not n.startswith(("wte", "wpe")))  # embeddings load dequantized
+    assert set(ck.parameters) == set(stored.parameters) | {n for n, _ in model.named_parameters()}
+    for name in held:  # as the base stores them, bit for bit
+        info = ck.arrays[f"model/{name}"]
+        assert info["quantized"]["method"] == method and info["tiles"] == stored.arrays[f"model/{name}"]["tiles"]
+        for idx in np.ndindex(*[len(c) for c in info["tiles"]]):
+            (got, got_attrs), (want, want_attrs) = _parts(run, name, idx), _parts(checkpoints[method], name, idx)
+            assert got_attrs == want_attrs and sorted(got) == sorted(want)
+            assert all(got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes() for k in want)
+
+    # reopened as a quantized checkpoint, with the adapters restored: the same model
+    reopened = ADAPT["lora"](peft.from_quantized(run))
+    for _, q in peft.named_quantized(reopened):  # load_into puts the stored parts back
+        for cell in q.cells:
+            cell.set(np.zeros(cell.shape, cell.dtype))
+    ck.load_into(reopened)
+    np.testing.assert_array_equal(tg.compute(reopened(ids[:, :-1]))[0], logits)
+    # saved without adapters, it loads dequantized as the base does
+    plain = tg.io.save_checkpoint(tmp_path / "plain", peft.from_quantized(run))
+    got, want = models.from_zarr(plain).state_dict(), models.from_zarr(checkpoints[method]).state_dict()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_load_into_quantized_weights_needs_them_stored_alike(checkpoints):
+    model = peft.from_quantized(checkpoints["int4"])
+    with pytest.raises(tg.TileError, match=r"blocks\.0\.attn\.q\.weight tile \(0, 0\): stored int8 parts .*, the "
+                                           r"model's int4 .*\(other quantization attributes or parts\)"):
+        tg.io.load_checkpoint(checkpoints["int8"]).load_into(model)
+    with pytest.raises(tg.TileError, match=r"blocks\.0\.attn\.q\.weight: stored exact, the model holds it quantized"):
+        tg.io.load_checkpoint(checkpoints["exact"]).load_into(model)

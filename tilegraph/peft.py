@@ -40,7 +40,7 @@ from tilegraph.nn import Linear, Module, ModuleList, Parameter
 
 __all__ = ["LoRALinear", "LoTRLinear", "apply_lora", "apply_lotr", "merge_lora", "lora_layers", "lotr_layers",
            "trainable_parameters", "save_adapters", "load_adapters", "QuantizedTensor", "QuantizedLinear",
-           "from_quantized", "apply_grad_sketch"]
+           "from_quantized", "named_quantized", "apply_grad_sketch"]
 
 #: Hugging Face module names accepted as targets, per architecture: tilegraph keeps GPT-2's fused
 #: c_attn as separate q, k and v layers (each then gets its own rank-r adapter)
@@ -699,6 +699,22 @@ class QuantizedTensor:
         return f"QuantizedTensor({self.name}, shape={self.shape}, {method}, tiles={self.chunks})"
 
 
+def named_quantized(model: Module) -> list[tuple[str, QuantizedTensor]]:
+    """``(name, tensor)`` of every :class:`QuantizedTensor` ``model`` holds, named as
+    ``named_parameters`` would name a Parameter there (``blocks.0.attn.q.weight``): what
+    :func:`tilegraph.io.save_checkpoint` stores quantized, as they are, and ``load_into``
+    restores."""
+    out, seen = [], set()
+    for prefix, module in [("", model), *((f"{n}.", m) for n, m, _ in _named_modules(model))]:
+        if isinstance(module, ModuleList):
+            continue
+        for key, value in vars(module).items():
+            if isinstance(value, QuantizedTensor) and id(value) not in seen:
+                seen.add(id(value))
+                out.append((f"{prefix}{key}", value))
+    return out
+
+
 def _region(tiling: Tiling, idx) -> tuple[slice, ...]:
     out = []
     for sizes, i in zip(tiling.chunks, idx):
@@ -807,7 +823,8 @@ _QUANTIZED_LORA = None
 
 def from_quantized(path, tiling=None, *, runtime=None):
     """The model of a quantized Zarr checkpoint (``tilegraph.io.save_checkpoint(path, model,
-    quantize="int4" | "int8" | "kashin" ...)``) whose Linear layers stay quantized: each becomes
+    quantize="int4" | "int8" | "kashin" ...)``, or a checkpoint of a model holding quantized
+    weights, which stores their parts as they are) whose Linear layers stay quantized: each becomes
     a :class:`QuantizedLinear` holding the stored parts of every tile (read here; a fraction of
     the float bytes), dequantized per tile inside each step graph. Parameters stored exact, and
     quantized ones that are not Linear weights (embeddings), load as :func:`tilegraph.models.from_zarr`
@@ -869,7 +886,7 @@ def from_quantized(path, tiling=None, *, runtime=None):
     missing = [n for n in named if n not in set(ck.parameters)]
     if missing:
         raise TileError(where, "every parameter of the model in the checkpoint", "missing: " + ", ".join(missing))
-    ck.load_into(model, strict=False)  # the rest: exact, or dequantized (embeddings) where read
+    ck._load_into(model, strict=False, quantized=False)  # the rest: exact, or dequantized (embeddings) where read
     rt = runtime if runtime is not None else current_runtime()
     if rt is not None:
         rt.scatter_cells([c for _, layer, _ in _named_modules(model) if isinstance(layer, QuantizedLinear)

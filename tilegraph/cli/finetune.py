@@ -158,23 +158,53 @@ def resume_settings(resume: str, p: dict, init: str) -> str:
                             f"{resume} holds none; {_describe(job)}")
         return init
     stored = adapter_settings(record)
+    base = record.get("init") or ""
+    if base and not record.get("base_in_checkpoint", True) and not (Path(base) / "zarr.json").is_file():
+        raise TileError(where, "the quantized base checkpoint the run was fine-tuned from, where its record names it "
+                        "(checkpoints written before tilegraph stored a quantized base in them hold only the "
+                        "adapters and the other weights): put it back there", f"{folder / PEFT_FILE} names "
+                        f"{base!r}, which is not a checkpoint (moved or deleted?)")
     if job != stored:
         raise TileError(where, "the [peft] settings of the run that wrote the checkpoint (its adapters are "
                         "restored as they are): pass that run's config", f"{_describe(job)} here, "
                         f"{_describe(stored)} in {folder / PEFT_FILE}")
-    base = record.get("init") or ""
     if init and base and Path(init).resolve() != Path(base).resolve():
         raise TileError(where, f"model.init to be the base of the run that wrote the checkpoint ({base}), or "
                         "left out", init)
     return init or base
 
 
+def resume_model(resume: str, method: str):
+    """The model to resume the run of checkpoint ``resume`` on, from that checkpoint alone when it
+    holds the base weights (``base_in_checkpoint``; on a quantized base, its Linear weights stay
+    quantized, as the run ran), and whether they are quantized; None when the model comes from
+    ``init`` as for a new run (no record of a base, or a checkpoint written before quantized bases
+    were stored in them: its base is where the record says)."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    where = "tilegraph train --resume"
+    folder = Path(resume)
+    record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
+    if record is None or not record.get("init") or not record.get("base_in_checkpoint", True):
+        return None
+    ck = load_checkpoint(folder)
+    if method != "none" and any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
+        from tilegraph import peft
+
+        return peft.from_quantized(folder, runtime=None), True  # the adapters' own arrays are left out here
+    model = _unloaded_model(ck, where)
+    ck.load_into(model, strict=False)  # its adapters, if any, come back once they are added
+    return model, False
+
+
 def peft_record(p: dict, init: str, quantized_base: bool) -> dict:
-    """What :data:`PEFT_FILE` holds: the adapter settings, the base (its absolute path) and
-    whether the checkpoint holds the base weights (not when they stayed quantized: then the base
-    checkpoint must stay where it is)."""
+    """What :data:`PEFT_FILE` holds: the adapter settings, the base (its absolute path, for the
+    record: ``--resume`` checks a given init against it) and whether the checkpoint holds the
+    base weights: always now (a base kept quantized is stored quantized, its parts as they are);
+    False in checkpoints of runs on a quantized base written before, which read it from ``init``."""
+    del quantized_base  # stored either way: tilegraph.io.save_checkpoint writes QuantizedTensors
     return {**adapter_settings(p), "init": str(Path(init).resolve()) if init else None,
-            "base_in_checkpoint": not quantized_base}
+            "base_in_checkpoint": True}
 
 
 def _unloaded_model(ck, where: str):
@@ -198,8 +228,10 @@ def _unloaded_model(ck, where: str):
 
 def adapted_model(folder: Path, record: dict, where: str):
     """The model of a checkpoint written by an adapted run, its adapters merged into the weights
-    (plain Linear layers): the base from the checkpoint, or from the recorded base checkpoint when
-    the run kept it quantized (read dequantized), then the adapters and every stored weight."""
+    (plain Linear layers): the base from the checkpoint (weights stored quantized read
+    dequantized), or, for a checkpoint of a run on a quantized base written before those were
+    stored in it (``base_in_checkpoint`` false), from the recorded base checkpoint; then the
+    adapters and every stored weight."""
     import dataclasses
 
     from tilegraph import models, peft
@@ -212,9 +244,10 @@ def adapted_model(folder: Path, record: dict, where: str):
     else:
         base = record.get("init")
         if not base or not (Path(base) / "zarr.json").is_file():
-            raise TileError(where, "the quantized base checkpoint the run was fine-tuned from (its Linear weights "
-                            "are not copied into the run's checkpoints)", f"{folder / PEFT_FILE} names {base!r}, "
-                            "which is not a checkpoint (moved or deleted?)")
+            raise TileError(where, "the quantized base checkpoint the run was fine-tuned from, where its record "
+                            "names it (a checkpoint written before tilegraph stored a quantized base in them holds "
+                            "only the adapters and the other weights): put it back there",
+                            f"{folder / PEFT_FILE} names {base!r}, which is not a checkpoint (moved or deleted?)")
         model = models.from_zarr(base)
         stored = (ck.info.get("model") or {}).get("config")
         have = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as stored: tuples are lists

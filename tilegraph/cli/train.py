@@ -14,7 +14,7 @@ from tilegraph._runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
 from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, check_init_fits, given_model_keys,
-                                    init_model, peft_record, resume_settings)
+                                    init_model, peft_record, resume_model, resume_settings)
 
 
 # -------------------------------------------------------------------------------- commands ----
@@ -123,8 +123,10 @@ def _train(args, held: list) -> int:
     p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
     if args.resume:  # the adapters of the checkpoint; its base when the job names none
         init = resume_settings(args.resume, p, init)
+    # resumed: the base as the run's checkpoint holds it (quantized, if it ran so), else from init
+    resumed = resume_model(args.resume, p["method"]) if args.resume and init else None
     if init:
-        model, quantized_base = init_model(init, p["method"])
+        model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
         check_init_fits(model, given_model_keys(cfg, args.config, list(args.set or [])), init, tokenizer, d["seq_len"])
     else:
         model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
