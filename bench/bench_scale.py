@@ -39,6 +39,7 @@ model built afresh (same seed).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import socket
@@ -63,22 +64,9 @@ GPT2_FLAVORS = ("debug", "6x768", "gpt2")
 # -- the plan's traffic -------------------------------------------------------------------------
 def moved_bytes(exe) -> int:
     """Bytes one run of the Executable ``exe`` moves between worker processes (see the module
-    docstring): each non-leaf external input of a cluster made by a cluster on another process,
-    counted once per (value, reading process)."""
-    by_id = {c.id: c for c in exe.clusters}
-    seen: set[tuple] = set()
-    total = 0
-    for c, plan in zip(exe.clusters, exe.plans):
-        dst = (c.device, exe.process_of(c))
-        for ref in plan.ext:
-            if ref.node.is_leaf:
-                continue
-            src_c = by_id[exe.where[(id(ref.node), ref.index)][0]]
-            key = (id(ref.node), ref.index, dst)
-            if (src_c.device, exe.process_of(src_c)) != dst and key not in seen:
-                seen.add(key)
-                total += ref.nbytes
-    return total
+    docstring): what each process reads of the tasks another one runs (``exe.cross``), each value
+    counted once per reading process."""
+    return sum(exe.plans[cid].outputs[k].nbytes for (cid, _), read in exe.cross.items() for k in read)
 
 
 # -- tilegraph ----------------------------------------------------------------------------------
@@ -249,8 +237,6 @@ def _ddp_process(rank, procs, port, threads, args, results):
         # DDP's reducer goes before its process group: destroyed after it, at interpreter exit,
         # it aborted the process now and then ("terminate called without an active exception")
         model = opt = None
-        import gc
-
         gc.collect()
         dist.destroy_process_group()
 

@@ -184,7 +184,7 @@ class Executable:
         #: -> the result tuple indices they read (``_cross_reads``)
         self.cross = self._cross_reads()
         #: those that a send task picks out of their task's result
-        self.sends = {edge for edge, read in self.cross.items() if self._pick_pays(edge[0], read)}
+        self.sends = {edge for edge, read in self.cross.items() if _pick_pays(self.plans[edge[0]].outputs, read)}
         self.structure = self._structure_token(nodes, of)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
 
@@ -257,7 +257,7 @@ class Executable:
         done. So :meth:`lower` writes, for each such (task, reading process):
 
         - a *send* task on the producer's worker, where the rest of the result is large
-          (:meth:`_pick_pays`): it picks out what that process reads, and only that moves (a
+          (:func:`_pick_pays`): it picks out what that process reads, and only that moves (a
           forward task's activations, 254 MB, to read a 0.1 MB partial loss: GPT-2 6 x 768,
           data parallel);
         - a *receive* task on the reading process's worker, depending on that value alone: the
@@ -276,14 +276,6 @@ class Executable:
                 if (src.device, self.process_of(src)) != dst:
                     reads.setdefault((cid, dst), set()).add(k)
         return {edge: tuple(sorted(read)) for edge, read in reads.items()}
-
-    def _pick_pays(self, cid: int, read: Sequence[int]) -> bool:
-        """Whether the rest of task ``cid``'s result is more than :data:`PICK_MIN_BYTES` and a
-        tenth of what is read of it."""
-        outputs = self.plans[cid].outputs
-        size = sum(outputs[k].nbytes for k in read)
-        rest = sum(r.nbytes for r in outputs) - size
-        return rest > PICK_MIN_BYTES and rest > 0.1 * size
 
     def _transfer_workers(self, keys: Sequence[str]) -> dict[str, str]:
         """The worker of each send task (its producer's) and receive task (its readers')."""
@@ -555,10 +547,8 @@ class Executable:
             # A pick is one more dependent hop before the next step can use the values: only
             # worth it when the rest of the result is more than a tenth of what stays (so the
             # workers never hold more than 110% of the kept state between steps).
-            outputs = plan_of[src].outputs
-            rest = sum(r.nbytes for k, r in enumerate(outputs) if k not in idx)
             shared = shared_of.get(src, set())
-            if shared and shared != idx or rest > PICK_MIN_BYTES and rest > 0.1 * sum(outputs[k].nbytes for k in idx):
+            if shared and shared != idx or _pick_pays(plan_of[src].outputs, idx):
                 for name, part in (("keep", idx - shared), ("params", shared)):
                     if part:
                         part = tuple(sorted(part))
@@ -650,6 +640,14 @@ INLINE_MAX_BYTES = 65536
 #: kept values are picked out of a task's result only when the rest of it holds more than this
 #: (and more than a tenth of the kept values)
 PICK_MIN_BYTES = 4096
+
+
+def _pick_pays(outputs: Sequence, read) -> bool:
+    """Whether picking the elements ``read`` out of a task's result ``outputs`` pays: the rest is
+    more than :data:`PICK_MIN_BYTES` and a tenth of what is read."""
+    size = sum(outputs[k].nbytes for k in read)
+    rest = sum(r.nbytes for r in outputs) - size
+    return rest > PICK_MIN_BYTES and rest > 0.1 * size
 
 
 def send_key(src: str, dst: tuple[str, int]) -> str:
