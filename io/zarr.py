@@ -274,13 +274,7 @@ class PendingSave:
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
             threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
-            by_worker: dict[str | None, list] = {}
-            assigned: dict[str | None, int] = {}  # a value several workers hold: the least loaded writes it
-            for fut, jobs in sorted(remote.values(), key=lambda item: -job_bytes(item[1])):
-                on = sorted(holders.get(fut.key, ()) or ())
-                addr = min(on, key=lambda a: (assigned.get(a, 0), a)) if on else None
-                assigned[addr] = assigned.get(addr, 0) + job_bytes(jobs)
-                by_worker.setdefault(addr, []).append((fut, jobs))
+            by_worker = _by_holder(list(remote.values()), lambda it: it[0].key, lambda it: job_bytes(it[1]), holders)
             for addr, items in by_worker.items():
                 for batch in _balanced(items, threads.get(addr, 1), lambda it: job_bytes(it[1])):
                     futures.append(client.submit(write_values, [f for f, _ in batch], [j for _, j in batch],
@@ -316,16 +310,11 @@ class PendingSave:
         def size(item) -> int:
             return sum(item[3]) or 1
 
-        by_worker: dict[str | None, list] = {}
-        assigned: dict[str | None, int] = {}
-        for item in sorted(copies, key=lambda it: -size(it)):
+        def largest_remote(item) -> str:  # the key of the largest part on a worker (the codes)
             _, values, _, sizes = item
-            remote = [(n, v) for n, v in zip(sizes, values) if not hasattr(v, "shape")]
-            big = max(remote, key=lambda nv: nv[0])[1]  # the largest part on a worker (the codes)
-            on = sorted(holders.get(big.key, ()) or ())
-            addr = min(on, key=lambda a: (assigned.get(a, 0), a)) if on else None
-            assigned[addr] = assigned.get(addr, 0) + size(item)
-            by_worker.setdefault(addr, []).append(item)
+            return max(((n, v) for n, v in zip(sizes, values) if not hasattr(v, "shape")), key=lambda nv: nv[0])[1].key
+
+        by_worker = _by_holder(copies, largest_remote, size, holders)
         futures = []
         for addr, items in by_worker.items():
             for batch in _balanced(items, threads.get(addr, 1), size):
@@ -364,6 +353,20 @@ class PendingSave:
                                          key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
+
+
+def _by_holder(items: Sequence, key: Callable, size: Callable, holders: dict) -> dict[str | None, list]:
+    """``items`` dealt, largest ``size`` first, to a worker holding the value of Dask key
+    ``key(item)`` (``holders``: key -> workers; of several, the one given the fewest bytes so far;
+    None where no worker holds it)."""
+    by_worker: dict[str | None, list] = {}
+    assigned: dict[str | None, int] = {}
+    for item in sorted(items, key=lambda it: -size(it)):
+        on = sorted(holders.get(key(item), ()) or ())
+        addr = min(on, key=lambda a: (assigned.get(a, 0), a)) if on else None
+        assigned[addr] = assigned.get(addr, 0) + size(item)
+        by_worker.setdefault(addr, []).append(item)
+    return by_worker
 
 
 def _balanced(items: Sequence, n: int, weight: Callable) -> list[list]:
