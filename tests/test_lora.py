@@ -2,6 +2,7 @@
 adapters on the models (apply, train, merge, save/load, bad input)."""
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -284,7 +285,7 @@ def test_frozen_weights_move_to_the_workers_once(embedded_runtime, parallel):
     (to each replica's worker), not inside every step's graph."""
     from distributed import wait
 
-    from tilegraph._graph import ValueRef
+    from tilegraph._graph import CopiesRef, ValueRef
     from tilegraph._lower import INLINE_MAX_BYTES
 
     def build():
@@ -299,20 +300,38 @@ def test_frozen_weights_move_to_the_workers_once(embedded_runtime, parallel):
         d = m(a) - b
         return (d * d).mean()
 
-    losses = {}
-    for rt in (None, embedded_runtime):
+    def steps(rt):
         model = build()
         opt = tg.optim.AdamW(peft.trainable_parameters(model), lr=1e-2)
-        step = tg.TrainStep(model, opt, mse, batch_tiles=[(8, None), (8, None)], runtime=rt, parallel=parallel)
-        losses[rt is None] = [step(x, y) for _ in range(3)]
+        return model, tg.TrainStep(model, opt, mse, batch_tiles=[(8, None), (8, None)], runtime=rt, parallel=parallel)
+
+    model, step = steps(embedded_runtime)
+    losses = [step(x, y) for _ in range(3)]
     frozen = [c for m in peft.lora_layers(model).values() for c in m.weight.cells.flat]
     big = [c for c in frozen if np.prod(c.shape) * 4 > INLINE_MAX_BYTES]
     assert big and all(isinstance(c.value, ValueRef) for c in big)
     exe = step.plan(x, y)
     layers, _ = exe.lower()
     assert all(getattr(v, "nbytes", 0) <= INLINE_MAX_BYTES for v in layers["data"].values())
-    wait([c.value.future for c in big])
-    who = embedded_runtime.client.who_has([c.value.future for c in big])
     assert exe.strategy == parallel
-    assert all(len(w) == (2 if parallel == "data" else 1) for w in who.values()), who  # each replica's copy
-    np.testing.assert_allclose(losses[False], losses[True], rtol=1e-5)
+    # data: a copy (a key) of its own on each replica's worker; tiles: one copy, on its reader's
+    copies = [c.value.copies if isinstance(c.value, CopiesRef) else ((None, c.value),) for c in big]
+    assert all(len({a for a, _ in cp}) == (2 if parallel == "data" else 1) for cp in copies), copies
+    futures = [ref.future for cp in copies for _, ref in cp]
+    wait(futures)
+    # Dask's active memory manager drops the replicas of a key no task waits for (every 2 s by
+    # default); run it now, then check that every copy stayed where it was put
+    client = embedded_runtime.client
+    client.amm.run_once()
+    time.sleep(1.0)
+    who = client.who_has(futures)
+    for cp in copies:
+        for addr, ref in cp:
+            assert len(who[ref.future.key]) == 1 and addr in (None, who[ref.future.key][0]), (addr, who)
+    # and a step reads each worker's own copy: nothing frozen moves between workers
+    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    losses.append(step(x, y))
+    moved = client.run(lambda dask_worker: [k for t in dask_worker.transfer_incoming_log for k in t["keys"]])
+    assert not {f.key for f in futures} & {k for ks in moved.values() for k in ks}, moved
+    _, local = steps(None)
+    np.testing.assert_allclose([local(x, y) for _ in range(4)], losses, rtol=1e-5)

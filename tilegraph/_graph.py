@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Kernel", "Node", "TileRef", "Cell", "ValueRef", "ReplicatedRef", "kernel", "get_kernel", "Cost", "xp_of"]
+__all__ = ["Kernel", "Node", "TileRef", "Cell", "ValueRef", "ReplicatedRef", "CopiesRef", "kernel", "get_kernel", "Cost", "xp_of"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,24 @@ class ReplicatedRef(ValueRef):
         if proc is None or not 0 <= proc < len(self.replicas):
             return self.replicas[0]
         return self.replicas[proc]
+
+
+@dataclass(frozen=True)
+class CopiesRef(ValueRef):
+    """One value with a copy on each of several workers (a frozen weight that tasks on several
+    worker processes read): ``copies`` pairs each worker's address with the copy there; as a
+    plain :class:`ValueRef` it is the first copy. Each copy is a value of its own (its own key),
+    so Dask's active memory manager, which drops the extra replicas of a key no task is waiting
+    for, keeps them all between steps."""
+
+    copies: tuple = ()
+
+    def at(self, addr: str | None) -> ValueRef:
+        """The copy on worker ``addr`` (the first when it holds none)."""
+        for a, ref in self.copies:
+            if a == addr:
+                return ref
+        return self.copies[0][1]
 
 
 _SCOPES: list[str] = []

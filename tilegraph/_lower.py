@@ -32,7 +32,7 @@ import numpy as np
 
 from tilegraph._config import PARALLEL_STRATEGIES, Config, config  # noqa: F401 - re-exported
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, Node, ReplicatedRef, TileRef, ValueRef, topo_order
+from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, topo_order
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     run_cluster)
@@ -414,7 +414,8 @@ class Executable:
             for ref in plan.ext:
                 node = ref.node
                 if node.is_leaf:
-                    a, i = self._bind_leaf(node.cell, layers, inline=True, proc=self.process_of(c))
+                    a, i = self._bind_leaf(node.cell, layers, inline=True, proc=self.process_of(c),
+                                            addr=self.worker_of.get(c.id))
                 else:
                     cid, k = self.where[(id(node), ref.index)]
                     if (cid, dst) in at:
@@ -448,13 +449,15 @@ class Executable:
         return cached[1]
 
     @staticmethod
-    def _bind_leaf(cell: Cell, layers, inline: bool = False, proc: int | None = None):
+    def _bind_leaf(cell: Cell, layers, inline: bool = False, proc: int | None = None, addr: str | None = None):
         """The task argument of a leaf's value: a future (of a replicated value, the copy of
-        process ``proc``), a dask key, the array itself (small arrays, ``inline``: a task of its
+        process ``proc``; of a value copied to several workers, the copy on worker ``addr``), a dask key, the array itself (small arrays, ``inline``: a task of its
         own would cost the scheduler more than the copy) or the key of a data task holding it."""
         v = cell.value
         if isinstance(v, ReplicatedRef):
             v = v.on(proc)
+        elif isinstance(v, CopiesRef):
+            v = v.at(addr)
         if isinstance(v, ValueRef):
             return v.future, v.index
         if isinstance(v, DaskKey):

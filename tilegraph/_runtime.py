@@ -160,12 +160,12 @@ class Runtime:
         """Move the array values of ``cells`` to the workers; the cells then hold references.
 
         ``workers`` names each cell's worker (None: Dask's choice; a tuple: a copy on each of
-        those workers). Values go in batches of at
+        those workers, each a value of its own: a :class:`CopiesRef`). Values go in batches of at
         most a ``config.task_memory_fraction`` share of the smallest worker memory limit (and
         at least one value): a worker takes in each message whole, and spills what it holds to
         disk only between messages."""
         from tilegraph._config import config
-        from tilegraph._graph import ValueRef
+        from tilegraph._graph import CopiesRef, ValueRef
 
         workers = [None] * len(cells) if workers is None else list(workers)
         local = [(c, w) for c, w in zip(cells, workers) if not isinstance(c.value, ValueRef) and hasattr(c.value, "shape")]
@@ -173,15 +173,26 @@ class Runtime:
             return
         limits = [v for v in (getattr(self, "memory_limits", None) or {}).values() if v]
         budget = config.task_memory_fraction * min(limits) if limits else float("inf")
+        # One scatter per worker: a value several workers read gets a copy (a key) of its own on
+        # each; one key broadcast to several workers would lose its extra replicas to Dask's
+        # active memory manager once no task waits for them, and move again every step.
         by_worker: dict[str | None, list] = {}
+        copies: dict[int, list] = {}
         for c, w in local:
-            by_worker.setdefault(w, []).append(c)
+            addrs = (w if isinstance(w, tuple) else (w,)) or (None,)
+            for addr in addrs:
+                by_worker.setdefault(addr, []).append(c)
+            if len(addrs) > 1:
+                copies[id(c)] = []
+        done: dict[int, ValueRef] = {}
+
         def send(batch: list, w: str | None) -> None:
-            many = isinstance(w, tuple)
-            futures = self.client.scatter([c.value for c in batch], hash=False, broadcast=many and len(w) > 1,
-                                          workers=None if w is None else list(w) if many else [w])
+            futures = self.client.scatter([c.value for c in batch], hash=False, workers=None if w is None else [w])
             for c, f in zip(batch, futures):
-                c.set(ValueRef(f, None))
+                if id(c) in copies:
+                    copies[id(c)].append((w, ValueRef(f, None)))
+                else:
+                    done[id(c)] = ValueRef(f, None)
 
         for w, group in by_worker.items():
             batch, size = [], 0
@@ -192,6 +203,12 @@ class Runtime:
                 batch.append(c)
                 size += c.value.nbytes
             send(batch, w)
+        for c, _ in local:  # set last: every copy is made from the array itself
+            if id(c) in copies:
+                first = copies[id(c)][0][1]
+                c.set(CopiesRef(first.future, None, tuple(copies[id(c)])))
+            else:
+                c.set(done[id(c)])
 
     def kernel_stats(self, reset: bool = False) -> dict:
         """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""
