@@ -29,20 +29,27 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
   Compare tilegraph's ``2x1`` rows with DDP's ``2x1``.
 
 Every configuration runs in an embedded cluster of its own, closed after it; every strategy on a
-model built afresh (same seed).
+model built afresh (same seed). With ``--mpi`` every configuration of several workers also runs on
+a cluster launched by MPI (``mpiexec -n W+2``: the scheduler, the timing script and W worker ranks,
+as ``tilegraph train --mpi`` launches it; launch ``mpi``), and a line compares it with the embedded
+cluster of the same shape.
 
     python bench/bench_scale.py                                  # blocks and GPT-2 6x768
     python bench/bench_scale.py --models gpt2 --gpt2-flavor debug --steps 5
     python bench/bench_scale.py --configs 1x2,2x1 --strategies tiles,data --width 256 --layers 2
+    python bench/bench_scale.py --configs 2x1 --strategies data --mpi --no-ddp   # MPI vs embedded
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,10 +137,12 @@ def wait_idle(rt, poll: float = 0.01) -> None:
         time.sleep(poll)
 
 
-def time_config(work_of, workers, threads, strategies, args, tg) -> list[dict]:
-    """Train with each strategy on one embedded cluster of ``workers`` x ``threads``."""
+def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -> list[dict]:
+    """Train with each strategy on one embedded cluster of ``workers`` x ``threads`` (or on
+    ``runtime``, a cluster of that shape started otherwise: by MPI)."""
     rows = []
-    with tg.connect(n_workers=workers, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
+    launch = "embedded" if runtime is None else "mpi"
+    with runtime or tg.connect(n_workers=workers, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
         auto = None
         for strategy in strategies:
             w = work_of(workers, threads)
@@ -159,7 +168,7 @@ def time_config(work_of, workers, threads, strategies, args, tg) -> list[dict]:
             if auto is None:  # the plan "auto" makes here (recorded and planned, not run)
                 auto = tg.TrainStep(model, opt, w.loss_fn, batch_tiles=w.batch_tiles, runtime=rt,
                                     parallel="auto").plan(*data[0]).strategy
-            rows.append({"model": w.name, "config": f"{workers}x{threads}", "strategy": strategy,
+            rows.append({"model": w.name, "config": f"{workers}x{threads}", "launch": launch, "strategy": strategy,
                          "used": exe.strategy, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
                          "dask_cpu": dask_cpu / (wall * workers * threads),
@@ -250,6 +259,45 @@ def time_ddp(procs, threads, args) -> float:
     return results.get()
 
 
+# -- MPI ----------------------------------------------------------------------------------------
+def _mpiexec() -> str | None:
+    here = Path(sys.executable).parent / "mpiexec"  # the mpi extra's (mpich) next to this Python
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+MPI_ROW = "bench_scale-mpi-row "
+
+
+def time_mpi(kind, workers, threads, argv) -> list[dict]:
+    """The rows of ``workers`` x ``threads`` on a cluster launched by MPI: ``mpiexec -n W+2`` runs
+    this script again (rank 0 the scheduler, rank 1 the timing, the rest one worker each; dask-mpi
+    gives each worker rank its share of the node's cores); its rows come back on stdout."""
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        raise RuntimeError("--mpi needs mpiexec: pip install -e '.[mpi]'")
+    cmd = [mpiexec, "-n", str(workers + 2), sys.executable, str(Path(__file__).resolve()), *argv,
+           "--models", kind, "--mpi-child", f"{workers}x{threads}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rows = [json.loads(line[len(MPI_ROW):]) for line in proc.stdout.splitlines() if line.startswith(MPI_ROW)]
+    if proc.returncode != 0 or not rows:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return rows
+
+
+def mpi_child(args, kind, strategies, tg) -> None:
+    """Under mpiexec: time the configuration on the MPI-launched cluster (rank 1 only returns
+    from ``connect``) and print its rows for the launching process."""
+    workers, threads = parse_configs(args.mpi_child, os.cpu_count() or 1)[0]
+    rt = tg.connect(mpi=True, interface=_loopback_interface())
+    got = {(k, v) for k, v in rt.processors().items() if v}
+    if got != {("cpu", workers * threads)} or len(rt.workers()) != workers:
+        raise SystemExit(f"bench_scale --mpi: asked {workers}x{threads}, the MPI cluster has "
+                         f"{len(rt.workers())} workers and processors {rt.processors()}")
+    make = blocks_workload if kind == "blocks" else gpt2_workload
+    for r in time_config(lambda W, T: make(args, tg, W, T), workers, threads, strategies, args, tg, runtime=rt):
+        print(MPI_ROW + json.dumps(r), flush=True)
+
+
 # -- the command line ---------------------------------------------------------------------------
 def block_args(args) -> argparse.Namespace:
     """What bench_train.py's model functions read."""
@@ -284,12 +332,12 @@ def fmt_row(r: dict) -> str:
         v = r.get(key)
         return "-" if v is None else format(v * scale, f)
 
-    return (f"{r['model']:12} {r['config']:>6} {r['strategy']:>9} {r.get('used') or '-':>7} {r.get('auto') or '-':>7} "
+    return (f"{r['model']:12} {r['config']:>6} {r.get('launch', '-'):>8} {r['strategy']:>9} {r.get('used') or '-':>7} {r.get('auto') or '-':>7} "
             f"{r['tok_s']:9.0f} {opt('outside', '8.1%'):>8} {opt('dask_cpu', '9.1%'):>9} {opt('moved', '8.1f', 1e-6):>8} "
             f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7}")
 
 
-HEADER = (f"{'model':12} {'WxT':>6} {'strategy':>9} {'used':>7} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
+HEADER = (f"{'model':12} {'WxT':>6} {'launch':>8} {'strategy':>9} {'used':>7} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
           f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7}")
 
 
@@ -313,6 +361,10 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one records the graph)")
     ap.add_argument("--no-ddp", action="store_true", help="skip the PyTorch DDP rows")
+    ap.add_argument("--mpi", action="store_true",
+                    help="also run every configuration of several workers on a cluster launched by MPI "
+                         "(mpiexec -n W+2, dask-mpi; needs the mpi extra and T = the cores)")
+    ap.add_argument("--mpi-child", default=None, help=argparse.SUPPRESS)  # set by --mpi, under mpiexec
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be at least 1")
@@ -340,6 +392,14 @@ def main():
     args.heads = args.heads or max(1, args.width // 64)
     if args.width % args.heads:
         ap.error(f"--heads {args.heads} must divide --width {args.width}")
+    if args.mpi_child:
+        return mpi_child(args, kinds[0], strategies, tg)
+    if args.mpi and total != (os.cpu_count() or 1):
+        ap.error(f"--mpi: MPI worker ranks share the machine's {os.cpu_count()} cores, so --threads-total must be "
+                 f"that (received {total})")
+    # what a --mpi run passes on to the script under mpiexec: the shape of the work, not what to run
+    child_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                  if k in ("gpt2_flavor", "batch", "seq", "width", "heads", "layers", "steps", "warmup", "strategies")]
 
     shapes = []
     if "blocks" in kinds:
@@ -384,9 +444,16 @@ def main():
         for workers, threads in configs:
             asked = strategies if workers > 1 else strategies[:1]
             rows = time_config(lambda W, T: make(args, tg, W, T), workers, threads, asked, args, tg)
+            if args.mpi and workers > 1:
+                rows += time_mpi(kind, workers, threads, child_argv)
             for r in rows:
                 r["ratio"] = r["tok_s"] / eager[workers * threads]
                 print(fmt_row(r), flush=True)
+            for r in rows:  # the MPI launch against the embedded cluster, strategy by strategy
+                same = next((e for e in rows if e["launch"] == "embedded" and e["strategy"] == r["strategy"]), None)
+                if r["launch"] == "mpi" and same:
+                    print(f"# {r['model']} {r['config']} {r['strategy']}: MPI / embedded = "
+                          f"{r['tok_s'] / same['tok_s']:.2f}", flush=True)
             if kind == "blocks" and workers > 1 and not args.no_ddp:
                 if args.batch % workers:
                     print(f"# torch-DDP {workers}x{threads} skipped: batch {args.batch} does not split into "

@@ -179,6 +179,10 @@ def test_info_lists_the_model_flavors(tmp_path):
     (["--batch-size", "6", "--set", "train.accum_steps=4"], r"train\.batch_size \(6\) must be a multiple of train\.accum_steps \(4\)"),
     (["--set", "train.nope=1"], r"\[tilegraph train --set\] section\.key=value with a known key .*received: 'train\.nope=1'"),
     (["--set", "lr"], r"received: 'lr'"),
+    (["--set", "runtime.address=tcp://127.0.0.1:1", "--set", "runtime.workers=2"],
+     r"workers only for the embedded cluster .*received: address = 'tcp://127\.0\.0\.1:1', workers = 2"),
+    (["--set", "runtime.address=tcp://127.0.0.1:1", "--set", "runtime.scheduler_file=s.json"],
+     r"at most one of address, scheduler_file and mpi .*received: address = .*, scheduler_file = 's\.json'"),
 ])
 def test_bad_settings_are_one_line_each_and_nothing_is_written(tmp_path, args, message):
     run = _cli("train", "--out", "run", *args, cwd=tmp_path)

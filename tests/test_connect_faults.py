@@ -176,3 +176,20 @@ def test_a_scheduler_file_naming_a_silent_port_names_both(silent_peer, tmp_path)
     path.write_text(json.dumps({"address": silent_peer}))
     msg, _ = _raises_within(1 + 1.5, r"no Dask scheduler answered within 1 s", scheduler_file=str(path), timeout=1)
     assert msg.endswith(f"received: {silent_peer} (scheduler file {path})")
+
+
+@pytest.mark.parametrize("kwargs, given", [
+    ({"n_workers": 4}, "n_workers=4"),
+    ({"threads_per_worker": 2, "memory_limit": "1GB"}, "threads_per_worker=2, memory_limit='1GB'"),
+    ({"dask_config": {"distributed.admin.tick.interval": "1s"}}, "dask_config="),
+])
+def test_settings_of_the_embedded_cluster_are_refused_for_an_existing_one(kwargs, given, tmp_path):
+    """An existing scheduler keeps its workers and settings: asking for others is an error that
+    names them, before any connection is tried, not a silently different cluster."""
+    for target in ({"address": "tcp://127.0.0.1:1"}, {"scheduler_file": str(tmp_path / "missing.json")}):
+        t0 = time.monotonic()
+        with pytest.raises(tg.TileError, match=r"only for the embedded cluster \(an existing cluster keeps") as e:
+            tg.connect(**target, **kwargs, timeout=5)
+        assert given in str(e.value) and time.monotonic() - t0 < 1.0
+    with pytest.raises(tg.TileError, match=r"only for the embedded cluster \(an MPI launch's workers"):
+        tg.connect(mpi=True, n_workers=4)

@@ -47,6 +47,32 @@ def test_mpi_needs_three_ranks(tmp_path):
         assert "dask-mpi needs at least 3 ranks" in proc.stderr and received in proc.stderr, proc.stderr
 
 
+def test_mpi_ranks_get_the_low_overhead_settings_of_the_embedded_cluster(tmp_path):
+    """The scheduler and worker ranks run as the embedded cluster does (no worker profiler, no
+    root-task queuing, slow periodic ticks), and ``dask_config`` reaches every rank."""
+    mpiexec = _mpiexec()
+    code = (
+        "import tilegraph as tg\n"
+        "rt = tg.connect(mpi=True, interface='lo', dask_config={'distributed.admin.tick.interval': '3s'})\n"
+        "def worker(dask_worker):\n"
+        "    return sorted(dask_worker.periodic_callbacks), dask_worker.periodic_callbacks['tick'].callback_time\n"
+        "def scheduler(dask_scheduler):\n"
+        "    return dask_scheduler.WORKER_SATURATION, dask_scheduler.periodic_callbacks['stealing'].callback_time\n"
+        "print('workers', list(rt.client.run(worker).values()))\n"
+        "print('scheduler', rt.client.run_on_scheduler(scheduler))\n"
+        "rt.close()\n")
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    workers = eval(re.search(r"^workers (.*)$", proc.stdout, re.M).group(1))
+    assert len(workers) == 2
+    for callbacks, tick_ms in workers:
+        assert "profile" not in callbacks and "profile-cycle" not in callbacks, callbacks
+        assert tick_ms == 3000  # dask_config given to connect
+    saturation, stealing_ms = eval(re.search(r"^scheduler (.*)$", proc.stdout, re.M).group(1), {"inf": float("inf")})
+    assert saturation == float("inf") and stealing_ms == 1000
+
+
 def _losses(run_dir: Path) -> list[float]:
     import json
 
@@ -86,9 +112,12 @@ def dask_mpi_cluster(tmp_path):
     if not dask_mpi.exists():
         pytest.skip("the mpi extra's dask-mpi command is not installed")
     sched = tmp_path / "s.json"
+    # the README's config file for such clusters
+    readme = (ROOT / "README.md").read_text()
+    (tmp_path / "tilegraph.yaml").write_text(re.search(r"```yaml\n(distributed:\n.*?)```", readme, re.S).group(1))
     proc = subprocess.Popen([mpiexec, "-n", "3", str(dask_mpi), "--scheduler-file", str(sched), "--interface", "lo",
                              "--nthreads", "1", "--scheduler-port", "0"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env={**os.environ, "DASK_CONFIG": str(tmp_path / "tilegraph.yaml")})
     try:
         yield proc, sched
     finally:
@@ -110,6 +139,9 @@ def test_connect_to_a_dask_mpi_cluster_by_its_scheduler_file(dask_mpi_cluster):
     with tg.connect(scheduler_file=str(sched), timeout=30, make_current=False) as rt:
         rt.client.wait_for_workers(2, timeout=60)
         rt.worker_threads()  # the plan learns the workers that joined
+        # the README's settings reached the ranks: no profiler, no root-task queuing
+        assert all("profile" not in cbs for cbs in rt.client.run(lambda dask_worker: list(dask_worker.periodic_callbacks)).values())
+        assert rt.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.WORKER_SATURATION) == float("inf")
         x = tg.from_numpy(np.arange(64.0).reshape(8, 8), (4, 4))
         with rt.as_current():
             np.testing.assert_allclose(((x @ x) + 1.0).numpy(), np.arange(64.0).reshape(8, 8) @

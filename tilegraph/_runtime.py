@@ -324,8 +324,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     the Dask protocol: a silent port, an HTTP server (a dashboard) or a TLS/plain mismatch is a
     :class:`TileError` naming the address, not a hang.
 
-    The embedded cluster applies :data:`EMBEDDED_DASK_CONFIG` (low-overhead Dask settings; the
-    worker profiler is off) updated with ``dask_config``.
+    The embedded cluster, and the ranks of an MPI launch, apply :data:`CLUSTER_DASK_CONFIG`
+    (low-overhead Dask settings; the worker profiler is off) updated with ``dask_config``.
 
     The runtime becomes the current one (used by ``tilegraph.compute`` and training) unless
     ``make_current=False``; see :meth:`Runtime.as_current`.
@@ -340,6 +340,17 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     if sum(x is not None and x is not False for x in (address, scheduler_file, mpi or None)) > 1:
         raise TileError(where, "give at most one of address, scheduler_file and mpi=True",
                         f"address={address!r}, scheduler_file={scheduler_file!r}, mpi={mpi!r}")
+    # what shapes a cluster tilegraph starts, given where it starts none (MPI decides the workers)
+    shaping = {"n_workers": n_workers, "gpu": gpu, "threads_per_worker": threads_per_worker,
+               "memory_limit": None if memory_limit == "auto" else memory_limit}
+    if address is not None or scheduler_file is not None:
+        shaping.update(dask_config=dask_config, interface=interface)
+    given = {k: v for k, v in shaping.items() if v is not None}
+    if given and (mpi or address is not None or scheduler_file is not None):
+        cluster = "an MPI launch's workers are one per rank from mpiexec" if mpi else \
+            "an existing cluster keeps the workers and settings it was started with"
+        raise TileError(where, f"{', '.join(given)} only for the embedded cluster ({cluster})",
+                        ", ".join(f"{k}={v!r}" for k, v in given.items()))
     tls_files = _tls_files(where, tls_ca_file, tls_cert, tls_key)
     if security is not None and (tls_files or tls):
         raise TileError(where, "give security= or the TLS files (tls_ca_file, tls_cert, tls_key), not both",
@@ -347,7 +358,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     if mpi:
         from tilegraph._mpi import initialize_mpi
 
-        n_mpi_workers = initialize_mpi(interface=interface, security=security, tls=tls, tls_files=tls_files)
+        n_mpi_workers = initialize_mpi(interface=interface, security=security, tls=tls, tls_files=tls_files,
+                                       dask_config=dask_config)
         client = Client()  # it reads the scheduler's address and the TLS settings from dask's config
         client.wait_for_workers(n_mpi_workers, timeout=120)  # a plan needs to know its workers
         return Runtime(client, mpi=True, make_current=make_current)
@@ -390,7 +402,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     import dask
 
     # the scheduler and the spawned workers read these while they start
-    settings = {**EMBEDDED_DASK_CONFIG, **_memory_settings(memory_limit, threads_per_worker, ncpu), **(dask_config or {})}
+    settings = {**CLUSTER_DASK_CONFIG, **_memory_settings(memory_limit, threads_per_worker, ncpu), **(dask_config or {})}
     with dask.config.set(settings):
         if quiet:
             _quiet_logs()
@@ -889,11 +901,12 @@ LOG_LENGTH_DASK_CONFIG = {
     "distributed.admin.low-level-log-length": 100,
 }
 
-#: Dask settings of the embedded cluster (``connect(dask_config=...)`` overrides them).
+#: Dask settings of the clusters tilegraph starts: the embedded one, and the scheduler and
+#: workers of an MPI launch (``connect(dask_config=...)`` overrides them in both).
 #: Measured on the 2-core development machine: root-task queuing halves flat-graph throughput;
 #: an idle embedded cluster burnt ~20% of a core in periodic callbacks (10 ms worker profiler,
 #: 20 ms event-loop ticks, 100 ms memory and work-stealing polls), about halved by these intervals.
-EMBEDDED_DASK_CONFIG = {
+CLUSTER_DASK_CONFIG = {
     "distributed.scheduler.worker-saturation": float("inf"),
     "distributed.worker.profile.enabled": False,
     "distributed.admin.tick.interval": "1s",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tilegraph._errors import TileError
 from tilegraph._runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
@@ -112,6 +113,13 @@ def _train(args, held: list) -> int:
     from tilegraph._runtime import _tls_files
 
     _tls_files("tilegraph train [runtime]", *tls.values())  # wrong files stop before the data is read
+    launches = [k for k, on in (("address", r["address"]), ("scheduler_file", r["scheduler_file"]),
+                                ("mpi", args.mpi or r["mpi"])) if on]
+    if len(launches) > 1 or (launches and r["workers"]):
+        raise TileError("tilegraph train [runtime]", "at most one of address, scheduler_file and mpi (--mpi), and "
+                        "workers only for the embedded cluster (the others bring their own workers)",
+                        ", ".join(f"{k} = {r[k]!r}" if k != "mpi" else "mpi = true" for k in
+                                  launches + (["workers"] if r["workers"] else [])) + f" (in {source})")
     if args.mpi or r["mpi"]:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
