@@ -173,6 +173,17 @@ def read_file_into(path: str, buffers: Sequence) -> int:
     return got
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (ours to signal or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def make_dir(folder: str, made: set) -> None:
     """``os.makedirs(folder, exist_ok=True)``, at most once per ``made`` (a set of the folders
     made so far), trying one ``mkdir`` first: the parent is there but for a tile's first chunk."""

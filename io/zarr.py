@@ -51,7 +51,7 @@ import numpy as np
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CheckpointError, array_meta, chunk_path, chunks_of, group_meta, job_bytes,
+from ._store import (CheckpointError, process_alive, array_meta, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
                      slices, tile_label, write_meta, write_parts_task, write_shard_task, write_tiles, write_values)
 
@@ -1018,14 +1018,3 @@ class CheckpointManager:
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
         return old
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this machine (ours to signal or not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

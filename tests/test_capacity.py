@@ -175,14 +175,16 @@ def test_a_worker_paused_for_memory_is_named(embedded_runtime, monkeypatch):
 
 
 def test_sharded_parameters_are_kept_apart_from_their_state(embedded_runtime):
-    """The other replicas fetch a sharded plan's parameters: each worker keeps them in task
+    """The other replicas receive a sharded plan's parameters: each worker keeps them in task
     results of their own, not beside the AdamW moments they do not need."""
     cfg = GPT2Config(vocab_size=64, max_seq_len=8, dim=32, n_layers=1, n_heads=4)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(4, 8))
     with embedded_runtime.as_current():
         losses, step, _ = _train(cfg, ModelTiling(), ids, np.roll(ids, -1, 1), 2, runtime=embedded_runtime)
     assert step.plan(ids, np.roll(ids, -1, 1)).strategy == "sharded"
-    params = {c.value.future.key for p in step.optimizer.params for c in p.cells.flat}
-    assert params and all(k.startswith("tg-params-") for k in params), params
+    # the owner's copy picked out of its update task, the others' received from it (push)
+    params = {r.future.key for p in step.optimizer.params for c in p.cells.flat
+              for r in getattr(c.value, "replicas", (c.value,))}
+    assert params and all(k.startswith(("tg-params-", "tg-pushed-")) for k in params), params
     state = {c.value.future.key for per_param in step.optimizer.state for cells in per_param for c in cells.flat}
     assert state and not state & params

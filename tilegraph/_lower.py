@@ -36,6 +36,7 @@ from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, Valu
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     run_cluster)
+from tilegraph.exec.shm import receive_shm, send_shm
 from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes,  # noqa: F401 - re-exported
                                     place, task_label)
 
@@ -183,14 +184,14 @@ class Executable:
         #: values read by another worker process: (cluster id, (device, process) of the readers)
         #: -> the result tuple indices they read (``_cross_reads``)
         self.cross = self._cross_reads()
-        #: those that a send task picks out of their task's result
-        self.sends = {edge for edge, read in self.cross.items() if _pick_pays(self.plans[edge[0]].outputs, read)}
+        #: those that go through shared memory (producer and reader on one host): their send task
+        #: writes what is read there, and the receive task maps it
+        self.shm = self._shm_edges(runtime)
+        #: those that a send task picks out of their task's result (or writes to shared memory)
+        self.sends = {edge for edge, read in self.cross.items()
+                      if edge in self.shm or _pick_pays(self.plans[edge[0]].outputs, read)}
         self.structure = self._structure_token(nodes, of)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
-
-    def _state_bytes(self, state_groups: Sequence[Sequence[int]]) -> int:
-        """Bytes of the roots in ``state_groups`` (parameters and optimizer state)."""
-        return sum(self.roots[k].nbytes for g in state_groups for k in g)
 
     def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], state_groups: Sequence[Sequence[int]],
                        batch_cells: Sequence, target: float, parallel: str):
@@ -199,10 +200,10 @@ class Executable:
         batch to split, one process, or kernels placed on both device classes.
 
         ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
-        state). "data": every replica keeps all of them. "sharded" (and "auto" when they would
-        take over ``config.replicated_state_fraction`` of a worker's memory limit): each group has
+        state). "data": every replica keeps all of them. "sharded" (and "auto"): each group has
         one owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps
-        its state; the other replicas read the parameter from there."""
+        its state, and sends the new parameter to the other replicas (``config.parallel`` says
+        why "auto" takes it)."""
         devices = {n.device for n in work}
         if not batch_cells or len(devices) != 1:
             return None
@@ -213,8 +214,7 @@ class Executable:
         procs = min(len(groups[dev]), rows)
         if procs < 2:
             return None
-        sharded = parallel == "sharded" or parallel == "auto" and \
-            self._state_bytes(state_groups) > config.replicated_state_fraction * _memory_limit(self.runtime)
+        sharded = parallel in ("sharded", "auto")
         if sharded:
             load, owners = [0] * procs, {}
             for g in state_groups:
@@ -277,9 +277,24 @@ class Executable:
                     reads.setdefault((cid, dst), set()).add(k)
         return {edge: tuple(sorted(read)) for edge, read in reads.items()}
 
+    def _process_workers(self) -> dict[tuple[str, int], str]:
+        """The worker address of each (device class, process) that runs pinned tasks."""
+        return {(c.device, self.process_of(c)): self.worker_of[c.id] for c in self.clusters if c.id in self.worker_of}
+
+    def _shm_edges(self, runtime) -> set[tuple[int, tuple[str, int]]]:
+        """The cross-process reads (:attr:`cross`) between CPU workers that share ``/dev/shm``
+        (``config.shm_transfers``; both ends pinned, so both workers are known)."""
+        if not config.shm_transfers or runtime is None or not self.cross:
+            return set()
+        at = self._process_workers()
+        pairs = {(self.worker_of.get(cid), at.get(dst)) for cid, dst in self.cross}
+        domains = runtime.shm_domains({a for pair in pairs for a in pair if a is not None})
+        return {(cid, dst) for cid, dst in self.cross if self.clusters[cid].device == "cpu" and dst[0] == "cpu"
+                and _share_memory(domains, self.worker_of.get(cid), at.get(dst))}
+
     def _transfer_workers(self, keys: Sequence[str]) -> dict[str, str]:
         """The worker of each send task (its producer's) and receive task (its readers')."""
-        at = {(c.device, self.process_of(c)): self.worker_of[c.id] for c in self.clusters if c.id in self.worker_of}
+        at = self._process_workers()
         out = {}
         for cid, dst in self.cross:
             if (cid, dst) in self.sends and cid in self.worker_of:
@@ -401,13 +416,16 @@ class Executable:
         at: dict[tuple[int, tuple[str, int]], dict[int, int]] = {}  # -> {index in the task: in the received}
         for (cid, dst), read in self.cross.items():
             src = keys[cid]
-            if (cid, dst) in self.sends:
-                layers["transfer"][send_key(src, dst)] = (_pick, src, read)
+            if (cid, dst) in self.sends:  # what is read, picked out there (and written to shared memory)
+                shm = (cid, dst) in self.shm
+                layers["transfer"][send_key(src, dst)] = (send_shm, src, read, config.shm_min_bytes) if shm \
+                    else (_pick, src, read)
                 src = send_key(src, dst)
                 at[(cid, dst)] = {k: j for j, k in enumerate(read)}
             else:
                 at[(cid, dst)] = {k: k for k in read}
-            layers["transfer"][receive_key(keys[cid], dst)] = (_received, src)
+            layers["transfer"][receive_key(keys[cid], dst)] = \
+                (receive_shm if (cid, dst) in self.shm else _received, src)
         for c, plan, key in zip(self.clusters, self.plans, keys):
             args, idx = [], []
             dst = (c.device, self.process_of(c))
@@ -562,6 +580,8 @@ class Executable:
         want += sorted({key for key, _ in fetch_of.values()})
         pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
         pinned.update(self._transfer_workers(keys))
+        pushed = self._push_shared(layers, keys, source, moved, pinned, runtime)
+        want += sorted({key for copies in pushed.values() for key, _ in copies.values()})
         futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
         for pos, (key, k) in fetch_of.items():
             out[pos] = Fetching(futures[key], k)
@@ -574,10 +594,55 @@ class Executable:
                 src, k = moved.get((src, k), (src, k))
                 src = futures[src]
             stays.setdefault(pos, []).append(ValueRef(src, k))
+        for pos, copies in pushed.items():  # a sharded plan's parameters: a copy on every process
+            refs = [ValueRef(futures[key], j) for _, (key, j) in sorted(copies.items())]
+            stays[pos] = refs
         for pos, refs in stays.items():
             if pos not in fetch:
                 out[pos] = refs[0] if len(refs) == 1 else ReplicatedRef(refs[0].future, refs[0].index, tuple(refs))
         return out
+
+    def _push_shared(self, layers, keys, source, moved, pinned, runtime) -> dict[int, dict[int, tuple[str, int]]]:
+        """A sharded plan's parameters, sent to every other process as soon as their owner's
+        update makes them (else the next step's first task on each process fetches them when it
+        may start, and waits: Dask fetches a task's inputs only then). Adds the send and receive
+        tasks to ``layers`` and ``pinned``; returns, for each parameter root, each process's copy
+        as (task key, index in its value). Not where tasks are kept under a memory bound: each
+        process would then hold every parameter between steps."""
+        if not self.shared_roots or self.n_replicas < 2 or self.max_task_bytes != float("inf") or runtime is None:
+            return {}
+        at = self._process_workers()
+        by_task: dict[str, list[tuple[int, int]]] = {}  # task holding parameters -> (root, index)
+        owner: dict[str, tuple[str, int]] = {}
+        cid_of = {key: cid for cid, key in enumerate(keys)}
+        for pos in sorted(self.shared_roots):
+            src, k = source.get((pos, 0), (None, None))
+            if src not in cid_of:  # a leaf (not updated by this plan)
+                continue
+            cid = cid_of[src]
+            key, j = moved.get((src, k), (src, k))
+            by_task.setdefault(key, []).append((pos, j))
+            owner[key] = (self.clusters[cid].device, self.process_of(self.clusters[cid]))
+        domains = runtime.shm_domains(set(at.values())) if config.shm_transfers else {}
+        out: dict[int, dict[int, tuple[str, int]]] = {}
+        for key, items in by_task.items():
+            dev, proc = owner[key]
+            src_addr = at.get((dev, proc))
+            idx = tuple(sorted({j for _, j in items}))
+            for pos, j in items:
+                out.setdefault(pos, {})[proc] = (key, j)
+            for p in range(self.n_replicas):
+                dst_addr = at.get((dev, p))
+                if p == proc or dst_addr is None or src_addr is None:
+                    continue
+                send, receive = f"tg-push-{dev}{p}-{key[3:]}", f"tg-pushed-{dev}{p}-{key[3:]}"
+                shm = dev == "cpu" and _share_memory(domains, src_addr, dst_addr)
+                layers["transfer"][send] = (send_shm, key, idx, config.shm_min_bytes) if shm else (_pick, key, idx)
+                layers["transfer"][receive] = (receive_shm if shm else _received, send)
+                pinned.update({send: src_addr, receive: dst_addr})
+                for pos, j in items:
+                    out[pos][p] = (receive, idx.index(j))
+        return {pos: copies for pos, copies in out.items() if len(copies) == self.n_replicas}
 
 
 @dataclass(frozen=True)
@@ -651,6 +716,12 @@ def _pick_pays(outputs: Sequence, read) -> bool:
     size = sum(outputs[k].nbytes for k in read)
     rest = sum(r.nbytes for r in outputs) - size
     return rest > PICK_MIN_BYTES and rest > 0.1 * size
+
+
+def _share_memory(domains: dict, a: str | None, b: str | None) -> bool:
+    """Whether workers ``a`` and ``b`` see the same ``/dev/shm`` (``domains``: each worker's
+    ``exec.shm.shm_domain``)."""
+    return domains.get(a) is not None and domains.get(a) == domains.get(b)
 
 
 def send_key(src: str, dst: tuple[str, int]) -> str:

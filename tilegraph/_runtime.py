@@ -61,6 +61,15 @@ class Runtime:
             client.register_plugin(_unchain_plugin())
         except Exception as e:  # training still works; the workers' task records grow with the steps
             logging.getLogger("tilegraph").warning("could not install the task-record cleanup on the workers: %s", e)
+        try:
+            from tilegraph.exec.shm import shm_plugin
+
+            client.register_plugin(shm_plugin())
+        except Exception as e:  # values then still go through shared memory, but what a dead worker
+            # left there stays until the host restarts
+            logging.getLogger("tilegraph").warning("could not install the shared-memory cleanup on the workers: %s", e)
+        #: each worker's shared-memory domain (``exec.shm.shm_domain``), as asked so far
+        self._shm_domains: dict[str, str | None] = {}
         self.worker_threads()  # learn the workers' resources (plans refresh it)
         if make_current:
             _CURRENT.append(self)
@@ -209,6 +218,19 @@ class Runtime:
                 c.set(CopiesRef(first.future, None, tuple(copies[id(c)])))
             else:
                 c.set(done[id(c)])
+
+    def shm_domains(self, addrs) -> dict[str, str | None]:
+        """Which of the workers ``addrs`` share ``/dev/shm`` (equal strings; None: none), asked
+        once per worker."""
+        from tilegraph.exec.shm import shm_domain
+
+        missing = [a for a in addrs if a not in self._shm_domains]
+        if missing:
+            try:
+                self._shm_domains.update(self.client.run(shm_domain, workers=missing))
+            except Exception:  # a worker that left: its values go over TCP
+                self._shm_domains.update({a: None for a in missing})
+        return {a: self._shm_domains.get(a) for a in addrs}
 
     def kernel_stats(self, reset: bool = False) -> dict:
         """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""
