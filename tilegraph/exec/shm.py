@@ -16,6 +16,11 @@ processes no longer alive when it starts (what a killed worker left).
 
 Where ``/dev/shm`` is missing, not writable or too full for a value (containers often mount
 64 MB), that value goes over TCP as before: nothing fails for lack of shared memory.
+
+Not done: a step cancelled between its send and receive tasks (an interrupted cell) leaves that
+send's files until the worker closes. Unlinking them when the send task's value is released on
+its worker would race with Dask's active memory manager, which releases that copy as soon as the
+reader holds the handle, possibly before the receive task has run.
 """
 
 from __future__ import annotations
