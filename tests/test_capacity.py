@@ -149,6 +149,14 @@ def test_a_worker_paused_for_memory_is_named(embedded_runtime, monkeypatch):
     addr = sorted(rt.memory_limits)[0]
 
     def set_status(name, dask_worker=None):
+        # the worker's memory monitor resumes a paused worker whose memory is under the pause
+        # fraction (every 100 ms), so the test holds the pause by switching that check off while
+        # it lasts, as memory that stays high would
+        mm = dask_worker.memory_manager
+        if name == "paused":
+            mm._tg_pause_fraction, mm.memory_pause_fraction = mm.memory_pause_fraction, False
+        elif hasattr(mm, "_tg_pause_fraction"):
+            mm.memory_pause_fraction = mm.__dict__.pop("_tg_pause_fraction")
         dask_worker.status = Status[name]
 
     rt.client.run(set_status, "paused", workers=[addr])
