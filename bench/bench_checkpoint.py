@@ -8,8 +8,9 @@ quantization method costs in size, error and perplexity. One run prints three ta
    every tile is in worker memory); beside it ``numpy.save`` (one .npy per array) and
    safetensors (``safetensors.numpy.save_file``) of the same arrays from this process, and their
    loads. MB/s = state bytes / seconds; ``vs numpy`` = Zarr MB/s / numpy.save MB/s of the same
-   bytes in the same round (``--repeat`` rounds per worker count, medians shown; ``os.sync()``
-   before each timing, untimed). The page cache is not dropped (no root needed): loads read warm
+   bytes in the same round (``--repeat`` rounds per worker count after ``--warmup`` untimed ones,
+   medians shown; ``os.sync()`` before each timing, untimed; each format's files deleted once
+   loaded). The page cache is not dropped (no root needed): loads read warm
    files.
 2. ``quantization``: per method, on the GPT-2 weight matrices (``--quant-flavor``'s random init
    unless ``--hf FOLDER`` gives real weights) and on Student-t(3) 768 x 768 matrices: the
@@ -67,10 +68,13 @@ def _timed(fn) -> float:
 
 
 def throughput(args, tmp: Path) -> list[dict]:
-    """Per worker count, ``--repeat`` rounds of: Zarr save, Zarr load, numpy.save, np.load,
-    safetensors save and load (the order of Zarr and the baselines alternating from round to
-    round), each timed after an untimed ``os.sync()``. A round's ratios are against that round's
-    numpy figures; the table shows the medians over the rounds (seconds and ratios)."""
+    """Per worker count, ``--repeat`` rounds of: Zarr save and load, numpy.save and np.load,
+    safetensors save and load, each timed after an untimed ``os.sync()``; each format's files are
+    deleted once it is loaded, so every save starts from the same page cache (the one before
+    holding nothing more), as a checkpoint rotation that keeps the last few would. The formats take
+    turns going first. ``--warmup`` rounds go first, untimed: the first save of a process (into
+    memory the OS has not handed out before) ran 2-3x slower for every format. A round's ratios are against that round's numpy figures; the table shows
+    the medians over the rounds (seconds and ratios)."""
     import statistics
 
     import tilegraph as tg
@@ -96,10 +100,10 @@ def throughput(args, tmp: Path) -> list[dict]:
             model2 = models.build(args.flavor, seed=1)
             opt2 = tg.optim.AdamW(model2.parameters(), lr=1e-4)
             times: dict[str, list[float]] = {}
-            for r in range(args.repeat):
+            for r in range(-args.warmup, args.repeat):
                 ck, folder, st_file = tmp / f"zarr-{workers}-{r}", tmp / f"npy-{r}", tmp / f"state-{r}.safetensors"
 
-                def zarr_runs():
+                def zarr_run():
                     times.setdefault("zarr save", []).append(_timed(lambda: tg.io.save_checkpoint(ck, model, opt)))
 
                     def load():
@@ -107,8 +111,9 @@ def throughput(args, tmp: Path) -> list[dict]:
                         c.load_into(model2)
                         c.restore_optimizer(opt2, model2)  # returns once every tile is in a worker's memory
                     times.setdefault("zarr load", []).append(_timed(load))
+                    shutil.rmtree(ck)
 
-                def baseline_runs():
+                def numpy_run():
                     folder.mkdir()
 
                     def np_save():
@@ -119,15 +124,19 @@ def throughput(args, tmp: Path) -> list[dict]:
                     times.setdefault("numpy load", []).append(
                         _timed(lambda: back.update({k: np.load(folder / f"{k}.npy") for k in arrays})))
                     back.clear()
+                    shutil.rmtree(folder)
+
+                def st_run():
+                    back = {}
                     times.setdefault("st save", []).append(_timed(lambda: save_file(arrays, str(st_file))))
                     times.setdefault("st load", []).append(_timed(lambda: back.update(load_file(str(st_file)))))
                     back.clear()
+                    st_file.unlink()
 
-                for run in ((zarr_runs, baseline_runs) if r % 2 == 0 else (baseline_runs, zarr_runs)):
+                runs = [zarr_run, numpy_run, st_run]
+                for run in runs[r % 3:] + runs[:r % 3]:  # each goes first, second and third in turn
                     run()
-                shutil.rmtree(ck, ignore_errors=True)
-                shutil.rmtree(folder, ignore_errors=True)
-                st_file.unlink(missing_ok=True)
+            times = {k: v[args.warmup:] for k, v in times.items()}  # the warm-up rounds are not shown
             arrays.clear()
         rt.close()
         for what, key in ((f"zarr, {workers} worker{'s' if workers > 1 else ''}", "zarr"),
@@ -267,7 +276,8 @@ def main() -> int:
     ap.add_argument("--only", default="throughput,quantization,perplexity")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--repeat", type=int, default=3,
-                    help="rounds of the throughput table (medians shown; Zarr and the baselines alternate first)")
+                    help="rounds of the throughput table (medians shown; the formats take turns going first)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before those of the throughput table")
     ap.add_argument("--verbose", action="store_true", help="the throughput table's seconds of every round")
     args = ap.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]

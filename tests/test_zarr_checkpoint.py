@@ -438,24 +438,29 @@ def test_a_short_chunk_write_fails_the_save_and_a_longer_chunk_fails_the_load(tm
 
 
 def test_chunk_files_survive_short_reads_and_writes_and_many_parts(tmp_path, monkeypatch):
-    """write_file and read_file_into go on after a short writev/readv, and a file of more parts
-    than one writev takes (a shard of many small tiles) is written whole."""
+    """write_file and read_file_into go on after a short write/readv; a file of many small parts
+    (a shard of small tiles) and of parts larger than one write block is written whole, in
+    blocks of at most WRITE_BLOCK bytes."""
     from tilegraph.io import _store
 
     rng = np.random.default_rng(0)
-    parts = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in rng.integers(0, 9, 3 * _store._IOV_MAX)]
+    sizes = [*rng.integers(0, 9, 1500), 3 * _store.WRITE_BLOCK + 7, 5, _store.WRITE_BLOCK, *rng.integers(0, 9, 50),
+             _store.WRITE_BLOCK - 2, 11]
+    parts = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in sizes]
     want = b"".join(p.tobytes() for p in parts)
-    writev, readv = os.writev, os.readv
+    write, readv = os.write, os.readv
+    calls = []
 
-    def short_writev(fd, bufs):
-        return writev(fd, [memoryview(bufs[0])[:3]] if len(bufs[0]) else bufs[:2])
+    def short_write(fd, buf):
+        calls.append(len(buf))
+        return write(fd, memoryview(buf)[:max(1, len(buf) // 3)])
 
     def short_readv(fd, bufs):
         return readv(fd, [memoryview(bufs[0])[:5]])
 
     for patch in (False, True):
         if patch:
-            monkeypatch.setattr(os, "writev", short_writev)
+            monkeypatch.setattr(os, "write", short_write)
             monkeypatch.setattr(os, "readv", short_readv)
         path = str(tmp_path / f"f{patch}")
         assert _store.write_file(path, parts) == len(want)
@@ -463,3 +468,20 @@ def test_chunk_files_survive_short_reads_and_writes_and_many_parts(tmp_path, mon
         out, tail = np.empty(len(want) - 3, np.uint8), bytearray(5)
         assert _store.read_file_into(path, (out, tail)) == len(want)
         assert out.tobytes() + bytes(tail[:3]) == want
+    assert calls and max(calls) <= _store.WRITE_BLOCK
+
+
+def test_the_checksum_in_use_is_zarrs_crc32c():
+    """The CRC32C the checkpoint writes with (the crc32c package, when installed) is the one Zarr's
+    own codec checks (google-crc32c), on empty, odd-sized, large and non-byte buffers."""
+    import google_crc32c
+
+    from tilegraph.io import _store
+
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 3, 4095, 4097, 300_001, 5 << 20):
+        data = rng.integers(0, 255, n, dtype=np.uint8)
+        assert _store.crc32c(data) == google_crc32c.value(data.tobytes())
+        assert _store.crc32c(data.tobytes()) == google_crc32c.value(data.tobytes())
+    floats = rng.standard_normal((33, 17)).astype(np.float32)
+    assert _store.crc_bytes(floats.reshape(-1).view(np.uint8)) == google_crc32c.value(floats.tobytes()).to_bytes(4, "little")
