@@ -20,7 +20,8 @@ It prints:
   far it got, or the error that stopped it. ``--torch-budget 0`` gives it no limit (its peak
   resident memory is then printed). Its run without a limit follows, for its speed and peak.
 
-    python bench/bench_capacity.py                                   # ~4.3x: 4.1 GB of state, 2 x 0.95 GiB
+    python bench/bench_capacity.py                                   # 4.1x: 4.1 GB of state, 2 x 0.93 GiB
+    python bench/bench_capacity.py --layers 40 --steps 2             # 8.1x: 8.1 GB of state (about 4 minutes)
     python bench/bench_capacity.py --layers 4 --memory-limit 1GB     # a smaller model, ~1 min
 """
 
