@@ -13,7 +13,8 @@ middle layer) and of U and V only (the first adapted layer, whose input needs no
     torch      the same naive layer in torch eager (W.requires_grad False)
 
 Each number is the best of ``--repeat`` runs of one compiled graph (the machine is shared: minima
-are the stable statistic). Ratios > 1 mean RunLoRA is faster.
+are the stable statistic); tilegraph's three graphs take turns within each round, torch's layer
+runs after them. Ratios > 1 mean RunLoRA is faster.
 
 Part (b), memory-saving backprop on a GPT-2 a little larger than gpt2-debug (so that activations
 dominate: dim 256, 4 layers, 4 heads, vocab 512, batch 8 x 256 tokens), ``--steps`` AdamW steps each:
@@ -91,13 +92,22 @@ from tilegraph.ops import lora as L
 
 
 def best_of(fn, repeat: int) -> float:
-    fn()  # warm-up (plans, BLAS)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return best_of_each([fn], repeat)[0]
+
+
+def best_of_each(fns, repeat: int) -> list[float]:
+    """The best time of each of ``fns`` over ``repeat`` rounds, each round running every one of
+    them in turn (the first of a round rotating), so that none is timed only right after another
+    one's allocations or only while the machine is busy; each runs once untimed first."""
+    for fn in fns:
+        fn()  # warm-up (plans, BLAS)
+    times = [[] for _ in fns]
+    for k in range(repeat):
+        for i in [(k + j) % len(fns) for j in range(len(fns))]:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [min(t) for t in times]
 
 
 def tilegraph_step(arrays, needs, row_tile, build):
@@ -362,12 +372,14 @@ def part_a(args) -> None:
             label = "xuv" if needs[0] else "uv"
             chosen = L.choose_variant(N, n, n, r, needs=needs)
             timed = L.choose_variant(N, n, n, r, needs=needs, by="time", dtype=args.dtype)
-            t_naive = best_of(tilegraph_step(arrays, needs, args.row_tile,
-                                             lambda x, w, u, v, b: naive(x, w, u, v, b, scale)), args.repeat)
-            t_rl = best_of(tilegraph_step(arrays, needs, args.row_tile, lambda x, w, u, v, b: tg.ops.lora_linear(
-                x, w, u, v, b, scale=scale, requires_grad=needs)), args.repeat)
-            t_time = best_of(tilegraph_step(arrays, needs, args.row_tile, lambda x, w, u, v, b: tg.ops.lora_linear(
-                x, w, u, v, b, scale=scale, requires_grad=needs, variant=timed)), args.repeat)
+            steps = [tilegraph_step(arrays, needs, args.row_tile, lambda x, w, u, v, b: naive(x, w, u, v, b, scale)),
+                     tilegraph_step(arrays, needs, args.row_tile, lambda x, w, u, v, b: tg.ops.lora_linear(
+                         x, w, u, v, b, scale=scale, requires_grad=needs)),
+                     tilegraph_step(arrays, needs, args.row_tile, lambda x, w, u, v, b: tg.ops.lora_linear(
+                         x, w, u, v, b, scale=scale, requires_grad=needs, variant=timed))]
+            t_naive, t_rl, t_time = best_of_each(steps, args.repeat)
+            # torch apart: interleaved with tilegraph's graphs, its idle OpenMP threads spinning
+            # beside tilegraph's doubled its times
             t_torch = float("nan") if args.no_torch else best_of(torch_step(arrays, needs, scale), args.repeat)
             print(f"{r:>4} {label:>6} {'/'.join(chosen):>8} {t_naive * 1e3:8.1f} {t_rl * 1e3:8.1f} "
                   f"{'/'.join(timed) + f' {t_time * 1e3:.1f}':>14} {t_torch * 1e3:8.1f} "
