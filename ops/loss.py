@@ -14,9 +14,6 @@ each logits tile's gradient ``(softmax - onehot(target)) * weight`` is one kerne
 
 from __future__ import annotations
 
-import math
-
-import numba
 import numpy as np
 
 from tilegraph._autograd import Op
@@ -32,7 +29,7 @@ __all__ = ["cross_entropy"]
 
 _WHERE = "tilegraph.cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
-_NUMBA_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_CPU_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _acc_dtype(dtype) -> np.dtype:
@@ -64,33 +61,36 @@ def _ce_stats_xp(x, tgt, offset):
     return m.reshape(rows), s.reshape(rows), t.reshape(rows)
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_ce_stats(x, tgt, off, m_out, s_out, t_out):
-    n, v = x.shape
-    for i in range(n):
-        m = -np.inf
-        for j in range(v):
-            if x[i, j] > m:
-                m = x[i, j]
-        s = 0.0
-        for j in range(v):
-            s += math.exp(x[i, j] - m)
-        m_out[i] = m
-        s_out[i] = s
-        k = tgt[i] - off
-        t_out[i] = x[i, k] if 0 <= k < v else 0.0
+#: rows per block of the CPU kernels: a block's temporary (rows x vocab tile) stays in the core's
+#: cache while it is read back (about 512 KiB)
+_BLOCK_BYTES = 1 << 19
+
+
+def _row_blocks(n: int, v: int, itemsize: int):
+    step = max(1, _BLOCK_BYTES // max(1, v * itemsize))
+    return ((i, min(i + step, n)) for i in range(0, n, step))
 
 
 def _ce_stats_cpu(x, tgt, offset):
-    # Numba: 2-3x faster than the NumPy expressions (2048 x 12000 logits), and no full-size temporary.
-    if x.dtype not in _NUMBA_DTYPES or x.size == 0:
+    # NumPy's SIMD exp over blocks of rows held in cache: 6x the scalar-exp Numba loop this
+    # replaced (and 2x the whole-tile NumPy expressions, whose temporaries leave the cache) on a
+    # 1024 x 6283 float32 tile; the sums are NumPy's pairwise ones
+    if x.dtype not in _CPU_DTYPES or x.size == 0:
         return _ce_stats_xp(x, tgt, offset)
     rows = tgt.shape
-    acc = _acc_dtype(x.dtype)
-    n = numel(rows)
-    m, s, t = np.empty(n, acc), np.empty(n, acc), np.empty(n, acc)
-    _nb_ce_stats(np.ascontiguousarray(x.reshape(n, x.shape[-1])),
-                 np.ascontiguousarray(tgt.reshape(-1), dtype=np.int64), offset, m, s, t)
+    n, v = numel(rows), x.shape[-1]
+    x2 = np.ascontiguousarray(x.reshape(n, v))
+    m = x2.max(axis=1)
+    s = np.empty(n, x2.dtype)
+    buf = np.empty((min(n, max(1, _BLOCK_BYTES // (v * x2.itemsize))), v), x2.dtype)
+    for lo, hi in _row_blocks(n, v, x2.itemsize):
+        b = buf[:hi - lo]
+        np.subtract(x2[lo:hi], m[lo:hi, None], out=b)
+        np.exp(b, out=b)
+        b.sum(axis=1, out=s[lo:hi])
+    local = tgt.reshape(-1).astype(np.int64, copy=False) - offset
+    hit = (local >= 0) & (local < v)
+    t = np.where(hit, x2[np.arange(n), np.where(hit, local, 0)], 0).astype(x2.dtype, copy=False)
     return m.reshape(rows), s.reshape(rows), t.reshape(rows)
 
 
@@ -161,28 +161,24 @@ def _ce_bwd_xp(x, tgt, lse, g, *tot, offset, ignore_index, reduction):
     return p.astype(x.dtype, copy=False).reshape(x.shape)
 
 
-@numba.njit(cache=True, nogil=True)
-def _nb_ce_bwd(x, tgt, lse, w, off, out):
-    n, v = x.shape
-    for i in range(n):
-        wi = w[i]
-        li = lse[i]
-        for j in range(v):
-            out[i, j] = math.exp(x[i, j] - li) * wi
-        k = tgt[i] - off
-        if 0 <= k < v:
-            out[i, k] -= wi
-
-
 def _ce_bwd_cpu(x, tgt, lse, g, *tot, offset, ignore_index, reduction):
-    # Numba: about 3-5x faster than the NumPy expressions, one pass over the tile.
-    if x.dtype not in _NUMBA_DTYPES or x.size == 0:
+    # exp(x - lse) * w over blocks of rows held in cache (NumPy's SIMD exp): 3x the scalar-exp
+    # Numba loop this replaced on a 1024 x 6283 float32 tile
+    if x.dtype not in _CPU_DTYPES or x.size == 0:
         return _ce_bwd_xp(x, tgt, lse, g, *tot, offset=offset, ignore_index=ignore_index, reduction=reduction)
-    w = _row_weights(np, tgt, g, tot, ignore_index, reduction, lse.dtype)
-    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+    w = _row_weights(np, tgt, g, tot, ignore_index, reduction, lse.dtype).astype(x.dtype, copy=False)
+    n, v = w.shape[0], x.shape[-1]
+    x2 = np.ascontiguousarray(x.reshape(n, v))
+    lse2 = lse.reshape(-1).astype(x.dtype, copy=False)
     out = np.empty(x2.shape, x.dtype)
-    _nb_ce_bwd(x2, np.ascontiguousarray(tgt.reshape(-1), dtype=np.int64), np.ascontiguousarray(lse.reshape(-1)),
-               w, offset, out)
+    for lo, hi in _row_blocks(n, v, x2.itemsize):
+        o = out[lo:hi]
+        np.subtract(x2[lo:hi], lse2[lo:hi, None], out=o)
+        np.exp(o, out=o)
+        o *= w[lo:hi, None]
+    local = tgt.reshape(-1).astype(np.int64, copy=False) - offset
+    (r,) = np.nonzero((local >= 0) & (local < v))
+    out[r, local[r]] -= w[r]
     return out.reshape(x.shape)
 
 
