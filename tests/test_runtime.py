@@ -334,3 +334,55 @@ def test_a_tile_larger_than_a_workers_memory_limit_fails_before_running():
         a, b = tg.from_numpy(np.ones((2000, 8), np.float32)), tg.from_numpy(np.ones((8, 2000), np.float32))
         (ok,) = tg.compute((a @ b).sum(), runtime=rt)  # tiles that fit run
         assert float(ok) == 2000 * 2000 * 8
+
+
+UNGUARDED = {
+    "top level": ('import tilegraph as tg\n\nrt = tg.connect(quiet=True, dashboard=False)\nprint("started")\n', 3),
+    "a function called at top level": ('import tilegraph as tg\n\n\ndef main():\n'
+                                       '    return tg.connect(quiet=True, dashboard=False)\n\n\n'
+                                       'rt = main()\nprint("started")\n', 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNGUARDED))
+def test_a_script_starting_the_embedded_cluster_outside_a_main_guard_is_told_so(tmp_path, case):
+    """The workers of the embedded cluster run the main script again on starting: a script that
+    calls connect() outside `if __name__ == "__main__":` gets one error naming its line, before
+    any worker starts (it was a page of tracebacks ending in "Nanny failed to start")."""
+    code, line = UNGUARDED[case]
+    (tmp_path / "script.py").write_text(code)
+    out = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "started" not in out.stdout
+    assert 'if __name__ == "__main__":' in out.stderr and f"script.py, line {line}," in out.stderr, out.stderr[-2000:]
+    assert "Nanny" not in out.stderr and out.stderr.count("Traceback") == 1, out.stderr[-2000:]
+
+
+def test_a_package_main_needs_no_guard_and_guards_read_either_way(tmp_path):
+    """`python -m pkg` runs pkg/__main__.py, which worker processes do not run again (as
+    multiprocessing skips it): no guard needed there. The guard test reads both orders."""
+    import ast
+
+    from tilegraph._runtime import _is_main_test
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import numpy as np\nimport tilegraph as tg\n\n"
+                                     "with tg.connect(quiet=True, dashboard=False):\n"
+                                     "    print('sum', tg.from_numpy(np.ones((4, 4)), (2, 2)).numpy().sum())\n")
+    out = subprocess.run([sys.executable, "-m", "pkg"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "sum 16.0", out.stderr[-2000:]
+    tests = [ast.parse(src).body[0].test for src in ('if __name__ == "__main__": pass', "if '__main__' == __name__: pass",
+                                                     'if __name__ != "__main__": pass', 'if name == "__main__": pass')]
+    assert [_is_main_test(t) for t in tests] == [True, True, False, False]
+
+
+def test_a_worker_process_starting_up_may_not_start_a_cluster(monkeypatch):
+    """The backstop in the worker: connect() while the process is still starting (running the
+    main script again) is refused with the same advice."""
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(tg.TileError, match="starting as a worker") as e:
+        tg.connect(quiet=True)
+    assert 'if __name__ == "__main__":' in str(e.value)

@@ -403,6 +403,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
                             "and reachable?", f"{target} ({type(e).__name__}: {e})") from None
         return Runtime(client, make_current=make_current)
 
+    _refuse_unguarded_script(where)
     from distributed import Scheduler, SpecCluster
 
     ncpu = os.cpu_count() or 1
@@ -510,6 +511,60 @@ def _check_security(where: str, security):
     if not isinstance(security, Security):
         raise TileError(where, "security: a distributed.Security", f"{type(security).__name__}")
     return security
+
+
+_GUARD_HELP = ('put the script\'s code under `if __name__ == "__main__":` (the embedded cluster starts '
+               'its worker processes by running the main script again, as Python\'s multiprocessing '
+               '"spawn" does, and each would start a cluster of its own)')
+
+
+def _refuse_unguarded_script(where: str) -> None:
+    """Refuse to start the embedded cluster from a script's top-level code outside
+    ``if __name__ == "__main__":``: every worker process would run that code again on starting
+    and fail (a page of tracebacks ending in "Nanny failed to start"). Checked here, before
+    anything starts: the line of the main script that led to this call, against the script's
+    own source. In a worker started that way, the call itself is refused."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise TileError(where, _GUARD_HELP, "connect() called while this process was starting as a worker of "
+                        "an embedded cluster (it runs the main script again)")
+    import dask
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if (dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork"
+            or name == "__main__" or name.endswith(".__main__")):
+        return  # the workers do not run it again (a package's __main__ is skipped, as multiprocessing does)
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None or not path:
+        return  # not called from a script's top level (a notebook, python -c, a function run by a thread, ...)
+    line = frame.f_lineno
+    try:
+        import ast
+
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and node.lineno <= line <= node.end_lineno:
+            return
+    raise TileError(where, _GUARD_HELP, f"called from {path}, line {line}, outside such a block")
+
+
+def _is_main_test(test) -> bool:
+    """Whether ``test`` reads ``__name__ == "__main__"`` (either way round)."""
+    import ast
+
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+            and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
 
 
 def _embedded_security(where: str, security, tls: bool, files):
