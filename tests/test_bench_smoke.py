@@ -1,4 +1,4 @@
-"""The GPT-2 benchmark still runs: one short debug-flavor run on Dask's local scheduler."""
+"""The benchmarks still run: short runs of bench_gpt2, bench_peft (parts a and d) and bench_checkpoint."""
 
 from __future__ import annotations
 
@@ -56,3 +56,40 @@ def test_bench_peft_part_d_debug_runs():
     assert math.isfinite(median) and median > 0, proc.stdout
     rel = float(words[words.index("differ") + 2])
     assert rel < 1e-4, proc.stdout
+
+
+def test_bench_peft_part_a_small_runs():
+    """bench_peft.py part (a) (RunLoRA's graphs against the naive one, taking turns) on a small
+    layer: a row per rank and gradient set, with finite times and the chosen variant named."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_peft.py"), "--parts", "a", "--rows", "1024", "--dim", "128",
+         "--ranks", "4", "--row-tile", "256", "--repeat", "2", "--no-torch"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["4"]]
+    assert [r[1] for r in rows] == ["xuv", "uv"], proc.stdout
+    for r in rows:
+        naive, runlora, ratio = float(r[3]), float(r[4]), float(r[-2])
+        # times printed to 0.1 ms: the ratio agrees with them up to that rounding
+        assert naive > 0 and runlora > 0 and abs(naive - ratio * runlora) <= 0.05 * (1 + ratio) + 1e-9, proc.stdout
+        assert "/" in r[2], proc.stdout  # forward/backward variant chosen
+
+
+def test_bench_checkpoint_throughput_small_runs(tmp_path):
+    """bench_checkpoint.py's throughput table (Zarr against numpy.save and safetensors, the formats
+    taking turns, a warm-up round untimed) on the debug GPT-2's state."""
+    pytest.importorskip("safetensors")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_checkpoint.py"), "--only", "throughput", "--flavor", "gpt2-debug",
+         "--workers", "1", "--repeat", "2", "--warmup", "1", "--verbose", "--dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    table = {name: line for line in lines for name in ("zarr, 1 worker", "numpy.save / np.load", "safetensors")
+             if line.startswith(name + " ")}
+    assert len(table) == 3, proc.stdout
+    numbers = [float(w.replace(",", "")) for w in table["zarr, 1 worker"].split()[3:]]
+    assert len(numbers) == 4 and all(math.isfinite(v) and v > 0 for v in numbers), proc.stdout
+    rounds = [line for line in lines if "save s:" in line]
+    assert len(rounds) == 3 and all(len(line.split("save s:")[1].split("load s:")[0].split()) == 2 for line in rounds)
+    assert not any(tmp_path.glob("*/zarr-*")) and not any(tmp_path.glob("*/npy-*")), "the bench left its files"
