@@ -141,8 +141,8 @@ def _advance(views: list, i: int, n: int) -> int:
 
 
 #: bytes per write call: a file goes out in blocks of this size, small parts gathered into one.
-#: One call per large buffer costs the same on Linux, but in sandboxed kernels (gVisor) a call
-#: of many MB, or a writev, ran 3-6x slower than these blocks (bench_checkpoint, 2 cores)
+#: In a sandboxed kernel (gVisor-like, the 2-core CI machine) one call per 9 MB tile, or a writev,
+#: ran 3-6x slower than blocks of 64-512 KiB; elsewhere blocks cost a few thousand more calls per GB
 WRITE_BLOCK = 1 << 18
 
 

@@ -532,6 +532,8 @@ def _refuse_unguarded_script(where: str) -> None:
     import dask
 
     main = sys.modules.get("__main__")
+    if main is None:
+        return
     path = getattr(main, "__file__", None)
     name = getattr(getattr(main, "__spec__", None), "name", None) or ""
     if (dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork"
@@ -550,8 +552,9 @@ def _refuse_unguarded_script(where: str) -> None:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_main_test(node.test) and node.lineno <= line <= node.end_lineno:
+    for node in ast.walk(tree):  # the line in the body of such an if
+        if (isinstance(node, ast.If) and _is_main_test(node.test)
+                and node.body[0].lineno <= line <= node.body[-1].end_lineno):
             return
     raise TileError(where, _GUARD_HELP, f"called from {path}, line {line}, outside such a block")
 
