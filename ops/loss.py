@@ -66,8 +66,12 @@ def _ce_stats_xp(x, tgt, offset):
 _BLOCK_BYTES = 1 << 19
 
 
+def _block_rows(v: int, itemsize: int) -> int:
+    return max(1, _BLOCK_BYTES // max(1, v * itemsize))
+
+
 def _row_blocks(n: int, v: int, itemsize: int):
-    step = max(1, _BLOCK_BYTES // max(1, v * itemsize))
+    step = _block_rows(v, itemsize)
     return ((i, min(i + step, n)) for i in range(0, n, step))
 
 
@@ -82,7 +86,7 @@ def _ce_stats_cpu(x, tgt, offset):
     x2 = np.ascontiguousarray(x.reshape(n, v))
     m = x2.max(axis=1)
     s = np.empty(n, x2.dtype)
-    buf = np.empty((min(n, max(1, _BLOCK_BYTES // (v * x2.itemsize))), v), x2.dtype)
+    buf = np.empty((min(n, _block_rows(v, x2.itemsize)), v), x2.dtype)
     for lo, hi in _row_blocks(n, v, x2.itemsize):
         b = buf[:hi - lo]
         np.subtract(x2[lo:hi], m[lo:hi, None], out=b)
