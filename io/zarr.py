@@ -51,7 +51,7 @@ import numpy as np
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CheckpointError, process_alive, array_meta, chunk_path, chunks_of, group_meta, job_bytes,
+from ._store import (CheckpointError, process_alive, array_meta, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
                      slices, tile_label, write_meta, write_parts_task, write_shard_task, write_tiles, write_values)
 
@@ -60,8 +60,9 @@ __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", 
            "CheckpointError"]
 
 FORMAT = "tilegraph-checkpoint"
-#: bumped when a reader of an older version could not read what a newer one writes
-FORMAT_VERSION = 1
+#: bumped when a reader of an older version could not read what a newer one writes. 2: chunk
+#: keys ``c.i.j`` (``_store.CHUNK_SEPARATOR``); 1 (still read): ``c/i/j``
+FORMAT_VERSION = 2
 ATTR = "tilegraph"
 #: characters a checkpoint array name may hold (parameter names are dotted paths)
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -546,7 +547,7 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
                 else:  # the inner chunks inside the array, then the index of every slot and its CRC32C
                     present = np.prod([max(0, min(p, k - i * p)) for i, p, k in zip(idx, per, inner)])
                     size = int(present) * chunk_bytes + 16 * int(np.prod(per)) + 4
-                key = f"{apath}/c" + "".join(f"/{i}" for i in idx)
+                key = f"{apath}/{chunk_key(idx)}"
                 try:
                     got = os.stat(chunk_path(str(tmp), apath, idx)).st_size
                 except FileNotFoundError:
@@ -632,6 +633,8 @@ class Checkpoint:
         self.step = int(self.info.get("step", 0))
         self.metadata = self.info.get("metadata") or {}
         self.arrays: dict[str, dict] = self.info.get("arrays") or {}
+        if self.info.get("version") == 1:  # chunk keys c/i/j (the readers' default is c.i.j)
+            self.arrays = {a: dict(info, separator="/") for a, info in self.arrays.items()}
         self.optimizer_info = self.info.get("optimizer")
         self.trainer_state = self.info.get("trainer") or {}
         self.parameters: list[str] = list(self.info.get("parameters") or [])

@@ -3,6 +3,7 @@ worker-side writes, atomic commit under a kill, the manager, and bad input."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -265,9 +266,7 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     for how in ("flip", "truncate"):
         bad = tmp_path / how
         shutil.copytree(good, bad)
-        chunk = next((bad / "model" / "wte.weight" / "c").rglob("*"))
-        while chunk.is_dir():
-            chunk = next(chunk.iterdir())
+        chunk = next((bad / "model" / "wte.weight").glob("c.*"))
         if how == "flip":
             _corrupt(chunk)
         else:
@@ -285,7 +284,7 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     meta = json.loads((future / "zarr.json").read_text())
     meta["attributes"]["tilegraph"]["version"] = tz.FORMAT_VERSION + 1
     (future / "zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(tz.CheckpointError, match=r"format version .* upgrade tilegraph; received: version 2"):
+    with pytest.raises(tz.CheckpointError, match=rf"format version .* upgrade tilegraph; received: version {tz.FORMAT_VERSION + 1}"):
         tg.io.load_checkpoint(future)
     # a model that does not match: every problem at once, nothing changed
     other = models.build(models.GPT2Config(vocab_size=96, max_seq_len=32, dim=32, n_layers=3, n_heads=4), seed=9)
@@ -376,7 +375,7 @@ def test_a_damaged_shard_names_the_array(tmp_path):
     for how, message in (("flip", "a chunk failed its checksum"), ("truncate", "a shard's index failed its checksum")):
         bad = tmp_path / how
         shutil.copytree(good, bad)
-        shard = bad / "model" / "blocks.0.mlp.fc1.weight" / "c" / "0" / "0"
+        shard = bad / "model" / "blocks.0.mlp.fc1.weight" / "c.0.0"
         if how == "flip":
             b = bytearray(shard.read_bytes())
             b[10] ^= 0xFF
@@ -413,10 +412,10 @@ def test_a_short_chunk_write_fails_the_save_and_a_longer_chunk_fails_the_load(tm
     from tilegraph.io import _store
 
     write_file = _store.write_file
-    for tiling, victim, sharded in (("single", "model/wte.weight/c/", False),
-                                    ("even", "model/blocks.0.mlp.fc1.weight/c/", True)):
+    for tiling, victim, sharded in (("single", "model/wte.weight/c.", False),
+                                    ("even", "model/blocks.0.mlp.fc1.weight/c.", True)):
         model = models.build("gpt2-debug", TILINGS[tiling], seed=0)
-        info = tg.io.load_checkpoint(tg.io.save_checkpoint(tmp_path / tiling, model)).arrays[victim.split("/c/")[0]]
+        info = tg.io.load_checkpoint(tg.io.save_checkpoint(tmp_path / tiling, model)).arrays[victim.split("/c.")[0]]
         assert bool(info["shards"]) == sharded  # a file per chunk, then a shard file of several
         def short(path, parts, victim=victim):
             n = write_file(path, parts)
@@ -425,15 +424,15 @@ def test_a_short_chunk_write_fails_the_save_and_a_longer_chunk_fails_the_load(tm
             return n
 
         monkeypatch.setattr(_store, "write_file", short)
-        with pytest.raises(tz.CheckpointError, match=rf"of the wrong size \(a short or failed write\).*{victim}"):
+        with pytest.raises(tz.CheckpointError, match=rf"of the wrong size \(a short or failed write\).*{re.escape(victim)}"):
             tg.io.save_checkpoint(tmp_path / "out" / "ck", model)
         assert list((tmp_path / "out").iterdir()) == []
         monkeypatch.setattr(_store, "write_file", write_file)
     bad = tmp_path / "long"
     shutil.copytree(tg.io.save_checkpoint(tmp_path / "whole", models.build("gpt2-debug", seed=0)), bad)
-    chunk = bad / "model" / "wte.weight" / "c" / "0" / "0"  # one file per tile
+    chunk = bad / "model" / "wte.weight" / "c.0.0"  # one file per tile
     chunk.write_bytes(chunk.read_bytes() + b"\0")
-    with pytest.raises(tz.CheckpointError, match=r"'model/wte.weight': a chunk failed its checksum.*c/0/0"):
+    with pytest.raises(tz.CheckpointError, match=r"'model/wte.weight': a chunk failed its checksum.*c\.0\.0"):
         tg.models.from_zarr(bad)
 
 
@@ -485,3 +484,64 @@ def test_the_checksum_in_use_is_zarrs_crc32c():
         assert _store.crc32c(data.tobytes()) == google_crc32c.value(data.tobytes())
     floats = rng.standard_normal((33, 17)).astype(np.float32)
     assert _store.crc_bytes(floats.reshape(-1).view(np.uint8)) == google_crc32c.value(floats.tobytes()).to_bytes(4, "little")
+
+
+def _as_format_1(path):
+    """Rewrite a checkpoint as tilegraph's format 1 wrote it: chunk files ``c/i/j`` (Zarr's
+    default "/" separator) instead of ``c.i.j``, and version 1."""
+    for meta_file in path.rglob("zarr.json"):
+        doc = json.loads(meta_file.read_text())
+        if doc.get("node_type") == "array":
+            doc["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "/"}}
+            meta_file.write_text(json.dumps(doc))
+        for chunk in meta_file.parent.glob("c.*"):
+            target = chunk.parent.joinpath("c", *chunk.name.split(".")[1:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            chunk.rename(target)
+    root = json.loads((path / "zarr.json").read_text())
+    root["attributes"]["tilegraph"]["version"] = 1
+    (path / "zarr.json").write_text(json.dumps(root))
+
+
+@pytest.mark.parametrize("tiling,quantize", [("single", None), ("even", None), ("ragged", "int8")])
+def test_one_folder_per_zarr_node_and_format_1_checkpoints_still_load(tmp_path, tiling, quantize):
+    """Chunk files sit in their array's folder (``c.0.1``): a checkpoint's folders are its Zarr
+    groups and arrays and nothing else, and zarr-python reads it. A checkpoint of format 1 (chunk
+    files ``c/0/1``: a folder for the ``c`` and for every index but the last) loads the same."""
+    import shutil
+
+    import zarr
+
+    model = models.build("gpt2-debug", TILINGS[tiling], seed=4)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    for grid in (g for st in opt.state for g in st):
+        for cell in grid.flat:
+            cell.set(np.random.default_rng(5).standard_normal(cell.shape).astype(np.float32))
+    path = tg.io.save_checkpoint(tmp_path / "new", model, opt, step=2, quantize=quantize)
+    folders = [p for p in path.rglob("*") if p.is_dir()]
+    assert folders and all((p / "zarr.json").is_file() for p in folders), \
+        [str(p.relative_to(path)) for p in folders if not (p / "zarr.json").is_file()][:5]
+    assert any(p.name.startswith("c.") for p in path.rglob("*") if p.is_file())
+    group = zarr.open_group(str(path), mode="r")
+    plain = {name: value for name, value in _state(model).items() if isinstance(group["model"][name], zarr.Array)}
+    assert plain  # a quantized weight is a group of its tiles
+    for name, value in plain.items():
+        np.testing.assert_array_equal(group["model"][name][...], value, err_msg=name)
+    new = tg.io.load_checkpoint(path)
+    old_path = tmp_path / "old"
+    shutil.copytree(path, old_path)
+    _as_format_1(old_path)
+    assert (old_path / "model" / "blocks.0.ln_1.weight" / "c").is_dir()
+    old = tg.io.load_checkpoint(old_path)
+    _assert_same(_state(old.model), _state(new.model))
+    opt_old, opt_new = tg.optim.AdamW(old.model.parameters(), lr=1e-3), tg.optim.AdamW(new.model.parameters(), lr=1e-3)
+    old.restore_optimizer(opt_old, old.model)
+    new.restore_optimizer(opt_new, new.model)
+    for a, b in zip(opt_old.state_tensors(), opt_new.state_tensors()):
+        for name in a:
+            np.testing.assert_array_equal(a[name].numpy(), b[name].numpy(), err_msg=name)
+    # a format-1 chunk that is gone is named by its format-1 key
+    victim = next(p for p in (old_path / "model" / "blocks.0.ln_1.weight" / "c").rglob("*") if p.is_file())
+    victim.unlink()
+    with pytest.raises(tz.CheckpointError, match=r"'model/blocks.0.ln_1.weight': a (chunk|shard) is missing.*c/"):
+        tg.io.load_checkpoint(old_path).model
