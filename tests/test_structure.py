@@ -226,6 +226,30 @@ def test_tasks_of_tiny_kernels_run_on_one_thread(rng, monkeypatch):
     np.testing.assert_allclose(tg.compute(y)[0], x.numpy() * 2 + 1)
 
 
+def test_a_task_keeps_no_more_threads_than_its_kernels_can_use(rng, monkeypatch):
+    """On a process of 16 threads: tiny kernels run on one thread (handing them between threads
+    costs more than it gains, and more with every thread); 3 slow kernels that can run at once
+    hold at most the 4 threads of the next power of two, not 16; 8 of them, all 16 would wait."""
+    import os
+
+    from tilegraph.plan.cluster import list_span, threads_worth_using
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    x = tg.from_numpy(rng.standard_normal((8, 3)), (1, 3))
+    assert tg.compile([x * 2.0 + 1.0]).plans[0].prog.threads == 1
+    for n, most in ((3, 4), (8, 8)):
+        x = tg.from_numpy(rng.standard_normal((n, 3)), (1, 3))
+        slow = new_tensor(x.tiling, x.dtype, lambda idx: emit1(_sleepy, [x.grid[idx]], x.grid[idx].shape, x.dtype,
+                                                                op="sleepy"))
+        exe = tg.compile([slow], target_seconds=10.0)
+        assert exe.n_tasks == 1 and exe.plans[0].prog.threads == most
+        nodes = exe.clusters[0].nodes
+        times = [0.1] * len(nodes)
+        assert list_span(nodes, times, 1) == pytest.approx(0.1 * n)
+        assert list_span(nodes, times, 2) == pytest.approx(0.1 * -(-n // 2))
+        assert threads_worth_using(nodes, 2) == 2 and threads_worth_using(nodes, 1) == 1
+
+
 def test_work_spreads_over_processes_only_when_each_gets_enough(rng):
     from tilegraph._lower import by_upward_rank, cluster_nodes, place
     from tilegraph._graph import topo_order

@@ -86,9 +86,10 @@ class Config:
     #: (CPU: one core of the development machine, OpenBLAS fp32 GEMM ~125 GFLOP/s; a call on
     #: tiny tiles takes ~10 us, mostly Python and NumPy dispatch)
     speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 2e-5)})
-    #: what running a task's kernels on several threads costs per kernel (handing kernels between
-    #: threads, which also contend for the GIL): a task runs them on one thread unless the plan's
-    #: parallel schedule saves more than this per kernel
+    #: what running a task's kernels on several threads costs per kernel and per thread beyond
+    #: the first (handing kernels between threads, which also contend for the GIL): a task keeps
+    #: the number of threads (1, 2, 4, ... or all) whose list-scheduled span plus this cost is
+    #: least (``plan.cluster.threads_worth_using``)
     thread_handoff_seconds: float = 2e-5
 
 
