@@ -80,7 +80,7 @@ def tilegraph_run(args) -> dict:
 
 
 def _worker_memory(dask_worker) -> tuple[int, int, int]:
-    from tilegraph._runtime import peak_resident_bytes
+    from tilegraph.runtime.worker_setup import peak_resident_bytes
 
     peak = peak_resident_bytes()
     spilled = getattr(dask_worker.data, "spilled_total", None)  # (bytes in memory, bytes on disk)

@@ -400,7 +400,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
                  trainer_state: Mapping | None = None) -> PendingSave:
     """Check the arguments of :func:`save_checkpoint` and fix the values to write (the tiles'
     current values); returns the :class:`PendingSave` that writes them."""
-    from tilegraph._runtime import current_runtime
+    from tilegraph.runtime import current_runtime
 
     path = Path(path)
     where = f"tilegraph.io.save_checkpoint({path})"
@@ -653,7 +653,7 @@ class Checkpoint:
 
     @property
     def runtime(self):
-        from tilegraph._runtime import current_runtime
+        from tilegraph.runtime import current_runtime
 
         return self._runtime if self._runtime is not None else current_runtime()
 

@@ -30,7 +30,7 @@ import numpy as np
 from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef
 from tilegraph._lower import Executable, _host
-from tilegraph._runtime import current_runtime
+from tilegraph.runtime import current_runtime
 
 from ._common import CausalLM
 

@@ -69,7 +69,7 @@ def test_task_results_have_their_exact_size():
 
 
 def test_spill_target_leaves_room_under_small_limits():
-    from tilegraph._runtime import WORKER_BASE_BYTES, _memory_settings
+    from tilegraph.runtime import WORKER_BASE_BYTES, _memory_settings
 
     small = _memory_settings("1GiB", 1, 2)["distributed.worker.memory.target"]
     assert small == pytest.approx(0.6 - WORKER_BASE_BYTES / 2**30 - config.task_memory_fraction)
@@ -125,7 +125,7 @@ def test_sharded_model_larger_than_worker_memory_trains(local_scheduler):
         assert max(c.bytes for c in exe.clusters if len(c.nodes) > 1) <= config.task_memory_fraction * limit
 
         def memory(dask_worker):
-            from tilegraph._runtime import peak_resident_bytes
+            from tilegraph.runtime.worker_setup import peak_resident_bytes
 
             return peak_resident_bytes(), len(dask_worker.data.slow)
 

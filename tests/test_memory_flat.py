@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import tilegraph as tg
-from tilegraph._runtime import LOG_LENGTH_DASK_CONFIG
+from tilegraph.runtime.worker_setup import LOG_LENGTH_DASK_CONFIG
 
 STEPS = 2500
 EVERY = 250  # steps between samples; the first sample is the baseline (the kernels compiled by then)

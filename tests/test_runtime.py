@@ -131,7 +131,7 @@ def test_no_top_level_ops_models_io_packages(tmp_path):
 
 
 def test_workers_keep_tile_allocations_on_the_heap(embedded_runtime):
-    from tilegraph._runtime import _tune_malloc
+    from tilegraph.runtime.worker_setup import _tune_malloc
 
     plugins = embedded_runtime.client.run(lambda dask_worker: sorted(dask_worker.plugins))
     assert all("tilegraph-malloc" in p for p in plugins.values())
@@ -362,7 +362,7 @@ def test_a_package_main_needs_no_guard_and_guards_read_either_way(tmp_path):
     multiprocessing skips it): no guard needed there. The guard test reads both orders."""
     import ast
 
-    from tilegraph._runtime import _is_main_test
+    from tilegraph.runtime.connection import _is_main_test
 
     pkg = tmp_path / "pkg"
     pkg.mkdir()

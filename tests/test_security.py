@@ -180,7 +180,7 @@ def test_mpi_tls_settings_are_the_dask_config_keys_distributed_reads(certs):
     import dask
     from distributed import Security
 
-    from tilegraph._mpi import _tls_config
+    from tilegraph.runtime.mpi import _tls_config
 
     files = (certs["tls_ca_file"], certs["tls_cert"], certs["tls_key"])
     with dask.config.set(_tls_config(None, False, files)):

@@ -11,7 +11,7 @@ from tilegraph._tensor import TileTensor, Tiling, from_dask_array, from_numpy
 from tilegraph._autograd import Op, grad
 from tilegraph.recompute import checkpoint
 from tilegraph._lower import compile, compute, config
-from tilegraph._runtime import Runtime, connect, current_runtime
+from tilegraph.runtime import Runtime, connect, current_runtime
 
 from tilegraph import ops, nn, optim
 from tilegraph._train import EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError

@@ -98,7 +98,7 @@ class Executable:
     def __init__(self, roots: Sequence[TileRef], *, fuse: bool | None = None, target_seconds: float | None = None,
                  placement: str | None = None, runtime=None, parallel: str | None = None,
                  state_groups: Sequence[Sequence[int]] = (), batch_cells: Sequence = ()):
-        from tilegraph._runtime import current_runtime
+        from tilegraph.runtime import current_runtime
 
         runtime = runtime if runtime is not None else current_runtime()
         self.runtime = runtime

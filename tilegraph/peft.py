@@ -837,7 +837,7 @@ def from_quantized(path, tiling=None, *, runtime=None):
     The model's tiling must be the stored one for the quantized weights (their tiles were
     quantized one by one); ``tiling`` may only change what loads dequantized.
     """
-    from tilegraph._runtime import current_runtime
+    from tilegraph.runtime import current_runtime
     from tilegraph.io._store import quantized_parts, tile_label
     from tilegraph.io.quantize import QuantizedArray
     from tilegraph.io.zarr import load_checkpoint

@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._runtime import _plural
+from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
                               lost_worker_error, translate_worker_failure, worker_health)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._runtime import _plural
+from tilegraph.runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
 from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, check_init_fits, given_model_keys,
@@ -110,7 +110,7 @@ def _train(args, held: list) -> int:
     rt = None
     # TLS files: the flags override [runtime]; "" is off (connect checks them before connecting)
     tls = {k: getattr(args, k) or r.get(k) or None for k in ("tls_ca_file", "tls_cert", "tls_key")}
-    from tilegraph._runtime import _tls_files
+    from tilegraph.runtime.connection import _tls_files
 
     _tls_files("tilegraph train [runtime]", *tls.values())  # wrong files stop before the data is read
     launches = [k for k, on in (("address", r["address"]), ("scheduler_file", r["scheduler_file"]),

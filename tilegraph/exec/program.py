@@ -111,7 +111,7 @@ _BY_KERNEL: dict[str, float] = {}
 _BY_SCOPE: dict[str, float] = {}
 _STATS_LOCK = threading.Lock()
 #: called (no arguments) in this process after each task's kernels: a worker under a memory limit
-#: hands freed memory back to the system there (see ``tilegraph._runtime._tune_malloc``)
+#: hands freed memory back to the system there (see ``tilegraph.runtime.worker_setup._tune_malloc``)
 AFTER_TASK: list = []
 
 

@@ -24,13 +24,14 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     except ImportError as e:
         raise TileError("tilegraph.connect(mpi=True)", "needs the mpi extra: pip install 'tilegraph[mpi]'",
                         f"ImportError: {e}") from None
-    from tilegraph._runtime import _plural
+    from tilegraph.runtime import _plural
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 3:
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
                         "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank"))
-    from tilegraph._runtime import CLUSTER_DASK_CONFIG, _quiet_logs, _visible_gpus
+    from tilegraph.runtime import _visible_gpus
+    from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs
 
     if quiet:  # dask-mpi ranks log connection noise (CommClosedError) at a clean shutdown
         _quiet_logs()

@@ -1,0 +1,208 @@
+"""What runs on the workers or shapes them: the version check, malloc tuning, the plugins that
+unlink finished tasks, quiet logs, and the Dask settings of the clusters tilegraph starts."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+from tilegraph._errors import TileError
+
+
+def _worker_version() -> str | None:
+    """This process's tilegraph version (run on each worker); None where tilegraph is missing."""
+    try:
+        import tilegraph
+
+        return tilegraph.__version__
+    except ImportError:
+        return None
+
+
+def _check_worker_versions(client) -> None:
+    """Workers must run the client's tilegraph: tasks carry programs of kernel names and
+    parameters that another version may read differently, or not at all."""
+    import tilegraph
+
+    try:
+        versions = client.run(_worker_version)
+    except ImportError as e:  # a worker that cannot even unpickle the check
+        raise TileError("tilegraph.connect", "workers with tilegraph installed", f"a worker raised {e!r}") from None
+    wrong = {addr: v for addr, v in versions.items() if v != tilegraph.__version__}
+    if wrong:
+        raise TileError("tilegraph.connect", f"every worker running tilegraph {tilegraph.__version__} (this client's)",
+                        ", ".join(f"{addr}: {'not installed' if v is None else v}" for addr, v in sorted(wrong.items())))
+
+
+def _tune_malloc(memory_limit: float | None = None) -> bool:
+    """Keep tile-sized allocations on glibc's heap in this process (a worker).
+
+    Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=64 KiB, which also switches off glibc's
+    adaptive mmap threshold: every allocation above 128 KiB is then a fresh mmap. Tile kernels
+    allocate and free large arrays all the time; on the bench block stack that was 340,000 page
+    faults and 1.6 s of system time per 3.6 s step. With blocks up to 32 MiB served from the heap
+    and up to 1 GiB of freed memory kept for reuse: 7,000 faults, 2.7 s per step.
+
+    One malloc arena for all threads: a tile allocated by one kernel thread and freed by another
+    otherwise lands in another thread's arena, whose heap keeps growing and shrinking. Measured on
+    the bench block stack with in-task threads (noisy): 19,000-21,000 page faults per step without,
+    2,000-15,000 with it, and 0.04-0.28 s instead of 0.22-0.35 s of system time.
+
+    Under a ``memory_limit`` (bytes) the heap keeps at most an eighth of it and serves blocks up
+    to a 32nd of it, and after a task that leaves the process above half its limit, the heap's
+    free pages go back to the system (``malloc_trim``): freed memory kept for reuse counts in the
+    process's memory as Dask sees it, a worker over 70% of its limit spills everything it can,
+    and at 80% it stops running tasks until its memory falls, which spilling alone cannot bring
+    about (measured: a sharded model 2.3x the workers' 400 MB limit paused both workers for good
+    in its second step; with the trim it trains).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # mallopt parameter numbers from malloc.h
+    limit = memory_limit or float("inf")
+    if limit < float("inf"):
+        from tilegraph.exec import program
+
+        program.AFTER_TASK[:] = [functools.partial(_trim_above, libc, limit / 2)]
+    return (bool(libc.mallopt(m_mmap_threshold, int(min(32 << 20, limit / 32))))
+            and bool(libc.mallopt(m_trim_threshold, int(min(1 << 30, limit / 8))))
+            and bool(libc.mallopt(m_arena_max, 1)))
+
+
+def _trim_above(libc, threshold: float) -> None:
+    """Give the heap's free pages back to the system when this process uses over ``threshold``
+    bytes (its resident set, from /proc: ~10 us)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            rss = int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return
+    if rss > threshold:
+        libc.malloc_trim(0)
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident memory (Linux ``VmHWM``; None elsewhere). Unlike
+    ``ru_maxrss``, which a process started by fork and exec inherits from its parent (a Dask
+    worker from the process that started the cluster), it counts this process's memory alone."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _malloc_plugin():
+    """A worker plugin applying :func:`_tune_malloc` on every worker, also those joining later."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class MallocPlugin(WorkerPlugin):
+        name = "tilegraph-malloc"
+        idempotent = True
+
+        def setup(self, worker) -> None:
+            _tune_malloc(getattr(getattr(worker, "memory_manager", None), "memory_limit", None))
+
+    return MallocPlugin()
+
+
+def _unchain(state, key) -> None:
+    """Unlink the finished task ``key`` from its dependencies in memory (a worker's state machine).
+
+    A Dask worker forgets a released task only once it has no dependents left, and a dependent
+    stays linked until it is forgotten itself. Training steps form an endless chain: step n's
+    task reads the parameters step n-1's task left, and the newest one always holds the current
+    parameters; so the worker kept a released record of every step before it, back to the first
+    (measured over 5,500 steps of the debug GPT-2, one per graph: +1 task record and +41 KB of
+    worker memory per step; with this plugin 4 records and +0.4 KB per step, Dask's cache of key
+    names). A task in memory never reads its inputs again; unlinked from them, each input is
+    forgotten as soon as the scheduler releases it, as it would be at the end of a finite graph.
+    An input still linked to tasks that wait for it keeps those links; a task computed again
+    gets its inputs linked anew by the scheduler's compute-task message."""
+    ts = state.tasks.get(key)
+    if ts is None or ts.state != "memory":
+        return
+    for dep in [d for d in ts.dependencies if d.state == "memory"]:
+        ts.dependencies.discard(dep)
+        dep.dependents.discard(ts)
+
+
+def _unchain_plugin():
+    """A worker plugin applying :func:`_unchain` to tilegraph's tasks (keys ``tg-...``) as they
+    finish, on every worker, also those joining later; other tasks keep Dask's bookkeeping."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class UnchainPlugin(WorkerPlugin):
+        name = "tilegraph-unchain"
+        idempotent = True
+
+        def setup(self, worker) -> None:
+            self.state = worker.state
+
+        def transition(self, key, start, finish, **kwargs) -> None:
+            # called by the worker's state machine, on its event loop, after each transition
+            if finish == "memory" and isinstance(key, str) and key.startswith("tg-"):
+                _unchain(self.state, key)
+
+    return UnchainPlugin()
+
+
+_DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
+                 "distributed.worker", "distributed.http.proxy", "distributed.batched", "tornado.application")
+
+
+def _quiet_logs() -> None:
+    for name in _DASK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # A failing task's error reaches the client, which raises it with the kernel and op named;
+    # the worker's own "Compute Failed" record of it (a Dask traceback) would only repeat it.
+    logging.getLogger("distributed.worker").setLevel(logging.CRITICAL)
+
+
+#: Dask settings that bound what the scheduler, the workers and the client keep of past work.
+#: Dask keeps the last ``low-level-log-length`` entries of each of its logs: the scheduler's
+#: transition log and event topics, each worker's transition and stimulus logs, and the "recent
+#: messages" of every batched stream, each of which is a whole message under 1 MB (graphs with
+#: their inline batches, compute-task messages with their arguments). Dask's default of 1,000 let
+#: the client of the debug GPT-2 grow by ~16 KB per step until the logs filled (139 to 155 MB
+#: over the first 1,000 steps of one step per graph, and for far longer with several steps per
+#: graph; with 100, 134.8 MB at step 500 and 136.0 MB at step 1,000); 100 entries keep a few seconds of history, which is what debugging a hung step reads
+#: (``Client.story``, the worker's ``story``) and what the failure checks read (a worker's
+#: removal among the scheduler's events, see ``_train.worker_health``).
+LOG_LENGTH_DASK_CONFIG = {
+    "distributed.admin.low-level-log-length": 100,
+}
+
+#: Dask settings of the clusters tilegraph starts: the embedded one, and the scheduler and
+#: workers of an MPI launch (``connect(dask_config=...)`` overrides them in both).
+#: Measured on the 2-core development machine: root-task queuing halves flat-graph throughput;
+#: an idle embedded cluster burnt ~20% of a core in periodic callbacks (10 ms worker profiler,
+#: 20 ms event-loop ticks, 100 ms memory and work-stealing polls), about halved by these intervals.
+CLUSTER_DASK_CONFIG = {
+    "distributed.scheduler.worker-saturation": float("inf"),
+    "distributed.worker.profile.enabled": False,
+    "distributed.admin.tick.interval": "1s",
+    "distributed.worker.memory.monitor-interval": "1s",
+    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.scheduler.work-stealing-interval": "1s",
+    # A worker that sends no heartbeat (one every 0.5 s) for this long is restarted through its
+    # nanny: its futures are lost, so every wait on them fails (tilegraph names the worker) instead
+    # of hanging behind a stopped process (Dask's default: 5 minutes). Longest silence measured on
+    # 2 cores: 2.7 s, in GPT-2 124M's data-parallel gradient exchange (2 workers x 1 thread). The
+    # scheduler looks every ttl, so a stall ends waits in 1-2 minutes; the Trainer checks sooner.
+    "distributed.scheduler.worker-ttl": "60s",
+    **LOG_LENGTH_DASK_CONFIG,
+}
