@@ -1,14 +1,14 @@
 """The part of Zarr v3 that tilegraph's checkpoints use, read and written file by file.
 
 An array's metadata is the ``zarr.json`` zarr-python itself makes (a regular chunk grid, the
-``bytes`` codec, little-endian, then ``crc32c``); a chunk file ``c.i.j`` (Zarr's default chunk key
-encoding with the "." separator, :data:`CHUNK_SEPARATOR`; checkpoints of format 1 used ``c/i/j``)
-holds the chunk's bytes in C order (edge chunks padded to the full shape) followed by their CRC32C. Arrays of small tiles use
-Zarr's sharding codec: one file holds several whole tiles, each with its checksum, then the index
-of (offset, length) per inner chunk and the index's checksum. A quantized tile is one byte array
-of its parts, their layout in its attributes. zarr-python opens all of it (tests check); going
-through its generic machinery per tile cost ~5 ms a call, which held saves to a tenth of
-``numpy.save``.
+``bytes`` codec, little-endian, then ``crc32c``); a chunk file ``c.i.j`` (Zarr's default chunk
+key encoding with the "." separator, :data:`CHUNK_SEPARATOR`; checkpoints of format 1 used
+``c/i/j``) holds the chunk's bytes in C order (edge chunks padded to the full shape) followed by
+their CRC32C. Arrays of small tiles use Zarr's sharding codec: one file holds several whole
+tiles, each with its checksum, then the index of (offset, length) per inner chunk and the index's
+checksum. A quantized tile is one byte array of its parts, their layout in its attributes.
+zarr-python opens all of it (tests check); going through its generic machinery per tile cost
+~5 ms a call, which held saves to a tenth of ``numpy.save``.
 
 Everything here runs where the tiles are: on the workers, or in the client for tiles it holds.
 """
@@ -58,7 +58,7 @@ def host(v) -> np.ndarray:
 # ------------------------------------------------------------------------------ chunk files ----
 #: the chunk key separator of the arrays tilegraph writes: chunk files ``c.0.1`` sit in their
 #: array's folder. Zarr's default "/" makes ``c/0/1``, a folder for the ``c`` and for every index
-#: but the last: 1,614 folders beside 1,393 files for the GPT-2 124M training state, against 790
+#: but the last: 1,614 folders beside 1,393 files for the GPT-2 124M training state, against 786
 #: with ".". Creating a file or folder is the costly part of a checkpoint of many small arrays
 #: on a file system whose metadata operations are slow (a parallel file system's metadata
 #: server; measured on the development machine after heavy writes: 0.3-1 ms each)
