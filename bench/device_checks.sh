@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The checks that need a lent device machine (one GPU, 16 CPU cores), as one call of at most
+# 10 minutes (the time limits below add up to 540 s; on the 2-core development machine, QUICK=1,
+# the CPU checks took 186 s): what the README promises on a machine with a GPU, and the 16-core figures of the
+# scale-out issue. Every check writes a log of its own; the summary lists each with its exit code.
+#
+# The device image has NumPy, Numba, CuPy and torch but not Dask, distributed or Zarr: they
+# travel as wheels (Python 3.12, x86-64). Once per session, here, in the repository's root:
+#
+#     echo /.whl/ >> .git/info/exclude
+#     bash bench/device_checks.sh --download       # the wheels into .whl/ (about 30 MB)
+#
+# then one device call: carry [".whl"], command "bash bench/device_checks.sh", timeout_s 590.
+# Results under $OUT (./device-out where $OUT is unset). On a machine without a GPU (this one,
+# to try the script) the GPU checks say so and the CPU ones run; QUICK=1 shortens the benches.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# what the device image lacks of tilegraph's dependencies (and of theirs), pinned to the versions
+# the development machine runs
+WHEELS="dask==2026.8.0 distributed==2026.8.0 zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1
+crc32c==2.9.post0 google-crc32c==1.9.0 tornado==6.6.1 tblib==3.2.2 zict==3.0.0 locket==1.0.0
+partd==1.4.2 bokeh==3.9.2 xyzservices==2026.9.1"
+
+if [ "${1:-}" = "--download" ]; then
+    mkdir -p .whl
+    for w in $WHEELS; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$w" || echo "could not fetch $w"
+    done
+    ls .whl
+    exit 0
+fi
+
+OUT="${OUT:-$PWD/device-out}"
+mkdir -p "$OUT"
+QUICK="${QUICK:-0}"
+export PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+T0=$(date +%s)
+
+# check NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, note its exit code
+check() {
+    local name=$1 limit=$2
+    shift 2
+    local t=$(date +%s)
+    timeout "$limit" bash -c "$*" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $(( $(date +%s) - t )) s (at $(( $(date +%s) - T0 )) s)" | tee -a "$SUMMARY"
+}
+
+if ! python3 -c "import dask, distributed, zarr, crc32c" 2> /dev/null; then  # the device image: from the wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheels did not install" | tee -a "$SUMMARY"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+if ! python3 -c "import tilegraph" 2> /dev/null; then  # not installed here: into /tmp/site too
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . \
+        || { echo "tilegraph did not install" | tee -a "$SUMMARY"; exit 1; }
+    export PYTHONPATH=/tmp/site
+    export PATH="/tmp/site/bin:$PATH"
+fi
+{ echo "cores: $(nproc)"; nvidia-smi -L 2> /dev/null || echo "no GPU"; python3 --version;
+  python3 -c "import tilegraph, dask, numpy; print('tilegraph', tilegraph.__version__, 'dask', dask.__version__, 'numpy', numpy.__version__)"; } \
+    | tee -a "$SUMMARY"
+HAS_GPU=$(python3 -c "import cupy; print(int(cupy.cuda.runtime.getDeviceCount() > 0))" 2> /dev/null || echo 0)
+STEPS=$([ "$QUICK" = 1 ] && echo 2 || echo 3)
+TRAIN="--no-progress --set output.checkpoint_every=0"
+
+# 1. the README's main job as a newcomer runs it, GPU visible (it must work on a GPU machine)
+if [ "$HAS_GPU" = 1 ]; then
+    check train-gpu-visible 80 "tilegraph train --out /tmp/tg-gpu $TRAIN"
+    check gpu-tests 80 "python3 -m pytest -q -x -m gpu tests/test_gpu.py"
+else
+    echo "train-gpu-visible, gpu-tests: skipped (no GPU)" | tee -a "$SUMMARY"
+fi
+# 2. 16 cores, GPU hidden: the main job on one worker x all threads and on 4 workers (the issue:
+# 4,125 tok/s on 16 cores against ~40,000 on 2)
+export CUDA_VISIBLE_DEVICES=
+check train-cpu-1-worker 50 "tilegraph train --out /tmp/tg-1w $TRAIN"
+check train-cpu-4-workers 50 "tilegraph train --out /tmp/tg-4w $TRAIN --set runtime.workers=4"
+# 3. GPT-2 6x768 on one worker x all threads against torch with as many threads (the issue: 0.41)
+check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --flavor 6x768 --batch 16 --steps $STEPS --warmup 1"
+# 4. the block stack over 1 x T, 2 x T/2, 4 x T/4 (the issue: 0.57, 0.61, 0.30 of torch)
+check scale-blocks 170 "python3 bench/bench_scale.py --models blocks --strategies tiles,sharded \
+    --batch 16 --steps $STEPS --warmup 1 --no-ddp"
+for f in "$OUT"/*.log; do
+    echo "== $(basename "$f")"
+    grep -E "tokens/s|^debug|^6x768|^blocks|passed|failed|Error|error" "$f" | tail -8
+done >> "$SUMMARY"
+cat "$SUMMARY"
