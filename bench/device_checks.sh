@@ -89,5 +89,4 @@ check scale-blocks 170 "python3 bench/bench_scale.py --models blocks --strategie
 for f in "$OUT"/*.log; do
     echo "== $(basename "$f")"
     grep -E "tokens/s|^debug|^6x768|^blocks|passed|failed|Error|error" "$f" | tail -8
-done >> "$SUMMARY"
-cat "$SUMMARY"
+done | tee -a "$SUMMARY"
