@@ -263,9 +263,9 @@ def threads_worth_using(nodes: Sequence[Node], threads: int) -> int:
     once all its inputs exist, so only its own dependencies order it).
 
     Handing kernels between threads costs more with every thread that waits for work and for
-    the GIL: measured on 2 cores, a training step of `tilegraph train`'s model (164 kernels of ~40 us) took 6.4 ms on
-    one thread, 9.6 ms on 2 threads and 9.6-26 ms on 16, though the list schedule promised 6.7
-    and 5.4 ms. Small kernels therefore run one after another, and a task with few kernels able
+    the GIL: measured on 2 cores, a training step of `tilegraph train`'s model (164 kernels of
+    ~40 us) took 6.4 ms on one thread, 9.6 ms on 2 threads and 9.6-26 ms on 16, though the list
+    schedule promised 6.7 and 5.4 ms. Small kernels therefore run one after another, and a task with few kernels able
     to run at once keeps no more threads than that."""
     times = [est_seconds(n) for n in nodes]
     best_k, best = 1, sum(times)
