@@ -182,9 +182,12 @@ def test_a_worker_paused_for_memory_is_named(embedded_runtime, monkeypatch):
     assert addr not in _train.worker_health(rt).paused
 
 
-def test_sharded_parameters_are_kept_apart_from_their_state(embedded_runtime):
+def test_sharded_parameters_are_kept_apart_from_their_state(embedded_runtime, monkeypatch):
     """The other replicas receive a sharded plan's parameters: each worker keeps them in task
-    results of their own, not beside the AdamW moments they do not need."""
+    results of their own, not beside the AdamW moments they do not need. (Written as Dask tasks,
+    which other workers fetch whole; a gang fetches nothing: each process's copies come out of
+    its own gang task.)"""
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
     cfg = GPT2Config(vocab_size=64, max_seq_len=8, dim=32, n_layers=1, n_heads=4)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(4, 8))
     with embedded_runtime.as_current():

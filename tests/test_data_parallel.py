@@ -130,8 +130,11 @@ def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip
 
 
 @pytest.mark.distributed
-def test_each_replica_runs_its_tasks_on_its_own_worker(embedded_runtime):
+def test_each_replica_runs_its_tasks_on_its_own_worker(embedded_runtime, monkeypatch):
+    """(Written as Dask tasks: a gang runs them all in one task per process, tests/test_gang.py.)"""
     from distributed import get_task_stream
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
 
     x, y = _data()
     _, step = _step(runtime=embedded_runtime, parallel="data")
@@ -292,10 +295,12 @@ def test_a_process_fetches_only_the_values_it_reads(embedded_runtime, strategy, 
     """Dask moves a task's value whole: a replica reading another's partial loss would fetch all
     of that forward task's activations. Send tasks pick out what each process reads, so a step's
     transfers are what the plan reads across processes (plus a sharded plan's parameters).
-    (Over Dask's TCP: the shared-memory path is tests/test_shm.py's.)"""
+    (Over Dask's TCP, as Dask tasks: the shared-memory path is tests/test_shm.py's, the gang's
+    tests/test_gang.py's.)"""
     from distributed import wait
 
     monkeypatch.setattr(tg.config, "shm_transfers", False)
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
 
     from tilegraph import models
 
@@ -344,12 +349,14 @@ def test_a_process_fetches_only_the_values_it_reads(embedded_runtime, strategy, 
 def test_sharded_parameters_reach_every_process_when_they_are_updated(embedded_runtime, shm, monkeypatch):
     """A sharded plan's parameters go to the other processes right after their owner updates
     them (push tasks), so the next step's first task on each process finds them there: no task
-    fetches a parameter when it may start, and each process's copy is its own."""
+    fetches a parameter when it may start, and each process's copy is its own. (As Dask tasks;
+    a gang sends them through its channels, tests/test_gang.py.)"""
     from distributed import wait
 
     from tilegraph import models
     from tilegraph._graph import ReplicatedRef
 
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
     monkeypatch.setattr(tg.config, "shm_transfers", shm)
     monkeypatch.setattr(tg.config, "shm_min_bytes", 1024)
     model = models.build("gpt2-debug", seed=0)

@@ -72,10 +72,12 @@ def _shm_files(dask_worker=None) -> int:
 def test_data_parallel_values_go_through_shared_memory(embedded_runtime, strategy, monkeypatch):
     """Both workers share /dev/shm: what one reads of the other's tasks goes through it (Dask
     moves only the handles), the losses are those of the same plan over TCP, and no file is left
-    once the steps are done."""
+    once the steps are done. (The Dask-task exchange; a gang's channels: tests/test_gang.py.)"""
     from distributed import wait
 
     from tilegraph import models
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
 
     def run(on: bool):
         monkeypatch.setattr(tg.config, "shm_transfers", on)

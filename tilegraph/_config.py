@@ -55,6 +55,17 @@ class Config:
     #: at least ``shm_min_bytes``. Measured on 2 cores: 0.09 against 0.21 CPU seconds per 170 MB
     shm_transfers: bool = True
     shm_min_bytes: int = 1 << 20
+    #: how the worker processes of a data-parallel plan exchange values (``tilegraph.parallel.gang``):
+    #: "gang" runs each process's share of a call as one Dask task, all at once, the values
+    #: between them going through shared-memory channels as soon as they are made (one host,
+    #: ``/dev/shm`` shared); "tasks" writes them as Dask tasks (send, receive, update, push: each
+    #: dependent task is a round trip through the scheduler, 6-25 ms on 2 busy cores); "auto":
+    #: "gang" wherever it applies. Measured on 2 cores, block stack, 2 workers x 1 thread: see
+    #: the README's scaling table
+    exchange: str = "auto"
+    #: a gang step's wait for another process's values fails after this long (it fails at once
+    #: when that process is gone, or when the step is cancelled)
+    exchange_timeout_seconds: float = 600.0
     #: "auto" parallelism: a tiles plan spread over several worker processes runs this much
     #: slower than its simulation says (Dask fetches a task's inputs only once it may start, and
     #: copies take CPU from the kernels). Measured on 2 cores, 2 workers x 1 thread: simulated vs

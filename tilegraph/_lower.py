@@ -26,6 +26,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,7 +37,9 @@ from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, Valu
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     run_cluster)
+from tilegraph.exec.gang import run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
+from tilegraph.parallel.gang import EXCHANGES, plan_gang
 from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes,  # noqa: F401 - re-exported
                                     place, task_label)
 
@@ -191,6 +194,13 @@ class Executable:
         self.sends = {edge for edge, read in self.cross.items()
                       if edge in self.shm or _pick_pays(self.plans[edge[0]].outputs, read)}
         self.structure = self._structure_token(nodes, of)
+        #: a data-parallel plan run as one task per worker process (``config.exchange``), or None
+        self.gang = None
+        if config.exchange not in EXCHANGES:
+            raise TileError("tilegraph.config.exchange", f"must be one of {', '.join(map(repr, EXCHANGES))}",
+                            repr(config.exchange))
+        if fuse and runtime is not None and self.n_replicas > 1 and config.exchange != "tasks":
+            self.gang = plan_gang(self, runtime, config.exchange)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
 
     def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], state_groups: Sequence[Sequence[int]],
@@ -449,6 +459,35 @@ class Executable:
             layers[plan.device][key] = (run_cluster, Bound(tuple(idx)), prog, *args)
         return layers, keys
 
+    def lower_gang(self, runtime, token: str | None = None, programs: Sequence | None = None):
+        """Write the Dask graph of one call of a gang plan (:attr:`gang`): one task per worker
+        process. Returns ``(layers, keys, locate)``: ``keys`` the task key of each process,
+        ``locate(pos, p)`` where process p's value of root ``pos`` is, as (task key, index)."""
+        from dask.base import tokenize
+
+        g = self.gang
+        if token is None:
+            token = tokenize(self.structure, [n.cell.token for n in self.leaves])
+        keys = [f"tg-gang-cpu{p}-{g.label}-{token}" for p in g.procs]
+        layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "transfer": {}, "gang": {}}
+        ids = runtime.gang_identities(g.addrs)
+        pids = tuple(ids[a][2] for a in g.addrs)
+        for p in g.procs:
+            args, idx = [], []
+            for ref in g.leaves[p]:
+                a, i = self._bind_leaf(ref.node.cell, layers, inline=True, proc=p, addr=g.addrs[p])
+                args.append(a)
+                idx.append(i)
+            progs = [self.plans[cid].prog if programs is None else programs[cid] for cid in g.stages[p]]
+            spec = g.specs[p].bound(pids, config.exchange_timeout_seconds)
+            layers["gang"][keys[p]] = (run_gang, spec, token, Bound(tuple(idx)), progs, None, *args)
+
+        def locate(pos: int, p: int) -> tuple[str, int]:
+            holder, k = g.locate[(pos, p)]
+            return keys[holder], k
+
+        return layers, keys, locate
+
     def _programs(self, runtime) -> list:
         """Futures of the clusters' programs, scattered to the workers once per runtime: a
         program of a few thousand kernel calls takes ~50 ms to unpickle, every call otherwise.
@@ -505,14 +544,22 @@ class Executable:
         """
         runtime = runtime if runtime is not None else self.runtime
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
-        layers, keys = self.lower(programs=None if runtime is None else self._programs(runtime))
+        gang = self.gang if runtime is not None else None
+        if gang is not None:
+            layers, keys, locate = self.lower_gang(runtime, programs=self._programs(runtime))
+            outputs_of = dict(zip(keys, gang.outputs))
+        else:
+            layers, keys = self.lower(programs=None if runtime is None else self._programs(runtime))
+            outputs_of = {key: plan.outputs for key, plan in zip(keys, self.plans)}
         out: list[Any] = [None] * len(self.roots)
         # Where each root's value is (per replica: data-parallel plans keep some roots on every
         # process): (task key or remote future, tuple index); a plain value goes straight to out.
         source: dict[tuple[int, int], tuple[Any, int | None]] = {}
         for pos, refs in enumerate(self.replicas):
             for p, r in enumerate(refs):
-                if not r.node.is_leaf:
+                if not r.node.is_leaf and gang is not None:
+                    source[(pos, p)] = locate(pos, p)
+                elif not r.node.is_leaf:
                     cid, k = self.where[(id(r.node), r.index)]
                     source[(pos, p)] = (keys[cid], k)
                 elif isinstance(r.node.cell.value, ValueRef):
@@ -563,16 +610,15 @@ class Executable:
             src, k = source[at]
             if isinstance(src, str):
                 kept_of.setdefault(src, set()).add(k)
-                if at[0] in self.shared_roots:
+                if at[0] in self.shared_roots and gang is None:  # a gang holds each process's own copy
                     shared_of.setdefault(src, set()).add(k)
         moved: dict[tuple[str, int], tuple[str, int]] = {}
-        plan_of = dict(zip(keys, self.plans))
         for src, idx in kept_of.items():
             # A pick is one more dependent hop before the next step can use the values: only
             # worth it when the rest of the result is more than a tenth of what stays (so the
             # workers never hold more than 110% of the kept state between steps).
             shared = shared_of.get(src, set())
-            if shared and shared != idx or _pick_pays(plan_of[src].outputs, idx):
+            if shared and shared != idx or _pick_pays(outputs_of[src], idx):
                 for name, part in (("keep", idx - shared), ("params", shared)):
                     if part:
                         part = tuple(sorted(part))
@@ -581,11 +627,18 @@ class Executable:
                         moved.update({(src, k): (pick, j) for j, k in enumerate(part)})
         want = sorted({moved.get((src, k), (src, k))[0] for src, idx in kept_of.items() for k in idx})
         want += sorted({key for key, _ in fetch_of.values()})
-        pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
-        pinned.update(self._transfer_workers(keys))
-        pushed = self._push_shared(layers, keys, source, moved, pinned, runtime)
+        if gang is not None:  # each process's copies of shared parameters come out of its own gang
+            pinned, pushed = dict(zip(keys, gang.addrs)), {}
+        else:
+            pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
+            pinned.update(self._transfer_workers(keys))
+            pushed = self._push_shared(layers, keys, source, moved, pinned, runtime)
         want += sorted({key for copies in pushed.values() for key, _ in copies.values()})
-        futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
+        if gang is not None:
+            want += [key for key in keys if key not in want]
+            futures = self._submit_gang(runtime, layers, keys, want, pinned)
+        else:
+            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
         for pos, (key, k) in fetch_of.items():
             out[pos] = Fetching(futures[key], k)
         if wait:
@@ -604,6 +657,25 @@ class Executable:
             if pos not in fetch:
                 out[pos] = refs[0] if len(refs) == 1 else ReplicatedRef(refs[0].future, refs[0].index, tuple(refs))
         return out
+
+    def _submit_gang(self, runtime, layers, keys, want, pinned) -> dict:
+        """Submit a gang call, each of its tasks after the last gang task submitted to its worker
+        (of any graph) until that one has finished: the gangs of different calls then start on
+        every worker in the order they were submitted. Without that, two calls in flight at once
+        (two models trained side by side) could each hold one worker while waiting for their task
+        queued on the other. A finished gang is forgotten (its result is not kept alive)."""
+        with runtime.gang_lock:
+            for p, key in enumerate(keys):
+                prev = runtime.last_gang.get(self.gang.addrs[p])
+                if prev is not None and prev.status in ("error", "cancelled", "lost"):
+                    prev = None
+                task = layers["gang"][key]
+                layers["gang"][key] = task[:5] + (prev,) + task[6:]
+            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
+            for p, key in enumerate(keys):
+                runtime.last_gang[self.gang.addrs[p]] = futures[key]
+                futures[key].add_done_callback(partial(runtime.gang_done, self.gang.addrs[p]))
+        return futures
 
     def _push_shared(self, layers, keys, source, moved, pinned, runtime) -> dict[int, dict[int, tuple[str, int]]]:
         """A sharded plan's parameters, sent to every other process as soon as their owner's

@@ -107,7 +107,7 @@ def out_bytes(node: Node) -> int:
 
 
 class Cluster:
-    __slots__ = ("id", "device", "proc", "threads", "nodes", "seconds", "open", "bytes", "made", "reads")
+    __slots__ = ("id", "device", "proc", "threads", "nodes", "seconds", "open", "bytes", "made", "reads", "start")
 
     def __init__(self, cid: int, device: str, proc: int, threads: int = 1):
         self.id, self.device, self.proc, self.threads = cid, device, proc, threads
@@ -121,6 +121,7 @@ class Cluster:
         self.bytes = 0
         self.made = 0
         self.reads: set = set()  # the clusters (by id) and leaf values (id(node), index) it reads
+        self.start = 0.0  # when the simulation started its first node (seconds)
 
     def _new_reads(self, node: Node, of: dict[int, "Cluster"]) -> dict:
         """What ``node`` would add to this task's reads, with their bytes."""
@@ -245,7 +246,8 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
             open_on[(dev, best)] = cur
         thread = min(range(len(frees)), key=frees.__getitem__)
         start = max(ready_time(inputs, cur, dev, best), frees[thread])
-        begin.setdefault(cur.id, start)
+        if cur.id not in begin:
+            begin[cur.id] = cur.start = start
         cur.add(n, t, of)
         finish[id(n)] = frees[thread] = start + t
         end[cur.id] = max(end.get(cur.id, 0.0), start + t)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Any, Sequence
 
 from tilegraph._errors import TileError
@@ -70,6 +71,11 @@ class Runtime:
             logging.getLogger("tilegraph").warning("could not install the shared-memory cleanup on the workers: %s", e)
         #: each worker's shared-memory domain (``exec.shm.shm_domain``), as asked so far
         self._shm_domains: dict[str, str | None] = {}
+        self._gang_ids: dict[str, tuple | None] = {}
+        #: the last gang task submitted to each worker (``Executable._submit_gang``), and the
+        #: lock that keeps their order that of the submissions
+        self.last_gang: dict[str, Any] = {}
+        self.gang_lock = threading.Lock()
         self.worker_threads()  # learn the workers' resources (plans refresh it)
         if make_current:
             _CURRENT.append(self)
@@ -148,15 +154,16 @@ class Runtime:
         tasks = []
         # "transfer" tasks (picking what another process reads, taking it in there) need no
         # resource, and run before the tasks waiting for a thread next to them: readers wait
-        for dev, ann0 in (("cpu", {"resources": {"CPU": 1}} if self.cpu_resource else {}),
-                          ("gpu", {"resources": {"GPU": 1}}), ("transfer", {"priority": TRANSFER_PRIORITY})):
+        cpu = {"resources": {"CPU": 1}} if self.cpu_resource else {}
+        for dev, ann0 in (("cpu", cpu), ("gpu", {"resources": {"GPU": 1}}), ("transfer", {"priority": TRANSFER_PRIORITY}),
+                          ("gang", cpu)):
             by_worker: dict[str | None, dict] = {}
             for key, task in (layers.get(dev) or {}).items():
                 by_worker.setdefault(workers.get(key), {})[key] = task
             for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
                 ann = dict(ann0)
-                if addr is not None:
-                    ann.update(workers=[addr], allow_other_workers=True)
+                if addr is not None:  # a gang task strictly: two on one worker would wait for each other
+                    ann.update(workers=[addr], allow_other_workers=dev != "gang")
                 parts[f"{dev}-{i}"] = MaterializedLayer(sub, annotations=ann or None)
                 tasks.append(f"{dev}-{i}")
         # task layers depend on each other in all directions; declare it so culling keeps them all
@@ -231,6 +238,26 @@ class Runtime:
             except Exception:  # a worker that left: its values go over TCP
                 self._shm_domains.update({a: None for a in missing})
         return {a: self._shm_domains.get(a) for a in addrs}
+
+    def gang_done(self, addr: str, future) -> None:
+        """Forget ``future``, the last gang task submitted to worker ``addr``, once it is done
+        (nothing then needs to wait for it)."""
+        with self.gang_lock:
+            if self.last_gang.get(addr) is future:
+                del self.last_gang[addr]
+
+    def gang_identities(self, addrs) -> dict[str, tuple | None]:
+        """Each worker's ``exec.gang.gang_identity()`` (shared-memory domain, pid namespace, pid,
+        free shared memory), asked once per worker; None for a worker that did not answer."""
+        from tilegraph.exec.gang import gang_identity
+
+        missing = [a for a in addrs if a not in self._gang_ids]
+        if missing:
+            try:
+                self._gang_ids.update(self.client.run(gang_identity, workers=missing))
+            except Exception:  # a worker that left: no gang on it
+                self._gang_ids.update({a: None for a in missing})
+        return {a: self._gang_ids.get(a) for a in addrs}
 
     def kernel_stats(self, reset: bool = False) -> dict:
         """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""

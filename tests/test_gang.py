@@ -1,0 +1,165 @@
+"""Gang steps: a data-parallel call as one task per worker process, the values between them going
+through shared-memory channels (tilegraph.exec.gang, tilegraph.parallel.gang)."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import tilegraph as tg
+from tilegraph.exec import shm
+from tilegraph.exec.gang import channel_path, read_channel, write_channel
+
+needs_shm = pytest.mark.skipif(shm.shm_domain() is None, reason="no writable /dev/shm on this machine")
+
+
+@needs_shm
+def test_a_channel_carries_arrays_of_any_layout_once():
+    values = (np.arange(300_000, dtype=np.float32).reshape(600, 500),
+              np.asfortranarray(np.arange(600, dtype=np.float64).reshape(20, 30)),
+              np.arange(30, dtype=np.int64)[::3],  # not contiguous
+              np.asarray(2.5, np.float32), np.float64(-1.25), np.zeros((0, 3), np.float32), np.array([True, False]))
+    name = f"test-{uuid.uuid4().hex}"
+    path = write_channel(name, values)
+    assert path == channel_path(os.getpid(), name) and os.path.exists(path)
+    assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]  # renamed once complete
+    got = read_channel(name, os.getpid(), timeout=5.0)
+    assert not os.path.exists(path)  # unlinked once mapped: a channel is read once
+    assert len(got) == len(values)
+    for a, b in zip(got, values):
+        b = np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert all(a.ctypes.data % 64 == 0 for a in got if a.size)
+    got[0][0, 0] = -1.0  # private copy-on-write pages
+    assert got[0][0, 0] == -1.0 and values[0][0, 0] == 0.0
+    with pytest.raises(TypeError, match=r"channel bad: .* NumPy arrays .* dict"):
+        write_channel("bad", (np.ones(2), {"a": 1}))
+
+
+@needs_shm
+def test_a_wait_for_a_channel_never_hangs():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=rf"channel nothing-here: its writer, worker process {gone.pid}, is gone"):
+        read_channel("nothing-here", gone.pid, timeout=600.0)
+    assert time.perf_counter() - t0 < 2.0
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"channel never-written: nothing came .* in 0.3 s .*exchange_timeout"):
+        read_channel("never-written", os.getpid(), timeout=0.3)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def _gpt2_step(runtime, strategy):
+    from tilegraph import models
+
+    model = models.build("gpt2-debug", seed=0)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None), (2, None)],
+                        runtime=runtime, parallel=strategy)
+    return model, step, (ids, np.roll(ids, -1, axis=1))
+
+
+def _state_futures(step):
+    return [r.future for p in step.optimizer.params for c in p.cells.flat
+            for r in (getattr(c.value, "replicas", ()) or (c.value,))]
+
+
+def _channel_files() -> int:
+    return sum(f.startswith(("g-", ".g-")) for d in os.listdir(shm.SHM_ROOT) if d.startswith("tilegraph-")
+               for f in os.listdir(os.path.join(shm.SHM_ROOT, d)))
+
+
+@needs_shm
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
+def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedded_runtime, strategy, monkeypatch):
+    """Each call runs as one task per worker process, on that process's worker; Dask moves
+    nothing large between them; losses and parameters are bitwise those of the same plan run as
+    Dask tasks; every channel file is read and gone."""
+    from distributed import get_task_stream, wait
+
+    client = embedded_runtime.client
+    runs = {}
+    for exchange in ("tasks", "gang"):
+        monkeypatch.setattr(tg.config, "exchange", exchange)
+        model, step, batch = _gpt2_step(embedded_runtime, strategy)
+        losses = [step(*batch) for _ in range(2)]  # the second call sends the programs
+        wait(_state_futures(step))
+        client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+        with get_task_stream(client) as ts:
+            losses += [step(*batch) for _ in range(3)]
+            wait(_state_futures(step))
+        moved = sum(sum(t["total"] for t in log) for log in
+                    client.run(lambda dask_worker: list(dask_worker.transfer_incoming_log)).values()) / 3
+        with embedded_runtime.as_current():
+            runs[exchange] = (losses, model.state_dict(), step.plan(*batch), ts.data, moved, model)
+    losses, state, exe, stream, moved, model = runs["gang"]
+    assert runs["tasks"][2].gang is None and exe.gang is not None and exe.strategy == strategy
+    assert losses == runs["tasks"][0]
+    for k, v in runs["tasks"][1].items():
+        np.testing.assert_array_equal(state[k], v, err_msg=k)
+    ran = [(t["key"], t["worker"]) for t in stream if t["key"].startswith("tg-gang-")]
+    assert len(ran) == 3 * 2  # one per process per call
+    for key, worker in ran:
+        assert worker == exe.gang.addrs[int(key.split("-")[2][3:])], (key, worker)
+    assert not [t["key"] for t in stream if t["key"].startswith(("tg-send-", "tg-receive-", "tg-push"))]
+    params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters())
+    assert moved < 0.05 * params, (moved, params)  # batches and handles to the loss only
+    if strategy == "sharded":  # each process's copy of each parameter is held by its own worker
+        who = client.who_has([r.future for p in model.parameters() for c in p.cells.flat for r in c.value.replicas])
+        for p in model.parameters():
+            for c in p.cells.flat:
+                assert [who[r.future.key] for r in c.value.replicas] == [(a,) for a in exe.gang.addrs]
+    assert sum(client.run(_channel_files).values()) == 0
+
+
+@pytest.mark.distributed
+def test_exchange_names_and_where_a_gang_cannot_run(embedded_runtime, monkeypatch):
+    _, step, batch = _gpt2_step(embedded_runtime, "sharded")
+    monkeypatch.setattr(tg.config, "exchange", "fast")
+    with pytest.raises(tg.TileError, match=r"tilegraph.config.exchange.*'auto', 'gang', 'tasks'.*'fast'"):
+        step.plan(*batch)
+    # workers on two hosts (as their shared-memory identities say): no gang
+    real = embedded_runtime.gang_identities
+    monkeypatch.setattr(embedded_runtime, "gang_identities",
+                        lambda addrs: {a: (f"host{i}", *real([a])[a][1:]) for i, a in enumerate(addrs)})
+    monkeypatch.setattr(tg.config, "exchange", "gang")
+    step.reset_plans()
+    with pytest.raises(tg.TileError, match=r"'gang' needs every worker .* one host.*received: .*several hosts"):
+        step.plan(*batch)
+    monkeypatch.setattr(tg.config, "exchange", "auto")
+    step.reset_plans()
+    loss = step(*batch)
+    assert step.plan(*batch).gang is None and np.isfinite(loss)
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_gangs_of_two_models_in_flight_at_once_run_in_submission_order(embedded_runtime):
+    """Two steps submitted before either is waited for: on every worker the gangs start in the
+    order they were submitted (each after the last gang sent to its worker), so neither holds
+    one worker while its task on the other waits behind the other step's. Each model trains
+    as it does alone."""
+    alone = []
+    for strategy in ("sharded", "data"):
+        _, step, batch = _gpt2_step(embedded_runtime, strategy)
+        alone.append([step(*batch) for _ in range(3)])
+    steps = [_gpt2_step(embedded_runtime, s) for s in ("sharded", "data")]
+    pending = [[] for _ in steps]
+    for _ in range(3):
+        for i, (_, step, batch) in enumerate(steps):
+            pending[i].append(step.submit(*batch))
+    assert all(step.plan(*batch).gang is not None for _, step, batch in steps)
+    assert [[p.result(timeout=120) for p in ps] for ps in pending] == alone
+    for _ in range(100):  # finished gangs are forgotten: their results are not kept alive for the order
+        if not embedded_runtime.last_gang:
+            break
+        time.sleep(0.05)
+    assert not embedded_runtime.last_gang

@@ -1,0 +1,203 @@
+"""Gang steps: a data-parallel plan lowered to one Dask task per worker process per call.
+
+The plan (its clusters, their processes, what crosses between processes) is the one
+:class:`tilegraph._lower.Executable` made; this pass only changes how it runs. Each process's
+clusters become the *stages* of one task, in one order shared by every process (a topological
+order of the cluster graph, by the simulation's start times), so a stage that waits for another
+process's values never waits for one that comes later in that process's own order: no gang can
+deadlock. Values read by another process go through shared-memory channels
+(:mod:`tilegraph.exec.gang`) the moment their stage ends; a sharded plan's updated parameters go
+to every other process the same way, and each process's gang returns its own copy, so the next
+call's tasks read only values already on their worker.
+
+Used by ``tilegraph.config.exchange`` ("auto": wherever it applies; "gang": required; "tasks":
+never): every worker of the plan on one host sharing ``/dev/shm`` and one process-id namespace,
+with room there for what the call moves, every task pinned to a worker, and no memory bound on
+tasks (a model larger than its workers runs as small tasks, so that Dask can spill between them).
+"""
+
+from __future__ import annotations
+
+import heapq
+from tilegraph._errors import TileError
+from tilegraph.exec.gang import GangSpec, Stage
+from tilegraph.exec.shm import SHM_MARGIN_BYTES
+
+__all__ = ["GangPlan", "plan_gang", "EXCHANGES"]
+
+#: values of ``tilegraph.config.exchange``
+EXCHANGES = ("auto", "gang", "tasks")
+
+
+class GangPlan:
+    """Per worker process ``p`` (index among the plan's processes): its worker ``addrs[p]``, its
+    ``specs[p]`` (without pids), the leaf refs bound to its task's arguments ``leaves[p]``, the
+    cluster ids of its stages ``stages[p]``; ``locate[(pos, p)]``: where process p's value of root
+    ``pos`` is, as (process whose gang holds it, index in that gang's result); ``outputs[p]``:
+    the TileRefs of its gang's result (their sizes)."""
+
+    def __init__(self, addrs, specs, leaves, stages, locate, outputs, label: str):
+        self.addrs, self.specs, self.leaves, self.stages = addrs, specs, leaves, stages
+        self.locate, self.outputs, self.label = locate, outputs, label
+
+    @property
+    def procs(self) -> range:
+        return range(len(self.addrs))
+
+
+def _order(exe) -> list[int]:
+    """The clusters in a topological order of their graph, earliest simulated start first."""
+    deps: dict[int, set[int]] = {c.id: set() for c in exe.clusters}
+    for c, plan in zip(exe.clusters, exe.plans):
+        for ref in plan.ext:
+            if not ref.node.is_leaf:
+                deps[c.id].add(exe.where[(id(ref.node), ref.index)][0])
+    users: dict[int, list[int]] = {cid: [] for cid in deps}
+    for cid, ds in deps.items():
+        for d in ds:
+            users[d].append(cid)
+    start = {c.id: c.start for c in exe.clusters}
+    left = {cid: len(ds) for cid, ds in deps.items()}
+    ready = [(start[cid], cid) for cid, n in left.items() if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, cid = heapq.heappop(ready)
+        order.append(cid)
+        for u in users[cid]:
+            left[u] -= 1
+            if left[u] == 0:
+                heapq.heappush(ready, (start[u], u))
+    assert len(order) == len(deps), "the cluster graph has a cycle"
+    return order
+
+
+def _why_not(exe, runtime) -> str | None:
+    """Why the plan cannot run as gangs (None: it can)."""
+    if exe.n_replicas < 2:
+        return "the plan runs on one worker process"
+    if any(c.device != "cpu" for c in exe.clusters):
+        return "the plan has GPU tasks"
+    if exe.max_task_bytes != float("inf"):
+        return "the plan keeps tasks under a memory bound (a model larger than its workers)"
+    if any(c.id not in exe.worker_of for c in exe.clusters):
+        return "some tasks are not pinned to a worker"
+    addrs = exe._process_workers()
+    if len(set(addrs.values())) != len(addrs):
+        return "two of its processes share a worker"
+    ids = runtime.gang_identities(sorted(set(addrs.values())))
+    if any(i is None or i[0] is None for i in ids.values()):
+        return "a worker has no writable /dev/shm"
+    if len({(i[0], i[1]) for i in ids.values()}) > 1:
+        return "its workers do not share one /dev/shm and process-id namespace (several hosts)"
+    moved = sum(exe.plans[cid].outputs[k].nbytes for (cid, _), read in exe.cross.items() for k in read)
+    moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
+    free = min(i[3] for i in ids.values())
+    if free < moved + SHM_MARGIN_BYTES:
+        return f"/dev/shm has {free / 2**20:,.0f} MiB free, the step moves {moved / 2**20:,.0f} MiB"
+    return None
+
+
+def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
+    """The gang plan of the data-parallel Executable ``exe``; None where it does not apply and
+    ``mode`` is "auto"; a TileError saying why with ``mode="gang"``."""
+    why = _why_not(exe, runtime)
+    if why is not None:
+        if mode == "gang":
+            raise TileError("tilegraph.config.exchange", "'gang' needs every worker of a data-parallel plan on "
+                            "one host sharing /dev/shm; use 'auto' or 'tasks'", why)
+        return None
+    n = exe.n_replicas
+    at = exe._process_workers()
+    addrs = [at[("cpu", p)] for p in range(n)]
+    proc = {c.id: exe.process_of(c) for c in exe.clusters}
+    order = _order(exe)
+    stage_of: dict[int, int] = {}
+    stages: list[list[int]] = [[] for _ in range(n)]
+    for cid in order:
+        stage_of[cid] = len(stages[proc[cid]])
+        stages[proc[cid]].append(cid)
+
+    # Channels: what each process reads of each cluster of another (exe.cross), and, in a
+    # sharded plan, each updated parameter for every process but its owner.
+    sends: dict[int, list[tuple[str, tuple]]] = {}  # cluster id -> (channel, elements)
+    reads: list[list[tuple[str, int]]] = [[] for _ in range(n)]
+    channel_of: dict[tuple[int, int], tuple[int, tuple]] = {}  # (cluster id, reader) -> (its index, elements)
+    for (cid, (_, q)), read in sorted(exe.cross.items()):
+        name = f"{cid}-{q}"
+        sends.setdefault(cid, []).append((name, read))
+        channel_of[(cid, q)] = (len(reads[q]), read)
+        reads[q].append((name, proc[cid]))
+    # each root's value on each process: (process holding it, (source)); sources as in Stage
+    value_of: dict[tuple[int, int], tuple[int, tuple]] = {}
+    pushed: dict[tuple[int, int], list[int]] = {}  # (cluster id, reader) -> elements pushed
+    for pos, refs in enumerate(exe.replicas):
+        for p, r in enumerate(refs):
+            if r.node.is_leaf:
+                continue
+            cid, k = exe.where[(id(r.node), r.index)]
+            if pos in exe.shared_roots and proc[cid] != p:
+                elems = pushed.setdefault((cid, p), [])
+                if k not in elems:
+                    elems.append(k)
+                value_of[(pos, p)] = (p, ("push", cid, k))
+            else:
+                value_of[(pos, p)] = (proc[cid], ("r", stage_of[cid], k))
+    for (cid, q), elems in sorted(pushed.items()):
+        name = f"p{cid}-{q}"
+        sends.setdefault(cid, []).append((name, tuple(elems)))
+        channel_of[(cid, q, "push")] = (len(reads[q]), tuple(elems))
+        reads[q].append((name, proc[cid]))
+
+    outputs: list[list[tuple]] = [[] for _ in range(n)]
+    out_refs: list[list] = [[] for _ in range(n)]
+    locate: dict[tuple[int, int], tuple[int, int]] = {}
+    index: list[dict[tuple, int]] = [{} for _ in range(n)]
+    for (pos, p), (holder, src) in value_of.items():
+        if src[0] == "push":
+            _, cid, k = src
+            ch, elems = channel_of[(cid, p, "push")]
+            src = ("c", ch, elems.index(k))
+        if src not in index[holder]:
+            index[holder][src] = len(outputs[holder])
+            outputs[holder].append(src)
+            out_refs[holder].append(exe.replicas[pos][p])
+        locate[(pos, p)] = (holder, index[holder][src])
+
+    specs, leaves = [], []
+    for p in range(n):
+        leaf_index: dict[int, int] = {}
+        leaf_refs = []
+        built = []
+        last: dict[tuple, int] = {}
+        for s, cid in enumerate(stages[p]):
+            plan = exe.plans[cid]
+            ins = []
+            for ref in plan.ext:
+                if ref.node.is_leaf:
+                    if id(ref.node) not in leaf_index:
+                        leaf_index[id(ref.node)] = len(leaf_refs)
+                        leaf_refs.append(ref)
+                    ins.append(("x", leaf_index[id(ref.node)]))
+                    continue
+                d, k = exe.where[(id(ref.node), ref.index)]
+                if proc[d] == p:
+                    ins.append(("r", stage_of[d], k))
+                    last[("r", stage_of[d])] = s
+                else:
+                    ch, elems = channel_of[(d, p)]
+                    ins.append(("c", ch, elems.index(k)))
+                    last[("c", ch)] = s
+            built.append((s, cid, tuple(ins)))
+        for s in range(len(built)):  # a stage no later stage reads is dropped at once
+            last.setdefault(("r", s), s)
+        drops: dict[int, list[tuple]] = {}
+        for what, s in last.items():
+            drops.setdefault(s, []).append(what)
+        spec_stages = tuple(Stage(s, ins, tuple(sends.get(cid, ())), tuple(sorted(drops.get(s, ()))))
+                            for s, cid, ins in built)
+        specs.append(GangSpec(spec_stages, tuple(reads[p]), tuple(outputs[p])))
+        leaves.append(leaf_refs)
+    label = exe.plans[order[0]].prog.label if order else "step"
+    return GangPlan(addrs, specs, leaves, stages, locate, out_refs, label)
+
