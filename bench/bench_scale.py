@@ -6,6 +6,9 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
 ``--strategies`` (``TrainStep(parallel=...)``; one row for a single worker), and prints per row:
 
 - ``strategy``: the one asked for; ``used``: the plan's (``step.plan(*batch).strategy``);
+  ``exch``: how its worker processes exchange values (``tg.config.exchange``, ``--exchange``):
+  ``gang`` (one task per process per step, values through shared-memory channels) or ``tasks``
+  (Dask tasks);
   ``auto``: what ``parallel="auto"`` picks in that configuration (its plan is built, not run);
 - ``tok/s``: tokens of the timed steps / their wall time, from an idle cluster until it is idle
   again (steps submitted as ``tg.Trainer`` does them: step i+1 before waiting for step i);
@@ -168,8 +171,9 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
             if auto is None:  # the plan "auto" makes here (recorded and planned, not run)
                 auto = tg.TrainStep(model, opt, w.loss_fn, batch_tiles=w.batch_tiles, runtime=rt,
                                     parallel="auto").plan(*data[0]).strategy
+            exchange = "gang" if exe.gang is not None else "tasks" if exe.n_replicas > 1 else "-"
             rows.append({"model": w.name, "config": f"{workers}x{threads}", "launch": launch, "strategy": strategy,
-                         "used": exe.strategy, "auto": auto, "tok_s": w.tokens * args.steps / wall,
+                         "used": exe.strategy, "exch": exchange, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
                          "dask_cpu": dask_cpu / (wall * workers * threads),
                          "moved": moved_bytes(exe), "step_s": wall / args.steps, "first_s": first_s})
@@ -332,12 +336,13 @@ def fmt_row(r: dict) -> str:
         v = r.get(key)
         return "-" if v is None else format(v * scale, f)
 
-    return (f"{r['model']:12} {r['config']:>6} {r.get('launch', '-'):>8} {r['strategy']:>9} {r.get('used') or '-':>7} {r.get('auto') or '-':>7} "
+    return (f"{r['model']:12} {r['config']:>6} {r.get('launch', '-'):>8} {r['strategy']:>9} {r.get('used') or '-':>7} "
+            f"{r.get('exch') or '-':>5} {r.get('auto') or '-':>7} "
             f"{r['tok_s']:9.0f} {opt('outside', '8.1%'):>8} {opt('dask_cpu', '9.1%'):>9} {opt('moved', '8.1f', 1e-6):>8} "
             f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7}")
 
 
-HEADER = (f"{'model':12} {'WxT':>6} {'launch':>8} {'strategy':>9} {'used':>7} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
+HEADER = (f"{'model':12} {'WxT':>6} {'launch':>8} {'strategy':>9} {'used':>7} {'exch':>5} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
           f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7}")
 
 
@@ -364,6 +369,9 @@ def main():
     ap.add_argument("--mpi", action="store_true",
                     help="also run every configuration of several workers on a cluster launched by MPI "
                          "(mpiexec -n W+2, dask-mpi; needs the mpi extra and T = the cores)")
+    ap.add_argument("--exchange", choices=("auto", "gang", "tasks"), default="auto",
+                    help="tg.config.exchange: how the worker processes of a data-parallel plan exchange values "
+                         "(one gang task per process, or Dask tasks)")
     ap.add_argument("--mpi-child", default=None, help=argparse.SUPPRESS)  # set by --mpi, under mpiexec
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
@@ -384,6 +392,7 @@ def main():
     import tilegraph as tg
     from tilegraph._config import PARALLEL_STRATEGIES
 
+    tg.config.exchange = args.exchange
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or any(s not in PARALLEL_STRATEGIES for s in strategies):
         ap.error(f"--strategies: a comma separated list of {', '.join(PARALLEL_STRATEGIES)}, not {args.strategies!r}")
@@ -399,7 +408,8 @@ def main():
                  f"that (received {total})")
     # what a --mpi run passes on to the script under mpiexec: the shape of the work, not what to run
     child_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                  if k in ("gpt2_flavor", "batch", "seq", "width", "heads", "layers", "steps", "warmup", "strategies")]
+                  if k in ("gpt2_flavor", "batch", "seq", "width", "heads", "layers", "steps", "warmup", "strategies",
+                           "exchange")]
 
     shapes = []
     if "blocks" in kinds:
@@ -415,7 +425,8 @@ def main():
           f"Python {platform.python_version()}; fp32, AdamW; {args.warmup} warmup + {args.steps} timed steps", flush=True)
     print("# " + "; ".join(shapes), flush=True)
     print("# strategy: tilegraph's TrainStep(parallel=...), or torch (PyTorch eager, one process) or torch-DDP (P "
-          "processes, gloo); used: the plan's; auto: what parallel='auto' picks there; outside = 1 - kernel s / "
+          "processes, gloo); used: the plan's; exch: how its processes exchange values (gang: one task per process, "
+          "shared-memory channels; tasks: Dask tasks); auto: what parallel='auto' picks there; outside = 1 - kernel s / "
           "(wall x W x T); dask_CPU: CPU s of the workers' Dask threads (transfers) / (wall x W x T); MB/step: between worker processes, from the plan (DDP: ring all-reduce, 2 (P-1) x "
           "gradient bytes); ratio = tok/s / torch eager tok/s with W x T threads", flush=True)
     print(HEADER, flush=True)

@@ -25,7 +25,8 @@ def test_bench_scale_tiny_blocks_runs():
     header = [line for line in lines if line.startswith("model ")]
     assert len(header) == 1, proc.stdout
     col = header[0].split()  # a word per column
-    assert {"WxT", "strategy", "used", "auto", "tok/s", "outside", "dask_CPU", "MB/step", "ratio"} <= set(col), header[0]
+    assert {"WxT", "strategy", "used", "exch", "auto", "tok/s", "outside", "dask_CPU", "MB/step", "ratio"} <= set(col), \
+        header[0]
     rows = [dict(zip(col, line.split())) for line in lines if line.startswith("blocks ")]
     assert all(len(r) == len(col) for r in rows), proc.stdout
     got = {(r["WxT"], r["strategy"]): r for r in rows}
@@ -46,5 +47,7 @@ def test_bench_scale_tiny_blocks_runs():
     assert float(got[("1x1", "tiles")]["MB/step"]) == 0  # one process: nothing moves between processes
     # two row tiles on two workers: the data-parallel plan applies and exchanges gradients
     assert got[("2x1", "data")]["used"] == "data", proc.stdout
+    # one gang task per worker process where both share /dev/shm (this machine), else Dask tasks
+    assert got[("2x1", "data")]["exch"] in ("gang", "tasks") and got[("1x1", "tiles")]["exch"] == "-", proc.stdout
     assert float(got[("2x1", "data")]["MB/step"]) > 0, proc.stdout
     assert float(got[("2x1", "torch-DDP")]["MB/step"]) > 0, proc.stdout
