@@ -163,3 +163,40 @@ def test_gangs_of_two_models_in_flight_at_once_run_in_submission_order(embedded_
             break
         time.sleep(0.05)
     assert not embedded_runtime.last_gang
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(monkeypatch):
+    """A worker process killed while gangs run: its peer's channel wait ends at once (its writer
+    is gone), and the step ends with a WorkerLostError naming the killed worker within seconds;
+    the surviving worker is free again (no thread left waiting)."""
+    import signal
+
+    from tilegraph.trainer import WorkerLostError
+
+    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
+    try:
+        _, step, batch = _gpt2_step(rt, "sharded")
+        step(*batch)
+        exe = step.plan(*batch)
+        assert exe.gang is not None
+        pids = rt.client.run(os.getpid)
+        victim, survivor = exe.gang.addrs[1], exe.gang.addrs[0]
+        pending = [step.submit(*batch) for _ in range(40)]  # a few ms each
+        pending[2].result()
+        os.kill(pids[victim], signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerLostError) as info:
+            for p in pending:
+                p.result(timeout=60)
+        assert time.perf_counter() - t0 < 15.0
+        assert victim in info.value.workers and f"lost worker {victim}" in str(info.value)
+        for _ in range(100):
+            if not rt.client.processing().get(survivor):
+                break
+            time.sleep(0.05)
+        assert not rt.client.processing().get(survivor)
+        assert rt.client.run(lambda: 1, workers=[survivor]) == {survivor: 1}
+    finally:
+        rt.close()

@@ -347,6 +347,9 @@ RECHECK_SECONDS = 0.5
 PAUSED_SECONDS = 60.0
 #: how long the scheduler may take to answer a health check
 SCHEDULER_ANSWER_SECONDS = 10.0
+#: a gang task that found another worker's process gone ends at once; the scheduler is given
+#: this long to see the loss too, so that the error names that worker
+LOSS_SETTLE_SECONDS = 5.0
 
 
 @functools.cache
@@ -358,7 +361,9 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
     from distributed import KilledWorker
     from distributed.comm.core import CommClosedError
 
-    return CancelledError, KilledWorker, CommClosedError
+    from tilegraph.exec.gang import ChannelWaitError
+
+    return CancelledError, KilledWorker, CommClosedError, ChannelWaitError
 
 
 class WorkerLostError(TileError):
@@ -496,9 +501,16 @@ def translate_worker_failure(runtime, error: BaseException, during: str, *, step
     error, say): the caller re-raises it."""
     if runtime is None or isinstance(error, TileError):
         return None
+    from tilegraph.exec.gang import ChannelWaitError
+
     dask_loss = isinstance(error, _lost_errors())
     try:
         health = worker_health(runtime, since)
+        # a gang task finds its peer's process gone as soon as it looks, the scheduler a moment later
+        settle = time.perf_counter() + LOSS_SETTLE_SECONDS if isinstance(error, ChannelWaitError) else 0.0
+        while not health.failing and time.perf_counter() < settle:
+            time.sleep(0.1)
+            health = worker_health(runtime, since)
     except Exception as e:  # the scheduler itself is unreachable
         if not dask_loss:
             return None

@@ -35,7 +35,7 @@ import numpy as np
 from tilegraph.exec.program import Bound, measured_exactly, run_cluster
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, shm_domain
 
-__all__ = ["GangSpec", "Stage", "run_gang", "gang_identity", "write_channel", "read_channel", "channel_path"]
+__all__ = ["GangSpec", "Stage", "ChannelWaitError", "run_gang", "gang_identity", "write_channel", "read_channel", "channel_path"]
 
 #: bytes of the header-length field at the start of a channel file; data blocks align to this
 _ALIGN = 64
@@ -75,6 +75,11 @@ class GangSpec:
     def bound(self, pids: tuple, timeout: float) -> "GangSpec":
         """This spec for one call: with the workers' pids and the wait limit."""
         return GangSpec(self.stages, self.reads, self.outputs, pids, timeout)
+
+
+class ChannelWaitError(RuntimeError):
+    """A gang's wait for another process's values ended without them: that process is gone, the
+    step was cancelled, or nothing came within the time limit (the client names the worker)."""
 
 
 def gang_identity() -> tuple[str | None, str | None, int, int]:
@@ -161,7 +166,7 @@ def _alive(pid: int) -> bool:
 
 def read_channel(name: str, pid: int, timeout: float) -> tuple:
     """The values of channel ``name`` written by process ``pid``: waits until its file exists,
-    maps it (copy-on-write) and unlinks it. Raises RuntimeError, naming the channel, when the
+    maps it (copy-on-write) and unlinks it. Raises ChannelWaitError, naming the channel, when the
     writer's process is gone, when Dask cancelled this task, or after ``timeout`` seconds."""
     path = channel_path(pid, name)
     t0 = time.perf_counter()
@@ -184,7 +189,7 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
                 what = (f"nothing came from worker process {pid} in {timeout:g} s "
                         "(tilegraph.config.exchange_timeout_seconds)")
             if what is not None:
-                raise RuntimeError(f"tilegraph: gang step: waiting for values of channel {name}: {what}")
+                raise ChannelWaitError(f"tilegraph: gang step: waiting for values of channel {name}: {what}")
         time.sleep(pause)
         pause = min(1e-3, pause * 2 or 2e-5)
     try:
