@@ -137,6 +137,7 @@ def crc_bytes(data) -> bytes:
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_OVERWRITE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def _advance(views: list, i: int, n: int) -> int:
@@ -166,13 +167,14 @@ def _write_all(fd: int, view: memoryview, path: str) -> None:
             block = block[n:]
 
 
-def write_file(path: str, parts: Sequence) -> int:
+def write_file(path: str, parts: Sequence, *, overwrite: bool = False) -> int:
     """Create ``path`` holding ``parts`` (bytes or C-contiguous arrays) one after the other,
     large parts straight from their memory in :data:`WRITE_BLOCK` blocks, small ones gathered
-    first (no Python file object). An OSError (a full disk, ...) propagates. Returns the bytes
-    written."""
+    first (no Python file object). With ``overwrite``, ``path`` exists and is written over from
+    its start, its blocks kept (then cut to the new length). An OSError (a full disk, ...)
+    propagates. Returns the bytes written."""
     total = 0
-    fd = os.open(path, _WRITE_FLAGS, 0o666)
+    fd = os.open(path, _OVERWRITE_FLAGS if overwrite else _WRITE_FLAGS, 0o666)
     try:
         small = bytearray()
         for part in parts:
@@ -187,6 +189,8 @@ def write_file(path: str, parts: Sequence) -> int:
             _write_all(fd, view, path)
         if small:
             _write_all(fd, memoryview(bytes(small)), path)
+        if overwrite:
+            os.ftruncate(fd, total)
     finally:
         os.close(fd)
     return total

@@ -24,11 +24,12 @@ def test_a_channel_carries_arrays_of_any_layout_once():
               np.arange(30, dtype=np.int64)[::3],  # not contiguous
               np.asarray(2.5, np.float32), np.float64(-1.25), np.zeros((0, 3), np.float32), np.array([True, False]))
     name = f"test-{uuid.uuid4().hex}"
-    path = write_channel(name, values)
-    assert path == channel_path(os.getpid(), name) and os.path.exists(path)
+    size = write_channel(name, values)
+    path = channel_path(os.getpid(), name)
+    assert os.path.getsize(path) == size >= sum(np.asarray(v).nbytes for v in values)
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]  # renamed once complete
     got = read_channel(name, os.getpid(), timeout=5.0)
-    assert not os.path.exists(path)  # unlinked once mapped: a channel is read once
+    assert not os.path.exists(path)  # out of its name once mapped: a channel is read once
     assert len(got) == len(values)
     for a, b in zip(got, values):
         b = np.asarray(b)
@@ -39,6 +40,39 @@ def test_a_channel_carries_arrays_of_any_layout_once():
     assert got[0][0, 0] == -1.0 and values[0][0, 0] == 0.0
     with pytest.raises(TypeError, match=r"channel bad: .* NumPy arrays .* dict"):
         write_channel("bad", (np.ones(2), {"a": 1}))
+
+
+@needs_shm
+def test_a_channel_file_is_written_over_only_once_its_reader_is_done():
+    import gc
+
+    from tilegraph.exec.gang import trim_pool
+
+    trim_pool(0)
+    first = (np.full((1000, 100), 1.0, np.float32),)
+    write_channel("pool-a", first)
+    inode = os.stat(channel_path(os.getpid(), "pool-a")).st_ino
+    got = read_channel("pool-a", os.getpid(), timeout=5.0)
+    view = got[0][10:20]  # a view keeps the mapping too
+    del got
+    gc.collect()
+    write_channel("pool-b", (np.full((1000, 100), 2.0, np.float32),))  # same size: the first file is still read
+    assert os.stat(channel_path(os.getpid(), "pool-b")).st_ino != inode
+    second = read_channel("pool-b", os.getpid(), timeout=5.0)
+    assert (view == 1.0).all()
+    del view
+    gc.collect()  # the first file is free now, and the next write of its size goes over it
+    folder = os.path.dirname(channel_path(os.getpid(), "x"))
+    assert [f for f in os.listdir(folder) if f.startswith("f-")]
+    write_channel("pool-c", (np.full((1000, 100), 3.0, np.float32),))
+    assert os.stat(channel_path(os.getpid(), "pool-c")).st_ino == inode
+    third = read_channel("pool-c", os.getpid(), timeout=5.0)
+    assert (third[0] == 3.0).all() and (second[0] == 2.0).all()
+    del second, third
+    gc.collect()
+    assert len([f for f in os.listdir(folder) if f.startswith("f-")]) == 2
+    trim_pool(0)
+    assert not [f for f in os.listdir(folder) if f.startswith(("f-", "b-", "g-"))]
 
 
 @needs_shm

@@ -13,7 +13,10 @@ worker; every worker runs its own at the same time. What one process reads of an
 through a *channel*: the producer writes the values to one file in its shared-memory folder
 (``/dev/shm/tilegraph-<pid>``, see :mod:`tilegraph.exec.shm`) as soon as the stage that made
 them ends, under a temporary name renamed when complete; the reader waits for the name, maps
-the file (copy-on-write, no copy) and unlinks it. It needs every worker of the step on one host
+the file (copy-on-write, no copy) and takes it out of the channel's name; once the reader's last
+array over it is gone the file is free, and its writer writes the next call's values over it
+(writing over existing pages of ``/dev/shm`` takes half the time of new ones; a gang leaves at
+most what it wrote free). It needs every worker of the step on one host
 sharing ``/dev/shm`` and one process-id namespace (the plan checks; elsewhere the Dask-task
 exchange runs).
 
@@ -28,6 +31,8 @@ import json
 import mmap
 import os
 import time
+import uuid
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,7 +40,8 @@ import numpy as np
 from tilegraph.exec.program import Bound, measured_exactly, run_cluster
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, shm_domain
 
-__all__ = ["GangSpec", "Stage", "ChannelWaitError", "run_gang", "gang_identity", "write_channel", "read_channel", "channel_path"]
+__all__ = ["GangSpec", "Stage", "ChannelWaitError", "run_gang", "gang_identity", "write_channel", "read_channel",
+           "channel_path", "trim_pool"]
 
 #: bytes of the header-length field at the start of a channel file; data blocks align to this
 _ALIGN = 64
@@ -110,10 +116,11 @@ def _as_array(v, name: str) -> np.ndarray:
                     f"{type(v).__name__}")
 
 
-def write_channel(name: str, values: tuple) -> str:
+def write_channel(name: str, values: tuple) -> int:
     """Write ``values`` (NumPy arrays) to this process's channel file ``name``: a header (length,
     then JSON of each value's dtype, shape and offset), then the values at 64-byte offsets;
-    renamed to its final name only once complete. Returns the path."""
+    renamed to its final name only once complete (:func:`channel_path`), written over a free file
+    of the same size where one is left (:func:`read_channel`). Returns the bytes written."""
     from tilegraph.exec.shm import _folder
     from tilegraph.io._store import write_file
 
@@ -133,9 +140,65 @@ def write_channel(name: str, values: tuple) -> str:
     folder = _folder()
     final = os.path.join(folder, f"g-{name}")
     tmp = os.path.join(folder, f".g-{name}.tmp")
-    write_file(tmp, parts)
+    size = start + offset
+    if _claim_free(folder, size, tmp):  # a file a reader is done with: its pages exist already
+        write_file(tmp, parts, overwrite=True)
+    else:
+        write_file(tmp, parts)
     os.rename(tmp, final)
-    return final
+    return size
+
+
+def _free_files(folder: str) -> list[tuple[int, str]]:
+    """This folder's free channel files, as (size, name): ``f-<size>-<id>``."""
+    out = []
+    for entry in os.listdir(folder):
+        if entry.startswith("f-"):
+            size = entry.split("-")[1]
+            if size.isdigit():
+                out.append((int(size), entry))
+    return out
+
+
+def _claim_free(folder: str, size: int, tmp: str) -> bool:
+    """Take a free file of ``size`` bytes (renamed to ``tmp``); False where none is there.
+    Writing over a file's existing pages in ``/dev/shm`` takes half the time of writing a new
+    one (80 MB: 12-15 ms against 28 ms on the 2-core machine)."""
+    for n, entry in _free_files(folder):
+        if n == size:
+            try:
+                os.rename(os.path.join(folder, entry), tmp)
+                return True
+            except FileNotFoundError:  # taken by another thread of this process
+                continue
+    return False
+
+
+def trim_pool(keep_bytes: int) -> None:
+    """Remove this process's free channel files beyond ``keep_bytes`` (what its last gang wrote:
+    enough for the next call of the same plan), the largest first."""
+    from tilegraph.exec.shm import _folder
+
+    folder = _folder()
+    free = sorted(_free_files(folder), reverse=True)
+    total = sum(n for n, _ in free)
+    for n, entry in free:
+        if total <= keep_bytes:
+            break
+        try:
+            os.unlink(os.path.join(folder, entry))
+        except FileNotFoundError:
+            pass
+        total -= n
+
+
+def _release(folder: str, busy: str, size: int) -> None:
+    """A reader is done with channel file ``busy`` (its mapping closed): it becomes free for its
+    writer to reuse; gone where the writer's folder is (the writer closed)."""
+    try:
+        os.rename(os.path.join(folder, busy), os.path.join(folder, f"f-{size}-{busy[2:]}"))
+    except OSError:
+        pass
 
 
 def _cancelled() -> bool:
@@ -166,7 +229,9 @@ def _alive(pid: int) -> bool:
 
 def read_channel(name: str, pid: int, timeout: float) -> tuple:
     """The values of channel ``name`` written by process ``pid``: waits until its file exists,
-    maps it (copy-on-write) and unlinks it. Raises ChannelWaitError, naming the channel, when the
+    maps it (copy-on-write) and takes it out of the channel's name; once the last array over the
+    mapping is gone, the file is left free for its writer to write over (``f-<size>-<id>``, see
+    :func:`write_channel`). Raises ChannelWaitError, naming the channel, when the
     writer's process is gone, when Dask cancelled this task, or after ``timeout`` seconds."""
     path = channel_path(pid, name)
     t0 = time.perf_counter()
@@ -197,7 +262,12 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    os.unlink(path)  # the mapping keeps the pages; they go when the last array does
+    # out of the channel's name at once (read once); free for the writer to reuse once the last
+    # array over the mapping is gone (copy-on-write: nothing written here reaches the file)
+    folder = os.path.dirname(path)
+    busy = f"b-{uuid.uuid4().hex}"
+    os.rename(path, os.path.join(folder, busy))
+    weakref.finalize(mm, _release, folder, busy, size)
     n = int.from_bytes(mm[:8], "little")
     entries = json.loads(bytes(mm[8:8 + n]))
     start = -(-(8 + n) // _ALIGN) * _ALIGN
@@ -236,14 +306,17 @@ def run_gang(spec: GangSpec, token: str, bound: Bound, programs: list, after, *a
 
     outputs = spec.outputs
     kept: dict[int, Any] = {}  # the result's elements, taken as soon as they exist
+    written = 0
     for s, stage in enumerate(spec.stages):
         ins = [value(src) for src in stage.inputs]
         results[s] = run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins)
         for name, idx in stage.sends:
-            write_channel(f"{token}-{name}", tuple(results[s][k] for k in idx))
+            written += write_channel(f"{token}-{name}", tuple(results[s][k] for k in idx))
         for i, src in enumerate(outputs):
             if src[0] == "r" and src[1] == s:
                 kept[i] = results[s][src[2]]
         for kind, which in stage.drop:
             (results if kind == "r" else received).pop(which, None)
-    return measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
+    out = measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
+    trim_pool(written)
+    return out
