@@ -234,3 +234,25 @@ def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(monkeypatch)
         assert rt.client.run(lambda: 1, workers=[survivor]) == {survivor: 1}
     finally:
         rt.close()
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_a_gang_on_workers_of_several_threads_equals_the_task_exchange(monkeypatch):
+    """Workers of 2 threads: a gang's stages run their kernels on the worker's threads, and the
+    plan trains as its Dask tasks do."""
+    # the debug model's kernels are too small to be worth a second thread: make handing them over free
+    monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
+    rt = tg.connect(n_workers=2, threads_per_worker=2, dashboard=False, quiet=True, make_current=False)
+    try:
+        runs = {}
+        for exchange in ("tasks", "gang"):
+            monkeypatch.setattr(tg.config, "exchange", exchange)
+            model, step, batch = _gpt2_step(rt, "sharded")
+            runs[exchange] = [step(*batch) for _ in range(3)]
+            exe = step.plan(*batch)
+            assert (exe.gang is not None) == (exchange == "gang") and exe.n_replicas == 2
+        assert max(p.prog.threads for p in exe.plans) == 2
+        assert runs["gang"] == runs["tasks"]
+    finally:
+        rt.close()

@@ -39,6 +39,7 @@ import numpy as np
 
 from tilegraph.exec.program import Bound, measured_exactly, run_cluster
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, shm_domain
+from tilegraph.io._store import process_alive, write_file
 
 __all__ = ["GangSpec", "Stage", "ChannelWaitError", "run_gang", "gang_identity", "write_channel", "read_channel",
            "channel_path", "trim_pool"]
@@ -122,7 +123,6 @@ def write_channel(name: str, values: tuple) -> int:
     renamed to its final name only once complete (:func:`channel_path`), written over a free file
     of the same size where one is left (:func:`read_channel`). Returns the bytes written."""
     from tilegraph.exec.shm import _folder
-    from tilegraph.io._store import write_file
 
     arrays = [_as_array(v, name) for v in values]
     entries, offset = [], 0
@@ -217,16 +217,6 @@ def _cancelled() -> bool:
     return ts is None or ts.state in ("cancelled", "released")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_channel(name: str, pid: int, timeout: float) -> tuple:
     """The values of channel ``name`` written by process ``pid``: waits until its file exists,
     maps it (copy-on-write) and takes it out of the channel's name; once the last array over the
@@ -246,7 +236,7 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
         if now - checked > 0.05:
             checked = now
             what = None
-            if not _alive(pid):
+            if not process_alive(pid):
                 what = f"its writer, worker process {pid}, is gone"
             elif _cancelled():
                 what = "this step was cancelled"
