@@ -83,9 +83,14 @@ check train-cpu-1-worker 50 "tilegraph train --out /tmp/tg-1w $TRAIN"
 check train-cpu-4-workers 50 "tilegraph train --out /tmp/tg-4w $TRAIN --set runtime.workers=4"
 # 3. GPT-2 6x768 on one worker x all threads against torch with as many threads (the issue: 0.41)
 check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --flavor 6x768 --batch 16 --steps $STEPS --warmup 1"
-# 4. the block stack over 1 x T, 2 x T/2, 4 x T/4 (the issue: 0.57, 0.61, 0.30 of torch)
-check scale-blocks 170 "python3 bench/bench_scale.py --models blocks --strategies tiles,sharded \
+# 4. the block stack over 1 x T, 2 x T/2, 4 x T/4 (the issue: 0.57, 0.61, 0.30 of torch), the
+# workers' processes exchanging values as gangs (one task per process per step); then 4 x T/4 with
+# the Dask-task exchange, for the comparison
+check scale-blocks 130 "python3 bench/bench_scale.py --models blocks --strategies sharded \
     --batch 16 --steps $STEPS --warmup 1 --no-ddp"
+QUARTER=$(( $(nproc) >= 4 ? $(nproc) / 4 : 1 ))
+check scale-blocks-tasks 40 "python3 bench/bench_scale.py --models blocks --strategies sharded --configs 4x$QUARTER \
+    --exchange tasks --batch 16 --steps $STEPS --warmup 1 --no-ddp"
 for f in "$OUT"/*.log; do
     echo "== $(basename "$f")"
     grep -E "tokens/s|^debug|^6x768|^blocks|passed|failed|Error|error" "$f" | tail -8
