@@ -9,7 +9,10 @@ Dask distributed pays milliseconds per dependent task. So nodes are never submit
    virtual processor's node sequence is cut once a cluster reaches ``target_seconds`` of estimated
    work, or when another processor needs one of its values);
 3. lowering writes one raw Dask task per cluster, ``(run_cluster, program, *inputs)``, into a
-   graph whose GPU layer carries a ``{"GPU": 1}`` resource annotation.
+   graph whose GPU layer carries a ``{"GPU": 1}`` resource annotation; a data-parallel plan whose
+   workers share one host's ``/dev/shm`` runs instead as one *gang* task per worker process
+   (:mod:`tilegraph.parallel.gang`), its clusters run in order inside it and the values between
+   processes going through shared-memory channels.
 
 An :class:`Executable` keeps the placed, clustered plan; running it again only re-binds the leaf
 cells (parameters, batches) and writes fresh keys, which is how a training step is replayed.
