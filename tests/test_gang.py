@@ -256,3 +256,52 @@ def test_a_gang_on_workers_of_several_threads_equals_the_task_exchange(monkeypat
         assert runs["gang"] == runs["tasks"]
     finally:
         rt.close()
+
+
+@needs_shm
+def test_a_failed_writer_leaves_its_error_in_the_channel():
+    from tilegraph.exec.gang import PeerFailedError, _write_failure
+
+    _write_failure("failed-one", "OSError: [Errno 28] No space left on device")
+    t0 = time.perf_counter()
+    with pytest.raises(PeerFailedError, match=rf"channel failed-one: worker process {os.getpid()} failed: OSError: "
+                                              r"\[Errno 28\] No space left"):
+        read_channel("failed-one", os.getpid(), timeout=600.0)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def _fail_channel_writes(dask_worker=None):
+    import errno
+
+    import tilegraph.exec.gang as gang
+
+    def full(name, values):
+        raise OSError(errno.ENOSPC, "No space left on device", name)
+
+    gang.write_channel = full
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_a_gang_that_fails_ends_the_step_at_once_with_its_error():
+    """One process's gang fails (its shared memory full): it writes its error in place of the
+    values the others wait for, so the step ends within seconds with that cause, not after the
+    channel time limit."""
+    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
+    try:
+        _, step, batch = _gpt2_step(rt, "sharded")
+        step(*batch)
+        exe = step.plan(*batch)
+        assert exe.gang is not None
+        rt.client.run(_fail_channel_writes, workers=[exe.gang.addrs[1]])
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match="No space left on device") as info:
+            step.submit(*batch).result(timeout=60)
+        assert time.perf_counter() - t0 < 10.0
+        for _ in range(100):  # neither gang waits on: both workers are free
+            if not any(rt.client.processing().values()):
+                break
+            time.sleep(0.05)
+        assert not any(rt.client.processing().values()), (info.value, rt.client.processing())
+    finally:
+        rt.close()

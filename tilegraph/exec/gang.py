@@ -41,7 +41,7 @@ from tilegraph.exec.program import Bound, measured_exactly, run_cluster
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, shm_domain
 from tilegraph.io._store import process_alive, write_file
 
-__all__ = ["GangSpec", "Stage", "ChannelWaitError", "run_gang", "gang_identity", "write_channel", "read_channel",
+__all__ = ["GangSpec", "Stage", "ChannelWaitError", "PeerFailedError", "run_gang", "gang_identity", "write_channel", "read_channel",
            "channel_path", "trim_pool"]
 
 #: bytes of the header-length field at the start of a channel file; data blocks align to this
@@ -87,6 +87,11 @@ class GangSpec:
 class ChannelWaitError(RuntimeError):
     """A gang's wait for another process's values ended without them: that process is gone, the
     step was cancelled, or nothing came within the time limit (the client names the worker)."""
+
+
+class PeerFailedError(RuntimeError):
+    """Another process of a gang step failed before it sent what this one waits for: its error
+    (it wrote that in place of the values, so that no process of the step waits on)."""
 
 
 def gang_identity() -> tuple[str | None, str | None, int, int]:
@@ -260,6 +265,9 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
     weakref.finalize(mm, _release, folder, busy, size)
     n = int.from_bytes(mm[:8], "little")
     entries = json.loads(bytes(mm[8:8 + n]))
+    if isinstance(entries, dict):  # what the writer wrote instead when it failed
+        raise PeerFailedError(f"tilegraph: gang step: channel {name}: worker process {pid} failed: "
+                              f"{entries.get('error')}")
     start = -(-(8 + n) // _ALIGN) * _ALIGN
     out = []
     for dtype, shape, offset in entries:
@@ -297,16 +305,40 @@ def run_gang(spec: GangSpec, token: str, bound: Bound, programs: list, after, *a
     outputs = spec.outputs
     kept: dict[int, Any] = {}  # the result's elements, taken as soon as they exist
     written = 0
-    for s, stage in enumerate(spec.stages):
-        ins = [value(src) for src in stage.inputs]
-        results[s] = run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins)
-        for name, idx in stage.sends:
-            written += write_channel(f"{token}-{name}", tuple(results[s][k] for k in idx))
-        for i, src in enumerate(outputs):
-            if src[0] == "r" and src[1] == s:
-                kept[i] = results[s][src[2]]
-        for kind, which in stage.drop:
-            (results if kind == "r" else received).pop(which, None)
-    out = measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
+    sent: set[str] = set()
+    try:
+        for s, stage in enumerate(spec.stages):
+            ins = [value(src) for src in stage.inputs]
+            results[s] = run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins)
+            for name, idx in stage.sends:
+                written += write_channel(f"{token}-{name}", tuple(results[s][k] for k in idx))
+                sent.add(name)
+            for i, src in enumerate(outputs):
+                if src[0] == "r" and src[1] == s:
+                    kept[i] = results[s][src[2]]
+            for kind, which in stage.drop:
+                (results if kind == "r" else received).pop(which, None)
+        out = measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
+    except BaseException as e:  # the other processes must not wait for what this one will not send
+        message = f"{type(e).__name__}: {e}"
+        for stage in spec.stages:
+            for name, _ in stage.sends:
+                if name not in sent:
+                    _write_failure(f"{token}-{name}", message)
+        raise
     trim_pool(written)
     return out
+
+
+def _write_failure(name: str, message: str) -> None:
+    """Write channel ``name`` as failed, with ``message`` (readers raise PeerFailedError)."""
+    from tilegraph.exec.shm import _folder
+
+    head = json.dumps({"error": message[:2000]}).encode()
+    try:
+        folder = _folder()
+        tmp = os.path.join(folder, f".g-{name}.tmp")
+        write_file(tmp, [len(head).to_bytes(8, "little") + head])
+        os.rename(tmp, os.path.join(folder, f"g-{name}"))
+    except OSError:  # no room even for this: the readers see this process alive, and wait
+        pass
