@@ -105,6 +105,35 @@ def _state_futures(step):
             for r in (getattr(c.value, "replicas", ()) or (c.value,))]
 
 
+@pytest.fixture
+def own_runtime():
+    """A 2-worker cluster of the test's own (one whose worker a test may kill or break)."""
+    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
+    try:
+        yield rt
+    finally:
+        rt.close()
+
+
+def _running_gang(rt):
+    """A sharded step of the debug GPT-2 that ran once as gangs: (step, batch, its plan)."""
+    _, step, batch = _gpt2_step(rt, "sharded")
+    step(*batch)
+    exe = step.plan(*batch)
+    assert exe.gang is not None
+    return step, batch, exe
+
+
+def _idle(rt, worker=None) -> bool:
+    """Whether the workers (or ``worker``) run no task, waiting up to 5 s for it."""
+    for _ in range(100):
+        busy = rt.client.processing()
+        if not (busy.get(worker) if worker else any(busy.values())):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _channel_files() -> int:
     return sum(f.startswith(("g-", ".g-")) for d in os.listdir(shm.SHM_ROOT) if d.startswith("tilegraph-")
                for f in os.listdir(os.path.join(shm.SHM_ROOT, d)))
@@ -201,7 +230,7 @@ def test_gangs_of_two_models_in_flight_at_once_run_in_submission_order(embedded_
 
 @needs_shm
 @pytest.mark.distributed
-def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(monkeypatch):
+def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(own_runtime):
     """A worker process killed while gangs run: its peer's channel wait ends at once (its writer
     is gone), and the step ends with a WorkerLostError naming the killed worker within seconds;
     the surviving worker is free again (no thread left waiting)."""
@@ -209,31 +238,21 @@ def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(monkeypatch)
 
     from tilegraph.trainer import WorkerLostError
 
-    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
-    try:
-        _, step, batch = _gpt2_step(rt, "sharded")
-        step(*batch)
-        exe = step.plan(*batch)
-        assert exe.gang is not None
-        pids = rt.client.run(os.getpid)
-        victim, survivor = exe.gang.addrs[1], exe.gang.addrs[0]
-        pending = [step.submit(*batch) for _ in range(40)]  # a few ms each
-        pending[2].result()
-        os.kill(pids[victim], signal.SIGKILL)
-        t0 = time.perf_counter()
-        with pytest.raises(WorkerLostError) as info:
-            for p in pending:
-                p.result(timeout=60)
-        assert time.perf_counter() - t0 < 15.0
-        assert victim in info.value.workers and f"lost worker {victim}" in str(info.value)
-        for _ in range(100):
-            if not rt.client.processing().get(survivor):
-                break
-            time.sleep(0.05)
-        assert not rt.client.processing().get(survivor)
-        assert rt.client.run(lambda: 1, workers=[survivor]) == {survivor: 1}
-    finally:
-        rt.close()
+    rt = own_runtime
+    step, batch, exe = _running_gang(rt)
+    pids = rt.client.run(os.getpid)
+    victim, survivor = exe.gang.addrs[1], exe.gang.addrs[0]
+    pending = [step.submit(*batch) for _ in range(40)]  # a few ms each
+    pending[2].result()
+    os.kill(pids[victim], signal.SIGKILL)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerLostError) as info:
+        for p in pending:
+            p.result(timeout=60)
+    assert time.perf_counter() - t0 < 15.0
+    assert victim in info.value.workers and f"lost worker {victim}" in str(info.value)
+    assert _idle(rt, survivor)
+    assert rt.client.run(lambda: 1, workers=[survivor]) == {survivor: 1}
 
 
 @needs_shm
@@ -283,25 +302,15 @@ def _fail_channel_writes(dask_worker=None):
 
 @needs_shm
 @pytest.mark.distributed
-def test_a_gang_that_fails_ends_the_step_at_once_with_its_error():
+def test_a_gang_that_fails_ends_the_step_at_once_with_its_error(own_runtime):
     """One process's gang fails (its shared memory full): it writes its error in place of the
     values the others wait for, so the step ends within seconds with that cause, not after the
     channel time limit."""
-    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
-    try:
-        _, step, batch = _gpt2_step(rt, "sharded")
-        step(*batch)
-        exe = step.plan(*batch)
-        assert exe.gang is not None
-        rt.client.run(_fail_channel_writes, workers=[exe.gang.addrs[1]])
-        t0 = time.perf_counter()
-        with pytest.raises(Exception, match="No space left on device") as info:
-            step.submit(*batch).result(timeout=60)
-        assert time.perf_counter() - t0 < 10.0
-        for _ in range(100):  # neither gang waits on: both workers are free
-            if not any(rt.client.processing().values()):
-                break
-            time.sleep(0.05)
-        assert not any(rt.client.processing().values()), (info.value, rt.client.processing())
-    finally:
-        rt.close()
+    rt = own_runtime
+    step, batch, exe = _running_gang(rt)
+    rt.client.run(_fail_channel_writes, workers=[exe.gang.addrs[1]])
+    t0 = time.perf_counter()
+    with pytest.raises(Exception, match="No space left on device") as info:
+        step.submit(*batch).result(timeout=60)
+    assert time.perf_counter() - t0 < 10.0
+    assert _idle(rt), (info.value, rt.client.processing())  # neither gang waits on
