@@ -205,6 +205,9 @@ class Executable:
         if fuse and runtime is not None and self.n_replicas > 1 and config.exchange != "tasks":
             self.gang = plan_gang(self, runtime, config.exchange)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
+        # program keys of this executable's own: another of the same plan, dropped just before
+        # this one scatters, would have Dask forget a shared key after it was sent again
+        self._program_id = uuid.uuid4().hex[:8]
 
     def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], state_groups: Sequence[Sequence[int]],
                        batch_cells: Sequence, target: float, parallel: str):
@@ -494,13 +497,16 @@ class Executable:
     def _programs(self, runtime) -> list:
         """Futures of the clusters' programs, scattered to the workers once per runtime: a
         program of a few thousand kernel calls takes ~50 ms to unpickle, every call otherwise.
-        Their keys derive from the plan's token, like the task keys: executables of the same
-        graph and plan write the same tasks, with the same dependencies."""
+        Their keys are this executable's own (the plan's token and an id): a key shared with
+        another executable of the same plan, released as that one was dropped, could be freed on
+        a worker after this one's scatter had sent it again (the scatter goes to the worker
+        directly, the release through the scheduler), and the step's tasks then fail with
+        "lost dependencies"."""
         cached = self._program_futures
         if cached is None or cached[0] is not runtime or any(f.status != "finished" for f in cached[1]):
             # each to the worker the plan pinned its task to (Dask moves it if another runs the
             # task); programs of unpinned tasks to every worker
-            names = [f"tg-program-{c.id}-{self.structure}" for c in self.clusters]
+            names = [f"tg-program-{c.id}-{self.structure}-{self._program_id}" for c in self.clusters]
             by_worker: dict[str | None, dict[str, Program]] = {}
             for c, p, name in zip(self.clusters, self.plans, names):
                 by_worker.setdefault(self.worker_of.get(c.id), {})[name] = p.prog
