@@ -314,3 +314,33 @@ def test_a_gang_that_fails_ends_the_step_at_once_with_its_error(own_runtime):
         step.submit(*batch).result(timeout=60)
     assert time.perf_counter() - t0 < 10.0
     assert _idle(rt), (info.value, rt.client.processing())  # neither gang waits on
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_under_a_memory_bound_a_gang_runs_only_where_each_process_share_fits(embedded_runtime, monkeypatch):
+    """Where a step's values are large against the workers' memory, the plan keeps its tasks
+    small; it still runs as gangs when each process's share of the step (its peak estimate)
+    fits in a worker, and trains as the small Dask tasks do; otherwise the Dask tasks run (and
+    "gang" says why not)."""
+    import tilegraph._lower as lower
+    import tilegraph.parallel.gang as gang
+
+    monkeypatch.setattr(lower, "_memory_limit", lambda runtime: 2 << 20)  # 2 MiB: the step's values take more
+    losses = {}
+    for share, exchange in ((1e-6, "auto"), (1e6, "auto"), (None, "tasks")):
+        if share is not None:
+            monkeypatch.setattr(gang, "GANG_MEMORY_SHARE", share)
+        monkeypatch.setattr(tg.config, "exchange", exchange)
+        _, step, batch = _gpt2_step(embedded_runtime, "sharded")
+        exe = step.plan(*batch)
+        assert exe.max_task_bytes < float("inf")
+        assert (exe.gang is not None) == (share == 1e6), share
+        losses[(share, exchange)] = [step(*batch) for _ in range(3)]
+    assert losses[(1e6, "auto")] == losses[(None, "tasks")] == losses[(1e-6, "auto")]
+    monkeypatch.setattr(gang, "GANG_MEMORY_SHARE", 1e-6)
+    monkeypatch.setattr(tg.config, "exchange", "gang")
+    _, step, batch = _gpt2_step(embedded_runtime, "sharded")
+    with pytest.raises(tg.TileError, match=r"each process's share of a step to fit .* received: a process's share "
+                                           r"of the step holds about [\d,]+ MiB"):
+        step.plan(*batch)

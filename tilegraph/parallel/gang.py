@@ -12,8 +12,9 @@ call's tasks read only values already on their worker.
 
 Used by ``tilegraph.config.exchange`` ("auto": wherever it applies; "gang": required; "tasks":
 never): every worker of the plan on one host sharing ``/dev/shm`` and one process-id namespace,
-with room there for what the call moves, every task pinned to a worker, and no memory bound on
-tasks (a model larger than its workers runs as small tasks, so that Dask can spill between them).
+with room there for what the call moves, every task pinned to a worker, and each process's share
+of the step small enough for its worker (:func:`peak_bytes`; a model larger than its workers runs
+as small tasks, so that Dask can spill between them).
 """
 
 from __future__ import annotations
@@ -72,14 +73,57 @@ def _order(exe) -> list[int]:
     return order
 
 
+#: a gang runs where each process's share of a step (:func:`peak_bytes`) takes at most this share
+#: of its worker's memory limit (Dask spills at 60% and pauses a worker at 80%)
+GANG_MEMORY_SHARE = 0.5
+
+
+def peak_bytes(exe, cids: list[int]) -> int:
+    """About the most memory a gang running clusters ``cids`` (in that order) holds at once: the
+    leaf values it reads (parameters, optimizer state, batch tiles), each earlier stage's result
+    and each other process's values until their last use (the gang's own result to the end),
+    and everything the running stage writes."""
+    where = exe.where
+    leaves: dict[tuple[int, int], int] = {}
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}
+    own = set(cids)
+    seen: set[tuple[int, int]] = set()  # values read from other processes, each counted once
+    for s, cid in enumerate(cids):
+        first.setdefault(("r", cid), s)
+        size[("r", cid)] = sum(r.nbytes for r in exe.plans[cid].outputs)
+        last[("r", cid)] = max(last.get(("r", cid), s), s)
+        for ref in exe.plans[cid].ext:
+            if ref.node.is_leaf:
+                leaves[(id(ref.node), ref.index)] = ref.nbytes
+                continue
+            d = where[(id(ref.node), ref.index)][0]
+            key = ("r", d) if d in own else ("c", d)
+            if key[0] == "c" and (id(ref.node), ref.index) not in seen:
+                seen.add((id(ref.node), ref.index))
+                first.setdefault(key, s)
+                size[key] = size.get(key, 0) + ref.nbytes
+            last[key] = s
+    end = len(cids)
+    roots = {where[(id(r.node), r.index)][0] for refs in exe.replicas for r in refs if not r.node.is_leaf}
+    for key in size:  # what the gang returns stays to its end
+        if key[0] == "r" and key[1] in roots:
+            last[key] = end
+    base = sum(leaves.values())
+    peak = 0
+    for s, cid in enumerate(cids):
+        held = sum(n for key, n in size.items() if first[key] <= s <= last[key] and key != ("r", cid))
+        peak = max(peak, base + held + exe.clusters[cid].made)
+    return peak
+
+
 def _why_not(exe, runtime) -> str | None:
     """Why the plan cannot run as gangs (None: it can)."""
     if exe.n_replicas < 2:
         return "the plan runs on one worker process"
     if any(c.device != "cpu" for c in exe.clusters):
         return "the plan has GPU tasks"
-    if exe.max_task_bytes != float("inf"):
-        return "the plan keeps tasks under a memory bound (a model larger than its workers)"
     if any(c.id not in exe.worker_of for c in exe.clusters):
         return "some tasks are not pinned to a worker"
     addrs = exe._process_workers()
@@ -117,6 +161,19 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
     for cid in order:
         stage_of[cid] = len(stages[proc[cid]])
         stages[proc[cid]].append(cid)
+    if exe.max_task_bytes != float("inf"):  # values large against the workers: does a gang fit?
+        from tilegraph._lower import _memory_limit
+
+        limit = _memory_limit(runtime)
+        peak = max(peak_bytes(exe, cids) for cids in stages)
+        if peak > GANG_MEMORY_SHARE * limit:
+            why = (f"a process's share of the step holds about {peak / 2**20:,.0f} MiB at once, over "
+                   f"{GANG_MEMORY_SHARE:.0%} of a worker's memory limit ({limit / 2**20:,.0f} MiB): it runs as small "
+                   "tasks that Dask can spill between")
+            if mode == "gang":
+                raise TileError("tilegraph.config.exchange", "'gang' needs each process's share of a step to fit "
+                                "its worker's memory; use 'auto' or 'tasks'", why)
+            return None
 
     # Channels: what each process reads of each cluster of another (exe.cross), and, in a
     # sharded plan, each updated parameter for every process but its owner.
