@@ -71,14 +71,6 @@ MODELS = ("blocks", "gpt2")
 GPT2_FLAVORS = ("debug", "6x768", "gpt2")
 
 
-# -- the plan's traffic -------------------------------------------------------------------------
-def moved_bytes(exe) -> int:
-    """Bytes one run of the Executable ``exe`` moves between worker processes (see the module
-    docstring): what each process reads of the tasks another one runs (``exe.cross``), each value
-    counted once per reading process."""
-    return sum(exe.plans[cid].outputs[k].nbytes for (cid, _), read in exe.cross.items() for k in read)
-
-
 # -- tilegraph ----------------------------------------------------------------------------------
 class Workload:
     """One model of the benchmark: how to build it fresh, its loss, batches and tiles."""
@@ -176,7 +168,7 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
                          "used": exe.strategy, "exch": exchange, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
                          "dask_cpu": dask_cpu / (wall * workers * threads),
-                         "moved": moved_bytes(exe), "step_s": wall / args.steps, "first_s": first_s})
+                         "moved": exe.cross_bytes(), "step_s": wall / args.steps, "first_s": first_s})
             del step, opt, model, exe
     return rows
 

@@ -143,14 +143,25 @@ def local_scheduler():
     tg.config.local_scheduler = old
 
 
-@pytest.fixture(scope="session")
-def embedded_runtime():
-    """One embedded cluster (2 workers) shared by the distributed tests; use ``rt.as_current()``."""
+def _two_workers():
+    """An embedded cluster of 2 worker processes x 1 thread, closed after its user."""
     rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
     try:
         yield rt
     finally:
         rt.close()
+
+
+@pytest.fixture(scope="session")
+def embedded_runtime():
+    """One embedded cluster (2 workers) shared by the distributed tests; use ``rt.as_current()``."""
+    yield from _two_workers()
+
+
+@pytest.fixture
+def own_runtime():
+    """A 2-worker cluster of the test's own (one whose worker a test may kill or break)."""
+    yield from _two_workers()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -105,16 +105,6 @@ def _state_futures(step):
             for r in (getattr(c.value, "replicas", ()) or (c.value,))]
 
 
-@pytest.fixture
-def own_runtime():
-    """A 2-worker cluster of the test's own (one whose worker a test may kill or break)."""
-    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
-    try:
-        yield rt
-    finally:
-        rt.close()
-
-
 def _running_gang(rt):
     """A sharded step of the debug GPT-2 that ran once as gangs: (step, batch, its plan)."""
     _, step, batch = _gpt2_step(rt, "sharded")

@@ -116,6 +116,9 @@ class Executable:
         if parallel not in PARALLEL_STRATEGIES:
             raise TileError("tilegraph.Executable", f"parallel must be one of {', '.join(map(repr, PARALLEL_STRATEGIES))}",
                             repr(parallel))
+        if config.exchange not in EXCHANGES:
+            raise TileError("tilegraph.config.exchange", f"must be one of {', '.join(map(repr, EXCHANGES))}",
+                            repr(config.exchange))
         nodes = topo_order(self.roots)
         self.leaves = [n for n in nodes if n.is_leaf]
         work = [n for n in nodes if not n.is_leaf]
@@ -199,9 +202,6 @@ class Executable:
         self.structure = self._structure_token(nodes, of)
         #: a data-parallel plan run as one task per worker process (``config.exchange``), or None
         self.gang = None
-        if config.exchange not in EXCHANGES:
-            raise TileError("tilegraph.config.exchange", f"must be one of {', '.join(map(repr, EXCHANGES))}",
-                            repr(config.exchange))
         if fuse and runtime is not None and self.n_replicas > 1 and config.exchange != "tasks":
             self.gang = plan_gang(self, runtime, config.exchange)
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
@@ -395,14 +395,24 @@ class Executable:
     def n_tasks(self) -> int:
         return len(self.clusters)
 
-    def critical_path(self) -> tuple[int, float]:
-        """(tasks, estimated kernel seconds) along the longest chain of dependent tasks: each task
-        on it pays Dask's per-hop latency, so this bounds how much fusion can still save."""
+    def task_deps(self) -> dict[int, set[int]]:
+        """The clusters (by id) each cluster reads values of."""
         deps: dict[int, set[int]] = {c.id: set() for c in self.clusters}
         for c, plan in zip(self.clusters, self.plans):
             for ref in plan.ext:
                 if not ref.node.is_leaf:
                     deps[c.id].add(self.where[(id(ref.node), ref.index)][0])
+        return deps
+
+    def cross_bytes(self) -> int:
+        """Bytes one call moves between worker processes: what each process reads of the tasks
+        another one runs (:attr:`cross`), each value counted once per reading process."""
+        return sum(self.plans[cid].outputs[k].nbytes for (cid, _), read in self.cross.items() for k in read)
+
+    def critical_path(self) -> tuple[int, float]:
+        """(tasks, estimated kernel seconds) along the longest chain of dependent tasks: each task
+        on it pays Dask's per-hop latency, so this bounds how much fusion can still save."""
+        deps = self.task_deps()
         seconds = {c.id: c.seconds for c in self.clusters}
         best: dict[int, tuple[int, float]] = {}
         for root in deps:

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tilegraph.exec.program import Bound, measured_exactly, run_cluster
-from tilegraph.exec.shm import SHM_ROOT, _PREFIX, shm_domain
+from tilegraph.exec.shm import SHM_ROOT, _PREFIX, _folder, shm_domain
 from tilegraph.io._store import process_alive, write_file
 
 __all__ = ["GangSpec", "Stage", "ChannelWaitError", "PeerFailedError", "run_gang", "gang_identity", "write_channel", "read_channel",
@@ -127,8 +127,6 @@ def write_channel(name: str, values: tuple) -> int:
     then JSON of each value's dtype, shape and offset), then the values at 64-byte offsets;
     renamed to its final name only once complete (:func:`channel_path`), written over a free file
     of the same size where one is left (:func:`read_channel`). Returns the bytes written."""
-    from tilegraph.exec.shm import _folder
-
     arrays = [_as_array(v, name) for v in values]
     entries, offset = [], 0
     for a in arrays:
@@ -182,8 +180,6 @@ def _claim_free(folder: str, size: int, tmp: str) -> bool:
 def trim_pool(keep_bytes: int) -> None:
     """Remove this process's free channel files beyond ``keep_bytes`` (what its last gang wrote:
     enough for the next call of the same plan), the largest first."""
-    from tilegraph.exec.shm import _folder
-
     folder = _folder()
     free = sorted(_free_files(folder), reverse=True)
     total = sum(n for n, _ in free)
@@ -332,8 +328,6 @@ def run_gang(spec: GangSpec, token: str, bound: Bound, programs: list, after, *a
 
 def _write_failure(name: str, message: str) -> None:
     """Write channel ``name`` as failed, with ``message`` (readers raise PeerFailedError)."""
-    from tilegraph.exec.shm import _folder
-
     head = json.dumps({"error": message[:2000]}).encode()
     try:
         folder = _folder()

@@ -48,11 +48,7 @@ class GangPlan:
 
 def _order(exe) -> list[int]:
     """The clusters in a topological order of their graph, earliest simulated start first."""
-    deps: dict[int, set[int]] = {c.id: set() for c in exe.clusters}
-    for c, plan in zip(exe.clusters, exe.plans):
-        for ref in plan.ext:
-            if not ref.node.is_leaf:
-                deps[c.id].add(exe.where[(id(ref.node), ref.index)][0])
+    deps = exe.task_deps()
     users: dict[int, list[int]] = {cid: [] for cid in deps}
     for cid, ds in deps.items():
         for d in ds:
@@ -91,9 +87,8 @@ def peak_bytes(exe, cids: list[int]) -> int:
     own = set(cids)
     seen: set[tuple[int, int]] = set()  # values read from other processes, each counted once
     for s, cid in enumerate(cids):
-        first.setdefault(("r", cid), s)
+        first[("r", cid)] = last[("r", cid)] = s  # readers come later (a topological order)
         size[("r", cid)] = sum(r.nbytes for r in exe.plans[cid].outputs)
-        last[("r", cid)] = max(last.get(("r", cid), s), s)
         for ref in exe.plans[cid].ext:
             if ref.node.is_leaf:
                 leaves[(id(ref.node), ref.index)] = ref.nbytes
@@ -134,7 +129,7 @@ def _why_not(exe, runtime) -> str | None:
         return "a worker has no writable /dev/shm"
     if len({(i[0], i[1]) for i in ids.values()}) > 1:
         return "its workers do not share one /dev/shm and process-id namespace (several hosts)"
-    moved = sum(exe.plans[cid].outputs[k].nbytes for (cid, _), read in exe.cross.items() for k in read)
+    moved = exe.cross_bytes()
     moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
     free = min(i[3] for i in ids.values())
     if free < moved + SHM_MARGIN_BYTES:

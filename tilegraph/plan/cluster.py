@@ -197,7 +197,6 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     open_on: dict[tuple[str, int], Cluster] = {}
     finish: dict[int, float] = {}
     end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
-    begin: dict[int, float] = {}  # cluster id -> start of its first node
     hop = config.hop_seconds
     bandwidth = config.transfer_bytes_per_second
     bounded = max_bytes < float("inf")
@@ -235,7 +234,7 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
         # A Dask task starts only once all its inputs exist: a node whose value from elsewhere is
         # ready only after the open cluster began would hold back the cluster's earlier nodes.
         late = cur is not None and cur.open and \
-            ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > begin[cur.id]
+            ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > cur.start
         if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target) \
                 or (bounded and cur.nodes and (cur.bytes + cur.added_bytes(n, of) > max_bytes
                                                or cur.made + out_bytes(n) > max_bytes * RESULT_SHARE)):
@@ -246,8 +245,8 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
             open_on[(dev, best)] = cur
         thread = min(range(len(frees)), key=frees.__getitem__)
         start = max(ready_time(inputs, cur, dev, best), frees[thread])
-        if cur.id not in begin:
-            begin[cur.id] = cur.start = start
+        if not cur.nodes:
+            cur.start = start
         cur.add(n, t, of)
         finish[id(n)] = frees[thread] = start + t
         end[cur.id] = max(end.get(cur.id, 0.0), start + t)

@@ -69,8 +69,7 @@ class Runtime:
         except Exception as e:  # values then still go through shared memory, but what a dead worker
             # left there stays until the host restarts
             logging.getLogger("tilegraph").warning("could not install the shared-memory cleanup on the workers: %s", e)
-        #: each worker's shared-memory domain (``exec.shm.shm_domain``), as asked so far
-        self._shm_domains: dict[str, str | None] = {}
+        #: each worker's ``exec.gang.gang_identity()`` (its shared-memory domain first), as asked so far
         self._gang_ids: dict[str, tuple | None] = {}
         #: the last gang task submitted to each worker (``Executable._submit_gang``), and the
         #: lock that keeps their order that of the submissions
@@ -227,17 +226,9 @@ class Runtime:
                 c.set(done[id(c)])
 
     def shm_domains(self, addrs) -> dict[str, str | None]:
-        """Which of the workers ``addrs`` share ``/dev/shm`` (equal strings; None: none), asked
-        once per worker."""
-        from tilegraph.exec.shm import shm_domain
-
-        missing = [a for a in addrs if a not in self._shm_domains]
-        if missing:
-            try:
-                self._shm_domains.update(self.client.run(shm_domain, workers=missing))
-            except Exception:  # a worker that left: its values go over TCP
-                self._shm_domains.update({a: None for a in missing})
-        return {a: self._shm_domains.get(a) for a in addrs}
+        """Which of the workers ``addrs`` share ``/dev/shm`` (equal strings; None: none): the
+        first element of their :meth:`gang_identities`."""
+        return {a: ident[0] if ident else None for a, ident in self.gang_identities(addrs).items()}
 
     def gang_done(self, addr: str, future) -> None:
         """Forget ``future``, the last gang task submitted to worker ``addr``, once it is done
@@ -255,7 +246,7 @@ class Runtime:
         if missing:
             try:
                 self._gang_ids.update(self.client.run(gang_identity, workers=missing))
-            except Exception:  # a worker that left: no gang on it
+            except Exception:  # a worker that left: no gang on it, its values go over TCP
                 self._gang_ids.update({a: None for a in missing})
         return {a: self._gang_ids.get(a) for a in addrs}
 
