@@ -7,8 +7,9 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
 
 - ``strategy``: the one asked for; ``used``: the plan's (``step.plan(*batch).strategy``);
   ``exch``: how its worker processes exchange values (``tg.config.exchange``, ``--exchange``):
-  ``gang`` (one task per process per step, values through shared-memory channels) or ``tasks``
-  (Dask tasks);
+  ``gang`` (one task per process per step, values through shared-memory channels), ``gang-comm``
+  (the same, values over the workers' comms, as between hosts or with ``--no-shm``) or ``tasks``
+  (Dask tasks; through shared memory where they can, unless ``--no-shm``);
   ``auto``: what ``parallel="auto"`` picks in that configuration (its plan is built, not run);
 - ``tok/s``: tokens of the timed steps / their wall time, from an idle cluster until it is idle
   again (steps submitted as ``tg.Trainer`` does them: step i+1 before waiting for step i);
@@ -163,7 +164,9 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
             if auto is None:  # the plan "auto" makes here (recorded and planned, not run)
                 auto = tg.TrainStep(model, opt, w.loss_fn, batch_tiles=w.batch_tiles, runtime=rt,
                                     parallel="auto").plan(*data[0]).strategy
-            exchange = "gang" if exe.gang is not None else "tasks" if exe.n_replicas > 1 else "-"
+            exchange = "tasks" if exe.n_replicas > 1 else "-"
+            if exe.gang is not None:  # channels through shared memory, or over the workers' comms
+                exchange = "gang" if all(all(spec.shared) for spec in exe.gang.specs) else "gang-comm"
             rows.append({"model": w.name, "config": f"{workers}x{threads}", "launch": launch, "strategy": strategy,
                          "used": exe.strategy, "exch": exchange, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
@@ -364,6 +367,9 @@ def main():
     ap.add_argument("--exchange", choices=("auto", "gang", "tasks"), default="auto",
                     help="tg.config.exchange: how the worker processes of a data-parallel plan exchange values "
                          "(one gang task per process, or Dask tasks)")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="tg.config.shm_transfers = False: values between worker processes go over the workers' comms "
+                         "(TCP), as between hosts, not through /dev/shm")
     ap.add_argument("--mpi-child", default=None, help=argparse.SUPPRESS)  # set by --mpi, under mpiexec
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
@@ -385,6 +391,7 @@ def main():
     from tilegraph._config import PARALLEL_STRATEGIES
 
     tg.config.exchange = args.exchange
+    tg.config.shm_transfers = not args.no_shm
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or any(s not in PARALLEL_STRATEGIES for s in strategies):
         ap.error(f"--strategies: a comma separated list of {', '.join(PARALLEL_STRATEGIES)}, not {args.strategies!r}")
@@ -402,6 +409,7 @@ def main():
     child_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                   if k in ("gpt2_flavor", "batch", "seq", "width", "heads", "layers", "steps", "warmup", "strategies",
                            "exchange")]
+    child_argv += ["--no-shm"] if args.no_shm else []
 
     shapes = []
     if "blocks" in kinds:
@@ -418,7 +426,7 @@ def main():
     print("# " + "; ".join(shapes), flush=True)
     print("# strategy: tilegraph's TrainStep(parallel=...), or torch (PyTorch eager, one process) or torch-DDP (P "
           "processes, gloo); used: the plan's; exch: how its processes exchange values (gang: one task per process, "
-          "shared-memory channels; tasks: Dask tasks); auto: what parallel='auto' picks there; outside = 1 - kernel s / "
+          "shared-memory channels; gang-comm: over the workers' comms; tasks: Dask tasks); auto: what parallel='auto' picks there; outside = 1 - kernel s / "
           "(wall x W x T); dask_CPU: CPU s of the workers' Dask threads (transfers) / (wall x W x T); MB/step: between worker processes, from the plan (DDP: ring all-reduce, 2 (P-1) x "
           "gradient bytes); ratio = tok/s / torch eager tok/s with W x T threads", flush=True)
     print(HEADER, flush=True)

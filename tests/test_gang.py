@@ -89,6 +89,54 @@ def test_a_wait_for_a_channel_never_hangs():
     assert time.perf_counter() - t0 < 2.0
 
 
+def test_comm_channel_mail_is_taken_once_and_dropped_once_its_call_ended():
+    import asyncio
+
+    from tilegraph.exec import comm_channel
+    from tilegraph.exec.gang import PeerFailedError
+
+    values = (np.arange(6.0).reshape(2, 3), np.float32(2.5))
+    assert asyncio.run(comm_channel._receive("c1-a", values)) == "OK"
+    got = comm_channel.read("c1-a", "tcp://127.0.0.1:1", timeout=5.0)
+    assert got is not None and len(got) == 2 and (got[0] == values[0]).all() and "c1-a" not in comm_channel._box
+    asyncio.run(comm_channel._receive("c1-b", values))  # unread when its gang ends: dropped
+    comm_channel.close("c1", max_age=600.0)
+    assert "c1-b" not in comm_channel._box
+    assert asyncio.run(comm_channel._receive("c1-c", values)) == "closed"  # late: dropped too
+    assert "c1-c" not in comm_channel._box
+    asyncio.run(comm_channel._receive("c2-a", error="MemoryError: out of memory"))
+    with pytest.raises(PeerFailedError, match=r"channel c2-a: worker tcp://h:1 failed: MemoryError: out of memory"):
+        comm_channel.read("c2-a", "tcp://h:1", timeout=5.0)
+    asyncio.run(comm_channel._receive("c3-a", values))  # a call whose gang never ran here: dropped when old
+    comm_channel.close("c4", max_age=600.0)
+    assert "c3-a" in comm_channel._box
+    comm_channel.close("c4", max_age=0.0)
+    assert "c3-a" not in comm_channel._box
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"channel c5-a: nothing came from worker tcp://h:1 in 0.3 s "
+                                           r".*exchange_timeout_seconds"):
+        comm_channel.read("c5-a", "tcp://h:1", timeout=0.3)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def _read_from_nowhere():
+    from tilegraph.exec import comm_channel
+
+    t0 = time.perf_counter()
+    try:
+        comm_channel.read("c6-a", "tcp://127.0.0.1:9", timeout=600.0)
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - t0
+    return None
+
+
+@pytest.mark.distributed
+def test_a_wait_for_a_comm_channel_ends_when_its_writer_is_not_a_worker(embedded_runtime):
+    message, took = embedded_runtime.client.submit(_read_from_nowhere, pure=False).result(timeout=60)
+    assert "channel c6-a: its writer, worker tcp://127.0.0.1:9, is no longer one of the cluster's workers" in message
+    assert took < 5.0
+
+
 def _gpt2_step(runtime, strategy):
     from tilegraph import models
 
@@ -129,16 +177,34 @@ def _channel_files() -> int:
                for f in os.listdir(os.path.join(shm.SHM_ROOT, d)))
 
 
+def _two_hosts(monkeypatch, runtime):
+    """Make ``runtime``'s workers look as if each ran on a host of its own (their shared-memory
+    identities differ), as a cluster of several nodes would."""
+    real = runtime.gang_identities
+    monkeypatch.setattr(runtime, "gang_identities",
+                        lambda addrs: {a: (f"host-{a}", *real([a])[a][1:]) for a in addrs})
+
+
+def _mail() -> int:
+    from tilegraph.exec import comm_channel
+
+    return len(comm_channel._box)
+
+
 @needs_shm
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["data", "sharded"])
-def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedded_runtime, strategy, monkeypatch):
+@pytest.mark.parametrize("strategy, hosts", [("data", 1), ("sharded", 1), ("data", 2), ("sharded", 2)])
+def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedded_runtime, strategy, hosts,
+                                                                         monkeypatch):
     """Each call runs as one task per worker process, on that process's worker; Dask moves
     nothing large between them; losses and parameters are bitwise those of the same plan run as
-    Dask tasks; every channel file is read and gone."""
+    Dask tasks; every channel is read and gone. On one host the channels are shared-memory
+    files; between hosts (workers that share no /dev/shm) they go over the workers' comms."""
     from distributed import get_task_stream, wait
 
     client = embedded_runtime.client
+    if hosts == 2:
+        _two_hosts(monkeypatch, embedded_runtime)
     runs = {}
     for exchange in ("tasks", "gang"):
         monkeypatch.setattr(tg.config, "exchange", exchange)
@@ -155,6 +221,7 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
             runs[exchange] = (losses, model.state_dict(), step.plan(*batch), ts.data, moved, model)
     losses, state, exe, stream, moved, model = runs["gang"]
     assert runs["tasks"][2].gang is None and exe.gang is not None and exe.strategy == strategy
+    assert [list(spec.shared) for spec in exe.gang.specs] == [[True, hosts == 1], [hosts == 1, True]]
     assert losses == runs["tasks"][0]
     for k, v in runs["tasks"][1].items():
         np.testing.assert_array_equal(state[k], v, err_msg=k)
@@ -171,6 +238,7 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
             for c in p.cells.flat:
                 assert [who[r.future.key] for r in c.value.replicas] == [(a,) for a in exe.gang.addrs]
     assert sum(client.run(_channel_files).values()) == 0
+    assert sum(client.run(_mail).values()) == 0
 
 
 @pytest.mark.distributed
@@ -179,13 +247,19 @@ def test_exchange_names_and_where_a_gang_cannot_run(embedded_runtime, monkeypatc
     monkeypatch.setattr(tg.config, "exchange", "fast")
     with pytest.raises(tg.TileError, match=r"tilegraph.config.exchange.*'auto', 'gang', 'tasks'.*'fast'"):
         step.plan(*batch)
-    # workers on two hosts (as their shared-memory identities say): no gang
-    real = embedded_runtime.gang_identities
-    monkeypatch.setattr(embedded_runtime, "gang_identities",
-                        lambda addrs: {a: (f"host{i}", *real([a])[a][1:]) for i, a in enumerate(addrs)})
+    # without shared memory between them, workers exchange over their comms
     monkeypatch.setattr(tg.config, "exchange", "gang")
+    monkeypatch.setattr(tg.config, "shm_transfers", False)
     step.reset_plans()
-    with pytest.raises(tg.TileError, match=r"'gang' needs every worker .* one host.*received: .*several hosts"):
+    assert not any(any(s for q, s in enumerate(spec.shared) if q != p)
+                   for p, spec in enumerate(step.plan(*batch).gang.specs))
+    # workers on two hosts whose handler of comm channels could not be installed: no gang
+    _two_hosts(monkeypatch, embedded_runtime)
+    monkeypatch.setattr(embedded_runtime, "comm_channels", False)
+    monkeypatch.setattr(tg.config, "shm_transfers", True)
+    step.reset_plans()
+    with pytest.raises(tg.TileError, match=r"'gang' needs .*received: its workers do not share one /dev/shm .*several "
+                                           r"hosts.*no tilegraph channel handler"):
         step.plan(*batch)
     monkeypatch.setattr(tg.config, "exchange", "auto")
     step.reset_plans()
@@ -220,15 +294,19 @@ def test_gangs_of_two_models_in_flight_at_once_run_in_submission_order(embedded_
 
 @needs_shm
 @pytest.mark.distributed
-def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(own_runtime):
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(own_runtime, hosts, monkeypatch):
     """A worker process killed while gangs run: its peer's channel wait ends at once (its writer
-    is gone), and the step ends with a WorkerLostError naming the killed worker within seconds;
-    the surviving worker is free again (no thread left waiting)."""
+    is gone: its pid, or over comms its address no longer answers), and the step ends with a
+    WorkerLostError naming the killed worker within seconds; the surviving worker is free again
+    (no thread left waiting)."""
     import signal
 
     from tilegraph.trainer import WorkerLostError
 
     rt = own_runtime
+    if hosts == 2:
+        _two_hosts(monkeypatch, rt)
     step, batch, exe = _running_gang(rt)
     pids = rt.client.run(os.getpid)
     victim, survivor = exe.gang.addrs[1], exe.gang.addrs[0]
@@ -282,21 +360,33 @@ def test_a_failed_writer_leaves_its_error_in_the_channel():
 def _fail_channel_writes(dask_worker=None):
     import errno
 
+    import tilegraph.exec.comm_channel as comm_channel
     import tilegraph.exec.gang as gang
 
     def full(name, values):
         raise OSError(errno.ENOSPC, "No space left on device", name)
 
     gang.write_channel = full
+    send = comm_channel.Sender.send
+
+    def refuse(self, addr, name, values=None, error=None):
+        if error is None:
+            raise OSError(errno.ENOSPC, "No space left on device", name)
+        send(self, addr, name, values, error)
+
+    comm_channel.Sender.send = refuse
 
 
 @needs_shm
 @pytest.mark.distributed
-def test_a_gang_that_fails_ends_the_step_at_once_with_its_error(own_runtime):
-    """One process's gang fails (its shared memory full): it writes its error in place of the
-    values the others wait for, so the step ends within seconds with that cause, not after the
-    channel time limit."""
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_gang_that_fails_ends_the_step_at_once_with_its_error(own_runtime, hosts, monkeypatch):
+    """One process's gang fails (its shared memory full, or a send refused): it sends its error
+    in place of the values the others wait for, so the step ends within seconds with that cause,
+    not after the channel time limit."""
     rt = own_runtime
+    if hosts == 2:
+        _two_hosts(monkeypatch, rt)
     step, batch, exe = _running_gang(rt)
     rt.client.run(_fail_channel_writes, workers=[exe.gang.addrs[1]])
     t0 = time.perf_counter()
@@ -334,3 +424,21 @@ def test_under_a_memory_bound_a_gang_runs_only_where_each_process_share_fits(emb
     with pytest.raises(tg.TileError, match=r"each process's share of a step to fit .* received: a process's share "
                                            r"of the step holds about [\d,]+ MiB"):
         step.plan(*batch)
+
+
+@pytest.mark.distributed
+def test_comm_channels_between_hosts_go_over_the_clusters_tls(monkeypatch):
+    """On a TLS cluster the comm channels use the workers' TLS connections (no port or
+    connection of tilegraph's own): a gang between two "hosts" trains as the Dask tasks do."""
+    pytest.importorskip("cryptography")  # temporary certificates
+    with tg.connect(n_workers=2, threads_per_worker=1, tls=True, dashboard=False, quiet=True, make_current=False) as rt:
+        assert all(w.startswith("tls://127.0.0.1:") for w in rt.workers())
+        _two_hosts(monkeypatch, rt)
+        runs = {}
+        for exchange in ("tasks", "gang"):
+            monkeypatch.setattr(tg.config, "exchange", exchange)
+            _, step, batch = _gpt2_step(rt, "sharded")
+            runs[exchange] = [step(*batch) for _ in range(3)]
+            gang = step.plan(*batch).gang
+            assert (gang is not None) == (exchange == "gang")
+        assert not any(gang.specs[0].shared[1:]) and runs["gang"] == runs["tasks"]

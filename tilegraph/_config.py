@@ -51,14 +51,14 @@ class Config:
     #: Smaller buckets can pay where the link, not the CPU, is the bottleneck (several nodes).
     bucket_bytes: float = float("inf")
     #: values read by another worker process of the same host go through shared memory
-    #: (``/dev/shm``, :mod:`tilegraph.exec.shm`) rather than Dask's loopback TCP, when they hold
-    #: at least ``shm_min_bytes``. Measured on 2 cores: 0.09 against 0.21 CPU seconds per 170 MB
+    #: (``/dev/shm``, :mod:`tilegraph.exec.shm`; a gang step's channels too) rather than Dask's
+    #: loopback TCP, when they hold at least ``shm_min_bytes``. Measured on 2 cores: 0.09 against 0.21 CPU seconds per 170 MB
     shm_transfers: bool = True
     shm_min_bytes: int = 1 << 20
     #: how the worker processes of a data-parallel plan exchange values (``tilegraph.parallel.gang``):
     #: "gang" runs each process's share of a call as one Dask task, all at once, the values
-    #: between them going through shared-memory channels as soon as they are made (one host,
-    #: ``/dev/shm`` shared); "tasks" writes them as Dask tasks (send, receive, update, push: each
+    #: between them going through channels as soon as they are made (shared-memory files on one
+    #: host, the workers' own comms between hosts); "tasks" writes them as Dask tasks (send, receive, update, push: each
     #: dependent task is a round trip through the scheduler, 6-25 ms on 2 busy cores); "auto":
     #: "gang" wherever it applies. Measured on 2 cores, block stack, 2 workers x 1 thread: see
     #: the README's scaling table

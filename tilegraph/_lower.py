@@ -484,7 +484,10 @@ class Executable:
         g = self.gang
         if token is None:
             token = tokenize(self.structure, [n.cell.token for n in self.leaves])
-        keys = [f"tg-gang-cpu{p}-{g.label}-{token}" for p in g.procs]
+        # a name of the call's own for its channels and keys: a gang whose peers' tasks Dask
+        # kept from an earlier call of the same values would wait for channels never written
+        call = uuid.uuid4().hex[:16]
+        keys = [f"tg-gang-cpu{p}-{g.label}-{token}-{call}" for p in g.procs]
         layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "transfer": {}, "gang": {}}
         ids = runtime.gang_identities(g.addrs)
         pids = tuple(ids[a][2] for a in g.addrs)
@@ -495,8 +498,8 @@ class Executable:
                 args.append(a)
                 idx.append(i)
             progs = [self.plans[cid].prog if programs is None else programs[cid] for cid in g.stages[p]]
-            spec = g.specs[p].bound(pids, config.exchange_timeout_seconds)
-            layers["gang"][keys[p]] = (run_gang, spec, token, Bound(tuple(idx)), progs, None, *args)
+            spec = g.specs[p].bound(pids, tuple(g.addrs), config.exchange_timeout_seconds)
+            layers["gang"][keys[p]] = (run_gang, spec, call, Bound(tuple(idx)), progs, None, *args)
 
         def locate(pos: int, p: int) -> tuple[str, int]:
             holder, k = g.locate[(pos, p)]

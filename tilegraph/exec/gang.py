@@ -16,9 +16,11 @@ them ends, under a temporary name renamed when complete; the reader waits for th
 the file (copy-on-write, no copy) and takes it out of the channel's name; once the reader's last
 array over it is gone the file is free, and its writer writes the next call's values over it
 (writing over existing pages of ``/dev/shm`` takes half the time of new ones; a gang leaves at
-most what it wrote free). It needs every worker of the step on one host
-sharing ``/dev/shm`` and one process-id namespace (the plan checks; elsewhere the Dask-task
-exchange runs).
+most what it wrote free). That needs the two processes on one host, sharing ``/dev/shm`` and one
+process-id namespace; between processes that do not (several hosts), or with
+``tilegraph.config.shm_transfers`` off, a channel goes over the workers' own comms instead
+(:mod:`tilegraph.exec.comm_channel`). The plan says which, per pair of processes
+(``GangSpec.shared``).
 
 A wait never hangs: it fails when the writer's process is gone, when Dask cancelled this task
 (the client released the step: an interrupt, a lost worker elsewhere), or after
@@ -53,8 +55,8 @@ class Stage(NamedTuple):
     and where each of its inputs comes from: ``("x", i)`` the gang task's argument i (a leaf:
     parameter, batch tile), ``("r", s, k)`` element k of stage s's result, ``("c", ch, j)``
     value j of channel ch. ``sends``: the channels written after it, as (channel, elements of
-    its result). ``drop``: the stage results (``("r", s)``) and channels (``("c", ch)``) that no
-    later stage reads."""
+    its result, reading process). ``drop``: the stage results (``("r", s)``) and channels
+    (``("c", ch)``) that no later stage reads."""
 
     prog: int
     inputs: tuple
@@ -65,23 +67,28 @@ class Stage(NamedTuple):
 class GangSpec:
     """What one process's gang task runs: its :class:`Stage` s in order, the channels it reads
     as (name, writer process), the elements of its result (``("r", s, k)`` or ``("c", ch, j)``),
-    each process's pid (channel files live in the writer's folder) and the wait limit in
+    for each process whether channels with it go through shared memory (``shared``; else over
+    the workers' comms, :mod:`tilegraph.exec.comm_channel`), each process's pid (shared-memory
+    channel files live in the writer's folder) and worker address, and the wait limit in
     seconds. A plain object, not a tuple: Dask looks for tasks and keys inside tuple arguments."""
 
-    __slots__ = ("stages", "reads", "outputs", "pids", "timeout")
+    __slots__ = ("stages", "reads", "outputs", "shared", "pids", "addrs", "timeout")
 
-    def __init__(self, stages: tuple, reads: tuple, outputs: tuple, pids: tuple = (), timeout: float = 0.0):
-        self.stages, self.reads, self.outputs, self.pids, self.timeout = stages, reads, outputs, pids, timeout
+    def __init__(self, stages: tuple, reads: tuple, outputs: tuple, shared: tuple, pids: tuple = (),
+                 addrs: tuple = (), timeout: float = 0.0):
+        self.stages, self.reads, self.outputs, self.shared = stages, reads, outputs, shared
+        self.pids, self.addrs, self.timeout = pids, addrs, timeout
 
     def __getstate__(self):
-        return self.stages, self.reads, self.outputs, self.pids, self.timeout
+        return tuple(getattr(self, k) for k in self.__slots__)
 
     def __setstate__(self, state):
-        self.stages, self.reads, self.outputs, self.pids, self.timeout = state
+        for k, v in zip(self.__slots__, state):
+            setattr(self, k, v)
 
-    def bound(self, pids: tuple, timeout: float) -> "GangSpec":
-        """This spec for one call: with the workers' pids and the wait limit."""
-        return GangSpec(self.stages, self.reads, self.outputs, pids, timeout)
+    def bound(self, pids: tuple, addrs: tuple, timeout: float) -> "GangSpec":
+        """This spec for one call: with the workers' pids and addresses and the wait limit."""
+        return GangSpec(self.stages, self.reads, self.outputs, self.shared, pids, addrs, timeout)
 
 
 class ChannelWaitError(RuntimeError):
@@ -274,22 +281,45 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
     return tuple(out)
 
 
-def run_gang(spec: GangSpec, token: str, bound: Bound, programs: list, after, *args):
+def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *args):
     """A gang task: run ``spec``'s stages in order, writing and reading channels (named
-    ``<token>-<channel>``) between them; returns the elements ``spec.outputs`` names. Argument
-    i is ``args[i]``, or its element ``bound.ext_index[i]`` where that is not None. ``after``:
-    the previous gang task's result on this worker (only ordering the two)."""
+    ``<call>-<channel>``; ``call`` is the call's own name) between them; returns the elements
+    ``spec.outputs`` names. Argument i is ``args[i]``, or its element ``bound.ext_index[i]`` where
+    that is not None. ``after``: the previous gang task's result on this worker (only ordering
+    the two)."""
+    from tilegraph.exec import comm_channel
+
     args = tuple(a if i is None else a[i] for a, i in zip(args, bound.ext_index))
     results: dict[int, tuple] = {}
     received: dict[int, tuple] = {}
     reads = spec.reads
+    sender: list = []  # the comm sends' Sender, made at the first
 
     def channel(ch: int) -> tuple:
         got = received.get(ch)
         if got is None:
             name, writer = reads[ch]
-            got = received[ch] = read_channel(f"{token}-{name}", spec.pids[writer], spec.timeout)
+            if spec.shared[writer]:
+                got = read_channel(f"{call}-{name}", spec.pids[writer], spec.timeout)
+            else:
+                got = comm_channel.read(f"{call}-{name}", spec.addrs[writer], spec.timeout)
+            received[ch] = got
         return got
+
+    def send(name: str, reader: int, values: tuple | None, error: str | None = None) -> int:
+        """Channel ``name`` to process ``reader``: its values, or this gang's error; the bytes
+        it took in shared memory."""
+        if spec.shared[reader]:
+            if error is not None:
+                _write_failure(f"{call}-{name}", error)
+                return 0
+            return write_channel(f"{call}-{name}", values)
+        if not sender:
+            sender.append(comm_channel.Sender())
+        if error is None:
+            values = tuple(_as_array(v, name) for v in values)
+        sender[0].send(spec.addrs[reader], f"{call}-{name}", values, error)
+        return 0
 
     def value(src: tuple):
         if src[0] == "x":
@@ -306,8 +336,8 @@ def run_gang(spec: GangSpec, token: str, bound: Bound, programs: list, after, *a
         for s, stage in enumerate(spec.stages):
             ins = [value(src) for src in stage.inputs]
             results[s] = run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins)
-            for name, idx in stage.sends:
-                written += write_channel(f"{token}-{name}", tuple(results[s][k] for k in idx))
+            for name, idx, reader in stage.sends:
+                written += send(name, reader, tuple(results[s][k] for k in idx))
                 sent.add(name)
             for i, src in enumerate(outputs):
                 if src[0] == "r" and src[1] == s:
@@ -315,13 +345,26 @@ def run_gang(spec: GangSpec, token: str, bound: Bound, programs: list, after, *a
             for kind, which in stage.drop:
                 (results if kind == "r" else received).pop(which, None)
         out = measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
+        if sender:
+            sender[0].finish(spec.timeout)
     except BaseException as e:  # the other processes must not wait for what this one will not send
         message = f"{type(e).__name__}: {e}"
         for stage in spec.stages:
-            for name, _ in stage.sends:
+            for name, _, reader in stage.sends:
                 if name not in sent:
-                    _write_failure(f"{token}-{name}", message)
+                    try:
+                        send(name, reader, None, message)
+                    except Exception:  # (no room, no connection): that reader fails by its own checks
+                        pass
+        if sender:
+            try:
+                sender[0].finish(min(spec.timeout, 5.0))
+            except Exception:
+                pass
         raise
+    finally:
+        if not all(spec.shared):
+            comm_channel.close(call, spec.timeout)
     trim_pool(written)
     return out
 

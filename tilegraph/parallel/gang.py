@@ -5,16 +5,18 @@ The plan (its clusters, their processes, what crosses between processes) is the 
 clusters become the *stages* of one task, in one order shared by every process (a topological
 order of the cluster graph, by the simulation's start times), so a stage that waits for another
 process's values never waits for one that comes later in that process's own order: no gang can
-deadlock. Values read by another process go through shared-memory channels
-(:mod:`tilegraph.exec.gang`) the moment their stage ends; a sharded plan's updated parameters go
-to every other process the same way, and each process's gang returns its own copy, so the next
-call's tasks read only values already on their worker.
+deadlock. Values read by another process go through channels (:mod:`tilegraph.exec.gang`) the
+moment their stage ends: shared-memory files between processes of one host (one ``/dev/shm``
+and process-id namespace, room there for what the call moves), messages over the workers' own
+comms between the others (:mod:`tilegraph.exec.comm_channel`: several hosts, or
+``tilegraph.config.shm_transfers`` off). A sharded plan's updated parameters go to every other
+process the same way, and each process's gang returns its own copy, so the next call's tasks
+read only values already on their worker.
 
 Used by ``tilegraph.config.exchange`` ("auto": wherever it applies; "gang": required; "tasks":
-never): every worker of the plan on one host sharing ``/dev/shm`` and one process-id namespace,
-with room there for what the call moves, every task pinned to a worker, and each process's share
-of the step small enough for its worker (:func:`peak_bytes`; a model larger than its workers runs
-as small tasks, so that Dask can spill between them).
+never): a plan of CPU tasks, every task pinned to a worker, each process on a worker of its own,
+and each process's share of the step small enough for its worker (:func:`peak_bytes`; a model
+larger than its workers runs as small tasks, so that Dask can spill between them).
 """
 
 from __future__ import annotations
@@ -113,8 +115,37 @@ def peak_bytes(exe, cids: list[int]) -> int:
     return peak
 
 
-def _why_not(exe, runtime) -> str | None:
-    """Why the plan cannot run as gangs (None: it can)."""
+def _links(exe, runtime, addrs: list[str]) -> tuple[list[list[bool]] | None, str | None]:
+    """Which pairs of the plan's processes exchange through shared memory (one host, one
+    ``/dev/shm`` and process-id namespace, room there for what the step moves, and
+    ``tilegraph.config.shm_transfers``); the others go over the workers' comms. Returns
+    (``shared[p][q]``, None), or (None, why no gang can run)."""
+    from tilegraph._config import config
+
+    ids = runtime.gang_identities(addrs)
+    if any(i is None for i in ids.values()):
+        return None, "a worker did not answer"
+    n = len(addrs)
+    same = [[p == q or (ids[addrs[p]][0] is not None and ids[addrs[p]][:2] == ids[addrs[q]][:2])
+             for q in range(n)] for p in range(n)]
+    if not all(all(row) for row in same) and not runtime.comm_channels:
+        return None, ("its workers do not share one /dev/shm and process-id namespace (several hosts), and the "
+                      "workers have no tilegraph channel handler (the scheduler refused its plugin)")
+    if not config.shm_transfers:
+        return [[p == q for q in range(n)] for p in range(n)], None
+    moved = exe.cross_bytes()
+    moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
+    if any(same[p][q] for p in range(n) for q in range(n) if p != q):
+        free = min(ids[a][3] for a in addrs)
+        if free < moved + SHM_MARGIN_BYTES:  # (an over-estimate where some pairs use comms anyway)
+            if not runtime.comm_channels:
+                return None, f"/dev/shm has {free / 2**20:,.0f} MiB free, the step moves {moved / 2**20:,.0f} MiB"
+            return [[p == q for q in range(n)] for p in range(n)], None
+    return same, None
+
+
+def _why_not(exe) -> str | None:
+    """Why the plan cannot run as gangs, whatever its workers (None: it can)."""
     if exe.n_replicas < 2:
         return "the plan runs on one worker process"
     if any(c.device != "cpu" for c in exe.clusters):
@@ -124,31 +155,23 @@ def _why_not(exe, runtime) -> str | None:
     addrs = exe._process_workers()
     if len(set(addrs.values())) != len(addrs):
         return "two of its processes share a worker"
-    ids = runtime.gang_identities(sorted(set(addrs.values())))
-    if any(i is None or i[0] is None for i in ids.values()):
-        return "a worker has no writable /dev/shm"
-    if len({(i[0], i[1]) for i in ids.values()}) > 1:
-        return "its workers do not share one /dev/shm and process-id namespace (several hosts)"
-    moved = exe.cross_bytes()
-    moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
-    free = min(i[3] for i in ids.values())
-    if free < moved + SHM_MARGIN_BYTES:
-        return f"/dev/shm has {free / 2**20:,.0f} MiB free, the step moves {moved / 2**20:,.0f} MiB"
     return None
 
 
 def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
     """The gang plan of the data-parallel Executable ``exe``; None where it does not apply and
     ``mode`` is "auto"; a TileError saying why with ``mode="gang"``."""
-    why = _why_not(exe, runtime)
+    why = _why_not(exe)
+    if why is None:
+        n = exe.n_replicas
+        at = exe._process_workers()
+        addrs = [at[("cpu", p)] for p in range(n)]
+        shared, why = _links(exe, runtime, addrs)
     if why is not None:
         if mode == "gang":
-            raise TileError("tilegraph.config.exchange", "'gang' needs every worker of a data-parallel plan on "
-                            "one host sharing /dev/shm; use 'auto' or 'tasks'", why)
+            raise TileError("tilegraph.config.exchange", "'gang' needs a data-parallel plan of CPU tasks, each "
+                            "process on a worker of its own; use 'auto' or 'tasks'", why)
         return None
-    n = exe.n_replicas
-    at = exe._process_workers()
-    addrs = [at[("cpu", p)] for p in range(n)]
     proc = {c.id: exe.process_of(c) for c in exe.clusters}
     order = _order(exe)
     stage_of: dict[int, int] = {}
@@ -172,12 +195,12 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
 
     # Channels: what each process reads of each cluster of another (exe.cross), and, in a
     # sharded plan, each updated parameter for every process but its owner.
-    sends: dict[int, list[tuple[str, tuple]]] = {}  # cluster id -> (channel, elements)
+    sends: dict[int, list[tuple[str, tuple, int]]] = {}  # cluster id -> (channel, elements, reader)
     reads: list[list[tuple[str, int]]] = [[] for _ in range(n)]
     channel_of: dict[tuple[int, int], tuple[int, tuple]] = {}  # (cluster id, reader) -> (its index, elements)
     for (cid, (_, q)), read in sorted(exe.cross.items()):
         name = f"{cid}-{q}"
-        sends.setdefault(cid, []).append((name, read))
+        sends.setdefault(cid, []).append((name, read, q))
         channel_of[(cid, q)] = (len(reads[q]), read)
         reads[q].append((name, proc[cid]))
     # each root's value on each process: (process holding it, (source)); sources as in Stage
@@ -197,7 +220,7 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
                 value_of[(pos, p)] = (proc[cid], ("r", stage_of[cid], k))
     for (cid, q), elems in sorted(pushed.items()):
         name = f"p{cid}-{q}"
-        sends.setdefault(cid, []).append((name, tuple(elems)))
+        sends.setdefault(cid, []).append((name, tuple(elems), q))
         channel_of[(cid, q, "push")] = (len(reads[q]), tuple(elems))
         reads[q].append((name, proc[cid]))
 
@@ -248,7 +271,7 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
             drops.setdefault(s, []).append(what)
         spec_stages = tuple(Stage(s, ins, tuple(sends.get(cid, ())), tuple(sorted(drops.get(s, ()))))
                             for s, cid, ins in built)
-        specs.append(GangSpec(spec_stages, tuple(reads[p]), tuple(outputs[p])))
+        specs.append(GangSpec(spec_stages, tuple(reads[p]), tuple(outputs[p]), tuple(shared[p])))
         leaves.append(leaf_refs)
     label = exe.plans[order[0]].prog.label if order else "step"
     return GangPlan(addrs, specs, leaves, stages, locate, out_refs, label)

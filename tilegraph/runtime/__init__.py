@@ -69,6 +69,16 @@ class Runtime:
         except Exception as e:  # values then still go through shared memory, but what a dead worker
             # left there stays until the host restarts
             logging.getLogger("tilegraph").warning("could not install the shared-memory cleanup on the workers: %s", e)
+        #: whether every worker has the handler of gang channels over its comms (between
+        #: processes that share no ``/dev/shm``: :mod:`tilegraph.exec.comm_channel`)
+        self.comm_channels = False
+        try:
+            from tilegraph.exec.comm_channel import channel_plugin
+
+            client.register_plugin(channel_plugin())
+            self.comm_channels = True
+        except Exception as e:  # gangs then run only where every worker shares one /dev/shm
+            logging.getLogger("tilegraph").warning("could not install the gang channel handler on the workers: %s", e)
         #: each worker's ``exec.gang.gang_identity()`` (its shared-memory domain first), as asked so far
         self._gang_ids: dict[str, tuple | None] = {}
         #: the last gang task submitted to each worker (``Executable._submit_gang``), and the
