@@ -442,3 +442,28 @@ def test_comm_channels_between_hosts_go_over_the_clusters_tls(monkeypatch):
             gang = step.plan(*batch).gang
             assert (gang is not None) == (exchange == "gang")
         assert not any(gang.specs[0].shared[1:]) and runs["gang"] == runs["tasks"]
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_a_gang_over_two_hosts_of_two_workers_mixes_shared_memory_and_comms(monkeypatch):
+    """Four worker processes, two on each of two "hosts": channels inside a host go through
+    shared memory, those between hosts over the comms; the step trains as the Dask tasks do."""
+    rt = tg.connect(n_workers=4, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
+    try:
+        real = rt.gang_identities
+        host = {a: f"host{i // 2}" for i, a in enumerate(sorted(rt.workers()))}
+        monkeypatch.setattr(rt, "gang_identities", lambda addrs: {a: (host[a], *real([a])[a][1:]) for a in addrs})
+        runs = {}
+        for exchange in ("tasks", "gang"):
+            monkeypatch.setattr(tg.config, "exchange", exchange)
+            _, step, batch = _gpt2_step(rt, "sharded")
+            runs[exchange] = [step(*batch) for _ in range(3)]
+            exe = step.plan(*batch)
+        assert exe.gang is not None and exe.n_replicas == 4
+        assert [list(s.shared) for s in exe.gang.specs] == [[host[a] == host[b] for b in exe.gang.addrs]
+                                                            for a in exe.gang.addrs]
+        assert runs["gang"] == runs["tasks"]
+        assert sum(rt.client.run(_channel_files).values()) == 0 and sum(rt.client.run(_mail).values()) == 0
+    finally:
+        rt.close()
