@@ -179,6 +179,11 @@ def test_info_lists_the_model_flavors(tmp_path):
     (["--batch-size", "6", "--set", "train.accum_steps=4"], r"train\.batch_size \(6\) must be a multiple of train\.accum_steps \(4\)"),
     (["--set", "train.nope=1"], r"\[tilegraph train --set\] section\.key=value with a known key .*received: 'train\.nope=1'"),
     (["--set", "lr"], r"received: 'lr'"),
+    (["--set", "runtime.parallel=zero", "--set", "runtime.exchange=1", "--set", "train.step_timeout=-1",
+      "--set", "train.restart_on_failure=true"],
+     r"runtime\.parallel must be one of 'auto', 'tiles', 'data', 'sharded', not 'zero'; runtime\.exchange must be "
+     r"one of 'auto', 'gang', 'tasks', not 1; train\.restart_on_failure must be an integer >= 0, not True; "
+     r"train\.step_timeout must be \"auto\", 0 \(no limit\) or seconds > 0, not -1"),
     (["--set", "runtime.address=tcp://127.0.0.1:1", "--set", "runtime.workers=2"],
      r"workers only for the embedded cluster .*received: address = 'tcp://127\.0\.0\.1:1', workers = 2"),
     (["--set", "runtime.address=tcp://127.0.0.1:1", "--set", "runtime.scheduler_file=s.json"],
@@ -274,3 +279,30 @@ def test_recompute_from_the_config_trains_the_same_losses(tmp_path):
                       if "loss" in json.loads(x)]
     assert len(runs["plain"]) == 6
     np.testing.assert_allclose(runs["recompute"], runs["plain"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("parallel, exchange, said", [
+    ("sharded", "auto", "sharded over 2 worker processes, one gang task per process and step (values through shared "
+                        "memory)"),
+    ("data", "tasks", "data over 2 worker processes, values as Dask tasks"),
+])
+def test_the_config_picks_the_parallel_strategy_and_the_exchange(tmp_path, parallel, exchange, said):
+    """[runtime] parallel and exchange reach the steps: on 2 worker processes a "data" or
+    "sharded" job gives each process a row tile of its own (the default tiling would put the
+    debug model's small batch in one), says how its steps ran, and trains as one process does
+    (float32, sums in another order)."""
+    (tmp_path / "small.toml").write_text(SMALL)
+    runs = {}
+    for name, extra in (("one", ["--set", "runtime.workers=1"]),
+                        ("two", ["--set", "runtime.workers=2", "--set", f"runtime.parallel={parallel}",
+                                 "--set", f"runtime.exchange={exchange}", "--set", "train.restart_on_failure=1"])):
+        run = _cli("train", "small.toml", "--out", name, "--no-progress", *extra, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout + run.stderr
+        runs[name] = [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                      if "loss" in r and "val_loss" not in r]
+        if name == "two":
+            assert f"parallel: {said}" in run.stdout, run.stdout
+        else:
+            assert "parallel: tiles over 1 worker process" in run.stdout, run.stdout
+    assert len(runs["one"]) == len(runs["two"]) == 24
+    np.testing.assert_allclose(runs["two"], runs["one"], rtol=2e-4)

@@ -221,6 +221,20 @@ def test_strategy_names_and_where_data_parallelism_does_not_apply():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
+def test_a_data_parallel_step_asked_for_on_a_batch_of_one_row_tile_is_refused(embedded_runtime, strategy):
+    """Two worker processes and parallel="data"/"sharded", but one row tile to share: a clear
+    error, not a quiet single-process plan; "auto" plans one."""
+    x, y = _data(n=8)
+    _, step = _step(runtime=embedded_runtime, parallel=strategy)
+    with pytest.raises(tg.TileError, match=rf"parallel='{strategy}' gives each of the 2 worker processes a share of "
+                                           r"the batch's row tiles.*at least 2 row tiles.*received: a batch of 1 row tile"):
+        step.plan(x, y)
+    _, step = _step(runtime=embedded_runtime, parallel="auto")
+    assert step.plan(x, y).n_replicas == 1
+
+
+@pytest.mark.distributed
 def test_buckets_cut_the_backward_without_changing_a_bit(embedded_runtime, monkeypatch):
     """Smaller buckets make more, smaller tasks (each bucket's gradients leave while the backward
     goes on); the arithmetic is the same, so the losses are bitwise equal."""

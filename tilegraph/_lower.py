@@ -229,6 +229,11 @@ class Executable:
         rows = min(cells.shape[0] if cells.ndim else 1 for cells in batch_cells)
         procs = min(len(groups[dev]), rows)
         if procs < 2:
+            if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
+                raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
+                                f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
+                                "batch needs at least 2 row tiles (batch_tiles); or use parallel='auto' or 'tiles'",
+                                f"a batch of {rows} row tile")
             return None
         sharded = parallel in ("sharded", "auto")
         if sharded:
@@ -403,6 +408,21 @@ class Executable:
                 if not ref.node.is_leaf:
                     deps[c.id].add(self.where[(id(ref.node), ref.index)][0])
         return deps
+
+    def parallel_summary(self) -> str:
+        """How this plan spreads over worker processes, in words: its strategy, the processes,
+        and how they exchange values (gang steps through shared memory or the workers' comms,
+        or Dask tasks)."""
+        procs = len({self.process_of(c) for c in self.clusters}) if self.n_replicas == 1 else self.n_replicas
+        text = f"{self.strategy} over {procs} worker process{'es' if procs != 1 else ''}"
+        if self.n_replicas == 1:
+            return text
+        if self.gang is None:
+            return f"{text}, values as Dask tasks"
+        shared = {s for p, spec in enumerate(self.gang.specs) for q, s in enumerate(spec.shared) if q != p}
+        how = {frozenset({True}): "shared memory", frozenset({False}): "the workers' comms"}.get(
+            frozenset(shared), "shared memory within a host, the workers' comms between hosts")
+        return f"{text}, one gang task per process and step (values through {how})"
 
     def cross_bytes(self) -> int:
         """Bytes one call moves between worker processes: what each process reads of the tasks

@@ -245,6 +245,12 @@ class TrainStep:
         k = self.accum_steps
         return ["step"] if k == 1 else ["first"] + ["add"] * (k - 2) + ["last"]
 
+    @property
+    def executables(self) -> list[Executable]:
+        """The executables of the graphs recorded so far (one per batch signature, steps per
+        graph and accumulation phase)."""
+        return [r.exe for r in self._cache.values()]
+
     def plan(self, *batch) -> Executable:
         """The cached executable of the update for this batch signature (recorded on first use)."""
         micro = self._micro_batches([np.asarray(a) for a in batch])

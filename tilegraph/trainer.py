@@ -234,7 +234,11 @@ class Trainer:
             row_tile = getattr(getattr(model, "tiling", None), "batch", None)
             micro = batch_size // accum_steps
             width = getattr(getattr(model, "config", None), "dim", 0)
-            row_tile = row_tile if row_tile is not None else _default_row_tile(runtime, micro, data.seq_len * width)
+            if row_tile is None:
+                from tilegraph._config import config
+
+                row_tile = _default_row_tile(runtime, micro, data.seq_len * width,
+                                             compile_options.get("parallel") or config.parallel)
             self.batch_tiles = batch_tiles or [(min(row_tile, micro),)]
 
             def on_offsets(ds, fn=loss_fn or lm_loss):
@@ -710,12 +714,18 @@ class Trainer:
 MIN_ROW_TILE_ELEMENTS = 1 << 18
 
 
-def _default_row_tile(runtime, rows: int, row_elements: int) -> int:
+def _default_row_tile(runtime, rows: int, row_elements: int, parallel: str | None = None) -> int:
     """One row tile per worker thread, so every thread has a stream of its own, unless the tiles
-    would be too small to pay for their kernel calls (then all rows in one tile)."""
+    would be too small to pay for their kernel calls (then all rows in one tile). A step asked to
+    run data-parallel (``parallel`` "data" or "sharded") gets at least one row tile per worker
+    process: each process trains on its own share of the batch."""
     threads = runtime.processors()["cpu"] if runtime is not None else (os.cpu_count() or 1)
     tile = max(1, math.ceil(rows / max(1, threads)))
-    return tile if tile * row_elements >= MIN_ROW_TILE_ELEMENTS else rows
+    tile = tile if tile * row_elements >= MIN_ROW_TILE_ELEMENTS else rows
+    if parallel in ("data", "sharded") and runtime is not None:
+        procs = len(runtime.worker_threads().get("cpu") or ())
+        tile = min(tile, max(1, math.ceil(rows / max(1, procs))))
+    return tile
 
 
 # -- progress and TensorBoard --------------------------------------------------------------------

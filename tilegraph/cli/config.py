@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tilegraph._config import PARALLEL_STRATEGIES
 from tilegraph.ops.rmm import SKETCHES
+from tilegraph.parallel.gang import EXCHANGES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
 
@@ -97,6 +99,9 @@ CONFIG_CHECKS = {
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
     "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
+    "runtime.parallel": _one_of(*PARALLEL_STRATEGIES), "runtime.exchange": _one_of(*EXCHANGES),
+    "train.restart_on_failure": _int(0),
+    "train.step_timeout": (lambda v: v == "auto" or _number(0)[0](v), '"auto", 0 (no limit) or seconds > 0'),
     "model.init": _text(), "model.recompute": (lambda v: isinstance(v, bool), "true or false"),
     "peft.method": _one_of(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
     "peft.scale": _number(0, strict=True), "peft.targets": _texts(), "peft.dropout": _number(0, high=1),

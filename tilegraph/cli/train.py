@@ -161,6 +161,7 @@ def _train(args, held: list) -> int:
     if rt is None:
         rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
                         n_workers=r["workers"] or None, quiet=True, **tls)
+    tg.config.exchange = r["exchange"]
     with rt:
         if quantized_base:  # the quantized tiles' parts move to the workers once, as parameters do
             rt.scatter_cells([c for _, m, _ in tg.peft._named_modules(model)
@@ -177,7 +178,8 @@ def _train(args, held: list) -> int:
                              log_dir=out, checkpoint_every=o["checkpoint_every"], checkpoint_dir=out / "checkpoints",
                              checkpoint_keep=o["checkpoint_keep"] or None,
                              checkpoint_files=files, progress=not args.no_progress,
-                             tensorboard=o.get("tensorboard", False))
+                             tensorboard=o.get("tensorboard", False), parallel=r["parallel"],
+                             restart_on_failure=t["restart_on_failure"], step_timeout=t["step_timeout"] or None)
         if args.resume:
             print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
 
@@ -214,6 +216,8 @@ def _train(args, held: list) -> int:
     print(f"loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} (validation {val_loss:.3f}; uniform guess "
           f"{np.log(tokenizer.vocab_size):.3f}) in {res.seconds:.1f} s, {res.tokens_per_s:,.0f} tokens/s", flush=True)
     print(res.profile(top=5))
+    plans = list(dict.fromkeys(exe.parallel_summary() for exe in trainer.step.executables))
+    print(f"parallel: {'; '.join(plans)}")
     print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
     if sample:
         print(f"sample (top-k 10, temperature 0.8): {sample!r}")
