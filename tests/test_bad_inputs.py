@@ -378,3 +378,32 @@ def test_prompt_file_and_description_that_are_not_what_they_claim(tmp_path, guar
             "byte 22")
     _raises(guard, lambda: tokenizer_from_description(["byte"]), "tokenizer_from_description",
             "a tokenizer description is a JSON object", "received: list")
+
+
+def test_config_settings_are_checked_as_they_are_set(monkeypatch):
+    """tg.config refuses a name that is no setting (a typo would otherwise change nothing) and a
+    value its setting cannot take, naming both; every setting has its check."""
+    import dataclasses
+
+    from tilegraph._config import _CHECKS, Config
+
+    assert set(_CHECKS) == {f.name for f in dataclasses.fields(Config)}
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.config\] one of its settings \(did you mean 'parallel'\?\); "
+                                           r"received: 'paralel'"):
+        tg.config.paralel = "data"
+    assert not hasattr(tg.config, "paralel")
+    for name, value, want in [("parallel", "ddp", r"one of 'auto', 'tiles', 'data', 'sharded'"),
+                              ("shm_transfers", "no", "True or False"),
+                              ("exchange_timeout_seconds", -1, "a number > 0"),
+                              ("max_steps_per_graph", 2.5, "an integer >= 1"),
+                              ("task_memory_fraction", 1.5, "a number > 0 and <= 1"),
+                              ("bucket_bytes", 0, "a number > 0"),
+                              ("speeds", {"cpu": (1e11, 1e10)}, r"a dict of device .* each > 0")]:
+        before = getattr(tg.config, name)
+        with pytest.raises(tg.TileError, match=rf"\[tilegraph.config.{name}\] must be {want}; received: "):
+            setattr(tg.config, name, value)
+        assert getattr(tg.config, name) == before
+    monkeypatch.setattr(tg.config, "bucket_bytes", float("inf"))
+    monkeypatch.setattr(tg.config, "max_steps_per_graph", np.int64(4))
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    assert tg.config.exchange == "tasks" and tg.config.max_steps_per_graph == 4

@@ -244,9 +244,8 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
 @pytest.mark.distributed
 def test_exchange_names_and_where_a_gang_cannot_run(embedded_runtime, monkeypatch):
     _, step, batch = _gpt2_step(embedded_runtime, "sharded")
-    monkeypatch.setattr(tg.config, "exchange", "fast")
     with pytest.raises(tg.TileError, match=r"tilegraph.config.exchange.*'auto', 'gang', 'tasks'.*'fast'"):
-        step.plan(*batch)
+        tg.config.exchange = "fast"
     # without shared memory between them, workers exchange over their comms
     monkeypatch.setattr(tg.config, "exchange", "gang")
     monkeypatch.setattr(tg.config, "shm_transfers", False)

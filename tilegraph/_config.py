@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
-__all__ = ["Config", "config", "PARALLEL_STRATEGIES"]
+__all__ = ["Config", "config", "PARALLEL_STRATEGIES", "EXCHANGES"]
+
+
+#: the values of ``config.parallel`` (and of the ``parallel=`` option of TrainStep and Executable)
+PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded")
+#: the values of ``config.exchange``
+EXCHANGES = ("auto", "gang", "tasks")
 
 
 @dataclass
 class Config:
-    """Global knobs of the lowering (``tilegraph.config``)."""
+    """Global knobs of the lowering (``tilegraph.config``). Each assignment is checked: a name
+    that is no setting, or a value a setting cannot take, is a TileError that names it."""
 
     fuse: bool = True
     #: estimated wall seconds of one fused task (its kernels spread over its worker's threads);
@@ -103,8 +111,60 @@ class Config:
     #: least (``plan.cluster.threads_worth_using``)
     thread_handoff_seconds: float = 2e-5
 
+    def __setattr__(self, name: str, value) -> None:
+        check = _CHECKS.get(name)
+        if check is None:
+            from difflib import get_close_matches
+
+            from tilegraph._errors import TileError
+
+            near = get_close_matches(name, list(_CHECKS), n=1)
+            raise TileError("tilegraph.config", "one of its settings" + (f" (did you mean {near[0]!r}?)" if near else
+                                                                        f": {', '.join(_CHECKS)}"), repr(name))
+        ok, want = check
+        if not ok(value):
+            from tilegraph._errors import TileError
+
+            raise TileError(f"tilegraph.config.{name}", f"must be {want}", repr(value))
+        object.__setattr__(self, name, value)
+
+
+def number_check(low: float = 0.0, strict: bool = False, high: float | None = None, below: bool = False,
+                 whole: bool = False):
+    """(check, what it wants) of a number (not a bool; an integer where ``whole``) at least
+    ``low`` (above it where ``strict``) and at most ``high`` (below it where ``below``)."""
+    def ok(v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral if whole else numbers.Real) or v != v:
+            return False
+        return (v > low if strict else v >= low) and (high is None or (v < high if below else v <= high))
+    return ok, (f"{'an integer' if whole else 'a number'} {'>' if strict else '>='} {low:g}"
+                + (f" and {'<' if below else '<='} {high:g}" if high is not None else ""))
+
+
+def one_of_check(*names: str):
+    """(check, what it wants) of a string among ``names``."""
+    return (lambda v: isinstance(v, str) and v in names), f"one of {', '.join(map(repr, names))}"
+
+
+def _speeds(v) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(s, (tuple, list)) and len(s) == 3 and all(number_check(strict=True)[0](x) for x in s) for s in v.values())
+
+
+_BOOL = ((lambda v: isinstance(v, bool)), "True or False")
+#: what each setting may hold
+_CHECKS = {
+    "fuse": _BOOL, "target_seconds": number_check(strict=True), "min_process_seconds": number_check(),
+    "graph_seconds": number_check(), "max_steps_per_graph": number_check(1, whole=True), "split_weight_grads": _BOOL,
+    "transfer_bytes_per_second": number_check(strict=True), "placement": one_of_check("auto", "cpu", "gpu"),
+    "gpu_min_flops": number_check(), "gpu_array_module": one_of_check("cupy", "numpy"), "hop_seconds": number_check(),
+    "bucket_bytes": number_check(strict=True), "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
+    "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),
+    "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
+    "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),
+    "speeds": (_speeds, 'a dict of device ("cpu", "gpu") -> (flop/s, byte/s, seconds per kernel call), each > 0'),
+    "thread_handoff_seconds": number_check(),
+}
+
 
 config = Config()
-
-#: the values of ``config.parallel`` (and of the ``parallel=`` option of TrainStep and Executable)
-PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded")

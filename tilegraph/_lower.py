@@ -42,7 +42,7 @@ from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured
                                     run_cluster)
 from tilegraph.exec.gang import run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
-from tilegraph.parallel.gang import EXCHANGES, plan_gang
+from tilegraph.parallel.gang import plan_gang
 from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes,  # noqa: F401 - re-exported
                                     place, task_label)
 
@@ -116,9 +116,6 @@ class Executable:
         if parallel not in PARALLEL_STRATEGIES:
             raise TileError("tilegraph.Executable", f"parallel must be one of {', '.join(map(repr, PARALLEL_STRATEGIES))}",
                             repr(parallel))
-        if config.exchange not in EXCHANGES:
-            raise TileError("tilegraph.config.exchange", f"must be one of {', '.join(map(repr, EXCHANGES))}",
-                            repr(config.exchange))
         nodes = topo_order(self.roots)
         self.leaves = [n for n in nodes if n.is_leaf]
         work = [n for n in nodes if not n.is_leaf]

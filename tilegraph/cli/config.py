@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tilegraph._config import PARALLEL_STRATEGIES
+from tilegraph._config import EXCHANGES, PARALLEL_STRATEGIES, number_check, one_of_check
 from tilegraph.ops.rmm import SKETCHES
-from tilegraph.parallel.gang import EXCHANGES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
 
@@ -58,16 +57,11 @@ def load_config(path: str | None) -> tuple[dict, str]:
 
 
 def _int(low: int):
-    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, f"an integer >= {low}")
+    return number_check(low, whole=True)
 
 
 def _number(low: float, strict: bool = False, high: float | None = None):
-    def ok(v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-            return False
-        return (v > low if strict else v >= low) and (high is None or v < high)
-    bounds = f"{'>' if strict else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
-    return ok, f"a number {bounds}"
+    return number_check(low, strict, high, below=True)
 
 
 def _text():
@@ -77,10 +71,6 @@ def _text():
 def _texts():
     return (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v),
             "a non-empty list of strings")
-
-
-def _one_of(*names: str):
-    return (lambda v: isinstance(v, str) and v in names, f"one of {', '.join(map(repr, names))}")
 
 
 #: what each key of the job config must hold (checked after merging and --set, before any work)
@@ -99,13 +89,13 @@ CONFIG_CHECKS = {
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
     "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
-    "runtime.parallel": _one_of(*PARALLEL_STRATEGIES), "runtime.exchange": _one_of(*EXCHANGES),
+    "runtime.parallel": one_of_check(*PARALLEL_STRATEGIES), "runtime.exchange": one_of_check(*EXCHANGES),
     "train.restart_on_failure": _int(0),
     "train.step_timeout": (lambda v: v == "auto" or _number(0)[0](v), '"auto", 0 (no limit) or seconds > 0'),
     "model.init": _text(), "model.recompute": (lambda v: isinstance(v, bool), "true or false"),
-    "peft.method": _one_of(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
+    "peft.method": one_of_check(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
     "peft.scale": _number(0, strict=True), "peft.targets": _texts(), "peft.dropout": _number(0, high=1),
-    "peft.grad_sketch": _one_of("none", *SKETCHES),
+    "peft.grad_sketch": one_of_check("none", *SKETCHES),
     "peft.sketch_ratio": (lambda v: _number(0, strict=True)[0](v) and v <= 1, "a number > 0 and <= 1"),
     "peft.sketch_targets": _texts(),
 }

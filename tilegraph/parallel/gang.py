@@ -22,14 +22,14 @@ larger than its workers runs as small tasks, so that Dask can spill between them
 from __future__ import annotations
 
 import heapq
+
+from tilegraph._config import EXCHANGES  # noqa: F401 - re-exported
 from tilegraph._errors import TileError
 from tilegraph.exec.gang import GangSpec, Stage
 from tilegraph.exec.shm import SHM_MARGIN_BYTES
 
 __all__ = ["GangPlan", "plan_gang", "EXCHANGES"]
 
-#: values of ``tilegraph.config.exchange``
-EXCHANGES = ("auto", "gang", "tasks")
 
 
 class GangPlan:
