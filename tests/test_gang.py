@@ -466,3 +466,12 @@ def test_a_gang_over_two_hosts_of_two_workers_mixes_shared_memory_and_comms(monk
         assert sum(rt.client.run(_channel_files).values()) == 0 and sum(rt.client.run(_mail).values()) == 0
     finally:
         rt.close()
+
+
+def test_the_after_argument_of_a_gang_task_is_where_the_submit_puts_it():
+    import inspect
+
+    from tilegraph.exec.gang import AFTER_INDEX, run_gang
+
+    # the task tuple holds the function first, then its arguments in order
+    assert list(inspect.signature(run_gang).parameters).index("after") + 1 == AFTER_INDEX

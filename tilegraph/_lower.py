@@ -40,7 +40,7 @@ from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, Valu
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     run_cluster)
-from tilegraph.exec.gang import run_gang
+from tilegraph.exec.gang import AFTER_INDEX, run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
 from tilegraph.parallel.gang import plan_gang
 from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes,  # noqa: F401 - re-exported
@@ -709,7 +709,7 @@ class Executable:
                 if prev is not None and prev.status in ("error", "cancelled", "lost"):
                     prev = None
                 task = layers["gang"][key]
-                layers["gang"][key] = task[:5] + (prev,) + task[6:]
+                layers["gang"][key] = task[:AFTER_INDEX] + (prev,) + task[AFTER_INDEX + 1:]
             futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
             for p, key in enumerate(keys):
                 runtime.last_gang[self.gang.addrs[p]] = futures[key]

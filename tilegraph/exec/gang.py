@@ -43,7 +43,7 @@ from tilegraph.exec.program import Bound, measured_exactly, run_cluster
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, _folder, shm_domain
 from tilegraph.io._store import process_alive, write_file
 
-__all__ = ["GangSpec", "Stage", "ChannelWaitError", "PeerFailedError", "run_gang", "gang_identity", "write_channel", "read_channel",
+__all__ = ["GangSpec", "Stage", "ChannelWaitError", "PeerFailedError", "run_gang", "AFTER_INDEX", "gang_identity", "write_channel", "read_channel",
            "channel_path", "trim_pool"]
 
 #: bytes of the header-length field at the start of a channel file; data blocks align to this
@@ -279,6 +279,11 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
         a = np.frombuffer(mm, dt, count, start + offset) if count else np.empty(0, dt)
         out.append(a.reshape(tuple(shape)))
     return tuple(out)
+
+
+#: where ``after`` is in a gang task's tuple ``(run_gang, spec, call, bound, programs, after, *args)``
+#: (``Executable._submit_gang`` sets it as it submits)
+AFTER_INDEX = 5
 
 
 def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *args):
