@@ -153,6 +153,19 @@ def _state_futures(step):
             for r in (getattr(c.value, "replicas", ()) or (c.value,))]
 
 
+def _tasks_then_gang(rt, monkeypatch):
+    """The debug GPT-2's sharded step, 3 calls with the Dask-task exchange and 3 as gangs (each on
+    a model of its own): ({exchange: losses}, the gang run's plan)."""
+    runs = {}
+    for exchange in ("tasks", "gang"):
+        monkeypatch.setattr(tg.config, "exchange", exchange)
+        _, step, batch = _gpt2_step(rt, "sharded")
+        runs[exchange] = [step(*batch) for _ in range(3)]
+        exe = step.plan(*batch)
+        assert (exe.gang is not None) == (exchange == "gang")
+    return runs, exe
+
+
 def _running_gang(rt):
     """A sharded step of the debug GPT-2 that ran once as gangs: (step, batch, its plan)."""
     _, step, batch = _gpt2_step(rt, "sharded")
@@ -331,14 +344,8 @@ def test_a_gang_on_workers_of_several_threads_equals_the_task_exchange(monkeypat
     monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
     rt = tg.connect(n_workers=2, threads_per_worker=2, dashboard=False, quiet=True, make_current=False)
     try:
-        runs = {}
-        for exchange in ("tasks", "gang"):
-            monkeypatch.setattr(tg.config, "exchange", exchange)
-            model, step, batch = _gpt2_step(rt, "sharded")
-            runs[exchange] = [step(*batch) for _ in range(3)]
-            exe = step.plan(*batch)
-            assert (exe.gang is not None) == (exchange == "gang") and exe.n_replicas == 2
-        assert max(p.prog.threads for p in exe.plans) == 2
+        runs, exe = _tasks_then_gang(rt, monkeypatch)
+        assert exe.n_replicas == 2 and max(p.prog.threads for p in exe.plans) == 2
         assert runs["gang"] == runs["tasks"]
     finally:
         rt.close()
@@ -433,14 +440,8 @@ def test_comm_channels_between_hosts_go_over_the_clusters_tls(monkeypatch):
     with tg.connect(n_workers=2, threads_per_worker=1, tls=True, dashboard=False, quiet=True, make_current=False) as rt:
         assert all(w.startswith("tls://127.0.0.1:") for w in rt.workers())
         _two_hosts(monkeypatch, rt)
-        runs = {}
-        for exchange in ("tasks", "gang"):
-            monkeypatch.setattr(tg.config, "exchange", exchange)
-            _, step, batch = _gpt2_step(rt, "sharded")
-            runs[exchange] = [step(*batch) for _ in range(3)]
-            gang = step.plan(*batch).gang
-            assert (gang is not None) == (exchange == "gang")
-        assert not any(gang.specs[0].shared[1:]) and runs["gang"] == runs["tasks"]
+        runs, exe = _tasks_then_gang(rt, monkeypatch)
+        assert not any(exe.gang.specs[0].shared[1:]) and runs["gang"] == runs["tasks"]
 
 
 @needs_shm
@@ -453,13 +454,8 @@ def test_a_gang_over_two_hosts_of_two_workers_mixes_shared_memory_and_comms(monk
         real = rt.gang_identities
         host = {a: f"host{i // 2}" for i, a in enumerate(sorted(rt.workers()))}
         monkeypatch.setattr(rt, "gang_identities", lambda addrs: {a: (host[a], *real([a])[a][1:]) for a in addrs})
-        runs = {}
-        for exchange in ("tasks", "gang"):
-            monkeypatch.setattr(tg.config, "exchange", exchange)
-            _, step, batch = _gpt2_step(rt, "sharded")
-            runs[exchange] = [step(*batch) for _ in range(3)]
-            exe = step.plan(*batch)
-        assert exe.gang is not None and exe.n_replicas == 4
+        runs, exe = _tasks_then_gang(rt, monkeypatch)
+        assert exe.n_replicas == 4
         assert [list(s.shared) for s in exe.gang.specs] == [[host[a] == host[b] for b in exe.gang.addrs]
                                                             for a in exe.gang.addrs]
         assert runs["gang"] == runs["tasks"]
