@@ -23,6 +23,8 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
   task (cluster), the bytes of its external inputs made by a task on another worker process, each
   value counted once per process that reads it (Dask fetches it once per worker); leaf inputs
   (parameters, optimizer state, the batch) count as not moved;
+- ``peak_MiB``: the most resident memory one worker process held during the row (warmup and
+  timed steps; Linux ``VmHWM``, reset before the row);
 - ``ratio`` = tok/s / (tok/s of PyTorch eager in one process with the same total threads,
   ``torch.set_num_threads``), measured in the same run; the eager row itself is printed too
   (strategy ``torch``);
@@ -136,12 +138,15 @@ def wait_idle(rt, poll: float = 0.01) -> None:
 def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -> list[dict]:
     """Train with each strategy on one embedded cluster of ``workers`` x ``threads`` (or on
     ``runtime``, a cluster of that shape started otherwise: by MPI)."""
+    from tilegraph.runtime.worker_setup import peak_resident_bytes, reset_peak_resident
+
     rows = []
     launch = "embedded" if runtime is None else "mpi"
     with runtime or tg.connect(n_workers=workers, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
         auto = None
         for strategy in strategies:
             w = work_of(workers, threads)
+            reset = all(rt.client.run(reset_peak_resident).values())  # this row's peak, not the rows' before
             model = w.build()
             opt = tg.optim.AdamW(model.parameters(), **w.opt_kwargs)
             step = tg.TrainStep(model, opt, w.loss_fn, batch_tiles=w.batch_tiles, runtime=rt, parallel=strategy)
@@ -159,6 +164,8 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
             wait_idle(rt)  # the last step's backward and update too, not only its loss
             wall = time.perf_counter() - t0
             dask_cpu = sum(rt.client.run(dask_thread_cpu).values()) - sum(cpu0.values())
+            peaks = list(rt.client.run(peak_resident_bytes).values())
+            peak = max(peaks) if reset and None not in peaks else None
             ks = rt.kernel_stats()
             exe = step.plan(*data[0])
             if auto is None:  # the plan "auto" makes here (recorded and planned, not run)
@@ -171,7 +178,8 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
                          "used": exe.strategy, "exch": exchange, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
                          "dask_cpu": dask_cpu / (wall * workers * threads),
-                         "moved": exe.cross_bytes(), "step_s": wall / args.steps, "first_s": first_s})
+                         "moved": exe.cross_bytes(), "step_s": wall / args.steps, "first_s": first_s,
+                         "peak": peak})
             del step, opt, model, exe
     return rows
 
@@ -334,11 +342,11 @@ def fmt_row(r: dict) -> str:
     return (f"{r['model']:12} {r['config']:>6} {r.get('launch', '-'):>8} {r['strategy']:>9} {r.get('used') or '-':>7} "
             f"{r.get('exch') or '-':>5} {r.get('auto') or '-':>7} "
             f"{r['tok_s']:9.0f} {opt('outside', '8.1%'):>8} {opt('dask_cpu', '9.1%'):>9} {opt('moved', '8.1f', 1e-6):>8} "
-            f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7}")
+            f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7} {opt('peak', '8.0f', 2**-20):>8}")
 
 
 HEADER = (f"{'model':12} {'WxT':>6} {'launch':>8} {'strategy':>9} {'used':>7} {'exch':>5} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
-          f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7}")
+          f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7} {'peak_MiB':>8}")
 
 
 def main():
@@ -428,7 +436,8 @@ def main():
           "processes, gloo); used: the plan's; exch: how its processes exchange values (gang: one task per process, "
           "shared-memory channels; gang-comm: over the workers' comms; tasks: Dask tasks); auto: what parallel='auto' picks there; outside = 1 - kernel s / "
           "(wall x W x T); dask_CPU: CPU s of the workers' Dask threads (transfers) / (wall x W x T); MB/step: between worker processes, from the plan (DDP: ring all-reduce, 2 (P-1) x "
-          "gradient bytes); ratio = tok/s / torch eager tok/s with W x T threads", flush=True)
+          "gradient bytes); ratio = tok/s / torch eager tok/s with W x T threads; peak_MiB: most resident memory of one worker "
+          "process in the row", flush=True)
     print(HEADER, flush=True)
 
     for kind in kinds:

@@ -102,6 +102,17 @@ def peak_resident_bytes() -> int | None:
     return None
 
 
+def reset_peak_resident() -> bool:
+    """Start this process's :func:`peak_resident_bytes` anew from its current resident memory
+    (Linux: ``/proc/self/clear_refs``); False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
