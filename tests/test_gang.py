@@ -471,3 +471,34 @@ def test_the_after_argument_of_a_gang_task_is_where_the_submit_puts_it():
 
     # the task tuple holds the function first, then its arguments in order
     assert list(inspect.signature(run_gang).parameters).index("after") + 1 == AFTER_INDEX
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_a_gang_lets_go_of_each_element_of_a_stage_result_after_its_last_reader(embedded_runtime):
+    """A stage's result tuple is not held whole until its last element is read: each element is
+    dropped right after the last stage that reads it (at once when none does), never before."""
+    _, step, batch = _gpt2_step(embedded_runtime, "sharded")
+    exe = step.plan(*batch)
+    assert exe.gang is not None
+    split = 0
+    for spec in exe.gang.specs:
+        dropped_at = {}
+        for t, stage in enumerate(spec.stages):
+            for kind, which in stage.drop:
+                dropped_at[(kind, which)] = t
+        readers: dict[tuple, list[int]] = {}
+        for t, stage in enumerate(spec.stages):
+            for src in stage.inputs:
+                if src[0] == "r":
+                    readers.setdefault((src[1], src[2]), []).append(t)
+        for (s, k), ts in readers.items():
+            assert dropped_at[("e", (s, k))] == max(ts), (s, k)
+        for s, stage in enumerate(spec.stages):
+            mine = {which[1]: t for (kind, which), t in dropped_at.items() if kind == "e" and which[0] == s}
+            if ("r", s) in dropped_at:  # no later stage reads any of it
+                assert dropped_at[("r", s)] == s and not mine
+            else:
+                assert all(t >= s for t in mine.values())
+                split += len(set(mine.values())) > 1
+    assert split  # some stage's elements go at different stages

@@ -55,8 +55,8 @@ class Stage(NamedTuple):
     and where each of its inputs comes from: ``("x", i)`` the gang task's argument i (a leaf:
     parameter, batch tile), ``("r", s, k)`` element k of stage s's result, ``("c", ch, j)``
     value j of channel ch. ``sends``: the channels written after it, as (channel, elements of
-    its result, reading process). ``drop``: the stage results (``("r", s)``) and channels
-    (``("c", ch)``) that no later stage reads."""
+    its result, reading process). ``drop``: what no later stage reads: stage results
+    (``("r", s)``), elements of them (``("e", (s, k))``) and channels (``("c", ch)``)."""
 
     prog: int
     inputs: tuple
@@ -340,7 +340,7 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
     try:
         for s, stage in enumerate(spec.stages):
             ins = [value(src) for src in stage.inputs]
-            results[s] = run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins)
+            results[s] = list(run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins))
             for name, idx, reader in stage.sends:
                 written += send(name, reader, tuple(results[s][k] for k in idx))
                 sent.add(name)
@@ -348,7 +348,10 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
                 if src[0] == "r" and src[1] == s:
                     kept[i] = results[s][src[2]]
             for kind, which in stage.drop:
-                (results if kind == "r" else received).pop(which, None)
+                if kind == "e":
+                    results[which[0]][which[1]] = None
+                else:
+                    (results if kind == "r" else received).pop(which, None)
         out = measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
         if sender:
             sender[0].finish(spec.timeout)

@@ -78,9 +78,9 @@ GANG_MEMORY_SHARE = 0.5
 
 def peak_bytes(exe, cids: list[int]) -> int:
     """About the most memory a gang running clusters ``cids`` (in that order) holds at once: the
-    leaf values it reads (parameters, optimizer state, batch tiles), each earlier stage's result
-    and each other process's values until their last use (the gang's own result to the end),
-    and everything the running stage writes."""
+    leaf values it reads (parameters, optimizer state, batch tiles), each element of an earlier
+    stage's result and each other process's values until their last use (what the gang returns
+    to its end), and everything the running stage writes."""
     where = exe.where
     leaves: dict[tuple[int, int], int] = {}
     first: dict[tuple, int] = {}
@@ -89,28 +89,34 @@ def peak_bytes(exe, cids: list[int]) -> int:
     own = set(cids)
     seen: set[tuple[int, int]] = set()  # values read from other processes, each counted once
     for s, cid in enumerate(cids):
-        first[("r", cid)] = last[("r", cid)] = s  # readers come later (a topological order)
-        size[("r", cid)] = sum(r.nbytes for r in exe.plans[cid].outputs)
+        for k, r in enumerate(exe.plans[cid].outputs):  # readers come later (a topological order)
+            first[("r", cid, k)] = last[("r", cid, k)] = s
+            size[("r", cid, k)] = r.nbytes
         for ref in exe.plans[cid].ext:
             if ref.node.is_leaf:
                 leaves[(id(ref.node), ref.index)] = ref.nbytes
                 continue
-            d = where[(id(ref.node), ref.index)][0]
-            key = ("r", d) if d in own else ("c", d)
-            if key[0] == "c" and (id(ref.node), ref.index) not in seen:
-                seen.add((id(ref.node), ref.index))
-                first.setdefault(key, s)
-                size[key] = size.get(key, 0) + ref.nbytes
+            d, k = where[(id(ref.node), ref.index)]
+            if d in own:
+                key = ("r", d, k)
+            else:  # another process's values: their channel, held whole until its last reader
+                key = ("c", d)
+                if (id(ref.node), ref.index) not in seen:
+                    seen.add((id(ref.node), ref.index))
+                    first.setdefault(key, s)
+                    size[key] = size.get(key, 0) + ref.nbytes
             last[key] = s
     end = len(cids)
-    roots = {where[(id(r.node), r.index)][0] for refs in exe.replicas for r in refs if not r.node.is_leaf}
-    for key in size:  # what the gang returns stays to its end
-        if key[0] == "r" and key[1] in roots:
-            last[key] = end
+    for refs in exe.replicas:  # what the gang returns stays to its end
+        for r in refs:
+            if not r.node.is_leaf:
+                key = ("r", *where[(id(r.node), r.index)])
+                if key in last:
+                    last[key] = end
     base = sum(leaves.values())
     peak = 0
     for s, cid in enumerate(cids):
-        held = sum(n for key, n in size.items() if first[key] <= s <= last[key] and key != ("r", cid))
+        held = sum(n for key, n in size.items() if first[key] <= s <= last[key] and key[:2] != ("r", cid))
         peak = max(peak, base + held + exe.clusters[cid].made)
     return peak
 
@@ -258,14 +264,22 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
                 d, k = exe.where[(id(ref.node), ref.index)]
                 if proc[d] == p:
                     ins.append(("r", stage_of[d], k))
-                    last[("r", stage_of[d])] = s
+                    last[("e", (stage_of[d], k))] = s
                 else:
                     ch, elems = channel_of[(d, p)]
                     ins.append(("c", ch, elems.index(k)))
                     last[("c", ch)] = s
             built.append((s, cid, tuple(ins)))
-        for s in range(len(built)):  # a stage no later stage reads is dropped at once
-            last.setdefault(("r", s), s)
+        # each element of a stage's result goes after its last reader (the rest of the tuple,
+        # activations another stage read earlier, does not wait for it); a stage no later stage
+        # reads is dropped at once
+        read = {which[0] for kind, which in last if kind == "e"}
+        for s, cid, _ in built:
+            if s not in read:
+                last[("r", s)] = s
+            else:  # (what it sends or returns is taken before its drops)
+                for k in range(len(exe.plans[cid].outputs)):
+                    last.setdefault(("e", (s, k)), s)
         drops: dict[int, list[tuple]] = {}
         for what, s in last.items():
             drops.setdefault(s, []).append(what)
