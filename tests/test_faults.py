@@ -199,6 +199,41 @@ def test_restart_on_failure_resumes_from_the_last_checkpoint(cluster, tmp_path, 
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_restart_on_failure_of_a_sharded_gang_plan(cluster, tmp_path, caplog, hosts, monkeypatch):
+    """A data-parallel plan (each worker process a share of the batch, the steps as one gang task
+    per process; with 2 "hosts" its values go over the workers' comms): one process killed after
+    step 6, training resumes from step 4's checkpoint on the workers there are then, and the
+    steps after it equal an uninterrupted run from that checkpoint on the same cluster."""
+    addrs = sorted(cluster.pids)
+    if hosts == 2:  # each worker's shared memory is a host's of its own
+        real = cluster.rt.gang_identities
+        monkeypatch.setattr(cluster.rt, "gang_identities", lambda ws: {a: (f"host-{a}", *real([a])[a][1:]) for a in ws})
+    lost = {}
+
+    def hook(trainer, stats):
+        if not lost and len(trainer.history) >= 6:
+            lost.update(addr=addrs[1], at=time.perf_counter(),
+                        gangs=[e.gang and e.gang.specs[0].shared[1] for e in trainer.step.executables])
+            cluster.kill(addrs[1])
+
+    trainer = _trainer(cluster.rt, 12, steps_per_graph=1, checkpoint_dir=tmp_path / "ck", checkpoint_every=4,
+                       restart_on_failure=True, on_step=[hook], parallel="sharded")
+    with caplog.at_level("WARNING", logger="tilegraph"):
+        res = trainer.fit(12)
+    assert lost["gangs"] == [hosts == 1]  # the plan that lost its worker ran as gangs (shared memory, or comms: False)
+    ck = tmp_path / "ck" / "step-000004"
+    assert len(res.restarts) == 1 and res.restarts[0]["workers"] == [lost["addr"]], res.restarts
+    assert res.restarts[0]["checkpoint"] == str(ck) and res.restarts[0]["step"] == 4
+    assert res.steps == 12 and len(res.losses) == 12 and trainer.optimizer.step_count == 12
+    assert time.perf_counter() - lost["at"] < 60.0
+    ref = _trainer(cluster.rt, 12, steps_per_graph=1, parallel="sharded")
+    assert ref.load_checkpoint(ck) == 4
+    want = ref.fit(8)
+    np.testing.assert_allclose(res.losses[4:], want.losses, rtol=1e-5)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_restart_on_failure_restarts_a_stopped_worker(cluster, tmp_path, monkeypatch):
     # a worker silent for 3 s counts as stalled here (10 s by default), with a 1 s step limit;
