@@ -71,7 +71,7 @@ TRAIN="--no-progress --set output.checkpoint_every=0"
 
 # 1. the README's main job as a newcomer runs it, GPU visible (it must work on a GPU machine)
 if [ "$HAS_GPU" = 1 ]; then
-    check train-gpu-visible 80 "tilegraph train --out /tmp/tg-gpu $TRAIN"
+    check train-gpu-visible 80 "rm -rf /tmp/tg-gpu; tilegraph train --out /tmp/tg-gpu $TRAIN"
     check gpu-tests 80 "python3 -m pytest -q -x -m gpu tests/test_gpu.py"
 else
     echo "train-gpu-visible, gpu-tests: skipped (no GPU)" | tee -a "$SUMMARY"
@@ -79,8 +79,8 @@ fi
 # 2. 16 cores, GPU hidden: the main job on one worker x all threads and on 4 workers (the issue:
 # 4,125 tok/s on 16 cores against ~40,000 on 2)
 export CUDA_VISIBLE_DEVICES=
-check train-cpu-1-worker 50 "tilegraph train --out /tmp/tg-1w $TRAIN"
-check train-cpu-4-workers 50 "tilegraph train --out /tmp/tg-4w $TRAIN --set runtime.workers=4"
+check train-cpu-1-worker 50 "rm -rf /tmp/tg-1w; tilegraph train --out /tmp/tg-1w $TRAIN"
+check train-cpu-4-workers 50 "rm -rf /tmp/tg-4w; tilegraph train --out /tmp/tg-4w $TRAIN --set runtime.workers=4"
 # 3. GPT-2 6x768 on one worker x all threads against torch with as many threads (the issue: 0.41)
 check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --flavor 6x768 --batch 16 --steps $STEPS --warmup 1"
 # 4. the block stack over 1 x T, 2 x T/2, 4 x T/4 (the issue: 0.57, 0.61, 0.30 of torch), the
