@@ -306,3 +306,17 @@ def test_the_config_picks_the_parallel_strategy_and_the_exchange(tmp_path, paral
             assert "parallel: tiles over 1 worker process" in run.stdout, run.stdout
     assert len(runs["one"]) == len(runs["two"]) == 24
     np.testing.assert_allclose(runs["two"], runs["one"], rtol=2e-4)
+
+
+def test_the_jobs_exchange_setting_does_not_outlive_the_command(tmp_path, monkeypatch):
+    """[runtime] exchange holds for the job; in a process that goes on (a notebook calling the
+    command), tg.config.exchange is the caller's again afterwards."""
+    import tilegraph as tg
+    from tilegraph.cli import main
+
+    (tmp_path / "small.toml").write_text(SMALL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    assert main(["train", "small.toml", "--out", "run", "--steps", "2", "--no-progress",
+                 "--set", 'runtime.exchange="gang"']) == 0
+    assert tg.config.exchange == "tasks"

@@ -265,9 +265,13 @@ def test_exchange_names_and_where_a_gang_cannot_run(embedded_runtime, monkeypatc
     step.reset_plans()
     assert not any(any(s for q, s in enumerate(spec.shared) if q != p)
                    for p, spec in enumerate(step.plan(*batch).gang.specs))
-    # workers on two hosts whose handler of comm channels could not be installed: no gang
-    _two_hosts(monkeypatch, embedded_runtime)
+    # workers whose handler of comm channels could not be installed: no gang without shared memory
     monkeypatch.setattr(embedded_runtime, "comm_channels", False)
+    step.reset_plans()
+    with pytest.raises(tg.TileError, match=r"received: tilegraph.config.shm_transfers is off, and the workers have no "
+                                           r"tilegraph channel handler"):
+        step.plan(*batch)
+    _two_hosts(monkeypatch, embedded_runtime)
     monkeypatch.setattr(tg.config, "shm_transfers", True)
     step.reset_plans()
     with pytest.raises(tg.TileError, match=r"'gang' needs .*received: its workers do not share one /dev/shm .*several "

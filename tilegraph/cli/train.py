@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,7 @@ def check_output(out: Path, resume: str | None, steps: int) -> int | None:
 
 
 def cmd_train(args) -> int:
-    held: list = []  # release functions (the output lock)
+    held: list = []  # release functions (the output lock, the job's settings)
     try:
         return _train(args, held)
     finally:
@@ -161,6 +162,7 @@ def _train(args, held: list) -> int:
     if rt is None:
         rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
                         n_workers=r["workers"] or None, quiet=True, **tls)
+    held.append(partial(setattr, tg.config, "exchange", tg.config.exchange))  # the caller's, back after the job
     tg.config.exchange = r["exchange"]
     with rt:
         if quantized_base:  # the quantized tiles' parts move to the workers once, as parameters do

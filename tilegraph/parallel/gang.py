@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import heapq
 
-from tilegraph._config import EXCHANGES  # noqa: F401 - re-exported
+from tilegraph._config import config
 from tilegraph._errors import TileError
 from tilegraph.exec.gang import GangSpec, Stage
 from tilegraph.exec.shm import SHM_MARGIN_BYTES
 
-__all__ = ["GangPlan", "plan_gang", "EXCHANGES"]
-
+__all__ = ["GangPlan", "plan_gang", "peak_bytes"]
 
 
 class GangPlan:
@@ -126,18 +125,18 @@ def _links(exe, runtime, addrs: list[str]) -> tuple[list[list[bool]] | None, str
     ``/dev/shm`` and process-id namespace, room there for what the step moves, and
     ``tilegraph.config.shm_transfers``); the others go over the workers' comms. Returns
     (``shared[p][q]``, None), or (None, why no gang can run)."""
-    from tilegraph._config import config
-
     ids = runtime.gang_identities(addrs)
     if any(i is None for i in ids.values()):
         return None, "a worker did not answer"
     n = len(addrs)
     same = [[p == q or (ids[addrs[p]][0] is not None and ids[addrs[p]][:2] == ids[addrs[q]][:2])
              for q in range(n)] for p in range(n)]
+    no_handler = "the workers have no tilegraph channel handler (the scheduler refused its plugin)"
     if not all(all(row) for row in same) and not runtime.comm_channels:
-        return None, ("its workers do not share one /dev/shm and process-id namespace (several hosts), and the "
-                      "workers have no tilegraph channel handler (the scheduler refused its plugin)")
+        return None, f"its workers do not share one /dev/shm and process-id namespace (several hosts), and {no_handler}"
     if not config.shm_transfers:
+        if not runtime.comm_channels:
+            return None, f"tilegraph.config.shm_transfers is off, and {no_handler}"
         return [[p == q for q in range(n)] for p in range(n)], None
     moved = exe.cross_bytes()
     moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
