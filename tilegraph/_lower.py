@@ -42,6 +42,7 @@ from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured
                                     run_cluster)
 from tilegraph.exec.gang import AFTER_INDEX, run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
+from tilegraph.parallel.data_parallel import plan_data_parallel
 from tilegraph.parallel.gang import plan_gang
 from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes,  # noqa: F401 - re-exported
                                     place, task_label)
@@ -140,7 +141,8 @@ class Executable:
         self.n_replicas = 1
         dp = None
         if parallel != "tiles" and fuse:
-            dp = self._data_parallel(work, groups, state_groups, batch_cells, target, parallel)
+            dp = plan_data_parallel(self.roots, work, groups, state_groups, batch_cells, target, parallel,
+                                    self.max_task_bytes)
         if dp is None or parallel == "auto":  # the tiles plan: the only one, or the one to beat
             self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse,
                                                                 max_bytes=self.max_task_bytes)
@@ -205,54 +207,6 @@ class Executable:
         # program keys of this executable's own: another of the same plan, dropped just before
         # this one scatters, would have Dask forget a shared key after it was sent again
         self._program_id = uuid.uuid4().hex[:8]
-
-    def _data_parallel(self, work: Sequence[Node], groups: dict[str, list[int]], state_groups: Sequence[Sequence[int]],
-                       batch_cells: Sequence, target: float, parallel: str):
-        """The data-parallel plan of this graph: ``(refs of each root, clusters, cluster of each
-        node, simulated seconds, nodes, replicas, strategy)``; None where it does not apply: no
-        batch to split, one process, or kernels placed on both device classes.
-
-        ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
-        state). "data": every replica keeps all of them. "sharded" (and "auto"): each group has
-        one owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps
-        its state, and sends the new parameter to the other replicas (``config.parallel`` says
-        why "auto" takes it)."""
-        devices = {n.device for n in work}
-        if not batch_cells or len(devices) != 1:
-            return None
-        from tilegraph.parallel.data_parallel import batch_groups, split_replicas, visit_order
-
-        dev = devices.pop()
-        rows = min(cells.shape[0] if cells.ndim else 1 for cells in batch_cells)
-        procs = min(len(groups[dev]), rows)
-        if procs < 2:
-            if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
-                raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
-                                f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
-                                "batch needs at least 2 row tiles (batch_tiles); or use parallel='auto' or 'tiles'",
-                                f"a batch of {rows} row tile")
-            return None
-        sharded = parallel in ("sharded", "auto")
-        if sharded:
-            load, owners = [0] * procs, {}
-            for g in state_groups:
-                o = min(range(procs), key=lambda p: (load[p], p))
-                load[o] += self.roots[g[0]].nbytes
-                owners.update((k, o) for k in g)
-            replicated = [g[0] for g in state_groups]
-        else:
-            owners, replicated = {}, [k for g in state_groups for k in g]
-        dp = split_replicas(self.roots, replicated=replicated, groups=batch_groups(batch_cells, procs),
-                            replicas=procs, owners=owners)
-        # each replica's exchange phase (gradient sums, updates) on a lane of its own, so that
-        # its tasks wait for other replicas' values without holding back the backward pass
-        lane = {i: p + (procs if i in dp.exchange else 0) for i, p in dp.replica.items()}
-        threads = groups[dev][:procs]
-        order = visit_order(dp, config.bucket_bytes)
-        clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
-                                              fixed=lane, home=procs, max_bytes=self.max_task_bytes)
-        nodes = topo_order([r for refs in dp.roots for r in refs])
-        return dp.roots, clusters, of, seconds, nodes, procs, "sharded" if sharded else "data"
 
     def root_workers(self) -> list[str | None]:
         """The worker that computes each root (its first replica's), where the plan pins it;

@@ -35,9 +35,12 @@ from typing import Sequence
 
 import numpy as np
 
+from tilegraph._config import config
+from tilegraph._errors import TileError
 from tilegraph._graph import Node, TileRef, topo_order
+from tilegraph.plan.cluster import cluster_nodes
 
-__all__ = ["split_replicas", "Replicas", "batch_groups"]
+__all__ = ["split_replicas", "Replicas", "batch_groups", "plan_data_parallel"]
 
 #: kernels whose calls over several replicas' tiles are split into one partial per replica first
 _SUM_KERNEL = "reduce_sum"
@@ -327,3 +330,53 @@ def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
             continue
         visit(heapq.heappop(compute)[2])
     return order
+
+
+def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: dict[str, list[int]],
+                       state_groups: Sequence[Sequence[int]], batch_cells: Sequence, target: float, parallel: str,
+                       max_task_bytes: float):
+    """The data-parallel plan of the graph of ``roots`` (its kernels ``work``, over the worker
+    processes' threads ``groups``; tasks of about ``target`` seconds, each under
+    ``max_task_bytes``): ``(refs of each root, clusters, cluster of each node, simulated
+    seconds, nodes, replicas, strategy)``; None where it does not apply: no batch to split, one
+    process, or kernels placed on both device classes.
+
+    ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
+    state). "data": every replica keeps all of them. "sharded" (and "auto"): each group has
+    one owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps
+    its state, and sends the new parameter to the other replicas (``config.parallel`` says
+    why "auto" takes it)."""
+    devices = {n.device for n in work}
+    if not batch_cells or len(devices) != 1:
+        return None
+    dev = devices.pop()
+    rows = min(cells.shape[0] if cells.ndim else 1 for cells in batch_cells)
+    procs = min(len(groups[dev]), rows)
+    if procs < 2:
+        if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
+            raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
+                            f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
+                            "batch needs at least 2 row tiles (batch_tiles); or use parallel='auto' or 'tiles'",
+                            f"a batch of {rows} row tile")
+        return None
+    sharded = parallel in ("sharded", "auto")
+    if sharded:
+        load, owners = [0] * procs, {}
+        for g in state_groups:
+            o = min(range(procs), key=lambda p: (load[p], p))
+            load[o] += roots[g[0]].nbytes
+            owners.update((k, o) for k in g)
+        replicated = [g[0] for g in state_groups]
+    else:
+        owners, replicated = {}, [k for g in state_groups for k in g]
+    dp = split_replicas(roots, replicated=replicated, groups=batch_groups(batch_cells, procs),
+                        replicas=procs, owners=owners)
+    # each replica's exchange phase (gradient sums, updates) on a lane of its own, so that
+    # its tasks wait for other replicas' values without holding back the backward pass
+    lane = {i: p + (procs if i in dp.exchange else 0) for i, p in dp.replica.items()}
+    threads = groups[dev][:procs]
+    order = visit_order(dp, config.bucket_bytes)
+    clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
+                                          fixed=lane, home=procs, max_bytes=max_task_bytes)
+    nodes = topo_order([r for refs in dp.roots for r in refs])
+    return dp.roots, clusters, of, seconds, nodes, procs, "sharded" if sharded else "data"
