@@ -152,6 +152,15 @@ def _two_workers():
         rt.close()
 
 
+def fake_hosts(monkeypatch, runtime, host_of=None):
+    """Make ``runtime``'s workers look as if they ran on several hosts: worker ``a`` on host
+    ``host_of[a]`` (default: each on a host of its own), by the shared-memory identities the
+    gang planner reads, as a cluster of several nodes would give them."""
+    real = runtime.gang_identities
+    monkeypatch.setattr(runtime, "gang_identities",
+                        lambda addrs: {a: ((host_of or {}).get(a, f"host-{a}"), *real([a])[a][1:]) for a in addrs})
+
+
 @pytest.fixture(scope="session")
 def embedded_runtime():
     """One embedded cluster (2 workers) shared by the distributed tests; use ``rt.as_current()``."""

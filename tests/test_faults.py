@@ -22,6 +22,7 @@ import pytest
 
 import tilegraph as tg
 import tilegraph._train
+from conftest import fake_hosts
 from tilegraph.trainer import STEP_TIMEOUT_MIN, StepTimeoutError, WorkerLostError
 
 
@@ -206,9 +207,8 @@ def test_restart_on_failure_of_a_sharded_gang_plan(cluster, tmp_path, caplog, ho
     step 6, training resumes from step 4's checkpoint on the workers there are then, and the
     steps after it equal an uninterrupted run from that checkpoint on the same cluster."""
     addrs = sorted(cluster.pids)
-    if hosts == 2:  # each worker's shared memory is a host's of its own
-        real = cluster.rt.gang_identities
-        monkeypatch.setattr(cluster.rt, "gang_identities", lambda ws: {a: (f"host-{a}", *real([a])[a][1:]) for a in ws})
+    if hosts == 2:  # each worker on a host of its own
+        fake_hosts(monkeypatch, cluster.rt)
     lost = {}
 
     def hook(trainer, stats):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from conftest import fake_hosts
 from tilegraph.exec import shm
 from tilegraph.exec.gang import channel_path, read_channel, write_channel
 
@@ -190,14 +191,6 @@ def _channel_files() -> int:
                for f in os.listdir(os.path.join(shm.SHM_ROOT, d)))
 
 
-def _two_hosts(monkeypatch, runtime):
-    """Make ``runtime``'s workers look as if each ran on a host of its own (their shared-memory
-    identities differ), as a cluster of several nodes would."""
-    real = runtime.gang_identities
-    monkeypatch.setattr(runtime, "gang_identities",
-                        lambda addrs: {a: (f"host-{a}", *real([a])[a][1:]) for a in addrs})
-
-
 def _mail() -> int:
     from tilegraph.exec import comm_channel
 
@@ -217,7 +210,7 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
 
     client = embedded_runtime.client
     if hosts == 2:
-        _two_hosts(monkeypatch, embedded_runtime)
+        fake_hosts(monkeypatch, embedded_runtime)
     runs = {}
     for exchange in ("tasks", "gang"):
         monkeypatch.setattr(tg.config, "exchange", exchange)
@@ -271,7 +264,7 @@ def test_exchange_names_and_where_a_gang_cannot_run(embedded_runtime, monkeypatc
     with pytest.raises(tg.TileError, match=r"received: tilegraph.config.shm_transfers is off, and the workers have no "
                                            r"tilegraph channel handler"):
         step.plan(*batch)
-    _two_hosts(monkeypatch, embedded_runtime)
+    fake_hosts(monkeypatch, embedded_runtime)
     monkeypatch.setattr(tg.config, "shm_transfers", True)
     step.reset_plans()
     with pytest.raises(tg.TileError, match=r"'gang' needs .*received: its workers do not share one /dev/shm .*several "
@@ -322,7 +315,7 @@ def test_a_gang_step_that_loses_a_worker_ends_with_the_worker_named(own_runtime,
 
     rt = own_runtime
     if hosts == 2:
-        _two_hosts(monkeypatch, rt)
+        fake_hosts(monkeypatch, rt)
     step, batch, exe = _running_gang(rt)
     pids = rt.client.run(os.getpid)
     victim, survivor = exe.gang.addrs[1], exe.gang.addrs[0]
@@ -396,7 +389,7 @@ def test_a_gang_that_fails_ends_the_step_at_once_with_its_error(own_runtime, hos
     not after the channel time limit."""
     rt = own_runtime
     if hosts == 2:
-        _two_hosts(monkeypatch, rt)
+        fake_hosts(monkeypatch, rt)
     step, batch, exe = _running_gang(rt)
     rt.client.run(_fail_channel_writes, workers=[exe.gang.addrs[1]])
     t0 = time.perf_counter()
@@ -443,7 +436,7 @@ def test_comm_channels_between_hosts_go_over_the_clusters_tls(monkeypatch):
     pytest.importorskip("cryptography")  # temporary certificates
     with tg.connect(n_workers=2, threads_per_worker=1, tls=True, dashboard=False, quiet=True, make_current=False) as rt:
         assert all(w.startswith("tls://127.0.0.1:") for w in rt.workers())
-        _two_hosts(monkeypatch, rt)
+        fake_hosts(monkeypatch, rt)
         runs, exe = _tasks_then_gang(rt, monkeypatch)
         assert not any(exe.gang.specs[0].shared[1:]) and runs["gang"] == runs["tasks"]
 
@@ -455,9 +448,8 @@ def test_a_gang_over_two_hosts_of_two_workers_mixes_shared_memory_and_comms(monk
     shared memory, those between hosts over the comms; the step trains as the Dask tasks do."""
     rt = tg.connect(n_workers=4, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
     try:
-        real = rt.gang_identities
         host = {a: f"host{i // 2}" for i, a in enumerate(sorted(rt.workers()))}
-        monkeypatch.setattr(rt, "gang_identities", lambda addrs: {a: (host[a], *real([a])[a][1:]) for a in addrs})
+        fake_hosts(monkeypatch, rt, host)
         runs, exe = _tasks_then_gang(rt, monkeypatch)
         assert exe.n_replicas == 4
         assert [list(s.shared) for s in exe.gang.specs] == [[host[a] == host[b] for b in exe.gang.addrs]
