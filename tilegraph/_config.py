@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from tilegraph._errors import TileError
+
 __all__ = ["Config", "config", "PARALLEL_STRATEGIES", "EXCHANGES"]
 
 
@@ -116,15 +118,11 @@ class Config:
         if check is None:
             from difflib import get_close_matches
 
-            from tilegraph._errors import TileError
-
             near = get_close_matches(name, list(_CHECKS), n=1)
             raise TileError("tilegraph.config", "one of its settings" + (f" (did you mean {near[0]!r}?)" if near else
                                                                         f": {', '.join(_CHECKS)}"), repr(name))
         ok, want = check
         if not ok(value):
-            from tilegraph._errors import TileError
-
             raise TileError(f"tilegraph.config.{name}", f"must be {want}", repr(value))
         object.__setattr__(self, name, value)
 

@@ -9,10 +9,10 @@ Dask distributed pays milliseconds per dependent task. So nodes are never submit
    virtual processor's node sequence is cut once a cluster reaches ``target_seconds`` of estimated
    work, or when another processor needs one of its values);
 3. lowering writes one raw Dask task per cluster, ``(run_cluster, program, *inputs)``, into a
-   graph whose GPU layer carries a ``{"GPU": 1}`` resource annotation; a data-parallel plan whose
-   workers share one host's ``/dev/shm`` runs instead as one *gang* task per worker process
-   (:mod:`tilegraph.parallel.gang`), its clusters run in order inside it and the values between
-   processes going through shared-memory channels.
+   graph whose GPU layer carries a ``{"GPU": 1}`` resource annotation; a data-parallel plan of
+   CPU tasks runs instead as one *gang* task per worker process (:mod:`tilegraph.parallel.gang`),
+   its clusters run in order inside it and the values between processes going through channels
+   (shared-memory files on one host, the workers' own comms between hosts).
 
 An :class:`Executable` keeps the placed, clustered plan; running it again only re-binds the leaf
 cells (parameters, batches) and writes fresh keys, which is how a training step is replayed.
@@ -446,19 +446,16 @@ class Executable:
             layers[plan.device][key] = (run_cluster, Bound(tuple(idx)), prog, *args)
         return layers, keys
 
-    def lower_gang(self, runtime, token: str | None = None, programs: Sequence | None = None):
+    def lower_gang(self, runtime, programs: Sequence | None = None):
         """Write the Dask graph of one call of a gang plan (:attr:`gang`): one task per worker
         process. Returns ``(layers, keys, locate)``: ``keys`` the task key of each process,
         ``locate(pos, p)`` where process p's value of root ``pos`` is, as (task key, index)."""
-        from dask.base import tokenize
-
         g = self.gang
-        if token is None:
-            token = tokenize(self.structure, [n.cell.token for n in self.leaves])
-        # a name of the call's own for its channels and keys: a gang whose peers' tasks Dask
-        # kept from an earlier call of the same values would wait for channels never written
+        # a name of the call's own for its channels and keys (not a token of its values): a gang
+        # whose peers' tasks Dask kept from an earlier call of the same values would wait for
+        # channels never written
         call = uuid.uuid4().hex[:16]
-        keys = [f"tg-gang-cpu{p}-{g.label}-{token}-{call}" for p in g.procs]
+        keys = [f"tg-gang-cpu{p}-{g.label}-{call}" for p in g.procs]
         layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "transfer": {}, "gang": {}}
         ids = runtime.gang_identities(g.addrs)
         pids = tuple(ids[a][2] for a in g.addrs)

@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tilegraph._config import config
 from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
@@ -235,8 +236,6 @@ class Trainer:
             micro = batch_size // accum_steps
             width = getattr(getattr(model, "config", None), "dim", 0)
             if row_tile is None:
-                from tilegraph._config import config
-
                 row_tile = _default_row_tile(runtime, micro, data.seq_len * width,
                                              compile_options.get("parallel") or config.parallel)
             self.batch_tiles = batch_tiles or [(min(row_tile, micro),)]

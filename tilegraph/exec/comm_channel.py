@@ -147,7 +147,7 @@ def read(name: str, addr: str, timeout: float) -> tuple:
     worker, when the scheduler no longer counts that worker among its workers, when Dask
     cancelled this task, or after ``timeout`` seconds; PeerFailedError with the writer's error
     when its gang failed."""
-    from tilegraph.exec.gang import ChannelWaitError, PeerFailedError, _cancelled
+    from tilegraph.exec.gang import PeerFailedError, check_wait
 
     t0 = time.monotonic()
     worker = None
@@ -158,23 +158,18 @@ def read(name: str, addr: str, timeout: float) -> tuple:
             if name in _box:
                 break
             now = time.monotonic()
-            what = None
-            if _cancelled():
-                what = "this step was cancelled"
-            elif now - t0 > timeout:
-                what = f"nothing came from worker {addr} in {timeout:g} s (tilegraph.config.exchange_timeout_seconds)"
-            elif ping is not None and ping.done():
+            gone = None
+            if ping is not None and ping.done():
                 try:
                     if not ping.result():
-                        what = f"its writer, worker {addr}, is no longer one of the cluster's workers"
+                        gone = f"its writer, worker {addr}, is no longer one of the cluster's workers"
                 except Exception:  # the scheduler did not answer: the client sees to that
                     pass
                 ping, pinged = None, now
             elif ping is None and now - pinged > PING_SECONDS:
                 worker = worker or _worker()
                 ping = _submit(worker, _known(worker, addr))
-            if what is not None:
-                raise ChannelWaitError(f"tilegraph: gang step: waiting for values of channel {name}: {what}")
+            check_wait(name, now - t0, timeout, f"worker {addr}", gone)
         _, got = _box.pop(name)
     if isinstance(got, str):
         raise PeerFailedError(f"tilegraph: gang step: channel {name}: worker {addr} failed: {got}")

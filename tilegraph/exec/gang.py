@@ -43,8 +43,8 @@ from tilegraph.exec.program import Bound, measured_exactly, run_cluster
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, _folder, shm_domain
 from tilegraph.io._store import process_alive, write_file
 
-__all__ = ["GangSpec", "Stage", "ChannelWaitError", "PeerFailedError", "run_gang", "AFTER_INDEX", "gang_identity", "write_channel", "read_channel",
-           "channel_path", "trim_pool"]
+__all__ = ["GangSpec", "Stage", "ChannelWaitError", "PeerFailedError", "run_gang", "AFTER_INDEX", "gang_identity",
+           "write_channel", "read_channel", "check_wait", "channel_path", "trim_pool"]
 
 #: bytes of the header-length field at the start of a channel file; data blocks align to this
 _ALIGN = 64
@@ -225,6 +225,19 @@ def _cancelled() -> bool:
     return ts is None or ts.state in ("cancelled", "released")
 
 
+def check_wait(name: str, waited: float, timeout: float, writer: str, gone: str | None = None) -> None:
+    """End a wait for channel ``name`` (either transport) with ChannelWaitError when its writer
+    is ``gone`` (why), when Dask cancelled this task, or when nothing came from ``writer`` in
+    ``timeout`` seconds (``waited`` so far)."""
+    what = gone
+    if what is None and _cancelled():
+        what = "this step was cancelled"
+    if what is None and waited > timeout:
+        what = f"nothing came from {writer} in {timeout:g} s (tilegraph.config.exchange_timeout_seconds)"
+    if what is not None:
+        raise ChannelWaitError(f"tilegraph: gang step: waiting for values of channel {name}: {what}")
+
+
 def read_channel(name: str, pid: int, timeout: float) -> tuple:
     """The values of channel ``name`` written by process ``pid``: waits until its file exists,
     maps it (copy-on-write) and takes it out of the channel's name; once the last array over the
@@ -243,16 +256,8 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
         now = time.perf_counter()
         if now - checked > 0.05:
             checked = now
-            what = None
-            if not process_alive(pid):
-                what = f"its writer, worker process {pid}, is gone"
-            elif _cancelled():
-                what = "this step was cancelled"
-            elif now - t0 > timeout:
-                what = (f"nothing came from worker process {pid} in {timeout:g} s "
-                        "(tilegraph.config.exchange_timeout_seconds)")
-            if what is not None:
-                raise ChannelWaitError(f"tilegraph: gang step: waiting for values of channel {name}: {what}")
+            check_wait(name, now - t0, timeout, f"worker process {pid}",
+                       None if process_alive(pid) else f"its writer, worker process {pid}, is gone")
         time.sleep(pause)
         pause = min(1e-3, pause * 2 or 2e-5)
     try:
