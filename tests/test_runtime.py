@@ -259,6 +259,26 @@ def test_planned_tasks_run_on_the_worker_the_plan_chose(monkeypatch):
             assert set(who[f.key]) == {exe.worker_of[c.id]}
 
 
+def _busy(i):
+    import time
+
+    time.sleep(0.15)
+    return i
+
+
+@pytest.mark.distributed
+def test_a_busy_worker_keeps_the_tasks_planned_for_it(embedded_runtime):
+    # the plan's placement holds while the other worker idles: Dask's work stealing (which moved
+    # 11 of 30 such tasks to the idle worker) is off in the clusters tilegraph starts
+    busy, idle = sorted(embedded_runtime.workers())
+    layers = {"cpu": {f"tg-busy-{i}": (_busy, i) for i in range(16)}}
+    keys = list(layers["cpu"])
+    futures = embedded_runtime.submit_layers(layers, keys, workers=dict.fromkeys(keys, busy))
+    assert embedded_runtime.client.gather(futures) == list(range(16))
+    who = embedded_runtime.client.who_has(futures)
+    assert {w for k in keys for w in who[k]} == {busy}
+
+
 @pytest.mark.distributed
 def test_programs_go_to_the_workers_once_and_fetches_share_a_task(embedded_runtime):
     from distributed import Future, get_task_stream

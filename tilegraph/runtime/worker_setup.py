@@ -201,14 +201,19 @@ LOG_LENGTH_DASK_CONFIG = {
 #: workers of an MPI launch (``connect(dask_config=...)`` overrides them in both).
 #: Measured on the 2-core development machine: root-task queuing halves flat-graph throughput;
 #: an idle embedded cluster burnt ~20% of a core in periodic callbacks (10 ms worker profiler,
-#: 20 ms event-loop ticks, 100 ms memory and work-stealing polls), about halved by these intervals.
+#: 20 ms event-loop ticks, 100 ms memory and work-stealing polls), about halved by these intervals
+#: (and work stealing off).
 CLUSTER_DASK_CONFIG = {
     "distributed.scheduler.worker-saturation": float("inf"),
     "distributed.worker.profile.enabled": False,
     "distributed.admin.tick.interval": "1s",
     "distributed.worker.memory.monitor-interval": "1s",
     "distributed.admin.system-monitor.interval": "2s",
-    "distributed.scheduler.work-stealing-interval": "1s",
+    # tilegraph places every task of a multi-process plan itself (a loose worker restriction,
+    # so that a task still runs if its worker is gone); Dask's work stealing moved planned tasks
+    # to the other worker under load (seen in CI: a tile task of a 2-worker plan ran on the worker
+    # the plan did not choose), which costs the transfers the plan avoided.
+    "distributed.scheduler.work-stealing": False,
     # A worker that sends no heartbeat (one every 0.5 s) for this long is restarted through its
     # nanny: its futures are lost, so every wait on them fails (tilegraph names the worker) instead
     # of hanging behind a stopped process (Dask's default: 5 minutes). Longest silence measured on
