@@ -70,8 +70,10 @@ def test_bench_peft_part_a_small_runs():
     assert [r[1] for r in rows] == ["xuv", "uv"], proc.stdout
     for r in rows:
         naive, runlora, ratio = float(r[3]), float(r[4]), float(r[-2])
-        # times printed to 0.1 ms: the ratio agrees with them up to that rounding
-        assert naive > 0 and runlora > 0 and abs(naive - ratio * runlora) <= 0.05 * (1 + ratio) + 1e-9, proc.stdout
+        # times printed to 0.1 ms and the ratio to 0.01: they agree up to that rounding (a slow
+        # round on a loaded CI machine printed 1.4, 18.6 and 0.07, which is 0.0753 rounded)
+        slack = 0.05 * (1 + ratio) + 0.005 * runlora + 1e-9
+        assert naive > 0 and runlora > 0 and abs(naive - ratio * runlora) <= slack, proc.stdout
         assert "/" in r[2], proc.stdout  # forward/backward variant chosen
 
 
