@@ -2,6 +2,7 @@
 through shared-memory channels (tilegraph.exec.gang, tilegraph.parallel.gang)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import uuid
 
 import numpy as np
 import pytest
+from dask.utils import key_split
 
 import tilegraph as tg
 from conftest import fake_hosts
@@ -234,7 +236,9 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
     ran = [(t["key"], t["worker"]) for t in stream if t["key"].startswith("tg-gang-")]
     assert len(ran) == 3 * 2  # one per process per call
     for key, worker in ran:
-        assert worker == exe.gang.addrs[int(key.split("-")[2][3:])], (key, worker)
+        # the dashboard groups them under the phases of the step
+        assert key_split(key) == "tg-gang-fwd-bwd-update", key
+        assert worker == exe.gang.addrs[int(re.search(r"-p(\d+)-", key).group(1))], (key, worker)
     assert not [t["key"] for t in stream if t["key"].startswith(("tg-send-", "tg-receive-", "tg-push"))]
     params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters())
     assert moved < 0.05 * params, (moved, params)  # batches and handles to the loss only
@@ -245,6 +249,46 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
                 assert [who[r.future.key] for r in c.value.replicas] == [(a,) for a in exe.gang.addrs]
     assert sum(client.run(_channel_files).values()) == 0
     assert sum(client.run(_mail).values()) == 0
+
+
+def _execute_metrics(dask_scheduler) -> dict:
+    """The scheduler's execute metrics by (task group, activity): seconds."""
+    out: dict = {}
+    for key, value in dask_scheduler.cumulative_worker_metrics.items():
+        if isinstance(key, tuple) and key[0] == "execute" and key[-1] == "seconds":
+            out[(key[-3], key[-2])] = out.get((key[-3], key[-2]), 0.0) + value
+    return out
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_kernel_and_channel_seconds_show_on_the_dashboards_fine_performance_metrics(embedded_runtime, monkeypatch):
+    """Dask's Fine Performance Metrics page breaks a task group's execute time down by activity:
+    tilegraph adds each kernel's seconds (``kernel:matmul``, ...) for fused tasks and gangs, and a
+    gang's waits for and writes to its channels."""
+    client = embedded_runtime.client
+    seen = {}
+    for exchange, group in (("tasks", None), ("gang", "tg-gang-fwd-bwd-update")):
+        monkeypatch.setattr(tg.config, "exchange", exchange)
+        _, step, batch = _gpt2_step(embedded_runtime, "data")
+        before = client.run_on_scheduler(_execute_metrics)
+        for _ in range(2):
+            step(*batch)
+        deadline = time.monotonic() + 10  # the workers send their metrics with their heartbeats
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            after = client.run_on_scheduler(_execute_metrics)
+            grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+            kernels = {k for k in grown if k[1] == "kernel:matmul" and k[0].startswith("tg-")}
+            if kernels and (group is None or (group, "channel-read") in grown):
+                break
+        seen[exchange] = grown
+        assert kernels, sorted(grown)
+    gang = {a: v for (g, a), v in seen["gang"].items() if g == "tg-gang-fwd-bwd-update"}
+    assert gang.get("kernel:matmul", 0) > 0 and "channel-read" in gang and "channel-write" in gang, gang
+    # the fused tasks' groups are named after their part of the model
+    assert any(g.startswith("tg-") and g != "tg-gang-fwd-bwd-update" and a == "kernel:matmul"
+               for g, a in seen["tasks"]), sorted(seen["tasks"])
 
 
 @pytest.mark.distributed

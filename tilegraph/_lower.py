@@ -455,7 +455,9 @@ class Executable:
         # whose peers' tasks Dask kept from an earlier call of the same values would wait for
         # channels never written
         call = uuid.uuid4().hex[:16]
-        keys = [f"tg-gang-cpu{p}-{g.label}-{call}" for p in g.procs]
+        # "tg-gang-fwd-bwd-update-p0-...": Dask's task stream and its groups read the words
+        # before the process index (its key_split)
+        keys = [f"tg-gang-{g.label}-p{p}-{call}" for p in g.procs]
         layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "transfer": {}, "gang": {}}
         ids = runtime.gang_identities(g.addrs)
         pids = tuple(ids[a][2] for a in g.addrs)

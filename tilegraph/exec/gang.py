@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tilegraph.exec.program import Bound, measured_exactly, run_cluster
+from tilegraph.exec.program import Bound, measured_exactly, run_cluster, task_meter
 from tilegraph.exec.shm import SHM_ROOT, _PREFIX, _folder, shm_domain
 from tilegraph.io._store import process_alive, write_file
 
@@ -305,14 +305,17 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
     reads = spec.reads
     sender: list = []  # the comm sends' Sender, made at the first
 
+    meter = task_meter()  # the waits and writes show on Dask's Fine Performance Metrics page
+
     def channel(ch: int) -> tuple:
         got = received.get(ch)
         if got is None:
             name, writer = reads[ch]
-            if spec.shared[writer]:
-                got = read_channel(f"{call}-{name}", spec.pids[writer], spec.timeout)
-            else:
-                got = comm_channel.read(f"{call}-{name}", spec.addrs[writer], spec.timeout)
+            with meter.meter("channel-read"):
+                if spec.shared[writer]:
+                    got = read_channel(f"{call}-{name}", spec.pids[writer], spec.timeout)
+                else:
+                    got = comm_channel.read(f"{call}-{name}", spec.addrs[writer], spec.timeout)
             received[ch] = got
         return got
 
@@ -347,7 +350,8 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
             ins = [value(src) for src in stage.inputs]
             results[s] = list(run_cluster(Bound((None,) * len(ins)), programs[stage.prog], *ins))
             for name, idx, reader in stage.sends:
-                written += send(name, reader, tuple(results[s][k] for k in idx))
+                with meter.meter("channel-write"):
+                    written += send(name, reader, tuple(results[s][k] for k in idx))
                 sent.add(name)
             for i, src in enumerate(outputs):
                 if src[0] == "r" and src[1] == s:
@@ -359,7 +363,8 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
                     (results if kind == "r" else received).pop(which, None)
         out = measured_exactly(tuple(kept[i] if i in kept else value(src) for i, src in enumerate(outputs)))
         if sender:
-            sender[0].finish(spec.timeout)
+            with meter.meter("channel-write"):  # the comm sends, until delivered
+                sender[0].finish(spec.timeout)
     except BaseException as e:  # the other processes must not wait for what this one will not send
         message = f"{type(e).__name__}: {e}"
         for stage in spec.stages:

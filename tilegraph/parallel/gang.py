@@ -27,6 +27,7 @@ from tilegraph._config import config
 from tilegraph._errors import TileError
 from tilegraph.exec.gang import GangSpec, Stage
 from tilegraph.exec.shm import SHM_MARGIN_BYTES
+from tilegraph.plan.cluster import gang_label
 
 __all__ = ["GangPlan", "plan_gang", "peak_bytes"]
 
@@ -286,6 +287,6 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
                             for s, cid, ins in built)
         specs.append(GangSpec(spec_stages, tuple(reads[p]), tuple(outputs[p]), tuple(shared[p])))
         leaves.append(leaf_refs)
-    label = exe.plans[order[0]].prog.label if order else "step"
+    label = gang_label([n for cid in order for n in exe.clusters[cid].nodes])
     return GangPlan(addrs, specs, leaves, stages, locate, out_refs, label)
 

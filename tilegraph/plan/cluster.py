@@ -61,6 +61,19 @@ def task_label(nodes: Sequence[Node]) -> str:
     return "-".join(words + numbers)
 
 
+def gang_label(nodes: Sequence[Node]) -> str:
+    """A gang task's name on the Dask dashboard: the phases of its nodes in order of first
+    appearance (``fwd-bwd-update`` for a training step), as :func:`task_label` words them. A gang
+    runs a process's whole share of a call, so no one part of the model names it."""
+    phases: list[str] = []
+    for n in nodes:
+        phase = n.scope.partition(":")[2] or "forward"
+        word = _PHASE_WORDS.get(phase, "".join(ch for ch in phase if ch.isalpha()))
+        if word and word not in phases:
+            phases.append(word)
+    return "-".join(phases) or "step"
+
+
 # ------------------------------------------------------------------------------ clustering ----
 def users_of(nodes: Sequence[Node]) -> dict[int, list[Node]]:
     """The nodes among ``nodes`` that read each node's outputs, by ``id``."""
