@@ -157,7 +157,10 @@ def test_fit_reports_time_per_model_part_and_writes_a_dask_performance_report(em
     assert {"fc1", "fc2", "fc1:backward", "optimizer:update"} <= set(res.kernel_seconds), res.kernel_seconds
     assert list(res.kernel_seconds.values()) == sorted(res.kernel_seconds.values(), reverse=True)
     assert 0.0 <= res.outside_kernels < 1.0
+    # the time with no tile task running is part of it (the rest: the runner inside tasks)
+    assert 0.0 < res.no_task <= res.outside_kernels
     assert res.profile().startswith("kernel time: ") and "outside kernels" in res.profile()
+    assert f"{res.no_task:.0%} in no task" in res.profile()
     with pytest.raises(tg.TileError, match=r"performance_report needs a distributed runtime"):
         tg.Trainer(model, opt, _data(0), loss_fn=_mse, performance_report=tmp_path / "r.html")
 

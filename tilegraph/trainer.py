@@ -83,6 +83,11 @@ class FitResult:
     kernel_seconds: dict[str, float] = field(default_factory=dict)
     #: the share of the workers' thread time spent outside kernels (Dask, transfers, waiting)
     outside_kernels: float = 0.0
+    #: the part of :attr:`outside_kernels` when no tile task held the thread: threads a step
+    #: leaves idle (a small model's step may keep one thread of several busy), Dask's scheduling
+    #: and transfers, a gang's waits for other processes, the client's work between steps
+    #: (validation, checkpoints); the rest is tilegraph's task runner around the kernels
+    no_task: float = 0.0
     #: ``restart_on_failure``: one record per restart: the steps that were running ("failed"),
     #: the workers lost, the checkpoint resumed and its step
     restarts: list[dict] = field(default_factory=list)
@@ -99,12 +104,14 @@ class FitResult:
         outside kernels.
 
         >>> FitResult(1, [1.0], seconds=2.0, kernel_seconds={"blocks.0.mlp": 1.5, "optimizer:update": 0.5},
-        ...           outside_kernels=0.5).profile()
-        'kernel time: blocks.0.mlp 75%, optimizer:update 25%; outside kernels: 50% of worker thread time'
+        ...           outside_kernels=0.5, no_task=0.4).profile()
+        'kernel time: blocks.0.mlp 75%, optimizer:update 25%; outside kernels: 50% of worker thread time (40% in no task: idle threads, Dask, waits; 10% in the task runner)'
         """
         total = sum(self.kernel_seconds.values()) or 1.0
         parts = ", ".join(f"{k or '(outside modules)'} {v / total:.0%}" for k, v in list(self.kernel_seconds.items())[:top])
-        return f"kernel time: {parts}; outside kernels: {self.outside_kernels:.0%} of worker thread time"
+        runner = max(0.0, self.outside_kernels - self.no_task)
+        return (f"kernel time: {parts}; outside kernels: {self.outside_kernels:.0%} of worker thread time "
+                f"({self.no_task:.0%} in no task: idle threads, Dask, waits; {runner:.0%} in the task runner)")
 
 
 class Trainer:
@@ -451,7 +458,9 @@ class Trainer:
         ks = self._kernel_stats()
         result.kernel_seconds = dict(sorted(ks["by_scope"].items(), key=lambda kv: -kv[1]))
         threads = sum(self.runtime.processors().values()) if self.runtime is not None else (os.cpu_count() or 1)
-        result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / (result.seconds * threads))
+        thread_seconds = result.seconds * threads
+        result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / thread_seconds)
+        result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
         self.plot()
         return result
 
