@@ -79,18 +79,26 @@ ratios, and best / best). ``--d-extra`` adds runs to the same rotation, for prof
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import tempfile
-import threading
-import time
-from pathlib import Path
-from types import SimpleNamespace
+import os
 
-import numpy as np
+# Part (a) runs tilegraph's kernels in this process, on several threads: one BLAS thread per kernel,
+# as on every Dask worker (its nanny sets the same variable). Without it each GEMM also started
+# OpenBLAS's own threads beside the kernels' and the same graph took 21 or 36 ms by stretches.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import tilegraph as tg
-from tilegraph.ops import lora as L
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import tilegraph as tg  # noqa: E402
+from tilegraph._autograd import vjp  # noqa: E402
+from tilegraph.ops import lora as L  # noqa: E402
 
 
 def best_of(fn, repeat: int) -> float:
@@ -119,7 +127,10 @@ def tilegraph_step(arrays, needs, row_tile, build):
     dy = tg.from_numpy(arrays["dy"], (row_tile, None))
     y = build(x, w, u, v, b)
     wrt = [t for t, f in zip((x, u, v), needs) if f]
-    grads = tg.grad((y * dy).sum(), wrt) if wrt else []
+    # dY is the output's cotangent itself (not the gradient of a loss such as (y * dy).sum(),
+    # whose expand and multiply kernels, fresh (512, 768) tiles each, cost up to 6 ms of page
+    # faults in some rounds and nothing in others)
+    grads = vjp([y], [dy], wrt) if wrt else []
     exe = tg.compile([y, *grads])
     return lambda: exe.run()
 
@@ -139,7 +150,7 @@ def torch_step(arrays, needs, scale):
         for k in "xuv":
             t[k].grad = None
         y = t["x"] @ t["w"] + t["b"] + (t["x"] @ t["u"]) @ t["v"] * scale
-        (y * t["dy"]).sum().backward()
+        y.backward(t["dy"])
     return step
 
 
