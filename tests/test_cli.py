@@ -125,6 +125,9 @@ def test_generate_without_a_tokenizer_is_a_clear_error(tmp_path):
     models.build("gpt2-debug").to_hf(tmp_path / "hf")
     run = _cli("generate", str(tmp_path / "hf"), cwd=tmp_path)
     assert run.returncode == 2 and "a tokenizer: tilegraph_tokenizer.json" in run.stderr and "Traceback" not in run.stderr
+    # a path that is no folder at all is named as such (not as a folder without a tokenizer)
+    run = _cli("generate", str(tmp_path / "nope"), "--prompt", "x", cwd=tmp_path)
+    assert run.returncode == 2 and "nope does not exist" in run.stderr and "tokenizer" not in run.stderr
 
 
 def test_info_prints_versions(tmp_path):

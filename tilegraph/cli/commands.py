@@ -66,8 +66,8 @@ def cmd_generate(args) -> int:
     from tilegraph.models.generate import generate
 
     folder = Path(args.checkpoint)
+    model = load_model(folder, "tilegraph generate")  # first: a wrong path is named as one, not as a missing tokenizer
     tokenizer = load_tokenizer(folder, args.tokenizer)
-    model = load_model(folder, "tilegraph generate")
     prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
     if prompt.size == 0:
         raise tg.TileError("tilegraph generate", "a non-empty prompt", repr(args.prompt))
