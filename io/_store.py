@@ -32,6 +32,16 @@ class CheckpointError(TileError):
     """A checkpoint that cannot be written or read: names the path or array and what was wrong."""
 
 
+def write_failure(where: str, e: OSError, path, what: str = "the checkpoint",
+                  kept: str = "earlier checkpoints are untouched") -> CheckpointError:
+    """The error of a write that failed with ``e`` at ``path``: why in words (a full disk, a
+    read-only file system, ...), and what was there before (``kept``)."""
+    why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
+           errno.EROFS: "the file system is read-only", errno.EDQUOT: "the disk quota is exceeded"}.get(
+        e.errno, e.strerror or str(e) or type(e).__name__)
+    return CheckpointError(where, f"could not write {what} ({why}); {kept}", str(path))
+
+
 # ------------------------------------------------------------------------------------ helpers ----
 def chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """A regular Zarr chunk shape whose chunks never straddle a tile: the first tile size when

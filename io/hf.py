@@ -26,6 +26,7 @@ import numpy as np
 from tilegraph._errors import TileError
 
 from . import safetensors as st
+from ._store import write_failure
 
 __all__ = ["Rule", "NameMap", "ConfigKey", "HFSpec", "SPECS", "load_hf", "save_hf", "load_hf_weights", "to_hf_state",
            "hf_config"]
@@ -587,11 +588,11 @@ def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool 
                         str(path))
     config = _to_hf_config(model)
     tensors = to_hf_state(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
     moved_aside = False
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         st.save_checkpoint(tensors, tmp, max_shard_bytes=max_shard_bytes)
@@ -599,9 +600,12 @@ def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool 
             os.replace(path, old)
             moved_aside = True
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if moved_aside and not path.exists():
             os.replace(old, path)  # put the previous folder back
+        if isinstance(e, OSError):  # a full disk, a read-only or missing folder: say where, no traceback
+            raise write_failure(where, e, path, "the Hugging Face folder",
+                                "a folder already there is untouched") from None
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

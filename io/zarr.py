@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
 import itertools
 import json
 import os
@@ -53,7 +52,8 @@ from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CheckpointError, process_alive, array_meta, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
-                     slices, tile_label, write_meta, write_parts_task, write_shard_task, write_tiles, write_values)
+                     slices, tile_label, write_failure, write_meta, write_parts_task, write_shard_task, write_tiles,
+                     write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "FORMAT", "FORMAT_VERSION",
@@ -82,11 +82,7 @@ def _json_ready(value, where: str, what: str):
 
 
 def _os_error(where: str, e: OSError, path) -> CheckpointError:
-    why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
-           errno.EROFS: "the file system is read-only", errno.EDQUOT: "the disk quota is exceeded"}.get(
-        e.errno, e.strerror or type(e).__name__)
-    return CheckpointError(where, f"could not write the checkpoint ({why}); earlier checkpoints are untouched",
-                           str(path))
+    return write_failure(where, e, path)
 
 
 

@@ -187,21 +187,27 @@ def test_to_hf_refuses_to_clobber_and_leaves_nothing_partial(tmp_path, monkeypat
         model.to_hf(target)
 
     def broken(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(st, "save_file", broken)
-    with pytest.raises(OSError, match="disk full"):
+    full = r"to_hf\(.*out\)\] could not write the Hugging Face folder \(the disk is full\); a folder already there " \
+           r"is untouched; received: .*out$"
+    with pytest.raises(tg.TileError, match=full):
         model.to_hf(target, overwrite=True)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(tg.TileError, match=full.replace("out", "fresh")):
         model.to_hf(tmp_path / "fresh")
+    # a folder that cannot be made (under a file): named, no traceback of the OS's
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(tg.TileError, match=r"could not write the Hugging Face folder .*received: .*file/hf$"):
+        model.to_hf(tmp_path / "file" / "hf")
     # the previous folder is intact, nothing new and no temporary folders exist
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
     assert (target / "keep.txt").read_text() == "old"
 
     monkeypatch.undo()
     model.to_hf(target, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
 
 
 # ---------------------------------------------------------------------------------- bad input ----
