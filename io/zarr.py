@@ -81,11 +81,6 @@ def _json_ready(value, where: str, what: str):
                               f"{e}") from None
 
 
-def _os_error(where: str, e: OSError, path) -> CheckpointError:
-    return write_failure(where, e, path)
-
-
-
 # ----------------------------------------------------------------------------------- quantize ----
 def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
     """``quantize`` (None, "method", "method:bits", a dict name -> spec, or a callable) as a function
@@ -202,11 +197,11 @@ class PendingSave:
             os.rename(tmp, path)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise _os_error(where, e, tmp if tmp.exists() or not path.parent.exists() else path.parent) from None
+            raise write_failure(where, e, tmp if tmp.exists() or not path.parent.exists() else path.parent) from None
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if _is_os_error(e):  # a worker's OSError arrives re-raised (disk full, read-only, ...)
-                raise _os_error(where, e, path.parent) from None
+                raise write_failure(where, e, path.parent) from None
             raise
         finally:
             self.entries, self.copies = [], []  # release the values (futures) this save held
