@@ -152,6 +152,19 @@ def _two_workers():
         rt.close()
 
 
+def _unbounded_log(dask_worker):
+    from collections import deque
+
+    dask_worker.transfer_incoming_log = deque()
+
+
+def fresh_transfer_logs(client) -> None:
+    """Give every worker an empty log of the transfers it receives, without a length limit: Dask
+    keeps the last ``low-level-log-length`` entries (100 in tilegraph's clusters), which a few
+    steps' fetches can pass, and a sum over the log would then fall short."""
+    client.run(_unbounded_log)
+
+
 def fake_hosts(monkeypatch, runtime, host_of=None):
     """Make ``runtime``'s workers look as if they ran on several hosts: worker ``a`` on host
     ``host_of[a]`` (default: each on a host of its own), by the shared-memory identities the

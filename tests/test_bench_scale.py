@@ -43,7 +43,8 @@ def test_bench_scale_tiny_blocks_runs():
         r = got[key]
         assert r["used"] in ("tiles", "data", "sharded") and r["auto"] in ("tiles", "data", "sharded"), r
         assert float(r["MB/step"]) >= 0 and r["outside"].endswith("%"), r
-        assert 0 <= float(r["dask_CPU"].rstrip("%")) <= 100, r
+        # CPU times come in 10 ms ticks against a wall time of tens of ms: no upper bound holds
+        assert 0 <= float(r["dask_CPU"].rstrip("%")), r
     assert float(got[("1x1", "tiles")]["MB/step"]) == 0  # one process: nothing moves between processes
     # two row tiles on two workers: the data-parallel plan applies and exchanges gradients
     assert got[("2x1", "data")]["used"] == "data", proc.stdout

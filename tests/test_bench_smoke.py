@@ -75,7 +75,7 @@ def test_bench_peft_part_a_small_runs():
         for t, q in ((runlora, ratio), (frozen, bound)):
             # times printed to 0.1 ms and ratios to 0.01: they agree up to that rounding (a slow
             # round on a loaded CI machine printed 1.4, 18.6 and 0.07, which is 0.0753 rounded)
-            slack = 0.05 * (1 + q) + 0.005 * t + 1e-9
+            slack = 0.05 * (1 + q) + 0.005 * t + 1e-3
             assert naive > 0 and t > 0 and abs(naive - q * t) <= slack, proc.stdout
         assert "/" in r[2], proc.stdout  # forward/backward variant chosen
 

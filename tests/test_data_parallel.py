@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from conftest import fresh_transfer_logs
 from tilegraph._graph import ReplicatedRef, topo_order
 from tilegraph._train import _batch_inputs
 from tilegraph.parallel import batch_groups, split_replicas
@@ -383,7 +384,7 @@ def test_sharded_parameters_reach_every_process_when_they_are_updated(embedded_r
     client = embedded_runtime.client
     cells = [c for p in model.parameters() for c in p.cells.flat]
     wait([r.future for c in cells for r in c.value.replicas])
-    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    fresh_transfer_logs(client)
     losses += [step(x, y) for _ in range(2)]
     wait([r.future for c in cells for r in c.value.replicas])
     assert all(isinstance(c.value, ReplicatedRef) and len(c.value.replicas) == 2 for c in cells)

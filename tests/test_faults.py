@@ -23,7 +23,7 @@ import pytest
 import tilegraph as tg
 import tilegraph._train
 from conftest import fake_hosts
-from tilegraph.trainer import STEP_TIMEOUT_MIN, StepTimeoutError, WorkerLostError
+from tilegraph.trainer import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN, StepTimeoutError, WorkerLostError
 
 
 class Cluster:
@@ -129,8 +129,10 @@ def test_stopped_worker_is_named_within_the_deadline(cluster):
     assert re.search(rf"lost worker {re.escape(lost['addr'])} \(no heartbeat for \d+ s: stopped or hung\) while "
                      r"step 6 ran; parameters and optimizer state live on the workers", str(info.value)), info.value
     assert info.value.stalled == [lost["addr"]] and info.value.steps == range(6, 7)
-    deadline = max(STEP_TIMEOUT_MIN, tilegraph._train.STALL_SECONDS)
-    assert deadline - 0.5 < elapsed < deadline + 4.0, elapsed
+    # the "auto" limit grows with the slowest recent step (a loaded machine's steps can pass 1 s)
+    deadline = max(STEP_TIMEOUT_MIN, tilegraph._train.STALL_SECONDS,
+                   STEP_TIMEOUT_FACTOR * max(trainer._recent, default=0.0))
+    assert deadline - 0.5 < elapsed < deadline + 4.0, (elapsed, deadline)
 
 
 @pytest.mark.distributed
@@ -147,10 +149,14 @@ def test_busy_workers_run_past_a_step_timeout(cluster):
             block.at = time.perf_counter()
 
     trainer = _trainer(cluster.rt, 20, steps_per_graph=1, pipeline=False, on_step=[block], step_timeout=2)
+    # the limit passes at 2 s; the workers are checked first (their heartbeats, 0.5 s apart, can
+    # each take another look under load), so the error comes a little after it
     with pytest.raises(StepTimeoutError, match=r"\[tilegraph.TrainStep\] step 4 did not finish in time, and every "
-                                               r"worker answers .*; received: no result after 2\.\d s"):
+                                               r"worker answers .*; received: no result after (\d+\.\d) s \(time "
+                                               r"limit 2\.0 s\)") as info:
         trainer.fit(20)
-    assert 1.8 < time.perf_counter() - block.at < 4.0
+    waited = float(re.search(r"no result after (\d+\.\d) s", str(info.value)).group(1))
+    assert 2.0 <= waited < 5.0 and 1.8 < time.perf_counter() - block.at < 6.0, (waited, info.value)
 
 
 @pytest.mark.distributed
@@ -230,26 +236,30 @@ def test_restart_on_failure_of_a_sharded_gang_plan(cluster, tmp_path, caplog, ho
     ref = _trainer(cluster.rt, 12, steps_per_graph=1, parallel="sharded")
     assert ref.load_checkpoint(ck) == 4
     want = ref.fit(8)
-    np.testing.assert_allclose(res.losses[4:], want.losses, rtol=1e-5)
+    # the restart planned for the workers it found (the replacement of the lost one may have
+    # joined by then or not), the reference for those there now: one process's sums or two's
+    np.testing.assert_allclose(res.losses[4:], want.losses, rtol=1e-4)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_restart_on_failure_restarts_a_stopped_worker(cluster, tmp_path, monkeypatch):
-    # a worker silent for 3 s counts as stalled here (10 s by default), with a 1 s step limit;
+    # a worker silent for 3 s counts as stalled here (10 s by default), with a 5 s step limit;
     # its nanny restarts it (~5 s: the nanny's kill of a stopped process times out first), and
     # training resumes from the checkpoint of step 4. Pipelined: the stop after step 6 catches
     # step 7 or 8 in flight
     monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)
     hook, lost = _lose_at(cluster, 6, "stop")
     trainer = _trainer(cluster.rt, 10, steps_per_graph=1, checkpoint_dir=tmp_path / "ck", checkpoint_every=4,
-                       restart_on_failure=True, on_step=[hook], step_timeout=1)
+                       restart_on_failure=True, on_step=[hook], step_timeout=5)
     res = trainer.fit(10)
     assert len(res.restarts) == 1 and res.restarts[0]["workers"] == [lost["addr"]]
     assert res.restarts[0]["step"] == 4 and res.restarts[0]["failed"][0] in (7, 8)
     assert res.steps == 10 and np.isfinite(res.losses).all()
     assert lost["addr"] not in cluster.rt.workers()
-    assert time.perf_counter() - lost["at"] < 20.0
+    # detection (3-5 s), the nanny's kill (~4 s), a fresh worker process, a re-plan, 6 steps and
+    # their checkpoints: ~12-15 s on an idle machine
+    assert time.perf_counter() - lost["at"] < 60.0
 
 
 @pytest.mark.distributed

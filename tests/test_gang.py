@@ -13,7 +13,7 @@ import pytest
 from dask.utils import key_split
 
 import tilegraph as tg
-from conftest import fake_hosts
+from conftest import fake_hosts, fresh_transfer_logs
 from tilegraph.exec import shm
 from tilegraph.exec.gang import channel_path, read_channel, write_channel
 
@@ -179,8 +179,9 @@ def _running_gang(rt):
 
 
 def _idle(rt, worker=None) -> bool:
-    """Whether the workers (or ``worker``) run no task, waiting up to 5 s for it."""
-    for _ in range(100):
+    """Whether the workers (or ``worker``) run no task, waiting up to 30 s for it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         busy = rt.client.processing()
         if not (busy.get(worker) if worker else any(busy.values())):
             return True
@@ -219,7 +220,7 @@ def test_a_gang_step_is_one_task_per_process_and_equals_the_task_exchange(embedd
         model, step, batch = _gpt2_step(embedded_runtime, strategy)
         losses = [step(*batch) for _ in range(2)]  # the second call sends the programs
         wait(_state_futures(step))
-        client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+        fresh_transfer_logs(client)
         with get_task_stream(client) as ts:
             losses += [step(*batch) for _ in range(3)]
             wait(_state_futures(step))

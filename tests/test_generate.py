@@ -423,6 +423,10 @@ def test_generation_on_the_embedded_cluster_keeps_the_cache_on_the_workers(hf_mo
         values = [r.node.cell.value for r in tiles]
         assert all(isinstance(v, ValueRef) for v in values)   # references, not arrays on the client
         futures = [v.future for v in values]
+        # the logits came back; the kept tiles' own picks may still be on their way
+        from distributed import wait
+
+        wait(futures, timeout=60)
         assert all(f.status == "finished" for f in futures)
         held = rt.client.who_has(futures)
         assert all(held[f.key] for f in futures)               # each one is held by a worker

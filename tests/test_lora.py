@@ -11,7 +11,7 @@ import tilegraph as tg
 from tilegraph._graph import topo_order
 from tilegraph.ops import lora as L
 
-from conftest import TOL, _close, by_mode, lm_ids, lm_loss, tiles_for
+from conftest import TOL, _close, by_mode, fresh_transfer_logs, lm_ids, lm_loss, tiles_for
 
 # X (B, T, n), W (n, m), U (n, r), V (r, m): awkward sizes so even and ragged tilings differ
 B, T, N_IN, M_OUT, RANK, SCALE = 2, 5, 7, 9, 4, 0.75
@@ -329,7 +329,7 @@ def test_frozen_weights_move_to_the_workers_once(embedded_runtime, parallel):
         for addr, ref in cp:
             assert len(who[ref.future.key]) == 1 and addr in (None, who[ref.future.key][0]), (addr, who)
     # and a step reads each worker's own copy: nothing frozen moves between workers
-    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    fresh_transfer_logs(client)
     losses.append(step(x, y))
     moved = client.run(lambda dask_worker: [k for t in dask_worker.transfer_incoming_log for k in t["keys"]])
     assert not {f.key for f in futures} & {k for ks in moved.values() for k in ks}, moved

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from conftest import fresh_transfer_logs
 from tilegraph.exec import shm
 
 needs_shm = pytest.mark.skipif(shm.shm_domain() is None, reason="no writable /dev/shm on this machine")
@@ -93,7 +94,7 @@ def test_data_parallel_values_go_through_shared_memory(embedded_runtime, strateg
         wait([r.future for p in opt.params for c in p.cells.flat for r in getattr(c.value, "replicas", ())
               or (c.value,)])
         client = embedded_runtime.client
-        client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+        fresh_transfer_logs(client)
         losses += [step(x, y) for _ in range(3)]
         wait([r.future for p in opt.params for c in p.cells.flat for r in getattr(c.value, "replicas", ())
               or (c.value,)])

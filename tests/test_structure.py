@@ -148,7 +148,7 @@ def _sleepy(x, *, fail=False):
         _ACTIVE["max"] = max(_ACTIVE["max"], _ACTIVE["now"])
         _ACTIVE["threads"].add(threading.get_ident())
     try:
-        time.sleep(0.05)
+        time.sleep(0.3)  # long enough that a thread woken late under load still finds kernels left
         if fail:
             raise ValueError("boom")
         return x + 1.0
