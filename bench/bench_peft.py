@@ -79,26 +79,19 @@ ratios, and best / best). ``--d-extra`` adds runs to the same rotation, for prof
 
 from __future__ import annotations
 
-import os
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
-# Part (a) runs tilegraph's kernels in this process, on several threads: one BLAS thread per kernel,
-# as on every Dask worker (its nanny sets the same variable). Without it each GEMM also started
-# OpenBLAS's own threads beside the kernels' and the same graph took 21 or 36 ms by stretches.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import tilegraph as tg  # noqa: E402
-from tilegraph._autograd import vjp  # noqa: E402
-from tilegraph.ops import lora as L  # noqa: E402
+import tilegraph as tg
+from tilegraph._autograd import vjp
+from tilegraph.ops import lora as L
 
 
 def best_of(fn, repeat: int) -> float:

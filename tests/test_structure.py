@@ -176,6 +176,46 @@ def test_one_task_runs_independent_kernels_on_the_process_threads(rng, monkeypat
     np.testing.assert_array_equal(got, x.numpy() + 1.0)
 
 
+_BLAS_SEEN: list = []
+
+
+def _blas_threads() -> int:
+    """The threads of the BLAS libraries tilegraph's kernels call (NumPy's: those loaded when
+    tilegraph first limited them; a test loads SciPy's too, which no kernel calls)."""
+    from tilegraph.exec.program import blas_controller
+
+    return max(lc.num_threads for lc in blas_controller().lib_controllers if lc.user_api == "blas")
+
+
+@kernel("test_blas_threads", cost=_slow_cost)
+def _record_blas_threads(x):
+    _BLAS_SEEN.append(_blas_threads())
+    return x + 1.0
+
+
+def test_kernels_on_several_threads_of_this_process_call_blas_on_one(rng, monkeypatch):
+    """A process running a graph itself: where kernels run side by side, each BLAS call keeps to
+    one thread (not BLAS's own threads on top of the kernels'); a graph of one kernel at a time
+    leaves BLAS its threads; the process's setting comes back after the run."""
+    import os
+
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=2, user_api="blas"):  # as on a 2-core machine, whatever this one has
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        before = _blas_threads()
+        for n, want in ((4, 1), (1, before)):  # four independent tiles on 2 threads; one tile
+            x = tg.from_numpy(rng.standard_normal((n, 3)), (1, 3))
+            y = new_tensor(x.tiling, x.dtype, lambda idx: emit1(_record_blas_threads, [x.grid[idx]],
+                                                                 x.grid[idx].shape, x.dtype, op="blas"))
+            exe = tg.compile([y], target_seconds=10.0)
+            assert exe._local_threads() == min(n, 2)
+            _BLAS_SEEN.clear()
+            np.testing.assert_array_equal(np.concatenate(exe.run()), x.numpy() + 1.0)
+            assert _BLAS_SEEN == [want] * n, (n, _BLAS_SEEN)
+            assert _blas_threads() == before  # given back
+
+
 def test_a_failing_kernel_in_a_parallel_task_names_its_op(rng, monkeypatch):
     import os
 

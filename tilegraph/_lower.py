@@ -25,6 +25,7 @@ this module writes and runs the Dask graph.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -39,7 +40,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, topo_order
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
-                                    run_cluster)
+                                    one_blas_thread, run_cluster)
 from tilegraph.exec.gang import AFTER_INDEX, run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
 from tilegraph.parallel.data_parallel import plan_data_parallel
@@ -351,6 +352,14 @@ class Executable:
     def n_tasks(self) -> int:
         return len(self.clusters)
 
+    def _local_threads(self) -> int:
+        """The most kernels that may run at once when this process runs the graph itself: a
+        task's threads, or tasks side by side on Dask's threaded scheduler."""
+        most = max((p.prog.threads for p in self.plans), default=1)
+        if config.local_scheduler == "threads" and len(self.plans) > 1:
+            most = max(most, min(len(self.plans), os.cpu_count() or 1))
+        return most
+
     def task_deps(self) -> dict[int, set[int]]:
         """The clusters (by id) each cluster reads values of."""
         deps: dict[int, set[int]] = {c.id: set() for c in self.clusters}
@@ -572,7 +581,7 @@ class Executable:
                                    "(pass runtime=..., or run inside `with rt.as_current():`)"),
                                 f"{len(remote)} of the graph's values held by a Dask cluster, no runtime")
             want = sorted({key for (_, p), (key, _) in source.items() if p == 0})
-            results = dict(zip(want, _local_get(layers, want)))
+            results = dict(zip(want, _local_get(layers, want, self._local_threads())))
             for (pos, p), (key, k) in source.items():
                 if p == 0:
                     out[pos] = results[key] if k is None else results[key][k]
@@ -812,17 +821,22 @@ def _pick(values: tuple, idx: tuple) -> tuple:
     return measured_exactly(tuple(values[i] for i in idx))
 
 
-def _local_get(layers: dict, keys: list):
+def _local_get(layers: dict, keys: list, threads: int = 1):
+    """Run a lowered graph in this process. Where ``threads`` > 1 kernels run at once (a task's
+    kernels on several threads, or tasks side by side), each BLAS call keeps to one thread; a
+    graph of one kernel at a time leaves BLAS its threads (a few large tiles then still use the
+    cores)."""
     import dask
 
     dsk = {}
     for part in layers.values():
         dsk.update(part)
-    if config.local_scheduler == "sync":
-        return dask.get(dsk, keys)
-    from dask.threaded import get
+    with one_blas_thread() if threads > 1 else contextlib.nullcontext():
+        if config.local_scheduler == "sync":
+            return dask.get(dsk, keys)
+        from dask.threaded import get
 
-    return get(dsk, keys)
+        return get(dsk, keys)
 
 
 def compile(outputs: Sequence[TileTensor | TileRef], **kw) -> Executable:

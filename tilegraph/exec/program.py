@@ -264,6 +264,30 @@ def run_cluster(bound: Bound, prog: Program, *args):
     return out
 
 
+_BLAS = None
+
+
+def one_blas_thread():
+    """A context in which BLAS libraries (OpenBLAS, MKL, BLIS, via threadpoolctl) run each call on
+    one thread: where tilegraph's kernels themselves run on several threads of this process. Dask
+    workers already have one (their nanny sets ``OPENBLAS_NUM_THREADS=1``); in a process running
+    a graph itself, OpenBLAS's own threads beside the kernels' made the same graph take 20-36 ms
+    by stretches instead of a steady 20 ms on 2 cores. The setting is the process's: it comes
+    back when the context ends (the limit itself applies at once: call it in a ``with``)."""
+    return blas_controller().limit(limits=1, user_api="blas")
+
+
+def blas_controller():
+    """threadpoolctl's controller of the BLAS libraries loaded when it was first asked for
+    (NumPy's, which the kernels call)."""
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS = ThreadpoolController()
+    return _BLAS
+
+
 def task_meter():
     """Dask's per-task metrics (``distributed.metrics.context_meter``): what a task digests shows
     on the dashboard's Fine Performance Metrics page as an activity of that task's group."""
