@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -277,6 +278,42 @@ def test_a_busy_worker_keeps_the_tasks_planned_for_it(embedded_runtime):
     assert embedded_runtime.client.gather(futures) == list(range(16))
     who = embedded_runtime.client.who_has(futures)
     assert {w for k in keys for w in who[k]} == {busy}
+
+
+def _scheduler_send_intervals(dask_scheduler) -> dict:
+    return {"workers": {a: bc.interval for a, bc in dask_scheduler.stream_comms.items()},
+            "clients": sorted({bc.interval for bc in dask_scheduler.client_comms.values()})}
+
+
+@pytest.mark.distributed
+def test_dask_streams_hold_messages_back_briefly_also_to_a_worker_that_joins_later(own_runtime):
+    """Every batched stream of the cluster (the client's, the scheduler's to each worker and
+    client, each worker's) waits at most SEND_INTERVAL_SECONDS (Dask's own: 2-10 ms per hop);
+    also a worker restarted by its nanny (a new process that registers anew)."""
+    from tilegraph.runtime.worker_setup import SEND_INTERVAL_SECONDS
+
+    rt = own_runtime
+    want = SEND_INTERVAL_SECONDS
+    assert want < 0.002 and rt.client.scheduler_comm.interval == want
+    got = rt.client.run_on_scheduler(_scheduler_send_intervals)
+    assert got["clients"] == [want] and set(got["workers"].values()) == {want}
+    assert set(rt.client.run(lambda dask_worker: dask_worker.batched_stream.interval).values()) == {want}
+    first = sorted(got["workers"])[0]
+    pid = rt.client.run(os.getpid, workers=[first])[first]
+    rt.client.restart_workers([first])
+    rt.client.wait_for_workers(2, timeout=60)
+    got = rt.client.run_on_scheduler(_scheduler_send_intervals)
+    assert len(got["workers"]) == 2 and set(got["workers"].values()) == {want}, got
+    new = rt.client.run(os.getpid)
+    assert pid not in new.values()  # a new process
+    # a second client of the same cluster: its streams too, and no warning of a plugin replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tg.connect(rt.client.scheduler.address, make_current=False) as other:
+            assert other.client.scheduler_comm.interval == want
+            got = rt.client.run_on_scheduler(_scheduler_send_intervals)
+            assert got["clients"] == [want], got
+    assert set(rt.client.run(lambda dask_worker: dask_worker.batched_stream.interval).values()) == {want}
 
 
 @pytest.mark.distributed

@@ -15,7 +15,8 @@ from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
                                           _read_scheduler_file, _refuse_unguarded_script, _tls_files)
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK_CONFIG, _check_worker_versions,
-                                            _malloc_plugin, _quiet_logs, _unchain_plugin)
+                                            _malloc_plugin, _quiet_logs, _send_interval_plugins, _unchain_plugin,
+                                            scheduler_send_intervals, set_send_interval)
 
 __all__ = ["Runtime", "connect", "current_runtime"]
 
@@ -58,6 +59,13 @@ class Runtime:
             client.register_plugin(_malloc_plugin())
         except Exception as e:  # a scheduler that refuses plugins still works, only slower
             logging.getLogger("tilegraph").warning("could not tune worker malloc: %s", e)
+        try:  # hops between dependent tasks wait less in Dask's batched streams
+            set_send_interval(getattr(client, "scheduler_comm", None))
+            for plugin in _send_interval_plugins():
+                client.register_plugin(plugin)
+            client.run_on_scheduler(scheduler_send_intervals)  # this client's stream, too
+        except Exception as e:  # everything works, with Dask's batching delays
+            logging.getLogger("tilegraph").warning("could not shorten Dask's send intervals: %s", e)
         try:
             client.register_plugin(_unchain_plugin())
         except Exception as e:  # training still works; the workers' task records grow with the steps

@@ -171,6 +171,55 @@ def _unchain_plugin():
     return UnchainPlugin()
 
 
+#: How long a Dask batched stream holds a message back after its last send, to send it with
+#: others. Dask's own: 2 ms (worker -> scheduler, scheduler -> client), 5 ms (scheduler ->
+#: worker) and 10 ms (client -> scheduler), fixed in its code. Every hop of a task that another
+#: one, or the client, waits for pays them: on the 2-core development machine a decoded token
+#: (one small task, its fetch, the next token's graph) took 22 ms with Dask's, 12.4 ms with 1 ms
+#: and 11.6 ms with none. A burst of messages inside the interval still goes as one.
+SEND_INTERVAL_SECONDS = 0.001
+
+
+def set_send_interval(stream) -> None:
+    """Make a Dask ``BatchedSend`` hold messages back at most :data:`SEND_INTERVAL_SECONDS`."""
+    if hasattr(stream, "interval"):
+        stream.interval = SEND_INTERVAL_SECONDS
+
+
+def scheduler_send_intervals(dask_scheduler) -> None:
+    """:func:`set_send_interval` on the scheduler's streams to its workers and clients (run on
+    the scheduler, once per connecting client: Dask opens a client's stream after the plugins'
+    ``add_client``)."""
+    for stream in [*getattr(dask_scheduler, "stream_comms", {}).values(),
+                   *getattr(dask_scheduler, "client_comms", {}).values()]:
+        set_send_interval(stream)
+
+
+def _send_interval_plugins():
+    """A worker plugin and a scheduler plugin applying :func:`set_send_interval` to each worker's
+    stream to the scheduler and the scheduler's to each worker, also those joining later."""
+    from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+
+    class WorkerSendInterval(WorkerPlugin):
+        name = "tilegraph-send-interval"
+        idempotent = True
+
+        def setup(self, worker) -> None:
+            set_send_interval(getattr(worker, "batched_stream", None))
+
+    class SchedulerSendInterval(SchedulerPlugin):
+        name = "tilegraph-send-interval"
+        idempotent = True
+
+        async def start(self, scheduler) -> None:
+            scheduler_send_intervals(scheduler)
+
+        def add_worker(self, scheduler=None, worker=None, **kwargs) -> None:
+            set_send_interval(getattr(scheduler, "stream_comms", {}).get(worker))
+
+    return WorkerSendInterval(), SchedulerSendInterval()
+
+
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
                  "distributed.worker", "distributed.http.proxy", "distributed.batched", "tornado.application")
 
