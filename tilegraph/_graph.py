@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -261,7 +262,7 @@ class TileRef:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+        return math.prod(int(n) for n in self.shape) * np.dtype(self.dtype).itemsize
 
     def __repr__(self) -> str:
         return f"TileRef({self.node!r}[{self.index}], shape={self.shape}, dtype={self.dtype})"
