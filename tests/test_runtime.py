@@ -280,6 +280,18 @@ def test_a_busy_worker_keeps_the_tasks_planned_for_it(embedded_runtime):
     assert {w for k in keys for w in who[k]} == {busy}
 
 
+def test_an_optional_cluster_setup_that_fails_is_a_warning_not_an_error(caplog):
+    from tilegraph.runtime import _optional_setup
+
+    def refused():
+        raise RuntimeError("plugins refused")
+
+    with caplog.at_level("WARNING", logger="tilegraph"):
+        assert _optional_setup("install the thing", refused) is False
+        assert _optional_setup("install the other thing", lambda: None) is True
+    assert [r.getMessage() for r in caplog.records] == ["could not install the thing: plugins refused"]
+
+
 def _scheduler_send_intervals(dask_scheduler) -> dict:
     return {"workers": {a: bc.interval for a, bc in dask_scheduler.stream_comms.items()},
             "clients": sorted({bc.interval for bc in dask_scheduler.client_comms.values()})}

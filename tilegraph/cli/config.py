@@ -96,7 +96,7 @@ CONFIG_CHECKS = {
     "peft.method": one_of_check(*PEFT_METHODS), "peft.rank": _int(1), "peft.alpha": _number(0, strict=True),
     "peft.scale": _number(0, strict=True), "peft.targets": _texts(), "peft.dropout": _number(0, high=1),
     "peft.grad_sketch": one_of_check("none", *SKETCHES),
-    "peft.sketch_ratio": (lambda v: _number(0, strict=True)[0](v) and v <= 1, "a number > 0 and <= 1"),
+    "peft.sketch_ratio": number_check(0, strict=True, high=1),
     "peft.sketch_targets": _texts(),
 }
 

@@ -132,13 +132,14 @@ def _links(exe, runtime, addrs: list[str]) -> tuple[list[list[bool]] | None, str
     n = len(addrs)
     same = [[p == q or (ids[addrs[p]][0] is not None and ids[addrs[p]][:2] == ids[addrs[q]][:2])
              for q in range(n)] for p in range(n)]
+    comms_only = [[p == q for q in range(n)] for p in range(n)]  # every other process over the comms
     no_handler = "the workers have no tilegraph channel handler (the scheduler refused its plugin)"
     if not all(all(row) for row in same) and not runtime.comm_channels:
         return None, f"its workers do not share one /dev/shm and process-id namespace (several hosts), and {no_handler}"
     if not config.shm_transfers:
         if not runtime.comm_channels:
             return None, f"tilegraph.config.shm_transfers is off, and {no_handler}"
-        return [[p == q for q in range(n)] for p in range(n)], None
+        return comms_only, None
     moved = exe.cross_bytes()
     moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
     if any(same[p][q] for p in range(n) for q in range(n) if p != q):
@@ -146,7 +147,7 @@ def _links(exe, runtime, addrs: list[str]) -> tuple[list[list[bool]] | None, str
         if free < moved + SHM_MARGIN_BYTES:  # (an over-estimate where some pairs use comms anyway)
             if not runtime.comm_channels:
                 return None, f"/dev/shm has {free / 2**20:,.0f} MiB free, the step moves {moved / 2**20:,.0f} MiB"
-            return [[p == q for q in range(n)] for p in range(n)], None
+            return comms_only, None
     return same, None
 
 

@@ -33,6 +33,26 @@ def current_runtime() -> "Runtime | None":
     return _CURRENT[-1] if _CURRENT else None
 
 
+def _optional_setup(what: str, setup) -> bool:
+    """Run ``setup()``; where it fails, log that tilegraph could not ``what`` and go on. Returns
+    whether it worked."""
+    try:
+        setup()
+        return True
+    except Exception as e:
+        logging.getLogger("tilegraph").warning("could not %s: %s", what, e)
+        return False
+
+
+def _shorten_send_intervals(client) -> None:
+    """:data:`~tilegraph.runtime.worker_setup.SEND_INTERVAL_SECONDS` on every batched stream: the
+    client's, the workers' and the scheduler's (this client's stream too)."""
+    set_send_interval(getattr(client, "scheduler_comm", None))
+    for plugin in _send_interval_plugins():
+        client.register_plugin(plugin)
+    client.run_on_scheduler(scheduler_send_intervals)
+
+
 class Runtime:
     """A connected Dask distributed client (and the cluster, when tilegraph started it).
 
@@ -55,38 +75,27 @@ class Runtime:
             if cluster is not None:
                 cluster.close()
             raise
-        try:
-            client.register_plugin(_malloc_plugin())
-        except Exception as e:  # a scheduler that refuses plugins still works, only slower
-            logging.getLogger("tilegraph").warning("could not tune worker malloc: %s", e)
-        try:  # hops between dependent tasks wait less in Dask's batched streams
-            set_send_interval(getattr(client, "scheduler_comm", None))
-            for plugin in _send_interval_plugins():
-                client.register_plugin(plugin)
-            client.run_on_scheduler(scheduler_send_intervals)  # this client's stream, too
-        except Exception as e:  # everything works, with Dask's batching delays
-            logging.getLogger("tilegraph").warning("could not shorten Dask's send intervals: %s", e)
-        try:
-            client.register_plugin(_unchain_plugin())
-        except Exception as e:  # training still works; the workers' task records grow with the steps
-            logging.getLogger("tilegraph").warning("could not install the task-record cleanup on the workers: %s", e)
-        try:
-            from tilegraph.exec.shm import shm_plugin
+        # Each setup below is optional: where the cluster refuses it (a scheduler that takes no
+        # plugins, say), everything still works and a warning says what is lost.
+        from tilegraph.exec.comm_channel import channel_plugin
+        from tilegraph.exec.shm import shm_plugin
 
-            client.register_plugin(shm_plugin())
-        except Exception as e:  # values then still go through shared memory, but what a dead worker
-            # left there stays until the host restarts
-            logging.getLogger("tilegraph").warning("could not install the shared-memory cleanup on the workers: %s", e)
+        # slower: freed heap memory stays with the workers
+        _optional_setup("tune worker malloc", lambda: client.register_plugin(_malloc_plugin()))
+        # with Dask's batching delays on every hop between dependent tasks
+        _optional_setup("shorten Dask's send intervals", lambda: _shorten_send_intervals(client))
+        # the workers' task records grow with the steps
+        _optional_setup("install the task-record cleanup on the workers",
+                        lambda: client.register_plugin(_unchain_plugin()))
+        # values still go through shared memory, but what a dead worker left there stays until
+        # the host restarts
+        _optional_setup("install the shared-memory cleanup on the workers",
+                        lambda: client.register_plugin(shm_plugin()))
         #: whether every worker has the handler of gang channels over its comms (between
-        #: processes that share no ``/dev/shm``: :mod:`tilegraph.exec.comm_channel`)
-        self.comm_channels = False
-        try:
-            from tilegraph.exec.comm_channel import channel_plugin
-
-            client.register_plugin(channel_plugin())
-            self.comm_channels = True
-        except Exception as e:  # gangs then run only where every worker shares one /dev/shm
-            logging.getLogger("tilegraph").warning("could not install the gang channel handler on the workers: %s", e)
+        #: processes that share no ``/dev/shm``: :mod:`tilegraph.exec.comm_channel`); without
+        #: it, gangs run only where every worker shares one /dev/shm
+        self.comm_channels = _optional_setup("install the gang channel handler on the workers",
+                                             lambda: client.register_plugin(channel_plugin()))
         #: each worker's ``exec.gang.gang_identity()`` (its shared-memory domain first), as asked so far
         self._gang_ids: dict[str, tuple | None] = {}
         #: the last gang task submitted to each worker (``Executable._submit_gang``), and the
