@@ -52,6 +52,12 @@ def norm_dim(dim: int, ndim: int, where: str) -> int:
     return dim % ndim if ndim else 0
 
 
+def acc_dtype(dtype) -> np.dtype:
+    """Dtype that statistics (max, sum-exp, log-sum-exp, moments) are accumulated in: at least
+    float32 (float16 inputs are upcast)."""
+    return np.promote_types(np.dtype(dtype), np.float32)
+
+
 def numel(shape) -> int:
     return math.prod(int(n) for n in shape)  # (np.prod on a small tuple costs ~3 us a call; planning makes thousands)
 

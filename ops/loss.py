@@ -21,7 +21,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import elementwise_cost, new_tensor, numel, require_float, require_same_chunks, require_tensor, xp_of
+from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_float, require_same_chunks, require_tensor,
+                      xp_of)
 from .embedding import check_index_range, require_integer
 from .reduce import FAN_IN
 
@@ -30,11 +31,6 @@ __all__ = ["cross_entropy"]
 _WHERE = "tilegraph.cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
 _CPU_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _acc_dtype(dtype) -> np.dtype:
-    """Statistics (max, sum-exp, lse) are kept in at least float32."""
-    return np.promote_types(dtype, np.float32)
 
 
 # ----------------------------------------------------------------------------------- kernels ----
@@ -51,7 +47,7 @@ def _bwd_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 def _ce_stats_xp(x, tgt, offset):
     xp = xp_of(x)
     rows = tgt.shape
-    x2 = x.reshape(-1, x.shape[-1]).astype(_acc_dtype(x.dtype), copy=False)
+    x2 = x.reshape(-1, x.shape[-1]).astype(acc_dtype(x.dtype), copy=False)
     m = x2.max(axis=1)
     s = xp.exp(x2 - m[:, None]).sum(axis=1)
     local = tgt.reshape(-1).astype(xp.int64, copy=False) - offset
@@ -200,7 +196,7 @@ class CrossEntropy(Op):
     name = "cross_entropy"
 
     def forward(self, logits, targets, ignore_index, reduction):
-        acc = _acc_dtype(logits.dtype)
+        acc = acc_dtype(logits.dtype)
         vocab = logits.shape[-1]
         offsets = logits.tiling.offsets(logits.ndim - 1)
         n_v = logits.tiling.grid[-1]

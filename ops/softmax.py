@@ -27,18 +27,13 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, emit1, kernel
 from tilegraph._tensor import TileTensor
 
-from ._common import new_tensor, norm_dim, numel, require_float, require_tensor, xp_of
+from ._common import acc_dtype, new_tensor, norm_dim, numel, require_float, require_tensor, xp_of
 from .reduce import FAN_IN
 
-__all__ = ["softmax", "log_softmax", "merge_tree", "row_groups", "acc_dtype"]
+__all__ = ["softmax", "log_softmax", "merge_tree", "row_groups"]
 
 
 # ---------------------------------------------------------------------------- shared helpers ----
-def acc_dtype(dtype) -> np.dtype:
-    """Dtype that statistics are accumulated in: at least float32 (float16 inputs are upcast)."""
-    return np.promote_types(np.dtype(dtype), np.float32)
-
-
 def row_groups(grid: Sequence[int], dim: int):
     """For every tile-grid index with ``dim`` dropped: the grid indices of its tiles along ``dim``.
 
