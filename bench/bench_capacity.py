@@ -46,8 +46,7 @@ def tilegraph_run(args) -> dict:
                      n_heads=args.dim // 64)
     rt = tg.connect(n_workers=args.workers, threads_per_worker=1, memory_limit=args.memory_limit, quiet=True)
     try:
-        rt.worker_threads()  # learns the workers' memory limits
-        limit = min(rt.memory_limits.values())
+        limit = rt.snapshot().memory_limit
         model = models.build(cfg, ModelTiling(feature=args.feature, batch=args.batch_tile), seed=0)
         n_params = sum(p.size for p in model.parameters())
         print(f"model: GPT-2 {args.layers} x {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M parameters; "

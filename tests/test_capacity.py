@@ -85,8 +85,7 @@ def test_spill_target_leaves_room_under_small_limits():
 
 def test_scatter_places_values_on_the_named_worker(embedded_runtime):
     rt = embedded_runtime
-    rt.worker_threads()
-    addrs = sorted(rt.memory_limits)
+    addrs = sorted(rt.snapshot().memory_limits)
     cells = [Cell(np.full(1000, k, np.float32), (1000,), np.float32) for k in range(6)]
     rt.scatter_cells(cells, [addrs[k % 2] for k in range(6)])
     assert all(isinstance(c.value, ValueRef) for c in cells)
@@ -145,8 +144,7 @@ def test_a_worker_paused_for_memory_is_named(embedded_runtime, monkeypatch):
     from tilegraph import _train
 
     rt = embedded_runtime
-    rt.worker_threads()
-    addr = sorted(rt.memory_limits)[0]
+    addr = sorted(rt.snapshot().memory_limits)[0]
 
     def set_status(name, dask_worker=None):
         # the worker's memory monitor resumes a paused worker whose memory is under the pause

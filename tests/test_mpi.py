@@ -139,7 +139,7 @@ def test_connect_to_a_dask_mpi_cluster_by_its_scheduler_file(dask_mpi_cluster):
     assert sched.exists(), "dask-mpi wrote no scheduler file"
     with tg.connect(scheduler_file=str(sched), timeout=30, make_current=False) as rt:
         rt.client.wait_for_workers(2, timeout=60)
-        rt.worker_threads()  # the plan learns the workers that joined
+        rt.snapshot()  # the workers that joined, as the next plan sees them
         # the README's settings reached the ranks: no profiler, no root-task queuing
         assert all("profile" not in cbs for cbs in rt.client.run(lambda dask_worker: list(dask_worker.periodic_callbacks)).values())
         assert rt.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.WORKER_SATURATION) == float("inf")

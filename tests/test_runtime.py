@@ -25,6 +25,44 @@ def test_embedded_cluster_binds_localhost_and_prints_dashboard(capsys):
     assert rt.closed and tg.current_runtime() is not rt
 
 
+def test_a_workers_snapshot_classifies_workers_by_their_resources():
+    """``Workers.of`` reads one ``scheduler_info``: a worker offering GPUs counts as one
+    single-stream processor per GPU; with a "CPU" resource declared anywhere, only the workers
+    declaring it run CPU tasks; the snapshot cannot be changed afterwards."""
+    from tilegraph.runtime import Workers
+
+    info = {"tcp://b:2": {"nthreads": 4, "resources": {"CPU": 4}, "memory_limit": 2 << 30},
+            "tcp://a:1": {"nthreads": 1, "resources": {"GPU": 2}, "memory_limit": 0},
+            "tcp://c:3": {"nthreads": 8, "resources": {}, "memory_limit": 1 << 30}}
+    w = Workers.of(info)
+    assert w.cpu_resource
+    assert dict(w.threads) == {"cpu": (4,), "gpu": (1, 1)} and dict(w.addrs) == {"cpu": ("tcp://b:2",),
+                                                                                 "gpu": ("tcp://a:1", "tcp://a:1")}
+    assert w.memory_limit == 1 << 30 and w.memory_limits["tcp://a:1"] is None  # 0: no limit
+    assert w.processors() == {"cpu": 4, "gpu": 2}
+    # without a CPU resource anywhere, every non-GPU worker runs CPU tasks, unrestricted
+    plain = Workers.of({a: dict(i, resources={}) for a, i in info.items()})
+    assert not plain.cpu_resource and dict(plain.threads) == {"cpu": (1, 4, 8), "gpu": ()}
+    with pytest.raises(TypeError):
+        w.threads["cpu"] = (1,)
+    with pytest.raises(AttributeError):
+        w.cpu_resource = False
+    assert Workers.of({}).memory_limit == float("inf")
+
+
+def test_asking_for_worker_threads_changes_nothing_a_plan_reads(embedded_runtime):
+    """A plan keeps the snapshot it was made with (its tasks' pinning and resources); asking the
+    runtime for its threads later neither changes that nor what the runtime last planned with."""
+    rt = embedded_runtime
+    with rt.as_current():
+        exe = tg.compile([tg.from_numpy(np.ones((4, 4)), (2, 2)) * 2.0])
+    before = rt.last_workers
+    assert exe.workers == before and exe.workers.processors() == rt.processors()
+    assert rt.worker_threads() == {d: list(t) for d, t in exe.workers.threads.items()}
+    assert rt.last_workers is before  # worker_threads() and processors() took no snapshot
+    assert exe.memory_limit == exe.workers.memory_limit
+
+
 def _listening(pid: int) -> list[tuple[str, int]]:
     import psutil
 
@@ -107,7 +145,7 @@ def test_gpu_annotated_tasks_run_only_on_the_gpu_worker(emulated_gpu):
         gpu_ran = {k: w for k, w in ran.items() if k in gpu_keys}
         assert gpu_ran and set(gpu_ran.values()) == gpu_workers
         # and every CPU task asked for the CPU resource, which only the other worker offers
-        assert rt.cpu_resource and set(layers["cpu"]) and len(layers["cpu"]) == len(keys) - len(gpu_keys)
+        assert exe.workers.cpu_resource and set(layers["cpu"]) and len(layers["cpu"]) == len(keys) - len(gpu_keys)
         cpu_ran = {k: w for k, w in ran.items() if k in layers["cpu"]}
         assert cpu_ran and set(cpu_ran.values()).isdisjoint(gpu_workers)
     want = tg.compute(loss, *grads)

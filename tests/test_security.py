@@ -261,7 +261,7 @@ def test_connect_to_a_dask_mpi_tls_cluster_by_its_scheduler_file(dask_mpi_tls_cl
     with tg.connect(scheduler_file=str(sched), timeout=30, make_current=False, **certs) as rt:
         assert rt.client.scheduler.address.startswith("tls://127.0.0.1:")
         rt.client.wait_for_workers(2, timeout=60)
-        rt.worker_threads()  # the plan learns the workers that joined
+        rt.snapshot()  # the workers that joined, as the next plan sees them
         assert all(w.startswith("tls://127.0.0.1:") for w in rt.workers())
         with rt.as_current():
             _small_computation()

@@ -51,15 +51,10 @@ from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_
 __all__ = ["compile", "compute", "Executable", "config", "DaskKey", "run_cluster"]
 
 
-def _memory_limit(runtime) -> float:
-    """The smallest memory limit of the runtime's workers (bytes; inf where none is set), as the
-    runtime last learnt its workers (every plan asks for their threads first)."""
-    if runtime is None:
-        return float("inf")
-    limits = getattr(runtime, "memory_limits", None)
-    if limits is None:
-        limits = {a: w.get("memory_limit") for a, w in runtime.workers().items()}
-    return min((v or float("inf") for v in limits.values()), default=float("inf"))
+def _memory_limit(workers) -> float:
+    """The smallest memory limit of a plan's workers (a :class:`~tilegraph.runtime.Workers`;
+    bytes, inf where none is set or without a runtime)."""
+    return float("inf") if workers is None else workers.memory_limit
 
 
 def _check_fits(work: Sequence[Node], limit: float) -> None:
@@ -123,10 +118,14 @@ class Executable:
         work = [n for n in nodes if not n.is_leaf]
         # Threads of each worker process; without a runtime, Dask's local threaded scheduler runs
         # in this one process.
-        groups = runtime.worker_threads() if runtime is not None else {"cpu": [os.cpu_count() or 1], "gpu": []}
-        addrs = runtime.worker_addrs if runtime is not None else {}
+        #: the workers this plan is made for (one snapshot, None without a runtime)
+        self.workers = runtime.snapshot() if runtime is not None else None
+        groups = ({dev: list(t) for dev, t in self.workers.threads.items()} if self.workers is not None
+                  else {"cpu": [os.cpu_count() or 1], "gpu": []})
+        addrs = self.workers.addrs if self.workers is not None else {}
         place(work, placement, len(groups.get("gpu", ())) > 0)
-        limit = _memory_limit(runtime)
+        #: the smallest memory limit of those workers (bytes, inf: none)
+        self.memory_limit = limit = _memory_limit(self.workers)
         _check_fits(work, limit)
         # Tasks are kept under a memory bound where the step's values could outgrow what a worker
         # holds before Dask spills (a model larger than the workers' memory); elsewhere only the
@@ -208,6 +207,11 @@ class Executable:
         # program keys of this executable's own: another of the same plan, dropped just before
         # this one scatters, would have Dask forget a shared key after it was sent again
         self._program_id = uuid.uuid4().hex[:8]
+
+    def _cpu_resource(self, runtime) -> bool | None:
+        """Whether this plan's CPU tasks ask for the "CPU" resource on ``runtime`` (None: as
+        ``runtime`` last saw its workers, when it is not the one planned for)."""
+        return self.workers.cpu_resource if runtime is self.runtime and self.workers is not None else None
 
     def root_workers(self) -> list[str | None]:
         """The worker that computes each root (its first replica's), where the plan pins it;
@@ -639,7 +643,7 @@ class Executable:
             want += [key for key in keys if key not in want]
             futures = self._submit_gang(runtime, layers, keys, want, pinned)
         else:
-            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
+            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned, cpu_resource=self._cpu_resource(runtime))))
         for pos, (key, k) in fetch_of.items():
             out[pos] = Fetching(futures[key], k)
         if wait:
@@ -672,7 +676,7 @@ class Executable:
                     prev = None
                 task = layers["gang"][key]
                 layers["gang"][key] = task[:AFTER_INDEX] + (prev,) + task[AFTER_INDEX + 1:]
-            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned)))
+            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned, cpu_resource=self._cpu_resource(runtime))))
             for p, key in enumerate(keys):
                 runtime.last_gang[self.gang.addrs[p]] = futures[key]
                 futures[key].add_done_callback(partial(runtime.gang_done, self.gang.addrs[p]))

@@ -451,7 +451,7 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
                         f"{SCHEDULER_ANSWER_SECONDS:g} s", _short(e)) from None
     paused = {a: p for a, (_, p) in ages.items() if p is not None}
     ages = {a: age for a, (age, _) in ages.items()}
-    gone = {a for addrs in runtime.worker_addrs.values() for a in addrs} - set(ages)
+    gone = {a for addrs in runtime.last_workers.addrs.values() for a in addrs} - set(ages)
     if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
         gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
                  and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)

@@ -187,9 +187,7 @@ def plan_gang(exe, runtime, mode: str) -> GangPlan | None:
         stage_of[cid] = len(stages[proc[cid]])
         stages[proc[cid]].append(cid)
     if exe.max_task_bytes != float("inf"):  # values large against the workers: does a gang fit?
-        from tilegraph._lower import _memory_limit
-
-        limit = _memory_limit(runtime)
+        limit = exe.memory_limit
         peak = max(peak_bytes(exe, cids) for cids in stages)
         if peak > GANG_MEMORY_SHARE * limit:
             why = (f"a process's share of the step holds about {peak / 2**20:,.0f} MiB at once, over "

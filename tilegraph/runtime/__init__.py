@@ -9,7 +9,9 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
@@ -18,7 +20,7 @@ from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK
                                             _malloc_plugin, _quiet_logs, _send_interval_plugins, _unchain_plugin,
                                             scheduler_send_intervals, set_send_interval)
 
-__all__ = ["Runtime", "connect", "current_runtime"]
+__all__ = ["Runtime", "Workers", "connect", "current_runtime"]
 
 _CURRENT: list["Runtime"] = []
 
@@ -53,6 +55,53 @@ def _shorten_send_intervals(client) -> None:
     client.run_on_scheduler(scheduler_send_intervals)
 
 
+@dataclass(frozen=True)
+class Workers:
+    """The cluster's workers as one ``scheduler_info`` call saw them: what a plan is made for.
+
+    ``threads``: per device class, the threads of each worker process: a worker with
+    ``{"GPU": n}`` counts as n single-stream GPU processors, any other worker as one CPU process
+    with its threads. Workers tilegraph starts (embedded, MPI) declare ``{"CPU": threads}`` and
+    CPU tasks then ask for ``{"CPU": 1}`` (``cpu_resource``); on a cluster whose workers declare
+    no CPU resource, CPU tasks carry no restriction (a restriction nobody offers would leave them
+    waiting forever). ``addrs``: the worker of each entry of ``threads``. ``memory_limits``: each
+    worker's limit in bytes (None: none).
+    """
+
+    threads: Mapping[str, tuple[int, ...]]
+    addrs: Mapping[str, tuple[str, ...]]
+    memory_limits: Mapping[str, int | None]
+    cpu_resource: bool
+
+    @classmethod
+    def of(cls, info: Mapping[str, dict]) -> "Workers":
+        """From the ``workers`` of ``Client.scheduler_info()``."""
+        workers = sorted(info.items())
+        cpu_resource = any(w.get("resources", {}).get("CPU") for _, w in workers)
+        threads: dict[str, list[int]] = {"cpu": [], "gpu": []}
+        addrs: dict[str, list[str]] = {"cpu": [], "gpu": []}
+        for addr, w in workers:
+            res = w.get("resources", {})
+            if res.get("GPU"):
+                threads["gpu"] += [1] * int(res["GPU"])
+                addrs["gpu"] += [addr] * int(res["GPU"])
+            elif res.get("CPU") or not cpu_resource:
+                threads["cpu"].append(int(w.get("nthreads", 1)))
+                addrs["cpu"].append(addr)
+        return cls(MappingProxyType({d: tuple(t) for d, t in threads.items()}),
+                   MappingProxyType({d: tuple(a) for d, a in addrs.items()}),
+                   MappingProxyType({addr: w.get("memory_limit") or None for addr, w in workers}), cpu_resource)
+
+    def processors(self) -> dict[str, int]:
+        """Worker threads per device class."""
+        return {dev: sum(t) for dev, t in self.threads.items()}
+
+    @property
+    def memory_limit(self) -> float:
+        """The smallest memory limit of the workers (bytes; inf where none is set)."""
+        return min((v or float("inf") for v in self.memory_limits.values()), default=float("inf"))
+
+
 class Runtime:
     """A connected Dask distributed client (and the cluster, when tilegraph started it).
 
@@ -64,10 +113,9 @@ class Runtime:
         self.cluster = cluster
         self.mpi = mpi
         self.closed = False
-        #: whether CPU workers declare a "CPU" resource; CPU tasks then ask for {"CPU": 1}
-        self.cpu_resource = False
-        #: the worker address of each entry of worker_threads(), for pinning planned tasks
-        self.worker_addrs: dict[str, list[str]] = {"cpu": [], "gpu": []}
+        #: the workers as the last plan saw them (:meth:`snapshot`): what its tasks are pinned to,
+        #: and what a health check compares the live workers with
+        self.last_workers = Workers.of({})
         try:
             _check_worker_versions(client)
         except BaseException:  # nothing half-connected is left behind
@@ -102,7 +150,7 @@ class Runtime:
         #: lock that keeps their order that of the submissions
         self.last_gang: dict[str, Any] = {}
         self.gang_lock = threading.Lock()
-        self.worker_threads()  # learn the workers' resources (plans refresh it)
+        self.snapshot()  # learn the workers' resources (every plan takes a fresh snapshot)
         if make_current:
             _CURRENT.append(self)
 
@@ -128,31 +176,33 @@ class Runtime:
 
     def processors(self) -> dict[str, int]:
         """Worker threads per device class (a worker with a GPU resource counts as GPU)."""
-        return {dev: sum(threads) for dev, threads in self.worker_threads().items()}
+        return Workers.of(self.workers()).processors()
 
     def worker_threads(self) -> dict[str, list[int]]:
-        """Threads of each worker process per device class: a worker with ``{"GPU": n}`` counts as
-        n single-stream GPU processors, any other worker as one CPU process with its threads.
+        """Threads of each worker process per device class, as the scheduler sees them now (see
+        :class:`Workers`); changes nothing."""
+        return {dev: list(t) for dev, t in Workers.of(self.workers()).threads.items()}
 
-        Workers tilegraph starts (embedded, MPI) declare ``{"CPU": threads}`` and CPU tasks then
-        ask for ``{"CPU": 1}``; on a cluster whose workers declare no CPU resource, CPU tasks carry
-        no restriction (a restriction nobody offers would leave them waiting forever).
-        """
-        workers = sorted(self.workers().items())
-        #: each worker's memory limit in bytes (None: no limit), as of the last worker_threads()
-        self.memory_limits = {addr: w.get("memory_limit") or None for addr, w in workers}
-        self.cpu_resource = any(w.get("resources", {}).get("CPU") for _, w in workers)
-        out: dict[str, list[int]] = {"cpu": [], "gpu": []}
-        self.worker_addrs = {"cpu": [], "gpu": []}
-        for addr, w in workers:
-            res = w.get("resources", {})
-            if res.get("GPU"):
-                out["gpu"].extend([1] * int(res["GPU"]))
-                self.worker_addrs["gpu"].extend([addr] * int(res["GPU"]))
-            elif res.get("CPU") or not self.cpu_resource:
-                out["cpu"].append(int(w.get("nthreads", 1)))
-                self.worker_addrs["cpu"].append(addr)
-        return out
+    def snapshot(self) -> "Workers":
+        """The workers now (one scheduler call), kept as :attr:`last_workers`: a plan is made
+        for one snapshot and submits its tasks with it."""
+        self.last_workers = Workers.of(self.workers())
+        return self.last_workers
+
+    @property
+    def worker_addrs(self) -> dict[str, tuple[str, ...]]:
+        """The worker of each entry of the last snapshot's threads, per device class."""
+        return dict(self.last_workers.addrs)
+
+    @property
+    def memory_limits(self) -> dict[str, int | None]:
+        """Each worker's memory limit in bytes (None: no limit), as of the last snapshot."""
+        return dict(self.last_workers.memory_limits)
+
+    @property
+    def cpu_resource(self) -> bool:
+        """Whether the CPU workers of the last snapshot declare a "CPU" resource."""
+        return self.last_workers.cpu_resource
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else _plural(len(self.workers()), "worker")
@@ -160,12 +210,14 @@ class Runtime:
 
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
-                      workers: dict[str, str] | None = None) -> list:
+                      workers: dict[str, str] | None = None, cpu_resource: bool | None = None) -> list:
         """Submit one lowered step as a single graph; returns futures for ``keys``.
 
-        CPU and GPU tasks carry their resource restriction; ``workers`` maps task keys to the
-        worker the plan put them on (a loose restriction: Dask would otherwise run every task
-        next to the parameters, on one worker).
+        CPU and GPU tasks carry their resource restriction (CPU tasks ask for ``{"CPU": 1}``
+        where ``cpu_resource``: the plan's :class:`Workers` say whether the CPU workers offer one;
+        None: as of the last snapshot); ``workers`` maps task keys to the worker the plan put
+        them on (a loose restriction: Dask would otherwise run every task next to the
+        parameters, on one worker).
         """
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
@@ -180,7 +232,8 @@ class Runtime:
         tasks = []
         # "transfer" tasks (picking what another process reads, taking it in there) need no
         # resource, and run before the tasks waiting for a thread next to them: readers wait
-        cpu = {"resources": {"CPU": 1}} if self.cpu_resource else {}
+        cpu_resource = self.last_workers.cpu_resource if cpu_resource is None else cpu_resource
+        cpu = {"resources": {"CPU": 1}} if cpu_resource else {}
         for dev, ann0 in (("cpu", cpu), ("gpu", {"resources": {"GPU": 1}}), ("transfer", {"priority": TRANSFER_PRIORITY}),
                           ("gang", cpu)):
             by_worker: dict[str | None, dict] = {}
