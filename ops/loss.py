@@ -24,7 +24,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_float, require_same_chunks, require_tensor,
                       xp_of)
 from .embedding import check_index_range, require_integer
-from .reduce import FAN_IN
+from ._tree import merge_tree
 
 __all__ = ["cross_entropy"]
 
@@ -218,12 +218,13 @@ class CrossEntropy(Op):
         if reduction == "none":
             return new_tensor(targets.tiling, logits.dtype, lambda r: rows_out[r]), ctx
 
-        parts = list(rows_out.flat)
-        while len(parts) > FAN_IN:
-            parts = [emit1(_ce_total_k, parts[i:i + FAN_IN], (2,), np.float64, op="cross_entropy")
-                     for i in range(0, len(parts), FAN_IN)]
-        loss, ctx["tot"] = emit(_ce_reduce_k, parts, [((), logits.dtype), ((2,), np.float64)],
-                                op="cross_entropy", reduction=reduction, out_dtype=str(logits.dtype))
+        def merge(group: list, final: bool):  # the rows' (loss sum, count) totals, then the loss
+            if not final:
+                return emit1(_ce_total_k, group, (2,), np.float64, op="cross_entropy")
+            return emit(_ce_reduce_k, group, [((), logits.dtype), ((2,), np.float64)], op="cross_entropy",
+                        reduction=reduction, out_dtype=str(logits.dtype))
+
+        loss, ctx["tot"] = merge_tree(list(rows_out.flat), merge)
         return new_tensor(Tiling(()), logits.dtype, lambda idx: loss), ctx
 
     def backward(self, ctx, g):

@@ -31,7 +31,8 @@ from tilegraph._graph import emit, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import acc_dtype, new_tensor, require_float, require_same_chunks, require_tensor, xp_of
-from .softmax import merge_tree, row_groups, rowwise_cost
+from ._tree import merge_tree
+from .softmax import row_groups, rowwise_cost
 
 __all__ = ["layer_norm", "rms_norm"]
 

@@ -12,12 +12,9 @@ from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import NO_KEEPDIM, TileTensor, Tiling
 
 from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, resolve_alias, xp_of
+from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests read it here too
 
 __all__ = ["sum", "mean", "sum_dims", "expand"]
-
-#: tiles combined by one kernel call; a reduction over more tiles becomes a tree of depth log_F(n)
-FAN_IN = 8
-
 
 @kernel("reduce_sum", cost=elementwise_cost(1))
 def _reduce_sum(*tiles, axes, shape, scale):
@@ -39,14 +36,17 @@ def _expand(g, keep_shape, shape, scale):
 
 
 def _tree(parts: list, shape, dtype, axes, scale, op):
-    """Sum ``parts`` (tile refs of one output tile) in groups of FAN_IN; the last level scales."""
-    if len(parts) > FAN_IN:
-        kshape = tuple(1 if a in axes else n for a, n in enumerate(parts[0].shape))
-        while len(parts) > FAN_IN:
-            parts = [emit1(_reduce_sum, parts[i:i + FAN_IN], kshape, dtype, op=op, axes=axes, shape=kshape,
-                           scale=1.0) for i in range(0, len(parts), FAN_IN)]
-            axes = ()
-    return emit1(_reduce_sum, parts, shape, dtype, op=op, axes=axes, shape=shape, scale=scale)
+    """Sum ``parts`` (tile refs of one output tile) in a :func:`merge_tree`: the kernels that
+    read the tiles themselves sum over ``axes``, the last one scales and gives ``shape``."""
+    kshape = tuple(1 if a in axes else n for a, n in enumerate(parts[0].shape))
+    tiles = {id(p): p for p in parts}  # holding the refs keeps their ids from being reused
+
+    def merge(group: list, final: bool):
+        out = shape if final else kshape
+        return emit1(_reduce_sum, group, out, dtype, op=op, axes=axes if id(group[0]) in tiles else (), shape=out,
+                     scale=scale if final else 1.0)
+
+    return merge_tree(parts, merge)
 
 
 class Sum(Op):

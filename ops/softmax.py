@@ -28,9 +28,9 @@ from tilegraph._graph import Cost, emit, emit1, kernel
 from tilegraph._tensor import TileTensor
 
 from ._common import acc_dtype, new_tensor, norm_dim, numel, require_float, require_tensor, xp_of
-from .reduce import FAN_IN
+from ._tree import merge_tree
 
-__all__ = ["softmax", "log_softmax", "merge_tree", "row_groups"]
+__all__ = ["softmax", "log_softmax", "row_groups"]
 
 
 # ---------------------------------------------------------------------------- shared helpers ----
@@ -42,19 +42,6 @@ def row_groups(grid: Sequence[int], dim: int):
     outer = tuple(1 if d == dim else n for d, n in enumerate(grid))
     for key in np.ndindex(*outer):
         yield key, [key[:dim] + (k,) + key[dim + 1:] for k in range(grid[dim])]
-
-
-def merge_tree(parts: list, merge: Callable[[list, bool], object], fan_in: int = FAN_IN):
-    """Merge the partial statistics ``parts`` (one item per tile) ``fan_in`` at a time.
-
-    ``merge(group, final)`` records one kernel merging ``group`` and returns an item of the same
-    kind as ``parts`` (``final=False``) or the finished statistics (``final=True``, called once,
-    last). A row of ``n`` tiles costs ``ceil(n / fan_in) + ...`` kernels, a tree of depth
-    ``log_fan_in(n)``.
-    """
-    while len(parts) > fan_in:
-        parts = [merge(parts[i:i + fan_in], False) for i in range(0, len(parts), fan_in)]
-    return merge(parts, True)
 
 
 def rowwise_cost(flops_per_elem: float) -> Callable:
