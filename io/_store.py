@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
+from tilegraph._graph import to_host
 
 
 class CheckpointError(TileError):
@@ -59,10 +60,6 @@ def chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
 
 def slices(chunks: Sequence[Sequence[int]], idx: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple((sum(c[:i]), sum(c[:i]) + c[i]) for c, i in zip(chunks, idx))
-
-
-def host(v) -> np.ndarray:
-    return v.get() if type(v).__module__.startswith("cupy") else np.asarray(v)
 
 
 # ------------------------------------------------------------------------------ chunk files ----
@@ -298,7 +295,7 @@ def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shap
 
 def write_shard_task(values: Sequence, indices: Sequence, spec: tuple) -> dict:
     """A save task of one shard: its tiles (task results, with their tuple positions) in."""
-    tiles = [host(v if i is None else v[i]) for v, i in zip(values, indices)]
+    tiles = [to_host(v if i is None else v[i]) for v, i in zip(values, indices)]
     root, name, *rest = spec
     written = write_shard(root, name, tiles, *rest)
     return {"worker": worker_address(), "bytes": written}
@@ -476,7 +473,7 @@ def job_bytes(jobs: Sequence[tuple]) -> int:
 
 def write_job(value, job: tuple, made: set | None = None) -> int:
     index, root, name, region, chunk_shape, quant, label = job
-    tile = host(value if index is None else value[index])
+    tile = to_host(value if index is None else value[index])
     if quant is not None:
         return write_quantized(root, f"{name}/{label}", tile, quant)
     return write_chunks(root, name, tile, region, chunk_shape, made)
@@ -518,7 +515,7 @@ def write_parts_task(values: Sequence, indices: Sequence, jobs: Sequence[tuple])
     ``len(names)`` of ``values`` (task results, with their tuple positions, or arrays)."""
     written = 0
     for root, path, names, start, attrs in jobs:
-        parts = {n: host(v if i is None else v[i])
+        parts = {n: to_host(v if i is None else v[i])
                  for n, v, i in zip(names, values[start:start + len(names)], indices[start:start + len(names)])}
         written += write_parts(root, path, parts, attrs)
     return {"worker": worker_address(), "bytes": written}

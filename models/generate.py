@@ -28,8 +28,8 @@ import operator
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import ValueRef
-from tilegraph._lower import Executable, _host
+from tilegraph._graph import ValueRef, to_host
+from tilegraph._lower import Executable
 from tilegraph.runtime import current_runtime
 
 from ._common import CausalLM
@@ -244,7 +244,7 @@ class Decoder:
         out = np.empty((ids.shape[0], vocab), dtype=logits.dtype)
         b_offs, v_offs = logits.tiling.offsets(0), logits.tiling.offsets(2)
         for (i, j), val in zip(np.ndindex(*last.shape), values[:last.size]):
-            tile = _host(val)                                               # (b, t, v) of the last seq tile
+            tile = to_host(val)                                             # (b, t, v) of the last seq tile
             out[b_offs[i]:b_offs[i] + tile.shape[0], v_offs[j]:v_offs[j] + tile.shape[2]] = tile[:, -1]
         k = last.size
         for c, p in zip(self.cache, pending):

@@ -41,6 +41,11 @@ def xp_of(x):
     return np
 
 
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array: a CuPy array is copied to the host, anything else taken as it is."""
+    return x.get() if type(x).__module__.startswith("cupy") else np.asarray(x)
+
+
 _KERNELS: dict[str, "Kernel"] = {}
 
 

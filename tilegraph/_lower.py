@@ -37,7 +37,7 @@ import numpy as np
 
 from tilegraph._config import PARALLEL_STRATEGIES, Config, config  # noqa: F401 - re-exported
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, topo_order
+from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, to_host, topo_order
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     one_blas_thread, run_cluster)
@@ -859,12 +859,8 @@ def _assemble(t: TileTensor, tiles: list) -> np.ndarray:
         return tiles[0].reshape(())
     arr = np.empty(t.shape, dtype=t.dtype)
     for idx, v in zip(np.ndindex(*t.tiling.grid), tiles):
-        arr[t.tiling.slices(idx)] = _host(v)
+        arr[t.tiling.slices(idx)] = to_host(v)
     return arr
-
-
-def _host(v):
-    return v.get() if type(v).__module__.startswith("cupy") else np.asarray(v)
 
 
 def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
