@@ -105,6 +105,11 @@ class Binary(Op):
     def forward(self, a, b):
         where = f"tilegraph.{self.name}"
         dtype = require_same_dtype(where, a=a, b=b)
+        if dtype.kind == "b" and self.name == "sub":
+            raise TileError(where, "numbers to subtract (NumPy refuses booleans: use logical ops, or cast)",
+                            "two bool tensors")
+        if self.name == "div" and dtype.kind not in "fc":
+            dtype = np.dtype(np.float64)  # true division, as NumPy and torch: integers give floats
         tiling, amap, bmap = broadcast_tiling(where, a, b)
 
         def fill(idx):
@@ -134,28 +139,33 @@ def _scalar(x) -> bool:
     return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
 
 
+def _number(x) -> int | float:
+    """A Python int or float (an integer stays one: an integer tensor plus 1 stays integer)."""
+    return int(x) if isinstance(x, (int, np.integer)) else float(x)
+
+
 def add(a, b) -> TileTensor:
     """``a + b`` with NumPy broadcasting; either may be a Python number."""
     if _scalar(b):
-        return affine(a, 1.0, float(b))
+        return affine(a, 1, _number(b))
     if _scalar(a):
-        return affine(b, 1.0, float(a))
+        return affine(b, 1, _number(a))
     return _add_op(a, b)
 
 
 def sub(a, b) -> TileTensor:
     if _scalar(b):
-        return affine(a, 1.0, -float(b))
+        return affine(a, 1, -_number(b))
     if _scalar(a):
-        return affine(b, -1.0, float(a))
+        return affine(b, -1, _number(a))
     return _sub_op(a, b)
 
 
 def mul(a, b) -> TileTensor:
     if _scalar(b):
-        return affine(a, float(b))
+        return affine(a, _number(b))
     if _scalar(a):
-        return affine(b, float(a))
+        return affine(b, _number(a))
     return _mul_op(a, b)
 
 
@@ -169,11 +179,26 @@ def div(a, b) -> TileTensor:
 
 # ------------------------------------------------------------------------------- unary maps ----
 @kernel("affine", cost=elementwise_cost(2))
-def _affine(x, scale, shift):
+def _affine(x, scale, shift, dtype=None):
+    if dtype is not None:  # an integer tensor times a fraction, say: NumPy's promotion
+        y = x.astype(dtype) * scale if scale != 1 else x.astype(dtype)
+        return y + shift if shift else y
     y = x * x.dtype.type(scale) if scale != 1.0 else x.copy()
     if shift:
         y += x.dtype.type(shift)
     return y
+
+
+def affine_dtype(dtype, scale, shift) -> np.dtype:
+    """The dtype of ``scale * x + shift`` for ``x`` of ``dtype``, as NumPy gives it: a float
+    tensor keeps its dtype; an integer one stays integer with integer ``scale`` and ``shift``, and
+    becomes float otherwise (a factor or term of 1 or 0 changes nothing)."""
+    probe = np.zeros(1, dtype)
+    if scale != 1:
+        probe = probe * scale
+    if shift != 0:
+        probe = probe + shift
+    return probe.dtype
 
 
 class Affine(Op):
@@ -182,11 +207,17 @@ class Affine(Op):
     name = "affine"
 
     def forward(self, x, scale=1.0, shift=0.0):
+        dtype = x.dtype if x.dtype.kind in "fc" else affine_dtype(x.dtype, scale, shift)
+        if dtype == x.dtype:
+            params = {"scale": float(scale), "shift": float(shift)}
+        else:
+            params = {"scale": scale, "shift": shift, "dtype": dtype.str}
+
         def fill(idx):
             r = x.grid[idx]
-            return emit1(_affine, [r], r.shape, x.dtype, op="affine", scale=float(scale), shift=float(shift))
+            return emit1(_affine, [r], r.shape, dtype, op="affine", **params)
 
-        return new_tensor(x.tiling, x.dtype, fill), scale
+        return new_tensor(x.tiling, dtype, fill), scale
 
     def backward(self, scale, g):
         return (affine(g, scale),)

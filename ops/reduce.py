@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -17,9 +18,13 @@ from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests 
 __all__ = ["sum", "mean", "sum_dims", "expand"]
 
 @kernel("reduce_sum", cost=elementwise_cost(1))
-def _reduce_sum(*tiles, axes, shape, scale):
+def _reduce_sum(*tiles, axes, shape, scale, dtype=None):
+    """The sum of ``tiles`` over ``axes``, times ``scale``; in ``dtype`` where it differs from the
+    tiles' (NumPy's: a sum of booleans or small integers is int64, a mean of integers float64)."""
     acc = None
     for t in tiles:
+        if dtype is not None:
+            t = t.astype(dtype, copy=False)
         s = t.sum(axis=axes, keepdims=True) if axes else t
         acc = s.copy() if acc is None else acc + s
     acc = acc.reshape(shape)
@@ -37,14 +42,17 @@ def _expand(g, keep_shape, shape, scale):
 
 def _tree(parts: list, shape, dtype, axes, scale, op):
     """Sum ``parts`` (tile refs of one output tile) in a :func:`merge_tree`: the kernels that
-    read the tiles themselves sum over ``axes``, the last one scales and gives ``shape``."""
+    read the tiles themselves sum over ``axes`` (in ``dtype``, where the tiles have another), the
+    last one scales and gives ``shape``."""
     kshape = tuple(1 if a in axes else n for a, n in enumerate(parts[0].shape))
     tiles = {id(p): p for p in parts}  # holding the refs keeps their ids from being reused
+    dtype = np.dtype(dtype)
 
     def merge(group: list, final: bool):
         out = shape if final else kshape
+        convert = {"dtype": dtype.str} if group[0].dtype != dtype else {}
         return emit1(_reduce_sum, group, out, dtype, op=op, axes=axes if id(group[0]) in tiles else (), shape=out,
-                     scale=scale if final else 1.0)
+                     scale=scale if final else 1.0, **convert)
 
     return merge_tree(parts, merge)
 
@@ -52,7 +60,9 @@ def _tree(parts: list, shape, dtype, axes, scale, op):
 class Sum(Op):
     name = "sum"
 
-    def forward(self, x, dims: tuple, keep: tuple, scale: float = 1.0):
+    def forward(self, x, dims: tuple, keep: tuple, scale: float = 1.0, dtype=None):
+        # NumPy's result dtype (``dtype``: a mean's): booleans and small integers sum to int64
+        dtype = np.dtype(dtype) if dtype is not None else np.sum(np.zeros(1, x.dtype)).dtype
         out_chunks, out_pos = [], []
         for d in range(x.ndim):
             if d in dims:
@@ -75,9 +85,9 @@ class Sum(Op):
                 full.update(zip(dims, ridx))
                 parts.append(x.grid[tuple(full[d] for d in range(x.ndim))])
             shape = tiling.tile_shape(oidx)
-            return _tree(parts, shape, x.dtype, tuple(dims), scale, self.name)
+            return _tree(parts, shape, dtype, tuple(dims), scale, self.name)
 
-        return new_tensor(tiling, x.dtype, fill), (x, dims, keep, scale)
+        return new_tensor(tiling, dtype, fill), (x, dims, keep, scale)
 
     def backward(self, ctx, g):
         x, dims, keep, scale = ctx
@@ -155,5 +165,7 @@ def mean(x: TileTensor, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool 
     require_tensor(x, where, "x")
     keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
     dims = _dims(x, dim, where)
-    count = int(np.prod([x.shape[d] for d in dims])) if dims else 1
-    return sum_dims(x, dims, (keep,) * len(dims), scale=1.0 / max(count, 1))
+    count = math.prod(x.shape[d] for d in dims)
+    # as NumPy and torch: the mean of integers is a float, that of nothing NaN
+    return _sum_op(x, dims=dims, keep=(keep,) * len(dims), scale=1.0 / count if count else float("nan"),
+                   dtype=np.mean(np.zeros(1, x.dtype)).dtype)

@@ -70,6 +70,37 @@ def test_sum_is_a_tree_over_many_tiles(rng):
     np.testing.assert_allclose(s.numpy(), x.sum())
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.bool_])
+def test_integer_and_bool_tensors_follow_numpys_dtypes(dtype):
+    """Arithmetic on integer (and bool) tensors gives NumPy's values and dtypes: a fraction, a
+    true division or a mean makes floats, integer scalars keep integers, sums of small integers
+    and booleans are int64; over one tile and over a tree of them. Before, ``x * 0.5`` of an
+    integer tensor was all zeros and a mean truncated."""
+    a = (np.arange(40).reshape(20, 2) % 7).astype(dtype)
+    b = (np.arange(40).reshape(20, 2) % 5 + 1).astype(dtype)
+    for tiles in ((20, 2), (1, 2)):  # one tile; 20 row tiles (a tree of partial sums)
+        x, y = tg.from_numpy(a, tiles), tg.from_numpy(b, tiles)
+        cases = {"x * 0.5": (x * 0.5, a * 0.5), "x / 2": (x / 2, a / 2), "x + 0.7": (x + 0.7, a + 0.7),
+                 "x * 3": (x * 3, a * 3), "2 * x": (2 * x, 2 * a), "x + 1": (x + 1, a + 1),
+                 "x / y": (x / y, a / b), "x * y": (x * y, a * b), "x + y": (x + y, a + b),
+                 "sum": (tg.sum(x), a.sum()), "sum 0": (tg.sum(x, 0), a.sum(0)),
+                 "mean": (tg.mean(x), a.mean()), "mean 1": (tg.mean(x, 1, keepdim=True), a.mean(1, keepdims=True)),
+                 "mean of one": (tg.mean(tg.from_numpy(a[:, :1]), 1), a[:, :1].mean(1))}  # scale 1: still a float
+        for what, (t, ref) in cases.items():
+            got = t.numpy()
+            assert got.dtype == ref.dtype == t.dtype, (what, tiles, got.dtype, ref.dtype, t.dtype)
+            np.testing.assert_allclose(got, ref, rtol=1e-12, err_msg=f"{what}, tiles {tiles}")
+
+
+def test_bool_subtraction_is_refused_and_empty_means_are_nan():
+    x = tg.from_numpy(np.arange(6) > 2)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.sub\].*bool"):
+        x - x
+    empty = tg.from_numpy(np.zeros((0, 4), np.float32))
+    assert np.isnan(tg.mean(empty).numpy()) and tg.mean(empty).dtype == np.float32
+    assert float(tg.sum(empty).numpy()) == 0.0
+
+
 @params
 @dtypes
 def test_matmul_2d_and_batched(rng, mode, dtype):
