@@ -192,6 +192,21 @@ def matmul(a: TileTensor, b: TileTensor, bias: TileTensor | None = None, *, tran
 
 
 def linear(x: TileTensor, weight: TileTensor, bias: TileTensor | None = None) -> TileTensor:
-    """``x @ weight + bias`` with weight stored (in, out)."""
+    """``x @ weight + bias`` with ``weight`` stored (in, out), as tilegraph stores every weight
+    (features last; GPT-2's Conv1D layout). torch's ``F.linear`` takes (out, in) and computes
+    ``x @ weight.T``: pass a torch weight transposed.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.linear(tg.from_numpy(np.ones((2, 3))), tg.from_numpy(np.ones((3, 4)))).shape
+    (2, 4)
+    """
+    where = "tilegraph.linear"
+    require_tensor(x, where, "x")
+    require_tensor(weight, where, "weight")
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[0]:
+        hint = (" (torch's (out, in) layout? tilegraph stores weights (in, out): pass it transposed)"
+                if weight.ndim == 2 and x.ndim >= 1 and x.shape[-1] == weight.shape[1] else "")
+        raise TileError(where, f"weight of shape (in, out) with in = x's last dim{hint}",
+                        f"x {x.shape}, weight {weight.shape}")
     return _matmul_op(x, weight, bias)
 

@@ -101,6 +101,15 @@ def test_bool_subtraction_is_refused_and_empty_means_are_nan():
     assert float(tg.sum(empty).numpy()) == 0.0
 
 
+def test_linear_names_a_weight_in_torchs_layout():
+    """tg.linear takes weights (in, out): one given in torch's (out, in) layout is named as such."""
+    x = tg.from_numpy(np.ones((4, 8), np.float32))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.linear\].*torch's \(out, in\) layout.*x \(4, 8\), weight \(6, 8\)"):
+        tg.linear(x, tg.from_numpy(np.ones((6, 8), np.float32)))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.linear\] weight of shape \(in, out\)"):
+        tg.linear(x, tg.from_numpy(np.ones((5, 6), np.float32)))
+
+
 @params
 @dtypes
 def test_matmul_2d_and_batched(rng, mode, dtype):
