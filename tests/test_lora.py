@@ -278,6 +278,42 @@ def test_bad_inputs(tmp_path):
         peft.save_adapters(tmp_path / "b", models.build("gpt2-debug"))
 
 
+
+def _structure(model) -> list:
+    return [(name, type(p).__name__, p.shape, p.requires_grad) for name, p in model.named_parameters()]
+
+
+def test_adapters_that_do_not_fit_a_plain_model_leave_it_unchanged(tmp_path, monkeypatch):
+    """Adapters loaded onto a model without any are added to the layers they were saved for; where
+    one of those is missing or of another shape, the load is refused naming each, before any
+    layer changes (before, the layers that did fit were already converted and every weight
+    frozen); a failure during the load itself puts the model back too."""
+    import dataclasses
+
+    peft.save_adapters(tmp_path / "a", peft.apply_lora(models.build("gpt2-debug"), ["attn.q", "attn.v"], rank=4))
+    shallow = models.build(dataclasses.replace(models.GPT2Config.flavor("debug"), n_layers=1))
+    wide = models.build(dataclasses.replace(models.GPT2Config.flavor("debug"), dim=64, n_heads=2))
+    for model, problem in ((shallow, r"no Linear layer blocks.1.attn.q \(of its LoRA adapter\) in the GPT2"),
+                           (wide, r"blocks.0.attn.q: model \(64, 64\), LoRA adapter for \(32, 32\)")):
+        before = _structure(model)
+        with pytest.raises(tg.TileError, match=r"\[tilegraph.peft.load_adapters\] the layers that the adapters in "
+                                               r".* were saved for, in the model; received: .*" + problem):
+            peft.load_adapters(tmp_path / "a", model)
+        assert _structure(model) == before and not peft.lora_layers(model)
+    # a failure after the layers were converted (reading the adapters, say) undoes the conversion
+    from tilegraph.io.zarr import Checkpoint
+
+    def broken(self, target, **kw):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(Checkpoint, "load_into", broken)
+    model = models.build("gpt2-debug")
+    before = _structure(model)
+    with pytest.raises(OSError, match="disk gone"):
+        peft.load_adapters(tmp_path / "a", model)
+    assert _structure(model) == before and not peft.lora_layers(model)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["tiles", "data"])
 def test_frozen_weights_move_to_the_workers_once(embedded_runtime, parallel):

@@ -23,6 +23,7 @@ dequantized inside the step graph where it is used (a QLoRA-style frozen base fo
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -548,6 +549,16 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     if not isinstance(stored, dict) or not isinstance(groups, list) or not (stored or groups):
         raise TileError(where, "a folder written by tilegraph.peft.save_adapters",
                         f"{path} holds no LoRA or LoTR metadata")
+    convert = _conversion_problems(model, stored, groups)
+    if convert:
+        raise TileError(where, f"the layers that the adapters in {path} were saved for, in the model",
+                        "; ".join(convert))
+    with _unchanged_on_failure(model):  # a failure below leaves the model as it was given
+        _load_adapters(path, ck, model, stored, groups, where)
+    return model
+
+
+def _load_adapters(path, ck, model: Module, stored: dict, groups: list, where: str) -> None:
     if stored and not lora_layers(model):
         for name, info in stored.items():
             apply_lora(model, [name], info["rank"], info["alpha"], info.get("dropout", 0.0))
@@ -576,7 +587,42 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     for g in groups:
         for name in g["layers"]:
             lotr[name].scale = float(g["scale"])
-    return model
+
+
+def _conversion_problems(model: Module, stored: dict, groups: list) -> list[str]:
+    """Where ``model`` has no adapters of a kind that the checkpoint holds, what keeps them from
+    being added to the very layers they were saved for (a missing layer, another shape)."""
+    linears = {name: m for name, m, _ in _named_modules(model) if isinstance(m, (Linear, QuantizedLinear))}
+    wanted = []
+    if stored and not lora_layers(model):
+        wanted += [("LoRA", name, info["shape"]) for name, info in stored.items()]
+    if groups and not lotr_layers(model):
+        wanted += [("LoTR", name, g["shape"]) for g in groups for name in g["layers"]]
+    problems = []
+    for kind, name, shape in wanted:
+        m = linears.get(name)
+        if m is None:
+            problems.append(f"no Linear layer {name} (of its {kind} adapter) in the {type(model).__name__}")
+        elif list(m.weight.shape) != list(shape):
+            problems.append(f"{name}: model ({m.weight.shape[0]}, {m.weight.shape[1]}), {kind} adapter for "
+                            f"({shape[0]}, {shape[1]})")
+    return problems
+
+
+@contextlib.contextmanager
+def _unchanged_on_failure(model: Module):
+    """Put back every submodule of ``model`` and every parameter's ``requires_grad`` if the block
+    raises (a failed load then leaves no adapter and no frozen weight behind)."""
+    modules = [(setter, m) for _, m, setter in _named_modules(model)]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    except BaseException:
+        for setter, m in modules:
+            setter(m)
+        for p, flag in flags:
+            p.requires_grad = flag
+        raise
 
 
 def _lotr_problems(model: Module, groups: list) -> list[str]:
