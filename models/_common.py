@@ -61,7 +61,14 @@ class CausalLM(nn.Module):
             raise TileError(f"tilegraph.models.{type(self).__name__}", "tiling must be a ModelTiling or None",
                             type(tiling).__name__)
         tiling.check(config, where=f"tilegraph.models.{type(self).__name__}")
-        self.config, self.tiling, self.dtype = config, tiling, np.dtype(dtype)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt is None or dt.kind != "f":
+            raise TileError(f"tilegraph.models.{type(self).__name__}", "dtype must be a floating dtype (float32, "
+                            "float64, float16)", repr(dtype))
+        self.config, self.tiling, self.dtype = config, tiling, dt
         return tiling
 
     def _block(self, block: nn.Module, x: TileTensor, cache: nn.KVCache | None) -> TileTensor:

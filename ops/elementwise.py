@@ -450,8 +450,15 @@ def _nb_silu_bwd_f32(x, g, out):
 _F32_DT = np.dtype(np.float32)
 
 
+#: the dtypes the Numba kernels take; others (float16) go through float32 and back, as torch
+#: computes half-precision activations in float
+_NUMBA_DTS = (_F32_DT, np.dtype(np.float64))
+
+
 def _numba_unary(fn, fn32=None):
     def run(x, **params):
+        if x.dtype not in _NUMBA_DTS:
+            return run(x.astype(np.float32), **params).astype(x.dtype)
         x = np.ascontiguousarray(x)
         out = np.empty_like(x)
         if fn32 is not None and x.dtype == _F32_DT:
@@ -465,6 +472,8 @@ def _numba_unary(fn, fn32=None):
 
 def _numba_binary(fn, fn32=None):
     def run(x, g, **params):
+        if x.dtype not in _NUMBA_DTS or g.dtype not in _NUMBA_DTS:
+            return run(x.astype(np.float32), g.astype(np.float32), **params).astype(x.dtype)
         x, g = np.ascontiguousarray(x), np.ascontiguousarray(g)
         out = np.empty_like(x)
         if fn32 is not None and x.dtype == _F32_DT and g.dtype == _F32_DT:

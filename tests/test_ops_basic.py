@@ -110,6 +110,35 @@ def test_linear_names_a_weight_in_torchs_layout():
         tg.linear(x, tg.from_numpy(np.ones((5, 6), np.float32)))
 
 
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_float16_activations_compute_in_float32(act):
+    """float16 tiles go through the float32 kernels and back (the Numba kernels take float32 and
+    float64 only; float16 raised NotImplementedError inside a kernel), forward and backward, as
+    torch computes half activations."""
+    x = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float16)
+    fn = {"gelu": tg.gelu, "gelu_tanh": lambda t: tg.gelu(t, approximate="tanh"), "silu": tg.silu}[act]
+    tfn = {"gelu": torch.nn.functional.gelu, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+           "silu": torch.nn.functional.silu}[act]
+    t = tg.from_numpy(x, (3, 4))
+    y, (g,) = fn(t), tg.grad((fn(t) * t).sum(), [t])
+    tx = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    ty = tfn(tx)
+    (ty * tx).sum().backward()
+    assert y.numpy().dtype == g.numpy().dtype == np.float16
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy().astype(np.float16), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(g.numpy(), tx.grad.numpy().astype(np.float16), atol=5e-3, rtol=5e-3)
+
+
+def test_models_run_in_float16_and_refuse_other_dtypes():
+    from tilegraph import models
+
+    logits = tg.compute(models.build("gpt2-debug", dtype=np.float16)(np.array([[1, 2, 3]])))[0]
+    assert logits.dtype == np.float16 and np.isfinite(logits).all()
+    for bad in (np.int32, "bogus"):
+        with pytest.raises(tg.TileError, match=r"\[tilegraph.models.GPT2\] dtype must be a floating dtype"):
+            models.build("gpt2-debug", dtype=bad)
+
+
 @params
 @dtypes
 def test_matmul_2d_and_batched(rng, mode, dtype):
