@@ -144,8 +144,18 @@ def _number(x) -> int | float:
     return int(x) if isinstance(x, (int, np.integer)) else float(x)
 
 
+def _operands(where: str, a, b) -> None:
+    """Each of ``a``, ``b`` a TileTensor or a number (one at least a tensor)."""
+    for name, x in (("a", a), ("b", b)):
+        if not (isinstance(x, TileTensor) or _scalar(x)):
+            hint = " (wrap a NumPy array with tg.from_numpy)" if isinstance(x, np.ndarray) else ""
+            raise TileError(where, f"{name} must be a TileTensor or a real number (not a bool){hint}",
+                            f"{type(x).__name__} {x!r:.60}")
+
+
 def add(a, b) -> TileTensor:
     """``a + b`` with NumPy broadcasting; either may be a Python number."""
+    _operands("tilegraph.add", a, b)
     if _scalar(b):
         return affine(a, 1, _number(b))
     if _scalar(a):
@@ -154,6 +164,7 @@ def add(a, b) -> TileTensor:
 
 
 def sub(a, b) -> TileTensor:
+    _operands("tilegraph.sub", a, b)
     if _scalar(b):
         return affine(a, 1, -_number(b))
     if _scalar(a):
@@ -162,6 +173,7 @@ def sub(a, b) -> TileTensor:
 
 
 def mul(a, b) -> TileTensor:
+    _operands("tilegraph.mul", a, b)
     if _scalar(b):
         return affine(a, _number(b))
     if _scalar(a):
@@ -170,8 +182,10 @@ def mul(a, b) -> TileTensor:
 
 
 def div(a, b) -> TileTensor:
+    _operands("tilegraph.div", a, b)
     if _scalar(b):
-        return affine(a, 1.0 / float(b))
+        with np.errstate(divide="ignore"):  # by zero: inf, as NumPy and torch divide (0 / 0: NaN)
+            return affine(a, float(np.float64(1.0) / np.float64(b)))
     if _scalar(a):
         raise TileError("tilegraph.div", "dividing a number by a tensor is not supported", f"{a!r} / tensor")
     return _div_op(a, b)

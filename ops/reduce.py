@@ -135,6 +135,9 @@ def _dims(x: TileTensor, dim, where: str) -> tuple:
         return tuple(range(x.ndim))
     if isinstance(dim, (int, np.integer)):
         dim = (dim,)
+    if not isinstance(dim, (tuple, list)) or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                                                      for d in dim):
+        raise TileError(where, "dim must be None, an int or a tuple of ints", repr(dim))
     dims = tuple(sorted({norm_dim(int(d), x.ndim, where) for d in dim}))
     if len(dims) != len(tuple(dim)):
         raise TileError(where, "dims must be distinct", repr(dim))

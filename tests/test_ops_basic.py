@@ -139,6 +139,29 @@ def test_models_run_in_float16_and_refuse_other_dtypes():
             models.build("gpt2-debug", dtype=bad)
 
 
+def test_bad_operands_are_named():
+    """Operands that are neither tensors nor real numbers, reduction dims that are not ints and
+    unknown compile options give one TileError each (they were AttributeErrors and TypeErrors
+    from inside); a number divided by a tensor says it is unsupported; division by zero gives
+    NumPy's inf and NaN."""
+    a = tg.from_numpy(np.arange(6.0).reshape(2, 3))
+    for op, make in (("add", lambda: a + np.ones(3)), ("add", lambda: np.ones(3) + a), ("mul", lambda: a * True),
+                     ("add", lambda: a + "x"), ("sub", lambda: a - 1j), ("div", lambda: a / [2])):
+        with pytest.raises(tg.TileError, match=rf"\[tilegraph.{op}\] . must be a TileTensor or a real number"):
+            make()
+    with pytest.raises(tg.TileError, match=r"wrap a NumPy array with tg.from_numpy"):
+        a * np.ones(3)
+    for dim in (1.0, "x", (0, 1.5), True):
+        with pytest.raises(tg.TileError, match=r"\[tilegraph.sum\] dim must be None, an int or a tuple of ints"):
+            a.sum(dim)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.compile\] keyword arguments among fuse, .*received: foo=1"):
+        tg.compute(a, foo=1)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.div\] dividing a number by a tensor is not supported"):
+        2 / a
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal((a / 0).numpy(), np.arange(6.0).reshape(2, 3) / np.float64(0))
+
+
 @params
 @dtypes
 def test_matmul_2d_and_batched(rng, mode, dtype):

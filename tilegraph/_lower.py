@@ -26,6 +26,7 @@ this module writes and runs the Dask graph.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 import uuid
@@ -844,7 +845,13 @@ def _local_get(layers: dict, keys: list, threads: int = 1):
 
 
 def compile(outputs: Sequence[TileTensor | TileRef], **kw) -> Executable:
-    """Place, cluster and plan the graph behind ``outputs`` (TileTensors or tile refs)."""
+    """Place, cluster and plan the graph behind ``outputs`` (TileTensors or tile refs); keyword
+    arguments go to :class:`Executable`."""
+    known = [k for k in inspect.signature(Executable.__init__).parameters if k not in ("self", "roots")]
+    unknown = sorted(set(kw) - set(known))
+    if unknown:
+        raise TileError("tilegraph.compile", f"keyword arguments among {', '.join(known)}",
+                        ", ".join(f"{k}={kw[k]!r:.40}" for k in unknown))
     roots: list[TileRef] = []
     for o in outputs:
         if isinstance(o, TileTensor):

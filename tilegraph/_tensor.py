@@ -245,9 +245,12 @@ class TileTensor:
     def __truediv__(self, other):
         from tilegraph import ops
 
-        if isinstance(other, (int, float)):
-            return ops.mul(self, 1.0 / other)
         return ops.div(self, other)
+
+    def __rtruediv__(self, other):
+        from tilegraph import ops
+
+        return ops.div(other, self)
 
     def __neg__(self):
         from tilegraph import ops
