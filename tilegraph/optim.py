@@ -15,12 +15,56 @@ from typing import Callable, Sequence
 import numba
 import numpy as np
 
+from tilegraph._config import number_check
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, scope, xp_of
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
-from tilegraph.nn import Parameter
+from tilegraph.nn import Module, Parameter
 
 __all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant", "schedule_from_spec"]
+
+
+# ------------------------------------------------------------------------ argument checks ----
+# (check, what it wants) of the hyperparameters: the ranges torch.optim checks, except where
+# torch's range lets a run produce NaN or diverge (noted).
+#: a learning rate or weight decay
+_NON_NEGATIVE = (number_check(high=math.inf, below=True)[0], "a finite number >= 0")
+#: AdamW's eps; torch allows 0, which makes the update 0/0 = NaN wherever a gradient and its
+#: moments are 0
+_EPS = (number_check(strict=True, high=math.inf, below=True)[0], "a finite number > 0")
+_BETA = number_check(0.0, high=1.0, below=True)
+#: SGD's momentum; torch allows more than 1, which grows the momentum buffer geometrically
+#: until it overflows to inf and NaN
+_MOMENTUM = number_check(0.0, high=1.0)
+_STEPS = number_check(whole=True)
+
+
+def _check(where: str, name: str, value, check) -> None:
+    """A TileError naming ``name`` and ``value`` unless ``check`` (an ``(ok, what it wants)``
+    pair, as ``number_check`` makes) accepts ``value``."""
+    ok, want = check
+    if not ok(value):
+        raise TileError(where, f"{name} must be {want}", f"{name}={value!r}")
+
+
+def _parameter_list(where: str, params) -> list:
+    """``params`` as a list of Parameters (frozen ones included), or a TileError."""
+    if isinstance(params, Module):
+        raise TileError(where, "params must be an iterable of Parameters: pass model.parameters(), not the model",
+                        f"params={type(params).__name__} (a Module)")
+    wanted = "params must be an iterable of Parameters (such as model.parameters())"
+    if isinstance(params, TileTensor):
+        raise TileError(where, wanted + "; for one Parameter p, pass [p]", f"params={type(params).__name__}")
+    try:
+        params = list(params)
+    except TypeError:
+        raise TileError(where, wanted, f"params={params!r}") from None
+    if not params:
+        raise TileError(where, "params must hold at least one Parameter", "params: empty")
+    for i, p in enumerate(params):
+        if not isinstance(p, Parameter):
+            raise TileError(where, f"params[{i}] is not a Parameter", type(p).__name__)
+    return params
 
 
 # ------------------------------------------------------------------------------- schedules ----
@@ -30,9 +74,13 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
     Steps count from 1 (the first update uses ``schedule(1)``). The schedule's ``spec`` (a dict)
     is saved in checkpoints and rebuilt by :func:`schedule_from_spec`.
     """
-    if warmup < 0 or total < 1 or warmup > total:
-        raise TileError("tilegraph.optim.warmup_cosine", "need 0 <= warmup <= total and total >= 1",
-                        f"warmup={warmup}, total={total}")
+    where = "tilegraph.optim.warmup_cosine"
+    _check(where, "base_lr", base_lr, _NON_NEGATIVE)
+    _check(where, "min_lr", min_lr, (number_check(high=base_lr)[0], f"a number >= 0 and <= base_lr ({base_lr:g})"))
+    _check(where, "warmup", warmup, _STEPS)
+    _check(where, "total", total, number_check(1, whole=True))
+    if warmup > total:
+        raise TileError(where, "warmup must be <= total", f"warmup={warmup}, total={total}")
 
     def lr(step: int) -> float:
         if warmup and step <= warmup:
@@ -48,6 +96,8 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
 
 
 def constant(base_lr: float) -> Callable[[int], float]:
+    _check("tilegraph.optim.constant", "base_lr", base_lr, _NON_NEGATIVE)
+
     def lr(step: int) -> float:
         return base_lr
 
@@ -211,19 +261,17 @@ class Optimizer:
 
     def __init__(self, params: Sequence[Parameter], lr: float | Callable[[int], float],
                  clip_grad_norm: float | None = None):
-        params = list(params)
-        for i, p in enumerate(params):
-            if not isinstance(p, Parameter):
-                raise TileError(f"tilegraph.optim.{type(self).__name__}", f"params[{i}] is not a Parameter",
-                                type(p).__name__)
+        where = f"tilegraph.optim.{type(self).__name__}"
+        params = _parameter_list(where, params)
+        if not callable(lr):
+            _check(where, "lr", lr, _NON_NEGATIVE)
+        if clip_grad_norm is not None:
+            _check(where, "clip_grad_norm", clip_grad_norm, number_check(strict=True))
         frozen = [p for p in params if not p.requires_grad]
         params = [p for p in params if p.requires_grad]
         if not params:
-            raise TileError(f"tilegraph.optim.{type(self).__name__}", "at least one parameter that requires a "
-                            "gradient", f"{len(frozen)} parameters, all frozen (requires_grad=False)")
-        if clip_grad_norm is not None and clip_grad_norm <= 0:
-            raise TileError(f"tilegraph.optim.{type(self).__name__}", "clip_grad_norm must be positive",
-                            repr(clip_grad_norm))
+            raise TileError(where, "at least one parameter that requires a gradient",
+                            f"{len(frozen)} parameters, all frozen (requires_grad=False)")
         self.params = params
         self.schedule = lr if callable(lr) else constant(float(lr))
         self.clip_grad_norm = clip_grad_norm
@@ -337,6 +385,13 @@ class AdamW(Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  clip_grad_norm: float | None = None):
+        where = f"tilegraph.optim.{type(self).__name__}"
+        if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise TileError(where, "betas must be two numbers (beta1, beta2), each >= 0 and < 1", f"betas={betas!r}")
+        for i, beta in enumerate(betas):
+            _check(where, f"betas[{i}]", beta, _BETA)
+        _check(where, "eps", eps, _EPS)
+        _check(where, "weight_decay", weight_decay, _NON_NEGATIVE)
         super().__init__(params, lr, clip_grad_norm)
         self.betas, self.eps, self.weight_decay = tuple(betas), float(eps), float(weight_decay)
 
@@ -352,6 +407,9 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
                  clip_grad_norm: float | None = None):
+        where = f"tilegraph.optim.{type(self).__name__}"
+        _check(where, "momentum", momentum, _MOMENTUM)
+        _check(where, "weight_decay", weight_decay, _NON_NEGATIVE)
         self.n_state = 1 if momentum else 0
         self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(params, lr, clip_grad_norm)

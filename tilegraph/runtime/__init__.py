@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from tilegraph._config import number_check
 from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
                                           _read_scheduler_file, _refuse_unguarded_script, _tls_files)
@@ -415,6 +417,68 @@ def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit, quiet: bo
     return spec
 
 
+# -- the arguments of connect ------------------------------------------------------------------
+_ADDRESS = 'a scheduler address: "tcp://HOST:PORT", "tls://HOST:PORT" or "HOST:PORT"'
+_MEMORY_LIMIT = ('"auto", None or 0 (no limit), a fraction of the memory (0 < x <= 1), a number of bytes, '
+                 'or a size such as "4GiB"')
+
+
+def _address_ok(address) -> bool:
+    """Whether Dask reads ``address`` as an address: a known scheme, and for tcp:// and tls:// a
+    host and a port (only the form: nothing is dialled)."""
+    from distributed.comm import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    if not isinstance(address, str):
+        return False
+    try:
+        scheme, loc = parse_address(address)
+        get_backend(scheme)
+        return scheme not in ("tcp", "tls") or 0 < parse_host_port(loc)[1] < 65536
+    except ValueError:
+        return False
+
+
+def _memory_limit_ok(limit) -> bool:
+    """Whether Dask reads ``limit`` as a worker memory limit >= 0 (sizes through Dask's own
+    ``parse_bytes``, as the workers read them)."""
+    if limit is None or (isinstance(limit, str) and limit == "auto"):
+        return True
+    if isinstance(limit, str) and limit.strip():
+        from dask.utils import parse_bytes
+
+        try:
+            limit = parse_bytes(limit)
+        except ValueError:
+            return False
+    return number_check(high=math.inf, below=True)[0](limit)
+
+
+def _none_or(check):
+    ok, want = check
+    return (lambda v: v is None or ok(v)), want
+
+
+#: (check, what it wants) of the arguments of :func:`connect` that describe where to connect or
+#: the cluster to start; None (the default) where that may be None
+_CONNECT_CHECKS = {
+    "address": _none_or((_address_ok, _ADDRESS)),
+    "scheduler_file": _none_or(((lambda v: isinstance(v, (str, os.PathLike))), "a path (str or os.PathLike)")),
+    "n_workers": _none_or(number_check(1, whole=True)),
+    "gpu": _none_or(number_check(whole=True)),
+    "threads_per_worker": _none_or(number_check(1, whole=True)),
+    "memory_limit": (_memory_limit_ok, _MEMORY_LIMIT),
+    "timeout": (number_check(strict=True, high=math.inf, below=True)[0], "a finite number of seconds > 0"),
+}
+
+
+def _check_connect_arguments(where: str, **args) -> None:
+    for name, value in args.items():
+        ok, want = _CONNECT_CHECKS[name]
+        if not ok(value):
+            raise TileError(where, f"need {name} to be {want}", f"{name}={value!r}")
+
+
 def connect(address: str | None = None, *, scheduler_file: str | None = None, mpi: bool = False,
             n_workers: int | None = None, gpu: int | None = None, threads_per_worker: int | None = None,
             dashboard: bool = True, timeout: float = 10.0, quiet: bool = False, memory_limit="auto",
@@ -457,6 +521,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     from distributed import Client
 
     where = "tilegraph.connect"
+    _check_connect_arguments(where, address=address, scheduler_file=scheduler_file, n_workers=n_workers, gpu=gpu,
+                             threads_per_worker=threads_per_worker, memory_limit=memory_limit, timeout=timeout)
     if sum(x is not None and x is not False for x in (address, scheduler_file, mpi or None)) > 1:
         raise TileError(where, "give at most one of address, scheduler_file and mpi=True",
                         f"address={address!r}, scheduler_file={scheduler_file!r}, mpi={mpi!r}")
