@@ -63,6 +63,19 @@ def test_asking_for_worker_threads_changes_nothing_a_plan_reads(embedded_runtime
     assert exe.memory_limit == exe.workers.memory_limit
 
 
+def test_a_closed_runtime_is_named_as_closed():
+    x = tg.from_numpy(np.ones(4))
+    rt = tg.connect(n_workers=1, threads_per_worker=1, quiet=True, dashboard=False, make_current=False)
+    with rt.as_current():
+        exe = tg.compile([x * 2.0])
+    rt.close()
+    assert repr(rt) == "<tilegraph.Runtime closed>"  # it raised AttributeError
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.compile\] an open runtime: this one was closed"):
+        tg.compute(x, runtime=rt)  # Dask's "IOLoop is closed" before
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.Executable.run\] an open runtime"):
+        exe.run()
+
+
 def _listening(pid: int) -> list[tuple[str, int]]:
     import psutil
 

@@ -58,6 +58,13 @@ def _memory_limit(workers) -> float:
     return float("inf") if workers is None else workers.memory_limit
 
 
+def _require_open(runtime, where: str) -> None:
+    """A runtime that was closed can run nothing (Dask's client would say 'IOLoop is closed')."""
+    if runtime is not None and getattr(runtime, "closed", False):
+        raise TileError(where, "an open runtime: this one was closed (connect again, or leave runtime out to use "
+                        "the current one)", repr(runtime))
+
+
 def _check_fits(work: Sequence[Node], limit: float) -> None:
     """Fail before running when one kernel call's tiles (inputs and outputs) exceed a worker's
     memory limit: Dask would otherwise pause, spill and finally kill the worker, again and again."""
@@ -105,6 +112,7 @@ class Executable:
         from tilegraph.runtime import current_runtime
 
         runtime = runtime if runtime is not None else current_runtime()
+        _require_open(runtime, "tilegraph.compile")
         self.runtime = runtime
         self.roots = list(roots)
         fuse = config.fuse if fuse is None else fuse
@@ -549,6 +557,7 @@ class Executable:
         come as :class:`Fetching` handles (:func:`gather` waits for them) and the call returns at once.
         """
         runtime = runtime if runtime is not None else self.runtime
+        _require_open(runtime, "tilegraph.Executable.run")
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         gang = self.gang if runtime is not None else None
         if gang is not None:

@@ -207,7 +207,9 @@ class Runtime:
         return self.last_workers.cpu_resource
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else _plural(len(self.workers()), "worker")
+        if self.closed:  # the client's scheduler connection is gone
+            return "<tilegraph.Runtime closed>"
+        state = _plural(len(self.workers()), "worker")
         return f"<tilegraph.Runtime {self.client.scheduler.address} {state} dashboard={self.dashboard_link}>"
 
     # -- execution ------------------------------------------------------------------------------
