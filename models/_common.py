@@ -102,9 +102,12 @@ class CausalLM(nn.Module):
         """Token ids as a TileTensor (a NumPy array gets the tiling's batch and seq tiles)."""
         where = f"tilegraph.models.{type(self).__name__}"
         if not isinstance(ids, TileTensor):
+            shape = np.shape(ids)
+            if len(shape) == 2 and 0 in shape:  # before tiling it: no tile fits an empty dim
+                raise TileError(where, "ids of shape (batch, seq) holding at least one token", f"shape {shape}")
             ids = self.tiling.tile_ids(ids)
-        if ids.ndim != 2 or ids.dtype.kind not in "iu":
-            raise TileError(where, "ids must be an integer TileTensor of shape (batch, seq)",
+        if ids.ndim != 2 or ids.dtype.kind not in "iu" or 0 in ids.shape:
+            raise TileError(where, "ids must be an integer TileTensor of shape (batch, seq), at least one token",
                             f"{ids.dtype} of shape {ids.shape}")
         if start + ids.shape[1] > self.config.max_seq_len:
             got = f"seq={start + ids.shape[1]}" + (f" ({start} cached + {ids.shape[1]} new)" if start else "")

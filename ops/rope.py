@@ -91,6 +91,9 @@ def rope(x: TileTensor, base: float = 10000.0, position_offset: int = 0) -> Tile
         raise TileError(WHERE, "the head dim D must be even (channels rotate in pairs)", f"D={d}")
     if len(x.chunks[3]) != 1:
         raise TileError(WHERE, "the head dim D must be a single tile", f"tiles {x.chunks[3]}")
+    if isinstance(base, bool) or not isinstance(base, (int, float, np.integer, np.floating)) or not 0 < base < np.inf:
+        raise TileError(WHERE, "base must be a finite number > 0 (the frequencies are base ** (-2i / D))",
+                        repr(base))
     if int(position_offset) != position_offset or position_offset < 0:
         raise TileError(WHERE, "position_offset must be a non-negative integer", repr(position_offset))
     return _rope_op(x, base=float(base), position_offset=int(position_offset))

@@ -407,3 +407,24 @@ def test_config_settings_are_checked_as_they_are_set(monkeypatch):
     monkeypatch.setattr(tg.config, "max_steps_per_graph", np.int64(4))
     monkeypatch.setattr(tg.config, "exchange", "tasks")
     assert tg.config.exchange == "tasks" and tg.config.max_steps_per_graph == 4
+
+
+def test_empty_dims_and_rope_bases():
+    """A dim of no elements tiled 'whole' (None or -1) is one empty tile, as without tiles (it was
+    'tile size 0 must be positive'); a model given no tokens says so before tiling them; a RoPE
+    base that is not a finite positive number is refused (0 gave NaNs)."""
+    import numpy as np
+
+    import tilegraph as tg
+    from tilegraph import models
+
+    for whole in (None, -1):
+        t = tg.from_numpy(np.zeros((0, 4), np.float32), (whole, 2))
+        assert t.chunks == ((0,), (2, 2)) and t.numpy().shape == (0, 4)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.models.GPT2\] ids of shape \(batch, seq\) holding at least "
+                                           r"one token; received: shape \(1, 0\)"):
+        models.build("gpt2-debug")(np.zeros((1, 0), np.int64))
+    x = tg.from_numpy(np.ones((1, 1, 3, 2)))
+    for base in (0, -1.0, float("nan"), float("inf"), "1e4", True):
+        with pytest.raises(tg.TileError, match=r"\[tilegraph.rope\] base must be a finite number > 0"):
+            tg.rope(x, base=base)

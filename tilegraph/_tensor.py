@@ -90,7 +90,7 @@ class Tiling:
                 raise TileError(where, f"tile size of dim {d} must be a positive integer, or None (or -1) for "
                                 "the whole dim", f"{t!r} ({type(t).__name__})")
             if t is None or t == -1:
-                t = n
+                t = max(n, 1)  # the whole dim: one tile, of no elements where the dim has none
             t = int(t)
             if t <= 0:
                 raise TileError(where, f"tile size of dim {d} must be positive", f"{t}")
