@@ -139,6 +139,14 @@ def number_check(low: float = 0.0, strict: bool = False, high: float | None = No
                 + (f" and {'<' if below else '<='} {high:g}" if high is not None else ""))
 
 
+def require_arg(where: str, name: str, value, check) -> None:
+    """A TileError naming ``name`` and ``value`` unless ``check`` (an ``(ok, what it wants)``
+    pair, as :func:`number_check` makes) accepts ``value``."""
+    ok, want = check
+    if not ok(value):
+        raise TileError(where, f"{name} must be {want}", f"{name}={value!r}")
+
+
 def one_of_check(*names: str):
     """(check, what it wants) of a string among ``names``."""
     return (lambda v: isinstance(v, str) and v in names), f"one of {', '.join(map(repr, names))}"

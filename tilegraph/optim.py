@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numba
 import numpy as np
 
-from tilegraph._config import number_check
+from tilegraph._config import number_check, require_arg
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, scope, xp_of
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
@@ -37,14 +37,6 @@ _BETA = number_check(0.0, high=1.0, below=True)
 #: until it overflows to inf and NaN
 _MOMENTUM = number_check(0.0, high=1.0)
 _STEPS = number_check(whole=True)
-
-
-def _check(where: str, name: str, value, check) -> None:
-    """A TileError naming ``name`` and ``value`` unless ``check`` (an ``(ok, what it wants)``
-    pair, as ``number_check`` makes) accepts ``value``."""
-    ok, want = check
-    if not ok(value):
-        raise TileError(where, f"{name} must be {want}", f"{name}={value!r}")
 
 
 def _parameter_list(where: str, params) -> list:
@@ -75,10 +67,10 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
     is saved in checkpoints and rebuilt by :func:`schedule_from_spec`.
     """
     where = "tilegraph.optim.warmup_cosine"
-    _check(where, "base_lr", base_lr, _NON_NEGATIVE)
-    _check(where, "min_lr", min_lr, (number_check(high=base_lr)[0], f"a number >= 0 and <= base_lr ({base_lr:g})"))
-    _check(where, "warmup", warmup, _STEPS)
-    _check(where, "total", total, number_check(1, whole=True))
+    require_arg(where, "base_lr", base_lr, _NON_NEGATIVE)
+    require_arg(where, "min_lr", min_lr, (number_check(high=base_lr)[0], f"a number >= 0 and <= base_lr ({base_lr:g})"))
+    require_arg(where, "warmup", warmup, _STEPS)
+    require_arg(where, "total", total, number_check(1, whole=True))
     if warmup > total:
         raise TileError(where, "warmup must be <= total", f"warmup={warmup}, total={total}")
 
@@ -96,7 +88,7 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
 
 
 def constant(base_lr: float) -> Callable[[int], float]:
-    _check("tilegraph.optim.constant", "base_lr", base_lr, _NON_NEGATIVE)
+    require_arg("tilegraph.optim.constant", "base_lr", base_lr, _NON_NEGATIVE)
 
     def lr(step: int) -> float:
         return base_lr
@@ -264,9 +256,9 @@ class Optimizer:
         where = f"tilegraph.optim.{type(self).__name__}"
         params = _parameter_list(where, params)
         if not callable(lr):
-            _check(where, "lr", lr, _NON_NEGATIVE)
+            require_arg(where, "lr", lr, _NON_NEGATIVE)
         if clip_grad_norm is not None:
-            _check(where, "clip_grad_norm", clip_grad_norm, number_check(strict=True))
+            require_arg(where, "clip_grad_norm", clip_grad_norm, number_check(strict=True))
         frozen = [p for p in params if not p.requires_grad]
         params = [p for p in params if p.requires_grad]
         if not params:
@@ -389,9 +381,9 @@ class AdamW(Optimizer):
         if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
             raise TileError(where, "betas must be two numbers (beta1, beta2), each >= 0 and < 1", f"betas={betas!r}")
         for i, beta in enumerate(betas):
-            _check(where, f"betas[{i}]", beta, _BETA)
-        _check(where, "eps", eps, _EPS)
-        _check(where, "weight_decay", weight_decay, _NON_NEGATIVE)
+            require_arg(where, f"betas[{i}]", beta, _BETA)
+        require_arg(where, "eps", eps, _EPS)
+        require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
         super().__init__(params, lr, clip_grad_norm)
         self.betas, self.eps, self.weight_decay = tuple(betas), float(eps), float(weight_decay)
 
@@ -408,8 +400,8 @@ class SGD(Optimizer):
     def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
                  clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
-        _check(where, "momentum", momentum, _MOMENTUM)
-        _check(where, "weight_decay", weight_decay, _NON_NEGATIVE)
+        require_arg(where, "momentum", momentum, _MOMENTUM)
+        require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
         self.n_state = 1 if momentum else 0
         self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(params, lr, clip_grad_norm)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
-from tilegraph._config import number_check
+from tilegraph._config import number_check, require_arg
 from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
                                           _read_scheduler_file, _refuse_unguarded_script, _tls_files)
@@ -476,9 +476,7 @@ _CONNECT_CHECKS = {
 
 def _check_connect_arguments(where: str, **args) -> None:
     for name, value in args.items():
-        ok, want = _CONNECT_CHECKS[name]
-        if not ok(value):
-            raise TileError(where, f"need {name} to be {want}", f"{name}={value!r}")
+        require_arg(where, name, value, _CONNECT_CHECKS[name])
 
 
 def connect(address: str | None = None, *, scheduler_file: str | None = None, mpi: bool = False,
