@@ -21,8 +21,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_float, require_same_chunks, require_tensor,
-                      xp_of)
+from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_float, require_same_chunks,
+                      require_tensor, xp_of)
 from .embedding import check_index_range, require_integer
 from ._tree import merge_tree
 
