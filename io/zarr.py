@@ -427,10 +427,10 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
         add(f"model/{name}", p, p.cells, rule(name, p.shape))
     held, copies = _quantized_weights(model, dict(named), where, runtime, deal)
     if optimizer is not None:
+        from tilegraph._train import optimizer_param_names
+
+        optimizer_param_names(optimizer, model, where, CheckpointError)
         for i, p in enumerate(optimizer.params):
-            if id(p) not in names_of:
-                raise CheckpointError(where, "every optimizer parameter must belong to the model",
-                                      f"optimizer.params[{i}] ({p.name}) is not among model.named_parameters()")
             for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
                 add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)
     arrays = {}
@@ -694,9 +694,11 @@ class Checkpoint:
         info = self._info(apath)
         return read_region(str(self.path), apath, [(0, n) for n in info["shape"]], info)
 
-    def _fill(self, pairs: Sequence[tuple[str, Any, np.ndarray]]) -> None:
-        """Read every tile of each ``(array path, tensor, cells)`` into its cell: on the workers
-        (one task per group of tiles, spread over the workers) or here without a runtime."""
+    def _read(self, pairs: Sequence[tuple[str, Any, np.ndarray]]) -> list[tuple[Any, Any]]:
+        """The value of every tile of each ``(array path, tensor, cells)``, as ``(cell, value)``
+        to set: read on the workers (one task per group of tiles, spread over the workers; the
+        values stay there) or here without a runtime. Sets nothing: a failed read (a checksum, a
+        missing chunk) raises before any cell changes."""
         jobs = []  # (cell, array path, region, info, nbytes)
         for apath, t, cells in pairs:
             info = self._info(apath)
@@ -707,13 +709,12 @@ class Checkpoint:
                 region = slices(t.chunks, idx)
                 nbytes = int(np.prod(t.tiling.tile_shape(idx))) * np.dtype(info["dtype"]).itemsize
                 jobs.append((cells[idx], apath, region, info, nbytes))
+        if not jobs:
+            return []
         runtime = self.runtime
         root = str(self.path)
         if runtime is None:
-            values = [read_region(root, a, r, i) for _, a, r, i, _ in jobs]
-            for (cell, *_), v in zip(jobs, values):
-                cell.set(np.asarray(v, dtype=cell.dtype))
-            return
+            return [(cell, np.asarray(read_region(root, a, r, i), dtype=cell.dtype)) for cell, a, r, i, _ in jobs]
         addrs = sorted(runtime.workers())
         if not addrs:
             raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
@@ -730,9 +731,13 @@ class Checkpoint:
         for f, _ in futures:
             if f.status == "error":
                 f.result()  # raises the worker's CheckpointError (checksum, missing chunk, ...)
-        for f, b in futures:
-            for j, (cell, *_rest) in enumerate(b):
-                cell.set(ValueRef(f, j))
+        return [(cell, ValueRef(f, j)) for f, b in futures for j, (cell, *_rest) in enumerate(b)]
+
+    def _restore(self, exact: Sequence[tuple[str, Any, np.ndarray]], quantized: Sequence[tuple[str, Any]] = ()) -> None:
+        """Read the tiles of ``exact`` (:meth:`_read`) and the quantized weights ``quantized``
+        (:meth:`_read_quantized`), then set them all: nothing changes unless every read succeeded."""
+        for cell, value in self._read(exact) + self._read_quantized(quantized):
+            cell.set(value)
 
     def load_into(self, model, *, strict: bool = True) -> None:
         """Put the stored weights into ``model``'s parameters (on its own tiling); every missing,
@@ -745,6 +750,12 @@ class Checkpoint:
         self._load_into(model, strict, quantized=True)
 
     def _load_into(self, model, strict: bool, quantized: bool) -> None:
+        self._restore(*self._model_reads(model, strict, quantized))
+
+    def _model_reads(self, model, strict: bool, quantized: bool) -> tuple[list, list]:
+        """Check ``model`` against the stored arrays (every problem reported at once); returns
+        what :meth:`_restore` reads into it: ``(array path, parameter, cells)`` of its weights
+        and, with ``quantized``, ``(array path, QuantizedTensor)`` of those it holds quantized."""
         named = dict(model.named_parameters())
         held = _held_quantized(model)
         stored = set(self.parameters)
@@ -760,8 +771,7 @@ class Checkpoint:
         problems += self._quantized_problems(pairs)
         if problems:
             raise CheckpointError(self._where, "the checkpoint's arrays to match the model", "; ".join(problems))
-        self._fill([(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored])
-        self._fill_quantized(pairs)
+        return [(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored], pairs
 
     def _quantized_problems(self, pairs) -> list[str]:
         """How the stored arrays differ from the quantized weights they go into (read from the
@@ -786,23 +796,21 @@ class Checkpoint:
                     break
         return problems
 
-    def _fill_quantized(self, pairs) -> None:
-        """Set the parts of every tile of each ``(array path, QuantizedTensor)`` to the stored ones
-        (the leaf cells stay: graphs recorded with them read the new values): read on the
-        workers, where steps use them, or here without a runtime."""
+    def _read_quantized(self, pairs) -> list[tuple[Any, Any]]:
+        """The stored parts of every tile of each ``(array path, QuantizedTensor)``, as ``(cell,
+        value)`` for its leaf cells (which stay: graphs recorded with them read the new values):
+        read on the workers, where steps use them, or here without a runtime. Sets nothing."""
         jobs = [(r.node.cell, f"{apath}/{tile_label(idx)}", names, i)
                 for apath, q in pairs for idx, (names, refs, _) in q._tiles.items() for i, r in enumerate(refs)]
         if not jobs:
-            return
+            return []
         root, runtime = str(self.path), self.runtime
         tiles: dict[str, tuple] = {}  # tile path -> part names, in the order of its cells
         for _, path, names, _ in jobs:
             tiles.setdefault(path, tuple(names))
         if runtime is None:
             parts = {path: quantized_parts(root, path)[0] for path in tiles}
-            for cell, path, names, i in jobs:
-                cell.set(parts[path][names[i]])
-            return
+            return [(cell, parts[path][names[i]]) for cell, path, names, i in jobs]
         addrs = sorted(runtime.workers())
         if not addrs:
             raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
@@ -824,15 +832,22 @@ class Checkpoint:
         for f in futures:
             if f.status == "error":
                 f.result()  # raises the worker's CheckpointError
-        for cell, path, _, i in jobs:
-            f, at = where_of[path]
-            cell.set(ValueRef(f, at + i))
+        return [(cell, ValueRef(where_of[path][0], where_of[path][1] + i)) for cell, path, _, i in jobs]
 
     def restore_optimizer(self, optimizer, model=None, *, schedule: bool = True) -> None:
         """Restore ``optimizer``'s state tensors (onto its parameters' tilings), step count and,
         with ``schedule``, its learning-rate schedule (as saved: the same total step budget, so
         the run continues exactly). Parameters are matched by name through ``model`` (default:
-        the optimizer's parameter names)."""
+        the optimizer's parameter names). Everything is checked, and every tile read, before
+        the optimizer changes."""
+        reads, finish = self._optimizer_reads(optimizer, model, schedule)
+        self._restore(reads)
+        finish()
+
+    def _optimizer_reads(self, optimizer, model, schedule: bool) -> tuple[list, Callable[[], None]]:
+        """Check ``optimizer`` against the stored state (its kind, an array of the right shape per
+        parameter and state); returns the ``(array path, parameter, state cells)`` that
+        :meth:`_restore` reads into it, and what sets its step count and schedule afterwards."""
         info = self.optimizer_info
         if info is None:
             raise CheckpointError(self._where, "a checkpoint with optimizer state", "saved without an optimizer")
@@ -840,7 +855,9 @@ class Checkpoint:
             raise CheckpointError(self._where, f"optimizer state of a {type(optimizer).__name__}",
                                   f"state of a {info.get('type')}")
         if model is not None:
-            names = {id(p): n for n, p in model.named_parameters()}
+            from tilegraph._train import optimizer_param_names
+
+            names = optimizer_param_names(optimizer, model, self._where, CheckpointError)
         else:
             names = {id(p): p.name for p in optimizer.params}
         pairs, problems = [], []
@@ -861,10 +878,26 @@ class Checkpoint:
             from tilegraph.optim import schedule_from_spec
 
             sched = schedule_from_spec(info["schedule"])
-        self._fill(pairs)
-        optimizer.step_count = int(info.get("step_count", self.step))
-        if sched is not None:
-            optimizer.schedule = sched
+        step_count = int(info.get("step_count", self.step))
+
+        def finish() -> None:
+            optimizer.step_count = step_count
+            if sched is not None:
+                optimizer.schedule = sched
+
+        return pairs, finish
+
+    def restore(self, model, optimizer=None, *, strict: bool = True, schedule: bool = True) -> None:
+        """:meth:`load_into` ``model`` and :meth:`restore_optimizer` ``optimizer`` (matched through
+        ``model``) as one: every check of both (arrays, shapes and quantized layout of the
+        weights; the optimizer's kind, parameters and state) and every read happen before
+        anything changes, so a checkpoint that does not fit leaves model and optimizer as they
+        were (what resuming training needs: :meth:`tilegraph.Trainer.load_checkpoint`)."""
+        exact, quantized = self._model_reads(model, strict, quantized=True)
+        reads, finish = self._optimizer_reads(optimizer, model, schedule) if optimizer is not None else ([], None)
+        self._restore(exact + reads, quantized)
+        if finish is not None:
+            finish()
 
 
 def _held_quantized(model) -> dict:

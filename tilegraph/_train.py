@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._autograd import grad
+from tilegraph._config import _CHECKS as _CONFIG_CHECKS, number_check
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef
 from tilegraph._lower import Executable, Fetching, config, gather
@@ -46,6 +48,10 @@ def _unbound_cells(tiling: Tiling, dtype, token: str) -> np.ndarray:
 
 def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str):
     """Leaf cells (unbound) and TileTensors for the arrays of a batch signature."""
+    if batch_tiles is not None and len(batch_tiles) != len(batch):
+        raise TileError(where, f"batch_tiles must hold one tiling per batch array ({len(batch)} here)",
+                        f"batch_tiles={list(batch_tiles)!r} for {len(batch)} arrays of shapes "
+                        f"{', '.join(str(np.shape(a)) for a in batch)}")
     inputs, tensors = [], []
     for i, a in enumerate(batch):
         tiling = Tiling.from_sizes(a.shape, None if batch_tiles is None else batch_tiles[i], where=f"{where} batch[{i}]")
@@ -75,6 +81,70 @@ def _per_graph(est_seconds: float) -> int:
     """Steps (or evaluation batches) per graph for one whose estimated time is ``est_seconds``:
     enough for ``config.graph_seconds`` of work, at most ``config.max_steps_per_graph``."""
     return max(1, min(config.max_steps_per_graph, int(config.graph_seconds / max(est_seconds, 1e-9))))
+
+
+# -- argument checks (shared with tilegraph.Trainer and the checkpoint loader) ---------------------
+#: the keyword arguments a step forwards to :class:`Executable` (those it sets itself left out)
+COMPILE_OPTIONS = tuple(n for n, p in inspect.signature(Executable.__init__).parameters.items()
+                        if p.kind is p.KEYWORD_ONLY and n not in ("runtime", "state_groups", "batch_cells"))
+
+
+def check_int(where: str, name: str, value, low: int) -> None:
+    """``value`` is an integer (not a bool) >= ``low``."""
+    ok, want = number_check(low, whole=True)
+    if not ok(value):
+        raise TileError(where, f"{name} must be {want}", repr(value))
+
+
+def check_runtime(where: str, runtime) -> None:
+    """``runtime`` is None (the current one, else Dask's local scheduler) or a connected Runtime."""
+    from tilegraph.runtime import Runtime
+
+    if runtime is not None and not isinstance(runtime, Runtime):
+        raise TileError(where, "runtime must be None or a tilegraph Runtime (rt = tg.connect(...) or "
+                        "tg.connect(\"tcp://scheduler:8786\"))", f"runtime={runtime!r}")
+
+
+def check_compile_options(where: str, options: dict) -> None:
+    """The keyword arguments forwarded to :class:`Executable`: known names (:data:`COMPILE_OPTIONS`),
+    each None (the ``tilegraph.config`` setting of that name) or a value that setting accepts."""
+    unknown = [k for k in options if k not in COMPILE_OPTIONS]
+    if unknown:
+        raise TileError(where, f"keyword arguments it forwards to compile are {', '.join(COMPILE_OPTIONS)}",
+                        ", ".join(f"{k}={options[k]!r}" for k in unknown))
+    for name, value in options.items():
+        check = _CONFIG_CHECKS.get(name)
+        if value is not None and check is not None and not check[0](value):
+            raise TileError(where, f"{name} must be {check[1]} (or None: tilegraph.config.{name})", repr(value))
+
+
+def optimizer_param_names(optimizer, model, where: str, error: type[TileError] = TileError) -> dict[int, str]:
+    """The name in ``model`` of each of ``optimizer``'s parameters (by ``id``); raises ``error``
+    naming the first parameter that is not among ``model.named_parameters()``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, p in enumerate(optimizer.params):
+        if id(p) not in names:
+            raise error(where, "every optimizer parameter must belong to the model",
+                        f"optimizer.params[{i}] ({p.name}) is not among model.named_parameters()")
+    return names
+
+
+def check_step_arguments(where: str, model, optimizer, loss_fn, batch_tiles, runtime, compile_options) -> None:
+    """What :class:`TrainStep` (and :class:`tilegraph.Trainer`) check when built."""
+    if not isinstance(model, Module):
+        raise TileError(where, "model must be a tilegraph.nn.Module", type(model).__name__)
+    if not isinstance(optimizer, Optimizer):
+        raise TileError(where, "optimizer must be a tilegraph.optim optimizer (e.g. "
+                        "tg.optim.AdamW(model.parameters()))", f"optimizer={optimizer!r}")
+    optimizer_param_names(optimizer, model, where)
+    if not callable(loss_fn):
+        raise TileError(where, "loss_fn must be callable: loss_fn(model, *tensors) -> scalar TileTensor",
+                        f"loss_fn={loss_fn!r}")
+    if batch_tiles is not None and not isinstance(batch_tiles, (list, tuple)):
+        raise TileError(where, "batch_tiles must be None or a list of tilings, one per batch array "
+                        "(e.g. [(8, None), (8, None)])", f"batch_tiles={batch_tiles!r}")
+    check_runtime(where, runtime)
+    check_compile_options(where, compile_options)
 
 
 def _check_loss(loss, where: str) -> None:
@@ -139,12 +209,18 @@ class TrainStep:
     next to the parameters, then one that adds the last and updates), so activations of only one
     micro-batch exist at a time; the loss returned is the mean over the micro-batches. All k graphs
     are submitted without waiting; the client waits once per optimizer step.
+
+    The arguments are checked when the step is built (:func:`check_step_arguments`): the
+    optimizer's parameters must belong to ``model``, ``runtime`` is None or a Runtime, and the
+    other keyword arguments go to :class:`Executable` (``COMPILE_OPTIONS``); the number of
+    ``batch_tiles`` is checked against the first batch.
     """
 
     def __init__(self, model: Module, optimizer: Optimizer, loss_fn: Callable[..., TileTensor], *,
                  batch_tiles: Sequence | None = None, runtime=None, accum_steps: int = 1, **compile_options):
-        if not isinstance(accum_steps, int) or accum_steps < 1:
-            raise TileError("tilegraph.TrainStep", "accum_steps must be an int >= 1", repr(accum_steps))
+        where = "tilegraph.TrainStep"
+        check_step_arguments(where, model, optimizer, loss_fn, batch_tiles, runtime, compile_options)
+        check_int(where, "accum_steps", accum_steps, 1)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.batch_tiles = batch_tiles
         self.runtime = runtime
@@ -629,6 +705,8 @@ class EvalStep:
 
     def __init__(self, model: Module, loss_fn: Callable[..., TileTensor], *, batch_tiles: Sequence | None = None,
                  runtime=None, **compile_options):
+        check_runtime("tilegraph.EvalStep", runtime)
+        check_compile_options("tilegraph.EvalStep", compile_options)
         self.model, self.loss_fn, self.batch_tiles = model, loss_fn, batch_tiles
         self.runtime, self.compile_options = runtime, compile_options
         self._cache: dict[tuple, tuple[Executable, list]] = {}

@@ -32,7 +32,8 @@ from tilegraph._config import config
 from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
-                              lost_worker_error, translate_worker_failure, worker_health)
+                              check_int, check_step_arguments, lost_worker_error, translate_worker_failure,
+                              worker_health)
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError"]
 
@@ -185,6 +186,16 @@ class Trainer:
                  step_timeout: float | str | None = "auto", restart_on_failure: bool | int = False,
                  **compile_options):
         where = "tilegraph.Trainer"
+        check_step_arguments(where, model, optimizer, lm_loss if loss_fn is None else loss_fn, batch_tiles, runtime,
+                             compile_options)
+        check_int(where, "accum_steps", accum_steps, 1)
+        check_int(where, "eval_every", eval_every, 0)
+        check_int(where, "eval_batches", eval_batches, 1)
+        _check_data(where, model, data, eval_data)
+        if eval_every and eval_data is None:
+            raise TileError(where, "eval_every evaluates on eval_data: give an eval_data, or eval_every=0",
+                            f"eval_every={eval_every!r}, eval_data=None")
+        on_step, on_checkpoint = _hooks(where, "on_step", on_step), _hooks(where, "on_checkpoint", on_checkpoint)
         if steps_per_graph != "auto" and (isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int)
                                           or steps_per_graph < 1):
             raise TileError(where, "steps_per_graph must be 'auto' or an int >= 1", repr(steps_per_graph))
@@ -213,9 +224,9 @@ class Trainer:
         self.model, self.optimizer, self.data, self.runtime = model, optimizer, data, runtime
         self.batch_size, self.accum_steps = batch_size, accum_steps
         self.eval_data, self.eval_every, self.eval_batches = eval_data, eval_every, eval_batches
-        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.log_dir = _folder(where, "log_dir", log_dir)
         self.checkpoint_every = checkpoint_every
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_dir = _folder(where, "checkpoint_dir", checkpoint_dir)
         self.checkpoint_files = dict(checkpoint_files or {})
         self.checkpoints = None  # the CheckpointManager of checkpoint_dir
         if checkpoint_dir is not None:
@@ -231,12 +242,12 @@ class Trainer:
         self._tb = None  # the SummaryWriter while fit() runs
         self.pipeline = pipeline
         self.steps_per_graph = steps_per_graph
-        self.on_step, self.on_checkpoint = list(on_step), list(on_checkpoint)
+        self.on_step, self.on_checkpoint = on_step, on_checkpoint
         if performance_report is not None and runtime is None:
             raise TileError(where, "performance_report needs a distributed runtime (tg.connect())",
                             f"performance_report={str(performance_report)!r}, runtime=None")
         self.performance_report, self.report_step = performance_report, report_step
-        self.token_data = hasattr(data, "batch_offsets") and hasattr(data, "tensors")
+        self.token_data = _is_token_data(data)
         if self.token_data:
             seq_tile = getattr(getattr(model, "tiling", None), "seq", None)
             row_tile = getattr(getattr(model, "tiling", None), "batch", None)
@@ -253,9 +264,6 @@ class Trainer:
 
             self.loss_fn, self.eval_loss_fn = on_offsets(data), on_offsets(eval_data)
         else:
-            if not callable(data):
-                raise TileError(where, "data must be a token dataset (batch_offsets, tensors) or a callable "
-                                "data(step) -> tuple of arrays", type(data).__name__)
             if loss_fn is None:
                 raise TileError(where, "a callable data source needs loss_fn(model, *tensors)", "loss_fn=None")
             self.batch_tiles = batch_tiles
@@ -658,15 +666,15 @@ class Trainer:
         """Restore weights, optimizer state and step from a checkpoint folder (a Zarr checkpoint,
         on the model's own tiling and the runtime's workers, or a folder of the earlier
         HF-and-safetensors format); the next :meth:`fit` continues with the next step's batch.
-        Returns the step."""
+        Returns the step. A Zarr checkpoint that does not fit (another optimizer, parameters of
+        other names or shapes) raises before the model or the optimizer changes."""
         from tilegraph.io.zarr import load_checkpoint
 
         path = Path(path)
         if (path / "trainer_state.json").is_file():
             return self._load_legacy_checkpoint(path)
         ck = load_checkpoint(path, runtime=self.runtime)
-        ck.load_into(self.model)
-        ck.restore_optimizer(self.optimizer, self.model)
+        ck.restore(self.model, self.optimizer)  # all checked and read first: a failure changes nothing
         self._last_checkpoint = path
         run = ck.trainer_state.get("run_id")
         if isinstance(run, str) and run != self.run_id:  # resuming: the run's earlier records, for the plot
@@ -715,6 +723,66 @@ class Trainer:
         self.optimizer.load_state(arrays, int(state["step"]))
         self._last_checkpoint = path
         return int(state["step"])
+
+
+def _is_token_data(data) -> bool:
+    """A token dataset (:class:`tilegraph.io.TokenDataset`): its batches are window offsets."""
+    return hasattr(data, "batch_offsets") and hasattr(data, "tensors")
+
+
+def _check_data(where: str, model, data, eval_data) -> None:
+    """``data`` is a token dataset or a callable, ``eval_data`` None or of the same kind, and a
+    token dataset's ids fit the model's embedding (its ``vocab_size`` at most the model's
+    ``config.vocab_size``: a model's may be padded larger)."""
+    if _is_token_data(data):
+        if eval_data is not None and not (_is_token_data(eval_data) and hasattr(eval_data, "eval_offsets")):
+            raise TileError(where, "eval_data must be None or a token dataset (eval_offsets, tensors), as data is",
+                            f"eval_data={_short_repr(eval_data)}")
+    elif not callable(data):
+        raise TileError(where, "data must be a token dataset (batch_offsets, tensors) or a callable "
+                        "data(step) -> tuple of arrays", type(data).__name__)
+    elif eval_data is not None and not callable(eval_data):
+        raise TileError(where, "eval_data must be None or a callable eval_data(batch) -> tuple of arrays, as data is",
+                        f"eval_data={_short_repr(eval_data)}")
+    model_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for name, ds in (("data", data), ("eval_data", eval_data)):
+        vocab = getattr(ds, "vocab_size", None) if _is_token_data(ds) else None
+        if isinstance(vocab, int) and isinstance(model_vocab, int) and vocab > model_vocab:
+            raise TileError(where, f"{name}'s token ids must fit the model: {name}.vocab_size at most the model's "
+                            "config.vocab_size (build the model with the tokenizer's vocab_size)",
+                            f"{name}.vocab_size={vocab} (ids up to {vocab - 1}), model config.vocab_size={model_vocab}")
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _hooks(where: str, name: str, hooks) -> list[Callable]:
+    """``on_step`` / ``on_checkpoint``: a list (or tuple) of callables."""
+    if not isinstance(hooks, (list, tuple)):
+        bad = f"{name}={_short_repr(hooks)}"
+    else:
+        bad = next((f"{name}[{i}]={_short_repr(h)} ({type(h).__name__})" for i, h in enumerate(hooks)
+                    if not callable(h)), None)
+    if bad is not None:
+        raise TileError(where, f"{name} must be a list of callables hook(trainer, ...)", bad)
+    return list(hooks)
+
+
+def _folder(where: str, name: str, value) -> Path | None:
+    """``log_dir`` / ``checkpoint_dir`` as a Path (None stays None): a folder, or a path where one
+    can be made (no file on the way)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TileError(where, f"{name} must be a folder (a str or os.PathLike) or None", repr(value))
+    path = Path(value)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        file = "an existing file" if existing == path else f"{existing} is a file"
+        raise TileError(where, f"{name} must be a folder (made when missing)", f"{name}={str(path)!r}: {file}")
+    return path
 
 
 #: a row tile smaller than this many activation elements (tokens x width) costs more in extra
