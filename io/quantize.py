@@ -176,6 +176,23 @@ def relative_error(array, q) -> float:
 
 
 # ====================================================================================== quantize ====
+def method_bits(method, bits, where: str, error: type[TileError] = TileError) -> int:
+    """The bit budget of ``method`` (its default where ``bits`` is None), or ``error`` naming an
+    unknown method or a budget it does not take."""
+    if not isinstance(method, str) or method not in _SPECS:
+        raise error(where, f"unknown method; expected one of {list(METHODS)}", repr(method))
+    spec = _SPECS[method]
+    if bits is None:
+        if spec.default is None:
+            raise error(where, f"method {method!r} needs a bit budget, bits= one of {list(spec.bits)}", "None")
+        return spec.default
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise error(where, "bits must be an integer", repr(bits))
+    if int(bits) not in spec.bits:
+        raise error(where, f"bits out of range for method {method!r}; expected one of {list(spec.bits)}", str(bits))
+    return int(bits)
+
+
 def quantize(array, method: str, bits: int | None = None, *, block: int = 64, seed: int = 0,
              transform: str = "dct", tile: int | tuple[int, int] | None = None, tol: float = 1e-6,
              max_iter: int = 200) -> QuantizedArray:
@@ -198,19 +215,8 @@ def quantize(array, method: str, bits: int | None = None, *, block: int = 64, se
     True
     """
     where = "tilegraph.io.quantize"
-    if not isinstance(method, str) or method not in _SPECS:
-        raise TileError(where, f"unknown method; expected one of {list(METHODS)}", repr(method))
+    bits = method_bits(method, bits, where)
     spec = _SPECS[method]
-    if bits is None:
-        if spec.default is None:
-            raise TileError(where, f"method {method!r} needs a bit budget, bits= one of {list(spec.bits)}", "None")
-        bits = spec.default
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
-        raise TileError(where, "bits must be an integer", repr(bits))
-    bits = int(bits)
-    if bits not in spec.bits:
-        raise TileError(where, f"bits out of range for method {method!r}; expected one of {list(spec.bits)}",
-                        str(bits))
     x = _check_array(array, where, method, spec)
     _check_int(block, where, "block", 1)
     _check_int(seed, where, "seed", 0)

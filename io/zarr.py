@@ -99,10 +99,11 @@ def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
             bits = int(bits) if bits else None
         except ValueError:
             raise CheckpointError(where, "the bits after ':' must be an integer", repr(spec)) from None
-        from tilegraph.io.quantize import METHODS
+        from tilegraph.io.quantize import METHODS, method_bits
 
         if method not in METHODS:
             raise CheckpointError(where, f"unknown quantization method; known: {', '.join(METHODS)}", repr(spec))
+        method_bits(method, bits, where, CheckpointError)  # a budget the method takes (None: its default)
         return {"method": method, "bits": bits}
 
     if callable(quantize):

@@ -253,6 +253,12 @@ def _corrupt(path):
 def test_bad_checkpoints_give_one_clear_error(tmp_path):
     model = models.build("gpt2-debug", seed=0)
     good = tg.io.save_checkpoint(tmp_path / "good", model, step=2)
+    # a bit budget that the method does not take is a CheckpointError naming the path, as an
+    # unknown method is (it was quantize()'s TileError, raised while writing)
+    for spec, got in (("kashin:9", "9"), ("kashin:1", "1"), ("int8:3", "3"), ("int3", "'int3'")):
+        with pytest.raises(tz.CheckpointError, match=rf"\[tilegraph.io.save_checkpoint\(.*q\)\] .*received: {got}"):
+            tg.io.save_checkpoint(tmp_path / "q", model, quantize=spec)
+        assert not (tmp_path / "q").exists()
     with pytest.raises(tz.CheckpointError, match="does not exist"):
         tg.io.load_checkpoint(tmp_path / "nope")
     (tmp_path / "plain").mkdir()
