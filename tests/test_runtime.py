@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -74,6 +75,55 @@ def test_a_closed_runtime_is_named_as_closed():
         tg.compute(x, runtime=rt)  # Dask's "IOLoop is closed" before
     with pytest.raises(tg.TileError, match=r"\[tilegraph.Executable.run\] an open runtime"):
         exe.run()
+
+
+_GROUP_SIGNAL_SCRIPT = """
+import signal, sys, time
+import numpy as np
+import tilegraph as tg
+
+if __name__ == "__main__":
+    rt = tg.connect(n_workers=2, threads_per_worker=1, quiet=True, dashboard=False)
+    x = tg.from_numpy(np.arange(8.0), 4)
+    import os
+    pids = sorted(rt.client.run(os.getpid).values())
+    got = []
+    signal.signal(signal.SIGTERM, lambda *a: got.append("TERM"))
+    signal.signal(signal.SIGINT, lambda *a: got.append("INT"))
+    print("ready", flush=True)
+    while len(got) < 2:
+        time.sleep(0.05)
+    time.sleep(1.0)  # a worker that the signals killed would be gone by now
+    with rt.as_current():
+        total = float((x * 2.0).sum().numpy())
+    same = sorted(rt.client.run(os.getpid).values()) == pids  # not restarted by their nannies
+    print("same workers", same, "total", total, "signals", ",".join(got), flush=True)
+    rt.close()
+"""
+
+
+def test_a_signal_to_the_process_group_leaves_the_embedded_workers_to_the_client(tmp_path):
+    """A job scheduler's SIGTERM and a terminal's Ctrl-C reach every process of the group: the
+    embedded cluster's workers leave them to the client (which stops training after the steps
+    under way and checkpoints: the workers hold the state), and go when it closes the cluster.
+    Before, a SIGTERM to the group killed the workers, and with them the parameters."""
+    import signal
+
+    script = tmp_path / "group.py"
+    script.write_text(_GROUP_SIGNAL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-2000:]
+    assert "same workers True total 56.0 signals TERM,INT" in out, out + err[-2000:]
 
 
 def _listening(pid: int) -> list[tuple[str, int]]:

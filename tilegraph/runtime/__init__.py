@@ -19,7 +19,8 @@ from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
                                           _read_scheduler_file, _refuse_unguarded_script, _tls_files)
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK_CONFIG, _check_worker_versions,
-                                            _malloc_plugin, _quiet_logs, _send_interval_plugins, _unchain_plugin,
+                                            _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
+                                            _unchain_plugin,
                                             scheduler_send_intervals, set_send_interval)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
@@ -132,6 +133,10 @@ class Runtime:
 
         # slower: freed heap memory stays with the workers
         _optional_setup("tune worker malloc", lambda: client.register_plugin(_malloc_plugin()))
+        if cluster is not None:  # the workers of the cluster it started: a signal to the process group
+            # would stop them, and lose the state they hold, before this process writes its checkpoint
+            _optional_setup("leave SIGINT/SIGTERM to this process",
+                            lambda: client.register_plugin(_signals_plugin()))
         # with Dask's batching delays on every hop between dependent tasks
         _optional_setup("shorten Dask's send intervals", lambda: _shorten_send_intervals(client))
         # the workers' task records grow with the steps

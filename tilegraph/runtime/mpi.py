@@ -31,7 +31,7 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
                         "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank"))
     from tilegraph.runtime import _visible_gpus
-    from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs
+    from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs, ignore_stop_signals
 
     if quiet:  # dask-mpi ranks log connection noise (CommClosedError) at a clean shutdown
         _quiet_logs()
@@ -53,6 +53,10 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     tls_config = _tls_config(security, tls, tls_files)
     if tls_config:
         dask.config.set(tls_config)
+    if comm.Get_rank() != 1:  # a job scheduler's SIGTERM (Slurm signals every rank) is the client's to
+        # handle: it stops after the steps under way and checkpoints, which needs the scheduler and
+        # workers alive; they end when the client's exit shuts the cluster down
+        ignore_stop_signals()
     # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
     threads = _worker_threads(comm, MPI)
     gpus = _visible_gpus()

@@ -116,6 +116,43 @@ def reset_peak_resident() -> bool:
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def ignore_stop_signals() -> bool:
+    """Leave SIGINT and SIGTERM to the client process, in a process of a cluster that tilegraph
+    started (an embedded cluster's worker; under MPI the scheduler and worker ranks). A terminal's
+    Ctrl-C and a job scheduler (Slurm's scancel, ``timeout``) signal the whole process group: a
+    worker killed by it takes the parameters and optimizer state it holds with it, before the
+    client, stopping after the steps under way, can write its final checkpoint. Such a process
+    still ends with the client: when it closes the cluster, or (embedded) when the client process
+    is gone (Dask's parent-alive pipe). Returns whether the handlers were set (only the main
+    thread may set them)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return True
+
+
+def _signals_plugin():
+    """A worker plugin applying :func:`ignore_stop_signals` on every worker, also those joining
+    later (a nanny's replacement)."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class SignalsPlugin(WorkerPlugin):
+        name = "tilegraph-signals"
+        idempotent = True
+
+        def setup(self, worker) -> None:
+            if not ignore_stop_signals():
+                logging.getLogger("tilegraph").warning("tilegraph: worker %s could not leave SIGINT/SIGTERM to the client (its plugins "
+                               "run outside the main thread): a signal to the process group stops it",
+                               worker.address)
+
+    return SignalsPlugin()
+
+
 def _malloc_plugin():
     """A worker plugin applying :func:`_tune_malloc` on every worker, also those joining later."""
     from distributed.diagnostics.plugin import WorkerPlugin
