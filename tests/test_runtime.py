@@ -543,6 +543,16 @@ def test_a_script_starting_the_embedded_cluster_outside_a_main_guard_is_told_so(
     assert "Nanny" not in out.stderr and out.stderr.count("Traceback") == 1, out.stderr[-2000:]
 
 
+def test_a_script_read_from_standard_input_starts_the_embedded_cluster(tmp_path):
+    """`python - <<EOF` (a script on standard input) starts the embedded cluster: its "<stdin>"
+    is no file for the worker processes to run again (they failed: "Nanny failed to start")."""
+    code = ("import numpy as np\nimport tilegraph as tg\n\nwith tg.connect(n_workers=2, threads_per_worker=1, "
+            "quiet=True, dashboard=False) as rt:\n    print('sum', tg.from_numpy(np.ones((4, 4)), (2, 2)).numpy().sum(), "
+            "len(rt.workers()))\n")
+    out = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "sum 16.0 2", out.stderr[-2000:]
+
+
 def test_a_package_main_needs_no_guard_and_guards_read_either_way(tmp_path):
     """`python -m pkg` runs pkg/__main__.py, which worker processes do not run again (as
     multiprocessing skips it): no guard needed there. The guard test reads both orders."""

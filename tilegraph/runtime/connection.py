@@ -102,6 +102,12 @@ def _refuse_unguarded_script(where: str) -> None:
     if main is None:
         return
     path = getattr(main, "__file__", None)
+    if isinstance(path, str) and path.startswith("<") and not os.path.exists(path):
+        # a script read from standard input (``python - <<EOF``): its "<stdin>" is no file, and
+        # every worker process would fail to run it again ("Nanny failed to start"); without a
+        # __file__, multiprocessing starts them without the main script, as for ``python -c``
+        del main.__file__
+        return
     name = getattr(getattr(main, "__spec__", None), "name", None) or ""
     if (dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork"
             or name == "__main__" or name.endswith(".__main__")):
