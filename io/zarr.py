@@ -94,11 +94,12 @@ def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
         if not isinstance(spec, str):
             raise CheckpointError(where, "a quantization is 'method' or 'method:bits' (e.g. 'int8', 'kashin:4')",
                                   repr(spec) + (f" for {name}" if name else ""))
-        method, _, bits = spec.partition(":")
+        method, colon, bits = spec.partition(":")
         try:
-            bits = int(bits) if bits else None
+            bits = int(bits) if colon else None  # 'kashin:' too: the default is 'kashin', no ':'
         except ValueError:
-            raise CheckpointError(where, "the bits after ':' must be an integer", repr(spec)) from None
+            raise CheckpointError(where, "the bits after ':' must be an integer (or no ':' for the method's "
+                                  "default)", repr(spec)) from None
         from tilegraph.io.quantize import METHODS, method_bits
 
         if method not in METHODS:

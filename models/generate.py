@@ -334,8 +334,11 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
             raise TileError(where, f"{name} must be None or a token id in [0, {cfg.vocab_size})", repr(value))
     fill = eos_id if pad_id is None else pad_id
     stops = _check_stop(where, stop, tokenizer, fill)
-
-    rng = np.random.default_rng(seed)
+    try:
+        rng = np.random.default_rng(seed)
+    except (TypeError, ValueError):  # a negative int, a float, ...: NumPy's message names no argument
+        raise TileError(where, "seed must be None, an int >= 0 or what else np.random.default_rng takes "
+                        "(a SeedSequence, a Generator)", repr(seed)) from None
     out = np.empty((b, p + max_new_tokens), dtype=np.int64)
     out[:, :p] = prompt
     if max_new_tokens == 0:

@@ -694,7 +694,8 @@ class PendingStep:
             raise StepTimeoutError("tilegraph.TrainStep", f"{_steps_text(self.steps)} did not finish in time, and "
                                    "every worker answers (busy, or waiting for something that never comes)", received)
         logging.getLogger("tilegraph").warning("%s still running after %.0f s (time limit %.0f s); every worker "
-                                               "answers, waiting on", _steps_text(self.steps), waited, timeout)
+                                               "answers, waiting on: the step goes on (the workers are checked again "
+                                               "in %.0f s)", _steps_text(self.steps), waited, timeout, timeout)
         return timeout
 
 

@@ -10,6 +10,7 @@ the loss fall and writes a checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 # what the commands and tests use, importable from tilegraph.cli as before the package split
@@ -29,7 +30,28 @@ __all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_
            "JOB_MODEL_KEYS", "PEFT_METHODS", "PEFT_FILE", "LOCK_NAME", "EVAL_DEFAULT_CORPUS"]
 
 
+#: the exit status of a command whose reader went away (``tilegraph info | head -1``): a shell's
+#: 128 + SIGPIPE, what it reports for a tool the signal ended
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv=None) -> int:
+    """Run one ``tilegraph`` command; returns its exit status."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a reader gone shows as a BrokenPipeError caught below
+    except BrokenPipeError:
+        # Python's "Note on SIGPIPE" (signal module docs): what is left to print goes to devnull,
+        # else the flush at exit fails again; SIGPIPE stays ignored, so Dask's sockets still raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv) -> int:
     ap = argparse.ArgumentParser(prog="tilegraph", description="Train neural networks as tile graphs on Dask.")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a TOML config (default: the debug GPT-2 on the stdlib "
@@ -67,9 +89,11 @@ def main(argv=None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=None, help="default: up to 64, within max_seq_len")
     gen.add_argument("--strategy", choices=["greedy", "sample", "top_k", "top_p"], default=None,
                      help="default: greedy, or what --top-k/--top-p imply")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="sample among the most likely tokens that together hold P of the probability")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sampling: divide the logits by it (default: 1); greedy decoding takes none")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
                      help="divide the positive logits of tokens already in the text by X, multiply the negative "
                           "ones (Hugging Face's repetition_penalty; > 1 discourages repeats; default: 1, none)")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tilegraph._config import number_check, require_arg
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import load_config, make_tokenizer
 from tilegraph.cli.finetune import (PEFT_FILE, _describe, adapter_settings, load_model,
@@ -61,10 +63,50 @@ def stopped_text(tokenizer, new_ids, stops) -> tuple[str, int]:
     return tokenizer.decode(new_ids), len(new_ids)
 
 
+#: generate()'s options that shape sampling -> the flags that set them
+SAMPLING_FLAGS = {"top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature"}
+_FINITE_POSITIVE = (number_check(strict=True, high=math.inf, below=True)[0], "a finite number > 0")
+
+
+def generate_options(args) -> dict:
+    """generate()'s strategy, sampling options and seed from the flags of ``tilegraph generate``,
+    checked before the model loads and named as flags: --strategy defaults to what --top-k and
+    --top-p imply, and greedy decoding refuses all three sampling flags (it would ignore them)."""
+    from tilegraph._errors import TileError
+
+    where = "tilegraph generate"
+    for flag, value, check in (("--top-k", args.top_k, number_check(1, whole=True)),
+                               ("--top-p", args.top_p, number_check(strict=True, high=1)),
+                               ("--temperature", args.temperature, _FINITE_POSITIVE),
+                               ("--repetition-penalty", args.repetition_penalty, _FINITE_POSITIVE),
+                               ("--max-new-tokens", args.max_new_tokens, number_check(whole=True)),
+                               ("--seed", args.seed, number_check(whole=True))):
+        if value is not None:
+            require_arg(where, flag, value, check)
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    said = " ".join(f"{SAMPLING_FLAGS[name]} {value}" for name, value in given.items())
+    strategy = args.strategy or ("sample" if {"top_k", "top_p"} <= given.keys() else "top_k" if "top_k" in given
+                                 else "top_p" if "top_p" in given else "greedy")
+    if strategy == "greedy" and given:
+        raise TileError(where, "greedy decoding (the most likely token, whatever the temperature) takes no --top-k, "
+                        "--top-p or --temperature (to sample: --strategy sample, top_k or top_p)",
+                        said + (" with --strategy greedy" if args.strategy else " (greedy: the default strategy "
+                                                                                  "without --top-k or --top-p)"))
+    if strategy in ("top_k", "top_p"):  # named as the option it needs
+        other = "top_p" if strategy == "top_k" else "top_k"
+        if strategy not in given or other in given:
+            raise TileError(where, f"--strategy {strategy} needs {SAMPLING_FLAGS[strategy]} and no "
+                            f"{SAMPLING_FLAGS[other]} (--strategy sample combines both)",
+                            f"--strategy {strategy} {said}".rstrip())
+    return {"strategy": strategy, "temperature": 1.0, **given, "repetition_penalty": args.repetition_penalty,
+            "seed": args.seed}
+
+
 def cmd_generate(args) -> int:
     import tilegraph as tg
     from tilegraph.models.generate import generate
 
+    options = generate_options(args)  # first: wrong flags are named before any work
     folder = Path(args.checkpoint)
     model = load_model(folder, "tilegraph generate")  # first: a wrong path is named as one, not as a missing tokenizer
     tokenizer = load_tokenizer(folder, args.tokenizer)
@@ -74,16 +116,15 @@ def cmd_generate(args) -> int:
     n = args.max_new_tokens
     if n is None:
         n = min(64, model.config.max_seq_len - prompt.size)
-    strategy = args.strategy or ("top_k" if args.top_k and not args.top_p else "top_p" if args.top_p and not args.top_k
-                                 else "sample" if args.top_k and args.top_p else "greedy")
+        if n < 1:
+            raise tg.TileError("tilegraph generate", f"a --prompt of fewer tokens than the model's max_seq_len="
+                               f"{model.config.max_seq_len} (room for new ones)", f"{prompt.size} tokens")
     stops = [unescape(s) for s in args.stop or []]
     eos = getattr(tokenizer, "eos_id", None)
     with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
         # the ids after a stop string are cut off below: any pad id will do
-        ids = generate(model, prompt[None, :], n, strategy=strategy, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed, eos_id=eos,
-                       stop=stops or None, tokenizer=tokenizer, pad_id=0 if stops and eos is None else None,
-                       runtime=rt)
+        ids = generate(model, prompt[None, :], n, eos_id=eos, stop=stops or None, tokenizer=tokenizer,
+                       pad_id=0 if stops and eos is None else None, runtime=rt, **options)
     text, kept = stopped_text(tokenizer, ids[0, prompt.size:], stops)
     print(tokenizer.decode(prompt) + text)
     if args.ids:
@@ -169,14 +210,17 @@ def cmd_convert(args) -> int:
     if to_zarr:
         save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
     else:
-        if args.quantize:
+        if args.quantize is not None:
             raise TileError(where, "--quantize applies to a Zarr destination (a Hugging Face folder holds the "
-                            "dequantized weights)", f"--quantize {args.quantize} with --to hf")
+                            "dequantized weights; --to zarr writes a quantized Zarr checkpoint)",
+                            f"--quantize {args.quantize} with " + (
+                                "--to hf" if args.to else f"a Hugging Face destination, inferred from the source "
+                                f"(convert writes the other format, and {src} is a Zarr checkpoint)"))
         model.to_hf(dst)
         for name, data in files.items():
             (dst / name).write_bytes(data)
     print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}"
-          + (f", quantized {args.quantize}" if args.quantize else "") + ")")
+          + (f", quantized {args.quantize}" if args.quantize is not None else "") + ")")
     return 0
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tilegraph._config import EXCHANGES, PARALLEL_STRATEGIES, number_check, one_of_check
@@ -34,13 +35,23 @@ def load_config(path: str | None) -> tuple[dict, str]:
     source = f"shipped {DEFAULT_CONFIG} (examples/configs/)"
     if path is not None:
         try:
-            user = tomllib.loads(Path(path).read_text())
+            user = tomllib.loads(Path(path).read_text(encoding="utf-8"))  # TOML is UTF-8 whatever the locale
         except FileNotFoundError:
             raise TileError("tilegraph train", "an existing TOML config file", path) from None
+        except IsADirectoryError:
+            raise TileError("tilegraph train", "a TOML config file, not a folder", f"{path} (a folder)") from None
+        except OSError as e:
+            raise TileError("tilegraph train", "a readable TOML config file", f"{path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise TileError("tilegraph train", "a TOML config file in UTF-8", f"{path}: {e}") from None
         except tomllib.TOMLDecodeError as e:
             raise TileError("tilegraph train", "a valid TOML config file", f"{path}: {e}") from None
+        not_tables = [f"{k} = {v!r}" for k, v in user.items() if k in cfg and not isinstance(v, dict)]
+        if not_tables:
+            raise TileError("tilegraph train", "sections ([train], ...) that are tables of settings",
+                            f"{', '.join(not_tables)} in {path}")
         unknown = [f"[{k}]" for k in user if k not in cfg]
-        unknown += [f"{k}.{f}" for k, v in user.items() if k in cfg and k != "model" and isinstance(v, dict)
+        unknown += [f"{k}.{f}" for k, v in user.items() if k in cfg and k != "model"
                     for f in v if f not in cfg[k]]
         if unknown:
             raise TileError("tilegraph train", f"only known sections and keys ({', '.join(f'[{k}]' for k in cfg)})",
@@ -73,10 +84,11 @@ def _texts():
             "a non-empty list of strings")
 
 
-#: what each key of the job config must hold (checked after merging and --set, before any work)
+#: what each key of the job config must hold (checked after merging and --set, before any work);
+#: val_fraction > 0: the job always validates (at the end, even with eval_every = 0), on at least one window
 CONFIG_CHECKS = {
     "data.sources": _texts(), "data.patterns": _texts(), "data.max_mb": _number(0, strict=True),
-    "data.tokenizer": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, high=1),
+    "data.tokenizer": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, strict=True, high=1),
     "train.steps": _int(1), "train.batch_size": _int(1), "train.accum_steps": _int(1),
     "train.steps_per_graph": (lambda v: v == "auto" or _int(1)[0](v), '"auto" or an integer >= 1'),
     "train.lr": _number(0, strict=True), "train.warmup": _int(0), "train.min_lr": _number(0),
@@ -105,11 +117,18 @@ def check_config(cfg: dict, source: str) -> None:
     """Every known key holds what it must; all problems in one error."""
     from tilegraph._errors import TileError
 
-    problems = []
+    bad = {}  # setting -> what is wrong with it
     for name, (ok, want) in CONFIG_CHECKS.items():
         section, key = name.split(".")
         if key in cfg.get(section, {}) and not ok(cfg[section][key]):
-            problems.append(f"{name} must be {want}, not {cfg[section][key]!r}")
+            bad[name] = f"{name} must be {want}, not {cfg[section][key]!r}"
+    # no setting takes inf or nan ([model] ones included): TOML and float() read both, number_check
+    # lets inf through, and the job would fail on it (int(max_mb * 1e6), a time limit of inf s)
+    for section, settings in cfg.items():
+        for key, value in settings.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                bad.setdefault(f"{section}.{key}", f"{section}.{key} must be a finite number, not {value!r}")
+    problems = list(bad.values())
     t, p = cfg["train"], cfg.get("peft", {})
     if not problems and t["batch_size"] % t["accum_steps"]:
         problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
