@@ -274,9 +274,10 @@ def test_restart_on_failure_without_a_checkpoint_yet_fails_clearly(cluster, tmp_
 
 
 def test_fault_options_are_checked(tmp_path):
-    with pytest.raises(tg.TileError, match=r"step_timeout must be 'auto', None or a number of seconds > 0; "
-                                           r"received: 0"):
-        _trainer(None, 4, step_timeout=0)
+    for bad, got in ((0, "0"), (float("inf"), "inf"), ("5", "'5'")):
+        with pytest.raises(tg.TileError, match=r"step_timeout must be 'auto', None \(no limit\) or a finite number "
+                                               rf"of seconds > 0; received: {got}"):
+            _trainer(None, 4, step_timeout=bad)
     with pytest.raises(tg.TileError, match=r"restart_on_failure resumes from checkpoints: it needs a checkpoint_dir"):
         _trainer(None, 4, restart_on_failure=True)
     assert _trainer(None, 4, restart_on_failure=True, checkpoint_dir=tmp_path).max_restarts == 3

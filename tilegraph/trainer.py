@@ -209,8 +209,9 @@ class Trainer:
             raise TileError(where, "checkpoint_every needs a checkpoint_dir", f"checkpoint_every={checkpoint_every}")
         if not (step_timeout is None or step_timeout == "auto" or (isinstance(step_timeout, (int, float))
                                                                   and not isinstance(step_timeout, bool)
-                                                                  and step_timeout > 0)):
-            raise TileError(where, "step_timeout must be 'auto', None or a number of seconds > 0", repr(step_timeout))
+                                                                  and 0 < step_timeout < math.inf)):
+            raise TileError(where, "step_timeout must be 'auto', None (no limit) or a finite number of seconds > 0",
+                            repr(step_timeout))
         if not isinstance(restart_on_failure, (bool, int)) or restart_on_failure < 0:
             raise TileError(where, "restart_on_failure must be a bool or the number of restarts allowed",
                             repr(restart_on_failure))
