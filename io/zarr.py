@@ -938,7 +938,9 @@ class CheckpointManager:
     values are fixed when :meth:`save` is called, so training goes on while the workers write).
 
     Temporary folders of saves that a kill or a crash interrupted (``.step-N.tmp-PID-...`` whose
-    process is gone) are removed when the manager starts; they are never loaded.
+    process is gone) are removed when the manager starts; they are never loaded. A run resumed
+    from an earlier checkpoint keeps it (:meth:`protect`) and moves the later ones aside
+    (:meth:`set_aside`).
 
     >>> mgr = CheckpointManager(tmp / "ck", keep=2, every=100)  # doctest: +SKIP
     >>> mgr.save(step, model, optimizer)  # returns at once; mgr.wait() for the commit  # doctest: +SKIP
@@ -956,6 +958,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._pending: Path | None = None
         self.committed: list[Path] = []  # saved by this manager, in order (for hooks and restarts)
+        self.protected: set[Path] = set()  # never pruned (resolved paths): see protect()
         self.removed_stale = self.clean()
 
     def path(self, step: int) -> Path:
@@ -1040,10 +1043,42 @@ class CheckpointManager:
         return self.committed[-1] if self.committed else None
 
     def prune(self) -> list[Path]:
-        """Delete all but the newest ``keep`` complete checkpoints; returns the deleted ones."""
+        """Delete all but the newest ``keep`` complete checkpoints, and those :meth:`protect`
+        names; returns the deleted ones."""
         if self.keep is None:
             return []
-        old = self.checkpoints()[:-self.keep]
+        old = [p for p in self.checkpoints()[:-self.keep] if p.resolve() not in self.protected]
         for p in old:
             shutil.rmtree(p, ignore_errors=True)
         return old
+
+    def protect(self, path) -> None:
+        """Never :meth:`prune` the checkpoint ``path`` (e.g. the one a run resumed from: its
+        branch point, kept however many newer ones follow)."""
+        self.protected.add(Path(path).resolve())
+
+    def set_aside(self, after: int, name: str = "abandoned") -> list[Path]:
+        """Move the checkpoints of the steps after ``after`` into a new subfolder of ``dir``
+        named ``name`` (``name-2``, ... when taken), where :meth:`checkpoints`, :meth:`latest` and
+        :meth:`prune` no longer see them: a run resumed from step ``after`` abandons them, and its
+        own checkpoints must neither collide with them nor be pruned as older than them. Nothing
+        is deleted; returns their new paths (none moved: no folder made)."""
+        where = f"tilegraph.io.CheckpointManager({self.dir}).set_aside"
+        later = sorted(p for p in self.dir.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()
+                       and int(p.name[5:]) > after) if self.dir.is_dir() else []
+        if not later:
+            return []
+        dest, n = self.dir / name, 1
+        while os.path.lexists(dest):
+            n += 1
+            dest = self.dir / f"{name}-{n}"
+        moved = []
+        try:
+            dest.mkdir()
+            for p in later:
+                p.rename(dest / p.name)
+                moved.append(dest / p.name)
+        except OSError as e:
+            raise write_failure(where, e, dest, f"the folder for the checkpoints after step {after}",
+                                f"moved so far: {', '.join(p.name for p in moved) or 'none'}; none deleted") from None
+        return moved

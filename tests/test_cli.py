@@ -85,7 +85,8 @@ def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):
     import socket
 
     lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-    busy = _cli("train", "small.toml", "--out", "run", "--no-progress", "--resume", str(ck), cwd=tmp_path)
+    busy = _cli("train", "small.toml", "--out", "run", "--no-progress", "--resume", str(ck), "--steps", "4",
+                cwd=tmp_path)
     assert busy.returncode == 2 and f"in use by tilegraph train (pid {os.getpid()}" in busy.stderr
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     lock.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))

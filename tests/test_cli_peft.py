@@ -174,10 +174,12 @@ def test_resume_with_other_adapters_is_refused(root, lora, capsys, monkeypatch):
 
     monkeypatch.chdir(root)
     metrics = (root / "lora" / "metrics.jsonl").read_bytes()
-    assert main(["train", "--out", "lora", "--resume", str(lora[1]), "--steps", "2"]) == 2
-    err = capsys.readouterr().err
-    assert re.search(r"\[tilegraph train --resume\] the \[peft\] settings of the run that wrote the checkpoint .*"
-                     r"received: method = 'none' here, method = 'lora', rank = 4", err), err
+    for given, here in ((["--set", "peft.rank=8"], "method = 'lora', rank = 8, "),
+                        (["--set", "peft.method=none"], "method = 'none' ")):
+        assert main(["train", "--out", "lora", "--resume", str(lora[1]), "--steps", "2", *given]) == 2
+        err = capsys.readouterr().err
+        assert re.search(r"\[tilegraph train --resume\] the \[peft\] settings of the run that wrote the checkpoint .*"
+                         rf"received: {here}.*here, method = 'lora', rank = 4", err), err
     assert (root / "lora" / "metrics.jsonl").read_bytes() == metrics
 
 

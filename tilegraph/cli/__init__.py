@@ -59,20 +59,28 @@ def _run(argv) -> int:
     tr.add_argument("config", nargs="?", default=None,
                     help="TOML config; its keys override the shipped examples/configs/default.toml")
     tr.add_argument("--steps", type=int, default=None,
-                    help="optimizer steps to run (overrides [train] steps); with --resume, steps added after "
-                         "the checkpoint's")
-    tr.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides [train] lr)")
+                    help="optimizer steps to run (overrides [train] steps); with --resume, the steps added after "
+                         "the checkpoint's step (without --steps a resumed run finishes the step budget it "
+                         "started with)")
+    tr.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (overrides [train] lr); a resumed run keeps its checkpoint's schedule, "
+                         "and another --lr is refused")
     tr.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step ([train] batch_size)")
     tr.add_argument("--seed", type=int, default=None, help="seed of the weights and the batch order ([train] seed)")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                     help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
     tr.add_argument("--init", default=None, metavar="PATH",
                     help="start from pretrained weights: a Hugging Face folder (config.json + safetensors) or a "
-                         "Zarr checkpoint, quantized ones too; the architecture comes from it (overrides [model] init)")
-    tr.add_argument("--out", default=None, help="output folder (overrides [output] dir)")
+                         "Zarr checkpoint, quantized ones too; the architecture comes from it (overrides [model] init; "
+                         "not with --resume)")
+    tr.add_argument("--out", default=None,
+                    help="output folder (overrides [output] dir); with --resume, default: the checkpoint's run "
+                         "folder (RUN for RUN/checkpoints/step-N)")
     tr.add_argument("--resume", default=None,
                     help="a checkpoint folder to continue from: its weights, optimizer state, LR schedule (with its "
-                         "total step budget) and data position; --steps then counts the steps added")
+                         "total step budget), data position and [peft] adapters; the run goes on in the "
+                         "checkpoint's run folder (see --out) up to its step budget (see --steps); its later "
+                         "checkpoints, which this run abandons, move to checkpoints/abandoned-DATE-TIME/")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.add_argument("--mpi", action="store_true",
                     help="run under mpiexec -n N (N >= 3) on a dask-mpi cluster: rank 0 the scheduler, rank 1 "

@@ -1,11 +1,15 @@
-"""``tilegraph train``: one run per output folder, the training job itself, what its checkpoints
-carry (the tokenizer, the adapters)."""
+"""``tilegraph train``: one run per output folder, the training job itself, what a resumed run
+takes from its checkpoint, what its checkpoints carry (the tokenizer, the adapters)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
+import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -15,8 +19,9 @@ from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
-from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, check_init_fits, given_model_keys,
-                                    init_model, peft_record, resume_model, resume_settings)
+from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, adapter_settings, check_init_fits,
+                                    given_model_keys, init_model, peft_record, read_peft_record, resume_model,
+                                    resume_settings)
 
 
 # -------------------------------------------------------------------------------- commands ----
@@ -56,6 +61,22 @@ def lock_output(out: Path):
     raise TileError("tilegraph train", "a lock on the output folder", f"{lock} could not be taken")
 
 
+def take_output(out: Path, where: str):
+    """:func:`lock_output` ``out``, a path that cannot be a folder (a file in the way, a file
+    system that is missing or read-only) refused in one error naming it, as ``tilegraph convert``
+    names its destination (``where``: what named the folder). Returns the release function."""
+    from tilegraph.io._store import write_failure
+
+    in_the_way = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
+    if in_the_way is not None and not in_the_way.is_dir():
+        raise TileError(where, "an output folder, or a path where one can be made (nothing was written)",
+                        f"{out} is not a folder" if in_the_way == out else f"{out}: {in_the_way} is not a folder")
+    try:
+        return lock_output(out)
+    except OSError as e:
+        raise write_failure(where, e, out, "the output folder", "nothing was written") from None
+
+
 def check_output(out: Path, resume: str | None, steps: int) -> int | None:
     """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
     returns the step of the ``resume`` checkpoint (None without one)."""
@@ -65,14 +86,20 @@ def check_output(out: Path, resume: str | None, steps: int) -> int | None:
     ckdir = out / "checkpoints"
     found = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) if ckdir.is_dir() else []
     if resume is None:
-        if found or (out / "metrics.jsonl").exists():
+        if found:
             what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
-                                         f"checkpoints {found[0]}..{found[-1]}" if found else ""] if x)
-            hint = f" (--resume {ckdir / found[-1]} continues it)" if found else ""
+                                         f"checkpoints {found[0]}..{found[-1]}"] if x)
             raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds one ({what}): "
-                            f"pass --resume CHECKPOINT to continue it{hint}, or another --out", str(out))
+                            f"pass --resume CHECKPOINT to continue it (--resume {ckdir / found[-1]} continues it), "
+                            "or another --out", str(out))
+        if (out / "metrics.jsonl").exists():  # a run that stopped (an error, a kill) before its first checkpoint
+            raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds the "
+                            "metrics.jsonl of one that wrote no checkpoint, so nothing there can be resumed: pass "
+                            f"another --out, or delete {out} (or its metrics.jsonl) to start over in it", str(out))
         return None
     step = load_checkpoint(resume).step
+    if in_folder(resume, ckdir):
+        return step  # the run's own later checkpoints: set aside when it starts (keep_branch_point)
     clash = [n for n in found if n.split("-", 1)[1].isdigit() and step < int(n.split("-", 1)[1]) <= step + steps]
     if clash:
         raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
@@ -81,32 +108,215 @@ def check_output(out: Path, resume: str | None, steps: int) -> int | None:
     return step
 
 
+# ------------------------------------------------------------------------------ the settings ----
+def given_settings(config: str | None, pairs: list[str], flags: dict[str, tuple[str, object]]) -> dict[str, str]:
+    """The settings the user gave, not the shipped defaults: ``section.key`` -> where (the config
+    file's path, or on the command line ``--set KEY=VALUE`` or the flag and its value, which win)."""
+    import tomllib
+
+    given = {}
+    if config is not None:
+        user = tomllib.loads(Path(config).read_text(encoding="utf-8"))  # load_config has read it
+        given = {f"{s}.{k}": config for s, keys in user.items() if isinstance(keys, dict) for k in keys}
+    given.update({pair.partition("=")[0].strip(): f"--set {pair.strip()}" for pair in pairs})
+    given.update({name: f"{flag} {value}" for name, (flag, value) in flags.items() if value is not None})
+    return given
+
+
+def on_command_line(where: str) -> bool:
+    """Whether a :func:`given_settings` source is the command line (else a config file)."""
+    return where.startswith("--")
+
+
+def run_folder(checkpoint: str) -> Path | None:
+    """The run folder holding ``checkpoint``: RUN for ``RUN/checkpoints/step-N`` (and for a branch
+    set aside, ``RUN/checkpoints/abandoned-*/step-N``); None for a checkpoint elsewhere."""
+    path = Path(checkpoint)
+    for p in (path, path.resolve()):  # resolved for paths like "step-000020" or "."
+        run = next((a.parent for a in p.parents[:2] if a.name == "checkpoints"), None)
+        if run is not None:
+            return run
+    return None
+
+
+def output_folder(out: str | None, configured: str, given: dict[str, str], resume: str | None) -> tuple[Path, str]:
+    """The run's output folder and what named it (for errors): ``--out``; else ``[output] dir``
+    where the user gave it; else, resuming, the run folder of the checkpoint (so the run's
+    metrics.jsonl and loss.png go on); else the shipped ``[output] dir``."""
+    if out is None and "output.dir" not in given and resume and (run := run_folder(resume)) is not None:
+        return run, f"tilegraph train --resume (its run folder, {run})"
+    text, where = (out, "--out") if out is not None else (configured, "tilegraph train [output] dir")
+    if not text.strip():
+        raise TileError(where, "an output folder (a path; nothing was written)", repr(text))
+    return Path(text), where
+
+
+# -------------------------------------------------------------------------------- resuming ----
+#: [train] keys of the learning-rate schedule -> the keys of its spec, which checkpoints hold and
+#: a resumed run keeps (tilegraph.optim.warmup_cosine)
+SCHEDULE_KEYS = {"lr": "base_lr", "warmup": "warmup", "min_lr": "min_lr"}
+
+
+def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> int:
+    """Check a ``--resume`` job against its checkpoint and complete it from there (the [peft]
+    adapters the job leaves out); returns the steps to run (:func:`steps_to_run`)."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    init_from = given.get("model.init", "")
+    if on_command_line(init_from) and cfg["model"].get("init"):
+        raise TileError("tilegraph train", "--init or --resume, not both: --init starts a new run from a "
+                        "checkpoint's weights, --resume continues the run that wrote it (with the weights it "
+                        "started from)", f"{init_from} --resume {resume}")
+    ck = load_checkpoint(resume)
+    record = read_peft_record(Path(resume), "tilegraph train --resume")
+    if record is not None:  # its adapters, unless the job gives them (resume_settings checks they agree)
+        cfg["peft"].update({k: v for k, v in adapter_settings(record).items() if f"peft.{k}" not in given})
+        check_config(cfg, source)
+    spec = (ck.optimizer_info or {}).get("schedule") or {}
+    check_schedule(resume, spec, cfg["train"], given)
+    return steps_to_run(resume, ck.step, spec, cfg["train"], given)
+
+
+def check_schedule(resume: str, spec: dict, t: dict, given: dict[str, str]) -> None:
+    """A resumed run keeps its checkpoint's learning-rate schedule ``spec``: other values of its
+    [train] keys are an error when the command line gives them, and one warning line per config
+    file that does (it may be the one the run started from, with flags over it)."""
+    other = schedule_changes(spec, t, given)
+    if not on_command_line(given.get("train.steps", "")) and "train.steps" in given \
+            and spec.get("total", t["steps"]) != t["steps"]:  # the budget, which the schedule spans
+        other.append((given["train.steps"], f"steps = {t['steps']!r}"))
+    refused = [where for where, _ in other if on_command_line(where)]
+    if refused:
+        raise TileError("tilegraph train --resume", "no learning-rate settings other than its checkpoint's schedule, "
+                        f"which the resumed run keeps ({describe_schedule(spec)}): leave them out, or start a new "
+                        f"run from the checkpoint's weights (--init {resume} and another --out)", "; ".join(refused))
+    for config in dict.fromkeys(where for where, _ in other):
+        print(f"tilegraph train: warning: {', '.join(x for where, x in other if where == config)} in {config} not "
+              f"used: the resumed run keeps its checkpoint's learning-rate schedule ({describe_schedule(spec)})",
+              file=sys.stderr, flush=True)
+
+
+def steps_to_run(resume: str, step: int, spec: dict, t: dict, given: dict[str, str]) -> int:
+    """The steps a resumed run takes: ``--steps N`` (or ``--set train.steps=N``) more; else up to
+    the step budget its schedule ``spec`` spans (one without a budget: [train] steps more)."""
+    total = spec.get("total")
+    if on_command_line(given.get("train.steps", "")) or total is None:
+        return int(t["steps"])
+    if total <= step:
+        raise TileError("tilegraph train --resume", f"--steps N, the steps to add: {resume} ends its run (step {step} "
+                        f"of the {total} steps its learning-rate schedule spans; steps past them run at its min_lr)",
+                        "no --steps")
+    return total - step
+
+
+def schedule_changes(spec: dict, t: dict, given: dict[str, str]) -> list[tuple[str, str]]:
+    """The schedule keys the user gave with values other than the checkpoint's schedule ``spec``:
+    ``(where, "key = value")``."""
+    changed = []
+    for key, name in SCHEDULE_KEYS.items():
+        if f"train.{key}" not in given or name not in spec:
+            continue
+        value = min(int(t[key]), spec.get("total", t[key])) if key == "warmup" else t[key]  # as the run built it
+        if not math.isclose(value, spec[name], rel_tol=1e-9):
+            changed.append((given[f"train.{key}"], f"{key} = {t[key]!r}"))
+    return changed
+
+
+def describe_schedule(spec: dict) -> str:
+    """``lr 0.003, warmup 15, steps 300, min_lr 0.0003``: a schedule spec in [train]'s names."""
+    names = {v: k for k, v in SCHEDULE_KEYS.items()} | {"total": "steps"}
+    return ", ".join(f"{names.get(k, k)} {v:g}" for k, v in spec.items() if k != "name") or "none saved"
+
+
+def keep_branch_point(manager, resume: str, step: int) -> None:
+    """A resumed run never prunes the checkpoint it resumed from, and moves the later checkpoints
+    of that folder (the branch of an earlier run that this one abandons, which would otherwise
+    rank as the newest, be kept over this run's own and collide with their names) into
+    ``checkpoints/abandoned-DATE-TIME/``, saying so. Nothing is deleted."""
+    manager.protect(resume)
+    if not in_folder(resume, manager.dir):
+        return
+    moved = manager.set_aside(step, time.strftime("abandoned-%Y%m%d-%H%M%S"))
+    if moved:
+        print(f"set aside the checkpoints after step {step}, of the branch this run abandons: "
+              f"{', '.join(p.name for p in moved)} -> {moved[0].parent}", flush=True)
+
+
+def in_folder(checkpoint: str, folder: Path) -> bool:
+    """Whether ``checkpoint`` is one of the checkpoints of ``folder``."""
+    return Path(checkpoint).resolve().parent == folder.resolve()
+
+
+def resume_command(config: str | None, checkpoint) -> str:
+    """The command that continues a run from ``checkpoint``."""
+    return " ".join(["tilegraph train", *([config] if config else []), "--resume", str(checkpoint)])
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint in ``out/checkpoints`` (None: none)."""
+    from tilegraph.io.zarr import is_checkpoint
+
+    ckdir = out / "checkpoints"
+    found = sorted(p for p in ckdir.iterdir() if p.name.startswith("step-") and is_checkpoint(p)) \
+        if ckdir.is_dir() else []
+    return found[-1] if found else None
+
+
+def diverged(error: FloatingPointError, optimizer, out: Path) -> TileError:
+    """The error of a loss that became NaN or inf (``error`` names the step): what to try (a
+    folder holding checkpoints is never the one to delete)."""
+    lr = (getattr(optimizer.schedule, "spec", None) or {}).get("base_lr")
+    last = latest_checkpoint(out)
+    return TileError("tilegraph train", "a finite loss: train again with a lower learning rate (--lr"
+                     + (f"; this run's peak was {lr:g}" if lr is not None else "") + "), in another --out"
+                     + (f" (from the weights of its last checkpoint: --init {last})" if last else
+                        f" or after deleting {out}"), re.sub(r"^\[[^]]*\] *", "", str(error)))
+
+
+# -------------------------------------------------------------------------------- the job ----
+@dataclass
+class Job:
+    """What :func:`cmd_train` releases after the job (the output lock, the job's settings) and
+    names when it stops at once (the output folder, the config)."""
+    release: list = field(default_factory=list)
+    out: Path | None = None
+    config: str | None = None
+
+
 def cmd_train(args) -> int:
-    held: list = []  # release functions (the output lock, the job's settings)
+    job = Job(config=args.config)
     try:
-        return _train(args, held)
+        return _train(args, job)
+    except KeyboardInterrupt:  # a second Ctrl-C ("again to stop at once"), or one before training
+        last = latest_checkpoint(job.out) if job.out is not None else None
+        print("tilegraph train: stopped at once; " + (f"last checkpoint: {last} (continue with "
+                                                      f"{resume_command(job.config, last)})" if last else
+                                                      "no checkpoint written"), file=sys.stderr, flush=True)
+        return 130
     finally:
-        for release in held:
+        for release in job.release:
             release()
 
 
-def _train(args, held: list) -> int:
+def _train(args, job: Job) -> int:
     import signal
 
     import tilegraph as tg
     from tilegraph.io import TokenDataset, build_token_file
 
     cfg, source = load_config(args.config)
-    flags = {"train.steps": args.steps, "train.lr": args.lr, "train.batch_size": args.batch_size,
-             "train.seed": args.seed, "model.init": args.init}
+    flags = {"train.steps": ("--steps", args.steps), "train.lr": ("--lr", args.lr),
+             "train.batch_size": ("--batch-size", args.batch_size), "train.seed": ("--seed", args.seed),
+             "model.init": ("--init", args.init)}
     apply_overrides(cfg, list(args.set or []))
-    for name, value in flags.items():
+    for name, (_, value) in flags.items():
         if value is not None:
             section, key = name.split(".")
             cfg[section][key] = value
-    if args.set or any(v is not None for v in flags.values()):
+    if args.set or any(v is not None for _, v in flags.values()):
         source += " and the command line"
     check_config(cfg, source)
+    given = given_settings(args.config, list(args.set or []), flags)
     d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
     rt = None
     # TLS files: the flags override [runtime]; "" is off (connect checks them before connecting)
@@ -125,8 +335,8 @@ def _train(args, held: list) -> int:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
         rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
-    steps = int(t["steps"])
-    out = Path(args.out or o["dir"])
+    steps = plan_resume(args.resume, cfg, given, source) if args.resume else int(t["steps"])
+    out, out_named_by = output_folder(args.out, o["dir"], given, args.resume)
     tokenizer = make_tokenizer(d["tokenizer"])
     # bad model and adapter settings fail before any work
     p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
@@ -144,7 +354,8 @@ def _train(args, held: list) -> int:
     files = tokenizer_files(tokenizer)
     if init or p["method"] != "none":
         files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
-    held.append(lock_output(out))  # then the output folder: ours alone, and no earlier run in it
+    job.release.append(take_output(out, out_named_by))  # then the output folder: ours alone, no earlier run in it
+    job.out = out  # where a Ctrl-C's message looks for the last checkpoint
     check_output(out, args.resume, steps)
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
         model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
@@ -162,7 +373,7 @@ def _train(args, held: list) -> int:
     if rt is None:
         rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
                         n_workers=r["workers"] or None, quiet=True, **tls)
-    held.append(partial(setattr, tg.config, "exchange", tg.config.exchange))  # the caller's, back after the job
+    job.release.append(partial(setattr, tg.config, "exchange", tg.config.exchange))  # the caller's, back after the job
     tg.config.exchange = r["exchange"]
     with rt:
         if quantized_base:  # the quantized tiles' parts move to the workers once, as parameters do
@@ -183,7 +394,9 @@ def _train(args, held: list) -> int:
                              tensorboard=o.get("tensorboard", False), parallel=r["parallel"],
                              restart_on_failure=t["restart_on_failure"], step_timeout=t["step_timeout"] or None)
         if args.resume:
-            print(f"resumed from {args.resume} at step {trainer.load_checkpoint(args.resume)}", flush=True)
+            start = trainer.load_checkpoint(args.resume)
+            print(f"resumed from {args.resume} at step {start}, to step {start + steps}", flush=True)
+            keep_branch_point(trainer.checkpoints, args.resume, start)
 
         def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
             trainer.request_stop()
@@ -194,6 +407,8 @@ def _train(args, held: list) -> int:
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             res = trainer.fit(steps)
+        except FloatingPointError as e:  # a NaN/inf loss, naming the step
+            raise diverged(e, opt, out) from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -202,8 +417,9 @@ def _train(args, held: list) -> int:
         sample = ""
         if res.stopped:
             last = res.checkpoints[-1] if res.checkpoints else None
-            print(f"stopped at step {opt.step_count}" + (f"; checkpoint: {last} (continue with --resume {last})"
-                                                         if last else ""), flush=True)
+            print(f"stopped at step {opt.step_count}" + (f"; checkpoint: {last} (continue with "
+                                                         f"{resume_command(args.config, last)})" if last else ""),
+                  flush=True)
             return 130
         try:
             from tilegraph.models.generate import generate
