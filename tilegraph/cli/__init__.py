@@ -20,7 +20,8 @@ from tilegraph.cli.config import (CONFIG_CHECKS, DEFAULT_CONFIG, JOB_MODEL_KEYS,
                                   build_model, check_config, load_config, make_tokenizer)
 from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, adapted_model, init_model, load_model,
                                     read_peft_record)
-from tilegraph.cli.train import LOCK_NAME, check_output, cmd_train, lock_output, tokenizer_files
+from tilegraph.cli.runs import LOCK_NAME, check_output, lock_output
+from tilegraph.cli.train import cmd_train, tokenizer_files
 from tilegraph.io.data import stdlib_files
 
 __all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_info", "load_config", "check_config",

@@ -166,8 +166,8 @@ def resume_settings(resume: str, p: dict, init: str) -> str:
                         f"{base!r}, which is not a checkpoint (moved or deleted?)")
     if job != stored:
         raise TileError(where, "the [peft] settings of the run that wrote the checkpoint (its adapters are "
-                        "restored as they are): leave [peft] out to take them from the checkpoint, or give the run's", f"{_describe(job)} here, "
-                        f"{_describe(stored)} in {folder / PEFT_FILE}")
+                        "restored as they are): leave [peft] out to take them from the checkpoint, or give the run's",
+                        f"{_describe(job)} here, {_describe(stored)} in {folder / PEFT_FILE}")
     if init and base and Path(init).resolve() != Path(base).resolve():
         raise TileError(where, f"model.init to be the base of the run that wrote the checkpoint ({base}), or "
                         "left out", init)

@@ -1,0 +1,267 @@
+"""The run folder of ``tilegraph train``: one run per output folder (a lock, and no earlier
+run's files overwritten), and what a resumed run takes from its checkpoint (its run folder, step
+budget, learning-rate schedule and adapters), keeps (the checkpoint it branches from) and says
+when it stops."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from tilegraph._errors import TileError
+from tilegraph.cli.config import check_config
+from tilegraph.cli.finetune import adapter_settings, read_peft_record
+
+
+# ---------------------------------------------------------------------------- the folder ----
+LOCK_NAME = ".tilegraph.lock"
+
+
+def lock_output(out: Path):
+    """Take ``out`` for this process (a lock file naming it); returns the release function. A
+    folder locked by a live process is refused, naming it; a lock whose process is gone is taken
+    over."""
+    import socket
+
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import process_alive
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / LOCK_NAME
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                held = json.loads(lock.read_text())
+                pid, host = int(held["pid"]), str(held["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, host = None, me["host"]
+            if pid is not None and (host != me["host"] or process_alive(pid)):
+                raise TileError("tilegraph train", f"an output folder no other run is using; {out} is in use by "
+                                f"tilegraph train (pid {pid} on {host}): wait for it, or pass another --out",
+                                str(lock)) from None
+            lock.unlink(missing_ok=True)  # its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return lambda: lock.unlink(missing_ok=True)
+    raise TileError("tilegraph train", "a lock on the output folder", f"{lock} could not be taken")
+
+
+def take_output(out: Path, where: str):
+    """:func:`lock_output` ``out``, a path that cannot be a folder (a file in the way, a file
+    system that is missing or read-only) refused in one error naming it, as ``tilegraph convert``
+    names its destination (``where``: what named the folder). Returns the release function."""
+    from tilegraph.io._store import write_failure
+
+    in_the_way = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
+    if in_the_way is not None and not in_the_way.is_dir():
+        raise TileError(where, "an output folder, or a path where one can be made (nothing was written)",
+                        f"{out} is not a folder" if in_the_way == out else f"{out}: {in_the_way} is not a folder")
+    try:
+        return lock_output(out)
+    except OSError as e:
+        raise write_failure(where, e, out, "the output folder", "nothing was written") from None
+
+
+def check_output(out: Path, resume: str | None, steps: int) -> int | None:
+    """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
+    returns the step of the ``resume`` checkpoint (None without one)."""
+    from tilegraph._errors import TileError
+    from tilegraph.io.zarr import load_checkpoint
+
+    ckdir = out / "checkpoints"
+    found = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) if ckdir.is_dir() else []
+    if resume is None:
+        if found:
+            what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
+                                         f"checkpoints {found[0]}..{found[-1]}"] if x)
+            raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds one ({what}): "
+                            f"pass --resume CHECKPOINT to continue it (--resume {ckdir / found[-1]} continues it), "
+                            "or another --out", str(out))
+        if (out / "metrics.jsonl").exists():  # a run that stopped (an error, a kill) before its first checkpoint
+            raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds the "
+                            "metrics.jsonl of one that wrote no checkpoint, so nothing there can be resumed: pass "
+                            f"another --out, or delete {out} (or its metrics.jsonl) to start over in it", str(out))
+        return None
+    step = load_checkpoint(resume).step
+    if in_folder(resume, ckdir):
+        return step  # the run's own later checkpoints: set aside when it starts (keep_branch_point)
+    clash = [n for n in found if n.split("-", 1)[1].isdigit() and step < int(n.split("-", 1)[1]) <= step + steps]
+    if clash:
+        raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
+                        f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
+                        f"--resume {resume} --steps {steps}")
+    return step
+
+
+# ------------------------------------------------------------------------------ the settings ----
+def given_settings(config: str | None, pairs: list[str], flags: dict[str, tuple[str, object]]) -> dict[str, str]:
+    """The settings the user gave, not the shipped defaults: ``section.key`` -> where (the config
+    file's path, or on the command line ``--set KEY=VALUE`` or the flag and its value, which win)."""
+    import tomllib
+
+    given = {}
+    if config is not None:
+        user = tomllib.loads(Path(config).read_text(encoding="utf-8"))  # load_config has read it
+        given = {f"{s}.{k}": config for s, keys in user.items() if isinstance(keys, dict) for k in keys}
+    given.update({pair.partition("=")[0].strip(): f"--set {pair.strip()}" for pair in pairs})
+    given.update({name: f"{flag} {value}" for name, (flag, value) in flags.items() if value is not None})
+    return given
+
+
+def on_command_line(where: str) -> bool:
+    """Whether a :func:`given_settings` source is the command line (else a config file)."""
+    return where.startswith("--")
+
+
+def run_folder(checkpoint: str) -> Path | None:
+    """The run folder holding ``checkpoint``: RUN for ``RUN/checkpoints/step-N`` (and for a branch
+    set aside, ``RUN/checkpoints/abandoned-*/step-N``); None for a checkpoint elsewhere."""
+    path = Path(checkpoint)
+    for p in (path, path.resolve()):  # resolved for paths like "step-000020" or "."
+        run = next((a.parent for a in p.parents[:2] if a.name == "checkpoints"), None)
+        if run is not None:
+            return run
+    return None
+
+
+def output_folder(out: str | None, configured: str, given: dict[str, str], resume: str | None) -> tuple[Path, str]:
+    """The run's output folder and what named it (for errors): ``--out``; else ``[output] dir``
+    where the user gave it; else, resuming, the run folder of the checkpoint (so the run's
+    metrics.jsonl and loss.png go on); else the shipped ``[output] dir``."""
+    if out is None and "output.dir" not in given and resume and (run := run_folder(resume)) is not None:
+        return run, f"tilegraph train --resume (its run folder, {run})"
+    text, where = (out, "--out") if out is not None else (configured, "tilegraph train [output] dir")
+    if not text.strip():
+        raise TileError(where, "an output folder (a path; nothing was written)", repr(text))
+    return Path(text), where
+
+
+# -------------------------------------------------------------------------------- resuming ----
+#: [train] keys of the learning-rate schedule -> the keys of its spec, which checkpoints hold and
+#: a resumed run keeps (tilegraph.optim.warmup_cosine)
+SCHEDULE_KEYS = {"lr": "base_lr", "warmup": "warmup", "min_lr": "min_lr"}
+
+
+def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> int:
+    """Check a ``--resume`` job against its checkpoint and complete it from there (the [peft]
+    adapters the job leaves out); returns the steps to run (:func:`steps_to_run`)."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    init_from = given.get("model.init", "")
+    if on_command_line(init_from) and cfg["model"].get("init"):
+        raise TileError("tilegraph train", "--init or --resume, not both: --init starts a new run from a "
+                        "checkpoint's weights, --resume continues the run that wrote it (with the weights it "
+                        "started from)", f"{init_from} --resume {resume}")
+    ck = load_checkpoint(resume)
+    record = read_peft_record(Path(resume), "tilegraph train --resume")
+    if record is not None:  # its adapters, unless the job gives them (resume_settings checks they agree)
+        cfg["peft"].update({k: v for k, v in adapter_settings(record).items() if f"peft.{k}" not in given})
+        check_config(cfg, source)
+    spec = (ck.optimizer_info or {}).get("schedule") or {}
+    check_schedule(resume, spec, cfg["train"], given)
+    return steps_to_run(resume, ck.step, spec, cfg["train"], given)
+
+
+def check_schedule(resume: str, spec: dict, t: dict, given: dict[str, str]) -> None:
+    """A resumed run keeps its checkpoint's learning-rate schedule ``spec``: other values of its
+    [train] keys are an error when the command line gives them, and one warning line per config
+    file that does (it may be the one the run started from, with flags over it)."""
+    other = schedule_changes(spec, t, given)
+    if not on_command_line(given.get("train.steps", "")) and "train.steps" in given \
+            and spec.get("total", t["steps"]) != t["steps"]:  # the budget, which the schedule spans
+        other.append((given["train.steps"], f"steps = {t['steps']!r}"))
+    refused = [where for where, _ in other if on_command_line(where)]
+    if refused:
+        raise TileError("tilegraph train --resume", "no learning-rate settings other than its checkpoint's schedule, "
+                        f"which the resumed run keeps ({describe_schedule(spec)}): leave them out, or start a new "
+                        f"run from the checkpoint's weights (--init {resume} and another --out)", "; ".join(refused))
+    for config in dict.fromkeys(where for where, _ in other):
+        print(f"tilegraph train: warning: {', '.join(x for where, x in other if where == config)} in {config} not "
+              f"used: the resumed run keeps its checkpoint's learning-rate schedule ({describe_schedule(spec)})",
+              file=sys.stderr, flush=True)
+
+
+def steps_to_run(resume: str, step: int, spec: dict, t: dict, given: dict[str, str]) -> int:
+    """The steps a resumed run takes: ``--steps N`` (or ``--set train.steps=N``) more; else up to
+    the step budget its schedule ``spec`` spans (one without a budget: [train] steps more)."""
+    total = spec.get("total")
+    if on_command_line(given.get("train.steps", "")) or total is None:
+        return int(t["steps"])
+    if total <= step:
+        raise TileError("tilegraph train --resume", f"--steps N, the steps to add: {resume} ends its run (step {step} "
+                        f"of the {total} steps its learning-rate schedule spans; steps past them run at its min_lr)",
+                        "no --steps")
+    return total - step
+
+
+def schedule_changes(spec: dict, t: dict, given: dict[str, str]) -> list[tuple[str, str]]:
+    """The schedule keys the user gave with values other than the checkpoint's schedule ``spec``:
+    ``(where, "key = value")``."""
+    changed = []
+    for key, name in SCHEDULE_KEYS.items():
+        if f"train.{key}" not in given or name not in spec:
+            continue
+        value = min(int(t[key]), spec.get("total", t[key])) if key == "warmup" else t[key]  # as the run built it
+        if not math.isclose(value, spec[name], rel_tol=1e-9):
+            changed.append((given[f"train.{key}"], f"{key} = {t[key]!r}"))
+    return changed
+
+
+def describe_schedule(spec: dict) -> str:
+    """``lr 0.003, warmup 15, steps 300, min_lr 0.0003``: a schedule spec in [train]'s names."""
+    names = {v: k for k, v in SCHEDULE_KEYS.items()} | {"total": "steps"}
+    return ", ".join(f"{names.get(k, k)} {v:g}" for k, v in spec.items() if k != "name") or "none saved"
+
+
+def keep_branch_point(manager, resume: str, step: int) -> None:
+    """A resumed run never prunes the checkpoint it resumed from, and moves the later checkpoints
+    of that folder (the branch of an earlier run that this one abandons, which would otherwise
+    rank as the newest, be kept over this run's own and collide with their names) into
+    ``checkpoints/abandoned-DATE-TIME/``, saying so. Nothing is deleted."""
+    manager.protect(resume)
+    if not in_folder(resume, manager.dir):
+        return
+    moved = manager.set_aside(step, time.strftime("abandoned-%Y%m%d-%H%M%S"))
+    if moved:
+        print(f"set aside the checkpoints after step {step}, of the branch this run abandons: "
+              f"{', '.join(p.name for p in moved)} -> {moved[0].parent}", flush=True)
+
+
+def in_folder(checkpoint: str, folder: Path) -> bool:
+    """Whether ``checkpoint`` is one of the checkpoints of ``folder``."""
+    return Path(checkpoint).resolve().parent == folder.resolve()
+
+
+def resume_command(config: str | None, checkpoint) -> str:
+    """The command that continues a run from ``checkpoint``."""
+    return " ".join(["tilegraph train", *([config] if config else []), "--resume", str(checkpoint)])
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint in ``out/checkpoints`` (None: none)."""
+    from tilegraph.io.zarr import is_checkpoint
+
+    ckdir = out / "checkpoints"
+    found = sorted(p for p in ckdir.iterdir() if p.name.startswith("step-") and is_checkpoint(p)) \
+        if ckdir.is_dir() else []
+    return found[-1] if found else None
+
+
+def diverged(error: FloatingPointError, optimizer, out: Path) -> TileError:
+    """The error of a loss that became NaN or inf (``error`` names the step): what to try (a
+    folder holding checkpoints is never the one to delete)."""
+    lr = (getattr(optimizer.schedule, "spec", None) or {}).get("base_lr")
+    last = latest_checkpoint(out)
+    return TileError("tilegraph train", "a finite loss: train again with a lower learning rate (--lr"
+                     + (f"; this run's peak was {lr:g}" if lr is not None else "") + "), in another --out"
+                     + (f" (from the weights of its last checkpoint: --init {last})" if last else
+                        f" or after deleting {out}"), re.sub(r"^\[[^]]*\] *", "", str(error)))
