@@ -57,6 +57,13 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
         # handle: it stops after the steps under way and checkpoints, which needs the scheduler and
         # workers alive; they end when the client's exit shuts the cluster down
         ignore_stop_signals()
+    if comm.Get_rank() >= 2:  # a worker: one BLAS thread per kernel, as a nanny gives the embedded
+        # cluster's workers (OPENBLAS_NUM_THREADS=1; too late here, NumPy has loaded OpenBLAS): its
+        # kernels run on the worker's own threads, and OpenBLAS's threads beside them only compete
+        # for the rank's cores (and gave other float rounding than the embedded cluster's workers)
+        from tilegraph.exec.program import one_blas_thread
+
+        one_blas_thread()  # not as a context: for the rank's life
     # Per-rank worker options are decided here, before initialize() turns this rank into a worker.
     threads = _worker_threads(comm, MPI)
     gpus = _visible_gpus()
