@@ -208,6 +208,37 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(root):
     assert not (root / "int" / ".tilegraph.lock").exists()
 
 
+def test_a_sigterm_to_the_process_group_checkpoints_the_last_step(root):
+    """Slurm's scancel (and `timeout`) signal every process of the job: the workers leave the
+    SIGTERM to tilegraph train, which stops after the steps under way and checkpoints the last
+    one. Before, the signal killed the workers (and the parameters they held): 'lost worker', no
+    final checkpoint."""
+    import tilegraph as tg
+
+    out_file, err_file = root / "term.out", root / "term.err"
+    with open(out_file, "w") as out, open(err_file, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", "small.toml", "--out", "term",
+                                 "--steps", "100000", "--no-progress"],
+                                cwd=root, stdout=out, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        metrics = root / "term" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 8):
+            assert time.time() < deadline and proc.poll() is None, err_file.read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)  # to every process of the group, the workers too
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stdout, err = out_file.read_text(), err_file.read_text()
+    assert proc.returncode == 130 and "lost worker" not in err and "Traceback" not in err, err[-3000:]
+    m = re.search(r"^stopped at step (\d+); checkpoint: (term/checkpoints/step-\d{6}) ", stdout, re.M)
+    assert m, stdout[-3000:] + err[-3000:]
+    assert tg.io.load_checkpoint(root / m.group(2)).step == int(m.group(1)) >= 8
+
+
 @pytest.mark.parametrize("out, message", [
     ("afile", r"\[--out\] an output folder, or a path where one can be made \(nothing was written\); "
               r"received: afile is not a folder"),
