@@ -214,7 +214,7 @@ def test_generate_stops_at_a_stop_string_and_takes_a_repetition_penalty(capsys, 
     assert pen_ids[:4] == free_ids[:4] and pen_ids != free_ids
     assert len(set(pen_ids[4:])) >= len(set(free_ids[4:]))
     assert cli.main(base + ["--repetition-penalty", "-1"]) == 2
-    assert "repetition_penalty must be a positive finite number" in capsys.readouterr().err
+    assert "--repetition-penalty must be a finite number > 0; received: --repetition-penalty=-1.0" in capsys.readouterr().err
 
 
 def test_unescape_reads_newlines_and_tabs():
