@@ -175,6 +175,28 @@ def test_a_nan_loss_is_one_line_and_the_folder_it_leaves_says_what_to_do(root, c
            "another --out, or delete nan" in err, err
 
 
+def test_a_resumed_run_draws_the_batches_of_the_run_it_continues(root, capsys, monkeypatch):
+    """The seed and batch size of the checkpoint's run replace the job's: a run started with
+    --seed 7 and resumed without it goes on with the very losses of the run it continues (it drew
+    the batches of the shipped seed before); another --seed on the command line is refused, one
+    in a config file is named in a warning and not used."""
+    straight = _cli("train", "small.toml", "--out", "s7", "--seed", "7", "--steps", "10",
+                    "--set", "output.checkpoint_every=5", "--no-progress", cwd=root)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    shutil.copytree(root / "s7", root / "r7")
+    (root / "seed3.toml").write_text(CONFIG.replace("[train]", "[train]\nseed = 3", 1))
+    more = _cli("train", "seed3.toml", "--resume", "r7/checkpoints/step-000005", "--no-progress", cwd=root)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "seed = 3 in seed3.toml not used: the resumed run draws its checkpoint's batches (seed 7, batch_size" \
+           in more.stderr, more.stderr[-3000:]
+    want = [r["loss"] for r in _steps(root / "s7") if r["step"] > 5]
+    got = [r["loss"] for r in _steps(root / "r7")][-5:]  # the resumed steps 6..10, after the copied ones
+    assert len(want) == 5 and got == want, (got, want)
+    monkeypatch.chdir(root)
+    err = _main(capsys, "train", "small.toml", "--resume", "r7/checkpoints/step-000005", "--steps", "2", "--seed", "1")
+    assert "the batches of the run it continues (seed 7, batch_size" in err and "received: --seed 1" in err, err
+
+
 def test_a_second_ctrl_c_stops_at_once_in_one_line(root):
     import tilegraph as tg
 

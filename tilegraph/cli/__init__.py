@@ -66,8 +66,11 @@ def _run(argv) -> int:
     tr.add_argument("--lr", type=float, default=None,
                     help="peak learning rate (overrides [train] lr); a resumed run keeps its checkpoint's schedule, "
                          "and another --lr is refused")
-    tr.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step ([train] batch_size)")
-    tr.add_argument("--seed", type=int, default=None, help="seed of the weights and the batch order ([train] seed)")
+    tr.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per optimizer step ([train] batch_size; a resumed run keeps its checkpoint's)")
+    tr.add_argument("--seed", type=int, default=None,
+                    help="seed of the weights and the batch order ([train] seed; a resumed run keeps its "
+                         "checkpoint's)")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                     help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
     tr.add_argument("--init", default=None, metavar="PATH",

@@ -168,7 +168,33 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> i
         check_config(cfg, source)
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
+    keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
     return steps_to_run(resume, ck.step, spec, cfg["train"], given)
+
+
+def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) -> None:
+    """A resumed run draws the batches the run would have drawn: the seed, batch size and
+    accumulation of its checkpoint's ``trainer_state`` replace [train]'s (the shipped ones, or a
+    config file's, with a warning where they differ); other values on the command line are refused."""
+    stored = {"seed": (state.get("rng") or {}).get("data_seed"), "batch_size": state.get("batch_size"),
+              "accum_steps": state.get("accum_steps")}
+    other = []
+    for key, value in stored.items():
+        if not isinstance(value, int) or isinstance(value, bool) or t[key] == value:
+            continue
+        where = given.get(f"train.{key}")
+        if where is not None:
+            other.append((where, f"{key} = {t[key]!r}"))
+        t[key] = value
+    kept = ", ".join(f"{k} {v}" for k, v in stored.items() if v is not None)
+    refused = [where for where, _ in other if on_command_line(where)]
+    if refused:
+        raise TileError("tilegraph train --resume", f"the batches of the run it continues ({kept}, from its "
+                        f"checkpoint): leave them out, or start a new run from the checkpoint's weights (--init "
+                        f"{resume} and another --out)", "; ".join(refused))
+    for config in dict.fromkeys(where for where, _ in other):
+        print(f"tilegraph train: warning: {', '.join(x for where, x in other if where == config)} in {config} not "
+              f"used: the resumed run draws its checkpoint's batches ({kept})", file=sys.stderr, flush=True)
 
 
 def check_schedule(resume: str, spec: dict, t: dict, given: dict[str, str]) -> None:
