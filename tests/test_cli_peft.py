@@ -133,7 +133,7 @@ def test_lora_from_a_checkpoint_trains_only_the_adapters(root, pretrained, lora)
     state_of = {a.split("/")[1] for a in tuned.arrays if a.startswith("optimizer/")}
     assert {n.rsplit(".", 1)[1] for n in state_of} == {"lora_u", "lora_v"}
     assert json.loads((ck / "tilegraph_peft.json").read_text()) == {
-        "method": "lora", "rank": 4, "alpha": 16, "targets": ["c_attn", "c_proj", "c_fc"],
+        "method": "lora", "rank": 4, "alpha": 16, "targets": ["c_attn", "c_proj", "c_fc"], "dropout": 0.0,
         "init": str(pretrained[1].resolve()), "base_in_checkpoint": True}
 
     # the adapters alone, on the base, equal the checkpoint's merged model (what generate and eval use)

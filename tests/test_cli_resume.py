@@ -145,7 +145,8 @@ def test_what_a_resumed_run_cannot_honour_is_refused(root, capsys, monkeypatch, 
 def test_resume_of_a_lora_run_takes_its_adapters_from_the_checkpoint(root, capsys, monkeypatch):
     (root / "data.toml").write_text("[data]" + CONFIG.split("[data]", 1)[1])  # no [model]: init's architecture
     run = _cli("train", "data.toml", "--init", "base/checkpoints/step-000020", "--set", "peft.method=lora",
-               "--set", "peft.rank=4", "--out", "lora", "--steps", "4", "--no-progress", cwd=root)
+               "--set", "peft.rank=4", "--set", "peft.dropout=0.1", "--out", "lora", "--steps", "4", "--no-progress",
+               cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     # no [peft] given: the checkpoint's (tilegraph_peft.json)
     again = _cli("train", "data.toml", "--resume", "lora/checkpoints/step-000004", "--steps", "2", "--no-progress",
@@ -153,7 +154,8 @@ def test_resume_of_a_lora_run_takes_its_adapters_from_the_checkpoint(root, capsy
     assert again.returncode == 0, again.stderr[-3000:]
     assert "lora rank 4 on attn.q, attn.v" in again.stdout and "at step 4, to step 6" in again.stdout
     ck = root / "lora" / "checkpoints" / "step-000006"
-    assert (ck / "adapters").is_dir() and json.loads((ck / "tilegraph_peft.json").read_text())["rank"] == 4
+    record = json.loads((ck / "tilegraph_peft.json").read_text())  # written from the resumed job's settings
+    assert (ck / "adapters").is_dir() and record["rank"] == 4 and record["dropout"] == 0.1  # dropout too (was 0)
     # [peft] settings given that differ from the checkpoint's are refused
     monkeypatch.chdir(root)
     err = _main(capsys, "train", "data.toml", "--resume", "lora/checkpoints/step-000006", "--steps", "2",

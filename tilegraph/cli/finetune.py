@@ -203,7 +203,8 @@ def peft_record(p: dict, init: str, quantized_base: bool) -> dict:
     base weights: always now (a base kept quantized is stored quantized, its parts as they are);
     False in checkpoints of runs on a quantized base written before, which read it from ``init``."""
     del quantized_base  # stored either way: tilegraph.io.save_checkpoint writes QuantizedTensors
-    return {**adapter_settings(p), "init": str(Path(init).resolve()) if init else None,
+    extra = {"dropout": p["dropout"]} if p["method"] == "lora" else {}  # not the adapters' shape: --resume takes it
+    return {**adapter_settings(p), **extra, "init": str(Path(init).resolve()) if init else None,
             "base_in_checkpoint": True}
 
 

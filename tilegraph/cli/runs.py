@@ -165,6 +165,8 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> i
     record = read_peft_record(Path(resume), "tilegraph train --resume")
     if record is not None:  # its adapters, unless the job gives them (resume_settings checks they agree)
         cfg["peft"].update({k: v for k, v in adapter_settings(record).items() if f"peft.{k}" not in given})
+        if "dropout" in record and "peft.dropout" not in given:  # recorded since LoRA runs resume without [peft]
+            cfg["peft"]["dropout"] = record["dropout"]
         check_config(cfg, source)
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
