@@ -39,9 +39,10 @@ def _lines(ax):
 
 
 def test_plot_draws_raw_smoothed_validation_uniform_guess_and_learning_rate(tmp_path):
-    records = _records("a", range(1, 101))
+    records = _records("a", range(1, 45))  # steps 41-44 failed
     records.append({"run": "a", "restart": True, "step": 40, "failed": [41, 44], "workers": ["w"]})
-    records += _records("a", range(41, 51), scale=2.0)  # after a restart: the rerun's values win
+    # after a restart from step 40's checkpoint: the rerun's values win
+    records += _records("a", range(41, 51), scale=2.0) + _records("a", range(51, 101))
     fig = plot_training(records, vocab_size=257)
     ax, ax_lr = fig.axes
     lines = _lines(ax)
@@ -112,3 +113,16 @@ def test_has_tensorboard_does_not_import_torch(monkeypatch):
     assert has_tensorboard()
     found.update(torch=None, tensorboard=None, tensorboardX=object())
     assert has_tensorboard()
+
+
+def test_a_run_resumed_from_an_earlier_step_plots_the_branch_it_took():
+    """Records of steps 1-20, then a resume from step 10's checkpoint logging 11-14 again (and a
+    validation at 12): the curve is 1-10 then the new 11-14, never the old 15-20 after them."""
+    from tilegraph.plotting import _curves
+
+    old = [{"run": "r", "step": s, "loss": 10.0 - 0.1 * s, "lr": 1.0} for s in range(1, 21)]
+    new = [{"run": "r", "step": s, "loss": 5.0, "lr": 0.5} for s in range(11, 15)]
+    val = [{"run": "r", "step": 12, "val_loss": 4.0}]
+    loss, val_loss, lr = _curves(old + new[:2] + val + new[2:], None)
+    assert [s for s, _ in loss] == list(range(1, 15)) and [v for s, v in loss if s > 10] == [5.0] * 4
+    assert val_loss == [(12, 4.0)] and lr[-1] == (14, 0.5)

@@ -58,17 +58,26 @@ def smooth(values, window: int) -> np.ndarray:
 
 
 def _curves(records: list[dict], run: str | None) -> tuple[list, list, list]:
-    """(step, loss), (step, val_loss) and (step, lr) of one run, sorted by step; where a step was
-    logged twice (the steps after a restart run again) its last record wins."""
+    """(step, loss), (step, val_loss) and (step, lr) of one run, sorted by step. Where the run went
+    back to an earlier step (a restart, or a resume from an earlier checkpoint: its steps run again,
+    logged after the first ones), the records from that step on before it are dropped: the curve
+    is the run as it went on, not a mix of the branch it left and the one it took."""
     if run is None:  # a metrics.jsonl of several runs: the last one
         runs = [r["run"] for r in records if "run" in r]
         run = runs[-1] if runs else None
     if run is not None:
         records = [r for r in records if r.get("run") == run]
+    kept: list[dict] = []
+    last = 0  # the newest step with a training loss
+    for r in (r for r in records if isinstance(r.get("step"), int)):
+        if "loss" in r:
+            if r["step"] <= last:  # a step logged again: the run went back to before it
+                kept = [k for k in kept if k["step"] < r["step"]]
+            last = r["step"]
+        kept.append(r)
 
     def curve(key):
-        by_step = {r["step"]: r[key] for r in records
-                   if "step" in r and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
+        by_step = {r["step"]: r[key] for r in kept if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
         return sorted(by_step.items())
 
     return curve("loss"), curve("val_loss"), curve("lr")
