@@ -83,6 +83,13 @@ def test_a_folder_as_config_is_one_line_from_the_command(tmp_path):
     # the job validates on at least one window of the val split, at the end even with eval_every = 0
     (["--set", "data.val_fraction=0"], r"data\.val_fraction must be a number > 0 and < 1, not 0"),
     (["--set", "data.val_fraction=0", "--set", "train.eval_every=0"], r"data\.val_fraction must be a number > 0"),
+    # a share of every batch per worker process: named as the settings (it was Executable's batch_tiles, after
+    # the cluster started)
+    (["--set", "runtime.workers=2", "--set", "runtime.parallel=data", "--set", "train.batch_size=1"],
+     r"train\.batch_size / train\.accum_steps \(1 / 1\) must give each of the runtime\.workers \(2\) worker "
+     r"processes a sequence with runtime\.parallel = 'data'"),
+    (["--set", "runtime.workers=3", "--set", "runtime.parallel=sharded", "--set", "train.batch_size=4",
+      "--set", "train.accum_steps=2"], r"\(4 / 2\) must give each of the runtime\.workers \(3\)"),
 ])
 def test_settings_that_cannot_run_are_refused_before_any_work(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)

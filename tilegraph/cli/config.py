@@ -133,6 +133,12 @@ def check_config(cfg: dict, source: str) -> None:
     if not problems and t["batch_size"] % t["accum_steps"]:
         problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
                         f"({t['accum_steps']})")
+    r = cfg.get("runtime", {})
+    if not problems and r.get("parallel") in ("data", "sharded") and r.get("workers", 0) > 1 \
+            and t["batch_size"] // t["accum_steps"] < r["workers"]:  # a share of each (micro-)batch per process
+        problems.append(f"train.batch_size / train.accum_steps ({t['batch_size']} / {t['accum_steps']}) must give "
+                        f"each of the runtime.workers ({r['workers']}) worker processes a sequence with "
+                        f"runtime.parallel = {r['parallel']!r} (or runtime.parallel = \"auto\" or \"tiles\")")
     if not problems and p.get("method", "none") != "none" and p.get("grad_sketch", "none") != "none":
         # a sketch replaces the weight gradient of a trained Linear; adapters freeze every base weight
         problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "
