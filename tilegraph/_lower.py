@@ -653,7 +653,8 @@ class Executable:
             want += [key for key in keys if key not in want]
             futures = self._submit_gang(runtime, layers, keys, want, pinned)
         else:
-            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned, cpu_resource=self._cpu_resource(runtime))))
+            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned,
+                                                           cpu_resource=self._cpu_resource(runtime))))
         for pos, (key, k) in fetch_of.items():
             out[pos] = Fetching(futures[key], k)
         if wait:
@@ -686,7 +687,8 @@ class Executable:
                     prev = None
                 task = layers["gang"][key]
                 layers["gang"][key] = task[:AFTER_INDEX] + (prev,) + task[AFTER_INDEX + 1:]
-            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned, cpu_resource=self._cpu_resource(runtime))))
+            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned,
+                                                           cpu_resource=self._cpu_resource(runtime))))
             for p, key in enumerate(keys):
                 runtime.last_gang[self.gang.addrs[p]] = futures[key]
                 futures[key].add_done_callback(partial(runtime.gang_done, self.gang.addrs[p]))
@@ -853,13 +855,17 @@ def _local_get(layers: dict, keys: list, threads: int = 1):
         return get(dsk, keys)
 
 
+#: the keyword arguments of :class:`Executable` (and so of :func:`compile` and :func:`compute`)
+EXECUTABLE_OPTIONS = tuple(n for n, p in inspect.signature(Executable.__init__).parameters.items()
+                           if p.kind is p.KEYWORD_ONLY)
+
+
 def compile(outputs: Sequence[TileTensor | TileRef], **kw) -> Executable:
     """Place, cluster and plan the graph behind ``outputs`` (TileTensors or tile refs); keyword
-    arguments go to :class:`Executable`."""
-    known = [k for k in inspect.signature(Executable.__init__).parameters if k not in ("self", "roots")]
-    unknown = sorted(set(kw) - set(known))
+    arguments go to :class:`Executable` (:data:`EXECUTABLE_OPTIONS`)."""
+    unknown = sorted(set(kw) - set(EXECUTABLE_OPTIONS))
     if unknown:
-        raise TileError("tilegraph.compile", f"keyword arguments among {', '.join(known)}",
+        raise TileError("tilegraph.compile", f"keyword arguments among {', '.join(EXECUTABLE_OPTIONS)}",
                         ", ".join(f"{k}={kw[k]!r:.40}" for k in unknown))
     roots: list[TileRef] = []
     for o in outputs:

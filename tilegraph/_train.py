@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from tilegraph._autograd import grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, number_check
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef
-from tilegraph._lower import Executable, Fetching, config, gather
+from tilegraph._lower import EXECUTABLE_OPTIONS, Executable, Fetching, config, gather
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
 from tilegraph.optim import Optimizer
@@ -85,8 +84,7 @@ def _per_graph(est_seconds: float) -> int:
 
 # -- argument checks (shared with tilegraph.Trainer and the checkpoint loader) ---------------------
 #: the keyword arguments a step forwards to :class:`Executable` (those it sets itself left out)
-COMPILE_OPTIONS = tuple(n for n, p in inspect.signature(Executable.__init__).parameters.items()
-                        if p.kind is p.KEYWORD_ONLY and n not in ("runtime", "state_groups", "batch_cells"))
+COMPILE_OPTIONS = tuple(n for n in EXECUTABLE_OPTIONS if n not in ("runtime", "state_groups", "batch_cells"))
 
 
 def check_int(where: str, name: str, value, low: int) -> None:
