@@ -79,9 +79,11 @@ def test_load_checkpoint_with_a_corrupt_optimizer_chunk_changes_nothing(tmp_path
 
 
 @pytest.mark.distributed
-def test_a_failed_read_on_the_workers_changes_nothing(tmp_path, embedded_runtime):
+def test_a_failed_read_on_the_workers_changes_nothing(tmp_path, own_runtime):
     """On a cluster the tiles are read by the workers; one failing its checksum leaves the weights
-    and the optimizer state the workers hold, and a good checkpoint then loads there."""
+    and the optimizer state the workers hold, and a good checkpoint then loads there. (A cluster
+    of its own: the state it leaves on the workers would count against the tests that measure
+    what the shared cluster's workers hold.)"""
     src = _lm(0)
     src_opt = tg.optim.SGD(src.parameters(), lr=0.1, momentum=0.9)
     good = tg.io.save_checkpoint(tmp_path / "good", src, src_opt, step=3)
@@ -92,9 +94,9 @@ def test_a_failed_read_on_the_workers_changes_nothing(tmp_path, embedded_runtime
     chunk.write_bytes(bytes(data))
     model = _lm(1)
     opt = tg.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    trainer = tg.Trainer(model, opt, _lm_data(), embedded_runtime, loss_fn=lm_loss, batch_size=4, progress=False)
+    trainer = tg.Trainer(model, opt, _lm_data(), own_runtime, loss_fn=lm_loss, batch_size=4, progress=False)
     trainer.fit(1)  # parameters and state now live on the workers
-    with embedded_runtime.as_current():
+    with own_runtime.as_current():
         before = _values(model, opt)
         with pytest.raises(tg.io.CheckpointError, match=r"'optimizer/wte.weight/momentum_buffer': a chunk failed"):
             trainer.load_checkpoint(bad)
