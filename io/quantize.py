@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
+from tilegraph._config import require_int
 from tilegraph._errors import TileError
 
 __all__ = ["METHODS", "QuantizedArray", "quantize", "dequantize", "relative_error", "default_method",
@@ -218,8 +219,8 @@ def quantize(array, method: str, bits: int | None = None, *, block: int = 64, se
     bits = method_bits(method, bits, where)
     spec = _SPECS[method]
     x = _check_array(array, where, method, spec)
-    _check_int(block, where, "block", 1)
-    _check_int(seed, where, "seed", 0)
+    require_int(where, "block", block, 1)
+    require_int(where, "seed", seed, 0)
     if transform not in TRANSFORMS:
         raise TileError(where, f"unknown Kashin transform; expected one of {list(TRANSFORMS)}", repr(transform))
     tile = _check_tile(tile, where)
@@ -252,13 +253,6 @@ def _check_array(array, where: str, method: str, spec: _Spec) -> np.ndarray:
     return x
 
 
-def _check_int(value, where: str, name: str, low: int, high: int | None = None) -> None:
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if not ok or value < low or (high is not None and value > high):
-        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise TileError(where, f"{name} must be an integer {rng}", repr(value))
-
-
 def _check_tile(tile, where: str) -> tuple[int, int] | None:
     if tile is None:
         return None
@@ -272,7 +266,7 @@ def _check_tile(tile, where: str) -> tuple[int, int] | None:
 def _check_tol(tol, max_iter, where: str) -> None:
     if not (isinstance(tol, (int, float, np.floating)) and not isinstance(tol, bool) and 0 < tol < 1):
         raise TileError(where, "tol must be a number in (0, 1)", repr(tol))
-    _check_int(max_iter, where, "max_iter", 1, _MAX_ITER_CAP)
+    require_int(where, "max_iter", max_iter, 1, _MAX_ITER_CAP)
 
 
 def _jsonable(value):
@@ -685,7 +679,7 @@ def kashin_decompose(x, transform: str = "dct", *, tol: float = 1e-6, max_iter: 
     if transform not in TRANSFORMS:
         raise TileError(where, f"unknown transform; expected one of {list(TRANSFORMS)}", repr(transform))
     _check_tol(tol, max_iter, where)
-    _check_int(seed, where, "seed", 0)
+    require_int(where, "seed", seed, 0)
     fwd, inv = _transforms(transform, int(seed))
     norm = float(np.linalg.norm(x)) if x.ndim == 2 else 1.0
     norm = norm or 1.0

@@ -147,6 +147,15 @@ def require_arg(where: str, name: str, value, check) -> None:
         raise TileError(where, f"{name} must be {want}", f"{name}={value!r}")
 
 
+def require_int(where: str, name: str, value, low: int, high: int | None = None) -> None:
+    """A TileError naming ``name`` and ``value`` unless ``value`` is an integer (NumPy's too, not
+    a bool) at least ``low`` and, given ``high``, at most ``high``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low \
+            or (high is not None and value > high):
+        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise TileError(where, f"{name} must be an integer {rng}", repr(value))
+
+
 def one_of_check(*names: str):
     """(check, what it wants) of a string among ``names``."""
     return (lambda v: isinstance(v, str) and v in names), f"one of {', '.join(map(repr, names))}"

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._autograd import grad
-from tilegraph._config import _CHECKS as _CONFIG_CHECKS, number_check
+from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef
 from tilegraph._lower import EXECUTABLE_OPTIONS, Executable, Fetching, config, gather
@@ -85,13 +85,6 @@ def _per_graph(est_seconds: float) -> int:
 # -- argument checks (shared with tilegraph.Trainer and the checkpoint loader) ---------------------
 #: the keyword arguments a step forwards to :class:`Executable` (those it sets itself left out)
 COMPILE_OPTIONS = tuple(n for n in EXECUTABLE_OPTIONS if n not in ("runtime", "state_groups", "batch_cells"))
-
-
-def check_int(where: str, name: str, value, low: int) -> None:
-    """``value`` is an integer (not a bool) >= ``low``."""
-    ok, want = number_check(low, whole=True)
-    if not ok(value):
-        raise TileError(where, f"{name} must be {want}", repr(value))
 
 
 def check_runtime(where: str, runtime) -> None:
@@ -218,7 +211,7 @@ class TrainStep:
                  batch_tiles: Sequence | None = None, runtime=None, accum_steps: int = 1, **compile_options):
         where = "tilegraph.TrainStep"
         check_step_arguments(where, model, optimizer, loss_fn, batch_tiles, runtime, compile_options)
-        check_int(where, "accum_steps", accum_steps, 1)
+        require_int(where, "accum_steps", accum_steps, 1)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.batch_tiles = batch_tiles
         self.runtime = runtime

@@ -28,11 +28,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tilegraph._config import config
+from tilegraph._config import config, require_int
 from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
-                              check_int, check_step_arguments, lost_worker_error, translate_worker_failure,
+                              check_step_arguments, lost_worker_error, translate_worker_failure,
                               worker_health)
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError"]
@@ -188,9 +188,9 @@ class Trainer:
         where = "tilegraph.Trainer"
         check_step_arguments(where, model, optimizer, lm_loss if loss_fn is None else loss_fn, batch_tiles, runtime,
                              compile_options)
-        check_int(where, "accum_steps", accum_steps, 1)
-        check_int(where, "eval_every", eval_every, 0)
-        check_int(where, "eval_batches", eval_batches, 1)
+        require_int(where, "accum_steps", accum_steps, 1)
+        require_int(where, "eval_every", eval_every, 0)
+        require_int(where, "eval_batches", eval_batches, 1)
         _check_data(where, model, data, eval_data)
         if eval_every and eval_data is None:
             raise TileError(where, "eval_every evaluates on eval_data: give an eval_data, or eval_every=0",
