@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -128,14 +129,17 @@ class Config:
 
 
 def number_check(low: float = 0.0, strict: bool = False, high: float | None = None, below: bool = False,
-                 whole: bool = False):
-    """(check, what it wants) of a number (not a bool; an integer where ``whole``) at least
-    ``low`` (above it where ``strict``) and at most ``high`` (below it where ``below``)."""
+                 whole: bool = False, finite: bool = False):
+    """(check, what it wants) of a number (not a bool; an integer where ``whole``; not inf where
+    ``finite``) at least ``low`` (above it where ``strict``) and at most ``high`` (below it where
+    ``below``)."""
     def ok(v) -> bool:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral if whole else numbers.Real) or v != v:
             return False
-        return (v > low if strict else v >= low) and (high is None or (v < high if below else v <= high))
-    return ok, (f"{'an integer' if whole else 'a number'} {'>' if strict else '>='} {low:g}"
+        return ((v > low if strict else v >= low) and (high is None or (v < high if below else v <= high))
+                and (not finite or math.isfinite(v)))
+    noun = "an integer" if whole else "a finite number" if finite else "a number"
+    return ok, (f"{noun} {'>' if strict else '>='} {low:g}"
                 + (f" and {'<' if below else '<='} {high:g}" if high is not None else ""))
 
 

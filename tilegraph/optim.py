@@ -28,10 +28,10 @@ __all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant", "schedule_f
 # (check, what it wants) of the hyperparameters: the ranges torch.optim checks, except where
 # torch's range lets a run produce NaN or diverge (noted).
 #: a learning rate or weight decay
-_NON_NEGATIVE = (number_check(high=math.inf, below=True)[0], "a finite number >= 0")
+_NON_NEGATIVE = number_check(finite=True)
 #: AdamW's eps; torch allows 0, which makes the update 0/0 = NaN wherever a gradient and its
 #: moments are 0
-_EPS = (number_check(strict=True, high=math.inf, below=True)[0], "a finite number > 0")
+_EPS = number_check(strict=True, finite=True)
 _BETA = number_check(0.0, high=1.0, below=True)
 #: SGD's momentum; torch allows more than 1, which grows the momentum buffer geometrically
 #: until it overflows to inf and NaN

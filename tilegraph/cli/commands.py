@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -65,7 +64,7 @@ def stopped_text(tokenizer, new_ids, stops) -> tuple[str, int]:
 
 #: generate()'s options that shape sampling -> the flags that set them
 SAMPLING_FLAGS = {"top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature"}
-_FINITE_POSITIVE = (number_check(strict=True, high=math.inf, below=True)[0], "a finite number > 0")
+_FINITE_POSITIVE = number_check(strict=True, finite=True)
 
 
 def generate_options(args) -> dict:

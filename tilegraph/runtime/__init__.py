@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -458,7 +457,7 @@ def _memory_limit_ok(limit) -> bool:
             limit = parse_bytes(limit)
         except ValueError:
             return False
-    return number_check(high=math.inf, below=True)[0](limit)
+    return number_check(finite=True)[0](limit)
 
 
 def _none_or(check):
@@ -475,7 +474,7 @@ _CONNECT_CHECKS = {
     "gpu": _none_or(number_check(whole=True)),
     "threads_per_worker": _none_or(number_check(1, whole=True)),
     "memory_limit": (_memory_limit_ok, _MEMORY_LIMIT),
-    "timeout": (number_check(strict=True, high=math.inf, below=True)[0], "a finite number of seconds > 0"),
+    "timeout": (number_check(strict=True, finite=True)[0], "a finite number of seconds > 0"),
 }
 
 
