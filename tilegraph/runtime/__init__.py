@@ -195,21 +195,6 @@ class Runtime:
         self.last_workers = Workers.of(self.workers())
         return self.last_workers
 
-    @property
-    def worker_addrs(self) -> dict[str, tuple[str, ...]]:
-        """The worker of each entry of the last snapshot's threads, per device class."""
-        return dict(self.last_workers.addrs)
-
-    @property
-    def memory_limits(self) -> dict[str, int | None]:
-        """Each worker's memory limit in bytes (None: no limit), as of the last snapshot."""
-        return dict(self.last_workers.memory_limits)
-
-    @property
-    def cpu_resource(self) -> bool:
-        """Whether the CPU workers of the last snapshot declare a "CPU" resource."""
-        return self.last_workers.cpu_resource
-
     def __repr__(self) -> str:
         if self.closed:  # the client's scheduler connection is gone
             return "<tilegraph.Runtime closed>"
@@ -274,8 +259,7 @@ class Runtime:
         local = [(c, w) for c, w in zip(cells, workers) if not isinstance(c.value, ValueRef) and hasattr(c.value, "shape")]
         if not local:
             return
-        limits = [v for v in (getattr(self, "memory_limits", None) or {}).values() if v]
-        budget = config.task_memory_fraction * min(limits) if limits else float("inf")
+        budget = config.task_memory_fraction * self.last_workers.memory_limit  # inf: no limit
         # One scatter per worker: a value several workers read gets a copy (a key) of its own on
         # each; one key broadcast to several workers would lose its extra replicas to Dask's
         # active memory manager once no task waits for them, and move again every step.

@@ -146,9 +146,9 @@ def _signals_plugin():
 
         def setup(self, worker) -> None:
             if not ignore_stop_signals():
-                logging.getLogger("tilegraph").warning("tilegraph: worker %s could not leave SIGINT/SIGTERM to the client (its plugins "
-                               "run outside the main thread): a signal to the process group stops it",
-                               worker.address)
+                logging.getLogger("tilegraph").warning(
+                    "worker %s could not leave SIGINT/SIGTERM to the client (its plugins run outside the main "
+                    "thread): a signal to the process group stops it", worker.address)
 
     return SignalsPlugin()
 
