@@ -917,6 +917,16 @@ def _describe_parts(parts: dict) -> str:
     return ", ".join(f"{n} {np.dtype(d).str} {tuple(s)}" for n, (d, s) in sorted(parts.items()))
 
 
+def complete_checkpoints(folder) -> list[Path]:
+    """The complete checkpoints ``step-N`` of a :class:`CheckpointManager`'s folder, oldest
+    first (none where the folder is missing)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if p.name.startswith("step-") and is_checkpoint(p)),
+                  key=lambda p: p.name)
+
+
 def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:
     """Open the Zarr checkpoint folder ``path`` (see :class:`Checkpoint`): ``.model`` builds the
     model (on ``tiling``, default the stored one) with its tiles read on ``runtime``'s workers
@@ -969,10 +979,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints in ``dir``, oldest first."""
-        if not self.dir.is_dir():
-            return []
-        found = [p for p in self.dir.iterdir() if p.name.startswith("step-") and is_checkpoint(p)]
-        return sorted(found, key=lambda p: p.name)
+        return complete_checkpoints(self.dir)
 
     def latest(self) -> Path | None:
         found = self.checkpoints()

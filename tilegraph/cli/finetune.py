@@ -17,14 +17,11 @@ from tilegraph.cli.config import JOB_MODEL_KEYS, PEFT_METHODS
 PEFT_FILE = "tilegraph_peft.json"
 
 
-def given_model_keys(cfg: dict, path: str | None, pairs: list[str]) -> dict:
-    """The [model] keys the user gave (in the config file at ``path`` or as ``--set
-    model.KEY=...``) with their values in the merged ``cfg``; not the shipped defaults, nor init."""
-    import tomllib
-
-    names = set(tomllib.loads(Path(path).read_text()).get("model", {})) if path is not None else set()
-    names |= {pair.partition("=")[0].strip().partition(".")[2] for pair in pairs
-              if pair.partition("=")[0].strip().partition(".")[0] == "model"}
+def given_model_keys(cfg: dict, given: dict[str, str]) -> dict:
+    """The [model] keys the user gave (``given``: :func:`tilegraph.cli.runs.given_settings`, the
+    config file's and the command line's) with their values in the merged ``cfg``; not the
+    shipped defaults, nor init."""
+    names = {name.partition(".")[2] for name in given if name.partition(".")[0] == "model"}
     return {k: cfg["model"][k] for k in sorted(names - {"init", "recompute"}) if k in cfg["model"]}
 
 

@@ -28,7 +28,6 @@ def lock_output(out: Path):
     over."""
     import socket
 
-    from tilegraph._errors import TileError
     from tilegraph.io.zarr import process_alive
 
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +73,6 @@ def take_output(out: Path, where: str):
 def check_output(out: Path, resume: str | None, steps: int) -> int | None:
     """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
     returns the step of the ``resume`` checkpoint (None without one)."""
-    from tilegraph._errors import TileError
     from tilegraph.io.zarr import load_checkpoint
 
     ckdir = out / "checkpoints"
@@ -176,8 +174,8 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> i
 
 def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) -> None:
     """A resumed run draws the batches the run would have drawn: the seed, batch size and
-    accumulation of its checkpoint's ``trainer_state`` replace [train]'s (the shipped ones, or a
-    config file's, with a warning where they differ); other values on the command line are refused."""
+    accumulation of its checkpoint's ``trainer_state`` replace [train]'s; other values given are
+    refused or named (:func:`refuse_or_warn`)."""
     stored = {"seed": (state.get("rng") or {}).get("data_seed"), "batch_size": state.get("batch_size"),
               "accum_steps": state.get("accum_steps")}
     other = []
@@ -189,33 +187,35 @@ def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) ->
             other.append((where, f"{key} = {t[key]!r}"))
         t[key] = value
     kept = ", ".join(f"{k} {v}" for k, v in stored.items() if v is not None)
+    refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
+                   f"start a new run from the checkpoint's weights (--init {resume} and another --out)",
+                   f"the resumed run draws its checkpoint's batches ({kept})")
+
+
+def refuse_or_warn(other: list[tuple[str, str]], expected: str, kept: str) -> None:
+    """Settings a resumed run keeps from its checkpoint, given otherwise (``other``: ``(where,
+    "key = value")``): an error (``expected``) where the command line gives them, and one warning
+    line per config file that does (it may be the one the run started from, with flags over it),
+    saying what the run keeps (``kept``)."""
     refused = [where for where, _ in other if on_command_line(where)]
     if refused:
-        raise TileError("tilegraph train --resume", f"the batches of the run it continues ({kept}, from its "
-                        f"checkpoint): leave them out, or start a new run from the checkpoint's weights (--init "
-                        f"{resume} and another --out)", "; ".join(refused))
+        raise TileError("tilegraph train --resume", expected, "; ".join(refused))
     for config in dict.fromkeys(where for where, _ in other):
         print(f"tilegraph train: warning: {', '.join(x for where, x in other if where == config)} in {config} not "
-              f"used: the resumed run draws its checkpoint's batches ({kept})", file=sys.stderr, flush=True)
+              f"used: {kept}", file=sys.stderr, flush=True)
 
 
 def check_schedule(resume: str, spec: dict, t: dict, given: dict[str, str]) -> None:
     """A resumed run keeps its checkpoint's learning-rate schedule ``spec``: other values of its
-    [train] keys are an error when the command line gives them, and one warning line per config
-    file that does (it may be the one the run started from, with flags over it)."""
+    [train] keys are refused or named (:func:`refuse_or_warn`)."""
     other = schedule_changes(spec, t, given)
     if not on_command_line(given.get("train.steps", "")) and "train.steps" in given \
             and spec.get("total", t["steps"]) != t["steps"]:  # the budget, which the schedule spans
         other.append((given["train.steps"], f"steps = {t['steps']!r}"))
-    refused = [where for where, _ in other if on_command_line(where)]
-    if refused:
-        raise TileError("tilegraph train --resume", "no learning-rate settings other than its checkpoint's schedule, "
-                        f"which the resumed run keeps ({describe_schedule(spec)}): leave them out, or start a new "
-                        f"run from the checkpoint's weights (--init {resume} and another --out)", "; ".join(refused))
-    for config in dict.fromkeys(where for where, _ in other):
-        print(f"tilegraph train: warning: {', '.join(x for where, x in other if where == config)} in {config} not "
-              f"used: the resumed run keeps its checkpoint's learning-rate schedule ({describe_schedule(spec)})",
-              file=sys.stderr, flush=True)
+    refuse_or_warn(other, "no learning-rate settings other than its checkpoint's schedule, which the resumed run "
+                   f"keeps ({describe_schedule(spec)}): leave them out, or start a new run from the checkpoint's "
+                   f"weights (--init {resume} and another --out)",
+                   f"the resumed run keeps its checkpoint's learning-rate schedule ({describe_schedule(spec)})")
 
 
 def steps_to_run(resume: str, step: int, spec: dict, t: dict, given: dict[str, str]) -> int:
@@ -276,11 +276,9 @@ def resume_command(config: str | None, checkpoint) -> str:
 
 def latest_checkpoint(out: Path) -> Path | None:
     """The newest complete checkpoint in ``out/checkpoints`` (None: none)."""
-    from tilegraph.io.zarr import is_checkpoint
+    from tilegraph.io.zarr import complete_checkpoints
 
-    ckdir = out / "checkpoints"
-    found = sorted(p for p in ckdir.iterdir() if p.name.startswith("step-") and is_checkpoint(p)) \
-        if ckdir.is_dir() else []
+    found = complete_checkpoints(out / "checkpoints")
     return found[-1] if found else None
 
 

@@ -94,7 +94,7 @@ def _train(args, job: Job) -> int:
     resumed = resume_model(args.resume, p["method"]) if args.resume and init else None
     if init:
         model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
-        check_init_fits(model, given_model_keys(cfg, args.config, list(args.set or [])), init, tokenizer, d["seq_len"])
+        check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"])
     else:
         model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
     add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
