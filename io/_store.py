@@ -44,6 +44,14 @@ def write_failure(where: str, e: OSError, path, what: str = "the checkpoint",
 
 
 # ------------------------------------------------------------------------------------ helpers ----
+def file_in_the_way(path) -> Path | None:
+    """What keeps a folder ``path`` from being made: a file (or a dangling link) at ``path`` or at
+    one of its parents; None when there is none."""
+    path = Path(path)
+    first = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    return first if first is not None and not first.is_dir() else None
+
+
 def chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """A regular Zarr chunk shape whose chunks never straddle a tile: the first tile size when
     every tile but the last is that size (the usual tiling), else the gcd of the tile sizes. A

@@ -417,7 +417,6 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
 
     # what to write: (array path, shape, dtype, tiles, [(tile index, value)], quantization)
     entries: list[tuple] = []
-    names_of = {}
     deal = itertools.count()  # replicated tiles: which copy writes each
 
     def add(apath, p, cells, quant):
@@ -425,13 +424,12 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
 
     for name, p in named:
         _check_name(name, where)
-        names_of[id(p)] = name
         add(f"model/{name}", p, p.cells, rule(name, p.shape))
     held, copies = _quantized_weights(model, dict(named), where, runtime, deal)
     if optimizer is not None:
         from tilegraph._train import optimizer_param_names
 
-        optimizer_param_names(optimizer, model, where, CheckpointError)
+        names_of = optimizer_param_names(optimizer, model, where, CheckpointError)
         for i, p in enumerate(optimizer.params):
             for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
                 add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)

@@ -778,9 +778,11 @@ def _folder(where: str, name: str, value) -> Path | None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise TileError(where, f"{name} must be a folder (a str or os.PathLike) or None", repr(value))
+    from tilegraph.io._store import file_in_the_way
+
     path = Path(value)
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
+    existing = file_in_the_way(path)
+    if existing is not None:
         file = "an existing file" if existing == path else f"{existing} is a file"
         raise TileError(where, f"{name} must be a folder (made when missing)", f"{name}={str(path)!r}: {file}")
     return path

@@ -58,10 +58,10 @@ def take_output(out: Path, where: str):
     """:func:`lock_output` ``out``, a path that cannot be a folder (a file in the way, a file
     system that is missing or read-only) refused in one error naming it, as ``tilegraph convert``
     names its destination (``where``: what named the folder). Returns the release function."""
-    from tilegraph.io._store import write_failure
+    from tilegraph.io._store import file_in_the_way, write_failure
 
-    in_the_way = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
-    if in_the_way is not None and not in_the_way.is_dir():
+    in_the_way = file_in_the_way(out)
+    if in_the_way is not None:
         raise TileError(where, "an output folder, or a path where one can be made (nothing was written)",
                         f"{out} is not a folder" if in_the_way == out else f"{out}: {in_the_way} is not a folder")
     try:
