@@ -81,14 +81,12 @@ def flavor_config(name: str):
     return GPT2Config.flavor(name)
 
 
-def pick_tiling(cfg, args, batch: int, seq: int):
-    """The default tiling described in the module docstring, with the command line's overrides."""
+def _cpu_tiles(cfg, args, batch: int, seq: int) -> dict:
     from tilegraph.models import ModelTiling
+    from tilegraph.trainer import MIN_ROW_TILE_ELEMENTS
 
     threads = args.workers * args.threads
     base = ModelTiling.default(cfg, batch=batch, seq=seq)
-    from tilegraph.trainer import MIN_ROW_TILE_ELEMENTS
-
     batch_tile = max(1, batch // threads)
     if batch_tile * seq * cfg.dim < MIN_ROW_TILE_ELEMENTS:  # tiles too small to pay for their kernel calls
         batch_tile = batch
@@ -99,7 +97,19 @@ def pick_tiling(cfg, args, batch: int, seq: int):
         m = min(threads, parts)
         parts = math.ceil(parts / m) * m
     vocab = None if parts == 1 else math.ceil(cfg.vocab_size / parts)
-    tiles = {"feature": base.feature, "vocab": vocab, "batch": batch_tile, "seq": base.seq}
+    return {"feature": base.feature, "vocab": vocab, "batch": batch_tile, "seq": base.seq}
+
+
+def pick_tiling(cfg, args, batch: int, seq: int):
+    """The default tiling described in the module docstring, with the command line's overrides."""
+    from tilegraph.models import ModelTiling
+
+    if getattr(args, "device", "cpu") == "gpu":
+        # one GPU stream: whole tiles, each kernel as large as it gets (fewer launches); the
+        # whole-vocab logits of 8 x 512 tokens take 0.8 GB, no matter on a GPU of 80
+        tiles = {"feature": None, "vocab": None, "batch": None, "seq": None}
+    else:
+        tiles = _cpu_tiles(cfg, args, batch, seq)
     for dim in tiles:
         v = getattr(args, f"{dim}_tile")
         if v is not None:
@@ -134,10 +144,14 @@ def time_tilegraph(model, make_data, args, tg):
 
     tiles = (model.tiling.batch, model.tiling.seq)
     local = args.runtime == "local"
+    gpu = args.device == "gpu"
+    options = {} if args.target is None else {"target_seconds": args.target}
+    if gpu:
+        options["placement"] = "gpu"
     with contextlib.nullcontext() if local else tg.connect(n_workers=args.workers, threads_per_worker=args.threads,
-                                                           dashboard=False, quiet=True) as rt:
+                                                           gpu=int(gpu), dashboard=False, quiet=True) as rt:
         step = tg.TrainStep(model, opt, loss_fn, batch_tiles=[tiles, tiles], runtime=rt, parallel=args.parallel,
-                            **({} if args.target is None else {"target_seconds": args.target}))
+                            **options)
         stats = kernel_stats if local else rt.kernel_stats
         first_batch = make_data(1)[0]
         k = step.auto_steps_per_graph(*first_batch) if args.steps_per_graph == "auto" else int(args.steps_per_graph)
@@ -172,8 +186,10 @@ def time_torch(hf_dir, data, warmup, args, torch):
     hf = transformers.GPT2LMHeadModel.from_pretrained(
         hf_dir, dtype=torch.float32, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
     hf.train()
+    device = "cuda" if args.device == "gpu" else "cpu"
+    hf.to(device)
     opt = torch.optim.AdamW(hf.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    ids = [torch.from_numpy(b[0]) for b in data]
+    ids = [torch.from_numpy(b[0]).to(device) for b in data]
 
     def step(x):
         opt.zero_grad(set_to_none=True)
@@ -187,7 +203,7 @@ def time_torch(hf_dir, data, warmup, args, torch):
         step(x)
     t0 = time.perf_counter()
     for x in ids[warmup:]:
-        last = step(x)
+        last = step(x)  # float(loss) waits for the GPU
     return {"loss0": first, "lossN": last, "step_s": (time.perf_counter() - t0) / len(ids[warmup:]),
             "attn": getattr(hf.config, "_attn_implementation", "?")}
 
@@ -217,6 +233,10 @@ def main():
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
     ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                    help="gpu: tilegraph on one GPU worker (every kernel placed on the GPU, CuPy), torch on CUDA")
+    ap.add_argument("--sync-kernels", action="store_true",
+                    help="wait for the GPU after each kernel, so that --kernels shows GPU time (slower steps)")
     ap.add_argument("--steps-per-graph", default="auto",
                     help="optimizer steps recorded and run as one graph (TrainStep.submit_steps); 'auto' (default): "
                          "TrainStep.auto_steps_per_graph, several for a small model's short steps, else 1")
@@ -232,6 +252,10 @@ def main():
         ap.error("--steps and --warmup must be at least 1")
     if args.steps_per_graph != "auto" and not (args.steps_per_graph.isdigit() and int(args.steps_per_graph) >= 1):
         ap.error(f"--steps-per-graph must be 'auto' or an int >= 1, not {args.steps_per_graph!r}")
+    if args.device == "gpu" and args.workers != 1:
+        ap.error("--device gpu runs one GPU worker (--workers 1)")
+    if args.sync_kernels:
+        os.environ["TILEGRAPH_SYNC_KERNELS"] = "1"  # read by the worker processes, which inherit it
     setup_threads(args)  # (torch gets its threads below)
 
     import torch
@@ -243,7 +267,8 @@ def main():
     torch.set_num_threads(args.workers * args.threads)
     flavors = ["debug", "6x768"] if args.flavor == "all" else [args.flavor]
     target = tg.config.target_seconds if args.target is None else args.target
-    print(f"# {os.cpu_count()} cores; tilegraph on the {args.runtime} runtime: {args.workers} workers x {args.threads} threads, "
+    on = f"; {torch.cuda.get_device_name()}, tilegraph on CuPy, torch on CUDA" if args.device == "gpu" else ""
+    print(f"# {os.cpu_count()} cores{on}; tilegraph on the {args.runtime} runtime: {args.workers} workers x {args.threads} threads, "
           f"fused task target {target:g} s; torch {torch.__version__} eager, transformers {transformers.__version__} "
           f"GPT2LMHeadModel, {torch.get_num_threads()} threads; batch {args.batch}, fp32, AdamW lr {args.lr:g} "
           f"wd {args.weight_decay:g}, random token ids (seed {args.seed}), {args.warmup} warmup + {args.steps} "

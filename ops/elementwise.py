@@ -16,6 +16,7 @@ from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, xp_of
+from ._gpu import fused
 
 __all__ = ["add", "sub", "mul", "div", "affine", "gelu", "relu", "silu", "ones_like", "zeros_like",
            "unbroadcast", "broadcast_tiling"]
@@ -556,8 +557,34 @@ def _relu_bwd_xp(x, g):
     return g * (x > 0)
 
 
-_gelu_k = kernel("gelu", cost=elementwise_cost(20), cpu=_gelu_cpu)(_gelu_xp)
-_gelu_bwd_k = kernel("gelu_bwd", cost=elementwise_cost(30), cpu=_gelu_bwd_cpu)(_gelu_bwd_xp)
+# GPU: one fused kernel each (ops._gpu), the formulas of _gelu_xp/_gelu_bwd_xp in double
+_GELU_TANH_ARG = "0.7978845608028654 * (v + 0.044715 * v * v * v)"  # sqrt(2 / pi) (x + 0.044715 x^3)
+_gelu_gpu_tanh = fused("gelu_tanh", "T x", "T y", f"double v = x; y = (T)(0.5 * v * (1.0 + tanh({_GELU_TANH_ARG})));",
+                       lambda x: _gelu_xp(x, "tanh"))
+_gelu_gpu_erf = fused("gelu_erf", "T x", "T y", "double v = x; y = (T)(0.5 * v * (1.0 + erf(v * 0.7071067811865475)));",
+                      lambda x: _gelu_xp(x, "none"))
+_gelu_bwd_gpu_tanh = fused(
+    "gelu_bwd_tanh", "T x, T g", "T dx",
+    f"double v = x; double t = tanh({_GELU_TANH_ARG}); double du = 0.7978845608028654 * (1.0 + 0.134145 * v * v);"
+    "dx = (T)((double)g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du));",
+    lambda x, g: _gelu_bwd_xp(x, g, "tanh"))
+_gelu_bwd_gpu_erf = fused(
+    "gelu_bwd_erf", "T x, T g", "T dx",
+    "double v = x; dx = (T)((double)g * (0.5 * (1.0 + erf(v * 0.7071067811865475))"
+    " + v * 0.3989422804014327 * exp(-0.5 * v * v)));",  # 1 / sqrt(2 pi)
+    lambda x, g: _gelu_bwd_xp(x, g, "none"))
+
+
+def _gelu_gpu(x, approximate="none"):
+    return (_gelu_gpu_tanh if approximate == "tanh" else _gelu_gpu_erf)(x)
+
+
+def _gelu_bwd_gpu(x, g, approximate="none"):
+    return (_gelu_bwd_gpu_tanh if approximate == "tanh" else _gelu_bwd_gpu_erf)(x, g)
+
+
+_gelu_k = kernel("gelu", cost=elementwise_cost(20), cpu=_gelu_cpu, gpu=_gelu_gpu)(_gelu_xp)
+_gelu_bwd_k = kernel("gelu_bwd", cost=elementwise_cost(30), cpu=_gelu_bwd_cpu, gpu=_gelu_bwd_gpu)(_gelu_bwd_xp)
 _silu_k = kernel("silu", cost=elementwise_cost(8), cpu=_numba_unary(_nb_silu, _nb_silu_f32))(_silu_xp)
 _silu_bwd_k = kernel("silu_bwd", cost=elementwise_cost(12),
                      cpu=_numba_binary(_nb_silu_bwd, _nb_silu_bwd_f32))(_silu_bwd_xp)

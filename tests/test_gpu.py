@@ -1,11 +1,12 @@
-"""CuPy kernels on a real GPU worker (marked gpu: skipped on machines without CUDA and CuPy)."""
+"""CuPy kernels on a real GPU worker (marked gpu: skipped on machines without CUDA and CuPy), and
+the GPU versions of the kernels on GPU workers emulated with NumPy (everywhere)."""
 
 import numpy as np
 import pytest
 
 import tilegraph as tg
 
-pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
+pytestmark = pytest.mark.distributed
 
 
 def _model_graph(rng):
@@ -20,6 +21,7 @@ def _model_graph(rng):
     return loss, tg.grad(loss, [x, w, b])
 
 
+@pytest.mark.gpu
 def test_cupy_kernels_match_numpy_on_a_gpu_worker():
     rng = np.random.default_rng(0)
     loss, grads = _model_graph(rng)
@@ -31,3 +33,40 @@ def test_cupy_kernels_match_numpy_on_a_gpu_worker():
         assert rt.processors()["gpu"] == 1
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
+def _gpt2_steps(steps, runtime=None, placement=None):
+    """GPT-2 debug trained a few steps with AdamW and clipping; losses, grad norms and weights."""
+    from tilegraph import models
+
+    cfg = models.GPT2Config.flavor("debug")
+    model = models.build(cfg, models.ModelTiling(batch=2, seq=16, feature=None, vocab=48), seed=0)
+    # eps 1e-6: an update of a gradient near float noise stays far below the tolerance below
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-6, clip_grad_norm=0.5)
+    step = tg.TrainStep(model, opt, lambda m, ids, t: tg.cross_entropy(m(ids), t), batch_tiles=[(2, 16), (2, 16)],
+                        runtime=runtime, **({"placement": placement} if placement else {}))
+    rng = np.random.default_rng(0)
+    losses, norms = [], []
+    for _ in range(steps):
+        ids = rng.integers(0, cfg.vocab_size, size=(4, 32))
+        tgt = np.roll(ids, -1, axis=1)
+        tgt[:, -1] = -100
+        losses.append(step(ids, tgt))
+        norms.append(step.last.grad_norm)
+    with (runtime.as_current() if runtime else __import__("contextlib").nullcontext()):
+        return losses, norms, model.state_dict()
+
+
+@pytest.mark.parametrize("array_module", [pytest.param("cupy", marks=pytest.mark.gpu), "numpy"])
+def test_training_steps_on_a_gpu_worker_match_the_cpu(array_module, monkeypatch):
+    # the GPU kernels (attention in whole tiles, the fused AdamW update, the clipping norm left on
+    # the device) against the CPU's, three steps of a model with every op of GPT-2; "numpy" runs
+    # the same GPU versions of the kernels on NumPy arrays (without the fused CuPy kernels)
+    monkeypatch.setattr(tg.config, "gpu_array_module", array_module)
+    want = _gpt2_steps(3)
+    with tg.connect(n_workers=1, gpu=1, dashboard=False, quiet=True) as rt:
+        got = _gpt2_steps(3, rt, placement="gpu")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4)
+    for k, v in want[2].items():
+        np.testing.assert_allclose(got[2][k], v, rtol=1e-3, atol=1e-4, err_msg=k)

@@ -5,7 +5,7 @@ import pytest
 
 import tilegraph as tg
 from conftest import TOL, by_dtype, by_mode, check_against_torch, randn
-from tilegraph._graph import topo_order
+from tilegraph._graph import get_kernel, topo_order
 from tilegraph.ops.attention import scaled_dot_product_attention as sdpa
 from tilegraph.ops.rope import rope
 
@@ -25,12 +25,24 @@ def _qkv(rng, dtype, B=2, H=4, hkv=2, T=13, S=13, D=8):
     return [_r(rng, B, H, T, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype)]
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def kernels(request, monkeypatch):
+    """Which attention kernels run: the CPU ones, or the GPU versions (whole tiles in a few array
+    operations), here on NumPy: a GPU worker runs the same code on CuPy."""
+    if request.param == "gpu":
+        for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+            k = get_kernel(name)
+            assert k.gpu is not None, name
+            monkeypatch.setattr(k, "fn", k.gpu)  # what the local scheduler's CPU tasks call
+    return request.param
+
+
 # --------------------------------------------------------------------------------------- sdpa ----
 @params
 @dtypes
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hkv", [4, 2])
-def test_sdpa(rng, mode, dtype, causal, hkv):
+def test_sdpa(rng, mode, dtype, causal, hkv, kernels):
     # T = 15 tiles evenly (3 x 5); 13 gives a ragged last tile of one row
     T = 15 if mode == "even" else 13
     check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=causal),
@@ -40,7 +52,7 @@ def test_sdpa(rng, mode, dtype, causal, hkv):
 
 @params
 @dtypes
-def test_sdpa_cross_lengths_and_scale(rng, mode, dtype):
+def test_sdpa_cross_lengths_and_scale(rng, mode, dtype, kernels):
     # non-causal with fewer keys than queries and their own tiling, GQA 4 -> 1
     arrays = _qkv(rng, dtype, hkv=1, T=13, S=7)
     check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=False, scale=0.3),
@@ -49,7 +61,7 @@ def test_sdpa_cross_lengths_and_scale(rng, mode, dtype):
 
 @dtypes
 @pytest.mark.parametrize("q_tiles,kv_tiles", [((5, 5, 3), (4, 4, 4, 1)), ((1, 12), (13,)), ((13,), (3, 10))])
-def test_sdpa_causal_with_different_query_and_key_tiles(rng, dtype, q_tiles, kv_tiles):
+def test_sdpa_causal_with_different_query_and_key_tiles(rng, dtype, q_tiles, kv_tiles, kernels):
     q, k, v = _qkv(rng, dtype, H=6, hkv=3)
     tq = tg.from_numpy(q, (1, (4, 2), q_tiles, None))
     tk, tv = (tg.from_numpy(a, (1, (1, 2), kv_tiles, None)) for a in (k, v))
@@ -83,6 +95,20 @@ def test_sdpa_row_blocks_and_head_groups_inside_a_tile(rng, monkeypatch, mode, d
     check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=causal),
                         lambda q, k, v: torch_sdpa(q, k, v, causal),
                         _qkv(rng, dtype, B=2, H=4, hkv=2, T=T, S=T, D=8), "bhtD,bgtD,bgtD", mode)
+
+
+@pytest.mark.parametrize("mode", ["single", "ragged"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_gpu_kernels_in_head_chunks(rng, monkeypatch, mode, causal):
+    # score blocks over the budget: the GPU kernels cut the (batch x head) pairs into chunks (here
+    # one pair each)
+    import tilegraph.ops.attention as attention
+
+    for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+        monkeypatch.setattr(get_kernel(name), "fn", get_kernel(name).gpu)
+    monkeypatch.setattr(attention, "_GPU_SCORE_BYTES", 1)
+    check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=causal), lambda q, k, v: torch_sdpa(q, k, v, causal),
+                        _qkv(np.random.default_rng(1), np.float64, T=23, S=23), "bhtD,bgtD,bgtD", mode)
 
 
 def _kernels(tensors):

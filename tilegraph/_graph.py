@@ -59,25 +59,32 @@ class Kernel:
     """A named tile kernel.
 
     ``fn(*arrays, **params)`` is written against the array namespace of its inputs (NumPy on the
-    CPU, CuPy on a GPU); ``cpu`` optionally overrides it with a faster CPU-only version (Numba).
+    CPU, CuPy on a GPU); ``cpu`` optionally overrides it with a faster CPU-only version (Numba),
+    ``gpu`` with a version shaped for a GPU (few, large array operations: on a GPU each one is a
+    kernel launch, so the CPU's cache-sized blocks would cost more launches than arithmetic).
+    A ``gpu`` version is written against the array namespace too, so it also runs on NumPy
+    (tests compare it there; ``config.gpu_array_module = "numpy"`` runs it on emulated GPU workers).
     ``cost(in_shapes, out_shapes, itemsize, params)`` returns a :class:`Cost`.
     Kernels pickle by name (plus the module that registers them, which a worker imports when it
     has not seen the name yet), so a task graph ships only names to the workers.
     """
 
-    __slots__ = ("name", "fn", "cpu", "cost", "module")
+    __slots__ = ("name", "fn", "cpu", "gpu", "cost", "module")
 
     def __init__(self, name: str, fn: Callable, cpu: Callable | None = None, cost: Callable | None = None,
-                 module: str | None = None):
+                 module: str | None = None, gpu: Callable | None = None):
         self.name = name
         self.fn = fn
         self.cpu = cpu
+        self.gpu = gpu
         self.cost = cost or _default_cost
         self.module = module or getattr(fn, "__module__", None)
 
     def impl(self, device: str) -> Callable:
         if device == "cpu" and self.cpu is not None:
             return self.cpu
+        if device == "gpu" and self.gpu is not None:
+            return self.gpu
         return self.fn
 
     def __reduce__(self):
@@ -92,20 +99,20 @@ class Kernel:
         if cached is None or cached[0] is not self:
             import cloudpickle
 
-            cached = _PAYLOADS[self.name] = (self, cloudpickle.dumps((self.fn, self.cpu, self.cost)))
+            cached = _PAYLOADS[self.name] = (self, cloudpickle.dumps((self.fn, self.cpu, self.cost, self.gpu)))
         return cached[1]
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
 
 
-def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = None):
+def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = None, gpu: Callable | None = None):
     """Decorator registering ``fn`` as the tile kernel ``name``."""
 
     def wrap(fn):
         if name in _KERNELS:
             raise ValueError(f"[tilegraph.kernel] kernel {name!r} is registered twice")
-        k = Kernel(name, fn, cpu=cpu, cost=cost)
+        k = Kernel(name, fn, cpu=cpu, cost=cost, gpu=gpu)
         _KERNELS[name] = k
         return k
 
@@ -121,8 +128,8 @@ def _kernel_by_value(name: str, module: str | None, payload: bytes) -> Kernel:
     except (KeyError, ImportError):
         import pickle
 
-        fn, cpu, cost = pickle.loads(payload)
-        return _KERNELS.setdefault(name, Kernel(name, fn, cpu=cpu, cost=cost, module=module))
+        fn, cpu, cost, gpu = pickle.loads(payload)
+        return _KERNELS.setdefault(name, Kernel(name, fn, cpu=cpu, cost=cost, module=module, gpu=gpu))
 
 
 def get_kernel(name: str, module: str | None = None) -> Kernel:

@@ -878,7 +878,7 @@ def compile(outputs: Sequence[TileTensor | TileRef], **kw) -> Executable:
 
 def _assemble(t: TileTensor, tiles: list) -> np.ndarray:
     if t.ndim == 0:
-        return tiles[0].reshape(())
+        return to_host(tiles[0]).reshape(())
     arr = np.empty(t.shape, dtype=t.dtype)
     for idx, v in zip(np.ndindex(*t.tiling.grid), tiles):
         arr[t.tiling.slices(idx)] = to_host(v)

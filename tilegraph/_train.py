@@ -13,7 +13,7 @@ import numpy as np
 from tilegraph._autograd import grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, TileRef
+from tilegraph._graph import Cell, TileRef, to_host
 from tilegraph._lower import EXECUTABLE_OPTIONS, Executable, Fetching, config, gather
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
@@ -628,8 +628,8 @@ class PendingStep:
             if runtime is not None:
                 values = self._gather(runtime, values, timeout, patient)
             n = len(self._losses)
-            loss = float(np.mean([np.asarray(v).reshape(()) for v in values[:n]]))
-            norm = float(values[n][3]) if self._norm is not None else None
+            loss = float(np.mean([to_host(v).reshape(()) for v in values[:n]]))
+            norm = float(to_host(values[n])[3]) if self._norm is not None else None
             seconds = (time.perf_counter() - self._t0) / self._group  # a group's steps share its time
             self.stats = StepStats(loss, norm, self.lr, seconds, self._record_seconds,
                                    self._rec.exe.n_tasks, self._rec.exe.n_nodes)
@@ -743,5 +743,5 @@ class EvalStep:
             for ins, b in zip(inputs, chunk):
                 self._calls += 1
                 _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
-            out += [float(np.asarray(v).reshape(())) for v in exe.run(during="the evaluation")]
+            out += [float(to_host(v).reshape(())) for v in exe.run(during="the evaluation")]
         return out

@@ -20,6 +20,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, scope, xp_of
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, Parameter
+from tilegraph.ops._gpu import fused
 
 __all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant", "schedule_from_spec"]
 
@@ -143,7 +144,18 @@ def _sumsq_cpu(*tiles):
     return np.array([total], dtype=np.float64)
 
 
-@kernel("sumsq", cost=_sumsq_cost, cpu=_sumsq_cpu)
+def _sumsq_gpu(*tiles):
+    """The squared norm left on the device (the generic kernel's ``float`` would wait for the GPU
+    after every tile)."""
+    xp = xp_of(tiles[0])
+    total = xp.zeros(1, dtype=np.float64)
+    for t in tiles:
+        t = t.astype(np.float64, copy=False).ravel()  # summed in float64, as on the CPU
+        total += xp.vdot(t, t).real
+    return total
+
+
+@kernel("sumsq", cost=_sumsq_cost, cpu=_sumsq_cpu, gpu=_sumsq_gpu)
 def _sumsq(*tiles):
     xp = xp_of(tiles[0])
     total = 0.0
@@ -152,7 +164,18 @@ def _sumsq(*tiles):
     return np.array([total], dtype=np.float64)
 
 
-@kernel("clip_hyper", cost=_sumsq_cost)
+def _clip_hyper_gpu(hyper, *partials, max_norm):
+    """_clip_hyper on the device: no value goes to the host (there, ``float`` of a CuPy value
+    waits for the GPU, and NumPy refuses to take one in)."""
+    xp = next((xp_of(a) for a in (hyper, *partials) if xp_of(a) is not np), np)
+    parts = xp.concatenate([xp.asarray(p, dtype=np.float64).reshape(-1)[:1] for p in partials])
+    total = xp.sqrt(parts.sum())
+    scale = xp.minimum(1.0, max_norm / (total + 1e-6))
+    h = xp.asarray(hyper, dtype=np.float64).reshape(-1)
+    return xp.stack([h[0], h[1], scale, total])
+
+
+@kernel("clip_hyper", cost=_sumsq_cost, gpu=_clip_hyper_gpu)
 def _clip_hyper(hyper, *partials, max_norm):
     """[lr, step] + squared-norm partials -> [lr, step, clip scale, total norm]."""
     total = math.sqrt(sum(float(p[0]) for p in partials))
@@ -211,6 +234,31 @@ def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
     return po, mo, vo
 
 
+# On a GPU the update is one fused kernel (tilegraph.ops._gpu) instead of a dozen array operations
+# and three reads of ``hyper`` back to the host (each a wait for the GPU): ``hyper`` stays on the
+# device and each element reads it. Arithmetic in double, rounded once to the parameters' dtype.
+_adamw_fused = fused(
+    "adamw", "T p, T g, T m, T v, raw float64 hyper, int32 n_hyper, float64 b1, float64 b2, float64 eps, float64 wd",
+    "T po, T mo, T vo", """
+    double lr = hyper[0], t = hyper[1], clip = n_hyper > 2 ? hyper[2] : 1.0;
+    double gi = (double)g * clip;
+    double mi = b1 * (double)m + (1.0 - b1) * gi;
+    double vi = b2 * (double)v + (1.0 - b2) * gi * gi;
+    double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
+    mo = (T)mi;
+    vo = (T)vi;
+    po = (T)((double)p * (1.0 - lr * wd) - (lr / bc1) * mi / (sqrt(vi) / sqrt(bc2) + eps));
+    """, lambda p, g, m, v, hyper, n, b1, b2, eps, wd: _adamw_xp(p, g, m, v, hyper, beta1=b1, beta2=b2, eps=eps,
+                                                                 weight_decay=wd))
+
+
+def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+    if type(hyper).__module__ != type(p).__module__:  # a value of the host beside CuPy parameters
+        hyper = xp_of(p).asarray(hyper, dtype=np.float64)
+    return _adamw_fused(p, g, m, v, hyper, np.int32(hyper.size), float(beta1), float(beta2), float(eps),
+                        float(weight_decay))
+
+
 def _update_cost(n_state):
     def cost(in_shapes, out_shapes, itemsize, params) -> Cost:
         n = int(np.prod(in_shapes[0]))
@@ -219,7 +267,7 @@ def _update_cost(n_state):
     return cost
 
 
-_adamw_k = kernel("adamw", cost=_update_cost(2), cpu=_adamw_cpu)(_adamw_xp)
+_adamw_k = kernel("adamw", cost=_update_cost(2), cpu=_adamw_cpu, gpu=_adamw_gpu)(_adamw_xp)
 
 
 @kernel("sgd", cost=_update_cost(0))

@@ -5,6 +5,7 @@ per-process counters of the time spent inside kernels (:func:`kernel_stats`)."""
 from __future__ import annotations
 
 import heapq
+import os
 import sys
 import threading
 import time
@@ -129,12 +130,19 @@ def kernel_stats(reset: bool = False) -> dict:
     return out
 
 
+#: wait for the GPU after each kernel, so that its seconds are the GPU's (a profiling aid: kernels
+#: on a GPU are only queued otherwise, and their seconds measure the queueing)
+SYNC_GPU_KERNELS = os.environ.get("TILEGRAPH_SYNC_KERNELS", "") not in ("", "0")
+
+
 def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
     """Run one kernel call on its input registers; returns (output values, seconds)."""
     fn = op.kernel.impl(device)
     t0 = time.perf_counter()
     try:
         res = fn(*[regs[i] for i in op.ins], **op.params)
+        if SYNC_GPU_KERNELS and device == "gpu":
+            _gpu_sync()
     except Exception as e:  # say which op failed; the traceback keeps the cause
         e.add_note(f"in tile kernel {op.kernel.name!r} of op {op.op!r}" + (f" in {op.scope}" if op.scope else ""))
         raise
@@ -147,6 +155,12 @@ def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
                             f"computed tile does not match its declared meta {shape} {dtype}",
                             f"{val.shape} {val.dtype}")
     return res, dt
+
+
+def _gpu_sync() -> None:
+    cupy = sys.modules.get("cupy")  # None: GPU workers emulated with NumPy (config.gpu_array_module)
+    if cupy is not None:
+        cupy.cuda.get_current_stream().synchronize()
 
 
 _POOL = None
