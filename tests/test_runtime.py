@@ -44,6 +44,11 @@ def test_a_workers_snapshot_classifies_workers_by_their_resources():
     # without a CPU resource anywhere, every non-GPU worker runs CPU tasks, unrestricted
     plain = Workers.of({a: dict(i, resources={}) for a, i in info.items()})
     assert not plain.cpu_resource and dict(plain.threads) == {"cpu": (1, 4, 8), "gpu": ()}
+    # GPU workers alone (the embedded cluster on a GPU machine): CPU tasks run on them, unrestricted,
+    # with their threads
+    gpus = Workers.of({"tcp://a:1": {"nthreads": 16, "resources": {"GPU": 1}}})
+    assert dict(gpus.threads) == {"cpu": (16,), "gpu": (1,)} and dict(gpus.addrs)["cpu"] == ("tcp://a:1",)
+    assert not gpus.cpu_resource
     with pytest.raises(TypeError):
         w.threads["cpu"] = (1,)
     with pytest.raises(AttributeError):
@@ -189,13 +194,16 @@ def test_gpu_annotated_tasks_run_only_on_the_gpu_worker(emulated_gpu):
     from distributed import get_task_stream
 
     rng = np.random.default_rng(0)
-    a = tg.from_numpy(rng.standard_normal((128, 128)), 64)
-    b = tg.from_numpy(rng.standard_normal((128, 128)), 64)
+    # matmuls of 1024^3 per tile: the cost model has them save more on the GPU than the values
+    # crossing between the devices cost; the rest is cheap
+    a = tg.from_numpy(rng.standard_normal((2048, 2048)).astype(np.float32), 1024)
+    b = tg.from_numpy(rng.standard_normal((2048, 2048)).astype(np.float32), 1024)
+    c = tg.from_numpy(np.ones(8, np.float32))
     with tg.connect(n_workers=2, gpu=1, threads_per_worker=1, dashboard=False, quiet=True) as rt:
         gpu_workers = {addr for addr, w in rt.workers().items() if w["resources"].get("GPU")}
         assert len(gpu_workers) == 1 and rt.processors() == {"cpu": 1, "gpu": 1}
         y = tg.gelu(a @ b) + 1.0
-        loss = (y * y).mean()
+        loss = (y * y).mean() + (c * 2.0).sum()  # c's kernels: small, on a leaf: the CPU
         grads = tg.grad(loss, [a, b])
         exe = tg.compile([loss, *grads], placement="auto", target_seconds=1e-5)
         devices = {c.device for c in exe.clusters}
@@ -213,7 +221,35 @@ def test_gpu_annotated_tasks_run_only_on_the_gpu_worker(emulated_gpu):
         assert cpu_ran and set(cpu_ran.values()).isdisjoint(gpu_workers)
     want = tg.compute(loss, *grads)
     for v, w in zip(values[:1], want[:1]):
-        np.testing.assert_allclose(np.asarray(v).reshape(()), w, rtol=1e-10)
+        np.testing.assert_allclose(np.asarray(v).reshape(()), w, rtol=1e-6)
+
+
+def _placed(*tensors):
+    from tilegraph._graph import topo_order
+    from tilegraph.plan.cluster import place
+
+    work = [n for n in topo_order([r for t in tensors for r in t.grid.flat]) if not n.is_leaf]
+    place(work, "auto", True)
+    return work
+
+
+def test_auto_placement_keeps_small_kernels_on_the_cpu_and_follows_gpu_values():
+    rng = np.random.default_rng(0)
+    small = tg.from_numpy(rng.standard_normal((32, 32)).astype(np.float32))
+    # kernels this small take less time on the CPU than a GPU's launches: the whole graph stays
+    assert {n.device for n in _placed(tg.gelu(small @ small).sum())} == {"cpu"}
+    big = tg.from_numpy(rng.standard_normal((1024, 1024)).astype(np.float32))
+    work = _placed(tg.gelu(big @ big).sum() + (small * 2.0).sum())
+    devices = {}
+    for n in work:
+        devices.setdefault(n.op, set()).add(n.device)
+    assert devices["matmul"] == {"gpu"}  # 2 GFLOP: the GPU
+    # the cheap kernels reading GPU values stay on the GPU (no trip to the host between them);
+    # the one that reads only a leaf and nothing from the GPU stays on the CPU
+    assert devices["gelu"] == {"gpu"}
+    assert {n.device for n in work if n.inputs and all(i.node.is_leaf for i in n.inputs)
+            and n.op != "matmul"} == {"cpu"}
+    assert work[-1].device == "gpu"  # the final sum reads a GPU value
 
 
 def test_gpu_placement_without_gpu_workers_is_a_clear_error(embedded_runtime):

@@ -46,7 +46,8 @@ class Config:
     transfer_bytes_per_second: float = 1e9
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
-    #: "auto" placement sends kernels of at least this many flops to GPU workers
+    #: "auto" placement sends a kernel to GPU workers when it has at least this many flops and
+    #: the cost model (``speeds``) has it finish sooner there; kernels reading its values follow it
     gpu_min_flops: float = 1e6
     #: array library of GPU tasks: "cupy", or "numpy" to emulate GPU workers on a CPU-only machine
     gpu_array_module: str = "cupy"
@@ -106,8 +107,10 @@ class Config:
     local_scheduler: str = "threads"
     #: assumed speeds for the cost model: (flop/s, byte/s, seconds per kernel call)
     #: (CPU: one core of the development machine, OpenBLAS fp32 GEMM ~125 GFLOP/s; a call on
-    #: tiny tiles takes ~10 us, mostly Python and NumPy dispatch)
-    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 2e-5)})
+    #: tiny tiles takes ~10 us, mostly Python and NumPy dispatch. GPU: an H100 in fp32; a call
+    #: takes ~100 us, a few CuPy launches each: GPT-2 124M with every kernel on the GPU spent
+    #: ~0.2 s per step on its 1,600 kernels outside attention)
+    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 1e-4)})
     #: what running a task's kernels on several threads costs per kernel and per thread beyond
     #: the first (handing kernels between threads, which also contend for the GIL): a task keeps
     #: the number of threads (1, 2, 4, ... or all) whose list-scheduled span plus this cost is

@@ -63,7 +63,8 @@ class Workers:
 
     ``threads``: per device class, the threads of each worker process: a worker with
     ``{"GPU": n}`` counts as n single-stream GPU processors, any other worker as one CPU process
-    with its threads. Workers tilegraph starts (embedded, MPI) declare ``{"CPU": threads}`` and
+    with its threads; where every worker has a GPU, each also counts as a CPU process with its
+    threads (CPU tasks then run beside the GPU's). Workers tilegraph starts (embedded, MPI) declare ``{"CPU": threads}`` and
     CPU tasks then ask for ``{"CPU": 1}`` (``cpu_resource``); on a cluster whose workers declare
     no CPU resource, CPU tasks carry no restriction (a restriction nobody offers would leave them
     waiting forever). ``addrs``: the worker of each entry of ``threads``. ``memory_limits``: each
@@ -88,6 +89,11 @@ class Workers:
                 threads["gpu"] += [1] * int(res["GPU"])
                 addrs["gpu"] += [addr] * int(res["GPU"])
             elif res.get("CPU") or not cpu_resource:
+                threads["cpu"].append(int(w.get("nthreads", 1)))
+                addrs["cpu"].append(addr)
+        if not threads["cpu"]:  # GPU workers alone (the embedded cluster on a GPU machine): CPU
+            # tasks carry no restriction and run on them, with their threads
+            for addr, w in workers:
                 threads["cpu"].append(int(w.get("nthreads", 1)))
                 addrs["cpu"].append(addr)
         return cls(MappingProxyType({d: tuple(t) for d, t in threads.items()}),
