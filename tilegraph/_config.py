@@ -89,10 +89,17 @@ class Config:
     #: share of the batch's row tiles and a replica of the parameters and optimizer state
     #: (gradients summed across replicas inside the graph); "sharded" is "data" with each
     #: parameter tile's gradient sum, update and optimizer state on one owner process (ZeRO-2);
-    #: "auto" plans "tiles" and "sharded" and keeps the one whose simulated step finishes first
-    #: ("sharded" rather than "data": the same bytes cross processes, each replica updates only
-    #: its share and holds less; measured on 2 cores, 2 x 1 workers, two runs each: GPT-2
-    #: 6 x 768 sharded 423-452 tok/s against data 386-414, the block stack 772-825 against 723-807)
+    #: "auto" plans "tiles" and "sharded"; it keeps "sharded" where the tiles plan spans several
+    #: processes, else the one whose simulated step finishes first ("sharded" rather than "data":
+    #: the same bytes cross processes, each replica updates only its share and holds less;
+    #: measured on 2 cores, 2 x 1 workers, two runs each: GPT-2 6 x 768 sharded 423-452 tok/s
+    #: against data 386-414, the block stack 772-825 against 723-807). The simulation misjudges
+    #: both plans across processes: it leaves out the tiles plan's waits for whole tasks and
+    #: copies, and models a data-parallel exchange as Dask tasks where it runs as one gang task
+    #: per process. Block stack on 16 cores (batch 16): simulated tiles 0.97 / 0.84 / 0.89 s per
+    #: step for 2 x 8 / 4 x 4 / 8 x 2, sharded 3.55 / 2.18 / 1.41 s; sharded measured 1.31 /
+    #: 1.29 / 1.68 s (0.93 / 0.95 / 0.73 of torch with 16 threads), where tiles across processes
+    #: has measured 0.61 / 0.30 / 0.22 of torch; on 2 cores sharded beat tiles for every model
     parallel: str = "auto"
     #: a fused task's memory bound (its inputs plus everything its kernels write) stays under
     #: this share of the smallest worker memory limit, so that a worker can hold a task while

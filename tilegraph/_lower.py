@@ -155,12 +155,13 @@ class Executable:
         if dp is None or parallel == "auto":  # the tiles plan: the only one, or the one to beat
             self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse,
                                                                 max_bytes=self.max_task_bytes)
-            # "auto": whichever plan the simulation finishes first (the tiles plan's figure
-            # corrected for what its simulation leaves out when it spans several processes)
+            # "auto": the data-parallel plan where the tiles plan would span several processes
+            # (config.parallel says why); else whichever plan the simulation finishes first
             tiles_seconds = self.est_makespan
-            if len({(c.device, c.proc) for c in self.clusters}) > 1:
+            spans = len({(c.device, c.proc) for c in self.clusters}) > 1
+            if spans:
                 tiles_seconds *= 1.0 + config.tiles_across_processes_penalty
-            if dp is not None and dp[3] >= tiles_seconds:
+            if dp is not None and dp[3] >= tiles_seconds and not spans:
                 dp = None
         if dp is not None:
             self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas, self.strategy = dp

@@ -233,7 +233,9 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     total = {dev: 0.0 for dev in groups}
     for n in nodes:
         total[n.device] += est_seconds(n)
-    used = {dev: max(1, min(len(threads), int(total[dev] / config.min_process_seconds))) for dev, threads in groups.items()}
+    per = config.min_process_seconds  # 0: every process
+    used = {dev: max(1, min(len(threads), int(total[dev] / per) if per > 0 else len(threads)))
+            for dev, threads in groups.items()}
     if fixed:  # a strategy's processes are all used, whatever the work per process
         used = {dev: len(threads) for dev, threads in groups.items()}
     free_at = {dev: [[0.0] * t for t in threads[:used[dev]]] for dev, threads in groups.items()}
