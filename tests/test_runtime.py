@@ -618,3 +618,11 @@ def test_a_worker_process_starting_up_may_not_start_a_cluster(monkeypatch):
     with pytest.raises(tg.TileError, match="starting as a worker") as e:
         tg.connect(quiet=True)
     assert 'if __name__ == "__main__":' in str(e.value)
+
+
+def test_default_workers_of_the_embedded_cluster():
+    from tilegraph.runtime import default_workers
+
+    assert [default_workers(n, 0, None) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 16]
+    assert default_workers(16, 0, 2) == 1  # threads_per_worker alone: one process of that many threads
+    assert default_workers(16, 2, None) == 2  # a process per GPU
