@@ -298,3 +298,20 @@ def test_plot_of_a_language_model_draws_the_uniform_guess(tmp_path, monkeypatch)
     trainer.fit(3)
     assert drawn == [{"vocab_size": 257, "path": tmp_path / "run" / "loss.png", "run": trainer.run_id}]
     assert matplotlib.image.imread(tmp_path / "run" / "loss.png").shape[:2] == (500, 700)
+
+
+def test_default_row_tiles_one_per_cpu_thread_or_per_gpu():
+    from tilegraph.trainer import MIN_ROW_TILE_ELEMENTS, _default_row_tile
+
+    class Rt:  # the two things the choice reads of a runtime
+        def __init__(self, cpu, gpu):
+            self.p = {"cpu": cpu, "gpu": gpu}
+
+        def processors(self):
+            return self.p
+
+    big = MIN_ROW_TILE_ELEMENTS  # a row this large pays for a kernel call of its own
+    assert _default_row_tile(Rt(16, 0), 32, big) == 2  # a tile per CPU thread
+    assert _default_row_tile(Rt(16, 1), 32, big) == 32  # one GPU: whole tiles, the largest kernels
+    assert _default_row_tile(Rt(16, 2), 32, big) == 16  # a tile per GPU
+    assert _default_row_tile(Rt(16, 0), 32, 1) == 32  # tiny rows: one tile
