@@ -49,9 +49,16 @@ Default tilings (each can be overridden; 0 keeps a dim whole):
 - feature and sequence tiles: ``ModelTiling.default`` (the whole width of 768 and the whole
   sequence of 256: one 512-token x 768 x 3072 matmul is already ~2.4 GFLOP, about 20 ms).
 
+GPU (``--device gpu``): tilegraph on one GPU worker with every kernel placed on the GPU (CuPy),
+in whole tiles (a GPU runs a few large kernels best), against torch on CUDA. Kernels on a GPU are
+only queued, so the kernel seconds and the "outside" share then measure the queueing; with
+``--sync-kernels`` the worker waits for the GPU after each kernel, and ``--kernels`` shows GPU
+seconds per kernel (the steps run slower by the waits).
+
     python bench/bench_gpt2.py                                   # debug and 6x768, batch 4
     python bench/bench_gpt2.py --flavor 6x768 --steps 5 --kernels
     python bench/bench_gpt2.py --flavor debug --steps 64 --steps-per-graph 1    # one graph per step
+    python bench/bench_gpt2.py --device gpu --flavor gpt2 --batch 8 --seq 512 --steps 3 --warmup 1
 """
 
 from __future__ import annotations
