@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -101,6 +101,21 @@ class _Plan:
     ext: list[TileRef]          # external inputs, in argument order
     outputs: list[TileRef]      # values returned, in tuple order
     device: str
+
+
+@dataclass
+class _Call:
+    """The Dask graph of one call of an :class:`Executable`, as :meth:`Executable.run` submits it."""
+
+    layers: dict[str, dict]           # raw task dicts by layer (:meth:`Executable.lower`)
+    keys: list[str]                   # the task key of each cluster (of a gang plan: of each process)
+    outputs_of: dict[str, Sequence]   # task key -> the values its result tuple holds, in order
+    locate: Callable[[int, int], tuple[str, int]]  # (root position, process) -> (task key, index)
+
+
+#: where each root's value is, per replica: (root position, process) -> (task key or remote
+#: future, index in its value; None: all of it)
+_Sources = dict[tuple[int, int], tuple[Any, int | None]]
 
 
 class Executable:
@@ -560,61 +575,121 @@ class Executable:
         runtime = runtime if runtime is not None else self.runtime
         _require_open(runtime, "tilegraph.Executable.run")
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
-        gang = self.gang if runtime is not None else None
-        if gang is not None:
-            layers, keys, locate = self.lower_gang(runtime, programs=self._programs(runtime))
-            outputs_of = dict(zip(keys, gang.outputs))
-        else:
-            layers, keys = self.lower(programs=None if runtime is None else self._programs(runtime))
-            outputs_of = {key: plan.outputs for key, plan in zip(keys, self.plans)}
-        out: list[Any] = [None] * len(self.roots)
-        # Where each root's value is (per replica: data-parallel plans keep some roots on every
-        # process): (task key or remote future, tuple index); a plain value goes straight to out.
-        source: dict[tuple[int, int], tuple[Any, int | None]] = {}
-        for pos, refs in enumerate(self.replicas):
-            for p, r in enumerate(refs):
-                if not r.node.is_leaf and gang is not None:
-                    source[(pos, p)] = locate(pos, p)
-                elif not r.node.is_leaf:
-                    cid, k = self.where[(id(r.node), r.index)]
-                    source[(pos, p)] = (keys[cid], k)
-                elif isinstance(r.node.cell.value, ValueRef):
-                    v = r.node.cell.value
-                    v = v.on(p) if isinstance(v, ReplicatedRef) else v
-                    source[(pos, p)] = (v.future, v.index)
-                elif p == 0:
-                    out[pos] = r.node.cell.value
+        call = self._lower_call(runtime)
+        source, plain = self._root_sources(call)
+        out: list[Any] = [plain.get(pos) for pos in range(len(self.roots))]
         if runtime is None:  # no futures exist without a runtime: every source is a task key
-            remote = [v for v in (n.cell.value for n in self.leaves) if isinstance(v, ValueRef)]
-            if remote:
-                closed = any(getattr(getattr(v.future, "client", None), "status", None) in ("closing", "closed")
-                             for v in remote)
-                raise TileError("tilegraph.compute", "values that live on a runtime's workers need that runtime "
-                                + ("open: the runtime holding them was closed (Runtime.close, or the end of its "
-                                   "`with` block); take what you need out before closing it (model.state_dict(), "
-                                   "tilegraph.io.save_checkpoint, model.to_hf)" if closed else
-                                   "(pass runtime=..., or run inside `with rt.as_current():`)"),
-                                f"{len(remote)} of the graph's values held by a Dask cluster, no runtime")
-            want = sorted({key for (_, p), (key, _) in source.items() if p == 0})
-            results = dict(zip(want, _local_get(layers, want, self._local_threads())))
-            for (pos, p), (key, k) in source.items():
-                if p == 0:
-                    out[pos] = results[key] if k is None else results[key][k]
-            return out
+            return self._run_locally(call, source, out)
+        return self._run_on_workers(runtime, call, source, out, fetch, wait, during)
+
+    def _lower_call(self, runtime) -> _Call:
+        """Write the Dask graph of one call on ``runtime`` (None: this process runs it): one task
+        per worker process for a gang plan, else one per cluster; on a runtime, the tasks carry
+        futures of the programs already on its workers."""
+        if runtime is not None and self.gang is not None:
+            layers, keys, locate = self.lower_gang(runtime, programs=self._programs(runtime))
+            return _Call(layers, keys, dict(zip(keys, self.gang.outputs)), locate)
+        layers, keys = self.lower(programs=None if runtime is None else self._programs(runtime))
+
+        def locate(pos: int, proc: int) -> tuple[str, int]:
+            ref = self.replicas[pos][proc]
+            cid, index = self.where[(id(ref.node), ref.index)]
+            return keys[cid], index
+
+        return _Call(layers, keys, {key: plan.outputs for key, plan in zip(keys, self.plans)}, locate)
+
+    def _root_sources(self, call: _Call) -> tuple[_Sources, dict[int, Any]]:
+        """Where each root's value is, per replica (data-parallel plans keep some roots on every
+        process): ``(position, process) -> (task key or remote future, tuple index)``; and the
+        roots that are plain values (leaves on the client), by position."""
+        source: _Sources = {}
+        plain: dict[int, Any] = {}
+        for pos, refs in enumerate(self.replicas):
+            for proc, ref in enumerate(refs):
+                if not ref.node.is_leaf:
+                    source[(pos, proc)] = call.locate(pos, proc)
+                    continue
+                value = ref.node.cell.value
+                if isinstance(value, ValueRef):
+                    value = value.on(proc) if isinstance(value, ReplicatedRef) else value
+                    source[(pos, proc)] = (value.future, value.index)
+                elif proc == 0:
+                    plain[pos] = value
+        return source, plain
+
+    def _run_locally(self, call: _Call, source: _Sources, out: list) -> list:
+        """Run the call in this process (Dask's local scheduler) and fill in ``out``: the first
+        replica of each root from its task's result."""
+        self._refuse_remote_values()
+        want = sorted({key for (_, proc), (key, _) in source.items() if proc == 0})
+        results = dict(zip(want, _local_get(call.layers, want, self._local_threads())))
+        for (pos, proc), (key, index) in source.items():
+            if proc == 0:
+                out[pos] = results[key] if index is None else results[key][index]
+        return out
+
+    def _refuse_remote_values(self) -> None:
+        """Fail where the graph reads values held by a runtime's workers and none was given."""
+        remote = [v for v in (n.cell.value for n in self.leaves) if isinstance(v, ValueRef)]
+        if not remote:
+            return
+        closed = any(getattr(getattr(v.future, "client", None), "status", None) in ("closing", "closed")
+                     for v in remote)
+        raise TileError("tilegraph.compute", "values that live on a runtime's workers need that runtime "
+                        + ("open: the runtime holding them was closed (Runtime.close, or the end of its "
+                           "`with` block); take what you need out before closing it (model.state_dict(), "
+                           "tilegraph.io.save_checkpoint, model.to_hf)" if closed else
+                           "(pass runtime=..., or run inside `with rt.as_current():`)"),
+                        f"{len(remote)} of the graph's values held by a Dask cluster, no runtime")
+
+    def _run_on_workers(self, runtime, call: _Call, source: _Sources, out: list, fetch: set[int], wait: bool,
+                        during: str) -> list:
+        """Submit the call to ``runtime``'s workers and fill in ``out``: :class:`Fetching` handles
+        (their values, with ``wait``) for the roots in ``fetch``, references to the workers'
+        values for the others."""
+        fetch_of = self._add_fetch_tasks(call, source, fetch)
+        kept = [(pos, proc) for pos, proc in source if pos not in fetch or proc > 0]
+        kept_of, moved = self._add_kept_picks(call, source, kept)
+        want = sorted({moved.get((src, index), (src, index))[0] for src, indices in kept_of.items()
+                       for index in indices})
+        want += sorted({key for key, _ in fetch_of.values()})
+        pinned, pushed = self._pin_tasks(runtime, call, source, moved)
+        want += sorted({key for copies in pushed.values() for key, _ in copies.values()})
+        futures = self._submit(runtime, call, want, pinned)
+        for pos, (key, index) in fetch_of.items():
+            out[pos] = Fetching(futures[key], index)
+        if wait:
+            out = gather(runtime, out, during)
+        for pos, refs in self._kept_refs(futures, source, kept, moved, pushed).items():
+            if pos not in fetch:
+                out[pos] = refs[0] if len(refs) == 1 else ReplicatedRef(refs[0].future, refs[0].index, tuple(refs))
+        return out
+
+    def _add_fetch_tasks(self, call: _Call, source: _Sources, fetch: set[int]) -> dict[int, tuple[str, int | None]]:
+        """Add the tasks that bring the roots in ``fetch`` (their first replica) to the client;
+        returns, for each such root's position, (fetch task key, index in its value)."""
         # Fetched values come back through one small task per task holding some (it picks them
         # out of the result tuple next to the data); the rest stay.
-        fetch_of: dict[int, tuple[str, int | None]] = {}  # position -> (fetch task key, index in its value)
         wanted: dict[Any, list[tuple[int, int | None]]] = {}  # source -> its fetched (position, index)
-        for (pos, p), (src, k) in source.items():
-            if pos in fetch and p == 0:
-                wanted.setdefault(src, []).append((pos, k))
+        for (pos, proc), (src, index) in source.items():
+            if pos in fetch and proc == 0:
+                wanted.setdefault(src, []).append((pos, index))
+        call_name = call.keys[0] if call.keys else self.structure
+        fetch_of: dict[int, tuple[str, int | None]] = {}
         for n, (src, items) in enumerate(wanted.items()):
-            idx = list(dict.fromkeys(k for _, k in items))
-            key = f"tg-fetch-{n}-{keys[0] if keys else self.structure}"
-            layers["cpu"][key] = src if idx == [None] else (_pick, src, tuple(idx))
-            for pos, k in items:
-                fetch_of[pos] = (key, None if idx == [None] else idx.index(k))
-        kept = [(pos, p) for pos, p in source if pos not in fetch or p > 0]
+            indices = list(dict.fromkeys(index for _, index in items))
+            whole = indices == [None]
+            key = f"tg-fetch-{n}-{call_name}"
+            call.layers["cpu"][key] = src if whole else (_pick, src, tuple(indices))
+            for pos, index in items:
+                fetch_of[pos] = (key, None if whole else indices.index(index))
+        return fetch_of
+
+    def _add_kept_picks(self, call: _Call, source: _Sources, kept: list[tuple[int, int]]) \
+            -> tuple[dict[str, set[int]], dict[tuple[str, int], tuple[str, int]]]:
+        """Add the tasks that pick the values staying on the workers (``kept`` roots, by position
+        and process) out of their tasks' results. Returns the indices kept of each task's result,
+        by task key, and where each picked value moved: (task key, index) -> (pick key, index)."""
         # Values that stay on the workers (parameters, optimizer state) must not keep the rest of
         # their task's result tuple (activations for later tasks) alive: where a task returns
         # more than what stays, one small task per task picks out just the kept elements.
@@ -623,57 +698,60 @@ class Executable:
         kept_of: dict[str, set[int]] = {}
         shared_of: dict[str, set[int]] = {}
         for at in kept:
-            src, k = source[at]
+            src, index = source[at]
             if isinstance(src, str):
-                kept_of.setdefault(src, set()).add(k)
-                if at[0] in self.shared_roots and gang is None:  # a gang holds each process's own copy
-                    shared_of.setdefault(src, set()).add(k)
+                kept_of.setdefault(src, set()).add(index)
+                if at[0] in self.shared_roots and self.gang is None:  # a gang holds each process's own copy
+                    shared_of.setdefault(src, set()).add(index)
         moved: dict[tuple[str, int], tuple[str, int]] = {}
-        for src, idx in kept_of.items():
+        for src, indices in kept_of.items():
             # A pick is one more dependent hop before the next step can use the values: only
             # worth it when the rest of the result is more than a tenth of what stays (so the
             # workers never hold more than 110% of the kept state between steps).
             shared = shared_of.get(src, set())
-            if shared and shared != idx or _pick_pays(outputs_of[src], idx):
-                for name, part in (("keep", idx - shared), ("params", shared)):
+            if shared and shared != indices or _pick_pays(call.outputs_of[src], indices):
+                for kind, part in (("keep", indices - shared), ("params", shared)):
                     if part:
                         part = tuple(sorted(part))
-                        pick = f"tg-{name}-{src[3:]}"
-                        layers["cpu"][pick] = (_pick, src, part)
-                        moved.update({(src, k): (pick, j) for j, k in enumerate(part)})
-        want = sorted({moved.get((src, k), (src, k))[0] for src, idx in kept_of.items() for k in idx})
-        want += sorted({key for key, _ in fetch_of.values()})
-        if gang is not None:  # each process's copies of shared parameters come out of its own gang
-            pinned, pushed = dict(zip(keys, gang.addrs)), {}
-        else:
-            pinned = {keys[cid]: addr for cid, addr in self.worker_of.items()}
-            pinned.update(self._transfer_workers(keys))
-            pushed = self._push_shared(layers, keys, source, moved, pinned, runtime)
-        want += sorted({key for copies in pushed.values() for key, _ in copies.values()})
-        if gang is not None:
-            want += [key for key in keys if key not in want]
-            futures = self._submit_gang(runtime, layers, keys, want, pinned)
-        else:
-            futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned,
-                                                           cpu_resource=self._cpu_resource(runtime))))
-        for pos, (key, k) in fetch_of.items():
-            out[pos] = Fetching(futures[key], k)
-        if wait:
-            out = gather(runtime, out, during)
+                        pick = derived_key(kind, src)
+                        call.layers["cpu"][pick] = (_pick, src, part)
+                        moved.update({(src, index): (pick, j) for j, index in enumerate(part)})
+        return kept_of, moved
+
+    def _pin_tasks(self, runtime, call: _Call, source: _Sources, moved) \
+            -> tuple[dict[str, str], dict[int, dict[int, tuple[str, int]]]]:
+        """The worker each task is pinned to, by key; and a sharded plan's parameters pushed to
+        every process (:meth:`_push_shared`, whose tasks it adds)."""
+        if self.gang is not None:  # each process's copies of shared parameters come out of its own gang
+            return dict(zip(call.keys, self.gang.addrs)), {}
+        pinned = {call.keys[cid]: addr for cid, addr in self.worker_of.items()}
+        pinned.update(self._transfer_workers(call.keys))
+        pushed = self._push_shared(call.layers, call.keys, source, moved, pinned, runtime)
+        return pinned, pushed
+
+    def _submit(self, runtime, call: _Call, want: list[str], pinned: dict[str, str]) -> dict:
+        """Submit the call's graph; returns the futures of the tasks in ``want`` (and, for a gang
+        plan, of every gang task), by key."""
+        if self.gang is not None:
+            want = want + [key for key in call.keys if key not in want]
+            return self._submit_gang(runtime, call.layers, call.keys, want, pinned)
+        return dict(zip(want, runtime.submit_layers(call.layers, want, workers=pinned,
+                                                    cpu_resource=self._cpu_resource(runtime))))
+
+    @staticmethod
+    def _kept_refs(futures: dict, source: _Sources, kept: list[tuple[int, int]], moved,
+                   pushed: dict[int, dict[int, tuple[str, int]]]) -> dict[int, list[ValueRef]]:
+        """Where the values that stay on the workers are, each root's per replica, by position."""
         stays: dict[int, list[ValueRef]] = {}
-        for pos, p in kept:
-            src, k = source[(pos, p)]
+        for pos, proc in kept:
+            src, index = source[(pos, proc)]
             if isinstance(src, str):
-                src, k = moved.get((src, k), (src, k))
+                src, index = moved.get((src, index), (src, index))
                 src = futures[src]
-            stays.setdefault(pos, []).append(ValueRef(src, k))
+            stays.setdefault(pos, []).append(ValueRef(src, index))
         for pos, copies in pushed.items():  # a sharded plan's parameters: a copy on every process
-            refs = [ValueRef(futures[key], j) for _, (key, j) in sorted(copies.items())]
-            stays[pos] = refs
-        for pos, refs in stays.items():
-            if pos not in fetch:
-                out[pos] = refs[0] if len(refs) == 1 else ReplicatedRef(refs[0].future, refs[0].index, tuple(refs))
-        return out
+            stays[pos] = [ValueRef(futures[key], j) for _, (key, j) in sorted(copies.items())]
+        return stays
 
     def _submit_gang(self, runtime, layers, keys, want, pinned) -> dict:
         """Submit a gang call, each of its tasks after the last gang task submitted to its worker
@@ -728,7 +806,7 @@ class Executable:
                 dst_addr = at.get((dev, p))
                 if p == proc or dst_addr is None or src_addr is None:
                     continue
-                send, receive = f"tg-push-{dev}{p}-{key[3:]}", f"tg-pushed-{dev}{p}-{key[3:]}"
+                send, receive = derived_key("push", key, (dev, p)), derived_key("pushed", key, (dev, p))
                 shm = dev == "cpu" and _share_memory(domains, src_addr, dst_addr)
                 layers["transfer"][send] = (send_shm, key, idx, config.shm_min_bytes) if shm else (_pick, key, idx)
                 layers["transfer"][receive] = (receive_shm if shm else _received, send)
@@ -817,15 +895,23 @@ def _share_memory(domains: dict, a: str | None, b: str | None) -> bool:
     return domains.get(a) is not None and domains.get(a) == domains.get(b)
 
 
+def derived_key(kind: str, src: str, dst: tuple[str, int] | None = None) -> str:
+    """The key of a small task working on task ``src``'s result (a pick, send or receive):
+    ``src``'s own key (unique to its call) after ``tg-{kind}-`` and, for a task serving process
+    ``dst`` (device class, process index), ``{device}{index}-``."""
+    serves = "" if dst is None else f"{dst[0]}{dst[1]}-"
+    return f"tg-{kind}-{serves}{src[3:]}"
+
+
 def send_key(src: str, dst: tuple[str, int]) -> str:
     """The key of the task picking out of task ``src``'s result what process ``dst`` (device
     class, process index) reads (:meth:`Executable._cross_reads`)."""
-    return f"tg-send-{dst[0]}{dst[1]}-{src[3:]}"
+    return derived_key("send", src, dst)
 
 
 def receive_key(src: str, dst: tuple[str, int]) -> str:
     """The key of the task on process ``dst`` that takes in what it reads of task ``src``."""
-    return f"tg-receive-{dst[0]}{dst[1]}-{src[3:]}"
+    return derived_key("receive", src, dst)
 
 
 def _received(values: tuple) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -218,16 +218,34 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     copied). Returns the clusters, the cluster of each node and the simulated finish time of the
     whole graph (seconds).
     """
-    clusters: list[Cluster] = []
-    of: dict[int, Cluster] = {}
     if not fuse:
-        for n in nodes:
-            c = Cluster(len(clusters), n.device, 0)
-            c.nodes.append(n)
-            c.open = False
-            clusters.append(c)
-            of[id(n)] = c
-        return clusters, of, sum(est_seconds(n) for n in nodes)
+        return _one_task_per_node(nodes)
+    sim = _Simulation(groups, _processes_used(nodes, groups, fixed), target, home, max_bytes)
+    for node in nodes:
+        sim.schedule(node, fixed.get(id(node)) if fixed is not None else None)
+    for c in sim.clusters:
+        if c.threads > 1:
+            c.threads = threads_worth_using(c.nodes, c.threads)
+    return sim.clusters, sim.cluster_of, sim.makespan()
+
+
+def _one_task_per_node(nodes: Sequence[Node]) -> tuple[list[Cluster], dict[int, Cluster], float]:
+    """:func:`cluster_nodes` without fusion (``fuse=False``, for debugging): a closed cluster per
+    node, on process 0, and the nodes' estimated seconds one after another."""
+    clusters: list[Cluster] = []
+    cluster_of: dict[int, Cluster] = {}
+    for n in nodes:
+        c = Cluster(len(clusters), n.device, 0)
+        c.nodes.append(n)
+        c.open = False
+        clusters.append(c)
+        cluster_of[id(n)] = c
+    return clusters, cluster_of, sum(est_seconds(n) for n in nodes)
+
+
+def _processes_used(nodes: Sequence[Node], groups: dict[str, list[int]],
+                    fixed: dict[int, int] | None) -> dict[str, int]:
+    """How many of each device class's processes the simulation may use."""
     # Use only as many processes as there is work for: a graph with little work per extra process
     # runs faster as fewer, larger tasks.
     total = {dev: 0.0 for dev in groups}
@@ -238,67 +256,135 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
             for dev, threads in groups.items()}
     if fixed:  # a strategy's processes are all used, whatever the work per process
         used = {dev: len(threads) for dev, threads in groups.items()}
-    free_at = {dev: [[0.0] * t for t in threads[:used[dev]]] for dev, threads in groups.items()}
-    open_on: dict[tuple[str, int], Cluster] = {}
-    finish: dict[int, float] = {}
-    end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
-    hop = config.hop_seconds
-    bandwidth = config.transfer_bytes_per_second
-    bounded = max_bytes < float("inf")
+    return used
 
-    def where(proc: int) -> int:
-        return proc if home is None else proc % home
 
-    def ready_time(inputs, cur, dev, g) -> float:
-        """When all inputs can be there for a node on process g: at once from its own open task;
-        after their task, a hop and, from another process, the transfer of the bytes otherwise."""
-        return max((f if c is cur else end[c.id] + hop + (0.0 if (c.device, where(c.proc)) == (dev, where(g)) else b / bandwidth)
-                    for c, f, b in inputs), default=0.0)
+class _Input(NamedTuple):
+    """A node's input as the simulation sees it: the cluster of the node making it, when that
+    node finishes (seconds) and the input's bytes."""
 
-    for n in nodes:
-        dev = n.device
-        t = est_seconds(n)
-        inputs = [(of[id(i.node)], finish[id(i.node)], i.nbytes) for i in n.inputs if id(i.node) in of]
-        starts = []
-        for g, frees in enumerate(free_at[dev]):
-            cur = open_on.get((dev, g))
-            starts.append(max(ready_time(inputs, cur if cur is not None and cur.open else None, dev, g), min(frees)))
-        if fixed is not None and id(n) in fixed:
-            best = fixed[id(n)]
-        else:
-            best = min(range(len(starts)), key=lambda g: (starts[g], g))
-            # Ties go to the process of the latest input: chains stay in one task.
-            last = max(((c, f) for c, f, _ in inputs if c.device == dev), key=lambda cf: cf[1], default=None)
-            if last is not None and last[0].proc < len(starts) and starts[last[0].proc] <= starts[best]:
-                best = last[0].proc
-        cur = open_on.get((dev, best))
-        for c, _, _ in inputs:
-            if c.open and c is not cur:
-                c.open = False
-        frees = free_at[dev][best]
+    cluster: Cluster
+    finish: float
+    nbytes: int
+
+
+class _Simulation:
+    """The state of :func:`cluster_nodes`'s list-scheduling simulation, which places nodes one at
+    a time (:meth:`schedule`) on the threads of worker processes (``proc``: an index among those
+    of the node's device class) and cuts their nodes into clusters."""
+
+    def __init__(self, groups: dict[str, list[int]], used: dict[str, int], target: float,
+                 home: int | None, max_bytes: float):
+        self.clusters: list[Cluster] = []
+        self.cluster_of: dict[int, Cluster] = {}  # id(node) -> its cluster
+        #: per device class and process: when each of its threads is next free (seconds)
+        self.free_at = {dev: [[0.0] * t for t in threads[:used[dev]]] for dev, threads in groups.items()}
+        self.open_on: dict[tuple[str, int], Cluster] = {}  # (device, proc) -> its latest cluster
+        self.finish: dict[int, float] = {}  # id(node) -> when it finishes
+        self.end: dict[int, float] = {}  # cluster id -> latest finish of its nodes so far
+        self.target = target
+        self.home = home
+        self.max_bytes = max_bytes
+        self.bounded = max_bytes < float("inf")
+        self.hop = config.hop_seconds
+        self.bandwidth = config.transfer_bytes_per_second
+
+    def makespan(self) -> float:
+        """The simulated finish time of everything scheduled so far (seconds)."""
+        return max(self.end.values(), default=0.0)
+
+    def schedule(self, node: Node, fixed_proc: int | None = None) -> None:
+        """Place ``node`` (its inputs placed before it) on a thread of the process where it can
+        start first, or of ``fixed_proc``, in that process's open cluster or a new one."""
+        dev = node.device
+        seconds = est_seconds(node)
+        inputs = [_Input(self.cluster_of[id(i.node)], self.finish[id(i.node)], i.nbytes)
+                  for i in node.inputs if id(i.node) in self.cluster_of]
+        proc = fixed_proc if fixed_proc is not None else self._choose_process(dev, inputs)
+        self._close_clusters_read(inputs, self.open_on.get((dev, proc)))
+        cluster = self._cluster_for(node, seconds, inputs, proc)
+        frees = self.free_at[dev][proc]
+        thread = min(range(len(frees)), key=frees.__getitem__)
+        start = max(self._ready_time(inputs, cluster, dev, proc), frees[thread])
+        if not cluster.nodes:
+            cluster.start = start
+        cluster.add(node, seconds, self.cluster_of)
+        self.finish[id(node)] = frees[thread] = start + seconds
+        self.end[cluster.id] = max(self.end.get(cluster.id, 0.0), start + seconds)
+
+    def _host(self, proc: int) -> int:
+        """The worker process that process ``proc`` is a lane of (itself without ``home``)."""
+        return proc if self.home is None else proc % self.home
+
+    def _open_cluster(self, dev: str, proc: int) -> Cluster | None:
+        """The cluster that process ``proc`` of ``dev`` is still adding nodes to, if any."""
+        cluster = self.open_on.get((dev, proc))
+        return cluster if cluster is not None and cluster.open else None
+
+    def _ready_time(self, inputs: Sequence[_Input], cluster: Cluster | None, dev: str, proc: int) -> float:
+        """When all inputs can be there for a node on process ``proc`` of ``dev``: at once from
+        ``cluster`` (its own open task); after their task, a hop and, from another process, the
+        transfer of the bytes otherwise."""
+        return max((i.finish if i.cluster is cluster else
+                    self.end[i.cluster.id] + self.hop
+                    + (0.0 if (i.cluster.device, self._host(i.cluster.proc)) == (dev, self._host(proc))
+                       else i.nbytes / self.bandwidth)
+                    for i in inputs), default=0.0)
+
+    def _choose_process(self, dev: str, inputs: Sequence[_Input]) -> int:
+        """The process of ``dev`` where a node reading ``inputs`` can start first (the lowest
+        index among equals), or that of its latest input where it starts no later there."""
+        starts = [max(self._ready_time(inputs, self._open_cluster(dev, proc), dev, proc), min(frees))
+                  for proc, frees in enumerate(self.free_at[dev])]
+        best = min(range(len(starts)), key=lambda proc: (starts[proc], proc))
+        # Ties go to the process of the latest input: chains stay in one task.
+        latest = max((i for i in inputs if i.cluster.device == dev), key=lambda i: i.finish, default=None)
+        if latest is not None and latest.cluster.proc < len(starts) and starts[latest.cluster.proc] <= starts[best]:
+            best = latest.cluster.proc
+        return best
+
+    @staticmethod
+    def _close_clusters_read(inputs: Sequence[_Input], current: Cluster | None) -> None:
+        """Close the open clusters whose values a node in ``current`` reads: another task needs
+        them, so they must end before it."""
+        for i in inputs:
+            if i.cluster.open and i.cluster is not current:
+                i.cluster.open = False
+
+    def _cluster_for(self, node: Node, seconds: float, inputs: Sequence[_Input], proc: int) -> Cluster:
+        """The cluster ``node`` joins on process ``proc``: the process's open cluster, unless
+        that must close first (:meth:`_must_close`); then a new one."""
+        dev = node.device
+        current = self.open_on.get((dev, proc))
+        if current is not None and current.open and not self._must_close(current, node, seconds, inputs, proc):
+            return current
+        if current is not None:
+            current.open = False
+        threads = len(self.free_at[dev][proc])
+        cluster = Cluster(len(self.clusters), dev, proc, threads)
+        self.clusters.append(cluster)
+        self.open_on[(dev, proc)] = cluster
+        return cluster
+
+    def _must_close(self, cluster: Cluster, node: Node, seconds: float, inputs: Sequence[_Input], proc: int) -> bool:
+        """Whether open ``cluster`` must close before ``node`` (on process ``proc``) can run: an
+        input from elsewhere would hold back its start, or the node would take it past the time
+        target or the memory bound."""
         # A Dask task starts only once all its inputs exist: a node whose value from elsewhere is
         # ready only after the open cluster began would hold back the cluster's earlier nodes.
-        late = cur is not None and cur.open and \
-            ready_time([x for x in inputs if x[0] is not cur], None, dev, best) > cur.start
-        if cur is None or not cur.open or late or (cur.seconds > 0 and (cur.seconds + t) / len(frees) > target) \
-                or (bounded and cur.nodes and (cur.bytes + cur.added_bytes(n, of) > max_bytes
-                                               or cur.made + out_bytes(n) > max_bytes * RESULT_SHARE)):
-            if cur is not None:
-                cur.open = False
-            cur = Cluster(len(clusters), dev, best, len(frees))
-            clusters.append(cur)
-            open_on[(dev, best)] = cur
-        thread = min(range(len(frees)), key=frees.__getitem__)
-        start = max(ready_time(inputs, cur, dev, best), frees[thread])
-        if not cur.nodes:
-            cur.start = start
-        cur.add(n, t, of)
-        finish[id(n)] = frees[thread] = start + t
-        end[cur.id] = max(end.get(cur.id, 0.0), start + t)
-    for c in clusters:
-        if c.threads > 1:
-            c.threads = threads_worth_using(c.nodes, c.threads)
-    return clusters, of, max(end.values(), default=0.0)
+        from_elsewhere = [i for i in inputs if i.cluster is not cluster]
+        late = self._ready_time(from_elsewhere, None, node.device, proc) > cluster.start
+        threads = len(self.free_at[node.device][proc])
+        over_target = cluster.seconds > 0 and (cluster.seconds + seconds) / threads > self.target
+        return late or over_target or self._over_memory(cluster, node)
+
+    def _over_memory(self, cluster: Cluster, node: Node) -> bool:
+        """Whether ``node`` would take ``cluster`` past the memory bound (``max_bytes``), or
+        what it writes past :data:`RESULT_SHARE` of it; never for an empty cluster."""
+        if not self.bounded or not cluster.nodes:
+            return False
+        return (cluster.bytes + cluster.added_bytes(node, self.cluster_of) > self.max_bytes
+                or cluster.made + out_bytes(node) > self.max_bytes * RESULT_SHARE)
 
 
 def threads_worth_using(nodes: Sequence[Node], threads: int) -> int:
