@@ -626,3 +626,23 @@ def test_default_workers_of_the_embedded_cluster():
     assert [default_workers(n, 0, None) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 16]
     assert default_workers(16, 0, 2) == 1  # threads_per_worker alone: one process of that many threads
     assert default_workers(16, 2, None) == 2  # a process per GPU
+
+
+@pytest.mark.distributed
+def test_fetching_two_remote_leaves_of_one_shape_at_once_gives_each_its_own_value(embedded_runtime):
+    # a graph whose roots are all leaves runs no task, only a fetch; two such graphs of equal
+    # shape on different values held by the workers took one Dask key, so the second got the
+    # first one's value while that was still held
+    held = []
+    for fill in (0.0, 1.0):
+        on_workers = tg.compile([tg.from_numpy(np.full((4, 4), fill, np.float32)) + 0.0],
+                                runtime=embedded_runtime).run(fetch=[])[0]
+        leaf = tg.from_numpy(np.zeros((4, 4), np.float32))
+        leaf.grid.flat[0].node.cell.set(on_workers)
+        held.append(tg.compile([leaf], runtime=embedded_runtime))
+    pending = [exe.run(wait=False) for exe in held]  # both in flight at once
+    from tilegraph._lower import gather
+
+    got = [gather(embedded_runtime, p)[0] for p in pending]
+    np.testing.assert_array_equal(got[0], np.zeros((4, 4), np.float32))
+    np.testing.assert_array_equal(got[1], np.ones((4, 4), np.float32))

@@ -674,7 +674,15 @@ class Executable:
         for (pos, proc), (src, index) in source.items():
             if pos in fetch and proc == 0:
                 wanted.setdefault(src, []).append((pos, index))
-        call_name = call.keys[0] if call.keys else self.structure
+        # named after the call's first task, or, in a call without tasks (every root a leaf), after
+        # the leaves' values as lower() names tasks: two such calls of one structure on other values
+        # must not share a key (Dask would hand the second the first one's value while it is held)
+        if call.keys:
+            call_name = call.keys[0]
+        else:
+            from dask.base import tokenize
+
+            call_name = tokenize(self.structure, [n.cell.token for n in self.leaves])
         fetch_of: dict[int, tuple[str, int | None]] = {}
         for n, (src, items) in enumerate(wanted.items()):
             indices = list(dict.fromkeys(index for _, index in items))
