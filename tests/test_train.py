@@ -71,8 +71,9 @@ def test_one_and_two_workers_agree(threads, monkeypatch):
     results = []
     for n in (1, 2):
         with tg.connect(n_workers=n, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
-            # small tasks, so that two workers really share the step
-            losses, _, step = _train(12, runtime=rt, target_seconds=5e-5)
+            # small tasks, so that two workers really share the step; the tiles plan ("auto" takes
+            # data parallelism where a tiles plan would span both processes)
+            losses, _, step = _train(12, runtime=rt, target_seconds=5e-5, parallel="tiles")
             exe = step.plan(*_data())
             assert step.last.tasks > 4 and {c.proc for c in exe.clusters} == set(range(n))
             assert max(p.prog.threads for p in exe.plans) == threads
