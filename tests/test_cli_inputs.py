@@ -140,6 +140,31 @@ def test_a_prompt_that_leaves_no_room_is_named(ckpt, capsys):
     assert "a --prompt of fewer tokens than the model's max_seq_len=32 (room for new ones); received: 40 tokens" in err
 
 
+@pytest.mark.parametrize("vocab, message", [
+    (96, r"a tokenizer whose ids fit the model's vocab_size=96 \(--tokenizer: the one the model was trained "
+         r"with\); received: ByteTokenizer\(eos=True\) with 257 ids, \S+ with vocab_size 96$"),
+    (400, r"a tokenizer that decodes every id of the model's vocab_size=400 \(the model may generate any of them; "
+          r"--tokenizer: .*\); received: ByteTokenizer\(eos=True\) with 257 ids, \S+ with vocab_size 400$"),
+])
+def test_generate_refuses_a_tokenizer_that_does_not_fit_the_models_vocabulary(tmp_path, capsys, monkeypatch, vocab,
+                                                                              message):
+    """A checkpoint whose recorded tokenizer (the byte one, 257 ids) is not the model's: its ids
+    past the model's vocabulary (a prompt of spaces fits, so generation ran and failed on the end
+    of text id), or the model's ids past the tokenizer's (a sample failed to decode, after the
+    generation) are named before any generation."""
+    from tilegraph import models
+    from tilegraph.cli import tokenizer_files
+    from tilegraph.io import ByteTokenizer
+    from tilegraph.io.zarr import save_checkpoint
+
+    model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=vocab), seed=0)
+    save_checkpoint(tmp_path / "ck", model, files=tokenizer_files(ByteTokenizer(eos=True)))
+    generation = sys.modules["tilegraph.models.generate"]  # the module (tilegraph.models.generate is its function)
+    monkeypatch.setattr(generation, "generate", lambda *a, **k: pytest.fail("generate() ran"))
+    err = _main(capsys, "generate", str(tmp_path / "ck"), "--local", "--prompt", "  ", "--strategy", "sample")
+    assert err.startswith("tilegraph generate: error: [tilegraph generate] ") and re.search(message, err.strip()), err
+
+
 def test_generate_refuses_a_negative_seed(local_scheduler):
     from tilegraph import models
     from tilegraph.models.generate import generate

@@ -4,10 +4,13 @@
 - without --out, the run goes on in the checkpoint's own run folder;
 - without --steps, it finishes the run's step budget;
 - settings the checkpoint fixes (its learning-rate schedule) and --init are refused, not ignored;
-- the [peft] adapters come from the checkpoint when the job gives none;
+- the [peft] adapters and the gradient sketch come from the checkpoint when the job gives none;
+- the checkpoint's metadata is read once;
+- a legacy checkpoint (before Zarr) that does not fit changes nothing;
 - a NaN loss, a second Ctrl-C and an output path that cannot be a folder end in one line.
 
-One 20-step run (checkpoints at 10, 15, 20) serves every test; those that resume it work on a copy."""
+One 20-step run (checkpoints at 10, 15, 20) serves the tests, and a 2-step run with a gradient sketch
+those of the sketch; those that resume one work on a copy."""
 
 import json
 import os
@@ -163,6 +166,105 @@ def test_resume_of_a_lora_run_takes_its_adapters_from_the_checkpoint(root, capsy
     assert re.search(r"received: method = 'lora', rank = 2, .* here, method = 'lora', rank = 4, ", err), err
 
 
+@pytest.fixture(scope="module")
+def sketched(root):
+    """``sketched``: a run of 2 steps with a weight-gradient sketch (rows, ratio 0.5), given on the
+    command line only; its checkpoint is step 2."""
+    run = _cli("train", "small.toml", "--out", "sketched", "--steps", "2", "--set", "peft.grad_sketch=rows",
+               "--set", "peft.sketch_ratio=0.5", "--set", "output.checkpoint_every=0", "--no-progress", cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rows weight-gradient sketch 0.5 on *.mlp.*" in run.stdout, run.stdout
+    return root / "sketched"
+
+
+SKETCH = {"grad_sketch": "rows", "sketch_ratio": 0.5, "sketch_targets": ["*.mlp.*"]}
+
+
+def test_resume_of_a_sketched_run_keeps_its_gradient_sketch(root, sketched):
+    """Resumed without the settings it was started with, a run with sketched weight gradients
+    went on with exact ones: its checkpoints now record the sketch (tilegraph_sketch.json)."""
+    shutil.copytree(sketched, root / "sketched-more")
+    run = _cli("train", "small.toml", "--resume", "sketched-more/checkpoints/step-000002", "--steps", "1",
+               "--no-progress", cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rows weight-gradient sketch 0.5 on *.mlp.*" in run.stdout and "at step 2, to step 3" in run.stdout, \
+        run.stdout
+    record = root / "sketched-more" / "checkpoints" / "step-000003" / "tilegraph_sketch.json"
+    assert json.loads(record.read_text()) == SKETCH
+
+
+@pytest.mark.parametrize("checkpoint, args, message", [
+    ("sketched", ["--set", "peft.sketch_ratio=0.25"],
+     r"\[tilegraph train --resume\] the weight gradients of the run it continues \(grad_sketch = 'rows', "
+     r"sketch_ratio = 0\.5, sketch_targets = \['\*\.mlp\.\*'\], from its checkpoint's tilegraph_sketch\.json\): "
+     r"leave them out, or start a new run .*; received: --set peft\.sketch_ratio=0\.25$"),
+    ("sketched", ["--set", "peft.grad_sketch=none"], r"received: --set peft\.grad_sketch=none$"),
+    # exact gradients are recorded too: a sketch is not switched on halfway
+    ("base", ["--set", "peft.grad_sketch=gaussian", "--set", "peft.sketch_ratio=0.3"],
+     r"the weight gradients of the run it continues \(grad_sketch = 'none', from .*; received: "
+     r"--set peft\.grad_sketch=gaussian; --set peft\.sketch_ratio=0\.3$"),
+], ids=["another ratio", "no sketch", "a sketch on an exact run"])
+def test_another_gradient_sketch_on_the_command_line_is_refused(root, sketched, capsys, monkeypatch, checkpoint,
+                                                                 args, message):
+    monkeypatch.chdir(root)
+    before = _listing(root / checkpoint)
+    ck = f"{checkpoint}/checkpoints/" + ("step-000002" if checkpoint == "sketched" else "step-000020")
+    err = _main(capsys, "train", "small.toml", "--resume", ck, "--steps", "1", *args)
+    assert re.search(message, err), err
+    assert _listing(root / checkpoint) == before
+
+
+def test_a_config_files_gradient_sketch_is_named_and_not_used_on_resume(root, sketched, capsys, monkeypatch):
+    """A config file (perhaps the one the run started from, with flags over it) names another
+    sketch: a warning, and the checkpoint's is used. A checkpoint written before the sketch was
+    recorded takes the job's, as before."""
+    from tilegraph.cli.config import apply_overrides, load_config
+    from tilegraph.cli.runs import given_settings, plan_resume
+
+    monkeypatch.chdir(root)
+    (root / "gaussian.toml").write_text('[peft]\ngrad_sketch = "gaussian"\nsketch_targets = ["*"]\n')
+
+    def planned(checkpoint):
+        """The [peft] sketch of `tilegraph train gaussian.toml --resume CHECKPOINT --set train.steps=1`."""
+        cfg, source = load_config("gaussian.toml")
+        apply_overrides(cfg, ["train.steps=1"])
+        plan_resume(checkpoint, cfg, given_settings("gaussian.toml", ["train.steps=1"], {}), source)
+        return {k: cfg["peft"][k] for k in SKETCH}
+
+    assert planned("sketched/checkpoints/step-000002") == SKETCH
+    assert capsys.readouterr().err.strip() == (
+        "tilegraph train: warning: grad_sketch = 'gaussian', sketch_targets = ['*'] in gaussian.toml not used: the "
+        "resumed run computes its weight gradients as its checkpoint's run did (grad_sketch = 'rows', sketch_ratio = "
+        "0.5, sketch_targets = ['*.mlp.*'])")
+    old = root / "old" / "checkpoints" / "step-000002"
+    shutil.copytree(sketched / "checkpoints" / "step-000002", old)
+    (old / "tilegraph_sketch.json").unlink()  # as checkpoints were written before it was recorded
+    assert planned(str(old)) == {"grad_sketch": "gaussian", "sketch_ratio": 0.2, "sketch_targets": ["*"]}
+    assert capsys.readouterr().err == ""
+
+
+def test_a_resume_reads_its_checkpoints_metadata_once(root, sketched, monkeypatch):
+    """zarr.json (the attributes) and the records beside it are read once and handed on: the
+    resume's checks, its output folder's and the Trainer's load read them four times."""
+    from tilegraph.cli import main
+
+    shutil.copytree(sketched, root / "once")
+    ck = (root / "once" / "checkpoints" / "step-000002").resolve()
+    reads = []
+    read_text = Path.read_text
+
+    def counted(self, *args, **kwargs):
+        if Path(self).resolve().parent == ck:
+            reads.append(Path(self).name)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(Path, "read_text", counted)
+    assert main(["train", "small.toml", "--resume", "once/checkpoints/step-000002", "--steps", "1",
+                 "--set", "output.checkpoint_keep=0", "--no-progress"]) == 0
+    assert sorted(reads) == ["tilegraph_sketch.json", "zarr.json"], reads
+
+
 def test_a_nan_loss_is_one_line_and_the_folder_it_leaves_says_what_to_do(root, capsys, monkeypatch):
     run = _cli("train", "small.toml", "--out", "nan", "--set", "train.lr=1e6", "--steps", "30", "--no-progress",
                cwd=root)
@@ -297,3 +399,103 @@ def test_the_checkpoint_manager_keeps_what_it_protects_and_sets_aside_without_de
     assert [p.name for p in mgr.checkpoints()] == ["step-000002", "step-000004", "step-000005"]
     assert [p.parent.name for p in mgr.set_aside(2, "abandoned")] == ["abandoned-2", "abandoned-2"]
     assert mgr.set_aside(2, "abandoned") == [] and not (tmp_path / "ck" / "abandoned-3").exists()
+
+
+# ---------------------------------------------------------------------- legacy checkpoints ----
+def _legacy_trainer(seed: int):
+    """A debug GPT-2 (weights of ``seed``), its AdamW (no step yet) and a Trainer of them."""
+    import numpy as np
+
+    import tilegraph as tg
+    from tilegraph.trainer import lm_loss
+
+    model = tg.models.build("gpt2-debug", seed=seed)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = np.zeros((2, 9), dtype=np.int64)
+    trainer = tg.Trainer(model, opt, lambda step: (ids[:, :-1], ids[:, 1:]), loss_fn=lm_loss, batch_size=2,
+                         progress=False)
+    return model, opt, trainer
+
+
+def _write_legacy(folder: Path, model, opt, change=lambda arrays, state: None) -> None:
+    """A checkpoint of tilegraph's format before Zarr, as its Trainer wrote it: the Hugging Face
+    folder of the model, ``optimizer.safetensors`` (every moment 0.5) and ``trainer_state.json``
+    (step 7), after ``change(arrays, state)`` edits the moments and the state."""
+    import numpy as np
+
+    from tilegraph.io.safetensors import save_file
+
+    model.to_hf(folder)
+    names = {id(p): n for n, p in model.named_parameters()}
+    arrays = {f"{names[id(p)]}.{k}": np.full(p.shape, 0.5, np.float32) for p in opt.params for k in opt.state_names}
+    state = {"format": "tilegraph-trainer-1", "step": 7, "optimizer": "AdamW",
+             "parameters": [names[id(p)] for p in opt.params]}
+    change(arrays, state)
+    save_file(arrays, folder / "optimizer.safetensors")
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def _moments(opt) -> list:
+    return [t.numpy() for st in opt.state_tensors() for t in st.values()]
+
+
+def test_a_legacy_checkpoint_resumes_weights_optimizer_state_and_step(tmp_path):
+    import numpy as np
+
+    source, source_opt, _ = _legacy_trainer(seed=1)
+    _write_legacy(tmp_path / "legacy", source, source_opt)
+    model, opt, trainer = _legacy_trainer(seed=0)
+    assert trainer.load_checkpoint(tmp_path / "legacy") == 7 and opt.step_count == 7
+    want = source.state_dict()
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    assert all((m == 0.5).all() for m in _moments(opt))
+
+
+@pytest.mark.parametrize("change, message", [
+    # the weights loaded, then the optimizer's state failed: the model was left with the checkpoint's weights
+    (lambda arrays, state: arrays.pop("wte.weight.exp_avg"),
+     r"\[tilegraph\.Trainer\.load_checkpoint\] optimizer state for every parameter in \S+optimizer\.safetensors; "
+     r"received: missing: wte\.weight\.exp_avg$"),
+    (lambda arrays, state: arrays.update({"blocks.0.attn.q.weight.exp_avg_sq": arrays["wte.weight.exp_avg"]}),
+     r"received: shape of blocks\.0\.attn\.q\.weight\.exp_avg_sq: \(96, 32\), expected \(32, 32\)$"),
+    (lambda arrays, state: arrays.clear(),
+     r"received: missing: wte\.weight\.exp_avg; missing: wte\.weight\.exp_avg_sq; missing: wpe\.weight\.exp_avg"),
+    # weights and state set, then a KeyError
+    (lambda arrays, state: state.pop("step"),
+     r"\[tilegraph\.Trainer\.load_checkpoint\] a trainer_state\.json naming the checkpoint's step \(an integer "
+     r">= 0\); received: \S+trainer_state\.json: step None$"),
+], ids=["a moment missing", "a moment of another shape", "no moments", "no step"])
+def test_a_legacy_checkpoint_that_does_not_fit_changes_nothing(tmp_path, change, message):
+    """A legacy checkpoint (Hugging Face weights, optimizer.safetensors) is checked whole before
+    the model or the optimizer changes, as a Zarr one is; the error names what is wrong."""
+    import numpy as np
+
+    import tilegraph as tg
+
+    source, source_opt, _ = _legacy_trainer(seed=1)
+    _write_legacy(tmp_path / "legacy", source, source_opt, change)
+    model, opt, trainer = _legacy_trainer(seed=0)
+    before, moments = model.state_dict(), _moments(opt)
+    with pytest.raises(tg.TileError) as error:
+        trainer.load_checkpoint(tmp_path / "legacy")
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert opt.step_count == 0 and all(np.array_equal(a, b) for a, b in zip(_moments(opt), moments))
+    assert re.search(message, str(error.value)), error.value
+
+
+def test_a_legacy_checkpoint_without_its_optimizer_file_changes_nothing(tmp_path):
+    import numpy as np
+
+    import tilegraph as tg
+
+    source, source_opt, _ = _legacy_trainer(seed=1)
+    _write_legacy(tmp_path / "legacy", source, source_opt)
+    (tmp_path / "legacy" / "optimizer.safetensors").unlink()
+    model, opt, trainer = _legacy_trainer(seed=0)
+    before = model.state_dict()
+    with pytest.raises(tg.TileError) as error:
+        trainer.load_checkpoint(tmp_path / "legacy")
+    assert all(np.array_equal(v, before[k]) for k, v in model.state_dict().items())
+    assert re.search(r"optimizer\.safetensors\)\] cannot read the file; received: .*No such file", str(error.value))

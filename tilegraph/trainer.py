@@ -663,20 +663,26 @@ class Trainer:
                 hook(self, path)
         self._hooked = len(done)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> int:
+    def load_checkpoint(self, path) -> int:
         """Restore weights, optimizer state and step from a checkpoint folder (a Zarr checkpoint,
         on the model's own tiling and the runtime's workers, or a folder of the earlier
-        HF-and-safetensors format); the next :meth:`fit` continues with the next step's batch.
-        Returns the step. A Zarr checkpoint that does not fit (another optimizer, parameters of
-        other names or shapes) raises before the model or the optimizer changes."""
-        from tilegraph.io.zarr import load_checkpoint
+        HF-and-safetensors format), or from a Zarr checkpoint already opened
+        (:func:`tilegraph.io.load_checkpoint`: its attributes are not read again); the next
+        :meth:`fit` continues with the next step's batch. Returns the step. A checkpoint that
+        does not fit (another optimizer, parameters of other names or shapes) raises before the
+        model or the optimizer changes."""
+        from tilegraph.io.zarr import Checkpoint, load_checkpoint
 
-        path = Path(path)
-        if (path / "trainer_state.json").is_file():
-            return self._load_legacy_checkpoint(path)
-        ck = load_checkpoint(path, runtime=self.runtime)
-        ck.restore(self.model, self.optimizer)  # all checked and read first: a failure changes nothing
-        self._last_checkpoint = path
+        if isinstance(path, Checkpoint):
+            ck = path
+        else:
+            path = Path(path)
+            if (path / "trainer_state.json").is_file():
+                return self._load_legacy_checkpoint(path)
+            ck = load_checkpoint(path, runtime=self.runtime)
+        with self._current():  # an opened checkpoint without a runtime of its own reads on the trainer's
+            ck.restore(self.model, self.optimizer)  # all checked and read first: a failure changes nothing
+        self._last_checkpoint = ck.path
         run = ck.trainer_state.get("run_id")
         if isinstance(run, str) and run != self.run_id:  # resuming: the run's earlier records, for the plot
             self.run_id = run
@@ -702,28 +708,63 @@ class Trainer:
         self._stop = True
 
     def _load_legacy_checkpoint(self, path: Path) -> int:
-        """A checkpoint of tilegraph's first format: HF weights, optimizer.safetensors and
-        trainer_state.json."""
+        """A checkpoint of tilegraph's first format: HF weights (or ``model.safetensors``),
+        ``optimizer.safetensors`` and ``trainer_state.json``. As for a Zarr checkpoint, a
+        checkpoint that does not fit changes nothing: the optimizer's state is read and checked
+        first, then the weights are checked and set (both loaders check every weight before they
+        set one), and only then the optimizer's state, which can no longer fail."""
         from tilegraph.io.safetensors import load_file
 
         where = "tilegraph.Trainer.load_checkpoint"
-        state = json.loads((path / "trainer_state.json").read_text())
+        state = _legacy_trainer_state(path, where)
         names = self._param_names()
         if state.get("parameters") != [names[id(p)] for p in self.optimizer.params]:
             raise TileError(where, "the checkpoint's parameters to match the optimizer's",
                             f"{len(state.get('parameters', []))} parameters named differently")
+        moments = self._legacy_optimizer_state(path / "optimizer.safetensors", names, where)
         if hasattr(self.model, "to_hf"):
             from tilegraph.io.hf import load_hf_weights
 
             load_hf_weights(self.model, path)
         else:
             self.model.load_state_dict(load_file(path / "model.safetensors"))
-        opt = load_file(path / "optimizer.safetensors")
-        arrays = [{k: opt[f"{names[id(p)]}.{k}"] for k in self.optimizer.state_names if f"{names[id(p)]}.{k}" in opt}
-                  for p in self.optimizer.params]
-        self.optimizer.load_state(arrays, int(state["step"]))
+        self.optimizer.load_state(moments, state["step"])
         self._last_checkpoint = path
-        return int(state["step"])
+        return state["step"]
+
+    def _legacy_optimizer_state(self, file: Path, names: dict[int, str], where: str) -> list[dict]:
+        """The state arrays of every optimizer parameter in a legacy ``optimizer.safetensors``
+        (``PARAM.exp_avg``, ...), for :meth:`Optimizer.load_state`: each present, of its
+        parameter's shape (every problem named at once). Reads; sets nothing."""
+        from tilegraph.io.safetensors import load_file
+
+        stored = load_file(file)
+        arrays, problems = [], []
+        for p in self.optimizer.params:
+            keys = {k: f"{names[id(p)]}.{k}" for k in self.optimizer.state_names}
+            problems += [f"missing: {key}" for key in keys.values() if key not in stored]
+            problems += [f"shape of {key}: {tuple(stored[key].shape)}, expected {tuple(p.shape)}"
+                         for key in keys.values() if key in stored and tuple(stored[key].shape) != tuple(p.shape)]
+            arrays.append({k: stored[key] for k, key in keys.items() if key in stored})
+        if problems:
+            raise TileError(where, f"optimizer state for every parameter in {file}", "; ".join(problems[:8]))
+        return arrays
+
+
+def _legacy_trainer_state(path: Path, where: str) -> dict:
+    """The ``trainer_state.json`` of a legacy checkpoint folder ``path``, with its step."""
+    file = path / "trainer_state.json"
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TileError(where, "a readable trainer_state.json (JSON) in the checkpoint", f"{file}: {e}") from None
+    if not isinstance(state, dict):
+        raise TileError(where, "a trainer_state.json holding a JSON object", f"{file}: {_short_repr(state)}")
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise TileError(where, "a trainer_state.json naming the checkpoint's step (an integer >= 0)",
+                        f"{file}: step {_short_repr(step)}")
+    return state
 
 
 def _is_token_data(data) -> bool:

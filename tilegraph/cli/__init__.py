@@ -82,8 +82,8 @@ def _run(argv) -> int:
                          "folder (RUN for RUN/checkpoints/step-N)")
     tr.add_argument("--resume", default=None,
                     help="a checkpoint folder to continue from: its weights, optimizer state, LR schedule (with its "
-                         "total step budget), data position and [peft] adapters; the run goes on in the "
-                         "checkpoint's run folder (see --out) up to its step budget (see --steps); its later "
+                         "total step budget), data position, [peft] adapters and gradient sketch; the run goes on in "
+                         "the checkpoint's run folder (see --out) up to its step budget (see --steps); its later "
                          "checkpoints, which this run abandons, move to checkpoints/abandoned-DATE-TIME/")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.add_argument("--mpi", action="store_true",

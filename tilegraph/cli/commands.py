@@ -62,6 +62,23 @@ def stopped_text(tokenizer, new_ids, stops) -> tuple[str, int]:
     return tokenizer.decode(new_ids), len(new_ids)
 
 
+def check_vocabulary(model, tokenizer, folder: Path, where: str, decodes: bool) -> None:
+    """The tokenizer fits the model of ``folder``: none of its ids past the model's vocab_size
+    (the embedding has no row for them), and, where the model's output is decoded (``decodes``:
+    generate), none of the model's ids past the tokenizer's (the model may emit one, which the
+    tokenizer cannot turn into text)."""
+    from tilegraph._errors import TileError
+
+    have, want = tokenizer.vocab_size, model.config.vocab_size
+    received = f"{tokenizer!r} with {have} ids, {folder} with vocab_size {want}"
+    if have > want:
+        raise TileError(where, f"a tokenizer whose ids fit the model's vocab_size={want} (--tokenizer: the one "
+                        "the model was trained with)", received)
+    if decodes and have < want:
+        raise TileError(where, f"a tokenizer that decodes every id of the model's vocab_size={want} (the model "
+                        "may generate any of them; --tokenizer: the one the model was trained with)", received)
+
+
 #: generate()'s options that shape sampling -> the flags that set them
 SAMPLING_FLAGS = {"top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature"}
 _FINITE_POSITIVE = number_check(strict=True, finite=True)
@@ -112,6 +129,7 @@ def cmd_generate(args) -> int:
     prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
     if prompt.size == 0:
         raise tg.TileError("tilegraph generate", "a non-empty prompt", repr(args.prompt))
+    check_vocabulary(model, tokenizer, folder, "tilegraph generate", decodes=True)
     n = args.max_new_tokens
     if n is None:
         n = min(64, model.config.max_seq_len - prompt.size)
@@ -153,9 +171,7 @@ def cmd_eval(args) -> int:
     model = load_model(folder, where)
     tokenizer = load_tokenizer(folder, args.tokenizer, where)
     cfg = model.config
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise TileError(where, f"a tokenizer whose ids fit the model's vocab_size={cfg.vocab_size}",
-                        f"{tokenizer!r} with {tokenizer.vocab_size} ids")
+    check_vocabulary(model, tokenizer, folder, where, decodes=False)
     job, _ = load_config(None)
     d = job["data"]
     seq_len = args.seq_len if args.seq_len is not None else min(int(d["seq_len"]), cfg.max_seq_len)

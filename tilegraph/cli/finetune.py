@@ -8,13 +8,21 @@ from pathlib import Path
 
 import numpy as np
 
-from tilegraph.cli.config import JOB_MODEL_KEYS, PEFT_METHODS
+from tilegraph.cli.config import CONFIG_CHECKS, JOB_MODEL_KEYS, PEFT_METHODS
 
 
 # ----------------------------------------------------------------------------- fine-tuning ----
 #: written into every checkpoint of a run started from ``[model] init`` or with adapters: how to
 #: rebuild its model (the base, the adapters), for --resume, generate, eval and convert
 PEFT_FILE = "tilegraph_peft.json"
+
+#: written into every checkpoint of tilegraph train: how the run computed its weight gradients
+#: ([peft] grad_sketch), which --resume keeps; the model itself does not depend on it, so
+#: generate, eval and convert never read it
+SKETCH_FILE = "tilegraph_sketch.json"
+
+#: the [peft] keys of the weight-gradient sketch (tilegraph.sketch.apply_grad_sketch)
+SKETCH_KEYS = ("grad_sketch", "sketch_ratio", "sketch_targets")
 
 
 def given_model_keys(cfg: dict, given: dict[str, str]) -> dict:
@@ -50,6 +58,38 @@ def read_peft_record(folder: Path, where: str) -> dict | None:
         raise TileError(where, f"a {PEFT_FILE} naming a method ({', '.join(PEFT_METHODS)}) and its settings",
                         f"{f}: {record!r}")
     return record
+
+
+def sketch_settings(p: dict) -> dict:
+    """The settings that fix a run's weight gradients: grad_sketch and, for a sketch, its ratio
+    and targets (what :data:`SKETCH_FILE` holds)."""
+    return {k: p[k] for k in SKETCH_KEYS} if p["grad_sketch"] != "none" else {"grad_sketch": "none"}
+
+
+def read_sketch_record(folder: Path, where: str) -> dict | None:
+    """The record :data:`SKETCH_FILE` of a checkpoint (None when it has none: written before
+    tilegraph recorded it), each value checked as the config's [peft] keys are."""
+    from tilegraph._errors import TileError
+
+    f = folder / SKETCH_FILE
+    if not f.is_file():
+        return None
+    try:
+        record = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TileError(where, f"a readable {SKETCH_FILE} in the checkpoint", f"{f}: {e}") from None
+    if not _is_sketch_record(record):
+        raise TileError(where, f"a {SKETCH_FILE} holding grad_sketch and, for a sketch, sketch_ratio and "
+                        "sketch_targets, as [peft] takes them", f"{f}: {record!r}")
+    return record
+
+
+def _is_sketch_record(record) -> bool:
+    """Whether ``record`` is what :func:`sketch_settings` makes of valid [peft] settings."""
+    if not isinstance(record, dict) or "grad_sketch" not in record:
+        return False
+    keys = SKETCH_KEYS if record["grad_sketch"] != "none" else ("grad_sketch",)
+    return set(record) == set(keys) and all(CONFIG_CHECKS[f"peft.{k}"][0](record[k]) for k in keys)
 
 
 def init_model(init: str, method: str):
@@ -137,16 +177,14 @@ def add_grad_sketch(model, p: dict, seed: int):
     return model
 
 
-def resume_settings(resume: str, p: dict, init: str) -> str:
-    """The init of a resumed run (the job's, else the one its checkpoint records), after checking
-    that the job asks for the adapters the checkpoint holds."""
+def resume_settings(resume: str, record: dict | None, p: dict, init: str) -> str:
+    """The init of a resumed run (the job's, else the one its checkpoint ``resume`` records in
+    ``record``, its :data:`PEFT_FILE`), after checking that the job asks for the adapters the
+    checkpoint holds."""
     from tilegraph._errors import TileError
 
     where = "tilegraph train --resume"
     folder = Path(resume)
-    if not folder.is_dir():
-        return init  # check_output names the missing checkpoint
-    record = read_peft_record(folder, where)
     job = adapter_settings(p)
     if record is None:
         if job["method"] != "none":
@@ -171,24 +209,20 @@ def resume_settings(resume: str, p: dict, init: str) -> str:
     return init or base
 
 
-def resume_model(resume: str, method: str):
-    """The model to resume the run of checkpoint ``resume`` on, from that checkpoint alone when it
-    holds the base weights (``base_in_checkpoint``; on a quantized base, its Linear weights stay
-    quantized, as the run ran), and whether they are quantized; None when the model comes from
-    ``init`` as for a new run (no record of a base, or a checkpoint written before quantized bases
-    were stored in them: its base is where the record says)."""
-    from tilegraph.io.zarr import load_checkpoint
-
+def resume_model(ck, record: dict | None, method: str):
+    """The model to resume the run of checkpoint ``ck`` (opened: :class:`tilegraph.io.zarr.Checkpoint`;
+    ``record``: its :data:`PEFT_FILE`) on, from that checkpoint alone when it holds the base
+    weights (``base_in_checkpoint``; on a quantized base, its Linear weights stay quantized, as the
+    run ran), and whether they are quantized; None when the model comes from ``init`` as for a new
+    run (no record of a base, or a checkpoint written before quantized bases were stored in them:
+    its base is where the record says)."""
     where = "tilegraph train --resume"
-    folder = Path(resume)
-    record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
     if record is None or not record.get("init") or not record.get("base_in_checkpoint", True):
         return None
-    ck = load_checkpoint(folder)
     if method != "none" and any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
         from tilegraph import peft
 
-        return peft.from_quantized(folder, runtime=None), True  # the adapters' own arrays are left out here
+        return peft.from_quantized(ck.path, runtime=None), True  # the adapters' own arrays are left out here
     model = _unloaded_model(ck, where)
     ck.load_into(model, strict=False)  # its adapters, if any, come back once they are added
     return model, False

@@ -11,11 +11,13 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tilegraph._errors import TileError
 from tilegraph.cli.config import check_config
-from tilegraph.cli.finetune import adapter_settings, read_peft_record
+from tilegraph.cli.finetune import (SKETCH_FILE, SKETCH_KEYS, _describe, adapter_settings, read_peft_record,
+                                    read_sketch_record, sketch_settings)
 
 
 # ---------------------------------------------------------------------------- the folder ----
@@ -70,11 +72,9 @@ def take_output(out: Path, where: str):
         raise write_failure(where, e, out, "the output folder", "nothing was written") from None
 
 
-def check_output(out: Path, resume: str | None, steps: int) -> int | None:
+def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
     returns the step of the ``resume`` checkpoint (None without one)."""
-    from tilegraph.io.zarr import load_checkpoint
-
     ckdir = out / "checkpoints"
     found = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) if ckdir.is_dir() else []
     if resume is None:
@@ -89,14 +89,14 @@ def check_output(out: Path, resume: str | None, steps: int) -> int | None:
                             "metrics.jsonl of one that wrote no checkpoint, so nothing there can be resumed: pass "
                             f"another --out, or delete {out} (or its metrics.jsonl) to start over in it", str(out))
         return None
-    step = load_checkpoint(resume).step
-    if in_folder(resume, ckdir):
+    step = resume.checkpoint.step
+    if in_folder(resume.path, ckdir):
         return step  # the run's own later checkpoints: set aside when it starts (keep_branch_point)
     clash = [n for n in found if n.split("-", 1)[1].isdigit() and step < int(n.split("-", 1)[1]) <= step + steps]
     if clash:
         raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
                         f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
-                        f"--resume {resume} --steps {steps}")
+                        f"--resume {resume.path} --steps {steps}")
     return step
 
 
@@ -149,27 +149,67 @@ def output_folder(out: str | None, configured: str, given: dict[str, str], resum
 SCHEDULE_KEYS = {"lr": "base_lr", "warmup": "warmup", "min_lr": "min_lr"}
 
 
-def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> int:
-    """Check a ``--resume`` job against its checkpoint and complete it from there (the [peft]
-    adapters the job leaves out); returns the steps to run (:func:`steps_to_run`)."""
+@dataclass
+class Resume:
+    """The checkpoint a ``--resume`` job continues from, read once (its attributes and records)
+    and handed to every step of the job that needs them."""
+    path: str  # as given (the messages name it so)
+    checkpoint: object  # the opened tilegraph.io.zarr.Checkpoint (its attributes read)
+    peft: dict | None  # its PEFT_FILE: the adapters and the base (None: none)
+    sketch: dict | None  # its SKETCH_FILE: the weight-gradient sketch (None: written before it was recorded)
+
+
+def open_resume(resume: str) -> Resume:
+    """The checkpoint of ``--resume``, its attributes and records read (a path that is not a
+    complete checkpoint is named)."""
     from tilegraph.io.zarr import load_checkpoint
 
+    where = "tilegraph train --resume"
+    ck = load_checkpoint(resume)
+    return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where))
+
+
+def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> tuple[Resume, int]:
+    """Check a ``--resume`` job against its checkpoint and complete it from there (the [peft]
+    adapters the job leaves out, the gradient sketch); returns the checkpoint, read once
+    (:func:`open_resume`), and the steps to run (:func:`steps_to_run`)."""
     init_from = given.get("model.init", "")
     if on_command_line(init_from) and cfg["model"].get("init"):
         raise TileError("tilegraph train", "--init or --resume, not both: --init starts a new run from a "
                         "checkpoint's weights, --resume continues the run that wrote it (with the weights it "
                         "started from)", f"{init_from} --resume {resume}")
-    ck = load_checkpoint(resume)
-    record = read_peft_record(Path(resume), "tilegraph train --resume")
+    opened = open_resume(resume)
+    ck, record = opened.checkpoint, opened.peft
     if record is not None:  # its adapters, unless the job gives them (resume_settings checks they agree)
         cfg["peft"].update({k: v for k, v in adapter_settings(record).items() if f"peft.{k}" not in given})
         if "dropout" in record and "peft.dropout" not in given:  # recorded since LoRA runs resume without [peft]
             cfg["peft"]["dropout"] = record["dropout"]
         check_config(cfg, source)
+    keep_sketch(opened, cfg["peft"], given)
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
-    return steps_to_run(resume, ck.step, spec, cfg["train"], given)
+    return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
+
+
+def keep_sketch(resume: Resume, p: dict, given: dict[str, str]) -> None:
+    """A resumed run computes its weight gradients as the run it continues did: the sketch its
+    checkpoint records (exact ones too) replaces [peft]'s; other values given are refused or named
+    (:func:`refuse_or_warn`). A checkpoint written before tilegraph recorded it leaves [peft] as
+    the job gives it."""
+    stored = resume.sketch
+    if stored is None:
+        return
+    other = []
+    if sketch_settings(p) != stored:  # keys that make no difference (a ratio without a sketch) are not named
+        other = [(given[f"peft.{k}"], f"{k} = {p[k]!r}") for k in SKETCH_KEYS
+                 if f"peft.{k}" in given and p[k] != stored.get(k)]
+    kept = _describe(stored)
+    refuse_or_warn(other, f"the weight gradients of the run it continues ({kept}, from its checkpoint's "
+                   f"{SKETCH_FILE}): leave them out, or start a new run from the checkpoint's weights "
+                   f"(--init {resume.path} and another --out)",
+                   f"the resumed run computes its weight gradients as its checkpoint's run did ({kept})")
+    p.update(stored)
 
 
 def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) -> None:

@@ -15,8 +15,9 @@ from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
-from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, check_init_fits, given_model_keys,
-                                    init_model, peft_record, resume_model, resume_settings)
+from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
+                                    given_model_keys, init_model, peft_record, resume_model, resume_settings,
+                                    sketch_settings)
 from tilegraph.cli.runs import (check_output, diverged, given_settings, keep_branch_point, latest_checkpoint,
                                 output_folder, plan_resume, resume_command, take_output)
 
@@ -83,15 +84,16 @@ def _train(args, job: Job) -> int:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
         rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
-    steps = plan_resume(args.resume, cfg, given, source) if args.resume else int(t["steps"])
+    # the checkpoint to resume from, read once here and handed on
+    resume, steps = plan_resume(args.resume, cfg, given, source) if args.resume else (None, int(t["steps"]))
     out, out_named_by = output_folder(args.out, o["dir"], given, args.resume)
     tokenizer = make_tokenizer(d["tokenizer"])
     # bad model and adapter settings fail before any work
     p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
-    if args.resume:  # the adapters of the checkpoint; its base when the job names none
-        init = resume_settings(args.resume, p, init)
+    if resume:  # the adapters of the checkpoint; its base when the job names none
+        init = resume_settings(resume.path, resume.peft, p, init)
     # resumed: the base as the run's checkpoint holds it (quantized, if it ran so), else from init
-    resumed = resume_model(args.resume, p["method"]) if args.resume and init else None
+    resumed = resume_model(resume.checkpoint, resume.peft, p["method"]) if resume and init else None
     if init:
         model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"])
@@ -100,11 +102,12 @@ def _train(args, job: Job) -> int:
     add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
     model.recompute = bool(cfg["model"].get("recompute", False))  # each block's activations recomputed in the backward
     files = tokenizer_files(tokenizer)
+    files[SKETCH_FILE] = json.dumps(sketch_settings(p)).encode()  # exact gradients too: --resume keeps them
     if init or p["method"] != "none":
         files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
     job.release.append(take_output(out, out_named_by))  # then the output folder: ours alone, no earlier run in it
     job.out = out  # where a Ctrl-C's message looks for the last checkpoint
-    check_output(out, args.resume, steps)
+    check_output(out, resume, steps)
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
         model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
@@ -141,8 +144,8 @@ def _train(args, job: Job) -> int:
                              checkpoint_files=files, progress=not args.no_progress,
                              tensorboard=o.get("tensorboard", False), parallel=r["parallel"],
                              restart_on_failure=t["restart_on_failure"], step_timeout=t["step_timeout"] or None)
-        if args.resume:
-            start = trainer.load_checkpoint(args.resume)
+        if resume:
+            start = trainer.load_checkpoint(resume.checkpoint)
             print(f"resumed from {args.resume} at step {start}, to step {start + steps}", flush=True)
             keep_branch_point(trainer.checkpoints, args.resume, start)
 
