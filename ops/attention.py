@@ -168,6 +168,13 @@ def _spans(plan, rows: int, itemsize: int) -> list[list]:
 _GPU_SCORE_BYTES = 256 * 2**20
 
 
+def _sum_groups(x, b: int, g: int, groups: int):
+    """(b * g * groups, sk, D) per query head as (b, g, sk, D): summed over the ``groups`` query
+    heads that share each kv head."""
+    x = x.reshape(b, g * groups, *x.shape[1:])
+    return x.reshape(b, g, groups, *x.shape[2:]).sum(axis=2) if groups > 1 else x
+
+
 def _score_chunks(n: int, rows: int, cols: int, itemsize: int) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges of ``n`` heads whose (rows x cols) score blocks take at most _GPU_SCORE_BYTES."""
     per = max(1, _GPU_SCORE_BYTES // max(1, rows * cols * itemsize))
@@ -197,6 +204,16 @@ def _cat_keys(xp, tiles):
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=2)
 
 
+def _whole_keys(xp, kv, n_k: int, n_h: int, heads: tuple, q_off: int, tq: int, k_offs: tuple, causal: bool):
+    """A query tile's keys and values, all key tiles side by side, as (b * h, S, D) for the
+    query heads ``heads``, and the causal mask of its ``tq`` queries (None: none or nothing masked)."""
+    ks, vs = _split_kv(kv, n_k, n_h)
+    k = _flat(_pick_heads(_cat_keys(xp, ks), heads))
+    v = _flat(_pick_heads(_cat_keys(xp, vs), heads))
+    later = _later(xp, (q_off,), (tq,), k_offs, [t[0].shape[2] for t in ks], False) if causal else None
+    return k, v, later
+
+
 def _lse_for_exp(xp, lse):
     """``lse`` with -inf (a row that saw no key) as +inf, so that ``exp(s - lse)`` is 0 there."""
     return xp.where(xp.isneginf(lse), lse.dtype.type(np.inf), lse)
@@ -206,10 +223,7 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """_sdpa_fwd in a few launches: all scores of a head chunk, one softmax, one product with v."""
     xp = xp_of(q)
     b, h, tq, d = q.shape
-    ks, vs = _split_kv(kv, n_k, n_h)
-    k = _flat(_pick_heads(_cat_keys(xp, ks), heads))          # (n, S, D), n = b * h
-    v = _flat(_pick_heads(_cat_keys(xp, vs), heads))
-    later = _later(xp, (q_off,), (tq,), k_offs, [t[0].shape[2] for t in ks], False) if causal else None
+    k, v, later = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf = _flat(q)
     sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
     out = xp.empty(qf.shape, dtype=q.dtype)
@@ -234,10 +248,7 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
     """_sdpa_dq in a few launches per head chunk."""
     xp = xp_of(q)
     b, h, tq, d = q.shape
-    ks, vs = _split_kv(kv, n_k, n_h)
-    k = _flat(_pick_heads(_cat_keys(xp, ks), heads))
-    v = _flat(_pick_heads(_cat_keys(xp, vs), heads))
-    later = _later(xp, (q_off,), (tq,), k_offs, [t[0].shape[2] for t in ks], False) if causal else None
+    k, v, later = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf, dof, delta = _flat(q), _flat(do), _flat(delta)
     lse = _lse_for_exp(xp, _flat(lse))
     sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
@@ -286,11 +297,7 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
         dst *= pt
         xp.matmul(dst, q[g0:g1], out=dk[g0:g1])
     dk *= sc
-    dk, dv = dk.reshape(b, g * groups, sk, d), dv.reshape(b, g * groups, sk, d)
-    if groups > 1:
-        dk = dk.reshape(b, g, groups, sk, d).sum(axis=2)
-        dv = dv.reshape(b, g, groups, sk, d).sum(axis=2)
-    return dk, dv
+    return _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)
 
 
 # ---------------------------------------------------------------------------------- kernels ----
@@ -447,11 +454,7 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
                 dst *= pt
                 dk_b += dst @ q_r
     dk *= sc
-    dk, dv = dk.reshape(b, g * groups, sk, d), dv.reshape(b, g * groups, sk, d)
-    if groups > 1:
-        dk = dk.reshape(b, g, groups, sk, d).sum(axis=2)
-        dv = dv.reshape(b, g, groups, sk, d).sum(axis=2)
-    return dk, dv
+    return _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)
 
 
 # ------------------------------------------------------------------------------ tile mapping ----

@@ -42,17 +42,30 @@ def _describe(settings: dict) -> str:
     return ", ".join(f"{k} = {v!r}" for k, v in settings.items())
 
 
+#: what _read_record returns for a checkpoint without the record (a file of JSON null is not that)
+_NO_RECORD = object()
+
+
+def _read_record(f: Path, where: str):
+    """The JSON of a checkpoint's record file ``f`` (:data:`_NO_RECORD` when there is none)."""
+    from tilegraph._errors import TileError
+
+    if not f.is_file():
+        return _NO_RECORD
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TileError(where, f"a readable {f.name} in the checkpoint", f"{f}: {e}") from None
+
+
 def read_peft_record(folder: Path, where: str) -> dict | None:
     """The record :data:`PEFT_FILE` of a checkpoint (None when it has none)."""
     from tilegraph._errors import TileError
 
     f = folder / PEFT_FILE
-    if not f.is_file():
+    record = _read_record(f, where)
+    if record is _NO_RECORD:
         return None
-    try:
-        record = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise TileError(where, f"a readable {PEFT_FILE} in the checkpoint", f"{f}: {e}") from None
     if not isinstance(record, dict) or record.get("method") not in PEFT_METHODS \
             or any(k not in record for k in PEFT_METHODS[record["method"]]):
         raise TileError(where, f"a {PEFT_FILE} naming a method ({', '.join(PEFT_METHODS)}) and its settings",
@@ -72,12 +85,9 @@ def read_sketch_record(folder: Path, where: str) -> dict | None:
     from tilegraph._errors import TileError
 
     f = folder / SKETCH_FILE
-    if not f.is_file():
+    record = _read_record(f, where)
+    if record is _NO_RECORD:
         return None
-    try:
-        record = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise TileError(where, f"a readable {SKETCH_FILE} in the checkpoint", f"{f}: {e}") from None
     if not _is_sketch_record(record):
         raise TileError(where, f"a {SKETCH_FILE} holding grad_sketch and, for a sketch, sketch_ratio and "
                         "sketch_targets, as [peft] takes them", f"{f}: {record!r}")
