@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tilegraph._autograd import Op
+from tilegraph._autograd import Op, grad_enabled
 from tilegraph._errors import TileError
 from tilegraph._graph import emit1
 from tilegraph._tensor import TileTensor, Tiling
@@ -290,7 +290,10 @@ def requires_grad(t: TileTensor) -> bool:
     """Whether a gradient may flow into ``t``: a Parameter's own ``requires_grad``; for a leaf
     that is not a Parameter, True when it is floating (``tilegraph.grad`` may ask for it); for a
     computed tensor, whether any of its op's inputs requires one. Used to pick the variant: a
-    wrong guess only costs speed, never correctness (every gradient stays available)."""
+    wrong guess only costs speed, never correctness (every gradient stays available). Inside
+    :func:`tilegraph.no_grad`, nothing does."""
+    if not grad_enabled():
+        return False
     order, stack = [], [t]
     while stack:  # inputs before outputs, stopping at tensors already known
         s = stack.pop()

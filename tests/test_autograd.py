@@ -62,3 +62,26 @@ def test_unused_input_is_reported(rng):
         tg.grad((x * x).sum(), [x, y])
     gx, gy = tg.grad((x * x).sum(), [x, y], allow_unused=True)
     assert gy is None
+
+
+def test_no_grad_records_no_history_and_changes_no_value(rng):
+    import threading
+
+    x = tg.from_numpy(rng.standard_normal((4, 6)), (2, 3))
+    want = tg.compute(tg.gelu(x @ tg.transpose(x, 0, 1)).sum())[0]
+    with tg.no_grad():
+        y = tg.gelu(x @ tg.transpose(x, 0, 1)).sum()
+        with tg.no_grad():  # nested: still off after the inner block
+            pass
+        z = (x * 2.0).sum()
+        other = []  # another thread records as usual
+        th = threading.Thread(target=lambda: other.append((x * x).sum()))
+        th.start()
+        th.join()
+    assert y._record is None and z._record is None and other[0]._record is not None
+    np.testing.assert_array_equal(tg.compute(y)[0], want)
+    with pytest.raises(tg.TileError, match=r"inputs\[0\] does not affect the loss"):
+        tg.grad(y, [x])
+    assert (x * x).sum()._record is not None  # on again after the block
+    (g,) = tg.grad(other[0], [x])
+    np.testing.assert_allclose(g.numpy(), 2 * x.numpy())

@@ -435,3 +435,33 @@ def test_generation_on_the_embedded_cluster_keeps_the_cache_on_the_workers(hf_mo
         assert all(v.index is None for v in final)
     # and back on the client afterwards
     assert all(isinstance(c.value, np.ndarray) for c in cells)
+
+
+def test_decoding_records_no_history_and_leaves_the_garbage_collector_as_it_found_it(monkeypatch):
+    import gc
+
+    import tilegraph._autograd as autograd
+    from tilegraph import models
+
+    model = models.build("gpt2-debug", seed=0)
+    records = []
+
+    class Counted(autograd.Record):
+        def __init__(self, *args):
+            records.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(autograd, "Record", Counted)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            with models.Decoder(model) as dec:
+                dec.feed(np.array([[1, 2, 3]]))
+                dec.feed(np.array([[4]]))
+            assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert not records  # inference: no autograd history
+    model(np.array([[1, 2, 3]]))
+    assert records  # (which a forward outside decoding records)

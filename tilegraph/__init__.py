@@ -8,7 +8,7 @@ array(30.)
 
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor, Tiling, from_dask_array, from_numpy
-from tilegraph._autograd import Op, grad
+from tilegraph._autograd import Op, grad, no_grad
 from tilegraph.recompute import checkpoint
 from tilegraph._lower import compile, compute, config
 from tilegraph.runtime import Runtime, connect, current_runtime
@@ -31,6 +31,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tilegraph' has no attribute {name!r}")
 
 
-__all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "checkpoint", "compile",
+__all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "no_grad", "checkpoint", "compile",
            "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult",
            "WorkerLostError", "StepTimeoutError", *_ops_all]

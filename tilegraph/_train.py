@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tilegraph._autograd import grad
+from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, to_host
@@ -715,7 +715,8 @@ class EvalStep:
             inputs, losses = [], []
             for _ in range(n):
                 ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
-                loss = self.loss_fn(self.model, *tensors)
+                with no_grad():  # no backward: nothing for autograd to keep
+                    loss = self.loss_fn(self.model, *tensors)
                 _check_loss(loss, "tilegraph.EvalStep")
                 inputs.append(ins)
                 losses.append(loss.grid.flat[0])
