@@ -171,3 +171,13 @@ def test_build_takes_recompute():
 
     assert models.build("gpt2-debug", recompute=True).recompute is True
     assert models.build("llama-debug").recompute is False
+
+
+def test_a_checkpointed_block_inside_no_grad_runs_as_it_is():
+    # inference (tg.no_grad: evaluation, generation) of a model with recompute on: no history to
+    # keep, and nothing to recompute (it failed on the history it expected)
+    block = tg.nn.MLP(4, 8, seed=0, dtype=np.float64)
+    x = tg.from_numpy(np.ones((2, 4)))
+    with tg.no_grad():
+        y = tg.checkpoint(block, x)
+    np.testing.assert_array_equal(y.numpy(), block(x).numpy())

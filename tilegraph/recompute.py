@@ -98,6 +98,8 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any) -> TileTensor:
     where = "tilegraph.checkpoint"
     if not callable(fn):
         raise TileError(where, "fn must be callable (a module, or a function of TileTensors)", type(fn).__name__)
+    if not _autograd.grad_enabled():  # no backward to recompute for (tilegraph.no_grad: inference)
+        return fn(*args)
     out, made = _record(fn, args, where)
     inside = {id(t) for t in made}
     if id(out) not in inside:  # fn handed on a tensor it was given: nothing of its own to recompute
