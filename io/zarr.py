@@ -656,8 +656,19 @@ class Checkpoint:
         return self._model
 
     def _build_model(self):
-        from tilegraph.models import ARCHITECTURES, ModelTiling
         from tilegraph.nn import deferred_init
+
+        with deferred_init():
+            model = self.new_model()
+        self.load_into(model)
+        return model
+
+    def new_model(self, seed=0):
+        """A model of the stored architecture, config and tiling (``tiling`` of
+        :func:`load_checkpoint` instead, when given), its weights freshly initialised from
+        ``seed``: for :meth:`restore` to fill (``tilegraph train --resume``); :attr:`model` holds
+        the stored weights."""
+        from tilegraph.models import ARCHITECTURES, ModelTiling
 
         m = self.info.get("model") or {}
         arch = m.get("architecture")
@@ -673,11 +684,9 @@ class Checkpoint:
         tiling = self._tiling
         if tiling is None and m.get("tiling") is not None:
             tiling = ModelTiling(**m["tiling"])
-        with deferred_init():
-            model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")))
+        model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")), seed=seed)
         if m.get("hf_extra"):
             model.hf_extra = dict(m["hf_extra"])
-        self.load_into(model)
         return model
 
     # -- reading ------------------------------------------------------------------------------

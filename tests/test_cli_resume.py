@@ -499,3 +499,35 @@ def test_a_legacy_checkpoint_without_its_optimizer_file_changes_nothing(tmp_path
         trainer.load_checkpoint(tmp_path / "legacy")
     assert all(np.array_equal(v, before[k]) for k, v in model.state_dict().items())
     assert re.search(r"optimizer\.safetensors\)\] cannot read the file; received: .*No such file", str(error.value))
+
+
+def test_resuming_a_checkpoint_of_the_earlier_format_says_what_to_do(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source, source_opt, _ = _legacy_trainer(seed=1)
+    _write_legacy(tmp_path / "legacy", source, source_opt)
+    err = _main(capsys, "train", "--resume", "legacy")
+    assert "[tilegraph train --resume] a Zarr checkpoint" in err and "tilegraph.Trainer.load_checkpoint" in err
+    assert "tilegraph convert legacy NEW" in err and "received: legacy: a Hugging Face folder with trainer_state.json" in err
+
+
+def test_a_resume_takes_the_runs_architecture_from_its_checkpoint(root, capsys, monkeypatch):
+    """A run whose [model] came from the command line resumes without it (as tilegraph's own
+    'continue with tilegraph train --resume CKPT' says); a [model] key given that disagrees with
+    the checkpoint is refused in one line (it built the job's model and failed on every array)."""
+    from tilegraph.cli import main
+
+    monkeypatch.chdir(root)
+    assert main(["train", "small.toml", "--out", "arch", "--steps", "2", "--set", "model.dim=48", "--no-progress",
+                 "--set", "output.checkpoint_every=0"]) == 0
+    capsys.readouterr()
+    assert main(["train", "small.toml", "--resume", "arch/checkpoints/step-000002", "--steps", "1",
+                 "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "checkpoint: arch/checkpoints/step-000003" in out
+    # the config file's flavor (dim 32) is not the run's: named, and not used
+    assert ("tilegraph train: warning: flavor = 'gpt2-debug' has dim 32, arch/checkpoints/step-000002 dim 48 "
+            "in small.toml not used: the resumed run keeps its checkpoint's GPT2Config") in err
+    err = _main(capsys, "train", "small.toml", "--resume", "arch/checkpoints/step-000003", "--steps", "1",
+                "--set", "model.dim=32")
+    assert "[tilegraph train [model]] [model] keys that agree with --resume's GPT2Config" in err
+    assert "received: dim = 32, arch/checkpoints/step-000003 has 48" in err

@@ -120,13 +120,12 @@ def init_model(init: str, method: str):
     return load_model(folder, where), False
 
 
-def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int) -> None:
-    """The [model] keys the user gave agree with the architecture of ``model`` (loaded from
-    ``init``), and it fits the job's tokenizer and windows; every disagreement in one error."""
+def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str, str]]:
+    """``(key, what disagrees)`` for each [model] key of ``given`` (key -> value) that does not
+    agree with the architecture of ``model``, loaded from ``init``."""
     import dataclasses
 
     from tilegraph import models
-    from tilegraph._errors import TileError
 
     cfg = model.config
     have = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -134,28 +133,40 @@ def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int) -> N
     if "flavor" in given:
         flavor = models.config(given["flavor"])  # an unknown name: the flavor list
         if type(flavor) is not type(cfg):
-            problems.append(f"flavor = {given['flavor']!r} is a {type(flavor).__name__}, {init} a {type(cfg).__name__}")
-        else:  # its shape; the job's keys (vocab_size, max_seq_len) are checked against the job below
+            problems.append(("flavor", f"flavor = {given['flavor']!r} is a {type(flavor).__name__}, {init} a "
+                             f"{type(cfg).__name__}"))
+        else:  # its shape; the job's keys (vocab_size, max_seq_len) are checked against the job
             differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS and getattr(flavor, k) != have[k]]
             if differ:
                 ours = ", ".join(f"{k} {getattr(flavor, k)}" for k in differ)
-                problems.append(f"flavor = {given['flavor']!r} has {ours}, {init} "
-                                + ", ".join(f"{k} {have[k]}" for k in differ))
+                problems.append(("flavor", f"flavor = {given['flavor']!r} has {ours}, {init} "
+                                 + ", ".join(f"{k} {have[k]}" for k in differ)))
     for key, value in given.items():
         if key == "flavor" or (key == "vocab_size" and value == "tokenizer"):
             continue
         if key not in have:
-            problems.append(f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})")
+            problems.append((key, f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})"))
         elif value != have[key]:
-            problems.append(f"{key} = {value!r}, {init} has {have[key]!r}")
+            problems.append((key, f"{key} = {value!r}, {init} has {have[key]!r}"))
+    return problems
+
+
+def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int, source: str = "model.init") -> None:
+    """The [model] keys the user gave agree with the architecture of ``model`` (loaded from
+    ``init``: the ``source`` of the job's architecture, model.init or --resume), and it fits the
+    job's tokenizer and windows; every disagreement in one error."""
+    from tilegraph._errors import TileError
+
+    cfg = model.config
+    problems = [text for _, text in architecture_disagreements(model, given, init)]
     if problems:
-        raise TileError("tilegraph train [model]", f"[model] keys that agree with model.init's {type(cfg).__name__} "
-                        "(or none: the architecture comes from the init weights)", "; ".join(problems))
+        raise TileError("tilegraph train [model]", f"[model] keys that agree with {source}'s {type(cfg).__name__} "
+                        f"(or none: {source} brings the architecture)", "; ".join(problems))
     if cfg.vocab_size < tokenizer.vocab_size:
-        raise TileError("tilegraph train [model]", f"model.init's vocab_size to hold the tokenizer's "
+        raise TileError("tilegraph train [model]", f"{source}'s vocab_size to hold the tokenizer's "
                         f"{tokenizer.vocab_size} ids ([data] tokenizer)", f"{init} with vocab_size {cfg.vocab_size}")
     if cfg.max_seq_len < seq_len:
-        raise TileError("tilegraph train [model]", "model.init's max_seq_len to be at least [data] seq_len = "
+        raise TileError("tilegraph train [model]", f"{source}'s max_seq_len to be at least [data] seq_len = "
                         f"{seq_len}", f"{init} with max_seq_len {cfg.max_seq_len}")
 
 

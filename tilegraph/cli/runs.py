@@ -165,6 +165,12 @@ def open_resume(resume: str) -> Resume:
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph train --resume"
+    folder = Path(resume)
+    if (folder / "trainer_state.json").is_file() and not (folder / "zarr.json").is_file():
+        raise TileError(where, "a Zarr checkpoint: tilegraph train resumes those; a checkpoint of the earlier "
+                        f"format resumes in Python (tilegraph.Trainer.load_checkpoint), or `tilegraph convert "
+                        f"{resume} NEW` writes its weights as one to start a new run from (--init NEW)",
+                        f"{resume}: a Hugging Face folder with trainer_state.json (the earlier format)")
     ck = load_checkpoint(resume)
     return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where))
 
@@ -190,6 +196,20 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
+
+
+def keep_architecture(model, resume: Path, keys: dict, given: dict[str, str], tokenizer, seq_len: int) -> None:
+    """A resumed run keeps the architecture its checkpoint stores (``model``, built from it): [model]
+    ``keys`` given on the command line must agree with it (an error naming each that does not); a
+    config file's that do not (the run's own config, say, where --set changed the model) are named
+    in a warning and not used (:func:`refuse_or_warn`)."""
+    from tilegraph.cli.finetune import architecture_disagreements, check_init_fits
+
+    flags = {k: v for k, v in keys.items() if on_command_line(given[f"model.{k}"])}
+    check_init_fits(model, flags, str(resume), tokenizer, seq_len, "--resume")
+    files = {k: v for k, v in keys.items() if k not in flags}
+    other = [(given[f"model.{k}"], text) for k, text in architecture_disagreements(model, files, str(resume))]
+    refuse_or_warn(other, "", f"the resumed run keeps its checkpoint's {type(model.config).__name__}")
 
 
 def keep_sketch(resume: Resume, p: dict, given: dict[str, str]) -> None:

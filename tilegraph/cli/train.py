@@ -19,7 +19,7 @@ from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_gr
                                     given_model_keys, init_model, peft_record, resume_model, resume_settings,
                                     sketch_settings)
 from tilegraph.cli.runs import (check_output, diverged, given_settings, keep_branch_point, latest_checkpoint,
-                                output_folder, plan_resume, resume_command, take_output)
+                                keep_architecture, output_folder, plan_resume, resume_command, take_output)
 
 
 # -------------------------------------------------------------------------------- the job ----
@@ -97,6 +97,9 @@ def _train(args, job: Job) -> int:
     if init:
         model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"])
+    elif resume:  # the run's own architecture, as its checkpoint stores it (the weights: restored below)
+        model = resume.checkpoint.new_model(t["seed"])
+        keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"])
     else:
         model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
     add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
