@@ -13,15 +13,14 @@ from __future__ import annotations
 import warnings
 from typing import Callable
 
-__all__ = ["fused", "on_gpu"]
+import numpy as np
+
+from tilegraph._graph import xp_of
+
+__all__ = ["fused"]
 
 _KERNELS: dict[str, object] = {}
 _BROKEN: set[str] = set()
-
-
-def on_gpu(x) -> bool:
-    """Whether ``x`` is a CuPy array (a GPU worker's value; NumPy on emulated GPU workers)."""
-    return type(x).__module__.startswith("cupy")
 
 
 def fused(name: str, in_params: str, out_params: str, body: str, fallback: Callable) -> Callable:
@@ -31,13 +30,12 @@ def fused(name: str, in_params: str, out_params: str, body: str, fallback: Calla
     double and round once to ``T``."""
 
     def run(*args):
-        if name in _BROKEN or not on_gpu(args[0]) or args[0].dtype.char not in "fd":
+        xp = xp_of(args[0])  # NumPy on emulated GPU workers
+        if name in _BROKEN or xp is np or args[0].dtype.char not in "fd":
             return fallback(*args)
         k = _KERNELS.get(name)
         if k is None:
-            import cupy
-
-            k = _KERNELS[name] = cupy.ElementwiseKernel(in_params, out_params, body, f"tilegraph_{name}")
+            k = _KERNELS[name] = xp.ElementwiseKernel(in_params, out_params, body, f"tilegraph_{name}")
         try:
             return k(*args)
         except Exception as e:  # compile (or launch configuration) errors: the generic code

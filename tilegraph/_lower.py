@@ -441,6 +441,13 @@ class Executable:
                 best[cid] = (n + 1, t + seconds[cid])
         return max(best.values(), default=(0, 0.0))
 
+    def values_token(self) -> str:
+        """A token of the plan and of its leaves' values (their cells' tokens): what a call's
+        task keys are named after by default."""
+        from dask.base import tokenize
+
+        return tokenize(self.structure, [n.cell.token for n in self.leaves])
+
     def lower(self, token: str | None = None, programs: Sequence | None = None):
         """Write the Dask graph for one call.
 
@@ -449,10 +456,8 @@ class Executable:
         the task key of each cluster. ``programs`` replaces each cluster's program in its task
         (futures of programs already on the workers); default: the programs themselves.
         """
-        from dask.base import tokenize
-
         if token is None:
-            token = tokenize(self.structure, [n.cell.token for n in self.leaves])
+            token = self.values_token()
         keys = [f"tg-{p.prog.label}-{c.id}-{token}" for c, p in zip(self.clusters, self.plans)]
         layers: dict[str, dict] = {"data": {}, "dask": {}, "cpu": {}, "gpu": {}, "transfer": {}}
         at: dict[tuple[int, tuple[str, int]], dict[int, int]] = {}  # -> {index in the task: in the received}
@@ -681,12 +686,7 @@ class Executable:
         # named after the call's first task, or, in a call without tasks (every root a leaf), after
         # the leaves' values as lower() names tasks: two such calls of one structure on other values
         # must not share a key (Dask would hand the second the first one's value while it is held)
-        if call.keys:
-            call_name = call.keys[0]
-        else:
-            from dask.base import tokenize
-
-            call_name = tokenize(self.structure, [n.cell.token for n in self.leaves])
+        call_name = call.keys[0] if call.keys else self.values_token()
         fetch_of: dict[int, tuple[str, int | None]] = {}
         for n, (src, items) in enumerate(wanted.items()):
             indices = list(dict.fromkeys(index for _, index in items))

@@ -253,8 +253,7 @@ _adamw_fused = fused(
 
 
 def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
-    if type(hyper).__module__ != type(p).__module__:  # a value of the host beside CuPy parameters
-        hyper = xp_of(p).asarray(hyper, dtype=np.float64)
+    hyper = xp_of(p).asarray(hyper, dtype=np.float64)  # on the parameters' device (no copy when there)
     return _adamw_fused(p, g, m, v, hyper, np.int32(hyper.size), float(beta1), float(beta2), float(eps),
                         float(weight_decay))
 
