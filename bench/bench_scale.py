@@ -49,6 +49,7 @@ cluster of the same shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -105,6 +106,10 @@ def gpt2_workload(args, tg, workers, threads) -> Workload:
     cfg = flavor_config(args.gpt2_flavor)
     seq = gpt2_seq(args, cfg)
     tiling = pick_tiling(cfg, ns, args.batch, seq)
+    if workers > 1 and (tiling.batch or args.batch) * workers > args.batch:
+        # a share of the batch per worker process (the data and sharded plans need one), however
+        # small the tiles: the small models' rows are about those strategies' overhead
+        tiling = dataclasses.replace(tiling, batch=max(1, args.batch // workers))
 
     def loss_fn(m, ids, targets):
         return tg.cross_entropy(m(ids), targets)
@@ -315,7 +320,7 @@ def block_args(args) -> argparse.Namespace:
 def gpt2_args(args, workers, threads) -> argparse.Namespace:
     """What bench_gpt2.py's functions read (its defaults: seed 0, AdamW lr 1e-4, weight decay 0.01)."""
     return argparse.Namespace(workers=workers, threads=threads, feature_tile=None, vocab_tile=None, batch_tile=None,
-                              seq_tile=None, seed=0, lr=1e-4, weight_decay=0.01)
+                              seq_tile=None, seed=0, lr=1e-4, weight_decay=0.01, device="cpu")
 
 
 def gpt2_seq(args, cfg) -> int:

@@ -52,3 +52,22 @@ def test_bench_scale_tiny_blocks_runs():
     assert got[("2x1", "data")]["exch"] in ("gang", "tasks") and got[("1x1", "tiles")]["exch"] == "-", proc.stdout
     assert float(got[("2x1", "data")]["MB/step"]) > 0, proc.stdout
     assert float(got[("2x1", "torch-DDP")]["MB/step"]) > 0, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_scale_debug_gpt2_runs_every_strategy_on_two_workers():
+    # GPT-2's rows call bench_gpt2.py's timing functions; a model this small keeps one row tile
+    # per worker process all the same, so the data and sharded plans apply
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_scale.py"), "--models", "gpt2", "--gpt2-flavor", "debug",
+         "--batch", "4", "--seq", "16", "--steps", "1", "--warmup", "1", "--configs", "2x1",
+         "--strategies", "tiles,data,sharded"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("gpt2-debug ")]
+    # torch eager with 2 threads, then tilegraph's three strategies on 2 x 1, each the one used
+    assert [(r[1], r[3], r[4]) for r in rows] == [("1x2", "torch", "-"), ("2x1", "tiles", "tiles"),
+                                                   ("2x1", "data", "data"), ("2x1", "sharded", "sharded")], proc.stdout
