@@ -315,3 +315,21 @@ def test_default_row_tiles_one_per_cpu_thread_or_per_gpu():
     assert _default_row_tile(Rt(16, 1), 32, big) == 32  # one GPU: whole tiles, the largest kernels
     assert _default_row_tile(Rt(16, 2), 32, big) == 16  # a tile per GPU
     assert _default_row_tile(Rt(16, 0), 32, 1) == 32  # tiny rows: one tile
+
+
+@pytest.mark.parametrize("factor, drawings", [(0.0, 6), (1e9, 1)])
+def test_loss_png_is_redrawn_at_evaluations_only_when_drawing_stays_a_small_share_of_the_fit(
+        tmp_path, monkeypatch, factor, drawings):
+    # evaluations after steps 1-6: the one after the last step is left to the fit's final drawing;
+    # the others draw when PLOT_INTERVAL_FACTOR x the last drawing's seconds have passed since it
+    from tilegraph import plotting
+    import tilegraph.trainer as trainer_module
+
+    drawn = []
+    plot_training = plotting.plot_training
+    monkeypatch.setattr(plotting, "plot_training", lambda records, **kw: drawn.append(kw) or plot_training(records, **kw))
+    monkeypatch.setattr(trainer_module, "PLOT_INTERVAL_FACTOR", factor)
+    _, _, trainer = _setup(steps=6, log_dir=tmp_path / "run", eval_every=1)
+    trainer.fit(6)
+    assert len(drawn) == drawings
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
