@@ -656,19 +656,21 @@ class Checkpoint:
         return self._model
 
     def _build_model(self):
-        from tilegraph.nn import deferred_init
-
-        with deferred_init():
-            model = self.new_model()
+        model = self.new_model(values=False)
         self.load_into(model)
         return model
 
-    def new_model(self, seed=0):
+    def new_model(self, seed=0, *, values: bool = True):
         """A model of the stored architecture, config and tiling (``tiling`` of
         :func:`load_checkpoint` instead, when given), its weights freshly initialised from
-        ``seed``: for :meth:`restore` to fill (``tilegraph train --resume``); :attr:`model` holds
-        the stored weights."""
+        ``seed``; with ``values=False`` its parameters hold no values
+        (:func:`tilegraph.nn.deferred_init`: no random draw, ~3 s for GPT-2 124M) until
+        :meth:`load_into` or :meth:`restore` fills them (``tilegraph train --resume``).
+        :attr:`model` holds the stored weights."""
+        import contextlib
+
         from tilegraph.models import ARCHITECTURES, ModelTiling
+        from tilegraph.nn import deferred_init
 
         m = self.info.get("model") or {}
         arch = m.get("architecture")
@@ -684,7 +686,8 @@ class Checkpoint:
         tiling = self._tiling
         if tiling is None and m.get("tiling") is not None:
             tiling = ModelTiling(**m["tiling"])
-        model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")), seed=seed)
+        with contextlib.nullcontext() if values else deferred_init():
+            model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")), seed=seed)
         if m.get("hf_extra"):
             model.hf_extra = dict(m["hf_extra"])
         return model

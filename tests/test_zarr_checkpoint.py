@@ -101,6 +101,28 @@ def test_exact_resume_in_this_process_and_the_optimizer_state(tmp_path):
                 np.testing.assert_allclose(_state(second)[k], v, rtol=1e-4, atol=1e-5, err_msg=k)  # k.bias: noise (no gradient)
 
 
+def test_a_model_built_to_be_restored_draws_no_weights_and_resumes_exactly(tmp_path):
+    # tilegraph train --resume builds the checkpoint's model without initial values (GPT-2 124M
+    # drew ~3 s of random weights there, all overwritten) and restores it
+    straight = models.build("gpt2-debug", seed=0)
+    _lm_trainer(straight, _adamw(straight)).fit(6)
+    first = models.build("gpt2-debug", seed=0)
+    opt = _adamw(first)
+    _lm_trainer(first, opt).fit(3)
+    tg.io.save_checkpoint(tmp_path / "ck", first, opt)
+    ck = tg.io.load_checkpoint(tmp_path / "ck")
+    second = ck.new_model(values=False)
+    assert all(c.value is None for p in second.parameters() for c in p.cells.flat)
+    with pytest.raises(tg.TileError):  # unrestored: nothing to compute
+        tg.compute(second.parameters()[0])
+    opt2 = _adamw(second, total=99)
+    ck.restore(second, opt2)
+    _lm_trainer(second, opt2).fit(3)
+    _assert_same(_state(second), _state(straight))
+    drawn = ck.new_model(seed=0)  # with values: the flavor's seeded initial weights
+    _assert_same(_state(drawn), _state(models.build("gpt2-debug", seed=0)))
+
+
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, numpy as np, tilegraph as tg
     from tilegraph import models

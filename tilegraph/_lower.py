@@ -583,6 +583,7 @@ class Executable:
         """
         runtime = runtime if runtime is not None else self.runtime
         _require_open(runtime, "tilegraph.Executable.run")
+        self._refuse_missing_values(during)
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         call = self._lower_call(runtime)
         source, plain = self._root_sources(call)
@@ -636,6 +637,17 @@ class Executable:
             if proc == 0:
                 out[pos] = results[key] if index is None else results[key][index]
         return out
+
+    def _refuse_missing_values(self, during: str) -> None:
+        """Fail where a leaf holds no value: a parameter built under
+        :func:`tilegraph.nn.deferred_init` and never loaded (it would run as None, or read as NaN)."""
+        empty = [n.cell.token for n in self.leaves if n.cell.value is None]
+        if empty:
+            raise TileError(during, "a value in every tile the graph reads: parameters built without values "
+                            "(tilegraph.nn.deferred_init, Checkpoint.new_model(values=False)) get them from "
+                            "load_state_dict or a checkpoint's load_into / restore before they are computed",
+                            f"{len(empty)} tile{'s' * (len(empty) > 1)} without a value: {', '.join(empty[:4])}"
+                            + (", ..." if len(empty) > 4 else ""))
 
     def _refuse_remote_values(self) -> None:
         """Fail where the graph reads values held by a runtime's workers and none was given."""

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from tilegraph.cli.config import CONFIG_CHECKS, JOB_MODEL_KEYS, PEFT_METHODS
 
 
@@ -237,14 +235,13 @@ def resume_model(ck, record: dict | None, method: str):
     run ran), and whether they are quantized; None when the model comes from ``init`` as for a new
     run (no record of a base, or a checkpoint written before quantized bases were stored in them:
     its base is where the record says)."""
-    where = "tilegraph train --resume"
     if record is None or not record.get("init") or not record.get("base_in_checkpoint", True):
         return None
     if method != "none" and any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
         from tilegraph import peft
 
         return peft.from_quantized(ck.path, runtime=None), True  # the adapters' own arrays are left out here
-    model = _unloaded_model(ck, where)
+    model = ck.new_model(values=False)
     ck.load_into(model, strict=False)  # its adapters, if any, come back once they are added
     return model, False
 
@@ -258,25 +255,6 @@ def peft_record(p: dict, init: str, quantized_base: bool) -> dict:
     extra = {"dropout": p["dropout"]} if p["method"] == "lora" else {}  # not the adapters' shape: --resume takes it
     return {**adapter_settings(p), **extra, "init": str(Path(init).resolve()) if init else None,
             "base_in_checkpoint": True}
-
-
-def _unloaded_model(ck, where: str):
-    """The model of a checkpoint's stored architecture, config and tiling, its weights not read."""
-    from tilegraph._errors import TileError
-    from tilegraph.models import ARCHITECTURES, ModelTiling
-    from tilegraph.nn import deferred_init
-
-    m = ck.info.get("model") or {}
-    if m.get("architecture") not in ARCHITECTURES:
-        raise TileError(where, f"a checkpoint of a known architecture ({', '.join(ARCHITECTURES)})",
-                        repr(m.get("architecture") or m.get("class")))
-    config_cls, model_cls = ARCHITECTURES[m["architecture"]]
-    with deferred_init():  # no random draw for weights about to be read
-        model = model_cls(config_cls(**m.get("config", {})), ModelTiling(**m["tiling"]) if m.get("tiling") else None,
-                          dtype=np.dtype(m.get("dtype", "float32")))
-    if m.get("hf_extra"):
-        model.hf_extra = dict(m["hf_extra"])
-    return model
 
 
 def adapted_model(folder: Path, record: dict, where: str):
@@ -293,7 +271,7 @@ def adapted_model(folder: Path, record: dict, where: str):
 
     ck = load_checkpoint(folder)
     if record.get("base_in_checkpoint", True):
-        model = _unloaded_model(ck, where)
+        model = ck.new_model(values=False)
     else:
         base = record.get("init")
         if not base or not (Path(base) / "zarr.json").is_file():

@@ -98,7 +98,7 @@ def _train(args, job: Job) -> int:
         model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"])
     elif resume:  # the run's own architecture, as its checkpoint stores it (the weights: restored below)
-        model = resume.checkpoint.new_model(t["seed"])
+        model = resume.checkpoint.new_model(values=False)
         keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"])
     else:
         model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
