@@ -77,7 +77,8 @@ STEPS=$([ "$QUICK" = 1 ] && echo 2 || echo 3)
 TRAIN="--no-progress --set output.checkpoint_every=0"
 
 # ONLY: the parts to run, comma separated, of gpu, cpu-train, cpu-6x768, cpu-scale, cpu-tasks
-# (default: all; e.g. ONLY=gpu,cpu-train,cpu-scale for a shorter call)
+# (default: those), and cpu-gpt2-scale (GPT-2 6x768 on 4 worker processes, sharded: never measured
+# yet; only when named, ~150 s); e.g. ONLY=gpu,cpu-train,cpu-scale for a shorter call
 ONLY="${ONLY:-gpu,cpu-train,cpu-6x768,cpu-scale,cpu-tasks}"
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
 # 1. the README's main job as a newcomer runs it, GPU visible (it must work on a GPU machine);
@@ -111,6 +112,9 @@ want cpu-scale && check scale-blocks 130 "python3 bench/bench_scale.py --models 
 QUARTER=$(( $(nproc) >= 4 ? $(nproc) / 4 : 1 ))
 want cpu-tasks && check scale-blocks-tasks 40 "python3 bench/bench_scale.py --models blocks --strategies sharded \
     --configs 4x$QUARTER --exchange tasks --batch 16 --steps $STEPS --warmup 1 --no-ddp"
+# 5. GPT-2 6x768 over 4 x T/4, sharded, against torch with T threads (only when named in ONLY)
+want cpu-gpt2-scale && check scale-gpt2-6x768 150 "python3 bench/bench_scale.py --models gpt2 --gpt2-flavor 6x768 \
+    --strategies sharded --configs 4x$QUARTER --batch 16 --steps $STEPS --warmup 1"
 for f in "$OUT"/*.log; do
     echo "== $(basename "$f")"
     grep -E "tokens/s|^debug|^6x768|^gpt2|kernel seconds|^blocks|passed|failed|Error|error" "$f" | tail -8
