@@ -157,3 +157,20 @@ def test_bench_kernels_runs():
                           "--repeat", "2"], capture_output=True, text=True, timeout=600, check=True).stdout
     for name in ("gelu_tanh_bwd", "gelu_erf", "silu_bwd", "adamw vs torch"):
         assert name in out, out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_run_without_numpy_float_warnings(threads):
+    # inf and NaN come out as in torch; the warnings NumPy would print from inside tilegraph's
+    # kernels (on the workers, a line per kernel) are off, on every kernel thread
+    import warnings
+
+    x = tg.from_numpy(np.full((8, 8), 1e30, np.float32), tiles=(4, 8))
+    y = (x * x) - (x * x)  # overflow, then inf - inf
+    exe = tg.compile([y], fuse="all")
+    exe.plans[0].prog.threads = threads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would raise
+        got = tg.compute(y) if threads == 1 else exe.run()
+    values = got[0] if threads == 1 else np.concatenate([np.asarray(v) for v in got])
+    assert np.isnan(values).all()

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from tilegraph._errors import TileError
 
 __all__ = ["Call", "Program", "Bound", "Results", "run_cluster", "kernel_stats"]
@@ -163,6 +165,14 @@ def _gpu_sync() -> None:
         cupy.cuda.get_current_stream().synchronize()
 
 
+def _quiet_floats():
+    """NumPy's floating-point warnings off while kernels run (inf and NaN still come out, as in
+    torch). A diverging run otherwise printed a RuntimeWarning per kernel line (overflow in exp,
+    invalid value in matmul, ...) pointing into tilegraph's ops, from the workers, before the
+    Trainer's own error naming the step where the loss stopped being finite."""
+    return np.errstate(all="ignore")
+
+
 _POOL = None
 _SLOTS: dict[int, threading.BoundedSemaphore] = {}
 _POOL_LOCK = threading.Lock()
@@ -199,6 +209,10 @@ class _ParallelRun:
         self.by_kernel: dict[str, float] = {}
 
     def work(self) -> None:
+        with _quiet_floats():  # each thread's own NumPy error state (a context variable)
+            self._work()
+
+    def _work(self) -> None:
         prog, regs, cond = self.prog, self.regs, self.cond
         while True:
             with cond:
@@ -257,13 +271,14 @@ def run_cluster(bound: Bound, prog: Program, *args):
         by_kernel = run.by_kernel
     else:
         by_kernel: dict[tuple[str, str], float] = {}
-        for op in prog.ops:
-            res, dt = _call(op, regs, prog.device)
-            _count(by_kernel, op, dt)
-            for r, val in zip(op.outs, res):
-                regs[r] = val
-            for r in op.free:
-                regs[r] = None
+        with _quiet_floats():
+            for op in prog.ops:
+                res, dt = _call(op, regs, prog.device)
+                _count(by_kernel, op, dt)
+                for r, val in zip(op.outs, res):
+                    regs[r] = val
+                for r in op.free:
+                    regs[r] = None
     out = measured_exactly(tuple(regs[r] for r in prog.out_regs))
     for hook in AFTER_TASK:
         hook()
