@@ -167,7 +167,7 @@ def test_kernels_run_without_numpy_float_warnings(threads):
 
     x = tg.from_numpy(np.full((8, 8), 1e30, np.float32), tiles=(4, 8))
     y = (x * x) - (x * x)  # overflow, then inf - inf
-    exe = tg.compile([y], fuse="all")
+    exe = tg.compile([y], fuse=True)
     exe.plans[0].prog.threads = threads
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a RuntimeWarning would raise

@@ -335,3 +335,14 @@ def test_task_names_say_which_part_of_the_model_and_which_phase():
     # and a fused task is named after the largest part of its work
     fused = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(1, 8)] * 2)
     assert all(key_split(k).startswith("tg-") and len(key_split(k)) > 3 for k in fused.plan(ids, ids).lower()[1])
+
+
+@pytest.mark.parametrize("kwargs, received", [({"fuse": "all"}, "'all'"), ({"fuse": 1}, "1"),
+                                              ({"target_seconds": 0}, "0"), ({"target_seconds": "1"}, "'1'"),
+                                              ({"target_seconds": float("nan")}, "nan")])
+def test_compile_refuses_options_of_the_wrong_kind(kwargs, received):
+    # a string fuse was truthy (fused) and a non-positive target cut every kernel into a task of its own
+    a = tg.from_numpy(np.ones((4, 6), np.float32), tiles=(2, 3))
+    with pytest.raises(tg.TileError) as e:
+        tg.compile([a * 2], **kwargs)
+    assert str(e.value).startswith("[tilegraph.compile] ") and str(e.value).endswith(f"received: {received}")

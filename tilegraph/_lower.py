@@ -130,6 +130,13 @@ class Executable:
         _require_open(runtime, "tilegraph.compile")
         self.runtime = runtime
         self.roots = list(roots)
+        if fuse is not None and not isinstance(fuse, bool):
+            raise TileError("tilegraph.compile", "fuse must be True (kernels fused into tasks), False (a task per "
+                            "tile kernel) or None (tilegraph.config.fuse)", repr(fuse))
+        if target_seconds is not None and (isinstance(target_seconds, bool) or not isinstance(
+                target_seconds, (int, float)) or not 0 < target_seconds < float("inf")):
+            raise TileError("tilegraph.compile", "target_seconds must be a positive number of seconds (None: "
+                            "tilegraph.config.target_seconds)", repr(target_seconds))
         fuse = config.fuse if fuse is None else fuse
         target = config.target_seconds if target_seconds is None else target_seconds
         placement = placement or config.placement
