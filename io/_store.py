@@ -44,6 +44,18 @@ def write_failure(where: str, e: OSError, path, what: str = "the checkpoint",
 
 
 # ------------------------------------------------------------------------------------ helpers ----
+def user_path(path, where: str, error: type[TileError] = TileError) -> Path:
+    """``path`` (a str or os.PathLike) as a Path, a leading ``~`` expanded as a shell does:
+    ``Path("~/ck")`` alone is a folder named "~" in the working directory, which a save would
+    create there and a load would look for there."""
+    if not isinstance(path, (str, os.PathLike)) or (isinstance(path, str) and not path):
+        raise error(where, "a path (a str or pathlib.Path, not empty)", repr(path)[:100])
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as e:  # "~nobody/x": no such user, or no home folder known
+        raise error(where, "a path whose leading ~ names a home folder", f"{path}: {e}") from None
+
+
 def file_in_the_way(path) -> Path | None:
     """What keeps a folder ``path`` from being made: a file (or a dangling link) at ``path`` or at
     one of its parents; None when there is none."""

@@ -35,6 +35,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, kernel, xp_of
 from tilegraph._tensor import TileTensor, Tiling
 
+from ._store import user_path
 from .tokenizers import ByteTokenizer, Tokenizer
 
 __all__ = ["DEFAULT_PATTERNS", "find_sources", "read_text", "build_token_file", "read_token_meta",
@@ -62,7 +63,7 @@ def find_sources(sources, patterns: Sequence[str] | str = DEFAULT_PATTERNS, *,
     patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
     found: list[Path] = []
     for src in _as_list(sources):
-        p = Path(src)
+        p = user_path(src, where)
         if p.is_file():
             found.append(p.resolve())
         elif p.is_dir():
@@ -114,7 +115,13 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
     """
     where = "tilegraph.io.build_token_file"
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-    out = Path(out_path)
+    if isinstance(tokenizer, type) or not all(hasattr(tokenizer, a) for a in ("encode", "vocab_size", "eos_id",
+                                                                               "describe", "dtype")):
+        shown = f"the class {tokenizer.__name__} (not an instance)" if isinstance(tokenizer, type) \
+            else f"{type(tokenizer).__name__} {tokenizer!r:.60}"
+        raise TileError(where, "tokenizer must be a tokenizer object, e.g. ByteTokenizer(eos=True) or "
+                        "BPETokenizer.load(path) (None: ByteTokenizer())", shown)
+    out = user_path(out_path, where)
     if not out.parent.is_dir():
         raise TileError(where, "the output's parent folder must exist", str(out))
     if out.is_dir():
@@ -174,7 +181,7 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
 def read_token_meta(path: str | os.PathLike, *, verify: bool = False) -> dict:
     """The sidecar of a token file, checked against the file's size (and its hash if ``verify``)."""
     where = "tilegraph.io.read_token_meta"
-    path = Path(path)
+    path = user_path(path, where)
     meta_path = _meta_path(path)
     if not path.is_file() or not meta_path.is_file():
         raise TileError(where, "expected a token file and its .json sidecar (see build_token_file)",
@@ -283,13 +290,15 @@ class TokenDataset:
         where = "tilegraph.io.TokenDataset"
         if split not in _SPLITS:
             raise TileError(where, "split must be 'train' or 'val'", repr(split))
-        if not 0.0 <= val_fraction < 1.0:
-            raise TileError(where, "val_fraction must lie in [0, 1)", str(val_fraction))
-        if int(seq_len) < 1:
-            raise TileError(where, "seq_len must be at least 1", str(seq_len))
-        if int(seed) < 0:
-            raise TileError(where, "seed must be a non-negative integer", str(seed))
-        self.path = Path(path).resolve()
+        # the types first: int() would make seq_len=8.5 a window of 8 and fail on None with a bare TypeError
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= val_fraction < 1.0:
+            raise TileError(where, "val_fraction must be a number in [0, 1)", repr(val_fraction))
+        if not _is_count(seq_len, 1):
+            raise TileError(where, "seq_len must be an int >= 1", repr(seq_len))
+        if not _is_count(seed, 0):
+            raise TileError(where, "seed must be an int >= 0", repr(seed))
+        self.path = user_path(path, where).resolve()
         self.meta = read_token_meta(self.path)
         self.seq_len, self.split, self.seed = int(seq_len), split, int(seed)
         self.val_fraction = float(val_fraction)
@@ -317,9 +326,10 @@ class TokenDataset:
 
     def batch_offsets(self, step: int, batch_size: int) -> np.ndarray:
         """Start offsets (int64, shape ``(batch_size,)``) of the windows of batch ``step``."""
-        if int(step) < 0 or int(batch_size) < 1:
+        if not _is_count(step, 0) or not _is_count(batch_size, 1):
             raise TileError("tilegraph.io.TokenDataset.batch_offsets",
-                            "step must be >= 0 and batch_size >= 1", f"step={step}, batch_size={batch_size}")
+                            "step must be an int >= 0 and batch_size an int >= 1",
+                            f"step={step!r}, batch_size={batch_size!r}")
         rng = np.random.default_rng([self.seed, _SPLITS[self.split], int(step)])
         return self.lo + rng.integers(0, self.num_windows, size=int(batch_size), dtype=np.int64)
 
@@ -366,6 +376,9 @@ class TokenDataset:
     def read(self, offsets) -> tuple[np.ndarray, np.ndarray]:
         """Inputs and targets ``(b, seq_len)`` int64 of the windows at ``offsets``, read here."""
         off = np.asarray(offsets).reshape(-1)
+        if off.size and off.dtype.kind not in "iu":  # astype(int64) would silently read window 0 for 0.5
+            raise TileError("tilegraph.io.TokenDataset.read", "offsets must be integers (batch_offsets gives them)",
+                            f"{off.dtype} array, e.g. {off[0]!r}")
         return _read_windows(off, **self._params, start=0, length=self.seq_len)
 
     def tensors(self, offsets: TileTensor, seq_tile: int | None = None) -> tuple[TileTensor, TileTensor]:

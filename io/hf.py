@@ -26,7 +26,7 @@ import numpy as np
 from tilegraph._errors import TileError
 
 from . import safetensors as st
-from ._store import write_failure
+from ._store import user_path, write_failure
 
 __all__ = ["Rule", "NameMap", "ConfigKey", "HFSpec", "SPECS", "load_hf", "save_hf", "load_hf_weights", "to_hf_state",
            "hf_config"]
@@ -556,7 +556,7 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
     """
     from tilegraph.models import ARCHITECTURES
 
-    folder = Path(path)
+    folder = user_path(path, "tilegraph.models.from_hf")
     where = f"tilegraph.models.from_hf({folder})"
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
@@ -578,11 +578,14 @@ def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool 
     Everything is written into a temporary folder next to ``path`` and renamed at the end, so a
     failure leaves neither a partial folder nor a damaged previous one.
     """
-    path = Path(path)
+    path = user_path(path, f"tilegraph.models.{type(model).__name__}.to_hf")
     where = f"tilegraph.models.{type(model).__name__}.to_hf({path})"
     if getattr(model, "arch", None) not in SPECS:
         raise TileError(where, f"no Hugging Face export for this model; supported: {', '.join(SPECS)}",
                         type(model).__name__)
+    if path.name in ("", ".."):  # ".", "", "/", "a/..": the folder is written beside its parent and renamed
+        raise TileError(where, "the target must be a folder name to create (e.g. 'out' or 'models/gpt2'), "
+                        "not '.', '..' or a root", repr(str(path)))
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise TileError(where, "the target exists and is not an empty folder (pass overwrite=True to replace it)",
                         str(path))

@@ -35,6 +35,8 @@ import numpy as np
 
 from tilegraph._errors import TileError
 
+from ._store import user_path
+
 __all__ = ["DTYPES", "TensorInfo", "SafetensorsFile", "Checkpoint", "load_file", "save_file", "open_checkpoint",
            "save_checkpoint", "INDEX_NAME", "SINGLE_NAME"]
 
@@ -136,7 +138,7 @@ class SafetensorsFile(Mapping):
     """
 
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = user_path(path, "tilegraph.io.safetensors")
         where = f"tilegraph.io.safetensors({self.path})"
         try:
             size = self.path.stat().st_size
@@ -232,8 +234,11 @@ def _tmp_name(path: Path) -> Path:
 
 def save_file(tensors: Mapping[str, np.ndarray], path, metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` (name -> array) to ``path``; written under a temporary name, then renamed."""
-    path = Path(path)
-    arrays, _ = _encode(tensors, f"tilegraph.io.safetensors.save_file({path})")
+    path = user_path(path, "tilegraph.io.safetensors.save_file")
+    where = f"tilegraph.io.safetensors.save_file({path})"
+    if path.name in ("", "..") or path.is_dir():  # os.replace onto a folder fails with a bare OSError
+        raise TileError(where, "the path of a file to write, not a folder", str(path))
+    arrays, _ = _encode(tensors, where)
     tmp = _tmp_name(path)
     try:
         _write(arrays, tmp, metadata)
@@ -248,7 +253,7 @@ class Checkpoint(Mapping):
     ``model.safetensors``, or a single .safetensors file given directly."""
 
     def __init__(self, path):
-        path = Path(path)
+        path = user_path(path, "tilegraph.io.safetensors.open_checkpoint")
         where = f"tilegraph.io.safetensors.open_checkpoint({path})"
         self.path = path
         self._where: dict[str, str] = {}

@@ -145,9 +145,21 @@ class BPETokenizer(Tokenizer):
     kind = "bpe"
 
     def __init__(self, tokenizer, eos: str | None = DEFAULT_EOS):
+        # Text that spells a special token ("<|endoftext|>" in a corpus about tokenizers) is
+        # encoded as the text it is: matched as the special token, it became the end-of-text id,
+        # a document boundary inside a document, and decode dropped it. Not part of the JSON, so
+        # the tokenizer's hash (recorded in token files) is unchanged.
+        if hasattr(tokenizer, "encode_special_tokens"):
+            tokenizer.encode_special_tokens = True
+        eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+        if eos is not None and eos_id is None:
+            if eos != DEFAULT_EOS:  # asked for by name: without it no document would end
+                raise TileError("tilegraph.io.BPETokenizer", "the end-of-text token eos must be in the "
+                                "tokenizer's vocabulary (eos=None: none)", repr(eos))
+            eos = None  # the default one, absent (a tokenizer from elsewhere): no end-of-text token
         self._tok = tokenizer
         self.eos = eos
-        self.eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+        self.eos_id = eos_id
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
 
     @classmethod
@@ -196,8 +208,10 @@ class BPETokenizer(Tokenizer):
         """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file)."""
         from tilegraph.io.data import read_text
 
+        from tilegraph.io._store import user_path
+
         where = "tilegraph.io.BPETokenizer.load"
-        path = Path(path)
+        path = user_path(path, where)
         if not path.is_file():
             raise TileError(where, "expected a tokenizer JSON file", str(path))
         return cls.from_str(read_text(path, where), eos=eos, where=where, source=str(path))
@@ -207,9 +221,14 @@ class BPETokenizer(Tokenizer):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer as JSON (to a temporary name, then renamed)."""
-        path = Path(path)
+        from tilegraph.io._store import user_path
+
+        where = "tilegraph.io.BPETokenizer.save"
+        path = user_path(path, where)
+        if path.name in ("", "..") or path.is_dir():  # os.replace onto a folder fails with a bare OSError
+            raise TileError(where, "the path of a file to write, not a folder", str(path))
         if not path.parent.is_dir():
-            raise TileError("tilegraph.io.BPETokenizer.save", "the parent folder must exist", str(path))
+            raise TileError(where, "the parent folder must exist", str(path))
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             tmp.write_text(self.to_str(), encoding="utf-8")

@@ -52,8 +52,8 @@ from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CheckpointError, process_alive, array_meta, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
-                     slices, tile_label, write_failure, write_meta, write_parts_task, write_shard_task, write_tiles,
-                     write_values)
+                     slices, tile_label, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
+                     write_tiles, write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "FORMAT", "FORMAT_VERSION",
@@ -384,6 +384,10 @@ def _holders(client, futures: list) -> dict:
     return client.who_has(futures)
 
 
+def _is_step(step) -> bool:
+    return isinstance(step, (int, np.integer)) and not isinstance(step, bool) and step >= 0
+
+
 def _is_os_error(e: BaseException) -> bool:
     return isinstance(e, OSError) or isinstance(getattr(e, "__cause__", None), OSError)
 
@@ -395,7 +399,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     current values); returns the :class:`PendingSave` that writes them."""
     from tilegraph.runtime import current_runtime
 
-    path = Path(path)
+    path = user_path(path, "tilegraph.io.save_checkpoint", CheckpointError)
     where = f"tilegraph.io.save_checkpoint({path})"
     if os.path.lexists(path):
         raise CheckpointError(where, "the checkpoint folder must not exist yet (a checkpoint is never overwritten)",
@@ -405,6 +409,16 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     if not named:
         raise CheckpointError(where, "a model with parameters (a tilegraph.nn.Module)", type(model).__name__)
     rule = _quant_rule(quantize, where)
+    if isinstance(quantize, Mapping):  # a misspelt name would leave its weight exact without a word
+        known = set(dict(named)) | set(_held_quantized(model))
+        unknown = [k for k in quantize if k not in known]
+        if unknown:
+            raise CheckpointError(where, "quantize names parameters the model does not have (its names: "
+                                  "model.named_parameters(), e.g. " + ", ".join(n for n, _ in named[:3]) + ")",
+                                  ", ".join(map(repr, unknown[:8])))
+    for what, value in (("metadata", metadata), ("trainer_state", trainer_state), ("files", files)):
+        if value is not None and not isinstance(value, Mapping):  # dict() of a list or str fails obscurely
+            raise CheckpointError(where, f"{what} must be a dict (or None)", type(value).__name__)
     user = _json_ready(dict(metadata or {}), where, "metadata")
     trainer = _json_ready(dict(trainer_state or {}), where, "trainer_state")
     for name, data in (files or {}).items():
@@ -414,6 +428,8 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
                                   "mapped to bytes", f"{name!r}: {type(data).__name__}")
     if step is None:
         step = int(optimizer.step_count) if optimizer is not None else 0
+    elif not _is_step(step):  # int() would make 1.7 step 1 and fail on "x" with a bare ValueError
+        raise CheckpointError(where, "step must be an int >= 0 (None: the optimizer's step count)", repr(step))
 
     # what to write: (array path, shape, dtype, tiles, [(tile index, value)], quantization)
     entries: list[tuple] = []
@@ -575,7 +591,7 @@ def _fsync(path: Path) -> None:
 def is_checkpoint(path) -> bool:
     """Whether ``path`` is a folder holding a committed tilegraph Zarr checkpoint."""
     try:
-        _read_attrs(Path(path), "tilegraph.io.is_checkpoint")
+        _read_attrs(user_path(path, "tilegraph.io.is_checkpoint"), "tilegraph.io.is_checkpoint")
         return True
     except TileError:
         return False
@@ -618,7 +634,7 @@ class Checkpoint:
     """
 
     def __init__(self, path, *, tiling=None, runtime=None):
-        self.path = Path(path)
+        self.path = user_path(path, "tilegraph.io.load_checkpoint", CheckpointError)
         self._where = f"tilegraph.io.load_checkpoint({self.path})"
         self.info = _read_attrs(self.path, self._where)
         self.step = int(self.info.get("step", 0))
@@ -930,11 +946,21 @@ def _describe_parts(parts: dict) -> str:
 def complete_checkpoints(folder) -> list[Path]:
     """The complete checkpoints ``step-N`` of a :class:`CheckpointManager`'s folder, oldest
     first (none where the folder is missing)."""
-    folder = Path(folder)
+    folder = user_path(folder, "tilegraph.io.complete_checkpoints")
     if not folder.is_dir():
         return []
-    return sorted((p for p in folder.iterdir() if p.name.startswith("step-") and is_checkpoint(p)),
-                  key=lambda p: p.name)
+    found = [p for p in folder.iterdir() if _step_of(p.name) is not None and is_checkpoint(p)]
+    # by step number, not by name: past step 999999 the name grows a digit, and "step-1000000"
+    # sorts before "step-999999" (the newest would be pruned as the oldest)
+    return sorted(found, key=lambda p: (_step_of(p.name), p.name))
+
+
+def _step_of(name: str) -> int | None:
+    """The step of a :class:`CheckpointManager` folder name ``step-NNNNNN`` (None: not one)."""
+    digits = name[5:]
+    if not name.startswith("step-") or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits)
 
 
 def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:
@@ -973,7 +999,8 @@ class CheckpointManager:
             raise CheckpointError(where, "keep must be None (keep all) or an int >= 1", repr(keep))
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise CheckpointError(where, "every must be an int >= 0 (0: only when asked)", repr(every))
-        self.dir, self.keep, self.every, self.async_save = Path(dir), keep, every, bool(async_save)
+        self.dir, self.keep, self.every = user_path(dir, where, CheckpointError), keep, every
+        self.async_save = bool(async_save)
         self._thread = None
         self._error: BaseException | None = None
         self._pending: Path | None = None
@@ -982,6 +1009,9 @@ class CheckpointManager:
         self.removed_stale = self.clean()
 
     def path(self, step: int) -> Path:
+        if not _is_step(step):  # a negative step would name "step--00001", a float be truncated
+            raise CheckpointError(f"tilegraph.io.CheckpointManager({self.dir})", "step must be an int >= 0",
+                                  repr(step))
         return self.dir / f"step-{int(step):06d}"
 
     def due(self, step: int) -> bool:
@@ -1072,7 +1102,7 @@ class CheckpointManager:
     def protect(self, path) -> None:
         """Never :meth:`prune` the checkpoint ``path`` (e.g. the one a run resumed from: its
         branch point, kept however many newer ones follow)."""
-        self.protected.add(Path(path).resolve())
+        self.protected.add(user_path(path, "tilegraph.io.CheckpointManager.protect").resolve())
 
     def set_aside(self, after: int, name: str = "abandoned") -> list[Path]:
         """Move the checkpoints of the steps after ``after`` into a new subfolder of ``dir``
@@ -1081,8 +1111,8 @@ class CheckpointManager:
         own checkpoints must neither collide with them nor be pruned as older than them. Nothing
         is deleted; returns their new paths (none moved: no folder made)."""
         where = f"tilegraph.io.CheckpointManager({self.dir}).set_aside"
-        later = sorted(p for p in self.dir.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit()
-                       and int(p.name[5:]) > after) if self.dir.is_dir() else []
+        steps = {p: _step_of(p.name) for p in self.dir.iterdir()} if self.dir.is_dir() else {}
+        later = sorted(p for p, s in steps.items() if s is not None and s > after)
         if not later:
             return []
         dest, n = self.dir / name, 1
