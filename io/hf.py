@@ -558,6 +558,12 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
 
     folder = user_path(path, "tilegraph.models.from_hf")
     where = f"tilegraph.models.from_hf({folder})"
+    try:  # before any file is read: np.dtype("bfloat16") fails with NumPy's bare TypeError
+        floating = np.dtype(dtype).kind == "f"
+    except TypeError:
+        floating = False
+    if not floating:
+        raise TileError(where, "dtype must be a floating dtype NumPy knows (float32, float64, float16)", repr(dtype))
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)

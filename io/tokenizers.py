@@ -110,6 +110,9 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":  # astype(uint8) would make 65.7 an "A" and fail on "a"
+            raise TileError("tilegraph.io.ByteTokenizer.decode", "token ids must be integers",
+                            f"{ids.dtype} array, e.g. {ids[0]!r}")
         if self.eos_id is not None:
             ids = ids[ids != self.eos_id]
         if ids.size and (ids.min() < 0 or ids.max() > 255):
@@ -255,7 +258,11 @@ class BPETokenizer(Tokenizer):
         return [np.asarray(e.ids, dtype=self.dtype) for e in encoded]
 
     def decode(self, ids) -> str:
-        return self._tok.decode(np.asarray(ids).reshape(-1).tolist(), skip_special_tokens=True)
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TileError("tilegraph.io.BPETokenizer.decode", "token ids must be integers",
+                            f"{ids.dtype} array, e.g. {ids[0]!r}")
+        return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
     def describe(self) -> dict:
         digest = hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()

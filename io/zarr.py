@@ -784,6 +784,9 @@ class Checkpoint:
         """Check ``model`` against the stored arrays (every problem reported at once); returns
         what :meth:`_restore` reads into it: ``(array path, parameter, cells)`` of its weights
         and, with ``quantized``, ``(array path, QuantizedTensor)`` of those it holds quantized."""
+        if not callable(getattr(model, "named_parameters", None)):
+            raise CheckpointError(self._where, "a model to load into (a tilegraph.nn.Module; load_checkpoint(...).model "
+                                  "builds one)", type(model).__name__)
         named = dict(model.named_parameters())
         held = _held_quantized(model)
         stored = set(self.parameters)

@@ -48,7 +48,7 @@ FLAVORS = {
 
 def config(flavor: str):
     """The config of a named flavor (see :data:`FLAVORS`)."""
-    if flavor not in FLAVORS:
+    if not isinstance(flavor, str) or flavor not in FLAVORS:
         raise TileError("tilegraph.models.config", f"unknown flavor; known: {', '.join(FLAVORS)}", repr(flavor))
     return FLAVORS[flavor]
 

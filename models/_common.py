@@ -71,6 +71,16 @@ class CausalLM(nn.Module):
         self.config, self.tiling, self.dtype = config, tiling, dt
         return tiling
 
+    def _rng(self, seed) -> np.random.Generator:
+        """The generator of the initial weights: ``seed`` an int >= 0, or a Generator itself
+        (NumPy's own errors for -1 or 1.5 named neither the model nor the argument)."""
+        if isinstance(seed, np.random.Generator):
+            return seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise TileError(f"tilegraph.models.{type(self).__name__}", "seed must be an int >= 0 (or a "
+                            "numpy.random.Generator)", repr(seed))
+        return np.random.default_rng(seed)
+
     def _block(self, block: nn.Module, x: TileTensor, cache: nn.KVCache | None) -> TileTensor:
         """One transformer block, recorded for recompute when the model trains with it (decoding
         with a cache never recomputes: it has no backward, and the cache must grow once)."""

@@ -87,7 +87,7 @@ class GPT2(CausalLM):
                  recompute: bool = False):
         t = self._setup(config, tiling, dtype)
         self.recompute = bool(recompute)  # see CausalLM.recompute
-        rng = np.random.default_rng(seed)
+        rng = self._rng(seed)
         self.wte = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
                                 seed=rng, init_std=0.02)
         self.wpe = nn.Embedding(config.max_seq_len, config.dim, tile=t.feature, dtype=dtype, seed=rng,

@@ -94,7 +94,7 @@ class Llama(CausalLM):
                  recompute: bool = False):
         t = self._setup(config, tiling, dtype)
         self.recompute = bool(recompute)  # see CausalLM.recompute
-        rng = np.random.default_rng(seed)
+        rng = self._rng(seed)
         self.embed = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
                                   seed=rng, init_std=0.02)
         self.blocks = nn.ModuleList(Block(config, t.feature, rng, dtype) for _ in range(config.n_layers))

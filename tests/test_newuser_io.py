@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import tilegraph as tg
 from tilegraph import models
 from tilegraph._errors import TileError
 from tilegraph.io import (BPETokenizer, ByteTokenizer, CheckpointError, CheckpointManager, TokenDataset,
@@ -163,3 +164,36 @@ def test_token_dataset_offsets_must_be_integers(token_file):
         ds.read(np.array([0.5]))  # read window 0 as if asked for it
     x, _ = ds.read([1])
     assert x.shape == (1, 8)
+
+
+# -- found by that pass, fixed after it -----------------------------------------------------------
+@pytest.mark.parametrize("seed", [-1, 1.5, "0", True])
+def test_models_refuse_a_seed_numpy_would_reject_or_truncate(seed):
+    with pytest.raises(tg.TileError, match=r"^\[tilegraph.models.GPT2\] seed must be an int >= 0"):
+        tg.models.build("gpt2-debug", seed=seed)
+    assert tg.models.build("gpt2-debug", seed=np.random.default_rng(0)).parameters()  # a Generator itself
+
+
+def test_models_config_of_a_non_name(tmp_path):
+    with pytest.raises(tg.TileError, match=r"^\[tilegraph.models.config\] unknown flavor"):
+        tg.models.config(["gpt2"])
+
+
+def test_from_hf_with_a_dtype_numpy_does_not_know(tmp_path):
+    tg.models.build("gpt2-debug").to_hf(tmp_path / "hf")
+    with pytest.raises(tg.TileError, match=r"dtype must be a floating dtype.*received: 'bfloat16'"):
+        tg.models.from_hf(tmp_path / "hf", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("ids", [["a"], [65.7], np.array([65.0])])
+def test_byte_decode_of_ids_that_are_not_integers(ids):
+    with pytest.raises(tg.TileError, match=r"^\[tilegraph.io.ByteTokenizer.decode\] token ids must be integers"):
+        ByteTokenizer().decode(ids)
+    assert ByteTokenizer().decode([65, 66]) == "AB"
+
+
+def test_load_into_something_that_is_not_a_model(tmp_path):
+    m = tg.models.build("gpt2-debug")
+    tg.io.save_checkpoint(tmp_path / "ck", m)
+    with pytest.raises(tg.TileError, match=r"a model to load into.*received: str"):
+        tg.io.load_checkpoint(tmp_path / "ck").load_into("x")
