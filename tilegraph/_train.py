@@ -94,6 +94,69 @@ def check_runtime(where: str, runtime) -> None:
     if runtime is not None and not isinstance(runtime, Runtime):
         raise TileError(where, "runtime must be None or a tilegraph Runtime (rt = tg.connect(...) or "
                         "tg.connect(\"tcp://scheduler:8786\"))", f"runtime={runtime!r}")
+    if runtime is not None:
+        runtime.require_open(where)
+
+
+def _follows_current(plans, runtime) -> bool:
+    """Whether plans recorded for a step built with ``runtime`` (None: the current runtime) may
+    still run. A plan keeps the runtime that was current when it was recorded: one recorded
+    before ``tg.connect()`` would go on running on Dask's local scheduler (the cluster unused),
+    and one recorded on a runtime since closed cannot run; those are recorded again. A plan on a
+    runtime still open keeps it, as the values it updated live there."""
+    if runtime is not None:
+        return True
+    from tilegraph.runtime import current_runtime
+
+    now = current_runtime()
+    return not any((exe.runtime is None and now is not None) or (exe.runtime is not None and exe.runtime.closed)
+                   for exe in plans)
+
+
+def _client_address(client) -> str:
+    """" (scheduler ADDRESS)" of a Dask client, also after it was closed (then from the identity
+    the scheduler gave when it connected); "" where it cannot be told."""
+    addr = getattr(getattr(client, "scheduler", None), "address", None)
+    addr = addr or (getattr(client, "_scheduler_identity", None) or {}).get("address")
+    return f" (scheduler {addr})" if addr else ""
+
+
+def check_values_reachable(where: str, exe: Executable) -> None:
+    """Fail before a step changes anything (its step count, its cells) where the values its graph
+    reads live on the workers of a runtime that was closed (they went with it), or of another
+    runtime than the one the graph runs on: Dask cancels a graph reading another client's
+    futures ("lost dependencies"), and the step's parameters would then point to values that
+    never came."""
+    from tilegraph._graph import ValueRef
+
+    runtime = exe.runtime
+    here = None if runtime is None else runtime.client
+    closed: dict[str, int] = {}
+    elsewhere: dict[str, int] = {}
+    for node in exe.leaves:
+        value = node.cell.value
+        if isinstance(value, ValueRef):
+            client = getattr(value.future, "client", None)
+            if getattr(client, "status", None) in ("closing", "closed"):
+                addr = _client_address(client)
+                closed[addr] = closed.get(addr, 0) + 1
+            elif client is not here:
+                addr = _client_address(client)
+                elsewhere[addr] = elsewhere.get(addr, 0) + 1
+    if closed:
+        addr, n = next(iter(closed.items()))
+        raise TileError(where, "the model's values (parameters, optimizer state) on an open runtime: they lived on "
+                        "the workers of a runtime that was closed, and went with it; build the model again, or load "
+                        "a checkpoint (tg.io.load_checkpoint, Trainer.load_checkpoint); next time, save what you "
+                        "need before closing (tg.io.save_checkpoint, model.state_dict())",
+                        f"{n} tile{'s' * (n > 1)} held by a closed runtime{addr}")
+    if elsewhere:
+        addr, n = next(iter(elsewhere.items()))
+        there = "no runtime (Dask's local scheduler)" if runtime is None else f"{runtime!r}"
+        raise TileError(where, "the step to run on the runtime holding the model's values: run it inside "
+                        "`with rt.as_current():` of that runtime (or give runtime=rt)",
+                        f"{n} tile{'s' * (n > 1)} held by another runtime{addr}, the step runs on "
+                        f"{there}")
 
 
 def check_compile_options(where: str, options: dict) -> None:
@@ -291,6 +354,8 @@ class TrainStep:
     def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
         """The recorded step for this batch signature, kind and number of steps, and whether it
         was recorded just now."""
+        if not _follows_current(self.executables, self.runtime):
+            self.reset_plans()
         key = (kind, k, self.signature(batch))
         rec = self._cache.get(key)
         if rec is not None:
@@ -340,15 +405,19 @@ class TrainStep:
         loss. The next step may be submitted before this one finished: its graph starts from this
         step's parameters (futures), so consecutive steps overlap Dask's round-trip latency."""
         t0 = time.perf_counter()
+        self._require_open()
         micro = self._micro_batches([np.asarray(a) for a in batch])
         record_seconds = 0.0
         losses = []
         step_no = self.optimizer.step_count + 1
+        self.optimizer.lr_at(step_no)  # before any micro-batch runs
         for j, (mb, kind) in enumerate(zip(micro, self._kinds())):
             t1 = time.perf_counter()
             rec, recorded = self._lookup(mb, kind)
             if recorded:
                 record_seconds += time.perf_counter() - t1
+            if j == 0:  # every micro-batch's graph reads the same parameters
+                check_values_reachable("tilegraph.TrainStep", rec.exe)
             _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}")
             if kind in ("step", "last"):
                 self.optimizer.next_hyper()
@@ -381,9 +450,13 @@ class TrainStep:
         _check_one_signature(batches, where)
         t0 = time.perf_counter()
         k = len(batches)
+        self._require_open()
         rec, recorded = self._lookup(batches[0], "step", k)
         record_seconds = time.perf_counter() - t0 if recorded else 0.0
+        check_values_reachable(where, rec.exe)
         first = self.optimizer.step_count + 1
+        for j in range(k):  # every step's learning rate checked before the first one is counted
+            self.optimizer.lr_at(first + j)
         for j, b in enumerate(batches):
             _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}")
             self.optimizer.next_hyper(rec.hypers[j])
@@ -392,6 +465,11 @@ class TrainStep:
         return [PendingStep(self, first + j, [values[j]], norms[j] if norms else None, self.optimizer.schedule(first + j),
                             t0, record_seconds if j == 0 else 0.0, rec, group=k, first=first)
                 for j in range(k)]
+
+    def _require_open(self) -> None:
+        """A step given a runtime that was closed since says so before it counts a step."""
+        if self.runtime is not None:
+            self.runtime.require_open("tilegraph.TrainStep")
 
     def _run(self, rec: _Recorded, fetch) -> list:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
@@ -710,6 +788,8 @@ class EvalStep:
 
     def _lookup(self, batch, n: int) -> tuple[Executable, list]:
         """The graph of ``n`` losses for batches like ``batch``, and each one's input cells."""
+        if not _follows_current([exe for exe, _ in self._cache.values()], self.runtime):
+            self.reset_plans()
         key = (n, _signature(batch))
         if key not in self._cache:
             inputs, losses = [], []
@@ -741,6 +821,7 @@ class EvalStep:
         for i in range(0, len(batches), per_graph):
             chunk = batches[i:i + per_graph]
             exe, inputs = self._lookup(chunk[0], len(chunk))
+            check_values_reachable("tilegraph.EvalStep", exe)
             for ins, b in zip(inputs, chunk):
                 self._calls += 1
                 _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")

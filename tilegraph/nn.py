@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterator
+import numbers
+from typing import Iterator, Mapping
 
 import numpy as np
 
 from tilegraph import ops
+from tilegraph._config import require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
@@ -64,8 +66,27 @@ class Parameter(TileTensor):
 
 
 def _fit(tile, n: int):
-    """A module-wide tile size applied to a dim of size ``n`` (whole dim when it is larger)."""
-    return None if tile is None or tile >= n else tile
+    """A module-wide tile size applied to a dim of size ``n`` (whole dim when it is larger). A
+    tile that is no integer goes on as it is, for the parameter's tiling to name."""
+    if tile is None or isinstance(tile, bool) or not isinstance(tile, numbers.Integral):
+        return tile
+    return None if tile >= n else tile
+
+
+def _check_layer(where: str, dtype=None, **sizes) -> np.dtype | None:
+    """A layer's sizes (integers >= 1) and dtype (a floating one: integer weights would be drawn
+    as zeros and never train), checked where the layer is built; returns the dtype."""
+    for name, value in sizes.items():
+        require_int(where, name, value, 1)
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind != "f":
+        raise TileError(where, "dtype must be a floating dtype (float32, float64, float16)", repr(dtype))
+    return dt
 
 
 def _rng(seed) -> np.random.Generator:
@@ -194,6 +215,9 @@ class Module:
         return {n: v for (n, _), v in zip(named, values)}
 
     def load_state_dict(self, state: dict[str, np.ndarray], strict: bool = True) -> None:
+        if not isinstance(state, Mapping):
+            raise TileError(f"{type(self).__name__}.load_state_dict", "state must be a mapping of parameter names to "
+                            "arrays (as model.state_dict() gives)", f"{type(state).__name__}")
         named = dict(self.named_parameters())
         problems = []
         if strict:
@@ -262,6 +286,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None, out_tile=None,
                  dtype=np.float32, seed=None, init_std: float | None = None, grad_sketch: str | None = None,
                  sketch_ratio: float = 0.2, sketch_seed: int = 0):
+        _check_layer("tilegraph.nn.Linear", dtype, in_features=in_features, out_features=out_features)
         self.grad_sketch, self.sketch_ratio, self.sketch_seed = ops.rmm.check_grad_sketch(
             grad_sketch, sketch_ratio, sketch_seed, "tilegraph.nn.Linear")
         rng = _rng(seed)
@@ -290,6 +315,7 @@ class Linear(Module):
 class Embedding(Module):
     def __init__(self, num_embeddings: int, dim: int, *, tile=None, vocab_tile=None, dtype=np.float32,
                  seed=None, init_std: float = 1.0):
+        _check_layer("tilegraph.nn.Embedding", dtype, num_embeddings=num_embeddings, dim=dim)
         w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
         self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
 
@@ -303,6 +329,7 @@ class Embedding(Module):
 
 class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, tile=None, dtype=np.float32):
+        _check_layer("tilegraph.nn.LayerNorm", dtype, dim=dim)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
         self.bias = Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias else None
@@ -313,6 +340,7 @@ class LayerNorm(Module):
 
 class RMSNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=np.float32):
+        _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
 
@@ -327,6 +355,7 @@ class MLP(Module):
                  tile=None, dtype=np.float32, seed=None, init_std: float | None = None):
         if act not in ("gelu", "gelu_tanh", "relu", "silu"):
             raise TileError("tilegraph.nn.MLP", "act must be gelu, gelu_tanh, relu or silu", repr(act))
+        _check_layer("tilegraph.nn.MLP", dim=dim, hidden=hidden, **({} if out_dim is None else {"out_dim": out_dim}))
         rng = _rng(seed)
         self.act = act
         self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -346,6 +375,7 @@ class SwiGLU(Module):
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, *, tile=None, dtype=np.float32, seed=None,
                  init_std: float | None = None):
+        _check_layer("tilegraph.nn.SwiGLU", dim=dim, hidden=hidden)
         rng = _rng(seed)
         self.gate = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.up = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -366,7 +396,8 @@ class CausalSelfAttention(Module):
                  rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=np.float32, seed=None,
                  init_std: float | None = None):
         where = "tilegraph.nn.CausalSelfAttention"
-        n_kv_heads = n_kv_heads or n_heads
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        _check_layer(where, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
         if dim % n_heads:
             raise TileError(where, "n_heads must divide dim", f"dim={dim}, n_heads={n_heads}")
         if n_heads % n_kv_heads:

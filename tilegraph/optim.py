@@ -313,6 +313,7 @@ class Optimizer:
                             f"{len(frozen)} parameters, all frozen (requires_grad=False)")
         self.params = params
         self.schedule = lr if callable(lr) else constant(float(lr))
+        self.lr_at(1)  # a schedule that gives no learning rate fails here, not at the first step
         self.clip_grad_norm = clip_grad_norm
         self.step_count = 0
         self.hyper = Cell(np.zeros(2, np.float64), (2,), np.float64, token="hyper")
@@ -323,11 +324,21 @@ class Optimizer:
     def lr(self) -> float:
         return self.schedule(max(self.step_count, 1))
 
+    def lr_at(self, step: int) -> float:
+        """The schedule's learning rate of update ``step``, checked: a schedule of the user's own
+        (a lambda decaying linearly, run past its end) may give a negative or NaN rate, which the
+        update would apply silently (a NaN loss one step later, named as the loss's fault)."""
+        lr = self.schedule(step)
+        if not _NON_NEGATIVE[0](lr):
+            raise TileError(f"tilegraph.optim.{type(self).__name__}", "the learning-rate schedule (lr=) must give a "
+                            "finite number >= 0 at every step", f"lr({step}) = {lr!r}")
+        return float(lr)
+
     def next_hyper(self, cell: Cell | None = None) -> None:
         """Advance the step counter and publish this step's scalars to the hyper cell (or to
         ``cell``: the hyper cell of one step of several recorded in one graph)."""
+        lr = self.lr_at(self.step_count + 1)  # checked before the step is counted
         self.step_count += 1
-        lr = self.schedule(self.step_count)
         (cell or self.hyper).set(np.array([lr, self.step_count], np.float64),
                                  token=f"hyper-{self.step_count}-{lr!r}")
 

@@ -148,7 +148,7 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
     (ax_lr or ax).set_xlabel("step")
 
     if path is not None:
-        path = Path(path)
+        path = _png_path(path)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
         try:
             fig.savefig(tmp)
@@ -156,6 +156,21 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
         finally:
             tmp.unlink(missing_ok=True)
     return fig
+
+
+def _png_path(path) -> Path:
+    """``plot_training``'s ``path``: a file in an existing folder (a folder given for it would
+    fail only at the rename, with the temporary file's name in Python's error)."""
+    where = "tilegraph.plotting.plot_training"
+    if not isinstance(path, (str, os.PathLike)):
+        raise TileError(where, "path must be a file name (str or os.PathLike) or None", repr(path))
+    path = Path(path)
+    if path.is_dir():
+        raise TileError(where, "path must name the PNG file to write, not a folder (e.g. FOLDER/loss.png)",
+                        f"path={str(path)!r}: a folder")
+    if not path.parent.is_dir():
+        raise TileError(where, "path's folder must exist", f"path={str(path)!r}: no folder {str(path.parent)!r}")
+    return path
 
 
 # ----------------------------------------------------------------------------- TensorBoard ----

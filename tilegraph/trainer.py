@@ -294,7 +294,16 @@ class Trainer:
         if self.token_data:
             return (self.data.batch_offsets(step, self.batch_size),)
         batch = self.data(step)
-        return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        arrays = tuple(np.asarray(a) for a in batch)
+        for n, (a, array) in enumerate(zip(batch, arrays)):
+            # None, a dict, ragged lists: NumPy makes an object array of them, which would fail
+            # deep inside the recording (or as a missing argument of loss_fn)
+            if array.dtype.kind not in "biuf":
+                raise TileError("tilegraph.Trainer.fit", "data(step) must return an array of numbers, or a tuple "
+                                "of them (the arguments of loss_fn after the model)",
+                                f"data({step}) item {n}: {_short_repr(a)} ({type(a).__name__})")
+        return arrays
 
     def _tokens(self, batch) -> int:
         if self.token_data:
@@ -313,6 +322,8 @@ class Trainer:
         where = "tilegraph.Trainer.evaluate"
         if self._eval is None:
             raise TileError(where, "needs eval_data", "eval_data=None")
+        if self.runtime is not None:
+            self.runtime.require_open(where)
         n = self.eval_batches if batches is None else batches
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise TileError(where, "batches (or eval_batches) must be an int >= 1", repr(n))
@@ -331,8 +342,11 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def fit(self, steps: int) -> FitResult:
         """Run ``steps`` optimizer steps (continuing from the optimizer's step count)."""
-        if not isinstance(steps, int) or steps < 1:
-            raise TileError("tilegraph.Trainer.fit", "steps must be a positive int", repr(steps))
+        where = "tilegraph.Trainer.fit"
+        require_int(where, "steps", steps, 1)  # NumPy's integers too (a count computed with NumPy); no bool
+        steps = int(steps)
+        if self.runtime is not None:  # closed after this trainer was built: say so before anything starts
+            self.runtime.require_open(where)
         start = self.optimizer.step_count
         result = FitResult(0, [])
         bar = _progress(steps, self.progress)
@@ -393,8 +407,10 @@ class Trainer:
 
         def run(i: int) -> None:
             """Steps ``i`` to ``end``."""
-            first = self._batch(i)  # asked for once: a data callable may be a stream
-            per_graph = self._steps_per_graph(first)
+            # each step's batch is asked for once (a data callable may be a stream): those asked
+            # for ahead of their group wait here
+            ahead = {i: self._batch(i)}
+            per_graph = self._steps_per_graph(ahead[i])
             waiting = []  # (step, pending, batch) submitted but not finished
             while i <= end and not self._stop:
                 # this group: up to the next step the loop waits at, cut into near-equal groups
@@ -402,8 +418,13 @@ class Trainer:
                 stop = next(j for j in range(i, end + 1) if waits(j))
                 size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
                 group = range(i, min(stop, i + size - 1) + 1)
-                batches = [first if j == group[0] and first is not None else self._batch(j) for j in group]
-                first = None
+                batches = [ahead.pop(j) if j in ahead else self._batch(j) for j in group]
+                # a group is one graph of one batch signature: a batch of other shapes (a data
+                # callable whose last batch of an epoch is smaller, say) starts the next group
+                sig = self.step.signature(batches[0])
+                cut = next((n for n, b in enumerate(batches) if self.step.signature(b) != sig), len(batches))
+                ahead.update(zip(group[cut:], batches[cut:]))
+                group, batches = group[:cut], batches[:cut]
                 reporting = self.performance_report is not None and report_step in group
                 if reporting:
                     self._start_report(report)
@@ -614,6 +635,7 @@ class Trainer:
         if path is None:
             if self.log_dir is None:
                 return None
+            self.log_dir.mkdir(parents=True, exist_ok=True)  # made when missing, as fit() does
             path = self.log_dir / "loss.png"
         t0 = time.perf_counter()
         # the uniform guess over the model's outputs: the loss a language model starts near

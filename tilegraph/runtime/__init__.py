@@ -173,7 +173,8 @@ class Runtime:
         try:
             yield self
         finally:
-            _CURRENT.remove(self)
+            if self in _CURRENT:  # close() inside the block took it out already
+                _CURRENT.remove(self)
 
     # -- information ----------------------------------------------------------------------------
     @property
@@ -184,7 +185,15 @@ class Runtime:
             return None
 
     def workers(self) -> dict[str, dict]:
+        self.require_open("tilegraph.Runtime.workers")
         return self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def require_open(self, where: str) -> None:
+        """Raise a TileError naming ``where`` when this runtime was closed: its client can ask
+        nothing any more (Dask's own error is "RuntimeError: IOLoop is closed")."""
+        if self.closed:
+            raise TileError(where, "an open runtime: this one was closed (Runtime.close, or the end of its "
+                            "`with` block); connect again with tg.connect(...)", repr(self))
 
     def processors(self) -> dict[str, int]:
         """Worker threads per device class (a worker with a GPU resource counts as GPU)."""
@@ -332,6 +341,7 @@ class Runtime:
         """Kernel/task seconds and task counts summed over all workers (see ``_lower.kernel_stats``)."""
         from tilegraph._lower import kernel_stats
 
+        self.require_open("tilegraph.Runtime.kernel_stats")
         per_worker = self.client.run(kernel_stats, reset)
         total = {"kernel_seconds": 0.0, "task_seconds": 0.0, "tasks": 0, "by_kernel": {}, "by_scope": {}}
         for stats in per_worker.values():
