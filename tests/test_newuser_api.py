@@ -108,9 +108,19 @@ def test_a_step_over_values_of_another_runtime_is_refused_before_it_changes_anyt
     with second_client.as_current():  # two runtimes: a new cell's step under the other one
         with pytest.raises(TileError, match="held by another runtime"):
             tg.TrainStep(model, opt, _mse)(x, y)  # was a WorkerLostError after the step's cells were replaced
+        with pytest.raises(TileError, match=r"^\[tilegraph.compute\] the graph to run on the runtime holding its "
+                           r"values.*held by another runtime"):
+            model.fc1.weight.numpy()  # was a WorkerLostError saying the cluster lost tasks
     assert opt.step_count == 1
     with embedded_runtime.as_current():  # the model is intact where its values live
         assert tg.TrainStep(model, opt, _mse)(x, y) < first
+
+
+def test_compute_on_something_that_is_not_a_runtime():
+    a = tg.from_numpy(np.ones((2, 2), np.float32))
+    with pytest.raises(TileError, match=r"^\[tilegraph.compile\] runtime must be None or a tilegraph Runtime.*"
+                       r"received: runtime='x'"):
+        tg.compute(a * 2, runtime="x")  # was AttributeError: 'str' object has no attribute 'snapshot'
 
 
 # -- learning-rate schedules ----------------------------------------------------------------------
@@ -219,3 +229,22 @@ def test_closing_a_runtime_inside_its_as_current_block(second_client):
     with second_client.as_current():
         second_client.close()  # was ValueError: list.remove(x): x not in list, at the end of the block
     assert tg.runtime.current_runtime() is not second_client
+
+
+# -- found by that pass, fixed after it ------------------------------------------------------------
+def test_an_empty_batch_is_refused_before_the_step_counts(local_scheduler):
+    model, opt = _model_and_opt()
+    x, y = _data()
+    with pytest.raises(TileError, match=r"^\[tilegraph.TrainStep batch\[0\]\] a batch array with at least one "
+                       r"element.*received: shape \(0, 8\)"):
+        tg.TrainStep(model, opt, _mse)(x[:0], y[:0])  # was a step of NaN loss, after its weight decay
+    assert opt.step_count == 0
+
+
+def test_a_batch_that_does_not_fit_loss_fn_names_both(local_scheduler):
+    model, opt = _model_and_opt()
+    x, _ = _data()
+    with pytest.raises(TileError, match=r"loss_fn\(model, \*batch\) to take the model and the batch's 1 array .*"
+                       r"received: _mse\(m, x, y\): missing a required argument: 'y'"):
+        tg.TrainStep(model, opt, _mse)(x)  # was Python's TypeError from inside the recording
+    assert opt.step_count == 0

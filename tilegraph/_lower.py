@@ -58,11 +58,69 @@ def _memory_limit(workers) -> float:
     return float("inf") if workers is None else workers.memory_limit
 
 
-def _require_open(runtime, where: str) -> None:
-    """A runtime that was closed can run nothing (Dask's client would say 'IOLoop is closed')."""
-    if runtime is not None and getattr(runtime, "closed", False):
-        raise TileError(where, "an open runtime: this one was closed (connect again, or leave runtime out to use "
-                        "the current one)", repr(runtime))
+def check_runtime(where: str, runtime) -> None:
+    """``runtime`` is None (the current one, else Dask's local scheduler) or an open Runtime (a
+    closed one's client would say 'IOLoop is closed')."""
+    from tilegraph.runtime import Runtime
+
+    if runtime is not None and not isinstance(runtime, Runtime):
+        raise TileError(where, "runtime must be None or a tilegraph Runtime (rt = tg.connect(...) or "
+                        "tg.connect(\"tcp://scheduler:8786\"))", f"runtime={runtime!r}")
+    if runtime is not None:
+        runtime.require_open(where)
+
+
+def _client_address(client) -> str:
+    """" (scheduler ADDRESS)" of a Dask client, also after it was closed (then from the identity
+    the scheduler gave when it connected); "" where it cannot be told."""
+    addr = getattr(getattr(client, "scheduler", None), "address", None)
+    addr = addr or (getattr(client, "_scheduler_identity", None) or {}).get("address")
+    return f" (scheduler {addr})" if addr else ""
+
+
+def check_values_reachable(where: str, leaves: Sequence[Node], runtime) -> None:
+    """Fail before a graph runs (a step: before it changes anything, its step count or its cells)
+    where a value it reads cannot be had: a parameter that holds none (built under
+    :func:`tilegraph.nn.deferred_init` and never loaded: it would run as None, or read as NaN),
+    or values on the workers of a runtime that was closed (they went with it) or of another
+    runtime than the one the graph runs on (Dask cancels a graph reading another client's
+    futures, "lost dependencies", and a step's parameters would then point to values that never
+    came). ``leaves``: the graph's leaf nodes; ``runtime``: where it runs (None: this process)."""
+    here = None if runtime is None else runtime.client
+    empty: list[str] = []
+    closed: dict[str, int] = {}
+    elsewhere: dict[str, int] = {}
+    for node in leaves:
+        value = node.cell.value
+        if value is None:
+            empty.append(node.cell.token)
+        elif isinstance(value, ValueRef):
+            client = getattr(value.future, "client", None)
+            if getattr(client, "status", None) in ("closing", "closed"):
+                addr = _client_address(client)
+                closed[addr] = closed.get(addr, 0) + 1
+            elif client is not here:
+                addr = _client_address(client)
+                elsewhere[addr] = elsewhere.get(addr, 0) + 1
+    if empty:
+        raise TileError(where, "a value in every tile the graph reads: parameters built without values "
+                        "(tilegraph.nn.deferred_init, Checkpoint.new_model(values=False)) get them from "
+                        "load_state_dict or a checkpoint's load_into / restore before they are computed",
+                        f"{len(empty)} tile{'s' * (len(empty) > 1)} without a value: {', '.join(empty[:4])}"
+                        + (", ..." if len(empty) > 4 else ""))
+    if closed:
+        addr, n = next(iter(closed.items()))
+        raise TileError(where, "the model's values (parameters, optimizer state) on an open runtime: they lived on "
+                        "the workers of a runtime that was closed, and went with it; build the model again, or load "
+                        "a checkpoint (tg.io.load_checkpoint, Trainer.load_checkpoint); next time, take what you "
+                        "need out before closing (tg.io.save_checkpoint, model.state_dict())",
+                        f"{n} tile{'s' * (n > 1)} held by a closed runtime{addr}")
+    if elsewhere:
+        addr, n = next(iter(elsewhere.items()))
+        there = "no runtime (Dask's local scheduler)" if runtime is None else f"{runtime!r}"
+        raise TileError(where, "the graph to run on the runtime holding its values: run it inside "
+                        "`with rt.as_current():` of that runtime (or give runtime=rt)",
+                        f"{n} tile{'s' * (n > 1)} held by another runtime{addr}, the graph runs on {there}")
 
 
 def _check_fits(work: Sequence[Node], limit: float) -> None:
@@ -127,7 +185,7 @@ class Executable:
         from tilegraph.runtime import current_runtime
 
         runtime = runtime if runtime is not None else current_runtime()
-        _require_open(runtime, "tilegraph.compile")
+        check_runtime("tilegraph.compile", runtime)
         self.runtime = runtime
         self.roots = list(roots)
         if fuse is not None and not isinstance(fuse, bool):
@@ -589,8 +647,8 @@ class Executable:
         come as :class:`Fetching` handles (:func:`gather` waits for them) and the call returns at once.
         """
         runtime = runtime if runtime is not None else self.runtime
-        _require_open(runtime, "tilegraph.Executable.run")
-        self._refuse_missing_values(during)
+        check_runtime("tilegraph.Executable.run", runtime)
+        check_values_reachable(during, self.leaves, runtime)
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         call = self._lower_call(runtime)
         source, plain = self._root_sources(call)
@@ -637,38 +695,12 @@ class Executable:
     def _run_locally(self, call: _Call, source: _Sources, out: list) -> list:
         """Run the call in this process (Dask's local scheduler) and fill in ``out``: the first
         replica of each root from its task's result."""
-        self._refuse_remote_values()
         want = sorted({key for (_, proc), (key, _) in source.items() if proc == 0})
         results = dict(zip(want, _local_get(call.layers, want, self._local_threads())))
         for (pos, proc), (key, index) in source.items():
             if proc == 0:
                 out[pos] = results[key] if index is None else results[key][index]
         return out
-
-    def _refuse_missing_values(self, during: str) -> None:
-        """Fail where a leaf holds no value: a parameter built under
-        :func:`tilegraph.nn.deferred_init` and never loaded (it would run as None, or read as NaN)."""
-        empty = [n.cell.token for n in self.leaves if n.cell.value is None]
-        if empty:
-            raise TileError(during, "a value in every tile the graph reads: parameters built without values "
-                            "(tilegraph.nn.deferred_init, Checkpoint.new_model(values=False)) get them from "
-                            "load_state_dict or a checkpoint's load_into / restore before they are computed",
-                            f"{len(empty)} tile{'s' * (len(empty) > 1)} without a value: {', '.join(empty[:4])}"
-                            + (", ..." if len(empty) > 4 else ""))
-
-    def _refuse_remote_values(self) -> None:
-        """Fail where the graph reads values held by a runtime's workers and none was given."""
-        remote = [v for v in (n.cell.value for n in self.leaves) if isinstance(v, ValueRef)]
-        if not remote:
-            return
-        closed = any(getattr(getattr(v.future, "client", None), "status", None) in ("closing", "closed")
-                     for v in remote)
-        raise TileError("tilegraph.compute", "values that live on a runtime's workers need that runtime "
-                        + ("open: the runtime holding them was closed (Runtime.close, or the end of its "
-                           "`with` block); take what you need out before closing it (model.state_dict(), "
-                           "tilegraph.io.save_checkpoint, model.to_hf)" if closed else
-                           "(pass runtime=..., or run inside `with rt.as_current():`)"),
-                        f"{len(remote)} of the graph's values held by a Dask cluster, no runtime")
 
     def _run_on_workers(self, runtime, call: _Call, source: _Sources, out: list, fetch: set[int], wait: bool,
                         during: str) -> list:

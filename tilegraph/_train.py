@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, to_host
-from tilegraph._lower import EXECUTABLE_OPTIONS, Executable, Fetching, config, gather
+from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, check_runtime, check_values_reachable,
+                              config, gather)
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
 from tilegraph.optim import Optimizer
@@ -53,6 +55,9 @@ def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str):
                         f"{', '.join(str(np.shape(a)) for a in batch)}")
     inputs, tensors = [], []
     for i, a in enumerate(batch):
+        if a.size == 0:  # it would record a step of NaN loss and still apply the weight decay
+            raise TileError(f"{where} batch[{i}]", "a batch array with at least one element (no dim of size 0)",
+                            f"shape {a.shape}")
         tiling = Tiling.from_sizes(a.shape, None if batch_tiles is None else batch_tiles[i], where=f"{where} batch[{i}]")
         cells = _unbound_cells(tiling, a.dtype, "unbound")
         inputs.append((tiling, cells))
@@ -87,17 +92,6 @@ def _per_graph(est_seconds: float) -> int:
 COMPILE_OPTIONS = tuple(n for n in EXECUTABLE_OPTIONS if n not in ("runtime", "state_groups", "batch_cells"))
 
 
-def check_runtime(where: str, runtime) -> None:
-    """``runtime`` is None (the current one, else Dask's local scheduler) or a connected Runtime."""
-    from tilegraph.runtime import Runtime
-
-    if runtime is not None and not isinstance(runtime, Runtime):
-        raise TileError(where, "runtime must be None or a tilegraph Runtime (rt = tg.connect(...) or "
-                        "tg.connect(\"tcp://scheduler:8786\"))", f"runtime={runtime!r}")
-    if runtime is not None:
-        runtime.require_open(where)
-
-
 def _follows_current(plans, runtime) -> bool:
     """Whether plans recorded for a step built with ``runtime`` (None: the current runtime) may
     still run. A plan keeps the runtime that was current when it was recorded: one recorded
@@ -111,52 +105,6 @@ def _follows_current(plans, runtime) -> bool:
     now = current_runtime()
     return not any((exe.runtime is None and now is not None) or (exe.runtime is not None and exe.runtime.closed)
                    for exe in plans)
-
-
-def _client_address(client) -> str:
-    """" (scheduler ADDRESS)" of a Dask client, also after it was closed (then from the identity
-    the scheduler gave when it connected); "" where it cannot be told."""
-    addr = getattr(getattr(client, "scheduler", None), "address", None)
-    addr = addr or (getattr(client, "_scheduler_identity", None) or {}).get("address")
-    return f" (scheduler {addr})" if addr else ""
-
-
-def check_values_reachable(where: str, exe: Executable) -> None:
-    """Fail before a step changes anything (its step count, its cells) where the values its graph
-    reads live on the workers of a runtime that was closed (they went with it), or of another
-    runtime than the one the graph runs on: Dask cancels a graph reading another client's
-    futures ("lost dependencies"), and the step's parameters would then point to values that
-    never came."""
-    from tilegraph._graph import ValueRef
-
-    runtime = exe.runtime
-    here = None if runtime is None else runtime.client
-    closed: dict[str, int] = {}
-    elsewhere: dict[str, int] = {}
-    for node in exe.leaves:
-        value = node.cell.value
-        if isinstance(value, ValueRef):
-            client = getattr(value.future, "client", None)
-            if getattr(client, "status", None) in ("closing", "closed"):
-                addr = _client_address(client)
-                closed[addr] = closed.get(addr, 0) + 1
-            elif client is not here:
-                addr = _client_address(client)
-                elsewhere[addr] = elsewhere.get(addr, 0) + 1
-    if closed:
-        addr, n = next(iter(closed.items()))
-        raise TileError(where, "the model's values (parameters, optimizer state) on an open runtime: they lived on "
-                        "the workers of a runtime that was closed, and went with it; build the model again, or load "
-                        "a checkpoint (tg.io.load_checkpoint, Trainer.load_checkpoint); next time, save what you "
-                        "need before closing (tg.io.save_checkpoint, model.state_dict())",
-                        f"{n} tile{'s' * (n > 1)} held by a closed runtime{addr}")
-    if elsewhere:
-        addr, n = next(iter(elsewhere.items()))
-        there = "no runtime (Dask's local scheduler)" if runtime is None else f"{runtime!r}"
-        raise TileError(where, "the step to run on the runtime holding the model's values: run it inside "
-                        "`with rt.as_current():` of that runtime (or give runtime=rt)",
-                        f"{n} tile{'s' * (n > 1)} held by another runtime{addr}, the step runs on "
-                        f"{there}")
 
 
 def check_compile_options(where: str, options: dict) -> None:
@@ -199,6 +147,25 @@ def check_step_arguments(where: str, model, optimizer, loss_fn, batch_tiles, run
                         "(e.g. [(8, None), (8, None)])", f"batch_tiles={batch_tiles!r}")
     check_runtime(where, runtime)
     check_compile_options(where, compile_options)
+
+
+def _loss_of(loss_fn, model, tensors, where: str):
+    """``loss_fn(model, *tensors)``; where the batch does not fit loss_fn's parameters (one array
+    for a loss_fn of two, say) this says so, naming both, instead of Python's TypeError from inside
+    the recording."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says what it says
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(model, *tensors)
+        except TypeError as e:
+            name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+            raise TileError(where, f"loss_fn(model, *batch) to take the model and the batch's {len(tensors)} "
+                            f"array{'s' * (len(tensors) != 1)} (one argument per array the data gives)",
+                            f"{name}{signature}: {e}") from None
+    return loss_fn(model, *tensors)
 
 
 def _check_loss(loss, where: str) -> None:
@@ -299,7 +266,7 @@ class TrainStep:
             for j in range(k):
                 ins, tensors = _batch_inputs(batch, self.batch_tiles, where)
                 with training():  # train-only behaviour (LoRA dropout), also in a recomputed block's backward
-                    loss = self.loss_fn(self.model, *tensors)
+                    loss = _loss_of(self.loss_fn, self.model, tensors, where)
                     _check_loss(loss, where)
                     grads = grad(loss, params, allow_unused=False)
                 norm = None
@@ -416,9 +383,9 @@ class TrainStep:
             rec, recorded = self._lookup(mb, kind)
             if recorded:
                 record_seconds += time.perf_counter() - t1
-            if j == 0:  # every micro-batch's graph reads the same parameters
-                check_values_reachable("tilegraph.TrainStep", rec.exe)
             _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}")
+            if j == 0:  # before the step is counted (every micro-batch's graph reads the same parameters)
+                check_values_reachable("tilegraph.TrainStep", rec.exe.leaves, rec.exe.runtime)
             if kind in ("step", "last"):
                 self.optimizer.next_hyper()
                 values = self._run(rec, range(rec.n_fetch))
@@ -453,12 +420,14 @@ class TrainStep:
         self._require_open()
         rec, recorded = self._lookup(batches[0], "step", k)
         record_seconds = time.perf_counter() - t0 if recorded else 0.0
-        check_values_reachable(where, rec.exe)
         first = self.optimizer.step_count + 1
-        for j in range(k):  # every step's learning rate checked before the first one is counted
-            self.optimizer.lr_at(first + j)
         for j, b in enumerate(batches):
             _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}")
+        # every value and every step's learning rate checked before the first step is counted
+        check_values_reachable(where, rec.exe.leaves, rec.exe.runtime)
+        for j in range(k):
+            self.optimizer.lr_at(first + j)
+        for j in range(k):
             self.optimizer.next_hyper(rec.hypers[j])
         values = self._run(rec, range(rec.n_fetch))
         norms = values[k:rec.n_fetch]
@@ -796,7 +765,7 @@ class EvalStep:
             for _ in range(n):
                 ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
                 with no_grad():  # no backward: nothing for autograd to keep
-                    loss = self.loss_fn(self.model, *tensors)
+                    loss = _loss_of(self.loss_fn, self.model, tensors, "tilegraph.EvalStep")
                 _check_loss(loss, "tilegraph.EvalStep")
                 inputs.append(ins)
                 losses.append(loss.grid.flat[0])
@@ -821,7 +790,6 @@ class EvalStep:
         for i in range(0, len(batches), per_graph):
             chunk = batches[i:i + per_graph]
             exe, inputs = self._lookup(chunk[0], len(chunk))
-            check_values_reachable("tilegraph.EvalStep", exe)
             for ins, b in zip(inputs, chunk):
                 self._calls += 1
                 _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
