@@ -335,7 +335,8 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
                dropout: float = 0.0, *, variant=None, choose: str = "flops", seed=0) -> Module:
     """Replace, in place, every Linear of ``model`` whose name matches one of ``targets`` by a
     :class:`LoRALinear` of ``rank`` and ``alpha`` (default: ``rank``, a scale of 1), freeze every
-    other parameter, and return ``model``.
+    other parameter (but adapters the model already has, which stay as they are), and return
+    ``model``.
 
     ``targets``: module names (``"attn.q"`` matches ``blocks.0.attn.q``, ``blocks.1.attn.q``,
     ...), fnmatch patterns (``"blocks.1.mlp.*"``), or Hugging Face names of the architecture
@@ -352,11 +353,21 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     chosen = _chosen_linears(model, targets, where)
     _check_rank_fits(where, chosen, rank)
     rng = np.random.default_rng(seed)
-    for p in model.parameters():
-        p.requires_grad = False
+    _freeze_base(model)
     for name, (m, setter) in chosen.items():
         _replace(setter, m, LoRALinear(m, rank, alpha, dropout=dropout, variant=variant, choose=choose, seed=rng))
     return model
+
+
+def _freeze_base(model: Module) -> None:
+    """Freeze every parameter of ``model`` but the adapters it already has: adapting more layers
+    (a second :func:`apply_lora`, or :func:`load_adapters` adding one layer at a time) must not
+    freeze the adapters added before, which would silently leave them out of
+    :func:`trainable_parameters`. Those keep their ``requires_grad`` as it is."""
+    adapters = {id(p) for p in _Adapters(model).named.values()}
+    for p in model.parameters():
+        if id(p) not in adapters:
+            p.requires_grad = False
 
 
 def _check_rank_fits(where: str, chosen: dict, rank: int) -> None:
@@ -371,7 +382,8 @@ def _check_rank_fits(where: str, chosen: dict, rank: int) -> None:
 def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: float = 1.0, *, variant=None,
                choose: str = "flops", seed=0) -> Module:
     """Replace, in place, every Linear of ``model`` whose name matches one of ``targets`` (as in
-    :func:`apply_lora`) by a :class:`LoTRLinear`, freeze every other parameter, and return ``model``.
+    :func:`apply_lora`) by a :class:`LoTRLinear`, freeze every other parameter (but adapters the
+    model already has), and return ``model``.
 
     The matched layers are grouped by weight shape: each group of L layers of shape (n, m) shares
     one left factor R (n, rank) and one right factor L (rank, m), both drawn from N(0, 1), and each
@@ -399,8 +411,7 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
             raise TileError(where, f"the ({shape[0]}, {shape[1]}) layers of a group share R and L, so their weights "
                             "must have the same tiles", ", ".join(f"{n} {chosen[n][0].weight.chunks}" for n in names))
     rng = np.random.default_rng(seed)
-    for p in model.parameters():
-        p.requires_grad = False
+    _freeze_base(model)
     for (n, m), names in groups.items():
         w = chosen[names[0]][0].weight
         left = Parameter(rng.standard_normal((n, rank)).astype(w.dtype), (w.chunks[0], None), name="lotr_left")
@@ -422,6 +433,18 @@ def _chosen_linears(model: Module, targets, where: str) -> dict[str, tuple[Modul
         if not hits:
             unmatched.append(target)
         chosen.update((name, (m, s)) for name, m, s in hits)
+    # a target naming layers that have an adapter already: said so, not as a name that matches nothing
+    adapted = {name: type(m).__name__ for name, m, _ in _named_modules(model)
+               if isinstance(m, (LoRALinear, LoTRLinear))}
+    taken = {t: [f"{name} ({kind})" for name, kind in adapted.items() if any(_matches(name, p) for p in patterns[t])]
+             for t in unmatched}
+    if any(taken.values()):
+        names = ", ".join(name for name, _, _ in found) or "none"
+        said = [f"{t!r} matches only layers with an adapter already: {', '.join(hits)}" if hits
+                else f"{t!r} matches nothing" for t, hits in taken.items()]
+        raise TileError(where, f"targets that match Linear layers of the {type(model).__name__} without an adapter "
+                        "(a layer takes one: tilegraph.peft.merge_lora folds the adapters into the weights first); "
+                        f"its Linear layers: {names}", "; ".join(said))
     if unmatched:
         names = ", ".join(name for name, _, _ in found) or "none"
         raise TileError(where, f"targets {unmatched} match no Linear layer of the {type(model).__name__}; its "
@@ -547,8 +570,10 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     stored = (ck.metadata or {}).get("lora") or {}
     groups = (ck.metadata or {}).get("lotr") or []
     if not isinstance(stored, dict) or not isinstance(groups, list) or not (stored or groups):
+        inside = Path(path) / "adapters"  # a checkpoint of tilegraph train: its last one holds them there
+        hint = f" (the adapters of this checkpoint are in {inside})" if (inside / "zarr.json").is_file() else ""
         raise TileError(where, "a folder written by tilegraph.peft.save_adapters",
-                        f"{path} holds no LoRA or LoTR metadata")
+                        f"{path} holds no LoRA or LoTR metadata{hint}")
     convert = _conversion_problems(model, stored, groups)
     if convert:
         raise TileError(where, f"the layers that the adapters in {path} were saved for, in the model",

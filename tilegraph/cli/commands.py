@@ -13,7 +13,7 @@ import numpy as np
 from tilegraph._config import number_check, require_arg
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import load_config, make_tokenizer
-from tilegraph.cli.finetune import (PEFT_FILE, _describe, adapter_settings, load_model,
+from tilegraph.cli.finetune import (PEFT_FILE, _describe, adapter_settings, adapters_only, load_model,
                                     read_peft_record)
 
 
@@ -244,8 +244,12 @@ def _size(path: Path) -> int:
 
 
 def _print_checkpoint(folder: Path) -> None:
+    from tilegraph._errors import TileError
     from tilegraph.io.zarr import load_checkpoint
 
+    if (folder / "adapter_config.json").is_file() and not (folder / "zarr.json").is_file():
+        raise TileError("tilegraph info", "a Zarr checkpoint folder (a Hugging Face peft adapter folder is described "
+                        "by its own adapter_config.json)", f"{folder}, {adapters_only(folder)}")
     ck = load_checkpoint(folder)
     info = ck.info
     model = info.get("model") or {}

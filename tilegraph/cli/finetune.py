@@ -31,6 +31,25 @@ def given_model_keys(cfg: dict, given: dict[str, str]) -> dict:
     return {k: cfg["model"][k] for k in sorted(names - {"init", "recompute"}) if k in cfg["model"]}
 
 
+def check_used_peft_keys(p: dict, given: dict[str, str]) -> None:
+    """[peft] keys given on the command line are keys the run uses: ``--set peft.rank=4`` without
+    an adapter method, say, would train every weight, the rank ignored. (A config file's are not
+    checked: a copy of the shipped config holds every key, whatever the method.)"""
+    from tilegraph._errors import TileError
+    from tilegraph.cli.runs import on_command_line
+
+    used = {*PEFT_METHODS[p["method"]], *(("dropout",) if p["method"] == "lora" else ())}
+    if p["grad_sketch"] != "none":
+        used |= {"sketch_ratio", "sketch_targets"}
+    unused = [given[f"peft.{k}"] for k in p if k not in {"method", "grad_sketch"} | used
+              and on_command_line(given.get(f"peft.{k}", ""))]
+    if unused:
+        raise TileError("tilegraph train [peft]", "settings the run uses: rank, alpha, dropout and targets with "
+                        "method = \"lora\"; rank, scale and targets with \"lotr\"; sketch_ratio and sketch_targets "
+                        "with a grad_sketch",
+                        f"{', '.join(unused)} with method = {p['method']!r}, grad_sketch = {p['grad_sketch']!r}")
+
+
 def adapter_settings(p: dict) -> dict:
     """The settings that fix a run's adapters: method and, for an adapter method, its keys."""
     return {"method": p["method"], **{k: p[k] for k in PEFT_METHODS.get(p["method"], ())}}
@@ -301,6 +320,11 @@ def load_model(folder: Path, where: str):
     from tilegraph import models
     from tilegraph.io.zarr import is_checkpoint
 
+    adapters = adapters_only(folder)
+    if adapters:  # it would fail as a model of an unknown class '_Adapters', or as a folder of neither kind
+        raise TileError(where, "a model: a checkpoint folder (tilegraph train) or a Hugging Face folder; an "
+                        "adapters folder holds the adapters without the model they adapt: "
+                        + adapters_hint(folder), f"{folder}, {adapters}")
     if (folder / "zarr.json").is_file() or not (folder / "config.json").is_file():
         if not folder.exists():
             raise TileError(where, "a checkpoint folder (tilegraph train) or a Hugging Face folder",
@@ -313,3 +337,33 @@ def load_model(folder: Path, where: str):
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
                         f"{folder} holds neither")
     return models.from_hf(folder)
+
+
+def adapters_only(folder: Path, attrs: dict | None = None) -> str | None:
+    """What ``folder`` is when it holds adapters alone (``tilegraph.peft.save_adapters``' Zarr
+    checkpoint, or a Hugging Face peft folder, as ``adapters/`` and ``adapters-peft/`` in the last
+    checkpoint of an adapted run), in words; None for anything else. ``attrs``: the checkpoint's
+    attributes where they have been read (``Checkpoint.info``), else read here."""
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():  # no model beside
+        return "a Hugging Face peft adapter folder (adapter_config.json)"
+    if attrs is None:
+        try:
+            attrs = json.loads((folder / "zarr.json").read_text(encoding="utf-8"))["attributes"]["tilegraph"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return None
+    if not isinstance(attrs, dict) or not isinstance(attrs.get("model"), dict):
+        return None
+    meta = attrs.get("metadata")
+    if isinstance(meta, dict) and (meta.get("lora") or meta.get("lotr")) and attrs["model"].get("class") == "_Adapters":
+        return "the adapters alone (tilegraph.peft.save_adapters)"
+    return None
+
+
+def adapters_hint(folder: Path) -> str:
+    """Where the model of an adapters folder is: the checkpoint it lies in (that of ``tilegraph
+    train``, whose model holds them), else their base, in Python."""
+    parent = folder.resolve().parent
+    if (parent / "zarr.json").is_file() and (parent / PEFT_FILE).is_file():
+        return f"pass the checkpoint that holds it, {parent} (its model with these adapters)"
+    return ("pass the checkpoint of the run that wrote it, or load them onto their base model in Python "
+            "(tilegraph.peft.load_adapters)")

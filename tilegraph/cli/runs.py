@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tilegraph._errors import TileError
 from tilegraph.cli.config import check_config
-from tilegraph.cli.finetune import (SKETCH_FILE, SKETCH_KEYS, _describe, adapter_settings, read_peft_record,
-                                    read_sketch_record, sketch_settings)
+from tilegraph.cli.finetune import (SKETCH_FILE, SKETCH_KEYS, _describe, adapter_settings, adapters_hint,
+                                    adapters_only, read_peft_record, read_sketch_record, sketch_settings)
 
 
 # ---------------------------------------------------------------------------- the folder ----
@@ -171,7 +171,13 @@ def open_resume(resume: str) -> Resume:
                         f"format resumes in Python (tilegraph.Trainer.load_checkpoint), or `tilegraph convert "
                         f"{resume} NEW` writes its weights as one to start a new run from (--init NEW)",
                         f"{resume}: a Hugging Face folder with trainer_state.json (the earlier format)")
-    ck = load_checkpoint(resume)
+    ck = None if (folder / "adapter_config.json").is_file() else load_checkpoint(resume)  # its metadata read once
+    adapters = adapters_only(folder, ck.info if ck is not None else None)
+    if adapters:  # else named as a model of an unknown class '_Adapters', or as no checkpoint at all
+        raise TileError(where, "a checkpoint of tilegraph train (its model, optimizer state and step); an adapters "
+                        "folder holds the adapters alone: " + adapters_hint(folder), f"{resume}, {adapters}")
+    if ck is None:  # a peft folder with a model beside it (config.json): named as no checkpoint
+        ck = load_checkpoint(resume)
     return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where))
 
 

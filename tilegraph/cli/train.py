@@ -16,8 +16,8 @@ from tilegraph.runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
-                                    given_model_keys, init_model, peft_record, resume_model, resume_settings,
-                                    sketch_settings)
+                                    check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
+                                    resume_settings, sketch_settings)
 from tilegraph.cli.runs import (check_output, diverged, given_settings, keep_branch_point, latest_checkpoint,
                                 keep_architecture, output_folder, plan_resume, resume_command, take_output)
 
@@ -86,6 +86,7 @@ def _train(args, job: Job) -> int:
         rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
     # the checkpoint to resume from, read once here and handed on
     resume, steps = plan_resume(args.resume, cfg, given, source) if args.resume else (None, int(t["steps"]))
+    check_used_peft_keys(cfg["peft"], given)  # after --resume has brought the run's method
     out, out_named_by = output_folder(args.out, o["dir"], given, args.resume)
     tokenizer = make_tokenizer(d["tokenizer"])
     # bad model and adapter settings fail before any work
@@ -134,7 +135,7 @@ def _train(args, job: Job) -> int:
             rt.scatter_cells([c for _, m, _ in tg.peft._named_modules(model)
                               if isinstance(getattr(m, "weight", None), tg.peft.QuantizedTensor)
                               for c in m.weight.cells])
-        print(f"tilegraph train: {type(model).__name__} ({source}), {model.num_parameters():,} parameters"
+        print(f"tilegraph train: {type(model).__name__} ({source}), {count_parameters(model)}"
               f"{describe_start(model, p, init, quantized_base)}; {meta['count']:,} tokens from "
               f"{_plural(len(sources), 'source')}; batch {t['batch_size']} x {d['seq_len']}, {_plural(steps, 'step')}",
               flush=True)
@@ -194,6 +195,16 @@ def _train(args, job: Job) -> int:
     if sample:
         print(f"sample (top-k 10, temperature 0.8): {sample!r}")
     return 0
+
+
+def count_parameters(model) -> str:
+    """The model's parameter count, in words: its quantized Linear weights (a quantized base) are
+    no Parameters, so ``num_parameters`` leaves them out, and are counted here, named as such."""
+    from tilegraph import peft
+
+    quantized = sum(q.size for _, q in peft.named_quantized(model))
+    total = f"{model.num_parameters() + quantized:,} parameters"
+    return f"{total} ({quantized:,} of them quantized)" if quantized else total
 
 
 def describe_start(model, p: dict, init: str, quantized_base: bool) -> str:
