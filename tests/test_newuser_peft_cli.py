@@ -161,3 +161,13 @@ def test_train_counts_the_quantized_weights_of_its_base(tmp_path, capsys, monkey
     adapters = 2 * 2 * (32 * 8 + 8 * 32)  # attn.q and attn.v of 2 blocks, rank 8
     want = f"{base.num_parameters() + adapters:,} parameters ({quantized:,} of them quantized)"
     assert want in out, out
+
+
+def test_an_output_folder_past_step_999999_suggests_its_newest_checkpoint(tmp_path):
+    from tilegraph.cli.runs import check_output
+
+    for name in ("step-999999", "step-1000000"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    with pytest.raises(TileError, match=r"checkpoints step-999999\.\.step-1000000\): pass --resume CHECKPOINT .*"
+                       r"step-1000000 continues it"):
+        check_output(tmp_path, None, 10)

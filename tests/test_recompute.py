@@ -181,3 +181,12 @@ def test_a_checkpointed_block_inside_no_grad_runs_as_it_is():
     with tg.no_grad():
         y = tg.checkpoint(block, x)
     np.testing.assert_array_equal(y.numpy(), block(x).numpy())
+
+
+def test_checkpoint_takes_torchs_use_reentrant_keyword():
+    block = tg.nn.MLP(4, 8, seed=0, dtype=np.float64)
+    x = tg.from_numpy(np.ones((2, 4)))
+    (gx,) = tg.grad(tg.checkpoint(block, x, use_reentrant=False).sum(), [x])  # torch code as written for it
+    np.testing.assert_allclose(gx.numpy(), tg.grad(block(x).sum(), [x])[0].numpy())
+    with pytest.raises(tg.TileError, match=r"use_reentrant=False .*received: use_reentrant=True"):
+        tg.checkpoint(block, x, use_reentrant=True)

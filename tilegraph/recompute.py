@@ -79,7 +79,7 @@ class Checkpoint(Op):
 _CHECKPOINT = Checkpoint()
 
 
-def checkpoint(fn: Callable[..., TileTensor], *args: Any) -> TileTensor:
+def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = False) -> TileTensor:
     """``fn(*args)``, whose backward recomputes ``fn``'s forward from ``args`` instead of reading
     the activations of its first run (activation recompute, gradient checkpointing).
 
@@ -87,6 +87,8 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any) -> TileTensor:
     weights): they get their gradients as if ``fn`` had been called directly. ``fn`` must record
     the same graph when called again: no state that changes between calls (a KV cache, a Python
     counter feeding a random seed). Arguments that are not TileTensors are passed on as they are.
+    ``use_reentrant``: torch's keyword, for code written for it; the recompute is always what
+    torch calls non-reentrant (False, torch's recommendation), and True is refused.
 
     >>> import numpy as np, tilegraph as tg
     >>> block = tg.nn.MLP(4, 8, seed=0, dtype=np.float64)
@@ -96,6 +98,9 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any) -> TileTensor:
     True
     """
     where = "tilegraph.checkpoint"
+    if use_reentrant is not False:
+        raise TileError(where, "use_reentrant=False (torch's keyword: the recompute here is always the "
+                        "non-reentrant kind)", f"use_reentrant={use_reentrant!r}")
     if not callable(fn):
         raise TileError(where, "fn must be callable (a module, or a function of TileTensors)", type(fn).__name__)
     if not _autograd.grad_enabled():  # no backward to recompute for (tilegraph.no_grad: inference)

@@ -76,7 +76,9 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
     returns the step of the ``resume`` checkpoint (None without one)."""
     ckdir = out / "checkpoints"
-    found = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-")) if ckdir.is_dir() else []
+    # by step, not by name: past step 999999 the names grow a digit ("step-1000000" < "step-999999")
+    found = sorted((p.name for p in ckdir.iterdir() if p.name.startswith("step-")),
+                   key=lambda n: (len(n), n)) if ckdir.is_dir() else []
     if resume is None:
         if found:
             what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
