@@ -80,13 +80,20 @@ def _lm_trainer(model, opt, rt=None, **kw):
                       progress=False, steps_per_graph=1, **kw)
 
 
-def test_exact_resume_in_this_process_and_the_optimizer_state(tmp_path):
+def _straight_and_saved(path, steps: int):
+    """The debug GPT-2 trained ``2 * steps`` steps straight, and the optimizer of another trained
+    ``steps`` steps and saved with it at ``path``."""
     straight = models.build("gpt2-debug", seed=0)
-    _lm_trainer(straight, _adamw(straight)).fit(8)
+    _lm_trainer(straight, _adamw(straight)).fit(2 * steps)
     first = models.build("gpt2-debug", seed=0)
     opt = _adamw(first)
-    _lm_trainer(first, opt).fit(4)
-    tg.io.save_checkpoint(tmp_path / "ck", first, opt)
+    _lm_trainer(first, opt).fit(steps)
+    tg.io.save_checkpoint(path, first, opt)
+    return straight, opt
+
+
+def test_exact_resume_in_this_process_and_the_optimizer_state(tmp_path):
+    straight, opt = _straight_and_saved(tmp_path / "ck", 4)
     for tiling in (None, ModelTiling(feature=16, vocab=48)):
         ck = tg.io.load_checkpoint(tmp_path / "ck", tiling=tiling)
         second = ck.model
@@ -104,12 +111,7 @@ def test_exact_resume_in_this_process_and_the_optimizer_state(tmp_path):
 def test_a_model_built_to_be_restored_draws_no_weights_and_resumes_exactly(tmp_path):
     # tilegraph train --resume builds the checkpoint's model without initial values (GPT-2 124M
     # drew ~3 s of random weights there, all overwritten) and restores it
-    straight = models.build("gpt2-debug", seed=0)
-    _lm_trainer(straight, _adamw(straight)).fit(6)
-    first = models.build("gpt2-debug", seed=0)
-    opt = _adamw(first)
-    _lm_trainer(first, opt).fit(3)
-    tg.io.save_checkpoint(tmp_path / "ck", first, opt)
+    straight, _ = _straight_and_saved(tmp_path / "ck", 3)
     ck = tg.io.load_checkpoint(tmp_path / "ck")
     second = ck.new_model(values=False)
     assert all(c.value is None for p in second.parameters() for c in p.cells.flat)
