@@ -107,31 +107,61 @@ def penalize_repetition(logits, ids, penalty: float) -> np.ndarray:
 
 
 def find_stop(text: str, stop) -> int | None:
-    """Where ``text`` ends if cut after the first of the ``stop`` strings to be completed in it
-    (the stop string kept), or None when none occurs.
+    """Where ``text`` ends if cut after the first of the ``stop`` strings (one string or a list
+    of them, as :func:`generate` takes; None: none) to be completed in it (the stop string
+    kept), or None when none occurs.
 
     >>> find_stop("x = 1\\n\\ny = 2\\n", ["\\n\\n", "y"])
     7
+    >>> find_stop("x = 1\\ny\\n\\n", "\\n\\n")   # one string is one stop string, not its characters
+    9
     >>> find_stop("x = 1", ["\\n"]) is None
     True
     """
-    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    where = "tilegraph.models.generate.find_stop"
+    if not isinstance(text, str):
+        raise TileError(where, "text must be a str (tokenizer.decode's)", type(text).__name__)
+    if stop is None:
+        return None
+    stops = _as_stops(where, stop)
+    ends = [i + len(s) for s in stops if (i := text.find(s)) >= 0]
     return min(ends) if ends else None
+
+
+def _as_stops(where: str, stop) -> tuple[str, ...]:
+    """``stop`` (a string or a list of them) as a tuple of non-empty strings. A bare string is
+    one stop string: iterated, it would be its characters, each a stop string of its own."""
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise TileError(where, "stop must be a non-empty string or a list of them", repr(stop))
+    return tuple(stops)
+
+
+def _continuation(tokenizer, prompt_ids, new_ids, prompt_text: str | None = None) -> str:
+    """The text ``new_ids`` add after ``prompt_ids``: the two decoded together, less the text of
+    the prompt (``prompt_text``, decoded here when None). Tokenizers that put a word's leading
+    space on its token (SentencePiece's "▁", Llama's) drop that space at the start of a text:
+    decoded alone, new ids that begin a word would lose the space between the prompt and them.
+    Where the prompt's text is not a prefix of the whole, the new ids are decoded alone."""
+    if prompt_text is None:
+        prompt_text = tokenizer.decode(prompt_ids)
+    whole = tokenizer.decode(np.concatenate([np.asarray(prompt_ids), np.asarray(new_ids)]))
+    if whole.startswith(prompt_text):
+        return whole[len(prompt_text):]
+    return tokenizer.decode(new_ids)
 
 
 def _check_stop(where: str, stop, tokenizer, fill) -> tuple[str, ...]:
     if stop is None:
         return ()
-    stops = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise TileError(where, "stop must be a non-empty string or a list of them", repr(stop))
+    stops = _as_stops(where, stop)
     if stops and not callable(getattr(tokenizer, "decode", None)):
         raise TileError(where, "stop strings need the tokenizer that decodes the ids (tokenizer=...)",
                         f"tokenizer={tokenizer!r}")
     if stops and fill is None:
         raise TileError(where, "stop strings need eos_id or pad_id: the id that fills a row after it stopped",
                         "eos_id=None, pad_id=None")
-    return tuple(stops)
+    return stops
 
 
 def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", temperature: float = 1.0,
@@ -158,7 +188,11 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
         raise TileError(where, "logits must be finite", f"{int((~np.isfinite(logits)).sum())} entries are not")
     if strategy == "greedy":
         return np.argmax(logits, axis=-1).astype(np.int64)
-    z = logits.astype(np.float64) / float(temperature)
+    # the best logit made 0 before the division: logits / a tiny temperature could overflow to
+    # inf, and inf - inf below is NaN, which picked a token at random instead of the best one
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # a logit far below the best is -inf: probability 0, as it should be
+        z = (z - z.max(axis=-1, keepdims=True)) / float(temperature)
     order = np.argsort(-z, axis=-1, kind="stable")             # best first; ties by token id
     zs = np.take_along_axis(z, order, axis=-1)
     p = np.exp(zs - zs[:, :1])
@@ -319,10 +353,11 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     the row's prompt and the tokens generated so far before any other step, for every strategy.
 
     A row ends when it produces ``eos_id`` (that token kept), or when the text its new tokens
-    decode to (``tokenizer.decode``; the prompt is not searched) contains one of the ``stop``
-    strings (a string or a list). A stopped row keeps the token that completed the stop string,
-    so its text holds the stop string whole, and may run past it by the rest of that token:
-    ``text[:find_stop(text, stop)]`` cuts it right after the stop string (:func:`find_stop`).
+    add after the prompt's (``tokenizer.decode`` of both, less the prompt's text; the prompt is
+    not searched) contains one of the ``stop`` strings (a string or a list). A stopped row
+    keeps the token that completed the stop string, so its text holds the stop string whole,
+    and may run past it by the rest of that token: ``text[:find_stop(text, stop)]`` cuts it
+    right after the stop string (:func:`find_stop`).
     Later positions of an ended row hold ``pad_id`` (default ``eos_id``; stop strings need one
     of the two), and generation stops once all rows have ended (Hugging Face's ``generate``
     with ``pad_token_id``, padded to full length). P + N may not exceed the model's
@@ -334,7 +369,12 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     _check_sampling(where, strategy, temperature, top_k, top_p)
     _check_penalty(where, repetition_penalty)
     cfg = model.config
-    prompt = np.asarray(prompt_ids)
+    try:
+        prompt = np.asarray(prompt_ids)
+    except ValueError:  # rows of different lengths: NumPy's message names no argument
+        lengths = [len(r) if hasattr(r, "__len__") else "a scalar" for r in prompt_ids]
+        raise TileError(where, "prompt_ids rows of one length (a batch decodes its rows in step; generate "
+                        "prompts of different lengths one call each)", f"rows of lengths {lengths}") from None
     if prompt.ndim == 1:
         prompt = prompt[None]
     if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[0] < 1 or prompt.shape[1] < 1:
@@ -367,6 +407,8 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     done = np.zeros(b, dtype=bool)
     seen = np.zeros((b, cfg.vocab_size), dtype=bool)   # (B, V): tokens the penalty applies to
     seen[rows[:, None], prompt] = True
+    # the text a row's new tokens add is decoded after its prompt's (see _continuation)
+    prompt_texts = [tokenizer.decode(row) for row in prompt] if stops else []
     with Decoder(model, runtime=runtime, cache_block=cache_block) as dec:
         logits = dec.feed(prompt)
         for i in range(max_new_tokens):
@@ -380,7 +422,8 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
             if eos_id is not None:
                 done |= tok == eos_id
             for r in np.flatnonzero(~done) if stops else ():
-                done[r] = find_stop(tokenizer.decode(out[r, p:p + i + 1]), stops) is not None
+                text = _continuation(tokenizer, prompt[r], out[r, p:p + i + 1], prompt_texts[r])
+                done[r] = find_stop(text, stops) is not None
             if done.all():
                 out[:, p + i + 1:] = fill
                 break

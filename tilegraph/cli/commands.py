@@ -17,9 +17,12 @@ from tilegraph.cli.finetune import (PEFT_FILE, _describe, adapter_settings, adap
                                     read_peft_record)
 
 
-def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph generate"):
+def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph generate", *,
+                   eos_from_config: bool = False):
     """The tokenizer of a checkpoint: ``override`` (byte, or a BPE JSON path), else what
-    ``tilegraph train`` recorded in the folder, else an HF ``tokenizer.json`` there."""
+    ``tilegraph train`` recorded in the folder, else an HF ``tokenizer.json`` there; with
+    ``eos_from_config`` (generate: a row ends at it) that one's end-of-text token is the
+    ``eos_token_id`` of the folder's ``generation_config.json`` or ``config.json``."""
     from tilegraph._errors import TileError
     from tilegraph.io import BPETokenizer, tokenizer_from_description
 
@@ -35,9 +38,28 @@ def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph g
         bpe = folder / "bpe_tokenizer.json"
         return tokenizer_from_description(desc, bpe if bpe.is_file() else None)
     if (folder / "tokenizer.json").is_file():
-        return BPETokenizer.load(folder / "tokenizer.json", eos=None)
+        tokenizer = BPETokenizer.load(folder / "tokenizer.json", eos=None)
+        eos = _config_eos(folder, tokenizer) if eos_from_config else None
+        return tokenizer if eos is None else BPETokenizer.load(folder / "tokenizer.json", eos=eos)
     raise TileError(where, "a tokenizer: tilegraph_tokenizer.json or tokenizer.json in the "
                     "checkpoint folder, or --tokenizer byte|PATH", str(folder))
+
+
+def _config_eos(folder: Path, tokenizer) -> str | None:
+    """The end-of-text token of a Hugging Face folder, as ``transformers``' generate finds it:
+    ``eos_token_id`` in ``generation_config.json``, else in ``config.json`` (the first of a list);
+    None when neither names one the tokenizer knows. Without it, generation ran past a GPT-2's
+    ``<|endoftext|>`` into the next, unrelated document (the token itself decodes to nothing)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue  # absent or unreadable: the model's loader names a bad config.json
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < tokenizer.vocab_size:
+            return tokenizer._tok.id_to_token(eos)
+    return None
 
 
 def unescape(text: str) -> str:
@@ -48,18 +70,20 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
-def stopped_text(tokenizer, new_ids, stops) -> tuple[str, int]:
-    """The text of ``new_ids`` cut right after the first stop string completed in it (as
-    :func:`tilegraph.models.generate.find_stop`), and how many ids made it; all of them when no
-    stop string occurs."""
-    from tilegraph.models.generate import find_stop
+def stopped_text(tokenizer, new_ids, stops, prompt_ids=()) -> tuple[str, int]:
+    """The text of ``new_ids`` (after ``prompt_ids``, as generate decodes it) cut right after the
+    first stop string completed in it (as :func:`tilegraph.models.generate.find_stop`), and how
+    many ids made it; all of them when no stop string occurs."""
+    from tilegraph.models.generate import _continuation, find_stop
 
+    prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+    prompt_text = tokenizer.decode(prompt_ids)
     for k in range(1, len(new_ids) + 1) if stops else ():
-        text = tokenizer.decode(new_ids[:k])
+        text = _continuation(tokenizer, prompt_ids, new_ids[:k], prompt_text)
         end = find_stop(text, stops)
         if end is not None:
             return text[:end], k
-    return tokenizer.decode(new_ids), len(new_ids)
+    return _continuation(tokenizer, prompt_ids, new_ids, prompt_text), len(new_ids)
 
 
 def check_vocabulary(model, tokenizer, folder: Path, where: str, decodes: bool) -> None:
@@ -123,26 +147,40 @@ def cmd_generate(args) -> int:
     from tilegraph.models.generate import generate
 
     options = generate_options(args)  # first: wrong flags are named before any work
+    where = "tilegraph generate"
+    stops = [unescape(s) for s in args.stop or []]
+    if "" in stops:  # named as the flag (generate() would name its own argument, a list)
+        raise tg.TileError(where, "--stop strings of at least one character", "--stop ''")
     folder = Path(args.checkpoint)
-    model = load_model(folder, "tilegraph generate")  # first: a wrong path is named as one, not as a missing tokenizer
-    tokenizer = load_tokenizer(folder, args.tokenizer)
+    model = load_model(folder, where)  # first: a wrong path is named as one, not as a missing tokenizer
+    tokenizer = load_tokenizer(folder, args.tokenizer, eos_from_config=True)
     prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
     if prompt.size == 0:
-        raise tg.TileError("tilegraph generate", "a non-empty prompt", repr(args.prompt))
-    check_vocabulary(model, tokenizer, folder, "tilegraph generate", decodes=True)
-    n = args.max_new_tokens
+        raise tg.TileError(where, "a non-empty prompt", repr(args.prompt))
+    check_vocabulary(model, tokenizer, folder, where, decodes=True)
+    n, limit = args.max_new_tokens, model.config.max_seq_len
+    room = limit - prompt.size
+    # named as the flags, before any work (generate() would name its own arguments)
+    no_room = tg.TileError(where, f"a --prompt of fewer tokens than the model's max_seq_len={limit} (room for new "
+                           "ones)", f"{prompt.size} tokens")
     if n is None:
-        n = min(64, model.config.max_seq_len - prompt.size)
+        n = min(64, room)
         if n < 1:
-            raise tg.TileError("tilegraph generate", f"a --prompt of fewer tokens than the model's max_seq_len="
-                               f"{model.config.max_seq_len} (room for new ones)", f"{prompt.size} tokens")
-    stops = [unescape(s) for s in args.stop or []]
+            raise no_room
+    elif n > room:
+        if room < 1:
+            raise no_room
+        raise tg.TileError(where, f"--max-new-tokens of at most {room}: the model's max_seq_len={limit} less the "
+                           f"--prompt's {prompt.size} tokens", f"--max-new-tokens={n}")
     eos = getattr(tokenizer, "eos_id", None)
     with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
         # the ids after a stop string are cut off below: any pad id will do
         ids = generate(model, prompt[None, :], n, eos_id=eos, stop=stops or None, tokenizer=tokenizer,
                        pad_id=0 if stops and eos is None else None, runtime=rt, **options)
-    text, kept = stopped_text(tokenizer, ids[0, prompt.size:], stops)
+    new = ids[0, prompt.size:]
+    if eos is not None and (new == eos).any():  # the ids after the end of text are padding (eos again)
+        new = new[:int(np.argmax(new == eos)) + 1]
+    text, kept = stopped_text(tokenizer, new, stops, prompt)
     print(tokenizer.decode(prompt) + text)
     if args.ids:
         print(" ".join(map(str, ids[0, :prompt.size + kept].tolist())))
@@ -191,6 +229,14 @@ def cmd_eval(args) -> int:
             raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
                             f"{seq_len + 1} tokens", f"{meta['count']:,} tokens from {len(sources)} source(s)")
         ds = TokenDataset(Path(tmp) / "tokens.bin", seq_len, split=split, val_fraction=val_fraction)
+        # the default corpus is read in its validation part only (5% of it), which may hold fewer
+        # windows (eval_offsets' error named the temporary token file and batch_size, no flag)
+        if ds.num_eval_windows < batch_size:
+            raise TileError(where, f"{what} to hold --batch-size={batch_size} windows of --seq-len={seq_len} "
+                            f"tokens ({batch_size} x {seq_len} + 1 = {batch_size * seq_len + 1:,} tokens; or a "
+                            "smaller --batch-size or --seq-len)",
+                            f"{ds.hi - ds.lo:,} tokens, {ds.num_eval_windows:,} window(s), from {len(sources)} "
+                            "source(s)")
         batches = ds.eval_offsets(batch_size, args.batches)
         windows = len(batches) * batch_size
         print(f"tilegraph eval: {type(model).__name__} ({model.num_parameters():,} parameters) from {folder}; "
