@@ -103,11 +103,16 @@ def _meta_path(path: Path) -> Path:
 
 
 def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
-                     patterns: Sequence[str] | str = DEFAULT_PATTERNS, append_eos: bool = True) -> dict:
+                     patterns: Sequence[str] | str = DEFAULT_PATTERNS, append_eos: bool = True,
+                     max_bytes: int | None = None) -> dict:
     """Tokenize text ``sources`` (files or folders, see :func:`find_sources`) into ``out_path``: a
     flat file of ``tokenizer.dtype`` ids, and ``out_path + ".json"`` describing it. Files are
     concatenated in order, each followed by the end-of-text token when the tokenizer has one and
     ``append_eos``. Returns the sidecar's content.
+
+    ``max_bytes`` (None: no limit) reads at most that much UTF-8 text: the file that reaches it is
+    cut there (at a character boundary; its sidecar entry says ``"cut": true``) and the files after
+    it are not read (the sidecar's ``"files_left_out"`` counts them).
 
     Nothing is written under the final names unless every file was read and tokenized: an empty
     corpus, a file that is not UTF-8 text, or a missing path raises a TileError and leaves any
@@ -126,6 +131,9 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
         raise TileError(where, "the output's parent folder must exist", str(out))
     if out.is_dir():
         raise TileError(where, "the output must be a file path, not a folder", str(out))
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer))
+                                  or max_bytes < 1):
+        raise TileError(where, "max_bytes must be None or an int >= 1", repr(max_bytes))
     files = find_sources(sources, patterns, where=where)
     dtype = tokenizer.dtype
     eos = tokenizer.eos_id if append_eos else None
@@ -133,11 +141,18 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
     tmp_data = out.with_name(f".{out.name}.{tag}.tmp")
     tmp_meta = out.with_name(f".{out.name}.json.{tag}.tmp")
     src_hash, tok_hash = hashlib.sha256(), hashlib.sha256()
-    listing, count, text_chars = [], 0, 0
+    listing, count, text_chars, read_bytes = [], 0, 0, 0
     try:
         with open(tmp_data, "wb") as f:
             for path in files:
+                if max_bytes is not None and read_bytes >= max_bytes:
+                    break
                 text = read_text(path, where)
+                raw = text.encode("utf-8")
+                cut = max_bytes is not None and read_bytes + len(raw) > max_bytes
+                if cut:  # the rest of the budget; a character cut in two is left out whole
+                    text = raw[:max_bytes - read_bytes].decode("utf-8", errors="ignore")
+                    raw = text.encode("utf-8")
                 ids = np.asarray(tokenizer.encode(text))
                 if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
                     raise TileError(where, f"the tokenizer produced ids outside [0, {tokenizer.vocab_size})",
@@ -148,12 +163,15 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
                 buf = ids.tobytes()
                 f.write(buf)
                 tok_hash.update(buf)
-                raw = text.encode("utf-8")
                 src_hash.update(len(raw).to_bytes(8, "little"))
                 src_hash.update(raw)
-                listing.append({"path": str(path), "bytes": len(raw), "tokens": int(ids.size)})
+                entry = {"path": str(path), "bytes": len(raw), "tokens": int(ids.size)}
+                if cut:
+                    entry["cut"] = True
+                listing.append(entry)
                 count += int(ids.size)
                 text_chars += len(text)
+                read_bytes += len(raw)
             f.flush()
             os.fsync(f.fileno())
         if text_chars == 0:
@@ -165,6 +183,9 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
             "vocab_size": tokenizer.vocab_size, "eos_id": eos, "tokenizer": tokenizer.describe(),
             "sources": listing, "sources_sha256": src_hash.hexdigest(), "tokens_sha256": tok_hash.hexdigest(),
         }
+        if max_bytes is not None:
+            meta["max_bytes"] = int(max_bytes)
+            meta["files_left_out"] = len(files) - len(listing)
         with open(tmp_meta, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.flush()

@@ -130,6 +130,9 @@ def check_config(cfg: dict, source: str) -> None:
                 bad.setdefault(f"{section}.{key}", f"{section}.{key} must be a finite number, not {value!r}")
     problems = list(bad.values())
     t, p = cfg["train"], cfg.get("peft", {})
+    if not problems and t["min_lr"] > t["lr"]:  # the cosine would rise from lr to min_lr: warmup_cosine refuses it
+        problems.append(f"train.min_lr ({t['min_lr']!r}) must be at most train.lr ({t['lr']!r}): the learning rate "
+                        "decays from lr to min_lr")
     if not problems and t["batch_size"] % t["accum_steps"]:
         problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
                         f"({t['accum_steps']})")
@@ -194,6 +197,13 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
         raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
                         f"unknown {', '.join(unknown)}")
     cfg = dataclasses.replace(base, **fields)
+    # the model configs check their sizes, not their switches: tie_embeddings = "no" (a non-empty
+    # string, so true) would tie the embeddings the user meant to untie
+    switches = [f.name for f in dataclasses.fields(cfg) if isinstance(getattr(base, f.name), bool)]
+    not_bool = [name for name in switches if not isinstance(getattr(cfg, name), bool)]
+    if not_bool:
+        raise TileError("tilegraph train [model]", f"{', '.join(not_bool)} must be true or false",
+                        ", ".join(f"{name} = {getattr(cfg, name)!r}" for name in not_bool))
     if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id
         raise TileError("tilegraph train [model]", f"vocab_size of at least the tokenizer's {tokenizer.vocab_size} "
                         "(or vocab_size = \"tokenizer\")", f"{flavor} with vocab_size {cfg.vocab_size}")
@@ -203,7 +213,20 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
     return models.build(cfg, seed=seed)
 
 
-def make_tokenizer(name: str):
+def make_tokenizer(name: str, where: str = "--tokenizer"):
+    """The byte tokenizer for "byte", else the BPE tokenizer of the JSON file ``name`` (``where``:
+    the setting that named it, for errors)."""
+    from tilegraph._errors import TileError
     from tilegraph.io import BPETokenizer, ByteTokenizer
 
-    return ByteTokenizer(eos=True) if name == "byte" else BPETokenizer.load(name)
+    if name == "byte":
+        return ByteTokenizer(eos=True)
+    want = '"byte", or the path of a BPE tokenizer JSON file (tilegraph.io.BPETokenizer.save)'
+    path = Path(name)
+    if not name or not path.is_file():  # "bytes" said only "expected a tokenizer JSON file"
+        found = "empty" if not name else "a folder" if path.is_dir() else "no such file"
+        raise TileError(where, want, f"{name!r} ({found})")
+    try:
+        return BPETokenizer.load(name)
+    except TileError as e:  # not tokenizer JSON, not UTF-8, the tokenizers package missing
+        raise TileError(where, f"{want}: {e.what}", e.received) from None

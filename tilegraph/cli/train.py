@@ -3,6 +3,7 @@ adapters); the run folder and resuming are in :mod:`tilegraph.cli.runs`."""
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
 from dataclasses import dataclass, field
@@ -51,7 +52,6 @@ def _train(args, job: Job) -> int:
     import signal
 
     import tilegraph as tg
-    from tilegraph.io import TokenDataset, build_token_file
 
     cfg, source = load_config(args.config)
     flags = {"train.steps": ("--steps", args.steps), "train.lr": ("--lr", args.lr),
@@ -88,7 +88,7 @@ def _train(args, job: Job) -> int:
     resume, steps = plan_resume(args.resume, cfg, given, source) if args.resume else (None, int(t["steps"]))
     check_used_peft_keys(cfg["peft"], given)  # after --resume has brought the run's method
     out, out_named_by = output_folder(args.out, o["dir"], given, args.resume)
-    tokenizer = make_tokenizer(d["tokenizer"])
+    tokenizer = make_tokenizer(d["tokenizer"], "tilegraph train [data] tokenizer")
     # bad model and adapter settings fail before any work
     p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
     if resume:  # the adapters of the checkpoint; its base when the job names none
@@ -115,13 +115,13 @@ def _train(args, job: Job) -> int:
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
         model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
-    sources = []
-    for s in d["sources"]:
-        sources += stdlib_files(d["patterns"], int(d["max_mb"] * 1e6)) if s == "stdlib" else [s]
     tok_file = out / "tokens.bin"
-    meta = build_token_file(sources, tok_file, tokenizer, patterns=d["patterns"])
-    train = TokenDataset(tok_file, d["seq_len"], split="train", val_fraction=d["val_fraction"], seed=t["seed"])
-    val = TokenDataset(tok_file, d["seq_len"], split="val", val_fraction=d["val_fraction"], seed=t["seed"])
+    meta, corpus = build_corpus(d, tok_file, tokenizer)
+    train, val = open_splits(tok_file, d, t, meta["count"])
+    if not resume and int(t["warmup"]) > steps:  # (a resumed run keeps its checkpoint's schedule)
+        print(f"tilegraph train: [train] warmup = {t['warmup']} is more than the run's {_plural(steps, 'step')}: the "
+              f"learning rate rises over all {steps} to lr = {t['lr']:g} (no decay to min_lr)", file=sys.stderr,
+              flush=True)
     sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
     opt = tg.optim.AdamW(tg.peft.trainable_parameters(model), lr=sched, weight_decay=t["weight_decay"],
                          clip_grad_norm=t["clip_grad_norm"] or None)  # with adapters: only theirs
@@ -136,9 +136,8 @@ def _train(args, job: Job) -> int:
                               if isinstance(getattr(m, "weight", None), tg.peft.QuantizedTensor)
                               for c in m.weight.cells])
         print(f"tilegraph train: {type(model).__name__} ({source}), {count_parameters(model)}"
-              f"{describe_start(model, p, init, quantized_base)}; {meta['count']:,} tokens from "
-              f"{_plural(len(sources), 'source')}; batch {t['batch_size']} x {d['seq_len']}, {_plural(steps, 'step')}",
-              flush=True)
+              f"{describe_start(model, p, init, quantized_base)}; {corpus}; batch {t['batch_size']} x {d['seq_len']}, "
+              f"{_plural(steps, 'step')}", flush=True)
 
         trainer = tg.Trainer(model, opt, train, rt, batch_size=t["batch_size"], accum_steps=t["accum_steps"],
                              steps_per_graph=t["steps_per_graph"],
@@ -176,13 +175,15 @@ def _train(args, job: Job) -> int:
                                                          f"{resume_command(args.config, last)})" if last else ""),
                   flush=True)
             return 130
+        prompt = tokenizer.encode("def ")[None, :]
+        room = min(48, model.config.max_seq_len - prompt.shape[1])  # a short max_seq_len leaves none
         try:
             from tilegraph.models.generate import generate
 
-            prompt = tokenizer.encode("def ")[None, :]
-            ids = generate(model, prompt, min(48, model.config.max_seq_len - prompt.shape[1]), strategy="top_k",
-                           top_k=10, temperature=0.8, seed=t["seed"], runtime=rt)
-            sample = tokenizer.decode(ids[0])
+            if room > 0:
+                ids = generate(model, prompt, room, strategy="top_k", top_k=10, temperature=0.8, seed=t["seed"],
+                               runtime=rt)
+                sample = tokenizer.decode(ids[0])
         except ImportError:  # generation ships with the models package
             pass
     val_loss = res.val_losses[-1][1] if res.val_losses else float("nan")
@@ -194,7 +195,76 @@ def _train(args, job: Job) -> int:
     print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
     if sample:
         print(f"sample (top-k 10, temperature 0.8): {sample!r}")
+    elif room <= 0:  # it was an error after training, the run's summary unprinted
+        print(f"no sample: max_seq_len {model.config.max_seq_len} leaves no room after the prompt 'def ' "
+              f"({_plural(prompt.shape[1], 'token')})")
     return 0
+
+
+def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
+    """Tokenize the [data] ``sources`` into ``tok_file``, at most ``max_mb`` of their text (files in
+    sorted order, the one that reaches it cut there); returns the token file's sidecar and what
+    the train line says of it (the files read, and those that max_mb left out)."""
+    from tilegraph.io import build_token_file
+
+    where = "tilegraph train [data] sources"
+    limit = max(1, int(d["max_mb"] * 1e6))
+    files = []
+    for s in d["sources"]:
+        if s == "stdlib":
+            files += stdlib_files(d["patterns"], limit)
+        elif glob.has_magic(s) and not Path(s).exists():  # "data/*.txt": the files and folders it matches
+            matched = sorted(glob.glob(s, recursive=True))
+            if not matched:
+                raise TileError(where, "a glob that matches files or folders", f"{s!r} matches nothing")
+            files += matched
+        else:
+            files.append(s)
+    if not files:  # "stdlib" alone, and none of its files matches patterns
+        raise TileError(where, "text files: none of the standard library's files matches [data] patterns",
+                        f"sources = {d['sources']!r}, patterns = {d['patterns']!r}")
+    # the standard library's files come whole (stdlib_files stops at the one that reaches max_mb),
+    # as tilegraph eval reads them for its default corpus; other sources are cut at max_mb, so
+    # that one large file is not read in full
+    whole = all(s == "stdlib" for s in d["sources"])
+    try:
+        meta = build_token_file(files, tok_file, tokenizer, patterns=d["patterns"],
+                                max_bytes=None if whole else limit)
+    except TileError as e:  # a missing path, a binary or non-UTF-8 file, nothing found: named as [data]'s
+        raise TileError(where, e.what, e.received) from None
+    corpus = f"{meta['count']:,} tokens from {_plural(len(meta['sources']), 'file')}"
+    left_out = meta.get("files_left_out", 0)
+    if left_out or any(entry.get("cut") for entry in meta["sources"]):
+        corpus += (f" (the first {d['max_mb']:g} MB of text, [data] max_mb"
+                   + (f"; {_plural(left_out, 'file')} after it not read)" if left_out else ")"))
+    return meta, corpus
+
+
+def open_splits(tok_file: Path, d: dict, t: dict, count: int):
+    """The train and validation windows of the token file (``count`` tokens). A corpus too small
+    for a training window, or for one evaluation batch of validation windows (which the job runs
+    at the end, after training), is named here with the keys that size them, before any work."""
+    from tilegraph.io import TokenDataset
+
+    where = "tilegraph train [data]"
+    splits = []
+    for split in ("train", "val"):
+        try:
+            splits.append(TokenDataset(tok_file, d["seq_len"], split=split, val_fraction=d["val_fraction"],
+                                       seed=t["seed"]))
+        except TileError as e:
+            other = "smaller" if split == "train" else "larger"
+            raise TileError(where, f"{e.what}: give more text in sources, a smaller seq_len or a {other} "
+                            "val_fraction", e.received) from None
+    train, val = splits
+    micro = t["batch_size"] // t["accum_steps"]  # the windows of one evaluation batch (Trainer.evaluate)
+    if val.num_eval_windows < micro:
+        raise TileError(where, f"a validation split (val_fraction = {d['val_fraction']:g} of the {count:,} tokens) "
+                        f"holding one evaluation batch: train.batch_size / train.accum_steps = {micro} windows of "
+                        f"seq_len + 1 = {d['seq_len'] + 1} tokens; give more text in sources, a larger "
+                        "val_fraction, or a smaller seq_len",
+                        f"{val.hi - val.lo:,} tokens, {_plural(val.num_eval_windows, 'window')}")
+    return train, val
 
 
 def count_parameters(model) -> str:
