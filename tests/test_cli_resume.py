@@ -279,6 +279,27 @@ def test_a_nan_loss_is_one_line_and_the_folder_it_leaves_says_what_to_do(root, c
            "another --out, or delete nan" in err, err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--set", "data.seq_len=16"], r"\[tilegraph train --resume\] the windows of the run it continues \(seq_len 32, "
+                                   r"from its checkpoint\).*received: --set data\.seq_len=16$"),
+    (["--set", "data.max_mb=0.6"], r"\[tilegraph train --resume\] the text of the run it continues \([\d,]+ tokens "
+                                   r"\(sha256 \w+\)\).*received: [\d,]+ tokens \(sha256 \w+\) from --set "
+                                   r"data\.max_mb=0\.6$"),
+])
+def test_a_resumed_run_reads_the_text_and_windows_of_the_run_it_continues(root, capsys, monkeypatch, args, message):
+    # other [data] would draw other batches and another validation split, and the run's own
+    # token file was rebuilt in place from it
+    from tilegraph.cli import main
+
+    monkeypatch.chdir(root)
+    before = {p: p.read_bytes() for p in (root / "base").glob("tokens.bin*")}
+    code = main(["train", "small.toml", "--resume", "base/checkpoints/step-000010", "--steps", "3", *args])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (after small.toml's dim, named in a warning)
+    assert code == 2 and re.search(message, err), (code, err)
+    assert {p: p.read_bytes() for p in (root / "base").glob("tokens.bin*")} == before
+    assert not list((root / "base").glob(".tokens.resumed*"))
+
+
 def test_a_resumed_run_draws_the_batches_of_the_run_it_continues(root, capsys, monkeypatch):
     """The seed and batch size of the checkpoint's run replace the job's: a run started with
     --seed 7 and resumed without it goes on with the very losses of the run it continues (it drew

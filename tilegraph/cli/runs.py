@@ -203,6 +203,7 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
+    keep_window(resume, ck.trainer_state or {}, cfg["data"], given)
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
 
 
@@ -258,6 +259,51 @@ def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) ->
     refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
                    f"start a new run from the checkpoint's weights (--init {resume} and another --out)",
                    f"the resumed run draws its checkpoint's batches ({kept})")
+
+
+def stored_data(state: dict) -> tuple[int | None, int | None]:
+    """(seq_len, token count) of the token data a checkpoint's run read, from its
+    ``trainer_state`` (``repr`` of its TokenDataset); None where it does not say."""
+    found = re.search(r"seq_len=(\d+),.* of (\d+)\)$", str(state.get("data") or ""))
+    return (int(found.group(1)), int(found.group(2))) if found else (None, None)
+
+
+def keep_window(resume: str, state: dict, d: dict, given: dict[str, str]) -> None:
+    """A resumed run reads windows of its checkpoint's ``seq_len`` (other windows are other
+    batches, another validation split): [data] seq_len given otherwise is refused or named
+    (:func:`refuse_or_warn`), and the checkpoint's kept."""
+    seq_len, _ = stored_data(state)
+    if seq_len is None or d["seq_len"] == seq_len:
+        return
+    where = given.get("data.seq_len")
+    other = [(where, f"seq_len = {d['seq_len']!r}")] if where is not None else []
+    d["seq_len"] = seq_len
+    refuse_or_warn(other, f"the windows of the run it continues (seq_len {seq_len}, from its checkpoint): leave "
+                   f"[data] seq_len out, or start a new run from the checkpoint's weights (--init {resume} and "
+                   "another --out)", f"the resumed run reads windows of its checkpoint's seq_len {seq_len}")
+
+
+def check_resumed_text(resume: str, state: dict, meta: dict, earlier: dict | None, given: dict[str, str]) -> None:
+    """A resumed run reads the text of the run it continues: the token file just built (its
+    sidecar ``meta``) must hold the tokens of the run folder's earlier one (``earlier``, its
+    sidecar; else the count its checkpoint recorded). Other [data] sources, patterns, max_mb or
+    tokenizer would draw other batches and another validation split, and would have replaced
+    the run's token file."""
+    if earlier is not None:
+        same = meta.get("tokens_sha256") == earlier.get("tokens_sha256")
+        had = f"{earlier.get('count', 0):,} tokens (sha256 {str(earlier.get('tokens_sha256'))[:12]})"
+        got = f"{meta['count']:,} tokens (sha256 {str(meta.get('tokens_sha256'))[:12]})"
+    else:
+        _, count = stored_data(state)
+        same = count is None or meta["count"] == count
+        had, got = f"{count or 0:,} tokens", f"{meta['count']:,} tokens"
+    if same:
+        return
+    keys = [f"{given[f'data.{k}']}" for k in ("sources", "patterns", "max_mb", "tokenizer") if f"data.{k}" in given]
+    raise TileError("tilegraph train --resume", f"the text of the run it continues ({had}): leave [data] sources, "
+                    "patterns, max_mb and tokenizer as that run had them, or start a new run from the checkpoint's "
+                    f"weights (--init {resume} and another --out)",
+                    f"{got}" + (f" from {'; '.join(keys)}" if keys else ""))
 
 
 def refuse_or_warn(other: list[tuple[str, str]], expected: str, kept: str) -> None:

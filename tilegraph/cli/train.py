@@ -19,8 +19,9 @@ from tilegraph.cli.config import apply_overrides, build_model, check_config, loa
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
                                     check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
                                     resume_settings, sketch_settings)
-from tilegraph.cli.runs import (check_output, diverged, given_settings, keep_branch_point, latest_checkpoint,
-                                keep_architecture, output_folder, plan_resume, resume_command, take_output)
+from tilegraph.cli.runs import (check_output, check_resumed_text, diverged, given_settings, keep_branch_point,
+                                latest_checkpoint, keep_architecture, output_folder, plan_resume, resume_command,
+                                take_output)
 
 
 # -------------------------------------------------------------------------------- the job ----
@@ -116,7 +117,11 @@ def _train(args, job: Job) -> int:
         model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
     tok_file = out / "tokens.bin"
-    meta, corpus = build_corpus(d, tok_file, tokenizer)
+    if resume:  # built apart first: a resumed run reads its run's text (check_resumed_text), never replaces it
+        meta, corpus = build_corpus(d, tok_file.with_name(".tokens.resumed.bin"), tokenizer)
+        take_resumed_text(tok_file, args.resume, resume.checkpoint.trainer_state or {}, meta, given)
+    else:
+        meta, corpus = build_corpus(d, tok_file, tokenizer)
     train, val = open_splits(tok_file, d, t, meta["count"])
     if not resume and int(t["warmup"]) > steps:  # (a resumed run keeps its checkpoint's schedule)
         print(f"tilegraph train: [train] warmup = {t['warmup']} is more than the run's {_plural(steps, 'step')}: the "
@@ -199,6 +204,28 @@ def _train(args, job: Job) -> int:
         print(f"no sample: max_seq_len {model.config.max_seq_len} leaves no room after the prompt 'def ' "
               f"({_plural(prompt.shape[1], 'token')})")
     return 0
+
+
+def take_resumed_text(tok_file: Path, resume: str, state: dict, meta: dict, given: dict[str, str]) -> None:
+    """Put the token file a resumed run built (``.tokens.resumed.bin`` beside ``tok_file``, its
+    sidecar ``meta``) in place of ``tok_file`` once it holds the text of the run it continues; else
+    remove it and refuse (:func:`check_resumed_text`), the run's own token file untouched."""
+    import os
+
+    built = tok_file.with_name(".tokens.resumed.bin")
+    sidecars = (Path(f"{built}.json"), Path(f"{tok_file}.json"))
+    try:
+        earlier = json.loads(sidecars[1].read_text(encoding="utf-8")) if sidecars[1].is_file() else None
+    except (OSError, ValueError):  # unreadable: compared with the checkpoint's count instead
+        earlier = None
+    try:
+        check_resumed_text(resume, state, meta, earlier, given)
+    except TileError:
+        built.unlink(missing_ok=True)
+        sidecars[0].unlink(missing_ok=True)
+        raise
+    os.replace(built, tok_file)
+    os.replace(sidecars[0], sidecars[1])
 
 
 def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
