@@ -136,6 +136,14 @@ def _hf():
     return tokenizers
 
 
+def _broken(e: Exception) -> TileError:
+    """The ``tokenizers`` library's error on a text it could not encode (it raises a bare
+    Exception, e.g. "Unk token `<unk>` not found in the vocabulary": the tokenizer's JSON names
+    an unknown-token its vocabulary lacks) as one naming the tokenizer."""
+    return TileError("tilegraph.io.BPETokenizer.encode", "a tokenizer that can encode any text (a broken "
+                     "tokenizer JSON: its model names a token its vocabulary lacks?)", str(e)[:300])
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
     ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
@@ -244,8 +252,16 @@ class BPETokenizer(Tokenizer):
         try:
             ids = self._tok.encode(text, add_special_tokens=False).ids
         except TypeError:  # the library's answer to bytes and to lone surrogates alike: as_text says which
-            ids = self._tok.encode(as_text(text, "tilegraph.io.BPETokenizer.encode"), add_special_tokens=False).ids
+            ids = self._encode(as_text(text, "tilegraph.io.BPETokenizer.encode"))
+        except Exception as e:  # the library's bare Exception: a model whose unk_token the vocabulary lacks
+            raise _broken(e) from None
         return np.asarray(ids, dtype=self.dtype)
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except Exception as e:
+            raise _broken(e) from None
 
     def encode_batch(self, texts: Iterable[str | bytes]) -> list[np.ndarray]:
         """Several texts at once (the library spreads them over threads)."""

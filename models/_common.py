@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -28,6 +29,10 @@ def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
     rope_base = getattr(config, "rope_base", None)  # Llama's only
     if rope_base is not None and not (_is_number(rope_base) and rope_base > 0):
         raise TileError(where, "rope_base must be a finite positive number", repr(rope_base)[:100])
+    # the switches (tie_embeddings): "no" from a crafted config.json is a non-empty str, so true
+    for f in dataclasses.fields(config):
+        if isinstance(f.default, bool) and not isinstance(getattr(config, f.name), bool):
+            raise TileError(where, f"{f.name} must be true or false", repr(getattr(config, f.name))[:100])
 
 
 def _is_number(v) -> bool:

@@ -197,3 +197,19 @@ def test_load_into_something_that_is_not_a_model(tmp_path):
     tg.io.save_checkpoint(tmp_path / "ck", m)
     with pytest.raises(tg.TileError, match=r"a model to load into.*received: str"):
         tg.io.load_checkpoint(tmp_path / "ck").load_into("x")
+
+
+def test_a_tokenizer_whose_unknown_token_its_vocabulary_lacks_is_named():
+    tokenizers = pytest.importorskip("tokenizers")
+    broken = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0}, merges=[], unk_token="<unk>"))
+    tok = BPETokenizer(broken, eos=None)
+    assert tok.encode("a").tolist() == [0]
+    with pytest.raises(TileError, match=r"^\[tilegraph.io.BPETokenizer.encode\] a tokenizer that can encode any "
+                       r"text.*received: .*<unk>"):
+        tok.encode("b")  # was the library's bare Exception
+
+
+@pytest.mark.parametrize("cls", ["GPT2Config", "LlamaConfig"])
+def test_model_configs_refuse_a_switch_that_is_not_a_bool(cls):
+    with pytest.raises(TileError, match=rf"^\[tilegraph.models.{cls}\] tie_embeddings must be true or false"):
+        getattr(tg.models, cls)(tie_embeddings="no")  # a non-empty str: tied, though 'no' was meant

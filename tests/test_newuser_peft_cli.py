@@ -4,6 +4,7 @@ Each test fails without its fix."""
 
 import pytest
 
+import tilegraph as tg
 from tilegraph import models, peft
 from tilegraph._errors import TileError
 from tilegraph.nn import Linear
@@ -171,3 +172,14 @@ def test_an_output_folder_past_step_999999_suggests_its_newest_checkpoint(tmp_pa
     with pytest.raises(TileError, match=r"checkpoints step-999999\.\.step-1000000\): pass --resume CHECKPOINT .*"
                        r"step-1000000 continues it"):
         check_output(tmp_path, None, 10)
+
+
+def test_a_run_folder_given_as_a_model_names_its_newest_checkpoint(tmp_path):
+    from tilegraph.cli.finetune import load_model
+
+    model = tg.models.build("gpt2-debug")
+    for step in (5, 10):
+        tg.io.save_checkpoint(tmp_path / "run" / "checkpoints" / f"step-{step:06d}", model)
+    with pytest.raises(TileError, match=r"holds neither \(a run folder of tilegraph train: its newest checkpoint "
+                       r"is .*run/checkpoints/step-000010\)$"):
+        load_model(tmp_path / "run", "tilegraph generate")

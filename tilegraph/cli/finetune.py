@@ -334,8 +334,12 @@ def load_model(folder: Path, where: str):
             return adapted_model(folder, record, where)
         if is_checkpoint(folder) or (folder / "zarr.json").is_file():
             return models.from_zarr(folder)  # raises naming what is wrong with an incomplete one
+        from tilegraph.cli.runs import latest_checkpoint
+
+        newest = latest_checkpoint(folder)  # a run folder of tilegraph train: its checkpoints are inside
+        hint = f" (a run folder of tilegraph train: its newest checkpoint is {newest})" if newest else ""
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
-                        f"{folder} holds neither")
+                        f"{folder} holds neither{hint}")
     return models.from_hf(folder)
 
 
