@@ -579,9 +579,8 @@ class Trainer:
         if self._last_checkpoint is None:
             raise fail("restart_on_failure has no checkpoint to resume from: this trainer has written or loaded "
                        "none yet (checkpoint_every sets how often it writes one)") from None
-        client = self.runtime.client
         if error.stalled:  # its nanny kills the silent process and starts a fresh one (no nanny: removed)
-            client.restart_workers(error.stalled, timeout=RESTART_WAIT_SECONDS, raise_for_error=False)
+            _restart_or_remove(self.runtime.client, error.stalled)
         deadline = time.perf_counter() + RESTART_WAIT_SECONDS
         while not (answering := worker_health(self.runtime).answering):
             if time.perf_counter() > deadline:
@@ -663,6 +662,8 @@ class Trainer:
         ``checkpoint_files``. It is written under a temporary name and renamed when complete, so
         a failure or a kill leaves no partial checkpoint and never replaces an existing one.
         Waits for the write; the ``on_checkpoint`` hooks run after it."""
+        if self.runtime is not None:  # the values are on its workers: a lost scheduler took them along
+            self.runtime.require_open("tilegraph.Trainer.save_checkpoint")
         path = self._prepare_checkpoint(path).run()
         self._last_checkpoint = path
         for hook in self.on_checkpoint:
@@ -715,6 +716,8 @@ class Trainer:
         model or the optimizer changes."""
         from tilegraph.io.zarr import Checkpoint, load_checkpoint
 
+        if self.runtime is not None:  # the values go to its workers
+            self.runtime.require_open("tilegraph.Trainer.load_checkpoint")
         if isinstance(path, Checkpoint):
             ck = path
         else:
@@ -807,6 +810,27 @@ def _legacy_trainer_state(path: Path, where: str) -> dict:
         raise TileError(where, "a trainer_state.json naming the checkpoint's step (an integer >= 0)",
                         f"{file}: step {_short_repr(step)}")
     return state
+
+
+def _restart_or_remove(client, addrs: Sequence[str]) -> None:
+    """Have the stalled workers ``addrs`` restarted by their nannies; a worker without a nanny
+    (``dask worker --no-nanny``, dask-mpi's ranks) is removed from the cluster instead, so that
+    the next plan leaves it out. Dask's ``restart_workers`` refuses such a worker with a
+    ValueError ("Restarting workers requires a nanny to be used"), which ended the fit."""
+    def nannies(dask_scheduler, addrs) -> dict[str, bool]:  # nested: travels by value to the scheduler
+        return {a: bool(dask_scheduler.workers[a].nanny) for a in addrs if a in dask_scheduler.workers}
+
+    async def remove(dask_scheduler, addrs) -> None:
+        for a in addrs:
+            await dask_scheduler.remove_worker(a, stimulus_id="tilegraph-stalled-worker", close=True)
+
+    has_nanny = client.run_on_scheduler(nannies, addrs=list(addrs))
+    with_nanny = [a for a, n in has_nanny.items() if n]
+    if with_nanny:
+        client.restart_workers(with_nanny, timeout=RESTART_WAIT_SECONDS, raise_for_error=False)
+    without = [a for a, n in has_nanny.items() if not n]
+    if without:
+        client.run_on_scheduler(remove, addrs=without)
 
 
 def _is_token_data(data) -> bool:

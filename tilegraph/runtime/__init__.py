@@ -119,6 +119,8 @@ class Runtime:
     def __init__(self, client, cluster=None, mpi: bool = False, make_current: bool = True):
         self.client = client
         self.cluster = cluster
+        #: the scheduler's address, kept for messages (a client that lost its scheduler forgets it)
+        self.address = getattr(client.scheduler, "address", None)
         self.mpi = mpi
         self.closed = False
         #: the workers as the last plan saw them (:meth:`snapshot`): what its tasks are pinned to,
@@ -162,7 +164,8 @@ class Runtime:
         #: lock that keeps their order that of the submissions
         self.last_gang: dict[str, Any] = {}
         self.gang_lock = threading.Lock()
-        self.snapshot()  # learn the workers' resources (every plan takes a fresh snapshot)
+        self.snapshot(wait=0)  # learn the workers' resources (every plan takes a fresh snapshot); a
+        # scheduler may have none yet (worker jobs still queued): a plan waits for them
         if make_current:
             _CURRENT.append(self)
 
@@ -185,15 +188,43 @@ class Runtime:
             return None
 
     def workers(self) -> dict[str, dict]:
-        self.require_open("tilegraph.Runtime.workers")
-        return self.client.scheduler_info(n_workers=-1)["workers"]
+        """The scheduler's record of each worker, by address (one scheduler call)."""
+        return self._workers("tilegraph.Runtime.workers")
+
+    def _workers(self, where: str) -> dict[str, dict]:
+        """:meth:`workers`, failing as ``where`` with a TileError when the scheduler is gone or
+        does not answer within :data:`SCHEDULER_ANSWER_SECONDS`. Dask's ``scheduler_info`` gives
+        an empty record once its client has lost the scheduler (every call then ended in
+        "KeyError: 'workers'"), and waits without end on a scheduler that is stopped or hung."""
+        self.require_open(where)  # also: a client that lost its scheduler for good
+        client = self.client
+        address = self.address
+        try:
+            info = client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=SCHEDULER_ANSWER_SECONDS)
+        except TimeoutError as e:
+            raise TileError(where, f"the Dask scheduler at {address} to answer within {SCHEDULER_ANSWER_SECONDS:g} s "
+                            "(is it stopped or hung, or the network to it down?)",
+                            f"{type(e).__name__}: {e}".rstrip(": ")) from None
+        except OSError as e:  # the client is reconnecting: its scheduler is gone, or the network to it
+            raise TileError(where, f"a reachable Dask scheduler: the connection to {address} failed (the scheduler "
+                            "ended, or the network to it is down)", f"{type(e).__name__}: {e}".rstrip(": ")) from None
+        return info.get("workers", {})
 
     def require_open(self, where: str) -> None:
-        """Raise a TileError naming ``where`` when this runtime was closed: its client can ask
-        nothing any more (Dask's own error is "RuntimeError: IOLoop is closed")."""
+        """Raise a TileError naming ``where`` when this runtime was closed, or its client lost
+        the scheduler for good: its client can ask nothing any more (Dask's own errors are
+        "RuntimeError: IOLoop is closed", "KeyError: 'workers'", "AttributeError: 'NoneType'
+        object has no attribute 'broadcast'" or "No clients found")."""
         if self.closed:
             raise TileError(where, "an open runtime: this one was closed (Runtime.close, or the end of its "
                             "`with` block); connect again with tg.connect(...)", repr(self))
+        status = getattr(self.client, "status", "running")
+        if status in ("closing", "closed", "failed"):
+            raise TileError(where, f"a connected Dask scheduler: this runtime's client lost the scheduler at "
+                            f"{self.address} and stopped reconnecting (the scheduler ended, or the network to it "
+                            "failed); what the workers held (parameters, optimizer state) is gone with it: start a "
+                            "cluster, connect again with tg.connect(...) and resume from a checkpoint",
+                            f"Dask client status {status!r}")
 
     def processors(self) -> dict[str, int]:
         """Worker threads per device class (a worker with a GPU resource counts as GPU)."""
@@ -204,17 +235,37 @@ class Runtime:
         :class:`Workers`); changes nothing."""
         return {dev: list(t) for dev, t in Workers.of(self.workers()).threads.items()}
 
-    def snapshot(self) -> "Workers":
+    def snapshot(self, wait: float | None = None) -> "Workers":
         """The workers now (one scheduler call), kept as :attr:`last_workers`: a plan is made
-        for one snapshot and submits its tasks with it."""
-        self.last_workers = Workers.of(self.workers())
+        for one snapshot and submits its tasks with it.
+
+        A cluster without a worker has nothing to plan for: its tasks would wait for one without
+        end, and the parameters' upload fails with Dask's "No valid workers found". The snapshot
+        waits up to ``wait`` seconds (None: :data:`WORKERS_WAIT_SECONDS`; 0: not at all) for a
+        first worker, then raises a TileError naming the scheduler."""
+        info = self._workers("tilegraph.Runtime")
+        wait = WORKERS_WAIT_SECONDS if wait is None else wait
+        if not info and wait:
+            try:
+                self.client.wait_for_workers(1, timeout=wait)
+            except (TimeoutError, OSError):
+                raise TileError("tilegraph.Runtime", "a cluster with at least one worker to run on: start "
+                                f"workers (`dask worker {self.address}`, or your batch job's), or "
+                                f"wait for them first (rt.client.wait_for_workers(n))",
+                                f"the scheduler at {self.address} had no worker for "
+                                f"{wait:g} s") from None
+            info = self._workers("tilegraph.Runtime")
+        self.last_workers = Workers.of(info)
         return self.last_workers
 
     def __repr__(self) -> str:
         if self.closed:  # the client's scheduler connection is gone
             return "<tilegraph.Runtime closed>"
-        state = _plural(len(self.workers()), "worker")
-        return f"<tilegraph.Runtime {self.client.scheduler.address} {state} dashboard={self.dashboard_link}>"
+        try:
+            state = _plural(len(self.workers()), "worker")
+        except TileError as e:  # a repr never raises (a notebook shows it after a failure)
+            return f"<tilegraph.Runtime {self.address} unreachable: {e.what}>"
+        return f"<tilegraph.Runtime {self.address} {state} dashboard={self.dashboard_link}>"
 
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
@@ -371,6 +422,17 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+#: how long ``connect(mpi=True)`` waits for every worker rank to join the scheduler
+MPI_WORKERS_WAIT_SECONDS = 120.0
+
+#: how long the scheduler may take to answer a question about its workers before the runtime says
+#: it does not answer (a stopped or hung scheduler keeps its connections open and never answers)
+SCHEDULER_ANSWER_SECONDS = 10.0
+
+#: how long a plan waits for a first worker on a cluster that has none (:meth:`Runtime.snapshot`):
+#: a worker started by hand, or a batch job starting, joins within seconds
+WORKERS_WAIT_SECONDS = 30.0
 
 #: Dask priority of the tasks that move values between worker processes (picking out of a
 #: result what another process reads, taking it in there); a step's tasks have priority 0,
@@ -564,7 +626,15 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             "an existing cluster keeps the workers and settings it was started with"
         raise TileError(where, f"{', '.join(given)} only for the embedded cluster ({cluster})",
                         ", ".join(f"{k}={v!r}" for k, v in given.items()))
-    tls_files = _tls_files(where, tls_ca_file, tls_cert, tls_key)
+    rank_problem = None  # under MPI: a problem of this rank's, which every rank must hear of
+    try:
+        tls_files = _tls_files(where, tls_ca_file, tls_cert, tls_key)
+    except TileError as e:
+        if not mpi:
+            raise
+        # the files may be missing on this node only: the ranks that found them would wait
+        # for this one without end
+        rank_problem, tls_files = e, None
     if security is not None and (tls_files or tls):
         raise TileError(where, "give security= or the TLS files (tls_ca_file, tls_cert, tls_key), not both",
                         f"security={security!r}, tls={tls!r}, tls_cert={tls_cert!r}")
@@ -572,9 +642,19 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         from tilegraph.runtime.mpi import initialize_mpi
 
         n_mpi_workers = initialize_mpi(interface=interface, security=security, tls=tls, tls_files=tls_files,
-                                       dask_config=dask_config)
+                                       dask_config=dask_config, problem=rank_problem)
         client = Client()  # it reads the scheduler's address and the TLS settings from dask's config
-        client.wait_for_workers(n_mpi_workers, timeout=120)  # a plan needs to know its workers
+        try:
+            client.wait_for_workers(n_mpi_workers, timeout=MPI_WORKERS_WAIT_SECONDS)  # a plan needs to know its workers
+        except TimeoutError:  # Dask's WorkerStartTimeoutError, a page of traceback
+            joined = len(client.scheduler_info(n_workers=-1).get("workers", {}))
+            address = client.scheduler.address
+            client.close()  # the script's exit then ends the scheduler and the workers that joined
+            raise TileError(f"{where}(mpi=True)", f"every worker rank (ranks 2 to {n_mpi_workers + 1}) to join the scheduler at "
+                            f"{address} within {MPI_WORKERS_WAIT_SECONDS:g} s: the others failed to start or cannot "
+                            "reach it (see their output above; across nodes, pick an interface every node reaches: "
+                            "interface=\"ib0\" or [runtime] interface)",
+                            f"{joined} of {_plural(n_mpi_workers, 'worker rank')} joined") from None
         return Runtime(client, mpi=True, make_current=make_current)
     if address is not None or scheduler_file is not None:
         if scheduler_file is not None:

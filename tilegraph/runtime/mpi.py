@@ -9,7 +9,8 @@ from tilegraph._errors import TileError
 
 
 def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security=None, tls: bool = False,
-                   tls_files: tuple[str, str, str] | None = None, dask_config: dict | None = None) -> int:
+                   tls_files: tuple[str, str, str] | None = None, dask_config: dict | None = None,
+                   problem: TileError | None = None) -> int:
     """Turn this MPI rank into its dask-mpi role; on the client rank, return the worker count.
 
     Every rank applies the embedded cluster's Dask settings (``CLUSTER_DASK_CONFIG``: no worker
@@ -17,6 +18,11 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
 
     With ``tls_files`` (CA, certificate, key: checked by ``connect``; every rank must be able to
     read them) or a ``distributed.Security``, every rank speaks ``tls://``.
+
+    ``problem``: what ``connect`` found wrong on this rank before (its TLS files, say). The ranks
+    agree on such problems, and on ``interface``, before any of them takes its role
+    (:func:`_agree_on_problems`): the client rank raises a TileError naming them, the others exit
+    with status 1.
     """
     try:
         from dask_mpi import initialize
@@ -30,6 +36,7 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     if comm.Get_size() < 3:
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
                         "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank"))
+    _agree_on_problems(comm, interface, problem)
     from tilegraph.runtime import _visible_gpus
     from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs, ignore_stop_signals
 
@@ -71,6 +78,49 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     initialize(interface=interface, nthreads=threads, worker_options=options, dashboard=comm.Get_rank() == 0,
                protocol="tls" if tls_config else None, exit=True)
     return comm.Get_size() - 2
+
+
+def _interface_problem(interface: str | None) -> str | None:
+    """Why this rank cannot listen on ``interface`` (None: it can, or no interface was named)."""
+    if interface is None:
+        return None
+    from distributed.utils import get_ip_interface
+
+    try:
+        get_ip_interface(interface)
+    except (ValueError, KeyError) as e:
+        return str(e)
+    return None
+
+
+def _agree_on_problems(comm, interface: str | None, problem: TileError | None) -> None:
+    """End every rank when any rank found a problem: ``problem`` (``connect``'s checks of its
+    files on that rank) or an ``interface`` it does not have. The client rank (rank 1, the
+    user's script) raises a TileError naming the ranks and their hosts; the others exit with
+    status 1 without a traceback of their own.
+
+    Collective. dask-mpi's ranks wait for each other: the scheduler (rank 0) sends its address,
+    which the others wait for in a busy MPI broadcast. A rank that raised alone left the others
+    waiting without end, each spinning a core (seen: ``interface="ib0"`` on a host without it,
+    a ValueError on rank 0 and a job that ran until the batch system killed it)."""
+    import socket
+
+    mine = str(problem) if problem is not None else _interface_problem(interface)
+    found = [(rank, host, text) for rank, (host, text) in
+             enumerate(comm.allgather((socket.gethostname(), mine))) if text is not None]
+    if not found:
+        return
+    if comm.Get_rank() != 1:  # the client rank (the user's script) says why; the others end quietly
+        raise SystemExit(1)
+    texts = {text for _, _, text in found}
+    if len(texts) == 1 and len(found) == comm.Get_size():  # the same on every rank
+        if problem is not None:
+            raise problem
+        raise TileError("tilegraph.connect(mpi=True)", "interface: a network interface with an IPv4 address on "
+                        "every rank's host (or None: the host's address)", f"interface={interface!r}: {mine}")
+    ranks = "; ".join(f"rank {rank} on {host}: {text}" for rank, host, text in found)
+    raise TileError("tilegraph.connect(mpi=True)", "every rank able to start: the interface and TLS files "
+                    "on every rank's host", f"interface={interface!r}; {ranks}")
 
 
 def _worker_threads(comm, MPI) -> int:
