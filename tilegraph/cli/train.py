@@ -73,7 +73,8 @@ def _train(args, job: Job) -> int:
     tls = {k: getattr(args, k) or r.get(k) or None for k in ("tls_ca_file", "tls_cert", "tls_key")}
     from tilegraph.runtime.connection import _tls_files
 
-    _tls_files("tilegraph train [runtime]", *tls.values())  # wrong files stop before the data is read
+    if not (args.mpi or r["mpi"]):  # wrong files stop before the data is read (under MPI, connect checks
+        _tls_files("tilegraph train [runtime]", *tls.values())  # them on every rank, which must all hear of it)
     launches = [k for k, on in (("address", r["address"]), ("scheduler_file", r["scheduler_file"]),
                                 ("mpi", args.mpi or r["mpi"])) if on]
     if len(launches) > 1 or (launches and r["workers"]):
