@@ -123,7 +123,8 @@ def test_a_tokenizer_that_is_neither_byte_nor_a_file_names_the_setting(stopped_a
 def test_a_model_switch_given_as_text_is_refused(stopped_at_connect, capsys, flavor):
     # tie_embeddings = "no" (a non-empty string) tied the embeddings
     err = _refused(capsys, "--set", f"model.flavor={flavor}", "--set", "model.tie_embeddings=no")
-    assert "[tilegraph train [model]] tie_embeddings must be true or false; received: tie_embeddings = 'no'" in err
+    config = "GPT2Config" if flavor.startswith("gpt2") else "LlamaConfig"
+    assert f"[tilegraph.models.{config}] tie_embeddings must be true or false; received: 'no'" in err
 
 
 # ---------------------------------------------------------------------------------- [train] ----

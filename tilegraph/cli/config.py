@@ -197,13 +197,6 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
         raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
                         f"unknown {', '.join(unknown)}")
     cfg = dataclasses.replace(base, **fields)
-    # the model configs check their sizes, not their switches: tie_embeddings = "no" (a non-empty
-    # string, so true) would tie the embeddings the user meant to untie
-    switches = [f.name for f in dataclasses.fields(cfg) if isinstance(getattr(base, f.name), bool)]
-    not_bool = [name for name in switches if not isinstance(getattr(cfg, name), bool)]
-    if not_bool:
-        raise TileError("tilegraph train [model]", f"{', '.join(not_bool)} must be true or false",
-                        ", ".join(f"{name} = {getattr(cfg, name)!r}" for name in not_bool))
     if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id
         raise TileError("tilegraph train [model]", f"vocab_size of at least the tokenizer's {tokenizer.vocab_size} "
                         "(or vocab_size = \"tokenizer\")", f"{flavor} with vocab_size {cfg.vocab_size}")
