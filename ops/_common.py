@@ -47,9 +47,12 @@ def require_same_chunks(where: str, what: str, a: Sequence[int], b: Sequence[int
 
 
 def norm_dim(dim: int, ndim: int, where: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TileError(where, f"dim must be an int (a dim of the {ndim}-d tensor; negative counts from the end)",
+                        f"{dim!r} ({type(dim).__name__})")
     if not -ndim <= dim < max(ndim, 1):
         raise TileError(where, f"dim out of range for a {ndim}-d tensor", str(dim))
-    return dim % ndim if ndim else 0
+    return int(dim) % ndim if ndim else 0
 
 
 def acc_dtype(dtype) -> np.dtype:

@@ -24,6 +24,7 @@ cache; bench/bench_attention.py times the kernels against torch.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import numpy as np
@@ -611,11 +612,13 @@ _NOT_CAUSAL = Default(False)
 
 def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, attn_mask=None,
                                  dropout_p: float = 0.0, is_causal: bool = _NOT_CAUSAL, *, scale: float | None = None,
-                                 q_offset: int = 0, causal: bool | None = None) -> TileTensor:
+                                 enable_gqa: bool | None = None, q_offset: int = 0,
+                                 causal: bool | None = None) -> TileTensor:
     """``softmax(q k^T * scale + mask) v`` over tiles, torch's SDPA with its argument names.
 
     q: (B, H, T, D); k, v: (B, Hkv, S, D) with Hkv dividing H (query head h uses kv head
-    h // (H // Hkv), torch's ``enable_gqa=True``); ``scale`` defaults to 1/sqrt(D). T, S, B and
+    h // (H // Hkv), torch's ``enable_gqa=True``, which may be passed; ``enable_gqa=False`` asks,
+    as in torch, for as many kv heads as query heads); ``scale`` defaults to 1/sqrt(D). T, S, B and
     the heads may be tiled, D not. As in torch, attention is NOT causal unless ``is_causal=True``.
     ``attn_mask`` and ``dropout_p`` exist so that ported calls bind as in torch; only
     ``attn_mask=None`` and ``dropout_p=0`` are supported. ``q_offset`` (tilegraph's own): with
@@ -643,6 +646,18 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
         raise TileError(WHERE, "is_causal must be a bool", f"{is_causal!r} ({type(is_causal).__name__})")
     if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
         raise TileError(WHERE, "q_offset must be a non-negative int", repr(q_offset))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise TileError(WHERE, "scale must be None (1/sqrt(D)) or a finite number",
+                        f"{scale!r} ({type(scale).__name__})")
+    if enable_gqa is not None:
+        if not isinstance(enable_gqa, (bool, np.bool_)):
+            raise TileError(WHERE, "enable_gqa must be a bool", f"{enable_gqa!r} ({type(enable_gqa).__name__})")
+        if (not enable_gqa and all(isinstance(t, TileTensor) and t.ndim == 4 for t in (q, k))
+                and q.shape[1] != k.shape[1]):
+            raise TileError(WHERE, "with enable_gqa=False q, k and v need the same number of heads (as in "
+                            "torch); pass enable_gqa=True (or leave it out) for grouped-query attention",
+                            f"q heads {q.shape[1]}, k heads {k.shape[1]}")
     return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset))
 
 

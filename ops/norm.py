@@ -426,7 +426,8 @@ def _check(where, x, weight, bias, eps):
             raise TileError(where, f"{name} must have the dtype of x (cast explicitly)",
                             f"{name} {p.dtype}, x {x.dtype}")
         require_same_chunks(where, f"{name} and the last dim of x", p.chunks[0], x.chunks[-1])
-    if not (isinstance(eps, (int, float)) and eps >= 0):
+    # numbers.Real: a NumPy scalar (np.float32(1e-5) from a config or an array) is a number too
+    if isinstance(eps, bool) or not (isinstance(eps, numbers.Real) and eps >= 0):
         raise TileError(where, "eps must be a non-negative number", repr(eps))
 
 
@@ -475,7 +476,7 @@ def layer_norm(x: TileTensor, normalized_shape, weight: TileTensor | None = None
                             f"{name} of shape {p.shape} for x of shape {x.shape}")
     if len(shape) == 1:
         _check(where, x, weight, bias, eps)
-        return _layer_norm_op(x, weight, bias, eps=eps)
+        return _layer_norm_op(x, weight, bias, eps=float(eps))
     from .shape import checked_reshape
 
     # several dims normalised as one: merge them, normalise the last dim, split them again
@@ -488,10 +489,10 @@ def layer_norm(x: TileTensor, normalized_shape, weight: TileTensor | None = None
         raise TileError(where, f"normalising over the last {len(shape)} dims {shape} merges them into one: "
                         f"{e.what}", e.received) from None
     _check(where, xm, wm, bm, eps)
-    return checked_reshape(_layer_norm_op(xm, wm, bm, eps=eps), x.shape, where)
+    return checked_reshape(_layer_norm_op(xm, wm, bm, eps=float(eps)), x.shape, where)
 
 
 def rms_norm(x: TileTensor, weight: TileTensor | None = None, eps: float = 1e-6) -> TileTensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Llama's RMSNorm)."""
     _check("tilegraph.rms_norm", x, weight, None, eps)
-    return _rms_norm_op(x, weight, None, eps=eps)
+    return _rms_norm_op(x, weight, None, eps=float(eps))

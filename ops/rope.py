@@ -9,6 +9,8 @@ The map is a rotation per channel pair, so its gradient is the inverse rotation 
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from tilegraph._autograd import Op
@@ -94,6 +96,7 @@ def rope(x: TileTensor, base: float = 10000.0, position_offset: int = 0) -> Tile
     if isinstance(base, bool) or not isinstance(base, (int, float, np.integer, np.floating)) or not 0 < base < np.inf:
         raise TileError(WHERE, "base must be a finite number > 0 (the frequencies are base ** (-2i / D))",
                         repr(base))
-    if int(position_offset) != position_offset or position_offset < 0:
+    if (isinstance(position_offset, bool) or not isinstance(position_offset, numbers.Real)
+            or not np.isfinite(position_offset) or int(position_offset) != position_offset or position_offset < 0):
         raise TileError(WHERE, "position_offset must be a non-negative integer", repr(position_offset))
     return _rope_op(x, base=float(base), position_offset=int(position_offset))

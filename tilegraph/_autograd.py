@@ -137,6 +137,13 @@ def grad(loss: TileTensor, inputs: Sequence[TileTensor], *, allow_unused: bool =
     for i, x in enumerate(inputs):
         if not isinstance(x, TileTensor):
             raise TileError(where, f"inputs[{i}] must be a TileTensor", type(x).__name__)
+    if loss._record is None and not allow_unused:
+        # it may well depend on the inputs, but nothing recorded how: say why
+        for i, x in enumerate(inputs):
+            if x is not loss:
+                raise TileError(where, f"inputs[{i}] does not affect the loss as recorded: the loss has no "
+                                "recorded history (it was computed inside tg.no_grad(): record the forward "
+                                "outside it; or it is no op's result)", f"loss {loss!r}")
 
     return vjp([loss], [None], inputs, allow_unused=allow_unused, where=where, single=single)
 

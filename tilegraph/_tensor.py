@@ -255,7 +255,15 @@ class TileTensor:
     def __neg__(self):
         from tilegraph import ops
 
-        return ops.mul(self, -1.0)
+        if self.dtype.kind == "b":  # as NumPy and torch refuse it
+            raise TileError("tilegraph.TileTensor.__neg__", "negating a bool tensor is not supported (use a logical "
+                            "op, or cast to a number dtype first)", f"a {self.dtype} tensor of shape {self.shape}")
+        if self.dtype.kind == "u":
+            raise TileError("tilegraph.TileTensor.__neg__", "negating an unsigned integer tensor is not supported "
+                            "(its negatives do not exist; cast to a signed dtype first)",
+                            f"a {self.dtype} tensor of shape {self.shape}")
+        # an integer factor: -ids stays integer (as in NumPy and torch); a float one made it float64
+        return ops.mul(self, -1 if self.dtype.kind == "i" else -1.0)
 
     @property
     def T(self):

@@ -403,6 +403,9 @@ class CausalSelfAttention(Module):
         if n_heads % n_kv_heads:
             raise TileError(where, "n_kv_heads must divide n_heads", f"n_heads={n_heads}, n_kv_heads={n_kv_heads}")
         self.head_dim = dim // n_heads
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, numbers.Integral) or tile < 1):
+            raise TileError(where, "tile must be a positive int (a multiple of the head dim) or None",
+                            f"tile={tile!r} ({type(tile).__name__})")
         if tile is not None and tile % self.head_dim:
             raise TileError(where, f"the feature tile must hold whole heads (a multiple of {self.head_dim})",
                             f"tile={tile}")
@@ -425,6 +428,10 @@ class CausalSelfAttention(Module):
         """``x`` (B, T, C) -> (B, T, C). With a ``cache``, x holds the positions after the
         ``cache.length`` ones already in it: their keys and values are appended to the cache and
         the queries attend to all of them (decoding; the earlier positions are not recomputed)."""
+        if not isinstance(x, TileTensor) or x.ndim != 3 or x.shape[2] != self.n_heads * self.head_dim:
+            raise TileError("tilegraph.nn.CausalSelfAttention", f"x must be a (B, T, C) TileTensor with C = "
+                            f"{self.n_heads * self.head_dim} (the layer's dim)",
+                            f"shape {x.shape}" if isinstance(x, TileTensor) else type(x).__name__)
         b, t, c = x.shape
         start = 0 if cache is None else cache.length
         q = self._heads(self.q(x), self.n_heads)
