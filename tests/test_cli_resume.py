@@ -300,6 +300,23 @@ def test_a_resumed_run_reads_the_text_and_windows_of_the_run_it_continues(root, 
     assert not list((root / "base").glob(".tokens.resumed*"))
 
 
+def test_a_run_on_ones_own_text_resumes_without_its_config(tmp_path):
+    # the checkpoint records the run's [data] (tilegraph_data.json): without it the resume read the
+    # shipped default's text (and is now refused for reading other text)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("def f(x):\n    return x * 2\n" * 3000)
+    (tmp_path / "own.toml").write_text(CONFIG.replace("[data]\n", '[data]\nsources = ["text"]\npatterns = ["*.txt"]\n'))
+    first = _cli("train", "own.toml", "--out", "own", "--steps", "4", "--no-progress", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    tokens = re.search(r"([\d,]+) tokens from 1 file", first.stdout).group(1)
+    elsewhere = tmp_path / "elsewhere"  # another working folder: the recorded paths are absolute
+    elsewhere.mkdir()
+    more = _cli("train", "--resume", str(tmp_path / "own" / "checkpoints" / "step-000004"), "--steps", "2",
+                "--no-progress", cwd=elsewhere)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert f"{tokens} tokens from 1 file" in more.stdout, more.stdout
+
+
 def test_a_resumed_run_draws_the_batches_of_the_run_it_continues(root, capsys, monkeypatch):
     """The seed and batch size of the checkpoint's run replace the job's: a run started with
     --seed 7 and resumed without it goes on with the very losses of the run it continues (it drew

@@ -203,6 +203,7 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
+    keep_data(ck.path, cfg["data"], given)
     keep_window(resume, ck.trainer_state or {}, cfg["data"], given)
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
 
@@ -259,6 +260,36 @@ def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) ->
     refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
                    f"start a new run from the checkpoint's weights (--init {resume} and another --out)",
                    f"the resumed run draws its checkpoint's batches ({kept})")
+
+
+#: in every checkpoint of tilegraph train: the run's [data] settings (paths made absolute), which
+#: --resume takes where the job gives none, so a run on one's own text resumes without its config
+DATA_FILE = "tilegraph_data.json"
+DATA_KEYS = ("sources", "patterns", "max_mb", "tokenizer", "seq_len", "val_fraction")
+
+
+def data_record(d: dict) -> dict:
+    """What :data:`DATA_FILE` holds: the [data] settings, their paths absolute (a resume may run
+    in another folder); "stdlib" and "byte" as they are."""
+    def where(path: str) -> str:
+        return path if path in ("stdlib", "byte") else os.path.abspath(os.path.expanduser(path))
+
+    record = {k: d[k] for k in DATA_KEYS}
+    record["sources"] = [where(str(x)) for x in d["sources"]]
+    record["tokenizer"] = where(str(d["tokenizer"]))
+    return record
+
+
+def keep_data(folder: Path, d: dict, given: dict[str, str]) -> None:
+    """The [data] settings of the run a checkpoint (``folder``) continues, where the job gives
+    none (its own config file or flags win, and :func:`check_resumed_text` checks they make the
+    same text). None recorded (a checkpoint written before the record): the job's own."""
+    try:
+        record = json.loads((Path(folder) / DATA_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(record, dict):
+        d.update({k: record[k] for k in DATA_KEYS if k in record and f"data.{k}" not in given})
 
 
 def stored_data(state: dict) -> tuple[int | None, int | None]:

@@ -19,7 +19,8 @@ from tilegraph.cli.config import apply_overrides, build_model, check_config, loa
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
                                     check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
                                     resume_settings, sketch_settings)
-from tilegraph.cli.runs import (check_output, check_resumed_text, diverged, given_settings, keep_branch_point,
+from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, diverged, given_settings,
+                                keep_branch_point,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, resume_command,
                                 take_output)
 
@@ -109,6 +110,7 @@ def _train(args, job: Job) -> int:
     model.recompute = bool(cfg["model"].get("recompute", False))  # each block's activations recomputed in the backward
     files = tokenizer_files(tokenizer)
     files[SKETCH_FILE] = json.dumps(sketch_settings(p)).encode()  # exact gradients too: --resume keeps them
+    files[DATA_FILE] = json.dumps(data_record(d)).encode()  # --resume reads the same text, config or not
     if init or p["method"] != "none":
         files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
     job.release.append(take_output(out, out_named_by))  # then the output folder: ours alone, no earlier run in it
