@@ -504,8 +504,22 @@ def write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
     a tile are small), their layout in its attributes; returns the bytes stored."""
     from tilegraph.io.quantize import quantize
 
-    q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
+    try:
+        q = quantize(np.ascontiguousarray(tile, dtype=np.float32), quant["method"], quant.get("bits"))
+    except TileError as e:  # say which parameter and tile (the quantizer sees only an array)
+        array, _, label = path.rpartition("/")
+        spec = quant["method"] + (f":{quant['bits']}" if quant.get("bits") is not None else "")
+        raise CheckpointError(f"tilegraph.io.save_checkpoint({saved_path(root)})",
+                              f"array {array!r}, tile {label}: could not quantize it with {spec!r}: {e.what}",
+                              e.received) from None
     return write_parts(root, path, *q.to_parts())
+
+
+def saved_path(root: str) -> str:
+    """The checkpoint folder a save's temporary folder ``root`` (``.NAME.tmp-PID-HEX``) becomes."""
+    p = Path(root)
+    name, sep, _ = p.name.partition(".tmp-")
+    return str(p.parent / name[1:]) if sep and name.startswith(".") else root
 
 
 def write_parts(root: str, path: str, arrays, attrs: dict) -> int:

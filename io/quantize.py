@@ -322,6 +322,7 @@ def _auto(x: np.ndarray, bits: int, opts: dict) -> QuantizedArray:
 
 # ===================================================================================== casts ====
 _FP16_MAX = float(np.finfo(np.float16).max)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _encode_fp16(x, bits, opts):
@@ -373,7 +374,7 @@ def _block_scales(x2: np.ndarray, qmax: int, block: int) -> tuple[np.ndarray, fl
     need = amax / qmax
     top = float(need.max())
     smax = np.float32(top) if top > 0 else np.float32(1.0)
-    if smax < top:
+    if float(smax) < top:  # float(): NumPy 2 compares np.float32 with a Python float in float32
         smax = np.nextafter(smax, np.float32(np.inf))
     rel = need / float(smax)  # in [0, 1]
     rel16 = rel.astype(np.float16)
@@ -411,7 +412,11 @@ def _decode_absmax(parts, meta, shape, bits):
     else:
         q = _unpack_bits(parts["q"], 4, n * m).astype(np.float32).reshape(n, m) - 8
     eff = _effective_scales(parts["scales"], meta["scale_max"])
-    return q * _rows(eff, meta["block"], n)
+    with np.errstate(over="ignore"):  # a code times its scale can round past float32's largest value
+        out = q * _rows(eff, meta["block"], n)
+    if not np.isfinite(out).all():  # ... where the array held values near it: those, not inf
+        np.clip(out, -_F32_MAX, _F32_MAX, out=out)
+    return out
 
 
 def _check_absmax(arrays, attrs, shape, bits):
@@ -817,7 +822,13 @@ def _encode_kashin(x, bits, opts):
     codes, raw, unconverged, iterations = [], [], [], []
     for t, (rs, cs) in enumerate(tiles):
         block = x2[rs, cs]
-        norm = np.float32(np.linalg.norm(block))
+        fro = float(np.linalg.norm(block))
+        if fro > _F32_MAX:  # the norm is stored as float32: inf there would decode the tile as NaN
+            raise TileError("tilegraph.io.quantize", f"method 'kashin': the Frobenius norm of tile {t} (rows "
+                            f"{rs.start}:{rs.stop}, columns {cs.start}:{cs.stop}) exceeds float32's range, in "
+                            "which it is stored; use another method (int8, bf16, kmeans), or quantize(..., "
+                            "tile=...) with smaller tiles", f"norm {fro:g}")
+        norm = np.float32(fro)
         norms[t] = norm
         res = _kashin(block / float(norm) if norm > 0 else block, fwd, inv, opts["tol"], opts["max_iter"])
         iterations.append(res.iterations)
@@ -863,7 +874,8 @@ def _decode_kashin(parts, meta, shape, bits):
         pts = parts["codebook"][t].astype(np.float64)[codes[at_code:at_code + size]]  # (size, 2)
         at_code += size
         u, v_hat = pts[:, 0].reshape(tshape), pts[:, 1].reshape(tshape)
-        out[rs, cs] = (u + inv(v_hat)) * float(parts["fro_norm"][t])
+        # clipped: near float32's largest value the codebook's error could round a value to inf
+        out[rs, cs] = np.clip((u + inv(v_hat)) * float(parts["fro_norm"][t]), -_F32_MAX, _F32_MAX)
     return out
 
 

@@ -104,11 +104,24 @@ def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
 
         if method not in METHODS:
             raise CheckpointError(where, f"unknown quantization method; known: {', '.join(METHODS)}", repr(spec))
-        method_bits(method, bits, where, CheckpointError)  # a budget the method takes (None: its default)
+        try:  # a budget the method takes (None: its default)
+            method_bits(method, bits, where, CheckpointError)
+        except CheckpointError as e:  # received: the whole spec and, from a dict or function, whose
+            raise CheckpointError(where, e.what, f"{e.received} (in {spec!r}" + (f" for {name})" if name else ")")) \
+                from None
         return {"method": method, "bits": bits}
 
     if callable(quantize):
-        return lambda name, shape: parse(quantize(name, shape), name)
+        def call(name, shape):
+            try:
+                spec = quantize(name, shape)
+            except Exception as e:  # a wrong signature or the function's own error: say what called it
+                raise CheckpointError(where, "quantize, a function, is called as quantize(name, shape) for each "
+                                      "parameter and returns 'method[:bits]' or None (kept exact); it raised",
+                                      f"{type(e).__name__}: {e} for {name} {tuple(shape)}") from e
+            return parse(spec, name)
+
+        return call
     if isinstance(quantize, Mapping):
         specs = {k: parse(v, k) for k, v in quantize.items()}
         return lambda name, shape: specs.get(name)
@@ -438,9 +451,15 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     def add(apath, p, cells, quant):
         entries.append((apath, tuple(p.shape), np.dtype(p.dtype), p.chunks, _values(cells, p, where, runtime, deal), quant))
 
+    from tilegraph.io.quantize import _SPECS, method_bits
+
     for name, p in named:
         _check_name(name, where)
-        add(f"model/{name}", p, p.cells, rule(name, p.shape))
+        quant = rule(name, p.shape)
+        if quant is not None and quant["bits"] is None and len(_SPECS[quant["method"]].bits) > 1:
+            # a method of several budgets records the one used ("kmeans" is kmeans:4); int8, fp16 ... say it
+            quant = dict(quant, bits=method_bits(quant["method"], None, where, CheckpointError))
+        add(f"model/{name}", p, p.cells, quant)
     held, copies = _quantized_weights(model, dict(named), where, runtime, deal)
     if optimizer is not None:
         from tilegraph._train import optimizer_param_names
