@@ -248,3 +248,15 @@ def test_a_batch_that_does_not_fit_loss_fn_names_both(local_scheduler):
                        r"received: _mse\(m, x, y\): missing a required argument: 'y'"):
         tg.TrainStep(model, opt, _mse)(x)  # was Python's TypeError from inside the recording
     assert opt.step_count == 0
+
+
+def test_tile_errors_survive_pickling():
+    import pickle
+
+    from tilegraph._train import WorkerLostError
+    from tilegraph.io import CheckpointError
+
+    for e in (TileError("a", "b", "c"), CheckpointError("a", "b"),
+              WorkerLostError("w", "x", "y", workers=["tcp://1"], steps=range(3, 5))):
+        back = pickle.loads(pickle.dumps(e))  # was TypeError: missing 'what'
+        assert type(back) is type(e) and str(back) == str(e) and back.__dict__ == e.__dict__

@@ -15,6 +15,12 @@ class TileError(ValueError):
             msg += f"; received: {received}"
         super().__init__(msg)
 
+    def __reduce__(self):
+        # pickled (a worker's error on its way to the client, multiprocessing) by the arguments
+        # it was made with, and its other attributes (a subclass's) as its state: the default
+        # rebuilds it from the message alone, which fails ("missing 'what'")
+        return type(self), (self.where, self.what, self.received), dict(self.__dict__)
+
 
 def check(cond: bool, where: str, what: str, received: str | None = None) -> None:
     if not cond:
