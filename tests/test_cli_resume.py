@@ -262,7 +262,7 @@ def test_a_resume_reads_its_checkpoints_metadata_once(root, sketched, monkeypatc
     monkeypatch.setattr(Path, "read_text", counted)
     assert main(["train", "small.toml", "--resume", "once/checkpoints/step-000002", "--steps", "1",
                  "--set", "output.checkpoint_keep=0", "--no-progress"]) == 0
-    assert sorted(reads) == ["tilegraph_sketch.json", "zarr.json"], reads
+    assert sorted(reads) == ["tilegraph_data.json", "tilegraph_sketch.json", "zarr.json"], reads
 
 
 def test_a_nan_loss_is_one_line_and_the_folder_it_leaves_says_what_to_do(root, capsys, monkeypatch):
