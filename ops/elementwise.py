@@ -209,10 +209,15 @@ def affine_dtype(dtype, scale, shift) -> np.dtype:
     tensor keeps its dtype; an integer one stays integer with integer ``scale`` and ``shift``, and
     becomes float otherwise (a factor or term of 1 or 0 changes nothing)."""
     probe = np.zeros(1, dtype)
-    if scale != 1:
-        probe = probe * scale
-    if shift != 0:
-        probe = probe + shift
+    try:
+        if scale != 1:
+            probe = probe * scale
+        if shift != 0:
+            probe = probe + shift
+    except OverflowError:  # NumPy 2 refuses a Python int the dtype cannot hold (-1 for uint8)
+        raise TileError("tilegraph.affine", f"numbers that a {np.dtype(dtype)} tensor holds (cast it to a wider or "
+                        "signed dtype first, as NumPy asks)",
+                        f"{np.dtype(dtype)} tensor with factor {scale!r} and term {shift!r}") from None
     return probe.dtype
 
 

@@ -101,3 +101,11 @@ def test_grad_of_a_loss_recorded_under_no_grad_says_why():
     with pytest.raises(tg.TileError, match=r"the loss has no recorded history.*no_grad"):
         tg.grad(loss, [x])
     assert tg.grad(loss, [x], allow_unused=True) == [None]
+
+
+@pytest.mark.parametrize("expr", [lambda u: 0 - u, lambda u: u * -1, lambda u: u - 300])
+def test_numbers_an_unsigned_tensor_cannot_hold_are_a_tile_error(expr):
+    u = tg.from_numpy(np.array([1, 2, 3], np.uint8))
+    with pytest.raises(tg.TileError, match=r"^\[tilegraph.affine\] numbers that a uint8 tensor holds"):
+        tg.compute(expr(u))  # was NumPy's OverflowError: Python integer -1 out of bounds for uint8
+    assert tg.compute(u * 2)[0].tolist() == [2, 4, 6]
