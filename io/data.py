@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, kernel, xp_of
 from tilegraph._tensor import TileTensor, Tiling
@@ -131,8 +132,7 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
         raise TileError(where, "the output's parent folder must exist", str(out))
     if out.is_dir():
         raise TileError(where, "the output must be a file path, not a folder", str(out))
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer))
-                                  or max_bytes < 1):
+    if max_bytes is not None and not is_int(max_bytes, 1):
         raise TileError(where, "max_bytes must be None or an int >= 1", repr(max_bytes))
     files = find_sources(sources, patterns, where=where)
     dtype = tokenizer.dtype
@@ -291,10 +291,6 @@ _windows_k = kernel("token_windows", cost=_windows_cost)(_windows_xp)
 
 
 # ---------------------------------------------------------------------------------- dataset ----
-def _is_count(v, low: int) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= low
-
-
 class TokenDataset:
     """Windows of ``seq_len + 1`` tokens from one split of a token file.
 
@@ -315,9 +311,9 @@ class TokenDataset:
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float, np.integer, np.floating)) \
                 or not 0.0 <= val_fraction < 1.0:
             raise TileError(where, "val_fraction must be a number in [0, 1)", repr(val_fraction))
-        if not _is_count(seq_len, 1):
+        if not is_int(seq_len, 1):
             raise TileError(where, "seq_len must be an int >= 1", repr(seq_len))
-        if not _is_count(seed, 0):
+        if not is_int(seed, 0):
             raise TileError(where, "seed must be an int >= 0", repr(seed))
         self.path = user_path(path, where).resolve()
         self.meta = read_token_meta(self.path)
@@ -347,7 +343,7 @@ class TokenDataset:
 
     def batch_offsets(self, step: int, batch_size: int) -> np.ndarray:
         """Start offsets (int64, shape ``(batch_size,)``) of the windows of batch ``step``."""
-        if not _is_count(step, 0) or not _is_count(batch_size, 1):
+        if not is_int(step, 0) or not is_int(batch_size, 1):
             raise TileError("tilegraph.io.TokenDataset.batch_offsets",
                             "step must be an int >= 0 and batch_size an int >= 1",
                             f"step={step!r}, batch_size={batch_size!r}")
@@ -379,7 +375,7 @@ class TokenDataset:
         [[768, 2368], [3968, 5568]]
         """
         where = "tilegraph.io.TokenDataset.eval_offsets"
-        if not _is_count(batch_size, 1) or not (max_batches is None or _is_count(max_batches, 1)):
+        if not is_int(batch_size, 1) or not (max_batches is None or is_int(max_batches, 1)):
             raise TileError(where, "batch_size must be an int >= 1 and max_batches None or an int >= 1",
                             f"batch_size={batch_size!r}, max_batches={max_batches!r}")
         total = self.num_eval_windows

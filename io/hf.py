@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from tilegraph._config import require_float_dtype
 from tilegraph._errors import TileError
 
 from . import safetensors as st
@@ -558,12 +559,7 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
 
     folder = user_path(path, "tilegraph.models.from_hf")
     where = f"tilegraph.models.from_hf({folder})"
-    try:  # before any file is read: np.dtype("bfloat16") fails with NumPy's bare TypeError
-        floating = np.dtype(dtype).kind == "f"
-    except TypeError:
-        floating = False
-    if not floating:
-        raise TileError(where, "dtype must be a floating dtype NumPy knows (float32, float64, float16)", repr(dtype))
+    require_float_dtype(where, dtype)  # before any file is read
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)

@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from tilegraph._errors import TileError
+
+from ._store import user_path
 
 __all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "as_text", "token_dtype", "tokenizer_from_description"]
 
@@ -219,8 +220,6 @@ class BPETokenizer(Tokenizer):
         """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file)."""
         from tilegraph.io.data import read_text
 
-        from tilegraph.io._store import user_path
-
         where = "tilegraph.io.BPETokenizer.load"
         path = user_path(path, where)
         if not path.is_file():
@@ -232,8 +231,6 @@ class BPETokenizer(Tokenizer):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer as JSON (to a temporary name, then renamed)."""
-        from tilegraph.io._store import user_path
-
         where = "tilegraph.io.BPETokenizer.save"
         path = user_path(path, where)
         if path.name in ("", "..") or path.is_dir():  # os.replace onto a folder fails with a bare OSError

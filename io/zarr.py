@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
@@ -397,10 +398,6 @@ def _holders(client, futures: list) -> dict:
     return client.who_has(futures)
 
 
-def _is_step(step) -> bool:
-    return isinstance(step, (int, np.integer)) and not isinstance(step, bool) and step >= 0
-
-
 def _is_os_error(e: BaseException) -> bool:
     return isinstance(e, OSError) or isinstance(getattr(e, "__cause__", None), OSError)
 
@@ -441,7 +438,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
                                   "mapped to bytes", f"{name!r}: {type(data).__name__}")
     if step is None:
         step = int(optimizer.step_count) if optimizer is not None else 0
-    elif not _is_step(step):  # int() would make 1.7 step 1 and fail on "x" with a bare ValueError
+    elif not is_int(step, 0):  # int() would make 1.7 step 1 and fail on "x" with a bare ValueError
         raise CheckpointError(where, "step must be an int >= 0 (None: the optimizer's step count)", repr(step))
 
     # what to write: (array path, shape, dtype, tiles, [(tile index, value)], quantization)
@@ -971,14 +968,15 @@ def complete_checkpoints(folder) -> list[Path]:
     folder = user_path(folder, "tilegraph.io.complete_checkpoints")
     if not folder.is_dir():
         return []
-    found = [p for p in folder.iterdir() if _step_of(p.name) is not None and is_checkpoint(p)]
+    found = [p for p in folder.iterdir() if checkpoint_step(p.name) is not None and is_checkpoint(p)]
     # by step number, not by name: past step 999999 the name grows a digit, and "step-1000000"
     # sorts before "step-999999" (the newest would be pruned as the oldest)
-    return sorted(found, key=lambda p: (_step_of(p.name), p.name))
+    return sorted(found, key=lambda p: (checkpoint_step(p.name), p.name))
 
 
-def _step_of(name: str) -> int | None:
-    """The step of a :class:`CheckpointManager` folder name ``step-NNNNNN`` (None: not one)."""
+def checkpoint_step(name: str) -> int | None:
+    """The step of a :class:`CheckpointManager` folder name ``step-NNNNNN`` (None: not one;
+    ``tilegraph train``'s run folders read it too)."""
     digits = name[5:]
     if not name.startswith("step-") or not digits.isascii() or not digits.isdigit():
         return None
@@ -1031,7 +1029,7 @@ class CheckpointManager:
         self.removed_stale = self.clean()
 
     def path(self, step: int) -> Path:
-        if not _is_step(step):  # a negative step would name "step--00001", a float be truncated
+        if not is_int(step, 0):  # a negative step would name "step--00001", a float be truncated
             raise CheckpointError(f"tilegraph.io.CheckpointManager({self.dir})", "step must be an int >= 0",
                                   repr(step))
         return self.dir / f"step-{int(step):06d}"
@@ -1133,7 +1131,7 @@ class CheckpointManager:
         own checkpoints must neither collide with them nor be pruned as older than them. Nothing
         is deleted; returns their new paths (none moved: no folder made)."""
         where = f"tilegraph.io.CheckpointManager({self.dir}).set_aside"
-        steps = {p: _step_of(p.name) for p in self.dir.iterdir()} if self.dir.is_dir() else {}
+        steps = {p: checkpoint_step(p.name) for p in self.dir.iterdir()} if self.dir.is_dir() else {}
         later = sorted(p for p, s in steps.items() if s is not None and s > after)
         if not later:
             return []

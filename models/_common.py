@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from tilegraph import nn
+from tilegraph._config import is_int, require_float_dtype
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor, from_numpy
 from tilegraph.recompute import checkpoint
@@ -66,13 +67,7 @@ class CausalLM(nn.Module):
             raise TileError(f"tilegraph.models.{type(self).__name__}", "tiling must be a ModelTiling or None",
                             type(tiling).__name__)
         tiling.check(config, where=f"tilegraph.models.{type(self).__name__}")
-        try:
-            dt = np.dtype(dtype)
-        except TypeError:
-            dt = None
-        if dt is None or dt.kind != "f":
-            raise TileError(f"tilegraph.models.{type(self).__name__}", "dtype must be a floating dtype (float32, "
-                            "float64, float16)", repr(dtype))
+        dt = require_float_dtype(f"tilegraph.models.{type(self).__name__}", dtype)
         self.config, self.tiling, self.dtype = config, tiling, dt
         return tiling
 
@@ -81,7 +76,7 @@ class CausalLM(nn.Module):
         (NumPy's own errors for -1 or 1.5 named neither the model nor the argument)."""
         if isinstance(seed, np.random.Generator):
             return seed
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        if not is_int(seed, 0):
             raise TileError(f"tilegraph.models.{type(self).__name__}", "seed must be an int >= 0 (or a "
                             "numpy.random.Generator)", repr(seed))
         return np.random.default_rng(seed)

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, xp_of  # noqa: F401 - xp_of is used by the op modules
 from tilegraph._tensor import Default, TileTensor, Tiling, resolve_alias  # noqa: F401 - for the op modules
@@ -47,7 +48,7 @@ def require_same_chunks(where: str, what: str, a: Sequence[int], b: Sequence[int
 
 
 def norm_dim(dim: int, ndim: int, where: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+    if not is_int(dim):
         raise TileError(where, f"dim must be an int (a dim of the {ndim}-d tensor; negative counts from the end)",
                         f"{dim!r} ({type(dim).__name__})")
     if not -ndim <= dim < max(ndim, 1):

@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tilegraph._errors import TileError
 
 __all__ = ["Config", "config", "PARALLEL_STRATEGIES", "EXCHANGES"]
@@ -161,13 +163,31 @@ def require_arg(where: str, name: str, value, check) -> None:
         raise TileError(where, f"{name} must be {want}", f"{name}={value!r}")
 
 
+def is_int(value, low: int | None = None, high: int | None = None) -> bool:
+    """Whether ``value`` is an integer (NumPy's too, not a bool) at least ``low`` and at most
+    ``high`` (None: no bound)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) \
+        and (low is None or value >= low) and (high is None or value <= high)
+
+
 def require_int(where: str, name: str, value, low: int, high: int | None = None) -> None:
     """A TileError naming ``name`` and ``value`` unless ``value`` is an integer (NumPy's too, not
     a bool) at least ``low`` and, given ``high``, at most ``high``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low \
-            or (high is not None and value > high):
+    if not is_int(value, low, high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise TileError(where, f"{name} must be an integer {rng}", repr(value))
+
+
+def require_float_dtype(where: str, dtype) -> np.dtype:
+    """``dtype`` as a NumPy dtype, or a TileError unless it is a floating one NumPy knows
+    (np.dtype("bfloat16") is NumPy's bare TypeError; integer weights would be drawn as zeros)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind != "f":
+        raise TileError(where, "dtype must be a floating dtype (float32, float64, float16)", repr(dtype))
+    return dt
 
 
 def one_of_check(*names: str):

@@ -16,13 +16,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import numbers
 from typing import Iterator, Mapping
 
 import numpy as np
 
 from tilegraph import ops
-from tilegraph._config import require_int
+from tilegraph._config import is_int, require_float_dtype, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
@@ -68,7 +67,7 @@ class Parameter(TileTensor):
 def _fit(tile, n: int):
     """A module-wide tile size applied to a dim of size ``n`` (whole dim when it is larger). A
     tile that is no integer goes on as it is, for the parameter's tiling to name."""
-    if tile is None or isinstance(tile, bool) or not isinstance(tile, numbers.Integral):
+    if tile is None or not is_int(tile):
         return tile
     return None if tile >= n else tile
 
@@ -78,15 +77,7 @@ def _check_layer(where: str, dtype=None, **sizes) -> np.dtype | None:
     as zeros and never train), checked where the layer is built; returns the dtype."""
     for name, value in sizes.items():
         require_int(where, name, value, 1)
-    if dtype is None:
-        return None
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.kind != "f":
-        raise TileError(where, "dtype must be a floating dtype (float32, float64, float16)", repr(dtype))
-    return dt
+    return None if dtype is None else require_float_dtype(where, dtype)
 
 
 def _rng(seed) -> np.random.Generator:
@@ -403,7 +394,7 @@ class CausalSelfAttention(Module):
         if n_heads % n_kv_heads:
             raise TileError(where, "n_kv_heads must divide n_heads", f"n_heads={n_heads}, n_kv_heads={n_kv_heads}")
         self.head_dim = dim // n_heads
-        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, numbers.Integral) or tile < 1):
+        if tile is not None and not is_int(tile, 1):
             raise TileError(where, "tile must be a positive int (a multiple of the head dim) or None",
                             f"tile={tile!r} ({type(tile).__name__})")
         if tile is not None and tile % self.head_dim:
