@@ -40,7 +40,7 @@ def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph g
     if (folder / "tokenizer.json").is_file():
         tokenizer = BPETokenizer.load(folder / "tokenizer.json", eos=None)
         eos = _config_eos(folder, tokenizer) if eos_from_config else None
-        return tokenizer if eos is None else BPETokenizer.load(folder / "tokenizer.json", eos=eos)
+        return tokenizer if eos is None else BPETokenizer(tokenizer._tok, eos=eos)  # the file read once
     raise TileError(where, "a tokenizer: tilegraph_tokenizer.json or tokenizer.json in the "
                     "checkpoint folder, or --tokenizer byte|PATH", str(folder))
 

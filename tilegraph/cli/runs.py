@@ -75,10 +75,13 @@ def take_output(out: Path, where: str):
 def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
     returns the step of the ``resume`` checkpoint (None without one)."""
+    from tilegraph.io.zarr import checkpoint_step
+
     ckdir = out / "checkpoints"
+    at = {p.name: checkpoint_step(p.name) for p in ckdir.iterdir() if p.name.startswith("step-")} \
+        if ckdir.is_dir() else {}
     # by step, not by name: past step 999999 the names grow a digit ("step-1000000" < "step-999999")
-    found = sorted((p.name for p in ckdir.iterdir() if p.name.startswith("step-")),
-                   key=lambda n: (len(n), n)) if ckdir.is_dir() else []
+    found = sorted(at, key=lambda n: (at[n] is None, at[n] or 0, n))
     if resume is None:
         if found:
             what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
@@ -94,7 +97,7 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     step = resume.checkpoint.step
     if in_folder(resume.path, ckdir):
         return step  # the run's own later checkpoints: set aside when it starts (keep_branch_point)
-    clash = [n for n in found if n.split("-", 1)[1].isdigit() and step < int(n.split("-", 1)[1]) <= step + steps]
+    clash = [n for n in found if at[n] is not None and step < at[n] <= step + steps]
     if clash:
         raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
                         f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
