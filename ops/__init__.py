@@ -6,7 +6,7 @@ imported only when a GPU task runs.
 
 from .attention import scaled_dot_product_attention
 from .dropout import dropout
-from .elementwise import add, affine, div, gelu, mul, ones_like, relu, silu, sub, zeros_like
+from .elementwise import add, affine, div, gelu, mul, ones_like, pow, relu, silu, sub, zeros_like
 from .embedding import embedding
 from .loss import cross_entropy
 from .lora import lora_linear  # noqa: F401 - tg.ops.lora_linear (RunLoRA's choice: tilegraph.ops.lora)
@@ -18,5 +18,5 @@ from .rope import rope
 from .shape import permute, reshape, transpose
 from .softmax import log_softmax, softmax
 
-__all__ = ["add", "affine", "cross_entropy", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "relu",
+__all__ = ["add", "affine", "cross_entropy", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like"]

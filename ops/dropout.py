@@ -236,13 +236,22 @@ def _check_seed_tensor(seed) -> None:
 _DROPOUT = Dropout()
 
 
-def dropout(x: TileTensor, p: float, seed=0) -> TileTensor:
+def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=0) -> TileTensor:
     """Inverted dropout of ``x``: each element zeroed with probability ``p``, the others scaled by
-    1 / (1 - p); ``p = 0`` returns ``x`` itself. ``seed``: an int (then the mask is the same every
-    time the graph runs) or a (1,) uint64 TileTensor such as :func:`seed_tensor` makes from
-    trainable parameters (a new mask every optimizer step). Apply it only to a training step's
-    graph (under :func:`tilegraph.nn.training`, as ``TrainStep`` records). See the module doc."""
+    1 / (1 - p); ``p = 0`` or ``training=False`` returns ``x`` itself (torch's ``F.dropout``, its
+    arguments in its order; ``inplace=True`` is not supported: tensors are never changed in place).
+    ``seed`` (by name): an int (then the mask is the same every time the graph runs) or a (1,)
+    uint64 TileTensor such as :func:`seed_tensor` makes from trainable parameters (a new mask every
+    optimizer step). Apply it only to a training step's graph: pass ``training=self.training`` in a
+    module (True under :func:`tilegraph.nn.training`, as ``TrainStep`` records, or after
+    ``model.train()``). See the module doc."""
     p = check_dropout(p, WHERE, "p")
+    if not isinstance(training, (bool, np.bool_)):
+        raise TileError(WHERE, "training must be a bool (torch's third argument; pass an int seed by name: "
+                        "seed=...)", f"{training!r:.60}")
+    if inplace is not False:
+        raise TileError(WHERE, "inplace=True is not supported (a TileTensor is never changed in place: use the "
+                        "result)", f"inplace={inplace!r:.60}")
     if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
         if not 0 <= seed < 2 ** 64:
             raise TileError(WHERE, "an int seed must be in [0, 2**64)", repr(seed))
@@ -250,6 +259,7 @@ def dropout(x: TileTensor, p: float, seed=0) -> TileTensor:
 
         seed = from_numpy(np.array([int(seed)], dtype=np.uint64))
     _check_seed_tensor(seed)
-    if p == 0:
+    require_tensor(x, WHERE, "x")
+    if p == 0 or not training:
         return x
     return _DROPOUT(x, seed, p=p)

@@ -18,7 +18,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, xp_of
 from ._gpu import fused
 
-__all__ = ["add", "sub", "mul", "div", "affine", "gelu", "relu", "silu", "ones_like", "zeros_like",
+__all__ = ["add", "sub", "mul", "div", "pow", "affine", "gelu", "relu", "silu", "ones_like", "zeros_like",
            "unbroadcast", "broadcast_tiling"]
 
 
@@ -190,6 +190,82 @@ def div(a, b) -> TileTensor:
     if _scalar(a):
         raise TileError("tilegraph.div", "dividing a number by a tensor is not supported", f"{a!r} / tensor")
     return _div_op(a, b)
+
+
+# ------------------------------------------------------------------------------------ power ----
+@kernel("pow", cost=elementwise_cost(4))
+def _pow(x, exponent, dtype=None):
+    if dtype is not None:  # an integer tensor to a fractional power: NumPy's float64
+        x = x.astype(dtype)
+    return x ** x.dtype.type(exponent)
+
+
+@kernel("pow_bwd", cost=elementwise_cost(6))
+def _pow_bwd(x, g, exponent):
+    if exponent == 0:  # as torch: d(x ** 0) = 0, also at x = 0 (not 0 * x ** -1)
+        return xp_of(g).zeros_like(g)
+    e = x.dtype.type(exponent)
+    return g * (e * x ** (e - 1)) if exponent != 2 else g * (x + x)
+
+
+class Pow(Op):
+    """``x ** exponent`` for a Python-number exponent; ``d = g * exponent * x ** (exponent - 1)``."""
+
+    name = "pow"
+
+    def forward(self, x, exponent):
+        convert = {}
+        dtype = x.dtype
+        if dtype.kind not in "fc" and not float(exponent).is_integer():
+            dtype = np.dtype(np.float64)
+            convert = {"dtype": dtype.str}
+
+        def fill(idx):
+            r = x.grid[idx]
+            return emit1(_pow, [r], r.shape, dtype, op="pow", exponent=exponent, **convert)
+
+        return new_tensor(x.tiling, dtype, fill), (x, exponent)
+
+    def backward(self, ctx, g):
+        x, exponent = ctx
+
+        def fill(idx):
+            r = x.grid[idx]
+            return emit1(_pow_bwd, [r, g.grid[idx]], r.shape, x.dtype, op="pow_bwd", exponent=exponent)
+
+        return (new_tensor(x.tiling, x.dtype, fill),)
+
+
+_pow_op = Pow()
+
+
+def pow(x: TileTensor, exponent) -> TileTensor:  # noqa: A001 - torch name
+    """``x ** exponent`` element by element (``torch.pow``) for a real-number ``exponent``; its
+    gradient is ``exponent * x ** (exponent - 1)`` (0 for ``exponent == 0``, as torch). A float
+    tensor keeps its dtype; an integer one stays integer under a whole exponent >= 0, and becomes
+    float64 under a fractional one (NumPy's promotion).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> (tg.from_numpy(np.arange(4.0), tiles=3) ** 2).numpy()
+    array([0., 1., 4., 9.])
+    """
+    where = "tilegraph.pow"
+    if not isinstance(x, TileTensor):
+        raise TileError(where, "the base must be a TileTensor (a number to a tensor's power is not supported)",
+                        f"{type(x).__name__} {x!r:.60}")
+    if not _scalar(exponent):
+        raise TileError(where, "the exponent must be a real number (not a bool; a tensor exponent is not supported)",
+                        f"{type(exponent).__name__} {exponent!r:.60}")
+    if x.dtype.kind == "b":
+        raise TileError(where, "the base must be a number tensor (cast a bool tensor first)",
+                        f"a {x.dtype} tensor of shape {x.shape}")
+    exponent = _number(exponent)
+    if x.dtype.kind in "iu" and isinstance(exponent, int) and exponent < 0:
+        raise TileError(where, "an integer tensor to a negative integer power is not supported (as in NumPy and "
+                        "torch; cast to a float dtype first)", f"a {x.dtype} tensor ** {exponent}")
+    if exponent == 1:
+        return x
+    return _pow_op(x, exponent=exponent)
 
 
 # ------------------------------------------------------------------------------- unary maps ----

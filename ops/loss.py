@@ -44,7 +44,7 @@ def _bwd_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
     return Cost(4.0 * n, float(2 * n * itemsize))
 
 
-def _ce_stats_xp(x, tgt, offset):
+def _ce_stats_xp(x, tgt, offset, smoothing=0.0, vocab=0):
     xp = xp_of(x)
     rows = tgt.shape
     x2 = x.reshape(-1, x.shape[-1]).astype(acc_dtype(x.dtype), copy=False)
@@ -54,7 +54,16 @@ def _ce_stats_xp(x, tgt, offset):
     hit = (local >= 0) & (local < x2.shape[1])
     t = xp.take_along_axis(x2, xp.where(hit, local, 0)[:, None], axis=1)[:, 0]
     t = xp.where(hit, t, 0)
+    if smoothing:
+        t = _smoothed_target(t, x2, smoothing, vocab)
     return m.reshape(rows), s.reshape(rows), t.reshape(rows)
+
+
+def _smoothed_target(t, x2, smoothing, vocab):
+    """The target term of a label-smoothed loss, over this vocab tile: with the target
+    distribution ``(1 - e) onehot + e / V``, the loss ``lse - sum_j q_j x_j`` needs
+    ``(1 - e) x_target + e / V sum_j x_j``, which sums over the tiles as the target logit does."""
+    return (1 - smoothing) * t + (smoothing / vocab) * x2.sum(axis=1)
 
 
 #: rows per block of the CPU kernels: a block's temporary (rows x vocab tile) stays in the core's
@@ -71,12 +80,12 @@ def _row_blocks(n: int, v: int, itemsize: int):
     return ((i, min(i + step, n)) for i in range(0, n, step))
 
 
-def _ce_stats_cpu(x, tgt, offset):
+def _ce_stats_cpu(x, tgt, offset, smoothing=0.0, vocab=0):
     # NumPy's SIMD exp over blocks of rows held in cache: 6x the scalar-exp Numba loop this
     # replaced (and 2x the whole-tile NumPy expressions, whose temporaries leave the cache) on a
     # 1024 x 6283 float32 tile; the sums are NumPy's pairwise ones
     if x.dtype not in _CPU_DTYPES or x.size == 0:
-        return _ce_stats_xp(x, tgt, offset)
+        return _ce_stats_xp(x, tgt, offset, smoothing, vocab)
     rows = tgt.shape
     n, v = numel(rows), x.shape[-1]
     x2 = np.ascontiguousarray(x.reshape(n, v))
@@ -91,6 +100,8 @@ def _ce_stats_cpu(x, tgt, offset):
     local = tgt.reshape(-1).astype(np.int64, copy=False) - offset
     hit = (local >= 0) & (local < v)
     t = np.where(hit, x2[np.arange(n), np.where(hit, local, 0)], 0).astype(x2.dtype, copy=False)
+    if smoothing:
+        t = _smoothed_target(t, x2, smoothing, vocab).astype(x2.dtype, copy=False)
     return m.reshape(rows), s.reshape(rows), t.reshape(rows)
 
 
@@ -148,24 +159,28 @@ def _row_weights(xp, tgt, g, tot, ignore_index, reduction, acc):
     return xp.where(keep, w, 0).astype(acc).reshape(-1)
 
 
-def _ce_bwd_xp(x, tgt, lse, g, *tot, offset, ignore_index, reduction):
+def _ce_bwd_xp(x, tgt, lse, g, *tot, offset, ignore_index, reduction, smoothing=0.0, vocab=0):
+    # (softmax - q) * w with the target distribution q = (1 - e) onehot + e / V
     xp = xp_of(x)
     acc = lse.dtype
     w = _row_weights(xp, tgt, g, tot, ignore_index, reduction, acc)
     x2 = x.reshape(-1, x.shape[-1]).astype(acc, copy=False)
     p = xp.exp(x2 - lse.reshape(-1)[:, None])
     p *= w[:, None]
+    if smoothing:
+        p -= (w * (smoothing / vocab))[:, None]
     local = tgt.reshape(-1).astype(xp.int64, copy=False) - offset
     (r,) = xp.nonzero((local >= 0) & (local < x2.shape[1]))
-    p[r, local[r]] -= w[r]
+    p[r, local[r]] -= w[r] * (1 - smoothing)
     return p.astype(x.dtype, copy=False).reshape(x.shape)
 
 
-def _ce_bwd_cpu(x, tgt, lse, g, *tot, offset, ignore_index, reduction):
+def _ce_bwd_cpu(x, tgt, lse, g, *tot, offset, ignore_index, reduction, smoothing=0.0, vocab=0):
     # exp(x - lse) * w over blocks of rows held in cache (NumPy's SIMD exp): 3x the scalar-exp
     # Numba loop this replaced on a 1024 x 6283 float32 tile
     if x.dtype not in _CPU_DTYPES or x.size == 0:
-        return _ce_bwd_xp(x, tgt, lse, g, *tot, offset=offset, ignore_index=ignore_index, reduction=reduction)
+        return _ce_bwd_xp(x, tgt, lse, g, *tot, offset=offset, ignore_index=ignore_index, reduction=reduction,
+                          smoothing=smoothing, vocab=vocab)
     w = _row_weights(np, tgt, g, tot, ignore_index, reduction, lse.dtype).astype(x.dtype, copy=False)
     n, v = w.shape[0], x.shape[-1]
     x2 = np.ascontiguousarray(x.reshape(n, v))
@@ -176,9 +191,11 @@ def _ce_bwd_cpu(x, tgt, lse, g, *tot, offset, ignore_index, reduction):
         np.subtract(x2[lo:hi], lse2[lo:hi, None], out=o)
         np.exp(o, out=o)
         o *= w[lo:hi, None]
+        if smoothing:
+            o -= (w[lo:hi] * x.dtype.type(smoothing / vocab))[:, None]
     local = tgt.reshape(-1).astype(np.int64, copy=False) - offset
     (r,) = np.nonzero((local >= 0) & (local < v))
-    out[r, local[r]] -= w[r]
+    out[r, local[r]] -= w[r] * x.dtype.type(1 - smoothing) if smoothing else w[r]
     return out.reshape(x.shape)
 
 
@@ -195,8 +212,10 @@ class CrossEntropy(Op):
 
     name = "cross_entropy"
 
-    def forward(self, logits, targets, ignore_index, reduction):
+    def forward(self, logits, targets, ignore_index, reduction, label_smoothing=0.0):
         acc = acc_dtype(logits.dtype)
+        # only a smoothed loss passes the smoothing to the kernels: the plain one's are unchanged
+        smooth = {"smoothing": label_smoothing, "vocab": logits.shape[-1]} if label_smoothing else {}
         vocab = logits.shape[-1]
         offsets = logits.tiling.offsets(logits.ndim - 1)
         n_v = logits.tiling.grid[-1]
@@ -207,14 +226,14 @@ class CrossEntropy(Op):
             tgt = targets.grid[r]
             rows = tgt.shape
             stats = [emit(_ce_stats_k, [logits.grid[r + (k,)], tgt], [(rows, acc)] * 3, op="cross_entropy",
-                          offset=offsets[k]) for k in range(n_v)]
+                          offset=offsets[k], **smooth) for k in range(n_v)]
             ms, ss, ts = zip(*stats)
             second = (rows, logits.dtype) if reduction == "none" else ((2,), np.float64)
             lse[r], rows_out[r] = emit(_ce_merge_k, [*ms, *ss, *ts, tgt], [(rows, acc), second],
                                        op="cross_entropy", n=n_v, vocab=vocab, ignore_index=ignore_index,
                                        reduction=reduction, out_dtype=str(logits.dtype))
         ctx = dict(logits=logits, targets=targets, lse=lse, tot=None, ignore_index=ignore_index,
-                   reduction=reduction)
+                   reduction=reduction, smooth=smooth)
         if reduction == "none":
             return new_tensor(targets.tiling, logits.dtype, lambda r: rows_out[r]), ctx
 
@@ -229,7 +248,7 @@ class CrossEntropy(Op):
 
     def backward(self, ctx, g):
         return _ce_bwd_op(g, ctx["logits"], ctx["targets"], lse=ctx["lse"], tot=ctx["tot"],
-                          ignore_index=ctx["ignore_index"], reduction=ctx["reduction"]), None
+                          ignore_index=ctx["ignore_index"], reduction=ctx["reduction"], smooth=ctx["smooth"]), None
 
 
 class CrossEntropyBackward(Op):
@@ -237,7 +256,7 @@ class CrossEntropyBackward(Op):
 
     name = "cross_entropy_bwd"
 
-    def forward(self, g, logits, targets, lse, tot, ignore_index, reduction):
+    def forward(self, g, logits, targets, lse, tot, ignore_index, reduction, smooth=None):
         offsets = logits.tiling.offsets(logits.ndim - 1)
         if reduction == "none" and g.chunks != targets.chunks:  # pragma: no cover - autograd keeps tiles
             raise TileError("tilegraph.cross_entropy_bwd", "the cotangent must be tiled like the targets",
@@ -249,7 +268,7 @@ class CrossEntropyBackward(Op):
             if reduction == "mean":
                 ins.append(tot)
             return emit1(_ce_bwd_k, ins, logits.tiling.tile_shape(idx), logits.dtype, op="cross_entropy_bwd",
-                         offset=offsets[k], ignore_index=ignore_index, reduction=reduction)
+                         offset=offsets[k], ignore_index=ignore_index, reduction=reduction, **(smooth or {}))
 
         return new_tensor(logits.tiling, logits.dtype, fill), None
 
@@ -259,13 +278,15 @@ _ce_bwd_op = CrossEntropyBackward()
 
 
 def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -100,
-                  reduction: str = "mean") -> TileTensor:
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> TileTensor:
     """Cross-entropy of ``logits`` (..., V), classes in the LAST dim, against integer ``targets`` (...)
     tiled like the leading dims of ``logits``; V may span several tiles.
 
     Rows whose target equals ``ignore_index`` count for nothing. ``reduction``: ``"mean"`` (over the
     rows not ignored; nan when all are, as torch), ``"sum"`` (both give a scalar of shape ()), or
-    ``"none"`` (shape of ``targets``, 0 at ignored rows). Targets outside ``[0, V)`` that are not
+    ``"none"`` (shape of ``targets``, 0 at ignored rows). ``label_smoothing`` in [0, 1] mixes the
+    target with the uniform distribution over the V classes, as torch's: each row's loss is
+    ``(1 - e) (lse - x_target) + e (lse - mean_j x_j)``. Targets outside ``[0, V)`` that are not
     ``ignore_index`` raise a TileError when the graph runs. Unlike torch, whose class dim is dim 1,
     the classes are last: torch's equivalent is ``F.cross_entropy(logits.reshape(-1, V),
     targets.reshape(-1))``.
@@ -284,10 +305,14 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
         raise TileError(_WHERE, f"reduction must be one of {_REDUCTIONS}", repr(reduction))
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise TileError(_WHERE, "ignore_index must be an int", repr(ignore_index))
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float, np.integer, np.floating))
+            or not 0 <= label_smoothing <= 1):
+        raise TileError(_WHERE, "label_smoothing must be a number in [0, 1] (as torch's)", f"{label_smoothing!r:.60}")
     if logits.ndim < 1:
         raise TileError(_WHERE, "logits need a class dim (..., V)", f"shape {logits.shape}")
     if targets.shape != logits.shape[:-1]:
         raise TileError(_WHERE, "targets must have the shape of logits without the last (class) dim",
                         f"logits {logits.shape}, targets {targets.shape}")
     require_same_chunks(_WHERE, "targets and the leading dims of logits", targets.chunks, logits.chunks[:-1])
-    return _ce_op(logits, targets, ignore_index=int(ignore_index), reduction=reduction)
+    return _ce_op(logits, targets, ignore_index=int(ignore_index), reduction=reduction,
+                  label_smoothing=float(label_smoothing))

@@ -10,7 +10,7 @@ import numpy as np
 from tilegraph._autograd import Op
 from tilegraph._errors import TileError
 from tilegraph._graph import emit1, kernel
-from tilegraph._tensor import NO_KEEPDIM, TileTensor, Tiling
+from tilegraph._tensor import ALL_DIMS, NO_KEEPDIM, TileTensor, Tiling
 
 from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, resolve_alias, xp_of
 from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests read it here too
@@ -144,12 +144,13 @@ def _dims(x: TileTensor, dim, where: str) -> tuple:
     return dims
 
 
-def sum(x: TileTensor, dim=None, keepdim: bool = NO_KEEPDIM, *,  # noqa: A001 - torch name
-        keepdims: bool | None = None) -> TileTensor:
+def sum(x: TileTensor, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *,  # noqa: A001 - torch name
+        keepdims: bool | None = None, axis=None) -> TileTensor:
     """Sum over ``dim`` (an int, a tuple, or None for all), as a tree over tiles.
 
-    ``keepdim=True`` keeps each reduced dim with size 1 (as torch; ``keepdims`` is NumPy's
-    spelling, accepted as in torch).
+    ``keepdim=True`` keeps each reduced dim with size 1 (as torch; ``keepdims`` and ``axis`` are
+    NumPy's spellings of ``keepdim`` and ``dim``, accepted as in torch; passing both spellings of
+    one parameter is an error).
 
     >>> import numpy as np, tilegraph as tg
     >>> tg.sum(tg.from_numpy(np.ones((4, 3)), tiles=(2, 3)), 0, keepdim=True).numpy()
@@ -158,16 +159,18 @@ def sum(x: TileTensor, dim=None, keepdim: bool = NO_KEEPDIM, *,  # noqa: A001 - 
     where = "tilegraph.sum"
     require_tensor(x, where, "x")
     keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
-    dims = _dims(x, dim, where)
+    dims = _dims(x, resolve_alias(where, "dim", dim, "axis", axis), where)
     return sum_dims(x, dims, (keep,) * len(dims))
 
 
-def mean(x: TileTensor, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None) -> TileTensor:
-    """Mean over ``dim`` (an int, a tuple, or None for all); ``keepdim`` as in :func:`sum`."""
+def mean(x: TileTensor, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None,
+         axis=None) -> TileTensor:
+    """Mean over ``dim`` (an int, a tuple, or None for all); ``keepdim``, ``keepdims`` and ``axis``
+    as in :func:`sum`."""
     where = "tilegraph.mean"
     require_tensor(x, where, "x")
     keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
-    dims = _dims(x, dim, where)
+    dims = _dims(x, resolve_alias(where, "dim", dim, "axis", axis), where)
     count = math.prod(x.shape[d] for d in dims)
     # as NumPy and torch: the mean of integers is a float, that of nothing NaN
     return _sum_op(x, dims=dims, keep=(keep,) * len(dims), scale=1.0 / count if count else float("nan"),

@@ -16,7 +16,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import current_scope, scope
 from tilegraph._tensor import TileTensor
 
-__all__ = ["Op", "Record", "grad", "no_grad", "grad_enabled"]
+__all__ = ["Op", "Record", "grad", "backward", "no_grad", "grad_enabled"]
 
 #: one list per :func:`tilegraph.checkpoint` region being recorded: the tensors its ops make
 _REGIONS: list[list[TileTensor]] = []
@@ -146,6 +146,40 @@ def grad(loss: TileTensor, inputs: Sequence[TileTensor], *, allow_unused: bool =
                                 "outside it; or it is no op's result)", f"loss {loss!r}")
 
     return vjp([loss], [None], inputs, allow_unused=allow_unused, where=where, single=single)
+
+
+def backward(loss: TileTensor, where: str = "tilegraph.TileTensor.backward") -> None:
+    """torch's ``loss.backward()``: the gradient of a scalar ``loss`` with respect to every
+    trainable :class:`~tilegraph.nn.Parameter` it depends on (``requires_grad``), added to the
+    parameter's ``grad`` (set where it is None), as torch accumulates; ``module.zero_grad()``
+    clears them. The gradients are symbolic TileTensors like any other (``p.grad.numpy()``
+    computes one); a training loop takes them from :class:`~tilegraph.TrainStep` instead.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> lin = tg.nn.Linear(2, 1, bias=False, dtype=np.float64, seed=0)
+    >>> lin(tg.from_numpy(np.ones((3, 2)))).sum().backward()
+    >>> lin.weight.grad.numpy()
+    array([[3.],
+           [3.]])
+    """
+    from tilegraph.nn import Parameter
+    from tilegraph import ops
+
+    if not isinstance(loss, TileTensor):  # pragma: no cover - only reached as a method
+        raise TileError(where, "loss must be a TileTensor", type(loss).__name__)
+    if loss.size != 1:
+        raise TileError(where, "loss must be a scalar (one element); reduce it with sum() or mean()",
+                        f"loss of shape {loss.shape}")
+    params = [t for t in _walk([loss]) if isinstance(t, Parameter) and t.requires_grad]
+    if not params:
+        why = ("it has no recorded history (it was computed inside tg.no_grad(), or it is no op's result)"
+               if loss._record is None else "it depends on no Parameter with requires_grad=True")
+        raise TileError(where, f"nothing to differentiate: {why}; for other tensors use tg.grad(loss, [x])",
+                        f"loss {loss!r}")
+    grads = vjp([loss], [None], params, allow_unused=True, where=where)
+    for p, g in zip(params, grads):
+        if g is not None:
+            p.grad = g if p.grad is None else ops.add(p.grad, g)
 
 
 def vjp(outputs: Sequence[TileTensor], cotangents: Sequence[TileTensor | None], inputs: Sequence[TileTensor], *,

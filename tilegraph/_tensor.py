@@ -48,6 +48,8 @@ def resolve_alias(where: str, name: str, value, alias: str, alias_value):
 
 #: ``keepdim``'s default, told apart from an explicit ``keepdim=False`` next to ``keepdims=``
 NO_KEEPDIM = Default(False)
+#: ``dim``'s default of the reductions, told apart from an explicit ``dim=None`` next to ``axis=``
+ALL_DIMS = Default(None)
 
 
 class Tiling:
@@ -174,6 +176,19 @@ class TileTensor:
     def size(self) -> int:
         return int(np.prod(self.shape))
 
+    def dim(self) -> int:
+        """The number of dims (torch's ``Tensor.dim``; :attr:`ndim`)."""
+        return self.ndim
+
+    def numel(self) -> int:
+        """The number of elements (torch's ``Tensor.numel``; :attr:`size` is NumPy's, an int)."""
+        return self.size
+
+    def detach(self) -> "TileTensor":
+        """The same tiles without autograd history: no gradient flows back through the result
+        (torch's ``Tensor.detach``; nothing is copied)."""
+        return TileTensor(self.tiling, self.dtype, self.grid, name=self.name)
+
     @property
     def chunks(self) -> tuple[tuple[int, ...], ...]:
         return self.tiling.chunks
@@ -201,6 +216,21 @@ class TileTensor:
         from tilegraph._lower import compute
 
         return compute(self)[0]
+
+    def item(self):
+        """The value of a one-element tensor as a Python number (torch's ``Tensor.item``): computes
+        it, as :meth:`numpy` does."""
+        if self.size != 1:
+            raise TileError("tilegraph.TileTensor.item", "only a tensor of one element has an item (reduce it "
+                            "first, or use .numpy())", f"a tensor of shape {self.shape}")
+        return self.numpy().reshape(()).item()
+
+    def backward(self) -> None:
+        """torch's ``loss.backward()``: adds the gradient of this scalar to the ``grad`` of every
+        trainable Parameter it depends on (:func:`tilegraph._autograd.backward`)."""
+        from tilegraph._autograd import backward
+
+        backward(self)
 
     def to_dask_array(self):
         from tilegraph._lower import to_dask_array
@@ -252,6 +282,45 @@ class TileTensor:
 
         return ops.div(other, self)
 
+    def __pow__(self, exponent):
+        from tilegraph import ops
+
+        return ops.pow(self, exponent)
+
+    def __rpow__(self, base):
+        raise TileError("tilegraph.TileTensor.__rpow__", "a number to a tensor's power is not supported (only "
+                        "tensor ** number)", f"{type(base).__name__} {base!r:.60} ** tensor")
+
+    def pow(self, exponent):
+        """``x.pow(2)``: :func:`tilegraph.pow` (torch's ``Tensor.pow``), the same as ``x ** 2``."""
+        from tilegraph import ops
+
+        return ops.pow(self, exponent)
+
+    def sqrt(self):
+        """``x ** 0.5`` (torch's ``Tensor.sqrt``)."""
+        from tilegraph import ops
+
+        return ops.pow(self, 0.5)
+
+    def relu(self):
+        """:func:`tilegraph.relu` (torch's ``Tensor.relu``)."""
+        from tilegraph import ops
+
+        return ops.relu(self)
+
+    def softmax(self, dim: int):
+        """:func:`tilegraph.softmax` over ``dim`` (torch's ``Tensor.softmax``)."""
+        from tilegraph import ops
+
+        return ops.softmax(self, dim)
+
+    def log_softmax(self, dim: int):
+        """:func:`tilegraph.log_softmax` over ``dim`` (torch's ``Tensor.log_softmax``)."""
+        from tilegraph import ops
+
+        return ops.log_softmax(self, dim)
+
     def __neg__(self):
         from tilegraph import ops
 
@@ -271,17 +340,19 @@ class TileTensor:
 
         return ops.transpose(self)
 
-    def sum(self, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None):
-        """:func:`tilegraph.sum` (torch's ``Tensor.sum``; ``keepdims`` is an accepted alias)."""
+    def sum(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None, axis=None):
+        """:func:`tilegraph.sum` (torch's ``Tensor.sum``; ``keepdims`` and ``axis`` are accepted
+        aliases)."""
         from tilegraph import ops
 
-        return ops.sum(self, dim, keepdim, keepdims=keepdims)
+        return ops.sum(self, dim, keepdim, keepdims=keepdims, axis=axis)
 
-    def mean(self, dim=None, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None):
-        """:func:`tilegraph.mean` (torch's ``Tensor.mean``; ``keepdims`` is an accepted alias)."""
+    def mean(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None, axis=None):
+        """:func:`tilegraph.mean` (torch's ``Tensor.mean``; ``keepdims`` and ``axis`` are accepted
+        aliases)."""
         from tilegraph import ops
 
-        return ops.mean(self, dim, keepdim, keepdims=keepdims)
+        return ops.mean(self, dim, keepdim, keepdims=keepdims, axis=axis)
 
     def reshape(self, *shape):
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``: :func:`tilegraph.reshape`, which moves no

@@ -27,6 +27,7 @@ from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
 from tilegraph._graph import scope as _scope
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells, tensor_from_cells
+from tilegraph.ops.embedding import check_padding_idx
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
            "CausalSelfAttention", "KVCache", "ModuleList", "deferred_init", "training", "is_training"]
@@ -36,7 +37,7 @@ class Parameter(TileTensor):
     """A trainable leaf TileTensor. Its tiles live in cells whose values the optimizer replaces
     after each step (arrays on the client, or futures on the workers)."""
 
-    __slots__ = ("cells", "requires_grad")
+    __slots__ = ("cells", "requires_grad", "_grad")
 
     def __init__(self, array: np.ndarray, tiles=None, *, name: str | None = None, requires_grad: bool = True):
         array = np.asarray(array)
@@ -51,6 +52,20 @@ class Parameter(TileTensor):
         super().__init__(t.tiling, t.dtype, t.grid, name=name)
         self.cells = cells
         self.requires_grad = requires_grad
+
+    @property
+    def grad(self) -> TileTensor | None:
+        """The gradient that ``loss.backward()`` accumulated (a symbolic TileTensor), or None."""
+        return getattr(self, "_grad", None)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        if value is not None and (not isinstance(value, TileTensor) or value.shape != self.shape
+                                  or value.chunks != self.chunks):
+            raise TileError(f"tilegraph.nn.Parameter({self.name}).grad", f"the gradient must be None or a TileTensor "
+                            f"of the parameter's shape {self.shape} and tiles {self.chunks}",
+                            repr(value)[:80])
+        self._grad = value
 
     def assign(self, array: np.ndarray) -> None:
         """Replace the value (same shape and dtype), keeping the tiling."""
@@ -145,12 +160,70 @@ def is_training() -> bool:
     return _TRAINING.get()
 
 
+def _check_mode(where: str, mode) -> bool | None:
+    if mode is not None and not isinstance(mode, (bool, np.bool_)):
+        raise TileError(where, "the training mode must be a bool (or None: the recording's mode)", f"{mode!r:.60}")
+    return None if mode is None else bool(mode)
+
+
 def _scopes() -> list[str]:
     return _scopes_stack
 
 
 class Module:
-    """Base class: parameters and submodules are plain attributes (also inside lists/dicts)."""
+    """Base class: parameters and submodules are plain attributes (also inside lists/dicts).
+
+    ``module.training`` is what layers that behave differently in training read (pass it on as
+    ``tg.dropout(x, p, training=self.training)``): by default the mode of the graph being recorded
+    (:func:`training`: True while ``TrainStep`` records a step, False for an evaluation, generation
+    or plain forward). ``model.train()`` / ``model.eval()`` fix it to True / False for the module and
+    all its submodules, as torch's do, for every graph recorded afterwards (after ``train()``, an
+    evaluation's graph too, as in torch: call ``eval()`` before it); ``train(None)`` returns to the
+    default.
+    """
+
+    _training: bool | None = None  # None: the recording's mode (is_training())
+
+    @property
+    def training(self) -> bool:
+        """True where this module records training behaviour (dropout); see the class doc."""
+        mode = self._training
+        return is_training() if mode is None else mode
+
+    @training.setter
+    def training(self, mode) -> None:
+        self._training = _check_mode(f"{type(self).__name__}.training", mode)
+
+    def train(self, mode: bool | None = True) -> "Module":
+        """Fix the training mode of this module and its submodules to ``mode`` (None: the default,
+        the recording's mode); returns the module, as torch's ``train`` does."""
+        mode = _check_mode(f"{type(self).__name__}.train", mode)
+        for m in self.modules():
+            m._training = mode
+        return self
+
+    def eval(self) -> "Module":
+        """``train(False)``: no training behaviour (dropout) in the graphs recorded afterwards;
+        returns the module."""
+        return self.train(False)
+
+    def modules(self) -> Iterator["Module"]:
+        """This module and every submodule (each once), as torch's ``modules``."""
+        seen: set[int] = set()
+        stack: list = [self]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, Module):
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                yield value
+                items = value.layers if isinstance(value, ModuleList) else list(vars(value).values())
+                stack.extend(reversed(items))
+            elif isinstance(value, (list, tuple)):
+                stack.extend(reversed(value))
+            elif isinstance(value, dict):
+                stack.extend(reversed(list(value.values())))
 
     def __call__(self, *args, **kwargs):
         if not _scopes():  # the model itself: name every submodule by its attribute path, once
@@ -193,6 +266,12 @@ class Module:
 
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self) -> None:
+        """Clear the ``grad`` that ``loss.backward()`` accumulated on every parameter (None, as
+        torch's default ``set_to_none=True``)."""
+        for p in self.parameters():
+            p.grad = None
 
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters())
@@ -304,14 +383,26 @@ class Linear(Module):
 
 
 class Embedding(Module):
-    def __init__(self, num_embeddings: int, dim: int, *, tile=None, vocab_tile=None, dtype=np.float32,
-                 seed=None, init_std: float = 1.0):
-        _check_layer("tilegraph.nn.Embedding", dtype, num_embeddings=num_embeddings, dim=dim)
+    """``weight[ids]``, weight (num_embeddings, dim) drawn from N(0, init_std^2) as torch's.
+
+    ``padding_idx`` (torch's): that row starts as zeros and gets no gradient, so it stays as it is
+    (a negative index counts from the end)."""
+
+    padding_idx: int | None = None  # class default: also for Embeddings made without __init__
+
+    def __init__(self, num_embeddings: int, dim: int, padding_idx: int | None = None, *, tile=None,
+                 vocab_tile=None, dtype=np.float32, seed=None, init_std: float = 1.0):
+        where = "tilegraph.nn.Embedding"
+        _check_layer(where, dtype, num_embeddings=num_embeddings, dim=dim)
+        self.padding_idx = check_padding_idx(padding_idx, num_embeddings, where)
         w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
+        if self.padding_idx is not None and not _DEFERRED:
+            w = np.array(w)  # writable (a deferred layer's zeros are a read-only broadcast)
+            w[self.padding_idx] = 0
         self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
 
     def forward(self, ids: TileTensor) -> TileTensor:
-        return ops.embedding(ids, self.weight)
+        return ops.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
     def unembed(self, x: TileTensor) -> TileTensor:
         """``x @ weight.T``: scores over the vocabulary with the same (tied) weight, (..., C) -> (..., V)."""
