@@ -938,14 +938,20 @@ _CHECKERS = {"fp16": lambda a, at, s, b: _check_cast(a, at, s, b, np.float16),
 
 # ============================================================================= default rule ====
 _EXACT_NAME = re.compile(r"(^|[._])(ln|norm|bias|b)([._0-9]|$)|norm", re.IGNORECASE)
+#: adapters (tilegraph.peft's LoRA U and V, LoTR's factors and cores): the few trained values of a
+#: fine-tuned model, a fraction of a percent of its bytes, which int4 would cut to 16 levels
+_ADAPTER_NAME = re.compile(r"(^|\.)(lora_u|lora_v|lotr_left|lotr_core|lotr_right)$")
 
 
 def default_method(name: str, shape, method: str = "int8") -> str | None:
-    """Which method a parameter gets by default: None (stay exact) for norms, biases and anything
-    that is not a non-empty 2-D matrix; ``method`` for weight matrices and embeddings.
+    """Which method a parameter gets by default: None (stay exact) for norms, biases, adapters
+    (:mod:`tilegraph.peft`'s ``lora_u``, ``lora_v``, ``lotr_*``) and anything that is not a
+    non-empty 2-D matrix; ``method`` for weight matrices and embeddings.
 
     >>> default_method("blocks.0.ln_1.weight", (768,)), default_method("blocks.0.attn.bias", (768,))
     (None, None)
+    >>> default_method("blocks.0.attn.q.lora_u", (768, 8), "int4") is None
+    True
     >>> default_method("blocks.0.mlp.fc1.weight", (768, 3072), "int4")
     'int4'
     """
@@ -953,6 +959,6 @@ def default_method(name: str, shape, method: str = "int8") -> str | None:
         raise TileError("tilegraph.io.default_method", f"unknown method; expected one of {list(METHODS)}",
                         repr(method))
     shape = tuple(shape)
-    if len(shape) != 2 or 0 in shape or _EXACT_NAME.search(str(name)):
+    if len(shape) != 2 or 0 in shape or _EXACT_NAME.search(str(name)) or _ADAPTER_NAME.search(str(name)):
         return None
     return method

@@ -64,6 +64,23 @@ def _check_rank_alpha(where: str, rank, alpha, dropout) -> None:
     check_dropout(dropout, where)
 
 
+def _check_model(where: str, model) -> None:
+    """``model`` is a tilegraph Module (a torch model, a path or None would fail later with a bare
+    TypeError from the module walk)."""
+    if not isinstance(model, Module):
+        raise TileError(where, "model must be a tilegraph.nn.Module (e.g. tilegraph.models.build(...))",
+                        type(model).__name__)
+
+
+def _rng(where: str, seed) -> np.random.Generator:
+    """NumPy's generator of ``seed`` (an int >= 0, a Generator or None), refused in tilegraph's words."""
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise TileError(where, "seed must be an int >= 0, a numpy Generator or None", repr(seed)[:200])
+    return np.random.default_rng(seed)
+
+
 def _check_choice_dropout(where: str, variant, choose, dropout: float):
     """:func:`_check_choice`, and a forced variant that dropout allows (f1 with b1, b2 or b3)."""
     from tilegraph.ops.lora import check_dropout_variant
@@ -119,10 +136,11 @@ class LoRALinear(Module):
         self.variant, self.choose = _check_choice_dropout(where, variant, choose, dropout)
         self.rank, self.alpha, self.dropout = int(rank), float(alpha), float(dropout)
         self.weight, self.bias = base.weight, base.bias
+        self.base_sketch = _sketch_of(base)
         for p in (self.weight, self.bias):
             if isinstance(p, Parameter):  # a QuantizedTensor has no gradient at all
                 p.requires_grad = False
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        rng = _rng(where, seed)
         dtype = self.weight.dtype
         bound = 1.0 / math.sqrt(n)  # torch's kaiming_uniform_(a=sqrt(5)), as peft initialises A
         u = rng.uniform(-bound, bound, (n, rank)).astype(dtype)
@@ -202,6 +220,7 @@ class LoTRLinear(Module):
         self.variant, self.choose = _check_choice(where, variant, choose)
         self.rank, self.scale = int(rank), float(scale)
         self.weight, self.bias = base.weight, base.bias
+        self.base_sketch = _sketch_of(base)
         for p in (self.weight, self.bias):
             if isinstance(p, Parameter):
                 p.requires_grad = False
@@ -248,9 +267,18 @@ def _adapted_linear(x, weight, u, v, bias, scale, variant, choose, dropout=0.0, 
     return lora_linear(x, weight, u, v, bias, scale=scale, variant=variant, choose=choose, device=device, **drop)
 
 
+def _sketch_of(base) -> tuple:
+    """The weight-gradient sketch settings of an adapter's base layer (grad_sketch, sketch_ratio,
+    sketch_seed), which :func:`merge_lora` gives the merged Linear back: a frozen weight has no
+    gradient to sketch while the adapter trains, but the merged layer trains it again."""
+    return (getattr(base, "grad_sketch", None), getattr(base, "sketch_ratio", Linear.sketch_ratio),
+            getattr(base, "sketch_seed", Linear.sketch_seed))
+
+
 def _merged_linear(layer, u, v, scale) -> Linear:
     """A plain Linear of ``layer.weight + scale * u @ v`` (computed where the tiles are, fetched
-    here) on the weight's tiles; the bias is the same Parameter."""
+    here) on the weight's tiles, with the base layer's weight-gradient sketch; the bias is the
+    same Parameter."""
     from tilegraph._lower import compute
     from tilegraph.ops.lora import merged_weight
 
@@ -260,6 +288,7 @@ def _merged_linear(layer, u, v, scale) -> Linear:
     lin = Linear.__new__(Linear)  # no init draw: the weight is given
     lin.weight = Parameter(value, w.chunks, name="weight", requires_grad=getattr(w, "requires_grad", False))
     lin.bias = layer.bias
+    lin.grad_sketch, lin.sketch_ratio, lin.sketch_seed = getattr(layer, "base_sketch", _sketch_of(None))
     return lin
 
 
@@ -347,12 +376,13 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     :class:`LoRALinear`.
     """
     where = "tilegraph.peft.apply_lora"
+    _check_model(where, model)
     alpha = rank if alpha is None else alpha
     _check_rank_alpha(where, rank, alpha, dropout)
     _check_choice_dropout(where, variant, choose, dropout)  # every check before the model changes
     chosen = _chosen_linears(model, targets, where)
     _check_rank_fits(where, chosen, rank)
-    rng = np.random.default_rng(seed)
+    rng = _rng(where, seed)
     _freeze_base(model)
     for name, (m, setter) in chosen.items():
         _replace(setter, m, LoRALinear(m, rank, alpha, dropout=dropout, variant=variant, choose=choose, seed=rng))
@@ -397,6 +427,7 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
     320
     """
     where = "tilegraph.peft.apply_lotr"
+    _check_model(where, model)
     _check_rank_alpha(where, rank, 1.0, 0.0)
     _check_scale(where, scale)
     _check_choice(where, variant, choose)  # every check before the model changes
@@ -410,7 +441,7 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
         if len(tilings) > 1:
             raise TileError(where, f"the ({shape[0]}, {shape[1]}) layers of a group share R and L, so their weights "
                             "must have the same tiles", ", ".join(f"{n} {chosen[n][0].weight.chunks}" for n in names))
-    rng = np.random.default_rng(seed)
+    rng = _rng(where, seed)
     _freeze_base(model)
     for (n, m), names in groups.items():
         w = chosen[names[0]][0].weight
@@ -474,13 +505,16 @@ def trainable_parameters(model: Module) -> list[Parameter]:
     """The parameters with ``requires_grad`` set: after :func:`apply_lora`, the adapters only.
     Build the optimizer from these (an optimizer given frozen parameters would ask for their
     gradients)."""
+    _check_model("tilegraph.peft.trainable_parameters", model)
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def merge_lora(model: Module) -> Module:
     """Fold every adapter into its base weight (LoRA: ``W + alpha / r * U V``; LoTR:
     ``W + scale / r * R M_l L``) and put plain Linear layers back, in place; returns ``model``.
-    Every parameter keeps its ``requires_grad``; a quantized base comes back dequantized."""
+    Every parameter keeps its ``requires_grad``, and a layer its base's weight-gradient sketch
+    (:func:`tilegraph.sketch.apply_grad_sketch`); a quantized base comes back dequantized."""
+    _check_model("tilegraph.peft.merge_lora", model)
     for name, m, setter in list(_named_modules(model)):
         if isinstance(m, (LoRALinear, LoTRLinear)):
             _replace(setter, m, m.merged())
@@ -527,6 +561,7 @@ def save_adapters(path, model: Module, format: str = "zarr") -> None:
     ``peft.PeftModel.from_pretrained`` loads onto the model that ``model.to_hf`` writes (LoRA
     only)."""
     where = "tilegraph.peft.save_adapters"
+    _check_model(where, model)
     if _check_format(where, format) == "peft":
         from tilegraph.peft_hf import save_peft
 
@@ -560,6 +595,7 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph.peft.load_adapters"
+    _check_model(where, model)
     if format is None:
         format = "peft" if (Path(path) / "adapter_config.json").is_file() else "zarr"
     if _check_format(where, format) == "peft":
@@ -892,7 +928,46 @@ def _quantized_base_lora(x, w, u, v, bias=None, **params):
 _QUANTIZED_LORA = None
 
 
-def from_quantized(path, tiling=None, *, runtime=None):
+#: the names of adapter parameters in a model (a LoTR group's shared factors under its first layer)
+_ADAPTER_PARTS = ("lora_u", "lora_v", "lotr_left", "lotr_core", "lotr_right")
+
+
+def _stored_adapters(ck) -> list[str]:
+    """The layers whose adapter arrays a model checkpoint ``ck`` holds (a LoRA layer's U and V, a
+    LoTR layer's core), in stored order."""
+    out = {}
+    for name in ck.parameters:
+        layer, _, part = name.rpartition(".")
+        if part in ("lora_u", "lotr_core"):
+            out.setdefault(layer, None)
+    return list(out)
+
+
+def _add_recorded_adapters(model: Module, folder: Path, stored: list[str], where: str) -> None:
+    """Add to ``model`` the adapters that ``tilegraph train`` recorded in the checkpoint's
+    ``tilegraph_peft.json`` (method, rank, alpha or scale, targets, dropout); their values are
+    read with the rest of the checkpoint. Refused when there is no record, or it makes other layers."""
+    from tilegraph.cli.finetune import PEFT_FILE, read_peft_record
+
+    record = read_peft_record(folder, where)
+    if record is None or record["method"] not in ("lora", "lotr"):
+        raise TileError(where, "adapters=True restores the adapters of a checkpoint that records their settings "
+                        f"({PEFT_FILE}, as tilegraph train writes it); this one holds adapter arrays on "
+                        f"{len(stored)} layers without them: open the base alone (adapters=False), add them with "
+                        "apply_lora / apply_lotr and the rank and alpha they were trained with, then "
+                        "tilegraph.io.load_checkpoint(path).load_into(model, strict=False)",
+                        f"{folder} (adapters on {', '.join(stored[:4])}{' ...' if len(stored) > 4 else ''})")
+    if record["method"] == "lora":
+        apply_lora(model, record["targets"], record["rank"], record["alpha"], record.get("dropout", 0.0))
+    else:
+        apply_lotr(model, record["targets"], record["rank"], record["scale"])
+    made = sorted(set(lora_layers(model)) | set(lotr_layers(model)))
+    if made != sorted(stored):
+        raise TileError(where, f"the adapters that {PEFT_FILE} makes to be the ones the checkpoint holds",
+                        f"{PEFT_FILE} makes {', '.join(made)}; stored: {', '.join(stored)}")
+
+
+def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = False):
     """The model of a quantized Zarr checkpoint (``tilegraph.io.save_checkpoint(path, model,
     quantize="int4" | "int8" | "kashin" ...)``, or a checkpoint of a model holding quantized
     weights, which stores their parts as they are) whose Linear layers stay quantized: each becomes
@@ -907,7 +982,19 @@ def from_quantized(path, tiling=None, *, runtime=None):
 
     The model's tiling must be the stored one for the quantized weights (their tiles were
     quantized one by one); ``tiling`` may only change what loads dequantized.
+
+    ``adapters``: a checkpoint of a model with LoRA or LoTR adapters (a fine-tuning run's) holds
+    their values, but :func:`tilegraph.io.save_checkpoint` does not record their alpha or scale.
+    ``adapters=False`` opens the base alone (with a warning naming the adapters left out, unless
+    the checkpoint records them: then add them and ``load_into`` as below); ``adapters=True``
+    restores them from the settings ``tilegraph train`` records (``tilegraph_peft.json``), or is
+    refused. A checkpoint without that record takes its adapters back as::
+
+        model = peft.apply_lora(peft.from_quantized(ck), targets, rank, alpha)  # as they were trained
+        tg.io.load_checkpoint(ck).load_into(model, strict=False)
     """
+    import warnings
+
     from tilegraph.runtime import current_runtime
     from tilegraph.io._store import quantized_parts, tile_label
     from tilegraph.io.quantize import QuantizedArray
@@ -915,8 +1002,11 @@ def from_quantized(path, tiling=None, *, runtime=None):
     from tilegraph.models import ARCHITECTURES, ModelTiling
     from tilegraph.nn import deferred_init
 
-    ck = load_checkpoint(path, tiling=tiling, runtime=runtime)
     where = f"tilegraph.peft.from_quantized({path})"
+    if not isinstance(adapters, (bool, np.bool_)):
+        raise TileError(where, "adapters must be True (restore the checkpoint's adapters) or False (the base alone)",
+                        repr(adapters)[:200])
+    ck = load_checkpoint(path, tiling=tiling, runtime=runtime)
     m = ck.info.get("model") or {}
     if m.get("architecture") not in ARCHITECTURES:
         raise TileError(where, f"a checkpoint of a known architecture; known: {', '.join(ARCHITECTURES)}",
@@ -953,6 +1043,15 @@ def from_quantized(path, tiling=None, *, runtime=None):
                  for idx in np.ndindex(*w.tiling.grid)}
         _replace(setter, layer, QuantizedLinear(QuantizedTensor(w.tiling, w.dtype, tiles, f"{name}.weight"),
                                                 layer.bias))
+    stored = _stored_adapters(ck)
+    if stored and adapters:
+        _add_recorded_adapters(model, Path(ck.path), stored, where)
+    elif stored and not (Path(ck.path) / "tilegraph_peft.json").is_file():
+        # (a checkpoint of tilegraph train records them: the caller adds them, as the CLI does)
+        warnings.warn(f"[{where}] the checkpoint holds adapters on {len(stored)} layers "
+                      f"({', '.join(stored[:4])}{' ...' if len(stored) > 4 else ''}), left out: the model is the base "
+                      "alone. Add them with apply_lora / apply_lotr and the rank and alpha they were trained with, then "
+                      "tilegraph.io.load_checkpoint(path).load_into(model, strict=False)", UserWarning, stacklevel=2)
     named = dict(model.named_parameters())
     missing = [n for n in named if n not in set(ck.parameters)]
     if missing:

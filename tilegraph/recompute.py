@@ -50,6 +50,7 @@ class _Ctx(NamedTuple):
     args: tuple         # checkpoint's arguments as given (TileTensors and anything else)
     inputs: tuple       # the TileTensors among them (each once): gated in the recompute
     captured: tuple     # the tensors fn read from its closure (parameters, ...): read as they are
+    kwargs: dict        # checkpoint's keyword arguments for fn, as given
 
 
 class Checkpoint(Op):
@@ -65,7 +66,8 @@ class Checkpoint(Op):
         with scope(f"{_label(ctx.fn)}:recompute"):
             gated = {id(a): _gated(a, dout) for a in ctx.inputs}
         args = tuple(gated[id(a)] if isinstance(a, TileTensor) else a for a in ctx.args)
-        out, _ = _record(ctx.fn, args, "tilegraph.checkpoint (the recompute)")
+        kwargs = {k: gated[id(a)] if isinstance(a, TileTensor) else a for k, a in ctx.kwargs.items()}
+        out, _ = _record(ctx.fn, args, "tilegraph.checkpoint (the recompute)", kwargs)
         leaves = [gated[id(a)] for a in ctx.inputs] + list(ctx.captured)
         # the recomputed kernels are named as what they are on the dashboard and in kernel_stats
         _relabel(out, {id(r.node) for t in leaves for r in t.grid.flat}, "recompute")
@@ -79,16 +81,20 @@ class Checkpoint(Op):
 _CHECKPOINT = Checkpoint()
 
 
-def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = False) -> TileTensor:
+def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = False,
+               preserve_rng_state: bool = True, **kwargs: Any) -> TileTensor:
     """``fn(*args)``, whose backward recomputes ``fn``'s forward from ``args`` instead of reading
     the activations of its first run (activation recompute, gradient checkpointing).
 
     ``fn`` returns one TileTensor; it may close over parameters and other tensors (a module's
     weights): they get their gradients as if ``fn`` had been called directly. ``fn`` must record
     the same graph when called again: no state that changes between calls (a KV cache, a Python
-    counter feeding a random seed). Arguments that are not TileTensors are passed on as they are.
-    ``use_reentrant``: torch's keyword, for code written for it; the recompute is always what
-    torch calls non-reentrant (False, torch's recommendation), and True is refused.
+    counter feeding a random seed). Arguments that are not TileTensors are passed on as they are;
+    other keyword arguments go to ``fn``, as torch passes them (TileTensors among them are inputs
+    like ``args``). ``use_reentrant``: torch's keyword, for code written for it; the recompute is
+    always what torch calls non-reentrant (False, torch's recommendation), and True is refused.
+    ``preserve_rng_state``: torch's keyword too; tilegraph's random masks (LoRA dropout) are
+    hashes of their seeds, so the recompute draws the same ones either way.
 
     >>> import numpy as np, tilegraph as tg
     >>> block = tg.nn.MLP(4, 8, seed=0, dtype=np.float64)
@@ -101,15 +107,19 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
     if use_reentrant is not False:
         raise TileError(where, "use_reentrant=False (torch's keyword: the recompute here is always the "
                         "non-reentrant kind)", f"use_reentrant={use_reentrant!r}")
+    if not isinstance(preserve_rng_state, (bool, np.bool_)):
+        raise TileError(where, "preserve_rng_state must be a bool (torch's keyword; the recompute draws the same "
+                        "masks either way)", repr(preserve_rng_state))
     if not callable(fn):
         raise TileError(where, "fn must be callable (a module, or a function of TileTensors)", type(fn).__name__)
     if not _autograd.grad_enabled():  # no backward to recompute for (tilegraph.no_grad: inference)
-        return fn(*args)
-    out, made = _record(fn, args, where)
+        return fn(*args, **kwargs)
+    out, made = _record(fn, args, where, kwargs)
     inside = {id(t) for t in made}
     if id(out) not in inside:  # fn handed on a tensor it was given: nothing of its own to recompute
         return out
-    inputs = tuple({id(a): a for a in args if isinstance(a, TileTensor)}.values())
+    given = [*args, *kwargs.values()]
+    inputs = tuple({id(a): a for a in given if isinstance(a, TileTensor)}.values())
     outside = {id(a) for a in inputs} | inside
     captured: dict[int, TileTensor] = {}
     for t in made:
@@ -118,17 +128,17 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
                 captured.setdefault(id(a), a)
     # the output's tiles as recorded; for autograd, one op over everything fn read from outside
     result = TileTensor(out.tiling, out.dtype, out.grid, name=out.name)
-    ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()))
+    ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()), dict(kwargs))
     result._record = Record(_CHECKPOINT, inputs + ctx.captured, ctx)
     return result
 
 
-def _record(fn: Callable, args: tuple, where: str) -> tuple[TileTensor, list[TileTensor]]:
-    """``fn(*args)`` and the tensors its ops made."""
+def _record(fn: Callable, args: tuple, where: str, kwargs: dict | None = None) -> tuple[TileTensor, list[TileTensor]]:
+    """``fn(*args, **kwargs)`` and the tensors its ops made."""
     made: list[TileTensor] = []
     _autograd._REGIONS.append(made)
     try:
-        out = fn(*args)
+        out = fn(*args, **(kwargs or {}))
     finally:
         _autograd._REGIONS.pop()
     if not isinstance(out, TileTensor):

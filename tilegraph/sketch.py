@@ -38,7 +38,10 @@ def apply_grad_sketch(model: Module, targets: Sequence[str] | str, kind: str | N
     """
     from tilegraph.peft import _matches, _named_modules, _patterns
 
+    from tilegraph.peft import _check_model
+
     where = "tilegraph.sketch.apply_grad_sketch"
+    _check_model(where, model)
     kind, ratio, seed = check_grad_sketch(kind, ratio, seed, where)
     patterns = _patterns(model, targets, where)
     found = [(name, m) for name, m, _ in _named_modules(model) if isinstance(m, Linear)]
@@ -62,7 +65,8 @@ def apply_grad_sketch(model: Module, targets: Sequence[str] | str, kind: str | N
 
 def sketched_layers(model: Module) -> dict[str, tuple[str, float]]:
     """``{name: (sketch, ratio)}`` of the model's Linear layers with a sketched weight gradient."""
-    from tilegraph.peft import _named_modules
+    from tilegraph.peft import _check_model, _named_modules
 
+    _check_model("tilegraph.sketch.sketched_layers", model)
     return {name: (m.grad_sketch, m.sketch_ratio) for name, m, _ in _named_modules(model)
             if isinstance(m, Linear) and m.grad_sketch is not None}
