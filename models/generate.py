@@ -33,6 +33,7 @@ from tilegraph._autograd import no_grad
 from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef, to_host
 from tilegraph._lower import Executable
+from tilegraph.nn import training
 from tilegraph.runtime import current_runtime
 
 from ._common import CausalLM
@@ -283,7 +284,7 @@ class Decoder:
                             f"min {ids.min()}, max {ids.max()}")
         saved = [(c.k, c.v) for c in self.cache]
         try:
-            with no_grad(), _collector_paused():
+            with no_grad(), training(False), _collector_paused():
                 logits = self.model(ids.astype(np.int64), cache=self.cache)    # (B, T, V)
                 last = logits.grid[:, -1, :]                                    # (B tiles, V tiles)
                 pending = [c.pending() for c in self.cache]

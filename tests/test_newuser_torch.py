@@ -176,24 +176,49 @@ class _Net(tg.nn.Module):
 def test_train_and_eval_set_the_mode_dropout_reads_and_return_the_module():
     net = _Net()
     x = tg.from_numpy(np.ones((4, 8)), (2, 4))
-    # by default: the recording's mode (TrainStep records under tg.nn.training())
+    # by default False; inside a step's recording (TrainStep records under tg.nn.training()) True
     assert net.training is False and net.fc.training is False
     with tg.nn.training():
         assert net.training is True and net.blocks[0].training is True
     plain = net(x).numpy()
     assert net.eval() is net
     assert not net.training and not net.fc.training and not net.blocks[0].training
-    with tg.nn.training():
-        assert not net.blocks[0].training
-        np.testing.assert_array_equal(net(x).numpy(), plain)  # eval(): no dropout, even in a training step
+    with tg.nn.training():  # a step decides its mode, as a torch loop calls model.train() itself
+        assert net.blocks[0].training
+    with tg.nn.training(False):
+        np.testing.assert_array_equal(net(x).numpy(), plain)
     assert net.train() is net
     assert net.training and net.fc.training and net.blocks[0].training
     dropped = net(x).numpy()
     assert (dropped == 0).any() and np.allclose(dropped[dropped != 0], 2 * plain[dropped != 0])
     assert net.train(False).training is False
-    assert net.train(None).training is False  # back to the recording's mode
+    assert net.train(None).training is False  # cleared: False outside a step
     assert list(net.state_dict()) == ["fc.weight", "fc.bias", "blocks.0.weight", "blocks.0.bias"]
     assert [type(m).__name__ for m in net.modules()] == ["_Net", "Linear", "Linear"]
+
+
+def test_steps_decide_the_mode_whatever_train_or_eval_set():
+    """A validation loss after model.train() had dropout in it (EvalStep recorded in the module's
+    mode), and generate too: TrainStep records in training mode, EvalStep and generate in eval
+    mode, whatever model.train() / model.eval() set, as a torch training loop calls them itself."""
+    net = _Net()
+    x = np.ones((4, 8))
+    y = np.zeros((4, 8))
+
+    def loss_fn(m, a, b):
+        d = m(a) - b
+        return (d * d).mean()
+
+    def eval_loss():
+        return float(tg.EvalStep(net, loss_fn, batch_tiles=[(2, 4), (2, 4)])(x, y))
+
+    plain = eval_loss()
+    assert net.train() is net and eval_loss() == plain        # no dropout in an evaluation
+    net.eval()
+    # a training step has dropout after model.eval() too (the gradient of a dropped-out forward)
+    opt = tg.optim.SGD(net.parameters(), lr=0.0)
+    step = tg.TrainStep(net, opt, loss_fn, batch_tiles=[(2, 4), (2, 4)])
+    assert float(step(x, y)) != plain
 
 
 def test_train_mode_is_checked():

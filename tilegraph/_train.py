@@ -764,7 +764,7 @@ class EvalStep:
             inputs, losses = [], []
             for _ in range(n):
                 ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
-                with no_grad():  # no backward: nothing for autograd to keep
+                with no_grad(), training(False):  # no backward; eval mode, whatever model.train() set
                     loss = _loss_of(self.loss_fn, self.model, tensors, "tilegraph.EvalStep")
                 _check_loss(loss, "tilegraph.EvalStep")
                 inputs.append(ins)

@@ -130,16 +130,19 @@ def deferred_init():
         _DEFERRED.pop()
 
 
-_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("tilegraph_training", default=False)
+#: the mode of the graph being recorded, set by :func:`training` (None: no step is recording)
+_TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("tilegraph_training", default=None)
 
 
 @contextlib.contextmanager
 def training(mode: bool = True):
-    """Record the graphs made inside the block as a training step's: layers that behave
-    differently in training (:class:`~tilegraph.peft.LoRALinear`'s dropout) do so.
-    :class:`~tilegraph.TrainStep` records its step in it; an evaluation, generation or plain forward
-    records outside it. torch's ``model.train()`` / ``model.eval()`` for what is being recorded: a
-    graph is recorded once and replayed, so the mode is the recorded graph's, not the model's.
+    """Record the graphs made inside the block as a training step's (``mode=False``: an
+    evaluation's): layers that behave differently in training (:class:`~tilegraph.peft.LoRALinear`'s
+    dropout, ``tg.dropout(x, p, training=self.training)`` in a module) do so. It decides for every
+    module, whatever ``model.train()`` / ``model.eval()`` set, as a torch training loop calls those
+    itself: :class:`~tilegraph.TrainStep` records its step in ``training()``, an evaluation
+    (``EvalStep``, the Trainer's) and generation in ``training(False)``. A graph is recorded once
+    and replayed, so the mode is the recorded graph's.
 
     >>> import tilegraph as tg
     >>> with tg.nn.training():
@@ -157,7 +160,7 @@ def training(mode: bool = True):
 
 def is_training() -> bool:
     """Whether the graph being recorded is a training step's (inside :func:`training`)."""
-    return _TRAINING.get()
+    return bool(_TRAINING.get())
 
 
 def _check_mode(where: str, mode) -> bool | None:
@@ -174,37 +177,38 @@ class Module:
     """Base class: parameters and submodules are plain attributes (also inside lists/dicts).
 
     ``module.training`` is what layers that behave differently in training read (pass it on as
-    ``tg.dropout(x, p, training=self.training)``): by default the mode of the graph being recorded
-    (:func:`training`: True while ``TrainStep`` records a step, False for an evaluation, generation
-    or plain forward). ``model.train()`` / ``model.eval()`` fix it to True / False for the module and
-    all its submodules, as torch's do, for every graph recorded afterwards (after ``train()``, an
-    evaluation's graph too, as in torch: call ``eval()`` before it); ``train(None)`` returns to the
-    default.
+    ``tg.dropout(x, p, training=self.training)``). Inside a step's recording (:func:`training`:
+    ``TrainStep`` records in training mode; ``EvalStep``, the Trainer's evaluations and
+    ``generate`` in eval mode) the step decides, as a torch training loop calls
+    ``model.train()`` / ``model.eval()`` itself. Elsewhere (a plain forward, ``tg.compute``,
+    ``loss.backward()``) it is what ``model.train()`` / ``model.eval()`` set for the module and its
+    submodules, as in torch, and False before either is called; ``train(None)`` clears it.
     """
 
-    _training: bool | None = None  # None: the recording's mode (is_training())
+    _training: bool | None = None  # set by train() / eval(); None: neither called
 
     @property
     def training(self) -> bool:
         """True where this module records training behaviour (dropout); see the class doc."""
-        mode = self._training
-        return is_training() if mode is None else mode
+        step = _TRAINING.get()
+        return step if step is not None else bool(self._training)
 
     @training.setter
     def training(self, mode) -> None:
         self._training = _check_mode(f"{type(self).__name__}.training", mode)
 
     def train(self, mode: bool | None = True) -> "Module":
-        """Fix the training mode of this module and its submodules to ``mode`` (None: the default,
-        the recording's mode); returns the module, as torch's ``train`` does."""
+        """Set the training mode of this module and its submodules to ``mode`` for the graphs
+        recorded outside a step (see the class doc; None: cleared); returns the module, as torch's
+        ``train`` does."""
         mode = _check_mode(f"{type(self).__name__}.train", mode)
         for m in self.modules():
             m._training = mode
         return self
 
     def eval(self) -> "Module":
-        """``train(False)``: no training behaviour (dropout) in the graphs recorded afterwards;
-        returns the module."""
+        """``train(False)``: no training behaviour (dropout) in the graphs recorded afterwards
+        outside a step; returns the module."""
         return self.train(False)
 
     def modules(self) -> Iterator["Module"]:

@@ -155,9 +155,7 @@ class LoRALinear(Module):
         return self.alpha / self.rank
 
     def forward(self, x: TileTensor) -> TileTensor:
-        from tilegraph.nn import is_training
-
-        dropout = self.dropout if is_training() else 0.0
+        dropout = self.dropout if self.training else 0.0
         return _adapted_linear(x, self.weight, self.lora_u, self.lora_v, self.bias, self.scale, self.variant,
                                self.choose, dropout, self.dropout_seed)
 
