@@ -6,17 +6,20 @@ imported only when a GPU task runs.
 
 from .attention import scaled_dot_product_attention
 from .dropout import dropout
-from .elementwise import add, affine, div, gelu, mul, ones_like, pow, relu, silu, sub, zeros_like
+from .elementwise import (add, affine, cast, div, exp, gelu, log, mul, ones_like, pow, relu, sigmoid, silu, sub, tanh,
+                          zeros_like)
 from .embedding import embedding
 from .loss import cross_entropy
 from .lora import lora_linear  # noqa: F401 - tg.ops.lora_linear (RunLoRA's choice: tilegraph.ops.lora)
 from .matmul import linear, matmul
 from .norm import layer_norm, rms_norm
 from .rmm import sketched_linear  # noqa: F401 - tg.ops.sketched_linear (randomized weight gradients: tilegraph.ops.rmm)
-from .reduce import mean, sum
+from .reduce import max, mean, min, std, sum, var
 from .rope import rope
-from .shape import permute, reshape, transpose
+from .shape import cat, flatten, permute, reshape, squeeze, stack, transpose, unsqueeze
 from .softmax import log_softmax, softmax
 
 __all__ = ["add", "affine", "cross_entropy", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu",
-           "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like"]
+           "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like",
+           "exp", "log", "tanh", "sigmoid", "cast", "cat", "stack", "unsqueeze", "squeeze", "flatten", "max", "min",
+           "var", "std"]

@@ -15,11 +15,11 @@ from tilegraph._errors import TileError
 from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, xp_of
+from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, require_tensor, xp_of
 from ._gpu import fused
 
-__all__ = ["add", "sub", "mul", "div", "pow", "affine", "gelu", "relu", "silu", "ones_like", "zeros_like",
-           "unbroadcast", "broadcast_tiling"]
+__all__ = ["add", "sub", "mul", "div", "pow", "affine", "gelu", "relu", "silu", "exp", "log", "tanh", "sigmoid",
+           "cast", "ones_like", "zeros_like", "unbroadcast", "broadcast_tiling"]
 
 
 # ------------------------------------------------------------------------------ broadcasting ----
@@ -698,24 +698,165 @@ class Activation(Op):
         return (new_tensor(x.tiling, x.dtype, fill),)
 
 
+# exp, log, tanh, sigmoid: one NumPy/CuPy expression each; each backward recomputes from x (as
+# Activation's do), so nothing but x is kept for it
+def _exp_xp(x):
+    return xp_of(x).exp(x)
+
+
+def _exp_bwd_xp(x, g):
+    return g * xp_of(x).exp(x)
+
+
+def _log_xp(x):
+    return xp_of(x).log(x)  # log(0) = -inf, log(-1) = NaN, as torch (the runtime silences NumPy's warnings)
+
+
+def _log_bwd_xp(x, g):
+    return g / x
+
+
+def _tanh_xp(x):
+    return xp_of(x).tanh(x)
+
+
+def _tanh_bwd_xp(x, g):
+    t = xp_of(x).tanh(x)
+    return g * (1 - t * t)
+
+
+def _sigmoid_xp(x):
+    # 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below: exp never overflows (e = e^-|x| <= 1)
+    xp = xp_of(x)
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1, e) / (1 + e)
+
+
+def _sigmoid_bwd_xp(x, g):
+    s = _sigmoid_xp(x)
+    return g * (s * (1 - s))
+
+
+_exp_k = kernel("exp", cost=elementwise_cost(8))(_exp_xp)
+_exp_bwd_k = kernel("exp_bwd", cost=elementwise_cost(9))(_exp_bwd_xp)
+_log_k = kernel("log", cost=elementwise_cost(8))(_log_xp)
+_log_bwd_k = kernel("log_bwd", cost=elementwise_cost(1))(_log_bwd_xp)
+_tanh_k = kernel("tanh", cost=elementwise_cost(10))(_tanh_xp)
+_tanh_bwd_k = kernel("tanh_bwd", cost=elementwise_cost(13))(_tanh_bwd_xp)
+_sigmoid_k = kernel("sigmoid", cost=elementwise_cost(12))(_sigmoid_xp)
+_sigmoid_bwd_k = kernel("sigmoid_bwd", cost=elementwise_cost(15))(_sigmoid_bwd_xp)
+
 _gelu_op = Activation("gelu", _gelu_k, _gelu_bwd_k)
 _silu_op = Activation("silu", _silu_k, _silu_bwd_k)
 _relu_op = Activation("relu", _relu_k, _relu_bwd_k)
+_exp_op = Activation("exp", _exp_k, _exp_bwd_k)
+_log_op = Activation("log", _log_k, _log_bwd_k)
+_tanh_op = Activation("tanh", _tanh_k, _tanh_bwd_k)
+_sigmoid_op = Activation("sigmoid", _sigmoid_k, _sigmoid_bwd_k)
 
 
 def gelu(x: TileTensor, approximate: str = "none") -> TileTensor:
     """GELU, exact (``approximate="none"``) or the tanh approximation (``"tanh"``), as in torch."""
     if approximate not in ("none", "tanh"):
         raise TileError("tilegraph.gelu", "approximate must be 'none' or 'tanh'", repr(approximate))
-    return _gelu_op(x, approximate=approximate)
+    return _gelu_op(require_tensor(x, "tilegraph.gelu", "x"), approximate=approximate)
 
 
 def silu(x: TileTensor) -> TileTensor:
-    return _silu_op(x)
+    return _silu_op(require_tensor(x, "tilegraph.silu", "x"))
 
 
 def relu(x: TileTensor) -> TileTensor:
-    return _relu_op(x)
+    return _relu_op(require_tensor(x, "tilegraph.relu", "x"))
+
+
+def exp(x: TileTensor) -> TileTensor:
+    """``e ** x`` element by element (``torch.exp``; a float tensor, its dtype kept)."""
+    return _exp_op(require_tensor(x, "tilegraph.exp", "x"))
+
+
+def log(x: TileTensor) -> TileTensor:
+    """The natural logarithm element by element (``torch.log``): ``-inf`` at 0 and NaN below, as
+    torch gives them."""
+    return _log_op(require_tensor(x, "tilegraph.log", "x"))
+
+
+def tanh(x: TileTensor) -> TileTensor:
+    """``torch.tanh``; its gradient is ``1 - tanh(x) ** 2``."""
+    return _tanh_op(require_tensor(x, "tilegraph.tanh", "x"))
+
+
+def sigmoid(x: TileTensor) -> TileTensor:
+    """``1 / (1 + exp(-x))`` (``torch.sigmoid``), computed without overflow for large ``|x|``.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.sigmoid(tg.from_numpy(np.array([0.0, 800.0, -800.0]))).numpy()
+    array([0.5, 1. , 0. ])
+    """
+    return _sigmoid_op(require_tensor(x, "tilegraph.sigmoid", "x"))
+
+
+# ------------------------------------------------------------------------------------- casts ----
+@kernel("cast", cost=elementwise_cost(1))
+def _cast(x, dtype):
+    return x.astype(dtype)
+
+
+class Cast(Op):
+    """``x`` as another dtype; the gradient is cast back to ``x``'s (none to an integer or bool
+    ``x``, as torch gives none)."""
+
+    name = "cast"
+
+    def forward(self, x, dtype):
+        def fill(idx):
+            r = x.grid[idx]
+            return emit1(_cast, [r], r.shape, dtype, op="cast", dtype=dtype.str)
+
+        return new_tensor(x.tiling, dtype, fill), x.dtype
+
+    def backward(self, dtype, g):
+        return (_cast_op(g, dtype=dtype) if dtype.kind in "fc" else None,)
+
+
+_cast_op = Cast()
+
+
+def as_dtype(dtype, where: str) -> np.dtype:
+    """``dtype`` (a NumPy dtype, its name, or a torch dtype such as ``torch.float32``) as a NumPy
+    dtype, or a TileError."""
+    if type(dtype).__module__ == "torch":  # torch.float32 -> "float32", without importing torch
+        dtype = str(dtype).removeprefix("torch.")
+    try:
+        if dtype is None or isinstance(dtype, (bool, int, float)):
+            raise TypeError
+        out = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise TileError(where, "expected a dtype (np.float32, 'float64', torch.float16, ...); a device is not "
+                        "given here (the planner places every tile)", f"{dtype!r:.60}") from None
+    if out.kind not in "biuf":
+        raise TileError(where, "expected a bool, integer or float dtype", str(out))
+    return out
+
+
+def cast(x: TileTensor, dtype) -> TileTensor:
+    """``x`` converted to ``dtype`` (torch's ``x.to(dtype)``; ``x`` itself when it has that dtype);
+    the gradient flows back in ``x``'s dtype.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.cast(tg.from_numpy(np.arange(3)), np.float32).numpy()
+    array([0., 1., 2.], dtype=float32)
+    """
+    return _cast_checked(x, dtype, "tilegraph.cast")
+
+
+def _cast_checked(x: TileTensor, dtype, where: str) -> TileTensor:
+    """:func:`cast`, its errors labelled ``where`` (the public name the user called)."""
+    require_tensor(x, where, "x")
+    dtype = as_dtype(dtype, where)
+    if dtype == x.dtype:
+        return x
+    return _cast_op(x, dtype=dtype)
 
 
 # -------------------------------------------------------------------------------- constants ----

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from tilegraph._autograd import Op
 from tilegraph._errors import TileError
-from tilegraph._graph import emit1, kernel
+from tilegraph._graph import emit, emit1, kernel
 from tilegraph._tensor import ALL_DIMS, NO_KEEPDIM, TileTensor, Tiling
 
 from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, resolve_alias, xp_of
 from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests read it here too
 
-__all__ = ["sum", "mean", "sum_dims", "expand"]
+__all__ = ["sum", "mean", "sum_dims", "expand", "max", "min", "var", "std", "MinMax"]
 
 @kernel("reduce_sum", cost=elementwise_cost(1))
 def _reduce_sum(*tiles, axes, shape, scale, dtype=None):
@@ -175,3 +176,201 @@ def mean(x: TileTensor, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: b
     # as NumPy and torch: the mean of integers is a float, that of nothing NaN
     return _sum_op(x, dims=dims, keep=(keep,) * len(dims), scale=1.0 / count if count else float("nan"),
                    dtype=np.mean(np.zeros(1, x.dtype)).dtype)
+
+
+# ------------------------------------------------------------------------------- max / min ----
+class MinMax(NamedTuple):
+    """What ``x.max(dim)`` / ``x.min(dim)`` return, as torch's ``torch.return_types.max``:
+    ``values`` and the int64 ``indices`` (along ``dim``) where they were found."""
+
+    values: TileTensor
+    indices: TileTensor
+
+
+def _pick_ext(v, i, dim, largest):
+    """Of the candidates along ``dim`` (values ``v``, their indices ``i``) the largest (smallest):
+    the first such one, NaN before any number, as torch."""
+    xp = xp_of(v)
+    at = xp.expand_dims((xp.argmax if largest else xp.argmin)(v, axis=dim), dim)
+    return xp.take_along_axis(v, at, dim), xp.take_along_axis(i, at, dim)
+
+
+@kernel("minmax", cost=elementwise_cost(2))
+def _minmax_tiles(*tiles, dim, start, largest, shape):
+    """The extremum along ``dim`` of consecutive tiles (the first at index ``start``) and its index."""
+    xp = xp_of(tiles[0])
+    v = tiles[0] if len(tiles) == 1 else xp.concatenate(tiles, axis=dim)
+    at = xp.expand_dims((xp.argmax if largest else xp.argmin)(v, axis=dim), dim)
+    return xp.take_along_axis(v, at, dim).reshape(shape), (at + start).astype(np.int64).reshape(shape)
+
+
+@kernel("minmax_merge", cost=elementwise_cost(2))
+def _minmax_merge(*parts, dim, largest, shape):
+    """Merge (values, indices) partials of consecutive runs of the dim (``parts``: v0, i0, v1, ...)."""
+    xp = xp_of(parts[0])
+    v, i = _pick_ext(xp.concatenate(parts[0::2], axis=dim), xp.concatenate(parts[1::2], axis=dim), dim, largest)
+    return v.reshape(shape), i.reshape(shape)
+
+
+@kernel("minmax_bwd", cost=elementwise_cost(2))
+def _minmax_bwd(g, idx, *, dim, start, keep_shape, shape):
+    """The cotangent ``g`` of the extrema put at their indices in a tile at ``start`` along ``dim``."""
+    xp = xp_of(g)
+    pos = xp.arange(start, start + shape[dim], dtype=np.int64).reshape([-1 if d == dim else 1
+                                                                        for d in range(len(shape))])
+    hit = pos == idx.reshape(keep_shape)
+    return xp.where(hit, g.reshape(keep_shape), xp.zeros((), g.dtype))
+
+
+def _minmax_tiles_of(x: TileTensor, dim: int, keep: bool, largest: bool):
+    """Values and indices (plain tensors, no autograd record) of the extrema of ``x`` along ``dim``."""
+    chunks = [c if d != dim else (1,) for d, c in enumerate(x.chunks)]
+    keep_tiling = Tiling(chunks)
+    out_tiling = keep_tiling if keep else Tiling(chunks[:dim] + chunks[dim + 1:])
+    offs = x.tiling.offsets(dim)
+    values = np.empty(out_tiling.grid, dtype=object)
+    indices = np.empty(out_tiling.grid, dtype=object)
+    op = "max" if largest else "min"
+    for kidx in np.ndindex(*keep_tiling.grid):
+        kshape = keep_tiling.tile_shape(kidx)
+        oidx = kidx if keep else kidx[:dim] + kidx[dim + 1:]
+        oshape = out_tiling.tile_shape(oidx)
+        parts = [(j, x.grid[kidx[:dim] + (j,) + kidx[dim + 1:]]) for j in range(x.tiling.grid[dim])]
+
+        def merge(group: list, final: bool):
+            shape = oshape if final else kshape
+            meta = [(shape, x.dtype), (shape, np.int64)]
+            if isinstance(group[0][1], tuple):  # partials: (values, indices) pairs
+                refs = emit(_minmax_merge, [r for _, pair in group for r in pair], meta, op=op, dim=dim,
+                            largest=largest, shape=shape)
+            else:
+                refs = emit(_minmax_tiles, [r for _, r in group], meta, op=op, dim=dim, start=int(offs[group[0][0]]),
+                            largest=largest, shape=shape)
+            return tuple(refs) if final else (group[0][0], tuple(refs))
+
+        values[oidx], indices[oidx] = merge_tree(parts, merge)
+    return TileTensor(out_tiling, x.dtype, values), TileTensor(out_tiling, np.int64, indices)
+
+
+class Extremum(Op):
+    """The values of ``x.max(dim)`` / ``x.min(dim)`` (computed beside their indices); the gradient
+    goes to the element each value came from."""
+
+    name = "max"
+
+    def forward(self, x, *, values, indices, dim, keep):
+        return values, (x, indices, dim, keep)
+
+    def backward(self, ctx, g):
+        x, indices, dim, keep = ctx
+        offs = x.tiling.offsets(dim)
+
+        def fill(idx):
+            gi = idx[:dim] + ((0,) if keep else ()) + idx[dim + 1:]
+            shape = x.tiling.tile_shape(idx)
+            keep_shape = tuple(1 if d == dim else n for d, n in enumerate(shape))
+            return emit1(_minmax_bwd, [g.grid[gi], indices.grid[gi]], shape, g.dtype, op=f"{self.name}_bwd", dim=dim,
+                         start=int(offs[idx[dim]]), keep_shape=keep_shape, shape=shape)
+
+        return (new_tensor(x.tiling, g.dtype, fill),)
+
+
+_EXT = Extremum()
+
+
+def _extremum(x, dim, keepdim, largest: bool, where: str):
+    require_tensor(x, where, "x")
+    if isinstance(dim, TileTensor):
+        raise TileError(where, "the element-wise maximum or minimum of two tensors is not supported; pass a dim "
+                        "(an int) for the values and indices along it", "a TileTensor as dim")
+    if x.dtype.kind not in "biuf":
+        raise TileError(where, "x must be a bool, integer or float tensor", str(x.dtype))
+    if x.size == 0:
+        raise TileError(where, "the maximum or minimum of no elements is not defined (as torch refuses it)",
+                        f"a tensor of shape {x.shape}")
+    if dim is None:
+        # over every dim: one dim after another (ties: the gradient goes to one of them, where torch's
+        # x.max() without a dim shares it evenly)
+        if isinstance(keepdim, bool) and keepdim:
+            raise TileError(where, "keepdim needs a dim (x.max() reduces every dim to a scalar)", "keepdim=True")
+        out = x
+        while out.ndim:
+            out = _extremum(out, out.ndim - 1, False, largest, where).values
+        return out
+    d = norm_dim(dim, x.ndim, where)
+    if not isinstance(keepdim, (bool, np.bool_)):
+        raise TileError(where, "keepdim must be a bool", f"{keepdim!r:.60}")
+    if x.ndim == 0:  # torch: the element itself, at index 0
+        from tilegraph._tensor import from_numpy
+
+        return MinMax(x, from_numpy(np.zeros((), np.int64)))
+    values, indices = _minmax_tiles_of(x, d, bool(keepdim), largest)
+    if x.dtype.kind == "f":
+        values = (_EXT if largest else _EXT_MIN)(x, values=values, indices=indices, dim=d, keep=bool(keepdim))
+    return MinMax(values, indices)
+
+
+_EXT_MIN = Extremum()
+_EXT_MIN.name = "min"
+
+
+def max(x: TileTensor, dim=None, keepdim: bool = False):  # noqa: A001 - torch name
+    """torch's ``max``: with ``dim``, ``(values, indices)`` of the largest elements along it (a
+    :class:`MinMax` named tuple: ``x.max(1).values``; ties: the first; NaN counts as largest); without,
+    the largest element as a scalar tensor. The gradient goes to the element each value came from.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> v, i = tg.max(tg.from_numpy(np.array([[1.0, 5.0, 2.0], [7.0, 0.0, 7.0]]), tiles=(1, 2)), 1)
+    >>> v.numpy(), i.numpy()
+    (array([5., 7.]), array([1, 0]))
+    """
+    return _extremum(x, dim, keepdim, True, "tilegraph.max")
+
+
+def min(x: TileTensor, dim=None, keepdim: bool = False):  # noqa: A001 - torch name
+    """torch's ``min``: as :func:`max`, for the smallest elements."""
+    return _extremum(x, dim, keepdim, False, "tilegraph.min")
+
+
+# ------------------------------------------------------------------------------- var / std ----
+def var(x: TileTensor, dim=ALL_DIMS, unbiased: bool | None = None, keepdim: bool = NO_KEEPDIM, *,
+        correction=None, keepdims: bool | None = None, axis=None, where: str = "tilegraph.var") -> TileTensor:
+    """torch's ``var``: the mean of squared deviations from the mean over ``dim``, divided by
+    ``N - correction`` instead of N (``correction=1`` by default, Bessel's; ``unbiased=False`` is
+    ``correction=0``). Where ``N - correction <= 0`` the result is NaN. Built from mean, sub and
+    mul, so its gradient is theirs.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.var(tg.from_numpy(np.array([1.0, 2.0, 3.0, 4.0]), tiles=3)).numpy()
+    array(1.66666667)
+    """
+    require_tensor(x, where, "x")
+    if x.dtype.kind not in "fc":
+        raise TileError(where, "x must have a floating dtype (cast it first: x.float())", str(x.dtype))
+    if unbiased is not None and correction is not None:
+        raise TileError(where, "pass unbiased= or correction=, not both", f"unbiased={unbiased!r}, "
+                        f"correction={correction!r}")
+    if unbiased is not None and not isinstance(unbiased, (bool, np.bool_)):
+        raise TileError(where, "unbiased must be a bool (torch's; correction= takes a number)", f"{unbiased!r:.60}")
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    if isinstance(correction, bool) or not isinstance(correction, (int, float, np.integer, np.floating)) or \
+            not math.isfinite(correction) or correction < 0:
+        raise TileError(where, "correction must be a number >= 0", f"{correction!r:.60}")
+    keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
+    dims = _dims(x, resolve_alias(where, "dim", dim, "axis", axis), where)
+    n = math.prod(x.shape[d] for d in dims)
+    from .elementwise import mul, sub
+
+    d = sub(x, _sum_op(x, dims=dims, keep=(True,) * len(dims), scale=1.0 / n if n else float("nan")))
+    scale = 1.0 / (n - correction) if n - correction > 0 else float("nan")
+    return _sum_op(mul(d, d), dims=dims, keep=(keep,) * len(dims), scale=scale)
+
+
+def std(x: TileTensor, dim=ALL_DIMS, unbiased: bool | None = None, keepdim: bool = NO_KEEPDIM, *,
+        correction=None, keepdims: bool | None = None, axis=None) -> TileTensor:
+    """torch's ``std``: the square root of :func:`var` (same arguments)."""
+    from .elementwise import pow
+
+    return pow(var(x, dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis,
+                   where="tilegraph.std"), 0.5)

@@ -1,9 +1,10 @@
 """Layout ops: transpose / permute (any permutation, any tiling) and tile-compatible reshape.
 
-Both mirror torch: ``tg.permute(x, (2, 0, 1))`` / ``x.permute(2, 0, 1)``, ``tg.transpose(x, 0, 1)``,
-``tg.reshape(x, (4, -1))`` / ``x.reshape(4, -1)`` / ``x.view(4, -1)``. A permutation carries each
-dim's tiles along, so it works on every tiling. A reshape never moves data between tiles: it
-works where each tile of the input becomes whole tiles of the output, and raises a TileError
+``tg.cat`` / ``tg.stack`` join tensors along a dim by reusing their tiles (``cat`` runs no kernel;
+``stack`` one reshape per tile). All mirror torch: ``tg.permute(x, (2, 0, 1))`` / ``x.permute(2, 0, 1)``,
+``tg.transpose(x, 0, 1)``, ``tg.reshape(x, (4, -1))`` / ``x.reshape(4, -1)`` / ``x.view(4, -1)``. A
+permutation carries each dim's tiles along, so it works on every tiling. A reshape never moves data
+between tiles: it works where each tile of the input becomes whole tiles of the output, and raises a TileError
 that names the shape, the tiling and what was asked (and what tiling would allow it) elsewhere.
 """
 
@@ -18,7 +19,8 @@ from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import new_tensor, norm_dim, numel, require_tensor, xp_of
 
-__all__ = ["permute", "reshape", "transpose", "checked_permute", "checked_reshape"]
+__all__ = ["permute", "reshape", "transpose", "cat", "stack", "checked_permute", "checked_reshape", "unsqueeze",
+           "squeeze", "flatten"]
 
 
 def _copy_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
@@ -223,3 +225,137 @@ def checked_reshape(x: TileTensor, shape, where: str) -> TileTensor:
     if shape == x.shape:
         return x
     return _reshape_op(x, shape=shape, where=where)
+
+
+# ------------------------------------------------------------- unsqueeze / squeeze / flatten ----
+# torch's view-like reshapes, as TileTensor methods: each is a :func:`checked_reshape` (size-1 dims
+# come and go without moving data; flatten merges dims where the tiles allow it).
+def unsqueeze(x: TileTensor, dim: int, where: str = "tilegraph.unsqueeze") -> TileTensor:
+    """``x`` with a new dim of size 1 at ``dim`` (``-x.ndim - 1 <= dim <= x.ndim``, torch's)."""
+    require_tensor(x, where, "x")
+    d = norm_dim(dim, x.ndim + 1, where)
+    return checked_reshape(x, x.shape[:d] + (1,) + x.shape[d:], where)
+
+
+def squeeze(x: TileTensor, dim=None, where: str = "tilegraph.squeeze") -> TileTensor:
+    """``x`` without its dims of size 1 (``dim``: an int or a tuple, only those; a named dim whose
+    size is not 1 stays, as in torch)."""
+    require_tensor(x, where, "x")
+    if dim is None:
+        dims = {d for d, n in enumerate(x.shape) if n == 1}
+    else:
+        given = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        dims = {d for d in (norm_dim(g, x.ndim, where) for g in given) if x.shape[d] == 1}
+    return checked_reshape(x, tuple(n for d, n in enumerate(x.shape) if d not in dims), where)
+
+
+def flatten(x: TileTensor, start_dim: int = 0, end_dim: int = -1, where: str = "tilegraph.flatten") -> TileTensor:
+    """Dims ``start_dim`` to ``end_dim`` (both included) merged into one (torch's ``flatten``); the
+    tiles must allow it, as for :func:`reshape` (only the first of the merged dims may be tiled)."""
+    require_tensor(x, where, "x")
+    if x.ndim == 0:
+        return checked_reshape(x, (1,), where)
+    s, e = norm_dim(start_dim, x.ndim, where), norm_dim(end_dim, x.ndim, where)
+    if s > e:
+        raise TileError(where, "start_dim must not come after end_dim", f"start_dim={start_dim}, end_dim={end_dim} "
+                        f"for a {x.ndim}-d tensor")
+    return checked_reshape(x, x.shape[:s] + (numel(x.shape[s:e + 1]),) + x.shape[e + 1:], where)
+
+
+# ---------------------------------------------------------------------------- cat / stack ----
+class Cat(Op):
+    """``cat(tensors, dim)``: the output's tiles along ``dim`` are the inputs' tiles, in order (no
+    kernel runs); the gradient of each input is its run of the cotangent's tiles."""
+
+    name = "cat"
+
+    def forward(self, *tensors, dim):
+        grid = np.concatenate([t.grid for t in tensors], axis=dim)
+        chunks = list(tensors[0].chunks)
+        chunks[dim] = tuple(c for t in tensors for c in t.chunks[dim])
+        return TileTensor(Tiling(chunks), tensors[0].dtype, grid), (dim, [t.tiling.grid[dim] for t in tensors],
+                                                                     [t.tiling for t in tensors])
+
+    def backward(self, ctx, g):
+        dim, counts, tilings = ctx
+        if g.chunks != Tiling([c if d != dim else tuple(x for t in tilings for x in t.chunks[dim])
+                               for d, c in enumerate(tilings[0].chunks)]).chunks:  # pragma: no cover
+            raise AssertionError(f"cat's cotangent has tiles {g.chunks}")
+        out, start = [], 0
+        for n, tiling in zip(counts, tilings):
+            index = [slice(None)] * g.ndim
+            index[dim] = slice(start, start + n)
+            out.append(TileTensor(tiling, g.dtype, g.grid[tuple(index)]))
+            start += n
+        return out
+
+
+_cat_op = Cat()
+
+
+def _tensor_list(tensors, where: str) -> list:
+    if isinstance(tensors, TileTensor) or not isinstance(tensors, (tuple, list)) or not tensors:
+        raise TileError(where, "tensors must be a non-empty list or tuple of TileTensors (torch's first argument)",
+                        f"{type(tensors).__name__} {tensors!r:.60}")
+    for i, t in enumerate(tensors):
+        require_tensor(t, where, f"tensors[{i}]")
+    dtypes = {str(t.dtype) for t in tensors}
+    if len(dtypes) > 1:
+        raise TileError(where, "tensors must share one dtype (cast them first, e.g. x.to(np.float32))",
+                        ", ".join(str(t.dtype) for t in tensors))
+    return list(tensors)
+
+
+def cat(tensors, dim: int = 0) -> TileTensor:
+    """torch's ``cat``: ``tensors`` joined along ``dim``, whose tiles are the inputs' tiles (no data
+    moves, no kernel runs). The tensors must have the same shape, and the same tiles, in every other
+    dim (a TileError names the first that differs).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> a, b = tg.from_numpy(np.zeros((2, 3)), tiles=(1, 3)), tg.from_numpy(np.ones((3, 3)), tiles=(2, 3))
+    >>> tg.cat([a, b]).chunks
+    ((1, 1, 2, 1), (3,))
+    """
+    where = "tilegraph.cat"
+    tensors = _tensor_list(tensors, where)
+    first = tensors[0]
+    d = norm_dim(dim, first.ndim, where)
+    if first.ndim == 0:
+        raise TileError(where, "zero-dimensional tensors cannot be concatenated (use tg.stack)", repr(first))
+    for i, t in enumerate(tensors[1:], 1):
+        if t.ndim != first.ndim:
+            raise TileError(where, f"tensors must have the same number of dims (tensors[0] has {first.ndim})",
+                            f"tensors[{i}] of shape {t.shape}")
+        for e in range(first.ndim):
+            if e == d:
+                continue
+            if t.shape[e] != first.shape[e]:
+                raise TileError(where, f"tensors must have the same size in every dim but dim {d}",
+                                f"shapes {first.shape} (tensors[0]) and {t.shape} (tensors[{i}]) differ in dim {e}")
+            if t.chunks[e] != first.chunks[e]:
+                raise TileError(where, f"tensors must have the same tiles in every dim but dim {d} (tiles are "
+                                "reused, never cut again: build them with the same tiles there)",
+                                f"tiles {first.chunks[e]} (tensors[0]) and {t.chunks[e]} (tensors[{i}]) in dim {e}")
+    if len(tensors) == 1:
+        return first
+    return _cat_op(*tensors, dim=d)
+
+
+def stack(tensors, dim: int = 0) -> TileTensor:
+    """torch's ``stack``: ``tensors`` (of one shape and tiling) along a new dim ``dim``, one tile of
+    size 1 each (:func:`cat` of their ``unsqueeze(dim)``).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> a = tg.from_numpy(np.zeros((4, 3)), tiles=(2, 3))
+    >>> tg.stack([a, a, a], dim=1).chunks
+    ((2, 2), (1, 1, 1), (3,))
+    """
+    where = "tilegraph.stack"
+    tensors = _tensor_list(tensors, where)
+    first = tensors[0]
+    for i, t in enumerate(tensors[1:], 1):
+        if t.shape != first.shape:
+            raise TileError(where, f"tensors must all have one shape ({first.shape}, as tensors[0])",
+                            f"tensors[{i}] of shape {t.shape}")
+    d = norm_dim(dim, first.ndim + 1, where)
+    return cat([unsqueeze(t, d, where) for t in tensors], d)

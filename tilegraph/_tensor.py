@@ -321,6 +321,127 @@ class TileTensor:
 
         return ops.log_softmax(self, dim)
 
+    def exp(self):
+        """:func:`tilegraph.exp` (torch's ``Tensor.exp``)."""
+        from tilegraph import ops
+
+        return ops.exp(self)
+
+    def log(self):
+        """:func:`tilegraph.log` (torch's ``Tensor.log``)."""
+        from tilegraph import ops
+
+        return ops.log(self)
+
+    def tanh(self):
+        """:func:`tilegraph.tanh` (torch's ``Tensor.tanh``)."""
+        from tilegraph import ops
+
+        return ops.tanh(self)
+
+    def sigmoid(self):
+        """:func:`tilegraph.sigmoid` (torch's ``Tensor.sigmoid``)."""
+        from tilegraph import ops
+
+        return ops.sigmoid(self)
+
+    # -- view-like reshapes and casts (torch's names) ----------------------------------------------
+    def unsqueeze(self, dim: int):
+        """A new dim of size 1 at ``dim`` (torch's ``Tensor.unsqueeze``; moves no data)."""
+        from tilegraph.ops.shape import unsqueeze
+
+        return unsqueeze(self, dim, "tilegraph.TileTensor.unsqueeze")
+
+    def squeeze(self, dim=None):
+        """Without the dims of size 1 (``dim``: only that one, or those of a tuple; a dim whose size is
+        not 1 stays, as torch's ``Tensor.squeeze``)."""
+        from tilegraph.ops.shape import squeeze
+
+        return squeeze(self, dim, "tilegraph.TileTensor.squeeze")
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1):
+        """Dims ``start_dim`` to ``end_dim`` merged into one (torch's ``Tensor.flatten``), where the
+        tiles allow it (:meth:`reshape`'s rule: only the first merged dim may be tiled)."""
+        from tilegraph.ops.shape import flatten
+
+        return flatten(self, start_dim, end_dim, "tilegraph.TileTensor.flatten")
+
+    def to(self, dtype):
+        """``x.to(np.float32)`` (or ``"float32"``, ``torch.float32``): :func:`tilegraph.cast`, the
+        gradient cast back; ``x`` itself when it has that dtype. There is no device to move to: the
+        planner places every tile."""
+        from tilegraph.ops.elementwise import _cast_checked
+
+        return _cast_checked(self, dtype, "tilegraph.TileTensor.to")
+
+    def float(self):
+        """``x.to(np.float32)`` (torch's ``Tensor.float``)."""
+        return self.to(np.float32)
+
+    def double(self):
+        """``x.to(np.float64)`` (torch's ``Tensor.double``)."""
+        return self.to(np.float64)
+
+    def half(self):
+        """``x.to(np.float16)`` (torch's ``Tensor.half``)."""
+        return self.to(np.float16)
+
+    def long(self):
+        """``x.to(np.int64)`` (torch's ``Tensor.long``; no gradient flows through it)."""
+        return self.to(np.int64)
+
+    # -- max / min / var / std ----------------------------------------------------------------------
+    def max(self, dim=None, keepdim: bool = False):
+        """:func:`tilegraph.max` (torch's ``Tensor.max``): ``(values, indices)`` along ``dim``, or the
+        largest element without one."""
+        from tilegraph.ops.reduce import _extremum
+
+        return _extremum(self, dim, keepdim, True, "tilegraph.TileTensor.max")
+
+    def min(self, dim=None, keepdim: bool = False):
+        """:func:`tilegraph.min` (torch's ``Tensor.min``)."""
+        from tilegraph.ops.reduce import _extremum
+
+        return _extremum(self, dim, keepdim, False, "tilegraph.TileTensor.min")
+
+    def var(self, dim=ALL_DIMS, unbiased=None, keepdim: bool = NO_KEEPDIM, *, correction=None, keepdims=None,
+            axis=None):
+        """:func:`tilegraph.var` (torch's ``Tensor.var``; ``correction=1`` by default)."""
+        from tilegraph.ops.reduce import var
+
+        return var(self, dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis,
+                   where="tilegraph.TileTensor.var")
+
+    def std(self, dim=ALL_DIMS, unbiased=None, keepdim: bool = NO_KEEPDIM, *, correction=None, keepdims=None,
+            axis=None):
+        """:func:`tilegraph.std` (torch's ``Tensor.std``)."""
+        from tilegraph import ops
+
+        return ops.pow(self.var(dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis), 0.5)
+
+    # -- comparisons: not ops -----------------------------------------------------------------------
+    # ``==`` and ``!=`` stay Python's identity (tensors are dict keys and set members while a graph is
+    # recorded and differentiated); the orderings would silently be NumPy's or raise a bare
+    # TypeError, so they say what to use instead.
+    def _compare(self, other, symbol: str):
+        raise TileError(f"tilegraph.TileTensor.__{symbol}__", "comparisons of TileTensors are not recorded ops "
+                        "(there is no tg.where): for x * (x > 0) use tg.relu(x) or x.relu(); for the largest or "
+                        "smallest values x.max(dim) / x.min(dim); a mask of known values: compute it in NumPy and "
+                        "pass it with tg.from_numpy", f"TileTensor {_SYMBOLS[symbol]} {type(other).__name__} "
+                        f"{other!r:.60}")
+
+    def __gt__(self, other):
+        self._compare(other, "gt")
+
+    def __ge__(self, other):
+        self._compare(other, "ge")
+
+    def __lt__(self, other):
+        self._compare(other, "lt")
+
+    def __le__(self, other):
+        self._compare(other, "le")
+
     def __neg__(self):
         from tilegraph import ops
 
@@ -384,6 +505,9 @@ class TileTensor:
         from tilegraph import ops
 
         return ops.transpose(self, *dims)
+
+
+_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 
 
 def _sizes(shape: tuple, where: str) -> tuple:

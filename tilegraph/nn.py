@@ -30,7 +30,8 @@ from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells
 from tilegraph.ops.embedding import check_padding_idx
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
-           "CausalSelfAttention", "KVCache", "ModuleList", "deferred_init", "training", "is_training"]
+           "CausalSelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
+           "Identity", "Dropout", "deferred_init", "training", "is_training"]
 
 
 class Parameter(TileTensor):
@@ -339,6 +340,146 @@ class ModuleList(Module):
     def _walk(self, prefix, seen):
         for i, m in enumerate(self.layers):
             yield from _walk_value(f"{prefix}{i}", m, seen)
+
+
+class Sequential(ModuleList):
+    """torch's ``nn.Sequential``: the modules called in order, each on the previous one's output;
+    parameters are named by position (``0.weight``, ``2.bias``), as torch names them.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> net = tg.nn.Sequential(tg.nn.Linear(4, 8, seed=0), tg.nn.ReLU(), tg.nn.Linear(8, 2, seed=1))
+    >>> net(tg.from_numpy(np.ones((3, 4), np.float32))).shape, list(net.state_dict())[:2]
+    ((3, 2), ['0.weight', '0.bias'])
+    """
+
+    def __init__(self, *modules):
+        where = "tilegraph.nn.Sequential"
+        if len(modules) == 1 and isinstance(modules[0], Mapping):
+            raise TileError(where, "pass the modules as arguments, Sequential(m0, m1, ...) (named modules from an "
+                            "OrderedDict are not supported: set them as attributes of a Module)",
+                            type(modules[0]).__name__)
+        for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                hint = (f" (for the function tg.{m.__name__}, a module such as tg.nn.ReLU())"
+                        if callable(m) and hasattr(m, "__name__") else "")
+                raise TileError(where, f"every argument must be a tilegraph.nn.Module{hint}",
+                                f"argument {i}: {type(m).__name__} {m!r:.60}")
+        super().__init__(modules)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Sequential(*self.layers[i])
+        return self.layers[i]
+
+    def forward(self, x):
+        for m in self.layers:
+            x = m(x)
+        return x
+
+
+class _Activation(Module):
+    """A parameterless module calling one op (torch's activation modules)."""
+
+    fn = staticmethod(ops.relu)
+
+    def __init__(self, inplace: bool = False):
+        if not isinstance(inplace, (bool, np.bool_)):
+            raise TileError(f"tilegraph.nn.{type(self).__name__}", "inplace must be a bool", f"{inplace!r:.60}")
+        self.inplace = bool(inplace)  # accepted for torch's signature; nothing changes in place here
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return type(self).fn(x)
+
+
+class ReLU(_Activation):
+    """torch's ``nn.ReLU``: :func:`tilegraph.relu` (``inplace`` is accepted and changes nothing: a
+    TileTensor is never changed in place)."""
+
+    fn = staticmethod(ops.relu)
+
+
+class SiLU(_Activation):
+    """torch's ``nn.SiLU``: :func:`tilegraph.silu`."""
+
+    fn = staticmethod(ops.silu)
+
+
+class Tanh(Module):
+    """torch's ``nn.Tanh``: :func:`tilegraph.tanh`."""
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.tanh(x)
+
+
+class Sigmoid(Module):
+    """torch's ``nn.Sigmoid``: :func:`tilegraph.sigmoid`."""
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.sigmoid(x)
+
+
+class GELU(Module):
+    """torch's ``nn.GELU``: :func:`tilegraph.gelu`, exact or ``approximate="tanh"``."""
+
+    def __init__(self, approximate: str = "none"):
+        if approximate not in ("none", "tanh"):
+            raise TileError("tilegraph.nn.GELU", "approximate must be 'none' or 'tanh'", f"{approximate!r:.60}")
+        self.approximate = approximate
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.gelu(x, approximate=self.approximate)
+
+
+class Identity(Module):
+    """torch's ``nn.Identity``: returns its input (its arguments, as torch's, are ignored)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def forward(self, x):
+        return x
+
+
+class Dropout(Module):
+    """torch's ``nn.Dropout(p)``: in training (``self.training``: inside a ``TrainStep``, or after
+    ``model.train()``) each element is zeroed with probability ``p`` and the others scaled by
+    1 / (1 - p); in evaluation it returns its input.
+
+    A step's graph is recorded once and replayed, so the mask is not drawn while recording: each
+    run's seed is a hash of ``seed``, the module's place in the model (its attribute path) and the
+    values of the first tile of its *input* (:func:`tilegraph.ops.dropout.seed_tensor`), which
+    change from batch to batch and, through the parameters, from step to step. Limits: the same
+    input values give the same mask (the same batch through unchanged parameters, or the
+    micro-batches of ``accum_steps`` where they are equal), and the mask depends on how the input
+    is tiled, through its first tile.
+    """
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, seed: int = 0):
+        from tilegraph.ops.dropout import check_dropout
+
+        where = "tilegraph.nn.Dropout"
+        self.p = check_dropout(p, where, "p")
+        if inplace is not False:
+            raise TileError(where, "inplace=True is not supported (a TileTensor is never changed in place)",
+                            f"inplace={inplace!r:.60}")
+        require_int(where, "seed", seed, 0)
+        self.seed = int(seed)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        from tilegraph.ops.dropout import seed_tensor
+        from tilegraph.peft import _hash_seed
+
+        if not isinstance(x, TileTensor):
+            raise TileError("tilegraph.nn.Dropout", "the input must be a TileTensor", type(x).__name__)
+        if not self.training or self.p == 0:
+            return x
+        from tilegraph._graph import current_scope
+
+        base = _hash_seed(np.frombuffer(f"{self.seed}/{current_scope()}".encode(), np.uint8))
+        return ops.dropout(x, self.p, True, seed=seed_tensor(x, base=base))
+
+    def __repr__(self) -> str:
+        return f"Dropout(p={self.p:g})"
 
 
 class Linear(Module):
