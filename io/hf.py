@@ -560,6 +560,9 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
     folder = user_path(path, "tilegraph.models.from_hf")
     where = f"tilegraph.models.from_hf({folder})"
     require_float_dtype(where, dtype)  # before any file is read
+    if folder.is_file():  # model.safetensors itself: "config.json ... Not a directory" said little
+        raise TileError(where, "path must be a Hugging Face model folder (config.json + safetensors), not a file",
+                        f"{folder} (its folder: {folder.parent})")
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)
@@ -585,6 +588,11 @@ def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool 
     if getattr(model, "arch", None) not in SPECS:
         raise TileError(where, f"no Hugging Face export for this model; supported: {', '.join(SPECS)}",
                         type(model).__name__)
+    # checked before anything is written: overwrite="no" is a true str (a folder there was
+    # replaced), and a bad max_shard_bytes failed once the temporary folder was made, named by it
+    if not isinstance(overwrite, (bool, np.bool_)):
+        raise TileError(where, "overwrite must be True or False", st._brief(overwrite))
+    st._check_shard_bytes(where, max_shard_bytes)
     if path.name in ("", ".."):  # ".", "", "/", "a/..": the folder is written beside its parent and renamed
         raise TileError(where, "the target must be a folder name to create (e.g. 'out' or 'models/gpt2'), "
                         "not '.', '..' or a root", repr(str(path)))

@@ -333,6 +333,13 @@ def open_checkpoint(path) -> Checkpoint:
     return Checkpoint(path)
 
 
+def _check_shard_bytes(where: str, max_shard_bytes) -> None:
+    # "1MB" or 1.5 met a raw TypeError in the comparison, or sharded by a float
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(
+            max_shard_bytes, (int, np.integer)) or max_shard_bytes <= 0):
+        raise TileError(where, "max_shard_bytes must be a positive int (bytes) or None", _brief(max_shard_bytes))
+
+
 def save_checkpoint(tensors: Mapping[str, np.ndarray], folder, *, max_shard_bytes: int | None = None,
                     metadata: dict[str, str] | None = None) -> list[str]:
     """Write ``tensors`` into an existing ``folder``: one ``model.safetensors``, or, when they exceed
@@ -340,8 +347,7 @@ def save_checkpoint(tensors: Mapping[str, np.ndarray], folder, *, max_shard_byte
     folder = Path(folder)
     where = f"tilegraph.io.safetensors.save_checkpoint({folder})"
     arrays, total = _encode(tensors, where)
-    if max_shard_bytes is not None and max_shard_bytes <= 0:
-        raise TileError(where, "max_shard_bytes must be positive or None", repr(max_shard_bytes))
+    _check_shard_bytes(where, max_shard_bytes)
     shards: list[list] = [[]]
     size = 0
     for name, a in arrays:  # greedy in name order; a tensor larger than the limit gets a shard alone

@@ -98,6 +98,8 @@ class ByteTokenizer(Tokenizer):
     kind = "byte"
 
     def __init__(self, eos: bool = False):
+        if not isinstance(eos, (bool, np.bool_)):  # eos="no" is a true str: a 257th id, silently
+            raise TileError("tilegraph.io.ByteTokenizer", "eos must be True or False", f"{eos!r:.100}")
         self.eos_id = 256 if eos else None
         self.vocab_size = 257 if eos else 256
 
@@ -145,6 +147,13 @@ def _broken(e: Exception) -> TileError:
                      "tokenizer JSON: its model names a token its vocabulary lacks?)", str(e)[:300])
 
 
+def _check_eos(where: str, eos) -> None:
+    """The end-of-text token's text: a non-empty str, or None (an int made the library raise a
+    TypeError, and "" became a token that no text ever spells)."""
+    if eos is not None and not (isinstance(eos, str) and eos):
+        raise TileError(where, "eos must be the end-of-text token's text (a non-empty str) or None", f"{eos!r:.100}")
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
     ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
@@ -161,12 +170,17 @@ class BPETokenizer(Tokenizer):
         # encoded as the text it is: matched as the special token, it became the end-of-text id,
         # a document boundary inside a document, and decode dropped it. Not part of the JSON, so
         # the tokenizer's hash (recorded in token files) is unchanged.
+        where = "tilegraph.io.BPETokenizer"
+        if not callable(getattr(tokenizer, "token_to_id", None)):  # a path: BPETokenizer.load takes that
+            raise TileError(where, "tokenizer must be a tokenizers.Tokenizer (a JSON file: BPETokenizer.load(path))",
+                            f"{tokenizer!r:.100}")
+        _check_eos(where, eos)
         if hasattr(tokenizer, "encode_special_tokens"):
             tokenizer.encode_special_tokens = True
         eos_id = tokenizer.token_to_id(eos) if eos is not None else None
         if eos is not None and eos_id is None:
             if eos != DEFAULT_EOS:  # asked for by name: without it no document would end
-                raise TileError("tilegraph.io.BPETokenizer", "the end-of-text token eos must be in the "
+                raise TileError(where, "the end-of-text token eos must be in the "
                                 "tokenizer's vocabulary (eos=None: none)", repr(eos))
             eos = None  # the default one, absent (a tokenizer from elsewhere): no end-of-text token
         self._tok = tokenizer
@@ -184,7 +198,13 @@ class BPETokenizer(Tokenizer):
         from tilegraph.io.data import DEFAULT_PATTERNS, find_sources, read_text
 
         where = "tilegraph.io.BPETokenizer.train"
+        _check_eos(where, eos)
         n_fixed = 256 + (eos is not None)
+        # "300" and 300.0 met raw TypeErrors, min_frequency=-1 an OverflowError, inside the library
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+            raise TileError(where, "vocab_size must be an int", f"{vocab_size!r:.100}")
+        if isinstance(min_frequency, bool) or not isinstance(min_frequency, (int, np.integer)) or min_frequency < 0:
+            raise TileError(where, "min_frequency must be an int >= 0", f"{min_frequency!r:.100}")
         if vocab_size < n_fixed:
             raise TileError(where, f"vocab_size must be at least {n_fixed} (256 bytes"
                             + (" + the end-of-text token)" if eos is not None else ")"), str(vocab_size))
@@ -262,6 +282,9 @@ class BPETokenizer(Tokenizer):
 
     def encode_batch(self, texts: Iterable[str | bytes]) -> list[np.ndarray]:
         """Several texts at once (the library spreads them over threads)."""
+        if isinstance(texts, (str, bytes, bytearray, memoryview)):  # else encoded one character each
+            raise TileError("tilegraph.io.BPETokenizer.encode_batch", "texts must be a list of texts (one text: "
+                            "encode)", f"{texts!r:.100}")
         texts = list(texts)
         try:
             encoded = self._tok.encode_batch(texts, add_special_tokens=False)
@@ -275,6 +298,10 @@ class BPETokenizer(Tokenizer):
         if ids.size and ids.dtype.kind not in "iu":
             raise TileError("tilegraph.io.BPETokenizer.decode", "token ids must be integers",
                             f"{ids.dtype} array, e.g. {ids[0]!r}")
+        # the library raised an OverflowError on -1 and dropped ids past its vocabulary silently
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise TileError("tilegraph.io.BPETokenizer.decode", f"token ids must lie in [0, {self.vocab_size})",
+                            f"{int(ids.min())}..{int(ids.max())}")
         return self._tok.decode(ids.tolist(), skip_special_tokens=True)
 
     def describe(self) -> dict:

@@ -59,7 +59,19 @@ class CausalLM(nn.Module):
     #: (:func:`tilegraph.checkpoint`), so a training step keeps one activation per block (its input)
     #: instead of all of them, for one more forward pass of compute; settable on any model
     #: (``model.recompute = True``, also after ``models.from_hf``)
-    recompute: bool = False
+    _recompute: bool = False
+
+    @property
+    def recompute(self) -> bool:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value) -> None:
+        # "yes", 1 or None were kept as given (or made bools by truth value): only a bool says it
+        if not isinstance(value, (bool, np.bool_)):
+            raise TileError(f"tilegraph.models.{type(self).__name__}.recompute", "recompute must be True or False",
+                            f"{value!r:.100}")
+        self._recompute = bool(value)
 
     def _setup(self, config, tiling: ModelTiling | None, dtype) -> ModelTiling:
         tiling = ModelTiling.default(config) if tiling is None else tiling

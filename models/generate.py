@@ -34,7 +34,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef, to_host
 from tilegraph._lower import Executable
 from tilegraph.nn import training
-from tilegraph.runtime import current_runtime
+from tilegraph.runtime import Runtime, current_runtime
 
 from ._common import CausalLM
 
@@ -211,6 +211,12 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int64)
 
 
+def _check_runtime(where: str, runtime) -> None:
+    if runtime is not None and not isinstance(runtime, Runtime):  # else an AttributeError (scatter_cells)
+        raise TileError(where, "runtime must be a tilegraph Runtime (tilegraph.connect()) or None",
+                        type(runtime).__name__)
+
+
 @contextmanager
 def _collector_paused():
     """Python's cyclic garbage collector held off for one decoding step (then back as it was).
@@ -250,6 +256,7 @@ class Decoder:
         where = "tilegraph.models.Decoder"
         if not isinstance(model, CausalLM):
             raise TileError(where, "model must be a tilegraph.models model (GPT2, Llama)", type(model).__name__)
+        _check_runtime(where, runtime)
         self.model = model
         self.runtime = runtime if runtime is not None else current_runtime()
         self.cache = model.new_cache(cache_block)
@@ -329,6 +336,7 @@ class Decoder:
     def close(self) -> None:
         """Drop the cache and put back the parameter values that were on the client."""
         self.cache = self.model.new_cache(self.cache[0].block)
+        self.batch = None  # the empty cache takes a batch of any size again
         for cell, value, token in self._restore:
             cell.set(value, token)
         self._restore = []
@@ -395,6 +403,7 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
             raise TileError(where, f"{name} must be None or a token id in [0, {cfg.vocab_size})", repr(value))
     fill = eos_id if pad_id is None else pad_id
     stops = _check_stop(where, stop, tokenizer, fill)
+    _check_runtime(where, runtime)
     try:
         rng = np.random.default_rng(seed)
     except (TypeError, ValueError):  # a negative int, a float, ...: NumPy's message names no argument

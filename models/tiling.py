@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor, from_numpy
 
@@ -45,9 +46,28 @@ class ModelTiling:
     batch: int | None = None    # rows of the token ids
     seq: int | None = None      # positions of the token ids; attention runs across seq tiles
 
+    def __post_init__(self):
+        # checked when made, not only when a model is built: tile_ids(ids) met seq="4" as a raw TypeError
+        self._check_sizes("tilegraph.models.ModelTiling")
+
+    def _check_sizes(self, where: str) -> None:
+        for name in ("feature", "vocab", "batch", "seq"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
+                raise TileError(where, f"{name} tile must be a positive int or None", repr(v))
+
     @classmethod
     def default(cls, config, batch: int | None = None, seq: int | None = None) -> "ModelTiling":
         """Coarse tiles for ``config`` and, when given, a batch of ``batch`` sequences of ``seq`` tokens."""
+        where = "tilegraph.models.ModelTiling.default"
+        # a flavor name gave AttributeError('head_dim'), seq="8" a TypeError, and batch=0 or seq=-3
+        # were taken as no batch or sequence at all
+        if not hasattr(config, "head_dim") or not hasattr(config, "vocab_size"):
+            raise TileError(where, "config must be a model config (GPT2Config, LlamaConfig; "
+                            "tilegraph.models.config(name) for a flavor)", f"{config!r:.100}")
+        for name, value in (("batch", batch), ("seq", seq)):
+            if value is not None and not is_int(value, 1):
+                raise TileError(where, f"{name} must be a positive int or None", f"{value!r:.100}")
         hd = config.head_dim
         # the largest whole number of heads that divides the width and stays under _MAX_FEATURE
         heads = max((h for h in range(1, config.n_heads + 1)
@@ -68,10 +88,7 @@ class ModelTiling:
 
     def check(self, config, where: str = "tilegraph.models.ModelTiling") -> None:
         """Raise a TileError when these tiles do not fit ``config``."""
-        for name in ("feature", "vocab", "batch", "seq"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0):
-                raise TileError(where, f"{name} tile must be a positive int or None", repr(v))
+        self._check_sizes(where)  # again: a tiling changed with object.__setattr__ or unpickled skips __post_init__
         if self.feature is not None:
             if self.feature % config.head_dim:
                 raise TileError(where, f"the feature tile must hold whole heads (a multiple of head_dim "
