@@ -370,7 +370,8 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     Later positions of an ended row hold ``pad_id`` (default ``eos_id``; stop strings need one
     of the two), and generation stops once all rows have ended (Hugging Face's ``generate``
     with ``pad_token_id``, padded to full length). P + N may not exceed the model's
-    ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`.
+    ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`. With a ``tokenizer``
+    of fewer ids than the model's vocabulary, only ids it can decode are picked.
     """
     where = "tilegraph.models.generate"
     if not isinstance(model, CausalLM):
@@ -409,6 +410,10 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     except (TypeError, ValueError):  # a negative int, a float, ...: NumPy's message names no argument
         raise TileError(where, "seed must be None, an int >= 0 or what else np.random.default_rng takes "
                         "(a SeedSequence, a Generator)", repr(seed)) from None
+    # a model's vocabulary may be larger than its tokenizer's (a padded one, an --init model on a
+    # smaller tokenizer): the rows past the tokenizer's are ids it cannot decode
+    limit = getattr(tokenizer, "vocab_size", None)
+    decodable = limit if _is_int(limit) and 0 < limit < cfg.vocab_size else cfg.vocab_size
     out = np.empty((b, p + max_new_tokens), dtype=np.int64)
     out[:, :p] = prompt
     if max_new_tokens == 0:
@@ -424,7 +429,8 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
         for i in range(max_new_tokens):
             if repetition_penalty != 1:
                 logits = _penalize(logits, seen, float(repetition_penalty))
-            tok = next_tokens(logits, rng, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p)
+            # (ids the tokenizer cannot decode are never picked)
+            tok = next_tokens(logits[:, :decodable], rng, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p)
             if done.any():
                 tok[done] = fill
             out[:, p + i] = tok

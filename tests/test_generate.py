@@ -465,3 +465,21 @@ def test_decoding_records_no_history_and_leaves_the_garbage_collector_as_it_foun
     assert not records  # inference: no autograd history
     model(np.array([[1, 2, 3]]))
     assert records  # (which a forward outside decoding records)
+
+
+def test_generate_never_picks_an_id_its_tokenizer_cannot_decode():
+    """A model whose vocabulary is larger than its tokenizer's (a padded one; tilegraph train
+    --init of a bigger model on a smaller tokenizer) sampled ids past the tokenizer's, which
+    BPETokenizer.decode refuses: with a tokenizer, only ids it decodes are picked."""
+    from tilegraph.io import ByteTokenizer
+
+    import dataclasses
+
+    model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=400), seed=3)
+    prompt = np.array([[1, 2, 3]])
+    free = generate(model, prompt, 24, strategy="sample", seed=0)
+    assert (free[0, 3:] >= 257).any()  # the model alone picks them (so the test can tell)
+    tok = ByteTokenizer(eos=True)
+    kept = generate(model, prompt, 24, strategy="sample", seed=0, tokenizer=tok)
+    assert (kept[0, 3:] < 257).all()
+    tok.decode(kept[0])
