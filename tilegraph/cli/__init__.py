@@ -79,10 +79,11 @@ def _run(argv) -> int:
                          "not with --resume)")
     tr.add_argument("--out", default=None,
                     help="output folder (overrides [output] dir); with --resume, default: the checkpoint's run "
-                         "folder (RUN for RUN/checkpoints/step-N)")
+                         "folder (RUN for RUN/checkpoints/step-N; a config file's [output] dir is not used)")
     tr.add_argument("--resume", default=None,
-                    help="a checkpoint folder to continue from: its weights, optimizer state, LR schedule (with its "
-                         "total step budget), data position, [peft] adapters and gradient sketch; the run goes on in "
+                    help="a checkpoint folder (RUN/checkpoints/step-N) to continue from: its weights, optimizer "
+                         "state, LR schedule (with its total step budget), data position, [peft] adapters and "
+                         "gradient sketch; the run goes on in "
                          "the checkpoint's run folder (see --out) up to its step budget (see --steps); its later "
                          "checkpoints, which this run abandons, move to checkpoints/abandoned-DATE-TIME/")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -97,7 +98,9 @@ def _run(argv) -> int:
     tr.set_defaults(func=cmd_train)
     gen = sub.add_parser("generate", help="continue a prompt with a trained model (greedy, top-k, top-p; KV cache)")
     gen.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
-    gen.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
+    gen.add_argument("--prompt", default="def ",
+                     help="text to continue (default: %(default)r); \\n and \\t are a newline and a tab, as in "
+                          "--stop (\\\\ for a backslash)")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="default: up to 64, within max_seq_len")
     gen.add_argument("--strategy", choices=["greedy", "sample", "top_k", "top_p"], default=None,
                      help="default: greedy, or what --top-k/--top-p imply")
@@ -111,7 +114,7 @@ def _run(argv) -> int:
                           "ones (Hugging Face's repetition_penalty; > 1 discourages repeats; default: 1, none)")
     gen.add_argument("--stop", action="append", metavar="STR",
                      help="stop once the new text contains STR; the text printed ends with it (repeatable; "
-                          "\\n and \\t are a newline and a tab)")
+                          "\\n and \\t are a newline and a tab, \\\\ a backslash, as in --prompt)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
     gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")

@@ -13,8 +13,8 @@ import numpy as np
 from tilegraph._config import number_check, require_arg
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import load_config, make_tokenizer
-from tilegraph.cli.finetune import (PEFT_FILE, _describe, adapter_settings, adapters_only, load_model,
-                                    read_peft_record)
+from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, _describe, adapter_settings, adapters_only, load_model,
+                                    read_peft_record, read_sketch_record)
 
 
 def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph generate", *,
@@ -64,7 +64,8 @@ def _config_eos(folder: Path, tokenizer) -> str | None:
 
 def unescape(text: str) -> str:
     r"""``\n``, ``\t`` and ``\\`` in a command-line argument as the characters they name (a
-    shell passes ``--stop '\n'`` as a backslash and an n)."""
+    shell passes ``--stop '\n'`` as a backslash and an n): generate's --prompt and --stop alike,
+    so a stop string can be the prompt's own text."""
     import re
 
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
@@ -154,9 +155,10 @@ def cmd_generate(args) -> int:
     folder = Path(args.checkpoint)
     model = load_model(folder, where)  # first: a wrong path is named as one, not as a missing tokenizer
     tokenizer = load_tokenizer(folder, args.tokenizer, eos_from_config=True)
-    prompt = np.asarray(tokenizer.encode(args.prompt), dtype=np.int64)
+    text = unescape(args.prompt)  # as --stop's: "a\nb" is two lines in both
+    prompt = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if prompt.size == 0:
-        raise tg.TileError(where, "a non-empty prompt", repr(args.prompt))
+        raise tg.TileError(where, "a non-empty --prompt", repr(args.prompt))
     check_vocabulary(model, tokenizer, folder, where, decodes=True)
     n, limit = args.max_new_tokens, model.config.max_seq_len
     room = limit - prompt.size
@@ -224,7 +226,10 @@ def cmd_eval(args) -> int:
         patterns = d["patterns"]
     batch_size = args.batch_size
     with tempfile.TemporaryDirectory(prefix="tilegraph-eval-") as tmp:
-        meta = build_token_file(sources, Path(tmp) / "tokens.bin", tokenizer, patterns=patterns)
+        try:
+            meta = build_token_file(sources, Path(tmp) / "tokens.bin", tokenizer, patterns=patterns)
+        except TileError as e:  # a missing path, a binary or non-UTF-8 file, nothing found: named as --data's
+            raise TileError(f"{where} --data" if args.data else where, e.what, e.received) from None
         if meta["count"] < seq_len + 1 or (meta["count"] - 1) // seq_len < batch_size:
             raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
                             f"{seq_len + 1} tokens", f"{meta['count']:,} tokens from {len(sources)} source(s)")
@@ -269,6 +274,10 @@ def cmd_convert(args) -> int:
             files[name] = (src / name).read_bytes()
     to_zarr = args.to == "zarr" if args.to else (src / "config.json").is_file() and not (src / "zarr.json").is_file()
     if to_zarr:
+        if args.quantize is not None:  # named as the flag (save_checkpoint names itself and the destination)
+            from tilegraph.io.zarr import _quant_rule
+
+            _quant_rule(args.quantize, f"{where} --quantize")
         save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
     else:
         if args.quantize is not None:
@@ -291,18 +300,23 @@ def _size(path: Path) -> int:
 
 def _print_checkpoint(folder: Path) -> None:
     from tilegraph._errors import TileError
+    from tilegraph.cli.runs import check_checkpoint_folder
     from tilegraph.io.zarr import load_checkpoint
 
     if (folder / "adapter_config.json").is_file() and not (folder / "zarr.json").is_file():
         raise TileError("tilegraph info", "a Zarr checkpoint folder (a Hugging Face peft adapter folder is described "
                         "by its own adapter_config.json)", f"{folder}, {adapters_only(folder)}")
+    check_checkpoint_folder(folder, "tilegraph info", f"its config.json describes it, and `tilegraph convert "
+                            f"{folder} NEW` writes it as a Zarr checkpoint")
     ck = load_checkpoint(folder)
     info = ck.info
     model = info.get("model") or {}
     print(f"checkpoint {folder}: step {ck.step}, format {info['format']} v{info['version']}, created "
           f"{info.get('created')}, {_size(folder) / 1e6:,.2f} MB on disk")
     if model.get("architecture"):
-        print(f"model: {model['architecture']} {model.get('config')} tiling {model.get('tiling')}")
+        tiling = model.get("tiling")
+        print(f"model: {model['architecture']} {model.get('config')} tiling {tiling}"
+              + (" (None: the dim in one tile)" if isinstance(tiling, dict) and None in tiling.values() else ""))
     opt = ck.optimizer_info
     if opt:
         print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}")
@@ -311,9 +325,17 @@ def _print_checkpoint(folder: Path) -> None:
     record = read_peft_record(folder, "tilegraph info")
     if record is not None:
         kept = record.get("base_in_checkpoint", True)
-        print(f"fine-tuning ({PEFT_FILE}): {_describe(adapter_settings(record))}; from {record.get('init')}"
+        settings = {**adapter_settings(record), **({"dropout": record["dropout"]} if "dropout" in record else {})}
+        print(f"fine-tuning ({PEFT_FILE}): {_describe(settings)}; from "
+              + (f"{record['init']}" if record.get("init") else "freshly initialised weights")
               + ("" if kept else " (its quantized Linear weights are not in this checkpoint: keep it there)")
               + (f"; the adapters alone in {folder / 'adapters'}" if (folder / "adapters").is_dir() else ""))
+        if record["method"] != "none":  # tilegraph train's adapters choose their graphs by FLOPs, per call
+            print("  RunLoRA graphs: chosen per layer and call for the fewest FLOPs (choose = 'flops'); the "
+                  "choice is not recorded in the checkpoint")
+    _print_sketch(folder, ck)
+    for line in _data_lines(folder):
+        print(line)
     print(f"{len(ck.arrays)} arrays:")
     for name, a in ck.arrays.items():
         q = a.get("quantized")
@@ -321,6 +343,47 @@ def _print_checkpoint(folder: Path) -> None:
         size = _size(folder / name)
         print(f"  {name:48} {'x'.join(map(str, a['shape'])):>14} {how:>9} {size / 1e6:9.3f} MB  tiles "
               f"{'x'.join(str(len(c)) for c in a['tiles'])}")
+
+
+def _print_sketch(folder: Path, ck) -> None:
+    """The weight-gradient sketch a checkpoint of tilegraph train records (:data:`SKETCH_FILE`), and
+    the Linear layers it applies to in the stored model; nothing for a checkpoint without it."""
+    sketch = read_sketch_record(folder, "tilegraph info")
+    if sketch is None:
+        return
+    if sketch["grad_sketch"] == "none":
+        print(f"weight gradients ({SKETCH_FILE}): exact (grad_sketch = 'none')")
+        return
+    layers = ""
+    try:  # the layers the targets match, as the run matched them (no weights read)
+        from tilegraph.sketch import apply_grad_sketch, sketched_layers
+
+        names = list(sketched_layers(apply_grad_sketch(ck.new_model(values=False), sketch["sketch_targets"],
+                                                       sketch["grad_sketch"], sketch["sketch_ratio"])))
+        layers = f": {len(names)} Linear layer{'s' if len(names) != 1 else ''} ({', '.join(names)})"
+    except ValueError:  # a TileError: a model tilegraph cannot build, targets it lacks: the record alone
+        pass
+    print(f"weight gradients ({SKETCH_FILE}): {_describe(sketch)}{layers}")
+
+
+def _data_lines(folder: Path) -> list[str]:
+    """What a checkpoint of tilegraph train records of its text (``tilegraph_data.json``) and its
+    tokenizer (``tilegraph_tokenizer.json``), in words; none for a checkpoint without them."""
+    from tilegraph.cli.runs import DATA_FILE, read_data_record
+
+    lines = []
+    data = read_data_record(folder)
+    if data is not None:
+        tokens = data.get("tokens")
+        lines.append(f"data ({DATA_FILE}): " + ", ".join(f"{k} = {v!r}" for k, v in data.items() if k != "tokens")
+                     + (f"; {tokens:,} tokens" if isinstance(tokens, int) else ""))
+    try:
+        desc = json.loads((folder / "tilegraph_tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        desc = None
+    if isinstance(desc, dict):
+        lines.append("tokenizer (tilegraph_tokenizer.json): " + ", ".join(f"{k} = {v!r}" for k, v in desc.items()))
+    return lines
 
 
 def cmd_info(args) -> int:

@@ -97,12 +97,55 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     step = resume.checkpoint.step
     if in_folder(resume.path, ckdir):
         return step  # the run's own later checkpoints: set aside when it starts (keep_branch_point)
+    others = other_runs(out, [ckdir / n for n in found], (resume.checkpoint.trainer_state or {}).get("run_id"))
+    if others:  # its metrics.jsonl would mix two runs, and its checkpoints be pruned as this run's older ones
+        raise TileError("tilegraph train --resume", f"an output folder without another run's files; {out} holds "
+                        f"{others} of a run other than the one {resume.path} continues: pass another --out (or none: "
+                        "the checkpoint's own run folder)", str(out))
     clash = [n for n in found if at[n] is not None and step < at[n] <= step + steps]
     if clash:
         raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
                         f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
                         f"--resume {resume.path} --steps {steps}")
     return step
+
+
+def other_runs(out: Path, checkpoints: list[Path], run: str | None) -> str:
+    """What of ``out`` belongs to a run other than ``run`` (a checkpoint's ``run_id``, which a
+    resumed run keeps; None: not recorded, so any run's files), in words: its metrics.jsonl's
+    records and its checkpoints; "" for none."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    def other(found) -> bool:
+        return run is None or found != run
+
+    found = []
+    try:
+        with open(out / "metrics.jsonl", encoding="utf-8") as f:
+            if any(other(_record_run(line)) for line in f if line.strip()):
+                found.append("metrics.jsonl records")
+    except (OSError, UnicodeDecodeError):
+        pass
+    theirs = []
+    for p in checkpoints:
+        try:
+            state = load_checkpoint(p).trainer_state or {}
+        except (OSError, TileError):  # incomplete or not one: another run's all the same
+            state = {}
+        if other(state.get("run_id")):
+            theirs.append(p.name)
+    if theirs:
+        found.append(f"checkpoints {', '.join(theirs)}")
+    return " and ".join(found)
+
+
+def _record_run(line: str) -> str | None:
+    """The run id of a metrics.jsonl line (None where it names none)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("run") if isinstance(record, dict) else None
 
 
 # ------------------------------------------------------------------------------ the settings ----
@@ -138,9 +181,16 @@ def run_folder(checkpoint: str) -> Path | None:
 
 def output_folder(out: str | None, configured: str, given: dict[str, str], resume: str | None) -> tuple[Path, str]:
     """The run's output folder and what named it (for errors): ``--out``; else ``[output] dir``
-    where the user gave it; else, resuming, the run folder of the checkpoint (so the run's
-    metrics.jsonl and loss.png go on); else the shipped ``[output] dir``."""
-    if out is None and "output.dir" not in given and resume and (run := run_folder(resume)) is not None:
+    where the command line gave it (--set); else, resuming, the run folder of the checkpoint (so
+    the run's metrics.jsonl and loss.png go on; a config file's other ``[output] dir``, such as
+    that of the config the run started from with --out, is named in a warning and not used);
+    else ``[output] dir``."""
+    named = given.get("output.dir")
+    if out is None and not (named and on_command_line(named)) and resume \
+            and (run := run_folder(resume)) is not None:
+        if named is not None and Path(configured).resolve() != run.resolve():
+            refuse_or_warn([(named, f"dir = {configured!r}")], "",
+                           f"the resumed run goes on in its checkpoint's run folder, {run} (--out: another)")
         return run, f"tilegraph train --resume (its run folder, {run})"
     text, where = (out, "--out") if out is not None else (configured, "tilegraph train [output] dir")
     if not text.strip():
@@ -162,6 +212,7 @@ class Resume:
     checkpoint: object  # the opened tilegraph.io.zarr.Checkpoint (its attributes read)
     peft: dict | None  # its PEFT_FILE: the adapters and the base (None: none)
     sketch: dict | None  # its SKETCH_FILE: the weight-gradient sketch (None: written before it was recorded)
+    data: dict | None = None  # its DATA_FILE: the run's [data] and token count (None: written before either)
 
 
 def open_resume(resume: str) -> Resume:
@@ -176,6 +227,7 @@ def open_resume(resume: str) -> Resume:
                         f"format resumes in Python (tilegraph.Trainer.load_checkpoint), or `tilegraph convert "
                         f"{resume} NEW` writes its weights as one to start a new run from (--init NEW)",
                         f"{resume}: a Hugging Face folder with trainer_state.json (the earlier format)")
+    check_checkpoint_folder(folder, where, "--init starts a new run from its weights (with another --out)")
     ck = None if (folder / "adapter_config.json").is_file() else load_checkpoint(resume)  # its metadata read once
     adapters = adapters_only(folder, ck.info if ck is not None else None)
     if adapters:  # else named as a model of an unknown class '_Adapters', or as no checkpoint at all
@@ -183,7 +235,8 @@ def open_resume(resume: str) -> Resume:
                         "folder holds the adapters alone: " + adapters_hint(folder), f"{resume}, {adapters}")
     if ck is None:  # a peft folder with a model beside it (config.json): named as no checkpoint
         ck = load_checkpoint(resume)
-    return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where))
+    return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where),
+                  read_data_record(ck.path))
 
 
 def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> tuple[Resume, int]:
@@ -206,8 +259,8 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
-    keep_data(ck.path, cfg["data"], given)
-    keep_window(resume, ck.trainer_state or {}, cfg["data"], given)
+    keep_data(opened.data, cfg["data"], given)
+    keep_window(resume, ck.trainer_state or {}, opened.data, cfg["data"], given)
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
 
 
@@ -271,42 +324,63 @@ DATA_FILE = "tilegraph_data.json"
 DATA_KEYS = ("sources", "patterns", "max_mb", "tokenizer", "seq_len", "val_fraction")
 
 
-def data_record(d: dict) -> dict:
+def data_record(d: dict, tokens: int | None = None) -> dict:
     """What :data:`DATA_FILE` holds: the [data] settings, their paths absolute (a resume may run
-    in another folder); "stdlib" and "byte" as they are."""
+    in another folder); "stdlib" and "byte" as they are; and ``tokens``, the count of the token
+    file the run read (a resume checks that it reads as many)."""
     def where(path: str) -> str:
         return path if path in ("stdlib", "byte") else os.path.abspath(os.path.expanduser(path))
 
     record = {k: d[k] for k in DATA_KEYS}
     record["sources"] = [where(str(x)) for x in d["sources"]]
     record["tokenizer"] = where(str(d["tokenizer"]))
+    if tokens is not None:
+        record["tokens"] = int(tokens)
     return record
 
 
-def keep_data(folder: Path, d: dict, given: dict[str, str]) -> None:
-    """The [data] settings of the run a checkpoint (``folder``) continues, where the job gives
-    none (its own config file or flags win, and :func:`check_resumed_text` checks they make the
-    same text). None recorded (a checkpoint written before the record): the job's own."""
+def read_data_record(folder: Path) -> dict | None:
+    """The record :data:`DATA_FILE` of a checkpoint (None when it has none, or not a readable
+    JSON object: the job's own [data] then)."""
     try:
         record = json.loads((Path(folder) / DATA_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if isinstance(record, dict):
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def keep_data(record: dict | None, d: dict, given: dict[str, str]) -> None:
+    """The [data] settings of the run a checkpoint continues (``record``: its :data:`DATA_FILE`),
+    where the job gives none (its own config file or flags win, and :func:`check_resumed_text`
+    checks they make the same text). None recorded (a checkpoint written before the record): the
+    job's own."""
+    if record is not None:
         d.update({k: record[k] for k in DATA_KEYS if k in record and f"data.{k}" not in given})
 
 
-def stored_data(state: dict) -> tuple[int | None, int | None]:
-    """(seq_len, token count) of the token data a checkpoint's run read, from its
-    ``trainer_state`` (``repr`` of its TokenDataset); None where it does not say."""
+def _whole(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def stored_data(state: dict, record: dict | None = None) -> tuple[int | None, int | None]:
+    """(seq_len, token count) of the token data a checkpoint's run read: from its :data:`DATA_FILE`
+    ``record`` (``seq_len`` and ``tokens``), else, for checkpoints written before it held the
+    count, from its ``trainer_state`` (``repr`` of its TokenDataset); None where neither says."""
+    record = record or {}
+    seq_len, count = _whole(record.get("seq_len")), _whole(record.get("tokens"))
+    if seq_len is not None and count is not None:
+        return seq_len, count
     found = re.search(r"seq_len=(\d+),.* of (\d+)\)$", str(state.get("data") or ""))
-    return (int(found.group(1)), int(found.group(2))) if found else (None, None)
+    if found:
+        return seq_len or int(found.group(1)), count or int(found.group(2))
+    return seq_len, count
 
 
-def keep_window(resume: str, state: dict, d: dict, given: dict[str, str]) -> None:
+def keep_window(resume: str, state: dict, record: dict | None, d: dict, given: dict[str, str]) -> None:
     """A resumed run reads windows of its checkpoint's ``seq_len`` (other windows are other
     batches, another validation split): [data] seq_len given otherwise is refused or named
-    (:func:`refuse_or_warn`), and the checkpoint's kept."""
-    seq_len, _ = stored_data(state)
+    (:func:`refuse_or_warn`), and the checkpoint's kept (``record``: its :data:`DATA_FILE`)."""
+    seq_len, _ = stored_data(state, record)
     if seq_len is None or d["seq_len"] == seq_len:
         return
     where = given.get("data.seq_len")
@@ -317,10 +391,12 @@ def keep_window(resume: str, state: dict, d: dict, given: dict[str, str]) -> Non
                    "another --out)", f"the resumed run reads windows of its checkpoint's seq_len {seq_len}")
 
 
-def check_resumed_text(resume: str, state: dict, meta: dict, earlier: dict | None, given: dict[str, str]) -> None:
+def check_resumed_text(resume: str, state: dict, record: dict | None, meta: dict, earlier: dict | None,
+                       given: dict[str, str]) -> None:
     """A resumed run reads the text of the run it continues: the token file just built (its
     sidecar ``meta``) must hold the tokens of the run folder's earlier one (``earlier``, its
-    sidecar; else the count its checkpoint recorded). Other [data] sources, patterns, max_mb or
+    sidecar; else the count its checkpoint recorded: ``record``, its :data:`DATA_FILE`, or its
+    ``state``). Other [data] sources, patterns, max_mb or
     tokenizer would draw other batches and another validation split, and would have replaced
     the run's token file."""
     if earlier is not None:
@@ -328,7 +404,7 @@ def check_resumed_text(resume: str, state: dict, meta: dict, earlier: dict | Non
         had = f"{earlier.get('count', 0):,} tokens (sha256 {str(earlier.get('tokens_sha256'))[:12]})"
         got = f"{meta['count']:,} tokens (sha256 {str(meta.get('tokens_sha256'))[:12]})"
     else:
-        _, count = stored_data(state)
+        _, count = stored_data(state, record)
         same = count is None or meta["count"] == count
         had, got = f"{count or 0:,} tokens", f"{meta['count']:,} tokens"
     if same:
@@ -420,6 +496,26 @@ def in_folder(checkpoint: str, folder: Path) -> bool:
 def resume_command(config: str | None, checkpoint) -> str:
     """The command that continues a run from ``checkpoint``."""
     return " ".join(["tilegraph train", *([config] if config else []), "--resume", str(checkpoint)])
+
+
+def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
+    """Refuse, naming ``where`` (the command and flag), a path that is no checkpoint folder: one
+    that does not exist, a run folder of tilegraph train (or its checkpoints/ folder: the newest
+    checkpoint in it named) and a Hugging Face folder (``hf_hint``: what to do with one). Other
+    folders are left to the checkpoint's loader, which names what is wrong with them."""
+    if (folder / "zarr.json").is_file():
+        return
+    want = "a checkpoint folder (RUN/checkpoints/step-N of tilegraph train)"
+    if not folder.exists():
+        raise TileError(where, want, f"{folder} does not exist")
+    newest, kind = latest_checkpoint(folder), "a run folder"
+    if newest is None and folder.name == "checkpoints":
+        newest, kind = latest_checkpoint(folder.parent), "the checkpoints folder of a run"
+    if newest is not None:
+        raise TileError(where, f"{want}, not the folder that holds them: its newest is {newest}", f"{folder}, {kind}")
+    if (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+        raise TileError(where, f"{want}; a Hugging Face folder holds a model alone: {hf_hint}",
+                        f"{folder}, a Hugging Face folder")
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -110,7 +110,6 @@ def _train(args, job: Job) -> int:
     model.recompute = bool(cfg["model"].get("recompute", False))  # each block's activations recomputed in the backward
     files = tokenizer_files(tokenizer)
     files[SKETCH_FILE] = json.dumps(sketch_settings(p)).encode()  # exact gradients too: --resume keeps them
-    files[DATA_FILE] = json.dumps(data_record(d)).encode()  # --resume reads the same text, config or not
     if init or p["method"] != "none":
         files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
     job.release.append(take_output(out, out_named_by))  # then the output folder: ours alone, no earlier run in it
@@ -122,9 +121,11 @@ def _train(args, job: Job) -> int:
     tok_file = out / "tokens.bin"
     if resume:  # built apart first: a resumed run reads its run's text (check_resumed_text), never replaces it
         meta, corpus = build_corpus(d, tok_file.with_name(".tokens.resumed.bin"), tokenizer)
-        take_resumed_text(tok_file, args.resume, resume.checkpoint.trainer_state or {}, meta, given)
+        take_resumed_text(tok_file, resume, meta, given)
     else:
         meta, corpus = build_corpus(d, tok_file, tokenizer)
+    # --resume reads the same text, config or not, and checks its token count
+    files[DATA_FILE] = json.dumps(data_record(d, meta["count"])).encode()
     train, val = open_splits(tok_file, d, t, meta["count"])
     if not resume and int(t["warmup"]) > steps:  # (a resumed run keeps its checkpoint's schedule)
         print(f"tilegraph train: [train] warmup = {t['warmup']} is more than the run's {_plural(steps, 'step')}: the "
@@ -209,9 +210,10 @@ def _train(args, job: Job) -> int:
     return 0
 
 
-def take_resumed_text(tok_file: Path, resume: str, state: dict, meta: dict, given: dict[str, str]) -> None:
+def take_resumed_text(tok_file: Path, resume, meta: dict, given: dict[str, str]) -> None:
     """Put the token file a resumed run built (``.tokens.resumed.bin`` beside ``tok_file``, its
-    sidecar ``meta``) in place of ``tok_file`` once it holds the text of the run it continues; else
+    sidecar ``meta``) in place of ``tok_file`` once it holds the text of the run it continues
+    (``resume``: its :class:`tilegraph.cli.runs.Resume`); else
     remove it and refuse (:func:`check_resumed_text`), the run's own token file untouched."""
     import os
 
@@ -222,7 +224,7 @@ def take_resumed_text(tok_file: Path, resume: str, state: dict, meta: dict, give
     except (OSError, ValueError):  # unreadable: compared with the checkpoint's count instead
         earlier = None
     try:
-        check_resumed_text(resume, state, meta, earlier, given)
+        check_resumed_text(resume.path, resume.checkpoint.trainer_state or {}, resume.data, meta, earlier, given)
     except TileError:
         built.unlink(missing_ok=True)
         sidecars[0].unlink(missing_ok=True)
