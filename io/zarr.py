@@ -402,6 +402,21 @@ def _is_os_error(e: BaseException) -> bool:
     return isinstance(e, OSError) or isinstance(getattr(e, "__cause__", None), OSError)
 
 
+def check_files(files, where: str, what: str = "files", error: type[TileError] = CheckpointError) -> dict:
+    """The extra files of a checkpoint (``save_checkpoint``'s ``files``, the Trainer's
+    ``checkpoint_files``): a dict of plain file names to bytes, checked (a copy; None: none)."""
+    if files is None:
+        return {}
+    if not isinstance(files, Mapping):  # dict() of a list or str fails obscurely
+        raise error(where, f"{what} must be a dict (or None)", type(files).__name__)
+    for name, data in files.items():
+        if not isinstance(name, str) or "/" in name or name in ("zarr.json", "model", "optimizer") \
+                or name.startswith(".") or not isinstance(data, (bytes, bytearray)):
+            raise error(where, f"{'extra files' if what == 'files' else what} are plain file names (not zarr.json, "
+                        "model, optimizer) mapped to bytes", f"{name!r}: {type(data).__name__}")
+    return dict(files)
+
+
 def prepare_save(path, model, optimizer=None, *, step: int | None = None, quantize=None,
                  metadata: Mapping | None = None, runtime=None, files: Mapping[str, bytes] | None = None,
                  trainer_state: Mapping | None = None) -> PendingSave:
@@ -426,16 +441,12 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
             raise CheckpointError(where, "quantize names parameters the model does not have (its names: "
                                   "model.named_parameters(), e.g. " + ", ".join(n for n, _ in named[:3]) + ")",
                                   ", ".join(map(repr, unknown[:8])))
-    for what, value in (("metadata", metadata), ("trainer_state", trainer_state), ("files", files)):
+    for what, value in (("metadata", metadata), ("trainer_state", trainer_state)):
         if value is not None and not isinstance(value, Mapping):  # dict() of a list or str fails obscurely
             raise CheckpointError(where, f"{what} must be a dict (or None)", type(value).__name__)
     user = _json_ready(dict(metadata or {}), where, "metadata")
     trainer = _json_ready(dict(trainer_state or {}), where, "trainer_state")
-    for name, data in (files or {}).items():
-        if not isinstance(name, str) or "/" in name or name in ("zarr.json", "model", "optimizer") \
-                or name.startswith(".") or not isinstance(data, (bytes, bytearray)):
-            raise CheckpointError(where, "extra files are plain file names (not zarr.json, model, optimizer) "
-                                  "mapped to bytes", f"{name!r}: {type(data).__name__}")
+    check_files(files, where)
     if step is None:
         step = int(optimizer.step_count) if optimizer is not None else 0
     elif not is_int(step, 0):  # int() would make 1.7 step 1 and fail on "x" with a bare ValueError

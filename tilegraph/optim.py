@@ -10,12 +10,12 @@ to the parameters: on the workers when a runtime is connected.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numba
 import numpy as np
 
-from tilegraph._config import number_check, require_arg
+from tilegraph._config import number_check, require_arg, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, scope, xp_of
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
@@ -327,7 +327,10 @@ class Optimizer:
     def lr_at(self, step: int) -> float:
         """The schedule's learning rate of update ``step``, checked: a schedule of the user's own
         (a lambda decaying linearly, run past its end) may give a negative or NaN rate, which the
-        update would apply silently (a NaN loss one step later, named as the loss's fault)."""
+        update would apply silently (a NaN loss one step later, named as the loss's fault).
+        Updates count from 1: a step of 0, a negative one or a float is refused (it was blamed on
+        the schedule, or failed inside it)."""
+        require_int(f"tilegraph.optim.{type(self).__name__}.lr_at", "step", step, 1)
         lr = self.schedule(step)
         if not _NON_NEGATIVE[0](lr):
             raise TileError(f"tilegraph.optim.{type(self).__name__}", "the learning-rate schedule (lr=) must give a "
@@ -385,7 +388,36 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        return {"step": self.step_count}
+        """The optimizer's state as NumPy arrays, for :meth:`load_state_dict`: ``step`` (updates
+        made), ``state`` (per parameter, its state arrays by name: computed/fetched from wherever
+        they live) and ``schedule`` (the learning-rate schedule's spec; None for a schedule of
+        your own)."""
+        from tilegraph._lower import compute
+
+        tensors = self.state_tensors()
+        flat = [t for per in tensors for t in per.values()]
+        values = iter(compute(*flat) if flat else [])
+        return {"step": self.step_count, "state": [{name: next(values) for name in per} for per in tensors],
+                "schedule": getattr(self.schedule, "spec", None)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` gave: the step count, the state arrays and the schedule
+        (where one was saved). Everything is checked first: a state that does not fit changes
+        nothing."""
+        where = f"tilegraph.optim.{type(self).__name__}.load_state_dict"
+        if not isinstance(state, Mapping) or not {"step", "state"} <= set(state):
+            raise TileError(where, "state must be a mapping with 'step' and 'state' (as optimizer.state_dict() "
+                            "gives)", type(state).__name__ if not isinstance(state, Mapping) else f"keys {sorted(state)}")
+        require_int(where, "state['step']", state["step"], 0)
+        arrays = state["state"]
+        if not isinstance(arrays, Sequence) or not all(isinstance(a, Mapping) for a in arrays):
+            raise TileError(where, "state['state'] must be a list with one mapping (state name -> array) per "
+                            "parameter", type(arrays).__name__)
+        spec = state.get("schedule")
+        schedule = schedule_from_spec(spec) if spec is not None else None
+        self.load_state(arrays, state["step"], where=where)  # checks every array before it sets one
+        if schedule is not None:
+            self.schedule = schedule
 
     #: names of the per-parameter state tensors, as torch.optim calls them
     state_names: tuple[str, ...] = ()
@@ -396,10 +428,10 @@ class Optimizer:
         return [{name: tensor_from_cells(p.tiling, p.dtype, grid, name=f"{p.name}.{name}")
                  for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state)]
 
-    def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int) -> None:
+    def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int, *, where: str | None = None) -> None:
         """Restore per-parameter state (as from :meth:`state_tensors`) and the step counter;
         every mismatch is reported at once and nothing is changed when there is one."""
-        where = f"tilegraph.optim.{type(self).__name__}.load_state"
+        where = where or f"tilegraph.optim.{type(self).__name__}.load_state"
         problems = []
         if len(arrays) != len(self.params):
             problems.append(f"expected state for {len(self.params)} parameters, got {len(arrays)}")

@@ -17,10 +17,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
 
 __all__ = ["plot_training", "read_metrics", "smooth", "has_tensorboard", "summary_writer_class"]
@@ -31,13 +32,24 @@ TENSORBOARD_INSTALL = "pip install tensorboardX (or, with torch, pip install ten
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file, in order (a line cut short by a kill is skipped)."""
+    """The records of a ``metrics.jsonl`` file, in order (a line cut short by a kill, or one that
+    is not a JSON object, is skipped)."""
+    where = "tilegraph.plotting.read_metrics"
+    if not isinstance(path, (str, os.PathLike)):
+        raise TileError(where, "path must be a metrics.jsonl file (str or os.PathLike)", repr(path))
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:  # missing, a folder, unreadable: Python's error named neither the function nor the fix
+        raise TileError(where, "path must be a readable metrics.jsonl file (Trainer(log_dir=...) writes one)",
+                        f"{str(path)!r}: {e.strerror or e}") from None
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
@@ -104,12 +116,16 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
     """
     from matplotlib.figure import Figure
 
+    where = "tilegraph.plotting.plot_training"
     if isinstance(records, (str, os.PathLike)):
         records = read_metrics(records)
-    train, val, lr = _curves(list(records), run)
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-        raise TileError("tilegraph.plotting.plot_training", "vocab_size must be a positive int or None",
-                        repr(vocab_size))
+    records = _records(records, where)
+    if vocab_size is not None and not is_int(vocab_size, 1):
+        raise TileError(where, "vocab_size must be a positive int or None", repr(vocab_size))
+    if window is not None and not is_int(window, 1):  # 0, -3 or 2.5 were taken silently for "no smoothing"
+        raise TileError(where, "window must be an int >= 1 (1: no smoothing) or None (a 25th of the steps)",
+                        repr(window))
+    train, val, lr = _curves(records, run)
 
     fig = Figure(figsize=(7, 5), dpi=100, layout="constrained")
     # the loss on top; the learning rate in a short panel under it, on the same steps
@@ -149,13 +165,34 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
 
     if path is not None:
         path = _png_path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+        # the format is the path's (a PNG without a suffix): the temporary name keeps the suffix,
+        # where its ".png" had made "loss.pdf" a PNG file under a .pdf name
+        fmt = path.suffix[1:].lower() or "png"
+        formats = fig.canvas.get_supported_filetypes()
+        if fmt not in formats:
+            raise TileError(where, f"path's suffix must name an image format: {', '.join(sorted(formats))} "
+                            "(none: PNG)", f"path={str(path)!r}")
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
         try:
-            fig.savefig(tmp)
+            fig.savefig(tmp, format=fmt)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
     return fig
+
+
+def _records(records, where: str) -> list[dict]:
+    """``plot_training``'s records as a list of dicts (None, a dict, or a list of numbers failed
+    inside with Python's TypeError or AttributeError)."""
+    if isinstance(records, Mapping) or not isinstance(records, Iterable):
+        raise TileError(where, "records must be a list of metrics records (Trainer.history, read_metrics(...)) "
+                        "or a metrics.jsonl path", type(records).__name__)
+    records = list(records)
+    bad = next(((i, r) for i, r in enumerate(records) if not isinstance(r, Mapping)), None)
+    if bad is not None:
+        raise TileError(where, "each record must be a dict (such as {'step': 1, 'loss': 2.3})",
+                        f"records[{bad[0]}] = {repr(bad[1])[:80]}")
+    return records
 
 
 def _png_path(path) -> Path:

@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tilegraph._config import config, require_int
+from tilegraph._config import config, is_int, require_int
 from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
@@ -213,8 +213,17 @@ class Trainer:
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
-        if checkpoint_every and checkpoint_dir is None:
-            raise TileError(where, "checkpoint_every needs a checkpoint_dir", f"checkpoint_every={checkpoint_every}")
+        require_int(where, "checkpoint_every", checkpoint_every, 0)  # (the manager's error named its own "every")
+        if checkpoint_keep is not None:
+            require_int(where, "checkpoint_keep (None: keep all)", checkpoint_keep, 1)
+        for name, value in (("checkpoint_every", checkpoint_every), ("checkpoint_keep", checkpoint_keep),
+                            ("checkpoint_files", checkpoint_files)):
+            if value and checkpoint_dir is None:  # taken and never used, without a word
+                raise TileError(where, f"{name} needs a checkpoint_dir", f"{name}={_short_repr(value)}")
+        from tilegraph.io.zarr import check_files
+
+        # checked here, not at the first checkpoint after training up to it
+        checkpoint_files = check_files(checkpoint_files, where, "checkpoint_files", TileError)
         if not (step_timeout is None or step_timeout == "auto" or (isinstance(step_timeout, (int, float))
                                                                   and not isinstance(step_timeout, bool)
                                                                   and 0 < step_timeout < math.inf)):
@@ -237,14 +246,15 @@ class Trainer:
         self.log_dir = _folder(where, "log_dir", log_dir)
         self.checkpoint_every = checkpoint_every
         self.checkpoint_dir = _folder(where, "checkpoint_dir", checkpoint_dir)
-        self.checkpoint_files = dict(checkpoint_files or {})
+        self.checkpoint_files = checkpoint_files
         self.checkpoints = None  # the CheckpointManager of checkpoint_dir
         if checkpoint_dir is not None:
             from tilegraph.io.zarr import CheckpointManager
 
             # restarts resume from the last committed checkpoint: with them, each save is waited
             # for (a background save whose tiles a lost worker held would never commit)
-            self.checkpoints = CheckpointManager(checkpoint_dir, keep=checkpoint_keep, every=checkpoint_every,
+            keep = None if checkpoint_keep is None else int(checkpoint_keep)
+            self.checkpoints = CheckpointManager(checkpoint_dir, keep=keep, every=int(checkpoint_every),
                                                  async_save=async_checkpoint and not self.max_restarts)
         self._hooked = 0  # committed checkpoints whose on_checkpoint hooks have run
         self.progress = progress
@@ -288,6 +298,18 @@ class Trainer:
         #: names this run in every metrics record; a resumed run keeps its checkpoint's
         self.run_id = uuid.uuid4().hex[:12]
         self._stop = False
+
+    #: set when the Trainer is built: its training step is recorded for that model, optimizer,
+    #: loss, runtime and batch (``trainer.optimizer = AdamW(..., lr=1e-4)`` between fits went on
+    #: with the old optimizer, logging its steps from 1 again; a new model was never trained)
+    FIXED = ("model", "optimizer", "loss_fn", "runtime", "batch_size", "accum_steps")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.FIXED and name in self.__dict__ and not _same(value, self.__dict__[name]):
+            raise TileError("tilegraph.Trainer", f"{name} is fixed when the Trainer is built (its training step is "
+                            f"recorded for it): build a new Trainer for another {name}",
+                            f"trainer.{name} = {_short_repr(value)}")
+        super().__setattr__(name, value)
 
     # -- data ----------------------------------------------------------------------------------
     def _batch(self, step: int) -> tuple[np.ndarray, ...]:
@@ -348,6 +370,7 @@ class Trainer:
         if self.runtime is not None:  # closed after this trainer was built: say so before anything starts
             self.runtime.require_open(where)
         start = self.optimizer.step_count
+        self._check_checkpoint_dir(where, start)
         result = FitResult(0, [])
         bar = _progress(steps, self.progress)
         if self.log_dir is not None:
@@ -370,10 +393,11 @@ class Trainer:
         def checkpoints(i: int) -> bool:
             return self.checkpoints is not None and (i == end or self.checkpoints.due(i))
 
-        def finish(i: int, pending, batch) -> None:
+        def log_step(i: int, pending, batch, patient: bool) -> float:
+            """Wait for step ``i``'s loss and log it."""
             nonlocal tokens, clock, fresh
             # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
-            loss = pending.result(self._time_limit(pending, clock), patient=self.step_timeout == "auto")
+            loss = pending.result(self._time_limit(pending, clock), patient=patient)
             clock = time.perf_counter()
             stats: StepStats = pending.stats
             fresh = pending.steps if pending.fresh else fresh
@@ -388,8 +412,12 @@ class Trainer:
                             "time": time.time()})
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
             bar.update(1)
+            return loss
+
+        def finish(i: int, pending, batch) -> None:
+            loss = log_step(i, pending, batch, patient=self.step_timeout == "auto")
             for hook in self.on_step:
-                hook(self, stats)
+                hook(self, pending.stats)
             if evaluates(i):
                 val = self._watched(self.evaluate, f"the evaluation after step {i}", range(i, i + 1))
                 result.val_losses.append((i, val))
@@ -405,13 +433,33 @@ class Trainer:
         def waits(i: int) -> bool:  # the loop waits after the last step and before an evaluation or checkpoint
             return i == end or evaluates(i) or checkpoints(i)
 
+        # (step, pending, batch) submitted but not finished, oldest first
+        waiting: list[tuple[int, object, tuple]] = []
+
+        def finish_waiting(n: int | None = None) -> None:
+            """Finish the ``n`` oldest steps waiting (None: all)."""
+            for _ in range(len(waiting) if n is None else n):
+                finish(*waiting.pop(0))  # taken off first: a hook that raises leaves the later ones waiting
+
+        def settle() -> None:
+            """After an interruption (KeyboardInterrupt, an error in a hook or in the data): the
+            steps already submitted ran, or run, and their updates are in the parameters and the
+            step count, so their losses are logged too (without hooks, evaluations or
+            checkpoints). Before, they were missing from ``metrics.jsonl`` and ``history``
+            while the next fit went on after them."""
+            while waiting:
+                i, pending, batch = waiting.pop(0)
+                try:
+                    log_step(i, pending, batch, patient=False)
+                except Exception:  # a step that failed itself: the interruption's error is the one raised
+                    waiting.clear()
+
         def run(i: int) -> None:
             """Steps ``i`` to ``end``."""
             # each step's batch is asked for once (a data callable may be a stream): those asked
             # for ahead of their group wait here
             ahead = {i: self._batch(i)}
             per_graph = self._steps_per_graph(ahead[i])
-            waiting = []  # (step, pending, batch) submitted but not finished
             while i <= end and not self._stop:
                 # this group: up to the next step the loop waits at, cut into near-equal groups
                 # of at most per_graph steps (one recorded graph serves them all)
@@ -430,17 +478,14 @@ class Trainer:
                     self._start_report(report)
                 with self._translate_lost_workers(_steps_text(group), group):
                     pendings = self.step.submit_steps(batches)
-                for w in waiting:
-                    finish(*w)
-                waiting = list(zip(group, pendings, batches))
+                earlier = len(waiting)
+                waiting.extend(zip(group, pendings, batches))
+                finish_waiting(earlier)  # the earlier group's, while this one runs
                 if not self.pipeline or waits(group[-1]) or reporting:
-                    for w in waiting:
-                        finish(*w)
-                    waiting = []
+                    finish_waiting()
                     report.close()
                 i = group[-1] + 1
-            for w in waiting:  # stopped early (request_stop)
-                finish(*w)
+            finish_waiting()  # stopped early (request_stop)
 
         self._stop = False
         try:
@@ -458,7 +503,10 @@ class Trainer:
                                                  range(done, done + 1))
                             result.checkpoints.append(str(path))
                     break
-                except WorkerLostError as e:
+                except (WorkerLostError, StepTimeoutError, FloatingPointError) as e:
+                    waiting.clear()  # steps on lost workers, past a time limit or after a NaN: none to log
+                    if not isinstance(e, WorkerLostError):
+                        raise
                     report.close()
                     # the cached plans pin tasks and programs to workers that are gone: plan
                     # again (also when the caller resumes by hand after this error)
@@ -480,6 +528,9 @@ class Trainer:
                     bar.n = max(0, resumed - start)
                     bar.refresh()
                     i = resumed + 1
+                except BaseException:
+                    settle()
+                    raise
             if self.checkpoints is not None:
                 last = self.optimizer.step_count
                 self._watched(self.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
@@ -503,6 +554,27 @@ class Trainer:
         result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
         self.plot()
         return result
+
+    def _check_checkpoint_dir(self, where: str, start: int) -> None:
+        """Refuse, before any step, a ``checkpoint_dir`` that holds checkpoints of steps after
+        ``start`` (another run's, say a notebook cell run again with a fresh model, or those of
+        steps a loaded checkpoint went back before): this fit's checkpoints would collide with
+        them partway (after training up to there), or, with ``checkpoint_keep``, be pruned at
+        once as older than them."""
+        from tilegraph.io.zarr import checkpoint_step
+
+        if self.checkpoints is None or not self.checkpoints.dir.is_dir():
+            return
+        # by name alone (a step-N folder is in the way, complete or not; no checkpoint is opened)
+        later = sorted((p for p in self.checkpoints.dir.iterdir() if (checkpoint_step(p.name) or 0) > start),
+                       key=lambda p: checkpoint_step(p.name))
+        if later:
+            raise TileError(where, f"checkpoint_dir must hold no checkpoint of a step after the optimizer's step "
+                            f"count ({start}): this fit's checkpoints would collide with them or be pruned as older "
+                            "than them. Continue the newest with trainer.load_checkpoint(path) before fit, or give "
+                            "another checkpoint_dir, or move them (tg.io.CheckpointManager(dir).set_aside(step))",
+                            f"{self.checkpoints.dir}: {', '.join(p.name for p in later[:4])}"
+                            + (f" (and {len(later) - 4} more)" if len(later) > 4 else ""))
 
     # -- lost workers ----------------------------------------------------------------------------
     def _time_limit(self, pending, clock: float) -> float | None:
@@ -859,6 +931,11 @@ def _check_data(where: str, model, data, eval_data) -> None:
             raise TileError(where, f"{name}'s token ids must fit the model: {name}.vocab_size at most the model's "
                             "config.vocab_size (build the model with the tokenizer's vocab_size)",
                             f"{name}.vocab_size={vocab} (ids up to {vocab - 1}), model config.vocab_size={model_vocab}")
+
+
+def _same(a, b) -> bool:
+    """The same object, or equal integers (``trainer.batch_size = 8`` again)."""
+    return a is b or (is_int(a) and is_int(b) and a == b)
 
 
 def _short_repr(value, limit: int = 80) -> str:
