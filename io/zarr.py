@@ -148,6 +148,12 @@ def _model_info(model) -> dict:
             info["tiling"] = dataclasses.asdict(tiling)
     if getattr(model, "hf_extra", None):  # e.g. the tokenizer's end-of-text id, for HF export
         info["hf_extra"] = dict(model.hf_extra)
+    from tilegraph.nn import Module
+    from tilegraph.peft import adapter_settings
+
+    adapters = adapter_settings(model) if isinstance(model, Module) else {}
+    if adapters:  # what rebuilds them on the stored base (load_checkpoint(...).model, from_zarr)
+        info["adapters"] = adapters
     return info
 
 
@@ -703,12 +709,14 @@ class Checkpoint:
         self.load_into(model)
         return model
 
-    def new_model(self, seed=0, *, values: bool = True):
+    def new_model(self, seed=0, *, values: bool = True, adapters: bool = True):
         """A model of the stored architecture, config and tiling (``tiling`` of
         :func:`load_checkpoint` instead, when given), its weights freshly initialised from
         ``seed``; with ``values=False`` its parameters hold no values
         (:func:`tilegraph.nn.deferred_init`: no random draw, ~3 s for GPT-2 124M) until
         :meth:`load_into` or :meth:`restore` fills them (``tilegraph train --resume``).
+        The LoRA / LoTR adapters the stored model had (:func:`tilegraph.peft.adapter_settings`)
+        are on it too, on the same layers (``adapters=False``: the base alone).
         :attr:`model` holds the stored weights."""
         import contextlib
 
@@ -731,6 +739,10 @@ class Checkpoint:
             tiling = ModelTiling(**m["tiling"])
         with contextlib.nullcontext() if values else deferred_init():
             model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")), seed=seed)
+            if adapters and m.get("adapters"):
+                from tilegraph.peft import add_adapters
+
+                add_adapters(model, m["adapters"])
         if m.get("hf_extra"):
             model.hf_extra = dict(m["hf_extra"])
         return model

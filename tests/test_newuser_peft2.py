@@ -28,51 +28,76 @@ def _trained_lora(model):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A LoRA model on an int4 base, saved as tilegraph.io.save_checkpoint saves it (no record of
-    the adapters' settings) and with tilegraph train's tilegraph_peft.json; and its logits."""
+    """A LoRA model on an int4 base, saved by tilegraph.io.save_checkpoint (which records the
+    adapters' settings with the model), as a checkpoint written before it recorded them (the
+    record taken out: only tilegraph train's tilegraph_peft.json, or nothing, says what they are);
+    and its logits."""
     root = tmp_path_factory.mktemp("lora_run")
     tg.io.save_checkpoint(root / "q4", models.build("gpt2-debug", seed=0), quantize="int4")
     model = _trained_lora(peft.from_quantized(root / "q4"))
     logits = model(_ids()).numpy()
-    tg.io.save_checkpoint(root / "plain", model)
+    tg.io.save_checkpoint(root / "saved", model)
+    tg.io.save_checkpoint(root / "old", model)
+    _forget_adapter_settings(root / "old")
     record = {"method": "lora", "rank": 4, "alpha": 8, "targets": ["attn.q", "attn.v"], "dropout": 0.0,
               "init": None, "base_in_checkpoint": True}
     tg.io.save_checkpoint(root / "recorded", model, files={"tilegraph_peft.json": json.dumps(record).encode()})
+    _forget_adapter_settings(root / "recorded")
     return root, logits
 
 
+def _forget_adapter_settings(folder):
+    meta = json.loads((folder / "zarr.json").read_text())
+    del meta["attributes"]["tilegraph"]["model"]["adapters"]
+    (folder / "zarr.json").write_text(json.dumps(meta))
+
+
 # ------------------------------------------------- known defect 1: from_quantized and adapters ----
-def test_from_quantized_restores_the_adapters_a_checkpoint_records(lora_run):
+def test_a_checkpoint_of_a_model_with_adapters_loads_with_them(lora_run):
     """from_quantized dropped the adapters of a checkpoint saved from a LoRA model on a quantized
-    base: adapters=True restores them (settings from tilegraph_peft.json), the same logits."""
+    base, and models.from_zarr refused it ("unexpected ...lora_u"): save_checkpoint records the
+    adapters' settings with the model, and both load them back, the same logits."""
     root, logits = lora_run
-    model = peft.from_quantized(root / "recorded", adapters=True)
-    assert sorted(peft.lora_layers(model)) == ["blocks.0.attn.q", "blocks.0.attn.v", "blocks.1.attn.q",
-                                              "blocks.1.attn.v"]
-    assert {m.alpha for m in peft.lora_layers(model).values()} == {8.0}
+    names = ["blocks.0.attn.q", "blocks.0.attn.v", "blocks.1.attn.q", "blocks.1.attn.v"]
+    model = peft.from_quantized(root / "saved")
+    assert sorted(peft.lora_layers(model)) == names
+    assert {(m.alpha, m.rank) for m in peft.lora_layers(model).values()} == {(8.0, 4)}
     assert len(peft.named_quantized(model)) == 12  # the base stays quantized
+    np.testing.assert_allclose(model(_ids()).numpy(), logits, rtol=1e-6, atol=1e-6)
+    full = models.from_zarr(root / "saved")  # the base dequantized, the adapters as they were
+    assert sorted(peft.lora_layers(full)) == names and not peft.named_quantized(full)
+    np.testing.assert_allclose(full(_ids()).numpy(), logits, rtol=1e-5, atol=1e-5)
+    assert not peft.lora_layers(peft.from_quantized(root / "saved", adapters=False))
+    assert not peft.lora_layers(tg.io.load_checkpoint(root / "saved").new_model(adapters=False))
+
+
+def test_from_quantized_restores_the_adapters_tilegraph_train_recorded(lora_run):
+    """A checkpoint written before the settings were stored with the model: those of tilegraph
+    train's tilegraph_peft.json (method, rank, alpha, target patterns) restore them."""
+    root, logits = lora_run
+    model = peft.from_quantized(root / "recorded")
+    assert {m.alpha for m in peft.lora_layers(model).values()} == {8.0} and len(peft.lora_layers(model)) == 4
     np.testing.assert_allclose(model(_ids()).numpy(), logits, rtol=1e-6, atol=1e-6)
 
 
 def test_from_quantized_says_when_it_leaves_adapters_out(lora_run):
-    """Without a record of the adapters' alpha, from_quantized left them out without a word: now a
-    warning names them, and adapters=True is refused saying how to add them back."""
+    """Adapter arrays with no record of their alpha were left out without a word: a warning names
+    them and how to add them back."""
     root, logits = lora_run
-    with pytest.warns(UserWarning, match=r"holds adapters on 4 layers \(blocks\.0\.attn\.q.*left out"):
-        base = peft.from_quantized(root / "plain")
+    with pytest.warns(UserWarning, match=r"holds adapters on 4 layers \(blocks\.0\.attn\.q.*without their "
+                                         r"settings.*load_into\(model, strict=False\)"):
+        base = peft.from_quantized(root / "old")
     assert not peft.lora_layers(base)
-    with pytest.raises(tg.TileError, match=r"from_quantized.*adapters=True restores .*tilegraph_peft\.json.*"
-                                           r"load_into\(model, strict=False\)"):
-        peft.from_quantized(root / "plain", adapters=True)
     with pytest.raises(tg.TileError, match=r"adapters must be True .* or False .*; received: 'yes'"):
-        peft.from_quantized(root / "plain", adapters="yes")
+        peft.from_quantized(root / "old", adapters="yes")
     # the way the warning names gives the model back
     model = peft.apply_lora(base, ["attn.q", "attn.v"], rank=4, alpha=8)
-    tg.io.load_checkpoint(root / "plain").load_into(model, strict=False)
+    tg.io.load_checkpoint(root / "old").load_into(model, strict=False)
     np.testing.assert_allclose(model(_ids()).numpy(), logits, rtol=1e-6, atol=1e-6)
-    with warnings.catch_warnings():  # a checkpoint with no adapters: nothing to say
+    with warnings.catch_warnings():  # no adapters, or adapters=False: nothing to say
         warnings.simplefilter("error")
         peft.from_quantized(root / "q4")
+        peft.from_quantized(root / "old", adapters=False)
 
 
 # -------------------------------------------------- known defect 2: merge_lora and the sketch ----
@@ -155,3 +180,19 @@ def test_adapters_refuse_a_seed_numpy_cannot_take(apply):
             apply(model, ["attn.q"], rank=2, seed=seed)
     assert not peft.lora_layers(model) and not peft.lotr_layers(model)
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_the_cli_reads_a_saved_lora_model_with_its_adapters_merged(tmp_path):
+    """tilegraph generate / eval / convert of a checkpoint saved from a LoRA model in Python
+    (no tilegraph_peft.json) refused it ("unexpected ...lora_u"): they read it with the adapters
+    merged into the weights."""
+    from pathlib import Path
+
+    from tilegraph.cli.finetune import load_model
+
+    model = _trained_lora(models.build("gpt2-debug", seed=0))
+    logits = model(_ids()).numpy()
+    tg.io.save_checkpoint(tmp_path / "ck", model)
+    merged = load_model(Path(tmp_path / "ck"), "tilegraph generate")
+    assert not peft.lora_layers(merged)
+    np.testing.assert_allclose(merged(_ids()).numpy(), logits, rtol=1e-5, atol=1e-5)

@@ -182,15 +182,17 @@ def test_checkpoints_of_a_model_on_a_quantized_base_hold_its_quantized_weights(c
             assert got_attrs == want_attrs and sorted(got) == sorted(want)
             assert all(got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes() for k in want)
 
-    # reopened as a quantized checkpoint, with the adapters restored: the same model
-    reopened = ADAPT["lora"](peft.from_quantized(run))
+    # reopened as a quantized checkpoint, with the adapters restored (their settings are recorded
+    # with the model): the same model
+    reopened = peft.from_quantized(run)
+    assert sorted(peft.lora_layers(reopened)) == sorted(peft.lora_layers(ADAPT["lora"](models.build("gpt2-debug"))))
     for _, q in peft.named_quantized(reopened):  # load_into puts the stored parts back
         for cell in q.cells:
             cell.set(np.zeros(cell.shape, cell.dtype))
     ck.load_into(reopened)
     np.testing.assert_array_equal(tg.compute(reopened(ids[:, :-1]))[0], logits)
     # saved without adapters, it loads dequantized as the base does
-    plain = tg.io.save_checkpoint(tmp_path / "plain", peft.from_quantized(run))
+    plain = tg.io.save_checkpoint(tmp_path / "plain", peft.from_quantized(run, adapters=False))
     got, want = models.from_zarr(plain).state_dict(), models.from_zarr(checkpoints[method]).state_dict()
     assert sorted(got) == sorted(want)
     for name in want:

@@ -570,14 +570,53 @@ def save_adapters(path, model: Module, format: str = "zarr") -> None:
     if not layers and not lotr:
         raise TileError(where, "a model with LoRA layers (tilegraph.peft.apply_lora) or "
                         "LoTR layers (apply_lotr)", f"{type(model).__name__} has none")
-    meta = {}
+    save_checkpoint(path, _Adapters(model), metadata=adapter_settings(model))
+
+
+def adapter_settings(model: Module) -> dict:
+    """What rebuilds the adapters of ``model`` on its base (:func:`add_adapters`), as JSON:
+    ``{"lora": {layer: {rank, alpha, dropout, shape, variant, choose}}, "lotr": [{layers, rank,
+    scale, shape, variant, choose}]}``, each kind only where the model has some ({} for none).
+    :func:`save_adapters` and :func:`tilegraph.io.save_checkpoint` record it."""
+    layers, lotr = lora_layers(model), lotr_layers(model)
+    out: dict = {}
+
+    def graph(m) -> dict:
+        return {"variant": list(m.variant) if isinstance(m.variant, tuple) else m.variant, "choose": m.choose}
+
     if layers:
-        meta["lora"] = {name: {"rank": m.rank, "alpha": m.alpha, "dropout": m.dropout, "shape": list(m.weight.shape)}
-                        for name, m in layers.items()}
+        out["lora"] = {name: {"rank": m.rank, "alpha": m.alpha, "dropout": m.dropout,
+                              "shape": list(m.weight.shape), **graph(m)} for name, m in layers.items()}
     if lotr:
-        meta["lotr"] = [{"layers": names, "rank": lotr[names[0]].rank, "scale": lotr[names[0]].scale,
-                         "shape": list(lotr[names[0]].weight.shape)} for names in _lotr_groups(model)]
-    save_checkpoint(path, _Adapters(model), metadata=meta)
+        out["lotr"] = [{"layers": names, "rank": lotr[names[0]].rank, "scale": lotr[names[0]].scale,
+                        "shape": list(lotr[names[0]].weight.shape), **graph(lotr[names[0]])}
+                       for names in _lotr_groups(model)]
+    return out
+
+
+def _graph_choice(info: dict) -> dict:
+    """The ``variant`` / ``choose`` an :func:`adapter_settings` entry records (none in adapters
+    saved before they were recorded: the defaults)."""
+    variant = info.get("variant")
+    out = {"variant": tuple(variant) if isinstance(variant, list) else variant}
+    if info.get("choose") is not None:
+        out["choose"] = info["choose"]
+    return out
+
+
+def add_adapters(model: Module, settings: dict) -> Module:
+    """Put the adapters that :func:`adapter_settings` describes on the very layers they name
+    (LoRA where the model has no LoRA layers, LoTR where it has no LoTR layers), with fresh
+    values (under :func:`tilegraph.nn.deferred_init`: none) for a checkpoint to fill; returns
+    ``model``."""
+    stored, groups = settings.get("lora") or {}, settings.get("lotr") or []
+    if stored and not lora_layers(model):
+        for name, info in stored.items():
+            apply_lora(model, [name], info["rank"], info["alpha"], info.get("dropout", 0.0), **_graph_choice(info))
+    if groups and not lotr_layers(model):
+        for g in groups:
+            apply_lotr(model, g["layers"], g["rank"], g["scale"], **_graph_choice(g))
+    return model
 
 
 def load_adapters(path, model: Module, format: str | None = None) -> Module:
@@ -618,12 +657,7 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
 
 
 def _load_adapters(path, ck, model: Module, stored: dict, groups: list, where: str) -> None:
-    if stored and not lora_layers(model):
-        for name, info in stored.items():
-            apply_lora(model, [name], info["rank"], info["alpha"], info.get("dropout", 0.0))
-    if groups and not lotr_layers(model):
-        for g in groups:
-            apply_lotr(model, g["layers"], g["rank"], g["scale"])
+    add_adapters(model, {"lora": stored, "lotr": groups})
     problems = []
     layers = lora_layers(model)
     for name, info in stored.items():
@@ -926,10 +960,6 @@ def _quantized_base_lora(x, w, u, v, bias=None, **params):
 _QUANTIZED_LORA = None
 
 
-#: the names of adapter parameters in a model (a LoTR group's shared factors under its first layer)
-_ADAPTER_PARTS = ("lora_u", "lora_v", "lotr_left", "lotr_core", "lotr_right")
-
-
 def _stored_adapters(ck) -> list[str]:
     """The layers whose adapter arrays a model checkpoint ``ck`` holds (a LoRA layer's U and V, a
     LoTR layer's core), in stored order."""
@@ -941,31 +971,35 @@ def _stored_adapters(ck) -> list[str]:
     return list(out)
 
 
-def _add_recorded_adapters(model: Module, folder: Path, stored: list[str], where: str) -> None:
-    """Add to ``model`` the adapters that ``tilegraph train`` recorded in the checkpoint's
-    ``tilegraph_peft.json`` (method, rank, alpha or scale, targets, dropout); their values are
-    read with the rest of the checkpoint. Refused when there is no record, or it makes other layers."""
-    from tilegraph.cli.finetune import PEFT_FILE, read_peft_record
+def _recorded_adapters(ck, stored: list[str], where: str) -> dict | None:
+    """The adapters of checkpoint ``ck`` as :func:`adapter_settings` describes them: recorded with
+    its model (:func:`tilegraph.io.save_checkpoint`), else in the ``tilegraph_peft.json`` of a
+    ``tilegraph train`` checkpoint written before (method, rank, targets: applied by pattern here);
+    None where neither records them."""
+    from tilegraph.cli.finetune import read_peft_record
+    from tilegraph.nn import deferred_init
 
-    record = read_peft_record(folder, where)
+    settings = (ck.info.get("model") or {}).get("adapters")
+    if settings:
+        return settings
+    record = read_peft_record(Path(ck.path), where)
     if record is None or record["method"] not in ("lora", "lotr"):
-        raise TileError(where, "adapters=True restores the adapters of a checkpoint that records their settings "
-                        f"({PEFT_FILE}, as tilegraph train writes it); this one holds adapter arrays on "
-                        f"{len(stored)} layers without them: open the base alone (adapters=False), add them with "
-                        "apply_lora / apply_lotr and the rank and alpha they were trained with, then "
-                        "tilegraph.io.load_checkpoint(path).load_into(model, strict=False)",
-                        f"{folder} (adapters on {', '.join(stored[:4])}{' ...' if len(stored) > 4 else ''})")
+        return None
+    with deferred_init():  # which layers the patterns match, on a model of the checkpoint's shape
+        probe = ck.new_model(values=False, adapters=False)
     if record["method"] == "lora":
-        apply_lora(model, record["targets"], record["rank"], record["alpha"], record.get("dropout", 0.0))
+        apply_lora(probe, record["targets"], record["rank"], record["alpha"], record.get("dropout", 0.0))
     else:
-        apply_lotr(model, record["targets"], record["rank"], record["scale"])
-    made = sorted(set(lora_layers(model)) | set(lotr_layers(model)))
+        apply_lotr(probe, record["targets"], record["rank"], record["scale"])
+    settings = adapter_settings(probe)
+    made = sorted(set(lora_layers(probe)) | set(lotr_layers(probe)))
     if made != sorted(stored):
-        raise TileError(where, f"the adapters that {PEFT_FILE} makes to be the ones the checkpoint holds",
-                        f"{PEFT_FILE} makes {', '.join(made)}; stored: {', '.join(stored)}")
+        raise TileError(where, "the adapters that tilegraph_peft.json makes to be the ones the checkpoint holds",
+                        f"tilegraph_peft.json makes {', '.join(made)}; stored: {', '.join(stored)}")
+    return settings
 
 
-def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = False):
+def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = True):
     """The model of a quantized Zarr checkpoint (``tilegraph.io.save_checkpoint(path, model,
     quantize="int4" | "int8" | "kashin" ...)``, or a checkpoint of a model holding quantized
     weights, which stores their parts as they are) whose Linear layers stay quantized: each becomes
@@ -981,15 +1015,12 @@ def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = False):
     The model's tiling must be the stored one for the quantized weights (their tiles were
     quantized one by one); ``tiling`` may only change what loads dequantized.
 
-    ``adapters``: a checkpoint of a model with LoRA or LoTR adapters (a fine-tuning run's) holds
-    their values, but :func:`tilegraph.io.save_checkpoint` does not record their alpha or scale.
-    ``adapters=False`` opens the base alone (with a warning naming the adapters left out, unless
-    the checkpoint records them: then add them and ``load_into`` as below); ``adapters=True``
-    restores them from the settings ``tilegraph train`` records (``tilegraph_peft.json``), or is
-    refused. A checkpoint without that record takes its adapters back as::
-
-        model = peft.apply_lora(peft.from_quantized(ck), targets, rank, alpha)  # as they were trained
-        tg.io.load_checkpoint(ck).load_into(model, strict=False)
+    ``adapters``: a checkpoint of a model with LoRA or LoTR adapters (saved with them, or a
+    fine-tuning run's) comes back with them on its quantized base (``adapters=False``: the base
+    alone), as :func:`tilegraph.io.save_checkpoint` recorded them. A checkpoint holding adapter
+    arrays without their settings (none is written so now) loads as the base alone, with a
+    warning; add them with the rank and alpha they were trained with, then
+    ``tilegraph.io.load_checkpoint(ck).load_into(model, strict=False)``.
     """
     import warnings
 
@@ -997,7 +1028,7 @@ def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = False):
     from tilegraph.io._store import quantized_parts, tile_label
     from tilegraph.io.quantize import QuantizedArray
     from tilegraph.io.zarr import load_checkpoint
-    from tilegraph.models import ARCHITECTURES, ModelTiling
+    from tilegraph.models import ARCHITECTURES
     from tilegraph.nn import deferred_init
 
     where = f"tilegraph.peft.from_quantized({path})"
@@ -1009,13 +1040,7 @@ def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = False):
     if m.get("architecture") not in ARCHITECTURES:
         raise TileError(where, f"a checkpoint of a known architecture; known: {', '.join(ARCHITECTURES)}",
                         repr(m.get("architecture") or m.get("class")))
-    config_cls, model_cls = ARCHITECTURES[m["architecture"]]
-    if tiling is None and m.get("tiling") is not None:
-        tiling = ModelTiling(**m["tiling"])
-    with deferred_init():  # no random draw for weights about to be read
-        model = model_cls(config_cls(**m.get("config", {})), tiling, dtype=np.dtype(m.get("dtype", "float32")))
-    if m.get("hf_extra"):
-        model.hf_extra = dict(m["hf_extra"])
+    model = ck.new_model(values=False, adapters=False)  # no random draw for weights about to be read
 
     replace, problems = [], []
     for name, layer, setter in _named_modules(model):
@@ -1042,14 +1067,16 @@ def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = False):
         _replace(setter, layer, QuantizedLinear(QuantizedTensor(w.tiling, w.dtype, tiles, f"{name}.weight"),
                                                 layer.bias))
     stored = _stored_adapters(ck)
-    if stored and adapters:
-        _add_recorded_adapters(model, Path(ck.path), stored, where)
-    elif stored and not (Path(ck.path) / "tilegraph_peft.json").is_file():
-        # (a checkpoint of tilegraph train records them: the caller adds them, as the CLI does)
+    settings = _recorded_adapters(ck, stored, where) if stored and adapters else None
+    if settings:
+        with deferred_init():  # their values are read below
+            add_adapters(model, settings)
+    elif stored and adapters:
         warnings.warn(f"[{where}] the checkpoint holds adapters on {len(stored)} layers "
-                      f"({', '.join(stored[:4])}{' ...' if len(stored) > 4 else ''}), left out: the model is the base "
-                      "alone. Add them with apply_lora / apply_lotr and the rank and alpha they were trained with, then "
-                      "tilegraph.io.load_checkpoint(path).load_into(model, strict=False)", UserWarning, stacklevel=2)
+                      f"({', '.join(stored[:4])}{' ...' if len(stored) > 4 else ''}) without their settings: the "
+                      "model is the base alone. Add them with apply_lora / apply_lotr and the rank and alpha they "
+                      "were trained with, then tilegraph.io.load_checkpoint(path).load_into(model, strict=False)",
+                      UserWarning, stacklevel=2)
     named = dict(model.named_parameters())
     missing = [n for n in named if n not in set(ck.parameters)]
     if missing:

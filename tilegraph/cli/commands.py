@@ -358,7 +358,7 @@ def _print_sketch(folder: Path, ck) -> None:
     try:  # the layers the targets match, as the run matched them (no weights read)
         from tilegraph.sketch import apply_grad_sketch, sketched_layers
 
-        names = list(sketched_layers(apply_grad_sketch(ck.new_model(values=False), sketch["sketch_targets"],
+        names = list(sketched_layers(apply_grad_sketch(ck.new_model(values=False, adapters=False), sketch["sketch_targets"],
                                                        sketch["grad_sketch"], sketch["sketch_ratio"])))
         layers = f": {len(names)} Linear layer{'s' if len(names) != 1 else ''} ({', '.join(names)})"
     except ValueError:  # a TileError: a model tilegraph cannot build, targets it lacks: the record alone

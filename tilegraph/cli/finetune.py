@@ -133,7 +133,7 @@ def init_model(init: str, method: str):
         if any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
             from tilegraph import peft
 
-            return peft.from_quantized(folder, runtime=None), True
+            return peft.from_quantized(folder, runtime=None, adapters=False), True  # [peft]'s: added after
     return load_model(folder, where), False
 
 
@@ -259,8 +259,8 @@ def resume_model(ck, record: dict | None, method: str):
     if method != "none" and any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
         from tilegraph import peft
 
-        return peft.from_quantized(ck.path, runtime=None), True  # the adapters' own arrays are left out here
-    model = ck.new_model(values=False)
+        return peft.from_quantized(ck.path, runtime=None, adapters=False), True  # the adapters: added after
+    model = ck.new_model(values=False, adapters=False)
     ck.load_into(model, strict=False)  # its adapters, if any, come back once they are added
     return model, False
 
@@ -290,7 +290,7 @@ def adapted_model(folder: Path, record: dict, where: str):
 
     ck = load_checkpoint(folder)
     if record.get("base_in_checkpoint", True):
-        model = ck.new_model(values=False)
+        model = ck.new_model(values=False, adapters=False)
     else:
         base = record.get("init")
         if not base or not (Path(base) / "zarr.json").is_file():
@@ -333,7 +333,10 @@ def load_model(folder: Path, where: str):
         if record is not None:  # a run from init weights or with adapters: rebuilt as it ran, merged
             return adapted_model(folder, record, where)
         if is_checkpoint(folder) or (folder / "zarr.json").is_file():
-            return models.from_zarr(folder)  # raises naming what is wrong with an incomplete one
+            # raises naming what is wrong with an incomplete one; adapters it holds, merged
+            from tilegraph import peft
+
+            return peft.merge_lora(models.from_zarr(folder))
         from tilegraph.cli.runs import latest_checkpoint
 
         newest = latest_checkpoint(folder)  # a run folder of tilegraph train: its checkpoints are inside

@@ -102,7 +102,7 @@ def _train(args, job: Job) -> int:
         model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"])
     elif resume:  # the run's own architecture, as its checkpoint stores it (the weights: restored below)
-        model = resume.checkpoint.new_model(values=False)
+        model = resume.checkpoint.new_model(values=False, adapters=False)  # [peft]'s: added below
         keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"])
     else:
         model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
@@ -191,7 +191,7 @@ def _train(args, job: Job) -> int:
 
             if room > 0:
                 ids = generate(model, prompt, room, strategy="top_k", top_k=10, temperature=0.8, seed=t["seed"],
-                               runtime=rt)
+                               tokenizer=tokenizer, runtime=rt)  # (only ids the tokenizer decodes)
                 sample = tokenizer.decode(ids[0])
         except ImportError:  # generation ships with the models package
             pass
