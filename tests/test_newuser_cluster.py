@@ -278,3 +278,12 @@ def test_an_mpi_worker_rank_that_never_joins_is_named(tmp_path):
         in proc.stderr, proc.stderr[-3000:]
     assert "received: 1 of 2 worker ranks joined" in proc.stderr, proc.stderr[-3000:]
     assert "WorkerStartTimeoutError" not in proc.stderr
+
+
+@pytest.mark.distributed
+def test_an_embedded_cluster_without_dashboard_shows_no_dashboard_link():
+    """connect(dashboard=False) still gave rt.dashboard_link (and its repr) a link that answers 404:
+    the scheduler's HTTP server serves /health, not the dashboard."""
+    with tg.connect(n_workers=1, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+        assert rt.dashboard_link is None
+        assert "dashboard" not in repr(rt) and "1 worker" in repr(rt)

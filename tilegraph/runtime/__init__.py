@@ -180,8 +180,15 @@ class Runtime:
                 _CURRENT.remove(self)
 
     # -- information ----------------------------------------------------------------------------
+    #: False for an embedded cluster started with ``dashboard=False``: its scheduler's HTTP
+    #: server answers /health but no dashboard page, so no link is shown
+    has_dashboard: bool = True
+
     @property
     def dashboard_link(self) -> str | None:
+        """The dashboard's address (None where there is none)."""
+        if not self.has_dashboard:
+            return None
         try:
             return self.client.dashboard_link
         except Exception:
@@ -265,7 +272,8 @@ class Runtime:
             state = _plural(len(self.workers()), "worker")
         except TileError as e:  # a repr never raises (a notebook shows it after a failure)
             return f"<tilegraph.Runtime {self.address} unreachable: {e.what}>"
-        return f"<tilegraph.Runtime {self.address} {state} dashboard={self.dashboard_link}>"
+        link = self.dashboard_link
+        return f"<tilegraph.Runtime {self.address} {state}{f' dashboard={link}' if link else ''}>"
 
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
@@ -708,6 +716,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         if quiet:  # worker processes take their logging setup from the parent's config: quiet them here
             client.run(_quiet_logs)
     rt = Runtime(client, cluster, make_current=make_current)
+    rt.has_dashboard = bool(dashboard)
     if dashboard:
         print(f"tilegraph: embedded cluster with {_plural(n_workers, 'worker')} x {_plural(threads_per_worker, 'thread')}"
               f"{f', {gpu} GPU' if gpu else ''}{', TLS' if security is not None else ''}; "
