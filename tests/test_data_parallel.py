@@ -235,9 +235,12 @@ def test_strategy_names_and_where_data_parallelism_does_not_apply():
     x, y = _data()
     with pytest.raises(tg.TileError, match=r"parallel must be one of 'auto', 'tiles', 'data', 'sharded'.*received: 'ddp'"):
         _step(parallel="ddp")[1](x, y)
-    # one process (the local scheduler): nothing to split over
+    # one process (the local scheduler): nothing to split over, and a warning says so (an explicit
+    # strategy that did nothing was silent)
     _, step = _step(parallel="data")
-    step(x, y)
+    with pytest.warns(UserWarning, match=r"parallel='data' shares the batch among worker processes.*runs as "
+                                         r"parallel='tiles'"):
+        step(x, y)
     assert step.plan(x, y).strategy == "tiles"
 
 

@@ -30,6 +30,7 @@ threads, cutting a task where another replica needs one of its values.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -353,6 +354,10 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     rows = min(cells.shape[0] if cells.ndim else 1 for cells in batch_cells)
     procs = min(len(groups[dev]), rows)
     if procs < 2:
+        if parallel != "auto" and len(groups[dev]) == 1:  # asked for by name: say why it does nothing
+            warnings.warn(f"parallel={parallel!r} shares the batch among worker processes, and the step runs in "
+                          "one (a runtime of one worker, or none: this process), so it runs as parallel='tiles' "
+                          "(more processes: tg.connect(n_workers=2), [runtime] workers)", UserWarning, stacklevel=2)
         if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
             raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
                             f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
