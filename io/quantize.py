@@ -650,6 +650,11 @@ def _kashin(x: np.ndarray, fwd: Callable, inv: Callable, tol: float, max_iter: i
         it += 1
 
 
+#: a vector whose largest magnitude passes this is scaled before it is decomposed (its squares,
+#: summed, stay far from float64's overflow at 1.8e308)
+_SAFE_PEAK = 1e100
+
+
 def kashin_decompose(x, transform: str = "dct", *, tol: float = 1e-6, max_iter: int = 200,
                      seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """The Kashin representation of a vector or a matrix: ``(u, v_hat, iterations)``, float64.
@@ -686,8 +691,13 @@ def kashin_decompose(x, transform: str = "dct", *, tol: float = 1e-6, max_iter: 
     _check_tol(tol, max_iter, where)
     require_int(where, "seed", seed, 0)
     fwd, inv = _transforms(transform, int(seed))
-    norm = float(np.linalg.norm(x)) if x.ndim == 2 else 1.0
-    norm = norm or 1.0
+    # (the norm computed on x / max|x|: squares of values near 1e308 overflow, and a vector of
+    # them decomposed into NaN; a vector is scaled only where its squares would overflow)
+    peak = float(np.abs(x).max()) or 1.0
+    if x.ndim == 2:
+        norm = peak * float(np.linalg.norm(x / peak)) or 1.0
+    else:
+        norm = peak if peak > _SAFE_PEAK else 1.0
     res = _kashin(x / norm, fwd, inv, float(tol), int(max_iter))
     if not res.converged:
         warnings.warn(f"[{where}] no convergence in max_iter={max_iter} iterations (tol={tol}); "
@@ -705,7 +715,11 @@ def kashin_reconstruct(u, v_hat, transform: str = "dct", *, seed: int = 0) -> np
     if transform not in TRANSFORMS:
         raise TileError("tilegraph.io.kashin_reconstruct", f"unknown transform; expected one of {list(TRANSFORMS)}",
                         repr(transform))
-    return u + _transforms(transform, int(seed))[1](v_hat)
+    inv = _transforms(transform, int(seed))[1]
+    peak = float(max(np.abs(u).max(initial=0.0), np.abs(v_hat).max(initial=0.0)))
+    if peak > _SAFE_PEAK:  # the transform's sums of values near 1e308 would overflow
+        return peak * (u / peak + inv(v_hat / peak))
+    return u + inv(v_hat)
 
 
 # =========================================================================== 2-D k-means ====

@@ -112,3 +112,14 @@ def test_a_bad_bit_budget_names_the_spec_and_the_parameter(tmp_path):
         tg.io.save_checkpoint(tmp_path / "a", model, quantize={"wte.weight": "kashin:9"})
     with pytest.raises(CheckpointError, match=r"received: 8 \(in 'int4:8'\)"):
         tg.io.save_checkpoint(tmp_path / "b", model, quantize="int4:8")
+
+
+@pytest.mark.parametrize("shape", [(64,), (16, 16)])
+def test_kashin_decompose_of_values_near_the_float64_limit(shape):
+    """A vector of values near 1e308 decomposed into NaN (its squares overflowed; a matrix's
+    Frobenius norm was inf), and reconstructing such values overflowed in the transform."""
+    x = np.random.default_rng(0).standard_normal(shape) * 1e307
+    u, v_hat, _ = tg.io.kashin_decompose(x, max_iter=400)
+    assert np.isfinite(u).all() and np.isfinite(v_hat).all()
+    back = tg.io.kashin_reconstruct(u, v_hat)
+    assert np.abs(back - x).max() < 1e-5 * np.abs(x).max()
