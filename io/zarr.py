@@ -51,7 +51,7 @@ from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CheckpointError, process_alive, array_meta, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
+from ._store import (CheckpointError, process_alive, array_meta, file_in_the_way, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
                      slices, tile_label, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
                      write_tiles, write_values)
@@ -80,6 +80,32 @@ def _json_ready(value, where: str, what: str):
     except (TypeError, ValueError) as e:
         raise CheckpointError(where, f"{what} must be JSON-serialisable (no pickle is ever written)",
                               f"{e}") from None
+
+
+def _check_runtime(where: str, runtime, require_open: bool = True) -> None:
+    """``runtime`` is None or an open :class:`tilegraph.Runtime` (``runtime="x"`` failed on its
+    first use as an AttributeError 'workers', a closed one's client with Dask's "No clients
+    found"); ``require_open=False``: a Runtime, open or not."""
+    from tilegraph._lower import check_runtime
+
+    try:
+        check_runtime(where, runtime if require_open or runtime is None or not getattr(runtime, "closed", False)
+                      else None)
+    except CheckpointError:
+        raise
+    except TileError as e:
+        raise CheckpointError(e.where, e.what, e.received) from None
+
+
+def _closed_runtime_error(where: str, what: str, label: str, value) -> CheckpointError | None:
+    """The error of a tile whose value lived on the workers of a runtime that was closed since
+    (the values went with it), or None."""
+    client = getattr(getattr(value, "future", None), "client", None)
+    if getattr(client, "status", None) not in ("closing", "closed"):
+        return None
+    return CheckpointError(where, f"{what} lived on the workers of a runtime that was closed, and went with it: "
+                           "save before closing the runtime (rt.close(), the end of its `with` block); load a "
+                           "checkpoint, or build the model again, to go on", f"{label} held by a closed runtime")
 
 
 # ----------------------------------------------------------------------------------- quantize ----
@@ -435,6 +461,8 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     if os.path.lexists(path):
         raise CheckpointError(where, "the checkpoint folder must not exist yet (a checkpoint is never overwritten)",
                               f"{path} exists")
+    # a closed one is named below, after the values it held (an error of their own: they are gone)
+    _check_runtime(where, runtime, require_open=False)
     runtime = runtime if runtime is not None else current_runtime()
     named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
     if not named:
@@ -482,6 +510,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
         for i, p in enumerate(optimizer.params):
             for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
                 add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)
+    _check_runtime(where, runtime)
     arrays = {}
     for apath, shape, dtype, chunks, _, q in entries:
         shards = shards_of(shape, dtype, chunks) if q is None else None
@@ -523,6 +552,9 @@ def _quantized_weights(model, named: dict, where: str, runtime, deal) -> tuple[l
                 if isinstance(value, ReplicatedRef):  # equal copies on several workers: dealt over them
                     value = value.on(next(deal) % max(1, len(value.replicas)))
                 if isinstance(value, ValueRef):
+                    closed = _closed_runtime_error(where, "the quantized weights", f"{name} tile {idx}", value)
+                    if closed is not None:
+                        raise closed
                     if runtime is None:
                         raise CheckpointError(where, "the quantized weights live on a runtime's workers: pass "
                                               "runtime=..., or save inside `with rt.as_current():`",
@@ -545,6 +577,10 @@ def _values(cells: np.ndarray, p, where: str, runtime, deal) -> list[tuple[tuple
         if isinstance(value, ReplicatedRef):  # equal copies: the tiles dealt over them, so all write
             value = value.on(next(deal) % max(1, len(value.replicas)))
         if isinstance(value, ValueRef):
+            closed = _closed_runtime_error(where, "the parameters (and optimizer state)", f"{p.name} tile {idx}",
+                                           value)
+            if closed is not None:
+                raise closed
             if runtime is None:
                 raise CheckpointError(where, "the parameters live on a runtime's workers: pass runtime=..., or save "
                                       "inside `with rt.as_current():`", f"{p.name} tile {idx} held by a Dask worker")
@@ -669,6 +705,7 @@ class Checkpoint:
     def __init__(self, path, *, tiling=None, runtime=None):
         self.path = user_path(path, "tilegraph.io.load_checkpoint", CheckpointError)
         self._where = f"tilegraph.io.load_checkpoint({self.path})"
+        _check_runtime(self._where, runtime)
         self.info = _read_attrs(self.path, self._where)
         self.step = int(self.info.get("step", 0))
         self.metadata = self.info.get("metadata") or {}
@@ -695,7 +732,10 @@ class Checkpoint:
     def runtime(self):
         from tilegraph.runtime import current_runtime
 
-        return self._runtime if self._runtime is not None else current_runtime()
+        if self._runtime is not None:  # closed since the checkpoint was opened: say so, naming the checkpoint
+            _check_runtime(self._where, self._runtime)
+            return self._runtime
+        return current_runtime()
 
     @property
     def model(self):
@@ -1038,11 +1078,19 @@ class CheckpointManager:
 
     def __init__(self, dir, keep: int | None = None, every: int = 0, async_save: bool = True):
         where = "tilegraph.io.CheckpointManager"
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise CheckpointError(where, "keep must be None (keep all) or an int >= 1", repr(keep))
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise CheckpointError(where, "every must be an int >= 0 (0: only when asked)", repr(every))
-        self.dir, self.keep, self.every = user_path(dir, where, CheckpointError), keep, every
+        if keep is not None and not is_int(keep, 1):  # NumPy's integers too
+            raise CheckpointError(where, "keep must be None (keep all) or an int >= 1", f"keep={keep!r}")
+        if not is_int(every, 0):
+            raise CheckpointError(where, "every must be an int >= 0 (0: only when asked)", f"every={every!r}")
+        if not isinstance(async_save, (bool, np.bool_)):  # "no" would count as True
+            raise CheckpointError(where, "async_save must be True or False", f"async_save={async_save!r}")
+        folder = user_path(dir, where, CheckpointError)
+        in_the_way = file_in_the_way(folder)  # else accepted, and every save failed (after training up to it)
+        if in_the_way is not None:
+            raise CheckpointError(where, "dir must be a folder (made when missing)",
+                                  f"{folder}: " + ("an existing file" if in_the_way == folder
+                                                   else f"{in_the_way} is a file"))
+        self.dir, self.keep, self.every = folder, None if keep is None else int(keep), int(every)
         self.async_save = bool(async_save)
         self._thread = None
         self._error: BaseException | None = None
@@ -1058,6 +1106,10 @@ class CheckpointManager:
         return self.dir / f"step-{int(step):06d}"
 
     def due(self, step: int) -> bool:
+        """Whether step ``step`` (an int >= 0) is one of every ``every``-th (never with ``every=0``)."""
+        if not is_int(step, 0):  # "4" was a TypeError of '%' ("not all arguments converted")
+            raise CheckpointError(f"tilegraph.io.CheckpointManager({self.dir}).due", "step must be an int >= 0",
+                                  repr(step))
         return bool(self.every) and step % self.every == 0
 
     def checkpoints(self) -> list[Path]:
@@ -1154,6 +1206,8 @@ class CheckpointManager:
         own checkpoints must neither collide with them nor be pruned as older than them. Nothing
         is deleted; returns their new paths (none moved: no folder made)."""
         where = f"tilegraph.io.CheckpointManager({self.dir}).set_aside"
+        if not is_int(after, 0):  # "4" was a TypeError of '>', 1.5 moved step 2 on
+            raise CheckpointError(where, "after must be a step, an int >= 0", f"after={after!r}")
         steps = {p: checkpoint_step(p.name) for p in self.dir.iterdir()} if self.dir.is_dir() else {}
         later = sorted(p for p, s in steps.items() if s is not None and s > after)
         if not later:

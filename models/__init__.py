@@ -84,6 +84,7 @@ def from_zarr(path, tiling: ModelTiling | None = None, *, runtime=None) -> Causa
     """The model of a Zarr checkpoint (:func:`tilegraph.io.save_checkpoint`), on ``tiling``
     (default: the stored one); a quantized checkpoint loads dequantized, tile by tile, where the
     tiles are read (the runtime's workers, or here)."""
-    from tilegraph.io.zarr import load_checkpoint
+    from tilegraph.io.zarr import _check_runtime, load_checkpoint
 
+    _check_runtime("tilegraph.models.from_zarr", runtime)  # "x", a closed one: named here, not as 'workers'
     return load_checkpoint(path, tiling=tiling, runtime=runtime).model

@@ -57,6 +57,15 @@ def _parameter_list(where: str, params) -> list:
     for i, p in enumerate(params):
         if not isinstance(p, Parameter):
             raise TileError(where, f"params[{i}] is not a Parameter", type(p).__name__)
+    # the same Parameter twice would get two updates per step, each from its own copy of the
+    # state, the second overwriting the first (torch warns and will refuse it)
+    first: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in first:
+            raise TileError(where, "params must name each Parameter once (it would be updated twice per step)",
+                            f"params[{first[id(p)]}] and params[{i}] are the same Parameter ({p.name!r}, shape "
+                            f"{tuple(p.shape)})")
+        first[id(p)] = i
     return params
 
 
@@ -321,8 +330,32 @@ class Optimizer:
         self.state = [[_zeros_cells(p) for _ in range(self.n_state)] for p in params]
 
     @property
+    def schedule(self) -> Callable[[int], float]:
+        """The learning-rate schedule, ``schedule(step) -> lr`` of update ``step`` (from 1); set it
+        to change the learning rate between fits (``opt.schedule = tg.optim.constant(1e-4)``)."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, schedule: Callable[[int], float]) -> None:
+        # a number (or anything not callable) failed at the next step as "'float' object is not callable"
+        if not callable(schedule):
+            hint = f" (for a constant one: tg.optim.constant({schedule!r}))" if _NON_NEGATIVE[0](schedule) else ""
+            raise TileError(f"tilegraph.optim.{type(self).__name__}.schedule", "the schedule must be a callable "
+                            f"schedule(step) -> learning rate, such as tg.optim.warmup_cosine(...){hint}",
+                            f"schedule={schedule!r}"[:120])
+        self._schedule = schedule
+
+    @property
     def lr(self) -> float:
+        """The learning rate of the last update made (of the first before any)."""
         return self.schedule(max(self.step_count, 1))
+
+    @lr.setter
+    def lr(self, value) -> None:
+        # torch's param_groups[i]["lr"] = x; here the schedule gives every update's rate
+        raise TileError(f"tilegraph.optim.{type(self).__name__}.lr", "the learning rate comes from the schedule: "
+                        "set opt.schedule = tg.optim.constant(lr) (or another schedule) to change it",
+                        f"opt.lr = {value!r}"[:120])
 
     def lr_at(self, step: int) -> float:
         """The schedule's learning rate of update ``step``, checked: a schedule of the user's own
@@ -331,7 +364,12 @@ class Optimizer:
         Updates count from 1: a step of 0, a negative one or a float is refused (it was blamed on
         the schedule, or failed inside it)."""
         require_int(f"tilegraph.optim.{type(self).__name__}.lr_at", "step", step, 1)
-        lr = self.schedule(step)
+        try:
+            lr = self.schedule(step)
+        except Exception as e:  # lr=lambda: 1e-3 (no step), a schedule's own error: say what called it
+            raise TileError(f"tilegraph.optim.{type(self).__name__}", "the learning-rate schedule (lr=) is called as "
+                            "schedule(step) with the update's step (from 1) and returns its learning rate; it raised",
+                            f"schedule({step}): {type(e).__name__}: {e}"[:300]) from e
         if not _NON_NEGATIVE[0](lr):
             raise TileError(f"tilegraph.optim.{type(self).__name__}", "the learning-rate schedule (lr=) must give a "
                             "finite number >= 0 at every step", f"lr({step}) = {lr!r}")

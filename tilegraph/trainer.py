@@ -35,7 +35,7 @@ from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, 
                               check_step_arguments, lost_worker_error, translate_worker_failure,
                               worker_health)
 
-__all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError"]
+__all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]
 
 #: ``step_timeout="auto"``: a graph may run this many times the slowest recent step's wall time
 #: (per step of the graph) before the workers are checked...
@@ -76,6 +76,11 @@ def lm_loss(model, inputs, targets):
 def perplexity(loss: float) -> float:
     """``exp(loss)`` of a mean next-token loss in nats (inf past float64's range, not an error)."""
     return math.inf if loss >= 709.0 else math.exp(loss)  # a NaN loss stays NaN
+
+
+class NonFiniteLossError(TileError, FloatingPointError):
+    """A training loss became NaN or inf (:meth:`Trainer.fit`): says the step, that its update
+    was applied already, and how to go on (``received``: "loss became nan at step N")."""
 
 
 @dataclass
@@ -178,8 +183,12 @@ class Trainer:
       :attr:`FitResult.losses` keeps the rerun's losses. Without it, or with no checkpoint
       yet, the WorkerLostError ends the fit.
 
-    A loss that becomes NaN/inf stops training with an error naming the step (the metrics of the
-    steps before it are on disk).
+    A loss that becomes NaN/inf stops training with a :class:`NonFiniteLossError` (a
+    FloatingPointError) naming the step (the metrics of the steps before it are on disk): the
+    step's update is in the weights already, so it names the newest checkpoint from before the
+    loss went bad to reload (:meth:`load_checkpoint`, then a lower ``optimizer.schedule``).
+    :meth:`load_checkpoint` warns when the checkpoint's run had another ``batch_size``,
+    ``accum_steps`` or data seed (its next batches are then other windows than that run's).
     """
 
     def __init__(self, model, optimizer, data, runtime=None, *, batch_size: int = 8, loss_fn: Callable | None = None,
@@ -210,6 +219,21 @@ class Trainer:
         if steps_per_graph != "auto" and steps_per_graph > 1 and accum_steps > 1:
             raise TileError(where, "steps_per_graph > 1 does not combine with accum_steps > 1",
                             f"steps_per_graph={steps_per_graph}, accum_steps={accum_steps}")
+        # flags: a truthy string ("no", "False" from a config) or a number would count as True
+        for name, value in (("pipeline", pipeline), ("progress", progress), ("async_checkpoint", async_checkpoint)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TileError(where, f"{name} must be True or False", f"{name}={_short_repr(value)}")
+        if performance_report is not None and not isinstance(performance_report, (str, os.PathLike)):
+            raise TileError(where, "performance_report must be a file path (a str or os.PathLike) or None",
+                            f"performance_report={_short_repr(performance_report)}")
+        if report_step is not None:
+            require_int(where, "report_step (None: the fit's second step)", report_step, 1)
+            if performance_report is None:  # taken and never used, without a word
+                raise TileError(where, "report_step picks the step of performance_report: give a "
+                                "performance_report path too", f"report_step={report_step!r}, performance_report=None")
+            report_step = int(report_step)
+        if is_int(batch_size):  # NumPy's integers too, as for accum_steps
+            batch_size = int(batch_size)
         if not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
@@ -255,12 +279,12 @@ class Trainer:
             # for (a background save whose tiles a lost worker held would never commit)
             keep = None if checkpoint_keep is None else int(checkpoint_keep)
             self.checkpoints = CheckpointManager(checkpoint_dir, keep=keep, every=int(checkpoint_every),
-                                                 async_save=async_checkpoint and not self.max_restarts)
+                                                 async_save=bool(async_checkpoint) and not self.max_restarts)
         self._hooked = 0  # committed checkpoints whose on_checkpoint hooks have run
-        self.progress = progress
+        self.progress = bool(progress)
         self.tensorboard_dir, self._summary_writer = _tensorboard(tensorboard, self.log_dir)
         self._tb = None  # the SummaryWriter while fit() runs
-        self.pipeline = pipeline
+        self.pipeline = bool(pipeline)
         self.steps_per_graph = steps_per_graph
         self.on_step, self.on_checkpoint = on_step, on_checkpoint
         if performance_report is not None and runtime is None:
@@ -397,7 +421,10 @@ class Trainer:
             """Wait for step ``i``'s loss and log it."""
             nonlocal tokens, clock, fresh
             # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
-            loss = pending.result(self._time_limit(pending, clock), patient=patient)
+            try:
+                loss = pending.result(self._time_limit(pending, clock), patient=patient)
+            except FloatingPointError:
+                raise self._diverged(pending) from None
             clock = time.perf_counter()
             stats: StepStats = pending.stats
             fresh = pending.steps if pending.fresh else fresh
@@ -554,6 +581,63 @@ class Trainer:
         result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
         self.plot()
         return result
+
+    def _diverged(self, pending) -> "NonFiniteLossError":
+        """The error of step ``pending.step``'s NaN/inf loss: its update (and those of the steps
+        after it in its graph) is in the weights already, so every later loss would be NaN too;
+        it says how to go on, naming the newest checkpoint from before the loss went bad."""
+        step, loss = pending.step, pending.stats.loss
+        done = self.optimizer.step_count
+        good = self._checkpoint_before(step - 1)  # step - 1's update made the weights of that loss
+        lr = (getattr(self.optimizer.schedule, "spec", None) or {}).get("base_lr")
+        lower = "tg.optim.warmup_cosine(...) or tg.optim.constant(...)" + (
+            f" below this run's {lr:g}" if lr is not None else "")
+        if good is not None:
+            from tilegraph.io.zarr import checkpoint_step
+
+            good_step = self._checkpoint_steps().get(good)
+            later = self.checkpoints is not None and any(
+                (checkpoint_step(p.name) or 0) > good_step for p in self.checkpoints.checkpoints())
+            how = (f"reload the newest checkpoint from before the loss went bad, trainer.load_checkpoint({str(good)!r})"
+                   + (f", move the later ones out of checkpoint_dir (trainer.checkpoints.set_aside({good_step}))"
+                      if later else "")
+                   + f", then give the optimizer a lower learning rate (trainer.optimizer.schedule = {lower}; set "
+                   "it after the load, which restores the checkpoint's schedule) and fit again")
+        else:
+            how = ("this trainer has no checkpoint from before it (checkpoint_dir and checkpoint_every write them): "
+                   f"build the model, optimizer and Trainer again with a lower learning rate ({lower})")
+        return NonFiniteLossError(
+            "tilegraph.Trainer.fit",
+            f"a finite loss; the loss of step {step} is {loss}, and the updates up to step {done} were already "
+            f"applied: the weights are now NaN/inf, so every later step's loss would be too (a learning rate too "
+            f"high for the model, or bad values in the data of step {step}). To go on, {how}",
+            f"loss became {loss} at step {step}")
+
+    def _checkpoint_before(self, step: int) -> Path | None:
+        """The newest complete checkpoint of a step before ``step`` that this trainer wrote or
+        loaded, or that its ``checkpoint_dir`` holds (None: none)."""
+        before = [(s, p) for p, s in self._checkpoint_steps().items() if s < step]
+        return max(before)[1] if before else None
+
+    def _checkpoint_steps(self) -> dict[Path, int]:
+        """The complete checkpoints of ``checkpoint_dir`` and the last one this trainer wrote or
+        loaded, with their steps (a save under way is waited for first)."""
+        from tilegraph.io.zarr import Checkpoint, checkpoint_step
+
+        found: dict[Path, int] = {}
+        if self.checkpoints is not None:
+            try:  # a save under way (its values are those of its step): committed, or failed
+                self.checkpoints.wait()
+            except Exception:
+                pass
+            found.update((p, checkpoint_step(p.name)) for p in self.checkpoints.checkpoints())
+        last = self._last_checkpoint
+        if last is not None and last not in found:
+            try:
+                found[last] = Checkpoint(last).step if checkpoint_step(last.name) is None else checkpoint_step(last.name)
+            except Exception:  # a legacy checkpoint, or one deleted since
+                pass
+        return {p: s for p, s in found.items() if s is not None}
 
     def _check_checkpoint_dir(self, where: str, start: int) -> None:
         """Refuse, before any step, a ``checkpoint_dir`` that holds checkpoints of steps after
@@ -793,18 +877,46 @@ class Trainer:
         if isinstance(path, Checkpoint):
             ck = path
         else:
-            path = Path(path)
+            from tilegraph.io._store import user_path
+
+            # None, 42: a TypeError of Path(); "~/ck" a folder named "~" here
+            path = user_path(path, "tilegraph.Trainer.load_checkpoint")
             if (path / "trainer_state.json").is_file():
                 return self._load_legacy_checkpoint(path)
             ck = load_checkpoint(path, runtime=self.runtime)
         with self._current():  # an opened checkpoint without a runtime of its own reads on the trainer's
             ck.restore(self.model, self.optimizer)  # all checked and read first: a failure changes nothing
+        self._warn_other_batches(ck)
         self._last_checkpoint = ck.path
         run = ck.trainer_state.get("run_id")
         if isinstance(run, str) and run != self.run_id:  # resuming: the run's earlier records, for the plot
             self.run_id = run
             self.history = [r for r in self._logged() if r.get("run") == run and r.get("step", 0) <= ck.step]
         return ck.step
+
+    def _warn_other_batches(self, ck) -> None:
+        """Warn where the checkpoint's run read its data otherwise than this trainer will: another
+        ``batch_size`` or data seed (the data position, the next step, then means other windows
+        than that run's next ones) or another ``accum_steps`` (the same windows, averaged in
+        micro-batches of another size: not the losses that run would have had)."""
+        import warnings
+
+        state = ck.trainer_state
+        rng = state.get("rng") if isinstance(state.get("rng"), dict) else {}
+        ours = {"batch_size": self.batch_size, "accum_steps": self.accum_steps}
+        if self.token_data and state.get("data") is not None:
+            ours["data seed"] = getattr(self.data, "seed", None)
+        theirs = {"batch_size": state.get("batch_size"), "accum_steps": state.get("accum_steps"),
+                  "data seed": rng.get("data_seed")}
+        differ = [k for k, v in ours.items() if is_int(theirs.get(k)) and is_int(v) and theirs[k] != v]
+        if not differ:
+            return
+        what = ("the next batches are other windows than that run's" if set(differ) & {"batch_size", "data seed"}
+                else "the same windows, averaged in micro-batches of another size")
+        warnings.warn(f"tilegraph.Trainer.load_checkpoint: {ck.path} was written by a run with "
+                      + ", ".join(f"{k} {theirs[k]}" for k in differ) + "; this trainer has "
+                      + ", ".join(f"{k} {ours[k]}" for k in differ) + f": from step {ck.step + 1} on, {what} "
+                      "(build the Trainer with the checkpoint's values to continue that run as it was)", stacklevel=2)
 
     def _logged(self) -> list[dict]:
         """The records of ``log_dir/metrics.jsonl`` (none without one)."""

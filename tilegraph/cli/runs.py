@@ -534,4 +534,4 @@ def diverged(error: FloatingPointError, optimizer, out: Path) -> TileError:
     return TileError("tilegraph train", "a finite loss: train again with a lower learning rate (--lr"
                      + (f"; this run's peak was {lr:g}" if lr is not None else "") + "), in another --out"
                      + (f" (from the weights of its last checkpoint: --init {last})" if last else
-                        f" or after deleting {out}"), re.sub(r"^\[[^]]*\] *", "", str(error)))
+                        f" or after deleting {out}"), getattr(error, "received", None) or re.sub(r"^\[[^]]*\] *", "", str(error)))
