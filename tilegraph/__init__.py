@@ -15,7 +15,7 @@ from tilegraph.runtime import Runtime, connect, current_runtime
 
 from tilegraph import ops, nn, optim
 from tilegraph._train import EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError
-from tilegraph.trainer import FitResult, Trainer
+from tilegraph.trainer import FitResult, NonFiniteLossError, Trainer
 from tilegraph.ops import *  # noqa: F401,F403 - functional ops live in the tilegraph namespace
 from tilegraph.ops import __all__ as _ops_all
 
@@ -33,4 +33,4 @@ def __getattr__(name: str):
 
 __all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "no_grad", "checkpoint", "compile",
            "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult",
-           "WorkerLostError", "StepTimeoutError", *_ops_all]
+           "WorkerLostError", "StepTimeoutError", "NonFiniteLossError", *_ops_all]
