@@ -16,6 +16,23 @@ from tilegraph.recompute import checkpoint
 from .tiling import ModelTiling
 
 
+class Derived(int):
+    """A config field's value derived from others (GPT-2's ``hidden`` from ``dim``, Llama's
+    ``n_kv_heads`` from ``n_heads``) where it was left out or None: an int like any other, marked
+    so that a config made from it by ``dataclasses.replace`` derives it again from the new values
+    (replace passes every field on, a derived one included), where a value given stays as given."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+    @staticmethod
+    def wanted(value) -> bool:
+        """Whether a field holding ``value`` is to be derived: None, or derived before."""
+        return value is None or type(value) is Derived
+
+
 def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
     """The checks both architectures share: positive sizes (the fields named in ``sizes``), whole heads."""
     for name in sizes:
@@ -43,7 +60,7 @@ def _is_number(v) -> bool:
 
 
 def lookup_flavor(cls, flavors: dict, name: str):
-    if name not in flavors:
+    if not isinstance(name, str) or name not in flavors:  # (a list: "unhashable type" from the dict)
         raise TileError(f"tilegraph.models.{cls.__name__}.flavor", f"unknown flavor; known: {', '.join(flavors)}",
                         repr(name))
     return flavors[name]

@@ -17,7 +17,7 @@ import numpy as np
 from tilegraph import nn
 from tilegraph._tensor import TileTensor
 
-from ._common import CausalLM, check_config, lookup_flavor
+from ._common import CausalLM, Derived, check_config, lookup_flavor
 from .tiling import ModelTiling
 
 __all__ = ["GPT2Config", "GPT2"]
@@ -25,18 +25,24 @@ __all__ = ["GPT2Config", "GPT2"]
 
 @dataclass(frozen=True)
 class GPT2Config:
+    """GPT-2's architecture. ``hidden`` (the MLP width) left out or None is 4 * dim, and stays
+    so: ``dataclasses.replace(cfg, dim=1024)`` (or ``tilegraph train --set model.dim=1024``) makes
+    it 4096 where it was derived, and keeps a width given as a number. ``cfg.hidden`` is always the
+    width, an int; a config read from a checkpoint or a Hugging Face folder with ``n_inner`` holds
+    it as a number (given, so kept)."""
+
     vocab_size: int = 50257  # 50,000 BPE merges + 256 bytes + <|endoftext|>
     max_seq_len: int = 1024  # rows of the learned position table
     dim: int = 768
     n_layers: int = 12
     n_heads: int = 12
-    hidden: int | None = None  # MLP width; None means 4 * dim
+    hidden: int | None = None  # MLP width; None means 4 * dim (also after replace(cfg, dim=...))
     norm_eps: float = 1e-5
     tie_embeddings: bool = True  # the output projection reuses the token embedding
 
     def __post_init__(self):
-        if self.hidden is None and isinstance(self.dim, int):
-            object.__setattr__(self, "hidden", 4 * self.dim)
+        if Derived.wanted(self.hidden) and isinstance(self.dim, (int, np.integer)) and not isinstance(self.dim, bool):
+            object.__setattr__(self, "hidden", Derived(4 * int(self.dim)))
         check_config(self, "tilegraph.models.GPT2Config",
                      ("vocab_size", "max_seq_len", "dim", "n_layers", "n_heads", "hidden"))
 

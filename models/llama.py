@@ -17,7 +17,7 @@ from tilegraph import nn
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor
 
-from ._common import CausalLM, check_config, lookup_flavor
+from ._common import CausalLM, Derived, check_config, lookup_flavor
 from .tiling import ModelTiling
 
 __all__ = ["LlamaConfig", "Llama"]
@@ -25,6 +25,12 @@ __all__ = ["LlamaConfig", "Llama"]
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """Llama's architecture. ``hidden`` (the SwiGLU width) is always a number of its own, as in
+    Hugging Face's ``intermediate_size``: no rule derives it from ``dim`` (the flavors take 2 to
+    2.75 times dim), so ``dataclasses.replace(cfg, dim=...)`` (or ``tilegraph train --set
+    model.dim=...``) keeps it; give both to change the width too. ``n_kv_heads`` left out or None
+    is ``n_heads`` (no grouping), and stays so after a replace of ``n_heads``."""
+
     vocab_size: int = 32000
     max_seq_len: int = 2048  # longest sequence trained on (RoPE itself has no table)
     dim: int = 4096
@@ -37,8 +43,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self):
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if Derived.wanted(self.n_kv_heads) and isinstance(self.n_heads, (int, np.integer)) \
+                and not isinstance(self.n_heads, bool):
+            object.__setattr__(self, "n_kv_heads", Derived(self.n_heads))
         where = "tilegraph.models.LlamaConfig"
         check_config(self, where, ("vocab_size", "max_seq_len", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden"))
         if self.n_heads % self.n_kv_heads:

@@ -196,6 +196,7 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
     if unknown:
         raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
                         f"unknown {', '.join(unknown)}")
+    # a field derived from others and not given (GPT-2's hidden: 4 * dim) is derived from the given ones
     cfg = dataclasses.replace(base, **fields)
     if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id
         raise TileError("tilegraph train [model]", f"vocab_size of at least the tokenizer's {tokenizer.vocab_size} "

@@ -143,6 +143,8 @@ def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str,
     import dataclasses
 
     from tilegraph import models
+    from tilegraph._errors import TileError
+    from tilegraph.models._common import Derived
 
     cfg = model.config
     have = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
@@ -153,9 +155,20 @@ def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str,
             problems.append(("flavor", f"flavor = {given['flavor']!r} is a {type(flavor).__name__}, {init} a "
                              f"{type(cfg).__name__}"))
         else:  # its shape; the job's keys (vocab_size, max_seq_len) are checked against the job
-            differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS and getattr(flavor, k) != have[k]]
+            # the flavor with the shape keys given, and what they derive (GPT-2's hidden from dim)
+            shape = {k: v for k, v in given.items() if k in have and k not in JOB_MODEL_KEYS}
+            try:
+                job = dataclasses.replace(flavor, **shape)
+            except TileError:  # a bad value given: named below, against the stored one
+                job = flavor
+            # runs written before GPT-2's derived hidden followed dim kept the flavor's: theirs too
+            differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS and getattr(job, k) != have[k]
+                      and not (k == "hidden" and have[k] == flavor.hidden)]
+            derived = [k for k in differ if type(getattr(job, k)) is Derived]
+            if len(derived) < len(differ):  # they follow the others named (hidden follows dim)
+                differ = [k for k in differ if k not in derived]
             if differ:
-                ours = ", ".join(f"{k} {getattr(flavor, k)}" for k in differ)
+                ours = ", ".join(f"{k} {getattr(job, k)}" for k in differ)
                 problems.append(("flavor", f"flavor = {given['flavor']!r} has {ours}, {init} "
                                  + ", ".join(f"{k} {have[k]}" for k in differ)))
     for key, value in given.items():
