@@ -569,3 +569,20 @@ def test_a_resume_takes_the_runs_architecture_from_its_checkpoint(root, capsys, 
                 "--set", "model.dim=32")
     assert "[tilegraph train [model]] [model] keys that agree with --resume's GPT2Config" in err
     assert "received: dim = 32, arch/checkpoints/step-000003 has 48" in err
+
+
+def test_a_run_resumes_with_the_command_that_started_it(root, capsys, monkeypatch):
+    """A flavor on the command line and dim in the config file: the resume with the same command
+    was refused ("flavor = 'gpt2-debug' has dim 32, ... dim 48"), each group of keys checked
+    without the other's."""
+    from tilegraph.cli import main
+
+    monkeypatch.chdir(root)
+    (root / "dim48.toml").write_text(CONFIG.replace("[model]", "[model]\ndim = 48", 1))
+    args = ["train", "dim48.toml", "--set", "model.flavor=gpt2-debug", "--no-progress", "--set",
+            "output.checkpoint_every=0"]
+    assert main(args + ["--out", "flagged", "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--resume", "flagged/checkpoints/step-000002", "--steps", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "checkpoint: flagged/checkpoints/step-000003" in out and "warning" not in err

@@ -271,10 +271,15 @@ def keep_architecture(model, resume: Path, keys: dict, given: dict[str, str], to
     in a warning and not used (:func:`refuse_or_warn`)."""
     from tilegraph.cli.finetune import architecture_disagreements, check_init_fits
 
-    flags = {k: v for k, v in keys.items() if on_command_line(given[f"model.{k}"])}
-    check_init_fits(model, flags, str(resume), tokenizer, seq_len, "--resume")
-    files = {k: v for k, v in keys.items() if k not in flags}
-    other = [(given[f"model.{k}"], text) for k, text in architecture_disagreements(model, files, str(resume))]
+    # the keys together (a flavor on the command line, dim in the config file: the flavor with
+    # that dim), each disagreement then refused or named by where its key was given
+    problems = architecture_disagreements(model, keys, str(resume))
+    flagged = [text for k, text in problems if on_command_line(given[f"model.{k}"])]
+    if flagged:
+        raise TileError("tilegraph train [model]", f"[model] keys that agree with --resume's "
+                        f"{type(model.config).__name__} (or none: --resume brings the architecture)", "; ".join(flagged))
+    check_init_fits(model, {}, str(resume), tokenizer, seq_len, "--resume")  # the tokenizer and the windows
+    other = [(given[f"model.{k}"], text) for k, text in problems if not on_command_line(given[f"model.{k}"])]
     refuse_or_warn(other, "", f"the resumed run keeps its checkpoint's {type(model.config).__name__}")
 
 
