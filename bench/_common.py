@@ -1,10 +1,42 @@
-"""Pieces the benchmarks share: the worker/thread setup and the pipelined timing loop."""
+"""Pieces the benchmarks share: argument types, the check for what a bench needs installed, the
+worker/thread setup and the pipelined timing loop."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import sys
 import time
+
+
+def at_least(low: int):
+    """An argparse ``type``: an int >= ``low`` (a bad one is a usage error naming the flag, not a
+    traceback, a silent default or a table of inf/nan from an empty timing loop)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"an integer >= {low}, not {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"an integer >= {low}, not {text!r}")
+        return value
+    parse.__name__ = f"int >= {low}"  # what argparse names in its message
+    return parse
+
+
+def require(ap: argparse.ArgumentParser, *modules: str, what: str = "") -> None:
+    """Stop with a usage error naming the packages of ``modules`` that are not installed (the
+    benches compare against torch and friends, which tilegraph itself does not need)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        ap.error(f"{what or 'this benchmark'} needs {', '.join(missing)}, not installed here: "
+                 f"pip install {' '.join(PIP_NAMES.get(m, m) for m in missing)}")
+
+
+#: what ``require`` tells the user to install (the README's pinned CPU build of torch: an unpinned
+#: one pulls in several GB of CUDA packages)
+PIP_NAMES = {"torch": "torch==2.13.0", "cupy": "cupy-cuda12x", "dask_mpi": "dask-mpi"}
 
 
 def setup_threads(args) -> None:

@@ -25,6 +25,8 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+from _common import at_least, require  # noqa: E402
+
 
 def best_ms(fn, repeat: int) -> float:
     """Best of ``repeat`` timings of ``fn()`` in ms, after one warm-up call."""
@@ -104,11 +106,14 @@ def bench_torch(q, k, v, do, repeat: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", type=int, nargs=4, default=(2, 12, 256, 64), metavar=("B", "H", "T", "D"))
-    ap.add_argument("--tiles", type=int, nargs="+", default=(1, 4), help="query/key tiles along T")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--shape", type=at_least(1), nargs=4, default=(2, 12, 256, 64), metavar=("B", "H", "T", "D"))
+    ap.add_argument("--tiles", type=at_least(1), nargs="+", default=(1, 4), help="query/key tiles along T")
+    ap.add_argument("--dtype", choices=["float16", "float32", "float64"], default="float32")
+    ap.add_argument("--repeat", type=at_least(1), default=20)
     args = ap.parse_args()
+    require(ap, "torch", what="bench_attention.py (it times torch's SDPA beside the kernels)")
+    if max(args.tiles) > args.shape[2]:
+        ap.error(f"--tiles {max(args.tiles)}: more tiles than T = {args.shape[2]} positions")
 
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal(args.shape).astype(args.dtype) for _ in range(4))

@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from _common import at_least, require
+
 
 def tilegraph_run(args) -> dict:
     import tilegraph as tg
@@ -58,9 +60,10 @@ def tilegraph_run(args) -> dict:
         step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=tiles, parallel="sharded")
         ids, tgt = batch(args, cfg)
         exe = step.plan(ids, tgt)
+        bound = "no bound: the state is under half the limit" if exe.max_task_bytes == float("inf") else \
+            f"bound {exe.max_task_bytes / 2**20:.0f} MiB"
         print(f"plan: {exe.strategy}, {exe.n_tasks} tasks, largest task "
-              f"{max(c.bytes for c in exe.clusters) / 2**20:.0f} MiB (bound {exe.max_task_bytes / 2**20:.0f} MiB)",
-              flush=True)
+              f"{max(c.bytes for c in exe.clusters) / 2**20:.0f} MiB ({bound})", flush=True)
         losses, seconds = [], []
         for s in range(args.steps):
             t0 = time.perf_counter()
@@ -151,26 +154,32 @@ def torch_run(args, budget: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=20)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--feature", type=int, default=256, help="feature tile (whole heads)")
-    ap.add_argument("--batch-tile", type=int, default=2, help="sequences per worker")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dim", type=at_least(64), default=1024, help="width (dim // 64 heads)")
+    ap.add_argument("--layers", type=at_least(1), default=20)
+    ap.add_argument("--vocab", type=at_least(1), default=4096)
+    ap.add_argument("--seq", type=at_least(2), default=64)
+    ap.add_argument("--feature", type=at_least(1), default=256, help="feature tile (whole heads)")
+    ap.add_argument("--batch-tile", type=at_least(1), default=2, help="sequences per worker")
+    ap.add_argument("--workers", type=at_least(1), default=2)
     ap.add_argument("--memory-limit", default="1GB", help="per worker, as tg.connect(memory_limit=...)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=at_least(1), default=3)
     ap.add_argument("--torch-budget", default=None,
                     help="PyTorch's budget in bytes or with a unit (default: one worker's limit; 0: none)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
+    from dask.utils import parse_bytes
+
+    try:  # checked before the tilegraph run (minutes), not after it
+        budget = None if args.torch_budget is None else parse_bytes(args.torch_budget)
+    except ValueError as e:
+        ap.error(f"--torch-budget: bytes or a size such as 1GB, not {args.torch_budget!r} ({e})")
+    if not args.no_torch:
+        require(ap, "torch", "transformers", what="the PyTorch runs (--no-torch skips them)")
     print(f"machine: {os.cpu_count()} cores", flush=True)
     tg_result = tilegraph_run(args)
     if args.no_torch:
         return
-    from dask.utils import parse_bytes
-
-    budget = tg_result["limit"] if args.torch_budget is None else parse_bytes(args.torch_budget)
+    budget = tg_result["limit"] if budget is None else budget
     for limit in dict.fromkeys([budget, 0]):  # under the budget, then (for its speed) without one
         r = torch_run(args, limit)
         where = f"under {limit / 2**20:,.0f} MiB" if limit else "with no limit"

@@ -21,7 +21,8 @@ quantization method costs in size, error and perplexity. One run prints three ta
    dequantized).
 
     python bench/bench_checkpoint.py                        # everything (a few minutes on 2 cores)
-    python bench/bench_checkpoint.py --flavor gpt2-debug --train-steps 60   # a quick smoke run
+    python bench/bench_checkpoint.py --flavor gpt2-debug --quant-flavor gpt2-debug --train-steps 60 \
+        --methods int8,kashin:4 --repeat 1                  # a quick smoke run (~20 s on 2 cores)
     python bench/bench_checkpoint.py --only throughput --repeat 5             # the throughput table only
 """
 
@@ -38,6 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import at_least, require
+
+PARTS = ("throughput", "quantization", "perplexity")
 METHODS = ["fp16", "bf16", "int8", "int4", "kmeans:4", "kashin:4", "auto:4", "kashin:3", "kashin:2"]
 
 
@@ -150,7 +154,7 @@ def throughput(args, tmp: Path) -> list[dict]:
                                                                                 times["numpy load"])),
                          "save_all": times[f"{key} save"], "load_all": times[f"{key} load"]})
     mb = rows[0]["bytes"] / 1e6
-    print(f"\n1. throughput: {args.flavor} training state, {mb:,.0f} MB (weights + AdamW moments, fp32); "
+    print(f"\n1. throughput: {args.flavor} training state, {mb:,.{0 if mb >= 10 else 2}f} MB (weights + AdamW moments, fp32); "
           f"medians of {args.repeat} round{'s' if args.repeat > 1 else ''}, each against the numpy figures "
           "of its own round")
     print(f"{'':28} {'save MB/s':>10} {'load MB/s':>10} {'save vs numpy':>14} {'load vs numpy':>14}")
@@ -240,7 +244,7 @@ def perplexity(args, tmp: Path) -> None:
     val = TokenDataset(tmp / "tokens.bin", 64, split="val", seed=0)
     cfg = models.GPT2Config(vocab_size=tok.vocab_size, max_seq_len=64, dim=64, n_layers=2, n_heads=4)
     model = models.build(cfg, seed=0)
-    opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-3, 20, args.train_steps, 3e-4))
+    opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-3, min(20, args.train_steps), args.train_steps, 3e-4))
     tg.Trainer(model, opt, train, batch_size=16, progress=False).fit(args.train_steps)
     tg.io.save_checkpoint(tmp / "ppl-fp32", model)
 
@@ -263,7 +267,8 @@ def perplexity(args, tmp: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # the whole docstring: its first line stopped mid-sentence, and the examples are in the rest
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", default="gpt2", help="model of the throughput table (default: GPT-2 124M)")
     ap.add_argument("--workers", default="1,2", help="worker processes of the throughput runs")
     ap.add_argument("--quant-flavor", default="gpt2-2x768",
@@ -271,18 +276,48 @@ def main() -> int:
                          "quantizes a 768 x 768 tile in 1-3 s)")
     ap.add_argument("--hf", default=None, help="an HF GPT-2/Llama folder: quantize its real weights")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--eval-batches", type=int, default=32)
-    ap.add_argument("--only", default="throughput,quantization,perplexity")
+    ap.add_argument("--train-steps", type=at_least(1), default=300)
+    ap.add_argument("--eval-batches", type=at_least(1), default=32)
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma separated: {', '.join(PARTS)}")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--repeat", type=at_least(1), default=3,
                     help="rounds of the throughput table (medians shown; the formats take turns going first)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before those of the throughput table")
+    ap.add_argument("--warmup", type=at_least(0), default=1, help="untimed rounds before those of the throughput table")
     ap.add_argument("--verbose", action="store_true", help="the throughput table's seconds of every round")
     args = ap.parse_args()
-    args.workers = [int(w) for w in args.workers.split(",")]
-    args.methods = [m for m in args.methods.split(",") if m]
-    parts = set(args.only.split(","))
+    # everything checked before the first table: a bad value for the last one would otherwise
+    # stop the run after minutes of the others
+    parts = {p.strip() for p in args.only.split(",") if p.strip()}
+    if not parts or parts - set(PARTS):  # an unknown part ran nothing and exited 0
+        ap.error(f"--only: a comma separated list of {', '.join(PARTS)}, not {args.only!r}")
+    text = args.workers
+    try:
+        args.workers = [int(w) for w in text.split(",")]
+    except ValueError:
+        args.workers = []
+    if not args.workers or min(args.workers) < 1:
+        ap.error(f"--workers: comma separated worker counts, each at least 1, not {text!r}")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.dir is not None and not Path(args.dir).is_dir():
+        ap.error(f"--dir {args.dir}: not a folder")
+    if "throughput" in parts:
+        require(ap, "safetensors", what="the throughput table (--only leaves it out)")
+    from tilegraph import models
+    from tilegraph.io.zarr import _quant_rule
+
+    if args.flavor not in models.FLAVORS:
+        ap.error(f"--flavor: one of {', '.join(models.FLAVORS)}, not {args.flavor!r}")
+    if args.quant_flavor != "gpt2-2x768" and args.quant_flavor not in models.FLAVORS:
+        ap.error(f"--quant-flavor: gpt2-2x768 or one of {', '.join(models.FLAVORS)}, not {args.quant_flavor!r}")
+    if args.hf is not None and not Path(args.hf).is_dir():
+        ap.error(f"--hf {args.hf}: not a folder")
+    if not args.methods and parts & {"quantization", "perplexity"}:
+        ap.error("--methods: at least one quantization method")
+    for method in args.methods:
+        try:
+            _quant_rule(method, "--methods")("w", (64, 64))
+        except ValueError as e:  # CheckpointError, naming the methods known
+            ap.error(str(e))
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-ck-", dir=args.dir))
     try:
         if "throughput" in parts:

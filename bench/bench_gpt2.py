@@ -73,7 +73,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import setup_threads, timed_steps
+from _common import at_least, require, setup_threads, timed_steps
 
 FLAVOR_CHOICES = ["debug", "6x768", "gpt2", "all"]
 DEFAULT_SEQ = 256
@@ -226,17 +226,17 @@ def tiles_str(t) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", choices=FLAVOR_CHOICES, default="all", help="all: debug and 6x768")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=None,
+    ap.add_argument("--batch", type=at_least(1), default=4)
+    ap.add_argument("--seq", type=at_least(2), default=None,
                     help=f"tokens per sequence (default {DEFAULT_SEQ}, at most the flavor's max_seq_len)")
-    ap.add_argument("--feature-tile", type=int, default=None, help="width tile, whole heads (0: whole width)")
-    ap.add_argument("--vocab-tile", type=int, default=None, help="vocab tile (0: whole vocab)")
-    ap.add_argument("--batch-tile", type=int, default=None, help="rows per tile (default: batch / worker threads)")
-    ap.add_argument("--seq-tile", type=int, default=None, help="positions per tile (0: whole sequence)")
+    ap.add_argument("--feature-tile", type=at_least(0), default=None, help="width tile, whole heads (0: whole width)")
+    ap.add_argument("--vocab-tile", type=at_least(0), default=None, help="vocab tile (0: whole vocab)")
+    ap.add_argument("--batch-tile", type=at_least(1), default=None, help="rows per tile (default: batch / worker threads)")
+    ap.add_argument("--seq-tile", type=at_least(0), default=None, help="positions per tile (0: whole sequence)")
     ap.add_argument("--runtime", choices=["embedded", "local"], default="embedded",
                     help="embedded Dask cluster (default) or Dask's local threaded scheduler in-process")
-    ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
-    ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
+    ap.add_argument("--workers", type=at_least(1), default=1, help="embedded cluster worker processes")
+    ap.add_argument("--threads", type=at_least(1), default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
     ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
@@ -249,7 +249,7 @@ def main():
                          "TrainStep.auto_steps_per_graph, several for a small model's short steps, else 1")
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one records the graph)")
-    ap.add_argument("--kernels", type=int, nargs="?", const=8, default=0, metavar="N",
+    ap.add_argument("--kernels", type=at_least(0), nargs="?", const=8, default=0, metavar="N",
                     help="also print the N costliest kernels (default N: 8)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.01)
@@ -261,6 +261,14 @@ def main():
         ap.error(f"--steps-per-graph must be 'auto' or an int >= 1, not {args.steps_per_graph!r}")
     if args.device == "gpu" and args.workers != 1:
         ap.error("--device gpu runs one GPU worker (--workers 1)")
+    require(ap, "torch", "transformers", what="bench_gpt2.py (its ratios are against HF transformers on PyTorch)")
+    if args.device == "gpu":
+        require(ap, "cupy", what="--device gpu (tilegraph's GPU kernels)")
+        import torch
+
+        if not torch.cuda.is_available():  # a CPU build of torch, or no GPU: no torch run to compare with
+            ap.error(f"--device gpu needs torch with CUDA and a visible GPU; this torch {torch.__version__} "
+                     f"has {'no CUDA' if torch.version.cuda is None else 'no GPU it can see'}")
     if args.sync_kernels:
         os.environ["TILEGRAPH_SYNC_KERNELS"] = "1"  # read by the worker processes, which inherit it
     setup_threads(args)  # (torch gets its threads below)
@@ -279,7 +287,8 @@ def main():
           f"fused task target {target:g} s; torch {torch.__version__} eager, transformers {transformers.__version__} "
           f"GPT2LMHeadModel, {torch.get_num_threads()} threads; batch {args.batch}, fp32, AdamW lr {args.lr:g} "
           f"wd {args.weight_decay:g}, random token ids (seed {args.seed}), {args.warmup} warmup + {args.steps} "
-          f"timed steps; tiles = batch/seq/feature/vocab ('-': whole); ratio = tg tok/s / torch tok/s", flush=True)
+          f"timed steps (after the first, rounded up to whole graphs of k steps); tiles = batch/seq/feature/vocab "
+          f"('-': whole); ratio = tg tok/s / torch tok/s", flush=True)
     print(f"{'flavor':7} {'params':>7} {'seq':>4} {'tiles':>14} {'k':>3} {'tg tok/s':>9} {'torch tok/s':>11} "
           f"{'ratio':>6} {'outside':>8} {'kernel s':>8} {'runner s':>8} {'step s':>7} {'first s':>7} {'nodes':>6} "
           f"{'tasks':>6} {'plan':>7} {'loss0 tg/torch':>19} {'lossN tg/torch':>19}", flush=True)

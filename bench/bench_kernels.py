@@ -38,6 +38,8 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+from _common import at_least, require  # noqa: E402
+
 
 HOLD = 0
 
@@ -70,12 +72,13 @@ def row(name, n, n_arrays, itemsize, ours, theirs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    ap.add_argument("--gelu-shape", type=int, nargs="+", default=[1024, 3072])
-    ap.add_argument("--adamw-shape", type=int, nargs="+", default=[768, 3072])
-    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--gelu-shape", type=at_least(1), nargs="+", default=[1024, 3072])
+    ap.add_argument("--adamw-shape", type=at_least(1), nargs="+", default=[768, 3072])
+    ap.add_argument("--repeat", type=at_least(1), default=20)
     ap.add_argument("--only", choices=["gelu", "silu", "adamw"], default=None)
-    ap.add_argument("--hold", type=int, default=0, help="keep the last N results alive (fresh output memory)")
+    ap.add_argument("--hold", type=at_least(0), default=0, help="keep the last N results alive (fresh output memory)")
     args = ap.parse_args()
+    require(ap, "torch", what="bench_kernels.py (it times torch's kernels beside tilegraph's)")
     global HOLD
     HOLD = args.hold
 

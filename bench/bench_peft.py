@@ -93,6 +93,8 @@ import tilegraph as tg
 from tilegraph._autograd import vjp
 from tilegraph.ops import lora as L
 
+from _common import at_least, require
+
 
 def best_of(fn, repeat: int) -> float:
     return best_of_each([fn], repeat)[0]
@@ -326,30 +328,38 @@ def part_c(steps: int, threads: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=2048, help="N, tokens per step")
-    ap.add_argument("--dim", type=int, default=768, help="n = m")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--row-tile", type=int, default=512)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rows", type=at_least(1), default=2048, help="N, tokens per step")
+    ap.add_argument("--dim", type=at_least(1), default=768, help="n = m")
+    ap.add_argument("--ranks", type=at_least(1), nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--row-tile", type=at_least(1), default=512)
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--repeat", type=at_least(1), default=5)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--parts", nargs="+", choices=["a", "b", "c", "d"], default=["a", "b", "c"],
                     help="(d) is not in the default: it needs torch, transformers and peft and takes minutes")
-    ap.add_argument("--steps", type=int, default=20, help="training steps of parts (b) and (c)")
-    ap.add_argument("--threads", type=int, default=2, help="worker threads in parts (b), (c) and (d); torch's in (d)")
-    ap.add_argument("--batch", type=int, default=4, help="(d): sequences per step")
-    ap.add_argument("--seq", type=int, default=256, help="(d): tokens per sequence")
+    ap.add_argument("--steps", type=at_least(1), default=20, help="training steps of parts (b) and (c)")
+    ap.add_argument("--threads", type=at_least(1), default=2,
+                    help="worker threads in parts (b), (c) and (d); torch's in (d)")
+    ap.add_argument("--batch", type=at_least(1), default=4, help="(d): sequences per step")
+    ap.add_argument("--seq", type=at_least(2), default=256, help="(d): tokens per sequence")
     ap.add_argument("--d-flavor", choices=["gpt2", "debug"], default="gpt2", help="(d): the model (debug: smoke tests)")
-    ap.add_argument("--d-warmup", type=int, default=2, help="(d): untimed steps of each run first")
-    ap.add_argument("--d-rounds", type=int, default=3, help="(d): timed rounds, the runs alternating")
-    ap.add_argument("--d-steps", type=int, default=3, help="(d): steps per round")
+    ap.add_argument("--d-warmup", type=at_least(1), default=2,
+                    help="(d): untimed steps of each run first (the first records the graph)")
+    ap.add_argument("--d-rounds", type=at_least(1), default=3, help="(d): timed rounds, the runs alternating")
+    ap.add_argument("--d-steps", type=at_least(1), default=3, help="(d): steps per round")
     ap.add_argument("--d-lr", type=float, default=1e-3, help="(d): AdamW learning rate (weight decay 0)")
     ap.add_argument("--d-extra", nargs="*", choices=list(D_EXTRA), default=[],
                     help="(d): more runs in the rotation, for profiling (see the docstring)")
-    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+    ap.add_argument("--kernels", type=at_least(0), default=0, metavar="N",
                     help="(d): print the N costliest kernels and model parts of each tilegraph run")
     ap.add_argument("--seed", type=int, default=0, help="(d): seed of the weights and the token ids")
     args = ap.parse_args()
+    if "a" in args.parts and args.row_tile > args.rows:
+        ap.error(f"--row-tile {args.row_tile} is larger than --rows {args.rows}")
+    if "a" in args.parts and not args.no_torch:
+        require(ap, "torch", what="part (a)'s torch column (--no-torch leaves it out)")
+    if "d" in args.parts:
+        require(ap, "torch", "transformers", "peft", what="part (d)")
     if "a" in args.parts:
         part_a(args)
     if "b" in args.parts:
@@ -391,10 +401,13 @@ def part_a(args) -> None:
             t_naive, t_rl, t_time, t_frozen = best_of_each(steps, args.repeat)
             # torch apart: interleaved with tilegraph's graphs, its idle OpenMP threads spinning
             # beside tilegraph's doubled its times
-            t_torch = float("nan") if args.no_torch else best_of(torch_step(arrays, needs, scale), args.repeat)
+            # with --no-torch no torch run happened: its columns say "-", not a time or ratio of nan
+            t_torch = None if args.no_torch else best_of(torch_step(arrays, needs, scale), args.repeat)
+            torch_ms = "-" if t_torch is None else f"{t_torch * 1e3:.1f}"
+            torch_ratio = "-" if t_torch is None else f"{t_torch / t_rl:.2f}"
             print(f"{r:>4} {label:>6} {'/'.join(chosen):>8} {t_naive * 1e3:8.1f} {t_rl * 1e3:8.1f} "
-                  f"{'/'.join(timed) + f' {t_time * 1e3:.1f}':>14} {t_torch * 1e3:8.1f} "
-                  f"{t_naive / t_rl:9.2f} {t_torch / t_rl:9.2f} {t_frozen * 1e3:8.1f} {t_naive / t_frozen:9.2f}")
+                  f"{'/'.join(timed) + f' {t_time * 1e3:.1f}':>14} {torch_ms:>8} "
+                  f"{t_naive / t_rl:9.2f} {torch_ratio:>9} {t_frozen * 1e3:8.1f} {t_naive / t_frozen:9.2f}")
 
 
 # ------------------------------------------------------------------------------- part (d) ----

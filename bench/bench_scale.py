@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import timed_steps
+from _common import at_least, require, timed_steps
 from bench_gpt2 import DEFAULT_SEQ, batches, flavor_config, pick_tiling
 from bench_gpt2 import time_torch as time_torch_gpt2
 from bench_train import build_tilegraph, build_torch
@@ -361,16 +361,16 @@ def main():
                     help="GPT-2 model of bench_gpt2.py (debug: the tiny test model, for a quick run)")
     ap.add_argument("--strategies", default="tiles,data",
                     help="comma separated TrainStep(parallel=...) strategies to run with several workers")
-    ap.add_argument("--threads-total", type=int, default=None, help="T: threads in all (default: the cores)")
+    ap.add_argument("--threads-total", type=at_least(1), default=None, help="T: threads in all (default: the cores)")
     ap.add_argument("--configs", default=None,
                     help="WORKERSxTHREADS,... (default: 1xT, 2xT/2, 4xT/4 ... as T divides)")
-    ap.add_argument("--batch", type=int, default=None,
+    ap.add_argument("--batch", type=at_least(1), default=None,
                     help="sequences per step (default: 4, or the most workers of a configuration if more)")
-    ap.add_argument("--seq", type=int, default=None,
+    ap.add_argument("--seq", type=at_least(1), default=None,
                     help=f"tokens per sequence (default {DEFAULT_SEQ}; GPT-2: at most its max_seq_len)")
-    ap.add_argument("--width", type=int, default=768, help="block stack width")
-    ap.add_argument("--heads", type=int, default=None, help="block stack attention heads (default: width / 64)")
-    ap.add_argument("--layers", type=int, default=6, help="block stack blocks")
+    ap.add_argument("--width", type=at_least(1), default=768, help="block stack width")
+    ap.add_argument("--heads", type=at_least(1), default=None, help="block stack attention heads (default: width / 64)")
+    ap.add_argument("--layers", type=at_least(1), default=6, help="block stack blocks")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one records the graph)")
     ap.add_argument("--no-ddp", action="store_true", help="skip the PyTorch DDP rows")
@@ -395,6 +395,14 @@ def main():
     kinds = [m.strip() for m in args.models.split(",") if m.strip()]
     if not kinds or any(m not in MODELS for m in kinds):
         ap.error(f"--models: a comma separated list of {', '.join(MODELS)}, not {args.models!r}")
+    if "gpt2" in kinds and args.seq == 1:  # every target would be the ignored last position: a NaN loss
+        ap.error("--seq: GPT-2 predicts the next token, so at least 2")
+    require(ap, "torch", *(["transformers"] if "gpt2" in kinds else []),
+            what="bench_scale.py (its ratios are against PyTorch)")
+    if args.mpi and not args.mpi_child:  # found now, not after the embedded runs of the first configuration
+        require(ap, "dask_mpi", "mpi4py", what="--mpi")
+        if _mpiexec() is None:
+            ap.error("--mpi needs mpiexec: pip install -e '.[mpi]'")
 
     import dask
     import distributed

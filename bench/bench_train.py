@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from _common import setup_threads, timed_steps
+from _common import at_least, require, setup_threads, timed_steps
 
 
 def build_tilegraph(kind, args, tg):
@@ -107,7 +107,7 @@ def time_tilegraph(kind, args, x, y, tg):
         diff = m(x) - y
         return (diff * diff).mean()
 
-    tiles = (args.batch_tile, args.seq_tile, None)
+    tiles = (args.batch_tile, args.seq_tile, args.tile)  # the features in the layers' tiles (--tile)
     local = args.runtime == "local"
     with contextlib.nullcontext() if local else tg.connect(n_workers=args.workers, threads_per_worker=args.threads,
                                                            dashboard=False, quiet=True) as rt:
@@ -156,27 +156,38 @@ def time_torch(kind, args, x, y, state, torch):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["mlp", "blocks", "all"], default="all")
-    ap.add_argument("--width", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--tile", type=int, default=None, help="feature tile (default: whole width)")
-    ap.add_argument("--batch-tile", type=int, default=None, help="default: batch / workers")
-    ap.add_argument("--seq-tile", type=int, default=None)
+    ap.add_argument("--width", type=at_least(1), default=768)
+    ap.add_argument("--heads", type=at_least(1), default=12)
+    ap.add_argument("--layers", type=at_least(1), default=6)
+    ap.add_argument("--batch", type=at_least(1), default=4)
+    ap.add_argument("--seq", type=at_least(1), default=256)
+    ap.add_argument("--tile", type=at_least(1), default=None,
+                    help="feature tile (default: whole width; blocks: whole heads)")
+    ap.add_argument("--batch-tile", type=at_least(1), default=None, help="default: batch / workers")
+    ap.add_argument("--seq-tile", type=at_least(1), default=None)
     ap.add_argument("--runtime", choices=["embedded", "local"], default="embedded",
                     help="embedded Dask cluster (default) or Dask's local threaded scheduler in-process")
-    ap.add_argument("--workers", type=int, default=1, help="embedded cluster worker processes")
-    ap.add_argument("--threads", type=int, default=None, help="threads per worker (default: cores / workers)")
+    ap.add_argument("--workers", type=at_least(1), default=1, help="embedded cluster worker processes")
+    ap.add_argument("--threads", type=at_least(1), default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
     ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=at_least(1), default=5)
     ap.add_argument("--kernels", action="store_true", help="also print the costliest kernels")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--warmup", type=at_least(1), default=2, help="untimed steps first (the first one records the graph)")
+    ap.add_argument("--repeat", type=at_least(1), default=1,
                     help="alternate tilegraph and torch runs this many times; print each and the median ratio")
     args = ap.parse_args()
+    require(ap, "torch", what="bench_train.py (its ratios are against PyTorch eager)")
+    if args.model != "mlp" and args.width % args.heads:
+        ap.error(f"--heads {args.heads} must divide --width {args.width}")
+    if args.tile is not None and args.model != "mlp" and args.tile % (args.width // args.heads):
+        ap.error(f"--tile {args.tile} must hold whole heads of the blocks (a multiple of width / heads = "
+                 f"{args.width // args.heads})")
+    if args.batch_tile is not None and args.batch_tile > args.batch:
+        ap.error(f"--batch-tile {args.batch_tile} is larger than --batch {args.batch}")
+    if args.seq_tile is not None and args.seq_tile > args.seq:
+        ap.error(f"--seq-tile {args.seq_tile} is larger than --seq {args.seq}")
     setup_threads(args)
 
     import torch

@@ -74,6 +74,10 @@ fi
     | tee -a "$SUMMARY"
 HAS_GPU=$(python3 -c "import cupy; print(int(cupy.cuda.runtime.getDeviceCount() > 0))" 2> /dev/null || echo 0)
 STEPS=$([ "$QUICK" = 1 ] && echo 2 || echo 3)
+# QUICK=1 (trying the script, on any machine): smaller CPU benches, which the time limits below,
+# set for 16 cores, leave room for on 2 (the full block stack of 4 x 1 on 2 cores ran out of its 40 s)
+BLOCKS=$([ "$QUICK" = 1 ] && echo "--width 256 --layers 2 --batch 8" || echo "--batch 16")
+BATCH_6X768=$([ "$QUICK" = 1 ] && echo 4 || echo 16)
 TRAIN="--no-progress --set output.checkpoint_every=0"
 
 # ONLY: the parts to run, comma separated, of gpu, cpu-train, cpu-6x768, cpu-scale, cpu-tasks
@@ -103,15 +107,16 @@ if want cpu-train; then
     check train-cpu-4-workers 50 "rm -rf /tmp/tg-4w; tilegraph train --out /tmp/tg-4w $TRAIN --set runtime.workers=4"
 fi
 # 3. GPT-2 6x768 on one worker x all threads against torch with as many threads (the issue: 0.41)
-want cpu-6x768 && check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --flavor 6x768 --batch 16 --steps $STEPS --warmup 1"
+want cpu-6x768 && check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --flavor 6x768 --batch $BATCH_6X768 \
+    --steps $STEPS --warmup 1"
 # 4. the block stack over 1 x T, 2 x T/2, 4 x T/4 (the issue: 0.57, 0.61, 0.30 of torch), the
 # workers' processes exchanging values as gangs (one task per process per step); then 4 x T/4 with
 # the Dask-task exchange, for the comparison
 want cpu-scale && check scale-blocks 130 "python3 bench/bench_scale.py --models blocks --strategies sharded \
-    --batch 16 --steps $STEPS --warmup 1 --no-ddp"
+    $BLOCKS --steps $STEPS --warmup 1 --no-ddp"
 QUARTER=$(( $(nproc) >= 4 ? $(nproc) / 4 : 1 ))
 want cpu-tasks && check scale-blocks-tasks 40 "python3 bench/bench_scale.py --models blocks --strategies sharded \
-    --configs 4x$QUARTER --exchange tasks --batch 16 --steps $STEPS --warmup 1 --no-ddp"
+    --configs 4x$QUARTER --exchange tasks $BLOCKS --steps $STEPS --warmup 1 --no-ddp"
 # 5. GPT-2 6x768 over 4 x T/4, sharded, against torch with T threads (only when named in ONLY)
 want cpu-gpt2-scale && check scale-gpt2-6x768 150 "python3 bench/bench_scale.py --models gpt2 --gpt2-flavor 6x768 \
     --strategies sharded --configs 4x$QUARTER --batch 16 --steps $STEPS --warmup 1"
