@@ -303,7 +303,7 @@ def main() -> int:
     if "throughput" in parts:
         require(ap, "safetensors", what="the throughput table (--only leaves it out)")
     from tilegraph import models
-    from tilegraph.io.zarr import _quant_rule
+    from tilegraph.io.zarr import quantize_rule
 
     if args.flavor not in models.FLAVORS:
         ap.error(f"--flavor: one of {', '.join(models.FLAVORS)}, not {args.flavor!r}")
@@ -315,7 +315,7 @@ def main() -> int:
         ap.error("--methods: at least one quantization method")
     for method in args.methods:
         try:
-            _quant_rule(method, "--methods")("w", (64, 64))
+            quantize_rule(method, "--methods")("w", (64, 64))
         except ValueError as e:  # CheckpointError, naming the methods known
             ap.error(str(e))
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-ck-", dir=args.dir))

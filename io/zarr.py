@@ -57,7 +57,7 @@ from ._store import (CheckpointError, process_alive, array_meta, file_in_the_way
                      write_tiles, write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
-           "is_checkpoint", "FORMAT", "FORMAT_VERSION",
+           "is_checkpoint", "quantize_rule", "FORMAT", "FORMAT_VERSION",
            "CheckpointError"]
 
 FORMAT = "tilegraph-checkpoint"
@@ -109,9 +109,11 @@ def _closed_runtime_error(where: str, what: str, label: str, value) -> Checkpoin
 
 
 # ----------------------------------------------------------------------------------- quantize ----
-def _quant_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
+def quantize_rule(quantize, where: str) -> Callable[[str, tuple], dict | None]:
     """``quantize`` (None, "method", "method:bits", a dict name -> spec, or a callable) as a function
-    of (parameter name, shape) -> {"method", "bits"} or None (stored exact)."""
+    of (parameter name, shape) -> {"method", "bits"} or None (stored exact), as
+    :func:`save_checkpoint` reads it; a spec it cannot read is a TileError naming ``where`` (the
+    CLI's --quantize and the benchmarks check theirs with it before any work)."""
     if quantize is None:
         return lambda name, shape: None
 
@@ -467,7 +469,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     named = list(model.named_parameters()) if hasattr(model, "named_parameters") else None
     if not named:
         raise CheckpointError(where, "a model with parameters (a tilegraph.nn.Module)", type(model).__name__)
-    rule = _quant_rule(quantize, where)
+    rule = quantize_rule(quantize, where)
     if isinstance(quantize, Mapping):  # a misspelt name would leave its weight exact without a word
         known = set(dict(named)) | set(_held_quantized(model))
         unknown = [k for k in quantize if k not in known]

@@ -179,14 +179,14 @@ def test_generate_refuses_a_negative_seed(local_scheduler):
 # ------------------------------------------------------------------------------------- convert ----
 def test_an_empty_bit_count_is_refused(ckpt, tmp_path, capsys):
     from tilegraph.io import CheckpointError
-    from tilegraph.io.zarr import _quant_rule
+    from tilegraph.io.zarr import quantize_rule
 
     err = _main(capsys, "convert", str(ckpt / "hf"), str(tmp_path / "q"), "--quantize", "kashin:")
     assert "the bits after ':' must be an integer (or no ':' for the method's default); received: 'kashin:'" in err
     assert not (tmp_path / "q").exists()
     with pytest.raises(CheckpointError, match="received: 'int8:'"):
-        _quant_rule("int8:", "test")
-    assert _quant_rule({"w": "kashin"}, "test")("w", (64, 256)) == {"method": "kashin", "bits": None}
+        quantize_rule("int8:", "test")
+    assert quantize_rule({"w": "kashin"}, "test")("w", (64, 256)) == {"method": "kashin", "bits": None}
 
 
 def test_quantize_to_an_inferred_hf_destination_says_it_was_inferred(ckpt, tmp_path, capsys):

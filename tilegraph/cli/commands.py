@@ -275,9 +275,9 @@ def cmd_convert(args) -> int:
     to_zarr = args.to == "zarr" if args.to else (src / "config.json").is_file() and not (src / "zarr.json").is_file()
     if to_zarr:
         if args.quantize is not None:  # named as the flag (save_checkpoint names itself and the destination)
-            from tilegraph.io.zarr import _quant_rule
+            from tilegraph.io.zarr import quantize_rule
 
-            _quant_rule(args.quantize, f"{where} --quantize")
+            quantize_rule(args.quantize, f"{where} --quantize")
         save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
     else:
         if args.quantize is not None:
