@@ -12,14 +12,7 @@ import tilegraph as tg
 from tilegraph.io.zarr import CheckpointError, CheckpointManager
 
 
-def _data(step):
-    x = np.random.default_rng([0, step]).standard_normal((32, 8)).astype(np.float32)
-    return x, np.tanh(x[:, :2])
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
+from test_newuser_trainer import _data, _mse  # noqa: E402 - the same toy data and loss
 
 
 def _trainer(runtime=None, data=_data, lr=1e-2, **kw):
