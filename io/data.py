@@ -56,46 +56,117 @@ def _as_list(sources) -> list:
     return list(sources)
 
 
+def _check_patterns(patterns, where: str) -> tuple[str, ...]:
+    """``patterns`` as a tuple of non-empty relative glob patterns (None and 5 met raw TypeErrors,
+    "/abs/*.txt" rglob's NotImplementedError, "" matched nothing and said so as "searched for ")."""
+    items = (patterns,) if isinstance(patterns, str) else patterns
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(x, str) and x and not os.path.isabs(x) for x in items):
+        raise TileError(where, "patterns must be a list of file name patterns relative to each folder "
+                        "(e.g. ['*.txt', '*.md'])", f"{patterns!r:.100}")
+    return items
+
+
+def _files_below(root: Path, patterns: tuple[str, ...]) -> list[Path]:
+    """The files below folder ``root`` matching one of ``patterns`` (as ``root.rglob(pattern)``
+    matches), hidden files and folders left out, resolved and sorted. Links to folders are
+    followed (rglob skipped them: a corpus folder of links to others read as empty), each real
+    folder once, so a link to a folder above it is no loop."""
+    below, seen = set(), set()
+    # rglob("**/*.py") is rglob("*.py"); Path.match reads "**" as "*", one folder deep
+    globs = [pat[3:] if pat.startswith("**/") and len(pat) > 3 else pat for pat in patterns]
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            f = Path(folder, name)
+            if name.startswith(".") or not f.is_file():  # a hidden file, a dangling link, a FIFO
+                continue
+            rel = f.relative_to(root)
+            if any(rel.match(pat) for pat in globs):
+                below.add(f.resolve())
+    return sorted(below)
+
+
 def find_sources(sources, patterns: Sequence[str] | str = DEFAULT_PATTERNS, *,
                  where: str = "tilegraph.io.find_sources") -> list[Path]:
     """The files to read: files as given, then for each folder every file below it matching one of
-    ``patterns`` (``*.py``, ...), in sorted order; hidden files and folders are skipped. Raises a
-    TileError for a path that does not exist or when no file is found."""
-    patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
+    ``patterns`` (``*.py``, ...), in sorted order; hidden files and folders are skipped, links to
+    folders followed. Raises a TileError for a path that does not exist or when no file is found."""
+    patterns = _check_patterns(patterns, where)
+    if not isinstance(sources, (str, os.PathLike)):
+        try:
+            sources = list(sources)
+        except TypeError:  # None, 5: "'NoneType' object is not iterable"
+            raise TileError(where, "sources must be a path or a list of paths (text files and folders)",
+                            f"{sources!r:.100}") from None
     found: list[Path] = []
     for src in _as_list(sources):
         p = user_path(src, where)
         if p.is_file():
             found.append(p.resolve())
         elif p.is_dir():
-            below = set()
-            for pat in patterns:
-                for f in p.rglob(pat):
-                    rel = f.relative_to(p).parts
-                    if f.is_file() and not any(part.startswith(".") for part in rel):
-                        below.add(f.resolve())
-            found.extend(sorted(below))
+            found.extend(_files_below(p, patterns))
         else:
             raise TileError(where, "each source must be an existing text file or folder", str(src))
     unique = list(dict.fromkeys(found))  # a file named twice is read once, first place kept
     if not unique:
-        raise TileError(where, f"no files found (folders are searched for {', '.join(patterns)})",
+        searched = ", ".join(patterns) if patterns else "nothing: patterns is empty"
+        raise TileError(where, f"no files found (folders are searched for {searched})",
                         ", ".join(str(s) for s in _as_list(sources)) or "no sources")
     return unique
 
 
-def read_text(path: Path | str, where: str = "tilegraph.io.read_text") -> str:
-    """The file's content as text; a TileError names the file when it is not UTF-8 text."""
-    data = Path(path).read_bytes()
+#: byte order marks of encodings other than UTF-8, longest first (UTF-32's starts like UTF-16's)
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+               (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _read_text(path, where: str, max_bytes: int | None = None) -> tuple[str, bool]:
+    """The file's text, at most ``max_bytes`` bytes of it (None: all; the rest never read, and a
+    character cut in two left out), and whether it was cut. A leading UTF-8 byte order mark is
+    not text (Windows editors write one): it is dropped, not tokenized into the corpus."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            skip = len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0
+            f.seek(skip)
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    except OSError as e:  # unreadable, or gone since it was found
+        raise TileError(where, "a readable text file", f"{path}: {e.strerror or e}") from None
+    other = next((name for bom, name in _OTHER_BOMS if head.startswith(bom)), None)
+    if other is not None:  # its NUL bytes would call it binary
+        raise TileError(where, f"expected a UTF-8 text file; this one is {other} (it starts with a {other} byte "
+                        "order mark): save it as UTF-8", str(path))
+    cut = max_bytes is not None and len(data) > max_bytes
+    if cut:
+        data = data[:max_bytes]
     nul = data.find(b"\x00")
     if nul >= 0:  # valid UTF-8, but no text file has NUL bytes: this is a binary file
         raise TileError(where, "expected a UTF-8 text file; this one contains NUL bytes (binary?)",
-                        f"{path} (first NUL at byte {nul})")
+                        f"{path} (first NUL at byte {nul + skip})")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), cut
     except UnicodeDecodeError as e:
+        start, at_end = e.start, cut and e.reason == "unexpected end of data"
+    if not at_end:
         raise TileError(where, "expected a UTF-8 text file; this one does not decode as UTF-8",
-                        f"{path} (byte {e.start}: {data[e.start:e.start + 4]!r})") from None
+                        f"{path} (byte {start + skip}: {data[start:start + 4]!r})")
+    return data[:start].decode("utf-8"), cut  # the budget ended inside a character
+
+
+def read_text(path: Path | str, where: str = "tilegraph.io.read_text") -> str:
+    """The file's content as text (without a leading byte order mark); a TileError names the
+    file when it is not UTF-8 text or cannot be read."""
+    return _read_text(path, where)[0]
 
 
 # -------------------------------------------------------------------------------- token file ----
@@ -132,9 +203,16 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
         raise TileError(where, "the output's parent folder must exist", str(out))
     if out.is_dir():
         raise TileError(where, "the output must be a file path, not a folder", str(out))
+    if not isinstance(append_eos, (bool, np.bool_)):  # append_eos="no" is true: end-of-text tokens, silently
+        raise TileError(where, "append_eos must be True or False", f"{append_eos!r:.100}")
     if max_bytes is not None and not is_int(max_bytes, 1):
         raise TileError(where, "max_bytes must be None or an int >= 1", repr(max_bytes))
     files = find_sources(sources, patterns, where=where)
+    written = {out.resolve(), _meta_path(out).resolve()}
+    clash = [str(f) for f in files if f in written]
+    if clash:  # it was replaced by the token file, the text lost
+        raise TileError(where, "the output must not be one of the sources (the token file would replace it)",
+                        f"{out} among the sources ({clash[0]})")
     dtype = tokenizer.dtype
     eos = tokenizer.eos_id if append_eos else None
     tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -147,12 +225,10 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
             for path in files:
                 if max_bytes is not None and read_bytes >= max_bytes:
                     break
-                text = read_text(path, where)
+                # only the rest of the budget is read (a 10 GB file under max_bytes=1e6: 1 MB of it);
+                # a character cut in two is left out whole
+                text, cut = _read_text(path, where, None if max_bytes is None else max_bytes - read_bytes)
                 raw = text.encode("utf-8")
-                cut = max_bytes is not None and read_bytes + len(raw) > max_bytes
-                if cut:  # the rest of the budget; a character cut in two is left out whole
-                    text = raw[:max_bytes - read_bytes].decode("utf-8", errors="ignore")
-                    raw = text.encode("utf-8")
                 ids = np.asarray(tokenizer.encode(text))
                 if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
                     raise TileError(where, f"the tokenizer produced ids outside [0, {tokenizer.vocab_size})",
@@ -172,6 +248,8 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
                 count += int(ids.size)
                 text_chars += len(text)
                 read_bytes += len(raw)
+                if cut:  # the budget is spent, even where a character cut in two left a byte or two of it
+                    break
             f.flush()
             os.fsync(f.fileno())
         if text_chars == 0:
@@ -217,6 +295,11 @@ def read_token_meta(path: str | os.PathLike, *, verify: bool = False) -> dict:
     if meta.get("version") != VERSION or meta.get("dtype") not in ("uint16", "uint32"):
         raise TileError(where, f"unsupported token file (version {VERSION}, dtype uint16/uint32)",
                         f"version {meta.get('version')}, dtype {meta.get('dtype')}")
+    # a hand-edited or damaged sidecar met a KeyError or int()'s ValueError here or in TokenDataset
+    if not is_int(meta.get("count"), 0) or not is_int(meta.get("vocab_size"), 1):
+        raise TileError(where, "the sidecar must give the token count (an int >= 0) and vocab_size (an int >= 1); "
+                        "build the token file again (build_token_file)",
+                        f"{meta_path}: count {meta.get('count')!r:.40}, vocab_size {meta.get('vocab_size')!r:.40}")
     size = path.stat().st_size
     want = int(meta["count"]) * np.dtype(meta["dtype"]).itemsize
     if size != want:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import uuid
+import warnings
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -154,6 +156,24 @@ def _check_eos(where: str, eos) -> None:
         raise TileError(where, "eos must be the end-of-text token's text (a non-empty str) or None", f"{eos!r:.100}")
 
 
+#: what the text of an end-of-text token holds (<|endoftext|>, <|eot|>, </s>, [EOS], <end>, ...)
+_END_MARK = re.compile(r"end|eos|eot|</s>", re.IGNORECASE)
+
+
+def _only_special_token(tokenizer) -> str | None:
+    """The text of the tokenizer's only special token, when it has exactly one, it is not its
+    model's unknown token and it reads as an end marker (what :meth:`BPETokenizer.train` makes of
+    ``eos="<|eot|>"``; a lone "<pad>" is not taken for one); else None."""
+    decoder = getattr(tokenizer, "get_added_tokens_decoder", None)
+    if decoder is None:
+        return None
+    special = [t.content for t in decoder().values() if getattr(t, "special", False)]
+    unk = getattr(getattr(tokenizer, "model", None), "unk_token", None)
+    if len(special) == 1 and special[0] != unk and _END_MARK.search(special[0]):
+        return special[0]
+    return None
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
     ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
@@ -182,7 +202,10 @@ class BPETokenizer(Tokenizer):
             if eos != DEFAULT_EOS:  # asked for by name: without it no document would end
                 raise TileError(where, "the end-of-text token eos must be in the "
                                 "tokenizer's vocabulary (eos=None: none)", repr(eos))
-            eos = None  # the default one, absent (a tokenizer from elsewhere): no end-of-text token
+            # the default one, absent: the tokenizer's one special token (train(eos="<|eot|>"), saved
+            # and loaded: its token files had no end-of-text token, silently); else none
+            eos = _only_special_token(tokenizer)
+            eos_id = tokenizer.token_to_id(eos) if eos is not None else None
         self._tok = tokenizer
         self.eos = eos
         self.eos_id = eos_id
@@ -220,6 +243,11 @@ class BPETokenizer(Tokenizer):
             initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
         texts = (read_text(p, where) for p in paths)
         tok.train_from_iterator(texts, trainer=trainer, length=len(paths))
+        got = tok.get_vocab_size(with_added_tokens=True)
+        if got < vocab_size:  # the text ran out of pairs to merge (min_frequency): said, not silently smaller
+            warnings.warn(f"[{where}] the text gave only {got} of the vocab_size={vocab_size} ids asked for "
+                          f"(no pair seen min_frequency={min_frequency} times is left to merge): more text, "
+                          "or a smaller vocab_size", stacklevel=2)
         return cls(tok, eos=eos)
 
     @classmethod
@@ -237,7 +265,9 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path: str | os.PathLike, eos: str | None = DEFAULT_EOS) -> "BPETokenizer":
-        """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file)."""
+        """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file). ``eos`` is the
+        end-of-text token's text (None: none); the default, when the file lacks it, falls back to
+        the file's only special token (the ``eos`` that :meth:`train` was given), else to none."""
         from tilegraph.io.data import read_text
 
         where = "tilegraph.io.BPETokenizer.load"

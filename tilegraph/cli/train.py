@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -245,8 +246,8 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
     for s in d["sources"]:
         if s == "stdlib":
             files += stdlib_files(d["patterns"], limit)
-        elif glob.has_magic(s) and not Path(s).exists():  # "data/*.txt": the files and folders it matches
-            matched = sorted(glob.glob(s, recursive=True))
+        elif glob.has_magic(s) and not Path(s).expanduser().exists():  # "data/*.txt": what it matches
+            matched = sorted(glob.glob(os.path.expanduser(s), recursive=True))  # ("~/data/*.txt" too)
             if not matched:
                 raise TileError(where, "a glob that matches files or folders", f"{s!r} matches nothing")
             files += matched
