@@ -856,7 +856,7 @@ class Checkpoint:
         stored parts of each of its tiles, as they are: the checkpoint must store it quantized
         alike (the same tiles, parts and quantization attributes). One the checkpoint does not
         hold (written before checkpoints held them) keeps its parts."""
-        self._load_into(model, strict, quantized=True)
+        self._load_into(model, _flag(f"{self._where}.load_into", "strict", strict), quantized=True)
 
     def _load_into(self, model, strict: bool, quantized: bool) -> None:
         self._restore(*self._model_reads(model, strict, quantized))
@@ -952,6 +952,7 @@ class Checkpoint:
         the run continues exactly). Parameters are matched by name through ``model`` (default:
         the optimizer's parameter names). Everything is checked, and every tile read, before
         the optimizer changes."""
+        schedule = _flag(f"{self._where}.restore_optimizer", "schedule", schedule)
         reads, finish = self._optimizer_reads(optimizer, model, schedule)
         self._restore(reads)
         finish()
@@ -1005,11 +1006,20 @@ class Checkpoint:
         weights; the optimizer's kind, parameters and state) and every read happen before
         anything changes, so a checkpoint that does not fit leaves model and optimizer as they
         were (what resuming training needs: :meth:`tilegraph.Trainer.load_checkpoint`)."""
+        strict = _flag(f"{self._where}.restore", "strict", strict)
+        schedule = _flag(f"{self._where}.restore", "schedule", schedule)
         exact, quantized = self._model_reads(model, strict, quantized=True)
         reads, finish = self._optimizer_reads(optimizer, model, schedule) if optimizer is not None else ([], None)
         self._restore(exact + reads, quantized)
         if finish is not None:
             finish()
+
+
+def _flag(where: str, name: str, value) -> bool:
+    """A switch given as a bool (``strict="no"`` is a true str: a strict load, silently)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise CheckpointError(where, f"{name} must be True or False", repr(value)[:100])
+    return bool(value)
 
 
 def _held_quantized(model) -> dict:

@@ -270,3 +270,18 @@ def test_trainer_load_checkpoint_refuses_what_is_not_a_path(path):
     object, not NoneType" (a variable holding no checkpoint yet)."""
     with pytest.raises(tg.TileError, match=r"\[tilegraph.Trainer.load_checkpoint\] a path"):
         _trainer()[2].load_checkpoint(path)
+
+
+def test_checkpoint_switches_must_be_bools(tmp_path):
+    """restore(strict="no") and restore_optimizer(schedule="no") counted as True (a strict load,
+    the schedule restored) without a word."""
+    model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = tg.io.load_checkpoint(tg.io.save_checkpoint(tmp_path / "ck", model, opt))
+    with pytest.raises(CheckpointError, match=r"restore\] strict must be True or False; received: 'no'"):
+        ck.restore(model, opt, strict="no")
+    with pytest.raises(CheckpointError, match=r"restore_optimizer\] schedule must be True or False"):
+        ck.restore_optimizer(opt, model, schedule="no")
+    with pytest.raises(CheckpointError, match=r"load_into\] strict must be True or False"):
+        ck.load_into(model, strict=1)
+    ck.restore(model, opt, strict=True, schedule=False)
