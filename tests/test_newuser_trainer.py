@@ -200,3 +200,28 @@ def test_swapping_model_optimizer_or_loss_between_fits_is_refused():
     trainer.batch_size = 32  # the same value again is fine
     trainer.data = lambda step: _data(step + 100)  # the data may change: each step asks for its batch
     assert trainer.fit(1).steps == 1 and opt.step_count == 3 and trainer.history[-1]["step"] == 3
+
+
+def test_keyboard_interrupt_while_fit_waits_for_a_loss_keeps_that_steps_record(tmp_path, monkeypatch):
+    """Ctrl-C (the notebook's stop button) while fit waited for a step's loss: the step was taken
+    off the queue first, so its update was applied and its loss never logged (history and
+    metrics.jsonl skipped it, the progress bar ended one short)."""
+    from tilegraph._train import PendingStep
+
+    real = PendingStep.result
+    calls = []
+
+    def result(self, *args, **kwargs):
+        calls.append(self.step)
+        if self.step == 5 and calls.count(5) == 1:  # the first wait for step 5's loss is interrupted
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PendingStep, "result", result)
+    _, opt, trainer = _trainer(log_dir=tmp_path / "log")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(9)
+    ran = opt.step_count
+    logged = [r["step"] for r in trainer.history if "loss" in r]
+    on_disk = [json.loads(line)["step"] for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert ran >= 5 and logged == on_disk == list(range(1, ran + 1))

@@ -13,6 +13,8 @@ one record per step (``loss``, ``lr``) and one per evaluation (``val_loss``).
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import math
 import os
@@ -110,9 +112,9 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
     - ``path``: also write a PNG there (written under a temporary name, then renamed, so a
       reader never sees half a file).
 
-    Returns the :class:`matplotlib.figure.Figure`: a notebook shows it with
-    ``display(fig)``. It is drawn without pyplot, so it needs no display and leaves pyplot's
-    current figure and backend alone.
+    Returns the :class:`matplotlib.figure.Figure`: a notebook shows it inline (as the cell's
+    value, or with ``display(fig)``), with or without ``%matplotlib inline``. It is drawn without
+    pyplot, so it needs no display and leaves pyplot's current figure and backend alone.
     """
     from matplotlib.figure import Figure
 
@@ -128,6 +130,7 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
     train, val, lr = _curves(records, run)
 
     fig = Figure(figsize=(7, 5), dpi=100, layout="constrained")
+    fig._repr_png_ = functools.partial(_png, fig)  # shown inline in any notebook
     # the loss on top; the learning rate in a short panel under it, on the same steps
     if lr:
         ax, ax_lr = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
@@ -179,6 +182,16 @@ def plot_training(records: Iterable[dict] | str | os.PathLike, *, vocab_size: in
         finally:
             tmp.unlink(missing_ok=True)
     return fig
+
+
+def _png(fig) -> bytes:
+    """``fig`` as PNG bytes: the ``_repr_png_`` that :func:`plot_training` gives its figure. A
+    Figure made without pyplot had an image in a notebook only once ``%matplotlib inline`` (or a
+    pyplot import) registered matplotlib's formatter; before, a fresh kernel showed the text
+    "<Figure size 700x500 with 2 Axes>". Where that formatter is registered, it goes first."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
 
 def _records(records, where: str) -> list[dict]:

@@ -442,7 +442,11 @@ class Trainer:
             return loss
 
         def finish(i: int, pending, batch) -> None:
+            """Log the oldest step waiting (``i``), taking it off ``waiting`` once logged (an
+            interruption while it waits for the loss leaves it there, for settle() to log), then
+            its hooks, evaluation and checkpoint."""
             loss = log_step(i, pending, batch, patient=self.step_timeout == "auto")
+            waiting.pop(0)  # logged: a hook that raises below leaves the later ones waiting
             for hook in self.on_step:
                 hook(self, pending.stats)
             if evaluates(i):
@@ -450,7 +454,7 @@ class Trainer:
                 result.val_losses.append((i, val))
                 self._log(log, {"step": i, "val_loss": val, "val_ppl": perplexity(val), "time": time.time()})
                 bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f} (perplexity {perplexity(val):.2f})")
-                if i != end and self._plot_due(t0):  # the end draws anyway
+                if i != end and self.log_dir is not None and self._plot_due(t0):  # the end draws anyway
                     self.plot()
             if checkpoints(i):
                 path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}", range(i, i + 1))
@@ -466,7 +470,7 @@ class Trainer:
         def finish_waiting(n: int | None = None) -> None:
             """Finish the ``n`` oldest steps waiting (None: all)."""
             for _ in range(len(waiting) if n is None else n):
-                finish(*waiting.pop(0))  # taken off first: a hook that raises leaves the later ones waiting
+                finish(*waiting[0])
 
         def settle() -> None:
             """After an interruption (KeyboardInterrupt, an error in a hook or in the data): the
@@ -579,7 +583,8 @@ class Trainer:
         thread_seconds = result.seconds * threads
         result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / thread_seconds)
         result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
-        self.plot()
+        if self.log_dir is not None:
+            self.plot()
         return result
 
     def _diverged(self, pending) -> "NonFiniteLossError":
@@ -781,21 +786,24 @@ class Trainer:
         if self._tb is not None:
             _tensorboard_write(self._tb, record)
 
-    def plot(self, path: str | os.PathLike | None = None) -> Path | None:
+    def plot(self, path: str | os.PathLike | None = None):
         """Draw this run's curves to ``path`` (default ``log_dir/loss.png``) with
         :func:`tilegraph.plotting.plot_training`: training loss (raw and smoothed), validation
-        loss, learning rate and, for a language model, the uniform guess ``ln(vocab_size)``."""
+        loss, learning rate and, for a language model, the uniform guess ``ln(vocab_size)``.
+        Returns the path written; without a ``path`` or a ``log_dir``, the matplotlib Figure
+        (a notebook shows it inline), where it drew nothing and returned None."""
         from tilegraph.plotting import plot_training
 
-        if path is None:
-            if self.log_dir is None:
-                return None
+        if path is None and self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)  # made when missing, as fit() does
             path = self.log_dir / "loss.png"
         t0 = time.perf_counter()
         # the uniform guess over the model's outputs: the loss a language model starts near
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) if self.token_data else None
-        plot_training(self.history, vocab_size=vocab if isinstance(vocab, int) else None, path=path, run=self.run_id)
+        fig = plot_training(self.history, vocab_size=vocab if isinstance(vocab, int) else None, path=path,
+                            run=self.run_id)
+        if path is None:
+            return fig
         end = time.perf_counter()
         self._plotted = (end, end - t0)
         return Path(path)
@@ -1122,7 +1130,9 @@ def _in_jupyter() -> bool:
         shell = ipython.get_ipython() if ipython is not None else None
     except Exception:
         return False
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    # by the class's ancestry: Google Colab's shell is a subclass of it (named "Shell"), where
+    # the exact name had sent the bar to plain lines on stderr every 10 s
+    return shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
 
 
 def _progress(total: int, enabled: bool):

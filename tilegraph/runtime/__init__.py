@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
+import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -683,6 +685,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         return Runtime(client, make_current=make_current)
 
     _refuse_unguarded_script(where)
+    _warn_open_embedded(where)
     from distributed import Scheduler, SpecCluster
 
     ncpu = os.cpu_count() or 1
@@ -705,23 +708,66 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     with dask.config.set(settings):
         if quiet:
             _quiet_logs()
-        cluster = SpecCluster(
-            workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit, quiet, security),
-            scheduler={"cls": Scheduler, "options": scheduler_opts},
-            silence_logs=logging.ERROR if quiet else logging.WARN,
-            name="tilegraph", security=security,
-        )
-        client = Client(cluster)  # with the cluster's security
-        client.wait_for_workers(n_workers, timeout=60)
-        if quiet:  # worker processes take their logging setup from the parent's config: quiet them here
-            client.run(_quiet_logs)
-    rt = Runtime(client, cluster, make_current=make_current)
+        with _interrupt_held() as interrupted:
+            cluster = SpecCluster(
+                workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit, quiet, security),
+                scheduler={"cls": Scheduler, "options": scheduler_opts},
+                silence_logs=logging.ERROR if quiet else logging.WARN,
+                name="tilegraph", security=security,
+            )
+        client = None
+        try:  # interrupted from here on (a notebook's stop button), the cluster is closed, not left running
+            if interrupted():
+                raise KeyboardInterrupt
+            client = Client(cluster)  # with the cluster's security
+            client.wait_for_workers(n_workers, timeout=60)
+            if quiet:  # worker processes take their logging setup from the parent's config: quiet them here
+                client.run(_quiet_logs)
+            rt = Runtime(client, cluster, make_current=make_current)
+        except BaseException:
+            try:
+                if client is not None:
+                    client.close()
+            finally:
+                cluster.close()
+            raise
     rt.has_dashboard = bool(dashboard)
     if dashboard:
         print(f"tilegraph: embedded cluster with {_plural(n_workers, 'worker')} x {_plural(threads_per_worker, 'thread')}"
               f"{f', {gpu} GPU' if gpu else ''}{', TLS' if security is not None else ''}; "
               f"dashboard: {rt.dashboard_link}", flush=True)
     return rt
+
+
+@contextlib.contextmanager
+def _interrupt_held():
+    """Hold back a Ctrl-C (SIGINT: a notebook's stop button too) until the block ends; yields a
+    function saying whether one came. Dask's cluster start, interrupted half-way, leaves a worker
+    process running that nothing closes (closing that cluster fails on the worker it never
+    finished starting), and a second ``connect`` then starts another beside it. Only in the main
+    thread, where Python's own handler is the one installed."""
+    got: list[bool] = []
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: False
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(True))
+    try:
+        yield lambda: bool(got)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _warn_open_embedded(where: str) -> None:
+    """Warn when an embedded cluster an earlier ``connect`` started is still open: a notebook cell
+    run again started a second one beside it, and what was made on the first (a model's
+    parameters) stays on its workers."""
+    earlier = [rt for rt in dict.fromkeys(_CURRENT) if not rt.closed and rt.cluster is not None]
+    if earlier:
+        warnings.warn(f"[{where}] the embedded cluster of an earlier tg.connect() is still running "
+                      f"({earlier[-1]!r}) and this starts another beside it, on the same cores (a cell run "
+                      "again?); what was made on the earlier one (a model's parameters) stays there: close it "
+                      "first (rt.close()), or keep using it instead of connecting again", stacklevel=3)
 
 
 # -- TLS ------------------------------------------------------------------------------------------
