@@ -586,6 +586,12 @@ def _values(cells: np.ndarray, p, where: str, runtime, deal) -> list[tuple[tuple
             if runtime is None:
                 raise CheckpointError(where, "the parameters live on a runtime's workers: pass runtime=..., or save "
                                       "inside `with rt.as_current():`", f"{p.name} tile {idx} held by a Dask worker")
+            holder = getattr(value.future, "client", None)
+            if holder is not None and holder is not runtime.client:  # (Dask's own error named no runtime)
+                raise CheckpointError(where, "the runtime holding the model's values: save inside `with "
+                                      "rt.as_current():` of that runtime, or pass runtime=rt (a tg.connect() run "
+                                      "again makes a second runtime the current one)",
+                                      f"{p.name} tile {idx} held by another runtime than {runtime!r}")
         elif value is None or not hasattr(value, "shape"):  # a value only a graph makes (a dask key): compute it
             from tilegraph._lower import compute
             from tilegraph._tensor import Tiling, tensor_from_cells

@@ -285,3 +285,18 @@ def test_checkpoint_switches_must_be_bools(tmp_path):
     with pytest.raises(CheckpointError, match=r"load_into\] strict must be True or False"):
         ck.load_into(model, strict=1)
     ck.restore(model, opt, strict=True, schedule=False)
+
+
+@pytest.mark.distributed
+def test_saving_values_held_by_another_runtime_names_it(tmp_path, embedded_runtime):
+    """After tg.connect() was run again (a second runtime current), saving a model whose values
+    live on the first one failed inside Dask ("Only use allow_other_workers= if using workers=")."""
+    model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(16, 8), (16, None)], runtime=embedded_runtime)
+    step(*_data(0))
+    with tg.connect(n_workers=1, threads_per_worker=1, quiet=True, dashboard=False, make_current=False) as other:
+        with pytest.raises(CheckpointError, match=r"the runtime holding the model's values.*held by another runtime"):
+            tg.io.save_checkpoint(tmp_path / "ck", model, opt, runtime=other)
+    assert not (tmp_path / "ck").exists()
+    tg.io.save_checkpoint(tmp_path / "ck", model, opt, runtime=embedded_runtime)
