@@ -90,7 +90,9 @@ def _refuse_unguarded_script(where: str) -> None:
     ``if __name__ == "__main__":``: every worker process would run that code again on starting
     and fail (a page of tracebacks ending in "Nanny failed to start"). Checked here, before
     anything starts: the line of the main script that led to this call, against the script's
-    own source. In a worker started that way, the call itself is refused."""
+    own source. In a worker started that way, the call itself is refused. Also refused: the
+    embedded cluster in a rank of an MPI launch (:func:`_refuse_mpi_rank`)."""
+    _refuse_mpi_rank(where)
     import multiprocessing
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -130,6 +132,28 @@ def _refuse_unguarded_script(where: str) -> None:
                 and node.body[0].lineno <= line <= node.body[-1].end_lineno):
             return
     raise TileError(where, _GUARD_HELP, f"called from {path}, line {line}, outside such a block")
+
+
+#: the environment variables that give a process's rank and the launch's size: MPICH and Intel MPI
+#: (PMI), Open MPI, PMIx
+_MPI_RANK_ENV = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                 ("PMIX_RANK", "PMIX_SIZE"))
+
+
+def _refuse_mpi_rank(where: str) -> None:
+    """Refuse the embedded cluster in a rank of an MPI launch of several ranks (``mpiexec -n 4
+    python train.py`` with ``tg.connect()``, ``mpiexec -n 4 tilegraph train`` without ``--mpi``):
+    every rank would start a cluster of its own over all of the node's cores and train the same
+    model alone, writing the same files (``tilegraph train``'s other ranks stopped at "r is in use
+    by tilegraph train", which named no cause). ``connect(mpi=True)`` makes the ranks one cluster."""
+    for rank_key, size_key in _MPI_RANK_ENV:
+        size, rank = os.environ.get(size_key, ""), os.environ.get(rank_key, "?")
+        if size.isdigit() and int(size) > 1:
+            raise TileError(where, "under an MPI launch of several ranks, tg.connect(mpi=True) (`tilegraph train "
+                            "--mpi`, [runtime] mpi = true), which makes rank 0 the scheduler, rank 1 the client and the "
+                            "others workers of one cluster; without it each rank would start an embedded cluster "
+                            "of its own and run the whole job alone",
+                            f"an embedded cluster asked for in rank {rank} of {size} ({size_key}={size})")
 
 
 def _is_main_test(test) -> bool:
@@ -194,10 +218,21 @@ _HTTP_PROBE = b"GET /\n\n"
 
 def _read_scheduler_file(where: str, path, timeout: float) -> str:
     """The scheduler address in a scheduler file. A file that is being written (dask writes it
-    in place) is read again for up to 2 s before its content counts as wrong."""
+    in place) is read again for up to 2 s before its content counts as wrong.
+
+    A file not there yet is waited for up to ``timeout``, as Dask's own Client does: a batch job
+    starts ``mpiexec ... dask-mpi --scheduler-file s.json &`` and its training right after it,
+    and the scheduler writes the file a few seconds later (it was an error at once). A file
+    whose folder does not exist is an error at once."""
     path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and os.path.isdir(folder) and time.monotonic() < deadline:
+        time.sleep(0.1)
     if not os.path.exists(path):
-        raise TileError(where, "scheduler file does not exist", repr(path))
+        waited = f" (waited {timeout:g} s for it)" if os.path.isdir(folder) else " (nor its folder)"
+        raise TileError(where, "scheduler file does not exist: start the scheduler first (dask-mpi --scheduler-file, "
+                        "dask scheduler --scheduler-file), or name the file it writes", f"{path!r}{waited}")
     deadline = time.monotonic() + min(2.0, timeout)
     while True:
         try:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 from tilegraph._errors import TileError
+
+#: on the client rank, once :func:`initialize_mpi` has given the ranks their roles: the settings
+#: of that launch and its worker count (the other ranks never return from it)
+_LAUNCH: dict | None = None
 
 
 def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security=None, tls: bool = False,
@@ -32,10 +37,21 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
                         f"ImportError: {e}") from None
     from tilegraph.runtime import _plural
 
+    global _LAUNCH
+    if _LAUNCH is not None:  # a second connect(mpi=True) in this script (the ranks have their roles)
+        return _connect_again(interface, _tls_config(security, tls, tls_files), dask_config, problem)
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 3:
+        if comm.Get_rank() != 1 and comm.Get_size() > 1:  # rank 1 (the client's) says why, once
+            raise SystemExit(1)
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
                         "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank"))
+    if dask_config is not None and not (isinstance(dask_config, Mapping)
+                                        and all(isinstance(k, str) for k in dask_config)):
+        if comm.Get_rank() != 1:  # the same on every rank: the client rank says why, once
+            raise SystemExit(1)
+        raise TileError("tilegraph.connect(mpi=True)", "dask_config must be a dict of Dask config keys "
+                        "(\"distributed.admin.tick.interval\": \"1s\", ...) and their values", _short(dask_config))
     _agree_on_problems(comm, interface, problem)
     from tilegraph.runtime import _visible_gpus
     from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs, ignore_stop_signals
@@ -75,9 +91,70 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     threads = _worker_threads(comm, MPI)
     gpus = _visible_gpus()
     options = {"resources": {"GPU": 1} if gpus else {"CPU": threads}}
-    initialize(interface=interface, nthreads=threads, worker_options=options, dashboard=comm.Get_rank() == 0,
-               protocol="tls" if tls_config else None, exit=True)
-    return comm.Get_size() - 2
+    try:
+        initialize(interface=interface, nthreads=threads, worker_options=options, dashboard=comm.Get_rank() == 0,
+                   protocol="tls" if tls_config else None, exit=True)
+    except Exception as e:
+        if comm.Get_rank() != 0:
+            raise  # a worker rank that fails to start: the client rank names it after its wait for them
+        _end_job(comm, e)
+    import atexit
+
+    # before dask-mpi's own exit handler (atexit runs the last registered first), which shuts the
+    # scheduler down: a client still open then (the script's runtime, unclosed) logged "Failed to
+    # reconnect to scheduler after 30.00 seconds" and tracebacks as the job ended
+    atexit.register(_close_clients)
+    _LAUNCH = {"settings": (interface, tls_config, dask_config or {}), "workers": comm.Get_size() - 2}
+    return _LAUNCH["workers"]
+
+
+def _end_job(comm, error: Exception) -> None:
+    """End the whole job from the scheduler's rank, whose scheduler failed (to start, say: a
+    value of ``dask_config`` it cannot read). Every other rank waits for the scheduler's address
+    in dask-mpi's busy MPI broadcast: the job went on, a core spinning per rank, until the batch
+    system killed it. Says why, naming the rank and host, then aborts every rank."""
+    import socket
+    import sys
+
+    print(f"[tilegraph.connect(mpi=True)] the scheduler (rank 0 on {socket.gethostname()}) failed, so the MPI job "
+          "ends (a Dask setting it cannot read? connect's dask_config, DASK_CONFIG's files); "
+          f"received: {type(error).__name__}: {_short(error)}", file=sys.stderr, flush=True)
+    comm.Abort(1)
+
+
+def _short(value, limit: int = 300) -> str:
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _close_clients() -> None:
+    """Close this client rank's open Dask clients (at exit, before the cluster shuts down)."""
+    from distributed.client import _global_clients
+
+    for client in list(_global_clients.values()):
+        try:
+            client.close(timeout=2)
+        except Exception:
+            pass  # exiting anyway
+
+
+def _connect_again(interface, tls_config: dict, dask_config: dict | None, problem: TileError | None) -> int:
+    """The worker count of the launch this client rank made before, for a second connect(mpi=True)
+    (a script that trains twice, a notebook cell run again). The ranks took their roles at the
+    first one: the scheduler and the workers run until this script ends, and no longer take part
+    in the collective calls of a launch (a second launch waited for them without end, spinning a
+    core). So a client connects to the same scheduler, with the same settings."""
+    if problem is not None:
+        raise problem
+    before = _LAUNCH["settings"]
+    now = (interface, tls_config, dask_config or {})
+    if now != before:
+        names = ("interface", "TLS", "dask_config")
+        changed = [f"{name} {b!r} -> {n!r}" for name, b, n in zip(names, before, now) if b != n]
+        raise TileError("tilegraph.connect(mpi=True)", "the settings of this script's first connect(mpi=True): "
+                        "its ranks took their roles (scheduler, workers) then, with those settings, and keep them "
+                        "until the script ends", "; ".join(changed))
+    return _LAUNCH["workers"]
 
 
 def _interface_problem(interface: str | None) -> str | None:
