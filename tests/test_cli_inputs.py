@@ -233,3 +233,17 @@ def test_the_still_running_warning_says_what_it_waits_for(monkeypatch, caplog):
         assert step._check_workers(None, 59.0, True, waited=60.2, checked=1.0) == 59.0
     assert caplog.messages == ["step 1 still running after 60 s (time limit 59 s); every worker answers, waiting on: "
                                "the step goes on (the workers are checked again in 59 s)"]
+
+
+def test_settings_that_only_mpi_reads_are_refused_without_it(capsys, tmp_path, monkeypatch):
+    """interface (the network interface of MPI ranks) given without mpi was ignored without a word,
+    by tg.connect and by tilegraph train's [runtime]; a dask_config that is no mapping was a
+    TypeError inside Dask."""
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.connect\] interface only with mpi=True.*received: "
+                                           r"interface='ib0'"):
+        tg.connect(interface="ib0")
+    with pytest.raises(tg.TileError, match=r"dask_config must be a mapping.*received: str 'x'"):
+        tg.connect(dask_config="x")
+    monkeypatch.chdir(tmp_path)
+    err = _main(capsys, "train", "--set", "runtime.interface=ib0", "--steps", "1")
+    assert "[tilegraph train [runtime]] interface only with mpi (--mpi)" in err and "interface = 'ib0'" in err

@@ -84,6 +84,10 @@ def _train(args, job: Job) -> int:
                         "workers only for the embedded cluster (the others bring their own workers)",
                         ", ".join(f"{k} = {r[k]!r}" if k != "mpi" else "mpi = true" for k in
                                   launches + (["workers"] if r["workers"] else [])) + f" (in {source})")
+    if r["interface"] and not (args.mpi or r["mpi"]):  # (it was ignored without a word)
+        raise TileError("tilegraph train [runtime]", "interface only with mpi (--mpi): the network interface the "
+                        "MPI ranks listen on; the embedded cluster listens on 127.0.0.1, another cluster on what it "
+                        "was started with", f"interface = {r['interface']!r} (in {source})")
     if args.mpi or r["mpi"]:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).

@@ -636,6 +636,12 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             "an existing cluster keeps the workers and settings it was started with"
         raise TileError(where, f"{', '.join(given)} only for the embedded cluster ({cluster})",
                         ", ".join(f"{k}={v!r}" for k, v in given.items()))
+    if interface is not None and not mpi and address is None and scheduler_file is None:
+        raise TileError(where, "interface only with mpi=True (the network interface the ranks listen on); the "
+                        "embedded cluster listens on 127.0.0.1 alone", f"interface={interface!r}")
+    if dask_config is not None and not mpi and not isinstance(dask_config, Mapping):  # (MPI: its ranks check)
+        raise TileError(where, "dask_config must be a mapping of Dask settings (e.g. {'distributed.comm.timeouts."
+                        "connect': '30s'}) or None", f"{type(dask_config).__name__} {dask_config!r:.80}")
     rank_problem = None  # under MPI: a problem of this rank's, which every rank must hear of
     try:
         tls_files = _tls_files(where, tls_ca_file, tls_cert, tls_key)
