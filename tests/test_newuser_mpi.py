@@ -197,3 +197,20 @@ def test_a_scheduler_file_not_written_yet_is_waited_for(embedded_runtime, tmp_pa
     with pytest.raises(tg.TileError, match=r"scheduler file does not exist.*\(nor its folder\)"):
         tg.connect(scheduler_file=str(tmp_path / "no" / "s.json"), timeout=5)
     assert time.monotonic() - t0 < 1
+
+
+def test_tilegraph_train_in_a_rank_without_mpi_is_refused_before_any_work(monkeypatch, tmp_path, capsys):
+    """``mpiexec -n 4 tilegraph train`` without --mpi read the data and took the output folder's
+    lock in every rank before the embedded cluster's refusal: the other ranks' first words were
+    "runs/default is in use". The refusal comes first, and nothing is written."""
+    from tilegraph.cli import main
+
+    for key in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("PMI_RANK", "2")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "1", "--out", "r"]) == 2
+    err = capsys.readouterr().err
+    assert "[tilegraph train (no --mpi)] under an MPI launch of several ranks" in err
+    assert not (tmp_path / "r").exists()

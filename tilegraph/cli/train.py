@@ -84,6 +84,10 @@ def _train(args, job: Job) -> int:
                         "workers only for the embedded cluster (the others bring their own workers)",
                         ", ".join(f"{k} = {r[k]!r}" if k != "mpi" else "mpi = true" for k in
                                   launches + (["workers"] if r["workers"] else [])) + f" (in {source})")
+    if not launches:  # the embedded cluster: in a rank of a several-rank launch, say so before any work
+        from tilegraph.runtime.connection import _refuse_mpi_rank
+
+        _refuse_mpi_rank("tilegraph train (no --mpi)")
     if r["interface"] and not (args.mpi or r["mpi"]):  # (it was ignored without a word)
         raise TileError("tilegraph train [runtime]", "interface only with mpi (--mpi): the network interface the "
                         "MPI ranks listen on; the embedded cluster listens on 127.0.0.1, another cluster on what it "
