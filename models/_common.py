@@ -154,8 +154,11 @@ class CausalLM(nn.Module):
         return ids
 
     @staticmethod
-    def _positions(ids: TileTensor, start: int = 0) -> TileTensor:
-        """Positions start..start+T-1, tiled like the sequence dim of ``ids``."""
+    def _positions(ids: TileTensor, start: int = 0, cache=None) -> TileTensor:
+        """Positions start..start+T-1, tiled like the sequence dim of ``ids`` (the cache's position
+        tile where it has one: a decoding step recorded to run again for the next positions)."""
+        if cache is not None and cache[0].position is not None:
+            return cache[0].position
         return from_numpy(np.arange(start, start + ids.shape[1], dtype=np.int64), (ids.chunks[1],))
 
     def to_hf(self, path, *, max_shard_bytes: int | None = None, overwrite: bool = False) -> None:

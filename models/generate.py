@@ -24,8 +24,10 @@ come back to the client, where the next token is picked (:func:`next_tokens`).
 from __future__ import annotations
 
 import gc
+import math
 import operator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from tilegraph._autograd import no_grad
 from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef, to_host
 from tilegraph._lower import Executable
+from tilegraph._tensor import TileTensor, from_numpy
 from tilegraph.nn import training
 from tilegraph.runtime import Runtime, current_runtime
 
@@ -233,6 +236,37 @@ def _collector_paused():
             gc.enable()
 
 
+class _LogitsLayout:
+    """Where the last position's logits (B, V) lie in the values of a step's first roots."""
+
+    def __init__(self, logits, grid_shape):
+        self.grid_shape = grid_shape
+        self.n = math.prod(grid_shape)
+        self.shape = (logits.shape[0], logits.shape[2])
+        self.dtype = logits.dtype
+        self.b_offs, self.v_offs = logits.tiling.offsets(0), logits.tiling.offsets(2)
+
+    def gather(self, values) -> np.ndarray:
+        out = np.empty(self.shape, dtype=self.dtype)
+        for (i, j), val in zip(np.ndindex(*self.grid_shape), values[:self.n]):
+            tile = to_host(val)                                             # (b, t, v) of the last seq tile
+            out[self.b_offs[i]:self.b_offs[i] + tile.shape[0], self.v_offs[j]:self.v_offs[j] + tile.shape[2]] = tile[:, -1]
+        return out
+
+
+@dataclass
+class _Step:
+    """A recorded one-position step that runs again for the next positions of its cache tile."""
+
+    exe: Executable
+    ids: TileTensor          # the leaves its token ids are set into
+    position: TileTensor     # the leaf its position is set into
+    cells: list              # per layer, the cache tiles it reads and writes (KVCache.rewritten_cells)
+    logits: _LogitsLayout
+    next: int                # the position it runs for next
+    end: int                 # the end of its cache tile: positions up to here fit
+
+
 class Decoder:
     """Runs a model over successive chunks of token ids, each attending to all earlier ones
     through a per-layer KV cache; returns the logits of each chunk's last position.
@@ -252,17 +286,24 @@ class Decoder:
     (1, 128) 4
     """
 
-    def __init__(self, model: CausalLM, *, runtime=None, cache_block: int = 64):
+    def __init__(self, model: CausalLM, *, runtime=None, cache_block: int = 64, replay: bool = True):
         where = "tilegraph.models.Decoder"
         if not isinstance(model, CausalLM):
             raise TileError(where, "model must be a tilegraph.models model (GPT2, Llama)", type(model).__name__)
         _check_runtime(where, runtime)
+        if not isinstance(replay, (bool, np.bool_)):
+            raise TileError(where, "replay must be a bool", repr(replay))
         self.model = model
         self.runtime = runtime if runtime is not None else current_runtime()
         self.cache = model.new_cache(cache_block)
         self.batch: int | None = None
+        #: whether one-position steps run a recorded step again (see :meth:`feed`)
+        self.replay = bool(replay)
         #: the executable of the last :meth:`feed` (to inspect its graph and tasks)
         self.last_executable: Executable | None = None
+        #: how many :meth:`feed` calls ran a recorded step again instead of recording one
+        self.replayed = 0
+        self._step: _Step | None = None
         self._restore: list = []
         if self.runtime is not None:
             cells = [c for p in model.parameters() for c in p.cells.flat if not isinstance(c.value, ValueRef)]
@@ -276,7 +317,13 @@ class Decoder:
 
     def feed(self, ids) -> np.ndarray:
         """Run ``ids`` (B, T) after the positions fed before; returns the logits (B, V) of the
-        token that follows ``ids``' last position."""
+        token that follows ``ids``' last position.
+
+        One position at a time (T = 1, decoding) the step's graph holds its position in a tile and
+        the cache's last tile has room for ``cache_block`` rows: the graph recorded and planned
+        for one position runs again, with new values in its leaves, for the next positions of that
+        cache tile (recording and planning were about half of a GPT-2 124M token's time); with
+        ``replay=False`` every call records and plans its own graph."""
         where = "tilegraph.models.Decoder.feed"
         ids = np.asarray(ids)
         vocab = self.model.config.vocab_size
@@ -289,32 +336,72 @@ class Decoder:
         if ids.min() < 0 or ids.max() >= vocab:
             raise TileError(where, f"token ids must lie in [0, vocab_size={vocab})",
                             f"min {ids.min()}, max {ids.max()}")
-        saved = [(c.k, c.v) for c in self.cache]
+        ids = ids.astype(np.int64)
+        step = self._step
+        if step is not None and ids.shape[1] == 1 and self.length == step.next < step.end:
+            return self._replay(step, ids)
+        self._step = None
+        at = self.replay and ids.shape[1] == 1 and self.length > 0
+        saved = [(c.k, c.v, c._written) for c in self.cache]
         try:
             with no_grad(), training(False), _collector_paused():
-                logits = self.model(ids.astype(np.int64), cache=self.cache)    # (B, T, V)
+                tiled = self.model.tiling.tile_ids(ids)
+                if at:   # the position in a tile of its own (see above)
+                    position = from_numpy(np.array([self.length], dtype=np.int64))
+                    for c in self.cache:
+                        c.position = position
+                logits = self.model(tiled, cache=self.cache)                   # (B, T, V)
                 last = logits.grid[:, -1, :]                                    # (B tiles, V tiles)
                 pending = [c.pending() for c in self.cache]
                 exe = Executable(list(last.flat) + [r for p in pending for r in p], runtime=self.runtime)
                 values = exe.run(fetch=range(last.size))
         except BaseException:
-            for c, (k, v) in zip(self.cache, saved):   # a failed step leaves the cache as it was
-                c.k, c.v = k, v
+            for c, (k, v, written) in zip(self.cache, saved):   # a failed step leaves the cache as it was
+                c.k, c.v, c._written = k, v, written
             raise
+        finally:
+            for c in self.cache:
+                c.position = None
         self.last_executable = exe
         self.batch = ids.shape[0]
-        out = np.empty((ids.shape[0], vocab), dtype=logits.dtype)
-        b_offs, v_offs = logits.tiling.offsets(0), logits.tiling.offsets(2)
-        for (i, j), val in zip(np.ndindex(*last.shape), values[:last.size]):
-            tile = to_host(val)                                             # (b, t, v) of the last seq tile
-            out[b_offs[i]:b_offs[i] + tile.shape[0], v_offs[j]:v_offs[j] + tile.shape[2]] = tile[:, -1]
+        layout = _LogitsLayout(logits, last.shape)
+        out = layout.gather(values)
         k = last.size
-        for c, p in zip(self.cache, pending):
-            c.store(values[k:k + len(p)])
-            k += len(p)
+        cells = [c.rewritten_cells() for c in self.cache] if at else [None]
+        if all(cs is not None for cs in cells):   # the step can run again for the next positions
+            for c, cs in zip(self.cache, cells):
+                c.store_into(cs, values[k:k + len(cs)])
+                k += len(cs)
+            self._step = _Step(exe, tiled, position, cells, layout, self.length,
+                               self.cache[0].k.shape[2])
+        else:
+            for c, p in zip(self.cache, pending):
+                c.store(values[k:k + len(p)])
+                k += len(p)
         if self.runtime is not None:
             self._own_futures()
         return out
+
+    def _replay(self, step: "_Step", ids: np.ndarray) -> np.ndarray:
+        """Run ``step`` again for one more position (see :meth:`feed`): new ids and position in its
+        leaves, and the cache tiles it wrote last time in place of those it read."""
+        self.model._ids(step.ids, self.length)   # the max_seq_len check the recording made
+        for idx, ref in zip(np.ndindex(*step.ids.tiling.grid), step.ids.grid.flat):
+            ref.node.cell.set(ids[step.ids.tiling.slices(idx)])
+        step.position.grid[0].node.cell.set(np.array([self.length], dtype=np.int64))
+        with _collector_paused():
+            values = step.exe.run(fetch=range(step.logits.n))
+        k = step.logits.n
+        for c, cs in zip(self.cache, step.cells):   # (only now: a failed step leaves the cache as it was)
+            c.store_into(cs, values[k:k + len(cs)])
+            c._written += 1
+            k += len(cs)
+        step.next = self.length
+        self.last_executable = step.exe
+        self.replayed += 1
+        if self.runtime is not None:
+            self._own_futures()
+        return step.logits.gather(values)
 
     def _own_futures(self) -> None:
         """Give each finished cache tile a future of its own.
@@ -336,6 +423,7 @@ class Decoder:
     def close(self) -> None:
         """Drop the cache and put back the parameter values that were on the client."""
         self.cache = self.model.new_cache(self.cache[0].block)
+        self._step = None
         self.batch = None  # the empty cache takes a batch of any size again
         for cell, value, token in self._restore:
             cell.set(value, token)

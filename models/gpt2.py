@@ -108,7 +108,7 @@ class GPT2(CausalLM):
     def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
         start = self._start(cache)                                 # positions already cached
         ids = self._ids(ids, start)                                # (B, T)
-        x = self.wte(ids) + self.wpe(self._positions(ids, start))  # (B, T, C) + (T, C)
+        x = self.wte(ids) + self.wpe(self._positions(ids, start, cache))  # (B, T, C) + (T, C)
         for i, block in enumerate(self.blocks):
             x = self._block(block, x, None if cache is None else cache[i])
         x = self.ln_f(x)

@@ -31,13 +31,13 @@ import numpy as np
 
 from tilegraph._autograd import Op
 from tilegraph._errors import TileError
-from tilegraph._graph import Cost, emit, emit1, kernel
+from tilegraph._graph import Cost, emit, emit1, kernel, to_host
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import (Default, elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
                       require_tensor, resolve_alias, xp_of)
 
-__all__ = ["scaled_dot_product_attention", "kv_cache_append"]
+__all__ = ["scaled_dot_product_attention", "kv_cache_append", "kv_cache_write", "sdpa_at"]
 
 WHERE = "tilegraph.scaled_dot_product_attention"
 
@@ -721,4 +721,157 @@ def kv_cache_append(past: TileTensor | None, new: TileTensor, block: int) -> Til
             shape = (past.chunks[0][b], past.chunks[1][h], n, past.shape[3])
             grid[b, h, j, 0] = emit1(_kv_cache_append, [c[b, h, 0, 0] for c in cols], shape, past.dtype,
                                      op="kv_cache_append")
+    return TileTensor(tiling, past.dtype, grid)
+
+
+# ----------------------------------------------------------- decoding at a position in a tile ----
+# A decoding step whose graph holds no position: the position is the value of a one-tile (1,)
+# int64 tensor, and the last cache tile has room for ``block`` rows (zeros past the positions
+# written), so the same recorded and planned graph runs token after token with new values in its
+# leaves (tilegraph.models.Decoder): recording and planning were about half of a GPT-2 token.
+def _position(pos) -> int:
+    """The position a (1,) int tile holds (read on the host: one wait on a GPU)."""
+    return int(to_host(pos).reshape(-1)[0])
+
+
+def _sdpa_at_gpu(q, *tiles, n_k, n_h, heads, k_offs, scale):
+    """The GPU version reads every key it is given (a mask then zeroes their weights, and 0 times
+    what a row not written yet holds need not be 0): the keys after the position are cut off first."""
+    *kv, pos = tiles
+    p = _position(pos) + q.shape[2] - 1               # the last query's position
+    keep = [j for j, o in enumerate(k_offs) if o <= p]
+    ks, vs = kv[:n_k * n_h], kv[n_k * n_h:]
+    kv = [t[j * n_h + i][:, :, :p + 1 - k_offs[j]] for t in (ks, vs) for j in keep for i in range(n_h)]
+    return _sdpa_fwd_gpu(q, *kv, n_k=len(keep), n_h=n_h, heads=heads, q_off=p - q.shape[2] + 1,
+                         k_offs=tuple(k_offs[j] for j in keep), causal=True, scale=scale)[0]
+
+
+@kernel("sdpa_at", cost=_attn_cost(4.0, 1), gpu=_sdpa_at_gpu)
+def _sdpa_at(q, *tiles, n_k, n_h, heads, k_offs, scale):
+    """_sdpa_fwd's output for a q tile whose first row sits at the position the last input holds:
+    keys after it (the unwritten rows of the last cache tile among them) are never read."""
+    *kv, pos = tiles
+    return _sdpa_fwd.fn(q, *kv, n_k=n_k, n_h=n_h, heads=heads, q_off=_position(pos), k_offs=k_offs, causal=True,
+                        scale=scale)[0]
+
+
+def sdpa_at(q: TileTensor, k: TileTensor, v: TileTensor, position: TileTensor, *, scale: float | None = None) -> TileTensor:
+    """Causal attention of queries q (B, H, T, D), one sequence tile, whose first row sits at the
+    position held by ``position`` (a one-tile (1,) int64 TileTensor), against keys and values
+    (B, Hkv, S, D) of which only those up to each query's position are read: S may run past the
+    last query (room of a cache tile not yet written). Inference only: no gradient flows through.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> kv = np.arange(8.0).reshape(1, 1, 4, 2)              # positions 2 and 3: room not written yet
+    >>> x, q = tg.from_numpy(kv, tiles=(1, 1, 2, 2)), tg.from_numpy(kv[:, :, 1:2])
+    >>> sdpa_at(q, x, x, tg.from_numpy(np.array([1]))).numpy()[0, 0, 0].round(4)
+    array([1.9983, 2.9983])
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("position", position)):
+        require_tensor(t, WHERE, name)
+    if position.shape != (1,) or position.dtype.kind not in "iu":
+        raise TileError(WHERE, "position must be an int TileTensor of shape (1,)", f"{position.dtype} {position.shape}")
+    _validate(q, k, v, False)
+    if len(q.chunks[2]) != 1:
+        raise TileError(WHERE, "sdpa_at takes queries in one sequence tile", f"tiles {q.chunks[2]}")
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    lay = _Layout(q, k, False)
+    pos = position.grid[0]
+    grid = np.empty(q.tiling.grid, dtype=object)
+    for b, hq, i, _ in np.ndindex(*q.tiling.grid):
+        htiles, heads = lay.kv_heads_for(hq)
+        keys = range(len(k.chunks[2]))
+        ins = [q.grid[b, hq, i, 0]] + [k.grid[b, p, j, 0] for j in keys for p in htiles]
+        ins += [v.grid[b, p, j, 0] for j in keys for p in htiles] + [pos]
+        grid[b, hq, i, 0] = emit1(_sdpa_at, ins, q.tiling.tile_shape((b, hq, i, 0)), q.dtype,
+                                  op="scaled_dot_product_attention", n_k=len(keys), n_h=len(htiles), heads=heads,
+                                  k_offs=tuple(lay.k_offs), scale=scale)
+    return TileTensor(q.tiling, q.dtype, grid)
+
+
+@kernel("kv_cache_write", cost=_append_cost)
+def _kv_cache_write(*tiles, rows, off):
+    """A cache tile of ``rows`` rows starting at position ``off``: the old tile (if given; zeros
+    after it) with the new position's keys written at the row the position tile says."""
+    *old, new, pos = tiles
+    xp = xp_of(new)
+    row = _position(pos) - off
+    if not 0 <= row <= rows - new.shape[2]:
+        raise TileError("tilegraph.ops.attention.kv_cache_write", f"a position in this cache tile [{off}, {off + rows})",
+                        f"position {row + off}")
+    out = xp.zeros(new.shape[:2] + (rows,) + new.shape[3:], dtype=new.dtype)
+    if old:
+        out[:, :, :old[0].shape[2]] = old[0]
+    out[:, :, row:row + new.shape[2]] = new
+    return out
+
+
+@kernel("kv_cache_rows", cost=_append_cost)
+def _kv_cache_rows(tile, rows):
+    """The first ``rows`` rows of a cache tile (a tile with room, cut back to what it holds)."""
+    return tile[:, :, :rows]
+
+
+def kv_cache_write(past: TileTensor | None, new: TileTensor, position: TileTensor, length: int, block: int) -> TileTensor:
+    """Keys (or values) ``past`` (B, H, S, D), of which the first ``length`` positions are written,
+    with ``new`` (B, H, 1, D) written at position ``length`` (the value of ``position``, a one-tile
+    (1,) int64 TileTensor, at run time). Past tiles are reused as they are; the write goes into the
+    last tile where it has room (rows past ``length``, or fewer than ``block`` rows: it grows to
+    ``block``), else into a new ``block``-row tile; the rows of that tile after the position are
+    zeros. So within one tile the graph is the same for every position: only the position tile's
+    value and the cache tile's change. Inference only: no gradient flows through.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> k = kv_cache_write(None, tg.from_numpy(np.ones((1, 1, 1, 2))), tg.from_numpy(np.array([0])), 0, 4)
+    >>> k.chunks[2], k.numpy()[0, 0, :, 0]
+    ((4,), array([1., 0., 0., 0.]))
+    """
+    where = "tilegraph.ops.attention.kv_cache_write"
+    require_tensor(new, where, "new")
+    require_tensor(position, where, "position")
+    if new.ndim != 4 or new.shape[2] != 1:
+        raise TileError(where, "new must have shape (B, heads, 1, D)", f"shape {new.shape}")
+    if position.shape != (1,) or position.dtype.kind not in "iu":
+        raise TileError(where, "position must be an int TileTensor of shape (1,)", f"{position.dtype} {position.shape}")
+    if past is None:
+        chunks, old, off, rows = (), None, 0, block
+    else:
+        require_tensor(past, where, "past")
+        require_same_dtype(where, past=past, new=new)
+        for d, what in ((0, "batch"), (1, "head"), (3, "head dim")):
+            require_same_chunks(where, f"the {what} dim of past and new", past.chunks[d], new.chunks[d])
+        offs, last = past.tiling.offsets(2), past.chunks[2][-1]
+        if not offs[-1] <= length <= past.shape[2]:
+            raise TileError(where, f"length in the last tile of past [{offs[-1]}, {past.shape[2]}]", repr(length))
+        if length < past.shape[2] or last < block:   # room in the last tile (or it may grow)
+            chunks, old, off, rows = past.chunks[2][:-1], past.grid[:, :, -1], offs[-1], max(last, block)
+        else:
+            chunks, old, off, rows = past.chunks[2], None, past.shape[2], block
+    tiling = Tiling(new.chunks[:2] + (chunks + (rows,),) + new.chunks[3:])
+    grid = np.empty(tiling.grid, dtype=object)
+    if past is not None:
+        grid[:, :, :len(chunks)] = past.grid[:, :, :len(chunks)]
+    pos = position.grid[0]
+    for b, h in np.ndindex(*tiling.grid[:2]):
+        ins = ([] if old is None else [old[b, h, 0]]) + [new.grid[b, h, 0, 0], pos]
+        shape = (new.chunks[0][b], new.chunks[1][h], rows, new.shape[3])
+        grid[b, h, -1, 0] = emit1(_kv_cache_write, ins, shape, new.dtype, op="kv_cache_append", rows=rows, off=off)
+    return TileTensor(tiling, new.dtype, grid)
+
+
+def kv_cache_rows(past: TileTensor, length: int) -> TileTensor:
+    """``past`` cut to its first ``length`` positions, which must lie beyond all but its last tile
+    (a cache whose last tile has room, before positions are appended to it another way)."""
+    offs = past.tiling.offsets(2)
+    if length == past.shape[2]:
+        return past
+    if not offs[-1] < length < past.shape[2]:
+        raise TileError("tilegraph.ops.attention.kv_cache_rows", f"length in the last tile ({offs[-1]}, {past.shape[2]})",
+                        repr(length))
+    tiling = Tiling(past.chunks[:2] + (past.chunks[2][:-1] + (length - offs[-1],),) + past.chunks[3:])
+    grid = np.empty(tiling.grid, dtype=object)
+    grid[:, :, :-1] = past.grid[:, :, :-1]
+    for b, h in np.ndindex(*tiling.grid[:2]):
+        grid[b, h, -1, 0] = emit1(_kv_cache_rows, [past.grid[b, h, -1, 0]], tiling.tile_shape((b, h, len(offs) - 1, 0)),
+                                  past.dtype, op="kv_cache_append", rows=length - offs[-1])
     return TileTensor(tiling, past.dtype, grid)

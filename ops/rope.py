@@ -15,12 +15,12 @@ import numpy as np
 
 from tilegraph._autograd import Op
 from tilegraph._errors import TileError
-from tilegraph._graph import emit1, kernel
+from tilegraph._graph import emit1, kernel, to_host
 from tilegraph._tensor import TileTensor
 
 from ._common import elementwise_cost, new_tensor, require_float, require_tensor, xp_of
 
-__all__ = ["rope"]
+__all__ = ["rope", "rope_at"]
 
 WHERE = "tilegraph.rope"
 
@@ -100,3 +100,31 @@ def rope(x: TileTensor, base: float = 10000.0, position_offset: int = 0) -> Tile
             or not np.isfinite(position_offset) or int(position_offset) != position_offset or position_offset < 0):
         raise TileError(WHERE, "position_offset must be a non-negative integer", repr(position_offset))
     return _rope_op(x, base=float(base), position_offset=int(position_offset))
+
+
+@kernel("rope_at", cost=elementwise_cost(6))
+def _rope_at(x, position, base):
+    """_rope of a tile whose first row sits at the position the (1,) int tile ``position`` holds."""
+    return _rope.fn(x, int(to_host(position).reshape(-1)[0]), base, 1.0)
+
+
+def rope_at(x: TileTensor, position: TileTensor, base: float = 10000.0) -> TileTensor:
+    """:func:`rope` of x (B, H, T, D), one sequence tile, at positions ``p + t`` where p is the value
+    of ``position``, a one-tile (1,) int64 TileTensor: the recorded graph holds no position, so it
+    runs again for the next position with only that tile's value changed (a decoding step against
+    a KV cache, :class:`tilegraph.models.Decoder`). Inference only: no gradient flows through.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.ones((1, 1, 1, 2)))
+    >>> np.round(rope_at(x, tg.from_numpy(np.array([1]))).numpy()[0, 0, 0], 4)
+    array([-0.3012,  1.3818])
+    """
+    require_tensor(x, WHERE, "x")
+    require_tensor(position, WHERE, "position")
+    if x.ndim != 4 or len(x.chunks[2]) != 1 or len(x.chunks[3]) != 1 or x.shape[3] % 2:
+        raise TileError(WHERE, "x (B, H, T, D) with one tile along T and D, D even", f"shape {x.shape}, tiles {x.chunks}")
+    if position.shape != (1,) or position.dtype.kind not in "iu":
+        raise TileError(WHERE, "position must be an int TileTensor of shape (1,)", f"{position.dtype} {position.shape}")
+    pos = position.grid[0]
+    return new_tensor(x.tiling, x.dtype, lambda idx: emit1(_rope_at, [x.grid[idx], pos], x.grid[idx].shape, x.dtype,
+                                                           op="rope", base=float(base)))

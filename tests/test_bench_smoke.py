@@ -1,4 +1,4 @@
-"""The benchmarks still run: short runs of bench_gpt2, bench_peft (parts a and d) and bench_checkpoint."""
+"""The benchmarks still run: short runs of bench_gpt2, bench_peft (parts a and d), bench_checkpoint and bench_generate."""
 
 from __future__ import annotations
 
@@ -139,6 +139,8 @@ def _table(stdout: str, header_start: str, row_start: str) -> list[dict]:
     ("bench_attention.py", ["--shape", "1", "2", "32", "8", "--tiles", "64"], "--tiles 64: more tiles than T = 32"),
     ("bench_attention.py", ["--dtype", "int8"], "argument --dtype: invalid choice"),
     ("bench_peft.py", ["--parts", "b", "--steps", "0"], "argument --steps: an integer >= 1"),
+    ("bench_generate.py", ["--flavor", "debug", "--new", "2"], "argument --new: an integer >= 3"),
+    ("bench_generate.py", ["--flavor", "debug", "--prompt", "30"], "--prompt + --new must be at most"),
     ("bench_peft.py", ["--parts", "d", "--d-warmup", "0"], "argument --d-warmup: an integer >= 1"),
     # a ValueError only after the whole tilegraph run
     ("bench_capacity.py", ["--torch-budget", "lots"], "--torch-budget: bytes or a size"),
@@ -317,3 +319,20 @@ def test_device_checks_quick_cpu_part_runs_in_its_time_limit(tmp_path):
     rows = [line.split() for line in (tmp_path / "scale-blocks-tasks.log").read_text().splitlines()
             if line.startswith("blocks ")]
     assert [(r[1], r[3]) for r in rows][-1][1] == "sharded" and float(rows[-1][11]) > 0, rows
+
+
+def test_bench_generate_debug_runs():
+    """bench_generate.py on the debug GPT-2, one round: tilegraph's replayed and recorded decoding
+    (locally and on an embedded cluster) and transformers' generate decode the same tokens (the
+    bench stops otherwise), each row a finite time and ratio."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    proc = _bench("bench_generate.py", "--flavor", "debug", "--new", "6", "--rounds", "1", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # rows "  <name, 15 wide> <ms> ms   torch / x <ratio>"
+    rows = {line[:17].strip(): line[17:].split() for line in proc.stdout.splitlines() if "ms   torch / x" in line}
+    assert set(rows) == {"replay", "record", "cluster replay", "cluster record", "torch"}, proc.stdout
+    for words in rows.values():
+        ms, ratio = float(words[0]), float(words[-1])
+        assert math.isfinite(ms) and ms > 0 and math.isfinite(ratio) and ratio > 0, proc.stdout
+    assert float(rows["torch"][-1]) == 1.0, proc.stdout

@@ -115,12 +115,14 @@ def test_cached_logits_equal_a_full_forward(hf_models, arch):
         for t, logits in got.items():
             np.testing.assert_allclose(logits, want[:, t], rtol=1e-5, atol=1e-5 * scale, err_msg=f"position {t}")
 
-        # the last step computed the new position only: its only token ids are the new ones, and
-        # every attention kernel has one query row
+        # the last step computed the new position only: its only token ids are the new ones (and
+        # the position, a tile of its own), and every attention kernel has one query row; it was
+        # the step recorded for the position before, run again
+        assert dec.replayed == 2   # positions 12 and 13 (10 starts a tile, 11 records the step)
         nodes = topo_order(dec.last_executable.roots)
         int_leaves = [n for n in nodes if n.is_leaf and n.out_meta[0][1].kind in "iu"]
         assert int_leaves and all(n.out_meta[0][0][-1] == 1 for n in int_leaves)
-        attn = [n for n in nodes if not n.is_leaf and n.kernel.name == "sdpa_fwd"]
+        attn = [n for n in nodes if not n.is_leaf and n.kernel.name == "sdpa_at"]
         heads = model.tiling.heads_per_tile(model.config)
         assert len(attn) == model.config.n_layers * B * -(-model.config.n_heads // heads)
         assert all(n.inputs[0].shape[2] == 1 for n in attn)
@@ -419,7 +421,9 @@ def test_generation_on_the_embedded_cluster_keeps_the_cache_on_the_workers(hf_mo
             want = ref.feed(ids)
             np.testing.assert_allclose(dec.feed(ids), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         tiles = [r for c in dec.cache for t in (c.k, c.v) for r in t.grid.flat]
-        assert dec.cache[0].k.chunks[2] == (3, 3, 4, 3)
+        # a one-position step writes into a last tile with room for the 4-row block (3 written)
+        assert dec.cache[0].k.chunks[2] == (3, 3, 4, 4) and dec.length == P + 6
+        assert dec.replayed == 2   # positions 9 and 12 ran the steps recorded for 8 and 11 again
         values = [r.node.cell.value for r in tiles]
         assert all(isinstance(v, ValueRef) for v in values)   # references, not arrays on the client
         futures = [v.future for v in values]

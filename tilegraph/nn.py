@@ -664,6 +664,8 @@ class CausalSelfAttention(Module):
         q = self._heads(self.q(x), self.n_heads)
         k = self._heads(self.k(x), self.n_kv_heads)
         v = self._heads(self.v(x), self.n_kv_heads)
+        if cache is not None and cache.position is not None:   # one position, held in a tile (a replayed step)
+            return self.o(self._at_position(q, k, v, cache, b, c))
         if self.rope:
             q = ops.rope(q, base=self.rope_base, position_offset=start)
             k = ops.rope(k, base=self.rope_base, position_offset=start)
@@ -672,6 +674,23 @@ class CausalSelfAttention(Module):
         y = ops.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=start)  # (B, H, T, hd)
         y = ops.reshape(ops.transpose(y, 1, 2), (b, t, c))
         return self.o(y)
+
+    def _at_position(self, q, k, v, cache: "KVCache", b: int, c: int) -> TileTensor:
+        """Attention of one new position whose index is the value of ``cache.position`` (so that
+        the recorded graph serves the next position too): RoPE, the cache write and the key range
+        read it from that tile."""
+        from tilegraph.ops.attention import sdpa_at
+        from tilegraph.ops.rope import rope_at
+
+        if q.shape[2] != 1:
+            raise TileError("tilegraph.nn.CausalSelfAttention", "a cache with a position tile takes one new "
+                            "position per call", f"{q.shape[2]} positions")
+        if self.rope:
+            q = rope_at(q, cache.position, self.rope_base)
+            k = rope_at(k, cache.position, self.rope_base)
+        k, v = cache.write(k, v)
+        y = sdpa_at(q, k, v, cache.position)                            # (B, H, 1, hd)
+        return ops.reshape(ops.transpose(y, 1, 2), (b, 1, c))
 
 
 class KVCache:
@@ -682,6 +701,11 @@ class KVCache:
     grows up to ``block`` rows) and leaves them symbolic. After the graph ran, :meth:`store` turns
     the computed tiles (:meth:`pending`) into leaf cells holding their values, arrays or
     references to values left on the workers, so the next step reads them where they are.
+
+    With :attr:`position` set (a one-tile (1,) int64 TileTensor holding :attr:`length`), a call
+    takes one position and writes it into a last tile with room for ``block`` rows
+    (:func:`tilegraph.ops.attention.kv_cache_write`), so that the graph recorded for one position
+    runs again for the next ones of that tile (:class:`tilegraph.models.Decoder` does so).
 
     >>> import numpy as np, tilegraph as tg
     >>> attn = tg.nn.CausalSelfAttention(8, 2, seed=0)
@@ -697,18 +721,38 @@ class KVCache:
         self.block = int(block)
         self.k: TileTensor | None = None
         self.v: TileTensor | None = None
+        #: positions written where k and v have room for more (None: all of k's positions)
+        self._written: int | None = None
+        #: the position of the next call, as a one-tile (1,) int64 TileTensor, or None (see above)
+        self.position: TileTensor | None = None
 
     @property
     def length(self) -> int:
         """Positions held (S)."""
+        if self._written is not None:
+            return self._written
         return 0 if self.k is None else self.k.shape[2]
 
     def append(self, k: TileTensor, v: TileTensor) -> tuple[TileTensor, TileTensor]:
         """Append new keys and values (B, Hkv, T, hd); returns all of them, (B, Hkv, S + T, hd)."""
-        from tilegraph.ops.attention import kv_cache_append
+        from tilegraph.ops.attention import kv_cache_append, kv_cache_rows
 
+        if self._written is not None:  # a last tile with room: cut to what it holds first
+            self.k, self.v = kv_cache_rows(self.k, self._written), kv_cache_rows(self.v, self._written)
+            self._written = None
         self.k = kv_cache_append(self.k, k, self.block)
         self.v = kv_cache_append(self.v, v, self.block)
+        return self.k, self.v
+
+    def write(self, k: TileTensor, v: TileTensor) -> tuple[TileTensor, TileTensor]:
+        """Write one new position's keys and values (B, Hkv, 1, hd) at :attr:`position`; returns
+        the cache with room, (B, Hkv, S', hd) with S' past the position (see above)."""
+        from tilegraph.ops.attention import kv_cache_write
+
+        n = self.length
+        self.k = kv_cache_write(self.k, k, self.position, n, self.block)
+        self.v = kv_cache_write(self.v, v, self.position, n, self.block)
+        self._written = n + 1
         return self.k, self.v
 
     def pending(self) -> list[TileRef]:
@@ -725,6 +769,32 @@ class KVCache:
             grid = np.empty(t.tiling.grid, dtype=object)
             for idx, r in zip(np.ndindex(*t.tiling.grid), t.grid.flat):
                 grid[idx] = r if r.node.is_leaf else leaf(Cell(next(values), r.shape, r.dtype))
+            setattr(self, name, TileTensor(t.tiling, t.dtype, grid, name=f"cache.{name}"))
+
+    def rewritten_cells(self) -> list[Cell] | None:
+        """Where each :meth:`pending` tile was written over a cache tile of its own shape (a write
+        at a :attr:`position` into a tile with room), the cells of those old tiles, in the same
+        order: a step that stores its results back into them (:meth:`store_into`) can run again
+        for the next position. None otherwise."""
+        cells = []
+        for r in self.pending():
+            ins = r.node.inputs
+            if r.node.kernel.name != "kv_cache_write" or len(ins) != 3 or not ins[0].node.is_leaf \
+                    or ins[0].shape != r.shape:
+                return None
+            cells.append(ins[0].node.cell)
+        return cells
+
+    def store_into(self, cells: list[Cell], values) -> None:
+        """Store the :meth:`pending` tiles' ``values`` into ``cells`` (:meth:`rewritten_cells`),
+        which become the cache's tiles again."""
+        for cell, value in zip(cells, values):
+            cell.set(value)
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            grid = np.empty(t.tiling.grid, dtype=object)
+            for idx, r in zip(np.ndindex(*t.tiling.grid), t.grid.flat):
+                grid[idx] = r if r.node.is_leaf else r.node.inputs[0]
             setattr(self, name, TileTensor(t.tiling, t.dtype, grid, name=f"cache.{name}"))
 
 

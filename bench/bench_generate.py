@@ -1,0 +1,137 @@
+"""Decoding speed: milliseconds per generated token of tilegraph's KV-cache decoding against
+Hugging Face transformers' ``generate`` with torch eager, the same weights, in one run.
+
+    python bench/bench_generate.py                          # GPT-2 124M, prompt 8, 32 new tokens
+    python bench/bench_generate.py --flavor debug --new 16  # the quick start's model size
+
+The model is ``tg.models.build(flavor)`` written with ``model.to_hf`` and loaded into
+transformers' ``GPT2LMHeadModel`` (torch with ``--threads`` threads, ``generate(do_sample=False,
+use_cache=True)``). Greedy decoding of one prompt (batch ``--batch``) on both sides; the tokens
+must agree (checked on every run). Per token, the median over the new tokens after the first two
+of each round, best round of ``--rounds`` (the runs take turns within each round):
+
+    replay          tilegraph.models.generate, one-position steps run the graph recorded for the
+                    position before again (the default)
+    record          the same, each step recorded and planned anew (``Decoder(replay=False)``)
+    cluster replay  the default on an embedded cluster (1 worker x --threads), with the cache on
+    cluster record  the worker and only the logits coming back
+    torch           transformers' generate
+
+``--no-cluster`` leaves the cluster rows out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import at_least, require  # noqa: E402
+
+FLAVORS = {"gpt2": "gpt2", "debug": "gpt2-debug"}
+
+
+def tilegraph_run(model, prompt, new: int, replay: bool, runtime=None) -> tuple[np.ndarray, list[float]]:
+    """Greedy decoding as tilegraph.models.generate does it, timing each new token's step."""
+    from tilegraph.models import Decoder
+
+    out, times = [], []
+    with Decoder(model, replay=replay, runtime=runtime) as dec:
+        logits = dec.feed(prompt)
+        for i in range(new):
+            tok = np.argmax(logits, axis=-1)[:, None]
+            out.append(tok)
+            if i + 1 < new:
+                t0 = time.perf_counter()
+                logits = dec.feed(tok)
+                times.append(time.perf_counter() - t0)
+    return np.concatenate(out, axis=1), times
+
+
+def torch_run(hf, prompt, new: int) -> tuple[np.ndarray, list[float]]:
+    """transformers' generate, each token's time taken by a logits processor (called once per step)."""
+    import torch
+
+    stamps = []
+
+    def stamp(input_ids, scores):
+        stamps.append(time.perf_counter())
+        return scores
+
+    ids = torch.tensor(prompt)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                          min_new_tokens=new, pad_token_id=0, logits_processor=[stamp])
+    return out[:, prompt.shape[1]:].numpy(), list(np.diff(stamps))
+
+
+def per_token(times: list[float]) -> float:
+    return float(np.median(times[2:] if len(times) > 4 else times)) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", choices=list(FLAVORS), default="gpt2")
+    ap.add_argument("--prompt", type=at_least(1), default=8, help="prompt tokens")
+    ap.add_argument("--new", type=at_least(3), default=32, help="new tokens per run")
+    ap.add_argument("--batch", type=at_least(1), default=1)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--threads", type=at_least(1), default=os.cpu_count() or 1)
+    ap.add_argument("--no-cluster", action="store_true", help="leave out the embedded cluster's rows")
+    args = ap.parse_args()
+    require(ap, "torch", "transformers")
+    import torch
+    import transformers
+
+    import tilegraph as tg
+    from tilegraph import models
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    model = models.build(FLAVORS[args.flavor], seed=0)
+    cfg = model.config
+    if args.prompt + args.new > cfg.max_seq_len:
+        ap.error(f"--prompt + --new must be at most the model's max_seq_len {cfg.max_seq_len}")
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.prompt))
+    with tempfile.TemporaryDirectory() as folder:
+        model.to_hf(folder)
+        hf = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    runs = {"replay": lambda: tilegraph_run(model, prompt, args.new, True),
+            "record": lambda: tilegraph_run(model, prompt, args.new, False)}
+    rt = None
+    if not args.no_cluster:
+        rt = tg.connect(n_workers=1, threads_per_worker=args.threads, quiet=True, make_current=False)
+        runs["cluster replay"] = lambda: tilegraph_run(model, prompt, args.new, True, rt)
+        runs["cluster record"] = lambda: tilegraph_run(model, prompt, args.new, False, rt)
+    runs["torch"] = lambda: torch_run(hf, prompt, args.new)
+    try:
+        for fn in runs.values():
+            fn()  # warm-up: plans, BLAS, workers
+        best = {name: float("inf") for name in runs}
+        reference = None
+        for r in range(args.rounds):
+            names = list(runs)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                tokens, times = runs[name]()
+                if reference is None:
+                    reference = tokens
+                elif not np.array_equal(tokens, reference):
+                    sys.exit(f"bench_generate: {name} generated other tokens than the first run: {tokens} vs {reference}")
+                best[name] = min(best[name], per_token(times))
+    finally:
+        if rt is not None:
+            rt.close()
+    print(f"{args.flavor} ({model.num_parameters():,} parameters), batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new} new tokens, {args.threads} threads; ms per token (median of a run, best of {args.rounds} "
+          f"rounds); torch / x: > 1 means faster than transformers' generate")
+    for name, ms in best.items():
+        print(f"  {name:<15} {ms:8.2f} ms   torch / x {best['torch'] / ms:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
