@@ -467,8 +467,12 @@ def test_dask_streams_hold_messages_back_briefly_also_to_a_worker_that_joins_lat
 
 
 @pytest.mark.distributed
-def test_programs_go_to_the_workers_once_and_fetches_share_a_task(embedded_runtime):
+def test_programs_go_to_the_workers_once_and_fetches_share_a_task(embedded_runtime, monkeypatch):
     from distributed import Future, get_task_stream
+
+    import tilegraph._lower as lower
+
+    monkeypatch.setattr(lower, "FETCH_WHOLE_MAX_BYTES", 0)  # every fetch through a pick task (see below)
 
     rng = np.random.default_rng(0)
 
@@ -497,6 +501,15 @@ def test_programs_go_to_the_workers_once_and_fetches_share_a_task(embedded_runti
     again = tg.compile(graph(), runtime=embedded_runtime)
     assert again.lower()[1] == exe.lower()[1]
     assert not {f.key for f in again._programs(embedded_runtime)} & {f.key for f in futures}
+
+    # a small result comes back whole, with no pick task to wait for; a larger one through one
+    monkeypatch.setattr(lower, "FETCH_WHOLE_MAX_BYTES", 1 << 20)
+    for limit, picks in ((1 << 20, 0), (100, len(sources))):
+        monkeypatch.setattr(lower, "FETCH_WHOLE_MAX_BYTES", limit)
+        with get_task_stream(embedded_runtime.client) as ts:
+            got = exe.run()
+        assert got[0] == pytest.approx(float(first[0])) and np.allclose(got[1], first[1])
+        assert len([t for t in ts.data if str(t["key"]).startswith("tg-fetch")]) == picks
 
 
 @pytest.mark.distributed

@@ -740,6 +740,11 @@ class Executable:
         call_name = call.keys[0] if call.keys else self.values_token()
         fetch_of: dict[int, tuple[str, int | None]] = {}
         for n, (src, items) in enumerate(wanted.items()):
+            if isinstance(src, str) and src in call.layers["cpu"] and src in call.outputs_of and \
+                    sum(r.nbytes for r in call.outputs_of[src]) <= FETCH_WHOLE_MAX_BYTES:
+                for pos, index in items:  # a small result comes back whole: no pick task to wait for
+                    fetch_of[pos] = (src, index)
+                continue
             indices = list(dict.fromkeys(index for _, index in items))
             whole = indices == [None]
             key = f"tg-fetch-{n}-{call_name}"
@@ -938,6 +943,11 @@ def _watched_gather(runtime, futures: list, during: str) -> list:
 #: client-side leaf values up to this size travel inside the tasks that read them (batches, the
 #: optimizer's scalars); larger ones as a data task of their own, sent once
 INLINE_MAX_BYTES = 65536
+
+#: a CPU task's result of at most this many bytes comes back whole where the client fetches some
+#: of it, instead of through a task picking those out (one scheduler round trip less: a decoding
+#: step of a small model on the embedded cluster)
+FETCH_WHOLE_MAX_BYTES = 1 << 20
 
 #: kept values are picked out of a task's result only when the rest of it holds more than this
 #: (and more than a tenth of the kept values)
