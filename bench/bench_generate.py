@@ -2,7 +2,7 @@
 Hugging Face transformers' ``generate`` with torch eager, the same weights, in one run.
 
     python bench/bench_generate.py                          # GPT-2 124M, prompt 8, 32 new tokens
-    python bench/bench_generate.py --flavor debug --new 16  # the quick start's model size
+    python bench/bench_generate.py --flavor debug           # the quick start's model size, 24 new tokens
 
 The model is ``tg.models.build(flavor)`` written with ``model.to_hf`` and loaded into
 transformers' ``GPT2LMHeadModel`` (torch with ``--threads`` threads, ``generate(do_sample=False,
@@ -78,7 +78,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", choices=list(FLAVORS), default="gpt2")
     ap.add_argument("--prompt", type=at_least(1), default=8, help="prompt tokens")
-    ap.add_argument("--new", type=at_least(3), default=32, help="new tokens per run")
+    ap.add_argument("--new", type=at_least(3), default=None,
+                    help="new tokens per run (default 32, or what the model's max_seq_len leaves after the prompt)")
     ap.add_argument("--batch", type=at_least(1), default=1)
     ap.add_argument("--rounds", type=at_least(1), default=3)
     ap.add_argument("--threads", type=at_least(1), default=os.cpu_count() or 1)
@@ -95,6 +96,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = models.build(FLAVORS[args.flavor], seed=0)
     cfg = model.config
+    if args.new is None:
+        args.new = max(3, min(32, cfg.max_seq_len - args.prompt))
     if args.prompt + args.new > cfg.max_seq_len:
         ap.error(f"--prompt + --new must be at most the model's max_seq_len {cfg.max_seq_len}")
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.prompt))
