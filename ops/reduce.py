@@ -278,6 +278,53 @@ class Extremum(Op):
 _EXT = Extremum()
 
 
+def _ties(xp, x, m):
+    """Where ``x`` equals the extremum ``m`` (a 0-d array); NaN equals a NaN extremum."""
+    hit = x == m
+    if m.dtype.kind == "f":
+        hit |= xp.isnan(x) & xp.isnan(m)
+    return hit
+
+
+@kernel("ties_count", cost=elementwise_cost(1))
+def _ties_count(x, m):
+    """How many elements of a tile equal the extremum (as x's float dtype, shape (1,) * ndim)."""
+    xp = xp_of(x)
+    return _ties(xp, x, m).sum(dtype=x.dtype).reshape((1,) * x.ndim)
+
+
+@kernel("ties_grad", cost=elementwise_cost(2))
+def _ties_grad(x, m, g, count):
+    """The cotangent ``g`` of the extremum shared evenly by the elements equal to it."""
+    xp = xp_of(x)
+    share = (g / count.reshape(())).astype(x.dtype)
+    return xp.where(_ties(xp, x, m), share, xp.zeros((), x.dtype))
+
+
+class WholeExtremum(Op):
+    """The value of ``x.max()`` / ``x.min()`` (over every dim, computed before); as torch's, the
+    gradient is shared evenly by the elements equal to it."""
+
+    name = "max"
+
+    def forward(self, x, *, value):
+        return value, (x, value)
+
+    def backward(self, ctx, g):
+        x, value = ctx
+        m = value.grid[()]
+        counts = [emit1(_ties_count, [x.grid[idx], m], (1,) * x.ndim, x.dtype, op=f"{self.name}_bwd")
+                  for idx in np.ndindex(*x.tiling.grid)]
+        count = _tree(counts, (), x.dtype, (), 1.0, f"{self.name}_bwd")
+        return (new_tensor(x.tiling, x.dtype, lambda idx: emit1(
+            _ties_grad, [x.grid[idx], m, g.grid[()], count], x.tiling.tile_shape(idx), x.dtype,
+            op=f"{self.name}_bwd")),)
+
+
+_WHOLE = {True: WholeExtremum(), False: WholeExtremum()}
+_WHOLE[False].name = "min"
+
+
 def _extremum(x, dim, keepdim, largest: bool, where: str):
     require_tensor(x, where, "x")
     if isinstance(dim, TileTensor):
@@ -289,14 +336,14 @@ def _extremum(x, dim, keepdim, largest: bool, where: str):
         raise TileError(where, "the maximum or minimum of no elements is not defined (as torch refuses it)",
                         f"a tensor of shape {x.shape}")
     if dim is None:
-        # over every dim: one dim after another (ties: the gradient goes to one of them, where torch's
-        # x.max() without a dim shares it evenly)
+        # over every dim: one dim after another, with no record; the gradient (as torch's, which
+        # shares it evenly by the elements equal to the extremum) comes from WholeExtremum
         if isinstance(keepdim, bool) and keepdim:
             raise TileError(where, "keepdim needs a dim (x.max() reduces every dim to a scalar)", "keepdim=True")
         out = x
         while out.ndim:
-            out = _extremum(out, out.ndim - 1, False, largest, where).values
-        return out
+            out = _minmax_tiles_of(out, out.ndim - 1, False, largest)[0]
+        return _WHOLE[largest](x, value=out) if x.dtype.kind == "f" and x.ndim else out
     d = norm_dim(dim, x.ndim, where)
     if not isinstance(keepdim, (bool, np.bool_)):
         raise TileError(where, "keepdim must be a bool", f"{keepdim!r:.60}")
@@ -317,7 +364,8 @@ _EXT_MIN.name = "min"
 def max(x: TileTensor, dim=None, keepdim: bool = False):  # noqa: A001 - torch name
     """torch's ``max``: with ``dim``, ``(values, indices)`` of the largest elements along it (a
     :class:`MinMax` named tuple: ``x.max(1).values``; ties: the first; NaN counts as largest); without,
-    the largest element as a scalar tensor. The gradient goes to the element each value came from.
+    the largest element as a scalar tensor. The gradient goes to the element each value came from
+    (without ``dim``, as torch: shared evenly by the elements equal to the largest).
 
     >>> import numpy as np, tilegraph as tg
     >>> v, i = tg.max(tg.from_numpy(np.array([[1.0, 5.0, 2.0], [7.0, 0.0, 7.0]]), tiles=(1, 2)), 1)

@@ -176,9 +176,29 @@ def test_max_ties_nan_whole_tensor_and_integers_as_torch():
     y = tg.from_numpy(b, (3, 2))
     assert y.max().shape == () and y.max().item() == 6.0 and y.min().item() == 0.0
     (g,) = tg.grad(y.max(), [y])
-    assert g.numpy().sum() == 1.0 and b[g.numpy() == 1] == 6.0
+    np.testing.assert_array_equal(g.numpy(), (b == 6.0) / 2)  # 6 occurs twice: each gets half, as torch
     ids = tg.from_numpy(np.array([[3, 9, 1]]), (1, 2))
     assert ids.max(1).values.dtype == np.int64 and ids.max(1).indices.numpy().tolist() == [1]
+
+
+@pytest.mark.parametrize("name", ["max", "min"])
+@pytest.mark.parametrize("tiles", [None, (2, 3)])
+@pytest.mark.parametrize("case", ["ties", "nan", "distinct", "all-equal", "0-d"])
+def test_whole_tensor_max_min_share_the_gradient_of_ties_as_torch(name, tiles, case):
+    """x.max() without a dim: torch shares the gradient evenly by the elements equal to the result
+    (a NaN result: by the NaNs); it went to the first of them only."""
+    a = {"ties": np.array([[1.0, 3.0, 3.0], [0.0, 0.5, 3.0], [-1.0, 0.5, 0.0]]),
+         "nan": np.array([[1.0, np.nan, 3.0], [np.nan, 0.5, 2.0], [0.0, 0.0, 0.0]]),
+         "distinct": np.random.default_rng(0).standard_normal((3, 3)),
+         "all-equal": np.full((3, 3), 2.0), "0-d": np.array(4.0)}[case]
+    x = tg.from_numpy(a, tiles if a.ndim else None)
+    v = getattr(x, name)()
+    (g,) = tg.grad(v * 3.0, [x])
+    t = torch.tensor(a, requires_grad=True)
+    want = getattr(t, name)()
+    (want * 3.0).backward()
+    np.testing.assert_array_equal(v.numpy(), want.detach().numpy())
+    np.testing.assert_allclose(g.numpy(), t.grad.numpy(), rtol=1e-15)
 
 
 def test_max_errors_are_named():
