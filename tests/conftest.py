@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,6 +27,22 @@ MODES = ["single", "even", "ragged"]
 #: parametrize a test over the three tilings and the two float dtypes
 by_mode = pytest.mark.parametrize("mode", MODES)
 by_dtype = pytest.mark.parametrize("dtype", DTYPES)
+
+
+@contextlib.contextmanager
+def scheduler_file_written_later(path, address: str, delay: float):
+    """A thread writing, ``delay`` seconds in, a Dask scheduler file at ``path`` that names
+    ``address`` (a scheduler starting beside the client that connects through the file)."""
+    def write():
+        time.sleep(delay)
+        path.write_text(json.dumps({"type": "Scheduler", "address": address}))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        yield
+    finally:
+        writer.join()
 
 
 def stop_process(proc) -> None:

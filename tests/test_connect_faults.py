@@ -157,20 +157,13 @@ def test_a_broken_scheduler_file_names_the_file_and_the_fault(tmp_path, content,
 
 def test_a_scheduler_file_being_written_is_read_again(embedded_runtime, tmp_path):
     """dask writes its scheduler file in place: a reader may see it empty for a moment."""
+    from conftest import scheduler_file_written_later
+
     path = tmp_path / "sched.json"
     path.write_text("")
-
-    def finish():
-        time.sleep(0.3)
-        path.write_text(json.dumps({"type": "Scheduler", "address": embedded_runtime.client.scheduler.address}))
-
-    writer = threading.Thread(target=finish)
-    writer.start()
-    try:
-        with tg.connect(scheduler_file=str(path), timeout=5, make_current=False) as rt:
-            assert len(rt.workers()) == 2
-    finally:
-        writer.join()
+    with scheduler_file_written_later(path, embedded_runtime.client.scheduler.address, 0.3), \
+            tg.connect(scheduler_file=str(path), timeout=5, make_current=False) as rt:
+        assert len(rt.workers()) == 2
 
 
 def test_a_scheduler_file_naming_a_silent_port_names_both(silent_peer, tmp_path):

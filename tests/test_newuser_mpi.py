@@ -172,22 +172,12 @@ def test_a_scheduler_file_not_written_yet_is_waited_for(embedded_runtime, tmp_pa
     """A batch job starts ``mpiexec ... dask-mpi --scheduler-file s.json &`` and its training
     right after it. Before: connecting before the scheduler wrote the file was an error at once
     ("scheduler file does not exist"), where Dask's own Client waits for it."""
-    import json
-    import threading
+    from conftest import scheduler_file_written_later
 
     path = tmp_path / "s.json"
-
-    def scheduler_starts():
-        time.sleep(1.0)
-        path.write_text(json.dumps({"type": "Scheduler", "address": embedded_runtime.client.scheduler.address}))
-
-    writer = threading.Thread(target=scheduler_starts)
-    writer.start()
-    try:
-        with tg.connect(scheduler_file=str(path), timeout=10, make_current=False) as rt:
-            assert len(rt.workers()) == 2
-    finally:
-        writer.join()
+    with scheduler_file_written_later(path, embedded_runtime.client.scheduler.address, 1.0), \
+            tg.connect(scheduler_file=str(path), timeout=10, make_current=False) as rt:
+        assert len(rt.workers()) == 2
     # never written: an error once the timeout has passed; a folder that does not exist, at once
     t0 = time.monotonic()
     with pytest.raises(tg.TileError, match=r"scheduler file does not exist.*received: '.*never.json' \(waited 1 s"):
