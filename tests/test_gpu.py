@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from tilegraph import models
+from tilegraph._graph import topo_order
 
 pytestmark = pytest.mark.distributed
 
@@ -70,3 +72,24 @@ def test_training_steps_on_a_gpu_worker_match_the_cpu(array_module, monkeypatch)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4)
     for k, v in want[2].items():
         np.testing.assert_allclose(got[2][k], v, rtol=1e-3, atol=1e-4, err_msg=k)
+
+
+@pytest.mark.parametrize("array_module", [pytest.param("cupy", marks=pytest.mark.gpu), "numpy"])
+def test_decoding_on_a_gpu_worker_replays_its_step_and_matches_the_cpu(array_module, monkeypatch):
+    # one-position steps run again with the position in a tile (read back from the device by the
+    # kernels that use it), and sdpa_at's GPU version cuts the keys after the position
+    from tilegraph.models import Decoder
+
+    monkeypatch.setattr(tg.config, "gpu_array_module", array_module)
+    model = models.build("llama-debug", seed=0)
+    seq = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 12))
+    chunks = [seq[:, :5]] + [seq[:, t:t + 1] for t in range(5, 12)]
+    with Decoder(model, cache_block=4) as dec:
+        want = np.stack([dec.feed(c) for c in chunks])
+    monkeypatch.setattr(tg.config, "placement", "gpu")
+    with tg.connect(n_workers=1, gpu=1, dashboard=False, quiet=True) as rt, \
+            Decoder(model, runtime=rt, cache_block=4) as dec:
+        got = np.stack([dec.feed(c) for c in chunks])
+        assert dec.replayed == 3   # positions 7, 8 and 11 (tiles [5, 9) and [9, 13))
+        assert {n.device for n in topo_order(dec.last_executable.roots) if not n.is_leaf} == {"gpu"}
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
