@@ -642,6 +642,18 @@ def test_default_workers_of_the_embedded_cluster():
     assert default_workers(16, 2, None) == 2  # a process per GPU
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is set through Linux's sched_setaffinity")
+def test_the_embedded_cluster_sizes_itself_by_the_cores_this_process_may_use(tmp_path):
+    """Under `taskset -c 0` (or a batch scheduler's binding), the machine's other cores are not
+    this job's: the embedded cluster starts one thread, not a thread per core of the machine."""
+    code = ("import os\nos.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+            "import tilegraph as tg\nfrom tilegraph._config import usable_cores\n"
+            "if __name__ == '__main__':\n    with tg.connect(quiet=True, dashboard=False) as rt:\n"
+            "        print(usable_cores(), rt.processors(), tg.from_numpy(__import__('numpy').ones(4)).numpy().sum())\n")
+    out = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "1 {'cpu': 1, 'gpu': 0} 4.0", (out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.distributed
 def test_fetching_two_remote_leaves_of_one_shape_at_once_gives_each_its_own_value(embedded_runtime):
     # a graph whose roots are all leaves runs no task, only a fetch; two such graphs of equal

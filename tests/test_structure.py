@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from tilegraph import _config
 from tilegraph._graph import kernel, emit1
 from tilegraph.ops._common import new_tensor
 
@@ -164,9 +165,7 @@ def _sleepy_graph(rng, fail_at=None):
 
 
 def test_one_task_runs_independent_kernels_on_the_process_threads(rng, monkeypatch):
-    import os
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 3)  # the local scheduler's process: 3 threads
+    monkeypatch.setattr(_config, "usable_cores", lambda: 3)  # the local scheduler's process: 3 threads
     _ACTIVE.update(now=0, max=0, threads=set())
     x, y = _sleepy_graph(rng)
     exe = tg.compile([y], target_seconds=10.0)
@@ -197,12 +196,10 @@ def test_kernels_on_several_threads_of_this_process_call_blas_on_one(rng, monkey
     """A process running a graph itself: where kernels run side by side, each BLAS call keeps to
     one thread (not BLAS's own threads on top of the kernels'); a graph of one kernel at a time
     leaves BLAS its threads; the process's setting comes back after the run."""
-    import os
-
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=2, user_api="blas"):  # as on a 2-core machine, whatever this one has
-        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        monkeypatch.setattr(_config, "usable_cores", lambda: 2)
         before = _blas_threads()
         for n, want in ((4, 1), (1, before)):  # four independent tiles on 2 threads; one tile
             x = tg.from_numpy(rng.standard_normal((n, 3)), (1, 3))
@@ -217,9 +214,7 @@ def test_kernels_on_several_threads_of_this_process_call_blas_on_one(rng, monkey
 
 
 def test_a_failing_kernel_in_a_parallel_task_names_its_op(rng, monkeypatch):
-    import os
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(_config, "usable_cores", lambda: 2)
     _, y = _sleepy_graph(rng, fail_at=5)
     with pytest.raises(ValueError, match="boom") as info:
         tg.compute(y, target_seconds=10.0)
@@ -254,9 +249,7 @@ def test_small_leaf_values_travel_inside_their_tasks(rng):
 
 
 def test_tasks_of_tiny_kernels_run_on_one_thread(rng, monkeypatch):
-    import os
-
-    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(_config, "usable_cores", lambda: 3)
     x = tg.from_numpy(rng.standard_normal((8, 3)), (1, 3))  # 8 independent tiles of 3 numbers
     y = x * 2.0 + 1.0
     exe = tg.compile([y])
@@ -270,11 +263,9 @@ def test_a_task_keeps_no_more_threads_than_its_kernels_can_use(rng, monkeypatch)
     """On a process of 16 threads: tiny kernels run on one thread (handing them between threads
     costs more than it gains, and more with every thread); 3 slow kernels that can run at once
     hold at most the 4 threads of the next power of two, not 16; 8 of them, all 16 would wait."""
-    import os
-
     from tilegraph.plan.cluster import list_span, threads_worth_using
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(_config, "usable_cores", lambda: 16)
     x = tg.from_numpy(rng.standard_normal((8, 3)), (1, 3))
     assert tg.compile([x * 2.0 + 1.0]).plans[0].prog.threads == 1
     for n, most in ((3, 4), (8, 8)):

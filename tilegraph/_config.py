@@ -140,6 +140,18 @@ class Config:
         object.__setattr__(self, name, value)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: the machine's, less those its CPU affinity mask leaves out
+    (``taskset``, ``numactl``, a batch scheduler's binding) and beyond its cgroup CPU quota (a
+    container's ``--cpus``, Slurm's ``--cpus-per-task``). Thread and worker counts follow this, not
+    ``os.cpu_count()``: a job given 8 cores of a 64-core node must not start 64 threads' worth."""
+    import os
+
+    from dask.system import cpu_count
+
+    return max(1, min(os.cpu_count() or 1, cpu_count()))
+
+
 def number_check(low: float = 0.0, strict: bool = False, high: float | None = None, below: bool = False,
                  whole: bool = False, finite: bool = False):
     """(check, what it wants) of a number (not a bool; an integer where ``whole``; not inf where

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tilegraph import _config
 from tilegraph._config import PARALLEL_STRATEGIES, Config, config  # noqa: F401 - re-exported
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, to_host, topo_order
@@ -210,7 +210,7 @@ class Executable:
         #: the workers this plan is made for (one snapshot, None without a runtime)
         self.workers = runtime.snapshot() if runtime is not None else None
         groups = ({dev: list(t) for dev, t in self.workers.threads.items()} if self.workers is not None
-                  else {"cpu": [os.cpu_count() or 1], "gpu": []})
+                  else {"cpu": [_config.usable_cores()], "gpu": []})
         addrs = self.workers.addrs if self.workers is not None else {}
         place(work, placement, len(groups.get("gpu", ())) > 0)
         #: the smallest memory limit of those workers (bytes, inf: none)
@@ -455,7 +455,7 @@ class Executable:
         task's threads, or tasks side by side on Dask's threaded scheduler."""
         most = max((p.prog.threads for p in self.plans), default=1)
         if config.local_scheduler == "threads" and len(self.plans) > 1:
-            most = max(most, min(len(self.plans), os.cpu_count() or 1))
+            most = max(most, min(len(self.plans), _config.usable_cores()))
         return most
 
     def task_deps(self) -> dict[int, set[int]]:

@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tilegraph import _config
 from tilegraph._config import config, is_int, require_int
 from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
@@ -579,7 +580,7 @@ class Trainer:
         result.tokens_per_s = tokens / result.seconds
         ks = self._kernel_stats()
         result.kernel_seconds = dict(sorted(ks["by_scope"].items(), key=lambda kv: -kv[1]))
-        threads = sum(self.runtime.processors().values()) if self.runtime is not None else (os.cpu_count() or 1)
+        threads = sum(self.runtime.processors().values()) if self.runtime is not None else _config.usable_cores()
         thread_seconds = result.seconds * threads
         result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / thread_seconds)
         result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
@@ -1105,7 +1106,7 @@ def _default_row_tile(runtime, rows: int, row_elements: int, parallel: str | Non
     "sharded") gets at least one row tile per worker process: each process trains on its own
     share of the batch."""
     if runtime is None:
-        threads = os.cpu_count() or 1
+        threads = _config.usable_cores()
     else:
         processors = runtime.processors()
         threads = processors.get("gpu") or processors["cpu"]

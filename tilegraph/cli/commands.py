@@ -405,7 +405,11 @@ def cmd_info(args) -> int:
         print(f"cupy {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} CUDA device(s)")
     except Exception as e:  # the GPU extra is optional
         print(f"cupy: not available ({type(e).__name__})")
-    print(f"cpu cores: {os.cpu_count()}")
+    from tilegraph._config import usable_cores
+
+    usable = usable_cores()
+    print(f"cpu cores: {os.cpu_count()}" + (f" ({usable} usable by this process: its CPU affinity or quota)"
+                                             if usable != os.cpu_count() else ""))
     from tilegraph import models
 
     print("model flavors ([model] flavor = ...):")

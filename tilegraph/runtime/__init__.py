@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from tilegraph import _config
 from tilegraph._config import number_check, require_arg
 from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
@@ -694,7 +695,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     _warn_open_embedded(where)
     from distributed import Scheduler, SpecCluster
 
-    ncpu = os.cpu_count() or 1
+    ncpu = _config.usable_cores()
     if gpu is None:
         gpu = _visible_gpus()
     if n_workers is None:
