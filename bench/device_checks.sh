@@ -91,9 +91,17 @@ want() { [[ ",$ONLY," == *",$1,"* ]]; }
 if [ "$HAS_GPU" = 1 ] && want gpu; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$SUMMARY"
     python3 -c "import cupy; print('cupy', cupy.__version__)" | tee -a "$SUMMARY"
-    check gpu-tests 60 "cd /tmp && python3 -m pytest -q -x -m gpu -p no:cacheprovider $PWD/tests/test_gpu.py"
+    check gpu-tests 120 "cd /tmp && python3 -m pytest -q -m gpu -p no:cacheprovider $PWD/tests/test_gpu.py"
     check train-gpu-visible 50 "rm -rf /tmp/tg-gpu; tilegraph train --out /tmp/tg-gpu $TRAIN"
     check gpt2-gpu 70 "python3 bench/bench_gpt2.py --device gpu --flavor gpt2 --batch 8 --seq 512 --steps $STEPS --warmup 1"
+    # BASE=DIR (a source tree of an earlier commit, carried beside .whl; e.g. `git archive COMMIT |
+    # tar -x -C .old`): the same bench on that code, in the same call, for a before/after pair
+    if [ -n "${BASE:-}" ] && [ -d "$BASE" ]; then
+        rm -rf /tmp/tg-base-site
+        python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/tg-base-site "$BASE" \
+            && check gpt2-gpu-base 70 "PYTHONPATH=/tmp/tg-base-site${PYTHONPATH:+:$PYTHONPATH} python3 bench/bench_gpt2.py \
+                --device gpu --flavor gpt2 --batch 8 --seq 512 --steps $STEPS --warmup 1"
+    fi
     check gpt2-gpu-kernels 60 "python3 bench/bench_gpt2.py --device gpu --flavor gpt2 --batch 8 --seq 512 --steps 1 \
         --warmup 1 --sync-kernels --kernels 25"
 elif want gpu; then
@@ -105,6 +113,12 @@ export CUDA_VISIBLE_DEVICES=
 if want cpu-train; then
     check train-cpu-1-worker 50 "rm -rf /tmp/tg-1w; tilegraph train --out /tmp/tg-1w $TRAIN"
     check train-cpu-4-workers 50 "rm -rf /tmp/tg-4w; tilegraph train --out /tmp/tg-4w $TRAIN --set runtime.workers=4"
+    # the same job on the same machine given 2 and 4 of its cores (CPU affinity, as taskset or a
+    # batch scheduler's binding sets it): more cores must never make it slower
+    for n in 2 4; do
+        check train-cpu-$n-cores 50 "rm -rf /tmp/tg-${n}c; python3 -c 'import os, sys; os.sched_setaffinity(0, range($n)); \
+            os.execvp(sys.argv[1], sys.argv[1:])' tilegraph train --out /tmp/tg-${n}c $TRAIN"
+    done
 fi
 # 3. GPT-2 6x768 on one worker x all threads against torch with as many threads (the issue: 0.41)
 want cpu-6x768 && check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --flavor 6x768 --batch $BATCH_6X768 \

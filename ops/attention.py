@@ -36,6 +36,7 @@ from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import (Default, elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
                       require_tensor, resolve_alias, xp_of)
+from ._gpu import ROW_THREADS, fused, gpu_or_generic, row_kernel
 
 __all__ = ["scaled_dot_product_attention", "kv_cache_append", "kv_cache_write", "sdpa_at"]
 
@@ -188,15 +189,114 @@ def _positions(xp, offs, lengths):
 
 
 def _later(xp, rows_at, row_lengths, cols_at, col_lengths, keys_are_rows: bool):
-    """Boolean (rows x cols) array, true where the key lies after the query (a causal mask's
-    masked entries); None when no key lies after any query (decided from the offsets alone, with
-    no look at device memory)."""
+    """The causal mask of a (rows x cols) score block: ``(r, c, keys_are_rows)``, the rows' and
+    the columns' positions, masked where the key lies after the query; None when no key lies after
+    any query (decided from the offsets alone, with no look at device memory)."""
     keys_at, key_lengths = (rows_at, row_lengths) if keys_are_rows else (cols_at, col_lengths)
     last_key = max(o + n for o, n in zip(keys_at, key_lengths)) - 1
     if last_key <= min(cols_at if keys_are_rows else rows_at):  # the first query sees every key
         return None
-    r, c = _positions(xp, rows_at, row_lengths), _positions(xp, cols_at, col_lengths)
+    return _positions(xp, rows_at, row_lengths), _positions(xp, cols_at, col_lengths), keys_are_rows
+
+
+def _mask_array(later):
+    """The boolean (rows x cols) array of a mask from _later, true where masked."""
+    r, c, keys_are_rows = later
     return r[:, None] > c[None, :] if keys_are_rows else c[None, :] > r[:, None]
+
+
+# The passes over a score block, fused on a CUDA device (ops._gpu), as array code elsewhere. A
+# mask from _later travels as its positions (``mode`` 0: none, 1: masked where the column's
+# position is later, 2: the row's), never as a boolean block.
+def _mask_args(xp, later):
+    """``(r, c, mode)`` for the fused kernels: the rows' positions as a column, the columns'."""
+    if later is None:
+        zero = xp.zeros(1, np.int64)
+        return zero[:, None], zero, np.int32(0)
+    r, c, keys_are_rows = later
+    return r[:, None], c, np.int32(2 if keys_are_rows else 1)
+
+
+_MASKED = "(mode == 1 && c > r) || (mode == 2 && r > c)"
+
+
+def _exp_shifted_generic(lse, r, c, mode, p):
+    if mode:
+        xp_of(p).copyto(p, p.dtype.type(-np.inf), where=_mask_array((r[:, 0], c, mode == 2)))
+    p -= lse
+    return xp_of(p).exp(p, out=p)
+
+
+#: ``p = exp(p - lse)`` in place, masked entries 0 (``lse`` broadcast over p; +inf for a row that
+#: saw no key)
+_exp_shifted = fused("attn_exp_shifted", "T lse, int64 r, int64 c, int32 mode", "T p",
+                     f"p = ({_MASKED}) ? (T)0 : exp(p - lse);", _exp_shifted_generic)
+
+
+def _ds_generic(delta, p, ds):
+    ds -= delta
+    ds *= p
+    return ds
+
+
+#: ``dS = (dO v^T - delta) * P`` in place of ``dO v^T``
+_ds_of = fused("attn_ds", "T delta, T p", "T ds", "ds = (ds - delta) * p;", _ds_generic)
+
+_SOFTMAX_ROWS_CU = r"""
+extern "C" __global__ void tilegraph_softmax_rows(T* s, const long long* rpos, const long long* cpos, T* shift_out,
+                                                  T* l_out, int rows, int cols, int mode) {
+    __shared__ double red[32];
+    const long long row = blockIdx.x;
+    T* sr = s + row * cols;
+    const long long r = mode ? rpos[row % rows] : 0;
+    double m = -__longlong_as_double(0x7ff0000000000000LL);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        const long long c = cpos[mode ? j : 0];
+        if (!(MASKED)) m = tilegraph_max_nan(m, (double)sr[j]);
+    }
+    m = tilegraph_block_reduce(m, red, 1);
+    const T shift = isfinite(m) ? (T)m : (T)0;
+    double l = 0.0;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        const long long c = cpos[mode ? j : 0];
+        const T p = (MASKED) ? (T)0 : exp(sr[j] - shift);
+        sr[j] = p;
+        l += (double)p;
+    }
+    l = tilegraph_block_reduce(l, red, 0);
+    if (threadIdx.x == 0) { shift_out[row] = shift; l_out[row] = (T)l; }
+}
+""".replace("MASKED", _MASKED)
+
+
+def _softmax_rows_generic(s, later):
+    """Scores (heads, rows, cols) to ``exp(s - shift)`` in place, masked entries 0; returns the
+    row shift (the row max, 0 where not finite) and the row sums."""
+    xp = xp_of(s)
+    if later is not None:
+        xp.copyto(s, s.dtype.type(-np.inf), where=_mask_array(later))
+    m = s.max(axis=-1)
+    shift = xp.where(xp.isfinite(m), m, s.dtype.type(0))
+    s -= shift[..., None]
+    p = xp.exp(s, out=s)
+    return shift, p.sum(axis=-1)
+
+
+def _softmax_rows_cuda(s, later):
+    xp = xp_of(s)
+    if s.size == 0 or not s.flags.c_contiguous:
+        return _softmax_rows_generic(s, later)
+    n, rows, cols = s.shape
+    r, c, mode = _mask_args(xp, later)
+    shift = xp.empty((n, rows), s.dtype)
+    l = xp.empty((n, rows), s.dtype)
+    row_kernel("softmax_rows", _SOFTMAX_ROWS_CU, s.dtype)(
+        (n * rows,), (ROW_THREADS,), (s, xp.ascontiguousarray(r.reshape(-1)), xp.ascontiguousarray(c), shift, l,
+                                      np.int32(rows), np.int32(cols), mode))
+    return shift, l
+
+
+_softmax_rows = gpu_or_generic("softmax_rows", _softmax_rows_cuda, _softmax_rows_generic)
 
 
 def _cat_keys(xp, tiles):
@@ -226,19 +326,13 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     b, h, tq, d = q.shape
     k, v, later = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf = _flat(q)
-    sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
+    sc = q.dtype.type(scale)
     out = xp.empty(qf.shape, dtype=q.dtype)
     lse = xp.empty(qf.shape[:2], dtype=q.dtype)
     with np.errstate(divide="ignore", invalid="ignore"):    # rows with no visible key: NaN, as torch
         for g0, g1 in _score_chunks(b * h, tq, k.shape[1], q.itemsize):
-            s = xp.matmul(qf[g0:g1] * sc, k[g0:g1].swapaxes(-1, -2))      # (heads, tq, S)
-            if later is not None:
-                xp.copyto(s, ninf, where=later)
-            m = s.max(axis=-1)
-            shift = xp.where(xp.isfinite(m), m, q.dtype.type(0))
-            s -= shift[..., None]
-            p = xp.exp(s, out=s)
-            l = p.sum(axis=-1)
+            p = xp.matmul(qf[g0:g1] * sc, k[g0:g1].swapaxes(-1, -2))      # (heads, tq, S)
+            shift, l = _softmax_rows(p, later)
             o = xp.matmul(p, v[g0:g1], out=out[g0:g1])
             o /= l[..., None]
             lse[g0:g1] = shift + xp.log(l)
@@ -252,17 +346,14 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
     k, v, later = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf, dof, delta = _flat(q), _flat(do), _flat(delta)
     lse = _lse_for_exp(xp, _flat(lse))
-    sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
+    sc = q.dtype.type(scale)
+    mask = _mask_args(xp, later)
     dq = xp.empty(qf.shape, dtype=q.dtype)
     for g0, g1 in _score_chunks(b * h, tq, k.shape[1], q.itemsize):
         p = xp.matmul(qf[g0:g1] * sc, k[g0:g1].swapaxes(-1, -2))          # (heads, tq, S)
-        if later is not None:
-            xp.copyto(p, ninf, where=later)
-        p -= lse[g0:g1, :, None]
-        xp.exp(p, out=p)
+        _exp_shifted(lse[g0:g1, :, None], *mask, p)
         ds = xp.matmul(dof[g0:g1], v[g0:g1].swapaxes(-1, -2))
-        ds -= delta[g0:g1, :, None]
-        ds *= p
+        _ds_of(delta[g0:g1, :, None], p, ds)
         xp.matmul(ds, k[g0:g1], out=dq[g0:g1])
     dq *= sc
     return dq.reshape(b, h, tq, d)
@@ -281,21 +372,18 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
     q, do, lse, delta = (side_by_side(m) for m in range(4))  # (n, TQ, D) and (n, TQ)
     lse = _lse_for_exp(xp, lse)
     later = _later(xp, (k_off,), (sk,), q_offs, [qs[i * n_p].shape[2] for i in range(n_i)], True) if causal else None
-    sc, ninf = k.dtype.type(scale), k.dtype.type(-np.inf)
+    sc = k.dtype.type(scale)
+    mask = _mask_args(xp, later)
     k_rep = _flat(xp.repeat(k, groups, axis=1) if groups > 1 else k)   # (n, sk, D)
     v_rep = _flat(xp.repeat(v, groups, axis=1) if groups > 1 else v)
     dk = xp.empty(k_rep.shape, dtype=k.dtype)
     dv = xp.empty(v_rep.shape, dtype=v.dtype)
     for g0, g1 in _score_chunks(k_rep.shape[0], sk, q.shape[1], k.itemsize):
         pt = xp.matmul(k_rep[g0:g1] * sc, q[g0:g1].swapaxes(-1, -2))     # (heads, sk, TQ): P^T logits
-        if later is not None:
-            xp.copyto(pt, ninf, where=later)
-        pt -= lse[g0:g1, None, :]
-        xp.exp(pt, out=pt)
+        _exp_shifted(lse[g0:g1, None, :], *mask, pt)
         xp.matmul(pt, do[g0:g1], out=dv[g0:g1])
         dst = xp.matmul(v_rep[g0:g1], do[g0:g1].swapaxes(-1, -2))       # (dO v^T)^T
-        dst -= delta[g0:g1, None, :]
-        dst *= pt
+        _ds_of(delta[g0:g1, None, :], pt, dst)
         xp.matmul(dst, q[g0:g1], out=dk[g0:g1])
     dk *= sc
     return _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)

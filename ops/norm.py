@@ -31,6 +31,7 @@ from tilegraph._graph import emit, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import acc_dtype, new_tensor, require_float, require_same_chunks, require_tensor, xp_of
+from ._gpu import ROW_THREADS, gpu_or_generic, row_kernel
 from ._tree import merge_tree
 from .softmax import row_groups, rowwise_cost
 
@@ -211,8 +212,107 @@ def _norm_bwd_cpu(x, g, *rest, center, has_w, has_b):
     return _one_or_tuple(outs)
 
 
-_norm_fwd = kernel("norm_fwd", cost=rowwise_cost(8), cpu=_norm_fwd_cpu)(_norm_fwd_xp)
-_norm_bwd = kernel("norm_bwd", cost=rowwise_cost(12), cpu=_norm_bwd_cpu)(_norm_bwd_xp)
+# ------------------------------------------------------------------ fused kernels (CUDA) ----
+# One block per row: the row statistics (accumulated in double), then the row written, in one
+# launch (the array code takes some ten launches forward and fifteen backward, GPT-2 124M's 25
+# norms 27 ms of its 166 ms step on an H200); the backward also writes g * xhat, summed over the
+# rows afterwards for the weight gradient.
+_NORM_FWD_CU = r"""
+extern "C" __global__ void tilegraph_norm_fwd(const T* x, const T* w, const T* b, T* y, T* mean_out, T* rstd_out,
+                                              int n, double eps, int center, int has_w, int has_b) {
+    __shared__ double red[32];
+    const long long r = blockIdx.x;
+    const T* xr = x + r * n;
+    T* yr = y + r * n;
+    double mu = 0.0;
+    if (center) {
+        double s = 0.0;
+        for (int j = threadIdx.x; j < n; j += blockDim.x) s += (double)xr[j];
+        mu = tilegraph_block_reduce(s, red, 0) / n;
+    }
+    double q = 0.0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) { double d = (double)xr[j] - mu; q += d * d; }
+    const double rs = 1.0 / sqrt(tilegraph_block_reduce(q, red, 0) / n + eps);
+    if (threadIdx.x == 0) { if (center) mean_out[r] = (T)mu; rstd_out[r] = (T)rs; }
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        double v = ((double)xr[j] - mu) * rs;
+        if (has_w) v *= (double)w[j];
+        if (has_b) v += (double)b[j];
+        yr[j] = (T)v;
+    }
+}
+"""
+_NORM_BWD_CU = r"""
+extern "C" __global__ void tilegraph_norm_bwd(const T* x, const T* g, const T* mean, const T* rstd, const T* w,
+                                              T* dx, T* gxhat, int n, int center, int has_w) {
+    __shared__ double red[32];
+    const long long r = blockIdx.x;
+    const T* xr = x + r * n;
+    const T* gr = g + r * n;
+    const double mu = center ? (double)mean[r] : 0.0, rs = (double)rstd[r];
+    double s1 = 0.0, s2 = 0.0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const double xh = ((double)xr[j] - mu) * rs, gw = has_w ? (double)gr[j] * (double)w[j] : (double)gr[j];
+        s1 += gw * xh;
+        s2 += gw;
+    }
+    s1 = tilegraph_block_reduce(s1, red, 0) / n;
+    s2 = center ? tilegraph_block_reduce(s2, red, 0) / n : 0.0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const double xh = ((double)xr[j] - mu) * rs, gw = has_w ? (double)gr[j] * (double)w[j] : (double)gr[j];
+        dx[r * n + j] = (T)(rs * (gw - s2 - xh * s1));
+        if (has_w) gxhat[r * n + j] = (T)((double)gr[j] * xh);
+    }
+}
+"""
+
+
+def _cuda_rows(a, n):
+    return a.reshape(-1, n) if a.flags.c_contiguous else xp_of(a).ascontiguousarray(a).reshape(-1, n)
+
+
+def _norm_fwd_cuda(x, *wb, eps, center, has_w, has_b):
+    if x.size == 0 or any(a.dtype != x.dtype for a in wb):
+        return _norm_fwd_xp(x, *wb, eps=eps, center=center, has_w=has_w, has_b=has_b)
+    xp, n = xp_of(x), x.shape[-1]
+    x2 = _cuda_rows(x, n)
+    w = _cuda_rows(wb[0], n) if has_w else x2   # (an absent input: any array, never read)
+    b = _cuda_rows(wb[int(has_w)], n) if has_b else x2
+    y = xp.empty_like(x2)
+    mean = xp.empty(x2.shape[0] if center else 1, x.dtype)
+    rstd = xp.empty(x2.shape[0], x.dtype)
+    row_kernel("norm_fwd", _NORM_FWD_CU, x.dtype)(
+        (x2.shape[0],), (ROW_THREADS,), (x2, w, b, y, mean, rstd, np.int32(n), np.float64(eps), np.int32(center),
+                                         np.int32(has_w), np.int32(has_b)))
+    stat_shape = x.shape[:-1] + (1,)
+    return (y.reshape(x.shape),) + _row_stats(mean.reshape(stat_shape) if center else None,
+                                              rstd.reshape(stat_shape), center)
+
+
+def _norm_bwd_cuda(x, g, *rest, center, has_w, has_b):
+    mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
+    if x.size == 0 or any(a is not None and a.dtype != x.dtype for a in (g, mean, rstd, w)):
+        return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, has_b=has_b)
+    xp, n = xp_of(x), x.shape[-1]
+    x2, g2 = _cuda_rows(x, n), _cuda_rows(g, n)
+    dx = xp.empty_like(x2)
+    gxhat = xp.empty_like(x2) if has_w else dx
+    row_kernel("norm_bwd", _NORM_BWD_CU, x.dtype)(
+        (x2.shape[0],), (ROW_THREADS,), (x2, g2, _cuda_rows(mean, 1) if center else x2, _cuda_rows(rstd, 1),
+                                         _cuda_rows(w, n) if has_w else x2, dx, gxhat, np.int32(n), np.int32(center),
+                                         np.int32(has_w)))
+    outs = [dx.reshape(x.shape)]
+    if has_w:
+        outs.append(gxhat.sum(axis=0))
+    if has_b:
+        outs.append(g2.sum(axis=0))
+    return _one_or_tuple(outs)
+
+
+_norm_fwd = kernel("norm_fwd", cost=rowwise_cost(8), cpu=_norm_fwd_cpu,
+                   gpu=gpu_or_generic("norm_fwd", _norm_fwd_cuda, _norm_fwd_xp))(_norm_fwd_xp)
+_norm_bwd = kernel("norm_bwd", cost=rowwise_cost(12), cpu=_norm_bwd_cpu,
+                   gpu=gpu_or_generic("norm_bwd", _norm_bwd_cuda, _norm_bwd_xp))(_norm_bwd_xp)
 
 
 # ------------------------------------------------------------------ split-row kernels ----

@@ -93,3 +93,66 @@ def test_decoding_on_a_gpu_worker_replays_its_step_and_matches_the_cpu(array_mod
         assert dec.replayed == 3   # positions 7, 8 and 11 (tiles [5, 9) and [9, 13))
         assert {n.device for n in topo_order(dec.last_executable.roots) if not n.is_leaf} == {"gpu"}
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_cuda_kernels_match_their_array_code(dtype):
+    """The CUDA row kernels (layer/RMS norm forward and backward, the attention forward's masked
+    softmax) and the fused attention passes against the array code they replace, run on the same
+    CuPy arrays: rows shorter and longer than a block, every mask mode, rows with no visible key,
+    -inf and NaN scores; and no kernel fell back to its array code (a build failure would)."""
+    import warnings
+
+    import cupy
+
+    from tilegraph.ops import _gpu, attention as at, norm as nm
+
+    rng = np.random.default_rng(0)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-13)
+
+    def arr(*shape):
+        return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+
+    def close(got, want):
+        got, want = (got,) if not isinstance(got, tuple) else got, (want,) if not isinstance(want, tuple) else want
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+            np.testing.assert_allclose(cupy.asnumpy(g), cupy.asnumpy(w), **tol)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # a fallback warns
+        for n in (96, 1000):
+            x, g, w, b = arr(3, 5, n), arr(3, 5, n), arr(n), arr(n)
+            for center in (True, False):
+                for has_w, has_b in ((True, True), (True, False), (False, False)):
+                    wb = [a for a, on in ((w, has_w), (b, has_b)) if on]
+                    kw = dict(center=center, has_w=has_w, has_b=has_b)
+                    fwd = nm._norm_fwd_cuda(x, *wb, eps=1e-5, **kw)
+                    close(fwd, nm._norm_fwd_xp(x, *wb, eps=1e-5, **kw))
+                    stats = list(fwd[1:])
+                    close(nm._norm_bwd_cuda(x, g, *stats, *wb, **kw), nm._norm_bwd_xp(x, g, *stats, *wb, **kw))
+        for rows, cols in ((7, 300), (16, 40)):
+            s = arr(4, rows, cols)
+            s[0, 1, 3] = np.nan
+            s[1, 2, :] = -np.inf
+            half = cols // 2
+            for later in (None, at._later(cupy, (cols - rows - 2,), (rows,), (0, half), (half, cols - half), False),
+                          at._later(cupy, (0,), (rows,), (3,), (cols,), False)):   # 3 rows before every key
+                got, want = s.copy(), s.copy()
+                close(at._softmax_rows_cuda(got, later), at._softmax_rows_generic(want, later))
+                close(got, want)
+            lse = arr(4, rows)
+            lse[0, 0] = np.inf
+            for later, lse_b in ((None, lse[:, :, None]),
+                                 (at._later(cupy, (30,), (rows,), (0,), (cols,), False), lse[:, :, None]),
+                                 (at._later(cupy, (0,), (rows,), (3,), (cols,), True), arr(4, 1, cols))):
+                mask = at._mask_args(cupy, later)
+                got, want = s.copy(), s.copy()
+                at._exp_shifted(lse_b, *mask, got)
+                at._exp_shifted_generic(lse_b, *mask, want)
+                close(got, want)
+                ds = arr(4, rows, cols)
+                close(at._ds_of(lse_b, got, ds.copy()), at._ds_generic(lse_b, got, ds.copy()))
+    assert not _gpu._BROKEN
