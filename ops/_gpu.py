@@ -12,6 +12,7 @@ array code runs instead, so a fused kernel can only make a step faster, never st
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from tilegraph._graph import xp_of
 
-__all__ = ["fused", "gpu_or_generic", "row_kernel", "ROW_THREADS"]
+__all__ = ["fused", "gpu_or_generic", "row_kernel", "ROW_THREADS", "sum_keepdims"]
 
 _KERNELS: dict[str, object] = {}
 _BROKEN: set[str] = set()
@@ -105,3 +106,17 @@ def _is_build_error(e: Exception) -> bool:
 
     kinds = (getattr(cupy.cuda.compiler, "CompileException", None), getattr(cupy.cuda.driver, "CUDADriverError", None))
     return isinstance(e, tuple(k for k in kinds if k is not None))
+
+
+def sum_keepdims(x, axes: tuple):
+    """``x.sum(axis=axes, keepdims=True)``. On a GPU, a sum over the leading axes of a C-contiguous
+    float array (a bias gradient: (batch, seq, C) summed to (C,)) is the product of a ones vector
+    with the (rows x C) matrix, which cuBLAS reads row after row; CuPy's reduction reads each
+    column with a row's stride (GPT-2 124M on an H200: its 73 such sums took 11 ms of a step)."""
+    k = len(axes)
+    if (xp_of(x) is np or k == 0 or k == x.ndim or tuple(sorted(axes)) != tuple(range(k)) or x.dtype.char not in "fd"
+            or not x.flags.c_contiguous or x.size == 0):
+        return x.sum(axis=axes, keepdims=True)
+    xp = xp_of(x)
+    rows = x.size // math.prod(x.shape[k:])
+    return (xp.ones(rows, x.dtype) @ x.reshape(rows, -1)).reshape((1,) * k + x.shape[k:])

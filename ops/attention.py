@@ -307,12 +307,37 @@ def _cat_keys(xp, tiles):
 
 def _whole_keys(xp, kv, n_k: int, n_h: int, heads: tuple, q_off: int, tq: int, k_offs: tuple, causal: bool):
     """A query tile's keys and values, all key tiles side by side, as (b * h, S, D) for the
-    query heads ``heads``, and the causal mask of its ``tq`` queries (None: none or nothing masked)."""
+    query heads ``heads``; the causal mask of its ``tq`` queries (None: none or nothing masked);
+    the key tiles' ``(offset, length)``."""
     ks, vs = _split_kv(kv, n_k, n_h)
     k = _flat(_pick_heads(_cat_keys(xp, ks), heads))
     v = _flat(_pick_heads(_cat_keys(xp, vs), heads))
-    later = _later(xp, (q_off,), (tq,), k_offs, [t[0].shape[2] for t in ks], False) if causal else None
-    return k, v, later
+    spans = [(o, t[0].shape[2]) for o, t in zip(k_offs, ks)]
+    later = _later(xp, (q_off,), (tq,), k_offs, [n for _, n in spans], False) if causal else None
+    return k, v, later, spans
+
+
+#: with a causal mask, the GPU kernels cut a tile into blocks of at least this many rows (queries;
+#: keys in dK/dV), each multiplied by the keys (queries) it can see alone: half a tile's scores lie
+#: above the diagonal, two blocks skip a quarter of them, four three eighths (more blocks, more
+#: launches)
+_GPU_CAUSAL_ROWS = 256
+
+
+def _causal_blocks(n: int, causal: bool) -> list[tuple[int, int]]:
+    """``[start, stop)`` row blocks of a tile of ``n`` rows (one block without a causal mask)."""
+    k = max(1, n // _GPU_CAUSAL_ROWS) if causal else 1
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def _count_before(spans, position: int) -> int:
+    """How many of the positions of tiles ``spans`` ((offset, length), ascending) lie before ``position``."""
+    return sum(max(0, min(n, position - o)) for o, n in spans)
+
+
+def _mask_rows(later, r0: int, r1: int, c0: int, c1: int):
+    """The mask of block ``[r0, r1) x [c0, c1)`` of a score block, from _later's (None: none)."""
+    return None if later is None else (later[0][r0:r1], later[1][c0:c1], later[2])
 
 
 def _lse_for_exp(xp, lse):
@@ -321,21 +346,28 @@ def _lse_for_exp(xp, lse):
 
 
 def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
-    """_sdpa_fwd in a few launches: all scores of a head chunk, one softmax, one product with v."""
+    """_sdpa_fwd in a few launches: per head chunk and row block, the scores against every key
+    the block sees, one softmax, one product with v."""
     xp = xp_of(q)
     b, h, tq, d = q.shape
-    k, v, later = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
+    k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf = _flat(q)
     sc = q.dtype.type(scale)
     out = xp.empty(qf.shape, dtype=q.dtype)
     lse = xp.empty(qf.shape[:2], dtype=q.dtype)
     with np.errstate(divide="ignore", invalid="ignore"):    # rows with no visible key: NaN, as torch
         for g0, g1 in _score_chunks(b * h, tq, k.shape[1], q.itemsize):
-            p = xp.matmul(qf[g0:g1] * sc, k[g0:g1].swapaxes(-1, -2))      # (heads, tq, S)
-            shift, l = _softmax_rows(p, later)
-            o = xp.matmul(p, v[g0:g1], out=out[g0:g1])
-            o /= l[..., None]
-            lse[g0:g1] = shift + xp.log(l)
+            for a0, a1 in _causal_blocks(tq, causal):
+                w = _count_before(spans, q_off + a1) if causal else k.shape[1]   # keys the block's last row sees
+                if w == 0:
+                    out[g0:g1, a0:a1], lse[g0:g1, a0:a1] = np.nan, -np.inf
+                    continue
+                p = xp.matmul(qf[g0:g1, a0:a1] * sc, k[g0:g1, :w].swapaxes(-1, -2))      # (heads, rows, w)
+                shift, l = _softmax_rows(p, _mask_rows(later, a0, a1, 0, w))
+                o = xp.matmul(p, v[g0:g1, :w])
+                o /= l[..., None]
+                out[g0:g1, a0:a1] = o
+                lse[g0:g1, a0:a1] = shift + xp.log(l)
     return out.reshape(b, h, tq, d), lse.reshape(b, h, tq)
 
 
@@ -343,18 +375,22 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
     """_sdpa_dq in a few launches per head chunk."""
     xp = xp_of(q)
     b, h, tq, d = q.shape
-    k, v, later = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
+    k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf, dof, delta = _flat(q), _flat(do), _flat(delta)
     lse = _lse_for_exp(xp, _flat(lse))
     sc = q.dtype.type(scale)
-    mask = _mask_args(xp, later)
     dq = xp.empty(qf.shape, dtype=q.dtype)
     for g0, g1 in _score_chunks(b * h, tq, k.shape[1], q.itemsize):
-        p = xp.matmul(qf[g0:g1] * sc, k[g0:g1].swapaxes(-1, -2))          # (heads, tq, S)
-        _exp_shifted(lse[g0:g1, :, None], *mask, p)
-        ds = xp.matmul(dof[g0:g1], v[g0:g1].swapaxes(-1, -2))
-        _ds_of(delta[g0:g1, :, None], p, ds)
-        xp.matmul(ds, k[g0:g1], out=dq[g0:g1])
+        for a0, a1 in _causal_blocks(tq, causal):
+            w = _count_before(spans, q_off + a1) if causal else k.shape[1]
+            if w == 0:
+                dq[g0:g1, a0:a1] = 0
+                continue
+            p = xp.matmul(qf[g0:g1, a0:a1] * sc, k[g0:g1, :w].swapaxes(-1, -2))          # (heads, rows, w)
+            _exp_shifted(lse[g0:g1, a0:a1, None], *_mask_args(xp, _mask_rows(later, a0, a1, 0, w)), p)
+            ds = xp.matmul(dof[g0:g1, a0:a1], v[g0:g1, :w].swapaxes(-1, -2))
+            _ds_of(delta[g0:g1, a0:a1, None], p, ds)
+            dq[g0:g1, a0:a1] = xp.matmul(ds, k[g0:g1, :w])
     dq *= sc
     return dq.reshape(b, h, tq, d)
 
@@ -371,20 +407,26 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
 
     q, do, lse, delta = (side_by_side(m) for m in range(4))  # (n, TQ, D) and (n, TQ)
     lse = _lse_for_exp(xp, lse)
-    later = _later(xp, (k_off,), (sk,), q_offs, [qs[i * n_p].shape[2] for i in range(n_i)], True) if causal else None
+    spans = [(o, qs[i * n_p].shape[2]) for i, o in enumerate(q_offs)]
+    later = _later(xp, (k_off,), (sk,), q_offs, [n for _, n in spans], True) if causal else None
     sc = k.dtype.type(scale)
-    mask = _mask_args(xp, later)
     k_rep = _flat(xp.repeat(k, groups, axis=1) if groups > 1 else k)   # (n, sk, D)
     v_rep = _flat(xp.repeat(v, groups, axis=1) if groups > 1 else v)
     dk = xp.empty(k_rep.shape, dtype=k.dtype)
     dv = xp.empty(v_rep.shape, dtype=v.dtype)
-    for g0, g1 in _score_chunks(k_rep.shape[0], sk, q.shape[1], k.itemsize):
-        pt = xp.matmul(k_rep[g0:g1] * sc, q[g0:g1].swapaxes(-1, -2))     # (heads, sk, TQ): P^T logits
-        _exp_shifted(lse[g0:g1, None, :], *mask, pt)
-        xp.matmul(pt, do[g0:g1], out=dv[g0:g1])
-        dst = xp.matmul(v_rep[g0:g1], do[g0:g1].swapaxes(-1, -2))       # (dO v^T)^T
-        _ds_of(delta[g0:g1, None, :], pt, dst)
-        xp.matmul(dst, q[g0:g1], out=dk[g0:g1])
+    tq = q.shape[1]
+    for g0, g1 in _score_chunks(k_rep.shape[0], sk, tq, k.itemsize):
+        for a0, a1 in _causal_blocks(sk, causal):
+            c0 = _count_before(spans, k_off + a0) if causal else 0   # queries before the block's first key
+            if c0 == tq:
+                dk[g0:g1, a0:a1] = dv[g0:g1, a0:a1] = 0
+                continue
+            pt = xp.matmul(k_rep[g0:g1, a0:a1] * sc, q[g0:g1, c0:].swapaxes(-1, -2))  # (heads, rows, TQ - c0): P^T logits
+            _exp_shifted(lse[g0:g1, None, c0:], *_mask_args(xp, _mask_rows(later, a0, a1, c0, tq)), pt)
+            dv[g0:g1, a0:a1] = xp.matmul(pt, do[g0:g1, c0:])
+            dst = xp.matmul(v_rep[g0:g1, a0:a1], do[g0:g1, c0:].swapaxes(-1, -2))       # (dO v^T)^T
+            _ds_of(delta[g0:g1, None, c0:], pt, dst)
+            dk[g0:g1, a0:a1] = xp.matmul(dst, q[g0:g1, c0:])
     dk *= sc
     return _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)
 

@@ -31,7 +31,7 @@ from tilegraph._graph import emit, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import acc_dtype, new_tensor, require_float, require_same_chunks, require_tensor, xp_of
-from ._gpu import ROW_THREADS, gpu_or_generic, row_kernel
+from ._gpu import ROW_THREADS, gpu_or_generic, row_kernel, sum_keepdims
 from ._tree import merge_tree
 from .softmax import row_groups, rowwise_cost
 
@@ -303,9 +303,9 @@ def _norm_bwd_cuda(x, g, *rest, center, has_w, has_b):
                                          np.int32(has_w)))
     outs = [dx.reshape(x.shape)]
     if has_w:
-        outs.append(gxhat.sum(axis=0))
+        outs.append(sum_keepdims(gxhat, (0,)).reshape(n))
     if has_b:
-        outs.append(g2.sum(axis=0))
+        outs.append(sum_keepdims(g2, (0,)).reshape(n))
     return _one_or_tuple(outs)
 
 

@@ -14,6 +14,7 @@ from tilegraph._graph import emit, emit1, kernel
 from tilegraph._tensor import ALL_DIMS, NO_KEEPDIM, TileTensor, Tiling
 
 from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, resolve_alias, xp_of
+from ._gpu import sum_keepdims
 from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests read it here too
 
 __all__ = ["sum", "mean", "sum_dims", "expand", "max", "min", "var", "std", "MinMax"]
@@ -26,7 +27,7 @@ def _reduce_sum(*tiles, axes, shape, scale, dtype=None):
     for t in tiles:
         if dtype is not None:
             t = t.astype(dtype, copy=False)
-        s = t.sum(axis=axes, keepdims=True) if axes else t
+        s = sum_keepdims(t, tuple(axes)) if axes else t
         acc = s.copy() if acc is None else acc + s
     acc = acc.reshape(shape)
     if scale != 1.0:

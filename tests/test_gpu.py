@@ -99,7 +99,7 @@ def test_decoding_on_a_gpu_worker_replays_its_step_and_matches_the_cpu(array_mod
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fused_cuda_kernels_match_their_array_code(dtype):
     """The CUDA row kernels (layer/RMS norm forward and backward, the attention forward's masked
-    softmax) and the fused attention passes against the array code they replace, run on the same
+    softmax), the fused attention passes and the column sums against the array code they replace, run on the same
     CuPy arrays: rows shorter and longer than a block, every mask mode, rows with no visible key,
     -inf and NaN scores; and no kernel fell back to its array code (a build failure would)."""
     import warnings
@@ -155,4 +155,36 @@ def test_fused_cuda_kernels_match_their_array_code(dtype):
                 close(got, want)
                 ds = arr(4, rows, cols)
                 close(at._ds_of(lse_b, got, ds.copy()), at._ds_generic(lse_b, got, ds.copy()))
+        x = arr(3, 5, 96)
+        for axes in ((0, 1), (0,), (1,), (0, 1, 2)):   # a product with ones over leading axes; else CuPy's sum
+            close(_gpu.sum_keepdims(x, axes), x.sum(axis=axes, keepdims=True))
     assert not _gpu._BROKEN
+
+
+@pytest.mark.gpu
+def test_gpu_attention_kernels_in_causal_row_blocks_match_numpy(monkeypatch):
+    """The attention kernels' GPU versions on CuPy (fused passes, causal row blocks of 4 rows
+    against the keys each sees, two key tiles) against the same code on NumPy (array code)."""
+    import cupy
+
+    from tilegraph.ops import attention as at
+
+    monkeypatch.setattr(at, "_GPU_CAUSAL_ROWS", 4)
+    rng = np.random.default_rng(0)
+    q, do = (rng.standard_normal((2, 4, 13, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 2, 13, 8)) for _ in range(2))
+    spans = ((0, 6), (6, 7))                  # two key tiles
+    attn = dict(n_k=2, n_h=1, heads=(0, 0, 1, 1), q_off=0, k_offs=(0, 6), causal=True, scale=0.35)
+
+    def run(xp):
+        a = [xp.asarray(x) for x in (q, do, k, v)]
+        kv = [a[2][:, :, o:o + n] for o, n in spans] + [a[3][:, :, o:o + n] for o, n in spans]
+        out, lse = at._sdpa_fwd_gpu(a[0], *kv, **attn)
+        delta = (a[1] * out).sum(axis=-1)
+        dq = at._sdpa_dq_gpu(a[0], a[1], lse, delta, *kv, **attn)
+        dkv = [at._sdpa_dkv_gpu(kv[j], kv[2 + j], a[0], a[1], lse, delta, n_i=1, n_p=1, h_lo=0, h_hi=4, groups=2,
+                                q_offs=(0,), k_off=o, causal=True, scale=0.35) for j, (o, _) in enumerate(spans)]
+        return [out, lse, dq] + [g for pair in dkv for g in pair]
+
+    for got, want in zip(run(cupy), run(np)):
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-10, atol=1e-12)

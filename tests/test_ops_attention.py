@@ -25,15 +25,20 @@ def _qkv(rng, dtype, B=2, H=4, hkv=2, T=13, S=13, D=8):
     return [_r(rng, B, H, T, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype)]
 
 
-@pytest.fixture(params=["cpu", "gpu"])
+@pytest.fixture(params=["cpu", "gpu", "gpu-row-blocks"])
 def kernels(request, monkeypatch):
     """Which attention kernels run: the CPU ones, or the GPU versions (whole tiles in a few array
-    operations), here on NumPy: a GPU worker runs the same code on CuPy."""
-    if request.param == "gpu":
+    operations), here on NumPy: a GPU worker runs the same code on CuPy; "gpu-row-blocks": with
+    a causal mask, in blocks of 3 rows (of 256 on a GPU), each against the keys it sees."""
+    if request.param != "cpu":
         for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
             k = get_kernel(name)
             assert k.gpu is not None, name
             monkeypatch.setattr(k, "fn", k.gpu)  # what the local scheduler's CPU tasks call
+    if request.param == "gpu-row-blocks":
+        import tilegraph.ops.attention as attention
+
+        monkeypatch.setattr(attention, "_GPU_CAUSAL_ROWS", 3)
     return request.param
 
 
