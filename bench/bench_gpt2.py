@@ -34,12 +34,13 @@ measures overheads only), "6x768" (GPT2Config(dim=768, n_layers=6, n_heads=12), 
 
 Default tilings (each can be overridden; 0 keeps a dim whole):
 
-- batch tile: ``batch // (workers x threads)`` rows (at least 1), so that every worker thread has
-  a tile of tokens to work on in every layer; one 4 x 256 tile would leave the second thread of
-  the development machine idle in all the matmuls that are not split otherwise. Not when a tile
-  would hold fewer than ``tilegraph.trainer.MIN_ROW_TILE_ELEMENTS`` (tokens x width): the debug
-  flavor's kernels are so small that the extra calls cost more than a second thread gains (its
-  tasks run on one thread anyway, ``config.thread_handoff_seconds``);
+- batch tile: as the Trainer cuts a batch (``tilegraph.trainer.row_tile_for``), a tile per worker
+  thread, so that every thread has a tile of tokens to work on in every layer; one 4 x 256 tile
+  would leave the second thread of the development machine idle in all the matmuls that are not
+  split otherwise. Fewer tiles where a tile would hold fewer than
+  ``tilegraph.trainer.MIN_ROW_TILE_ELEMENTS`` (tokens x width): the debug flavor's kernels are so
+  small that the extra calls cost more than a second thread gains (its tasks run on one thread
+  anyway, ``config.thread_handoff_seconds``);
 - vocab tile: GPT-2's 50257 columns are cut into tiles of at most 8192 (``ModelTiling.default``),
   their number rounded up to a multiple of the worker threads when there are fewer threads than
   tiles (8 tiles of 6283 on 2 threads rather than 7 of 7180), so the tied unembedding, the
@@ -90,13 +91,11 @@ def flavor_config(name: str):
 
 def _cpu_tiles(cfg, args, batch: int, seq: int) -> dict:
     from tilegraph.models import ModelTiling
-    from tilegraph.trainer import MIN_ROW_TILE_ELEMENTS
+    from tilegraph.trainer import row_tile_for
 
     threads = args.workers * args.threads
     base = ModelTiling.default(cfg, batch=batch, seq=seq)
-    batch_tile = max(1, batch // threads)
-    if batch_tile * seq * cfg.dim < MIN_ROW_TILE_ELEMENTS:  # tiles too small to pay for their kernel calls
-        batch_tile = batch
+    batch_tile = row_tile_for(batch, seq * cfg.dim, threads)   # as the Trainer cuts a batch
     if base.batch is not None:
         batch_tile = min(batch_tile, base.batch)
     parts = math.ceil(cfg.vocab_size / MAX_VOCAB_TILE)

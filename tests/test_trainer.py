@@ -315,6 +315,11 @@ def test_default_row_tiles_one_per_cpu_thread_or_per_gpu():
     assert _default_row_tile(Rt(16, 1), 32, big) == 32  # one GPU: whole tiles, the largest kernels
     assert _default_row_tile(Rt(16, 2), 32, big) == 16  # a tile per GPU
     assert _default_row_tile(Rt(16, 0), 32, 1) == 32  # tiny rows: one tile
+    # rows too small for a tile per thread: as many tiles as reach the minimum, evenly
+    assert _default_row_tile(Rt(16, 0), 16, big // 4) == 4   # 4 tiles of 4 rows, not 16 of 1
+    assert _default_row_tile(Rt(2, 0), 4, big // 2) == 2     # 2 tiles of 2 rows: each reaches it
+    assert _default_row_tile(Rt(2, 0), 4, big // 3) == 4     # 2 rows would not: one tile
+    assert _default_row_tile(Rt(16, 0), 3, big * 8) == 1     # never more tiles than rows
 
 
 @pytest.mark.parametrize("factor, drawings", [(0.0, 6), (1e9, 1)])
