@@ -192,8 +192,12 @@ def test_info_lists_the_model_flavors(tmp_path):
      r"workers only for the embedded cluster .*received: address = 'tcp://127\.0\.0\.1:1', workers = 2"),
     (["--set", "runtime.address=tcp://127.0.0.1:1", "--set", "runtime.scheduler_file=s.json"],
      r"at most one of address, scheduler_file and mpi .*received: address = .*, scheduler_file = 's\.json'"),
+    # a cluster of the user's is reached before the data is read (or the run folder made)
+    (["--set", "runtime.scheduler_file=nowhere/s.json"], r"scheduler file does not exist.*'nowhere/s\.json' \(nor its folder\)"),
+    (["--set", "runtime.scheduler_file=bad.json"], r"a scheduler file: a JSON object .*'bad\.json': invalid JSON"),
 ])
 def test_bad_settings_are_one_line_each_and_nothing_is_written(tmp_path, args, message):
+    (tmp_path / "bad.json").write_text("{not json")
     run = _cli("train", "--out", "run", *args, cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert re.search(message, run.stderr) and "Traceback" not in run.stderr, run.stderr

@@ -96,6 +96,10 @@ def _train(args, job: Job) -> int:
         # First of all: dask-mpi turns rank 0 into the scheduler and ranks >= 2 into workers, and
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
         rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
+    elif r["address"] or r["scheduler_file"]:  # a cluster of the user's: reached (or not) before any data is read
+        rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None, quiet=True, **tls)
+    if rt is not None:
+        job.release.append(rt.close)  # (closed by the job's end as well; this covers a failure before it)
     # the checkpoint to resume from, read once here and handed on
     resume, steps = plan_resume(args.resume, cfg, given, source) if args.resume else (None, int(t["steps"]))
     check_used_peft_keys(cfg["peft"], given)  # after --resume has brought the run's method
@@ -143,9 +147,8 @@ def _train(args, job: Job) -> int:
     sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
     opt = tg.optim.AdamW(tg.peft.trainable_parameters(model), lr=sched, weight_decay=t["weight_decay"],
                          clip_grad_norm=t["clip_grad_norm"] or None)  # with adapters: only theirs
-    if rt is None:
-        rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None,
-                        n_workers=r["workers"] or None, quiet=True, **tls)
+    if rt is None:  # the embedded cluster, started once the job's settings and data have passed
+        rt = tg.connect(n_workers=r["workers"] or None, quiet=True, **tls)
     job.release.append(partial(setattr, tg.config, "exchange", tg.config.exchange))  # the caller's, back after the job
     tg.config.exchange = r["exchange"]
     with rt:
