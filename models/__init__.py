@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tilegraph import nn
 from tilegraph._errors import TileError
 
 from ._common import CausalLM
@@ -67,7 +68,33 @@ def build(flavor_or_config, tiling: ModelTiling | None = None, *, seed=0, dtype=
     :meth:`ModelTiling.default`; ``recompute``: each block's activations recomputed in the
     backward (:func:`tilegraph.checkpoint`)."""
     cfg = config(flavor_or_config) if isinstance(flavor_or_config, str) else flavor_or_config
-    return _model_class(cfg, "tilegraph.models.build")(cfg, tiling, dtype=dtype, seed=seed, recompute=recompute)
+    cls = _model_class(cfg, "tilegraph.models.build")
+    if not nn._DEFERRED:  # the weights are drawn here: refuse a model this process cannot hold first
+        with nn.deferred_init():
+            shapes = [p.shape for p in cls(cfg, tiling, dtype=dtype, seed=seed).parameters()]
+        _check_memory("tilegraph.models.build", cfg, shapes, np.dtype(dtype))
+    return cls(cfg, tiling, dtype=dtype, seed=seed, recompute=recompute)
+
+
+def _check_memory(where: str, cfg, shapes: list, dtype: np.dtype) -> None:
+    """A TileError, before any weight is drawn, when the parameters of ``shapes`` in ``dtype`` (and
+    the float64 draw of the largest, converted from) exceed the memory this process may still take
+    (a dim or max_seq_len mistyped by a few zeros otherwise ended in a MemoryError traceback, or in
+    the machine swapping or the process killed)."""
+    import math
+
+    import psutil
+
+    sizes = [math.prod(s) for s in shapes]
+    need = sum(sizes) * dtype.itemsize + max(sizes, default=0) * 8
+    free = psutil.virtual_memory().available
+    if need > free:
+        gb = 2.0 ** 30
+        raise TileError(where, f"a model whose weights fit this process's memory ({free / gb:.1f} GiB available); "
+                        "build a larger one under tilegraph.nn.deferred_init() and load its weights (from_hf, "
+                        "from_zarr), or make it smaller", f"{type(cfg).__name__}(dim={cfg.dim}, n_layers={cfg.n_layers}, "
+                        f"vocab_size={cfg.vocab_size}, max_seq_len={cfg.max_seq_len}): {sum(sizes):,} parameters, "
+                        f"{need / gb:.1f} GiB to draw as {dtype}")
 
 
 def from_hf(path, tiling: ModelTiling | None = None, *, dtype=np.float32) -> CausalLM:

@@ -195,6 +195,8 @@ def test_info_lists_the_model_flavors(tmp_path):
     # a cluster of the user's is reached before the data is read (or the run folder made)
     (["--set", "runtime.scheduler_file=nowhere/s.json"], r"scheduler file does not exist.*'nowhere/s\.json' \(nor its folder\)"),
     (["--set", "runtime.scheduler_file=bad.json"], r"a scheduler file: a JSON object .*'bad\.json': invalid JSON"),
+    # a width mistyped by a few zeros: refused before any weight is drawn (512 GiB)
+    (["--set", "model.dim=65536"], r"weights fit this process's memory .*GPT2Config\(dim=65536, n_layers=2, .*512\.\d GiB"),
 ])
 def test_bad_settings_are_one_line_each_and_nothing_is_written(tmp_path, args, message):
     (tmp_path / "bad.json").write_text("{not json")

@@ -163,3 +163,20 @@ def test_bpe_tokenizer_from_a_path_or_with_a_non_str_eos(bpe, tmp_path):
     with pytest.raises(tg.TileError, match="eos must be the end-of-text token's text"):
         BPETokenizer.load(tmp_path / "bpe.json", eos=5)
     assert BPETokenizer.load(tmp_path / "bpe.json").eos_id == bpe.eos_id
+
+
+def test_a_model_larger_than_the_memory_left_is_refused_before_any_weight_is_drawn(monkeypatch):
+    import types
+
+    import psutil
+
+    from tilegraph import models, nn
+
+    cfg = models.GPT2Config.flavor("debug")
+    need = models.build(cfg).num_parameters() * 4   # fits: built
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=need // 2))
+    with pytest.raises(tg.TileError, match=r"tilegraph\.models\.build\] a model whose weights fit this process's "
+                                           r"memory .*GPT2Config\(dim=32, n_layers=2, .*: [\d,]+ parameters"):
+        models.build(cfg)
+    with nn.deferred_init():   # no weights drawn: no check, as from_hf and from_zarr build
+        assert models.build(cfg).num_parameters() == need // 4
