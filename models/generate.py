@@ -393,9 +393,7 @@ class Decoder:
             values = step.exe.run(fetch=range(step.logits.n))
         k = step.logits.n
         for c, cs in zip(self.cache, step.cells):   # (only now: a failed step leaves the cache as it was)
-            for cell, value in zip(cs, values[k:k + len(cs)]):   # the cache's tiles already are these cells
-                cell.set(value)
-            c._written += 1
+            c.advance(cs, values[k:k + len(cs)])
             k += len(cs)
         step.next = self.length
         self.last_executable = step.exe

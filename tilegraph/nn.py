@@ -788,14 +788,24 @@ class KVCache:
     def store_into(self, cells: list[Cell], values) -> None:
         """Store the :meth:`pending` tiles' ``values`` into ``cells`` (:meth:`rewritten_cells`),
         which become the cache's tiles again."""
-        for cell, value in zip(cells, values):
-            cell.set(value)
+        _fill(cells, values)
         for name in ("k", "v"):
             t = getattr(self, name)
             grid = np.empty(t.tiling.grid, dtype=object)
             for idx, r in zip(np.ndindex(*t.tiling.grid), t.grid.flat):
                 grid[idx] = r if r.node.is_leaf else r.node.inputs[0]
             setattr(self, name, TileTensor(t.tiling, t.dtype, grid, name=f"cache.{name}"))
+
+    def advance(self, cells: list[Cell], values) -> None:
+        """A replayed step's results: the tiles it rewrote, ``values``, into ``cells``, which
+        already are the cache's tiles (:meth:`store_into` made them so); one position more written."""
+        _fill(cells, values)
+        self._written += 1
+
+
+def _fill(cells: list[Cell], values) -> None:
+    for cell, value in zip(cells, values):
+        cell.set(value)
 
 
 from tilegraph.peft import LoRALinear  # noqa: E402,F401 - tg.nn.LoRALinear; it lives with apply_lora
