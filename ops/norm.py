@@ -170,7 +170,8 @@ _NUMBA_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _rows(a):
-    return np.ascontiguousarray(a).reshape(-1, a.shape[-1])
+    """``a`` as a C-contiguous (rows x last dim) matrix (no copy where it is one; NumPy or CuPy)."""
+    return xp_of(a).ascontiguousarray(a).reshape(-1, a.shape[-1])
 
 
 def _vec(a, dtype):
@@ -267,17 +268,13 @@ extern "C" __global__ void tilegraph_norm_bwd(const T* x, const T* g, const T* m
 """
 
 
-def _cuda_rows(a, n):
-    return a.reshape(-1, n) if a.flags.c_contiguous else xp_of(a).ascontiguousarray(a).reshape(-1, n)
-
-
 def _norm_fwd_cuda(x, *wb, eps, center, has_w, has_b):
     if x.size == 0 or any(a.dtype != x.dtype for a in wb):
         return _norm_fwd_xp(x, *wb, eps=eps, center=center, has_w=has_w, has_b=has_b)
     xp, n = xp_of(x), x.shape[-1]
-    x2 = _cuda_rows(x, n)
-    w = _cuda_rows(wb[0], n) if has_w else x2   # (an absent input: any array, never read)
-    b = _cuda_rows(wb[int(has_w)], n) if has_b else x2
+    x2 = _rows(x)
+    w = _rows(wb[0]) if has_w else x2   # (an absent input: any array, never read)
+    b = _rows(wb[int(has_w)]) if has_b else x2
     y = xp.empty_like(x2)
     mean = xp.empty(x2.shape[0] if center else 1, x.dtype)
     rstd = xp.empty(x2.shape[0], x.dtype)
@@ -294,12 +291,12 @@ def _norm_bwd_cuda(x, g, *rest, center, has_w, has_b):
     if x.size == 0 or any(a is not None and a.dtype != x.dtype for a in (g, mean, rstd, w)):
         return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, has_b=has_b)
     xp, n = xp_of(x), x.shape[-1]
-    x2, g2 = _cuda_rows(x, n), _cuda_rows(g, n)
+    x2, g2 = _rows(x), _rows(g)
     dx = xp.empty_like(x2)
     gxhat = xp.empty_like(x2) if has_w else dx
     row_kernel("norm_bwd", _NORM_BWD_CU, x.dtype)(
-        (x2.shape[0],), (ROW_THREADS,), (x2, g2, _cuda_rows(mean, 1) if center else x2, _cuda_rows(rstd, 1),
-                                         _cuda_rows(w, n) if has_w else x2, dx, gxhat, np.int32(n), np.int32(center),
+        (x2.shape[0],), (ROW_THREADS,), (x2, g2, _rows(mean) if center else x2, _rows(rstd),
+                                         _rows(w) if has_w else x2, dx, gxhat, np.int32(n), np.int32(center),
                                          np.int32(has_w)))
     outs = [dx.reshape(x.shape)]
     if has_w:
