@@ -335,6 +335,13 @@ def _count_before(spans, position: int) -> int:
     return sum(max(0, min(n, position - o)) for o, n in spans)
 
 
+def _query_blocks(tq: int, causal: bool, spans, q_off: int, n_keys: int):
+    """``(a0, a1, w)`` per row block of a query tile at ``q_off``: ``w`` the leading keys (of key
+    tiles ``spans``) that the block's last row sees, all ``n_keys`` without a causal mask."""
+    for a0, a1 in _causal_blocks(tq, causal):
+        yield a0, a1, _count_before(spans, q_off + a1) if causal else n_keys
+
+
 def _mask_rows(later, r0: int, r1: int, c0: int, c1: int):
     """The mask of block ``[r0, r1) x [c0, c1)`` of a score block, from _later's (None: none)."""
     return None if later is None else (later[0][r0:r1], later[1][c0:c1], later[2])
@@ -357,8 +364,7 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     lse = xp.empty(qf.shape[:2], dtype=q.dtype)
     with np.errstate(divide="ignore", invalid="ignore"):    # rows with no visible key: NaN, as torch
         for g0, g1 in _score_chunks(b * h, tq, k.shape[1], q.itemsize):
-            for a0, a1 in _causal_blocks(tq, causal):
-                w = _count_before(spans, q_off + a1) if causal else k.shape[1]   # keys the block's last row sees
+            for a0, a1, w in _query_blocks(tq, causal, spans, q_off, k.shape[1]):
                 if w == 0:
                     out[g0:g1, a0:a1], lse[g0:g1, a0:a1] = np.nan, -np.inf
                     continue
@@ -381,8 +387,7 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
     sc = q.dtype.type(scale)
     dq = xp.empty(qf.shape, dtype=q.dtype)
     for g0, g1 in _score_chunks(b * h, tq, k.shape[1], q.itemsize):
-        for a0, a1 in _causal_blocks(tq, causal):
-            w = _count_before(spans, q_off + a1) if causal else k.shape[1]
+        for a0, a1, w in _query_blocks(tq, causal, spans, q_off, k.shape[1]):
             if w == 0:
                 dq[g0:g1, a0:a1] = 0
                 continue
