@@ -9,6 +9,7 @@ from .dropout import dropout
 from .elementwise import (add, affine, cast, div, exp, gelu, log, mul, ones_like, pow, relu, sigmoid, silu, sub, tanh,
                           zeros_like)
 from .embedding import embedding
+from .index import chunk, narrow, select, split, unbind
 from .loss import cross_entropy
 from .lora import lora_linear  # noqa: F401 - tg.ops.lora_linear (RunLoRA's choice: tilegraph.ops.lora)
 from .matmul import linear, matmul
@@ -22,4 +23,4 @@ from .softmax import log_softmax, softmax
 __all__ = ["add", "affine", "cross_entropy", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like",
            "exp", "log", "tanh", "sigmoid", "cast", "cat", "stack", "unsqueeze", "squeeze", "flatten", "max", "min",
-           "var", "std"]
+           "var", "std", "narrow", "select", "split", "chunk", "unbind"]

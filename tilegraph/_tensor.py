@@ -84,7 +84,7 @@ class Tiling:
         for d, (n, t) in enumerate(zip(shape, sizes)):
             if isinstance(t, (tuple, list)):
                 t = tuple(int(c) for c in t)
-                if sum(t) != n or any(c <= 0 for c in t):
+                if sum(t) != n or (any(c <= 0 for c in t) and t != (0,)):  # (0,): the one tile of an empty dim
                     raise TileError(where, f"tiles of dim {d} must be positive and sum to {n}", f"{t}")
                 chunks.append(t)
                 continue
@@ -505,6 +505,55 @@ class TileTensor:
         from tilegraph import ops
 
         return ops.transpose(self, *dims)
+
+    # -- indexing and selections (tilegraph.ops.index: each result tile is part of one input tile) --
+    def __getitem__(self, key):
+        """``x[1]``, ``x[:, -1]``, ``x[..., ::2]``, ``x[None]``: torch's basic indexing (ints,
+        slices with positive steps, None, one ``...``); tensors, arrays and lists as indices are
+        not supported (:func:`tilegraph.ops.index.getitem`)."""
+        from tilegraph.ops.index import getitem
+
+        return getitem(self, key)
+
+    def __iter__(self):
+        """The slices along dim 0, as iterating a torch tensor gives."""
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d TileTensor")
+        return iter(self.unbind(0))
+
+    def __array__(self, *args, **kwargs):
+        raise TileError("tilegraph.TileTensor.__array__", "a TileTensor is symbolic and does not turn into a "
+                        "NumPy array implicitly: compute it with x.numpy() (or tg.compute(x, ...))", repr(self))
+
+    def narrow(self, dim: int, start: int, length: int):
+        """torch's ``narrow``: ``length`` elements of dim ``dim`` from ``start``."""
+        from tilegraph.ops.index import narrow
+
+        return narrow(self, dim, start, length, "tilegraph.TileTensor.narrow")
+
+    def select(self, dim: int, index: int):
+        """torch's ``select``: the slice at ``index`` of dim ``dim``, which is removed."""
+        from tilegraph.ops.index import select
+
+        return select(self, dim, index, "tilegraph.TileTensor.select")
+
+    def split(self, split_size_or_sections, dim: int = 0):
+        """torch's ``split``: pieces of one size along ``dim`` (the last may be smaller), or of the sizes listed."""
+        from tilegraph.ops.index import split
+
+        return split(self, split_size_or_sections, dim, "tilegraph.TileTensor.split")
+
+    def chunk(self, chunks: int, dim: int = 0):
+        """torch's ``chunk``: at most ``chunks`` equal pieces along ``dim``."""
+        from tilegraph.ops.index import chunk
+
+        return chunk(self, chunks, dim, "tilegraph.TileTensor.chunk")
+
+    def unbind(self, dim: int = 0):
+        """torch's ``unbind``: the slices along ``dim``, that dim removed."""
+        from tilegraph.ops.index import unbind
+
+        return unbind(self, dim, "tilegraph.TileTensor.unbind")
 
 
 _SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
