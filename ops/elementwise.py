@@ -187,8 +187,10 @@ def div(a, b) -> TileTensor:
     if _scalar(b):
         with np.errstate(divide="ignore"):  # by zero: inf, as NumPy and torch divide (0 / 0: NaN)
             return affine(a, float(np.float64(1.0) / np.float64(b)))
-    if _scalar(a):
-        raise TileError("tilegraph.div", "dividing a number by a tensor is not supported", f"{a!r} / tensor")
+    if _scalar(a):  # a number over a tensor (``1 / x``): a * b ** -1; integers divide as floats
+        if b.dtype.kind not in "fc":
+            b = cast(b, np.float64)
+        return mul(pow(b, -1.0), _number(a))
     return _div_op(a, b)
 
 

@@ -142,7 +142,7 @@ def test_models_run_in_float16_and_refuse_other_dtypes():
 def test_bad_operands_are_named():
     """Operands that are neither tensors nor real numbers, reduction dims that are not ints and
     unknown compile options give one TileError each (they were AttributeErrors and TypeErrors
-    from inside); a number divided by a tensor says it is unsupported; division by zero gives
+    from inside); division by zero gives
     NumPy's inf and NaN."""
     a = tg.from_numpy(np.arange(6.0).reshape(2, 3))
     for op, make in (("add", lambda: a + np.ones(3)), ("add", lambda: np.ones(3) + a), ("mul", lambda: a * True),
@@ -156,10 +156,29 @@ def test_bad_operands_are_named():
             a.sum(dim)
     with pytest.raises(tg.TileError, match=r"\[tilegraph.compile\] keyword arguments among fuse, .*received: foo=1"):
         tg.compute(a, foo=1)
-    with pytest.raises(tg.TileError, match=r"\[tilegraph.div\] dividing a number by a tensor is not supported"):
-        2 / a
     with np.errstate(invalid="ignore"):
         np.testing.assert_array_equal((a / 0).numpy(), np.arange(6.0).reshape(2, 3) / np.float64(0))
+
+
+@params
+@dtypes
+def test_a_number_over_a_tensor_as_torch(rng, mode, dtype):
+    x = np.abs(_r(rng, 4, 6, dtype=dtype)) + 0.5
+    check_against_torch(lambda t: 3.0 / t - 1 / (t + 1.0), lambda t: 3.0 / t - 1 / (t + 1.0), [x], "ab", mode)
+    check_against_torch(lambda t: 2.0 ** t + 0.5 ** (t * 2.0), lambda t: 2.0 ** t + 0.5 ** (t * 2.0), [x], "ab", mode)
+
+
+def test_a_number_over_an_integer_tensor_is_a_float_and_a_bad_base_is_named():
+    ids = tg.from_numpy(np.arange(1, 5))
+    got = (2 / ids).numpy()
+    assert got.dtype == np.float64 and np.array_equal(got, 2 / np.arange(1, 5))
+    np.testing.assert_allclose((2 ** ids).numpy(), 2.0 ** np.arange(1, 5), rtol=1e-14)
+    with np.errstate(divide="ignore"):
+        assert (1.0 / tg.from_numpy(np.zeros(2))).numpy().tolist() == [np.inf, np.inf]
+    for base in (0, -2.0, True, "2"):
+        with pytest.raises(tg.TileError, match=r"\[tilegraph.TileTensor.__rpow__\] a number to a tensor's power "
+                           r"needs a positive real base"):
+            base ** ids
 
 
 @params

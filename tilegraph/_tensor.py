@@ -288,8 +288,15 @@ class TileTensor:
         return ops.pow(self, exponent)
 
     def __rpow__(self, base):
-        raise TileError("tilegraph.TileTensor.__rpow__", "a number to a tensor's power is not supported (only "
-                        "tensor ** number)", f"{type(base).__name__} {base!r:.60} ** tensor")
+        """``2.0 ** x`` for a positive number: ``exp(x * log(base))`` (integers as float64)."""
+        from tilegraph import ops
+
+        where = "tilegraph.TileTensor.__rpow__"
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 0:
+            raise TileError(where, "a number to a tensor's power needs a positive real base (exp(x * log(base)))",
+                            f"{type(base).__name__} {base!r:.60} ** tensor")
+        x = self if self.dtype.kind == "f" else ops.cast(self, np.float64)
+        return ops.exp(x * float(np.log(np.float64(base))))
 
     def pow(self, exponent):
         """``x.pow(2)``: :func:`tilegraph.pow` (torch's ``Tensor.pow``), the same as ``x ** 2``."""
