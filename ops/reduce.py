@@ -20,9 +20,10 @@ from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests 
 __all__ = ["sum", "mean", "sum_dims", "expand", "max", "min", "var", "std", "MinMax"]
 
 @kernel("reduce_sum", cost=elementwise_cost(1))
-def _reduce_sum(*tiles, axes, shape, scale, dtype=None):
+def _reduce_sum(*tiles, axes, shape, scale, dtype=None, out=None):
     """The sum of ``tiles`` over ``axes``, times ``scale``; in ``dtype`` where it differs from the
-    tiles' (NumPy's: a sum of booleans or small integers is int64, a mean of integers float64)."""
+    tiles' (NumPy's: a sum of booleans or small integers is int64, a mean of integers float64; a
+    float16 sum accumulates in float32), then cast to ``out`` where given (float16 again)."""
     acc = None
     for t in tiles:
         if dtype is not None:
@@ -32,7 +33,7 @@ def _reduce_sum(*tiles, axes, shape, scale, dtype=None):
     acc = acc.reshape(shape)
     if scale != 1.0:
         acc *= acc.dtype.type(scale)
-    return acc
+    return acc if out is None else acc.astype(out)
 
 
 @kernel("expand", cost=elementwise_cost(1))
@@ -45,16 +46,20 @@ def _expand(g, keep_shape, shape, scale):
 def _tree(parts: list, shape, dtype, axes, scale, op):
     """Sum ``parts`` (tile refs of one output tile) in a :func:`merge_tree`: the kernels that
     read the tiles themselves sum over ``axes`` (in ``dtype``, where the tiles have another), the
-    last one scales and gives ``shape``."""
+    last one scales and gives ``shape``. A float16 result is summed and scaled in float32 (as
+    torch does: 4096 halves of 30 have the mean 30, not the inf of a float16 sum) and cast last."""
     kshape = tuple(1 if a in axes else n for a, n in enumerate(parts[0].shape))
     tiles = {id(p): p for p in parts}  # holding the refs keeps their ids from being reused
     dtype = np.dtype(dtype)
+    acc = np.dtype(np.float32) if dtype == np.float16 else dtype
 
     def merge(group: list, final: bool):
         out = shape if final else kshape
-        convert = {"dtype": dtype.str} if group[0].dtype != dtype else {}
-        return emit1(_reduce_sum, group, out, dtype, op=op, axes=axes if id(group[0]) in tiles else (), shape=out,
-                     scale=scale if final else 1.0, **convert)
+        convert = {"dtype": acc.str} if group[0].dtype != acc else {}
+        if final and acc != dtype:
+            convert["out"] = dtype.str
+        return emit1(_reduce_sum, group, out, dtype if final else acc, op=op,
+                     axes=axes if id(group[0]) in tiles else (), shape=out, scale=scale if final else 1.0, **convert)
 
     return merge_tree(parts, merge)
 
