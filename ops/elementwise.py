@@ -834,6 +834,9 @@ def as_dtype(dtype, where: str) -> np.dtype:
             raise TypeError
         out = np.dtype(dtype)
     except (TypeError, ValueError):
+        if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+            raise TileError(where, "bfloat16 is not supported (float16, float32 and float64 are)",
+                            repr(dtype)) from None
         raise TileError(where, "expected a dtype (np.float32, 'float64', torch.float16, ...); a device is not "
                         "given here (the planner places every tile)", f"{dtype!r:.60}") from None
     if out.kind not in "biuf":

@@ -209,7 +209,14 @@ class TileTensor:
         return f"TileTensor(shape={self.shape}, dtype={self.dtype}, tiles={self.chunks})"
 
     def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d TileTensor")
         return self.shape[0]
+
+    def __bool__(self):
+        raise TileError("tilegraph.TileTensor.__bool__", "a TileTensor is symbolic and has no truth value until "
+                        "it is computed: test its value (x.item() for one element, x.numpy() otherwise), or "
+                        "'x is None' for a missing tensor", repr(self))
 
     # -- data boundary ---------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
@@ -224,6 +231,25 @@ class TileTensor:
             raise TileError("tilegraph.TileTensor.item", "only a tensor of one element has an item (reduce it "
                             "first, or use .numpy())", f"a tensor of shape {self.shape}")
         return self.numpy().reshape(()).item()
+
+    def __float__(self) -> float:
+        """``float(loss)``: the value of a one-element tensor, computed as :meth:`item` does."""
+        return float(self._number("__float__"))
+
+    def __int__(self) -> int:
+        """``int(x)``: the value of a one-element tensor, computed as :meth:`item` does."""
+        return int(self._number("__int__"))
+
+    def __format__(self, spec: str) -> str:
+        """``f"{loss:.3f}"`` formats the value of a one-element tensor (computed as :meth:`item`
+        does); ``f"{x}"`` is the repr, which computes nothing."""
+        return format(self._number("__format__"), spec) if spec else repr(self)
+
+    def _number(self, where: str):
+        if self.size != 1:
+            raise TileError(f"tilegraph.TileTensor.{where}", "only a tensor of one element converts to a number "
+                            "(reduce it first, or use .numpy())", f"a tensor of shape {self.shape}")
+        return self.item()
 
     def backward(self) -> None:
         """torch's ``loss.backward()``: adds the gradient of this scalar to the ``grad`` of every
@@ -253,7 +279,10 @@ class TileTensor:
 
         return ops.add(self, other)
 
-    __radd__ = __add__
+    def __radd__(self, other):
+        from tilegraph import ops
+
+        return ops.add(other, self)  # the left operand named as ``a`` in errors
 
     def __sub__(self, other):
         from tilegraph import ops
@@ -270,7 +299,10 @@ class TileTensor:
 
         return ops.mul(self, other)
 
-    __rmul__ = __mul__
+    def __rmul__(self, other):
+        from tilegraph import ops
+
+        return ops.mul(other, self)  # the left operand named as ``a`` in errors
 
     def __truediv__(self, other):
         from tilegraph import ops
@@ -604,14 +636,28 @@ def split_into_cells(array, tiling: Tiling) -> np.ndarray:
     return cells
 
 
+def _host_array(array, where: str):
+    """``array`` as an array tilegraph tiles: a NumPy or CuPy array as it is, a torch tensor as a
+    NumPy array (its data, without autograd), anything else through ``np.asarray``."""
+    if isinstance(getattr(array, "dtype", None), np.dtype) and hasattr(array, "shape"):
+        return array
+    if type(array).__module__.startswith("torch"):
+        if str(array.dtype) == "torch.bfloat16":
+            raise TileError(where, "bfloat16 is not supported (float16, float32 and float64 are): convert the "
+                            "tensor first, e.g. t.float()", f"a torch tensor of shape {tuple(array.shape)}, bfloat16")
+        if getattr(array, "device", None) is not None and array.device.type != "cpu":
+            array = array.cpu()
+        return array.detach().numpy()
+    return np.asarray(array)
+
+
 def from_numpy(array, tiles=None, *, name: str | None = None) -> TileTensor:
     """Split a NumPy (or CuPy) array into tiles of the given sizes (``None``: one tile).
 
     ``tiles`` is one size per dimension (an int applies to all), ``None``/-1 for a whole dimension,
-    or explicit dask-style chunks.
+    or explicit dask-style chunks. A torch tensor (on the CPU) is taken as ``t.detach().numpy()``.
     """
-    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
-        array = np.asarray(array)
+    array = _host_array(array, "tilegraph.from_numpy")
     tiling = Tiling.from_sizes(array.shape, tiles, where="tilegraph.from_numpy")
     return tensor_from_cells(tiling, array.dtype, split_into_cells(array, tiling), name=name)
 

@@ -256,6 +256,8 @@ class TrainStep:
         parameters and state the previous one's update), or with accumulation "first" (acc = g/k),
         "add" (acc += g/k), "last" (update with acc + g/k)."""
         where = "tilegraph.TrainStep"
+        if self.accum_steps > 1:  # the arrays here are micro-batches: say so where their shapes show
+            where = f"tilegraph.TrainStep (a micro-batch: 1/{self.accum_steps} of the batch, accum_steps={self.accum_steps})"
         params = self.optimizer.params
         # k > 1: step j's scalars come from a hyper cell of its own
         hypers = [None] if k == 1 else [Cell(np.zeros(2), (2,), np.float64, token=f"hyper{j}") for j in range(k)]

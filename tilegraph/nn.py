@@ -42,7 +42,12 @@ class Parameter(TileTensor):
 
     def __init__(self, array: np.ndarray, tiles=None, *, name: str | None = None, requires_grad: bool = True):
         array = np.asarray(array)
-        tiling = Tiling.from_sizes(array.shape, tiles, where=f"tilegraph.nn.Parameter({name or ''})")
+        where = f"tilegraph.nn.Parameter({name or ''})"
+        tiling = Tiling.from_sizes(array.shape, tiles, where=where)
+        if requires_grad and array.dtype.kind not in "fc":
+            raise TileError(where, "only floating-point parameters can require gradients (as in torch): pass "
+                            "requires_grad=False for integer or bool values, or cast them to a float dtype",
+                            f"dtype {array.dtype}")
         if _DEFERRED:  # no values yet: load_state_dict/assign fills the cells
             cells = np.empty(tiling.grid, dtype=object)
             for idx in np.ndindex(*tiling.grid):
