@@ -149,6 +149,8 @@ def _nb_sumsq(x):
 def _sumsq_cpu(*tiles):
     total = 0.0
     for t in tiles:
+        if t.dtype.char == "e":  # Numba has no float16; float32 holds each float16 value exactly
+            t = t.astype(np.float32)
         total += _nb_sumsq(np.ascontiguousarray(t).reshape(-1))
     return np.array([total], dtype=np.float64)
 
@@ -169,6 +171,8 @@ def _sumsq(*tiles):
     xp = xp_of(tiles[0])
     total = 0.0
     for t in tiles:
+        if t.dtype.char == "e":  # a float16 sum of squares overflows past 65504
+            t = t.astype(np.float32)
         total += float(xp.vdot(t.ravel(), t.ravel()).real)
     return np.array([total], dtype=np.float64)
 
@@ -220,6 +224,9 @@ def _hyper(hyper):
 
 
 def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+    if p.dtype.char == "e":
+        return _in_float32(_adamw_xp, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay)
     lr, t, clip = _hyper(hyper)
     if clip != 1.0:
         g = g * clip
@@ -231,7 +238,21 @@ def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
     return p.astype(m.dtype, copy=False), m, v
 
 
+def _in_float32(update, p, g, m, v, hyper, **params):
+    """``update`` of float16 tiles computed in float32, its results stored back in float16.
+
+    Numba has no float16 (the CPU kernel failed with NotImplementedError), the fused GPU kernel
+    takes float32/float64 only, and in float16 arithmetic eps=1e-8 is 0: an element whose gradient
+    and moments are 0 would get 0/0 = NaN. As torch, the state (m, v) is kept in the parameter's
+    dtype."""
+    outs = update(*(a.astype(np.float32) for a in (p, g, m, v)), hyper, **params)
+    return tuple(o.astype(np.float16) for o in outs)
+
+
 def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+    if p.dtype.char == "e":
+        return _in_float32(_adamw_cpu, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay)
     lr, t, clip = _hyper(hyper)
     arrs = [np.ascontiguousarray(a) for a in (p, g, m, v)]  # no copy when already C-contiguous
     # new output arrays: the inputs may be held by Dask under other keys and are never written
@@ -262,6 +283,9 @@ _adamw_fused = fused(
 
 
 def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+    if p.dtype.char == "e":  # the fused kernel takes float32/float64 only
+        return _in_float32(_adamw_gpu, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay)
     hyper = xp_of(p).asarray(hyper, dtype=np.float64)  # on the parameters' device (no copy when there)
     return _adamw_fused(p, g, m, v, hyper, np.int32(hyper.size), float(beta1), float(beta2), float(eps),
                         float(weight_decay))
@@ -374,6 +398,35 @@ class Optimizer:
             raise TileError(f"tilegraph.optim.{type(self).__name__}", "the learning-rate schedule (lr=) must give a "
                             "finite number >= 0 at every step", f"lr({step}) = {lr!r}")
         return float(lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``opt.zero_grad()``: clear the ``grad`` that ``loss.backward()`` accumulated on
+        this optimizer's parameters (None; with ``set_to_none=False`` zeros, where one was set).
+        Cheap either way: the gradients are symbolic, nothing has been computed."""
+        from tilegraph._autograd import no_grad
+        from tilegraph.ops import zeros_like
+
+        for p in self.params:
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                with no_grad():
+                    p.grad = zeros_like(p)  # from the parameter's tiles, not the gradient's (no backward)
+
+    def step(self, closure=None):
+        """torch's ``opt.step()`` has no counterpart here: the update of every parameter tile is
+        recorded with the forward and backward as one graph by :class:`tilegraph.TrainStep` (or
+        :class:`tilegraph.Trainer`), which replays it per batch. Raises a TileError naming the
+        replacement (a bare AttributeError before)."""
+        name = type(self).__name__
+        with_grad = sum(p.grad is not None for p in self.params)
+        raise TileError(f"tilegraph.optim.{name}.step", f"{name} updates its parameters inside tg.TrainStep, which "
+                        "runs the forward, backward and update of a batch as one graph: replace "
+                        "loss.backward(); opt.step(); opt.zero_grad() by step = tg.TrainStep(model, opt, loss_fn) "
+                        "made once and loss = step(x, y) per batch, where loss_fn(model, x, y) returns the loss "
+                        "(or tg.Trainer for whole runs)",
+                        f"opt.step(){' with a closure' if closure is not None else ''} ({with_grad} of "
+                        f"{len(self.params)} parameters hold a .grad from loss.backward())")
 
     def next_hyper(self, cell: Cell | None = None) -> None:
         """Advance the step counter and publish this step's scalars to the hyper cell (or to
