@@ -187,7 +187,20 @@ def matmul(a: TileTensor, b: TileTensor, bias: TileTensor | None = None, *, tran
     >>> a = tg.from_numpy(np.ones((3, 4)), tiles=(2, 2)); b = tg.from_numpy(np.ones((4, 5)), tiles=(2, 5))
     >>> tg.matmul(a, b).numpy()[0]
     array([4., 4., 4., 4., 4.])
+
+    A 1-D operand is a row (``a``) or a column (``b``) whose dim the result drops, as in torch:
+    ``matrix @ vector`` is a vector, ``vector @ vector`` a scalar.
     """
+    if bias is None and not trans_b and isinstance(a, TileTensor) and isinstance(b, TileTensor) and \
+            1 in (a.ndim, b.ndim) and min(a.ndim, b.ndim) >= 1:
+        from .shape import checked_reshape
+
+        where = "tilegraph.matmul"
+        a2 = checked_reshape(a, (1,) + a.shape, where) if a.ndim == 1 else a
+        b2 = checked_reshape(b, b.shape + (1,), where) if b.ndim == 1 else b
+        out = _matmul_op(a2, b2)
+        shape = out.shape[:-2] + ((out.shape[-2],) if a.ndim > 1 else ()) + ((out.shape[-1],) if b.ndim > 1 else ())
+        return checked_reshape(out, shape, where)
     return _matmul_op(a, b, bias, trans_b=trans_b)
 
 

@@ -70,3 +70,51 @@ def test_the_left_operand_is_named_a():
             make()
     with pytest.raises(tg.TileError, match=r"\] b must be a TileTensor"):
         x + np.ones(3)
+
+
+@pytest.mark.parametrize("mode", ["single", "even", "ragged"])
+def test_matmul_with_a_vector_as_torch(mode):
+    from conftest import check_against_torch
+
+    rng = np.random.default_rng(0)
+    m, v, w = rng.standard_normal((5, 7)), rng.standard_normal(7), rng.standard_normal(5)
+    check_against_torch(lambda a, b: a @ b, lambda a, b: a @ b, [m, v], "ak,k", mode)
+    check_against_torch(lambda a, b: a @ b, lambda a, b: a @ b, [w, m], "a,ak", mode)
+    check_against_torch(lambda a, b: a @ b, lambda a, b: a @ b, [v, v], "k,k", mode)
+    check_against_torch(lambda a, b: a @ b, lambda a, b: a @ b, [rng.standard_normal((2, 5, 7)), v], "bak,k", mode)
+
+
+def test_modules_list_their_children_and_freeze_as_torch():
+    class Net(tg.nn.Module):
+        def __init__(self):
+            self.body = tg.nn.Sequential(tg.nn.Linear(4, 8, seed=0), tg.nn.ReLU(), tg.nn.Linear(8, 2, seed=1))
+            self.heads = [tg.nn.LayerNorm((2,)), tg.nn.RMSNorm([2])]
+            self.ids = tg.nn.Parameter(np.arange(3), name="ids", requires_grad=False)
+
+    net = Net()
+    names = [n for n, _ in net.named_modules()]
+    assert names == ["", "body", "body.0", "body.1", "body.2", "heads.0", "heads.1"]
+    assert [type(c).__name__ for c in net.children()] == ["Sequential", "LayerNorm", "RMSNorm"]
+    assert [n for n, _ in net.body.named_children()] == ["0", "1", "2"]
+    text = repr(net)
+    assert text.startswith("Net(ids=(3,)\n  (body): Sequential(\n    (0): Linear(weight=(4, 8), bias=(8,))") and \
+        "(heads.1): RMSNorm(weight=(2,))" in text
+    assert net.requires_grad_(False) is net and not any(p.requires_grad for p in net.parameters())
+    net.requires_grad_()
+    assert [p.requires_grad for p in net.parameters()].count(False) == 1  # the integer buffer stays frozen
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.nn.LayerNorm\] a normalized_shape of one dim"):
+        tg.nn.LayerNorm((2, 3))
+
+
+def test_argmax_clone_contiguous_and_tolist_as_torch():
+    a = np.random.default_rng(0).standard_normal((4, 6))
+    x = tg.from_numpy(a, tiles=(3, 4))
+    t = torch.tensor(a)
+    for dim in (0, 1, -1):
+        assert x.argmax(dim).numpy().tolist() == t.argmax(dim).tolist()
+        assert x.argmin(dim, keepdim=True).numpy().tolist() == t.argmin(dim, keepdim=True).tolist()
+    assert x[1].argmax().item() == int(t[1].argmax())
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.TileTensor.argmax\] a dim .*shape \(4, 6\), dim=None"):
+        x.argmax()
+    assert x.clone() is x and x.contiguous() is x
+    assert x.tolist() == a.tolist() and x.sum().tolist() == pytest.approx(a.sum())

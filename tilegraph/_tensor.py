@@ -437,6 +437,39 @@ class TileTensor:
 
         return _extremum(self, dim, keepdim, True, "tilegraph.TileTensor.max")
 
+    def argmax(self, dim=None, keepdim: bool = False):
+        """torch's ``argmax``: the int64 indices of the largest elements along ``dim`` (the
+        ``indices`` of :meth:`max`); without ``dim`` only for a 1-d tensor."""
+        return self._arg("argmax", dim, keepdim, True)
+
+    def argmin(self, dim=None, keepdim: bool = False):
+        """torch's ``argmin``: as :meth:`argmax`, for the smallest elements."""
+        return self._arg("argmin", dim, keepdim, False)
+
+    def _arg(self, name: str, dim, keepdim: bool, largest: bool):
+        from tilegraph.ops.reduce import _extremum
+
+        where = f"tilegraph.TileTensor.{name}"
+        if dim is None:
+            if self.ndim != 1:
+                raise TileError(where, "a dim (the index into the flattened tensor is not supported: flatten "
+                                "it first where its tiles allow)", f"a tensor of shape {self.shape}, dim=None")
+            dim = 0
+        return _extremum(self, dim, keepdim, largest, where).indices
+
+    def clone(self):
+        """torch's ``clone``: the same tensor (TileTensors are never changed in place, so a copy
+        would be equal in every use; the gradient flows through, as through torch's)."""
+        return self
+
+    def contiguous(self):
+        """torch's ``contiguous``: the same tensor (each tile is stored whole)."""
+        return self
+
+    def tolist(self):
+        """torch's ``tolist``: the computed values as nested Python lists (a number for 0-d)."""
+        return self.numpy().tolist()
+
     def min(self, dim=None, keepdim: bool = False):
         """:func:`tilegraph.min` (torch's ``Tensor.min``)."""
         from tilegraph.ops.reduce import _extremum

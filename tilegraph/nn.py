@@ -266,6 +266,66 @@ class Module:
     def forward(self, *args, **kwargs):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def named_children(self) -> Iterator[tuple[str, "Module"]]:
+        """The direct submodules with their attribute names (``blocks.0`` for one in a list), as
+        torch's ``named_children``."""
+        if isinstance(self, ModuleList):
+            stack = [(str(i), m) for i, m in enumerate(self.layers)]
+        else:
+            stack = [(k, v) for k, v in vars(self).items() if not k.startswith("_")]
+        stack.reverse()
+        seen: set[int] = set()
+        while stack:
+            name, value = stack.pop()
+            if isinstance(value, Module):
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    yield name, value
+            elif isinstance(value, (list, tuple)):
+                stack.extend(reversed([(f"{name}.{i}", v) for i, v in enumerate(value)]))
+            elif isinstance(value, dict):
+                stack.extend(reversed([(f"{name}.{k}", v) for k, v in value.items()]))
+
+    def children(self) -> Iterator["Module"]:
+        """The direct submodules (torch's ``children``)."""
+        return (m for _, m in self.named_children())
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        """This module (named ``prefix``) and every submodule with its dotted path, each once, as
+        torch's ``named_modules``."""
+        seen: set[int] = set()
+        stack = [(prefix, self)]
+        while stack:
+            name, m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            yield name, m
+            stack.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]))
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        """Set ``requires_grad`` of every parameter (``False`` freezes the module); returns the
+        module, as torch's."""
+        if not isinstance(requires_grad, (bool, np.bool_)):
+            raise TileError(f"{type(self).__name__}.requires_grad_", "requires_grad must be a bool",
+                            f"{requires_grad!r:.60}")
+        for p in self.parameters():
+            if requires_grad and p.dtype.kind not in "fc":
+                continue  # an integer buffer never takes a gradient
+            p.requires_grad = bool(requires_grad)
+        return self
+
+    def __repr__(self) -> str:
+        """torch's layout: the module's type, its parameters' shapes, then each child indented."""
+        own = ", ".join(f"{k}={v.shape}" for k, v in vars(self).items() if isinstance(v, Parameter))
+        kids = list(self.named_children())
+        if not kids:
+            return f"{type(self).__name__}({own})"
+        lines = [f"{type(self).__name__}({own}" if own else f"{type(self).__name__}("]
+        for name, child in kids:
+            lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
+        return "\n".join(lines) + "\n)"
+
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
         seen: set[int] = set()
         yield from self._walk(prefix, seen)
@@ -559,8 +619,19 @@ class Embedding(Module):
         return ops.matmul(x, self.weight, trans_b=True)
 
 
+def _normalized_dim(dim, where: str):
+    """torch's ``normalized_shape`` of one dim, ``(768,)``, as the int 768 (the norms normalise the last dim)."""
+    if isinstance(dim, (tuple, list)):
+        if len(dim) != 1:
+            raise TileError(where, "a normalized_shape of one dim (the last: tilegraph's norms normalise over it "
+                            "alone)", repr(dim))
+        return dim[0]
+    return dim
+
+
 class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, tile=None, dtype=np.float32):
+        dim = _normalized_dim(dim, "tilegraph.nn.LayerNorm")
         _check_layer("tilegraph.nn.LayerNorm", dtype, dim=dim)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
@@ -572,6 +643,7 @@ class LayerNorm(Module):
 
 class RMSNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=np.float32):
+        dim = _normalized_dim(dim, "tilegraph.nn.RMSNorm")
         _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
