@@ -64,6 +64,35 @@ def file_in_the_way(path) -> Path | None:
     return first if first is not None and not first.is_dir() else None
 
 
+def unwritable_folder(folder) -> str | None:
+    """Why this process cannot make ``folder`` or write in it (a read-only file system, no
+    permission), as "creating X failed: reason (ERRNO)"; None when it can. The folder is made when
+    missing (as a writer would), and a uniquely named empty file is created in it and removed: no
+    existing file is touched. Folders made here are removed again when the check fails."""
+    import contextlib
+    import tempfile
+
+    folder = Path(folder)
+    missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
+    doing = "creating"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        doing = "writing a file in"
+        fd, probe = tempfile.mkstemp(prefix=".tilegraph-write-check-", dir=folder)
+    except OSError as e:
+        for p in missing:  # only those made here (a parent made by someone else stays)
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        code = errno.errorcode.get(e.errno, "")
+        reason = f"{e.strerror or type(e).__name__}" + (f" ({code})" if code else "")
+        at = f" {e.filename}" if doing == "creating" and e.filename else " it"
+        return f"{doing}{at} failed: {reason}"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
 def chunks_of(tiling_chunks: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """A regular Zarr chunk shape whose chunks never straddle a tile: the first tile size when
     every tile but the last is that size (the usual tiling), else the gcd of the tile sizes. A

@@ -53,8 +53,8 @@ from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CheckpointError, process_alive, array_meta, file_in_the_way, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
-                     slices, tile_label, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
-                     write_tiles, write_values)
+                     slices, tile_label, unwritable_folder, user_path, write_failure, write_meta, write_parts_task,
+                     write_shard_task, write_tiles, write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "quantize_rule", "FORMAT", "FORMAT_VERSION",
@@ -1108,6 +1108,12 @@ class CheckpointManager:
             raise CheckpointError(where, "dir must be a folder (made when missing)",
                                   f"{folder}: " + ("an existing file" if in_the_way == folder
                                                    else f"{in_the_way} is a file"))
+        # made when missing, and written in: a read-only or forbidden folder was accepted, and
+        # every save failed (after training up to it)
+        problem = unwritable_folder(folder)
+        if problem is not None:
+            raise CheckpointError(where, "dir must be a folder this process can create and write in",
+                                  f"{folder}: {problem}")
         self.dir, self.keep, self.every = folder, None if keep is None else int(keep), int(every)
         self.async_save = bool(async_save)
         self._thread = None

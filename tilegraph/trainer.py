@@ -31,6 +31,7 @@ import numpy as np
 from tilegraph import _config
 from tilegraph._config import config, is_int, require_int
 from tilegraph._errors import TileError
+from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
                               check_step_arguments, lost_worker_error, translate_worker_failure,
@@ -65,6 +66,10 @@ MAX_RESTARTS = 3
 RESTART_WAIT_SECONDS = 30.0
 
 logger = logging.getLogger("tilegraph")
+
+#: ``Trainer(batch_size=...)`` when not given: 8 rows for a token dataset; a callable data's batch
+#: size is then the rows of the first batch it returns (told apart from an explicit ``batch_size=8``)
+BATCH_SIZE = Default(8)
 
 
 def lm_loss(model, inputs, targets):
@@ -132,7 +137,10 @@ class Trainer:
     """Train ``model`` with ``optimizer`` on ``data``.
 
     - ``batch_size``: sequences (rows) per optimizer step; with ``accum_steps=k`` they run as k
-      micro-batches whose gradients are summed on the workers before the update.
+      micro-batches whose gradients are summed on the workers before the update. With a callable
+      ``data``, its batches are trained as returned: ``batch_size`` may be left out (it is then
+      the rows of the first batch, None until the first fit reads it); given, it must match them
+      (checked on the first batch, before any step).
     - ``eval_data`` / ``eval_every`` / ``eval_batches``: validation loss every that many steps
       (and at the end) over that many batches of ``eval_data``.
     - ``log_dir``: writes ``metrics.jsonl`` (one JSON object per step and per evaluation) and
@@ -146,6 +154,8 @@ class Trainer:
       ``restart_on_failure`` each save is waited for). ``checkpoint_files``
       (name -> bytes, e.g. a tokenizer) go into every checkpoint before its commit.
       ``on_checkpoint`` hooks are called with ``(trainer, path)`` once each is committed.
+    - ``log_dir`` and ``checkpoint_dir`` are made when missing and checked to be writable here
+      (an empty file of a unique name is created in each and removed), not at their first write.
     - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
     - ``steps_per_graph``: optimizer steps recorded and submitted as one graph
       (:meth:`TrainStep.submit_steps`). ``"auto"`` (default) takes several when a step's
@@ -192,8 +202,9 @@ class Trainer:
     ``accum_steps`` or data seed (its next batches are then other windows than that run's).
     """
 
-    def __init__(self, model, optimizer, data, runtime=None, *, batch_size: int = 8, loss_fn: Callable | None = None,
-                 accum_steps: int = 1, eval_data=None, eval_every: int = 0, eval_batches: int = 4,
+    def __init__(self, model, optimizer, data, runtime=None, *, batch_size: int = BATCH_SIZE,
+                 loss_fn: Callable | None = None, accum_steps: int = 1, eval_data=None, eval_every: int = 0,
+                 eval_batches: int = 4,
                  log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int | None = None,
                  async_checkpoint: bool = True, checkpoint_files: Mapping[str, bytes] | None = None,
@@ -233,9 +244,17 @@ class Trainer:
                 raise TileError(where, "report_step picks the step of performance_report: give a "
                                 "performance_report path too", f"report_step={report_step!r}, performance_report=None")
             report_step = int(report_step)
+        # a callable data's batches are what it returns: batch_size, when given, is checked against
+        # the first one (fit); when not, it is taken from it (None until then), so that the
+        # checkpoints' trainer state says the batch size trained on, not an unused default of 8
+        self._batch_size_given = not isinstance(batch_size, Default)
+        if not self._batch_size_given:
+            batch_size = batch_size.value if _is_token_data(data) else None
         if is_int(batch_size):  # NumPy's integers too, as for accum_steps
             batch_size = int(batch_size)
-        if not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
+        if batch_size is None:
+            pass
+        elif not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
         require_int(where, "checkpoint_every", checkpoint_every, 0)  # (the manager's error named its own "every")
@@ -273,8 +292,16 @@ class Trainer:
         self.checkpoint_dir = _folder(where, "checkpoint_dir", checkpoint_dir)
         self.checkpoint_files = checkpoint_files
         self.checkpoints = None  # the CheckpointManager of checkpoint_dir
+        # checked here, not at the first checkpoint (or metrics record) after training up to it
+        if self.log_dir is not None:
+            _check_writable(where, "log_dir", self.log_dir, "not as an OSError when fit opens metrics.jsonl")
         if checkpoint_dir is not None:
+            from tilegraph.io._store import user_path
             from tilegraph.io.zarr import CheckpointManager
+
+            # the folder the manager writes in (a leading ~ expanded)
+            _check_writable(where, "checkpoint_dir", user_path(checkpoint_dir, where),
+                            "not at the first checkpoint after training up to it")
 
             # restarts resume from the last committed checkpoint: with them, each save is waited
             # for (a background save whose tiles a lost worker held would never commit)
@@ -323,6 +350,7 @@ class Trainer:
         #: names this run in every metrics record; a resumed run keeps its checkpoint's
         self.run_id = uuid.uuid4().hex[:12]
         self._stop = False
+        self._first_batch_checked = False  # batch_size against a callable data's first batch
 
     #: set when the Trainer is built: its training step is recorded for that model, optimizer,
     #: loss, runtime and batch (``trainer.optimizer = AdamW(..., lr=1e-4)`` between fits went on
@@ -352,6 +380,47 @@ class Trainer:
                                 f"data({step}) item {n}: {_short_repr(a)} ({type(a).__name__})")
         return arrays
 
+    def _check_first_batch(self, step: int, batch: tuple) -> None:
+        """A callable data's first batch (``data(step)``, before any step runs): its rows (the first
+        array's first dim) are the batch size. An explicit ``batch_size`` must be that (it was
+        ignored: ``batch_size=64`` trained on the 4 rows returned without a word, and went into the
+        checkpoints' trainer state); without one, the batch size is taken from it."""
+        if self.token_data or self._first_batch_checked:
+            return
+        shape = np.shape(batch[0]) if batch else ()
+        if not shape:  # a scalar first argument has no rows to count
+            self._first_batch_checked = True
+            return
+        rows = int(shape[0])
+        if self._batch_size_given and rows != self.batch_size:
+            raise TileError("tilegraph.Trainer.fit", "batch_size must be the rows of each batch data(step) returns "
+                            "(the first dim of its first array): a callable data's batches are trained as returned. "
+                            "Leave batch_size out to take it from the data, or make data(step) return batch_size "
+                            "rows", f"batch_size={self.batch_size}, data({step}) gave {rows} rows "
+                            f"(shape {tuple(shape)})")
+        if not self._batch_size_given:
+            super().__setattr__("batch_size", rows)  # (a FIXED attribute: set here once, by the trainer)
+        self._first_batch_checked = True
+
+    def _warn_past_schedule(self, start: int, end: int) -> None:
+        """Warn (once, as a fit starts) when steps ``start + 1 .. end`` go past the total of the
+        optimizer's schedule (``tg.optim.warmup_cosine``'s, saved as its ``spec``): from there on,
+        every step runs at the schedule's floor (``min_lr``, 0 by default), which kept training
+        at lr 0 without a word. A warning, not an error: going on at the floor may be meant."""
+        import warnings
+
+        spec = getattr(self.optimizer.schedule, "spec", None)
+        total = spec.get("total") if isinstance(spec, dict) else None
+        if not is_int(total) or end <= total:
+            return
+        floor = spec.get("min_lr", 0.0)
+        past = range(max(start + 1, total + 1), end + 1)
+        warnings.warn(f"tilegraph.Trainer.fit: {_steps_text(range(start + 1, end + 1))} asked for go past the "
+                      f"total of the learning-rate schedule ({spec.get('name', 'schedule')}, total={total}): "
+                      f"{_steps_text(past)} {'runs' if len(past) == 1 else 'run'} at its floor, lr "
+                      f"{floor:g} (min_lr). Give the schedule a total of at least {end} (trainer.optimizer.schedule "
+                      "= ...) to train them at a higher rate", UserWarning, stacklevel=3)
+
     def _tokens(self, batch) -> int:
         if self.token_data:
             return len(batch[0]) * int(self.data.seq_len)
@@ -374,9 +443,9 @@ class Trainer:
         n = self.eval_batches if batches is None else batches
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise TileError(where, "batches (or eval_batches) must be an int >= 1", repr(n))
-        micro = self.batch_size // self.accum_steps
         with self._current():
             if self.token_data:
+                micro = self.batch_size // self.accum_steps
                 batches = [(offsets,) for offsets in self.eval_data.eval_offsets(micro, n)]
             else:
                 batches = [b if isinstance(b, (tuple, list)) else (b,) for b in map(self.eval_data, range(n))]
@@ -396,6 +465,7 @@ class Trainer:
             self.runtime.require_open(where)
         start = self.optimizer.step_count
         self._check_checkpoint_dir(where, start)
+        self._warn_past_schedule(start, start + steps)
         result = FitResult(0, [])
         bar = _progress(steps, self.progress)
         if self.log_dir is not None:
@@ -491,6 +561,7 @@ class Trainer:
             # each step's batch is asked for once (a data callable may be a stream): those asked
             # for ahead of their group wait here
             ahead = {i: self._batch(i)}
+            self._check_first_batch(i, ahead[i])
             per_graph = self._steps_per_graph(ahead[i])
             while i <= end and not self._stop:
                 # this group: up to the next step the loop waits at, cut into near-equal groups
@@ -1074,6 +1145,19 @@ def _hooks(where: str, name: str, hooks) -> list[Callable]:
     if bad is not None:
         raise TileError(where, f"{name} must be a list of callables hook(trainer, ...)", bad)
     return list(hooks)
+
+
+def _check_writable(where: str, name: str, folder: Path, instead: str) -> None:
+    """Refuse, before any step, a ``log_dir`` / ``checkpoint_dir`` this process cannot make or
+    write in (a read-only file system, no permission): it failed after training up to the first
+    checkpoint, or as a bare OSError at the metrics log (``tilegraph.io._store.unwritable_folder``
+    makes the folder and probes it, touching no existing file)."""
+    from tilegraph.io._store import unwritable_folder
+
+    problem = unwritable_folder(folder)
+    if problem is not None:
+        raise TileError(where, f"{name} must be a folder this process can create and write in (checked here, "
+                        f"{instead})", f"{name}={str(folder)!r}: {problem}")
 
 
 def _folder(where: str, name: str, value) -> Path | None:
