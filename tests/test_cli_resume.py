@@ -101,6 +101,11 @@ def test_resume_without_out_goes_on_in_the_checkpoints_run_folder(root):
     assert (run_dir / "checkpoints" / "step-000022").is_dir() and not (root / "runs").exists()
     assert [r["step"] for r in _steps(run_dir)] == list(range(1, 23))
     assert f"metrics: {Path('own') / 'metrics.jsonl'}" in run.stdout
+    # past the 20 steps its schedule spans: one line in the command's words, no Python warning
+    assert "note: steps 21-22 go past the 20 steps of the run's learning-rate schedule (lr 0.003, warmup 4, " \
+           "steps 20, min_lr 0.0003) and run at its floor, lr 0.0003 (train.min_lr); for a new schedule over more " \
+           "steps, start a run from these weights: --init own/checkpoints/step-000020 --out NEW" in run.stdout
+    assert "UserWarning" not in run.stderr and [r["lr"] for r in _steps(run_dir)][-2:] == [3e-4, 3e-4]
 
 
 def test_resume_without_steps_finishes_the_runs_step_budget(root, capsys, monkeypatch):

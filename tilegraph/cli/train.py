@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -20,8 +21,8 @@ from tilegraph.cli.config import apply_overrides, build_model, check_config, loa
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
                                     check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
                                     resume_settings, sketch_settings)
-from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, diverged, given_settings,
-                                keep_branch_point,
+from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
+                                given_settings, keep_branch_point,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, resume_command,
                                 take_output)
 
@@ -171,6 +172,9 @@ def _train(args, job: Job) -> int:
         if resume:
             start = trainer.load_checkpoint(resume.checkpoint)
             print(f"resumed from {args.resume} at step {start}, to step {start + steps}", flush=True)
+            note = past_schedule_note(resume, start, start + steps)
+            if note:
+                print(note, flush=True)
             keep_branch_point(trainer.checkpoints, args.resume, start)
 
         def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
@@ -181,7 +185,10 @@ def _train(args, job: Job) -> int:
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            res = trainer.fit(steps)
+            with warnings.catch_warnings():  # said above in the command's words (past_schedule_note)
+                warnings.filterwarnings("ignore", message=r"tilegraph\.Trainer\.fit: .* go past the total of the "
+                                        "learning-rate schedule", category=UserWarning)
+                res = trainer.fit(steps)
         except FloatingPointError as e:  # a NaN/inf loss, naming the step
             raise diverged(e, opt, out) from None
         finally:
@@ -220,6 +227,20 @@ def _train(args, job: Job) -> int:
         print(f"no sample: max_seq_len {model.config.max_seq_len} leaves no room after the prompt 'def ' "
               f"({_plural(prompt.shape[1], 'token')})")
     return 0
+
+
+def past_schedule_note(resume, start: int, end: int) -> str:
+    """The line a resumed run prints when steps ``start + 1 .. end`` go past the total of its
+    checkpoint's learning-rate schedule: they run at the schedule's floor (its min_lr), as the
+    schedule continues exactly; "" when they do not."""
+    spec = (resume.checkpoint.optimizer_info or {}).get("schedule") or {}
+    total = spec.get("total")
+    if not isinstance(total, int) or end <= total:
+        return ""
+    first = max(start, total) + 1
+    return (f"note: steps {first}-{end} go past the {total} steps of the run's learning-rate schedule "
+            f"({describe_schedule(spec)}) and run at its floor, lr {spec.get('min_lr', 0.0):g} (train.min_lr); "
+            f"for a new schedule over more steps, start a run from these weights: --init {resume.path} --out NEW")
 
 
 def take_resumed_text(tok_file: Path, resume, meta: dict, given: dict[str, str]) -> None:
