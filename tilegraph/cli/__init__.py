@@ -31,6 +31,9 @@ __all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_
            "JOB_MODEL_KEYS", "PEFT_METHODS", "PEFT_FILE", "LOCK_NAME", "EVAL_DEFAULT_CORPUS"]
 
 
+#: the exit status of a command stopped by Ctrl-C: a shell's 128 + SIGINT
+EXIT_INTERRUPTED = 130
+
 #: the exit status of a command whose reader went away (``tilegraph info | head -1``): a shell's
 #: 128 + SIGPIPE, what it reports for a tool the signal ended
 EXIT_BROKEN_PIPE = 141
@@ -157,3 +160,6 @@ def _run(argv) -> int:
     except TileError as e:  # bad input: one clear line, no traceback
         print(f"tilegraph {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line and a shell's 128 + SIGINT, not a traceback
+        print(f"tilegraph {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -716,12 +716,19 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         if quiet:
             _quiet_logs()
         with _interrupt_held() as interrupted:
-            cluster = SpecCluster(
-                workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit, quiet, security),
-                scheduler={"cls": Scheduler, "options": scheduler_opts},
-                silence_logs=logging.ERROR if quiet else logging.WARN,
-                name="tilegraph", security=security,
-            )
+            try:
+                cluster = SpecCluster(
+                    workers=_worker_spec(n_workers, threads_per_worker, gpu, memory_limit, quiet, security),
+                    scheduler={"cls": Scheduler, "options": scheduler_opts},
+                    silence_logs=logging.ERROR if quiet else logging.WARN,
+                    name="tilegraph", security=security,
+                )
+            except Exception:
+                # a Ctrl-C to the whole process group (a terminal's) also stops the worker processes
+                # as they start: Dask's "Nanny failed to start" is then the interrupt, and says so
+                if interrupted():
+                    raise KeyboardInterrupt from None
+                raise
         client = None
         try:  # interrupted from here on (a notebook's stop button), the cluster is closed, not left running
             if interrupted():

@@ -1,0 +1,63 @@
+"""Ctrl-C in any command ends in one line and exit status 130 (a shell's 128 + SIGINT), never a
+traceback: while a command runs, and while the embedded cluster starts (a terminal's Ctrl-C
+reaches the worker processes too, and Dask then fails with "Nanny failed to start")."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tilegraph as tg
+import tilegraph.cli as cli
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "info", "convert"])
+def test_ctrl_c_in_a_command_is_one_line(monkeypatch, capsys, command):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"cmd_{command}", interrupted)
+    argv = {"generate": ["generate", "ck"], "eval": ["eval", "ck"], "info": ["info"], "convert": ["convert", "a", "b"]}
+    assert cli.main(argv[command]) == 130
+    assert capsys.readouterr().err == f"tilegraph {command}: interrupted\n"
+
+
+def test_a_cluster_start_broken_by_ctrl_c_is_the_interrupt(monkeypatch):
+    import distributed
+
+    def broken_start(*args, **kwargs):  # what the worker processes' own SIGINT does to the start
+        os.kill(os.getpid(), signal.SIGINT)
+        raise RuntimeError("Nanny failed to start.")
+
+    monkeypatch.setattr(distributed, "SpecCluster", broken_start)
+    with pytest.raises(KeyboardInterrupt):
+        tg.connect(n_workers=1, dashboard=False, quiet=True)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def failed_start(*args, **kwargs):  # no Ctrl-C: the failure itself
+        raise RuntimeError("Nanny failed to start.")
+
+    monkeypatch.setattr(distributed, "SpecCluster", failed_start)
+    with pytest.raises(RuntimeError, match="Nanny failed to start"):
+        tg.connect(n_workers=1, dashboard=False, quiet=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_train_starts_its_cluster(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", "--steps", "100000", "--out", "run",
+                             "--no-progress"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(3.0)  # importing and starting the embedded cluster, or reading the corpus
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: to the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # (a worker process that the Ctrl-C reaches while it starts prints its own KeyboardInterrupt:
+    # the command's process prints none, nor the "Nanny failed to start" that followed)
+    assert proc.returncode == 130 and "tilegraph/cli" not in err and "RuntimeError" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("tilegraph train: stopped at once"), err[-3000:]
