@@ -16,8 +16,14 @@ class Connected(Exception):
 
 @pytest.fixture
 def stopped_at_connect(monkeypatch, tmp_path):
-    """Work in ``tmp_path``; ``tilegraph.connect`` stops the job (nothing trains)."""
+    """Work in ``tmp_path``; ``tilegraph.connect`` stops the job (nothing trains), after copying
+    the output folder as the job left it then to ``run.at-connect`` (a job that stops before
+    training removes what it wrote)."""
+    import shutil
+
     def connect(*args, **kwargs):
+        if (tmp_path / "run").is_dir():
+            shutil.copytree(tmp_path / "run", tmp_path / "run.at-connect")
         raise Connected
 
     monkeypatch.setattr(tilegraph, "connect", connect)
@@ -53,7 +59,8 @@ def test_max_mb_limits_a_corpus_of_ones_own_files(stopped_at_connect, capsys):
     _corpus(stopped_at_connect / "corpus", [40_000, 40_000, 40_000])
     with pytest.raises(Connected):
         _train("--set", 'data.sources=["corpus"]', "--set", "data.max_mb=0.05")
-    meta = json.loads((stopped_at_connect / "run" / "tokens.bin.json").read_text())
+    meta = json.loads((stopped_at_connect / "run.at-connect" / "tokens.bin.json").read_text())
+    assert not (stopped_at_connect / "run").exists()  # stopped before training: nothing of it left
     assert sum(s["bytes"] for s in meta["sources"]) == 50_000
     assert [s.get("cut", False) for s in meta["sources"]] == [False, True] and meta["files_left_out"] == 1
     # what the train line says of the corpus
@@ -95,7 +102,8 @@ def test_a_glob_among_the_sources_reads_the_files_it_matches(stopped_at_connect,
     (stopped_at_connect / "corpus" / "notes.md").write_text("not this one\n")
     with pytest.raises(Connected):
         _train("--set", 'data.sources=["corpus/*.py"]', "--set", 'data.patterns=["*.md"]')
-    meta = json.loads((stopped_at_connect / "run" / "tokens.bin.json").read_text())
+    meta = json.loads((stopped_at_connect / "run.at-connect" / "tokens.bin.json").read_text())
+    assert not (stopped_at_connect / "run").exists()  # stopped before training: nothing of it left
     assert [s["path"].rsplit("/", 1)[1] for s in meta["sources"]] == ["a.py", "b.py"]
     err = _refused(capsys, "--set", 'data.sources=["corpus/*.py", "other/*.txt"]')
     assert "[tilegraph train [data] sources] a glob that matches files or folders; received: 'other/*.txt' matches " \
@@ -160,3 +168,46 @@ def test_a_max_seq_len_shorter_than_the_sample_prompt_ends_the_run_with_its_summ
     out = capsys.readouterr().out
     assert "checkpoint: run/checkpoints/step-000001" in out
     assert "no sample: max_seq_len 3 leaves no room after the prompt 'def ' (4 tokens)" in out
+
+
+# ---------------------------------------------------------------- session 20's CLI audit ----
+def test_a_job_refused_for_its_data_leaves_no_output_behind(stopped_at_connect, capsys):
+    _corpus(stopped_at_connect / "corpus", [3000])
+    err = _refused(capsys, "--set", 'data.sources=["corpus"]')  # tokenized, then refused: too little validation
+    assert "or a smaller batch_size (or a larger accum_steps)" in err
+    assert not (stopped_at_connect / "run").exists()  # the folder it made, with its tokens.bin, is gone
+    mine = stopped_at_connect / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    assert _train("--set", 'data.sources=["corpus"]', out="mine") == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]  # what was there stays, what it added goes
+
+
+def test_a_missing_relative_source_says_where_it_was_looked_for(stopped_at_connect, capsys):
+    (stopped_at_connect / "proj").mkdir()
+    (stopped_at_connect / "proj" / "corpus.txt").write_text("text\n" * 1000)
+    (stopped_at_connect / "proj" / "my.toml").write_text('[data]\nsources = ["corpus.txt"]\n')
+    code = _cli_main(["train", "proj/my.toml", "--out", "run", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"received: corpus.txt (looked for {stopped_at_connect / 'corpus.txt'}: a config's " \
+        "relative paths are taken from the folder the command runs in, not the config's)" in err
+
+
+def test_misspelt_keys_get_a_suggestion(stopped_at_connect, capsys):
+    err = _refused(capsys, "--set", "train.stepz=3")
+    assert "with a known key (did you mean train.steps?); received: 'train.stepz=3'" in err and len(err) < 200
+    (stopped_at_connect / "t.toml").write_text("[trian]\nlr = 1\n[train]\nwarmpu = 2\n[model]\nn_layer = 2\n")
+    assert _cli_main(["train", "t.toml", "--out", "run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown [trian] (did you mean [train]?), train.warmpu (did you mean warmup?) in t.toml" in err
+    (stopped_at_connect / "m.toml").write_text("[model]\nn_layer = 2\n")
+    assert _cli_main(["train", "m.toml", "--out", "run"]) == 2
+    assert "received: unknown n_layer (did you mean n_layers?) ([model] of m.toml)" in capsys.readouterr().err
+    err = _refused(capsys, "--set", "model.dim=-4")
+    assert "dim must be a positive int; received: -4 ([model] of shipped default.toml" in err
+
+
+def _cli_main(argv) -> int:
+    from tilegraph.cli import main
+
+    return main(argv)

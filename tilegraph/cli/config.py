@@ -50,8 +50,8 @@ def load_config(path: str | None) -> tuple[dict, str]:
         if not_tables:
             raise TileError("tilegraph train", "sections ([train], ...) that are tables of settings",
                             f"{', '.join(not_tables)} in {path}")
-        unknown = [f"[{k}]" for k in user if k not in cfg]
-        unknown += [f"{k}.{f}" for k, v in user.items() if k in cfg and k != "model"
+        unknown = [f"[{k}]{did_you_mean(k, cfg, '[{}]')}" for k in user if k not in cfg]
+        unknown += [f"{k}.{f}{did_you_mean(f, cfg[k])}" for k, v in user.items() if k in cfg and k != "model"
                     for f in v if f not in cfg[k]]
         if unknown:
             raise TileError("tilegraph train", f"only known sections and keys ({', '.join(f'[{k}]' for k in cfg)})",
@@ -65,6 +65,15 @@ def load_config(path: str | None) -> tuple[dict, str]:
             cfg[k] = {**cfg[k], **v}
         source = path
     return cfg, source
+
+
+def did_you_mean(name: str, known, form: str = "{}") -> str:
+    """`` (did you mean steps?)`` for a misspelt key among ``known`` (written as ``form``, e.g.
+    "[{}]" for a section); "" when none is close."""
+    import difflib
+
+    near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {form.format(near[0])}?)" if near else ""
 
 
 def _int(low: int):
@@ -166,8 +175,11 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
         name, eq, text = pair.partition("=")
         section, dot, key = name.strip().partition(".")
         if not eq or not dot or section not in cfg or (key not in cfg[section] and section != "model"):
-            known = ", ".join(f"{s}.{k}" for s, keys in cfg.items() for k in keys)
-            raise TileError("tilegraph train --set", f"section.key=value with a known key ({known})", repr(pair))
+            keys = [f"{s}.{k}" for s, ks in cfg.items() for k in ks]
+            near = did_you_mean(name.strip(), keys)
+            what = (f"section.key=value with a known key{near}" if near else
+                    f"section.key=value with a known key ({', '.join(keys)})")
+            raise TileError("tilegraph train --set", what, repr(pair))
         try:
             value = tomllib.loads(f"v = {text.strip()}")["v"]
         except tomllib.TOMLDecodeError:
@@ -194,8 +206,9 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
     known = {f.name for f in dataclasses.fields(base)}
     unknown = sorted(set(fields) - known)
     if unknown:
+        near = "".join(did_you_mean(u, known) for u in unknown)
         raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
-                        f"unknown {', '.join(unknown)}")
+                        f"unknown {', '.join(unknown)}{near}")
     # a field derived from others and not given (GPT-2's hidden: 4 * dim) is derived from the given ones
     cfg = dataclasses.replace(base, **fields)
     if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id

@@ -195,6 +195,9 @@ def output_folder(out: str | None, configured: str, given: dict[str, str], resum
     text, where = (out, "--out") if out is not None else (configured, "tilegraph train [output] dir")
     if not text.strip():
         raise TileError(where, "an output folder (a path; nothing was written)", repr(text))
+    if resume and out is None and not (named and on_command_line(named)):  # a checkpoint outside a run folder
+        print(f"tilegraph train: writing to {text} ([output] dir): {resume} is not in a run's checkpoints folder "
+              "(RUN/checkpoints/step-N), whose run would go on; --out names another", file=sys.stderr, flush=True)
     return Path(text), where
 
 

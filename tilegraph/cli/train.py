@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -35,6 +36,34 @@ class Job:
     release: list = field(default_factory=list)
     out: Path | None = None
     config: str | None = None
+    training: bool = False  # set as training starts: what the job wrote from then on stays
+
+
+def undo_output(job: Job, out: Path) -> Callable[[], None]:
+    """What removes, when the job ends before training starts (refused for its data or batch,
+    interrupted), what it made in ``out``: the folder itself when the job made it, else the
+    entries the job added (a tokenized corpus of hundreds of MB, say). Nothing that was there
+    before is touched; the job holds the folder's lock, so what is new is its own."""
+    import shutil
+
+    made = not out.exists()
+    before = set() if made else {p.name for p in out.iterdir()}
+
+    def undo() -> None:
+        if job.training or not out.is_dir():
+            return
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+            return
+        for p in out.iterdir():
+            if p.name in before:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+    return undo
 
 
 def cmd_train(args) -> int:
@@ -119,14 +148,19 @@ def _train(args, job: Job) -> int:
         model = resume.checkpoint.new_model(values=False, adapters=False)  # [peft]'s: added below
         keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"])
     else:
-        model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
+        try:
+            model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
+        except TileError as e:  # which file or flag set the [model] value
+            raise TileError(e.where, e.what, f"{e.received} ([model] of {source})") from None
     add_grad_sketch(add_adapters(model, p, t["seed"]), p, t["seed"])
     model.recompute = bool(cfg["model"].get("recompute", False))  # each block's activations recomputed in the backward
     files = tokenizer_files(tokenizer)
     files[SKETCH_FILE] = json.dumps(sketch_settings(p)).encode()  # exact gradients too: --resume keeps them
     if init or p["method"] != "none":
         files[PEFT_FILE] = json.dumps(peft_record(p, init, quantized_base), indent=1).encode()
+    undo = undo_output(job, out)  # (looked at before take_output makes the folder)
     job.release.append(take_output(out, out_named_by))  # then the output folder: ours alone, no earlier run in it
+    job.release.append(undo)  # after the lock's release: a job refused before training leaves nothing behind
     job.out = out  # where a Ctrl-C's message looks for the last checkpoint
     check_output(out, resume, steps)
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
@@ -188,6 +222,7 @@ def _train(args, job: Job) -> int:
             with warnings.catch_warnings():  # said above in the command's words (past_schedule_note)
                 warnings.filterwarnings("ignore", message=r"tilegraph\.Trainer\.fit: .* go past the total of the "
                                         "learning-rate schedule", category=UserWarning)
+                job.training = True
                 res = trainer.fit(steps)
         except FloatingPointError as e:  # a NaN/inf loss, naming the step
             raise diverged(e, opt, out) from None
@@ -296,7 +331,11 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
         meta = build_token_file(files, tok_file, tokenizer, patterns=d["patterns"],
                                 max_bytes=None if whole else limit)
     except TileError as e:  # a missing path, a binary or non-UTF-8 file, nothing found: named as [data]'s
-        raise TileError(where, e.what, e.received) from None
+        received = e.received
+        if received and not os.path.isabs(os.path.expanduser(received)) and not os.path.exists(received):
+            received += (f" (looked for {Path(received).expanduser().resolve()}: a config's relative paths are "
+                         "taken from the folder the command runs in, not the config's)")
+        raise TileError(where, e.what, received) from None
     corpus = f"{meta['count']:,} tokens from {_plural(len(meta['sources']), 'file')}"
     left_out = meta.get("files_left_out", 0)
     if left_out or any(entry.get("cut") for entry in meta["sources"]):
@@ -327,7 +366,7 @@ def open_splits(tok_file: Path, d: dict, t: dict, count: int):
         raise TileError(where, f"a validation split (val_fraction = {d['val_fraction']:g} of the {count:,} tokens) "
                         f"holding one evaluation batch: train.batch_size / train.accum_steps = {micro} windows of "
                         f"seq_len + 1 = {d['seq_len'] + 1} tokens; give more text in sources, a larger "
-                        "val_fraction, or a smaller seq_len",
+                        "val_fraction, a smaller seq_len, or a smaller batch_size (or a larger accum_steps)",
                         f"{val.hi - val.lo:,} tokens, {_plural(val.num_eval_windows, 'window')}")
     return train, val
 
