@@ -211,3 +211,17 @@ def _cli_main(argv) -> int:
     from tilegraph.cli import main
 
     return main(argv)
+
+
+def test_resuming_a_checkpoint_outside_a_run_folder_says_where_it_writes(tmp_path, monkeypatch, capsys):
+    from tilegraph.cli.runs import output_folder
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck8").mkdir()
+    out, _ = output_folder(None, "runs/default", {}, "ck8")
+    assert str(out) == "runs/default"
+    assert capsys.readouterr().err.strip() == ("tilegraph train: writing to runs/default ([output] dir): ck8 is not "
+                                               "in a run's checkpoints folder (RUN/checkpoints/step-N), whose run "
+                                               "would go on; --out names another")
+    output_folder("elsewhere", "runs/default", {}, "ck8")  # --out given: nothing to say
+    assert capsys.readouterr().err == ""
