@@ -6,8 +6,8 @@ imported only when a GPU task runs.
 
 from .attention import scaled_dot_product_attention
 from .dropout import dropout
-from .elementwise import (add, affine, cast, div, exp, gelu, log, mul, ones_like, pow, relu, sigmoid, silu, sub, tanh,
-                          zeros_like)
+from .elementwise import (absolute, add, affine, cast, clamp, div, exp, gelu, log, mul, ones_like, pow, relu, sigmoid, silu,
+                          sub, tanh, zeros_like)
 from .embedding import embedding
 from .index import chunk, narrow, select, split, unbind
 from .loss import cross_entropy
@@ -19,8 +19,11 @@ from .reduce import max, mean, min, std, sum, var
 from .rope import rope
 from .shape import cat, flatten, permute, reshape, squeeze, stack, transpose, unsqueeze
 from .softmax import log_softmax, softmax
+from .where import masked_fill, where
+
+abs = absolute  # noqa: A001 - torch's name (elementwise keeps Python's abs for its Numba kernels)
 
 __all__ = ["add", "affine", "cross_entropy", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like",
            "exp", "log", "tanh", "sigmoid", "cast", "cat", "stack", "unsqueeze", "squeeze", "flatten", "max", "min",
-           "var", "std", "narrow", "select", "split", "chunk", "unbind"]
+           "var", "std", "narrow", "select", "split", "chunk", "unbind", "abs", "absolute", "clamp", "where", "masked_fill"]

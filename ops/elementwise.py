@@ -18,7 +18,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, require_tensor, xp_of
 from ._gpu import fused
 
-__all__ = ["add", "sub", "mul", "div", "pow", "affine", "gelu", "relu", "silu", "exp", "log", "tanh", "sigmoid",
+__all__ = ["add", "sub", "mul", "div", "pow", "affine", "gelu", "relu", "silu", "exp", "log", "tanh", "sigmoid", "absolute", "clamp",
            "cast", "ones_like", "zeros_like", "unbroadcast", "broadcast_tiling"]
 
 
@@ -739,6 +739,31 @@ def _sigmoid_bwd_xp(x, g):
     return g * (s * (1 - s))
 
 
+def _abs_xp(x):
+    return xp_of(x).abs(x)
+
+
+def _abs_bwd_xp(x, g):
+    return g * xp_of(x).sign(x)  # 0 at 0, as torch
+
+
+def _clamp_xp(x, lo=None, hi=None):
+    return xp_of(x).clip(x, lo, hi)
+
+
+def _clamp_bwd_xp(x, g, lo=None, hi=None):
+    keep = True
+    if lo is not None:
+        keep = x >= lo
+    if hi is not None:
+        keep = keep & (x <= hi)
+    return g * keep  # the gradient passes where x lies within [lo, hi], bounds included (torch's)
+
+
+_abs_k = kernel("abs", cost=elementwise_cost(1))(_abs_xp)
+_abs_bwd_k = kernel("abs_bwd", cost=elementwise_cost(2))(_abs_bwd_xp)
+_clamp_k = kernel("clamp", cost=elementwise_cost(2))(_clamp_xp)
+_clamp_bwd_k = kernel("clamp_bwd", cost=elementwise_cost(3))(_clamp_bwd_xp)
 _exp_k = kernel("exp", cost=elementwise_cost(8))(_exp_xp)
 _exp_bwd_k = kernel("exp_bwd", cost=elementwise_cost(9))(_exp_bwd_xp)
 _log_k = kernel("log", cost=elementwise_cost(8))(_log_xp)
@@ -751,6 +776,8 @@ _sigmoid_bwd_k = kernel("sigmoid_bwd", cost=elementwise_cost(15))(_sigmoid_bwd_x
 _gelu_op = Activation("gelu", _gelu_k, _gelu_bwd_k)
 _silu_op = Activation("silu", _silu_k, _silu_bwd_k)
 _relu_op = Activation("relu", _relu_k, _relu_bwd_k)
+_abs_op = Activation("abs", _abs_k, _abs_bwd_k)
+_clamp_op = Activation("clamp", _clamp_k, _clamp_bwd_k)
 _exp_op = Activation("exp", _exp_k, _exp_bwd_k)
 _log_op = Activation("log", _log_k, _log_bwd_k)
 _tanh_op = Activation("tanh", _tanh_k, _tanh_bwd_k)
@@ -770,6 +797,32 @@ def silu(x: TileTensor) -> TileTensor:
 
 def relu(x: TileTensor) -> TileTensor:
     return _relu_op(require_tensor(x, "tilegraph.relu", "x"))
+
+
+def absolute(x: TileTensor) -> TileTensor:
+    """``|x|`` element by element (``torch.abs`` / ``torch.absolute``, a float tensor; ``tg.abs``
+    and ``x.abs()``: the module keeps Python's ``abs`` for its Numba kernels); its gradient is
+    ``sign(x)``, 0 at 0."""
+    return _abs_op(require_tensor(x, "tilegraph.abs", "x"))
+
+
+def clamp(x: TileTensor, min=None, max=None) -> TileTensor:  # noqa: A002 - torch names
+    """``torch.clamp``: ``x`` limited to ``[min, max]`` (either bound may be None, not both); the
+    gradient passes where ``min <= x <= max``.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.clamp(tg.from_numpy(np.array([-2.0, 0.5, 3.0])), -1, 1).numpy()
+    array([-1. ,  0.5,  1. ])
+    """
+    where = "tilegraph.clamp"
+    require_tensor(x, where, "x")
+    for name, v in (("min", min), ("max", max)):
+        if v is not None and not _scalar(v):
+            raise TileError(where, f"{name} must be a real number or None (a tensor bound: tg.where)",
+                            f"{type(v).__name__} {v!r:.60}")
+    if min is None and max is None:
+        raise TileError(where, "at least one of min and max", "min=None, max=None")
+    return _clamp_op(x, lo=None if min is None else float(min), hi=None if max is None else float(max))
 
 
 def exp(x: TileTensor) -> TileTensor:

@@ -491,28 +491,77 @@ class TileTensor:
 
         return ops.pow(self.var(dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis), 0.5)
 
-    # -- comparisons: not ops -----------------------------------------------------------------------
+    # -- comparisons: bool tensors (tilegraph.ops.where) -------------------------------------------
     # ``==`` and ``!=`` stay Python's identity (tensors are dict keys and set members while a graph is
-    # recorded and differentiated); the orderings would silently be NumPy's or raise a bare
-    # TypeError, so they say what to use instead.
-    def _compare(self, other, symbol: str):
-        raise TileError(f"tilegraph.TileTensor.__{symbol}__", "comparisons of TileTensors are not recorded ops "
-                        "(there is no tg.where): for x * (x > 0) use tg.relu(x) or x.relu(); for the largest or "
-                        "smallest values x.max(dim) / x.min(dim); a mask of known values: compute it in NumPy and "
-                        "pass it with tg.from_numpy", f"TileTensor {_SYMBOLS[symbol]} {type(other).__name__} "
-                        f"{other!r:.60}")
-
+    # recorded and differentiated): ``x.eq(y)`` / ``x.ne(y)`` compare values, as torch's do.
     def __gt__(self, other):
-        self._compare(other, "gt")
+        return self._compare(other, "gt", "__gt__")
 
     def __ge__(self, other):
-        self._compare(other, "ge")
+        return self._compare(other, "ge", "__ge__")
 
     def __lt__(self, other):
-        self._compare(other, "lt")
+        return self._compare(other, "lt", "__lt__")
 
     def __le__(self, other):
-        self._compare(other, "le")
+        return self._compare(other, "le", "__le__")
+
+    def gt(self, other):
+        """torch's ``gt``: ``self > other`` element by element, a bool tensor (no gradient)."""
+        return self._compare(other, "gt", "gt")
+
+    def ge(self, other):
+        """torch's ``ge``: ``self >= other``."""
+        return self._compare(other, "ge", "ge")
+
+    def lt(self, other):
+        """torch's ``lt``: ``self < other``."""
+        return self._compare(other, "lt", "lt")
+
+    def le(self, other):
+        """torch's ``le``: ``self <= other``."""
+        return self._compare(other, "le", "le")
+
+    def eq(self, other):
+        """torch's ``eq``: values equal, element by element (``==`` is identity here, see above)."""
+        return self._compare(other, "eq", "eq")
+
+    def ne(self, other):
+        """torch's ``ne``: values differ, element by element."""
+        return self._compare(other, "ne", "ne")
+
+    def _compare(self, other, op: str, name: str):
+        from tilegraph.ops.where import compare
+
+        return compare(self, other, op, f"tilegraph.TileTensor.{name}")
+
+    def where(self, condition, other):
+        """torch's ``x.where(condition, other)``: :func:`tilegraph.where` ``(condition, x, other)``."""
+        from tilegraph.ops.where import where
+
+        return where(condition, self, other)
+
+    def masked_fill(self, mask, value):
+        """torch's ``masked_fill``: ``value`` where the bool ``mask`` holds (:func:`tilegraph.masked_fill`)."""
+        from tilegraph.ops.where import masked_fill
+
+        return masked_fill(self, mask, value, "tilegraph.TileTensor.masked_fill")
+
+    def abs(self):
+        """torch's ``abs``: :func:`tilegraph.abs`."""
+        from tilegraph.ops.elementwise import absolute
+
+        return absolute(self)
+
+    __abs__ = abs
+
+    def clamp(self, min=None, max=None):  # noqa: A002 - torch names
+        """torch's ``clamp``: :func:`tilegraph.clamp`."""
+        from tilegraph.ops.elementwise import clamp
+
+        return clamp(self, min, max)
+
+    clip = clamp
 
     def __neg__(self):
         from tilegraph import ops
@@ -626,9 +675,6 @@ class TileTensor:
         from tilegraph.ops.index import unbind
 
         return unbind(self, dim, "tilegraph.TileTensor.unbind")
-
-
-_SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 
 
 def _sizes(shape: tuple, where: str) -> tuple:
