@@ -46,8 +46,8 @@ def undo_output(job: Job, out: Path) -> Callable[[], None]:
     before is touched; the job holds the folder's lock, so what is new is its own."""
     import shutil
 
-    made = not out.exists()
-    before = set() if made else {p.name for p in out.iterdir()}
+    made = not os.path.lexists(out)
+    before = {p.name for p in out.iterdir()} if out.is_dir() else set()  # (a file there: refused next)
 
     def undo() -> None:
         if job.training or not out.is_dir():
