@@ -40,6 +40,39 @@ _MOMENTUM = number_check(0.0, high=1.0)
 _STEPS = number_check(whole=True)
 
 
+def _param_groups(where: str, params, keys: tuple, check: dict) -> tuple[list, list]:
+    """torch's parameter groups: ``params`` as a list of dicts, each ``{"params": [...], key:
+    value}`` with ``key`` among ``keys`` (checked with ``check[key]``), as a flat list of
+    Parameters and, for each, the options of its group; a plain iterable of Parameters is one
+    group without options. Other keys (a per-group lr: one schedule drives every parameter here)
+    are a TileError naming them."""
+    try:
+        items = list(params) if not isinstance(params, (Module, TileTensor)) else None
+    except TypeError:
+        items = None
+    if not items or not all(isinstance(g, Mapping) for g in items):
+        flat = _parameter_list(where, params if items is None else items)
+        return flat, [{}] * len(flat)
+    flat, options = [], []
+    for i, group in enumerate(items):
+        if "params" not in group:
+            raise TileError(where, f"each parameter group a dict with 'params' (param_groups[{i}] has none)",
+                            f"keys {sorted(group)}")
+        other = sorted(k for k in group if k != "params" and k not in keys)
+        if other:
+            why = " (one learning-rate schedule drives every parameter)" if "lr" in other else ""
+            raise TileError(where, f"parameter groups may set {', '.join(keys)} only{why}",
+                            f"param_groups[{i}] sets {', '.join(other)}")
+        for k in keys:
+            if k in group:
+                check[k](f"{where} param_groups[{i}]", group[k])
+        members = _parameter_list(f"{where} param_groups[{i}]", group["params"])
+        flat += members
+        options += [{k: group[k] for k in keys if k in group}] * len(members)
+    _parameter_list(where, flat)  # each Parameter in one group only
+    return flat, options
+
+
 def _parameter_list(where: str, params) -> list:
     """``params`` as a list of Parameters (frozen ones included), or a TileError."""
     if isinstance(params, Module):
@@ -331,20 +364,27 @@ class Optimizer:
 
     n_state = 0
 
+    #: the settings a parameter group may give its parameters (torch's param_groups), and how
+    #: each is checked
+    group_keys: tuple = ()
+
     def __init__(self, params: Sequence[Parameter], lr: float | Callable[[int], float],
                  clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
-        params = _parameter_list(where, params)
+        params, options = _param_groups(where, params, self.group_keys, self._group_checks())
         if not callable(lr):
             require_arg(where, "lr", lr, _NON_NEGATIVE)
         if clip_grad_norm is not None:
             require_arg(where, "clip_grad_norm", clip_grad_norm, number_check(strict=True))
         frozen = [p for p in params if not p.requires_grad]
+        options = [o for p, o in zip(params, options) if p.requires_grad]
         params = [p for p in params if p.requires_grad]
         if not params:
             raise TileError(where, "at least one parameter that requires a gradient",
                             f"{len(frozen)} parameters, all frozen (requires_grad=False)")
         self.params = params
+        #: per parameter, the settings its group gave it over the optimizer's own (param groups)
+        self.param_options = options
         self.schedule = lr if callable(lr) else constant(float(lr))
         self.lr_at(1)  # a schedule that gives no learning rate fails here, not at the first step
         self.clip_grad_norm = clip_grad_norm
@@ -465,18 +505,26 @@ class Optimizer:
             hyper = norm = emit1(_clip_hyper, [hyper, *parts], (4,), np.float64, op="clip_norm",
                                  max_norm=float(self.clip_grad_norm))
         assignments = []
-        for p, g, state in zip(self.params, grads, self.state):
+        for p, g, state, options in zip(self.params, grads, self.state, self.param_options):
             if g.chunks != p.chunks:
                 raise AssertionError(f"gradient tiles {g.chunks} differ from parameter tiles {p.chunks}")
             for idx in np.ndindex(*p.tiling.grid):
                 outs = self._update(p.grid[idx], g.grid[idx], [current.get(id(s[idx])) or leaf(s[idx]) for s in state],
-                                    hyper)
+                                    hyper, options)
                 assignments.append((p.cells[idx], outs[0]))
                 assignments.extend((s[idx], o) for s, o in zip(state, outs[1:]))
         return assignments, norm
 
-    def _update(self, p: TileRef, g: TileRef, state: list[TileRef], hyper: TileRef) -> list[TileRef]:
+    def _update(self, p: TileRef, g: TileRef, state: list[TileRef], hyper: TileRef, options: dict) -> list[TileRef]:
+        """The update of one parameter tile; ``options``: its group's settings (see group_keys)."""
         raise NotImplementedError
+
+    def _group_checks(self) -> dict:
+        return {}
+
+    def _setting(self, options: dict, key: str):
+        """``key`` of a parameter: its group's, else the optimizer's."""
+        return options.get(key, getattr(self, key))
 
     def state_dict(self) -> dict:
         """The optimizer's state as NumPy arrays, for :meth:`load_state_dict`: ``step`` (updates
@@ -549,34 +597,55 @@ def _zeros_cells(p: Parameter) -> np.ndarray:
     return cells
 
 
+def _check_betas(where: str, betas) -> None:
+    if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise TileError(where, "betas must be two numbers (beta1, beta2), each >= 0 and < 1", f"betas={betas!r}")
+    for i, beta in enumerate(betas):
+        require_arg(where, f"betas[{i}]", beta, _BETA)
+
+
 class AdamW(Optimizer):
     """AdamW as in ``torch.optim.AdamW`` (decoupled weight decay, bias correction), one fused
-    kernel per parameter tile: (param, grad, m, v) in, (param, m, v) out."""
+    kernel per parameter tile: (param, grad, m, v) in, (param, m, v) out.
+
+    ``params`` may be torch's parameter groups, each setting its own ``weight_decay``, ``betas``
+    or ``eps`` (GPT-2's recipe: no decay for biases and norms)::
+
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+        opt = tg.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    """
 
     n_state = 2
     state_names = ("exp_avg", "exp_avg_sq")
+    group_keys = ("weight_decay", "betas", "eps")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
-        if isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2:
-            raise TileError(where, "betas must be two numbers (beta1, beta2), each >= 0 and < 1", f"betas={betas!r}")
-        for i, beta in enumerate(betas):
-            require_arg(where, f"betas[{i}]", beta, _BETA)
+        _check_betas(where, betas)
         require_arg(where, "eps", eps, _EPS)
         require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
         super().__init__(params, lr, clip_grad_norm)
         self.betas, self.eps, self.weight_decay = tuple(betas), float(eps), float(weight_decay)
 
-    def _update(self, p, g, state, hyper):
+    def _group_checks(self) -> dict:
+        return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE),
+                "eps": lambda where, v: require_arg(where, "eps", v, _EPS), "betas": _check_betas}
+
+    def _update(self, p, g, state, hyper, options):
         m, v = state
+        beta1, beta2 = self._setting(options, "betas")
         return emit(_adamw_k, [p, g, m, v, hyper], [(p.shape, p.dtype)] * 3, op="adamw",
-                    beta1=float(self.betas[0]), beta2=float(self.betas[1]), eps=self.eps,
-                    weight_decay=self.weight_decay)
+                    beta1=float(beta1), beta2=float(beta2), eps=float(self._setting(options, "eps")),
+                    weight_decay=float(self._setting(options, "weight_decay")))
 
 
 class SGD(Optimizer):
-    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``."""
+    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``; parameter
+    groups may set their own ``weight_decay``."""
+
+    group_keys = ("weight_decay",)
 
     def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
                  clip_grad_norm: float | None = None):
@@ -588,8 +657,12 @@ class SGD(Optimizer):
         super().__init__(params, lr, clip_grad_norm)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
 
-    def _update(self, p, g, state, hyper):
+    def _group_checks(self) -> dict:
+        return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE)}
+
+    def _update(self, p, g, state, hyper, options):
+        weight_decay = float(self._setting(options, "weight_decay"))
         if self.momentum:
             return emit(_sgd_momentum, [p, g, state[0], hyper], [(p.shape, p.dtype)] * 2, op="sgd",
-                        momentum=self.momentum, weight_decay=self.weight_decay)
-        return [emit1(_sgd, [p, g, hyper], p.shape, p.dtype, op="sgd", weight_decay=self.weight_decay)]
+                        momentum=self.momentum, weight_decay=weight_decay)
+        return [emit1(_sgd, [p, g, hyper], p.shape, p.dtype, op="sgd", weight_decay=weight_decay)]
