@@ -209,3 +209,32 @@ def test_no_warning_within_the_schedules_total():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         constant.fit(3)
+
+
+# -- 4. ~ in log_dir and tensorboard; a tensorboard folder it cannot write ----------------------------
+def test_a_leading_tilde_is_the_home_folder_in_every_folder_argument(tmp_path, monkeypatch):
+    """log_dir="~/x" wrote into a folder named "~" in the working directory (checkpoint_dir
+    expanded it already)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    trainer = _trainer(log_dir="~/logs")
+    assert trainer.log_dir == tmp_path / "home" / "logs"
+    trainer.fit(1)
+    assert (tmp_path / "home" / "logs" / "metrics.jsonl").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_tensorboard_folder_it_cannot_write_is_refused_at_construction(tmp_path, monkeypatch):
+    import tilegraph.plotting
+
+    # a SummaryWriter class stands in where TensorBoard is not installed: the check comes before any writer
+    monkeypatch.setattr(tilegraph.plotting, "summary_writer_class", lambda where: object)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.Trainer\] tensorboard must be a folder this process can "
+                                           r"create and write in"):
+        _trainer(tensorboard=_too_long(tmp_path))
+
+
+def test_save_adapters_errors_are_named_as_save_adapters(tmp_path):
+    model = tg.peft.apply_lora(tg.nn.Sequential(tg.nn.Linear(4, 4, seed=0)), ["0"], rank=2)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(tg.TileError, match=r"^\[tilegraph.peft.save_adapters\]"):
+        tg.peft.save_adapters(model, tmp_path / "afile" / "ad")

@@ -570,7 +570,14 @@ def save_adapters(path, model: Module, format: str = "zarr") -> None:
     if not layers and not lotr:
         raise TileError(where, "a model with LoRA layers (tilegraph.peft.apply_lora) or "
                         "LoTR layers (apply_lotr)", f"{type(model).__name__} has none")
-    save_checkpoint(path, _Adapters(model), metadata=adapter_settings(model))
+    from tilegraph.io._store import CheckpointError
+
+    try:
+        save_checkpoint(path, _Adapters(model), metadata=adapter_settings(model))
+    except (TileError, CheckpointError) as e:
+        if type(e) not in (TileError, CheckpointError):
+            raise
+        raise type(e)(where, e.what, e.received) from None  # named as the call the user made
 
 
 def adapter_settings(model: Module) -> dict:

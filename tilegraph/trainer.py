@@ -311,6 +311,8 @@ class Trainer:
         self._hooked = 0  # committed checkpoints whose on_checkpoint hooks have run
         self.progress = bool(progress)
         self.tensorboard_dir, self._summary_writer = _tensorboard(tensorboard, self.log_dir)
+        if self.tensorboard_dir is not None and self.tensorboard_dir.parent != self.log_dir:
+            _check_writable(where, "tensorboard", self.tensorboard_dir, "not as an OSError when fit starts")
         self._tb = None  # the SummaryWriter while fit() runs
         self.pipeline = bool(pipeline)
         self.steps_per_graph = steps_per_graph
@@ -1167,9 +1169,9 @@ def _folder(where: str, name: str, value) -> Path | None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise TileError(where, f"{name} must be a folder (a str or os.PathLike) or None", repr(value))
-    from tilegraph.io._store import file_in_the_way
+    from tilegraph.io._store import file_in_the_way, user_path
 
-    path = Path(value)
+    path = user_path(value, where)  # a leading ~ expanded, as checkpoint_dir's always was
     existing = file_in_the_way(path)
     if existing is not None:
         file = "an existing file" if existing == path else f"{existing} is a file"
@@ -1310,7 +1312,9 @@ def _tensorboard(setting, log_dir: Path | None) -> tuple[Path | None, type | Non
                             "tensorboard=True, log_dir=None")
         folder = log_dir / "tensorboard"
     elif isinstance(setting, (str, os.PathLike)):
-        folder = Path(setting)
+        from tilegraph.io._store import user_path
+
+        folder = user_path(setting, where)
     else:
         raise TileError(where, "tensorboard must be True, False or a folder", repr(setting))
     from tilegraph.plotting import summary_writer_class
