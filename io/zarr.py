@@ -188,10 +188,13 @@ def _model_info(model) -> dict:
 def _optimizer_info(optimizer) -> dict:
     hyper = {k: v for k, v in vars(optimizer).items()
              if k in ("betas", "eps", "weight_decay", "momentum", "clip_grad_norm")}
-    hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in hyper.items()}
+    def as_json(settings: dict) -> dict:  # (betas: a tuple)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+
+    hyper = as_json(hyper)
     options = getattr(optimizer, "param_options", [])
     if any(options):  # parameter groups: each parameter's own settings, in the order of optimizer.params
-        hyper["param_options"] = [{k: list(v) if isinstance(v, tuple) else v for k, v in o.items()} for o in options]
+        hyper["param_options"] = [as_json(o) for o in options]
     schedule = getattr(optimizer.schedule, "spec", None)
     return {"type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
             "state_names": list(optimizer.state_names), "hyper": hyper,

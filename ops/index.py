@@ -15,17 +15,16 @@ raise a TileError: gather rows of a table with :func:`tilegraph.embedding`.
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
 from tilegraph._autograd import Op
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
-from tilegraph._graph import Cost, emit1, kernel
+from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import new_tensor, norm_dim, numel, require_tensor, xp_of
-from .shape import checked_reshape
+from ._common import new_tensor, norm_dim, require_tensor, xp_of
+from .shape import _copy_cost, checked_reshape
 
 __all__ = ["narrow", "select", "split", "chunk", "unbind", "getitem", "TileIndexError"]
 
@@ -35,21 +34,13 @@ class TileIndexError(TileError, IndexError):
     so that ``for row in x`` and code that catches IndexError behave as they do with arrays."""
 
 
-def _is_index_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
-def _out_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
-    return Cost(0.0, 2.0 * numel(out_shapes[0]) * itemsize)
-
-
-@kernel("slice", cost=_out_cost)
+@kernel("slice", cost=_copy_cost)
 def _slice(x, index):
     """The part ``index`` (a (start, stop, step) per dim) of a tile, as a tile of its own."""
     return xp_of(x).ascontiguousarray(x[tuple(slice(*s) for s in index)])
 
 
-@kernel("unslice", cost=_out_cost)
+@kernel("unslice", cost=_copy_cost)
 def _unslice(g, shape, index):
     """A tile of zeros of ``shape`` holding ``g`` at ``index`` (the backward of :func:`_slice`)."""
     out = xp_of(g).zeros(shape, dtype=g.dtype)
@@ -57,7 +48,7 @@ def _unslice(g, shape, index):
     return out
 
 
-@kernel("zeros_tile", cost=_out_cost)
+@kernel("zeros_tile", cost=_copy_cost)
 def _zeros_tile(like, shape):
     """Zeros of ``shape`` and the dtype of ``like`` (read for its dtype and array namespace only)."""
     return xp_of(like).zeros(shape, dtype=like.dtype)
@@ -150,7 +141,7 @@ def getitem(x: TileTensor, key, where: str = "tilegraph.TileTensor.__getitem__")
     require_tensor(x, where, "x")
     items = key if isinstance(key, tuple) else (key,)
     for v in items:
-        if v is None or v is Ellipsis or isinstance(v, slice) or _is_index_int(v):
+        if v is None or v is Ellipsis or isinstance(v, slice) or is_int(v):
             continue
         if isinstance(v, (bool, np.bool_)):
             raise TileError(where, "a boolean index (a mask) is not supported; index with ints and slices",
@@ -177,7 +168,7 @@ def getitem(x: TileTensor, key, where: str = "tilegraph.TileTensor.__getitem__")
         if isinstance(v, slice):
             for part in ("start", "stop", "step"):
                 p = getattr(v, part)
-                if p is not None and not _is_index_int(p):
+                if p is not None and not is_int(p):
                     raise TileError(where, f"slice {part}s must be ints or None (dim {d})", _index_name(p))
             if v.step is not None and v.step <= 0:
                 raise TileError(where, f"slice steps must be positive, as in torch (dim {d}; reverse with a "
@@ -211,7 +202,7 @@ def narrow(x: TileTensor, dim: int, start: int, length: int, where: str = "tileg
     d = norm_dim(dim, x.ndim, where)
     n = x.shape[d]
     for name, v in (("start", start), ("length", length)):
-        if not _is_index_int(v):
+        if not is_int(v):
             raise TileError(where, f"{name} must be an int", _index_name(v))
     if not -n <= start <= n:
         raise TileIndexError(where, f"start out of range for dim {d} of size {n}", str(start))
@@ -231,7 +222,7 @@ def select(x: TileTensor, dim: int, index: int, where: str = "tilegraph.select")
     if x.ndim == 0:
         raise TileIndexError(where, "a 0-d tensor has no dim to select from", repr(x))
     d = norm_dim(dim, x.ndim, where)
-    if not _is_index_int(index):
+    if not is_int(index):
         raise TileError(where, "index must be an int", _index_name(index))
     return getitem(x, (slice(None),) * d + (int(index),), where)
 
@@ -260,14 +251,14 @@ def split(x: TileTensor, split_size_or_sections, dim: int = 0, where: str = "til
         raise TileError(where, "a 0-d tensor cannot be split", repr(x))
     d = norm_dim(dim, x.ndim, where)
     n = x.shape[d]
-    if _is_index_int(split_size_or_sections):
+    if is_int(split_size_or_sections):
         size = int(split_size_or_sections)
         if size <= 0 and not (size == 0 and n == 0):
             raise TileError(where, "split_size must be a positive int", str(size))
         sizes = [min(size, n - s) for s in range(0, n, size)] if n else [0]
     elif isinstance(split_size_or_sections, (list, tuple)):
         sizes = list(split_size_or_sections)
-        if not all(_is_index_int(s) and s >= 0 for s in sizes) or sum(sizes) != n:
+        if not all(is_int(s) and s >= 0 for s in sizes) or sum(sizes) != n:
             raise TileError(where, f"split sections must be non-negative ints that add up to dim {d}'s size {n}",
                             repr(split_size_or_sections))
     else:
@@ -282,7 +273,7 @@ def chunk(x: TileTensor, chunks: int, dim: int = 0, where: str = "tilegraph.chun
     require_tensor(x, where, "x")
     if x.ndim == 0:
         raise TileError(where, "a 0-d tensor cannot be chunked", repr(x))
-    if not _is_index_int(chunks) or chunks <= 0:
+    if not is_int(chunks) or chunks <= 0:
         raise TileError(where, "chunks must be a positive int", _index_name(chunks))
     d = norm_dim(dim, x.ndim, where)
     n = x.shape[d]

@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 import numba
 import numpy as np
 
-from tilegraph._config import number_check, require_arg, require_int
+from tilegraph._config import is_int, number_check, require_arg, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit, emit1, kernel, leaf, scope, xp_of
 from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
@@ -103,6 +103,16 @@ def _parameter_list(where: str, params) -> list:
 
 
 # ------------------------------------------------------------------------------- schedules ----
+def steps_past_schedule(spec, start: int, end: int) -> range:
+    """The steps of ``start + 1 .. end`` past the total of the schedule whose ``spec`` is given
+    (:func:`warmup_cosine`'s), which run at its floor (``min_lr``); empty when none are, or when
+    the schedule has no total."""
+    total = spec.get("total") if isinstance(spec, dict) else None
+    if not is_int(total) or end <= total:
+        return range(0)
+    return range(max(start, total) + 1, end + 1)
+
+
 def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> Callable[[int], float]:
     """Linear warmup over ``warmup`` steps to ``base_lr``, then cosine decay to ``min_lr`` at ``total``.
 

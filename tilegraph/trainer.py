@@ -296,11 +296,9 @@ class Trainer:
         if self.log_dir is not None:
             _check_writable(where, "log_dir", self.log_dir, "not as an OSError when fit opens metrics.jsonl")
         if checkpoint_dir is not None:
-            from tilegraph.io._store import user_path
             from tilegraph.io.zarr import CheckpointManager
 
-            # the folder the manager writes in (a leading ~ expanded)
-            _check_writable(where, "checkpoint_dir", user_path(checkpoint_dir, where),
+            _check_writable(where, "checkpoint_dir", self.checkpoint_dir,
                             "not at the first checkpoint after training up to it")
 
             # restarts resume from the last committed checkpoint: with them, each save is waited
@@ -411,12 +409,13 @@ class Trainer:
         at lr 0 without a word. A warning, not an error: going on at the floor may be meant."""
         import warnings
 
+        from tilegraph.optim import steps_past_schedule
+
         spec = getattr(self.optimizer.schedule, "spec", None)
-        total = spec.get("total") if isinstance(spec, dict) else None
-        if not is_int(total) or end <= total:
+        past = steps_past_schedule(spec, start, end)
+        if not past:
             return
-        floor = spec.get("min_lr", 0.0)
-        past = range(max(start + 1, total + 1), end + 1)
+        total, floor = spec["total"], spec.get("min_lr", 0.0)
         warnings.warn(f"tilegraph.Trainer.fit: {_steps_text(range(start + 1, end + 1))} asked for go past the "
                       f"total of the learning-rate schedule ({spec.get('name', 'schedule')}, total={total}): "
                       f"{_steps_text(past)} {'runs' if len(past) == 1 else 'run'} at its floor, lr "

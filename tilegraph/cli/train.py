@@ -268,12 +268,13 @@ def past_schedule_note(resume, start: int, end: int) -> str:
     """The line a resumed run prints when steps ``start + 1 .. end`` go past the total of its
     checkpoint's learning-rate schedule: they run at the schedule's floor (its min_lr), as the
     schedule continues exactly; "" when they do not."""
+    from tilegraph.optim import steps_past_schedule
+
     spec = (resume.checkpoint.optimizer_info or {}).get("schedule") or {}
-    total = spec.get("total")
-    if not isinstance(total, int) or end <= total:
+    past = steps_past_schedule(spec, start, end)
+    if not past:
         return ""
-    first = max(start, total) + 1
-    return (f"note: steps {first}-{end} go past the {total} steps of the run's learning-rate schedule "
+    return (f"note: steps {past[0]}-{end} go past the {spec['total']} steps of the run's learning-rate schedule "
             f"({describe_schedule(spec)}) and run at its floor, lr {spec.get('min_lr', 0.0):g} (train.min_lr); "
             f"for a new schedule over more steps, start a run from these weights: --init {resume.path} --out NEW")
 
