@@ -252,9 +252,8 @@ class Trainer:
             batch_size = batch_size.value if _is_token_data(data) else None
         if is_int(batch_size):  # NumPy's integers too, as for accum_steps
             batch_size = int(batch_size)
-        if batch_size is None:
-            pass
-        elif not isinstance(batch_size, int) or batch_size < 1 or batch_size % accum_steps:
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1
+                                       or batch_size % accum_steps):
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
         require_int(where, "checkpoint_every", checkpoint_every, 0)  # (the manager's error named its own "every")
