@@ -118,8 +118,8 @@ def test_a_scheduler_rank_that_cannot_start_ends_the_job_with_its_reason(tmp_pat
     """Before: a setting the scheduler cannot read (here a tick interval of "soon") raised on
     rank 0 alone, and the client and worker ranks waited for its address without end."""
     rc, out, err, seconds = _launch(tmp_path, 3, SCHEDULER_FAILS, timeout=60)
-    assert rc != 0 and "connected" not in out
-    assert "[tilegraph.connect(mpi=True)] the scheduler (rank 0 on " in err, err[-3000:]
+    assert rc != 0 and "connected" not in out, (rc, out[-2000:])
+    assert "[tilegraph.connect(mpi=True)] the scheduler (rank 0 on " in err, (rc, seconds, out[-2000:], err[-3000:])
     assert "Invalid time unit: soon" in err, err[-3000:]
     assert seconds < 45
 

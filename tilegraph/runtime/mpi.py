@@ -115,10 +115,15 @@ def _end_job(comm, error: Exception) -> None:
     system killed it. Says why, naming the rank and host, then aborts every rank."""
     import socket
     import sys
+    import time
 
     print(f"[tilegraph.connect(mpi=True)] the scheduler (rank 0 on {socket.gethostname()}) failed, so the MPI job "
           "ends (a Dask setting it cannot read? connect's dask_config, DASK_CONFIG's files); "
           f"received: {type(error).__name__}: {_short(error)}", file=sys.stderr, flush=True)
+    # The launcher forwards each rank's output from a pipe; once Abort reaches it, it tears the
+    # ranks and their pipes down, and a line written just before can be lost with them (once, in
+    # a full test run, such a job's stderr came back empty): give it time to pass the line on.
+    time.sleep(0.5)
     comm.Abort(1)
 
 
