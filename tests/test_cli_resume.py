@@ -90,6 +90,31 @@ def test_resuming_an_earlier_checkpoint_keeps_it_and_sets_the_later_ones_aside(r
     assert [r["step"] for r in _steps(run_dir)][-6:] == list(range(11, 17))
 
 
+def test_resuming_a_branch_set_aside_sets_the_live_one_aside_and_draws_its_own_steps(root):
+    """Before: a resume from ``checkpoints/abandoned-*/step-N`` (back to a branch left earlier)
+    kept the live branch's checkpoints in place (to be pruned as this run's older ones), and
+    ``loss.png`` joined the live branch's steps to it: 1-10, the live 11-14, then 21-22."""
+    from tilegraph.plotting import _curves, read_metrics
+
+    run_dir = _copy(root, "back")
+    ckdir = run_dir / "checkpoints"
+    run = _cli("train", "small.toml", "--resume", "back/checkpoints/step-000010", "--steps", "4",
+               "--set", "output.checkpoint_every=2", "--no-progress", cwd=root)  # the live branch: 11-14
+    assert run.returncode == 0, run.stderr[-3000:]
+    aside = next(p for p in ckdir.iterdir() if p.name.startswith("abandoned-"))
+    run = _cli("train", "small.toml", "--resume", f"back/checkpoints/{aside.name}/step-000020", "--steps", "2",
+               "--no-progress", cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "set aside the checkpoints after step 10, of the branch this run abandons: step-000012, step-000014" \
+           in run.stdout, run.stdout
+    live = sorted(p.name for p in ckdir.iterdir() if p.name.startswith("step-"))
+    assert "step-000022" in live and not {"step-000012", "step-000014"} & set(live), live
+    drawn = dict(_curves(read_metrics(run_dir / "metrics.jsonl"), None)[0])
+    first = {r["step"]: r["loss"] for r in _steps(root / "base")}
+    assert sorted(drawn) == list(range(1, 23))
+    assert all(drawn[s] == first[s] for s in range(1, 21)), "the curve took the live branch's steps 11-14"
+
+
 def test_resume_without_out_goes_on_in_the_checkpoints_run_folder(root):
     run_dir = _copy(root, "own")
     # the command that tilegraph's refusal suggests continues that run, in its folder

@@ -71,16 +71,46 @@ def smooth(values, window: int) -> np.ndarray:
     return (sums[i + half + 1] - sums[i - half]) / (2 * half + 1)
 
 
+def on_lineage(records: list[dict], lineage: list) -> list[dict]:
+    """The records on ``lineage``, the path of run segments that led to a step: a list of
+    ``[segment, last_step]`` (what a Trainer's checkpoints record, oldest first), each segment's
+    records taken after the step its predecessor ended at, up to its own last step. A segment of
+    None stands for the records that carry none (written before segments were recorded)."""
+    kept, after = [], 0
+    for segment, last in lineage:
+        kept += [r for r in records if r.get("segment") == segment and isinstance(r.get("step"), int)
+                 and after < r["step"] <= last]
+        after = last
+    return kept
+
+
+def record_lineage(lineage) -> list | None:
+    """``lineage`` as read from a checkpoint or a metrics record, checked: a list of
+    ``[segment, step]`` pairs (None where it is not one: an older file, or a damaged one)."""
+    if not isinstance(lineage, list) or not all(
+            isinstance(p, list) and len(p) == 2 and (p[0] is None or isinstance(p[0], str))
+            and isinstance(p[1], int) and not isinstance(p[1], bool) for p in lineage):
+        return None
+    return lineage
+
+
 def _curves(records: list[dict], run: str | None) -> tuple[list, list, list]:
-    """(step, loss), (step, val_loss) and (step, lr) of one run, sorted by step. Where the run went
-    back to an earlier step (a restart, or a resume from an earlier checkpoint: its steps run again,
-    logged after the first ones), the records from that step on before it are dropped: the curve
-    is the run as it went on, not a mix of the branch it left and the one it took."""
+    """(step, loss), (step, val_loss) and (step, lr) of one run, sorted by step: the path that led
+    to its last record. A resumed run's segment records the path it continues (its first record's
+    ``lineage``), so a resume from an earlier checkpoint, or from a branch set aside, draws that
+    branch and not the ones it left. In records without segments (older files), where the run
+    went back to an earlier step, the records from that step on before it are dropped."""
     if run is None:  # a metrics.jsonl of several runs: the last one
         runs = [r["run"] for r in records if "run" in r]
         run = runs[-1] if runs else None
     if run is not None:
         records = [r for r in records if r.get("run") == run]
+    segments = [r["segment"] for r in records if isinstance(r.get("segment"), str)]
+    if segments:
+        last = segments[-1]
+        lineage = next((record_lineage(r.get("lineage")) for r in records
+                        if r.get("segment") == last and "lineage" in r), None) or []
+        records = on_lineage(records, [*lineage, [last, math.inf]])
     kept: list[dict] = []
     last = 0  # the newest step with a training loss
     for r in (r for r in records if isinstance(r.get("step"), int)):

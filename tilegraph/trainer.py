@@ -348,6 +348,12 @@ class Trainer:
         self.history: list[dict] = []  # every metrics record written, in order
         #: names this run in every metrics record; a resumed run keeps its checkpoint's
         self.run_id = uuid.uuid4().hex[:12]
+        #: names this trainer's stretch of the run in its metrics records (a new one from each
+        #: checkpoint loaded); ``lineage`` is the path of segments, ``[segment, last_step]``,
+        #: that led to its first step (:func:`tilegraph.plotting.on_lineage`)
+        self.segment = uuid.uuid4().hex[:8]
+        self.lineage: list = []
+        self._lineage_logged = False
         self._stop = False
         self._first_batch_checked = False  # batch_size against a callable data's first batch
 
@@ -850,7 +856,10 @@ class Trainer:
             return self.step.auto_steps_per_graph(*batch)
 
     def _log(self, log, record: dict) -> None:
-        record = {"run": self.run_id, **record}
+        record = {"run": self.run_id, "segment": self.segment, **record}
+        if self.lineage and not self._lineage_logged:  # a resumed segment's first record: the path it continues
+            record["lineage"] = self.lineage
+            self._lineage_logged = True
         self.history.append(record)
         if log is not None:
             log.write(json.dumps(record) + "\n")
@@ -911,6 +920,7 @@ class Trainer:
         # step) alone, so the next step and the seed are the whole data position; nothing else draws
         # (no dropout; gradient sketches seed themselves from the weights).
         return {"batch_size": self.batch_size, "accum_steps": self.accum_steps, "run_id": self.run_id,
+                "lineage": [*self.lineage, [self.segment, self.optimizer.step_count]],
                 "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1,
                 "rng": {"data_seed": getattr(self.data, "seed", None), "data_split": getattr(self.data, "split", None)}}
 
@@ -968,11 +978,22 @@ class Trainer:
             ck.restore(self.model, self.optimizer)  # all checked and read first: a failure changes nothing
         self._warn_other_batches(ck)
         self._last_checkpoint = ck.path
-        run = ck.trainer_state.get("run_id")
+        self._begin_segment(ck.trainer_state, ck.step)
+        return ck.step
+
+    def _begin_segment(self, state: dict, step: int) -> None:
+        """Start a new segment of the run from a checkpoint of ``step`` with trainer state
+        ``state``: its lineage is the checkpoint's (one written before lineages were recorded
+        stands for the records without a segment, up to its step). A resumed run (another
+        trainer's checkpoint) takes that run's id, and its records on the lineage as history."""
+        from tilegraph.plotting import on_lineage, record_lineage
+
+        self.lineage = record_lineage(state.get("lineage")) or [[None, step]]
+        self.segment, self._lineage_logged = uuid.uuid4().hex[:8], False
+        run = state.get("run_id")
         if isinstance(run, str) and run != self.run_id:  # resuming: the run's earlier records, for the plot
             self.run_id = run
-            self.history = [r for r in self._logged() if r.get("run") == run and r.get("step", 0) <= ck.step]
-        return ck.step
+            self.history = on_lineage([r for r in self._logged() if r.get("run") == run], self.lineage)
 
     def _warn_other_batches(self, ck) -> None:
         """Warn where the checkpoint's run read its data otherwise than this trainer will: another

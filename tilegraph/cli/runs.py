@@ -95,8 +95,8 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
                             f"another --out, or delete {out} (or its metrics.jsonl) to start over in it", str(out))
         return None
     step = resume.checkpoint.step
-    if in_folder(resume.path, ckdir):
-        return step  # the run's own later checkpoints: set aside when it starts (keep_branch_point)
+    if in_folder(resume.path, ckdir) or set_aside_in(resume.path, ckdir):
+        return step  # the run's own checkpoints of other branches: set aside when it starts (keep_branch_point)
     others = other_runs(out, [ckdir / n for n in found], (resume.checkpoint.trainer_state or {}).get("run_id"))
     if others:  # its metrics.jsonl would mix two runs, and its checkpoints be pruned as this run's older ones
         raise TileError("tilegraph train --resume", f"an output folder without another run's files; {out} holds "
@@ -482,23 +482,63 @@ def describe_schedule(spec: dict) -> str:
     return ", ".join(f"{names.get(k, k)} {v:g}" for k, v in spec.items() if k != "name") or "none saved"
 
 
-def keep_branch_point(manager, resume: str, step: int) -> None:
-    """A resumed run never prunes the checkpoint it resumed from, and moves the later checkpoints
-    of that folder (the branch of an earlier run that this one abandons, which would otherwise
-    rank as the newest, be kept over this run's own and collide with their names) into
-    ``checkpoints/abandoned-DATE-TIME/``, saying so. Nothing is deleted."""
+def keep_branch_point(manager, resume: str, step: int, lineage: list) -> None:
+    """A resumed run never prunes the checkpoint it resumed from, and moves the checkpoints of
+    its run folder that do not lead to it (the branch of an earlier run that this one abandons,
+    which would otherwise rank as the newest, be kept over this run's own and collide with their
+    names) into ``checkpoints/abandoned-DATE-TIME/``, saying so. Nothing is deleted.
+
+    Resumed from the folder's own ``step-N``, those are the ones after N. Resumed from a branch
+    set aside before (``checkpoints/abandoned-*/step-N``), they are the ones after the step where
+    the folder's branch left it: found from the ``lineage`` of the resumed checkpoint (the
+    trainer's, loaded from it) and of the folder's newest (the steps after N where either was
+    written before lineages were recorded)."""
     manager.protect(resume)
-    if not in_folder(resume, manager.dir):
+    if in_folder(resume, manager.dir):
+        after = step
+    elif set_aside_in(resume, manager.dir):
+        after = step
+        newest = manager.latest()
+        if newest is not None and lineage:
+            from tilegraph.io.zarr import load_checkpoint
+            from tilegraph.plotting import record_lineage
+
+            try:
+                theirs = record_lineage(load_checkpoint(newest).trainer_state.get("lineage"))
+            except (OSError, TileError):
+                theirs = None
+            if theirs:
+                after = min(step, branch_point(lineage, theirs))
+    else:
         return
-    moved = manager.set_aside(step, time.strftime("abandoned-%Y%m%d-%H%M%S"))
+    moved = manager.set_aside(after, time.strftime("abandoned-%Y%m%d-%H%M%S"))
     if moved:
-        print(f"set aside the checkpoints after step {step}, of the branch this run abandons: "
+        print(f"set aside the checkpoints after step {after}, of the branch this run abandons: "
               f"{', '.join(p.name for p in moved)} -> {moved[0].parent}", flush=True)
+
+
+def branch_point(a: list, b: list) -> int:
+    """The last step that two lineages (``[segment, last_step]`` paths) share: 0 for none."""
+    shared = 0
+    for (seg_a, end_a), (seg_b, end_b) in zip(a, b):
+        if seg_a != seg_b:
+            break
+        shared = min(end_a, end_b)
+        if end_a != end_b:
+            break
+    return shared
 
 
 def in_folder(checkpoint: str, folder: Path) -> bool:
     """Whether ``checkpoint`` is one of the checkpoints of ``folder``."""
     return Path(checkpoint).resolve().parent == folder.resolve()
+
+
+def set_aside_in(checkpoint: str, folder: Path) -> bool:
+    """Whether ``checkpoint`` is in a branch set aside in the checkpoints ``folder``
+    (``folder/abandoned-*/step-N``, :func:`keep_branch_point`)."""
+    parent = Path(checkpoint).resolve().parent
+    return parent.parent == folder.resolve() and parent.name.startswith("abandoned")
 
 
 def resume_command(config: str | None, checkpoint) -> str:

@@ -209,7 +209,7 @@ def _train(args, job: Job) -> int:
             note = past_schedule_note(resume, start, start + steps)
             if note:
                 print(note, flush=True)
-            keep_branch_point(trainer.checkpoints, args.resume, start)
+            keep_branch_point(trainer.checkpoints, args.resume, start, trainer.lineage)
 
         def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
             trainer.request_stop()
