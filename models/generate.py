@@ -5,7 +5,9 @@ The prompt runs once (prefill) and leaves every layer's keys and values in a cac
 each new token then runs a one-position forward that attends to the cache and appends its own
 keys and values (:class:`Decoder`). The cache tiles stay where they were computed: with a runtime
 connected they are references to values on the workers, and only the logits of the last position
-come back to the client, where the next token is picked (:func:`next_tokens`).
+come back to the client, where the next token is picked (:func:`next_tokens`). :func:`generate`
+on a cluster of CPU workers runs that whole loop as one task on a worker instead, which saves a
+Dask round trip per token.
 
 >>> import numpy as np
 >>> from tilegraph import models
@@ -457,7 +459,10 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     Later positions of an ended row hold ``pad_id`` (default ``eos_id``; stop strings need one
     of the two), and generation stops once all rows have ended (Hugging Face's ``generate``
     with ``pad_token_id``, padded to full length). P + N may not exceed the model's
-    ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`. With a ``tokenizer``
+    ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`; on a runtime whose
+    workers are CPU workers, the loop runs as one task on the worker holding the most of the
+    parameters (they gather there, when they take at most :data:`ONE_WORKER_MEMORY_SHARE` of its
+    memory), with the same tokens as here. With a ``tokenizer``
     of fewer ids than the model's vocabulary, only ids it can decode are picked.
     """
     where = "tilegraph.models.generate"
@@ -505,31 +510,150 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     out[:, :p] = prompt
     if max_new_tokens == 0:
         return out
-    rows = np.arange(b)
-    done = np.zeros(b, dtype=bool)
-    seen = np.zeros((b, cfg.vocab_size), dtype=bool)   # (B, V): tokens the penalty applies to
-    seen[rows[:, None], prompt] = True
-    # the text a row's new tokens add is decoded after its prompt's (see _continuation)
-    prompt_texts = [tokenizer.decode(row) for row in prompt] if stops else []
-    with Decoder(model, runtime=runtime, cache_block=cache_block) as dec:
-        logits = dec.feed(prompt)
-        for i in range(max_new_tokens):
-            if repetition_penalty != 1:
-                logits = _penalize(logits, seen, float(repetition_penalty))
-            # (ids the tokenizer cannot decode are never picked)
-            tok = next_tokens(logits[:, :decodable], rng, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p)
-            if done.any():
-                tok[done] = fill
-            out[:, p + i] = tok
-            seen[rows, tok] = True
-            if eos_id is not None:
-                done |= tok == eos_id
-            for r in np.flatnonzero(~done) if stops else ():
-                text = _continuation(tokenizer, prompt[r], out[r, p:p + i + 1], prompt_texts[r])
-                done[r] = find_stop(text, stops) is not None
-            if done.all():
-                out[:, p + i + 1:] = fill
-                break
-            if i + 1 < max_new_tokens:
-                logits = dec.feed(tok[:, None])
-    return out
+    loop = _Loop(max_new_tokens, strategy, temperature, top_k, top_p, float(repetition_penalty), eos_id, fill,
+                 stops, tokenizer, decodable, cache_block)
+    runtime = runtime if runtime is not None else current_runtime()
+    if runtime is not None:
+        done = _decode_on_a_worker(runtime, model, loop, out, rng)
+        if done is not None:
+            return done
+    return loop.run(model, out, rng, runtime)
+
+
+@dataclass
+class _Loop:
+    """:func:`generate`'s decoding loop and its settings (checked), to run here or as one task
+    on a worker (:func:`_decode_on_a_worker`)."""
+    new: int
+    strategy: str
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    penalty: float
+    eos_id: int | None
+    fill: int | None
+    stops: tuple
+    tokenizer: object
+    decodable: int
+    cache_block: int
+
+    def run(self, model: CausalLM, out: np.ndarray, rng: np.random.Generator, runtime) -> np.ndarray:
+        """Fill ``out``'s columns after the prompt (those before it), drawing from ``rng``; with
+        ``runtime`` None, on Dask's local scheduler in this process."""
+        max_new_tokens, fill, eos_id, stops, tokenizer = self.new, self.fill, self.eos_id, self.stops, self.tokenizer
+        b, p = out.shape[0], out.shape[1] - max_new_tokens
+        prompt = out[:, :p]
+        rows = np.arange(b)
+        done = np.zeros(b, dtype=bool)
+        seen = np.zeros((b, model.config.vocab_size), dtype=bool)   # (B, V): tokens the penalty applies to
+        seen[rows[:, None], prompt] = True
+        # the text a row's new tokens add is decoded after its prompt's (see _continuation)
+        prompt_texts = [tokenizer.decode(row) for row in prompt] if stops else []
+        with Decoder(model, runtime=runtime, cache_block=self.cache_block) as dec:
+            logits = dec.feed(prompt)
+            for i in range(max_new_tokens):
+                if self.penalty != 1:
+                    logits = _penalize(logits, seen, self.penalty)
+                # (ids the tokenizer cannot decode are never picked)
+                tok = next_tokens(logits[:, :self.decodable], rng, strategy=self.strategy,
+                                  temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+                if done.any():
+                    tok[done] = fill
+                out[:, p + i] = tok
+                seen[rows, tok] = True
+                if eos_id is not None:
+                    done |= tok == eos_id
+                for r in np.flatnonzero(~done) if stops else ():
+                    text = _continuation(tokenizer, prompt[r], out[r, p:p + i + 1], prompt_texts[r])
+                    done[r] = find_stop(text, stops) is not None
+                if done.all():
+                    out[:, p + i + 1:] = fill
+                    break
+                if i + 1 < max_new_tokens:
+                    logits = dec.feed(tok[:, None])
+        return out
+
+
+#: the share of the smallest worker memory limit that a model's parameters may take for
+#: :func:`generate` to decode on one worker (they gather there)
+ONE_WORKER_MEMORY_SHARE = 0.5
+
+
+def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.ndarray,
+                        rng: np.random.Generator) -> np.ndarray | None:
+    """:func:`generate`'s loop as one task on a worker (the one holding the most of the model's
+    parameters, which gather there), decoding on that worker's local scheduler: each token was a
+    Dask round trip (submit, run, fetch the logits), about half of a GPT-2 124M token's time on
+    an embedded cluster. The model travels pickled with its values as references (what the client
+    still holds is scattered first, and put back after), and ``rng`` comes back with its state.
+    None where it cannot run so (GPU workers, whose kernels a local run would not use; parameters
+    over :data:`ONE_WORKER_MEMORY_SHARE` of a worker's memory; a tokenizer that cannot be
+    pickled): the caller then decodes with a round trip per token."""
+    import io
+    import uuid
+
+    workers = runtime.snapshot()
+    if workers.threads["gpu"]:
+        return None
+    limits = [m for a, m in workers.memory_limits.items() if a in workers.addrs["cpu"] and m]
+    params = list(model.parameters())
+    if limits and sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params) > ONE_WORKER_MEMORY_SHARE * min(limits):
+        return None
+    cells = [c for p in params for c in p.cells.flat if not isinstance(c.value, ValueRef)]
+    restore = [(c, c.value, c.token) for c in cells]
+    runtime.scatter_cells(cells)
+    try:
+        refs: list[ValueRef] = []
+        blob = io.BytesIO()
+        try:
+            _ref_pickler(blob, refs).dump((model, loop, out, rng))
+        except Exception:  # a tokenizer (for stop strings) that does not pickle: decode from here
+            return None
+        future = runtime.client.submit(
+            _decode_task, blob.getvalue(), [r.future for r in refs], [r.index for r in refs],
+            key=f"tg-generate-{uuid.uuid4().hex[:12]}", pure=False,
+            resources={"CPU": 1} if workers.cpu_resource else None)
+        try:
+            done, state = future.result()
+        finally:
+            future.cancel()  # (a Ctrl-C: the worker stops decoding)
+        rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
+        return done
+    finally:
+        for cell, value, token in restore:
+            cell.set(value, token)
+
+
+def _ref_pickler(file, refs: list):
+    import cloudpickle
+
+    class RefPickler(cloudpickle.CloudPickler):
+        """Pickles every :class:`ValueRef` as its place in ``refs`` (the worker task gets their values)."""
+
+        def __init__(self, file, refs: list):
+            super().__init__(file)
+            self.refs = refs
+
+        def persistent_id(self, obj):
+            if isinstance(obj, ValueRef):
+                self.refs.append(obj)
+                return len(self.refs) - 1
+            return None
+
+    return RefPickler(file, refs)
+
+
+def _decode_task(blob: bytes, results: list, indexes: list) -> tuple[np.ndarray, dict]:
+    """The worker's side of :func:`_decode_on_a_worker`: the decoded ids and the rng's state."""
+    import io
+    import pickle
+
+    values = [v if i is None else v[i] for v, i in zip(results, indexes)]
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return values[pid]
+
+    model, loop, out, rng = Unpickler(io.BytesIO(blob)).load()
+    return loop.run(model, out, rng, None), rng.bit_generator.state
+

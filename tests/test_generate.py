@@ -441,6 +441,58 @@ def test_generation_on_the_embedded_cluster_keeps_the_cache_on_the_workers(hf_mo
     assert all(isinstance(c.value, np.ndarray) for c in cells)
 
 
+class _Unpicklable(ByteTokenizer):
+    """A tokenizer that cannot travel to a worker (it holds a lock)."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+@pytest.mark.distributed
+def test_generate_on_a_cluster_decodes_in_one_task_on_a_worker(embedded_runtime, monkeypatch):
+    """Before: each new token was a Dask round trip from the client (submit, run, fetch the
+    logits), about half of a GPT-2 124M token's time on an embedded cluster. The loop now runs as
+    one task on a worker; the client's Decoder is not used, the tokens and a Generator's draws
+    are the same as here, and the parameters are back on the client after."""
+    import importlib
+
+    gen = importlib.import_module("tilegraph.models.generate")  # (the package's `generate` is the function)
+    rt = embedded_runtime
+    model = models.build("gpt2-debug", seed=0)
+    prompt = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    greedy = generate(model, prompt, 12)
+    rng = np.random.default_rng(7)
+    sampled = [generate(model, prompt, 6, strategy="top_k", top_k=5, seed=rng) for _ in range(2)]
+    stops = dict(stop=["e"], tokenizer=ByteTokenizer(), pad_id=0)
+    stopped = generate(model, prompt, 12, strategy="sample", seed=1, **stops)
+    fed = []
+    feed = Decoder.feed
+    monkeypatch.setattr(Decoder, "feed", lambda self, ids: fed.append(ids.shape) or feed(self, ids))
+
+    np.testing.assert_array_equal(generate(model, prompt, 12, runtime=rt), greedy)
+    rng = np.random.default_rng(7)  # a Generator goes on from where the worker left it
+    for want in sampled:
+        np.testing.assert_array_equal(generate(model, prompt, 6, strategy="top_k", top_k=5, seed=rng, runtime=rt),
+                                      want)
+    np.testing.assert_array_equal(generate(model, prompt, 12, strategy="sample", seed=1, runtime=rt, **stops),
+                                  stopped)
+    assert fed == []  # no token was decoded from here
+    assert all(isinstance(c.value, np.ndarray) for p in model.parameters() for c in p.cells.flat)
+
+    # where it cannot run on a worker, a round trip per token, as before, with the same tokens:
+    other = {**stops, "tokenizer": _Unpicklable()}  # a tokenizer that does not pickle
+    np.testing.assert_array_equal(generate(model, prompt, 12, strategy="sample", seed=1, runtime=rt, **other),
+                                  stopped)
+    assert len(fed) > 1
+    fed.clear()
+    monkeypatch.setattr(gen, "ONE_WORKER_MEMORY_SHARE", 1e-9)  # parameters too large for one worker
+    np.testing.assert_array_equal(generate(model, prompt, 12, runtime=rt), greedy)
+    assert len(fed) == 12
+
+
 def test_decoding_records_no_history_and_leaves_the_garbage_collector_as_it_found_it(monkeypatch):
     import gc
 
