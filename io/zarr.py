@@ -185,9 +185,12 @@ def _model_info(model) -> dict:
     return info
 
 
-def _optimizer_info(optimizer) -> dict:
+def _optimizer_info(optimizer, names: list[str]) -> dict:
+    """The optimizer's record: its kind, settings, schedule and step; ``names``: its parameters'
+    names, in its order (each parameter's group settings are recorded in that order)."""
     hyper = {k: v for k, v in vars(optimizer).items()
-             if k in ("betas", "eps", "weight_decay", "momentum", "clip_grad_norm")}
+             if k in ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "base_lr",
+                      "clip_grad_norm")}
     def as_json(settings: dict) -> dict:  # (betas: a tuple)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
 
@@ -195,6 +198,7 @@ def _optimizer_info(optimizer) -> dict:
     options = getattr(optimizer, "param_options", [])
     if any(options):  # parameter groups: each parameter's own settings, in the order of optimizer.params
         hyper["param_options"] = [as_json(o) for o in options]
+        hyper["param_names"] = list(names)
     schedule = getattr(optimizer.schedule, "spec", None)
     return {"type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
             "state_names": list(optimizer.state_names), "hyper": hyper,
@@ -532,7 +536,8 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "step": int(step), "model": _model_info(model),
              "parameters": [n for n, _ in named] + [n for n, _, _ in held],
-             "optimizer": _optimizer_info(optimizer) if optimizer is not None else None,
+             "optimizer": _optimizer_info(optimizer, [names_of[id(p)] for p in optimizer.params])
+             if optimizer is not None else None,
              "trainer": trainer, "metadata": user, "arrays": arrays}
     attrs = _json_ready(attrs, where, "the model config")
     return PendingSave(path, where, entries, attrs, runtime, files or {}, copies)
@@ -998,6 +1003,17 @@ class Checkpoint:
                     pairs.append((apath, p, grid))
         if problems:
             raise CheckpointError(self._where, "optimizer state for every parameter", "; ".join(problems[:8]))
+        if schedule:  # the restored schedule drives each group at its multiple of the schedule's rate
+            hyper = info.get("hyper") or {}
+            saved = hyper.get("param_options")
+            if isinstance(saved, list) and isinstance(hyper.get("param_names"), list):
+                by_name = dict(zip(hyper["param_names"], saved))
+                saved = [by_name.get(names.get(id(p)), {}) for p in optimizer.params]
+            problems = optimizer.lr_scale_mismatches(saved, hyper.get("base_lr"))
+            if problems:
+                raise CheckpointError(self._where, "the parameter groups' learning rates relative to the schedule "
+                                      "(group lr / base_lr) as saved: make the optimizer with the saved groups' lr",
+                                      "; ".join(problems[:8]))
         sched = None
         if schedule and info.get("schedule") is not None:
             from tilegraph.optim import schedule_from_spec

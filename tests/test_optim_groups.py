@@ -1,6 +1,6 @@
 """torch's parameter groups: AdamW groups with their own weight_decay, betas and eps, SGD groups
 with their own weight_decay, each against torch.optim over a few steps; a checkpoint records each
-parameter's settings; what groups cannot set (a per-group lr) is named."""
+parameter's settings; what groups cannot set (SGD's momentum per group) is named."""
 
 import numpy as np
 import pytest
@@ -91,9 +91,9 @@ def test_what_groups_cannot_set_is_named():
     model = _model()
     decay, rest = _split(list(model.named_parameters()))
     cases = [
-        (lambda: tg.optim.AdamW([{"params": decay, "lr": 0.1}]), r"parameter groups may set weight_decay, betas, "
-         r"eps only \(one learning-rate schedule drives every parameter\); received: param_groups\[0\] sets lr"),
-        (lambda: tg.optim.SGD([{"params": decay, "momentum": 0.5}]), r"may set weight_decay only"),
+        (lambda: tg.optim.AdamW([{"params": decay, "momentum": 0.9}]), r"parameter groups may set lr, weight_decay, "
+         r"betas, eps only; received: param_groups\[0\] sets momentum"),
+        (lambda: tg.optim.SGD([{"params": decay, "momentum": 0.5}]), r"may set lr, weight_decay only"),
         (lambda: tg.optim.AdamW([{"weight_decay": 0.1}]), r"each parameter group a dict with 'params'"),
         (lambda: tg.optim.AdamW([{"params": decay, "weight_decay": -1}]),
          r"\[tilegraph.optim.AdamW param_groups\[0\]\] weight_decay"),

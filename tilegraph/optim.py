@@ -3,8 +3,9 @@ global-norm gradient clipping.
 
 Per step, the varying scalars (learning rate, step number) travel as one tiny "hyper" tile, so a
 recorded training step is replayed unchanged; clipping adds a tree of per-tile squared norms whose
-result scales the gradients inside the update kernels. State (AdamW's m and v) lives in cells next
-to the parameters: on the workers when a runtime is connected.
+result scales the gradients inside the update kernels. A parameter group's own ``lr`` is a fixed
+multiple of that rate, a parameter of its update kernels. State (Adam's and AdamW's m and v, SGD's
+momentum buffer) lives in cells next to the parameters: on the workers when a runtime is connected.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, Parameter
 from tilegraph.ops._gpu import fused
 
-__all__ = ["Optimizer", "SGD", "AdamW", "warmup_cosine", "constant", "schedule_from_spec"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "warmup_cosine", "constant", "schedule_from_spec"]
 
 
 # ------------------------------------------------------------------------ argument checks ----
@@ -37,6 +38,9 @@ _BETA = number_check(0.0, high=1.0, below=True)
 #: SGD's momentum; torch allows more than 1, which grows the momentum buffer geometrically
 #: until it overflows to inf and NaN
 _MOMENTUM = number_check(0.0, high=1.0)
+#: SGD's dampening; torch takes any number, but past 1 the gradient enters the momentum buffer
+#: with its sign flipped (a step uphill), and below 0 amplified
+_DAMPENING = number_check(0.0, high=1.0)
 _STEPS = number_check(whole=True)
 
 
@@ -44,8 +48,8 @@ def _param_groups(where: str, params, keys: tuple, check: dict) -> tuple[list, l
     """torch's parameter groups: ``params`` as a list of dicts, each ``{"params": [...], key:
     value}`` with ``key`` among ``keys`` (checked with ``check[key]``), as a flat list of
     Parameters and, for each, the options of its group; a plain iterable of Parameters is one
-    group without options. Other keys (a per-group lr: one schedule drives every parameter here)
-    are a TileError naming them."""
+    group without options. Other keys (SGD's momentum per group, say) are a TileError naming
+    them."""
     try:
         items = list(params) if not isinstance(params, (Module, TileTensor)) else None
     except TypeError:
@@ -60,8 +64,7 @@ def _param_groups(where: str, params, keys: tuple, check: dict) -> tuple[list, l
                             f"keys {sorted(group)}")
         other = sorted(k for k in group if k != "params" and k not in keys)
         if other:
-            why = " (one learning-rate schedule drives every parameter)" if "lr" in other else ""
-            raise TileError(where, f"parameter groups may set {', '.join(keys)} only{why}",
+            raise TileError(where, f"parameter groups may set {', '.join(keys)} only",
                             f"param_groups[{i}] sets {', '.join(other)}")
         for k in keys:
             if k in group:
@@ -239,6 +242,9 @@ def _clip_hyper(hyper, *partials, max_norm):
     return np.array([hyper[0], hyper[1], scale, total], dtype=np.float64)
 
 
+# Adam and AdamW, one kernel: they differ only in where the weight decay acts, ``l2`` (Adam's, added
+# to the gradient before the moments) or ``decay`` (AdamW's, 1 - lr * weight_decay scaling the
+# parameter); the other is 0 (1). An AdamW update's extra ``+ 0 * p`` changes no finite result.
 # One pass, every operand streamed once: (param, grad, m, v) in, (param, m, v) out. The scalars come
 # in the parameters' precision, derived once per tile (float32 math vectorises twice as wide as
 # float64, and a float64 literal such as ``1.0 - b1`` would promote the whole loop to float64).
@@ -250,9 +256,9 @@ def _clip_hyper(hyper, *partials, max_norm):
 # replicas must apply bitwise equal updates; IEEE arithmetic here is as fast (0.76 vs 0.75 ns
 # per element on 4M elements).
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _nb_adamw(p, g, m, v, po, mo, vo, decay, step, b1, one_b1, b2, one_b2, inv_sqrt_bc2, eps, clip):
+def _nb_adamw(p, g, m, v, po, mo, vo, decay, step, b1, one_b1, b2, one_b2, inv_sqrt_bc2, eps, clip, l2):
     for i in range(p.size):
-        gi = g[i] * clip
+        gi = g[i] * clip + l2 * p[i]
         mi = b1 * m[i] + one_b1 * gi
         vi = b2 * v[i] + one_b2 * (gi * gi)
         mo[i] = mi
@@ -260,19 +266,23 @@ def _nb_adamw(p, g, m, v, po, mo, vo, decay, step, b1, one_b1, b2, one_b2, inv_s
         po[i] = p[i] * decay - step * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
 
 
-def _hyper(hyper):
-    lr, t = float(hyper[0]), float(hyper[1])
+def _hyper(hyper, lr_scale=1.0):
+    """(lr, step, clip scale) of a hyper tile [lr, step] or [lr, step, clip scale, norm]; the lr
+    times ``lr_scale``, the parameter group's (see Optimizer)."""
+    lr, t = float(hyper[0]) * lr_scale, float(hyper[1])
     clip = float(hyper[2]) if len(hyper) > 2 else 1.0
     return lr, t, clip
 
 
-def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
     if p.dtype.char == "e":
         return _in_float32(_adamw_xp, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay)
-    lr, t, clip = _hyper(hyper)
+                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale)
+    lr, t, clip = _hyper(hyper, lr_scale)
     if clip != 1.0:
         g = g * clip
+    if l2:
+        g = g + l2 * p
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
     bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
@@ -292,17 +302,17 @@ def _in_float32(update, p, g, m, v, hyper, **params):
     return tuple(o.astype(np.float16) for o in outs)
 
 
-def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
     if p.dtype.char == "e":
         return _in_float32(_adamw_cpu, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay)
-    lr, t, clip = _hyper(hyper)
+                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale)
+    lr, t, clip = _hyper(hyper, lr_scale)
     arrs = [np.ascontiguousarray(a) for a in (p, g, m, v)]  # no copy when already C-contiguous
     # new output arrays: the inputs may be held by Dask under other keys and are never written
     po, mo, vo = (np.empty_like(a) for a in arrs[:3])
     bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
     c = [p.dtype.type(x) for x in (1 - lr * weight_decay, lr / bc1, beta1, 1 - beta1, beta2, 1 - beta2,
-                                   1 / math.sqrt(bc2), eps, clip)]
+                                   1 / math.sqrt(bc2), eps, clip, l2)]
     _nb_adamw(*(a.reshape(-1) for a in arrs), po.reshape(-1), mo.reshape(-1), vo.reshape(-1), *c)
     return po, mo, vo
 
@@ -311,27 +321,27 @@ def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
 # and three reads of ``hyper`` back to the host (each a wait for the GPU): ``hyper`` stays on the
 # device and each element reads it. Arithmetic in double, rounded once to the parameters' dtype.
 _adamw_fused = fused(
-    "adamw", "T p, T g, T m, T v, raw float64 hyper, int32 n_hyper, float64 b1, float64 b2, float64 eps, float64 wd",
-    "T po, T mo, T vo", """
-    double lr = hyper[0], t = hyper[1], clip = n_hyper > 2 ? hyper[2] : 1.0;
-    double gi = (double)g * clip;
+    "adamw", "T p, T g, T m, T v, raw float64 hyper, int32 n_hyper, float64 b1, float64 b2, float64 eps, float64 wd, "
+    "float64 l2, float64 lr_scale", "T po, T mo, T vo", """
+    double lr = hyper[0] * lr_scale, t = hyper[1], clip = n_hyper > 2 ? hyper[2] : 1.0;
+    double gi = (double)g * clip + l2 * (double)p;
     double mi = b1 * (double)m + (1.0 - b1) * gi;
     double vi = b2 * (double)v + (1.0 - b2) * gi * gi;
     double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
     mo = (T)mi;
     vo = (T)vi;
     po = (T)((double)p * (1.0 - lr * wd) - (lr / bc1) * mi / (sqrt(vi) / sqrt(bc2) + eps));
-    """, lambda p, g, m, v, hyper, n, b1, b2, eps, wd: _adamw_xp(p, g, m, v, hyper, beta1=b1, beta2=b2, eps=eps,
-                                                                 weight_decay=wd))
+    """, lambda p, g, m, v, hyper, n, b1, b2, eps, wd, l2, lr_scale: _adamw_xp(
+        p, g, m, v, hyper, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, l2=l2, lr_scale=lr_scale))
 
 
-def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay):
+def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
     if p.dtype.char == "e":  # the fused kernel takes float32/float64 only
         return _in_float32(_adamw_gpu, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay)
+                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale)
     hyper = xp_of(p).asarray(hyper, dtype=np.float64)  # on the parameters' device (no copy when there)
     return _adamw_fused(p, g, m, v, hyper, np.int32(hyper.size), float(beta1), float(beta2), float(eps),
-                        float(weight_decay))
+                        float(weight_decay), float(l2), float(lr_scale))
 
 
 def _update_cost(n_state):
@@ -343,11 +353,13 @@ def _update_cost(n_state):
 
 
 _adamw_k = kernel("adamw", cost=_update_cost(2), cpu=_adamw_cpu, gpu=_adamw_gpu)(_adamw_xp)
+#: Adam's tasks: the same code, named for what they do (weight decay as ``l2``)
+_adam_k = kernel("adam", cost=_update_cost(2), cpu=_adamw_cpu, gpu=_adamw_gpu)(_adamw_xp)
 
 
 @kernel("sgd", cost=_update_cost(0))
-def _sgd(p, g, hyper, *, weight_decay):
-    lr, _, clip = _hyper(hyper)
+def _sgd(p, g, hyper, *, weight_decay, lr_scale=1.0):
+    lr, _, clip = _hyper(hyper, lr_scale)
     d = g * clip if clip != 1.0 else g
     if weight_decay:
         d = d + weight_decay * p
@@ -355,13 +367,19 @@ def _sgd(p, g, hyper, *, weight_decay):
 
 
 @kernel("sgd_momentum", cost=_update_cost(1))
-def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay):
-    lr, t, clip = _hyper(hyper)
+def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay, dampening=0.0, nesterov=False, lr_scale=1.0):
+    """torch.optim.SGD's momentum step: the first buffer is the gradient itself (undampened),
+    then momentum * buf + (1 - dampening) * d; Nesterov's step is d + momentum * buf."""
+    lr, t, clip = _hyper(hyper, lr_scale)
     d = g * clip if clip != 1.0 else g
     if weight_decay:
         d = d + weight_decay * p
-    buf = d.copy() if t <= 1 else momentum * buf + d
-    return (p - lr * buf).astype(p.dtype, copy=False), buf.astype(p.dtype, copy=False)
+    if t <= 1:
+        buf = d.copy()
+    else:
+        buf = momentum * buf + ((1 - dampening) * d if dampening else d)
+    step = d + momentum * buf if nesterov else buf
+    return (p - lr * step).astype(p.dtype, copy=False), buf.astype(p.dtype, copy=False)
 
 
 # ------------------------------------------------------------------------------ optimizers ----
@@ -370,18 +388,36 @@ class Optimizer:
 
     Parameters with ``requires_grad=False`` (frozen: a LoRA base, say) are left out, as torch's
     optimizers skip parameters without gradients: they get no gradient, no update and no state.
+
+    A parameter group may set its own ``lr``, as torch's: the schedule scales it as torch's
+    schedulers (LambdaLR and the like) scale each group's initial lr, by the same factor for every
+    group. Update ``t`` of a group with ``lr`` runs at ``lr * schedule(t) / base_lr``, where
+    ``base_lr`` is the optimizer's ``lr``: the number, or the ``base_lr`` of
+    :func:`warmup_cosine` or :func:`constant` (their peak). A schedule of your own (a bare
+    callable) has no known base rate, so groups with an ``lr`` are refused with one rather than
+    scaled by a guess (schedule(1) is a warmup's smallest rate). Each group's multiple
+    (``lr_scales``) is fixed when the optimizer is made: setting ``opt.schedule`` later (a lower
+    rate after a divergence, any callable) scales every group alike:
+
+    >>> import tilegraph as tg
+    >>> layer = tg.nn.Linear(4, 2, seed=0)
+    >>> opt = tg.optim.AdamW([{"params": [layer.weight], "lr": 1e-4}, {"params": [layer.bias]}],
+    ...                      lr=tg.optim.warmup_cosine(1e-3, warmup=100, total=5000))
+    >>> opt.lr_scales  # the weight at a tenth of the schedule's rate (1e-4 at its peak), the bias at it
+    [0.1, 1.0]
     """
 
     n_state = 0
 
-    #: the settings a parameter group may give its parameters (torch's param_groups), and how
-    #: each is checked
+    #: the settings a parameter group may give its parameters (torch's param_groups) besides its
+    #: ``lr``, which every optimizer takes, and how each is checked (_group_checks)
     group_keys: tuple = ()
 
     def __init__(self, params: Sequence[Parameter], lr: float | Callable[[int], float],
                  clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
-        params, options = _param_groups(where, params, self.group_keys, self._group_checks())
+        checks = {"lr": lambda where, v: require_arg(where, "lr", v, _NON_NEGATIVE), **self._group_checks()}
+        params, options = _param_groups(where, params, ("lr", *self.group_keys), checks)
         if not callable(lr):
             require_arg(where, "lr", lr, _NON_NEGATIVE)
         if clip_grad_norm is not None:
@@ -397,6 +433,10 @@ class Optimizer:
         self.param_options = options
         self.schedule = lr if callable(lr) else constant(float(lr))
         self.lr_at(1)  # a schedule that gives no learning rate fails here, not at the first step
+        #: the rate a group's ``lr`` is relative to: the optimizer's lr, or its schedule's base_lr
+        #: (None: a schedule of your own)
+        self.base_lr = _base_lr(self.schedule)
+        _check_group_lrs(where, options, self.base_lr, lr)
         self.clip_grad_norm = clip_grad_norm
         self.step_count = 0
         self.hyper = Cell(np.zeros(2, np.float64), (2,), np.float64, token="hyper")
@@ -406,7 +446,8 @@ class Optimizer:
     @property
     def schedule(self) -> Callable[[int], float]:
         """The learning-rate schedule, ``schedule(step) -> lr`` of update ``step`` (from 1); set it
-        to change the learning rate between fits (``opt.schedule = tg.optim.constant(1e-4)``)."""
+        to change the learning rate between fits (``opt.schedule = tg.optim.constant(1e-4)``).
+        Parameter groups with an ``lr`` keep their multiple of it (``lr_scales``)."""
         return self._schedule
 
     @schedule.setter
@@ -421,7 +462,8 @@ class Optimizer:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the last update made (of the first before any)."""
+        """The learning rate of the last update made (of the first before any); a parameter
+        group with an ``lr`` of its own runs at this times its ``lr_scales`` entry."""
         return self.schedule(max(self.step_count, 1))
 
     @lr.setter
@@ -430,6 +472,43 @@ class Optimizer:
         raise TileError(f"tilegraph.optim.{type(self).__name__}.lr", "the learning rate comes from the schedule: "
                         "set opt.schedule = tg.optim.constant(lr) (or another schedule) to change it",
                         f"opt.lr = {value!r}"[:120])
+
+    @property
+    def lr_scales(self) -> list[float]:
+        """Per parameter (as ``params``), its learning rate over the schedule's: its group's
+        ``lr`` / ``base_lr``, 1.0 where the group sets none."""
+        return [self._lr_scale(o) for o in self.param_options]
+
+    def _lr_scale(self, options: dict) -> float:
+        return float(options["lr"]) / self.base_lr if "lr" in options else 1.0
+
+    def _lr_kw(self, options: dict) -> dict:
+        """The update kernel's ``lr_scale`` of a parameter: only where its group sets an lr, so
+        that other updates record the very tasks (and keys) they did before groups had one."""
+        scale = self._lr_scale(options)
+        return {"lr_scale": scale} if scale != 1.0 else {}
+
+    def lr_scale_mismatches(self, param_options, base_lr) -> list[str]:
+        """Where the learning rates of this optimizer's parameters relative to the schedule's
+        (``lr_scales``) differ from those of a saved optimizer whose per-parameter options and
+        ``base_lr`` are given (``param_options`` None: no groups): one line per parameter. A
+        restored schedule would otherwise drive the groups at other rates than the saved run's.
+        Equal to 12 digits matches (lr 0.2 of 1.0 as 0.02 of 0.1); a run resumes to the bit when
+        its optimizer is made with the saved numbers themselves (the ratio rounds the same)."""
+        saved = [{}] * len(self.params) if param_options is None else list(param_options)
+        if len(saved) != len(self.params):
+            return [f"saved settings for {len(saved)} parameters, this optimizer has {len(self.params)}"]
+        problems = []
+        for i, (p, mine, theirs) in enumerate(zip(self.params, self.param_options, saved)):
+            lr = theirs.get("lr") if isinstance(theirs, Mapping) else None
+            scale = float(lr) / base_lr if lr is not None and base_lr else 1.0
+            if not math.isclose(scale, self._lr_scale(mine), rel_tol=1e-12):
+                here = f"lr {mine['lr']!r} / base_lr {self.base_lr!r}" if "lr" in mine else "no group lr"
+                there = f"lr {lr!r} / base_lr {base_lr!r}" if lr is not None else "no group lr"
+                name = p.name or f"shape {tuple(p.shape)}"
+                problems.append(f"parameter {i} ({name}): {self._lr_scale(mine):g} times the schedule's rate here "
+                                f"({here}), {scale:g} saved ({there})")
+        return problems
 
     def lr_at(self, step: int) -> float:
         """The schedule's learning rate of update ``step``, checked: a schedule of the user's own
@@ -539,20 +618,24 @@ class Optimizer:
     def state_dict(self) -> dict:
         """The optimizer's state as NumPy arrays, for :meth:`load_state_dict`: ``step`` (updates
         made), ``state`` (per parameter, its state arrays by name: computed/fetched from wherever
-        they live) and ``schedule`` (the learning-rate schedule's spec; None for a schedule of
-        your own)."""
+        they live), ``schedule`` (the learning-rate schedule's spec; None for a schedule of
+        your own), ``param_options`` (per parameter, its group's settings) and ``base_lr`` (the
+        rate a group's lr is relative to)."""
         from tilegraph._lower import compute
 
         tensors = self.state_tensors()
         flat = [t for per in tensors for t in per.values()]
         values = iter(compute(*flat) if flat else [])
         return {"step": self.step_count, "state": [{name: next(values) for name in per} for per in tensors],
-                "schedule": getattr(self.schedule, "spec", None)}
+                "schedule": getattr(self.schedule, "spec", None),
+                "param_options": [dict(o) for o in self.param_options], "base_lr": self.base_lr}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` gave: the step count, the state arrays and the schedule
         (where one was saved). Everything is checked first: a state that does not fit changes
-        nothing."""
+        nothing. The parameter groups' settings are this optimizer's own (made with the saved
+        run's groups), but their learning rates relative to the schedule must be the saved ones:
+        the restored schedule would drive the groups at other rates than the saved run's."""
         where = f"tilegraph.optim.{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping) or not {"step", "state"} <= set(state):
             raise TileError(where, "state must be a mapping with 'step' and 'state' (as optimizer.state_dict() "
@@ -564,6 +647,12 @@ class Optimizer:
                             "parameter", type(arrays).__name__)
         spec = state.get("schedule")
         schedule = schedule_from_spec(spec) if spec is not None else None
+        if len(arrays) == len(self.params):  # (load_state names a count that differs)
+            problems = self.lr_scale_mismatches(state.get("param_options"), state.get("base_lr"))
+            if problems:
+                raise TileError(where, "the parameter groups' learning rates relative to the schedule (group lr / "
+                                "base_lr) as saved: make the optimizer with the saved groups' lr",
+                                "; ".join(problems[:8]) + (f"; {len(problems) - 8} more" if len(problems) > 8 else ""))
         self.load_state(arrays, state["step"], where=where)  # checks every array before it sets one
         if schedule is not None:
             self.schedule = schedule
@@ -599,6 +688,28 @@ class Optimizer:
         self.step_count = int(step)
 
 
+def _base_lr(schedule) -> float | None:
+    """The base rate of ``schedule``: its spec's ``base_lr`` (:func:`warmup_cosine`'s peak,
+    :func:`constant`'s rate), None for a schedule of your own."""
+    spec = getattr(schedule, "spec", None)
+    base = spec.get("base_lr") if isinstance(spec, dict) else None
+    return float(base) if _NON_NEGATIVE[0](base) else None
+
+
+def _check_group_lrs(where: str, options: list, base_lr: float | None, lr) -> None:
+    """A TileError where a parameter group sets an lr that no base rate can scale: a schedule of
+    your own (its factor at step t would be schedule(t) / an unknown base) or a base of 0."""
+    if not any("lr" in o for o in options) or (base_lr is not None and base_lr > 0):
+        return
+    if base_lr is None:
+        raise TileError(where, "a parameter group's lr is scaled by the schedule relative to its base rate, which a "
+                        "schedule of your own does not give: pass lr as a number or as tg.optim.warmup_cosine(...) "
+                        "or tg.optim.constant(...), or leave lr out of the groups",
+                        f"lr={lr!r}"[:120] + " with groups that set lr")
+    raise TileError(where, "a parameter group's lr is a multiple of the optimizer's lr (its schedule's base_lr), "
+                    "which must then be > 0", f"base_lr={base_lr!r} with groups that set lr")
+
+
 def _zeros_cells(p: Parameter) -> np.ndarray:
     cells = np.empty(p.tiling.grid, dtype=object)
     for idx in np.ndindex(*p.tiling.grid):
@@ -614,25 +725,40 @@ def _check_betas(where: str, betas) -> None:
         require_arg(where, f"betas[{i}]", beta, _BETA)
 
 
-class AdamW(Optimizer):
-    """AdamW as in ``torch.optim.AdamW`` (decoupled weight decay, bias correction), one fused
-    kernel per parameter tile: (param, grad, m, v) in, (param, m, v) out.
+class Adam(Optimizer):
+    """Adam as in ``torch.optim.Adam``: bias-corrected moments, and ``weight_decay`` as an L2
+    penalty, ``weight_decay * param`` added to the gradient before the moments (so the moments
+    carry it and Adam's scaling shrinks it). :class:`AdamW` decouples the decay from the moments,
+    which is what most recipes mean by weight decay. One fused kernel per parameter tile:
+    (param, grad, m, v) in, (param, m, v) out; the state is named as torch's (``exp_avg``,
+    ``exp_avg_sq``).
 
-    ``params`` may be torch's parameter groups, each setting its own ``weight_decay``, ``betas``
-    or ``eps`` (GPT-2's recipe: no decay for biases and norms)::
+    ``params`` may be torch's parameter groups, each setting its own ``lr`` (see
+    :class:`Optimizer`), ``weight_decay``, ``betas`` or ``eps``::
 
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        rest = [p for n, p in model.named_parameters() if p.ndim < 2]
-        opt = tg.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+        opt = tg.optim.Adam([{"params": body, "lr": 1e-4}, {"params": head, "weight_decay": 1e-4}], lr=1e-3)
+
+    torch's ``amsgrad=True`` and ``maximize=True`` are not implemented and refused (for
+    ``maximize``, return the negated objective from the loss function).
     """
 
     n_state = 2
     state_names = ("exp_avg", "exp_avg_sq")
     group_keys = ("weight_decay", "betas", "eps")
+    _kernel = _adam_k
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 clip_grad_norm: float | None = None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad: bool = False, *,
+                 maximize: bool = False, clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
+        if amsgrad:
+            raise TileError(where, "amsgrad is not implemented (Adam here keeps torch's default, amsgrad=False)",
+                            f"amsgrad={amsgrad!r}")
+        if maximize:
+            raise TileError(where, "maximize is not implemented: let the loss function return the negated "
+                            "objective and minimise that", f"maximize={maximize!r}")
+        self._init(where, params, lr, betas, eps, weight_decay, clip_grad_norm)
+
+    def _init(self, where, params, lr, betas, eps, weight_decay, clip_grad_norm) -> None:
         _check_betas(where, betas)
         require_arg(where, "eps", eps, _EPS)
         require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
@@ -646,26 +772,74 @@ class AdamW(Optimizer):
     def _update(self, p, g, state, hyper, options):
         m, v = state
         beta1, beta2 = self._setting(options, "betas")
-        return emit(_adamw_k, [p, g, m, v, hyper], [(p.shape, p.dtype)] * 3, op="adamw",
+        return emit(self._kernel, [p, g, m, v, hyper], [(p.shape, p.dtype)] * 3, op=self._kernel.name,
                     beta1=float(beta1), beta2=float(beta2), eps=float(self._setting(options, "eps")),
-                    weight_decay=float(self._setting(options, "weight_decay")))
+                    **self._decay_kw(float(self._setting(options, "weight_decay"))), **self._lr_kw(options))
+
+    @staticmethod
+    def _decay_kw(weight_decay: float) -> dict:
+        """The update kernel's weight decay: Adam's L2 term, added to the gradient."""
+        return {"weight_decay": 0.0, "l2": weight_decay}
+
+
+class AdamW(Adam):
+    """AdamW as in ``torch.optim.AdamW`` (decoupled weight decay, bias correction), one fused
+    kernel per parameter tile: (param, grad, m, v) in, (param, m, v) out. As torch's, a subclass
+    of :class:`Adam` that differs in where the weight decay acts (and its default, 0.01); a
+    checkpoint of one restores into that kind only.
+
+    ``params`` may be torch's parameter groups, each setting its own ``lr`` (see
+    :class:`Optimizer`), ``weight_decay``, ``betas`` or ``eps`` (GPT-2's recipe: no decay for
+    biases and norms)::
+
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+        opt = tg.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    """
+
+    _kernel = _adamw_k
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 clip_grad_norm: float | None = None):
+        self._init(f"tilegraph.optim.{type(self).__name__}", params, lr, betas, eps, weight_decay, clip_grad_norm)
+
+    @staticmethod
+    def _decay_kw(weight_decay: float) -> dict:
+        """Decoupled: the parameter scaled by 1 - lr * weight_decay (the kernel's l2 stays 0, and
+        out of the task's parameters, so AdamW records the tasks it did before Adam shared it)."""
+        return {"weight_decay": weight_decay}
 
 
 class SGD(Optimizer):
-    """SGD with optional momentum and (coupled) weight decay, as ``torch.optim.SGD``; parameter
-    groups may set their own ``weight_decay``."""
+    """SGD with optional momentum, dampening, Nesterov momentum and (coupled) weight decay, as
+    ``torch.optim.SGD``; parameter groups may set their own ``lr`` (see :class:`Optimizer`) and
+    ``weight_decay``.
+
+    ``dampening`` and ``nesterov`` are keyword-only (torch's positional order differs: momentum,
+    dampening, weight_decay, nesterov), and as torch's, Nesterov momentum needs a ``momentum``
+    above 0 and no ``dampening``::
+
+        opt = tg.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    """
 
     group_keys = ("weight_decay",)
 
     def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
-                 clip_grad_norm: float | None = None):
+                 clip_grad_norm: float | None = None, *, dampening: float = 0.0, nesterov: bool = False):
         where = f"tilegraph.optim.{type(self).__name__}"
         require_arg(where, "momentum", momentum, _MOMENTUM)
+        require_arg(where, "dampening", dampening, _DAMPENING)
         require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
+        if not isinstance(nesterov, bool):
+            raise TileError(where, "nesterov must be True or False", f"nesterov={nesterov!r}"[:120])
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise TileError(where, "nesterov=True needs a momentum > 0 and dampening=0 (as torch.optim.SGD)",
+                            f"nesterov=True with momentum={momentum!r}, dampening={dampening!r}")
         self.n_state = 1 if momentum else 0
         self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(params, lr, clip_grad_norm)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        self.dampening, self.nesterov = float(dampening), nesterov
 
     def _group_checks(self) -> dict:
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE)}
@@ -673,6 +847,10 @@ class SGD(Optimizer):
     def _update(self, p, g, state, hyper, options):
         weight_decay = float(self._setting(options, "weight_decay"))
         if self.momentum:
+            # dampening and nesterov only where set: plain momentum records the tasks (keys) it did before them
+            extra = {**({"dampening": self.dampening} if self.dampening else {}),
+                     **({"nesterov": True} if self.nesterov else {})}
             return emit(_sgd_momentum, [p, g, state[0], hyper], [(p.shape, p.dtype)] * 2, op="sgd",
-                        momentum=self.momentum, weight_decay=weight_decay)
-        return [emit1(_sgd, [p, g, hyper], p.shape, p.dtype, op="sgd", weight_decay=weight_decay)]
+                        momentum=self.momentum, weight_decay=weight_decay, **extra, **self._lr_kw(options))
+        return [emit1(_sgd, [p, g, hyper], p.shape, p.dtype, op="sgd", weight_decay=weight_decay,
+                      **self._lr_kw(options))]
