@@ -17,7 +17,7 @@ from ._common import elementwise_cost, new_tensor, norm_dim, require_tensor, res
 from ._gpu import sum_keepdims
 from ._tree import FAN_IN, merge_tree  # noqa: F401 - FAN_IN: the ops and tests read it here too
 
-__all__ = ["sum", "mean", "sum_dims", "expand", "max", "min", "var", "std", "MinMax"]
+__all__ = ["sum", "mean", "sum_dims", "broadcast_dims", "max", "min", "var", "std", "norm", "MinMax"]
 
 @kernel("reduce_sum", cost=elementwise_cost(1))
 def _reduce_sum(*tiles, axes, shape, scale, dtype=None, out=None):
@@ -28,7 +28,9 @@ def _reduce_sum(*tiles, axes, shape, scale, dtype=None, out=None):
     for t in tiles:
         if dtype is not None:
             t = t.astype(dtype, copy=False)
-        s = sum_keepdims(t, tuple(axes)) if axes else t
+        # in the tiles' dtype (NumPy sums small integers to int64; sum(dtype=np.int8) asks for int8,
+        # which wraps around as NumPy's own int8 sum does)
+        s = sum_keepdims(t, tuple(axes)).astype(t.dtype, copy=False) if axes else t
         acc = s.copy() if acc is None else acc + s
     acc = acc.reshape(shape)
     if scale != 1.0:
@@ -98,35 +100,38 @@ class Sum(Op):
 
     def backward(self, ctx, g):
         x, dims, keep, scale = ctx
-        return (expand(g, x, dims, keep, scale),)
+        return (broadcast_dims(g, x.tiling, dims, keep, scale),)
 
 
 _sum_op = Sum()
 
 
-def expand(g: TileTensor, like: TileTensor, dims: tuple, keep: tuple, scale: float = 1.0) -> TileTensor:
-    """Broadcast ``g`` (``like`` reduced over ``dims``) back to the tiling of ``like``."""
-    return _expand_op(g, like, dims=dims, keep=keep, scale=scale)
+def broadcast_dims(g: TileTensor, tiling: Tiling, dims: tuple, keep: tuple, scale: float = 1.0) -> TileTensor:
+    """``g`` broadcast over ``dims`` to ``tiling``, times ``scale``: the reverse of
+    :func:`sum_dims` ``(x, dims, keep)`` for an ``x`` of that tiling (``keep[i]``: dim ``dims[i]``
+    is in ``g`` with size 1; otherwise it is not in ``g`` at all). The gradient of a sum, and
+    ``x.expand`` (new leading dims not kept, grown size-1 dims kept); its own gradient is that sum."""
+    return _expand_op(g, tiling=tiling, dims=tuple(dims), keep=tuple(keep), scale=scale)
 
 
 class Expand(Op):
     name = "expand"
 
-    def forward(self, g, like, dims, keep, scale):
-        out_pos = [d for d in range(like.ndim) if d not in dims or keep[dims.index(d)]]
+    def forward(self, g, *, tiling, dims, keep, scale):
+        out_pos = [d for d in range(len(tiling.chunks)) if d not in dims or keep[dims.index(d)]]
 
         def fill(idx):
             gi = tuple(0 if d in dims else idx[d] for d in out_pos)
-            shape = like.tiling.tile_shape(idx)
+            shape = tiling.tile_shape(idx)
             keep_shape = tuple(1 if d in dims else n for d, n in enumerate(shape))
-            return emit1(_expand, [g.grid[gi]], shape, like.dtype, op="expand", keep_shape=keep_shape,
+            return emit1(_expand, [g.grid[gi]], shape, g.dtype, op="expand", keep_shape=keep_shape,
                          shape=shape, scale=scale)
 
-        return new_tensor(like.tiling, like.dtype, fill), (dims, keep, scale)
+        return new_tensor(tiling, g.dtype, fill), (dims, keep, scale)
 
     def backward(self, ctx, dy):
         dims, keep, scale = ctx
-        return (sum_dims(dy, dims, keep, scale), None)
+        return (sum_dims(dy, dims, keep, scale),)
 
 
 _expand_op = Expand()
@@ -151,33 +156,68 @@ def _dims(x: TileTensor, dim, where: str) -> tuple:
     return dims
 
 
+def _no_out(where: str, out) -> None:
+    """NumPy's ``out=`` (``np.sum(x)`` and ``np.mean(x)`` pass ``out=None``): only None."""
+    if out is not None:
+        raise TileError(where, "out= is not supported: a TileTensor is never written in place; use the returned "
+                        "tensor (out=None, as np.sum and np.mean pass it, is accepted)",
+                        f"out={type(out).__name__} {out!r:.60}")
+
+
+def _cast_first(x: TileTensor, dtype, where: str, floats_only: bool = False) -> tuple[TileTensor, np.dtype | None]:
+    """``x`` cast to ``dtype`` (None: ``x`` itself) before a reduction, as torch's ``dtype=``
+    does: the result has that dtype, and the gradient is cast back to ``x``'s."""
+    if dtype is None:
+        return x, None
+    from .elementwise import _cast_checked, as_dtype
+
+    dtype = as_dtype(dtype, where)
+    if floats_only and dtype.kind != "f":
+        raise TileError(where, "dtype must be a floating dtype (as torch requires of a mean or a norm)", str(dtype))
+    return _cast_checked(x, dtype, where), dtype
+
+
 def sum(x: TileTensor, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *,  # noqa: A001 - torch name
-        keepdims: bool | None = None, axis=None) -> TileTensor:
+        dtype=None, keepdims: bool | None = None, axis=None, out=None) -> TileTensor:
     """Sum over ``dim`` (an int, a tuple, or None for all), as a tree over tiles.
 
     ``keepdim=True`` keeps each reduced dim with size 1 (as torch; ``keepdims`` and ``axis`` are
     NumPy's spellings of ``keepdim`` and ``dim``, accepted as in torch; passing both spellings of
-    one parameter is an error).
+    one parameter is an error). ``dtype``: the result's, ``x`` cast to it first (torch's; NumPy's
+    result is the same); without it NumPy's rule (booleans and small integers sum to int64).
+    ``out`` is NumPy's, so that ``np.sum(x)`` works; only None.
 
     >>> import numpy as np, tilegraph as tg
     >>> tg.sum(tg.from_numpy(np.ones((4, 3)), tiles=(2, 3)), 0, keepdim=True).numpy()
     array([[4., 4., 4.]])
+    >>> np.sum(tg.from_numpy(np.arange(4, dtype=np.int8), tiles=3), dtype=np.float32).numpy()
+    array(6., dtype=float32)
     """
     where = "tilegraph.sum"
     require_tensor(x, where, "x")
+    _no_out(where, out)
     keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
     dims = _dims(x, resolve_alias(where, "dim", dim, "axis", axis), where)
-    return sum_dims(x, dims, (keep,) * len(dims))
+    x, dtype = _cast_first(x, dtype, where)
+    return _sum_op(x, dims=dims, keep=(keep,) * len(dims), dtype=dtype)
 
 
-def mean(x: TileTensor, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None,
-         axis=None) -> TileTensor:
-    """Mean over ``dim`` (an int, a tuple, or None for all); ``keepdim``, ``keepdims`` and ``axis``
-    as in :func:`sum`."""
+def mean(x: TileTensor, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, dtype=None, keepdims: bool | None = None,
+         axis=None, out=None) -> TileTensor:
+    """Mean over ``dim`` (an int, a tuple, or None for all); ``keepdim``, ``keepdims``, ``axis``,
+    ``out`` as in :func:`sum`; ``dtype`` a float dtype (torch's rule) that ``x`` is cast to first.
+    A float16 mean accumulates in float32, as NumPy's and torch's do.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> np.mean(tg.from_numpy(np.arange(6.0).reshape(2, 3), tiles=(1, 2)), axis=1).numpy()
+    array([1., 4.])
+    """
     where = "tilegraph.mean"
     require_tensor(x, where, "x")
+    _no_out(where, out)
     keep = bool(resolve_alias(where, "keepdim", keepdim, "keepdims", keepdims))
     dims = _dims(x, resolve_alias(where, "dim", dim, "axis", axis), where)
+    x, _ = _cast_first(x, dtype, where, floats_only=True)
     count = math.prod(x.shape[d] for d in dims)
     # as NumPy and torch: the mean of integers is a float, that of nothing NaN
     return _sum_op(x, dims=dims, keep=(keep,) * len(dims), scale=1.0 / count if count else float("nan"),
@@ -428,3 +468,71 @@ def std(x: TileTensor, dim=ALL_DIMS, unbiased: bool | None = None, keepdim: bool
 
     return pow(var(x, dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis,
                    where="tilegraph.std"), 0.5)
+
+
+# ------------------------------------------------------------------------------------ norm ----
+def _norm_order(p, where: str):
+    """``p`` as 1, 2 or inf (``'fro'`` is 2), or a TileError naming the supported orders."""
+    if isinstance(p, str):
+        if p == "fro":
+            return 2
+    elif not isinstance(p, (bool, np.bool_)) and isinstance(p, (int, float, np.integer, np.floating)):
+        if p in (1, 2):
+            return int(p)
+        if p == math.inf:
+            return math.inf
+    raise TileError(where, "p must be 2 (or 'fro'), 1 or inf (float('inf')); other orders (0, -inf, 3, 'nuc', "
+                    "...) are not supported", f"p={p!r:.60}")
+
+
+def norm(x: TileTensor, p=2, dim=None, keepdim: bool = False, *, dtype=None, out=None,
+         where: str = "tilegraph.norm") -> TileTensor:
+    """torch's ``norm`` (a vector norm over ``dim``: an int, a tuple, or None for every element):
+    ``p=2`` (or ``'fro'``) the square root of the sum of squares, ``p=1`` the sum of absolute
+    values, ``p=inf`` the largest absolute value. Built from ``mul``/``abs``, :func:`sum`,
+    ``pow``, ``where`` and :func:`max`, so its gradient is theirs, and torch's: 0 for the 2-norm
+    of zeros (not NaN); for the inf-norm, shared evenly by the elements equal to the largest.
+    ``dtype``: ``x`` is cast to it first; a float16 norm is computed in float32 and rounded once.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.array([[3.0, -4.0], [0.0, 0.0]]), tiles=(1, 1))
+    >>> tg.norm(x, dim=1).numpy(), x.norm(1).numpy(), x.norm(float("inf"), dim=0).numpy()
+    (array([5., 0.]), array(7.), array([3., 4.]))
+    """
+    from .elementwise import _cast_checked, absolute, add, cast, div, mul, sub
+    from .shape import checked_reshape
+    from .where import compare, where as where_
+
+    require_tensor(x, where, "x")
+    _no_out(where, out)
+    order = _norm_order(p, where)
+    if not isinstance(keepdim, (bool, np.bool_)):
+        raise TileError(where, "keepdim must be a bool", f"{keepdim!r:.60}")
+    x, _ = _cast_first(x, dtype, where, floats_only=True)
+    if x.dtype.kind != "f":
+        raise TileError(where, "x must have a floating dtype (cast it first: x.float(), or pass dtype=)", str(x.dtype))
+    dims = _dims(x, dim, where)
+    keep = (bool(keepdim),) * len(dims)
+    if x.dtype == np.float16:  # squares of halves overflow from 256 on: the norm in float32, rounded once
+        return _cast_checked(norm(_cast_checked(x, np.float32, where), p, dim, keepdim, where=where), np.float16,
+                             where)
+    if order == 1:
+        return sum_dims(absolute(x), dims, keep)
+    if order == 2:
+        s = sum_dims(mul(x, x), dims, keep)
+        # sqrt where the sum is positive, 0 elsewhere, with the square root never taken of 0: its
+        # gradient there (inf) times the zeros of where's other branch would be NaN (torch's is 0)
+        pos = s > 0
+        return where_(pos, where_(pos, s, 1.0) ** 0.5, 0.0)
+    # the largest absolute value m (detached), and the gradient shared by the elements equal to it,
+    # as torch's: m + sum(where(|x| == m, |x| - m, 0)) / count is m exactly, its gradient 1/count there
+    a = absolute(x)
+    m = a.detach()
+    for d in reversed(dims):
+        m = _extremum(m, d, True, True, where).values  # (B, 1, ...): kept, to broadcast against a
+    hit = compare(a, m, "eq", where)
+    kept = (True,) * len(dims)
+    result = add(m, div(sum_dims(where_(hit, sub(a, m), 0.0), dims, kept), sum_dims(cast(hit, x.dtype), dims, kept)))
+    if keepdim:
+        return result
+    return checked_reshape(result, tuple(n for d, n in enumerate(result.shape) if d not in dims), where)

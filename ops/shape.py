@@ -1,7 +1,9 @@
 """Layout ops: transpose / permute (any permutation, any tiling) and tile-compatible reshape.
 
 ``tg.cat`` / ``tg.stack`` join tensors along a dim by reusing their tiles (``cat`` runs no kernel;
-``stack`` one reshape per tile). All mirror torch: ``tg.permute(x, (2, 0, 1))`` / ``x.permute(2, 0, 1)``,
+``stack`` one reshape per tile). ``x.expand(...)`` / ``x.expand_as(y)`` broadcast size-1 dims and
+add leading ones, as torch's (each result tile a broadcast copy of one input tile). All mirror
+torch: ``tg.permute(x, (2, 0, 1))`` / ``x.permute(2, 0, 1)``,
 ``tg.transpose(x, 0, 1)``, ``tg.reshape(x, (4, -1))`` / ``x.reshape(4, -1)`` / ``x.view(4, -1)``. A
 permutation carries each dim's tiles along, so it works on every tiling. A reshape never moves data
 between tiles: it works where each tile of the input becomes whole tiles of the output, and raises a TileError
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from tilegraph._autograd import Op
+from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
@@ -20,7 +23,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import new_tensor, norm_dim, numel, require_tensor, xp_of
 
 __all__ = ["permute", "reshape", "transpose", "cat", "stack", "checked_permute", "checked_reshape", "unsqueeze",
-           "squeeze", "flatten"]
+           "squeeze", "flatten", "expand", "expand_as", "checked_expand"]
 
 
 def _copy_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
@@ -359,3 +362,95 @@ def stack(tensors, dim: int = 0) -> TileTensor:
                             f"tensors[{i}] of shape {t.shape}")
     d = norm_dim(dim, first.ndim + 1, where)
     return cat([unsqueeze(t, d, where) for t in tensors], d)
+
+
+# ------------------------------------------------------------------------ expand / expand_as ----
+def expand(x: TileTensor, *sizes, tiles=None) -> TileTensor:
+    """torch's ``expand``: ``x`` broadcast to ``sizes`` (ints, or one tuple of them). ``-1`` keeps a
+    dim; new dims may come first (not as -1); only dims of size 1 may grow (to any size, 0 too).
+    The gradient sums over the dims that were broadcast.
+
+    The dims ``x`` keeps keep its tiles. A dim that grows (or is new) is one tile, or tiled by
+    ``tiles`` (one entry per result dim, as ``tg.from_numpy``'s; None for a dim ``x`` keeps):
+    a tensor it is added to must have the same tiles there. :func:`expand_as` takes them from
+    the other tensor.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.arange(3.0).reshape(3, 1), tiles=(2, 1))
+    >>> y = tg.expand(x, 2, -1, 4, tiles=(None, None, 3))
+    >>> y.shape, y.chunks
+    ((2, 3, 4), ((2,), (2, 1), (3, 1)))
+    >>> y.numpy()[1, 2]
+    array([2., 2., 2., 2.])
+    """
+    return checked_expand(x, sizes, "tilegraph.expand", tiles=tiles)
+
+
+def expand_as(x: TileTensor, other: TileTensor, where: str = "tilegraph.expand_as") -> TileTensor:
+    """torch's ``expand_as``: :func:`expand` to ``other``'s shape; the dims that grow (or are
+    new) take ``other``'s tiles, so the result combines with ``other`` element by element."""
+    require_tensor(x, where, "x")
+    require_tensor(other, where, "other")
+    lead = other.ndim - x.ndim
+    grown = [d for d in range(other.ndim) if d < lead or x.shape[d - lead] != other.shape[d]]
+    tiles = [other.chunks[d] if d in grown else None for d in range(other.ndim)]
+    return checked_expand(x, other.shape, where, tiles=tiles if lead >= 0 else None)
+
+
+def checked_expand(x: TileTensor, sizes, where: str, tiles=None) -> TileTensor:
+    """:func:`expand`, its errors labelled ``where`` (the public name the user called)."""
+    from .reduce import broadcast_dims
+
+    require_tensor(x, where, "x")
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    sizes = tuple(sizes)
+    if any(not is_int(s) for s in sizes):
+        raise TileError(where, "expected sizes (ints, -1 to keep a dim), or one tuple of them",
+                        f"{sizes!r:.80}")
+    sizes = tuple(int(s) for s in sizes)
+    lead = len(sizes) - x.ndim
+    if lead < 0:
+        raise TileError(where, f"expected at least {x.ndim} sizes, one per dim of the tensor of shape {x.shape} "
+                        "(new leading dims may come before them)", f"{len(sizes)} sizes {sizes}")
+    shape, dims, keep = [], [], []
+    for r, s in enumerate(sizes):
+        d = r - lead
+        if d < 0:  # a new leading dim: not in x (gradient: summed away)
+            if s < 0:
+                raise TileError(where, f"the size of new leading dim {r} must be >= 0 (-1 keeps a dim of x, and "
+                                "this dim is not one)", f"sizes {sizes} for a tensor of shape {x.shape}")
+            shape.append(s)
+            dims.append(r)
+            keep.append(False)
+            continue
+        n = x.shape[d]
+        if s == -1 or s == n:
+            shape.append(n)
+            continue
+        if s < -1 or n != 1:
+            raise TileError(where, f"dim {d} of the tensor of shape {x.shape} (size {n}) cannot expand to {s}: "
+                            "only dims of size 1 may grow (-1 keeps a dim)", f"sizes {sizes}")
+        shape.append(s)  # a size-1 dim of x that grows (gradient: summed, kept with size 1)
+        dims.append(r)
+        keep.append(True)
+    kept = {r: x.chunks[r - lead] for r in range(len(shape)) if r not in dims}
+    if tiles is None:
+        spec = [kept.get(r) for r in range(len(shape))]
+    else:
+        if isinstance(tiles, Tiling):
+            tiles = tiles.chunks
+        spec = list(tiles) if isinstance(tiles, (tuple, list)) else [tiles] * len(shape)
+        if len(spec) != len(shape):
+            raise TileError(where, f"tiles needs one entry per dim of the result (shape {tuple(shape)})",
+                            f"tiles={tiles!r}")
+        spec = [kept[r] if r in kept and spec[r] is None else spec[r] for r in range(len(shape))]
+    tiling = Tiling.from_sizes(shape, spec, where)
+    for r, chunks in kept.items():
+        if tiling.chunks[r] != chunks:
+            raise TileError(where, f"dim {r} keeps the size of dim {r - lead} of x, and with it x's tiles {chunks} "
+                            "(expand moves no data between tiles; give None for that dim)",
+                            f"tiles {tiling.chunks[r]} for dim {r}")
+    if not dims:
+        return x
+    return broadcast_dims(x, tiling, tuple(dims), tuple(keep))

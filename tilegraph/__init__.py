@@ -18,6 +18,12 @@ from tilegraph._train import EvalStep, StepStats, StepTimeoutError, TrainStep, W
 from tilegraph.trainer import FitResult, NonFiniteLossError, Trainer
 from tilegraph.ops import *  # noqa: F401,F403 - functional ops live in the tilegraph namespace
 from tilegraph.ops import __all__ as _ops_all
+# torch's creators (after the star import: these zeros_like / ones_like take dtype= and read nothing of x),
+# expand, cumsum and norm
+from tilegraph._tensor import full, full_like, ones, ones_like, zeros, zeros_like
+from tilegraph.ops.reduce import norm
+from tilegraph.ops.scan import cumsum
+from tilegraph.ops.shape import expand, expand_as
 
 __version__ = "0.1.0"
 
@@ -33,4 +39,6 @@ def __getattr__(name: str):
 
 __all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "no_grad", "checkpoint", "compile",
            "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult",
-           "WorkerLostError", "StepTimeoutError", "NonFiniteLossError", *_ops_all]
+           "WorkerLostError", "StepTimeoutError", "NonFiniteLossError", *_ops_all,
+           *(n for n in ("zeros", "ones", "full", "full_like", "zeros_like", "ones_like", "expand", "expand_as",
+                         "cumsum", "norm") if n not in _ops_all)]

@@ -9,9 +9,10 @@ from typing import Sequence
 import numpy as np
 
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, TileRef, leaf, xp_of
+from tilegraph._graph import Cell, Cost, TileRef, emit1, kernel, leaf, xp_of
 
-__all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array"]
+__all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array", "zeros", "ones", "full", "zeros_like", "ones_like",
+           "full_like"]
 
 
 # -- parameter aliases ---------------------------------------------------------------------------
@@ -582,19 +583,46 @@ class TileTensor:
 
         return ops.transpose(self)
 
-    def sum(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None, axis=None):
+    def sum(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, dtype=None, keepdims: bool | None = None, axis=None,
+            out=None):
         """:func:`tilegraph.sum` (torch's ``Tensor.sum``; ``keepdims`` and ``axis`` are accepted
-        aliases)."""
+        aliases, and ``out=None``, so that ``np.sum(x)`` calls it)."""
         from tilegraph import ops
 
-        return ops.sum(self, dim, keepdim, keepdims=keepdims, axis=axis)
+        return ops.sum(self, dim, keepdim, dtype=dtype, keepdims=keepdims, axis=axis, out=out)
 
-    def mean(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, keepdims: bool | None = None, axis=None):
+    def mean(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, dtype=None, keepdims: bool | None = None, axis=None,
+             out=None):
         """:func:`tilegraph.mean` (torch's ``Tensor.mean``; ``keepdims`` and ``axis`` are accepted
-        aliases)."""
+        aliases, and ``out=None``, so that ``np.mean(x)`` calls it)."""
         from tilegraph import ops
 
-        return ops.mean(self, dim, keepdim, keepdims=keepdims, axis=axis)
+        return ops.mean(self, dim, keepdim, dtype=dtype, keepdims=keepdims, axis=axis, out=out)
+
+    def cumsum(self, dim: int, *, dtype=None):
+        """torch's ``cumsum`` along ``dim``, across tiles (:func:`tilegraph.cumsum`)."""
+        from tilegraph.ops.scan import cumsum
+
+        return cumsum(self, dim, dtype=dtype, where="tilegraph.TileTensor.cumsum")
+
+    def norm(self, p=2, dim=None, keepdim: bool = False, *, dtype=None):
+        """torch's ``norm``: the 2-norm (``'fro'``), 1-norm or inf-norm over ``dim`` (:func:`tilegraph.norm`)."""
+        from tilegraph.ops.reduce import norm
+
+        return norm(self, p, dim, keepdim, dtype=dtype, where="tilegraph.TileTensor.norm")
+
+    def expand(self, *sizes, tiles=None):
+        """torch's ``expand``: ``x.expand(4, -1, 3)`` or ``x.expand((4, -1, 3))`` broadcasts size-1
+        dims and adds leading ones (:func:`tilegraph.expand`; ``tiles`` for the dims that grow)."""
+        from tilegraph.ops.shape import checked_expand
+
+        return checked_expand(self, sizes, "tilegraph.TileTensor.expand", tiles=tiles)
+
+    def expand_as(self, other):
+        """torch's ``expand_as``: :meth:`expand` to ``other``'s shape, the grown dims tiled as ``other``'s."""
+        from tilegraph.ops.shape import expand_as
+
+        return expand_as(self, other, "tilegraph.TileTensor.expand_as")
 
     def reshape(self, *shape):
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``: :func:`tilegraph.reshape`, which moves no
@@ -753,3 +781,124 @@ def from_dask_array(x, *, name: str | None = None) -> TileTensor:
         key = (x.name,) + tuple(idx)
         cells[idx] = Cell(DaskKey(graph, key), tiling.tile_shape(idx), x.dtype, token=f"dask-{key}")
     return tensor_from_cells(tiling, x.dtype, cells, name=name)
+
+
+# -- creators: torch's zeros / ones / full and their _like forms ----------------------------------
+# No host array of the tensor's size is made or sent: one 0-d leaf holds the value, and a kernel per
+# tile fills the tile where it runs (in the leaf's dtype and array namespace: CuPy on a GPU worker).
+def _fill_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    return Cost(0.0, float(np.prod(out_shapes[0])) * itemsize)
+
+
+@kernel("fill", cost=_fill_cost)
+def _fill(value, *, shape):
+    """A tile of ``shape`` holding ``value`` (a 0-d array: the tile takes its dtype and namespace)."""
+    out = xp_of(value).empty(shape, dtype=value.dtype)
+    out[...] = value
+    return out
+
+
+def _size_arg(size: tuple, where: str) -> tuple[int, ...]:
+    """The shape of ``zeros(2, 3)`` / ``zeros((2, 3))``: non-negative ints, or one sequence of them."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = tuple(size[0])
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in size):
+        raise TileError(where, "expected a shape: sizes as ints, or one tuple of them", f"{size!r:.80}")
+    if any(n < 0 for n in size):
+        raise TileError(where, "sizes must be >= 0", f"shape {tuple(int(n) for n in size)}")
+    return tuple(int(n) for n in size)
+
+
+def _fill_dtype(value, dtype, where: str) -> np.dtype:
+    """``dtype``, or torch's choice for ``value``: bool, int64 for an integer, float32 otherwise."""
+    if dtype is not None:
+        from tilegraph.ops.elementwise import as_dtype
+
+        return as_dtype(dtype, where)
+    if isinstance(value, (bool, np.bool_)):
+        return np.dtype(np.bool_)
+    return np.dtype(np.int64 if isinstance(value, numbers.Integral) else np.float32)
+
+
+def _filled(tiling: Tiling, value, dtype: np.dtype, name: str | None, where: str) -> TileTensor:
+    from dask.base import tokenize
+
+    if isinstance(value, TileTensor) or not isinstance(value, (bool, np.bool_, numbers.Real)):
+        raise TileError(where, "fill_value must be a real number (or a bool)", f"{type(value).__name__} {value!r:.60}")
+    try:
+        scalar = np.array(value, dtype=dtype)
+    except (OverflowError, ValueError):
+        raise TileError(where, f"fill_value does not fit the dtype {dtype}", repr(value)) from None
+    ref = leaf(Cell(scalar, (), dtype, token=f"fill-{tokenize(scalar)}"))
+    grid = np.empty(tiling.grid, dtype=object)
+    for idx in np.ndindex(*tiling.grid):
+        shape = tiling.tile_shape(idx)
+        grid[idx] = emit1(_fill, [ref], shape, dtype, op="full", shape=shape)
+    return TileTensor(tiling, dtype, grid, name=name)
+
+
+def full(size, fill_value, *, tiles=None, dtype=None, name: str | None = None) -> TileTensor:
+    """torch's ``full``: a tensor of shape ``size`` holding ``fill_value``, split into ``tiles``
+    (as :func:`from_numpy`'s). Without ``dtype``, torch's: bool for a bool, int64 for an integer,
+    float32 for a float. Each tile is made where it is used (no host array is sent).
+
+    >>> import tilegraph as tg
+    >>> x = tg.full((3, 4), 2.5, tiles=(2, 3))
+    >>> x.dtype, x.chunks, float(x.sum())
+    (dtype('float32'), ((2, 1), (3, 1)), 30.0)
+    """
+    where = "tilegraph.full"
+    if not isinstance(size, (tuple, list)) and not isinstance(size, numbers.Integral):
+        raise TileError(where, "size must be a tuple of ints (the shape)", f"{type(size).__name__} {size!r:.60}")
+    shape = _size_arg((size,), where)
+    dtype = _fill_dtype(fill_value, dtype, where)
+    return _filled(Tiling.from_sizes(shape, tiles, where), fill_value, dtype, name, where)
+
+
+def zeros(*size, tiles=None, dtype=None, name: str | None = None) -> TileTensor:
+    """torch's ``zeros``: ``tg.zeros(2, 3)`` or ``tg.zeros((2, 3))``, split into ``tiles`` (as
+    :func:`from_numpy`'s); ``dtype`` float32 unless given (torch's default).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.zeros(2, 3, tiles=(1, 2), dtype=np.float64).numpy()
+    array([[0., 0., 0.],
+           [0., 0., 0.]])
+    """
+    where = "tilegraph.zeros"
+    shape = _size_arg(size, where)
+    return _filled(Tiling.from_sizes(shape, tiles, where), 0, _fill_dtype(0.0, dtype, where), name, where)
+
+
+def ones(*size, tiles=None, dtype=None, name: str | None = None) -> TileTensor:
+    """torch's ``ones``: as :func:`zeros`, holding ones."""
+    where = "tilegraph.ones"
+    shape = _size_arg(size, where)
+    return _filled(Tiling.from_sizes(shape, tiles, where), 1, _fill_dtype(1.0, dtype, where), name, where)
+
+
+def full_like(x: TileTensor, fill_value, *, dtype=None, name: str | None = None) -> TileTensor:
+    """torch's ``full_like``: ``fill_value`` in the shape, tiling and dtype (unless ``dtype`` is
+    given) of ``x``. Reads nothing of ``x``: no gradient flows to it, and it need not be computed."""
+    return _like(x, fill_value, dtype, name, "tilegraph.full_like")
+
+
+def zeros_like(x: TileTensor, *, dtype=None, name: str | None = None) -> TileTensor:
+    """torch's ``zeros_like``: :func:`full_like` of 0.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.zeros_like(tg.from_numpy(np.arange(5), tiles=2)).chunks
+    ((2, 2, 1),)
+    """
+    return _like(x, 0, dtype, name, "tilegraph.zeros_like")
+
+
+def ones_like(x: TileTensor, *, dtype=None, name: str | None = None) -> TileTensor:
+    """torch's ``ones_like``: :func:`full_like` of 1."""
+    return _like(x, 1, dtype, name, "tilegraph.ones_like")
+
+
+def _like(x: TileTensor, value, dtype, name, where: str) -> TileTensor:
+    if not isinstance(x, TileTensor):
+        raise TileError(where, "x must be a TileTensor (for a shape: tg.zeros, tg.ones, tg.full)",
+                        f"{type(x).__name__} {x!r:.60}")
+    return _filled(x.tiling, value, x.dtype if dtype is None else _fill_dtype(value, dtype, where), name, where)
