@@ -337,3 +337,24 @@ def test_compile_refuses_options_of_the_wrong_kind(kwargs, received):
     with pytest.raises(tg.TileError) as e:
         tg.compile([a * 2], **kwargs)
     assert str(e.value).startswith("[tilegraph.compile] ") and str(e.value).endswith(f"received: {received}")
+
+
+def _new_token(_=None) -> str:
+    from tilegraph._graph import Cell
+
+    return Cell(None, (1,), np.float32).token
+
+
+def test_cells_made_in_other_processes_get_other_tokens():
+    """A cell's token was "cell<counter>", and each process counts from 0: a model pickled for a
+    worker's task (generate on a cluster) kept its client tokens beside the worker's own cells of
+    the same tokens, and the worker's local run, which keys values by token, fed a KV-cache tile
+    where a weight was due (GPT-2 124M: a matmul of 64 rows against 768)."""
+    import multiprocessing
+
+    here = _new_token()
+    for method in ("spawn", "fork"):
+        with multiprocessing.get_context(method).Pool(1) as pool:
+            there = pool.map(_new_token, [0])[0]
+        assert there.split("-")[0] != here.split("-")[0], (method, here, there)
+    assert _new_token() != here and _new_token().split("-")[0] == here.split("-")[0]

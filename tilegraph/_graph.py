@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -159,6 +161,10 @@ class Cell:
 
     __slots__ = ("value", "token", "shape", "dtype", "__weakref__")
     _counter = itertools.count()
+    #: this process's part of new tokens: cells travel between processes (a model pickled for
+    #: a worker's task), and a counter alone made the same tokens there ("cell17" here and a
+    #: worker's own KV-cache tile "cell17"), which local runs key values by
+    _process = secrets.token_hex(4)
 
     def __init__(self, value: Any, shape: tuple[int, ...], dtype: np.dtype, token: str | None = None):
         self.shape = tuple(shape)
@@ -167,7 +173,15 @@ class Cell:
 
     def set(self, value: Any, token: str | None = None) -> None:
         self.value = value
-        self.token = token if token is not None else f"cell{next(Cell._counter)}"
+        self.token = token if token is not None else f"cell{Cell._process}-{next(Cell._counter)}"
+
+
+def _new_process_tokens() -> None:
+    Cell._process = secrets.token_hex(4)
+
+
+if hasattr(os, "register_at_fork"):  # a forked child's cells are its own
+    os.register_at_fork(after_in_child=_new_process_tokens)
 
 
 @dataclass(frozen=True)
