@@ -61,3 +61,44 @@ def test_ctrl_c_while_train_starts_its_cluster(tmp_path):
     # the command's process prints none, nor the "Nanny failed to start" that followed)
     assert proc.returncode == 130 and "tilegraph/cli" not in err and "RuntimeError" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("tilegraph train: stopped at once"), err[-3000:]
+
+
+def test_ctrl_c_while_the_command_imports_tilegraph_is_one_line(monkeypatch, capsys):
+    """Before: a Ctrl-C in the first second or so of any command, while Python imported
+    tilegraph (NumPy, Dask, Numba), printed Python's KeyboardInterrupt traceback. The console
+    script's entry point imports the command line itself and catches it."""
+    import importlib.abc
+
+    import _tilegraph_cli
+
+    class Interrupted(importlib.abc.MetaPathFinder):  # the Ctrl-C, arriving during the import
+        def find_spec(self, name, path, target=None):
+            if name == "tilegraph.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "tilegraph.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    for argv, line in ((["tilegraph", "train", "--steps", "3"], "tilegraph train: interrupted"),
+                       (["tilegraph", "--help"], "tilegraph: interrupted")):
+        monkeypatch.setattr(sys, "argv", argv)
+        assert _tilegraph_cli.main() == 130
+        assert capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.slow
+def test_the_console_script_is_the_guarded_entry_point(tmp_path):
+    """The installed ``tilegraph`` command goes through _tilegraph_cli (a real SIGINT during its
+    imports: one line, 130), and runs commands as before."""
+    exe = os.path.join(os.path.dirname(sys.executable), "tilegraph")  # (pip's script, beside the interpreter)
+    script = open(exe, encoding="utf-8").read()
+    assert "_tilegraph_cli" in script, script  # (pip writes the entry point's module into the script)
+    proc = subprocess.Popen([exe, "info", "nothing-here"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # Python is up and importing NumPy, Dask, ... (over a second)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    if proc.returncode == 130:  # (a machine that imports faster than that reached the command itself)
+        assert err == "tilegraph info: interrupted\n", err
+    else:
+        assert "Traceback" not in err, err
