@@ -238,3 +238,21 @@ def test_save_adapters_errors_are_named_as_save_adapters(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(tg.TileError, match=r"^\[tilegraph.peft.save_adapters\]"):
         tg.peft.save_adapters(model, tmp_path / "afile" / "ad")
+
+
+@pytest.mark.distributed
+def test_a_performance_report_path_it_cannot_write_is_refused_at_construction(tmp_path, unwritable,
+                                                                              embedded_runtime, monkeypatch):
+    """The report's path was only used after the reported step: a folder there, or one that
+    cannot be written, failed after training up to it (and a leading ~ was a folder named ~)."""
+    rt = embedded_runtime
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.Trainer\] performance_report's folder must be a folder this "
+                       r"process can create and write in \(checked here, not after training up to the reported "
+                       rf"step\); received: performance_report's folder='{unwritable}': writing a file in it failed"):
+        _trainer(runtime=rt, performance_report=os.path.join(unwritable, "report.html"))
+    with pytest.raises(tg.TileError, match=r"performance_report must be the path of an HTML file to write, not a "
+                       rf"folder; received: performance_report='{tmp_path}', a folder"):
+        _trainer(runtime=rt, performance_report=tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    trainer = _trainer(runtime=rt, performance_report="~/reports/step.html")
+    assert trainer.performance_report == tmp_path / "reports" / "step.html" and (tmp_path / "reports").is_dir()

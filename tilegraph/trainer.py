@@ -317,6 +317,15 @@ class Trainer:
         if performance_report is not None and runtime is None:
             raise TileError(where, "performance_report needs a distributed runtime (tg.connect())",
                             f"performance_report={str(performance_report)!r}, runtime=None")
+        if performance_report is not None:  # (it was written, or failed, only after the reported step)
+            from tilegraph.io._store import user_path
+
+            performance_report = user_path(performance_report, where)
+            if performance_report.is_dir():
+                raise TileError(where, "performance_report must be the path of an HTML file to write, not a folder",
+                                f"performance_report={str(performance_report)!r}, a folder")
+            _check_writable(where, "performance_report's folder", performance_report.parent,
+                            "not after training up to the reported step")
         self.performance_report, self.report_step = performance_report, report_step
         self.token_data = _is_token_data(data)
         if self.token_data:
