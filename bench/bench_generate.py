@@ -22,7 +22,11 @@ model's trip to the worker), its time divided by the new tokens, best of the rou
 
     generate          tilegraph.models.generate here
     cluster generate  the same on the embedded cluster: one task decoding on the worker
+    cluster per token the same with a round trip per token (the path before the one task)
     torch generate    transformers' generate
+
+The cluster rows decode a twin of the model (the same weights) whose parameters were moved to
+the worker once, as a model loaded on a cluster (``from_zarr(..., runtime=rt)``) has them.
 
 ``--no-cluster`` leaves the cluster rows out.
 """
@@ -130,8 +134,23 @@ def main() -> None:
     runs["generate"] = lambda: whole_call(lambda: models.generate(model, prompt, args.new, runtime=None)[:, p:],
                                           args.new)
     if rt is not None:
+        import importlib
+
+        on_worker = importlib.import_module("tilegraph.models.generate")  # (the package's `generate` is the function)
+        twin = models.build(FLAVORS[args.flavor], seed=0)
+        rt.scatter_cells([c for q in twin.parameters() for c in q.cells.flat])
+
+        def per_token_path():
+            share = on_worker.ONE_WORKER_MEMORY_SHARE
+            on_worker.ONE_WORKER_MEMORY_SHARE = 0.0  # "too large for one worker": a round trip per token
+            try:
+                return models.generate(twin, prompt, args.new, runtime=rt)[:, p:]
+            finally:
+                on_worker.ONE_WORKER_MEMORY_SHARE = share
+
         runs["cluster generate"] = lambda: whole_call(
-            lambda: models.generate(model, prompt, args.new, runtime=rt)[:, p:], args.new)
+            lambda: models.generate(twin, prompt, args.new, runtime=rt)[:, p:], args.new)
+        runs["cluster per token"] = lambda: whole_call(per_token_path, args.new)
     runs["torch generate"] = lambda: whole_call(lambda: torch_run(hf, prompt, args.new)[0], args.new)
     try:
         for fn in runs.values():
@@ -154,7 +173,7 @@ def main() -> None:
           f"{args.new} new tokens, {args.threads} threads; ms per token (median of a run, best of {args.rounds} "
           f"rounds); torch / x: > 1 means faster than transformers' generate")
     for name, ms in best.items():
-        torch_ms = best["torch generate" if name.endswith("generate") else "torch"]
+        torch_ms = best["torch generate" if name.endswith(("generate", "per token")) else "torch"]
         print(f"  {name:<16} {ms:8.2f} ms   torch / x {torch_ms / ms:5.2f}")
 
 
