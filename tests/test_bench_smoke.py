@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -323,16 +324,18 @@ def test_device_checks_quick_cpu_part_runs_in_its_time_limit(tmp_path):
 
 def test_bench_generate_debug_runs():
     """bench_generate.py on the debug GPT-2, one round: tilegraph's replayed and recorded decoding
-    (locally and on an embedded cluster) and transformers' generate decode the same tokens (the
+    (locally and on an embedded cluster), generate's whole call (here, as one task on the cluster's
+    worker, with a round trip per token) and transformers' generate decode the same tokens (the
     bench stops otherwise), each row a finite time and ratio."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     proc = _bench("bench_generate.py", "--flavor", "debug", "--new", "6", "--rounds", "1", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # rows "  <name, 15 wide> <ms> ms   torch / x <ratio>"
-    rows = {line[:17].strip(): line[17:].split() for line in proc.stdout.splitlines() if "ms   torch / x" in line}
-    assert set(rows) == {"replay", "record", "cluster replay", "cluster record", "torch"}, proc.stdout
-    for words in rows.values():
-        ms, ratio = float(words[0]), float(words[-1])
+    # rows "  <name> <ms> ms   torch / x <ratio>"
+    rows = {m[1]: (float(m[2]), float(m[3])) for m in
+            re.finditer(r"^  (\S.*?) +([\d.]+) ms   torch / x +([\d.]+)$", proc.stdout, re.M)}
+    assert set(rows) == {"replay", "record", "cluster replay", "cluster record", "torch", "generate",
+                         "cluster generate", "cluster per token", "torch generate"}, proc.stdout
+    for ms, ratio in rows.values():
         assert math.isfinite(ms) and ms > 0 and math.isfinite(ratio) and ratio > 0, proc.stdout
-    assert float(rows["torch"][-1]) == 1.0, proc.stdout
+    assert rows["torch"][1] == 1.0 and rows["torch generate"][1] == 1.0, proc.stdout
