@@ -150,6 +150,11 @@ def _dims(x: TileTensor, dim, where: str) -> tuple:
     if not isinstance(dim, (tuple, list)) or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
                                                       for d in dim):
         raise TileError(where, "dim must be None, an int or a tuple of ints", repr(dim))
+    if x.ndim == 0:  # torch: a 0-d tensor reduces over dim 0 or -1, leaving it as it is
+        for d in dim:
+            if d not in (0, -1):
+                raise TileError(where, "dim out of range for a 0-d tensor (0 or -1)", str(d))
+        return ()
     dims = tuple(sorted({norm_dim(int(d), x.ndim, where) for d in dim}))
     if len(dims) != len(tuple(dim)):
         raise TileError(where, "dims must be distinct", repr(dim))

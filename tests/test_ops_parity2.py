@@ -451,3 +451,20 @@ def test_the_new_ops_run_on_the_cluster_and_on_emulated_gpu_workers():
                 np.testing.assert_allclose(got_g, t.grad.numpy(), rtol=1e-10, atol=1e-12)
     finally:
         tg.config.gpu_array_module, tg.config.placement = old
+
+
+def test_numpys_initial_and_where_are_named_and_a_0d_tensor_takes_dim_minus_1():
+    """``np.sum(x, initial=1)`` was Python's TypeError (an unexpected keyword argument); a sum
+    over dim 0 of a 0-d tensor was an IndexError, and dim -1 refused (torch takes both)."""
+    x = tg.from_numpy(np.ones((3, 4)), tiles=2)
+    for call, given in ((lambda: np.sum(x, initial=1.0), "initial=1.0"),
+                        (lambda: np.mean(x, where=np.ones((3, 4), bool)), "where=array(")):
+        with pytest.raises(tg.TileError) as info:
+            call()
+        assert str(info.value).startswith("[tilegraph.TileTensor.") and "initial= and where= (not supported" in \
+            str(info.value) and f"received: {given}" in str(info.value), str(info.value)
+    s = tg.from_numpy(np.array(2.5))
+    for dim in (0, -1):
+        assert s.sum(dim).numpy() == 2.5 and s.mean(dim, keepdim=True).numpy() == 2.5
+    with pytest.raises(tg.TileError, match=r"dim out of range for a 0-d tensor \(0 or -1\); received: -2"):
+        s.sum(-2)

@@ -584,19 +584,21 @@ class TileTensor:
         return ops.transpose(self)
 
     def sum(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, dtype=None, keepdims: bool | None = None, axis=None,
-            out=None):
+            out=None, **numpy):
         """:func:`tilegraph.sum` (torch's ``Tensor.sum``; ``keepdims`` and ``axis`` are accepted
         aliases, and ``out=None``, so that ``np.sum(x)`` calls it)."""
         from tilegraph import ops
 
+        _no_numpy_extras("tilegraph.TileTensor.sum", numpy)
         return ops.sum(self, dim, keepdim, dtype=dtype, keepdims=keepdims, axis=axis, out=out)
 
     def mean(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, dtype=None, keepdims: bool | None = None, axis=None,
-             out=None):
+             out=None, **numpy):
         """:func:`tilegraph.mean` (torch's ``Tensor.mean``; ``keepdims`` and ``axis`` are accepted
         aliases, and ``out=None``, so that ``np.mean(x)`` calls it)."""
         from tilegraph import ops
 
+        _no_numpy_extras("tilegraph.TileTensor.mean", numpy)
         return ops.mean(self, dim, keepdim, dtype=dtype, keepdims=keepdims, axis=axis, out=out)
 
     def cumsum(self, dim: int, *, dtype=None):
@@ -781,6 +783,15 @@ def from_dask_array(x, *, name: str | None = None) -> TileTensor:
         key = (x.name,) + tuple(idx)
         cells[idx] = Cell(DaskKey(graph, key), tiling.tile_shape(idx), x.dtype, token=f"dask-{key}")
     return tensor_from_cells(tiling, x.dtype, cells, name=name)
+
+
+def _no_numpy_extras(where: str, given: dict) -> None:
+    """NumPy's reduction arguments a TileTensor does not take (``np.sum(x, initial=1)`` and
+    ``where=`` pass them on): a TileError naming them (it was Python's TypeError)."""
+    if given:
+        raise TileError(where, "the arguments of torch's and NumPy's reductions but initial= and where= (not "
+                        "supported: add a constant, or mask with tg.where, before the reduction)",
+                        ", ".join(f"{k}={v!r:.40}" for k, v in given.items()))
 
 
 # -- creators: torch's zeros / ones / full and their _like forms ----------------------------------
