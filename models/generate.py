@@ -648,7 +648,9 @@ def _decode_task(blob: bytes, results: list, indexes: list) -> tuple[np.ndarray,
     import io
     import pickle
 
-    values = [v if i is None else v[i] for v, i in zip(results, indexes)]
+    from tilegraph.exec.program import realigned
+
+    values = [realigned(v if i is None else v[i]) for v, i in zip(results, indexes)]
 
     class Unpickler(pickle.Unpickler):
         def persistent_load(self, pid):

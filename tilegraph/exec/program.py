@@ -105,6 +105,17 @@ def _to_device(x, device: str, array_module: str):
         return cupy.asarray(x)
     if type(x).__module__.startswith("cupy"):
         return x.get()
+    return realigned(x)
+
+
+def realigned(x):
+    """``x``, or a copy of it where its data does not start at a multiple of its item size.
+    Dask packs a message's small frames into one buffer, so an array it received (a value
+    scattered to this worker, or another worker's result) can start at any byte, and NumPy then
+    takes slow paths: a (1, 768) x (768, 7180) product took 6.2 ms on such a GPT-2 embedding
+    tile against 1.9 ms on its copy, which is what every kernel reading it paid."""
+    if isinstance(x, np.ndarray) and not x.flags.aligned:
+        return x.copy()
     return x
 
 
