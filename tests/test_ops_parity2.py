@@ -12,6 +12,14 @@ import pytest
 import tilegraph as tg
 from conftest import by_dtype, by_mode, check_against_torch, randn, tiles_for
 
+
+def _named(call, x, what: str) -> None:
+    """``call(x)`` raises a TileError whose message holds ``what``."""
+    with pytest.raises(tg.TileError) as info:
+        call(x)
+    assert what in str(info.value)
+
+
 torch = pytest.importorskip("torch")
 
 TORCH_DTYPE = {np.float32: torch.float32, np.float64: torch.float64}
@@ -209,10 +217,7 @@ def test_expand_records_one_kernel_per_tile_and_its_gradient_is_a_sum():
                                                 "cannot expand to 2"),
 ])
 def test_bad_expands_are_named(call, what):
-    x = tg.from_numpy(np.zeros((3, 1)), tiles=(2, 1))
-    with pytest.raises(tg.TileError) as info:
-        call(x)
-    assert what in str(info.value)
+    _named(call, tg.from_numpy(np.zeros((3, 1)), tiles=(2, 1)), what)
 
 
 # ---------------------------------------------------------------------------------- cumsum ----
@@ -308,10 +313,7 @@ def test_cumsum_dtype_casts_first_and_the_gradient_comes_back_in_xs_dtype(rng, m
     (lambda x: tg.cumsum(np.zeros(3), 0), "[tilegraph.cumsum] x must be a TileTensor; received: ndarray"),
 ])
 def test_bad_cumsums_are_named(call, what):
-    x = tg.from_numpy(np.zeros((3, 4)), tiles=2)
-    with pytest.raises(tg.TileError) as info:
-        call(x)
-    assert what in str(info.value)
+    _named(call, tg.from_numpy(np.zeros((3, 4)), tiles=2), what)
 
 
 # ------------------------------------------------------------------------------------ norm ----
@@ -364,10 +366,7 @@ def test_float16_norm_is_computed_in_float32_as_torchs():
     (lambda x: tg.norm(x, out=np.zeros(())), "[tilegraph.norm] out= is not supported"),
 ])
 def test_bad_norms_are_named(call, what):
-    x = tg.from_numpy(np.ones((3, 4)), tiles=2)
-    with pytest.raises(tg.TileError) as info:
-        call(x)
-    assert what in str(info.value)
+    _named(call, tg.from_numpy(np.ones((3, 4)), tiles=2), what)
 
 
 # ------------------------------------------------------------- sum / mean: dtype=, NumPy's out= ----
@@ -423,10 +422,7 @@ def test_a_float16_sum_with_its_own_dtype_accumulates_in_float32():
     (lambda x: x.sum(dim=0, axis=1), "[tilegraph.sum] pass dim= or axis= (the same parameter), not both"),
 ])
 def test_bad_sums_are_named(call, what):
-    x = tg.from_numpy(np.ones((3, 4)), tiles=2)
-    with pytest.raises(tg.TileError) as info:
-        call(x)
-    assert what in str(info.value)
+    _named(call, tg.from_numpy(np.ones((3, 4)), tiles=2), what)
 
 
 # ------------------------------------------------------------------------ on a cluster, GPU ----
