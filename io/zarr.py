@@ -191,6 +191,7 @@ def _optimizer_info(optimizer, names: list[str]) -> dict:
     hyper = {k: v for k, v in vars(optimizer).items()
              if k in ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "base_lr",
                       "clip_grad_norm")}
+
     def as_json(settings: dict) -> dict:  # (betas: a tuple)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
 
@@ -1009,11 +1010,7 @@ class Checkpoint:
             if isinstance(saved, list) and isinstance(hyper.get("param_names"), list):
                 by_name = dict(zip(hyper["param_names"], saved))
                 saved = [by_name.get(names.get(id(p)), {}) for p in optimizer.params]
-            problems = optimizer.lr_scale_mismatches(saved, hyper.get("base_lr"))
-            if problems:
-                raise CheckpointError(self._where, "the parameter groups' learning rates relative to the schedule "
-                                      "(group lr / base_lr) as saved: make the optimizer with the saved groups' lr",
-                                      "; ".join(problems[:8]))
+            optimizer.refuse_other_lr_scales(self._where, saved, hyper.get("base_lr"), CheckpointError)
         sched = None
         if schedule and info.get("schedule") is not None:
             from tilegraph.optim import schedule_from_spec

@@ -510,6 +510,15 @@ class Optimizer:
                                 f"({here}), {scale:g} saved ({there})")
         return problems
 
+    def refuse_other_lr_scales(self, where: str, param_options, base_lr, error: type = TileError) -> None:
+        """Raise ``error`` (a TileError class) naming the parameters whose groups run at another
+        multiple of the schedule's rate than a saved optimizer's (:meth:`lr_scale_mismatches`)."""
+        problems = self.lr_scale_mismatches(param_options, base_lr)
+        if problems:
+            raise error(where, "the parameter groups' learning rates relative to the schedule (group lr / "
+                        "base_lr) as saved: make the optimizer with the saved groups' lr",
+                        "; ".join(problems[:8]) + (f"; {len(problems) - 8} more" if len(problems) > 8 else ""))
+
     def lr_at(self, step: int) -> float:
         """The schedule's learning rate of update ``step``, checked: a schedule of the user's own
         (a lambda decaying linearly, run past its end) may give a negative or NaN rate, which the
@@ -648,11 +657,7 @@ class Optimizer:
         spec = state.get("schedule")
         schedule = schedule_from_spec(spec) if spec is not None else None
         if len(arrays) == len(self.params):  # (load_state names a count that differs)
-            problems = self.lr_scale_mismatches(state.get("param_options"), state.get("base_lr"))
-            if problems:
-                raise TileError(where, "the parameter groups' learning rates relative to the schedule (group lr / "
-                                "base_lr) as saved: make the optimizer with the saved groups' lr",
-                                "; ".join(problems[:8]) + (f"; {len(problems) - 8} more" if len(problems) > 8 else ""))
+            self.refuse_other_lr_scales(where, state.get("param_options"), state.get("base_lr"))
         self.load_state(arrays, state["step"], where=where)  # checks every array before it sets one
         if schedule is not None:
             self.schedule = schedule
