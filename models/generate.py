@@ -306,11 +306,7 @@ class Decoder:
         #: how many :meth:`feed` calls ran a recorded step again instead of recording one
         self.replayed = 0
         self._step: _Step | None = None
-        self._restore: list = []
-        if self.runtime is not None:
-            cells = [c for p in model.parameters() for c in p.cells.flat if not isinstance(c.value, ValueRef)]
-            self._restore = [(c, c.value, c.token) for c in cells]
-            self.runtime.scatter_cells(cells)
+        self._restore = _parameters_to_workers(model, self.runtime) if self.runtime is not None else []
 
     @property
     def length(self) -> int:
@@ -426,8 +422,7 @@ class Decoder:
         self.cache = self.model.new_cache(self.cache[0].block)
         self._step = None
         self.batch = None  # the empty cache takes a batch of any size again
-        for cell, value, token in self._restore:
-            cell.set(value, token)
+        _put_back(self._restore)
         self._restore = []
 
     def __enter__(self) -> "Decoder":
@@ -584,34 +579,38 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
     """:func:`generate`'s loop as one task on a worker (the one holding the most of the model's
     parameters, which gather there), decoding on that worker's local scheduler: each token was a
     Dask round trip (submit, run, fetch the logits), about a third of a GPT-2 124M token's time
-    and nine tenths of a gpt2-debug token's on an embedded cluster. The model travels pickled with its values as references (what the client
-    still holds is scattered first, and put back after), and ``rng`` comes back with its state.
+    and nine tenths of a gpt2-debug token's on an embedded cluster. The model travels pickled
+    with its values as references (what the client still holds is scattered first, and put back
+    after), and ``rng`` comes back with its state.
     None where it cannot run so (GPU workers, whose kernels a local run would not use; parameters
     over :data:`ONE_WORKER_MEMORY_SHARE` of a worker's memory; a tokenizer that cannot be
     pickled): the caller then decodes with a round trip per token."""
     import io
     import uuid
 
+    import cloudpickle
+
     workers = runtime.snapshot()
     if workers.threads["gpu"]:
         return None
     limits = [m for a, m in workers.memory_limits.items() if a in workers.addrs["cpu"] and m]
-    params = list(model.parameters())
-    nbytes = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params)
+    nbytes = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in model.parameters())
     if limits and nbytes > ONE_WORKER_MEMORY_SHARE * min(limits):
         return None
-    cells = [c for p in params for c in p.cells.flat if not isinstance(c.value, ValueRef)]
-    restore = [(c, c.value, c.token) for c in cells]
-    runtime.scatter_cells(cells)
+    try:  # before the parameters move: the per-token path scatters them itself
+        settings = cloudpickle.dumps(loop)
+    except Exception:  # a tokenizer (for stop strings) that does not pickle: decode from here
+        return None
+    restore = _parameters_to_workers(model, runtime)
     try:
         refs: list[ValueRef] = []
         blob = io.BytesIO()
         try:
-            _ref_pickler(blob, refs).dump((model, loop, out, rng))
-        except Exception:  # a tokenizer (for stop strings) that does not pickle: decode from here
+            _ref_pickler(blob, refs).dump((model, out, rng))
+        except Exception:
             return None
         future = runtime.client.submit(
-            _decode_task, blob.getvalue(), [r.future for r in refs], [r.index for r in refs],
+            _decode_task, settings, blob.getvalue(), [r.future for r in refs], [r.index for r in refs],
             key=f"tg-generate-{uuid.uuid4().hex[:12]}", pure=False,
             resources={"CPU": 1} if workers.cpu_resource else None)
         try:
@@ -621,8 +620,22 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
         rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
         return done
     finally:
-        for cell, value, token in restore:
-            cell.set(value, token)
+        _put_back(restore)
+
+
+def _parameters_to_workers(model: CausalLM, runtime: Runtime) -> list:
+    """Scatter the values of ``model``'s parameters still on the client to ``runtime``'s workers;
+    returns what :func:`_put_back` restores."""
+    cells = [c for p in model.parameters() for c in p.cells.flat if not isinstance(c.value, ValueRef)]
+    restore = [(c, c.value, c.token) for c in cells]
+    runtime.scatter_cells(cells)
+    return restore
+
+
+def _put_back(restore: list) -> None:
+    """The parameter values :func:`_parameters_to_workers` moved, on the client again."""
+    for cell, value, token in restore:
+        cell.set(value, token)
 
 
 def _ref_pickler(file, refs: list):
@@ -644,7 +657,7 @@ def _ref_pickler(file, refs: list):
     return RefPickler(file, refs)
 
 
-def _decode_task(blob: bytes, results: list, indexes: list) -> tuple[np.ndarray, dict]:
+def _decode_task(settings: bytes, blob: bytes, results: list, indexes: list) -> tuple[np.ndarray, dict]:
     """The worker's side of :func:`_decode_on_a_worker`: the decoded ids and the rng's state."""
     import io
     import pickle
@@ -657,6 +670,7 @@ def _decode_task(blob: bytes, results: list, indexes: list) -> tuple[np.ndarray,
         def persistent_load(self, pid):
             return values[pid]
 
-    model, loop, out, rng = Unpickler(io.BytesIO(blob)).load()
+    loop = pickle.loads(settings)
+    model, out, rng = Unpickler(io.BytesIO(blob)).load()
     return loop.run(model, out, rng, None), rng.bit_generator.state
 
