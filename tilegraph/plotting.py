@@ -106,11 +106,11 @@ def _curves(records: list[dict], run: str | None) -> tuple[list, list, list]:
     if run is not None:
         records = [r for r in records if r.get("run") == run]
     segments = [r["segment"] for r in records if isinstance(r.get("segment"), str)]
-    if segments:
-        last = segments[-1]
+    if segments:  # the path that led to the last segment's records, then those records
+        final = segments[-1]
         lineage = next((record_lineage(r.get("lineage")) for r in records
-                        if r.get("segment") == last and "lineage" in r), None) or []
-        records = on_lineage(records, [*lineage, [last, math.inf]])
+                        if r.get("segment") == final and "lineage" in r), None) or []
+        records = on_lineage(records, [*lineage, [final, math.inf]])
     kept: list[dict] = []
     last = 0  # the newest step with a training loss
     for r in (r for r in records if isinstance(r.get("step"), int)):
