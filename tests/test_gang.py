@@ -122,6 +122,46 @@ def test_comm_channel_mail_is_taken_once_and_dropped_once_its_call_ended():
     assert time.perf_counter() - t0 < 2.0
 
 
+def test_a_reader_learns_from_the_writers_worker_that_a_channel_will_not_come():
+    """What the writer's worker answers a waiting reader, and the reason the reader then gives:
+    nothing while the channel is neither sent nor its gang ended; after that, each way the values
+    can fail to come."""
+    import asyncio
+
+    from tilegraph.exec import comm_channel
+
+    class Worker:  # what _writer_gone asks: the scheduler, and the writer's worker (this process)
+        class scheduler:
+            @staticmethod
+            async def ncores(workers):
+                return {w: 1 for w in workers}
+
+        class _Writer:
+            def __getattr__(self, handler):
+                async def call(**kw):
+                    return await comm_channel._state(**kw)
+                assert handler == comm_channel.STATE_HANDLER
+                return call
+
+        def rpc(self, addr):
+            return self._Writer()
+
+    def gone(name):
+        return asyncio.run(comm_channel._writer_gone(Worker(), "tcp://w:1", name))
+
+    assert gone("c8-a") is None  # may still come
+    comm_channel._record("c8-a", "OK")
+    assert gone("c8-a") == ("its writer, worker tcp://w:1, sent them and this worker answered that it took them in, "
+                            "but they are not here (taken or dropped already)")
+    comm_channel._record("c8-b", "closed")
+    assert gone("c8-b").endswith("sent them after this worker had ended its part of this step")
+    comm_channel._record("c8-c", "not delivered: CommClosedError: in <TCP (closed)>")
+    assert gone("c8-c").endswith("could not send them: not delivered: CommClosedError: in <TCP (closed)>")
+    assert gone("c8-d") is None
+    comm_channel.close("c8", max_age=600.0)
+    assert gone("c8-d") == "its writer, worker tcp://w:1, ended its part of this step without sending them"
+
+
 def _read_from_nowhere():
     from tilegraph.exec import comm_channel
 
@@ -442,6 +482,38 @@ def test_a_gang_that_fails_ends_the_step_at_once_with_its_error(own_runtime, hos
         step.submit(*batch).result(timeout=60)
     assert time.perf_counter() - t0 < 10.0
     assert _idle(rt), (info.value, rt.client.processing())  # neither gang waits on
+
+
+def _lose_channel_mail(dask_worker=None):
+    """This worker answers channel sends as delivered and files nothing: mail lost on the way."""
+    import tilegraph.exec.comm_channel as comm_channel
+
+    async def lose(name="", values=None, error=None):
+        return "OK"
+
+    dask_worker.handlers[comm_channel.HANDLER] = lose
+
+
+@needs_shm
+@pytest.mark.distributed
+def test_a_comm_channel_lost_on_the_way_ends_the_step_within_seconds(own_runtime, monkeypatch):
+    """A channel that never reaches its reader though its writer's send was answered: the reader
+    learns that from the writer's worker and the step fails within seconds, naming the channel,
+    the writer and what the writer knows of the send, not after the channel time limit
+    (tilegraph.config.exchange_timeout_seconds, 600 s) as before."""
+    rt = own_runtime
+    fake_hosts(monkeypatch, rt)  # the channels go over the workers' comms
+    step, batch, exe = _running_gang(rt)
+    assert tg.config.exchange_timeout_seconds >= 600
+    reader, writer = exe.gang.addrs[1], exe.gang.addrs[0]
+    rt.client.run(_lose_channel_mail, workers=[reader])
+    t0 = time.perf_counter()
+    with pytest.raises(Exception, match=rf"waiting for values of channel [0-9a-f]+-p?\d+-1: its writer, worker "
+                                        rf"{re.escape(writer)}, sent them and this worker answered that it took them "
+                                        r"in, but they are not here") as info:
+        step.submit(*batch).result(timeout=60)
+    assert time.perf_counter() - t0 < 10.0
+    assert _idle(rt), (info.value, rt.client.processing())
 
 
 @needs_shm

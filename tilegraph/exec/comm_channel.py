@@ -16,9 +16,11 @@ A gang waits for every send it started before it returns, so a value that could 
 delivered fails the step naming the reader's worker. A reader's wait never hangs: it fails when
 the writer's worker is no longer one of the cluster's (the scheduler is asked once a second
 while the wait lasts; it drops a worker whose process ended at once, one that stopped answering
-after its time-to-live), when Dask
-cancelled the task, after the time limit, or at once with the writer's error when the writer's
-gang failed (it sends that in place of what it will not send).
+after its time-to-live), when the values will not come though the writer's worker is there (it
+is asked once a second too: its send was answered, which this worker does only after filing
+them, or its gang of the call ended without sending them; the error says which), when Dask
+cancelled the task, after the time limit, or at once with the writer's
+error when the writer's gang failed (it sends that in place of what it will not send).
 
 Each call's channels are named after the call (``<call>-<channel>``, a name of its own per call),
 so what arrives for a call whose gang has ended on this worker is dropped, and what a gang left
@@ -36,6 +38,9 @@ from typing import Any
 
 #: the worker handler's name (an operation of Dask's worker server)
 HANDLER = "tilegraph_channel"
+#: the handler telling a reader whether a call's gang ended on this worker, and how its send of a
+#: channel went
+STATE_HANDLER = "tilegraph_channel_state"
 #: seconds between asking the scheduler whether a writer's worker is still there, while a
 #: reader waits
 PING_SECONDS = 1.0
@@ -47,6 +52,9 @@ _cond = threading.Condition()
 _box: dict[str, tuple[float, Any]] = {}
 #: calls whose gang ended on this worker
 _closed: OrderedDict[str, None] = OrderedDict()
+#: channel name -> how its send from this worker went: the reader's worker's answer ("OK", or
+#: "closed": its gang of the call had ended), or why it was not delivered (the last _CLOSED_MAX)
+_sent: OrderedDict[str, str] = OrderedDict()
 
 
 def _call_of(name: str) -> str:
@@ -63,9 +71,17 @@ async def _receive(name: str = "", values=None, error: str | None = None) -> str
     return "OK"
 
 
+async def _state(call: str = "", name: str = "") -> dict:
+    """The worker handler a reader asks: whether ``call``'s gang ended on this worker, and how
+    the send of channel ``name`` went (None: it was not sent, or not yet answered)."""
+    with _cond:
+        return {"ended": call in _closed, "sent": _sent.get(name)}
+
+
 def install(worker) -> None:
-    """Install the channel handler on ``worker`` (a Dask worker; idempotent)."""
+    """Install the channel handlers on ``worker`` (a Dask worker; idempotent)."""
     worker.handlers[HANDLER] = _receive
+    worker.handlers[STATE_HANDLER] = _state
 
 
 def channel_plugin():
@@ -113,7 +129,13 @@ class Sender:
         rpc = self.worker.rpc(addr)
 
         async def go():
-            return await getattr(rpc, HANDLER)(**msg)
+            try:
+                reply = await getattr(rpc, HANDLER)(**msg)
+            except Exception as e:
+                _record(name, f"not delivered: {type(e).__name__}: {e}")
+                raise
+            _record(name, str(reply))  # (after the reader's worker filed it: a reader asking finds it there)
+            return reply
 
         self.pending.append((addr, name, _submit(self.worker, go())))
 
@@ -132,21 +154,47 @@ class Sender:
                     other.cancel()
                 what = (f"not delivered in {timeout:g} s (tilegraph.config.exchange_timeout_seconds)"
                         if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}")
+                if isinstance(e, TimeoutError):
+                    _record(name, f"not delivered: {what}")
                 raise ChannelWaitError(f"tilegraph: gang step: sending channel {name} to worker {addr}: {what}") from e
 
 
-async def _known(worker, addr: str) -> bool:
-    """Whether the scheduler still counts the worker at ``addr`` among its workers (it removes
-    one whose process ended at once, one that stopped answering after its time-to-live)."""
-    return addr in await worker.scheduler.ncores(workers=[addr])
+def _record(name: str, how: str) -> None:
+    with _cond:
+        _sent[name] = how
+        while len(_sent) > _CLOSED_MAX:
+            _sent.popitem(last=False)
+
+
+async def _writer_gone(worker, addr: str, name: str) -> str | None:
+    """Why the values of channel ``name`` will never come from the worker at ``addr`` (None: they
+    may still): the scheduler no longer counts that worker among its workers (it removes one
+    whose process ended at once, one that stopped answering after its time-to-live), or that
+    worker's send of them was answered (the answer comes after this worker filed them: they
+    would be here), or its gang of the call ended without sending them."""
+    if addr not in await worker.scheduler.ncores(workers=[addr]):
+        return f"its writer, worker {addr}, is no longer one of the cluster's workers"
+    try:
+        state = await getattr(worker.rpc(addr), STATE_HANDLER)(call=_call_of(name), name=name)
+    except Exception:  # (a worker without the handler, or not answering: the checks above and the time limit)
+        return None
+    sent = state.get("sent")
+    if sent is None and not state.get("ended"):
+        return None
+    how = {None: "ended its part of this step without sending them",
+           "OK": "sent them and this worker answered that it took them in, but they are not here (taken or "
+                 "dropped already)",
+           "closed": "sent them after this worker had ended its part of this step"}.get(sent, f"could not send them: "
+                                                                                          f"{sent}")
+    return f"its writer, worker {addr}, {how}"
 
 
 def read(name: str, addr: str, timeout: float) -> tuple:
     """The values of channel ``name`` written by the worker at ``addr``: waits until they are in
     this process's mailbox and takes them out. Raises ChannelWaitError, naming the channel and the
-    worker, when the scheduler no longer counts that worker among its workers, when Dask
-    cancelled this task, or after ``timeout`` seconds; PeerFailedError with the writer's error
-    when its gang failed."""
+    worker, when the scheduler no longer counts that worker among its workers, when that worker
+    sent them (they were lost) or ended its gang without sending them, when Dask cancelled this task, or after ``timeout``
+    seconds; PeerFailedError with the writer's error when its gang failed."""
     from tilegraph.exec.gang import PeerFailedError, check_wait
 
     t0 = time.monotonic()
@@ -159,16 +207,17 @@ def read(name: str, addr: str, timeout: float) -> tuple:
                 break
             now = time.monotonic()
             gone = None
+            # (the lock is held from the look into the mailbox above to here: the writer's
+            # answer came after whatever it delivered was filed)
             if ping is not None and ping.done():
                 try:
-                    if not ping.result():
-                        gone = f"its writer, worker {addr}, is no longer one of the cluster's workers"
+                    gone = ping.result()
                 except Exception:  # the scheduler did not answer: the client sees to that
                     pass
                 ping, pinged = None, now
             elif ping is None and now - pinged > PING_SECONDS:
                 worker = worker or _worker()
-                ping = _submit(worker, _known(worker, addr))
+                ping = _submit(worker, _writer_gone(worker, addr, name))
             check_wait(name, now - t0, timeout, f"worker {addr}", gone)
         _, got = _box.pop(name)
     if isinstance(got, str):
