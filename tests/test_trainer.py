@@ -330,11 +330,18 @@ def test_loss_png_is_redrawn_at_evaluations_only_when_drawing_stays_a_small_shar
     from tilegraph import plotting
     import tilegraph.trainer as trainer_module
 
-    drawn = []
+    drawn = []  # (the last step drawn, the steps submitted by then)
     plot_training = plotting.plot_training
-    monkeypatch.setattr(plotting, "plot_training", lambda records, **kw: drawn.append(kw) or plot_training(records, **kw))
+
+    def draw(records, **kw):
+        drawn.append((max(r["step"] for r in records), trainer.optimizer.step_count))
+        return plot_training(records, **kw)
+
+    monkeypatch.setattr(plotting, "plot_training", draw)
     monkeypatch.setattr(trainer_module, "PLOT_INTERVAL_FACTOR", factor)
     _, _, trainer = _setup(steps=6, log_dir=tmp_path / "run", eval_every=1)
     trainer.fit(6)
     assert len(drawn) == drawings
+    # a drawing during the fit waits until the next step runs (the workers do not wait for it)
+    assert [submitted > last for last, submitted in drawn] == [True] * (drawings - 1) + [False]
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000

@@ -541,7 +541,7 @@ class Trainer:
                 self._log(log, {"step": i, "val_loss": val, "val_ppl": perplexity(val), "time": time.time()})
                 bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f} (perplexity {perplexity(val):.2f})")
                 if i != end and self.log_dir is not None and self._plot_due(t0):  # the end draws anyway
-                    self.plot()
+                    redraw.append(i)  # drawn once the next steps run (the workers wait for nothing it does)
             if checkpoints(i):
                 path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}", range(i, i + 1))
                 result.checkpoints.append(str(path))
@@ -552,6 +552,7 @@ class Trainer:
 
         # (step, pending, batch) submitted but not finished, oldest first
         waiting: list[tuple[int, object, tuple]] = []
+        redraw: list[int] = []  # an evaluation's step after which loss.png is due
 
         def finish_waiting(n: int | None = None) -> None:
             """Finish the ``n`` oldest steps waiting (None: all)."""
@@ -596,6 +597,11 @@ class Trainer:
                     self._start_report(report)
                 with self._translate_lost_workers(_steps_text(group), group):
                     pendings = self.step.submit_steps(batches)
+                if redraw:  # while these steps run
+                    redraw.clear()
+                    self.plot()
+                elif self.log_dir is not None and group[0] == start + 1:
+                    _import_matplotlib_aside()  # while the workers run the first steps
                 earlier = len(waiting)
                 waiting.extend(zip(group, pendings, batches))
                 finish_waiting(earlier)  # the earlier group's, while this one runs
@@ -606,6 +612,7 @@ class Trainer:
             finish_waiting()  # stopped early (request_stop)
 
         self._stop = False
+        drawing = None
         try:
             i = start + 1
             while True:
@@ -649,6 +656,8 @@ class Trainer:
                 except BaseException:
                     settle()
                     raise
+            if self.log_dir is not None:  # drawn while the last checkpoint is written
+                drawing = _Aside(self.plot)
             if self.checkpoints is not None:
                 last = self.optimizer.step_count
                 self._watched(self.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
@@ -670,8 +679,8 @@ class Trainer:
         thread_seconds = result.seconds * threads
         result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / thread_seconds)
         result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
-        if self.log_dir is not None:
-            self.plot()
+        if drawing is not None:
+            drawing.result()
         return result
 
     def _diverged(self, pending) -> "NonFiniteLossError":
@@ -1244,6 +1253,43 @@ def _default_row_tile(runtime, rows: int, row_elements: int, parallel: str | Non
 # -- progress and TensorBoard --------------------------------------------------------------------
 #: with stderr a file or a pipe, a progress line at most this often (seconds)
 PROGRESS_LOG_SECONDS = 10.0
+
+
+class _Aside:
+    """``fn()`` run in a thread of its own; :meth:`result` waits for it and returns its value, or
+    raises its error."""
+
+    def __init__(self, fn: Callable):
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="tilegraph-aside")
+        self._thread.start()
+
+    def _run(self, fn: Callable) -> None:
+        try:
+            self._out.append((True, fn()))
+        except BaseException as e:
+            self._out.append((False, e))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _import_matplotlib_aside() -> None:
+    """Import what drawing ``loss.png`` takes (~0.7 s) in a thread of its own: the fit's first
+    drawing then only draws."""
+    def load():
+        try:
+            import matplotlib.backends.backend_agg  # noqa: F401
+            import matplotlib.figure  # noqa: F401
+        except Exception:  # (the drawing says what is wrong)
+            pass
+
+    if "matplotlib.backends.backend_agg" not in sys.modules:
+        threading.Thread(target=load, name="tilegraph-import-matplotlib").start()
 
 
 def _in_jupyter() -> bool:
