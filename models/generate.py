@@ -36,7 +36,7 @@ import numpy as np
 from tilegraph._autograd import no_grad
 from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef, to_host
-from tilegraph._lower import Executable
+from tilegraph._lower import Executable, Fetching, gather
 from tilegraph._tensor import TileTensor, from_numpy
 from tilegraph.nn import training
 from tilegraph.runtime import Runtime, current_runtime
@@ -352,7 +352,7 @@ class Decoder:
                 last = logits.grid[:, -1, :]                                    # (B tiles, V tiles)
                 pending = [c.pending() for c in self.cache]
                 exe = Executable(list(last.flat) + [r for p in pending for r in p], runtime=self.runtime)
-                values = exe.run(fetch=range(last.size))
+                values = exe.run(fetch=range(last.size), lost=self._lost())
         except BaseException:
             for c, (k, v, written) in zip(self.cache, saved):   # a failed step leaves the cache as it was
                 c.k, c.v, c._written = k, v, written
@@ -388,7 +388,7 @@ class Decoder:
             ref.node.cell.set(ids[step.ids.tiling.slices(idx)])
         step.position.grid[0].node.cell.set(np.array([self.length], dtype=np.int64))
         with _collector_paused():
-            values = step.exe.run(fetch=range(step.logits.n))
+            values = step.exe.run(fetch=range(step.logits.n), lost=self._lost())
         k = step.logits.n
         for c, cs in zip(self.cache, step.cells):   # (only now: a failed step leaves the cache as it was)
             c.advance(cs, values[k:k + len(cs)])
@@ -399,6 +399,11 @@ class Decoder:
         if self.runtime is not None:
             self._own_futures()
         return step.logits.gather(values)
+
+    def _lost(self) -> dict:
+        """The ``where`` and ``hint`` of the error for a worker lost during a decoding step."""
+        held = len(self._restore) == sum(p.cells.size for p in self.model.parameters())
+        return {"where": "tilegraph.models.Decoder", "hint": _lost_hint(held)}
 
     def _own_futures(self) -> None:
         """Give each finished cache tile a future of its own.
@@ -613,14 +618,26 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
             _decode_task, settings, blob.getvalue(), [r.future for r in refs], [r.index for r in refs],
             key=f"tg-generate-{uuid.uuid4().hex[:12]}", pure=False,
             resources={"CPU": 1} if workers.cpu_resource else None)
-        try:
-            done, state = future.result()
+        held = len(restore) == sum(p.cells.size for p in model.parameters())
+        try:  # watched: a worker lost meanwhile is a WorkerLostError naming it, not Dask's CancelledError
+            done, state = gather(runtime, [Fetching(future, None)], "the decoding on a worker",
+                                 where="tilegraph.models.generate", hint=_lost_hint(held))[0]
         finally:
             future.cancel()  # (a Ctrl-C: the worker stops decoding)
         rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
         return done
     finally:
         _put_back(restore)
+
+
+def _lost_hint(held: bool) -> str:
+    """What a worker lost while decoding took with it, and how to go on: ``held``, whether this
+    process held all of the model's parameters (they were only lent to the workers)."""
+    if held:
+        return ("the model's parameters are this process's own, only lent to the workers while it decodes: generate "
+                "can run again on the workers left")
+    return ("the model's parameters that lived on that worker are gone: load the model again (tilegraph.models."
+            "from_zarr, tilegraph.io.load_checkpoint) before generating")
 
 
 def _parameters_to_workers(model: CausalLM, runtime: Runtime) -> list:

@@ -8,6 +8,8 @@ save_pretrained and loaded with tilegraph.models.from_hf, as in test_models_hf.p
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -539,3 +541,86 @@ def test_generate_never_picks_an_id_its_tokenizer_cannot_decode():
     kept = generate(model, prompt, 24, strategy="sample", seed=0, tokenizer=tok)
     assert (kept[0, 3:] < 257).all()
     tok.decode(kept[0])
+
+
+def _stall_decoding(dask_worker=None, where="loop", stall=True):
+    """On this worker, the decoding task's loop (``where="loop"``) or every fused task
+    ("tasks") waits a minute before it runs; or no longer (``stall=False``)."""
+    import importlib
+    import time
+
+    module, name = {"loop": ("tilegraph.models.generate", "_Loop"),
+                    "tasks": ("tilegraph.exec", "program")}[where]
+    owner = getattr(importlib.import_module(module), name)
+    attr = "run" if where == "loop" else "run_cluster"
+    if stall:
+        run = getattr(owner, attr)
+        setattr(owner, "_unstalled", run)
+        setattr(owner, attr, lambda *a: time.sleep(60) or run(*a))
+    elif hasattr(owner, "_unstalled"):
+        setattr(owner, attr, owner._unstalled)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", ["one task", "per token"])
+def test_a_worker_lost_while_generate_decodes_on_it_is_a_clear_error_and_the_model_stays_usable(
+        own_runtime, monkeypatch, path):
+    """Before: Dask's FutureCancelledError ("already forgotten") on the path decoding in one task,
+    after a scheduler log line listing every scattered parameter tile the worker took with it;
+    the path of a round trip per token said to resume training from a checkpoint. Now a
+    WorkerLostError naming the worker, within seconds, that says the model is intact; that log
+    line names three keys and the count; generate runs again on the workers left."""
+    import importlib
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+
+    rt = own_runtime
+    model = models.build("gpt2-debug", seed=0)
+    prompt = np.array([[1, 2, 3, 4]])
+    want = generate(model, prompt, 8)
+    where = "loop" if path == "one task" else "tasks"
+    if path == "per token":  # parameters too large for one worker: the client decodes
+        monkeypatch.setattr(importlib.import_module("tilegraph.models.generate"), "ONE_WORKER_MEMORY_SHARE", 1e-9)
+    rt.client.run(_stall_decoding, where=where)
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    log = logging.getLogger("distributed.scheduler")
+    log.addHandler(handler)
+    pids = rt.client.run(os.getpid)
+    got = {}
+
+    def decode():
+        try:
+            got["ids"] = generate(model, prompt, 8, runtime=rt)
+        except Exception as e:
+            got["error"] = e
+
+    thread = threading.Thread(target=decode)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not (busy := [a for a, keys in rt.client.processing().items() if any(k.startswith("tg-") for k in keys)]):
+            assert time.monotonic() < deadline and thread.is_alive(), got
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.kill(pids[busy[0]], signal.SIGKILL)
+        thread.join(60)
+        took = time.monotonic() - t0
+    finally:
+        log.removeHandler(handler)
+    error = got.get("error")
+    assert isinstance(error, tg.TileError) and type(error).__name__ == "WorkerLostError", got
+    assert str(error).startswith(f"[tilegraph.models.{'generate' if path == 'one task' else 'Decoder'}] lost worker "
+                                 f"{busy[0]} (left the cluster) while")
+    assert "the model's parameters are this process's own, only lent to the workers while it decodes: generate can " \
+           "run again on the workers left" in str(error)
+    assert took < 15
+    lost = [r.getMessage() for r in records if "lose scattered data" in r.getMessage()]
+    assert lost and all(len(m) < 600 and re.search(r"\.\.\. \(\d+ keys\)\}", m) for m in lost), lost
+    assert all(isinstance(c.value, np.ndarray) for p in model.parameters() for c in p.cells.flat)
+    rt.client.run(_stall_decoding, where=where, stall=False)
+    np.testing.assert_array_equal(generate(model, prompt, 8, runtime=rt), want)

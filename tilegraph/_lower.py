@@ -638,13 +638,14 @@ class Executable:
         return self.where.get((id(ref.node), ref.index))
 
     def run(self, runtime=None, fetch: Sequence[int] | None = None, wait: bool = True,
-            during: str = "tilegraph.compute") -> list[Any]:
+            during: str = "tilegraph.compute", lost: dict | None = None) -> list[Any]:
         """Run once and return the value of each root.
 
         Roots listed in ``fetch`` (default: all) come back as arrays; on a distributed runtime the
         others stay on the workers as :class:`ValueRef` (a future plus a tuple index), so only
         what the caller asked for crosses to the client. With ``wait=False`` the fetched roots
         come as :class:`Fetching` handles (:func:`gather` waits for them) and the call returns at once.
+        ``lost``: the ``where`` and ``hint`` of the error for a worker lost meanwhile (:func:`gather`).
         """
         runtime = runtime if runtime is not None else self.runtime
         check_runtime("tilegraph.Executable.run", runtime)
@@ -655,7 +656,7 @@ class Executable:
         out: list[Any] = [plain.get(pos) for pos in range(len(self.roots))]
         if runtime is None:  # no futures exist without a runtime: every source is a task key
             return self._run_locally(call, source, out)
-        return self._run_on_workers(runtime, call, source, out, fetch, wait, during)
+        return self._run_on_workers(runtime, call, source, out, fetch, wait, during, lost or {})
 
     def _lower_call(self, runtime) -> _Call:
         """Write the Dask graph of one call on ``runtime`` (None: this process runs it): one task
@@ -703,7 +704,7 @@ class Executable:
         return out
 
     def _run_on_workers(self, runtime, call: _Call, source: _Sources, out: list, fetch: set[int], wait: bool,
-                        during: str) -> list:
+                        during: str, lost: dict) -> list:
         """Submit the call to ``runtime``'s workers and fill in ``out``: :class:`Fetching` handles
         (their values, with ``wait``) for the roots in ``fetch``, references to the workers'
         values for the others."""
@@ -719,7 +720,7 @@ class Executable:
         for pos, (key, index) in fetch_of.items():
             out[pos] = Fetching(futures[key], index)
         if wait:
-            out = gather(runtime, out, during)
+            out = gather(runtime, out, during, **lost)
         for pos, refs in self._kept_refs(futures, source, kept, moved, pushed).items():
             if pos not in fetch:
                 out[pos] = refs[0] if len(refs) == 1 else ReplicatedRef(refs[0].future, refs[0].index, tuple(refs))
@@ -893,20 +894,22 @@ class Fetching:
     index: int | None
 
 
-def gather(runtime, values: Sequence, during: str | None = None) -> list:
+def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list:
     """``values`` with every :class:`Fetching` replaced by its value (one gather for all).
 
     With ``during`` (what is running, for the error), the wait is watched: every
     ``WATCH_SECONDS`` without the values the workers are checked, and one that died, left or
     stopped answering (``tilegraph._train.STALL_SECONDS``) ends it with a WorkerLostError naming
-    it, never a hang or Dask's traceback."""
+    it, never a hang or Dask's traceback. ``lost``: the error's ``where`` (default
+    "tilegraph.compute") and ``hint`` (what is gone, how to go on), as
+    :func:`tilegraph._train.lost_worker_error` takes them."""
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)
     if during is None:
         got = dict(zip(map(id, futures), runtime.client.gather(futures)))
     else:
-        got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during)))
+        got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during, **lost)))
     return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching) else v
             for v in values]
 
@@ -915,12 +918,11 @@ def gather(runtime, values: Sequence, during: str | None = None) -> list:
 WATCH_SECONDS = 2.0
 
 
-def _watched_gather(runtime, futures: list, during: str) -> list:
+def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph.compute", **hint) -> list:
     from distributed import wait
 
     from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
 
-    where = "tilegraph.compute"
     t0 = time.perf_counter()
     try:
         while True:
@@ -931,10 +933,10 @@ def _watched_gather(runtime, futures: list, during: str) -> list:
                 health = worker_health(runtime)
                 if health.failing:
                     raise lost_worker_error(health, during, f"no result after {time.perf_counter() - t0:.1f} s",
-                                            where=where) from None
+                                            where=where, **hint) from None
         return runtime.client.gather(futures)
     except _lost_errors() as e:
-        error = translate_worker_failure(runtime, e, during, where=where)
+        error = translate_worker_failure(runtime, e, during, where=where, **hint)
         if error is None:
             raise
         raise error from None

@@ -594,9 +594,9 @@ LOST_STATE_HINT = ("parameters and optimizer state live on the workers as Dask f
 
 
 def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps: range | None = None,
-                      where: str = "tilegraph.TrainStep") -> WorkerLostError:
+                      where: str = "tilegraph.TrainStep", hint: str = LOST_STATE_HINT) -> WorkerLostError:
     """The error for workers found lost (or, when none is named, for data the cluster lost)
-    while ``during`` ran."""
+    while ``during`` ran; ``hint`` says what is gone and how to go on."""
     stalled = health.stalled
     named = [f"{a} (silent past the scheduler's worker-ttl, restarted)" if a in health.timed_out
              else f"{a} (left the cluster)" for a in health.lost]
@@ -612,12 +612,13 @@ def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps
         what = f"lost worker{'s' if len(named) > 1 else ''} {', '.join(named)} while {during} ran"
     else:
         what = f"the cluster lost tasks or data of {during} (no worker was found missing)"
-    return WorkerLostError(where, f"{what}; {LOST_STATE_HINT}", received, workers=[*health.lost, *sorted(stalled)],
+    return WorkerLostError(where, f"{what}; {hint}", received, workers=[*health.lost, *sorted(stalled)],
                            stalled=sorted(stalled), steps=steps)
 
 
 def translate_worker_failure(runtime, error: BaseException, during: str, *, steps: range | None = None,
-                             since: float | None = None, where: str = "tilegraph.TrainStep") -> TileError | None:
+                             since: float | None = None, where: str = "tilegraph.TrainStep",
+                             hint: str = LOST_STATE_HINT) -> TileError | None:
     """The clear error for ``error`` (raised while ``during`` ran) when a worker was lost: a
     :class:`WorkerLostError` naming the workers. None when ``error`` has another cause (a kernel's
     error, say): the caller re-raises it."""
@@ -640,7 +641,7 @@ def translate_worker_failure(runtime, error: BaseException, during: str, *, step
                          _short(error))
     if not dask_loss and not health.failing:
         return None
-    return lost_worker_error(health, during, _short(error), steps=steps, where=where)
+    return lost_worker_error(health, during, _short(error), steps=steps, where=where, hint=hint)
 
 
 class PendingStep:

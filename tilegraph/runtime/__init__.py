@@ -23,7 +23,7 @@ from tilegraph.runtime.connection import (_client_security, _embedded_security, 
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK_CONFIG, _check_worker_versions,
                                             _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
                                             _unchain_plugin,
-                                            scheduler_send_intervals, set_send_interval)
+                                            scheduler_send_intervals, set_send_interval, short_key_sets)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
 
@@ -715,6 +715,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     with dask.config.set(settings):
         if quiet:
             _quiet_logs()
+        short_key_sets()
         with _interrupt_held() as interrupted:
             try:
                 cluster = SpecCluster(

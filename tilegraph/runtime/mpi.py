@@ -54,8 +54,10 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
                         "(\"distributed.admin.tick.interval\": \"1s\", ...) and their values", _short(dask_config))
     _agree_on_problems(comm, interface, problem)
     from tilegraph.runtime import _visible_gpus
-    from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs, ignore_stop_signals
+    from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs, ignore_stop_signals, short_key_sets
 
+    if comm.Get_rank() == 0:  # the scheduler's rank
+        short_key_sets()
     if quiet:  # dask-mpi ranks log connection noise (CommClosedError) at a clean shutdown
         _quiet_logs()
         if comm.Get_rank() != 1:  # scheduler and workers: their comms close under them at exit

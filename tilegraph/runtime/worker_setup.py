@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 
 from tilegraph._errors import TileError
@@ -259,6 +260,33 @@ def _send_interval_plugins():
 
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.nanny", "distributed.core",
                  "distributed.worker", "distributed.http.proxy", "distributed.batched", "tornado.application")
+
+
+class _ShortKeySets(logging.Filter):
+    """Dask's scheduler logs every key a removed worker took with it: for a model's scattered
+    parameters, hundreds of lines' worth that bury the error tilegraph raises. Such a set of
+    keys is shortened to its first three and its count."""
+
+    _SET = re.compile(r"\{'[^']*'(?:, '[^']*')+\}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > 400:
+            record.msg, record.args = self._SET.sub(self._short, message), ()
+        return True
+
+    @staticmethod
+    def _short(match: re.Match) -> str:
+        keys = match.group(0)[1:-1].split(", ")
+        return match.group(0) if len(keys) <= 5 else "{" + ", ".join(keys[:3]) + f", ... ({len(keys)} keys)}}"
+
+
+def short_key_sets() -> None:
+    """Shorten the sets of keys in the Dask scheduler's log records (:class:`_ShortKeySets`) of
+    a scheduler in this process."""
+    log = logging.getLogger("distributed.scheduler")
+    if not any(isinstance(f, _ShortKeySets) for f in log.filters):
+        log.addFilter(_ShortKeySets())
 
 
 def _quiet_logs() -> None:
