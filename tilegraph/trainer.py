@@ -891,6 +891,7 @@ class Trainer:
         loss, learning rate and, for a language model, the uniform guess ``ln(vocab_size)``.
         Returns the path written; without a ``path`` or a ``log_dir``, the matplotlib Figure
         (a notebook shows it inline), where it drew nothing and returned None."""
+        _matplotlib_imported()
         from tilegraph.plotting import plot_training
 
         if path is None and self.log_dir is not None:
@@ -1278,9 +1279,13 @@ class _Aside:
         return value
 
 
+#: the thread importing matplotlib aside (:func:`_import_matplotlib_aside`), once started
+_MATPLOTLIB_IMPORT: list[threading.Thread] = []
+
+
 def _import_matplotlib_aside() -> None:
     """Import what drawing ``loss.png`` takes (~0.7 s) in a thread of its own: the fit's first
-    drawing then only draws."""
+    drawing then only draws (:func:`_matplotlib_imported` waits for it first)."""
     def load():
         try:
             import matplotlib.backends.backend_agg  # noqa: F401
@@ -1288,8 +1293,16 @@ def _import_matplotlib_aside() -> None:
         except Exception:  # (the drawing says what is wrong)
             pass
 
-    if "matplotlib.backends.backend_agg" not in sys.modules:
-        threading.Thread(target=load, name="tilegraph-import-matplotlib").start()
+    if "matplotlib.backends.backend_agg" not in sys.modules and not _MATPLOTLIB_IMPORT:
+        _MATPLOTLIB_IMPORT.append(threading.Thread(target=load, name="tilegraph-import-matplotlib"))
+        _MATPLOTLIB_IMPORT[0].start()
+
+
+def _matplotlib_imported() -> None:
+    """Wait for the import of :func:`_import_matplotlib_aside`, if one runs: one package imported
+    by two threads at once can fail in one of them (KeyError from importlib)."""
+    if _MATPLOTLIB_IMPORT:
+        _MATPLOTLIB_IMPORT[0].join()
 
 
 def _in_jupyter() -> bool:
