@@ -277,26 +277,6 @@ def test_workers_keep_tile_allocations_on_the_heap(embedded_runtime):
         assert all(embedded_runtime.client.run(_tune_malloc).values())
 
 
-def _numba_started() -> bool:
-    from tilegraph.ops.embedding import _nb_gather
-
-    return bool(_nb_gather.overloads)
-
-
-@pytest.mark.distributed
-def test_workers_start_numba_before_their_first_task(own_runtime):
-    """A process's first Numba kernel call takes ~0.8 s (LLVM starting), which the first task
-    waited for in its first kernel. Workers now start it as they join, while the client still
-    plans: on a cluster that has run no task, each worker has it started within seconds."""
-    client = own_runtime.client
-    assert all("tilegraph-warmup" in p for p in client.run(lambda dask_worker: sorted(dask_worker.plugins)).values())
-    deadline = time.monotonic() + 30
-    while not all(client.run(_numba_started).values()):
-        assert time.monotonic() < deadline, client.run(_numba_started)
-        time.sleep(0.1)
-    assert not any(client.run(lambda dask_worker: len(dask_worker.state.tasks)).values())  # no task did it
-
-
 def test_values_living_on_workers_come_back_and_feed_graphs(embedded_runtime):
     with embedded_runtime.as_current():
         m = tg.nn.MLP(4, 8, tile=2, seed=0)

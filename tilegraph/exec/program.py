@@ -307,17 +307,6 @@ def run_cluster(bound: Bound, prog: Program, *args):
 _BLAS = None
 
 
-def warm_kernels() -> None:
-    """Start Numba in this process: a process's first call of a Numba
-    kernel takes ~0.8 s on 2 cores (LLVM starting; the kernel itself comes compiled from Numba's
-    disk cache), which a worker's first task otherwise waits for inside its first kernel. A
-    worker runs this in a thread of its own as it starts (``runtime.worker_setup``), while the
-    client still builds and plans its first graph."""
-    from tilegraph.ops.embedding import _nb_gather  # (the ops come with tilegraph, imported already)
-
-    _nb_gather(np.zeros(1, np.int64), np.zeros((1, 1), np.float32), 0, np.zeros((1, 1), np.float32))
-
-
 def one_blas_thread():
     """A context in which BLAS libraries (OpenBLAS, MKL, BLIS, via threadpoolctl) run each call on
     one thread: where tilegraph's kernels themselves run on several threads of this process. Dask

@@ -22,8 +22,8 @@ from tilegraph.runtime.connection import (_client_security, _embedded_security, 
                                           _read_scheduler_file, _refuse_unguarded_script, _tls_files)
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK_CONFIG, _check_worker_versions,
                                             _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
-                                            _unchain_plugin, _warmup_plugin, scheduler_send_intervals,
-                                            set_send_interval, short_key_sets)
+                                            _unchain_plugin,
+                                            scheduler_send_intervals, set_send_interval, short_key_sets)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
 
@@ -141,8 +141,6 @@ class Runtime:
         from tilegraph.exec.comm_channel import channel_plugin
         from tilegraph.exec.shm import shm_plugin
 
-        # slower: each worker's first task waits ~0.8 s for Numba to start
-        _optional_setup("warm up the kernels on the workers", lambda: client.register_plugin(_warmup_plugin()))
         # slower: freed heap memory stays with the workers
         _optional_setup("tune worker malloc", lambda: client.register_plugin(_malloc_plugin()))
         if cluster is not None:  # the workers of the cluster it started: a signal to the process group

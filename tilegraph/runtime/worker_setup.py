@@ -7,7 +7,6 @@ import functools
 import logging
 import os
 import re
-import threading
 import sys
 
 from tilegraph._errors import TileError
@@ -153,32 +152,6 @@ def _signals_plugin():
                     "thread): a signal to the process group stops it", worker.address)
 
     return SignalsPlugin()
-
-
-def _warmup_plugin():
-    """A worker plugin running :func:`tilegraph.exec.program.warm_kernels` in a thread of its
-    own on every worker, also those joining later."""
-    from distributed.diagnostics.plugin import WorkerPlugin
-
-    def warm(warm_kernels) -> None:
-        try:
-            warm_kernels()
-        except Exception:  # (the first task meets whatever is wrong, and says it)
-            pass
-
-    class WarmupPlugin(WorkerPlugin):
-        name = "tilegraph-warmup"
-        idempotent = True
-
-        def setup(self, worker) -> None:
-            # imported here, by the thread that sets up the plugins: a package imported by two
-            # threads at once can fail in one of them (a restarted worker, which unpickles the
-            # next plugins meanwhile, failed to start with KeyError: 'tilegraph')
-            from tilegraph.exec.program import warm_kernels
-
-            threading.Thread(target=warm, args=(warm_kernels,), name="tilegraph-warmup", daemon=True).start()
-
-    return WarmupPlugin()
 
 
 def _malloc_plugin():
