@@ -402,8 +402,7 @@ class Decoder:
 
     def _lost(self) -> dict:
         """The ``where`` and ``hint`` of the error for a worker lost during a decoding step."""
-        held = len(self._restore) == sum(p.cells.size for p in self.model.parameters())
-        return {"where": "tilegraph.models.Decoder", "hint": _lost_hint(held)}
+        return {"where": "tilegraph.models.Decoder", "hint": _lost_hint(self.model, self._restore)}
 
     def _own_futures(self) -> None:
         """Give each finished cache tile a future of its own.
@@ -618,10 +617,9 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
             _decode_task, settings, blob.getvalue(), [r.future for r in refs], [r.index for r in refs],
             key=f"tg-generate-{uuid.uuid4().hex[:12]}", pure=False,
             resources={"CPU": 1} if workers.cpu_resource else None)
-        held = len(restore) == sum(p.cells.size for p in model.parameters())
         try:  # watched: a worker lost meanwhile is a WorkerLostError naming it, not Dask's CancelledError
             done, state = gather(runtime, [Fetching(future, None)], "the decoding on a worker",
-                                 where="tilegraph.models.generate", hint=_lost_hint(held))[0]
+                                 where="tilegraph.models.generate", hint=_lost_hint(model, restore))[0]
         finally:
             future.cancel()  # (a Ctrl-C: the worker stops decoding)
         rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
@@ -630,10 +628,11 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
         _put_back(restore)
 
 
-def _lost_hint(held: bool) -> str:
-    """What a worker lost while decoding took with it, and how to go on: ``held``, whether this
-    process held all of the model's parameters (they were only lent to the workers)."""
-    if held:
+def _lost_hint(model: CausalLM, restore: list) -> str:
+    """What a worker lost while decoding took with it, and how to go on: whether ``restore``
+    (:func:`_parameters_to_workers`) holds all of ``model``'s parameters (this process's own,
+    only lent to the workers)."""
+    if len(restore) == sum(p.cells.size for p in model.parameters()):
         return ("the model's parameters are this process's own, only lent to the workers while it decodes: generate "
                 "can run again on the workers left")
     return ("the model's parameters that lived on that worker are gone: load the model again (tilegraph.models."
