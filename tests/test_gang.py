@@ -424,6 +424,7 @@ def test_a_gang_on_workers_of_several_threads_equals_the_task_exchange(monkeypat
     plan trains as its Dask tasks do."""
     # the debug model's kernels are too small to be worth a second thread: make handing them over free
     monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
+    monkeypatch.setattr(tg.config, "kernel_gil_seconds", 0.0)
     rt = tg.connect(n_workers=2, threads_per_worker=2, dashboard=False, quiet=True, make_current=False)
     try:
         runs, exe = _tasks_then_gang(rt, monkeypatch)

@@ -67,6 +67,7 @@ def test_mlp_trains_on_the_embedded_cluster(embedded_runtime):
 def test_one_and_two_workers_agree(threads, monkeypatch):
     # kernels this small would run one after another inside a task; here they use the threads
     monkeypatch.setattr(tg.config, "thread_handoff_seconds", 0.0)
+    monkeypatch.setattr(tg.config, "kernel_gil_seconds", 0.0)
     monkeypatch.setattr(tg.config, "min_process_seconds", 1e-4)  # and a few ms of work spread over 2 workers
     results = []
     for n in (1, 2):

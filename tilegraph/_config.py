@@ -121,10 +121,14 @@ class Config:
     #: takes ~100 us, a few CuPy launches each: GPT-2 124M with every kernel on the GPU spent
     #: ~0.2 s per step on its 1,600 kernels outside attention)
     speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 1e-4)})
-    #: what running a task's kernels on several threads costs per kernel and per thread beyond
-    #: the first (handing kernels between threads, which also contend for the GIL): a task keeps
-    #: the number of threads (1, 2, 4, ... or all) whose list-scheduled span plus this cost is
-    #: least (``plan.cluster.threads_worth_using``)
+    #: what the threads of one process cannot do at once, for ``plan.cluster.threads_worth_using``
+    #: (a task keeps the number of threads, 1, 2, 4, ... or all, that it estimates quickest):
+    #: the seconds of a kernel's estimated time that hold the GIL, at most (its Python: the
+    #: runner's bookkeeping, argument handling, NumPy's dispatch; a kernel estimated shorter is
+    #: taken to hold it all its time, as NumPy calls on small arrays do)...
+    kernel_gil_seconds: float = 1e-4
+    #: ... and the seconds of it that handing a kernel to another thread adds (waking the thread,
+    #: passing the GIL). On 2 cores, 164 kernels of ~40 us took 6.4 ms on one thread and 9.6 ms on two.
     thread_handoff_seconds: float = 2e-5
 
     def __setattr__(self, name: str, value) -> None:
@@ -227,7 +231,7 @@ _CHECKS = {
     "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),
     "speeds": (_speeds, 'a dict of device ("cpu", "gpu") -> (flop/s, byte/s, seconds per kernel call), each > 0'),
-    "thread_handoff_seconds": number_check(),
+    "thread_handoff_seconds": number_check(), "kernel_gil_seconds": number_check(),
 }
 
 

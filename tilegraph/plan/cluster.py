@@ -390,25 +390,30 @@ class _Simulation:
 def threads_worth_using(nodes: Sequence[Node], threads: int) -> int:
     """How many of its process's ``threads`` a task running ``nodes`` (a topological order)
     should keep busy: the count, among 1, 2, 4, ... and ``threads``, whose estimated wall time is
-    least, where running on ``k`` threads costs ``(k - 1) * config.thread_handoff_seconds`` per
-    kernel on top of the list-scheduled span of the nodes on ``k`` threads (a Dask task starts
-    once all its inputs exist, so only its own dependencies order it).
+    least. On one thread that is the sum of the kernels' estimated times. On ``k`` threads it is
+    the longer of the nodes' list-scheduled span on ``k`` threads (a Dask task starts once all
+    its inputs exist, so only its own dependencies order it) and what the threads must do one
+    at a time, holding the GIL: up to ``config.kernel_gil_seconds`` of each kernel (all of a
+    shorter one) plus ``config.thread_handoff_seconds`` per kernel handed between threads.
 
-    Handing kernels between threads costs more with every thread that waits for work and for
-    the GIL: measured on 2 cores, a training step of `tilegraph train`'s model (164 kernels of
-    ~40 us) took 6.4 ms on one thread, 9.6 ms on 2 threads and 9.6-26 ms on 16, though the list
-    schedule promised 6.7 and 5.4 ms. Small kernels therefore run one after another, and a task with few kernels able
-    to run at once keeps no more threads than that."""
+    So small kernels run one after another: measured on 2 cores, a training step of `tilegraph
+    train`'s model (164 kernels of ~40 us) took 6.4 ms on one thread, 9.6 ms on 2 threads and
+    9.6-26 ms on 16, though the list schedule promised 6.7 and 5.4 ms; and a task with few
+    kernels able to run at once keeps no more threads than that. Kernels of milliseconds hold
+    the GIL for a small part of their time, so their threads need not wait for each other: the
+    block stack's step (5,231 kernels, ~12 s of them on one thread) is planned on 16 threads of
+    a 16-core process, not 8 (a cost of (k - 1) x 20 us per kernel and thread, which an earlier
+    rule charged, had it kept 8, and half of the cores idle)."""
     times = [est_seconds(n) for n in nodes]
     best_k, best = 1, sum(times)
-    handoff = config.thread_handoff_seconds
+    held = sum(min(t, config.kernel_gil_seconds) for t in times) + len(nodes) * config.thread_handoff_seconds
     floor = list_span(nodes, times, len(nodes))  # the longest path: no count of threads does better
     for k in sorted({min(threads, 1 << j) for j in range(1, max(1, threads - 1).bit_length() + 1)}):
         span = list_span(nodes, times, k)
-        cost = span + len(nodes) * (k - 1) * handoff
+        cost = max(span, held)
         if cost < best:
             best_k, best = k, cost
-        if span <= floor * (1 + 1e-9):  # more threads would only wait
+        if span <= floor * (1 + 1e-9) or span <= held:  # more threads would only wait
             break
     return best_k
 
