@@ -40,11 +40,17 @@ def check_index_range(xp, idx, high: int, where: str, what: str, allowed=None) -
     bad = (idx < 0) | (idx >= high)
     if allowed is not None:
         bad &= idx != allowed
-    if bool(bad.any()):
+
+    def error():
         first = int(idx.reshape(-1)[xp.argmax(bad.reshape(-1))])
-        raise TileError(where, f"{what} must lie in [0, {high})"
-                        + (f" or equal ignore_index ({allowed})" if allowed is not None else ""),
-                        f"{first}")
+        return TileError(where, f"{what} must lie in [0, {high})"
+                         + (f" or equal ignore_index ({allowed})" if allowed is not None else ""), f"{first}")
+
+    if xp is np:
+        if bad.any():
+            raise error()
+    else:  # on a GPU, read with the task's other checks, without a wait of its own
+        check_on_device(bad.any(), error)
 
 
 # ----------------------------------------------------------------------------------- kernels ----

@@ -6,7 +6,8 @@ import pytest
 
 import tilegraph as tg
 from tilegraph import models
-from tilegraph._graph import topo_order
+from tilegraph._errors import TileError
+from tilegraph._graph import check_on_device, emit1, kernel, topo_order
 
 pytestmark = pytest.mark.distributed
 
@@ -188,3 +189,87 @@ def test_gpu_attention_kernels_in_causal_row_blocks_match_numpy(monkeypatch):
 
     for got, want in zip(run(cupy), run(np)):
         np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=1e-10, atol=1e-12)
+
+
+# -- checks of device values, read once per task ---------------------------------------------------
+def _check_cost(in_shapes, out_shapes, itemsize, params):
+    from tilegraph._graph import Cost
+
+    return Cost(1e3, 1e3)
+
+
+@kernel("test_check_later", cost=_check_cost)
+def _check_later(x, *, fail, path, label):
+    check_on_device(np.asarray(fail), lambda: TileError("test_check_later", "a value out of range", label))
+    with open(path, "a") as f:  # what ran, in order, before the task ended
+        f.write(label + "\n")
+    return x + 1.0
+
+
+def test_device_checks_are_read_once_when_the_task_ends_and_the_first_failure_names_its_kernel(tmp_path, monkeypatch):
+    """On a GPU worker, a kernel's check of a device value (the token ids in range, say) is read
+    with the task's others once all its kernels are queued: no wait for the GPU in the middle of
+    a step. The task then fails with the first failed check's error, naming its kernel; on the
+    CPU (and outside a task) a check is read at once."""
+    from tilegraph.ops._common import new_tensor
+
+    path = tmp_path / "ran.txt"
+    x = tg.from_numpy(np.zeros((1, 4), np.float32))
+
+    def chain(fails):
+        y = x
+        for i, fail in enumerate(fails):
+            y = new_tensor(y.tiling, y.dtype, lambda idx, y=y, i=i, fail=fail: emit1(
+                _check_later, [y.grid[idx]], y.grid[idx].shape, y.dtype, op=f"check{i}", fail=fail, path=str(path),
+                label=f"kernel {i}"))
+        return y
+
+    monkeypatch.setattr(tg.config, "gpu_array_module", "numpy")  # GPU workers emulated with NumPy
+    with tg.connect(n_workers=1, gpu=1, dashboard=False, quiet=True):
+        exe = tg.compile([chain([False] * 3)], placement="gpu")
+        assert exe.n_tasks == 1 and {c.device for c in exe.clusters} == {"gpu"}
+        np.testing.assert_array_equal(tg.compute(chain([False] * 3), placement="gpu")[0], np.full((1, 4), 3.0))
+        path.write_text("")
+        with pytest.raises(TileError, match=r"a value out of range; received: kernel 1") as info:
+            tg.compute(chain([False, True, True]), placement="gpu")
+        assert path.read_text().split("\n")[:3] == ["kernel 0", "kernel 1", "kernel 2"]  # all ran first
+        assert any("in tile kernel 'test_check_later' of op 'check1'" in n for n in info.value.__notes__)
+    path.write_text("")  # the local scheduler's CPU kernels: at once, the next kernel never runs
+    with pytest.raises(TileError, match=r"received: kernel 1"):
+        tg.compute(chain([False, True, True]))
+    assert path.read_text().split("\n")[:2] == ["kernel 0", ""]
+
+
+def test_check_on_device_outside_a_task_reads_at_once_and_inside_defers():
+    from tilegraph._graph import deferred_device_checks, raise_failed_checks
+
+    def err(what):
+        return lambda: ValueError(what)
+
+    with pytest.raises(ValueError, match="now"):
+        check_on_device(np.asarray(True), err("now"))
+    pending = []
+    with deferred_device_checks(pending):
+        check_on_device(np.asarray(False), err("first"))
+        check_on_device(np.asarray(True), err("second"))
+        check_on_device(np.asarray(True), err("third"))
+    assert len(pending) == 3
+    with pytest.raises(ValueError, match="second"):
+        raise_failed_checks(pending)
+    raise_failed_checks(pending[:1])  # none failed: nothing raised
+    raise_failed_checks([])
+
+
+@pytest.mark.gpu
+def test_a_token_id_out_of_range_on_a_gpu_worker_is_a_clear_error():
+    # the embedding's check of the ids is read on the device, with the step's other checks
+    cfg = models.GPT2Config.flavor("debug")
+    model = models.build(cfg, models.ModelTiling(batch=2, seq=16, feature=None, vocab=48), seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = np.zeros((4, 32), np.int64)
+    ids[1, 3] = cfg.vocab_size + 5
+    with tg.connect(n_workers=1, gpu=1, dashboard=False, quiet=True) as rt:
+        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, 16), (2, 16)],
+                            runtime=rt, placement="gpu")
+        with pytest.raises(TileError, match=rf"ids must lie in \[0, {cfg.vocab_size}\).*{cfg.vocab_size + 5}"):
+            step(ids, np.zeros_like(ids))

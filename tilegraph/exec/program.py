@@ -4,6 +4,7 @@ per-process counters of the time spent inside kernels (:func:`kernel_stats`)."""
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import sys
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tilegraph._errors import TileError
+from tilegraph._graph import checking_in, deferred_device_checks, raise_failed_checks
 
 __all__ = ["Call", "Program", "Bound", "Results", "run_cluster", "kernel_stats"]
 
@@ -148,16 +150,22 @@ def kernel_stats(reset: bool = False) -> dict:
 SYNC_GPU_KERNELS = os.environ.get("TILEGRAPH_SYNC_KERNELS", "") not in ("", "0")
 
 
+def _where(op: Call) -> str:
+    return f"in tile kernel {op.kernel.name!r} of op {op.op!r}" + (f" in {op.scope}" if op.scope else "")
+
+
 def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
     """Run one kernel call on its input registers; returns (output values, seconds)."""
     fn = op.kernel.impl(device)
     t0 = time.perf_counter()
     try:
+        if device == "gpu":
+            checking_in(_where(op))
         res = fn(*[regs[i] for i in op.ins], **op.params)
         if SYNC_GPU_KERNELS and device == "gpu":
             _gpu_sync()
     except Exception as e:  # say which op failed; the traceback keeps the cause
-        e.add_note(f"in tile kernel {op.kernel.name!r} of op {op.op!r}" + (f" in {op.scope}" if op.scope else ""))
+        e.add_note(_where(op))
         raise
     dt = time.perf_counter() - t0
     if len(op.outs) == 1:
@@ -174,6 +182,12 @@ def _gpu_sync() -> None:
     cupy = sys.modules.get("cupy")  # None: GPU workers emulated with NumPy (config.gpu_array_module)
     if cupy is not None:
         cupy.cuda.get_current_stream().synchronize()
+
+
+def _device_checks(prog: Program, checks: list):
+    """On a GPU task: the checks its kernels make of device values, kept in ``checks`` and read
+    once its kernels are queued (``_graph.check_on_device``)."""
+    return deferred_device_checks(checks) if prog.device == "gpu" else contextlib.nullcontext()
 
 
 def _quiet_floats():
@@ -218,9 +232,11 @@ class _ParallelRun:
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.by_kernel: dict[str, float] = {}
+        self.checks: list = []
 
     def work(self) -> None:
-        with _quiet_floats():  # each thread's own NumPy error state (a context variable)
+        # each thread's own NumPy error state (a context variable) and list of checks (the task's)
+        with _quiet_floats(), _device_checks(self.prog, self.checks):
             self._work()
 
     def _work(self) -> None:
@@ -279,10 +295,11 @@ def run_cluster(bound: Bound, prog: Program, *args):
         run.work()
         if run.error is not None:
             raise run.error
-        by_kernel = run.by_kernel
+        by_kernel, checks = run.by_kernel, run.checks
     else:
         by_kernel: dict[tuple[str, str], float] = {}
-        with _quiet_floats():
+        checks = []
+        with _quiet_floats(), _device_checks(prog, checks):
             for op in prog.ops:
                 res, dt = _call(op, regs, prog.device)
                 _count(by_kernel, op, dt)
@@ -290,6 +307,7 @@ def run_cluster(bound: Bound, prog: Program, *args):
                     regs[r] = val
                 for r in op.free:
                     regs[r] = None
+    raise_failed_checks(checks)  # the task's one wait for its GPU, if its kernels checked values there
     out = measured_exactly(tuple(regs[r] for r in prog.out_regs))
     for hook in AFTER_TASK:
         hook()
