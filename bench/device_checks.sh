@@ -82,8 +82,11 @@ BATCH_6X768=$([ "$QUICK" = 1 ] && echo 4 || echo 16)
 TRAIN="--no-progress --set output.checkpoint_every=0"
 
 # ONLY: the parts to run, comma separated, of gpu, cpu-train, cpu-6x768, cpu-scale, cpu-tasks
-# (default: those), and cpu-gpt2-scale (GPT-2 6x768 on 4 worker processes, sharded: never measured
-# yet; only when named, ~150 s); e.g. ONLY=gpu,cpu-train,cpu-scale for a shorter call
+# (default: those), and, only when named: cpu-gpt2-scale (GPT-2 6x768 on 4 worker processes,
+# sharded, ~50 s), gpu-ab (GPT-2 124M on the GPU, this tree and BASE= one after the other, ~100 s)
+# and gpu-profile (bench/profile_gpu.py: every CUDA kernel of a GPT-2 124M step, tilegraph's and
+# torch's, ~70 s), cpu-scale-base (cpu-scale on BASE='s code); e.g. ONLY=gpu,cpu-train,cpu-scale for a
+# shorter call. SCALE_CONFIGS= narrows cpu-scale's configurations (e.g. 1x16,4x4).
 ONLY="${ONLY:-gpu,cpu-train,cpu-6x768,cpu-scale,cpu-tasks}"
 want() { [[ ",$ONLY," == *",$1,"* ]]; }
 # 1. the README's main job as a newcomer runs it, GPU visible (it must work on a GPU machine);
@@ -108,6 +111,15 @@ if [ "$HAS_GPU" = 1 ] && want gpu; then
 elif want gpu; then
     echo "train-gpu-visible, gpu-tests, gpt2-gpu: skipped (no GPU)" | tee -a "$SUMMARY"
 fi
+GPT2_GPU="bench/bench_gpt2.py --device gpu --flavor gpt2 --batch 8 --seq 512 --steps $STEPS --warmup 1"
+if [ "$HAS_GPU" = 1 ] && want gpu-ab && [ -n "${BASE:-}" ] && [ -d "$BASE" ]; then
+    rm -rf /tmp/tg-base-site
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/tg-base-site "$BASE" \
+        && check gpt2-gpu-head 70 "python3 $GPT2_GPU" \
+        && check gpt2-gpu-base 70 "PYTHONPATH=/tmp/tg-base-site${PYTHONPATH:+:$PYTHONPATH} python3 $GPT2_GPU"
+fi
+[ "$HAS_GPU" = 1 ] && want gpu-profile && check gpu-profile 150 "python3 bench/profile_gpu.py --python --flavor gpt2 --batch 8 \
+    --seq 512 --steps 3 --top 30"
 # 2. 16 cores, GPU hidden: the main job on the default cluster (4 x 4 on 16 cores) and on one worker x
 # all threads (the issue: 4,125 tok/s on 16 cores against ~40,000 on 2)
 export CUDA_VISIBLE_DEVICES=
@@ -128,7 +140,16 @@ want cpu-6x768 && check gpt2-6x768-1-worker 110 "python3 bench/bench_gpt2.py --f
 # workers' processes exchanging values as gangs (one task per process per step); then 4 x T/4 with
 # the Dask-task exchange, for the comparison
 want cpu-scale && check scale-blocks 130 "python3 bench/bench_scale.py --models blocks --strategies sharded \
-    $BLOCKS --steps $STEPS --warmup 1 --no-ddp"
+    $BLOCKS --steps $STEPS --warmup 1 --no-ddp ${SCALE_CONFIGS:+--configs $SCALE_CONFIGS}"
+# cpu-scale-base (only when named, with BASE=): the same block stack run on BASE's code, right after
+# cpu-scale, for a before/after pair in one call
+if want cpu-scale-base && [ -n "${BASE:-}" ] && [ -d "$BASE" ]; then
+    rm -rf /tmp/tg-base-site
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/tg-base-site "$BASE" \
+        && check scale-blocks-base 130 "PYTHONPATH=/tmp/tg-base-site${PYTHONPATH:+:$PYTHONPATH} python3 \
+            bench/bench_scale.py --models blocks --strategies sharded $BLOCKS --steps $STEPS --warmup 1 --no-ddp \
+            ${SCALE_CONFIGS:+--configs $SCALE_CONFIGS}"
+fi
 QUARTER=$(( $(nproc) >= 4 ? $(nproc) / 4 : 1 ))
 want cpu-tasks && check scale-blocks-tasks 40 "python3 bench/bench_scale.py --models blocks --strategies sharded \
     --configs 4x$QUARTER --exchange tasks $BLOCKS --steps $STEPS --warmup 1 --no-ddp"
