@@ -276,9 +276,10 @@ def test_buckets_cut_the_backward_without_changing_a_bit(embedded_runtime, monke
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_path):
-    """20 steps of the debug GPT-2 through the Trainer (several steps per graph): one worker, two
-    workers with the tiles plan and two with data parallelism give the same losses (float32
-    tolerance: data parallelism sums each replica's gradients first)."""
+    """20 steps of the debug GPT-2 through the Trainer (several steps per graph): one worker, and
+    two workers with the tiles plan, data parallelism and sharded state, give the same losses
+    (the README's float32 tolerances: the tiles plan 1e-6, data parallelism and sharded state,
+    which sum each replica's gradients first, 1e-4)."""
     import dataclasses
 
     from tilegraph import models
@@ -289,7 +290,7 @@ def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_p
     tok = tmp_path / "tokens.bin"
     build_token_file([corpus], tok, ByteTokenizer(eos=True))
     runs = {}
-    for workers, parallel in ((1, "tiles"), (2, "tiles"), (2, "data")):
+    for workers, parallel in ((1, "tiles"), (2, "tiles"), (2, "data"), (2, "sharded")):
         model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=257), seed=0)
         opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-3, 5, 20), weight_decay=0.1,
                              clip_grad_norm=1.0)
@@ -304,6 +305,7 @@ def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_p
     assert base[-1] < base[0]
     np.testing.assert_allclose(runs[(2, "tiles")], base, rtol=1e-6)
     np.testing.assert_allclose(runs[(2, "data")], base, rtol=1e-4)
+    np.testing.assert_allclose(runs[(2, "sharded")], base, rtol=1e-4)
 
 
 @pytest.mark.distributed

@@ -74,6 +74,48 @@ def test_mpi_ranks_get_the_low_overhead_settings_of_the_embedded_cluster(tmp_pat
     assert saturation == float("inf") and stealing is False
 
 
+def test_worker_ranks_take_the_memory_limit_given_to_connect(tmp_path):
+    """``connect(mpi=True, memory_limit=...)`` is each worker rank's limit, with the embedded
+    cluster's lower spill target for it; "auto" gives each of a node's worker ranks the share of
+    the memory that its cores are of the node's."""
+    import psutil
+
+    mpiexec = _mpiexec()
+    code = (
+        "import sys, tilegraph as tg\n"
+        "rt = tg.connect(mpi=True, interface='lo', memory_limit=sys.argv[1])\n"
+        "def worker(dask_worker):\n"
+        "    import dask\n"
+        "    return (dask_worker.memory_manager.memory_limit, dask.config.get('distributed.worker.memory.target'),\n"
+        "            dask_worker.state.nthreads)\n"
+        "print('workers', list(rt.client.run(worker).values()))\n"
+        "rt.close()\n")
+    for given in ("1GB", "auto"):
+        proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", code, given], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        workers = eval(re.search(r"^workers (.*)$", proc.stdout, re.M).group(1))
+        assert len(workers) == 2
+        for limit, target, threads in workers:
+            if given == "1GB":
+                assert limit == 10**9 and target < 0.6  # Dask's default target, lowered for the process and a task
+            else:
+                share = psutil.virtual_memory().total * min(1.0, threads / (os.cpu_count() or 1))
+                assert limit == pytest.approx(share, rel=0.01) and threads == max(1, (os.cpu_count() or 1) // 2)
+
+
+def test_cli_trains_under_mpiexec_with_mpi_in_its_config(tmp_path):
+    """`[runtime] mpi = true` in the config does what --mpi does."""
+    mpiexec = _mpiexec()
+    (tmp_path / "mpi.toml").write_text("[runtime]\nmpi = true\ninterface = \"lo\"\n")
+    proc = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "tilegraph.cli", "train", "mpi.toml", "--steps", "3",
+                           "--no-progress", "--out", "run", "--set", "output.checkpoint_every=0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("tilegraph train: GPT2") == 1  # one rank ran the command
+    assert len(_losses(tmp_path / "run")) == 3
+
+
 def _losses(run_dir: Path) -> list[float]:
     import json
 

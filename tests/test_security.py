@@ -267,3 +267,25 @@ def test_connect_to_a_dask_mpi_tls_cluster_by_its_scheduler_file(dask_mpi_tls_cl
             _small_computation()
         rt.client.shutdown()  # the scheduler stops, and dask-mpi's ranks with it
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_cli_trains_on_a_tls_cluster_named_by_its_scheduler_file(dask_mpi_tls_cluster, certs, tmp_path):
+    """`tilegraph train` with `[runtime] scheduler_file` and the `--tls-*` flags: the job trains on
+    the cluster dask-mpi started over TLS (the README's Jupyter pattern, from the command line)."""
+    import json
+
+    proc, sched = dask_mpi_tls_cluster
+    deadline = time.monotonic() + 60
+    while not sched.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert sched.exists(), "dask-mpi wrote no scheduler file"
+    run = subprocess.run([sys.executable, "-m", "tilegraph.cli", "train", "--steps", "3", "--no-progress", "--out", "run",
+                          "--set", f"runtime.scheduler_file={sched}", "--set", "output.checkpoint_every=0",
+                          "--tls-ca-file", certs["tls_ca_file"], "--tls-cert", certs["tls_cert"],
+                          "--tls-key", certs["tls_key"]],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if "loss" in r]) == 3
+

@@ -595,7 +595,9 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     - ``connect(scheduler_file="scheduler.json")``: a scheduler started with ``--scheduler-file``.
     - ``connect(mpi=True)``: inside ``mpiexec -n N``, dask-mpi makes rank 0 the scheduler, ranks
       >= 2 workers, and rank 1 runs the rest of the script; ``interface`` picks the network
-      interface the ranks listen on (e.g. "ib0"; default: the host's address).
+      interface the ranks listen on (e.g. "ib0"; default: the host's address). Each worker rank
+      gets the cores mpiexec bound it to, or its share of its node's, and ``memory_limit`` (per
+      worker rank; "auto": the node's memory in the share of its cores).
 
     TLS (``tls://``, every connection encrypted and both ends showing a certificate signed by the
     cluster's CA): give ``tls_ca_file``, ``tls_cert`` and ``tls_key`` (PEM files; all three), or a
@@ -628,7 +630,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
                         f"address={address!r}, scheduler_file={scheduler_file!r}, mpi={mpi!r}")
     # what shapes a cluster tilegraph starts, given where it starts none (MPI decides the workers)
     shaping = {"n_workers": n_workers, "gpu": gpu, "threads_per_worker": threads_per_worker,
-               "memory_limit": None if memory_limit == "auto" else memory_limit}
+               "memory_limit": None if memory_limit == "auto" or mpi else memory_limit}
     if address is not None or scheduler_file is not None:
         shaping.update(dask_config=dask_config, interface=interface)
     given = {k: v for k, v in shaping.items() if v is not None}
@@ -659,7 +661,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         from tilegraph.runtime.mpi import initialize_mpi
 
         n_mpi_workers = initialize_mpi(interface=interface, security=security, tls=tls, tls_files=tls_files,
-                                       dask_config=dask_config, problem=rank_problem)
+                                       dask_config=dask_config, problem=rank_problem, memory_limit=memory_limit)
         client = Client()  # it reads the scheduler's address and the TLS settings from dask's config
         try:
             client.wait_for_workers(n_mpi_workers, timeout=MPI_WORKERS_WAIT_SECONDS)  # a plan needs to know its workers

@@ -15,7 +15,7 @@ _LAUNCH: dict | None = None
 
 def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security=None, tls: bool = False,
                    tls_files: tuple[str, str, str] | None = None, dask_config: dict | None = None,
-                   problem: TileError | None = None) -> int:
+                   problem: TileError | None = None, memory_limit="auto") -> int:
     """Turn this MPI rank into its dask-mpi role; on the client rank, return the worker count.
 
     Every rank applies the embedded cluster's Dask settings (``CLUSTER_DASK_CONFIG``: no worker
@@ -23,6 +23,10 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
 
     With ``tls_files`` (CA, certificate, key: checked by ``connect``; every rank must be able to
     read them) or a ``distributed.Security``, every rank speaks ``tls://``.
+
+    ``memory_limit``: each worker rank's (as ``connect`` takes it, checked there; "auto": the
+    node's memory in the share of its cores that the rank's threads have), with the embedded
+    cluster's spill settings for it (``runtime._memory_settings``).
 
     ``problem``: what ``connect`` found wrong on this rank before (its TLS files, say). The ranks
     agree on such problems, and on ``interface``, before any of them takes its role
@@ -93,9 +97,14 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     threads = _worker_threads(comm, MPI)
     gpus = _visible_gpus()
     options = {"resources": {"GPU": 1} if gpus else {"CPU": threads}}
+    limit = _rank_memory_limit(memory_limit, threads)
+    if comm.Get_rank() >= 2 and limit:
+        from tilegraph.runtime import _memory_settings
+
+        dask.config.set(_memory_settings(limit, threads, os.cpu_count() or 1))
     try:
         initialize(interface=interface, nthreads=threads, worker_options=options, dashboard=comm.Get_rank() == 0,
-                   protocol="tls" if tls_config else None, exit=True)
+                   protocol="tls" if tls_config else None, exit=True, memory_limit=limit or None)
     except Exception as e:
         if comm.Get_rank() != 0:
             raise  # a worker rank that fails to start: the client rank names it after its wait for them
@@ -219,6 +228,16 @@ def _worker_threads(comm, MPI) -> int:
     if mine < cores:  # bound by mpiexec (--bind-to core, ...): those cores are this rank's
         return max(1, mine)
     return max(1, cores // max(1, workers_here))
+
+
+def _rank_memory_limit(memory_limit, threads: int) -> int:
+    """A worker rank's memory limit in bytes (0: none), from ``connect``'s ``memory_limit``:
+    "auto" is the node's memory times the share of its cores that the rank's ``threads`` are
+    (each of the node's worker ranks gets its part, as its cores)."""
+    from distributed.worker_memory import parse_memory_limit
+
+    return parse_memory_limit(memory_limit, threads, total_cores=os.cpu_count() or 1,
+                              logger=logging.getLogger(__name__)) or 0
 
 
 def _tls_config(security, tls: bool, tls_files) -> dict:
