@@ -40,7 +40,7 @@ a cluster launched by MPI (``mpiexec -n W+2``: the scheduler, the timing script 
 as ``tilegraph train --mpi`` launches it; launch ``mpi``), and a line compares it with the embedded
 cluster of the same shape.
 
-    python bench/bench_scale.py                                  # blocks and GPT-2 6x768
+    python bench/bench_scale.py                                  # blocks and GPT-2 6x768, tiles/data/sharded
     python bench/bench_scale.py --models gpt2 --gpt2-flavor debug --steps 5
     python bench/bench_scale.py --configs 1x2,2x1 --strategies tiles,data --width 256 --layers 2
     python bench/bench_scale.py --configs 2x1 --strategies data --mpi --no-ddp   # MPI vs embedded
@@ -359,7 +359,7 @@ def main():
     ap.add_argument("--models", default="blocks,gpt2", help="comma separated: blocks, gpt2")
     ap.add_argument("--gpt2-flavor", choices=GPT2_FLAVORS, default="6x768",
                     help="GPT-2 model of bench_gpt2.py (debug: the tiny test model, for a quick run)")
-    ap.add_argument("--strategies", default="tiles,data",
+    ap.add_argument("--strategies", default="tiles,data,sharded",
                     help="comma separated TrainStep(parallel=...) strategies to run with several workers")
     ap.add_argument("--threads-total", type=at_least(1), default=None, help="T: threads in all (default: the cores)")
     ap.add_argument("--configs", default=None,

@@ -32,14 +32,15 @@ def test_bench_scale_tiny_blocks_runs():
     got = {(r["WxT"], r["strategy"]): r for r in rows}
     # torch eager for each total of threads; one tilegraph row for 1 worker, one per strategy for 2;
     # PyTorch DDP beside tilegraph's 2x1
+    # (the default strategies: tiles, data and sharded, what "auto" picks across processes)
     expected = {("1x1", "torch"), ("1x2", "torch"), ("1x1", "tiles"), ("2x1", "tiles"), ("2x1", "data"),
-                ("2x1", "torch-DDP")}
+                ("2x1", "sharded"), ("2x1", "torch-DDP")}
     assert set(got) == expected and len(rows) == len(expected), proc.stdout
     for r in rows:
         tok_s, ratio = float(r["tok/s"]), float(r["ratio"])
         assert math.isfinite(tok_s) and tok_s > 0, proc.stdout
         assert math.isfinite(ratio) and ratio > 0, proc.stdout
-    for key in [("1x1", "tiles"), ("2x1", "tiles"), ("2x1", "data")]:
+    for key in [("1x1", "tiles"), ("2x1", "tiles"), ("2x1", "data"), ("2x1", "sharded")]:
         r = got[key]
         assert r["used"] in ("tiles", "data", "sharded") and r["auto"] in ("tiles", "data", "sharded"), r
         assert float(r["MB/step"]) >= 0 and r["outside"].endswith("%"), r
