@@ -51,7 +51,7 @@ def norm_dim(dim: int, ndim: int, where: str) -> int:
     if not is_int(dim):
         raise TileError(where, f"dim must be an int (a dim of the {ndim}-d tensor; negative counts from the end)",
                         f"{dim!r} ({type(dim).__name__})")
-    if not -ndim <= dim < max(ndim, 1):
+    if not -max(ndim, 1) <= dim < max(ndim, 1):  # a 0-d tensor takes 0 and -1, as in torch
         raise TileError(where, f"dim out of range for a {ndim}-d tensor", str(dim))
     return int(dim) % ndim if ndim else 0
 

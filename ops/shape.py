@@ -72,6 +72,8 @@ def transpose(x: TileTensor, *dims) -> TileTensor:
         return checked_permute(x, tuple(reversed(range(x.ndim))), where)
     if len(dims) == 2:  # torch semantics: swap two dims
         d0, d1 = (norm_dim(d, x.ndim, where) for d in dims)
+        if x.ndim == 0:  # dims 0 and -1 of a 0-d tensor: itself, as in torch
+            return x
         perm = list(range(x.ndim))
         perm[d0], perm[d1] = perm[d1], perm[d0]
         return checked_permute(x, tuple(perm), where)
@@ -248,7 +250,7 @@ def squeeze(x: TileTensor, dim=None, where: str = "tilegraph.squeeze") -> TileTe
         dims = {d for d, n in enumerate(x.shape) if n == 1}
     else:
         given = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
-        dims = {d for d in (norm_dim(g, x.ndim, where) for g in given) if x.shape[d] == 1}
+        dims = {d for d in (norm_dim(g, x.ndim, where) for g in given) if x.ndim and x.shape[d] == 1}
     return checked_reshape(x, tuple(n for d, n in enumerate(x.shape) if d not in dims), where)
 
 

@@ -219,3 +219,47 @@ def test_generate_stops_at_a_stop_string_and_takes_a_repetition_penalty(capsys, 
 
 def test_unescape_reads_newlines_and_tabs():
     assert cli.unescape(r"a\nb\tc\\n") == "a\nb\tc\\n" and cli.unescape("plain") == "plain"
+
+
+@pytest.mark.distributed
+def test_a_worker_lost_during_an_evaluation_of_this_processs_model_says_it_can_run_again(own_runtime):
+    """`tilegraph eval` evaluates a model loaded here: its parameters are only lent to the
+    workers, so a worker lost meanwhile is a WorkerLostError naming it that says the evaluation
+    can run again on the workers left (not the training's "resume from a checkpoint"), and it does."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from test_generate import _stall_decoding
+
+    rt = own_runtime
+    model = models.build("gpt2-debug", seed=0)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (4, 16))
+    ev = tg.EvalStep(model, lambda m, i: tg.cross_entropy(m(i[:, :-1]), i[:, 1:]), runtime=rt)
+    want = ev(ids)
+    rt.client.run(_stall_decoding, where="tasks")
+    pids = rt.client.run(os.getpid)
+    got = {}
+
+    def evaluate():
+        try:
+            got["loss"] = ev(ids)
+        except Exception as e:
+            got["error"] = e
+
+    thread = threading.Thread(target=evaluate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (busy := [a for a, keys in rt.client.processing().items() if any(k.startswith("tg-") for k in keys)]):
+        assert time.monotonic() < deadline and thread.is_alive(), got
+        time.sleep(0.05)
+    os.kill(pids[busy[0]], signal.SIGKILL)
+    thread.join(60)
+    error = got.get("error")
+    assert type(error).__name__ == "WorkerLostError", got
+    assert str(error).startswith(f"[tilegraph.EvalStep] lost worker {busy[0]}"), error
+    assert "only lent to the workers for the evaluation: it can run again on the workers left" in str(error)
+    assert "Trainer" not in str(error)
+    rt.client.run(_stall_decoding, where="tasks", stall=False)
+    assert ev(ids) == pytest.approx(want, rel=1e-6)

@@ -464,3 +464,25 @@ def test_numpys_initial_and_where_are_named_and_a_0d_tensor_takes_dim_minus_1():
         assert s.sum(dim).numpy() == 2.5 and s.mean(dim, keepdim=True).numpy() == 2.5
     with pytest.raises(tg.TileError, match=r"dim out of range for a 0-d tensor \(0 or -1\); received: -2"):
         s.sum(-2)
+
+
+def test_a_0d_tensor_takes_dim_0_and_minus_1_as_in_torch():
+    """torch reads dims 0 and -1 of a 0-d tensor as its one place: reductions, scans, squeeze and
+    transpose take both (squeeze and transpose raised IndexError), other dims are refused."""
+    import torch
+
+    x = tg.from_numpy(np.array(2.5, dtype=np.float32))
+    t = torch.tensor(2.5)
+    for dim in (0, -1):
+        for ours, theirs in ((tg.sum(x, dim=dim), t.sum(dim)), (tg.cumsum(x, dim), torch.cumsum(t, dim)),
+                             (tg.squeeze(x, dim), t.squeeze(dim)), (tg.transpose(x, 0, dim), t.transpose(0, dim)),
+                             (tg.max(x, dim)[0], t.max(dim)[0])):
+            assert ours.shape == tuple(theirs.shape)
+            np.testing.assert_allclose(ours.numpy(), theirs.numpy())
+    for dim in (1, -2):
+        with pytest.raises(tg.TileError, match=rf"dim out of range for a 0-d tensor.*received: {dim}"):
+            tg.sum(x, dim=dim)
+        with pytest.raises(tg.TileError, match=rf"dim out of range for a 0-d tensor; received: {dim}"):
+            tg.squeeze(x, dim)
+        with pytest.raises(IndexError):
+            t.squeeze(dim)

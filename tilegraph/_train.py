@@ -14,7 +14,7 @@ import numpy as np
 from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, TileRef, to_host
+from tilegraph._graph import Cell, TileRef, ValueRef, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, check_runtime, check_values_reachable,
                               config, gather)
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
@@ -593,6 +593,11 @@ LOST_STATE_HINT = ("parameters and optimizer state live on the workers as Dask f
                    "Trainer(restart_on_failure=True, checkpoint_dir=..., checkpoint_every=...)")
 
 
+#: what a lost worker's error tells to do when the model's parameters are this process's own
+EVAL_LENT_HINT = ("the model's parameters are this process's own, only lent to the workers for the evaluation: it can "
+                  "run again on the workers left")
+
+
 def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps: range | None = None,
                       where: str = "tilegraph.TrainStep", hint: str = LOST_STATE_HINT) -> WorkerLostError:
     """The error for workers found lost (or, when none is named, for data the cluster lost)
@@ -796,5 +801,18 @@ class EvalStep:
             for ins, b in zip(inputs, chunk):
                 self._calls += 1
                 _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
-            out += [float(to_host(v).reshape(())) for v in exe.run(during="the evaluation")]
+            try:
+                values = exe.run(during="the evaluation", lost={"where": "tilegraph.EvalStep", "hint": self._lost_hint()})
+            except WorkerLostError:
+                self.reset_plans()  # planned for the workers there were: the next call plans for those left
+                raise
+            out += [float(to_host(v).reshape(())) for v in values]
         return out
+
+    def _lost_hint(self) -> str:
+        """What a worker lost during an evaluation took with it: nothing of a model whose
+        parameters this process holds (``tilegraph eval``'s: it lends them to the workers for each
+        graph), else the parameters and state that lived there (a model trained on the workers)."""
+        if all(not isinstance(c.value, ValueRef) for p in self.model.parameters() for c in p.cells.flat):
+            return EVAL_LENT_HINT
+        return LOST_STATE_HINT
