@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a lent device machine (one GPU, 16 CPU cores), as calls of at most 10
 # minutes: the time limits below add up to 780 s (850 with BASE=), so ONLY= picks parts for each
-# call. On an H200 machine the GPU part took 131 s (171 s with BASE=), the four cpu-train runs 70 s,
-# cpu-6x768 50 s; on the 2-core development machine, QUICK=1, the CPU checks took 186 s. They are
+# call. On an H200 machine the GPU part took 131-143 s (171 s with BASE=), the four cpu-train runs
+# 55-70 s, cpu-6x768 47-50 s, cpu-gpt2-scale 45 s, gpu-ab 77 s, gpu-profile 38-63 s, cpu-scale on
+# SCALE_CONFIGS=1x16 34 s (its BASE= run as long), and a call's start and the wheels' install about
+# 60 s more; on the 2-core development machine, QUICK=1, the CPU checks took 186 s. They are
 # what the README promises on a machine with a GPU, GPT-2 124M training on the GPU against torch,
 # and the 16-core figures of the scale-out issue. Every check writes a log of its own; the
 # summary lists each with its exit code.

@@ -77,14 +77,16 @@ def deferred_device_checks(pending: list):
         _DEVICE_CHECKS.pending = old
 
 
-def checking_in(where: str | None) -> None:
-    """Name the kernel that the checks made next in this thread belong to (for their error)."""
+def checking_in(where) -> None:
+    """Say which kernel call the checks made next in this thread belong to (anything that
+    :func:`raise_failed_checks`'s ``describe`` turns into the error's note)."""
     _DEVICE_CHECKS.where = where
 
 
-def raise_failed_checks(pending: list) -> None:
+def raise_failed_checks(pending: list, describe: Callable[[Any], str] = str) -> None:
     """Raise the error of the first check in ``pending`` that failed, with a note naming its
-    kernel; one wait for the device when none did."""
+    kernel (``describe`` of what :func:`checking_in` was given); one wait for the device when
+    none did."""
     if not pending:
         return
     flags = [f for f, _, _ in pending]
@@ -94,8 +96,8 @@ def raise_failed_checks(pending: list) -> None:
     for failed, error, where in pending:
         if bool(failed):
             e = error()
-            if where:
-                e.add_note(where)
+            if where is not None:
+                e.add_note(describe(where))
             raise e
 
 

@@ -160,7 +160,7 @@ def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
     t0 = time.perf_counter()
     try:
         if device == "gpu":
-            checking_in(_where(op))
+            checking_in(op)
         res = fn(*[regs[i] for i in op.ins], **op.params)
         if SYNC_GPU_KERNELS and device == "gpu":
             _gpu_sync()
@@ -307,7 +307,7 @@ def run_cluster(bound: Bound, prog: Program, *args):
                     regs[r] = val
                 for r in op.free:
                     regs[r] = None
-    raise_failed_checks(checks)  # the task's one wait for its GPU, if its kernels checked values there
+    raise_failed_checks(checks, _where)  # the task's one wait for its GPU, if its kernels checked values there
     out = measured_exactly(tuple(regs[r] for r in prog.out_regs))
     for hook in AFTER_TASK:
         hook()
