@@ -184,7 +184,10 @@ def time_tilegraph(model, make_data, args, tg):
         "top": sorted(ks["by_kernel"].items(), key=lambda kv: -kv[1]), "steps": steps}
 
 
-def time_torch(hf_dir, data, warmup, args, torch):
+def torch_training(hf_dir, data, args, torch, device: str):
+    """HF's GPT2LMHeadModel from ``hf_dir`` on ``device`` with torch's AdamW: the model, a function
+    running one training step on a batch of ids (returns its loss, which waits for the device)
+    and the batches' ids on the device."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # config notes (GPT-2's token ids outside a small vocab)
@@ -192,7 +195,6 @@ def time_torch(hf_dir, data, warmup, args, torch):
     hf = transformers.GPT2LMHeadModel.from_pretrained(
         hf_dir, dtype=torch.float32, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
     hf.train()
-    device = "cuda" if args.device == "gpu" else "cpu"
     hf.to(device)
     opt = torch.optim.AdamW(hf.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     ids = [torch.from_numpy(b[0]).to(device) for b in data]
@@ -204,6 +206,11 @@ def time_torch(hf_dir, data, warmup, args, torch):
         opt.step()
         return float(loss.detach())
 
+    return hf, step, ids
+
+
+def time_torch(hf_dir, data, warmup, args, torch):
+    hf, step, ids = torch_training(hf_dir, data, args, torch, "cuda" if args.device == "gpu" else "cpu")
     first = step(ids[0])
     for x in ids[1:warmup]:
         step(x)

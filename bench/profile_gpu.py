@@ -147,21 +147,10 @@ def profile_tilegraph(model, data, args, tg):
 
 def profile_torch(hf_dir, data, args):
     import torch
-    import transformers
 
-    transformers.logging.set_verbosity_error()
-    hf = transformers.GPT2LMHeadModel.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False).cuda().train()
-    opt = torch.optim.AdamW(hf.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    ids = [torch.from_numpy(b[0]).cuda() for b in data]
+    from bench_gpt2 import torch_training
 
-    def step(x):
-        opt.zero_grad(set_to_none=True)
-        loss = hf(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
+    hf, step, ids = torch_training(hf_dir, data, args, torch, "cuda")
     for x in ids[:args.warmup]:
         step(x)
     start_profiler()

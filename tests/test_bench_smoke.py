@@ -141,6 +141,7 @@ def _table(stdout: str, header_start: str, row_start: str) -> list[dict]:
     ("bench_attention.py", ["--dtype", "int8"], "argument --dtype: invalid choice"),
     ("bench_peft.py", ["--parts", "b", "--steps", "0"], "argument --steps: an integer >= 1"),
     ("bench_generate.py", ["--flavor", "debug", "--new", "2"], "argument --new: an integer >= 3"),
+    ("profile_gpu.py", ["--steps", "0"], "argument --steps: an integer >= 1"),
     ("bench_generate.py", ["--flavor", "debug", "--prompt", "30"], "--prompt + --new must be at most"),
     ("bench_peft.py", ["--parts", "d", "--d-warmup", "0"], "argument --d-warmup: an integer >= 1"),
     # a ValueError only after the whole tilegraph run
@@ -194,6 +195,20 @@ def test_bench_gpt2_device_gpu_without_a_gpu_says_what_is_missing():
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "--device gpu" in proc.stderr and ("needs cupy" in proc.stderr or "needs torch with CUDA" in proc.stderr), \
         proc.stderr
+
+
+def test_profile_gpu_without_a_gpu_says_what_is_missing():
+    """bench/profile_gpu.py where CuPy or torch's CUDA is missing: a usage error naming it."""
+    torch = pytest.importorskip("torch")
+    try:
+        import cupy  # noqa: F401
+        if torch.cuda.is_available():
+            pytest.skip("a GPU machine: the profile runs")
+    except ImportError:
+        pass
+    proc = _bench("profile_gpu.py", "--flavor", "debug", "--steps", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "needs cupy" in proc.stderr or "needs torch with CUDA" in proc.stderr, proc.stderr
 
 
 def test_bench_train_feature_tile_runs():
