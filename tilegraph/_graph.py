@@ -53,7 +53,8 @@ def check_on_device(failed, error: Callable[[], Exception]) -> None:
 
     Reading a value a GPU computes makes the CPU wait for every kernel queued before it, and the
     GPU then idles while the CPU queues the next ones: GPT-2 124M's step read three such checks
-    (the token ids, the targets twice), and its GPU idled 35-39% of the step. Inside a task that
+    (the token ids in the embedding's forward and backward, the targets in the cross-entropy), and
+    its GPU idled 35-39% of the step. Inside a task that
     :func:`deferred_device_checks` runs, the check is kept and read with the task's others, in one
     wait once all its kernels are queued; the error then names the kernel that made the check.
     Elsewhere it is read at once."""
