@@ -104,6 +104,31 @@ def test_worker_ranks_take_the_memory_limit_given_to_connect(tmp_path):
                 assert limit == pytest.approx(share, rel=0.01) and threads == max(1, (os.cpu_count() or 1) // 2)
 
 
+def test_a_worker_rank_that_sees_a_gpu_declares_it_and_the_others_their_cores(tmp_path):
+    """Each worker rank decides its resources before dask-mpi starts its worker: {"GPU": 1} where
+    it sees a CUDA device (here rank 2 is made to see one), else {"CPU": its threads}; the plan
+    then finds a GPU worker among them."""
+    mpiexec = _mpiexec()
+    code = (
+        "from mpi4py import MPI\n"
+        "import tilegraph as tg, tilegraph.runtime as runtime\n"
+        "if MPI.COMM_WORLD.Get_rank() == 2:\n"
+        "    runtime._visible_gpus = lambda: 1\n"
+        "rt = tg.connect(mpi=True, interface='lo')\n"
+        "res = rt.client.run(lambda dask_worker: (dict(dask_worker.state.total_resources), dask_worker.state.nthreads))\n"
+        "print('resources', sorted(res.values(), key=str))\n"
+        "print('processors', rt.processors())\n"
+        "rt.close()\n")
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = eval(re.search(r"^resources (.*)$", proc.stdout, re.M).group(1))
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert got == [({"CPU": threads}, threads), ({"GPU": 1}, threads)], got
+    processors = eval(re.search(r"^processors (.*)$", proc.stdout, re.M).group(1))
+    assert processors["gpu"] == 1, processors
+
+
 def test_cli_trains_under_mpiexec_with_mpi_in_its_config(tmp_path):
     """`[runtime] mpi = true` in the config does what --mpi does."""
     mpiexec = _mpiexec()
