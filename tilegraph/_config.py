@@ -45,7 +45,8 @@ class Config:
     #: sum tree, instead of one kernel looping over the row tiles
     split_weight_grads: bool = True
     #: speed of moving a value between worker processes, for the plan (localhost TCP with
-    #: serialisation: ~1 GB/s)
+    #: serialisation: 0.4-2 GB/s for 100-400 MB values between two workers of the 2-core
+    #: development machine; a cluster's network may be slower or faster: set it)
     transfer_bytes_per_second: float = 1e9
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
