@@ -21,6 +21,16 @@ def _mpiexec():
     return str(here) if here.exists() else shutil.which("mpiexec")
 
 
+def _ranks_print(tmp_path, code: str, *args: str, n: int = 4) -> dict:
+    """Run ``code`` on ``n`` MPI ranks; the values its ``print('NAME', value)`` lines print (rank 1's)."""
+    proc = subprocess.run([_mpiexec(), "-n", str(n), sys.executable, "-c", code, *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = set(re.findall(r"print\('(\w+)'", code))
+    return {m.group(1): eval(m.group(2), {"inf": float("inf")})
+            for m in re.finditer(r"^(\w+) (.*)$", proc.stdout, re.M) if m.group(1) in names}
+
+
 def test_mpiexec_launch_trains(tmp_path):
     mpiexec = _mpiexec()
     assert mpiexec, "the mpi extra (mpich) provides mpiexec"
@@ -51,7 +61,6 @@ def test_mpi_ranks_get_the_low_overhead_settings_of_the_embedded_cluster(tmp_pat
     """The scheduler and worker ranks run as the embedded cluster does (no worker profiler, no
     root-task queuing, no work stealing, slow periodic ticks), and ``dask_config`` reaches every
     rank."""
-    mpiexec = _mpiexec()
     code = (
         "import tilegraph as tg\n"
         "rt = tg.connect(mpi=True, interface='lo', dask_config={'distributed.admin.tick.interval': '3s'})\n"
@@ -62,15 +71,13 @@ def test_mpi_ranks_get_the_low_overhead_settings_of_the_embedded_cluster(tmp_pat
         "print('workers', list(rt.client.run(worker).values()))\n"
         "print('scheduler', rt.client.run_on_scheduler(scheduler))\n"
         "rt.close()\n")
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    workers = eval(re.search(r"^workers (.*)$", proc.stdout, re.M).group(1))
+    got = _ranks_print(tmp_path, code)
+    workers = got["workers"]
     assert len(workers) == 2
     for callbacks, tick_ms in workers:
         assert "profile" not in callbacks and "profile-cycle" not in callbacks, callbacks
         assert tick_ms == 3000  # dask_config given to connect
-    saturation, stealing = eval(re.search(r"^scheduler (.*)$", proc.stdout, re.M).group(1), {"inf": float("inf")})
+    saturation, stealing = got["scheduler"]
     assert saturation == float("inf") and stealing is False
 
 
@@ -80,7 +87,6 @@ def test_worker_ranks_take_the_memory_limit_given_to_connect(tmp_path):
     the memory that its cores are of the node's."""
     import psutil
 
-    mpiexec = _mpiexec()
     code = (
         "import sys, tilegraph as tg\n"
         "rt = tg.connect(mpi=True, interface='lo', memory_limit=sys.argv[1])\n"
@@ -91,10 +97,7 @@ def test_worker_ranks_take_the_memory_limit_given_to_connect(tmp_path):
         "print('workers', list(rt.client.run(worker).values()))\n"
         "rt.close()\n")
     for given in ("1GB", "auto"):
-        proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", code, given], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        workers = eval(re.search(r"^workers (.*)$", proc.stdout, re.M).group(1))
+        workers = _ranks_print(tmp_path, code, given)["workers"]
         assert len(workers) == 2
         for limit, target, threads in workers:
             if given == "1GB":
@@ -108,7 +111,6 @@ def test_a_worker_rank_that_sees_a_gpu_declares_it_and_the_others_their_cores(tm
     """Each worker rank decides its resources before dask-mpi starts its worker: {"GPU": 1} where
     it sees a CUDA device (here rank 2 is made to see one), else {"CPU": its threads}; the plan
     then finds a GPU worker among them."""
-    mpiexec = _mpiexec()
     code = (
         "from mpi4py import MPI\n"
         "import tilegraph as tg, tilegraph.runtime as runtime\n"
@@ -119,14 +121,10 @@ def test_a_worker_rank_that_sees_a_gpu_declares_it_and_the_others_their_cores(tm
         "print('resources', sorted(res.values(), key=str))\n"
         "print('processors', rt.processors())\n"
         "rt.close()\n")
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = eval(re.search(r"^resources (.*)$", proc.stdout, re.M).group(1))
+    got = _ranks_print(tmp_path, code)
     threads = max(1, (os.cpu_count() or 1) // 2)
-    assert got == [({"CPU": threads}, threads), ({"GPU": 1}, threads)], got
-    processors = eval(re.search(r"^processors (.*)$", proc.stdout, re.M).group(1))
-    assert processors["gpu"] == 1, processors
+    assert got["resources"] == [({"CPU": threads}, threads), ({"GPU": 1}, threads)], got
+    assert got["processors"]["gpu"] == 1, got
 
 
 def test_cli_trains_under_mpiexec_with_mpi_in_its_config(tmp_path):
