@@ -84,16 +84,21 @@ class _Here:
 _HERE = _Here()
 
 
+def holder(dask_worker=None):
+    """Where a process keeps a profiling aid between the call that starts it and the one that
+    stops it: the Dask worker (``client.run`` passes it), or this module's object in this process."""
+    return dask_worker if dask_worker is not None else _HERE
+
+
 def start_sampling(dask_worker=None, interval: float = 0.002) -> None:
-    holder = dask_worker if dask_worker is not None else _HERE
-    holder._tilegraph_sampler = StackSampler(interval)
-    holder._tilegraph_sampler.start()
+    sampler = holder(dask_worker)._tilegraph_sampler = StackSampler(interval)
+    sampler.start()
 
 
 def stop_sampling(dask_worker=None) -> dict:
-    holder = dask_worker if dask_worker is not None else _HERE
-    sampler = holder._tilegraph_sampler
-    del holder._tilegraph_sampler
+    keeper = holder(dask_worker)
+    sampler = keeper._tilegraph_sampler
+    del keeper._tilegraph_sampler
     return sampler.stop()
 
 

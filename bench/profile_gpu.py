@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from _common import at_least, require, timed_steps
-from _sampler import print_samples, start_sampling, stop_sampling
+from _sampler import holder, print_samples, start_sampling, stop_sampling
 
 #: kinds of kernel by a piece of their name, first match wins (cuBLAS, CUTLASS, CuPy, torch and
 #: tilegraph's own names); lower case
@@ -96,14 +96,14 @@ def start_profiler(dask_worker=None):
 
     p = profile(activities=[ProfilerActivity.CUDA])
     p.start()
-    _holder(dask_worker)._tilegraph_profiler = p
+    holder(dask_worker)._tilegraph_profiler = p
 
 
 def stop_profiler(dask_worker=None) -> list[tuple[str, float, float]]:
     """Stop the profiler started by :func:`start_profiler`; its GPU events."""
-    holder = _holder(dask_worker)
-    p = holder._tilegraph_profiler
-    del holder._tilegraph_profiler
+    keeper = holder(dask_worker)
+    p = keeper._tilegraph_profiler
+    del keeper._tilegraph_profiler
     import torch
 
     if torch.cuda.is_available():
@@ -114,17 +114,6 @@ def stop_profiler(dask_worker=None) -> list[tuple[str, float, float]]:
         p.export_chrome_trace(path)
         with open(path) as f:
             return gpu_events(json.load(f))
-
-
-class _Here:
-    pass
-
-
-_HERE = _Here()
-
-
-def _holder(dask_worker):
-    return dask_worker if dask_worker is not None else _HERE
 
 
 # -- the two sides --------------------------------------------------------------------------------
