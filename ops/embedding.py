@@ -46,7 +46,7 @@ def check_index_range(xp, idx, high: int, where: str, what: str, allowed=None) -
         return TileError(where, f"{what} must lie in [0, {high})"
                          + (f" or equal ignore_index ({allowed})" if allowed is not None else ""), f"{first}")
 
-    if xp is np:
+    if xp is np:  # a host value: read at once, there is no wait to save
         if bad.any():
             raise error()
     else:  # on a GPU, read with the task's other checks, without a wait of its own

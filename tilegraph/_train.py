@@ -795,6 +795,7 @@ class EvalStep:
         if len(batches) > 1:
             per_graph = min(len(batches), _per_graph(self._lookup(batches[0], 1)[0].est_seconds()))
         out: list[float] = []
+        lost = {"where": "tilegraph.EvalStep", "hint": self._lost_hint()}
         for i in range(0, len(batches), per_graph):
             chunk = batches[i:i + per_graph]
             exe, inputs = self._lookup(chunk[0], len(chunk))
@@ -802,7 +803,7 @@ class EvalStep:
                 self._calls += 1
                 _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
             try:
-                values = exe.run(during="the evaluation", lost={"where": "tilegraph.EvalStep", "hint": self._lost_hint()})
+                values = exe.run(during="the evaluation", lost=lost)
             except WorkerLostError:
                 self.reset_plans()  # planned for the workers there were: the next call plans for those left
                 raise
