@@ -230,6 +230,8 @@ def tiles_str(t) -> str:
 
 
 def main():
+    from tilegraph._config import PARALLEL_STRATEGIES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", choices=FLAVOR_CHOICES, default="all", help="all: debug and 6x768")
     ap.add_argument("--batch", type=at_least(1), default=4)
@@ -244,7 +246,7 @@ def main():
     ap.add_argument("--workers", type=at_least(1), default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=at_least(1), default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds (TrainStep target_seconds)")
-    ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
+    ap.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                     help="gpu: tilegraph on one GPU worker (every kernel placed on the GPU, CuPy), torch on CUDA")

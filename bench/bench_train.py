@@ -154,6 +154,8 @@ def time_torch(kind, args, x, y, state, torch):
 
 
 def main():
+    from tilegraph._config import PARALLEL_STRATEGIES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["mlp", "blocks", "all"], default="all")
     ap.add_argument("--width", type=at_least(1), default=768)
@@ -170,7 +172,7 @@ def main():
     ap.add_argument("--workers", type=at_least(1), default=1, help="embedded cluster worker processes")
     ap.add_argument("--threads", type=at_least(1), default=None, help="threads per worker (default: cores / workers)")
     ap.add_argument("--target", type=float, default=None, help="fused task target seconds")
-    ap.add_argument("--parallel", choices=["auto", "tiles", "data", "sharded"], default="auto",
+    ap.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default="auto",
                     help="how a step spreads over worker processes (tilegraph.config.parallel)")
     ap.add_argument("--steps", type=at_least(1), default=5)
     ap.add_argument("--kernels", action="store_true", help="also print the costliest kernels")

@@ -392,7 +392,7 @@ def test_config_settings_are_checked_as_they_are_set(monkeypatch):
                                            r"received: 'paralel'"):
         tg.config.paralel = "data"
     assert not hasattr(tg.config, "paralel")
-    for name, value, want in [("parallel", "ddp", r"one of 'auto', 'tiles', 'data', 'sharded'"),
+    for name, value, want in [("parallel", "ddp", r"one of 'auto', 'tiles', 'data', 'sharded', 'zero3'"),
                               ("shm_transfers", "no", "True or False"),
                               ("exchange_timeout_seconds", -1, "a number > 0"),
                               ("max_steps_per_graph", 2.5, "an integer >= 1"),

@@ -185,7 +185,7 @@ def test_info_lists_the_model_flavors(tmp_path):
     (["--set", "lr"], r"received: 'lr'"),
     (["--set", "runtime.parallel=zero", "--set", "runtime.exchange=1", "--set", "train.step_timeout=-1",
       "--set", "train.restart_on_failure=true"],
-     r"runtime\.parallel must be one of 'auto', 'tiles', 'data', 'sharded', not 'zero'; runtime\.exchange must be "
+     r"runtime\.parallel must be one of 'auto', 'tiles', 'data', 'sharded', 'zero3', not 'zero'; runtime\.exchange must be "
      r"one of 'auto', 'gang', 'tasks', not 1; train\.restart_on_failure must be an integer >= 0, not True; "
      r"train\.step_timeout must be \"auto\", 0 \(no limit\) or seconds > 0, not -1"),
     (["--set", "runtime.address=tcp://127.0.0.1:1", "--set", "runtime.workers=2"],

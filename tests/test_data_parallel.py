@@ -90,7 +90,7 @@ pytestmark_dist = pytest.mark.distributed
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["data", "sharded"])
+@pytest.mark.parametrize("strategy", ["data", "sharded", "zero3"])
 @pytest.mark.parametrize("rows, clip", [(40, 1.0), (36, None)])  # 5 row tiles (3 + 2), and a ragged last tile
 def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip, strategy):
     x, y = _data(n=rows)
@@ -104,17 +104,23 @@ def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip
     np.testing.assert_allclose(losses, local, rtol=2e-5)
     for p, lp in zip(model.parameters(), local_model.parameters()):
         for c, lc in zip(p.cells.flat, lp.cells.flat):
+            if strategy == "zero3":  # one value, on its owner only
+                assert not isinstance(c.value, ReplicatedRef) or len({r.future.key for r in c.value.replicas}) == 1
+                np.testing.assert_allclose(c.value.future.result()[c.value.index], lc.value, rtol=1e-4, atol=1e-6)
+                continue
             assert isinstance(c.value, ReplicatedRef) and len(c.value.replicas) == 2
             copies = embedded_runtime.client.gather([r.future for r in c.value.replicas])
             a, b = (v[r.index] for v, r in zip(copies, c.value.replicas))
             np.testing.assert_array_equal(a, b)  # the replicas stay bitwise equal
             np.testing.assert_allclose(a, lc.value, rtol=1e-4, atol=1e-6)
     state = [c.value for grids in step.optimizer.state for g in grids for c in g.flat]
-    if strategy == "sharded":
-        # each parameter updated by its owner, and sent to the other process as soon as it is
-        # (a copy per process, bitwise equal: checked above); the optimizer state only on its
-        # owner, and each worker owns about half of it
-        assert all(len({r.future.key for r in c.value.replicas}) == 2 for p in model.parameters() for c in p.cells.flat)
+    if strategy in ("sharded", "zero3"):
+        # each parameter updated by its owner, and ("sharded") sent to the other process as soon
+        # as it is (a copy per process, bitwise equal: checked above); the optimizer state only
+        # on its owner, and each worker owns about half of it
+        if strategy == "sharded":
+            assert all(len({r.future.key for r in c.value.replicas}) == 2
+                       for p in model.parameters() for c in p.cells.flat)
         assert not any(isinstance(v, ReplicatedRef) for v in state)
         who = embedded_runtime.client.who_has([v.future for v in state])
         held = {}
@@ -233,7 +239,7 @@ def test_auto_takes_sharded_where_the_tiles_plan_spans_processes_however_fast_it
 
 def test_strategy_names_and_where_data_parallelism_does_not_apply():
     x, y = _data()
-    with pytest.raises(tg.TileError, match=r"parallel must be one of 'auto', 'tiles', 'data', 'sharded'.*received: 'ddp'"):
+    with pytest.raises(tg.TileError, match=r"parallel must be one of 'auto', 'tiles', 'data', 'sharded', 'zero3'.*received: 'ddp'"):
         _step(parallel="ddp")[1](x, y)
     # one process (the local scheduler): nothing to split over, and a warning says so (an explicit
     # strategy that did nothing was silent)
@@ -277,7 +283,8 @@ def test_buckets_cut_the_backward_without_changing_a_bit(embedded_runtime, monke
 @pytest.mark.slow
 def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_path):
     """20 steps of the debug GPT-2 through the Trainer (several steps per graph): one worker, and
-    two workers with the tiles plan, data parallelism and sharded state, give the same losses
+    two workers with the tiles plan, data parallelism and sharded state (with and without the
+    parameters sharded), give the same losses
     (the README's float32 tolerances: the tiles plan 1e-6, data parallelism and sharded state,
     which sum each replica's gradients first, 1e-4)."""
     import dataclasses
@@ -290,7 +297,7 @@ def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_p
     tok = tmp_path / "tokens.bin"
     build_token_file([corpus], tok, ByteTokenizer(eos=True))
     runs = {}
-    for workers, parallel in ((1, "tiles"), (2, "tiles"), (2, "data"), (2, "sharded")):
+    for workers, parallel in ((1, "tiles"), (2, "tiles"), (2, "data"), (2, "sharded"), (2, "zero3")):
         model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=257), seed=0)
         opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-3, 5, 20), weight_decay=0.1,
                              clip_grad_norm=1.0)
@@ -306,6 +313,7 @@ def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_p
     np.testing.assert_allclose(runs[(2, "tiles")], base, rtol=1e-6)
     np.testing.assert_allclose(runs[(2, "data")], base, rtol=1e-4)
     np.testing.assert_allclose(runs[(2, "sharded")], base, rtol=1e-4)
+    assert runs[(2, "zero3")] == runs[(2, "sharded")]  # the same sums, as Dask tasks instead of gangs
 
 
 @pytest.mark.distributed
@@ -441,3 +449,62 @@ def test_min_process_seconds_zero_uses_every_process(embedded_runtime, monkeypat
     x = tg.from_numpy(np.ones((8, 8), np.float32), 4)
     exe = tg.compile([x @ x], runtime=embedded_runtime, parallel="tiles")
     assert len({c.proc for c in exe.clusters}) == 2
+
+
+def _held_by_worker(client, futures) -> dict[str, int]:
+    """Bytes of the values behind ``futures`` on each worker (each key counted where it is)."""
+    from distributed import wait
+
+    wait(futures)
+    keys = list({f.key: f for f in futures}.values())
+    who, size = client.who_has(keys), client.nbytes([f.key for f in keys], summary=False)
+    out: dict[str, int] = {}
+    for k, addrs in who.items():
+        for a in addrs:
+            out[a] = out.get(a, 0) + size[k]
+    return out
+
+
+@pytest.mark.distributed
+def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monkeypatch):
+    """parallel="zero3": each process fetches the parameters it reads from their owner, and the
+    copies go once read, so between steps each worker holds its share of the parameters and of
+    the AdamW moments (half of each on 2 workers), where "sharded" keeps every parameter on every
+    worker. The losses are "sharded"'s, bit for bit (the same sums in the same order)."""
+    import time
+
+    from tilegraph import models
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")  # "sharded" then pushes its parameters as Dask tasks
+    client = embedded_runtime.client
+    held, losses = {}, {}
+    for strategy in ("sharded", "zero3"):
+        model = models.build("gpt2-debug", seed=0)
+        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+        opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
+                            runtime=embedded_runtime, parallel=strategy)
+        losses[strategy] = [step(ids, np.roll(ids, -1, 1)) for _ in range(3)]
+        assert step.plan(ids, np.roll(ids, -1, 1)).strategy == strategy
+        params = [r.future for p in model.parameters() for c in p.cells.flat
+                  for r in getattr(c.value, "replicas", (c.value,))]
+        moments = [c.value.future for per_param in opt.state for cells in per_param for c in cells.flat]
+        for _ in range(50):  # Dask's active memory manager drops the copies no task waits for
+            client.amm.run_once()
+            held[strategy] = (_held_by_worker(client, params), _held_by_worker(client, moments))
+            if strategy == "sharded" or sum(held[strategy][0].values()) <= 1.01 * _nbytes(model):
+                break
+            time.sleep(0.1)
+        n_bytes = _nbytes(model)
+    assert losses["zero3"] == losses["sharded"]
+    for strategy, (p, m) in held.items():
+        assert len(p) == len(m) == 2, (strategy, p, m)
+        assert all(0.35 * 2 * n_bytes <= v <= 0.65 * 2 * n_bytes for v in m.values()), (strategy, m)  # the moments: half each
+    sharded, zero3 = held["sharded"][0], held["zero3"][0]
+    assert all(v >= 0.99 * n_bytes for v in sharded.values()), sharded  # every parameter on every worker
+    assert sum(zero3.values()) <= 1.01 * n_bytes, zero3                   # each parameter once
+    assert all(v <= 0.65 * n_bytes for v in zero3.values()), zero3        # about half on each worker
+
+
+def _nbytes(model) -> int:
+    return sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters())

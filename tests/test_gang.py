@@ -359,6 +359,14 @@ def test_exchange_names_and_where_a_gang_cannot_run(embedded_runtime, monkeypatc
     step.reset_plans()
     loss = step(*batch)
     assert step.plan(*batch).gang is None and np.isfinite(loss)
+    # "zero3" leaves the parameters with their owners: its steps run as Dask tasks
+    _, step, batch = _gpt2_step(embedded_runtime, "zero3")
+    assert step.plan(*batch).gang is None and step.plan(*batch).strategy == "zero3"
+    monkeypatch.setattr(tg.config, "exchange", "gang")
+    step.reset_plans()
+    with pytest.raises(tg.TileError, match=r"'gang' needs .*received: its parameters stay with their owners "
+                                           r"\(parallel='zero3'\)"):
+        step.plan(*batch)
 
 
 @needs_shm
@@ -537,6 +545,8 @@ def test_under_a_memory_bound_a_gang_runs_only_where_each_process_share_fits(emb
         exe = step.plan(*batch)
         assert exe.max_task_bytes < float("inf")
         assert (exe.gang is not None) == (share == 1e6), share
+        # as Dask tasks under a memory bound, the parameters stay with their owners
+        assert exe.strategy == ("sharded" if exe.gang is not None else "zero3")
         losses[(share, exchange)] = [step(*batch) for _ in range(3)]
     assert losses[(1e6, "auto")] == losses[(None, "tasks")] == losses[(1e-6, "auto")]
     monkeypatch.setattr(gang, "GANG_MEMORY_SHARE", 1e-6)

@@ -252,7 +252,7 @@ TRAINER_CASES = {
                                              r"received: eval_every=2, eval_data=None"),
     "eval_every": (dict(eval_every=-1, eval_data=_data), r"eval_every must be an integer >= 0; received: -1"),
     "eval_batches": (dict(eval_batches=0, eval_data=_data), r"eval_batches must be an integer >= 1; received: 0"),
-    "parallel": (dict(parallel="ddp"), r"parallel must be one of 'auto', 'tiles', 'data', 'sharded' .*; "
+    "parallel": (dict(parallel="ddp"), r"parallel must be one of 'auto', 'tiles', 'data', 'sharded', 'zero3' .*; "
                                        r"received: 'ddp'"),
     "compile option": (dict(fuse_all=True), r"keyword arguments it forwards to compile are .*; "
                                             r"received: fuse_all=True"),

@@ -11,11 +11,13 @@ import numpy as np
 
 from tilegraph._errors import TileError
 
-__all__ = ["Config", "config", "PARALLEL_STRATEGIES", "EXCHANGES"]
+__all__ = ["Config", "config", "PARALLEL_STRATEGIES", "BATCH_SPLITTING_STRATEGIES", "EXCHANGES"]
 
 
 #: the values of ``config.parallel`` (and of the ``parallel=`` option of TrainStep and Executable)
-PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded")
+PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded", "zero3")
+#: the strategies that give each worker process a share of the batch's row tiles
+BATCH_SPLITTING_STRATEGIES = ("data", "sharded", "zero3")
 #: the values of ``config.exchange``
 EXCHANGES = ("auto", "gang", "tasks")
 
@@ -92,7 +94,12 @@ class Config:
     #: "tiles" list-schedules the tile kernels over all processes; "data" gives each process a
     #: share of the batch's row tiles and a replica of the parameters and optimizer state
     #: (gradients summed across replicas inside the graph); "sharded" is "data" with each
-    #: parameter tile's gradient sum, update and optimizer state on one owner process (ZeRO-2);
+    #: parameter tile's gradient sum, update and optimizer state on one owner process, which
+    #: sends the new parameter to every other process (ZeRO-2: each holds all parameters);
+    #: "zero3" is "sharded" with the parameters kept by their owner alone, each task fetching
+    #: the ones it reads and Dask dropping the copies once read (ZeRO-3, FSDP's full sharding:
+    #: the memory per worker falls with the number of workers, and the step runs as Dask tasks);
+    #: "sharded" runs as "zero3" where tasks are kept under a memory bound and no gang runs.
     #: "auto" plans "tiles" and "sharded"; it keeps "sharded" where the tiles plan spans several
     #: processes, else the one whose simulated step finishes first ("sharded" rather than "data":
     #: the same bytes cross processes, each replica updates only its share and holds less;

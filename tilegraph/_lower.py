@@ -247,7 +247,7 @@ class Executable:
             self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas, self.strategy = dp
             work = [n for n in nodes if not n.is_leaf]
         #: roots that other worker processes read in the next call: a sharded plan's parameters
-        self.shared_roots = {g[0] for g in state_groups} if self.strategy == "sharded" else set()
+        self.shared_roots = {g[0] for g in state_groups} if self.strategy in ("sharded", "zero3") else set()
         # With several worker processes, each task goes to the worker the plan gave it.
         self.worker_of: dict[int, str] = {}
         if fuse:
@@ -293,6 +293,10 @@ class Executable:
         self.gang = None
         if fuse and runtime is not None and self.n_replicas > 1 and config.exchange != "tasks":
             self.gang = plan_gang(self, runtime, config.exchange)
+        if self.strategy == "sharded" and self.gang is None and self.max_task_bytes != float("inf"):
+            # under a memory bound, Dask tasks leave each parameter with its owner alone (the
+            # other processes would hold every parameter between steps): that is "zero3"
+            self.strategy = "zero3"
         self._program_futures = None  # (runtime, futures of self.plans' programs on its workers)
         # program keys of this executable's own: another of the same plan, dropped just before
         # this one scatters, would have Dask forget a shared key after it was sent again
@@ -847,9 +851,9 @@ class Executable:
         update makes them (else the next step's first task on each process fetches them when it
         may start, and waits: Dask fetches a task's inputs only then). Adds the send and receive
         tasks to ``layers`` and ``pinned``; returns, for each parameter root, each process's copy
-        as (task key, index in its value). Not where tasks are kept under a memory bound: each
-        process would then hold every parameter between steps."""
-        if not self.shared_roots or self.n_replicas < 2 or self.max_task_bytes != float("inf") or runtime is None:
+        as (task key, index in its value). Not in a "zero3" plan (also what a "sharded" one under a
+        memory bound becomes): each process would then hold every parameter between steps."""
+        if not self.shared_roots or self.n_replicas < 2 or self.strategy == "zero3" or runtime is None:
             return {}
         at = self._process_workers()
         by_task: dict[str, list[tuple[int, int]]] = {}  # task holding parameters -> (root, index)

@@ -1236,8 +1236,8 @@ def _default_row_tile(runtime, rows: int, row_elements: int, parallel: str | Non
     """One row tile per worker thread, so every thread has a stream of its own, unless the tiles
     would be too small to pay for their kernel calls (then fewer, :func:`row_tile_for`). With GPU
     workers, one row tile per GPU (a GPU takes large kernels best: GPT-2 124M trained at 0.53 of
-    torch in whole tiles on an H100). A step asked to run data-parallel (``parallel`` "data" or
-    "sharded") gets at least one row tile per worker process: each process trains on its own
+    torch in whole tiles on an H100). A step asked to run data-parallel (``parallel`` "data",
+    "sharded" or "zero3") gets at least one row tile per worker process: each process trains on its own
     share of the batch."""
     if runtime is None:
         threads = _config.usable_cores()
@@ -1245,7 +1245,7 @@ def _default_row_tile(runtime, rows: int, row_elements: int, parallel: str | Non
         processors = runtime.processors()
         threads = processors.get("gpu") or processors["cpu"]
     tile = row_tile_for(rows, row_elements, max(1, threads))
-    if parallel in ("data", "sharded") and runtime is not None:
+    if parallel in _config.BATCH_SPLITTING_STRATEGIES and runtime is not None:
         procs = len(runtime.worker_threads().get("cpu") or ())
         tile = min(tile, max(1, math.ceil(rows / max(1, procs))))
     return tile

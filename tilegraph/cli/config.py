@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tilegraph._config import EXCHANGES, PARALLEL_STRATEGIES, number_check, one_of_check
+from tilegraph._config import BATCH_SPLITTING_STRATEGIES, EXCHANGES, PARALLEL_STRATEGIES, number_check, one_of_check
 from tilegraph.ops.rmm import SKETCHES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
@@ -146,7 +146,7 @@ def check_config(cfg: dict, source: str) -> None:
         problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
                         f"({t['accum_steps']})")
     r = cfg.get("runtime", {})
-    if not problems and r.get("parallel") in ("data", "sharded") and r.get("workers", 0) > 1 \
+    if not problems and r.get("parallel") in BATCH_SPLITTING_STRATEGIES and r.get("workers", 0) > 1 \
             and t["batch_size"] // t["accum_steps"] < r["workers"]:  # a share of each (micro-)batch per process
         problems.append(f"train.batch_size / train.accum_steps ({t['batch_size']} / {t['accum_steps']}) must give "
                         f"each of the runtime.workers ({r['workers']}) worker processes a sequence with "

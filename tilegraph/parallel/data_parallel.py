@@ -343,10 +343,11 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     process, or kernels placed on both device classes.
 
     ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
-    state). "data": every replica keeps all of them. "sharded" (and "auto"): each group has
-    one owner replica (balanced by bytes) that alone sums its gradient, updates it and keeps
-    its state, and sends the new parameter to the other replicas (``config.parallel`` says
-    why "auto" takes it)."""
+    state). "data": every replica keeps all of them. "sharded" (and "auto") and "zero3": each
+    group has one owner replica (balanced by bytes) that alone sums its gradient, updates it and
+    keeps its state; the other replicas read the new parameter from it (the lowering sends it
+    to them at once, or with "zero3" lets each task fetch it; ``config.parallel`` says why
+    "auto" takes "sharded")."""
     devices = {n.device for n in work}
     if not batch_cells or len(devices) != 1:
         return None
@@ -364,7 +365,7 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
                             "batch needs at least 2 row tiles (batch_tiles); or use parallel='auto' or 'tiles'",
                             f"a batch of {rows} row tile")
         return None
-    sharded = parallel in ("sharded", "auto")
+    sharded = parallel in ("sharded", "zero3", "auto")
     if sharded:
         load, owners = [0] * procs, {}
         for g in state_groups:
@@ -384,4 +385,4 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
                                           fixed=lane, home=procs, max_bytes=max_task_bytes)
     nodes = topo_order([r for refs in dp.roots for r in refs])
-    return dp.roots, clusters, of, seconds, nodes, procs, "sharded" if sharded else "data"
+    return dp.roots, clusters, of, seconds, nodes, procs, parallel if parallel in ("data", "zero3") else "sharded"

@@ -155,6 +155,9 @@ def _why_not(exe) -> str | None:
     """Why the plan cannot run as gangs, whatever its workers (None: it can)."""
     if exe.n_replicas < 2:
         return "the plan runs on one worker process"
+    if exe.strategy == "zero3":
+        return ("its parameters stay with their owners (parallel='zero3'): each task fetches the ones it reads, "
+                "and a gang would hold them all for the whole step")
     if any(c.device != "cpu" for c in exe.clusters):
         return "the plan has GPU tasks"
     if any(c.id not in exe.worker_of for c in exe.clusters):
