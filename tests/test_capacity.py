@@ -1,6 +1,6 @@
 """Training a model larger than the workers' memory: memory-bounded tasks, exact task sizes for
 Dask's spilling, spill settings for small limits, batched scatters, and a sharded model whose
-training state is over twice each worker's limit trained to the same losses as without one."""
+training state is over 4x each worker's limit trained to the same losses as without one."""
 
 from __future__ import annotations
 
@@ -106,16 +106,17 @@ def _train(cfg, tiling, ids, tgt, steps, runtime=None):
 
 @pytest.mark.slow
 def test_sharded_model_larger_than_worker_memory_trains(local_scheduler):
-    """Training state (params + grads + AdamW) over 2x each worker's limit: the steps run, the
-    workers spill to disk and stay under their limit, and the losses equal one process's."""
-    cfg = GPT2Config(vocab_size=4096, max_seq_len=32, dim=1024, n_layers=6, n_heads=16)
+    """Training state (params + grads + AdamW) over 4x each worker's limit (the issue's
+    capacity target; bench/bench_capacity.py measures 8x): the steps run, the workers spill to
+    disk and stay under their limit, and the losses equal one process's."""
+    cfg = GPT2Config(vocab_size=4096, max_seq_len=32, dim=1024, n_layers=13, n_heads=16)
     tiling = ModelTiling(feature=256)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, cfg.vocab_size, size=(4, 32))
     tgt = np.roll(ids, -1, 1)
     want, _, n_params = _train(cfg, tiling, ids, tgt, 3)
     limit = 600 * 2**20
-    assert 16 * n_params > 2 * limit
+    assert 16 * n_params > 4 * limit
     with tg.connect(n_workers=2, threads_per_worker=1, memory_limit=limit, quiet=True, dashboard=False,
                     make_current=False) as rt:
         got, step, _ = _train(cfg, tiling, ids, tgt, 3, runtime=rt)
