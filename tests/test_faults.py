@@ -242,6 +242,33 @@ def test_restart_on_failure_of_a_sharded_gang_plan(cluster, tmp_path, caplog, ho
 
 
 @pytest.mark.distributed
+def test_restart_on_failure_of_a_zero3_plan(cluster, tmp_path, caplog):
+    """"zero3" keeps each parameter tile on one worker alone: the worker killed after step 6
+    takes its share of the parameters with it, and training resumes from step 4's checkpoint as
+    an uninterrupted run from that checkpoint does."""
+    addrs = sorted(cluster.pids)
+    lost = {}
+
+    def hook(trainer, stats):
+        if not lost and len(trainer.history) >= 6:
+            lost.update(addr=addrs[1], strategies=[e.strategy for e in trainer.step.executables])
+            cluster.kill(addrs[1])
+
+    trainer = _trainer(cluster.rt, 12, steps_per_graph=1, checkpoint_dir=tmp_path / "ck", checkpoint_every=4,
+                       restart_on_failure=True, on_step=[hook], parallel="zero3")
+    with caplog.at_level("WARNING", logger="tilegraph"):
+        res = trainer.fit(12)
+    assert lost["strategies"] == ["zero3"]
+    ck = tmp_path / "ck" / "step-000004"
+    assert len(res.restarts) == 1 and res.restarts[0]["workers"] == [lost["addr"]], res.restarts
+    assert res.restarts[0]["checkpoint"] == str(ck) and res.restarts[0]["step"] == 4
+    assert res.steps == 12 and len(res.losses) == 12 and trainer.optimizer.step_count == 12
+    ref = _trainer(cluster.rt, 12, steps_per_graph=1, parallel="zero3")
+    assert ref.load_checkpoint(ck) == 4
+    np.testing.assert_allclose(res.losses[4:], ref.fit(8).losses, rtol=1e-4)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_restart_on_failure_restarts_a_stopped_worker(cluster, tmp_path, monkeypatch):
     # a worker silent for 3 s counts as stalled here (10 s by default), with a 5 s step limit;
