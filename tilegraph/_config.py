@@ -98,7 +98,8 @@ class Config:
     #: sends the new parameter to every other process (ZeRO-2: each holds all parameters);
     #: "zero3" is "sharded" with the parameters kept by their owner alone, each task fetching
     #: the ones it reads and Dask dropping the copies once read (ZeRO-3, FSDP's full sharding:
-    #: the memory per worker falls with the number of workers, and the step runs as Dask tasks);
+    #: what each worker holds between steps falls with the number of workers, though not the
+    #: peak of a step, measured in the README; the step runs as Dask tasks);
     #: "sharded" runs as "zero3" where tasks are kept under a memory bound and no gang runs.
     #: "auto" plans "tiles" and "sharded"; it keeps "sharded" where the tiles plan spans several
     #: processes, else the one whose simulated step finishes first ("sharded" rather than "data":
