@@ -499,7 +499,8 @@ def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monk
     assert losses["zero3"] == losses["sharded"]
     for strategy, (p, m) in held.items():
         assert len(p) == len(m) == 2, (strategy, p, m)
-        assert all(0.35 * 2 * n_bytes <= v <= 0.65 * 2 * n_bytes for v in m.values()), (strategy, m)  # the moments: half each
+        # the two AdamW moments: about half of them on each worker
+        assert all(0.35 * 2 * n_bytes <= v <= 0.65 * 2 * n_bytes for v in m.values()), (strategy, m)
     sharded, zero3 = held["sharded"][0], held["zero3"][0]
     assert all(v >= 0.99 * n_bytes for v in sharded.values()), sharded  # every parameter on every worker
     assert sum(zero3.values()) <= 1.01 * n_bytes, zero3                   # each parameter once

@@ -20,6 +20,11 @@ PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded", "zero3")
 BATCH_SPLITTING_STRATEGIES = ("data", "sharded", "zero3")
 #: the values of ``config.exchange``
 EXCHANGES = ("auto", "gang", "tasks")
+#: what the planner takes a move between worker processes of one host to run at (bytes per
+#: second): localhost TCP with serialisation moved 100-400 MB values at 0.4-2 GB/s between two
+#: workers of the 2-core development machine (values of 1 MiB and more go through shared memory
+#: there, faster)
+DEFAULT_TRANSFER_BYTES_PER_SECOND = 1e9
 
 
 @dataclass
@@ -46,10 +51,13 @@ class Config:
     #: weight gradients (``a^T @ g`` summed over row tiles) as one product per row tile plus a
     #: sum tree, instead of one kernel looping over the row tiles
     split_weight_grads: bool = True
-    #: speed of moving a value between worker processes, for the plan (localhost TCP with
-    #: serialisation: 0.4-2 GB/s for 100-400 MB values between two workers of the 2-core
-    #: development machine; a cluster's network may be slower or faster: set it)
-    transfer_bytes_per_second: float = 1e9
+    #: speed of moving a value between worker processes, for the plan (bytes per second).
+    #: "auto": where the workers span several hosts, measured on the runtime the first time a
+    #: plan spans several worker processes (``Runtime.link_bytes_per_second``: a value moved
+    #: between workers on two hosts, over the cluster's own comms), and
+    #: :data:`DEFAULT_TRANSFER_BYTES_PER_SECOND` on one host (where the measure would add
+    #: nothing but run-to-run noise to the plans). A number sets it everywhere.
+    transfer_bytes_per_second: float | str = "auto"
     #: "cpu", "gpu" or "auto" (GPU for heavy kernels when GPU workers exist)
     placement: str = "auto"
     #: "auto" placement sends a kernel to GPU workers when it has at least this many flops and
@@ -218,6 +226,16 @@ def require_float_dtype(where: str, dtype) -> np.dtype:
     return dt
 
 
+def transfer_speed(measured: float | None = None) -> float:
+    """The bytes per second the planner takes a move between worker processes to run at:
+    ``config.transfer_bytes_per_second`` where it is a number, else ``measured`` (the
+    runtime's), else :data:`DEFAULT_TRANSFER_BYTES_PER_SECOND`."""
+    v = config.transfer_bytes_per_second
+    if v != "auto":
+        return float(v)
+    return float(measured) if measured else DEFAULT_TRANSFER_BYTES_PER_SECOND
+
+
 def one_of_check(*names: str):
     """(check, what it wants) of a string among ``names``."""
     return (lambda v: isinstance(v, str) and v in names), f"one of {', '.join(map(repr, names))}"
@@ -233,7 +251,8 @@ _BOOL = ((lambda v: isinstance(v, bool)), "True or False")
 _CHECKS = {
     "fuse": _BOOL, "target_seconds": number_check(strict=True), "min_process_seconds": number_check(),
     "graph_seconds": number_check(), "max_steps_per_graph": number_check(1, whole=True), "split_weight_grads": _BOOL,
-    "transfer_bytes_per_second": number_check(strict=True), "placement": one_of_check("auto", "cpu", "gpu"),
+    "transfer_bytes_per_second": ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0'),
+    "placement": one_of_check("auto", "cpu", "gpu"),
     "gpu_min_flops": number_check(), "gpu_array_module": one_of_check("cupy", "numpy"), "hop_seconds": number_check(),
     "bucket_bytes": number_check(strict=True), "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
     "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),

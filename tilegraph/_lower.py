@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tilegraph import _config
-from tilegraph._config import PARALLEL_STRATEGIES, Config, config  # noqa: F401 - re-exported
+from tilegraph._config import PARALLEL_STRATEGIES, Config, config, transfer_speed  # noqa: F401 - re-exported
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, to_host, topo_order
 from tilegraph._tensor import TileTensor
@@ -212,7 +212,15 @@ class Executable:
         groups = ({dev: list(t) for dev, t in self.workers.threads.items()} if self.workers is not None
                   else {"cpu": [_config.usable_cores()], "gpu": []})
         addrs = self.workers.addrs if self.workers is not None else {}
-        place(work, placement, len(groups.get("gpu", ())) > 0)
+        #: bytes per second of a move between worker processes, as this plan takes it
+        #: (``config.transfer_bytes_per_second``; "auto": the runtime's measure between hosts)
+        measured = (runtime.link_bytes_per_second({a for v in addrs.values() for a in v})
+                    if runtime is not None and config.transfer_bytes_per_second == "auto"
+                    and sum(len(t) for t in groups.values()) > 1 else None)
+        self.link_bytes_per_second = transfer_speed(measured)
+        #: whether that speed was measured on the runtime (between hosts)
+        self.link_measured = measured is not None and config.transfer_bytes_per_second == "auto"
+        place(work, placement, len(groups.get("gpu", ())) > 0, self.link_bytes_per_second)
         #: the smallest memory limit of those workers (bytes, inf: none)
         self.memory_limit = limit = _memory_limit(self.workers)
         _check_fits(work, limit)
@@ -231,10 +239,11 @@ class Executable:
         dp = None
         if parallel != "tiles" and fuse:
             dp = plan_data_parallel(self.roots, work, groups, state_groups, batch_cells, target, parallel,
-                                    self.max_task_bytes)
+                                    self.max_task_bytes, self.link_bytes_per_second)
         if dp is None or parallel == "auto":  # the tiles plan: the only one, or the one to beat
             self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse,
-                                                                max_bytes=self.max_task_bytes)
+                                                                max_bytes=self.max_task_bytes,
+                                                                bandwidth=self.link_bytes_per_second)
             # "auto": the data-parallel plan where the tiles plan would span several processes
             # (config.parallel says why); else whichever plan the simulation finishes first
             tiles_seconds = self.est_makespan
@@ -477,6 +486,8 @@ class Executable:
         or Dask tasks)."""
         procs = len({self.process_of(c) for c in self.clusters}) if self.n_replicas == 1 else self.n_replicas
         text = f"{self.strategy} over {procs} worker process{'es' if procs != 1 else ''}"
+        if self.link_measured:
+            text += f" (planned for a link of {self.link_bytes_per_second / 1e9:.2g} GB/s between hosts, measured)"
         if self.n_replicas == 1:
             return text
         if self.gang is None:

@@ -335,11 +335,11 @@ def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
 
 def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: dict[str, list[int]],
                        state_groups: Sequence[Sequence[int]], batch_cells: Sequence, target: float, parallel: str,
-                       max_task_bytes: float):
+                       max_task_bytes: float, bandwidth: float | None = None):
     """The data-parallel plan of the graph of ``roots`` (its kernels ``work``, over the worker
     processes' threads ``groups``; tasks of about ``target`` seconds, each under
-    ``max_task_bytes``): ``(refs of each root, clusters, cluster of each node, simulated
-    seconds, nodes, replicas, strategy)``; None where it does not apply: no batch to split, one
+    ``max_task_bytes``; values between processes at ``bandwidth``): ``(refs of each root,
+    clusters, cluster of each node, simulated seconds, nodes, replicas, strategy)``; None where it does not apply: no batch to split, one
     process, or kernels placed on both device classes.
 
     ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
@@ -383,6 +383,6 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     threads = groups[dev][:procs]
     order = visit_order(dp, config.bucket_bytes)
     clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
-                                          fixed=lane, home=procs, max_bytes=max_task_bytes)
+                                          fixed=lane, home=procs, max_bytes=max_task_bytes, bandwidth=bandwidth)
     nodes = topo_order([r for refs in dp.roots for r in refs])
     return dp.roots, clusters, of, seconds, nodes, procs, parallel if parallel in ("data", "zero3") else "sharded"

@@ -9,7 +9,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from tilegraph._config import config
+from tilegraph._config import config, transfer_speed
 from tilegraph._errors import TileError
 from tilegraph._graph import Node
 
@@ -17,7 +17,10 @@ __all__ = ["place", "est_seconds", "task_label", "users_of", "upward_ranks", "by
            "cluster_nodes", "out_bytes", "threads_worth_using", "list_span"]
 
 
-def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
+def place(nodes: Sequence[Node], policy: str, has_gpu: bool, bandwidth: float | None = None) -> None:
+    """Put each node on a device class ("cpu" or "gpu") by ``policy``; "auto" weighs the
+    kernels' seconds on each against the moves between them (Dask's hop, and the bytes at
+    ``bandwidth``: :func:`tilegraph._config.transfer_speed`)."""
     if policy not in ("cpu", "gpu", "auto"):
         raise TileError("tilegraph.place", "placement must be 'cpu', 'gpu' or 'auto'", repr(policy))
     if policy == "gpu" and not has_gpu:
@@ -39,20 +42,20 @@ def place(nodes: Sequence[Node], policy: str, has_gpu: bool) -> None:
         heavy = n.cost.flops >= config.gpu_min_flops and _seconds(n, "gpu") < _seconds(n, "cpu")
         follows = any(not i.node.is_leaf and i.node.device == "gpu" for i in n.inputs)
         n.device = "gpu" if heavy or follows else "cpu"
-    if _placed_seconds(nodes) >= sum(_seconds(n, "cpu") for n in nodes):
+    if _placed_seconds(nodes, transfer_speed(bandwidth)) >= sum(_seconds(n, "cpu") for n in nodes):
         for n in nodes:
             n.device = "cpu"
 
 
-def _placed_seconds(nodes: Sequence[Node]) -> float:
+def _placed_seconds(nodes: Sequence[Node], bandwidth: float) -> float:
     """The kernels' seconds on their devices, one after another, plus a hop per value that
-    crosses between the devices."""
+    crosses between the devices and its bytes at ``bandwidth``."""
     total = 0.0
     for n in nodes:
         total += _seconds(n, n.device)
         for i in n.inputs:
             if not i.node.is_leaf and i.node.device != n.device:
-                total += config.hop_seconds + i.nbytes / config.transfer_bytes_per_second
+                total += config.hop_seconds + i.nbytes / bandwidth
     return total
 
 
@@ -195,8 +198,8 @@ class Cluster:
 
 def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: float,
                   fuse: bool, fixed: dict[int, int] | None = None,
-                  home: int | None = None,
-                  max_bytes: float = float("inf")) -> tuple[list[Cluster], dict[int, Cluster], float]:
+                  home: int | None = None, max_bytes: float = float("inf"),
+                  bandwidth: float | None = None) -> tuple[list[Cluster], dict[int, Cluster], float]:
     """Group placed nodes (in a topological order) into acyclic clusters, one Dask task each.
 
     ``groups`` gives, per device class, the threads of each worker process. A list-scheduling
@@ -215,12 +218,13 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     ``fixed`` maps ``id(node)`` to the process a strategy put it on (data parallelism: its
     replica); those nodes only choose among that process's threads. With ``home``, process ``g``
     is a second lane of worker process ``g % home`` (values between lanes of one process are not
-    copied). Returns the clusters, the cluster of each node and the simulated finish time of the
-    whole graph (seconds).
+    copied). A value read in another process also takes its bytes at ``bandwidth`` (the
+    runtime's measured link, :func:`tilegraph._config.transfer_speed`). Returns the clusters,
+    the cluster of each node and the simulated finish time of the whole graph (seconds).
     """
     if not fuse:
         return _one_task_per_node(nodes)
-    sim = _Simulation(groups, _processes_used(nodes, groups, fixed), target, home, max_bytes)
+    sim = _Simulation(groups, _processes_used(nodes, groups, fixed), target, home, max_bytes, transfer_speed(bandwidth))
     for node in nodes:
         sim.schedule(node, fixed.get(id(node)) if fixed is not None else None)
     for c in sim.clusters:
@@ -274,7 +278,7 @@ class _Simulation:
     of the node's device class) and cuts their nodes into clusters."""
 
     def __init__(self, groups: dict[str, list[int]], used: dict[str, int], target: float,
-                 home: int | None, max_bytes: float):
+                 home: int | None, max_bytes: float, bandwidth: float):
         self.clusters: list[Cluster] = []
         self.cluster_of: dict[int, Cluster] = {}  # id(node) -> its cluster
         #: per device class and process: when each of its threads is next free (seconds)
@@ -287,7 +291,7 @@ class _Simulation:
         self.max_bytes = max_bytes
         self.bounded = max_bytes < float("inf")
         self.hop = config.hop_seconds
-        self.bandwidth = config.transfer_bytes_per_second
+        self.bandwidth = bandwidth
 
     def makespan(self) -> float:
         """The simulated finish time of everything scheduled so far (seconds)."""

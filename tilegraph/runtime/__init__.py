@@ -163,6 +163,8 @@ class Runtime:
                                              lambda: client.register_plugin(channel_plugin()))
         #: each worker's ``exec.gang.gang_identity()`` (its shared-memory domain first), as asked so far
         self._gang_ids: dict[str, tuple | None] = {}
+        #: the measured link between hosts (:meth:`link_bytes_per_second`): (the two workers, bytes/s)
+        self._link: tuple[tuple[str, str], float | None] | None = None
         #: the last gang task submitted to each worker (``Executable._submit_gang``), and the
         #: lock that keeps their order that of the submissions
         self.last_gang: dict[str, Any] = {}
@@ -379,6 +381,31 @@ class Runtime:
         first element of their :meth:`gang_identities`."""
         return {a: ident[0] if ident else None for a, ident in self.gang_identities(addrs).items()}
 
+    def link_bytes_per_second(self, addrs: Sequence[str] | None = None) -> float | None:
+        """Bytes per second of a value moved between workers (``addrs``, default: all) on two
+        hosts, as Dask moves a task's result to a task on another worker (the cluster's comms:
+        TCP, or TLS): a :data:`LINK_PROBE_BYTES` value, less the time of a one-byte one, the
+        best of three tries.
+        Measured once, and again only when the two workers it measures between change. None
+        where the workers are all on one host (or fewer than two), or where the measure failed
+        (a warning says why); the planner then takes
+        ``tilegraph._config.DEFAULT_TRANSFER_BYTES_PER_SECOND``."""
+        pair = _hosts_apart(self.shm_domains(sorted(self.workers() if addrs is None else set(addrs))))
+        if pair is None:
+            return None
+        if self._link is not None and self._link[0] == pair:
+            return self._link[1]
+        try:
+            value = _measure_link(self.client, *pair)
+        except Exception as e:  # a worker gone meanwhile, a timeout: plan with the default
+            default = _config.DEFAULT_TRANSFER_BYTES_PER_SECOND / 1e9
+            warnings.warn(f"tilegraph could not measure the link between workers {pair[0]} and {pair[1]} "
+                          f"({type(e).__name__}: {e}); plans take {default:g} GB/s "
+                          "(set tilegraph.config.transfer_bytes_per_second)", RuntimeWarning, stacklevel=2)
+            value = None
+        self._link = (pair, value)
+        return value
+
     def gang_done(self, addr: str, future) -> None:
         """Forget ``future``, the last gang task submitted to worker ``addr``, once it is done
         (nothing then needs to wait for it)."""
@@ -444,6 +471,62 @@ SCHEDULER_ANSWER_SECONDS = 10.0
 #: how long a plan waits for a first worker on a cluster that has none (:meth:`Runtime.snapshot`):
 #: a worker started by hand, or a batch job starting, joins within seconds
 WORKERS_WAIT_SECONDS = 30.0
+
+#: the value :meth:`Runtime.link_bytes_per_second` moves between two hosts' workers (bytes): a
+#: few tens of milliseconds on a 10 Gb/s network, long against the hops it subtracts
+LINK_PROBE_BYTES = 32 << 20
+
+#: how long one move of the link measure may take before the planner gives up on it (seconds)
+LINK_PROBE_TIMEOUT = 20.0
+
+
+def _hosts_apart(domains: Mapping[str, str | None]) -> tuple[str, str] | None:
+    """Two workers on different hosts (by their shared-memory domain, else their address's
+    host), the first in address order and the first on another host; None on one host."""
+    from distributed.comm import get_address_host
+
+    host = {a: d if d is not None else get_address_host(a) for a, d in sorted(domains.items())}
+    if not host:
+        return None
+    first = next(iter(host))
+    other = next((a for a, h in host.items() if h != host[first]), None)
+    return None if other is None else (first, other)
+
+
+def _probe_value(n: int):
+    """A value of ``n`` random bytes (incompressible: Dask may compress what it sends)."""
+    import numpy as np
+
+    return np.frombuffer(np.random.default_rng().bytes(n), np.uint8)
+
+
+def _probe_read(value) -> int:
+    return int(value.nbytes)
+
+
+def _measure_link(client, a: str, b: str, size: int = LINK_PROBE_BYTES, tries: int = 3) -> float | None:
+    """Bytes per second of a ``size``-byte value made on worker ``a`` and read by a task on
+    worker ``b``, the time of a one-byte value subtracted (Dask's hops); the best of ``tries``
+    (the first move between two workers runs slower: 0.5 against 1.7-2.1 GB/s over loopback).
+    None where the big value moved no slower than the small one."""
+    import time
+
+    from distributed import wait
+
+    best = {}
+    for n in (1, size):
+        for _ in range(tries):
+            src = client.submit(_probe_value, n, workers=[a], allow_other_workers=False, pure=False)
+            wait(src, timeout=LINK_PROBE_TIMEOUT)
+            t0 = time.perf_counter()
+            got = client.submit(_probe_read, src, workers=[b], allow_other_workers=False, pure=False)
+            if got.result(timeout=LINK_PROBE_TIMEOUT) != n:  # pragma: no cover - a broken worker
+                raise RuntimeError(f"the probe read {got.result()} bytes of {n}")
+            best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
+            del src, got
+    moved = best[size] - best[1]
+    return size / moved if moved > 0 else None
+
 
 #: Dask priority of the tasks that move values between worker processes (picking out of a
 #: result what another process reads, taking it in there); a step's tasks have priority 0,
