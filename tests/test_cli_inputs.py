@@ -90,6 +90,9 @@ def test_a_folder_as_config_is_one_line_from_the_command(tmp_path):
      r"processes a sequence with runtime\.parallel = 'data'"),
     (["--set", "runtime.workers=3", "--set", "runtime.parallel=sharded", "--set", "train.batch_size=4",
       "--set", "train.accum_steps=2"], r"\(4 / 2\) must give each of the runtime\.workers \(3\)"),
+    # zero3 runs as Dask tasks: a gang asked for was refused when the first step was planned
+    (["--set", "runtime.workers=2", "--set", "runtime.parallel=zero3", "--set", "runtime.exchange=gang"],
+     r"runtime\.exchange must be \"auto\" or \"tasks\" with runtime\.parallel = \"zero3\" \(.*\), not \"gang\""),
 ])
 def test_settings_that_cannot_run_are_refused_before_any_work(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)

@@ -151,6 +151,10 @@ def check_config(cfg: dict, source: str) -> None:
         problems.append(f"train.batch_size / train.accum_steps ({t['batch_size']} / {t['accum_steps']}) must give "
                         f"each of the runtime.workers ({r['workers']}) worker processes a sequence with "
                         f"runtime.parallel = {r['parallel']!r} (or runtime.parallel = \"auto\" or \"tiles\")")
+    if not problems and r.get("parallel") == "zero3" and r.get("exchange") == "gang":
+        problems.append("runtime.exchange must be \"auto\" or \"tasks\" with runtime.parallel = \"zero3\" (its "
+                        "parameters stay with their owners and each task fetches the ones it reads: Dask tasks, "
+                        "where a gang would hold them all for the whole step), not \"gang\"")
     if not problems and p.get("method", "none") != "none" and p.get("grad_sketch", "none") != "none":
         # a sketch replaces the weight gradient of a trained Linear; adapters freeze every base weight
         problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "
