@@ -92,3 +92,17 @@ def test_a_failed_measure_warns_and_plans_with_the_default(embedded_runtime, mon
                                             r"\(TimeoutError: no answer in 20 s\); plans take 1 GB/s"):
         exe = _plan(embedded_runtime)
     assert exe.link_bytes_per_second == DEFAULT_TRANSFER_BYTES_PER_SECOND
+
+
+@pytest.mark.distributed
+def test_the_measure_gives_up_within_its_deadline(embedded_runtime, monkeypatch):
+    """A worker that never runs the probe (here: one that is not there) ends the measure after
+    LINK_PROBE_TIMEOUT in all, not after a wait per move."""
+    import time
+
+    monkeypatch.setattr(runtime_mod, "LINK_PROBE_TIMEOUT", 1.0)
+    a = sorted(embedded_runtime.workers())[0]
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        runtime_mod._measure_link(embedded_runtime.client, a, "tcp://127.0.0.1:9")
+    assert time.perf_counter() - t0 < 5.0
