@@ -333,6 +333,11 @@ def test_data_parallel_over_gpu_workers(monkeypatch):
     np.testing.assert_allclose(losses, local, rtol=2e-5)
 
 
+def _nbytes(model) -> int:
+    """Bytes of the model's parameters."""
+    return sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters())
+
+
 def _incoming_bytes(dask_worker) -> int:
     return sum(t["total"] for t in dask_worker.transfer_incoming_log)
 
@@ -369,7 +374,7 @@ def test_a_process_fetches_only_the_values_it_reads(embedded_runtime, strategy, 
                 if exe.process_of(exe.clusters[cid]) != exe.process_of(c):
                     read[(cid, k, exe.process_of(c))] = ref.nbytes
     whole = sum(sum(o.nbytes for o in exe.plans[cid].outputs) for cid, _ in {(cid, p) for cid, _, p in read})
-    params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters()) if strategy == "sharded" else 0
+    params = _nbytes(model) if strategy == "sharded" else 0
     client = embedded_runtime.client
     step(x, y)  # the second call sends the programs
     wait([r.future for p in opt.params for c in p.cells.flat for r in c.value.replicas])
@@ -431,7 +436,7 @@ def test_sharded_parameters_reach_every_process_when_they_are_updated(embedded_r
                                                              for kn in t["keys"].items()]).values() for kn in log]
     assert not [k for k, _ in fetched if k.startswith(("tg-params-", "tg-keep-"))], fetched
     pushed = sum(n for k, n in fetched if k.startswith("tg-push-")) / 2  # per step
-    params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters())
+    params = _nbytes(model)
     if shm:  # handles, and the parameters under shm_min_bytes
         assert pushed < 0.2 * params, (pushed, params)
     else:  # each process receives the parameters the other owns: all of them, once per step
@@ -480,6 +485,7 @@ def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monk
     held, losses = {}, {}
     for strategy in ("sharded", "zero3"):
         model = models.build("gpt2-debug", seed=0)
+        n_bytes = _nbytes(model)
         ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
         opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
         step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
@@ -492,10 +498,9 @@ def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monk
         for _ in range(50):  # Dask's active memory manager drops the copies no task waits for
             client.amm.run_once()
             held[strategy] = (_held_by_worker(client, params), _held_by_worker(client, moments))
-            if strategy == "sharded" or sum(held[strategy][0].values()) <= 1.01 * _nbytes(model):
+            if strategy == "sharded" or sum(held[strategy][0].values()) <= 1.01 * n_bytes:
                 break
             time.sleep(0.1)
-        n_bytes = _nbytes(model)
     assert losses["zero3"] == losses["sharded"]
     for strategy, (p, m) in held.items():
         assert len(p) == len(m) == 2, (strategy, p, m)
@@ -505,7 +510,3 @@ def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monk
     assert all(v >= 0.99 * n_bytes for v in sharded.values()), sharded  # every parameter on every worker
     assert sum(zero3.values()) <= 1.01 * n_bytes, zero3                   # each parameter once
     assert all(v <= 0.65 * n_bytes for v in zero3.values()), zero3        # about half on each worker
-
-
-def _nbytes(model) -> int:
-    return sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in model.parameters())

@@ -18,6 +18,8 @@ __all__ = ["Config", "config", "PARALLEL_STRATEGIES", "BATCH_SPLITTING_STRATEGIE
 PARALLEL_STRATEGIES = ("auto", "tiles", "data", "sharded", "zero3")
 #: the strategies that give each worker process a share of the batch's row tiles
 BATCH_SPLITTING_STRATEGIES = ("data", "sharded", "zero3")
+#: why a "zero3" step runs as Dask tasks, never as gangs (after "its parameters stay with their owners")
+ZERO3_TASKS_WHY = "each task fetches the ones it reads, and a gang would hold them all for the whole step"
 #: the values of ``config.exchange``
 EXCHANGES = ("auto", "gang", "tasks")
 #: what the planner takes a move between worker processes of one host to run at (bytes per

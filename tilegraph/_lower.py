@@ -219,7 +219,7 @@ class Executable:
                     and sum(len(t) for t in groups.values()) > 1 else None)
         self.link_bytes_per_second = transfer_speed(measured)
         #: whether that speed was measured on the runtime (between hosts)
-        self.link_measured = measured is not None and config.transfer_bytes_per_second == "auto"
+        self.link_measured = measured is not None
         place(work, placement, len(groups.get("gpu", ())) > 0, self.link_bytes_per_second)
         #: the smallest memory limit of those workers (bytes, inf: none)
         self.memory_limit = limit = _memory_limit(self.workers)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tilegraph._config import BATCH_SPLITTING_STRATEGIES, EXCHANGES, PARALLEL_STRATEGIES, number_check, one_of_check
+from tilegraph._config import (BATCH_SPLITTING_STRATEGIES, EXCHANGES, PARALLEL_STRATEGIES, ZERO3_TASKS_WHY,
+                               number_check, one_of_check)
 from tilegraph.ops.rmm import SKETCHES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
@@ -153,8 +154,7 @@ def check_config(cfg: dict, source: str) -> None:
                         f"runtime.parallel = {r['parallel']!r} (or runtime.parallel = \"auto\" or \"tiles\")")
     if not problems and r.get("parallel") == "zero3" and r.get("exchange") == "gang":
         problems.append("runtime.exchange must be \"auto\" or \"tasks\" with runtime.parallel = \"zero3\" (its "
-                        "parameters stay with their owners and each task fetches the ones it reads: Dask tasks, "
-                        "where a gang would hold them all for the whole step), not \"gang\"")
+                        f"parameters stay with their owners: {ZERO3_TASKS_WHY}), not \"gang\"")
     if not problems and p.get("method", "none") != "none" and p.get("grad_sketch", "none") != "none":
         # a sketch replaces the weight gradient of a trained Linear; adapters freeze every base weight
         problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "

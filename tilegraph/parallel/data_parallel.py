@@ -339,8 +339,8 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     """The data-parallel plan of the graph of ``roots`` (its kernels ``work``, over the worker
     processes' threads ``groups``; tasks of about ``target`` seconds, each under
     ``max_task_bytes``; values between processes at ``bandwidth``): ``(refs of each root,
-    clusters, cluster of each node, simulated seconds, nodes, replicas, strategy)``; None where it does not apply: no batch to split, one
-    process, or kernels placed on both device classes.
+    clusters, cluster of each node, simulated seconds, nodes, replicas, strategy)``; None where
+    it does not apply: no batch to split, one process, or kernels placed on both device classes.
 
     ``state_groups`` lists the roots updated together (a parameter tile, then its optimizer
     state). "data": every replica keeps all of them. "sharded" (and "auto") and "zero3": each

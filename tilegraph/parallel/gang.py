@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 
-from tilegraph._config import config
+from tilegraph._config import ZERO3_TASKS_WHY, config
 from tilegraph._errors import TileError
 from tilegraph.exec.gang import GangSpec, Stage
 from tilegraph.exec.shm import SHM_MARGIN_BYTES
@@ -156,8 +156,7 @@ def _why_not(exe) -> str | None:
     if exe.n_replicas < 2:
         return "the plan runs on one worker process"
     if exe.strategy == "zero3":
-        return ("its parameters stay with their owners (parallel='zero3'): each task fetches the ones it reads, "
-                "and a gang would hold them all for the whole step")
+        return f"its parameters stay with their owners (parallel='zero3'): {ZERO3_TASKS_WHY}"
     if any(c.device != "cpu" for c in exe.clusters):
         return "the plan has GPU tasks"
     if any(c.id not in exe.worker_of for c in exe.clusters):
