@@ -626,3 +626,42 @@ def test_a_gang_lets_go_of_each_element_of_a_stage_result_after_its_last_reader(
                 assert all(t >= s for t in mine.values())
                 split += len(set(mine.values())) > 1
     assert split  # some stage's elements go at different stages
+
+
+@needs_shm
+@pytest.mark.distributed
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_each_gangs_batch_tiles_are_made_on_its_own_worker(embedded_runtime, hosts, monkeypatch):
+    """A batch tile too large to travel inside its task is a task of its own; it runs on the
+    worker of the gang that reads it. Placed by Dask's choice instead, it could queue on the
+    other worker behind that worker's gang, which holds the worker's thread while it waits for
+    this gang's values: with one thread per worker, a step that waited forever (here, before
+    the gangs' inputs were pinned to their workers)."""
+    from distributed import get_task_stream
+
+    from test_train import _mse
+
+    if hosts == 2:
+        fake_hosts(monkeypatch, embedded_runtime)
+    monkeypatch.setattr(tg.config, "exchange", "gang")
+    monkeypatch.setattr(tg.config, "exchange_timeout_seconds", 30.0)  # a gang waiting forever fails
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 512)).astype(np.float32)  # tiles of 128 KiB: tasks of their own
+    y = rng.standard_normal((512, 4)).astype(np.float32)
+    model = tg.nn.MLP(512, 32, out_dim=4, tile=256, seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(128, 256), (128, None)], runtime=embedded_runtime,
+                        parallel="sharded")
+    step(x, y)
+    exe = step.plan(x, y)
+    assert exe.gang is not None
+    for _ in range(3):
+        with get_task_stream(embedded_runtime.client) as ts:
+            step(x, y)
+            assert _idle(embedded_runtime)
+        # the tiles of this call: each gang's leaves are bound to them now
+        home = {f"tgc-{ref.node.cell.token}": addr for addr, leaves in zip(exe.gang.addrs, exe.gang.leaves)
+                for ref in leaves if ref.node.cell.token.startswith("batch0-")}
+        ran = {t["key"]: t["worker"] for t in ts.data if t["key"] in home}
+        assert len(home) == 8 and len(ran) == 8, (home, ran)  # 4 x 2 tiles of x, half per gang
+        assert ran == home

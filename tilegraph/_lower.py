@@ -807,11 +807,31 @@ class Executable:
         """The worker each task is pinned to, by key; and a sharded plan's parameters pushed to
         every process (:meth:`_push_shared`, whose tasks it adds)."""
         if self.gang is not None:  # each process's copies of shared parameters come out of its own gang
-            return dict(zip(call.keys, self.gang.addrs)), {}
+            return {**self._gang_input_workers(call), **dict(zip(call.keys, self.gang.addrs))}, {}
         pinned = {call.keys[cid]: addr for cid, addr in self.worker_of.items()}
         pinned.update(self._transfer_workers(call.keys))
         pushed = self._push_shared(call.layers, call.keys, source, moved, pinned, runtime)
         return pinned, pushed
+
+    def _gang_input_workers(self, call: _Call) -> dict:
+        """The worker each task that makes a gang's input runs on (a leaf's value embedded in the
+        graph, a dask array's tasks): that gang's worker (the first gang's, of an input several
+        read). A gang holds a thread of its worker while it waits for the other gangs' values;
+        an input of another gang that Dask had put on that worker, behind it, would never run:
+        with one thread per worker, a step that waits forever."""
+        from dask.core import get_dependencies
+
+        inputs = {**call.layers["data"], **call.layers["dask"]}
+        out: dict = {}
+        for key, addr in zip(call.keys, self.gang.addrs):
+            stack = [a for a in call.layers["gang"][key][AFTER_INDEX + 1:] if _is_key_of(a, inputs)]
+            while stack:
+                k = stack.pop()
+                if k not in out:
+                    out[k] = addr
+                    if k in call.layers["dask"]:
+                        stack.extend(d for d in get_dependencies(call.layers["dask"], k) if d in inputs)
+        return out
 
     def _submit(self, runtime, call: _Call, want: list[str], pinned: dict[str, str]) -> dict:
         """Submit the call's graph; returns the futures of the tasks in ``want`` (and, for a gang
@@ -907,6 +927,15 @@ class Fetching:
 
     future: Any
     index: int | None
+
+
+def _is_key_of(arg, tasks: dict) -> bool:
+    """Whether a task argument is the key of one of ``tasks`` (a Dask key: a string or a tuple;
+    not an array passed inline)."""
+    try:
+        return type(arg) in (str, tuple) and arg in tasks
+    except TypeError:  # a tuple holding something unhashable: a value, not a key
+        return False
 
 
 def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list:

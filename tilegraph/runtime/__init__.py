@@ -289,18 +289,24 @@ class Runtime:
         where ``cpu_resource``: the plan's :class:`Workers` say whether the CPU workers offer one;
         None: as of the last snapshot); ``workers`` maps task keys to the worker the plan put
         them on (a loose restriction: Dask would otherwise run every task next to the
-        parameters, on one worker).
+        parameters, on one worker; strict for gang tasks and for the tasks of the ``"data"`` and
+        ``"dask"`` layers it names: the inputs of gang tasks).
         """
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
         parts = {}
         deps: dict[str, set] = {}
-        for name in ("data", "dask"):
-            if layers.get(name):
-                parts[name] = MaterializedLayer(layers[name])
-                deps[name] = set()
-        below = set(parts)
         workers = workers or {}
+        for name in ("data", "dask"):  # those it pins, strictly: the inputs of gang tasks
+            by_worker = {}
+            for key, task in (layers.get(name) or {}).items():
+                by_worker.setdefault(workers.get(key), {})[key] = task
+            for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
+                ann = None if addr is None else {"workers": [addr], "allow_other_workers": False}
+                parts[f"{name}-{i}"] = MaterializedLayer(sub, annotations=ann)
+        below = set(parts)
+        for name in below:  # a dask graph split by worker reads across its parts
+            deps[name] = below - {name}
         tasks = []
         # "transfer" tasks (picking what another process reads, taking it in there) need no
         # resource, and run before the tasks waiting for a thread next to them: readers wait
