@@ -383,6 +383,10 @@ def main():
     ap.add_argument("--no-shm", action="store_true",
                     help="tg.config.shm_transfers = False: values between worker processes go over the workers' comms "
                          "(TCP), as between hosts, not through /dev/shm")
+    ap.add_argument("--bucket-bytes", default="auto",
+                    help='tg.config.bucket_bytes: "auto" (gradients in buckets of 25 MB during the backward where '
+                         'the workers span hosts, one exchange after it on one host), or the bytes of a bucket '
+                         '(inf: one exchange), e.g. 25e6 with --no-shm to try buckets as between hosts')
     ap.add_argument("--mpi-child", default=None, help=argparse.SUPPRESS)  # set by --mpi, under mpiexec
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
@@ -413,6 +417,10 @@ def main():
 
     tg.config.exchange = args.exchange
     tg.config.shm_transfers = not args.no_shm
+    try:
+        tg.config.bucket_bytes = args.bucket_bytes if args.bucket_bytes == "auto" else float(args.bucket_bytes)
+    except (ValueError, tg.TileError):
+        ap.error(f'--bucket-bytes: "auto" or a number of bytes > 0, not {args.bucket_bytes!r}')
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if not strategies or any(s not in PARALLEL_STRATEGIES for s in strategies):
         ap.error(f"--strategies: a comma separated list of {', '.join(PARALLEL_STRATEGIES)}, not {args.strategies!r}")
@@ -429,7 +437,7 @@ def main():
     # what a --mpi run passes on to the script under mpiexec: the shape of the work, not what to run
     child_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                   if k in ("gpt2_flavor", "batch", "seq", "width", "heads", "layers", "steps", "warmup", "strategies",
-                           "exchange")]
+                           "exchange", "bucket_bytes")]
     child_argv += ["--no-shm"] if args.no_shm else []
 
     shapes = []
@@ -443,7 +451,8 @@ def main():
     print(f"# {os.cpu_count()} cores, T = {total} threads in all; configurations (W workers x T threads) "
           f"{', '.join(f'{w}x{t}' for w, t in configs)}; tilegraph {tg.__version__}, dask {dask.__version__}, "
           f"distributed {distributed.__version__}, torch {torch.__version__} (eager; DDP over gloo), "
-          f"Python {platform.python_version()}; fp32, AdamW; {args.warmup} warmup + {args.steps} timed steps", flush=True)
+          f"Python {platform.python_version()}; fp32, AdamW; {args.warmup} warmup + {args.steps} timed steps; "
+          f"gradient buckets {args.bucket_bytes}", flush=True)
     print("# " + "; ".join(shapes), flush=True)
     print("# strategy: tilegraph's TrainStep(parallel=...), or torch (PyTorch eager, one process) or torch-DDP (P "
           "processes, gloo); used: the plan's; exch: how its processes exchange values (gang: one task per process, "

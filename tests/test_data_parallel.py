@@ -280,6 +280,35 @@ def test_buckets_cut_the_backward_without_changing_a_bit(embedded_runtime, monke
 
 
 @pytest.mark.distributed
+def test_gradients_go_in_buckets_by_default_only_where_the_workers_span_hosts(embedded_runtime, monkeypatch):
+    """bucket_bytes="auto": one exchange after the backward on one host (a transfer there takes
+    the CPU from the kernels it overlaps), buckets of AUTO_BUCKET_BYTES between hosts (the link is
+    the bottleneck); a number set by the user holds everywhere."""
+    from conftest import fake_hosts
+    from tilegraph import _config
+
+    monkeypatch.setattr(tg.config, "transfer_bytes_per_second", 1e9)  # the same plan costs on both layouts
+    monkeypatch.setattr(_config, "AUTO_BUCKET_BYTES", 1.0)  # this small model's gradients: one bucket each
+    x, y = _data()
+
+    def plan():
+        _, step = _step(runtime=embedded_runtime, parallel="data")
+        return step.plan(x, y)
+
+    assert tg.config.bucket_bytes == "auto"
+    one = plan()
+    assert not one.across_hosts and one.bucket_bytes == float("inf")
+    fake_hosts(monkeypatch, embedded_runtime)
+    apart = plan()
+    assert apart.across_hosts and apart.bucket_bytes == 1.0
+    assert apart.n_tasks > one.n_tasks  # the backward cut at each bucket
+    assert "buckets" not in one.parallel_summary()
+    assert "gradients sent in buckets of 1e-06 MB during the backward" in apart.parallel_summary()
+    monkeypatch.setattr(tg.config, "bucket_bytes", float("inf"))
+    assert plan().n_tasks == one.n_tasks
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_gpt2_debug_trains_alike_on_one_and_two_workers_with_each_strategy(tmp_path):
     """20 steps of the debug GPT-2 through the Trainer (several steps per graph): one worker, and

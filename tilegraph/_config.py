@@ -27,6 +27,9 @@ EXCHANGES = ("auto", "gang", "tasks")
 #: workers of the 2-core development machine (values of 1 MiB and more go through shared memory
 #: there, faster)
 DEFAULT_TRANSFER_BYTES_PER_SECOND = 1e9
+#: ``config.bucket_bytes = "auto"``: the gradient buckets of a data-parallel plan whose worker
+#: processes span several hosts (PyTorch DDP's default size)
+AUTO_BUCKET_BYTES = 25e6
 
 
 @dataclass
@@ -71,13 +74,15 @@ class Config:
     #: another worker only pays when it saves more than this
     hop_seconds: float = 0.005
     #: data parallelism: gradients leave their process in buckets of about this many bytes while
-    #: the backward pass goes on (as PyTorch DDP's 25 MB buckets). Default: one exchange after
-    #: the backward. On CPU workers a transfer under way takes CPU and the GIL from the kernels
-    #: it would overlap, and each bucket costs a task boundary. Measured on 2 cores, 2 workers x
-    #: 1 thread, GPT-2 6x768 (330 MB of gradients): 32 MB buckets 262 tok/s, 100 MB 280,
-    #: 256 MB 278, one exchange 305 (one process x 2 threads: 304); block stack: 608 either way.
-    #: Smaller buckets can pay where the link, not the CPU, is the bottleneck (several nodes).
-    bucket_bytes: float = float("inf")
+    #: the backward pass goes on (as PyTorch DDP's 25 MB buckets); inf: one exchange after the
+    #: backward. "auto": :data:`AUTO_BUCKET_BYTES` where the plan's worker processes span several
+    #: hosts, one exchange where they share one. On one host a transfer under way takes CPU
+    #: and the GIL from the kernels it would overlap, and each bucket costs a task boundary.
+    #: Measured on 2 cores, 2 workers x 1 thread, GPT-2 6x768 (330 MB of gradients): 32 MB
+    #: buckets 262 tok/s, 100 MB 280, 256 MB 278, one exchange 305 (one process x 2 threads:
+    #: 304); block stack: 608 either way. Between hosts the link, not the CPU, is the bottleneck,
+    #: and buckets hide part of it behind the backward (the README's "Buckets between hosts")
+    bucket_bytes: float | str = "auto"
     #: values read by another worker process of the same host go through shared memory
     #: (``/dev/shm``, :mod:`tilegraph.exec.shm`; a gang step's channels too) rather than Dask's
     #: loopback TCP, when they hold at least ``shm_min_bytes``. Measured on 2 cores: 0.09 against 0.21 CPU seconds per 170 MB
@@ -238,6 +243,16 @@ def transfer_speed(measured: float | None = None) -> float:
     return float(measured) if measured else DEFAULT_TRANSFER_BYTES_PER_SECOND
 
 
+def bucket_size(across_hosts: bool) -> float:
+    """The bytes of gradients a data-parallel plan sends in one bucket during the backward:
+    ``config.bucket_bytes`` where it is a number, else :data:`AUTO_BUCKET_BYTES` where the
+    plan's worker processes span several hosts (``across_hosts``), else inf (one exchange)."""
+    v = config.bucket_bytes
+    if v != "auto":
+        return float(v)
+    return AUTO_BUCKET_BYTES if across_hosts else float("inf")
+
+
 def one_of_check(*names: str):
     """(check, what it wants) of a string among ``names``."""
     return (lambda v: isinstance(v, str) and v in names), f"one of {', '.join(map(repr, names))}"
@@ -256,7 +271,7 @@ _CHECKS = {
     "transfer_bytes_per_second": ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0'),
     "placement": one_of_check("auto", "cpu", "gpu"),
     "gpu_min_flops": number_check(), "gpu_array_module": one_of_check("cupy", "numpy"), "hop_seconds": number_check(),
-    "bucket_bytes": number_check(strict=True), "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
+    "bucket_bytes": ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0'), "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
     "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),
     "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),

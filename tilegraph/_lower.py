@@ -220,6 +220,11 @@ class Executable:
         self.link_bytes_per_second = transfer_speed(measured)
         #: whether that speed was measured on the runtime (between hosts)
         self.link_measured = measured is not None
+        #: whether the workers span several hosts; a data-parallel plan then sends its
+        #: gradients in buckets during the backward (``config.bucket_bytes``)
+        self.across_hosts = runtime is not None and sum(len(t) for t in groups.values()) > 1 and \
+            runtime.spans_hosts({a for v in addrs.values() for a in v})
+        self.bucket_bytes = _config.bucket_size(self.across_hosts)
         place(work, placement, len(groups.get("gpu", ())) > 0, self.link_bytes_per_second)
         #: the smallest memory limit of those workers (bytes, inf: none)
         self.memory_limit = limit = _memory_limit(self.workers)
@@ -239,7 +244,7 @@ class Executable:
         dp = None
         if parallel != "tiles" and fuse:
             dp = plan_data_parallel(self.roots, work, groups, state_groups, batch_cells, target, parallel,
-                                    self.max_task_bytes, self.link_bytes_per_second)
+                                    self.max_task_bytes, self.link_bytes_per_second, self.bucket_bytes)
         if dp is None or parallel == "auto":  # the tiles plan: the only one, or the one to beat
             self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work), groups, target, fuse,
                                                                 max_bytes=self.max_task_bytes,
@@ -490,6 +495,8 @@ class Executable:
             text += f" (planned for a link of {self.link_bytes_per_second / 1e9:.2g} GB/s between hosts, measured)"
         if self.n_replicas == 1:
             return text
+        if self.bucket_bytes < float("inf"):
+            text += f", gradients sent in buckets of {self.bucket_bytes / 1e6:.3g} MB during the backward"
         if self.gang is None:
             return f"{text}, values as Dask tasks"
         shared = {s for p, spec in enumerate(self.gang.specs) for q, s in enumerate(spec.shared) if q != p}

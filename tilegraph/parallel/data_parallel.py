@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tilegraph._config import config
+from tilegraph._config import bucket_size, config
 from tilegraph._errors import TileError
 from tilegraph._graph import Node, TileRef, topo_order
 from tilegraph.plan.cluster import cluster_nodes
@@ -335,10 +335,11 @@ def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
 
 def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: dict[str, list[int]],
                        state_groups: Sequence[Sequence[int]], batch_cells: Sequence, target: float, parallel: str,
-                       max_task_bytes: float, bandwidth: float | None = None):
+                       max_task_bytes: float, bandwidth: float | None = None, bucket_bytes: float | None = None):
     """The data-parallel plan of the graph of ``roots`` (its kernels ``work``, over the worker
     processes' threads ``groups``; tasks of about ``target`` seconds, each under
-    ``max_task_bytes``; values between processes at ``bandwidth``): ``(refs of each root,
+    ``max_task_bytes``; values between processes at ``bandwidth``; gradients sent in buckets of
+    ``bucket_bytes``, default ``config.bucket_bytes`` as on one host): ``(refs of each root,
     clusters, cluster of each node, simulated seconds, nodes, replicas, strategy)``; None where
     it does not apply: no batch to split, one process, or kernels placed on both device classes.
 
@@ -381,7 +382,7 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     # its tasks wait for other replicas' values without holding back the backward pass
     lane = {i: p + (procs if i in dp.exchange else 0) for i, p in dp.replica.items()}
     threads = groups[dev][:procs]
-    order = visit_order(dp, config.bucket_bytes)
+    order = visit_order(dp, bucket_size(False) if bucket_bytes is None else bucket_bytes)
     clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
                                           fixed=lane, home=procs, max_bytes=max_task_bytes, bandwidth=bandwidth)
     nodes = topo_order([r for refs in dp.roots for r in refs])

@@ -387,6 +387,11 @@ class Runtime:
         first element of their :meth:`gang_identities`."""
         return {a: ident[0] if ident else None for a, ident in self.gang_identities(addrs).items()}
 
+    def spans_hosts(self, addrs: Sequence[str] | None = None) -> bool:
+        """Whether the workers ``addrs`` (default: all) run on more than one host (by their
+        shared-memory domains, else their addresses)."""
+        return _hosts_apart(self.shm_domains(sorted(self.workers() if addrs is None else set(addrs)))) is not None
+
     def link_bytes_per_second(self, addrs: Sequence[str] | None = None) -> float | None:
         """Bytes per second of a value moved between workers (``addrs``, default: all) on two
         hosts, as Dask moves a task's result to a task on another worker (the cluster's comms:
