@@ -264,14 +264,15 @@ def _speeds(v) -> bool:
 
 
 _BOOL = ((lambda v: isinstance(v, bool)), "True or False")
+_AUTO_OR_POSITIVE = ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0')
 #: what each setting may hold
 _CHECKS = {
     "fuse": _BOOL, "target_seconds": number_check(strict=True), "min_process_seconds": number_check(),
     "graph_seconds": number_check(), "max_steps_per_graph": number_check(1, whole=True), "split_weight_grads": _BOOL,
-    "transfer_bytes_per_second": ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0'),
+    "transfer_bytes_per_second": _AUTO_OR_POSITIVE,
     "placement": one_of_check("auto", "cpu", "gpu"),
     "gpu_min_flops": number_check(), "gpu_array_module": one_of_check("cupy", "numpy"), "hop_seconds": number_check(),
-    "bucket_bytes": ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0'), "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
+    "bucket_bytes": _AUTO_OR_POSITIVE, "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
     "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),
     "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),

@@ -214,16 +214,16 @@ class Executable:
         addrs = self.workers.addrs if self.workers is not None else {}
         #: bytes per second of a move between worker processes, as this plan takes it
         #: (``config.transfer_bytes_per_second``; "auto": the runtime's measure between hosts)
-        measured = (runtime.link_bytes_per_second({a for v in addrs.values() for a in v})
-                    if runtime is not None and config.transfer_bytes_per_second == "auto"
-                    and sum(len(t) for t in groups.values()) > 1 else None)
+        spread = runtime is not None and sum(len(t) for t in groups.values()) > 1  # room for several workers
+        every = {a for v in addrs.values() for a in v}
+        measured = (runtime.link_bytes_per_second(every)
+                    if spread and config.transfer_bytes_per_second == "auto" else None)
         self.link_bytes_per_second = transfer_speed(measured)
         #: whether that speed was measured on the runtime (between hosts)
         self.link_measured = measured is not None
         #: whether the workers span several hosts; a data-parallel plan then sends its
         #: gradients in buckets during the backward (``config.bucket_bytes``)
-        self.across_hosts = runtime is not None and sum(len(t) for t in groups.values()) > 1 and \
-            runtime.spans_hosts({a for v in addrs.values() for a in v})
+        self.across_hosts = spread and runtime.spans_hosts(every)
         self.bucket_bytes = _config.bucket_size(self.across_hosts)
         place(work, placement, len(groups.get("gpu", ())) > 0, self.link_bytes_per_second)
         #: the smallest memory limit of those workers (bytes, inf: none)
