@@ -297,32 +297,33 @@ class Runtime:
         parts = {}
         deps: dict[str, set] = {}
         workers = workers or {}
-        for name in ("data", "dask"):  # those it pins, strictly: the inputs of gang tasks
-            by_worker = {}
+
+        def split(name: str, ann0: dict, strict: bool) -> list[str]:
+            """Layer ``name`` as one part per worker its tasks are pinned to (one more for the
+            others); the names of the parts."""
+            by_worker: dict[str | None, dict] = {}
             for key, task in (layers.get(name) or {}).items():
                 by_worker.setdefault(workers.get(key), {})[key] = task
-            for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
-                ann = None if addr is None else {"workers": [addr], "allow_other_workers": False}
-                parts[f"{name}-{i}"] = MaterializedLayer(sub, annotations=ann)
-        below = set(parts)
-        for name in below:  # a dask graph split by worker reads across its parts
-            deps[name] = below - {name}
-        tasks = []
-        # "transfer" tasks (picking what another process reads, taking it in there) need no
-        # resource, and run before the tasks waiting for a thread next to them: readers wait
-        cpu_resource = self.last_workers.cpu_resource if cpu_resource is None else cpu_resource
-        cpu = {"resources": {"CPU": 1}} if cpu_resource else {}
-        for dev, ann0 in (("cpu", cpu), ("gpu", {"resources": {"GPU": 1}}), ("transfer", {"priority": TRANSFER_PRIORITY}),
-                          ("gang", cpu)):
-            by_worker: dict[str | None, dict] = {}
-            for key, task in (layers.get(dev) or {}).items():
-                by_worker.setdefault(workers.get(key), {})[key] = task
+            names = []
             for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
                 ann = dict(ann0)
-                if addr is not None:  # a gang task strictly: two on one worker would wait for each other
-                    ann.update(workers=[addr], allow_other_workers=dev != "gang")
-                parts[f"{dev}-{i}"] = MaterializedLayer(sub, annotations=ann or None)
-                tasks.append(f"{dev}-{i}")
+                if addr is not None:
+                    ann.update(workers=[addr], allow_other_workers=not strict)
+                names.append(f"{name}-{i}")
+                parts[names[-1]] = MaterializedLayer(sub, annotations=ann or None)
+            return names
+
+        # those it pins, strictly: the inputs of gang tasks
+        below = set(split("data", {}, True) + split("dask", {}, True))
+        for name in below:  # a dask graph split by worker reads across its parts
+            deps[name] = below - {name}
+        # "transfer" tasks (picking what another process reads, taking it in there) need no
+        # resource, and run before the tasks waiting for a thread next to them: readers wait;
+        # a gang task is pinned strictly: two on one worker would wait for each other
+        cpu_resource = self.last_workers.cpu_resource if cpu_resource is None else cpu_resource
+        cpu = {"resources": {"CPU": 1}} if cpu_resource else {}
+        tasks = (split("cpu", cpu, False) + split("gpu", {"resources": {"GPU": 1}}, False)
+                 + split("transfer", {"priority": TRANSFER_PRIORITY}, False) + split("gang", cpu, True))
         # task layers depend on each other in all directions; declare it so culling keeps them all
         for name in tasks:
             deps[name] = below | (set(tasks) - {name})
@@ -387,10 +388,14 @@ class Runtime:
         first element of their :meth:`gang_identities`."""
         return {a: ident[0] if ident else None for a, ident in self.gang_identities(addrs).items()}
 
+    def _two_hosts(self, addrs: Sequence[str] | None) -> tuple[str, str] | None:
+        """Two of the workers ``addrs`` (default: all) on different hosts; None on one host."""
+        return _hosts_apart(self.shm_domains(sorted(self.workers() if addrs is None else set(addrs))))
+
     def spans_hosts(self, addrs: Sequence[str] | None = None) -> bool:
         """Whether the workers ``addrs`` (default: all) run on more than one host (by their
         shared-memory domains, else their addresses)."""
-        return _hosts_apart(self.shm_domains(sorted(self.workers() if addrs is None else set(addrs)))) is not None
+        return self._two_hosts(addrs) is not None
 
     def link_bytes_per_second(self, addrs: Sequence[str] | None = None) -> float | None:
         """Bytes per second of a value moved between workers (``addrs``, default: all) on two
@@ -401,7 +406,7 @@ class Runtime:
         where the workers are all on one host (or fewer than two), or where the measure failed
         (a warning says why); the planner then takes
         ``tilegraph._config.DEFAULT_TRANSFER_BYTES_PER_SECOND``."""
-        pair = _hosts_apart(self.shm_domains(sorted(self.workers() if addrs is None else set(addrs))))
+        pair = self._two_hosts(addrs)
         if pair is None:
             return None
         if self._link is not None and self._link[0] == pair:
