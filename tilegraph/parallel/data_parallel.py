@@ -39,7 +39,7 @@ import numpy as np
 from tilegraph._config import bucket_size, config
 from tilegraph._errors import TileError
 from tilegraph._graph import Node, TileRef, topo_order
-from tilegraph.plan.cluster import cluster_nodes
+from tilegraph.plan.cluster import cluster_nodes, state_writers
 
 __all__ = ["split_replicas", "Replicas", "batch_groups", "plan_data_parallel"]
 
@@ -384,6 +384,7 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     threads = groups[dev][:procs]
     order = visit_order(dp, bucket_size(False) if bucket_bytes is None else bucket_bytes)
     clusters, of, seconds = cluster_nodes(order, {**groups, dev: threads + threads}, target, True,
-                                          fixed=lane, home=procs, max_bytes=max_task_bytes, bandwidth=bandwidth)
+                                          fixed=lane, home=procs, max_bytes=max_task_bytes, bandwidth=bandwidth,
+                                          state=state_writers(dp.roots, state_groups))
     nodes = topo_order([r for refs in dp.roots for r in refs])
     return dp.roots, clusters, of, seconds, nodes, procs, parallel if parallel in ("data", "zero3") else "sharded"
