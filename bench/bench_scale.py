@@ -24,7 +24,11 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
   value counted once per process that reads it (Dask fetches it once per worker); leaf inputs
   (parameters, optimizer state, the batch) count as not moved;
 - ``peak_MiB``: the most resident memory one worker process held during the row (warmup and
-  timed steps; Linux ``VmHWM``, reset before the row);
+  timed steps; Linux ``VmHWM``, reset before the row); it includes the freed memory a worker
+  keeps for reuse (up to 1 GiB, README "Worker memory allocation");
+- ``held_MiB``: the most memory Dask held at once on one worker during the timed steps (the task
+  results in its memory, by Dask's own count, sampled every 5 ms): what a step's tasks keep
+  alive, without the allocator's reserve or the values inside a running task;
 - ``ratio`` = tok/s / (tok/s of PyTorch eager in one process with the same total threads,
   ``torch.set_num_threads``), measured in the same run; the eager row itself is printed too
   (strategy ``torch``);
@@ -133,6 +137,30 @@ def dask_thread_cpu() -> float:
                if not any(c in names.get(t.id, "") for c in compute))
 
 
+def start_held_sampler(dask_worker=None) -> bool:
+    """Sample, every 5 ms until :func:`stop_held_sampler`, how many bytes of task results this
+    worker holds (Dask's count, ``dask_worker.state.nbytes``), keeping the most (run on each worker)."""
+    import threading
+
+    stop, most = threading.Event(), [0]
+
+    def sample():
+        while not stop.wait(0.005):
+            most[0] = max(most[0], dask_worker.state.nbytes)
+
+    dask_worker._bench_held = (stop, most, threading.Thread(target=sample, daemon=True))
+    dask_worker._bench_held[2].start()
+    return True
+
+
+def stop_held_sampler(dask_worker=None) -> int:
+    """The most bytes :func:`start_held_sampler` saw held; stops it."""
+    stop, most, thread = dask_worker._bench_held
+    stop.set()
+    thread.join()
+    return most[0]
+
+
 def wait_idle(rt, poll: float = 0.01) -> None:
     """Wait until the cluster runs no task: a step's loss comes back before its backward pass and
     update have finished."""
@@ -164,10 +192,12 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
             wait_idle(rt)
             rt.kernel_stats(reset=True)
             cpu0 = rt.client.run(dask_thread_cpu)
+            rt.client.run(start_held_sampler)
             t0 = time.perf_counter()
             timed_steps(step, data[args.warmup:])
             wait_idle(rt)  # the last step's backward and update too, not only its loss
             wall = time.perf_counter() - t0
+            held = max(rt.client.run(stop_held_sampler).values())
             dask_cpu = sum(rt.client.run(dask_thread_cpu).values()) - sum(cpu0.values())
             peaks = list(rt.client.run(peak_resident_bytes).values())
             peak = max(peaks) if reset and None not in peaks else None
@@ -184,7 +214,7 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
                          "dask_cpu": dask_cpu / (wall * workers * threads),
                          "moved": exe.cross_bytes(), "step_s": wall / args.steps, "first_s": first_s,
-                         "peak": peak})
+                         "peak": peak, "held": held})
             del step, opt, model, exe
     return rows
 
@@ -347,11 +377,12 @@ def fmt_row(r: dict) -> str:
     return (f"{r['model']:12} {r['config']:>6} {r.get('launch', '-'):>8} {r['strategy']:>9} {r.get('used') or '-':>7} "
             f"{r.get('exch') or '-':>5} {r.get('auto') or '-':>7} "
             f"{r['tok_s']:9.0f} {opt('outside', '8.1%'):>8} {opt('dask_cpu', '9.1%'):>9} {opt('moved', '8.1f', 1e-6):>8} "
-            f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7} {opt('peak', '8.0f', 2**-20):>8}")
+            f"{opt('ratio', '6.2f'):>6} {r['step_s']:7.3f} {opt('first_s', '7.1f'):>7} {opt('peak', '8.0f', 2**-20):>8} "
+            f"{opt('held', '8.1f', 2**-20):>8}")
 
 
 HEADER = (f"{'model':12} {'WxT':>6} {'launch':>8} {'strategy':>9} {'used':>7} {'exch':>5} {'auto':>7} {'tok/s':>9} {'outside':>8} {'dask_CPU':>9} "
-          f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7} {'peak_MiB':>8}")
+          f"{'MB/step':>8} {'ratio':>6} {'step_s':>7} {'first_s':>7} {'peak_MiB':>8} {'held_MiB':>8}")
 
 
 def main():
@@ -459,7 +490,7 @@ def main():
           "shared-memory channels; gang-comm: over the workers' comms; tasks: Dask tasks); auto: what parallel='auto' picks there; outside = 1 - kernel s / "
           "(wall x W x T); dask_CPU: CPU s of the workers' Dask threads (transfers) / (wall x W x T); MB/step: between worker processes, from the plan (DDP: ring all-reduce, 2 (P-1) x "
           "gradient bytes); ratio = tok/s / torch eager tok/s with W x T threads; peak_MiB: most resident memory of one worker "
-          "process in the row", flush=True)
+          "process in the row; held_MiB: most memory Dask held at once on one worker in the timed steps", flush=True)
     print(HEADER, flush=True)
 
     for kind in kinds:

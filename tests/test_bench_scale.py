@@ -25,8 +25,8 @@ def test_bench_scale_tiny_blocks_runs():
     header = [line for line in lines if line.startswith("model ")]
     assert len(header) == 1, proc.stdout
     col = header[0].split()  # a word per column
-    assert {"WxT", "strategy", "used", "exch", "auto", "tok/s", "outside", "dask_CPU", "MB/step", "ratio"} <= set(col), \
-        header[0]
+    assert {"WxT", "strategy", "used", "exch", "auto", "tok/s", "outside", "dask_CPU", "MB/step", "ratio",
+            "peak_MiB", "held_MiB"} <= set(col), header[0]
     rows = [dict(zip(col, line.split())) for line in lines if line.startswith("blocks ")]
     assert all(len(r) == len(col) for r in rows), proc.stdout
     got = {(r["WxT"], r["strategy"]): r for r in rows}
@@ -46,6 +46,8 @@ def test_bench_scale_tiny_blocks_runs():
         assert float(r["MB/step"]) >= 0 and r["outside"].endswith("%"), r
         # CPU times come in 10 ms ticks against a wall time of tens of ms: no upper bound holds
         assert 0 <= float(r["dask_CPU"].rstrip("%")), r
+        # the workers hold at least the parameters and AdamW's two moments (1 layer x 64: 0.2 MiB)
+        assert float(r["held_MiB"]) >= 0.1 and float(r["peak_MiB"]) > float(r["held_MiB"]), r
     assert float(got[("1x1", "tiles")]["MB/step"]) == 0  # one process: nothing moves between processes
     # two row tiles on two workers: the data-parallel plan applies and exchanges gradients
     assert got[("2x1", "data")]["used"] == "data", proc.stdout

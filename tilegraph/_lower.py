@@ -234,6 +234,7 @@ class Executable:
         # time target shapes them
         total = sum(out_bytes(n) for n in nodes)
         self.max_task_bytes = config.task_memory_fraction * limit if total > 0.5 * limit else float("inf")
+        processes = sum(len(t) for t in groups.values())  # worker processes (of either device class)
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         #: each root's refs: one, or one per replica for the replicated roots of a data-parallel plan
         self.replicas: list[list[TileRef]] = [[r] for r in self.roots]
@@ -250,8 +251,7 @@ class Executable:
             # free the activations there); across processes the plain rank order decides where
             # work goes (the other order finished the simulated 2 x 8 block stack 55% later)
             state = state_writers([[r] for r in self.roots], state_groups)
-            alone = len(groups["cpu"]) == 1 and len(groups["gpu"]) == 1
-            self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work, state if alone else ()),
+            self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work, state if processes <= 1 else ()),
                                                                 groups, target, fuse,
                                                                 max_bytes=self.max_task_bytes,
                                                                 bandwidth=self.link_bytes_per_second, state=state)

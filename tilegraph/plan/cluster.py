@@ -138,8 +138,8 @@ def by_upward_rank(nodes: Sequence[Node], state: set[int] = frozenset()) -> list
     :func:`state_writers` finds them). A node whose results only they use, directly or through
     other such nodes (the backward pass: weight gradients, their sums over row tiles), comes
     right after its inputs instead of at the end: it then joins its inputs' task, which frees
-    the activations it reads there and hands the updates the gradients, half their bytes when
-    a weight's gradient sums two row tiles (the block stack: 163 MiB instead of 326 MiB).
+    the activations it reads there and hands the updates the gradients (the block stack with two
+    row tiles: 162 MiB, where the update's tasks read 326 MiB of activations before).
     """
     users = users_of(nodes)
     rank = upward_ranks(nodes, users)
