@@ -284,16 +284,12 @@ def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
     """
     import heapq
 
-    from tilegraph.plan.cluster import upward_ranks, users_of
+    from tilegraph.plan.cluster import only_feeding, upward_ranks, users_of
 
     users = users_of(dp.nodes)
     pending = {id(n): sum(id(i.node) in users for i in n.inputs) for n in dp.nodes}
     rank = upward_ranks(dp.nodes, users)
-    feeds: set[int] = set()  # compute nodes whose every use is in the exchange (or feeds it)
-    for n in reversed(dp.nodes):
-        if id(n) not in dp.exchange and users[id(n)] and \
-                all(id(u) in dp.exchange or id(u) in feeds for u in users[id(n)]):
-            feeds.add(id(n))
+    feeds = only_feeding(dp.nodes, users, dp.exchange)  # compute nodes whose every use is in the exchange
     for n in dp.nodes:  # topological: a feeder's inputs have their final rank
         if id(n) in feeds:
             rank[id(n)] = max((rank[id(i.node)] for i in n.inputs if id(i.node) in rank), default=rank[id(n)])

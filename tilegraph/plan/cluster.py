@@ -13,8 +13,8 @@ from tilegraph._config import config, transfer_speed
 from tilegraph._errors import TileError
 from tilegraph._graph import Node
 
-__all__ = ["place", "est_seconds", "task_label", "users_of", "upward_ranks", "by_upward_rank", "Cluster",
-           "cluster_nodes", "out_bytes", "state_writers", "threads_worth_using", "list_span"]
+__all__ = ["place", "est_seconds", "task_label", "users_of", "upward_ranks", "only_feeding", "by_upward_rank",
+           "Cluster", "cluster_nodes", "out_bytes", "state_writers", "threads_worth_using", "list_span"]
 
 
 def place(nodes: Sequence[Node], policy: str, has_gpu: bool, bandwidth: float | None = None) -> None:
@@ -127,6 +127,16 @@ def upward_ranks(nodes: Sequence[Node], users: dict[int, list[Node]]) -> dict[in
     return rank
 
 
+def only_feeding(nodes: Sequence[Node], users: dict[int, list[Node]], targets: set[int]) -> set[int]:
+    """Ids of the nodes (``nodes`` in a topological order) outside ``targets`` whose every user
+    is in ``targets`` or is such a node itself: work that only ``targets`` need."""
+    feeds: set[int] = set()
+    for n in reversed(nodes):
+        if id(n) not in targets and users[id(n)] and all(id(u) in targets or id(u) in feeds for u in users[id(n)]):
+            feeds.add(id(n))
+    return feeds
+
+
 def by_upward_rank(nodes: Sequence[Node], state: set[int] = frozenset()) -> list[Node]:
     """Nodes in decreasing order of their longest estimated path to a sink (HEFT's upward rank).
 
@@ -143,10 +153,7 @@ def by_upward_rank(nodes: Sequence[Node], state: set[int] = frozenset()) -> list
     """
     users = users_of(nodes)
     rank = upward_ranks(nodes, users)
-    feeds: set[int] = set()
-    for n in reversed(nodes):
-        if id(n) not in state and users[id(n)] and all(id(u) in state or id(u) in feeds for u in users[id(n)]):
-            feeds.add(id(n))
+    feeds = only_feeding(nodes, users, state)
     for n in nodes:  # topological: a node's inputs have their final rank
         made = [rank[id(i.node)] for i in n.inputs if id(i.node) in rank]
         if id(n) in feeds and made:  # just below its latest-visited input: still after every input
