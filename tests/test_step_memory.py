@@ -28,10 +28,12 @@ def _step(runtime=None, **options):
                         runtime=runtime, **options)
 
 
-def _plan(state_task_bytes, monkeypatch, **options):
-    """The plan of one step, with at most ``state_task_bytes`` of state written per task, and the
-    ids of the nodes writing that state (every root after the loss: parameters and moments)."""
+def _plan(state_task_bytes, monkeypatch, tasks=1 << 20, **options):
+    """The plan of one step, with at most ``state_task_bytes`` of state written per task (or a
+    ``tasks``-th of all of it, where that is more), and the ids of the nodes writing that state
+    (every root after the loss: parameters and moments)."""
     monkeypatch.setattr(cluster, "STATE_TASK_BYTES", state_task_bytes)
+    monkeypatch.setattr(cluster, "STATE_TASKS", tasks)
     exe = _step(**options).plan(*_batch())
     writers = {id(r.node) for refs in exe.replicas[1:] for r in refs if not r.node.is_leaf}
     return exe, writers
@@ -53,6 +55,11 @@ def test_no_task_writes_more_than_its_share_of_the_state(monkeypatch):
     for c in updating:  # a task of one update kernel may write more; else at most the cap
         assert _state_bytes(c, writers) <= cap or sum(id(n) in writers for n in c.nodes) == 1, c.id
     assert sum(_state_bytes(c, writers) for c in updating) == total
+    # however small the bound, about STATE_TASKS tasks (each at most its share, a kernel or more)
+    few, writers = _plan(1, monkeypatch, tasks=4, target_seconds=100.0)
+    updating = [c for c in few.clusters if _state_bytes(c, writers) > 0]
+    assert 4 <= len(updating) <= 8, len(updating)
+    assert all(_state_bytes(c, writers) <= total / 4 or sum(id(n) in writers for n in c.nodes) == 1 for c in updating)
 
 
 def test_the_backward_hands_the_updates_gradients_not_activations(monkeypatch):

@@ -214,8 +214,11 @@ def _train(args, job: Job) -> int:
         def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
             trainer.request_stop()
             signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
-            print(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way and writing "
-                  "a checkpoint (again to stop at once)", file=sys.stderr, flush=True)
+            # one write, the line end included: a second Ctrl-C that comes while print() writes its
+            # line end separately left "stopped at once" on the same line
+            sys.stderr.write(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way "
+                             "and writing a checkpoint (again to stop at once)\n")
+            sys.stderr.flush()
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -170,14 +170,19 @@ def by_upward_rank(nodes: Sequence[Node], state: set[int] = frozenset()) -> list
 RESULT_SHARE = 0.25
 
 #: a task writes at most this many bytes of the state a step carries to the next (new parameters
-#: and optimizer moments): a task holds the old values it reads until it ends, so one task
-#: updating all of the state held the old and the new state at once. In parts, each part of the
-#: old state is freed once its own is written (Dask forgets a result when its last reader ends).
-#: Measured on the block stack (6 x 768, 487 MiB of state, 1 worker x 2 threads), with the
-#: backward's order of :func:`by_upward_rank`: the most memory Dask held in a step fell from
-#: 1,302 to 891 MiB, with 10 tasks a step instead of 2 and no measurable change in speed. A gang
-#: (one task per process and step) holds its inputs to the end, so there it changes nothing
+#: and optimizer moments), or :data:`STATE_TASKS`'s share of it where that is more: a task holds
+#: the old values it reads until it ends, so one task updating all of the state held the old and
+#: the new state at once. In parts, each part of the old state is freed once its own is written
+#: (Dask forgets a result when its last reader ends). Measured on the block stack (6 x 768, 487
+#: MiB of state, 1 worker x 2 threads), with the backward's order of :func:`by_upward_rank`: the
+#: most memory Dask held in a step fell from 1,302 to 891 MiB, with 10 tasks a step instead of 2
+#: and no measurable change in speed. A gang (one task per process and step) holds its inputs
+#: to the end, so there it changes nothing
 STATE_TASK_BYTES = 64 << 20
+#: ... so that a large model's update takes about this many tasks, not one per 64 MiB: each task
+#: costs the worker its bookkeeping (a fraction of a millisecond to milliseconds), which a GPU
+#: step of tens of milliseconds would feel; the saving is then all but an eighth of the new state
+STATE_TASKS = 8
 
 
 def out_bytes(node: Node) -> int:
@@ -254,7 +259,8 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     ``max_bytes`` or what it writes :data:`RESULT_SHARE` of that: a worker must hold a task's
     inputs and results at once, and Dask moves and spills only whole task results. It also closes
     before the nodes of ``state`` (ids of the nodes writing the state the next step reads: the
-    updates) in it would write more than :data:`STATE_TASK_BYTES`.
+    updates) in it would write more than :data:`STATE_TASK_BYTES` (or an :data:`STATE_TASKS`-th
+    of what they write in all, where that is more).
 
     A cluster only ever gains dependencies on clusters that are already closed, and every cluster
     closes after those it depends on, so the cluster graph is acyclic by construction.
@@ -270,6 +276,7 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
         return _one_task_per_node(nodes)
     sim = _Simulation(groups, _processes_used(nodes, groups, fixed), target, home, max_bytes, transfer_speed(bandwidth),
                       state)
+    sim.state_cap = max(STATE_TASK_BYTES, sum(out_bytes(n) for n in nodes if id(n) in state) / STATE_TASKS)
     for node in nodes:
         sim.schedule(node, fixed.get(id(node)) if fixed is not None else None)
     for c in sim.clusters:
@@ -338,6 +345,8 @@ class _Simulation:
         self.hop = config.hop_seconds
         self.bandwidth = bandwidth
         self.state = state
+        #: the most state one cluster writes (:data:`STATE_TASK_BYTES`)
+        self.state_cap = 0.0
 
     def makespan(self) -> float:
         """The simulated finish time of everything scheduled so far (seconds)."""
@@ -429,7 +438,7 @@ class _Simulation:
         threads = len(self.free_at[node.device][proc])
         over_target = cluster.seconds > 0 and (cluster.seconds + seconds) / threads > self.target
         over_state = (id(node) in self.state and cluster.state > 0
-                      and cluster.state + out_bytes(node) > STATE_TASK_BYTES)
+                      and cluster.state + out_bytes(node) > self.state_cap)
         return late or over_target or over_state or self._over_memory(cluster, node)
 
     def _over_memory(self, cluster: Cluster, node: Node) -> bool:
