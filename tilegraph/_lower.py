@@ -250,7 +250,7 @@ class Executable:
             # in one worker process, the backward's weight-gradient products join its task (they
             # free the activations there); across processes the plain rank order decides where
             # work goes (the other order finished the simulated 2 x 8 block stack 55% later)
-            state = state_writers([[r] for r in self.roots], state_groups)
+            state = state_writers(self.replicas, state_groups)  # one ref per root, as yet
             self.clusters, of, self.est_makespan = cluster_nodes(by_upward_rank(work, state if processes <= 1 else ()),
                                                                 groups, target, fuse,
                                                                 max_bytes=self.max_task_bytes,

@@ -274,9 +274,9 @@ def cluster_nodes(nodes: Sequence[Node], groups: dict[str, list[int]], target: f
     """
     if not fuse:
         return _one_task_per_node(nodes)
+    state_cap = max(STATE_TASK_BYTES, sum(out_bytes(n) for n in nodes if id(n) in state) / STATE_TASKS)
     sim = _Simulation(groups, _processes_used(nodes, groups, fixed), target, home, max_bytes, transfer_speed(bandwidth),
-                      state)
-    sim.state_cap = max(STATE_TASK_BYTES, sum(out_bytes(n) for n in nodes if id(n) in state) / STATE_TASKS)
+                      state, state_cap)
     for node in nodes:
         sim.schedule(node, fixed.get(id(node)) if fixed is not None else None)
     for c in sim.clusters:
@@ -330,7 +330,8 @@ class _Simulation:
     of the node's device class) and cuts their nodes into clusters."""
 
     def __init__(self, groups: dict[str, list[int]], used: dict[str, int], target: float,
-                 home: int | None, max_bytes: float, bandwidth: float, state: set[int] = frozenset()):
+                 home: int | None, max_bytes: float, bandwidth: float, state: set[int] = frozenset(),
+                 state_cap: float = float("inf")):
         self.clusters: list[Cluster] = []
         self.cluster_of: dict[int, Cluster] = {}  # id(node) -> its cluster
         #: per device class and process: when each of its threads is next free (seconds)
@@ -345,8 +346,7 @@ class _Simulation:
         self.hop = config.hop_seconds
         self.bandwidth = bandwidth
         self.state = state
-        #: the most state one cluster writes (:data:`STATE_TASK_BYTES`)
-        self.state_cap = 0.0
+        self.state_cap = state_cap  # the most state one cluster writes (:data:`STATE_TASK_BYTES`)
 
     def makespan(self) -> float:
         """The simulated finish time of everything scheduled so far (seconds)."""
