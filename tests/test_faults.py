@@ -160,6 +160,33 @@ def test_busy_workers_run_past_a_step_timeout(cluster):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_step_without_a_time_limit_names_a_lost_worker(cluster, how, monkeypatch):
+    # a TrainStep called as a first program does (no Trainer, so no time limit): the worker
+    # killed, or stopped (SIGSTOP: its connections stay open, and Dask alone would wait for its
+    # worker-ttl, 5 minutes), ends the next step with a WorkerLostError naming it; a worker
+    # silent for 3 s counts as stalled here (10 s by default)
+    monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)
+    model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
+    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(64, 8), (64, None)], runtime=cluster.rt)
+    losses = [step(*_data(i)) for i in (1, 2)]
+    futures = [c.value.future for p in opt.params for c in p.cells.flat]
+    (addr,) = {w for ws in cluster.rt.client.who_has(futures).values() for w in ws}  # one worker holds them
+    (cluster.kill if how == "kill" else cluster.stop)(addr)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerLostError) as info:
+        step(*_data(3))
+    elapsed = time.perf_counter() - t0
+    why = "left the cluster" if how == "kill" else r"no heartbeat for \d+ s: stopped or hung"
+    assert re.match(rf"\[tilegraph.TrainStep\] lost worker {re.escape(addr)} \({why}\) while step 3 ran; parameters "
+                    r"and optimizer state live on the workers", str(info.value)), info.value
+    assert info.value.workers == [addr] and info.value.steps == range(3, 4) and np.isfinite(losses).all()
+    # killed: at once; stopped: 3 s of silence, seen at the next look (every 2 s)
+    assert elapsed < (5.0 if how == "kill" else 12.0), elapsed
+
+
+@pytest.mark.distributed
 def test_a_patient_step_waits_on_busy_workers(cluster, caplog):
     # PendingStep.result(timeout, patient=True) (the Trainer's "auto"): past the limit, with every
     # worker answering, it logs and waits on, and the step completes

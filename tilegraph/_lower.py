@@ -958,8 +958,9 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
     ``WATCH_SECONDS`` without the values the workers are checked, and one that died, left or
     stopped answering (``tilegraph._train.STALL_SECONDS``) ends it with a WorkerLostError naming
     it, never a hang or Dask's traceback. ``lost``: the error's ``where`` (default
-    "tilegraph.compute") and ``hint`` (what is gone, how to go on), as
-    :func:`tilegraph._train.lost_worker_error` takes them."""
+    "tilegraph.compute"), ``hint`` (what is gone, how to go on) and ``steps``, as
+    :func:`tilegraph._train.lost_worker_error` takes them, and ``since`` (a wall time: workers
+    removed from then on count as lost too)."""
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)
@@ -971,11 +972,13 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
             for v in values]
 
 
-#: how often a watched wait (compute(), evaluation) looks at the workers while it has no result
+#: how often a watched wait (compute(), a step without a time limit, an evaluation, a checkpoint)
+#: looks at the workers while it has no result (a scheduler round trip of a few milliseconds)
 WATCH_SECONDS = 2.0
 
 
-def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph.compute", **hint) -> list:
+def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph.compute", steps: range | None = None,
+                    since: float | None = None, **hint) -> list:
     from distributed import wait
 
     from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
@@ -990,10 +993,10 @@ def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph
                 health = worker_health(runtime)
                 if health.failing:
                     raise lost_worker_error(health, during, f"no result after {time.perf_counter() - t0:.1f} s",
-                                            where=where, **hint) from None
+                                            steps=steps, where=where, **hint) from None
         return runtime.client.gather(futures)
     except _lost_errors() as e:
-        error = translate_worker_failure(runtime, e, during, where=where, **hint)
+        error = translate_worker_failure(runtime, e, during, steps=steps, since=since, where=where, **hint)
         if error is None:
             raise
         raise error from None

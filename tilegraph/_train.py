@@ -675,7 +675,9 @@ class PendingStep:
         limit) bounds the wait; then the workers are checked: one silent for ``STALL_SECONDS``
         (stopped, hung) is named in a WorkerLostError. When every worker answers, the wait ends
         with a :class:`StepTimeoutError`, or with ``patient=True`` goes on, checking the workers
-        again every ``timeout`` seconds.
+        again every ``timeout`` seconds. Without a limit the workers are checked every
+        ``WATCH_SECONDS`` (2 s) all the same: a lost or stalled one ends the wait as above, and
+        a step never waits on a stopped worker (Dask alone would, for its worker-ttl, 5 minutes).
         """
         if self.stats is None:
             runtime = self._rec.exe.runtime
@@ -697,8 +699,9 @@ class PendingStep:
     def _gather(self, runtime, values: list, timeout: float | None, patient: bool) -> list:
         since = getattr(self.owner, "_healthy_since", self._since)
         try:
-            if timeout is None:
-                values = gather(runtime, values)
+            if timeout is None:  # no time limit, but a lost or stalled worker ends the wait
+                values = gather(runtime, values, _steps_text(self.steps), where="tilegraph.TrainStep",
+                                steps=self.steps, since=since)
             else:
                 values = self._gather_within(runtime, values, timeout, patient)
         except _lost_errors() as e:

@@ -31,6 +31,7 @@ import numpy as np
 from tilegraph import _config
 from tilegraph._config import config, is_int, require_int
 from tilegraph._errors import TileError
+from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
 from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
@@ -49,9 +50,6 @@ STEP_TIMEOUT_MIN = 10.0
 #: (debug GPT-2 on 2 cores: ~10 s with an empty Numba cache): it gets at least this long, with
 #: any ``step_timeout``
 FIRST_GRAPH_SECONDS = 60.0
-#: while an evaluation or a checkpoint runs (no time limit of their own), the workers are checked
-#: this often (a scheduler round trip of a few milliseconds)
-WATCH_SECONDS = 2.0
 #: during :meth:`Trainer.fit`, ``loss.png`` is redrawn at an evaluation only once this many times
 #: the last drawing's seconds have passed since it (at most ~5% of the run goes to drawing; the
 #: end of the fit always draws). Drawing took 0.15-0.25 s on 2 cores (0.4 s the first time, with
@@ -182,9 +180,11 @@ class Trainer:
       the workers are checked: one that left or stopped answering the scheduler's heartbeats
       for 10 s (stopped, hung) ends training with a :class:`WorkerLostError` naming it and the
       steps; while every worker answers, ``"auto"`` waits on and a number raises
-      :class:`StepTimeoutError`. ``None``: no limit. The first graph of a plan (recording,
-      Numba compilation on the workers) gets at least ``FIRST_GRAPH_SECONDS``. A worker that
-      dies ends training at once with a WorkerLostError, whatever ``step_timeout``.
+      :class:`StepTimeoutError`. ``None``: no limit, while the workers are still checked every
+      ``WATCH_SECONDS`` (2 s): one silent for 10 s ends training as above, never a wait for
+      Dask's worker-ttl (5 minutes). The first graph of a plan (recording, Numba compilation
+      on the workers) gets at least ``FIRST_GRAPH_SECONDS``. A worker that dies ends training
+      at once with a WorkerLostError, whatever ``step_timeout``.
     - ``restart_on_failure``: on a lost worker, reload the last checkpoint this trainer wrote
       (or loaded), plan again on the workers left (a stalled worker is restarted through its
       nanny first) and go on from the checkpoint's step; ``True`` allows ``MAX_RESTARTS``
@@ -793,7 +793,7 @@ class Trainer:
         checkpoint), while the workers are checked every ``WATCH_SECONDS``: one lost or stalled
         ends the wait with a :class:`WorkerLostError` (``fn``'s thread then ends when Dask gives
         up on the worker, or goes on if it comes back)."""
-        if self.runtime is None or self.step_timeout is None:
+        if self.runtime is None:
             with self._translate_lost_workers(during, steps):
                 return fn()
         out: dict = {}
