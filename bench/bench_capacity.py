@@ -5,7 +5,9 @@ of ``--workers`` processes x 1 thread, each under ``--memory-limit``, with the s
 (``TrainStep(parallel="sharded")``: each parameter tile's gradient sum, update and AdamW state on
 one owner worker, the others fetching the parameter when they use it). The planner keeps every
 task's inputs and outputs under ``tilegraph.config.task_memory_fraction`` of the limit and Dask
-spills the rest of what the workers hold to disk (their local directory).
+spills the rest of what the workers hold to disk (their local directory). The model is tiled as
+``ModelTiling.default`` tiles it (the Trainer's and ``tilegraph train``'s tiles: the whole width
+up to 1024), with ``--batch-tile`` sequences per worker; ``--feature`` cuts the width finer.
 
 It prints:
 
@@ -49,12 +51,14 @@ def tilegraph_run(args) -> dict:
     rt = tg.connect(n_workers=args.workers, threads_per_worker=1, memory_limit=args.memory_limit, quiet=True)
     try:
         limit = rt.snapshot().memory_limit
-        model = models.build(cfg, ModelTiling(feature=args.feature, batch=args.batch_tile), seed=0)
+        default = ModelTiling.default(cfg)
+        feature = default.feature if args.feature is None else args.feature
+        model = models.build(cfg, ModelTiling(feature=feature, vocab=default.vocab, batch=args.batch_tile), seed=0)
         n_params = sum(p.size for p in model.parameters())
         print(f"model: GPT-2 {args.layers} x {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M parameters; "
               f"state (params + grads + AdamW) {16 * n_params / 1e9:.2f} GB = "
               f"{16 * n_params / limit:.2f}x one worker's limit ({limit / 2**30:.2f} GiB), "
-              f"{args.workers} workers x 1 thread", flush=True)
+              f"{args.workers} workers x 1 thread; feature tile {feature or cfg.dim}", flush=True)
         opt = tg.optim.AdamW(model.parameters(), lr=1e-4)
         tiles = [(args.batch_tile, None)] * 2
         step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=tiles, parallel="sharded")
@@ -158,7 +162,8 @@ def main():
     ap.add_argument("--layers", type=at_least(1), default=20)
     ap.add_argument("--vocab", type=at_least(1), default=4096)
     ap.add_argument("--seq", type=at_least(2), default=64)
-    ap.add_argument("--feature", type=at_least(1), default=256, help="feature tile (whole heads)")
+    ap.add_argument("--feature", type=at_least(1), default=None,
+                    help="feature tile (whole heads; default: ModelTiling.default's, the whole width up to 1024)")
     ap.add_argument("--batch-tile", type=at_least(1), default=2, help="sequences per worker")
     ap.add_argument("--workers", type=at_least(1), default=2)
     ap.add_argument("--memory-limit", default="1GB", help="per worker, as tg.connect(memory_limit=...)")
