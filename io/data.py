@@ -516,6 +516,29 @@ class TokenDataset:
 STDLIB_SKIP = frozenset({"site-packages", "test", "tests", "idle_test"})
 
 
+def _stdlib_walk(folder: Path):
+    """The files below ``folder`` in the order ``sorted(folder.rglob("*"))`` gives them (each
+    folder's entries by name, a subfolder's files at its place), folders named in STDLIB_SKIP
+    and links to folders left out, as rglob leaves links out. rglob walked site-packages too,
+    which lies inside the standard library's folder: about 23,000 entries on a machine with
+    torch, 1.8 s of `tilegraph train`'s start, for the 234 files of its corpus."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:  # unreadable: rglob skips it too
+        return
+    for entry in entries:
+        if entry.name in STDLIB_SKIP:
+            continue
+        try:
+            is_dir = entry.is_dir() and not entry.is_symlink()
+        except OSError:
+            continue
+        if is_dir:
+            yield from _stdlib_walk(Path(entry.path))
+        else:
+            yield Path(entry.path)
+
+
 def stdlib_files(patterns: Sequence[str] | str = "*.py", max_bytes: int | None = None) -> list[Path]:
     """The Python standard library's own source files: a corpus every Python installation has.
 
@@ -529,10 +552,12 @@ def stdlib_files(patterns: Sequence[str] | str = "*.py", max_bytes: int | None =
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
+    below = list(_stdlib_walk(root))  # once for every pattern
     files, total = [], 0
     for pattern in _as_list(patterns):
-        for path in sorted(root.rglob(pattern)):
-            if STDLIB_SKIP & set(path.relative_to(root).parts):
+        glob = pattern[3:] if pattern.startswith("**/") and len(pattern) > 3 else pattern  # as rglob reads it
+        for path in below:
+            if not path.relative_to(root).match(glob):
                 continue
             try:
                 data = path.read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +98,66 @@ def test_bpe_train_save_load_round_trip(tmp_path, corpus):
 
 
 # ------------------------------------------------------------------------------- token files ----
+def _stdlib_files_by_rglob(root, pattern, max_bytes=None):
+    """What stdlib_files chose before it stopped walking site-packages: sorted(rglob), the test
+    suites and site-packages left out, readable UTF-8 without NUL bytes, up to ``max_bytes``."""
+    from tilegraph.io.data import STDLIB_SKIP
+
+    files, total = [], 0
+    for path in sorted(root.rglob(pattern)):
+        if STDLIB_SKIP & set(path.relative_to(root).parts):
+            continue
+        try:
+            data = path.read_bytes()
+            data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if b"\x00" in data:
+            continue
+        files.append(path)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return files
+
+
+def test_stdlib_files_are_rglobs_order_without_walking_what_is_left_out(tmp_path, monkeypatch):
+    # a made-up standard library: a folder and a file of one stem ("a" sorts before "a.py"),
+    # files at several depths, test suites and site-packages (never walked now), a link to a
+    # folder (rglob does not follow it), a binary and a non-UTF-8 file, a folder named *.py
+    import sysconfig
+
+    from tilegraph.io.data import stdlib_files
+
+    root = tmp_path / "lib"
+    for rel in ("a.py", "a/z.py", "a/b/c.py", "a/b.py", "b.py", "json/x.py", "json/y.txt", "test/t.py",
+                "tests/u.py", "idlelib/idle_test/v.py", "site-packages/torch/w.py", "Z.py", "zz/readme.txt"):
+        _write(root / rel, f"# {rel}\n" * 40)
+    (root / "bin.py").write_bytes(b"\x00\x01")
+    (root / "latin.py").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "dir.py").mkdir()
+    os.symlink(root / "json", root / "linked")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(root)})
+    for patterns, cap in (("*.py", None), (["*.txt", "*.py"], None), ("**/*.py", None), ("b/*.py", None),
+                          ("*.py", 700)):
+        want = [p for pat in ([patterns] if isinstance(patterns, str) else patterns)
+                for p in _stdlib_files_by_rglob(root, pat)]
+        if cap is not None:
+            want = _stdlib_files_by_rglob(root, patterns, cap)
+        assert stdlib_files(patterns, cap) == want, patterns
+    assert [p.relative_to(root).as_posix() for p in stdlib_files("*.py")] == \
+        ["Z.py", "a/b/c.py", "a/b.py", "a/z.py", "a.py", "b.py", "json/x.py"]
+
+
+def test_the_default_corpus_is_rglobs_choice_on_this_machine():
+    import sysconfig
+
+    from tilegraph.io.data import stdlib_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert stdlib_files("*.py", 4_000_000) == _stdlib_files_by_rglob(root, "*.py", 4_000_000)
+
+
 def test_find_sources_is_sorted_and_skips_hidden_and_unmatched(corpus):
     files = find_sources([corpus])
     rel = [str(p.relative_to(corpus)) for p in files]
