@@ -557,17 +557,21 @@ def stdlib_files(patterns: Sequence[str] | str = "*.py", max_bytes: int | None =
     for pattern in _as_list(patterns):
         glob = pattern[3:] if pattern.startswith("**/") and len(pattern) > 3 else pattern  # as rglob reads it
         for path in below:
-            if not path.relative_to(root).match(glob):
-                continue
-            try:
-                data = path.read_bytes()
-                data.decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if b"\x00" in data:
+            size = _text_size(path) if path.relative_to(root).match(glob) else None
+            if size is None:
                 continue
             files.append(path)
-            total += len(data)
+            total += size
             if max_bytes is not None and total >= max_bytes:
                 return files
     return files
+
+
+def _text_size(path: Path) -> int | None:
+    """The bytes of ``path`` when it is a readable UTF-8 text file without NUL bytes, else None."""
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None if b"\x00" in data else len(data)

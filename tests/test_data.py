@@ -101,23 +101,16 @@ def test_bpe_train_save_load_round_trip(tmp_path, corpus):
 def _stdlib_files_by_rglob(root, pattern, max_bytes=None):
     """What stdlib_files chose before it stopped walking site-packages: sorted(rglob), the test
     suites and site-packages left out, readable UTF-8 without NUL bytes, up to ``max_bytes``."""
-    from tilegraph.io.data import STDLIB_SKIP
+    from tilegraph.io.data import STDLIB_SKIP, _text_size
 
     files, total = [], 0
     for path in sorted(root.rglob(pattern)):
-        if STDLIB_SKIP & set(path.relative_to(root).parts):
-            continue
-        try:
-            data = path.read_bytes()
-            data.decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if b"\x00" in data:
-            continue
-        files.append(path)
-        total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
+        size = None if STDLIB_SKIP & set(path.relative_to(root).parts) else _text_size(path)
+        if size is not None:
+            files.append(path)
+            total += size
+            if max_bytes is not None and total >= max_bytes:
+                break
     return files
 
 
