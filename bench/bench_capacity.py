@@ -58,7 +58,7 @@ def tilegraph_run(args) -> dict:
         print(f"model: GPT-2 {args.layers} x {args.dim}, vocab {args.vocab}: {n_params / 1e6:.1f}M parameters; "
               f"state (params + grads + AdamW) {16 * n_params / 1e9:.2f} GB = "
               f"{16 * n_params / limit:.2f}x one worker's limit ({limit / 2**30:.2f} GiB), "
-              f"{args.workers} workers x 1 thread; feature tile {feature or cfg.dim}", flush=True)
+              f"{args.workers} workers x 1 thread; feature tile {feature or 'whole'}", flush=True)
         opt = tg.optim.AdamW(model.parameters(), lr=1e-4)
         tiles = [(args.batch_tile, None)] * 2
         step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=tiles, parallel="sharded")

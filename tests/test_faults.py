@@ -164,7 +164,7 @@ def test_busy_workers_run_past_a_step_timeout(cluster):
 def test_a_step_without_a_time_limit_names_a_lost_worker(cluster, how, monkeypatch):
     # a TrainStep called as a first program does (no Trainer, so no time limit): the worker
     # killed, or stopped (SIGSTOP: its connections stay open, and Dask alone would wait for its
-    # worker-ttl, 5 minutes), ends the next step with a WorkerLostError naming it; a worker
+    # worker-ttl, a minute here), ends the next step with a WorkerLostError naming it; a worker
     # silent for 3 s counts as stalled here (10 s by default)
     monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)
     model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)

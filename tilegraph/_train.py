@@ -677,7 +677,8 @@ class PendingStep:
         with a :class:`StepTimeoutError`, or with ``patient=True`` goes on, checking the workers
         again every ``timeout`` seconds. Without a limit the workers are checked every
         ``WATCH_SECONDS`` (2 s) all the same: a lost or stalled one ends the wait as above, and
-        a step never waits on a stopped worker (Dask alone would, for its worker-ttl, 5 minutes).
+        a step never waits on a stopped worker (Dask alone would, for its worker-ttl: a minute
+        on the embedded cluster, 5 minutes by default).
         """
         if self.stats is None:
             runtime = self._rec.exe.runtime

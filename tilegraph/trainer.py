@@ -182,9 +182,10 @@ class Trainer:
       steps; while every worker answers, ``"auto"`` waits on and a number raises
       :class:`StepTimeoutError`. ``None``: no limit, while the workers are still checked every
       ``WATCH_SECONDS`` (2 s): one silent for 10 s ends training as above, never a wait for
-      Dask's worker-ttl (5 minutes). The first graph of a plan (recording, Numba compilation
-      on the workers) gets at least ``FIRST_GRAPH_SECONDS``. A worker that dies ends training
-      at once with a WorkerLostError, whatever ``step_timeout``.
+      Dask's worker-ttl (a minute on the embedded cluster, 5 by default). The first graph of a
+      plan (recording, Numba compilation on the workers) gets at least ``FIRST_GRAPH_SECONDS``.
+      A worker that dies ends training at once with a WorkerLostError, whatever
+      ``step_timeout``.
     - ``restart_on_failure``: on a lost worker, reload the last checkpoint this trainer wrote
       (or loaded), plan again on the workers left (a stalled worker is restarted through its
       nanny first) and go on from the checkpoint's step; ``True`` allows ``MAX_RESTARTS``
