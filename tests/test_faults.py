@@ -74,11 +74,11 @@ def _trainer(rt, steps, **kw):
                       progress=False, **kw)
 
 
-def _state_worker(rt, trainer) -> str:
+def _state_worker(rt, optimizer) -> str:
     """The worker holding the parameters (waits for the step that computes them)."""
     from distributed import wait
 
-    futures = [c.value.future for p in trainer.optimizer.params for c in p.cells.flat if hasattr(c.value, "future")]
+    futures = [c.value.future for p in optimizer.params for c in p.cells.flat if hasattr(c.value, "future")]
     wait(futures)
     held = {w for ws in rt.client.who_has(futures).values() for w in ws}
     assert len(held) == 1, held  # the tiny plan keeps everything on one worker (module docstring)
@@ -91,7 +91,7 @@ def _lose_at(cluster, step: int, how: str):
 
     def hook(trainer, stats):
         if not lost and len(trainer.history) >= step:  # one metrics record per finished step
-            addr = _state_worker(cluster.rt, trainer)
+            addr = _state_worker(cluster.rt, trainer.optimizer)
             lost.update(addr=addr, at=time.perf_counter())
             if how == "kill":
                 cluster.kill(addr)
@@ -171,8 +171,7 @@ def test_a_step_without_a_time_limit_names_a_lost_worker(cluster, how, monkeypat
     opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
     step = tg.TrainStep(model, opt, _mse, batch_tiles=[(64, 8), (64, None)], runtime=cluster.rt)
     losses = [step(*_data(i)) for i in (1, 2)]
-    futures = [c.value.future for p in opt.params for c in p.cells.flat]
-    (addr,) = {w for ws in cluster.rt.client.who_has(futures).values() for w in ws}  # one worker holds them
+    addr = _state_worker(cluster.rt, opt)
     (cluster.kill if how == "kill" else cluster.stop)(addr)
     t0 = time.perf_counter()
     with pytest.raises(WorkerLostError) as info:
