@@ -18,7 +18,10 @@ accumulates dK_j and dV_j; one kernel per q tile (b, h, i) does the same for dQ_
 
 Inside a kernel (see ``_BLOCK``) the rows of a tile are walked in blocks, so that a causal kernel
 skips the keys above the diagonal, and batch x heads in groups, so that each score block stays in
-cache; bench/bench_attention.py times the kernels against torch.
+cache. Between a block's two matrix products, its mask, max, exponential and sums (and the
+backward's ``dS``) are one Numba pass (``ops/_attention_cpu.py``) for float32 and float64 NumPy
+arrays, and NumPy array operations otherwise; bench/bench_attention.py times the kernels against
+torch.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import (Default, elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
                       require_tensor, resolve_alias, xp_of)
+from ._attention_cpu import NO_MASK, one_pass, probs_cols, probs_rows, softmax_rows
 from ._gpu import ROW_THREADS, fused, gpu_or_generic, row_kernel
 
 __all__ = ["scaled_dot_product_attention", "kv_cache_append", "kv_cache_write", "sdpa_at"]
@@ -134,16 +138,21 @@ def _attn_cost(mult: float, first_k: int):
     return cost
 
 
-def _query_block_plan(xp, kvs, causal: bool, q_off: int, a0: int, a1: int):
-    """For query rows ``[a0, a1)`` of a tile at ``q_off``: ``(k, v, w, mask)`` per key tile with
-    visible keys, ``w`` of its leading keys visible to the last row, ``mask`` from _future_keys."""
+def _query_block_plan(kvs, causal: bool, q_off: int, a0: int, a1: int):
+    """For query rows ``[a0, a1)`` of a tile at ``q_off``: ``(k, v, w, lim)`` per key tile with
+    visible keys, ``w`` of its leading keys visible to the last row; with a causal mask row r sees
+    the keys ``j <= r + lim`` (``lim`` None: every key)."""
     plan = []
     for k, v, k_off in kvs:
         w = min(k.shape[1], q_off + a1 - k_off) if causal else k.shape[1]
         if w > 0:
-            mask = _future_keys(xp, a1 - a0, w, q_off + a0 - k_off) if causal else None
-            plan.append((k, v, w, mask))
+            plan.append((k, v, w, q_off + a0 - k_off if causal else None))
     return plan
+
+
+def _lims(entries) -> np.ndarray:
+    """The ``lim`` of each plan entry for the fused passes (NO_MASK where there is no mask)."""
+    return np.array([NO_MASK if e[-1] is None else e[-1] for e in entries], dtype=np.int64)
 
 
 def _spans(plan, rows: int, itemsize: int) -> list[list]:
@@ -452,40 +461,51 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     out = xp.empty(q.shape, dtype=q.dtype)
     lse = xp.empty(q.shape[:2], dtype=q.dtype)
     for a0, a1 in _blocks(tq):
-        plan = _query_block_plan(xp, kvs, causal, q_off, a0, a1)
+        plan = _query_block_plan(kvs, causal, q_off, a0, a1)
         if not plan:    # no visible key at all (as torch: NaN output)
             out[:, a0:a1], lse[:, a0:a1] = np.nan, -np.inf
             continue
         spans = _spans(plan, a1 - a0, q.itemsize)
         width = max(sum(w for _, _, w, _ in span) for span in spans)
+        # one score buffer per block (the usual case): its mask, max, exp and sum in one pass
+        fuse = len(spans) == 1 and one_pass(xp, q.dtype)
+        if fuse:
+            starts = np.cumsum([0] + [w for _, _, w, _ in plan[:-1]]).astype(np.int64)
+            widths, lims = np.array([w for _, _, w, _ in plan], dtype=np.int64), _lims(plan)
         for g0, g1 in _head_groups(b * h, a1 - a0, width, q.itemsize):
             qb = q[g0:g1, a0:a1] * sc                         # (heads, rows, D): scale folded in once
             m = l = acc = None  # running row max, row sum of exp(s - m), sum of exp(s - m) @ v
             for span in spans:
                 s = xp.empty((g1 - g0, a1 - a0, sum(w for _, _, w, _ in span)), dtype=q.dtype)
                 c = 0
-                for k, v, w, mask in span:
+                for k, v, w, lim in span:
                     xp.matmul(qb, k[g0:g1, :w].swapaxes(-1, -2), out=s[..., c:c + w])
+                    mask = None if fuse or lim is None else _future_keys(xp, a1 - a0, w, lim)
                     if mask is not None:
                         xp.copyto(s[..., c + mask[0]:c + w], ninf, where=mask[1])
                     c += w
-                m_new = s.max(axis=-1) if m is None else xp.maximum(m, s.max(axis=-1))
-                # A row with no visible key yet keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
-                shift = xp.where(xp.isfinite(m_new), m_new, q.dtype.type(0))
-                s -= shift[..., None]
-                p = xp.exp(s, out=s)
-                if m is None:   # the first key block needs no rescaling of earlier sums
-                    l = p.sum(axis=-1)
+                if fuse:  # masked scores become 0, the rest exp(s - m)
+                    m, l = np.empty(s.shape[:2], dtype=q.dtype), np.empty(s.shape[:2], dtype=q.dtype)
+                    softmax_rows(s, starts, widths, lims, m, l)
+                    p = s
                 else:
-                    alpha = xp.exp(m - shift)
-                    l = l * alpha + p.sum(axis=-1)
-                    acc *= alpha[..., None]
+                    m_new = s.max(axis=-1) if m is None else xp.maximum(m, s.max(axis=-1))
+                    # A row with no visible key yet keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
+                    shift = xp.where(xp.isfinite(m_new), m_new, q.dtype.type(0))
+                    s -= shift[..., None]
+                    p = xp.exp(s, out=s)
+                    if m is None:   # the first key block needs no rescaling of earlier sums
+                        l = p.sum(axis=-1)
+                    else:
+                        alpha = xp.exp(m - shift)
+                        l = l * alpha + p.sum(axis=-1)
+                        acc *= alpha[..., None]
+                    m = m_new
                 c = 0
-                for k, v, w, mask in span:
+                for k, v, w, _ in span:
                     pv = p[..., c:c + w] @ v[g0:g1, :w]
                     acc = pv if acc is None else xp.add(acc, pv, out=acc)
                     c += w
-                m = m_new
             xp.divide(acc, l[..., None], out=out[g0:g1, a0:a1])
             lse[g0:g1, a0:a1] = m + xp.log(l)
     return out.reshape(b, h, tq, d), lse.reshape(b, h, tq)
@@ -506,26 +526,31 @@ def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, sca
     q, do, lse, delta = _flat(q), _flat(do), _flat(lse), _flat(delta)
     sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
     dq = xp.zeros(q.shape, dtype=q.dtype)
+    fuse = one_pass(xp, q.dtype)
     for a0, a1 in _blocks(tq):
-        plan = _query_block_plan(xp, kvs, causal, q_off, a0, a1)
+        plan = _query_block_plan(kvs, causal, q_off, a0, a1)
         if not plan:
             continue
         for g0, g1 in _head_groups(b * h, a1 - a0, max(w for _, _, w, _ in plan), q.itemsize):
             qb = q[g0:g1, a0:a1] * sc                         # (heads, rows, D)
             do_b = do[g0:g1, a0:a1]
-            lse_b = lse[g0:g1, a0:a1, None]
-            delta_b = delta[g0:g1, a0:a1, None]
             dq_b = dq[g0:g1, a0:a1]
-            for k, v, w, mask in plan:
+            # (contiguous: the fused pass then has one compiled form per dtype)
+            lse_b, delta_b = xp.ascontiguousarray(lse[g0:g1, a0:a1]), xp.ascontiguousarray(delta[g0:g1, a0:a1])
+            for k, v, w, lim in plan:
                 k_w = k[g0:g1, :w]
                 p = qb @ k_w.swapaxes(-1, -2)                 # (heads, rows, w)
-                if mask is not None:
-                    xp.copyto(p[..., mask[0]:], ninf, where=mask[1])
-                p -= lse_b
-                xp.exp(p, out=p)
                 ds = do_b @ v[g0:g1, :w].swapaxes(-1, -2)
-                ds -= delta_b
-                ds *= p
+                if fuse:  # P = exp(s - lse) and dS = P * (dP - delta) in one pass
+                    probs_rows(p, ds, lse_b, delta_b, NO_MASK if lim is None else lim)
+                else:
+                    mask = None if lim is None else _future_keys(xp, a1 - a0, w, lim)
+                    if mask is not None:
+                        xp.copyto(p[..., mask[0]:], ninf, where=mask[1])
+                    p -= lse_b[..., None]
+                    xp.exp(p, out=p)
+                    ds -= delta_b[..., None]
+                    ds *= p
                 dq_b += ds @ k_w
             dq_b *= sc
     return dq.reshape(b, h, tq, d)
@@ -562,14 +587,14 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
         tiles.append(tuple(_flat(t) for t in parts) + (q_offs[i],))
     dk = xp.zeros(k_rep.shape, dtype=k.dtype)
     dv = xp.zeros(v_rep.shape, dtype=v.dtype)
+    fuse = one_pass(xp, k.dtype)
     for c0, c1 in _blocks(sk):
-        plan = []                   # (q tile, first query row that sees key c0, mask) per q tile
+        plan = []                   # (q tile, first query row that sees key c0, lim) per q tile
         for t in tiles:
             r0 = max(0, k_off + c0 - t[-1]) if causal else 0
             n_q = t[0].shape[1] - r0
-            if n_q > 0:
-                mask = _past_queries(xp, c1 - c0, n_q, k_off + c0 - t[-1] - r0) if causal else None
-                plan.append((t, r0, mask))
+            if n_q > 0:  # key row r is seen by the queries j >= r + lim of the block
+                plan.append((t, r0, k_off + c0 - t[-1] - r0 if causal else None))
         if not plan:
             continue
         width = max(t[0].shape[1] - r0 for t, r0, _ in plan)
@@ -577,17 +602,22 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
             kb = k_rep[g0:g1, c0:c1] * sc                     # (heads, rows, D)
             vb = v_rep[g0:g1, c0:c1]
             dk_b, dv_b = dk[g0:g1, c0:c1], dv[g0:g1, c0:c1]
-            for (q, do, lse, delta, _), r0, mask in plan:
+            for (q, do, lse, delta, _), r0, lim in plan:
                 q_r, do_r = q[g0:g1, r0:], do[g0:g1, r0:]
+                lse_r, delta_r = xp.ascontiguousarray(lse[g0:g1, r0:]), xp.ascontiguousarray(delta[g0:g1, r0:])
                 pt = kb @ q_r.swapaxes(-1, -2)                # (heads, rows, queries): P^T logits
-                if mask is not None:
-                    xp.copyto(pt[..., :mask[0]], ninf, where=mask[1])
-                pt -= lse[g0:g1, None, r0:]
-                xp.exp(pt, out=pt)
-                dv_b += pt @ do_r
                 dst = vb @ do_r.swapaxes(-1, -2)              # (dO v^T)^T
-                dst -= delta[g0:g1, None, r0:]
-                dst *= pt
+                if fuse:  # P^T and dS^T in one pass
+                    probs_cols(pt, dst, lse_r, delta_r, NO_MASK if lim is None else lim)
+                else:
+                    mask = None if lim is None else _past_queries(xp, c1 - c0, pt.shape[-1], lim)
+                    if mask is not None:
+                        xp.copyto(pt[..., :mask[0]], ninf, where=mask[1])
+                    pt -= lse_r[:, None]
+                    xp.exp(pt, out=pt)
+                    dst -= delta_r[:, None]
+                    dst *= pt
+                dv_b += pt @ do_r
                 dk_b += dst @ q_r
     dk *= sc
     return _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)

@@ -25,12 +25,18 @@ def _qkv(rng, dtype, B=2, H=4, hkv=2, T=13, S=13, D=8):
     return [_r(rng, B, H, T, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype), _r(rng, B, hkv, S, D, dtype=dtype)]
 
 
-@pytest.fixture(params=["cpu", "gpu", "gpu-row-blocks"])
+@pytest.fixture(params=["cpu", "cpu-unfused", "gpu", "gpu-row-blocks"])
 def kernels(request, monkeypatch):
-    """Which attention kernels run: the CPU ones, or the GPU versions (whole tiles in a few array
-    operations), here on NumPy: a GPU worker runs the same code on CuPy; "gpu-row-blocks": with
-    a causal mask, in blocks of 3 rows (of 256 on a GPU), each against the keys it sees."""
-    if request.param != "cpu":
+    """Which attention kernels run: the CPU ones (their softmax passes fused in Numba loops, or
+    "cpu-unfused": as NumPy array operations, which other dtypes get), or the GPU versions (whole
+    tiles in a few array operations), here on NumPy: a GPU worker runs the same code on CuPy;
+    "gpu-row-blocks": with a causal mask, in blocks of 3 rows (of 256 on a GPU), each against
+    the keys it sees."""
+    if request.param == "cpu-unfused":
+        import tilegraph.ops.attention as attention
+
+        monkeypatch.setattr(attention, "one_pass", lambda xp, dtype: False)
+    elif request.param != "cpu":
         for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
             k = get_kernel(name)
             assert k.gpu is not None, name
@@ -119,6 +125,52 @@ def test_sdpa_gpu_kernels_in_head_chunks(rng, monkeypatch, mode, causal):
 def _kernels(tensors):
     roots = [r for t in tensors for r in t.grid.flat]
     return [n for n in topo_order(roots) if not n.is_leaf]
+
+
+@dtypes
+def test_fused_softmax_passes_against_numpy(rng, dtype):
+    # The CPU kernels' one-pass loops on blocks the sdpa tests rarely make: a score buffer of
+    # three key tiles (no mask, a causal one, one a row sees only from row 4 on), rows that see
+    # no key at all (lim < -1: all 0, max -inf), and the transposed dK/dV block
+    from tilegraph.ops import _attention_cpu as fa
+
+    def visible(rows, width, lim):  # (rows, width): row r sees j <= r + lim
+        return np.arange(width)[None, :] <= np.arange(rows)[:, None] + lim
+
+    rtol = 1e-6 if dtype == np.float32 else 1e-13
+    g, rows = 3, 7
+    widths, lims = [5, 9, 4], [fa.NO_MASK, 2, -5]
+    s0 = _r(rng, g, rows, sum(widths), dtype=dtype)
+    seen = np.concatenate([visible(rows, w, lim) for w, lim in zip(widths, lims)], axis=1)
+    s, m, l = s0.copy(), np.empty((g, rows), dtype), np.empty((g, rows), dtype)
+    fa.softmax_rows(s, np.array([0, 5, 14]), np.array(widths), np.array(lims), m, l)
+    want_m = np.where(seen, s0, -np.inf).max(axis=-1)
+    want_p = np.where(seen, np.exp(s0 - want_m[..., None]), 0)
+    np.testing.assert_array_equal(m, want_m)
+    np.testing.assert_allclose(s, want_p, rtol=rtol, atol=0)
+    np.testing.assert_allclose(l, want_p.sum(axis=-1), rtol=rtol)
+    # all keys of the last entry hidden from every row, and a row that sees nothing anywhere
+    s = s0[:, :, 14:].copy()
+    fa.softmax_rows(s, np.array([0]), np.array([4]), np.array([-8]), m, l)
+    assert (s == 0).all() and (m == -np.inf).all() and (l == 0).all()
+
+    lse, delta = _r(rng, g, rows, dtype=dtype) + 3, _r(rng, g, rows, dtype=dtype)
+    for lim in (fa.NO_MASK, 1, -3):
+        sp, dp = s0[..., :9].copy(), _r(rng, g, rows, 9, dtype=dtype)
+        want = np.where(visible(rows, 9, lim), np.exp(sp - lse[..., None]) * (dp - delta[..., None]), 0)
+        fa.probs_rows(sp, dp, lse, delta, lim)
+        np.testing.assert_allclose(dp, want, rtol=rtol, atol=1e-7 if dtype == np.float32 else 1e-15)
+    cols = 9  # (keys x queries): key row r is seen by the queries j >= r + lim
+    lse_c, delta_c = _r(rng, g, cols, dtype=dtype) + 3, _r(rng, g, cols, dtype=dtype)
+    for lim in (fa.NO_MASK, 2, -4):
+        seen_by = np.ones((rows, cols), bool) if lim == fa.NO_MASK else \
+            np.arange(cols)[None, :] >= np.arange(rows)[:, None] + lim
+        sp, dp = s0[..., :cols].copy(), _r(rng, g, rows, cols, dtype=dtype)
+        want_p = np.where(seen_by, np.exp(sp - lse_c[:, None]), 0)
+        want_ds = want_p * (dp - delta_c[:, None])
+        fa.probs_cols(sp, dp, lse_c, delta_c, lim)
+        np.testing.assert_allclose(sp, want_p, rtol=rtol, atol=1e-7 if dtype == np.float32 else 1e-15)
+        np.testing.assert_allclose(dp, want_ds, rtol=rtol, atol=1e-7 if dtype == np.float32 else 1e-15)
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
