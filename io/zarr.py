@@ -877,7 +877,30 @@ class Checkpoint:
         self._load_into(model, _flag(f"{self._where}.load_into", "strict", strict), quantized=True)
 
     def _load_into(self, model, strict: bool, quantized: bool) -> None:
-        self._restore(*self._model_reads(model, strict, quantized))
+        reads = self._model_reads(model, strict, quantized)
+        seeds = self._dropout_seeds(model)
+        self._restore(*reads)
+        for layer, seed in seeds:
+            layer.dropout_seed = seed
+
+    def _dropout_seeds(self, model) -> list:
+        """``(layer, seed)``: the LoRA layers of ``model`` whose adapters are read from here, and
+        the dropout seeds recorded with them (:func:`tilegraph.peft.adapter_settings`), for a
+        resumed run to draw the masks of the run that saved them; none from a checkpoint written
+        before the seeds were recorded (every layer keeps its own). Checked, nothing set."""
+        import sys
+
+        stored = ((self.info.get("model") or {}).get("adapters") or {}).get("lora")
+        if not stored or not isinstance(stored, dict) or "tilegraph.peft" not in sys.modules:
+            return []
+        from tilegraph.peft import recorded_dropout_seeds
+
+        names = set(self.parameters)
+        loaded = {name for name in stored if f"{name}.lora_u" in names and f"{name}.lora_v" in names}
+        try:
+            return recorded_dropout_seeds(model, stored, loaded, where=self._where)
+        except TileError as e:  # a seed edited by hand: the checkpoint's error
+            raise CheckpointError(e.where, e.what, e.received) from None
 
     def _model_reads(self, model, strict: bool, quantized: bool) -> tuple[list, list]:
         """Check ``model`` against the stored arrays (every problem reported at once); returns
@@ -1035,7 +1058,10 @@ class Checkpoint:
         schedule = _flag(f"{self._where}.restore", "schedule", schedule)
         exact, quantized = self._model_reads(model, strict, quantized=True)
         reads, finish = self._optimizer_reads(optimizer, model, schedule) if optimizer is not None else ([], None)
+        seeds = self._dropout_seeds(model)
         self._restore(exact + reads, quantized)
+        for layer, seed in seeds:
+            layer.dropout_seed = seed
         if finish is not None:
             finish()
 

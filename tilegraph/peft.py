@@ -113,7 +113,9 @@ class LoRALinear(Module):
     zeroed with this probability and the others scaled by 1 / (1 - dropout), a new mask every
     optimizer step; the base product reads x as it is. Evaluation, generation and a plain forward
     have no dropout. The masks' base seed (``dropout_seed``) is a hash of the initial ``lora_u``,
-    so the draws of ``seed`` are those of a layer without dropout.
+    so the draws of ``seed`` are those of a layer without dropout. Checkpoints record it
+    (:func:`adapter_settings`), and a layer rebuilt from one or loaded from one takes it back, so a
+    resumed run draws the masks of the run it continues.
 
     >>> import numpy as np, tilegraph as tg
     >>> layer = tg.nn.LoRALinear(tg.nn.Linear(6, 5, seed=0), rank=2, alpha=4, seed=0)
@@ -582,18 +584,21 @@ def save_adapters(path, model: Module, format: str = "zarr") -> None:
 
 def adapter_settings(model: Module) -> dict:
     """What rebuilds the adapters of ``model`` on its base (:func:`add_adapters`), as JSON:
-    ``{"lora": {layer: {rank, alpha, dropout, shape, variant, choose}}, "lotr": [{layers, rank,
-    scale, shape, variant, choose}]}``, each kind only where the model has some ({} for none).
-    :func:`save_adapters` and :func:`tilegraph.io.save_checkpoint` record it."""
+    ``{"lora": {layer: {rank, alpha, dropout, shape, variant, choose, dropout_seed}}, "lotr":
+    [{layers, rank, scale, shape, variant, choose}]}``, each kind only where the model has some
+    ({} for none). :func:`save_adapters` and :func:`tilegraph.io.save_checkpoint` record it;
+    ``dropout_seed`` (:attr:`LoRALinear.dropout_seed`) makes a resumed run draw the masks of the
+    run it continues."""
     layers, lotr = lora_layers(model), lotr_layers(model)
     out: dict = {}
 
     def graph(m) -> dict:
         return {"variant": list(m.variant) if isinstance(m.variant, tuple) else m.variant, "choose": m.choose}
 
-    if layers:
+    if layers:  # dropout_seed: the base of the masks, a hash of the *initial* U that no rebuilt layer can redo
         out["lora"] = {name: {"rank": m.rank, "alpha": m.alpha, "dropout": m.dropout,
-                              "shape": list(m.weight.shape), **graph(m)} for name, m in layers.items()}
+                              "shape": list(m.weight.shape), **graph(m), "dropout_seed": int(m.dropout_seed)}
+                       for name, m in layers.items()}
     if lotr:
         out["lotr"] = [{"layers": names, "rank": lotr[names[0]].rank, "scale": lotr[names[0]].scale,
                         "shape": list(lotr[names[0]].weight.shape), **graph(lotr[names[0]])}
@@ -620,10 +625,42 @@ def add_adapters(model: Module, settings: dict) -> Module:
     if stored and not lora_layers(model):
         for name, info in stored.items():
             apply_lora(model, [name], info["rank"], info["alpha"], info.get("dropout", 0.0), **_graph_choice(info))
+        restore_dropout_seeds(model, stored)
     if groups and not lotr_layers(model):
         for g in groups:
             apply_lotr(model, g["layers"], g["rank"], g["scale"], **_graph_choice(g))
     return model
+
+
+def restore_dropout_seeds(model: Module, stored: dict, loaded=None,
+                          where: str = "tilegraph.peft.restore_dropout_seeds") -> None:
+    """Give each LoRA layer of ``model`` the ``dropout_seed`` that ``stored`` (the ``"lora"`` part
+    of :func:`adapter_settings`, as a checkpoint records it) holds for its name: the masks of a
+    resumed run are then those of the run that saved it. ``loaded``: the names of the layers
+    whose adapter values were read from that checkpoint (None: all); the others, and layers of
+    settings written before the seeds were recorded, keep their own seed (that of their initial
+    U, as before). A recorded seed that is not an int in [0, 2**63) is an error naming the layer,
+    raised before any layer changes."""
+    for layer, seed in recorded_dropout_seeds(model, stored, loaded, where):
+        layer.dropout_seed = seed
+
+
+def recorded_dropout_seeds(model: Module, stored: dict, loaded=None,
+                           where: str = "tilegraph.peft.restore_dropout_seeds") -> list:
+    """``(layer, seed)`` for what :func:`restore_dropout_seeds` sets, every seed checked; sets nothing."""
+    layers = lora_layers(model)
+    out, bad = [], []
+    for name, info in (stored or {}).items() if isinstance(stored, dict) else ():
+        seed = info.get("dropout_seed") if isinstance(info, dict) else None
+        if seed is None or name not in layers or (loaded is not None and name not in loaded):
+            continue
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63:
+            bad.append(f"{name}: {seed!r}"[:200])
+        else:
+            out.append((layers[name], int(seed)))
+    if bad:
+        raise TileError(where, "each LoRA layer's recorded dropout_seed to be an int in [0, 2**63)", "; ".join(bad))
+    return out
 
 
 def load_adapters(path, model: Module, format: str | None = None) -> Module:
@@ -680,7 +717,10 @@ def _load_adapters(path, ck, model: Module, stored: dict, groups: list, where: s
         kinds = " and ".join(k for k, present in (("LoRA", stored or layers), ("LoTR", groups or lotr_layers(model)))
                              if present)
         raise TileError(where, f"the adapters in {path} to match the model's {kinds} layers", "; ".join(problems))
+    seeds = recorded_dropout_seeds(model, stored, where=where)  # checked before any value changes
     ck.load_into(_Adapters(model))
+    for layer, seed in seeds:
+        layer.dropout_seed = seed
     for name, info in stored.items():
         layers[name].alpha = float(info["alpha"])
     lotr = lotr_layers(model)
@@ -999,6 +1039,8 @@ def _recorded_adapters(ck, stored: list[str], where: str) -> dict | None:
     else:
         apply_lotr(probe, record["targets"], record["rank"], record["scale"])
     settings = adapter_settings(probe)
+    for info in (settings.get("lora") or {}).values():  # the probe's seeds are not the run's: not recorded
+        info.pop("dropout_seed", None)
     made = sorted(set(lora_layers(probe)) | set(lotr_layers(probe)))
     if made != sorted(stored):
         raise TileError(where, "the adapters that tilegraph_peft.json makes to be the ones the checkpoint holds",
