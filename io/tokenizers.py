@@ -7,7 +7,9 @@ Both turn text into NumPy arrays of token ids in the smallest dtype that holds t
 
 The Hugging Face ``tokenizers`` library is imported only when a BPE tokenizer is trained or loaded
 (``pip install tilegraph[data]``). BPE tokenizers are saved and loaded as the library's JSON, never
-pickled.
+pickled. :func:`hf_tokenizer_files` writes either tokenizer as the ``tokenizer.json`` and
+``tokenizer_config.json`` that ``transformers.AutoTokenizer.from_pretrained(folder)`` loads, to the
+same ids (the byte tokenizer's JSON is written by hand: no library needed).
 
 >>> from tilegraph.io import ByteTokenizer
 >>> tok = ByteTokenizer()
@@ -18,6 +20,7 @@ pickled.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import uuid
@@ -30,7 +33,8 @@ from tilegraph._errors import TileError
 
 from ._store import user_path
 
-__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "as_text", "token_dtype", "tokenizer_from_description"]
+__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "as_text", "token_dtype", "tokenizer_from_description",
+           "hf_tokenizer_files"]
 
 DEFAULT_EOS = "<|endoftext|>"
 
@@ -361,3 +365,81 @@ def tokenizer_from_description(desc: dict, bpe_path: str | os.PathLike | None = 
                             str(bpe_path))
         return tok
     raise TileError(where, "unknown tokenizer kind (expected 'byte' or 'bpe')", repr(kind)[:100])
+
+
+# ------------------------------------------------------------------- Hugging Face's files ----
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character table, which the ``tokenizers`` library's ByteLevel pre-tokenizer
+    and decoder use: each byte as a printable character (the printable Latin-1 ones as
+    themselves, the others from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return chars
+
+
+def _byte_tokenizer_json(eos_id: int | None) -> str:
+    """The byte tokenizer as the ``tokenizers`` library's JSON: a byte-level BPE model without
+    merges whose vocabulary gives each byte its value as id (every text is its UTF-8 bytes, one
+    token each), and the end-of-text id as the special token ``<|endoftext|>``."""
+    chars = _byte_chars()
+    added = [] if eos_id is None else [{"id": eos_id, "content": DEFAULT_EOS, "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": True}]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "vocab": {chars[b]: b for b in range(256)}, "merges": []}
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+                       "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+                       "decoder": byte_level, "model": model}, ensure_ascii=False)
+
+
+def hf_tokenizer_files(tokenizer, bpe_json: str | bytes | None = None) -> dict[str, bytes]:
+    """The files that make a folder load in Hugging Face as ``tokenizer`` (a :class:`ByteTokenizer`
+    or :class:`BPETokenizer`, or the description one recorded: ``describe()``, the
+    ``tilegraph_tokenizer.json`` of a checkpoint, with ``bpe_json``, the BPE tokenizer's JSON, for
+    kind "bpe"): ``tokenizer.json``, the ``tokenizers`` library's format, and
+    ``tokenizer_config.json``. ``transformers.AutoTokenizer.from_pretrained(folder)`` (and
+    ``tokenizers.Tokenizer.from_file``) then encodes any text to the ids tilegraph's tokenizer
+    gives (``add_special_tokens=False`` not needed: none are added) and decodes them back: the
+    end-of-text token is the special token ``eos_token`` of the same id, and text spelling it is
+    encoded as text, as tilegraph does (``split_special_tokens``).
+
+    >>> files = hf_tokenizer_files(ByteTokenizer(eos=True))
+    >>> sorted(files), json.loads(files["tokenizer_config.json"])["eos_token"]
+    (['tokenizer.json', 'tokenizer_config.json'], '<|endoftext|>')
+    """
+    where = "tilegraph.io.hf_tokenizer_files"
+    if isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):
+        desc = tokenizer.describe()
+        if isinstance(tokenizer, BPETokenizer):
+            bpe_json = tokenizer.to_str()
+    elif isinstance(tokenizer, dict):
+        desc = tokenizer
+    else:
+        raise TileError(where, "a ByteTokenizer, a BPETokenizer or a tokenizer's description (a dict: describe())",
+                        type(tokenizer).__name__)
+    kind, eos_id = desc.get("kind"), desc.get("eos_id")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or eos_id < 0):
+        raise TileError(where, "a description whose eos_id is an int >= 0 or None", repr(eos_id)[:100])
+    if kind == "byte":
+        if eos_id not in (None, 256):
+            raise TileError(where, "a byte tokenizer's eos_id to be 256 or None", repr(eos_id))
+        text, eos = _byte_tokenizer_json(eos_id), DEFAULT_EOS if eos_id is not None else None
+    elif kind == "bpe":
+        if bpe_json is None:
+            raise TileError(where, "the BPE tokenizer's JSON (bpe_json) with a description of kind 'bpe'", "None")
+        text = bpe_json.decode("utf-8") if isinstance(bpe_json, (bytes, bytearray)) else str(bpe_json)
+        eos = desc.get("eos") if eos_id is not None else None
+        if eos is not None and not isinstance(eos, str):
+            raise TileError(where, "a description whose eos is the end-of-text token's text (a str)", repr(eos)[:100])
+    else:
+        raise TileError(where, "a tokenizer of kind 'byte' or 'bpe'", repr(kind)[:100])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "clean_up_tokenization_spaces": False,  # decode gives the text back as it was
+              "split_special_tokens": True,  # "<|endoftext|>" in a text is that text (BPETokenizer's encode_special_tokens)
+              "model_input_names": ["input_ids", "attention_mask"]}
+    if eos is not None:
+        config.update(bos_token=eos, eos_token=eos)  # (the checkpoint's config names its id for both)
+    return {"tokenizer.json": text.encode("utf-8"), "tokenizer_config.json": json.dumps(config, indent=1).encode()}

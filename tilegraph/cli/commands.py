@@ -272,6 +272,7 @@ def cmd_convert(args) -> int:
     for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json"):
         if (src / name).is_file():
             files[name] = (src / name).read_bytes()
+    files.update(_hf_tokenizer_files(src, files, where))  # a checkpoint written before it held tokenizer.json
     to_zarr = args.to == "zarr" if args.to else (src / "config.json").is_file() and not (src / "zarr.json").is_file()
     if to_zarr:
         if args.quantize is not None:  # named as the flag (save_checkpoint names itself and the destination)
@@ -292,6 +293,30 @@ def cmd_convert(args) -> int:
     print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}"
           + (f", quantized {args.quantize}" if args.quantize is not None else "") + ")")
     return 0
+
+
+def _hf_tokenizer_files(src: Path, files: dict[str, bytes], where: str) -> dict[str, bytes]:
+    """``tokenizer.json`` and ``tokenizer_config.json`` (which Hugging Face's AutoTokenizer loads)
+    made from the tokenizer that ``tilegraph_tokenizer.json`` of ``src`` records, for a folder
+    that has that record but no ``tokenizer.json`` (checkpoints of tilegraph train written before
+    they held one); none otherwise, or, said in a line, where the record cannot be read."""
+    from tilegraph._errors import TileError
+    from tilegraph.io.tokenizers import hf_tokenizer_files
+
+    if "tokenizer.json" in files or "tilegraph_tokenizer.json" not in files:
+        return {}
+    try:
+        try:
+            desc = json.loads(files["tilegraph_tokenizer.json"].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise TileError(where, "a readable tokenizer description (JSON)", f"{src / 'tilegraph_tokenizer.json'}: "
+                            f"{e}") from None
+        made = hf_tokenizer_files(desc, files.get("bpe_tokenizer.json"))
+    except TileError as e:
+        print(f"{where}: no tokenizer.json written (Hugging Face's form of the tokenizer): {e.what}; received: "
+              f"{e.received}", file=sys.stderr)
+        return {}
+    return {k: v for k, v in made.items() if k not in files}
 
 
 def _size(path: Path) -> int:

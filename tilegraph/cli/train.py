@@ -427,9 +427,16 @@ def save_final_adapters(trainer, res, p: dict) -> list[str]:
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
     """The files that let `tilegraph generate CHECKPOINT` find the tokenizer (written into every
-    checkpoint before its commit): its description, and a BPE tokenizer's vocabulary and merges
-    as an HF tokenizers JSON."""
+    checkpoint before its commit): its description, a BPE tokenizer's vocabulary and merges as an
+    HF tokenizers JSON, and the ``tokenizer.json`` + ``tokenizer_config.json`` that
+    ``transformers.AutoTokenizer.from_pretrained(CHECKPOINT)`` loads, to the same ids
+    (:func:`tilegraph.io.tokenizers.hf_tokenizer_files`; ``tilegraph convert`` copies them)."""
+    from tilegraph.io import ByteTokenizer, BPETokenizer
+    from tilegraph.io.tokenizers import hf_tokenizer_files
+
     files = {"tilegraph_tokenizer.json": json.dumps(tokenizer.describe()).encode()}
     if hasattr(tokenizer, "to_str"):
         files["bpe_tokenizer.json"] = tokenizer.to_str().encode("utf-8")
+    if isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):  # (another kind has no HF form here)
+        files.update(hf_tokenizer_files(tokenizer))
     return files
