@@ -281,6 +281,62 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+#: the mark between a checkpoint's name and its writer in a save's temporary folder name
+TMP_MARK = ".tmp-"
+#: how long a temporary folder of a save on another host (several nodes checkpointing into one
+#: folder of a shared file system) stays untouched before a manager here removes it. Its
+#: writer's process cannot be looked up from here: a pid check here would delete a live save of
+#: another node whose pid is free here, or keep a dead one whose pid is taken here. Never
+#: removing them would let the folders of killed saves pile up (each as large as a checkpoint)
+#: in a folder that only other nodes clean; a day is far longer than any save takes and than
+#: any clock skew between the nodes, so a live save is never taken for a dead one
+STALE_OTHER_HOST_SECONDS = 24 * 3600
+
+
+def host_label() -> str:
+    """This machine's host name as it goes into temporary folder names: the characters other
+    than letters, digits, ``.``, ``_`` and ``-`` replaced by ``_`` (never empty)."""
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname() or "") or "unknown-host"
+
+
+def temp_name(name: str, pid: int | None = None) -> str:
+    """The hidden temporary folder name of a save of the checkpoint ``name`` by this process:
+    ``.NAME.tmp-PID-HEX-HOST`` (the pid first, as in the earlier ``.NAME.tmp-PID-HEX``, so
+    that a reader of that form still finds it)."""
+    import uuid
+
+    return f".{name}{TMP_MARK}{os.getpid() if pid is None else int(pid)}-{uuid.uuid4().hex[:8]}-{host_label()}"
+
+
+def temp_writer(name: str) -> tuple[int, str | None] | None:
+    """The writer of a save's temporary folder ``name``: (pid, host), host None for the earlier
+    form without one (``.NAME.tmp-PID-HEX``, which cleanup reads as this host's, as it did
+    before); None when ``name`` is not a temporary folder name."""
+    if not name.startswith(".") or TMP_MARK not in name:
+        return None
+    fields = name.split(TMP_MARK, 1)[1].split("-", 2)  # PID, HEX, HOST (which may hold "-")
+    if not fields[0].isascii() or not fields[0].isdigit():
+        return None
+    return int(fields[0]), (fields[2] or None) if len(fields) == 3 else None
+
+
+def untouched_for(path) -> float:
+    """Seconds since the folder ``path`` or its ``zarr.json`` last changed (the newer of the
+    two; inf when neither can be read)."""
+    import time
+
+    times = []
+    for p in (Path(path), Path(path) / "zarr.json"):
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:
+            pass
+    return time.time() - max(times) if times else math.inf
+
+
 def make_dir(folder: str, made: set) -> None:
     """``os.makedirs(folder, exist_ok=True)``, at most once per ``made`` (a set of the folders
     made so far), trying one ``mkdir`` first: the parent is there but for a tile's first chunk."""
@@ -545,9 +601,10 @@ def write_quantized(root: str, path: str, tile: np.ndarray, quant: dict) -> int:
 
 
 def saved_path(root: str) -> str:
-    """The checkpoint folder a save's temporary folder ``root`` (``.NAME.tmp-PID-HEX``) becomes."""
+    """The checkpoint folder a save's temporary folder ``root`` (``.NAME.tmp-PID-HEX-HOST``, or
+    the earlier ``.NAME.tmp-PID-HEX``) becomes."""
     p = Path(root)
-    name, sep, _ = p.name.partition(".tmp-")
+    name, sep, _ = p.name.partition(TMP_MARK)
     return str(p.parent / name[1:]) if sep and name.startswith(".") else root
 
 

@@ -51,7 +51,8 @@ from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CheckpointError, process_alive, array_meta, file_in_the_way, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
+from ._store import (CheckpointError, STALE_OTHER_HOST_SECONDS, host_label, temp_name, temp_writer, untouched_for,
+                     process_alive, array_meta, file_in_the_way, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
                      slices, tile_label, unwritable_folder, user_path, write_failure, write_meta, write_parts_task,
                      write_shard_task, write_tiles, write_values)
@@ -248,7 +249,7 @@ class PendingSave:
 
     def run(self) -> Path:
         path, where = self.path, self.where
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = path.parent / temp_name(path.name)  # .NAME.tmp-PID-HEX-HOST
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._write(tmp)
@@ -1120,17 +1121,16 @@ def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:
 
 
 # ------------------------------------------------------------------------------------- manager ----
-_TMP_PREFIX = "."
-_TMP_MARK = ".tmp-"
-
 
 class CheckpointManager:
     """Checkpoints ``step-NNNNNN`` in the folder ``dir``: every ``every`` steps (:meth:`due`),
     the newest ``keep`` kept (None: all), written in the background with ``async_save`` (the
     values are fixed when :meth:`save` is called, so training goes on while the workers write).
 
-    Temporary folders of saves that a kill or a crash interrupted (``.step-N.tmp-PID-...`` whose
-    process is gone) are removed when the manager starts; they are never loaded. A run resumed
+    Temporary folders of saves that a kill or a crash interrupted (``.step-N.tmp-PID-HEX-HOST``,
+    or the earlier ``.step-N.tmp-PID-HEX``) are removed when the manager starts: those of this
+    host whose process is gone, and those of another host (a folder shared by several nodes)
+    untouched for ``_store.STALE_OTHER_HOST_SECONDS`` (a day); they are never loaded. A run resumed
     from an earlier checkpoint keeps it (:meth:`protect`) and moves the later ones aside
     (:meth:`set_aside`).
 
@@ -1190,20 +1190,23 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def clean(self) -> list[Path]:
-        """Remove temporary folders of interrupted saves (their process is gone); returns them."""
+        """Remove temporary folders of interrupted saves: this host's whose process is gone (the
+        earlier names, without a host, count as this host's), another host's untouched for
+        ``STALE_OTHER_HOST_SECONDS`` (its process cannot be looked up from here); returns them."""
         if not self.dir.is_dir():
             return []
         gone = []
         for p in self.dir.iterdir():
-            if not (p.name.startswith(_TMP_PREFIX) and _TMP_MARK in p.name and p.is_dir()):
+            writer = temp_writer(p.name)
+            if writer is None or not p.is_dir():
                 continue
-            try:
-                pid = int(p.name.split(_TMP_MARK, 1)[1].split("-", 1)[0])
-            except ValueError:
+            pid, host = writer
+            if host is not None and host != host_label():  # a pid of another node says nothing here
+                if untouched_for(p) <= STALE_OTHER_HOST_SECONDS:
+                    continue
+            elif pid == os.getpid() and self._pending is not None:
                 continue
-            if pid == os.getpid() and self._pending is not None:
-                continue
-            if pid != os.getpid() and process_alive(pid):
+            elif pid != os.getpid() and process_alive(pid):
                 continue
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p)
