@@ -74,9 +74,9 @@ _N, _n, _m, _RATIO, _TRIALS = 20, 4, 3, 0.4, 4000
 _CHUNKS = {"single": (20,), "even": (5, 5, 5, 5), "ragged": (8, 8, 4)}
 
 
-def _monte_carlo(kind, mode, transform=None):
-    """Mean over seeds 0.._TRIALS-1 of the sketched X^T dY, and the exact X^T dY (vectorised: the
-    sketches are stacked and every estimate is one batched product)."""
+def _draws(kind, mode, transform=None):
+    """Per seed 0.._TRIALS-1, the sketched estimate of X^T dY (trials, n, m), with X, dY and k
+    (vectorised: the sketches are stacked and every estimate is one batched product)."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((_N, _n))
     dy = x @ rng.standard_normal((_n, _m)) + 0.5 * rng.standard_normal((_N, _m))
@@ -87,7 +87,13 @@ def _monte_carlo(kind, mode, transform=None):
     if transform is not None:
         s = transform(s, k)
     xs, ys = np.einsum("tik,in->tkn", s, x), np.einsum("tik,im->tkm", s, dy)
-    return np.einsum("tkn,tkm->nm", xs, ys) / _TRIALS, x.T @ dy
+    return np.einsum("tkn,tkm->tnm", xs, ys), x, dy, k
+
+
+def _monte_carlo(kind, mode, transform=None):
+    """Mean over seeds 0.._TRIALS-1 of the sketched X^T dY, and the exact X^T dY."""
+    est, x, dy, _ = _draws(kind, mode, transform)
+    return est.mean(axis=0), x.T @ dy
 
 
 @by_kind
@@ -213,20 +219,6 @@ def test_bad_inputs():
 
 
 # ------------------------------------------------ audit (issue 13): variance, training quality ----
-def _draws(kind, mode):
-    """Per seed 0.._TRIALS-1, the sketched estimate of X^T dY (trials, n, m), with X, dY and k
-    (the data and tilings of :func:`_monte_carlo`)."""
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((_N, _n))
-    dy = x @ rng.standard_normal((_n, _m)) + 0.5 * rng.standard_normal((_N, _m))
-    offsets = np.cumsum((0,) + _CHUNKS[mode][:-1])
-    boxes = [np.arange(o, o + c) for o, c in zip(offsets, _CHUNKS[mode])]
-    k = rmm.sketch_size(kind, _RATIO, _N)
-    s = np.stack([_sketch_matrix(kind, t, k, _N, boxes, x) for t in range(_TRIALS)])  # (trials, N, k)
-    xs, ys = np.einsum("tik,in->tkn", s, x), np.einsum("tik,im->tkm", s, dy)
-    return np.einsum("tkn,tkm->tnm", xs, ys), x, dy, k
-
-
 @by_mode
 def test_gaussian_sketch_variance_matches_the_formula(mode):
     """ALGORITHMS.md 4: for a Gaussian S (E[S^T S] = I, k rows),
