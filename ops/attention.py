@@ -150,9 +150,12 @@ def _query_block_plan(kvs, causal: bool, q_off: int, a0: int, a1: int):
     return plan
 
 
-def _lims(entries) -> np.ndarray:
-    """The ``lim`` of each plan entry for the fused passes (NO_MASK where there is no mask)."""
-    return np.array([NO_MASK if e[-1] is None else e[-1] for e in entries], dtype=np.int64)
+def _span_layout(span) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each key tile of ``span`` starts in its score buffer, its width and its ``lim``
+    (NO_MASK where there is no mask): the arguments of the fused pass, ``softmax_rows``."""
+    widths = [w for _, _, w, _ in span]
+    return (np.cumsum([0] + widths[:-1]).astype(np.int64), np.array(widths, dtype=np.int64),
+            np.array([NO_MASK if lim is None else lim for *_, lim in span], dtype=np.int64))
 
 
 def _spans(plan, rows: int, itemsize: int) -> list[list]:
@@ -467,15 +470,13 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
             continue
         spans = _spans(plan, a1 - a0, q.itemsize)
         width = max(sum(w for _, _, w, _ in span) for span in spans)
-        # one score buffer per block (the usual case): its mask, max, exp and sum in one pass
-        fuse = len(spans) == 1 and one_pass(xp, q.dtype)
-        if fuse:
-            starts = np.cumsum([0] + [w for _, _, w, _ in plan[:-1]]).astype(np.int64)
-            widths, lims = np.array([w for _, _, w, _ in plan], dtype=np.int64), _lims(plan)
+        # each score buffer's mask, max, exp and sum in one pass (per span: where, columns, lim)
+        fuse = one_pass(xp, q.dtype)
+        layouts = [_span_layout(span) for span in spans] if fuse else [None] * len(spans)
         for g0, g1 in _head_groups(b * h, a1 - a0, width, q.itemsize):
             qb = q[g0:g1, a0:a1] * sc                         # (heads, rows, D): scale folded in once
             m = l = acc = None  # running row max, row sum of exp(s - m), sum of exp(s - m) @ v
-            for span in spans:
+            for span, layout in zip(spans, layouts):
                 s = xp.empty((g1 - g0, a1 - a0, sum(w for _, _, w, _ in span)), dtype=q.dtype)
                 c = 0
                 for k, v, w, lim in span:
@@ -484,10 +485,20 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
                     if mask is not None:
                         xp.copyto(s[..., c + mask[0]:c + w], ninf, where=mask[1])
                     c += w
-                if fuse:  # masked scores become 0, the rest exp(s - m)
-                    m, l = np.empty(s.shape[:2], dtype=q.dtype), np.empty(s.shape[:2], dtype=q.dtype)
-                    softmax_rows(s, starts, widths, lims, m, l)
+                beta = None  # the span's own rescaling, where its max is not the running one
+                if fuse:  # masked scores become 0, the rest exp(s - m_span)
+                    m_s, l_s = np.empty(s.shape[:2], dtype=q.dtype), np.empty(s.shape[:2], dtype=q.dtype)
+                    softmax_rows(s, *layout, m_s, l_s)
                     p = s
+                    if m is None:
+                        m, l = m_s, l_s
+                    else:
+                        m_new = xp.maximum(m, m_s)
+                        shift = xp.where(xp.isfinite(m_new), m_new, q.dtype.type(0))
+                        alpha, beta = xp.exp(m - shift), xp.exp(m_s - shift)
+                        l = l * alpha + l_s * beta
+                        acc *= alpha[..., None]
+                        m = m_new
                 else:
                     m_new = s.max(axis=-1) if m is None else xp.maximum(m, s.max(axis=-1))
                     # A row with no visible key yet keeps m = -inf; shift it by 0 instead (exp(-inf) = 0).
@@ -504,6 +515,8 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
                 c = 0
                 for k, v, w, _ in span:
                     pv = p[..., c:c + w] @ v[g0:g1, :w]
+                    if beta is not None:
+                        pv *= beta[..., None]
                     acc = pv if acc is None else xp.add(acc, pv, out=acc)
                     c += w
             xp.divide(acc, l[..., None], out=out[g0:g1, a0:a1])
