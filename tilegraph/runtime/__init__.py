@@ -140,9 +140,12 @@ class Runtime:
         # plugins, say), everything still works and a warning says what is lost.
         from tilegraph.exec.comm_channel import channel_plugin
         from tilegraph.exec.shm import shm_plugin
+        from tilegraph.exec.spill import spill_plugin
 
         # slower: freed heap memory stays with the workers
         _optional_setup("tune worker malloc", lambda: client.register_plugin(_malloc_plugin()))
+        # slower: every value a worker spilled to disk is copied again where a task reads it
+        _optional_setup("read spilled values back aligned", lambda: client.register_plugin(spill_plugin()))
         if cluster is not None:  # the workers of the cluster it started: a signal to the process group
             # would stop them, and lose the state they hold, before this process writes its checkpoint
             _optional_setup("leave SIGINT/SIGTERM to this process",
