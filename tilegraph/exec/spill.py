@@ -52,7 +52,7 @@ def dump(value, fallback):
     head = json.dumps({"results": type(value) is Results, "arrays": arrays}).encode()
     start = -(-(16 + len(head)) // ALIGN) * ALIGN  # where the first array's bytes begin
     frames = [MAGIC + len(head).to_bytes(8, "little") + head + bytes(start - 16 - len(head))]
-    for a, spec in zip(value, arrays):
+    for a in value:
         frames.append(memoryview(a.reshape(-1)).cast("B"))
         pad = -a.nbytes % ALIGN
         if pad:
