@@ -4,8 +4,9 @@ Between its two matrix products a score block goes through a causal mask, a row 
 exponential, a row sum and (in the backward) ``dS = P * (dP - delta)``: with NumPy that is a pass
 over the block per operation, each about as slow as the products themselves when heads are small
 (the debug GPT-2's heads, 8 x 4 x 64 x 16, one thread: forward, dQ and dK/dV took 2.4 ms with
-NumPy's passes and 1.4 with these; 33 and 26 ms on the block stack's 2 x 12 x 256 x 64). Each function here makes that one pass, in place, row by row, over the columns a
-row may see; masked columns become 0, which is what the products after them need.
+NumPy's passes and 1.4 with these; 33 and 26 ms on the block stack's 2 x 12 x 256 x 64). Each
+function here makes that one pass, in place, row by row, over the columns a row may see; masked
+columns become 0, which is what the products after them need.
 
 A causal mask is one number per block, ``lim``: in a (queries x keys) block, row ``r`` sees the
 keys ``j <= r + lim``; in a (keys x queries) block, key row ``r`` is seen by the queries

@@ -86,16 +86,9 @@ def install(worker) -> None:
 
 def channel_plugin():
     """A worker plugin installing the channel handler on every worker, also those joining later."""
-    from distributed.diagnostics.plugin import WorkerPlugin
+    from tilegraph.exec import setup_plugin
 
-    class ChannelPlugin(WorkerPlugin):
-        name = "tilegraph-channels"
-        idempotent = True
-
-        def setup(self, worker) -> None:
-            install(worker)
-
-    return ChannelPlugin()
+    return setup_plugin("tilegraph-channels", install)
 
 
 def _worker():

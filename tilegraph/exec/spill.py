@@ -32,6 +32,11 @@ ALIGN = 64
 MIN_BYTES = 1 << 16
 
 
+def _up(n: int) -> int:
+    """``n`` rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def _plain(a) -> bool:
     return type(a) is np.ndarray and a.dtype.kind in "biufc" and a.flags.c_contiguous
 
@@ -48,9 +53,9 @@ def dump(value, fallback):
     arrays, offset = [], 0
     for a in value:
         arrays.append({"dtype": a.dtype.str, "shape": list(a.shape), "offset": offset})
-        offset += -(-a.nbytes // ALIGN) * ALIGN
+        offset += _up(a.nbytes)
     head = json.dumps({"results": type(value) is Results, "arrays": arrays}).encode()
-    start = -(-(16 + len(head)) // ALIGN) * ALIGN  # where the first array's bytes begin
+    start = _up(16 + len(head))  # where the first array's bytes begin
     frames = [MAGIC + len(head).to_bytes(8, "little") + head + bytes(start - 16 - len(head))]
     for a in value:
         frames.append(memoryview(a.reshape(-1)).cast("B"))
@@ -69,7 +74,7 @@ def load(buf, fallback):
 
     n = int.from_bytes(buf[8:16], "little")
     head = json.loads(bytes(buf[16:16 + n]))
-    start = -(-(16 + n) // ALIGN) * ALIGN
+    start = _up(16 + n)
     out = []
     for spec in head["arrays"]:
         dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
@@ -96,13 +101,6 @@ def install(worker) -> bool:
 
 def spill_plugin():
     """A worker plugin applying :func:`install` on every worker, also those joining later."""
-    from distributed.diagnostics.plugin import WorkerPlugin
+    from tilegraph.exec import setup_plugin
 
-    class SpillPlugin(WorkerPlugin):
-        name = "tilegraph-spill"
-        idempotent = True
-
-        def setup(self, worker) -> None:
-            install(worker)
-
-    return SpillPlugin()
+    return setup_plugin("tilegraph-spill", install)
