@@ -57,13 +57,13 @@ def _row_stats(mean, rstd, center):
     return (mean, rstd) if center else (rstd,)
 
 
-def _param_grads(ga, xhat, has_w: bool, has_b: bool) -> list:
-    """This tile's partial weight and bias gradients: sums over all rows."""
+def _param_grads(ga, xhat, grad_w: bool, grad_b: bool) -> list:
+    """This tile's partial weight and bias gradients (those asked for): sums over all rows."""
     n = ga.shape[-1]
     outs = []
-    if has_w:
+    if grad_w:
         outs.append((ga * xhat).reshape(-1, n).sum(axis=0))
-    if has_b:
+    if grad_b:
         outs.append(ga.reshape(-1, n).sum(axis=0))
     return outs
 
@@ -90,8 +90,10 @@ def _norm_fwd_xp(x, *wb, eps, center, has_w, has_b):
     return (y.astype(x.dtype, copy=False),) + _row_stats(mean, rstd, center)
 
 
-def _norm_bwd_xp(x, g, *rest, center, has_w, has_b):
-    """Whole rows in one tile: returns ``dx`` and this tile's partial ``dweight``/``dbias`` (C,)."""
+def _norm_bwd_xp(x, g, *rest, center, has_w, grad_w, grad_b):
+    """Whole rows in one tile: returns ``dx`` and this tile's partial ``dweight``/``dbias`` (C,),
+    each where asked for (``grad_w``, ``grad_b``: the parameter needs a gradient; ``has_w``: the
+    weight is there, which ``dx`` reads)."""
     mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
     xa, ga = x.astype(rstd.dtype, copy=False), g.astype(rstd.dtype, copy=False)
     xhat = (xa - mean) * rstd if center else xa * rstd
@@ -100,7 +102,7 @@ def _norm_bwd_xp(x, g, *rest, center, has_w, has_b):
     if center:
         dx -= gw.mean(axis=-1, keepdims=True)
     dx *= rstd
-    return _one_or_tuple([dx.astype(x.dtype, copy=False), *_param_grads(ga, xhat, has_w, has_b)])
+    return _one_or_tuple([dx.astype(x.dtype, copy=False), *_param_grads(ga, xhat, grad_w, grad_b)])
 
 
 # ---------------------------------------------------------------------- fused kernels (Numba) ----
@@ -140,7 +142,7 @@ def _nb_norm_fwd(x, w, b, y, mean_out, rstd_out, eps, center, has_w, has_b):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _nb_norm_bwd(x, g, mean, rstd, w, dx, dw, db, center, has_w, has_b):
+def _nb_norm_bwd(x, g, mean, rstd, w, dx, dw, db, center, has_w, grad_w, grad_b):
     rows, n = x.shape
     gw = np.empty(n, dtype=np.float64)
     xh = np.empty(n, dtype=np.float64)
@@ -158,10 +160,10 @@ def _nb_norm_bwd(x, g, mean, rstd, w, dx, dw, db, center, has_w, has_b):
         c2 = s2 / n if center else 0.0
         for j in range(n):
             dx[r, j] = rs * (gw[j] - c2 - xh[j] * c1)
-        if has_w:
+        if grad_w:
             for j in range(n):
                 dw[j] += g[r, j] * xh[j]
-        if has_b:
+        if grad_b:
             for j in range(n):
                 db[j] += g[r, j]
 
@@ -194,21 +196,21 @@ def _norm_fwd_cpu(x, *wb, eps, center, has_w, has_b):
                                               rstd.reshape(stat_shape), center)
 
 
-def _norm_bwd_cpu(x, g, *rest, center, has_w, has_b):
+def _norm_bwd_cpu(x, g, *rest, center, has_w, grad_w, grad_b):
     if x.dtype not in _NUMBA_DTYPES:
-        return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, has_b=has_b)
+        return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, grad_w=grad_w, grad_b=grad_b)
     mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
     x2, g2 = _rows(x), _rows(g)
     n = x2.shape[1]
     dx = np.empty_like(x2)
-    dw = np.zeros(n if has_w else 0, np.float64)
-    db = np.zeros(n if has_b else 0, np.float64)
+    dw = np.zeros(n if grad_w else 0, np.float64)
+    db = np.zeros(n if grad_b else 0, np.float64)
     _nb_norm_bwd(x2, g2, _vec(mean, x.dtype), _vec(rstd, x.dtype), _vec(w, x.dtype), dx, dw, db, center,
-                 has_w, has_b)
+                 has_w, grad_w, grad_b)
     outs = [dx.reshape(x.shape)]
-    if has_w:
+    if grad_w:
         outs.append(dw.astype(x.dtype))
-    if has_b:
+    if grad_b:
         outs.append(db.astype(x.dtype))
     return _one_or_tuple(outs)
 
@@ -286,10 +288,10 @@ def _norm_fwd_cuda(x, *wb, eps, center, has_w, has_b):
                                               rstd.reshape(stat_shape), center)
 
 
-def _norm_bwd_cuda(x, g, *rest, center, has_w, has_b):
+def _norm_bwd_cuda(x, g, *rest, center, has_w, grad_w, grad_b):
     mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
     if x.size == 0 or any(a is not None and a.dtype != x.dtype for a in (g, mean, rstd, w)):
-        return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, has_b=has_b)
+        return _norm_bwd_xp(x, g, *rest, center=center, has_w=has_w, grad_w=grad_w, grad_b=grad_b)
     xp, n = xp_of(x), x.shape[-1]
     x2, g2 = _rows(x), _rows(g)
     dx = xp.empty_like(x2)
@@ -299,9 +301,9 @@ def _norm_bwd_cuda(x, g, *rest, center, has_w, has_b):
                                          _rows(w) if has_w else x2, dx, gxhat, np.int32(n), np.int32(center),
                                          np.int32(has_w)))
     outs = [dx.reshape(x.shape)]
-    if has_w:
+    if grad_w:  # (with a frozen weight the kernel still writes g * xhat, which nothing sums)
         outs.append(sum_keepdims(gxhat, (0,)).reshape(n))
-    if has_b:
+    if grad_b:
         outs.append(sum_keepdims(g2, (0,)).reshape(n))
     return _one_or_tuple(outs)
 
@@ -355,8 +357,9 @@ def _norm_apply(x, *rest, center, has_w, has_b):
 
 
 @kernel("norm_bwd_stats", cost=rowwise_cost(6))
-def _norm_bwd_stats(x, g, *rest, center, has_w, has_b):
-    """Partial row sums ``sum(g w xhat)`` (and ``sum(g w)``), plus partial ``dweight``/``dbias``."""
+def _norm_bwd_stats(x, g, *rest, center, has_w, grad_w, grad_b):
+    """Partial row sums ``sum(g w xhat)`` (and ``sum(g w)``), plus partial ``dweight``/``dbias``
+    where asked for."""
     mean, rstd, _, w, _ = _unpack(rest, center, has_w=has_w)
     xa, ga = x.astype(rstd.dtype, copy=False), g.astype(rstd.dtype, copy=False)
     xhat = (xa - mean) * rstd if center else xa * rstd
@@ -364,7 +367,7 @@ def _norm_bwd_stats(x, g, *rest, center, has_w, has_b):
     outs = [(gw * xhat).sum(axis=-1, keepdims=True)]
     if center:
         outs.append(gw.sum(axis=-1, keepdims=True))
-    return _one_or_tuple(outs + _param_grads(ga, xhat, has_w, has_b))
+    return _one_or_tuple(outs + _param_grads(ga, xhat, grad_w, grad_b))
 
 
 @kernel("norm_bwd_apply", cost=rowwise_cost(6))
@@ -453,10 +456,16 @@ class Norm(Op):
         return y, (x, weight, bias, stats)
 
     def backward(self, ctx, g):
+        return self.vjp(ctx, g, (True, True, True))
+
+    def vjp(self, ctx, g, needed):
+        """``dx``, and ``dweight``/``dbias`` where they are needed: a frozen weight or bias (a LoRA
+        fine-tune's norms) gets no partial sums, in the kernels or after them."""
         x, weight, bias, stats = ctx
         grid, last = x.tiling.grid, x.ndim - 1
         acc = acc_dtype(x.dtype)
-        has_w, has_b = weight is not None, bias is not None
+        has_w = weight is not None
+        grad_w, grad_b = has_w and bool(needed[1]), bias is not None and bool(needed[2])
         n_sums = 2 if self.center else 1
         op = f"{self.name}_bwd"
         dx = np.empty(grid, dtype=object)
@@ -467,16 +476,18 @@ class Norm(Op):
             if len(tiles) == 1:
                 (idx,) = tiles
                 ins = [x.grid[idx], g.grid[idx], *st] + _params(weight, None, idx[-1])
-                meta = [(x.grid[idx].shape, x.dtype)] + _param_meta(x, idx, has_w, has_b, acc)
-                refs = emit(_norm_bwd, ins, meta, op=op, center=self.center, has_w=has_w, has_b=has_b)
+                meta = [(x.grid[idx].shape, x.dtype)] + _param_meta(x, idx, grad_w, grad_b, acc)
+                refs = emit(_norm_bwd, ins, meta, op=op, center=self.center, has_w=has_w, grad_w=grad_w,
+                            grad_b=grad_b)
                 dx[idx] = refs[0]
                 param_parts[idx[-1]].append(tuple(refs[1:]))
                 continue
             sums = []
             for idx in tiles:
                 ins = [x.grid[idx], g.grid[idx], *st] + _params(weight, None, idx[-1])
-                meta = [(stat_shape, acc)] * n_sums + _param_meta(x, idx, has_w, has_b, acc)
-                refs = emit(_norm_bwd_stats, ins, meta, op=op, center=self.center, has_w=has_w, has_b=has_b)
+                meta = [(stat_shape, acc)] * n_sums + _param_meta(x, idx, grad_w, grad_b, acc)
+                refs = emit(_norm_bwd_stats, ins, meta, op=op, center=self.center, has_w=has_w, grad_w=grad_w,
+                            grad_b=grad_b)
                 sums.append(tuple(refs[:n_sums]))
                 param_parts[idx[-1]].append(tuple(refs[n_sums:]))
             total = _sum_items(sums, acc, op)
@@ -485,12 +496,12 @@ class Norm(Op):
                 dx[idx] = emit1(_norm_bwd_apply, ins, x.grid[idx].shape, x.dtype, op=op, n=x.shape[-1],
                                 center=self.center, has_w=has_w)
         dxt = new_tensor(x.tiling, x.dtype, lambda idx: dx[idx])
-        if not (has_w or has_b):
+        if not (grad_w or grad_b):
             return dxt, None, None
         finished = [_sum_items(parts, x.dtype, op) for parts in param_parts]
         ptiling = Tiling((x.chunks[-1],))
-        dw = new_tensor(ptiling, x.dtype, lambda j: finished[j[0]][0]) if has_w else None
-        db = new_tensor(ptiling, x.dtype, lambda j: finished[j[0]][int(has_w)]) if has_b else None
+        dw = new_tensor(ptiling, x.dtype, lambda j: finished[j[0]][0]) if grad_w else None
+        db = new_tensor(ptiling, x.dtype, lambda j: finished[j[0]][int(grad_w)]) if grad_b else None
         return dxt, dw, db
 
 
@@ -498,9 +509,9 @@ def _params(weight, bias, j) -> list:
     return [p.grid[j] for p in (weight, bias) if p is not None]
 
 
-def _param_meta(x, idx, has_w, has_b, acc) -> list:
+def _param_meta(x, idx, grad_w, grad_b, acc) -> list:
     shape = (x.grid[idx].shape[-1],)
-    return [(shape, acc)] * (int(has_w) + int(has_b))
+    return [(shape, acc)] * (int(grad_w) + int(grad_b))
 
 
 _layer_norm_op = Norm(center=True)

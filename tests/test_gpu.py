@@ -133,7 +133,10 @@ def test_fused_cuda_kernels_match_their_array_code(dtype):
                     fwd = nm._norm_fwd_cuda(x, *wb, eps=1e-5, **kw)
                     close(fwd, nm._norm_fwd_xp(x, *wb, eps=1e-5, **kw))
                     stats = list(fwd[1:])
-                    close(nm._norm_bwd_cuda(x, g, *stats, *wb, **kw), nm._norm_bwd_xp(x, g, *stats, *wb, **kw))
+                    for frozen in (False, True):  # a frozen weight and bias: dx alone
+                        bkw = dict(center=center, has_w=has_w, grad_w=has_w and not frozen, grad_b=has_b and not frozen)
+                        close(nm._norm_bwd_cuda(x, g, *stats, *wb[:int(has_w)], **bkw),
+                              nm._norm_bwd_xp(x, g, *stats, *wb[:int(has_w)], **bkw))
         for rows, cols in ((7, 300), (16, 40)):
             s = arr(4, rows, cols)
             s[0, 1, 3] = np.nan

@@ -444,6 +444,12 @@ def test_frozen_base_weights_get_no_weight_gradient_products(arch, targets):
     backward = _backward_nodes(loss, grads)
     products = {n.scope for n in backward if n.op == "matmul_tn"}
     assert products == {f"{name}:backward" for name in adapted}, products
+    # the frozen norms' backward makes dx and row sums alone: no (C,) partial weight or bias
+    # gradients, no sums of them
+    norms = [n for n in backward if n.kernel is not None and n.kernel.name.startswith("norm_")]
+    assert {n.kernel.name for n in norms} >= {"norm_bwd_stats", "norm_bwd_apply"}  # rows split over tiles
+    assert all(len(shape) > 1 for n in norms for shape, _ in n.out_meta), \
+        sorted({(n.kernel.name, shape) for n in norms for shape, _ in n.out_meta if len(shape) == 1})
     read_frozen = 0
     for name, layer in frozen.items():
         weight = {id(r.node) for r in layer.weight.grid.flat}

@@ -163,6 +163,49 @@ def test_norm_fused_kernel_counts(rng, center):
     assert _kernels(y1, *grads) == (2, {"norm_fwd", "norm_bwd"})
 
 
+@pytest.mark.parametrize("center", [True, False])
+@pytest.mark.parametrize("chunks", [(2, 3, None), (2, 3, 8)], ids=["whole-rows", "split-rows"])
+def test_a_frozen_weight_and_bias_get_no_partial_sums(rng, center, chunks):
+    """Issue 13 (a LoRA fine-tune's norms are frozen): with weight and bias that need no gradient,
+    the backward's kernels make dx alone (no partial dweight/dbias per row tile, no sums of them),
+    and dx equals torch autograd's; with the weight trainable and the bias frozen, dweight alone."""
+    xs, gs = _r(rng, 4, 6, 16), _r(rng, 4, 6, 16)
+    ws, bs = _r(rng, 16) + 1, _r(rng, 16)
+    for trainable in ((), ("weight",)):
+        x = tg.from_numpy(xs, chunks)
+        w = tg.nn.Parameter(ws, chunks[-1], requires_grad="weight" in trainable)
+        b = tg.nn.Parameter(bs, chunks[-1], requires_grad=False) if center else None
+        y = layer_norm(x, (16,), w, b) if center else rms_norm(x, w)
+        loss = (y * tg.from_numpy(gs, chunks)).sum()
+        inputs = [x] + ([w] if trainable else [])
+        grads = tg.grad(loss, inputs)
+        bwd = [n for n in _backward_kernels(loss, grads) if n.kernel.name.startswith("norm_")]
+        names = {n.kernel.name for n in bwd}
+        assert names <= {"norm_bwd", "norm_bwd_stats", "norm_bwd_apply", "norm_sum_groups"}, names
+        assert ("norm_sum_groups" in names) == (bool(trainable) or chunks[-1] is not None), names
+        outs = {n.kernel.name: len(n.out_meta) for n in bwd}
+        if chunks[-1] is None:  # the fused kernel: dx (and dweight's partial where asked)
+            assert outs["norm_bwd"] == 1 + bool(trainable), outs
+        else:  # row sums of the split rows (1 or 2), then the partials asked for
+            assert outs["norm_bwd_stats"] == 1 + center + bool(trainable), outs
+        xt = torch.tensor(xs, requires_grad=True)
+        wt = torch.tensor(ws, requires_grad=bool(trainable))
+        yt = F.layer_norm(xt, (16,), wt, torch.tensor(bs)) if center else _torch_rms_norm(xt, wt, 1e-6)
+        (yt * torch.tensor(gs)).sum().backward()
+        got = tg.compute(*grads)
+        np.testing.assert_allclose(got[0], xt.grad.numpy(), rtol=1e-9, atol=1e-10)
+        if trainable:
+            np.testing.assert_allclose(got[1], wt.grad.numpy(), rtol=1e-9, atol=1e-10)
+
+
+def _backward_kernels(loss, grads) -> list:
+    """The kernel calls computing ``grads`` that the forward of ``loss`` does not."""
+    from tilegraph._graph import topo_order
+
+    forward = {id(n) for n in topo_order(list(loss.grid.flat))}
+    return [n for n in topo_order([r for g in grads for r in g.grid.flat]) if not n.is_leaf and id(n) not in forward]
+
+
 def test_norm_split_rows_kernel_counts(rng):
     x = tg.from_numpy(_r(rng, 4, 12), (2, 4))  # 2 row groups of 3 tiles
     w = tg.from_numpy(_r(rng, 12), 4)
@@ -192,10 +235,13 @@ def test_fused_numba_kernels_match_the_array_api_ones(rng, dtype, center, affine
     wb = [_r(rng, 12, dtype=dtype) for _ in range(int(has_w) + int(has_b))]
     kw = dict(center=center, has_w=has_w, has_b=has_b)
     fwd = [_norm_fwd.impl(dev)(x, *wb, eps=1e-5, **kw) for dev in ("cpu", "gpu")]
-    bwd = [_norm_bwd.impl(dev)(x, g, *fwd[0][1:], *wb[:int(has_w)], **kw) for dev in ("cpu", "gpu")]
-    for a, b in zip(fwd[0] + _as_tuple(bwd[0]), fwd[1] + _as_tuple(bwd[1])):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        np.testing.assert_allclose(a, b, rtol=TOL[np.dtype(dtype)][0], atol=TOL[np.dtype(dtype)][1])
+    for frozen in (False, True):  # a frozen weight and bias: dx alone, the same
+        bkw = dict(center=center, has_w=has_w, grad_w=has_w and not frozen, grad_b=has_b and not frozen)
+        bwd = [_norm_bwd.impl(dev)(x, g, *fwd[0][1:], *wb[:int(has_w)], **bkw) for dev in ("cpu", "gpu")]
+        assert len(_as_tuple(bwd[0])) == 1 + (int(has_w) + int(has_b)) * (not frozen)
+        for a, b in zip(fwd[0] + _as_tuple(bwd[0]), fwd[1] + _as_tuple(bwd[1])):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_allclose(a, b, rtol=TOL[np.dtype(dtype)][0], atol=TOL[np.dtype(dtype)][1])
 
 
 def _as_tuple(v):
