@@ -1,5 +1,6 @@
 """The command line: `tilegraph train` from a TOML config (checkpoint, resume), bad configs, info."""
 
+import contextlib
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +34,29 @@ eval_batches = 2
 def _cli(*args, cwd):
     return subprocess.run([sys.executable, "-m", "tilegraph.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@contextlib.contextmanager
+def training(cwd, out: str, *args, records: int):
+    """``tilegraph train *args --out OUT --no-progress`` in a process group of its own (a signal
+    to the group reaches its workers too, as a terminal's Ctrl-C or Slurm's scancel does), its
+    output in OUT.out and OUT.err beside OUT; yields the process once OUT/metrics.jsonl holds
+    ``records`` records; killed with its group if it still runs at the end."""
+    out_file, err_file = Path(cwd) / f"{out}.out", Path(cwd) / f"{out}.err"
+    with open(out_file, "w") as o, open(err_file, "w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", *args, "--out", out, "--no-progress"],
+                                cwd=cwd, stdout=o, stderr=e, text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        metrics, deadline = Path(cwd) / out / "metrics.jsonl", time.time() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= records):
+            assert time.time() < deadline and proc.poll() is None, err_file.read_text()[-3000:]
+            time.sleep(0.2)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):

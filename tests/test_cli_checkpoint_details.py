@@ -17,14 +17,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from test_cli import SMALL, _cli  # the small job, and `python -m tilegraph.cli` in a subprocess
+from test_cli import SMALL, _cli, training  # the small job; `python -m tilegraph.cli` in a subprocess
 
 #: SMALL without the validation every 12 steps (the run below stops at a Ctrl-C, not at its budget)
 CONFIG = SMALL.replace("eval_every = 12", "eval_every = 0")
@@ -53,27 +51,14 @@ def test_a_single_ctrl_c_finishes_the_steps_under_way_and_checkpoints_the_step_r
     import tilegraph as tg
 
     (tmp_path / "small.toml").write_text(CONFIG)
-    out_file, err_file = tmp_path / "int.out", tmp_path / "int.err"
     # no periodic checkpoint (checkpoint_every = 0: only at the end): the one found is the Ctrl-C's
-    with open(out_file, "w") as out, open(err_file, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", "small.toml", "--out", "run",
-                                 "--steps", "100000", "--set", "output.checkpoint_every=0", "--no-progress"],
-                                cwd=tmp_path, stdout=out, stderr=err, text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):  # training has started
-            assert time.time() < deadline and proc.poll() is None, err_file.read_text()[-3000:]
-            time.sleep(0.2)
+    with training(tmp_path, "run", "small.toml", "--steps", "100000", "--set", "output.checkpoint_every=0",
+                  records=3) as proc:
         signalled = time.time()
         os.killpg(proc.pid, signal.SIGINT)  # one Ctrl-C, as a terminal sends it: to the whole process group
         proc.wait(timeout=120)
         took = time.time() - signalled
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out_file, err_file, metrics = tmp_path / "run.out", tmp_path / "run.err", tmp_path / "run" / "metrics.jsonl"
     stdout, err = out_file.read_text(), err_file.read_text()
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
     assert took < 120

@@ -17,14 +17,12 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from test_cli import SMALL, _cli  # the small job, and `python -m tilegraph.cli` in a subprocess
+from test_cli import SMALL, _cli, training  # the small job; `python -m tilegraph.cli` in a subprocess
 
 pytestmark = pytest.mark.distributed
 
@@ -372,27 +370,15 @@ def test_a_resumed_run_draws_the_batches_of_the_run_it_continues(root, capsys, m
 def test_a_second_ctrl_c_stops_at_once_in_one_line(root):
     import tilegraph as tg
 
-    out_file, err_file = root / "int.out", root / "int.err"
-    with open(out_file, "w") as out, open(err_file, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", "small.toml", "--out", "int",
-                                 "--steps", "100000", "--set", "output.checkpoint_every=5", "--no-progress"],
-                                cwd=root, stdout=out, stderr=err, text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        metrics = root / "int" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 12):  # a checkpoint is written
-            assert time.time() < deadline and proc.poll() is None, err_file.read_text()[-3000:]
-            time.sleep(0.2)
+    with training(root, "int", "small.toml", "--steps", "100000", "--set", "output.checkpoint_every=5",
+                  records=12) as proc:  # a checkpoint is written
+        err_file, deadline = root / "int.err", time.time() + 240
         os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: to the whole process group
         while "stopping after the steps under way" not in err_file.read_text():
             assert time.time() < deadline and proc.poll() is None, err_file.read_text()[-3000:]
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGINT)  # while it writes its checkpoint or closes the cluster
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     err = err_file.read_text()
     assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     m = re.search(r"^tilegraph train: stopped at once; last checkpoint: (int/checkpoints/step-\d{6}) \(continue with "
@@ -409,23 +395,10 @@ def test_a_sigterm_to_the_process_group_checkpoints_the_last_step(root):
     final checkpoint."""
     import tilegraph as tg
 
-    out_file, err_file = root / "term.out", root / "term.err"
-    with open(out_file, "w") as out, open(err_file, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", "small.toml", "--out", "term",
-                                 "--steps", "100000", "--no-progress"],
-                                cwd=root, stdout=out, stderr=err, text=True, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        metrics = root / "term" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 8):
-            assert time.time() < deadline and proc.poll() is None, err_file.read_text()[-3000:]
-            time.sleep(0.2)
+    with training(root, "term", "small.toml", "--steps", "100000", records=8) as proc:
         os.killpg(proc.pid, signal.SIGTERM)  # to every process of the group, the workers too
         proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out_file, err_file = root / "term.out", root / "term.err"
     stdout, err = out_file.read_text(), err_file.read_text()
     assert proc.returncode == 130 and "lost worker" not in err and "Traceback" not in err, err[-3000:]
     m = re.search(r"^stopped at step (\d+); checkpoint: (term/checkpoints/step-\d{6}) ", stdout, re.M)
