@@ -177,7 +177,7 @@ def graph_bytes(model, ids: np.ndarray, params) -> tuple[int, int]:
     kernels (``...:backward``, ``...:recompute``) read: what a step keeps from forward to backward.
     planned peak: the most bytes of computed values alive at once when the kernels run in the
     order of the plan (``tg.compile``: the scheduler's order), each freed after its last reader."""
-    from tilegraph._graph import topo_order
+    from tilegraph._graph import peak_live_bytes, topo_order
 
     loss = lm_loss(model, model.tiling.tile_ids(ids[:, :-1]), model.tiling.tile_ids(ids[:, 1:]))
     grads = tg.grad(loss, params)
@@ -190,21 +190,7 @@ def graph_bytes(model, ids: np.ndarray, params) -> tuple[int, int]:
             if not r.node.is_leaf and ":" not in r.node.scope:
                 read[(id(r.node), r.index)] = r.nbytes
     order = [n for c in tg.compile(roots, runtime=None).clusters for n in c.nodes]
-    last = {}
-    for k, n in enumerate(order):
-        for r in n.inputs:
-            last[(id(r.node), r.index)] = k
-    for r in roots:
-        last[(id(r.node), r.index)] = len(order)
-    freed: dict[int, list[int]] = {}
-    live = peak = 0
-    for k, n in enumerate(order):
-        for i, (shape, dtype) in enumerate(n.out_meta):
-            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            live += nbytes
-            freed.setdefault(last.get((id(n), i), k), []).append(nbytes)
-        peak = max(peak, live)
-        live -= sum(freed.pop(k, ()))
+    peak = peak_live_bytes(order, roots)
     return sum(read.values()), peak
 
 

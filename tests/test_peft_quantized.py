@@ -9,7 +9,7 @@ import pytest
 
 import tilegraph as tg
 from tilegraph import models, peft
-from tilegraph._graph import topo_order
+from tilegraph._graph import peak_live_bytes, topo_order
 
 from conftest import MODES, TOL, _close, tiles_for
 
@@ -126,6 +126,34 @@ def test_fine_tune_on_a_quantized_checkpoint_equals_dequantize_then_train(checkp
         "attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2"))))
     for name, value in trained.items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_the_dequantized_weights_are_never_all_resident_in_a_step(tmp_path):
+    """Issue 13 item 4: a LoRA step on an int4 base dequantizes each weight tile where it is used
+    and frees it after its last reader, so the dequantized weights are never all in memory at once.
+    Along the planned kernel order of one step's forward and backward (as tg.compile orders it;
+    the in-task runner frees a register after its last reader too), the most dequantized bytes
+    alive at once is a small part of all the dequantized weights."""
+    from tilegraph.models import ModelTiling
+
+    tiling = ModelTiling(feature=16, batch=1, seq=4)  # 2 x 2 tiles per attention weight, 2 x 8 per MLP one
+    path = tg.io.save_checkpoint(tmp_path / "int4", models.build("gpt2-debug", tiling, seed=0), quantize="int4")
+    base = peft.from_quantized(path, tiling)
+    weights = [m.weight for _, m, _ in peft._named_modules(base) if isinstance(m, peft.QuantizedLinear)]
+    total = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in weights)  # all of them dequantized
+    model = peft.apply_lora(base, ["attn.q", "attn.v", "mlp.fc1"], rank=4, alpha=8)
+    ids = _ids(model.config.vocab_size, 2)
+    loss = _lm_loss(model, ids[:, :-1], model.tiling.tile_ids(ids[:, 1:]))
+    params = peft.trainable_parameters(model)
+    grads = tg.grad(loss, params)
+    roots = [loss.grid.flat[0]] + [r for g in grads for r in g.grid.flat]
+    order = [n for c in tg.compile(roots, runtime=None).clusters for n in c.nodes]
+    dequant = [n for n in order if n.op == "dequantize"]
+    dequantized = {n.scope.split(":")[0] for n in dequant}  # the layers whose weight tiles are dequantized
+    assert len(weights) == len(dequantized) == 12  # every Linear of both blocks, adapted or not
+    peak = peak_live_bytes(order, roots, lambda n: n.op == "dequantize")
+    # measured: 16 KiB (one MLP weight's worth of tiles) of the 96 KiB dequantized
+    assert 0 < peak <= total // 4, (peak, total)
 
 
 def test_quantized_base_holds_a_fraction_of_the_float_bytes(checkpoints):

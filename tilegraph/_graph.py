@@ -17,7 +17,7 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -387,3 +387,27 @@ def topo_order(roots: list[TileRef]) -> list[Node]:
             if id(inp.node) not in seen:
                 stack.append((inp.node, False))
     return order
+
+
+def peak_live_bytes(order: Sequence[Node], roots: Sequence[TileRef] = (), select=None) -> int:
+    """The most bytes of kernel results alive at once when the kernels ``order`` run one after the
+    other, each result freed after its last reader (``roots``, the values asked for, stay to the
+    end); ``select(node)``: count only those nodes' results (default: every kernel's)."""
+    last: dict[tuple[int, int], int] = {}
+    for k, n in enumerate(order):
+        for r in n.inputs:
+            last[(id(r.node), r.index)] = k
+    for r in roots:
+        last[(id(r.node), r.index)] = len(order)
+    freed: dict[int, int] = {}
+    live = peak = 0
+    for k, n in enumerate(order):
+        if not n.is_leaf and (select is None or select(n)):
+            for i, (shape, dtype) in enumerate(n.out_meta):
+                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                live += nbytes
+                at = last.get((id(n), i), k)
+                freed[at] = freed.get(at, 0) + nbytes
+            peak = max(peak, live)
+        live -= freed.pop(k, 0)
+    return peak
