@@ -507,8 +507,7 @@ def read_chunk(root: str, name: str, idx, chunk_shape, dtype, sep: str = CHUNK_S
     chunk = decode_chunk(raw, chunk_shape, dtype)
     if chunk is None:
         want = int(np.prod(chunk_shape)) * dtype.itemsize
-        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}: {len(raw)} bytes, expected {want + 4}")
+        raise chunk_failed(where, name, key, memoryview(raw)[:want], raw[want:want + 4], len(raw), want + 4)
     return chunk
 
 
@@ -524,8 +523,19 @@ def read_whole_chunk(root: str, name: str, idx, out: np.ndarray, sep: str = CHUN
     except FileNotFoundError:
         raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
     if got != flat.nbytes + 4 or int.from_bytes(tail[:4], "little") != crc32c(flat):
-        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}: {got} bytes, expected {flat.nbytes + 4}")
+        raise chunk_failed(where, name, key, flat, tail[:4], got, flat.nbytes + 4)
+
+
+def chunk_failed(where: str, name: str, key: str, data, stored: bytes, got: int, want: int) -> CheckpointError:
+    """The error of chunk ``key`` of array ``name`` that failed its check: a file of the wrong
+    length (``got`` bytes, ``want`` expected: truncated or extended), or of the right one whose
+    bytes ``data`` do not give the CRC32C ``stored`` after them (corrupted)."""
+    if got != want:
+        return CheckpointError(where, f"array {name!r}: a chunk failed its checksum (truncated or extended: not "
+                               "the size its shape makes)", f"{key}: {got} bytes, expected {want}")
+    return CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted: its bytes do not give "
+                           "the CRC32C stored after them)",
+                           f"{key}: CRC32C {crc32c(data):08x} of its bytes, {int.from_bytes(stored, 'little'):08x} stored")
 
 
 def read_array_region(root: str, name: str, region, info: dict) -> np.ndarray:

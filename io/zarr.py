@@ -52,7 +52,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CheckpointError, STALE_OTHER_HOST_SECONDS, host_label, temp_name, temp_writer, untouched_for,
-                     process_alive, array_meta, file_in_the_way, chunk_key, chunk_path, chunks_of, group_meta, job_bytes,
+                     process_alive, array_meta, file_in_the_way, CHUNK_SEPARATOR, chunk_key, chunk_path, chunks_of,
+                     group_meta, job_bytes,
                      quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
                      slices, tile_label, unwritable_folder, user_path, write_failure, write_meta, write_parts_task,
                      write_shard_task, write_tiles, write_values)
@@ -65,6 +66,9 @@ FORMAT = "tilegraph-checkpoint"
 #: bumped when a reader of an older version could not read what a newer one writes. 2: chunk
 #: keys ``c.i.j`` (``_store.CHUNK_SEPARATOR``); 1 (still read): ``c/i/j``
 FORMAT_VERSION = 2
+
+#: the problems an error lists at most (then "... and N more")
+_SHOWN = 8
 ATTR = "tilegraph"
 #: characters a checkpoint array name may hold (parameter names are dotted paths)
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -258,8 +262,12 @@ class PendingSave:
                                       f"{path} exists")
             os.rename(tmp, path)
         except OSError as e:
+            began = tmp.exists()
             shutil.rmtree(tmp, ignore_errors=True)
-            raise write_failure(where, e, tmp if tmp.exists() or not path.parent.exists() else path.parent) from None
+            # where it failed: in the temporary folder once that was made, else the folder that could
+            # not be made (the OS names it) or the parent that refused the temporary folder
+            raise write_failure(where, e, tmp if began else (e.filename if e.filename and not path.parent.exists()
+                                                             else path.parent)) from None
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if _is_os_error(e):  # a worker's OSError arrives re-raised (disk full, read-only, ...)
@@ -627,6 +635,21 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
     writer computed from the values in memory, so a chunk that the disk or the page cache
     garbles after it was written is caught there, naming the chunk. Re-reading 1.5 GB right after
     writing it would only read the page cache, which holds what was written."""
+    missing, wrong = chunk_file_problems(tmp, attrs)
+    if missing:
+        shared = (" (the workers wrote them to a disk this process does not see? the checkpoint folder must be "
+                  "on a file system that every worker and this process share)") if remote else ""
+        raise CheckpointError(where, f"every chunk written; {len(missing)} missing{shared}", ", ".join(missing[:6]))
+    if wrong:
+        raise CheckpointError(where, f"every chunk written whole; {len(wrong)} of the wrong size (a short or "
+                              "failed write)", ", ".join(wrong[:6]))
+
+
+def chunk_file_problems(folder: Path, attrs: dict) -> tuple[list[str], list[str]]:
+    """``(missing, wrong)``: the chunk files (shards, quantized tiles' metadata) of the arrays
+    ``attrs`` lists that are not in ``folder``, and those whose size is not the one their chunks
+    make (``"key: N bytes, expected M"``); one ``stat`` per file, no data read."""
+    tmp = Path(folder)
     missing, wrong = [], []
     for apath, info in attrs["arrays"].items():
         grid = [len(c) for c in info["tiles"]]
@@ -644,9 +667,10 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
                 else:  # the inner chunks inside the array, then the index of every slot and its CRC32C
                     present = np.prod([max(0, min(p, k - i * p)) for i, p, k in zip(idx, per, inner)])
                     size = int(present) * chunk_bytes + 16 * int(np.prod(per)) + 4
-                key = f"{apath}/{chunk_key(idx)}"
+                sep = info.get("separator", CHUNK_SEPARATOR)  # format 1: c/i/j
+                key = f"{apath}/{chunk_key(idx, sep)}"
                 try:
-                    got = os.stat(chunk_path(str(tmp), apath, idx)).st_size
+                    got = os.stat(chunk_path(str(tmp), apath, idx, sep)).st_size
                 except FileNotFoundError:
                     missing.append(key)
                     continue
@@ -655,13 +679,7 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
         else:
             missing += [f"{apath}/{tile_label(i)}" for i in np.ndindex(*grid)
                         if not (tmp / apath / tile_label(i) / "zarr.json").is_file()]
-    if missing:
-        shared = (" (the workers wrote them to a disk this process does not see? the checkpoint folder must be "
-                  "on a file system that every worker and this process share)") if remote else ""
-        raise CheckpointError(where, f"every chunk written; {len(missing)} missing{shared}", ", ".join(missing[:6]))
-    if wrong:
-        raise CheckpointError(where, f"every chunk written whole; {len(wrong)} of the wrong size (a short or "
-                              "failed write)", ", ".join(wrong[:6]))
+    return missing, wrong
 
 
 def _fsync(path: Path) -> None:
@@ -815,6 +833,21 @@ class Checkpoint:
             raise CheckpointError(self._where, "an array the checkpoint holds", f"{apath!r} is not in it")
         return info
 
+    def check(self, read: bool = False) -> list[str]:
+        """What is wrong with the stored arrays, one line each (empty: nothing found): chunk files
+        missing or of the wrong size (one ``stat`` per file); with ``read``, every array read here
+        too, each chunk against its CRC32C (as loads check them; a checkpoint's size in bytes to
+        read)."""
+        missing, wrong = chunk_file_problems(self.path, {"arrays": self.arrays})
+        problems = [f"missing: {k}" for k in missing] + [f"wrong size: {k}" for k in wrong]
+        if read and not problems:
+            for apath in self.arrays:
+                try:
+                    self.array(apath)
+                except CheckpointError as e:
+                    problems.append(f"{e.what}: {e.received}")
+        return problems
+
     def array(self, name: str) -> np.ndarray:
         """One stored array (``"model/<param>"``, ``"optimizer/<param>/<state>"``, or a parameter
         name), read to the client and dequantized."""
@@ -924,8 +957,27 @@ class Checkpoint:
         pairs = [(f"model/{n}", q) for n, q in held.items() if n in stored] if quantized else []
         problems += self._quantized_problems(pairs)
         if problems:
-            raise CheckpointError(self._where, "the checkpoint's arrays to match the model", "; ".join(problems))
+            differ = self._config_differences(model)
+            shown = "; ".join(problems[:_SHOWN]) + (f"; ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN
+                                                    else "")
+            raise CheckpointError(self._where, "the checkpoint's arrays to match the model" + (
+                f" (the checkpoint holds another model: its config has {differ}; load_checkpoint(...).model builds "
+                "its own)" if differ else ""), f"{len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}")
         return [(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored], pairs
+
+    def _config_differences(self, model) -> str:
+        """How the stored model config differs from ``model``'s ("dim 32, the model's 64; ..."),
+        or "" where they agree or either has none."""
+        stored = (self.info.get("model") or {}).get("config")
+        config = getattr(model, "config", None)
+        if not isinstance(stored, dict) or not dataclasses.is_dataclass(config):
+            return ""
+        mine = dataclasses.asdict(config)
+        keys = [k for k in stored if k in mine and stored[k] != mine[k]]
+        if (self.info.get("model") or {}).get("architecture") not in (None, getattr(model, "arch", None)):
+            keys.insert(0, "architecture")
+            stored, mine = dict(stored, architecture=self.info["model"]["architecture"]), dict(mine, architecture=model.arch)
+        return "; ".join(f"{k} {stored[k]!r}, the model's {mine[k]!r}" for k in keys[:_SHOWN])
 
     def _quantized_problems(self, pairs) -> list[str]:
         """How the stored arrays differ from the quantized weights they go into (read from the
@@ -1026,8 +1078,13 @@ class Checkpoint:
                     problems.append(f"shape of {apath}: {tuple(self.arrays[apath]['shape'])}, expected {p.shape}")
                 else:
                     pairs.append((apath, p, grid))
+        problems = list(dict.fromkeys(problems))  # parameters of one name ("weight") miss the same array
         if problems:
-            raise CheckpointError(self._where, "optimizer state for every parameter", "; ".join(problems[:8]))
+            hint = (" (the parameters are named by their own names, as no model was given: pass the model, "
+                    "restore_optimizer(optimizer, model), to name them as the checkpoint does)") if model is None else ""
+            raise CheckpointError(self._where, "optimizer state for every parameter" + hint,
+                                  "; ".join(problems[:_SHOWN]) + (f"; ... and {len(problems) - _SHOWN} more"
+                                                                  if len(problems) > _SHOWN else ""))
         if schedule:  # the restored schedule drives each group at its multiple of the schedule's rate
             hyper = info.get("hyper") or {}
             saved = hyper.get("param_options")

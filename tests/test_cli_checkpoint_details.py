@@ -157,3 +157,32 @@ def test_the_tokenizer_files_are_in_the_temporary_folder_when_it_is_verified_and
     for folder in (tmp_path / "ck" / "step-000004", final):
         assert not missing(folder)
         assert tg.io.load_checkpoint(folder).step == 4
+
+
+def test_info_says_when_a_checkpoint_is_damaged_and_verify_reads_every_chunk(tmp_path):
+    """tilegraph info checks that every chunk file is there with its size (a stat each) and exits 1
+    naming what is wrong; --verify also reads every chunk against its CRC32C, which finds a flipped
+    bit in a file of the right size. An intact checkpoint passes both."""
+    import tilegraph as tg
+    from tilegraph import models
+
+    path = tg.io.save_checkpoint(tmp_path / "ck", models.build("gpt2-debug", seed=0), step=1)
+    for extra in ((), ("--verify",)):
+        run = _cli("info", str(path), *extra, cwd=tmp_path)
+        assert run.returncode == 0 and run.stdout.splitlines()[-1].startswith("chunks: every chunk "), run.stderr
+    chunk = path / "model" / "wte.weight" / "c.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 1
+    chunk.write_bytes(bytes(data))
+    run = _cli("info", str(path), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr  # the sizes are right: only reading finds it
+    run = _cli("info", str(path), "--verify", cwd=tmp_path)
+    assert run.returncode == 1 and "DAMAGED: 1 problem" in run.stderr, run.stderr
+    assert re.search(r"array 'model/wte.weight': a chunk failed its checksum \(corrupted.*c\.0\.0: CRC32C [0-9a-f]{8} of "
+                     r"its bytes, [0-9a-f]{8} stored", run.stderr), run.stderr
+    short = path / "model" / "wpe.weight" / "c.0.0"
+    short.write_bytes(short.read_bytes()[:100])
+    run = _cli("info", str(path), cwd=tmp_path)
+    assert run.returncode == 1 and "wrong size: model/wpe.weight/c.0.0: 100 bytes, expected " in run.stderr, run.stderr
+    assert tg.io.load_checkpoint(path).check() == [f"wrong size: model/wpe.weight/c.0.0: 100 bytes, expected "
+                                                   f"{32 * 32 * 4 + 4}"]

@@ -301,8 +301,14 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
             _corrupt(chunk)
         else:
             chunk.write_bytes(chunk.read_bytes()[:-9])
-        with pytest.raises(tz.CheckpointError, match=r"'model/wte.weight': a chunk failed its checksum"):
+        with pytest.raises(tz.CheckpointError, match=r"'model/wte.weight': a chunk failed its checksum") as e:
             tg.models.from_zarr(bad)
+        if how == "flip":  # the right size: the checksums differ, both given
+            assert re.search(r"\(corrupted: .*received: c\.0\.0: CRC32C [0-9a-f]{8} of its bytes, [0-9a-f]{8} stored$",
+                             str(e.value)), str(e.value)
+        else:
+            assert re.search(r"\(truncated or extended: .*received: c\.0\.0: \d+ bytes, expected \d+$",
+                             str(e.value)), str(e.value)
     # an array gone, a format from the future
     missing = tmp_path / "missing"
     shutil.copytree(good, missing)
@@ -319,9 +325,12 @@ def test_bad_checkpoints_give_one_clear_error(tmp_path):
     # a model that does not match: every problem at once, nothing changed
     other = models.build(models.GPT2Config(vocab_size=96, max_seq_len=32, dim=32, n_layers=3, n_heads=4), seed=9)
     before = _state(other)
-    with pytest.raises(tz.CheckpointError, match=r"missing: blocks.2.attn.q.weight"):
+    with pytest.raises(tz.CheckpointError, match=r"missing: blocks.2.attn.q.weight") as e:
         tg.io.load_checkpoint(good).load_into(other)
     _assert_same(_state(other), before)
+    # it says first how the stored model differs, and lists at most 8 of the arrays' differences
+    assert "(the checkpoint holds another model: its config has n_layers 2, the model's 3;" in str(e.value)
+    assert re.search(r"received: (\d+) differences: (?:[^;]+; ){8}\.\.\. and \d+ more$", str(e.value)), str(e.value)
     # metadata that would need pickle
     with pytest.raises(tz.CheckpointError, match="JSON-serialisable"):
         tg.io.save_checkpoint(tmp_path / "meta", model, metadata={"f": object()})

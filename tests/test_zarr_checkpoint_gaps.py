@@ -219,3 +219,22 @@ def test_a_save_into_a_read_only_place_names_the_path(tmp_path):
             tg.io.save_checkpoint(target, model)
         assert info.value.__cause__ is None and info.value.received == os.path.dirname(target)  # no raw OSError
         assert not os.path.exists(target)
+        # a folder to make under it: that folder is named (before: a temporary folder that never was)
+        nested = f"{os.path.dirname(target)}/deeper/ck"
+        with pytest.raises(tz.CheckpointError, match=r"could not write the checkpoint") as info:
+            tg.io.save_checkpoint(nested, model)
+        assert info.value.received == os.path.dirname(nested) and not os.path.exists(os.path.dirname(nested))
+
+
+def test_restoring_an_optimizer_without_its_model_says_to_pass_the_model(tmp_path):
+    """Without the model, the optimizer's parameters go by their own names ("weight", "bias"),
+    which the checkpoint does not use: the error says to pass the model, each missing array once."""
+    model = models.build("gpt2-debug", seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = tg.io.load_checkpoint(tg.io.save_checkpoint(tmp_path / "ck", model, opt))
+    with pytest.raises(tz.CheckpointError, match=r"pass the model, restore_optimizer\(optimizer, model\)") as e:
+        ck.restore_optimizer(opt)
+    listed = e.value.received.split("; ")
+    assert len(listed) == len(set(listed)) and "missing: optimizer/weight/exp_avg" in listed, e.value.received
+    ck.restore_optimizer(opt, model)  # with it: restored
+    assert opt.step_count == ck.optimizer_info["step_count"]

@@ -142,6 +142,9 @@ def _run(argv) -> int:
     info = sub.add_parser("info", help="versions, devices and the model flavors; or a checkpoint's arrays, sizes, "
                                        "quantization and metadata")
     info.add_argument("checkpoint", nargs="?", default=None, help="a Zarr checkpoint folder to describe")
+    info.add_argument("--verify", action="store_true",
+                      help="also read every chunk and check it against its CRC32C (without it: every chunk file is "
+                           "checked to be there with its size, no data read)")
     info.set_defaults(func=cmd_info)
     conv = sub.add_parser("convert", help="convert between a Hugging Face folder and a Zarr checkpoint (both ways)")
     conv.add_argument("src", help="a Hugging Face folder (config.json) or a Zarr checkpoint")

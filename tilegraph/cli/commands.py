@@ -323,7 +323,9 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _print_checkpoint(folder: Path) -> None:
+def _print_checkpoint(folder: Path, verify: bool = False) -> int:
+    """Describe the checkpoint ``folder``; returns the exit status: 1 where its files are damaged
+    (a chunk file missing or of the wrong size; with ``verify``, a chunk failing its CRC32C)."""
     from tilegraph._errors import TileError
     from tilegraph.cli.runs import check_checkpoint_folder
     from tilegraph.io.zarr import load_checkpoint
@@ -368,6 +370,17 @@ def _print_checkpoint(folder: Path) -> None:
         size = _size(folder / name)
         print(f"  {name:48} {'x'.join(map(str, a['shape'])):>14} {how:>9} {size / 1e6:9.3f} MB  tiles "
               f"{'x'.join(str(len(c)) for c in a['tiles'])}")
+    problems = ck.check(read=verify)
+    if problems:
+        print(f"DAMAGED: {len(problems)} problem{'s' if len(problems) > 1 else ''} (loading it fails):", file=sys.stderr)
+        for line in problems[:20]:
+            print(f"  {line}", file=sys.stderr)
+        if len(problems) > 20:
+            print(f"  ... and {len(problems) - 20} more", file=sys.stderr)
+        return 1
+    print("chunks: every chunk " + ("read, each matching its CRC32C" if verify else
+                                    "file there, of its size (--verify reads them against their CRC32C)"))
+    return 0
 
 
 def _print_sketch(folder: Path, ck) -> None:
@@ -413,8 +426,11 @@ def _data_lines(folder: Path) -> list[str]:
 
 def cmd_info(args) -> int:
     if args.checkpoint:
-        _print_checkpoint(Path(args.checkpoint))
-        return 0
+        return _print_checkpoint(Path(args.checkpoint), verify=args.verify)
+    if args.verify:
+        from tilegraph._errors import TileError
+
+        raise TileError("tilegraph info", "--verify with a checkpoint folder to verify", "no CHECKPOINT")
     import dask
     import distributed
     import numba
