@@ -429,3 +429,19 @@ def test_empty_dims_and_rope_bases():
     for base in (0, -1.0, float("nan"), float("inf"), "1e4", True):
         with pytest.raises(tg.TileError, match=r"\[tilegraph.rope\] base must be a finite number > 0"):
             tg.rope(x, base=base)
+
+
+@pytest.mark.distributed
+def test_a_gpu_worker_without_cupy_says_what_to_install():
+    """A worker given a GPU resource on a machine without CuPy (the GPU extra not installed): the
+    first GPU kernel's task fails with one error saying what is missing and what to do, not a bare
+    ModuleNotFoundError from inside the worker."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    x = tg.from_numpy(np.ones((4, 4)))
+    with tg.connect(n_workers=1, gpu=1, threads_per_worker=1, dashboard=False, quiet=True) as rt:
+        with pytest.raises(tg.TileError, match=r"CuPy on every worker with a GPU resource \(pip install "
+                           r"'tilegraph\[gpu\]'.*received: ModuleNotFoundError: No module named 'cupy'"):
+            tg.compute(x @ x, placement="gpu", runtime=rt)

@@ -102,8 +102,13 @@ class Bound:
 
 def _to_device(x, device: str, array_module: str):
     if device == "gpu" and array_module == "cupy":
-        import cupy
-
+        try:
+            import cupy
+        except ImportError as e:  # a worker given {"GPU": 1} without the GPU extra: say so, not a bare import error
+            raise TileError(f"tilegraph: GPU kernels on worker process {os.getpid()}",
+                            "CuPy on every worker with a GPU resource (pip install 'tilegraph[gpu]'; or give that "
+                            "worker no GPU resource; tg.config.gpu_array_module = 'numpy' emulates GPU workers on "
+                            "NumPy)", f"{type(e).__name__}: {e}") from None
         return cupy.asarray(x)
     if type(x).__module__.startswith("cupy"):
         return x.get()
