@@ -633,10 +633,14 @@ class Executable:
             by_worker: dict[str | None, dict[str, Program]] = {}
             for c, p, name in zip(self.clusters, self.plans, names):
                 by_worker.setdefault(self.worker_of.get(c.id), {})[name] = p.prog
+            from tilegraph.runtime import no_worker_alive_error
+
             futures = {}
             for addr, progs in by_worker.items():
                 where = {"broadcast": True} if addr is None else {"workers": [addr]}
-                futures.update(runtime.client.scatter(progs, **where))
+                with no_worker_alive_error("tilegraph.Executable", "the step's programs",
+                                           getattr(runtime, "address", None)):
+                    futures.update(runtime.client.scatter(progs, **where))
             cached = self._program_futures = (runtime, [futures[name] for name in names])
         return cached[1]
 

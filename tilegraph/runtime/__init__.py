@@ -18,8 +18,9 @@ from typing import Any, Mapping, Sequence
 from tilegraph import _config
 from tilegraph._config import number_check, require_arg
 from tilegraph._errors import TileError
-from tilegraph.runtime.connection import (_client_security, _embedded_security, _probe_scheduler,
-                                          _read_scheduler_file, _refuse_unguarded_script, _tls_files)
+from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_security, _embedded_security,  # noqa: F401
+                                          _probe_scheduler, _read_scheduler_file, _refuse_unguarded_script,
+                                          _tls_files)
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK_CONFIG, _check_worker_versions,
                                             _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
                                             _unchain_plugin, scheduler_send_intervals, set_send_interval,
@@ -130,7 +131,9 @@ class Runtime:
         #: and what a health check compares the live workers with
         self.last_workers = Workers.of({})
         try:
-            _check_worker_versions(client)
+            #: the workers whose tilegraph version was checked (each once: :meth:`snapshot` checks
+            #: those that join later)
+            self._version_checked: set[str] = _check_worker_versions(client)
         except BaseException:  # nothing half-connected is left behind
             client.close()
             if cluster is not None:
@@ -257,7 +260,10 @@ class Runtime:
         A cluster without a worker has nothing to plan for: its tasks would wait for one without
         end, and the parameters' upload fails with Dask's "No valid workers found". The snapshot
         waits up to ``wait`` seconds (None: :data:`WORKERS_WAIT_SECONDS`; 0: not at all) for a
-        first worker, then raises a TileError naming the scheduler."""
+        first worker, then raises a TileError naming the scheduler.
+
+        A worker seen for the first time (one that joined after ``connect``) must run this
+        client's tilegraph, as at ``connect``; another version's is a TileError."""
         info = self._workers("tilegraph.Runtime")
         wait = WORKERS_WAIT_SECONDS if wait is None else wait
         if not info and wait:
@@ -270,6 +276,9 @@ class Runtime:
                                 f"the scheduler at {self.address} had no worker for "
                                 f"{wait:g} s") from None
             info = self._workers("tilegraph.Runtime")
+        new = [addr for addr in info if addr not in self._version_checked]
+        if new:  # joined after connect (a worker started by hand, a batch job's): checked as there
+            self._version_checked |= _check_worker_versions(self.client, new, "tilegraph.Runtime", late=True)
         self.last_workers = Workers.of(info)
         return self.last_workers
 
@@ -363,7 +372,10 @@ class Runtime:
         done: dict[int, ValueRef] = {}
 
         def send(batch: list, w: str | None) -> None:
-            futures = self.client.scatter([c.value for c in batch], hash=False, workers=None if w is None else [w])
+            with no_worker_alive_error("tilegraph.Runtime.scatter_cells", "the values sent to the workers (parameters, "
+                                       "a batch)", self.address):
+                futures = self.client.scatter([c.value for c in batch], hash=False,
+                                              workers=None if w is None else [w])
             for c, f in zip(batch, futures):
                 if id(c) in copies:
                     copies[id(c)].append((w, ValueRef(f, None)))
@@ -480,6 +492,24 @@ class Runtime:
         self.close()
 
 
+@contextlib.contextmanager
+def no_worker_alive_error(where: str, what: str, address: str | None = None):
+    """Turn Dask's ``TimeoutError("No valid workers found")`` raised in the block (a scatter: Dask
+    waits for a running worker to take the values, then gives up) into a TileError naming
+    ``where`` and ``what`` was being sent, the original as its ``__cause__``. With a
+    ``quiet=True`` cluster the workers' logs, which say why they are gone, are not shown."""
+    try:
+        yield
+    except TimeoutError as e:
+        if "No valid workers found" not in str(e):
+            raise
+        at = f" of the scheduler at {address}" if address else ""
+        raise TileError(where, f"a worker{at} alive and running to take {what}: none is. The workers died, keep "
+                        "restarting or are paused (killed by their nanny for exceeding their memory limit, say: "
+                        "give them more memory, tg.connect(memory_limit=...), and see the workers' log)",
+                        f"{type(e).__name__}: {e}") from e
+
+
 #: how long ``connect(mpi=True)`` waits for every worker rank to join the scheduler
 MPI_WORKERS_WAIT_SECONDS = 120.0
 
@@ -582,6 +612,46 @@ def _memory_settings(memory_limit, threads: int, cores: int) -> dict:
             max(0.1, target - WORKER_BASE_BYTES / limit - config.task_memory_fraction)}
 
 
+#: the smallest memory limit a worker process runs under (bytes): a worker process took 125 MiB
+#: (resident) idle and 187 MiB after its first training step (tilegraph's executor loaded), and
+#: Dask pauses a worker at 80% of its limit and its nanny kills it at 95%. Measured on one worker
+#: training a small MLP: under 1-180 MiB the nanny killed and restarted the worker every second
+#: (the step ended in Dask's "No valid workers found" after 32 s); under 200 and 225 MiB it stayed
+#: paused; under 250 MiB it trained.
+MIN_WORKER_MEMORY_BYTES = 256 << 20
+
+
+def _check_worker_memory(where: str, memory_limit, threads: int, cores: int, workers: int | None = None) -> None:
+    """Refuse a per-worker memory limit (``connect``'s ``memory_limit`` as Dask reads it for a
+    worker of ``threads`` threads on ``cores`` cores) under :data:`MIN_WORKER_MEMORY_BYTES`,
+    before any worker starts: under it a worker never runs a task (it is killed and restarted,
+    or paused, over and over) and the first upload failed after half a minute with Dask's "No
+    valid workers found". No limit (None, 0) passes; so does a value Dask cannot read (checked
+    before, by :func:`_memory_limit_ok`)."""
+    from dask.utils import format_bytes
+    from distributed.worker_memory import parse_memory_limit
+
+    quiet = logging.getLogger(f"{__name__}.memory_check")  # Dask's own warnings come when the workers start
+    quiet.propagate, quiet.disabled = False, True
+    try:
+        limit = parse_memory_limit(memory_limit, threads, total_cores=cores, logger=quiet)
+    except (ValueError, TypeError):
+        return
+    if not limit or limit >= MIN_WORKER_MEMORY_BYTES:
+        return
+    if memory_limit == "auto":
+        given = (f"memory_limit='auto': {format_bytes(limit)} for each worker of {_plural(threads, 'thread')} "
+                 f"(the machine's memory in the share of its {_plural(cores, 'core')}"
+                 f"{f' that each of the {workers} workers has' if workers else ''})")
+        fix = "fewer workers (n_workers), or more threads per worker"
+    else:
+        given = f"memory_limit={memory_limit!r}: {format_bytes(limit)} per worker"
+        fix = "a larger memory_limit (or None: no limit)"
+    raise TileError(where, f"a memory limit of at least {MIN_WORKER_MEMORY_BYTES >> 20} MiB per worker: "
+                    "what a worker process itself takes, with room for a task (under less, Dask kills and "
+                    f"restarts the worker, or pauses it, over and over, and no task ever runs); give {fix}", given)
+
+
 #: the embedded cluster's default: a worker process per this many cores (:func:`default_workers`)
 CORES_PER_WORKER = 4
 
@@ -622,25 +692,8 @@ def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit, quiet: bo
 
 
 # -- the arguments of connect ------------------------------------------------------------------
-_ADDRESS = 'a scheduler address: "tcp://HOST:PORT", "tls://HOST:PORT" or "HOST:PORT"'
 _MEMORY_LIMIT = ('"auto", None or 0 (no limit), a fraction of the memory (0 < x <= 1), a number of bytes, '
                  'or a size such as "4GiB"')
-
-
-def _address_ok(address) -> bool:
-    """Whether Dask reads ``address`` as an address: a known scheme, and for tcp:// and tls:// a
-    host and a port (only the form: nothing is dialled)."""
-    from distributed.comm import parse_address, parse_host_port
-    from distributed.comm.registry import get_backend
-
-    if not isinstance(address, str):
-        return False
-    try:
-        scheme, loc = parse_address(address)
-        get_backend(scheme)
-        return scheme not in ("tcp", "tls") or 0 < parse_host_port(loc)[1] < 65536
-    except ValueError:
-        return False
 
 
 def _memory_limit_ok(limit) -> bool:
@@ -760,6 +813,11 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     if security is not None and (tls_files or tls):
         raise TileError(where, "give security= or the TLS files (tls_ca_file, tls_cert, tls_key), not both",
                         f"security={security!r}, tls={tls!r}, tls_cert={tls_cert!r}")
+    if mpi and rank_problem is None and memory_limit != "auto":
+        try:  # a limit given is each worker rank's, whatever its threads ("auto": decided on the ranks)
+            _check_worker_memory(f"{where}(mpi=True)", memory_limit, 1, 1)
+        except TileError as e:  # every rank finds it (or, for a share of the memory, the ranks on a small node)
+            rank_problem = e
     if mpi:
         from tilegraph.runtime.mpi import initialize_mpi
 
@@ -809,6 +867,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         raise TileError(where, "need n_workers >= 1 and gpu <= n_workers", f"n_workers={n_workers}, gpu={gpu}")
     if threads_per_worker is None:
         threads_per_worker = max(1, ncpu // n_workers)
+    _check_worker_memory(where, memory_limit, threads_per_worker, ncpu, n_workers)
     security = _embedded_security(where, security, tls, tls_files)
     scheduler_opts = {"host": LOCALHOST, "dashboard": dashboard, "dashboard_address": f"{LOCALHOST}:0"}
     if security is not None:

@@ -216,6 +216,43 @@ _HTTP_CHECK_AFTER = 0.5
 _HTTP_PROBE = b"GET /\n\n"
 
 
+#: the forms of a scheduler address (connect's ``address``, a scheduler file's ``"address"``)
+_ADDRESS = 'a scheduler address: "tcp://HOST:PORT", "tls://HOST:PORT" or "HOST:PORT"'
+
+
+def _address_ok(address) -> bool:
+    """Whether Dask reads ``address`` as an address: a known scheme, and for tcp:// and tls:// a
+    host and a port (only the form: nothing is dialled)."""
+    from distributed.comm import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    if not isinstance(address, str):
+        return False
+    try:
+        scheme, loc = parse_address(address)
+        get_backend(scheme)
+        return scheme not in ("tcp", "tls") or 0 < parse_host_port(loc)[1] < 65536
+    except ValueError:
+        return False
+
+
+def _address_problem(address) -> str | None:
+    """What is wrong with a scheduler file's ``"address"`` value (None: nothing)."""
+    if address is None:
+        return "\"address\" is null, not a string"
+    if not isinstance(address, str):
+        return f"\"address\" is {_a(type(address).__name__)} ({address!r:.80}), not a string"
+    if not address:
+        return "\"address\" is empty"
+    if not _address_ok(address):
+        return f"\"address\" {address!r:.200} is no Dask address (a scheme Dask knows, and for tcp:// and tls:// a port)"
+    return None
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def _read_scheduler_file(where: str, path, timeout: float) -> str:
     """The scheduler address in a scheduler file. A file that is being written (dask writes it
     in place) is read again for up to 2 s before its content counts as wrong.
@@ -244,10 +281,14 @@ def _read_scheduler_file(where: str, path, timeout: float) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise TileError(where, "a readable scheduler file", f"{path!r} ({e})") from None
         if problem is None:
-            address = info.get("address")
-            if isinstance(address, str) and address:
-                return address
-            problem = f"no \"address\" (keys: {', '.join(map(str, info)) or 'none'})"
+            if "address" not in info:
+                problem = f"no \"address\" (keys: {', '.join(map(str, info)) or 'none'})"
+            else:  # a whole JSON object (a file being written is no valid JSON yet): wrong for good
+                problem = _address_problem(info["address"])
+                if problem is None:
+                    return info["address"]
+                raise TileError(where, f"a scheduler file whose \"address\" is {_ADDRESS} (what `dask scheduler "
+                                "--scheduler-file` and dask-mpi write)", f"{path!r}: {problem}")
         if time.monotonic() >= deadline:
             raise TileError(where, "a scheduler file: a JSON object with the scheduler's \"address\" (what "
                             "`dask scheduler --scheduler-file` and dask-mpi write)", f"{path!r}: {problem}")

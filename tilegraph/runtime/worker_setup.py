@@ -22,19 +22,32 @@ def _worker_version() -> str | None:
         return None
 
 
-def _check_worker_versions(client) -> None:
+def _check_worker_versions(client, workers=None, where: str = "tilegraph.connect", late: bool = False) -> set[str]:
     """Workers must run the client's tilegraph: tasks carry programs of kernel names and
-    parameters that another version may read differently, or not at all."""
+    parameters that another version may read differently, or not at all. Asks ``workers``
+    (default: all; one ``client.run``) and returns those that answered with this version; a
+    worker that does not answer (it left meanwhile) is neither refused nor returned. ``late``:
+    they joined after ``connect`` (said in the error)."""
     import tilegraph
 
     try:
-        versions = client.run(_worker_version)
+        versions = client.run(_worker_version, workers=None if workers is None else list(workers), on_error="return")
     except ImportError as e:  # a worker that cannot even unpickle the check
-        raise TileError("tilegraph.connect", "workers with tilegraph installed", f"a worker raised {e!r}") from None
-    wrong = {addr: v for addr, v in versions.items() if v != tilegraph.__version__}
+        raise TileError(where, "workers with tilegraph installed", f"a worker raised {e!r}") from None
+    # a worker that could not be reached (OSError: it left after the scheduler listed it) is not
+    # checked now; one that could not run the check (no tilegraph, another one's modules) is refused
+    failed = {addr: v for addr, v in versions.items() if isinstance(v, BaseException) and not isinstance(v, OSError)}
+    for addr, e in sorted(failed.items()):
+        if isinstance(e, ImportError):
+            raise TileError(where, "workers with tilegraph installed", f"worker {addr} raised {e!r}")
+    answered = {addr: v for addr, v in versions.items() if not isinstance(v, BaseException)}
+    wrong = {addr: f"{'not installed' if v is None else v}" for addr, v in answered.items() if v != tilegraph.__version__}
+    wrong.update({addr: f"the version check failed ({type(e).__name__}: {e})" for addr, e in failed.items()})
     if wrong:
-        raise TileError("tilegraph.connect", f"every worker running tilegraph {tilegraph.__version__} (this client's)",
-                        ", ".join(f"{addr}: {'not installed' if v is None else v}" for addr, v in sorted(wrong.items())))
+        joined = " (joined after connect)" if late else ""
+        raise TileError(where, f"every worker running tilegraph {tilegraph.__version__} (this client's)",
+                        ", ".join(f"{addr}: {v}{joined}" for addr, v in sorted(wrong.items())))
+    return set(answered)
 
 
 def _tune_malloc(memory_limit: float | None = None) -> bool:
