@@ -66,12 +66,19 @@ FORMAT = "tilegraph-checkpoint"
 #: bumped when a reader of an older version could not read what a newer one writes. 2: chunk
 #: keys ``c.i.j`` (``_store.CHUNK_SEPARATOR``); 1 (still read): ``c/i/j``
 FORMAT_VERSION = 2
-
-#: the problems an error lists at most (then "... and N more")
-_SHOWN = 8
 ATTR = "tilegraph"
 #: characters a checkpoint array name may hold (parameter names are dotted paths)
 _NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+#: the problems an error lists at most (then "... and N more")
+_SHOWN = 8
+
+
+def _listed(problems: list[str]) -> str:
+    """``problems`` joined with "; ", at most :data:`_SHOWN` of them, then how many more."""
+    more = len(problems) - _SHOWN
+    return "; ".join(problems[:_SHOWN]) + (f"; ... and {more} more" if more > 0 else "")
 
 
 def _check_name(name: str, where: str) -> None:
@@ -649,7 +656,7 @@ def chunk_file_problems(folder: Path, attrs: dict) -> tuple[list[str], list[str]
     """``(missing, wrong)``: the chunk files (shards, quantized tiles' metadata) of the arrays
     ``attrs`` lists that are not in ``folder``, and those whose size is not the one their chunks
     make (``"key: N bytes, expected M"``); one ``stat`` per file, no data read."""
-    tmp = Path(folder)
+    root = Path(folder)
     missing, wrong = [], []
     for apath, info in attrs["arrays"].items():
         grid = [len(c) for c in info["tiles"]]
@@ -670,7 +677,7 @@ def chunk_file_problems(folder: Path, attrs: dict) -> tuple[list[str], list[str]
                 sep = info.get("separator", CHUNK_SEPARATOR)  # format 1: c/i/j
                 key = f"{apath}/{chunk_key(idx, sep)}"
                 try:
-                    got = os.stat(chunk_path(str(tmp), apath, idx, sep)).st_size
+                    got = os.stat(chunk_path(str(root), apath, idx, sep)).st_size
                 except FileNotFoundError:
                     missing.append(key)
                     continue
@@ -678,7 +685,7 @@ def chunk_file_problems(folder: Path, attrs: dict) -> tuple[list[str], list[str]
                     wrong.append(f"{key}: {got} bytes, expected {size}")
         else:
             missing += [f"{apath}/{tile_label(i)}" for i in np.ndindex(*grid)
-                        if not (tmp / apath / tile_label(i) / "zarr.json").is_file()]
+                        if not (root / apath / tile_label(i) / "zarr.json").is_file()]
     return missing, wrong
 
 
@@ -958,11 +965,9 @@ class Checkpoint:
         problems += self._quantized_problems(pairs)
         if problems:
             differ = self._config_differences(model)
-            shown = "; ".join(problems[:_SHOWN]) + (f"; ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN
-                                                    else "")
             raise CheckpointError(self._where, "the checkpoint's arrays to match the model" + (
                 f" (the checkpoint holds another model: its config has {differ}; load_checkpoint(...).model builds "
-                "its own)" if differ else ""), f"{len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}")
+                "its own)" if differ else ""), f"{len(problems)} difference{'s' if len(problems) > 1 else ''}: {_listed(problems)}")
         return [(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored], pairs
 
     def _config_differences(self, model) -> str:
@@ -1082,9 +1087,7 @@ class Checkpoint:
         if problems:
             hint = (" (the parameters are named by their own names, as no model was given: pass the model, "
                     "restore_optimizer(optimizer, model), to name them as the checkpoint does)") if model is None else ""
-            raise CheckpointError(self._where, "optimizer state for every parameter" + hint,
-                                  "; ".join(problems[:_SHOWN]) + (f"; ... and {len(problems) - _SHOWN} more"
-                                                                  if len(problems) > _SHOWN else ""))
+            raise CheckpointError(self._where, "optimizer state for every parameter" + hint, _listed(problems))
         if schedule:  # the restored schedule drives each group at its multiple of the schedule's rate
             hyper = info.get("hyper") or {}
             saved = hyper.get("param_options")
