@@ -337,18 +337,43 @@ def untouched_for(path) -> float:
     return time.time() - max(times) if times else math.inf
 
 
-def make_dir(folder: str, made: set) -> None:
-    """``os.makedirs(folder, exist_ok=True)``, at most once per ``made`` (a set of the folders
-    made so far), trying one ``mkdir`` first: the parent is there but for a tile's first chunk."""
-    if folder in made:
+def make_dir(folder: str, made: set | None, root: str) -> None:
+    """Make ``folder`` and the folders missing between it and ``root`` (a save's temporary
+    folder), at most once per ``made`` (a set of the folders made so far; None: no record),
+    trying one ``mkdir`` first: the parent is there but for a tile's first chunk. ``root`` itself
+    is never made here: a save that was abandoned and its folder removed (an interrupt) stops at
+    its next folder, with :class:`SaveAbandoned`, instead of writing a new tree there."""
+    if made is not None and folder in made:
+        return
+    if os.path.normpath(folder) == os.path.normpath(root):
+        if not os.path.isdir(root):
+            raise SaveAbandoned(root)
         return
     try:
         os.mkdir(folder)
     except FileExistsError:
         pass
     except FileNotFoundError:
-        os.makedirs(folder, exist_ok=True)
-    made.add(folder)
+        at = root
+        for part in os.path.relpath(folder, root).split(os.sep):
+            at = os.path.join(at, part)
+            try:
+                os.mkdir(at)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise SaveAbandoned(root) from None
+    if made is not None:
+        made.add(folder)
+
+
+class SaveAbandoned(CheckpointError):
+    """A write task of a save found its temporary folder gone: the save was abandoned (an
+    interrupt or an error elsewhere) and its folder removed; the task stops."""
+
+    def __init__(self, root: str):
+        super().__init__(f"tilegraph.io.save_checkpoint({root})", "the save's temporary folder, to write in",
+                         "removed: the save was abandoned")
 
 
 def encode_chunk(part: np.ndarray, chunk_shape) -> tuple[np.ndarray, bytes]:
@@ -379,7 +404,7 @@ def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shap
     at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
     index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
     path = chunk_path(root, name, shard_idx, CHUNK_SEPARATOR)
-    make_dir(os.path.dirname(path), set())
+    make_dir(os.path.dirname(path), None, root)
     offset, parts = 0, []
     for k, rel in enumerate(np.ndindex(*per)):
         idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
@@ -449,10 +474,7 @@ def group_meta(attributes: dict | None = None) -> dict:
 
 def write_meta(root: str, path: str, meta: dict, made: set | None = None) -> None:
     folder = os.path.join(root, path) if path else root
-    if made is None:
-        os.makedirs(folder, exist_ok=True)
-    else:
-        make_dir(folder, made)
+    make_dir(folder, made, root)
     write_file(os.path.join(folder, "zarr.json"), (json.dumps(meta).encode(),))
 
 
@@ -488,7 +510,7 @@ def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape, ma
         src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
         data, crc = encode_chunk(tile[src], chunk_shape)
         path = chunk_path(root, name, [f + r for f, r in zip(first, rel)], CHUNK_SEPARATOR)
-        make_dir(os.path.dirname(path), made)
+        make_dir(os.path.dirname(path), made, root)
         write_file(path, (data, crc))
         written += data.nbytes
     return written

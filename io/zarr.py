@@ -35,12 +35,15 @@ read of other slices), so the values again never pass through the client.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
 import json
 import os
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -51,12 +54,11 @@ from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CheckpointError, STALE_OTHER_HOST_SECONDS, host_label, temp_name, temp_writer, untouched_for,
-                     process_alive, array_meta, file_in_the_way, CHUNK_SEPARATOR, chunk_key, chunk_path, chunks_of,
-                     group_meta, job_bytes,
-                     quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of,
-                     slices, tile_label, unwritable_folder, user_path, write_failure, write_meta, write_parts_task,
-                     write_shard_task, write_tiles, write_values)
+from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, array_meta, chunk_key,
+                     chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes, process_alive,
+                     quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of, slices,
+                     temp_name, temp_writer, tile_label, untouched_for, unwritable_folder, user_path, write_failure,
+                     write_meta, write_parts_task, write_shard_task, write_tiles, write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "quantize_rule", "FORMAT", "FORMAT_VERSION",
@@ -257,10 +259,13 @@ class PendingSave:
         self.copies = list(copies)
         self.runtime, self.files = runtime, dict(files)
         self.workers: set[str] = set()  # the workers that wrote tiles (their addresses)
+        self._futures: list = []
 
     def run(self) -> Path:
         path, where = self.path, self.where
         tmp = path.parent / temp_name(path.name)  # .NAME.tmp-PID-HEX-HOST
+        # what a killed process's save of this name left (never loaded as a checkpoint, but on disk)
+        remove_stale_temporaries(path.parent, path.name)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._write(tmp)
@@ -270,13 +275,13 @@ class PendingSave:
             os.rename(tmp, path)
         except OSError as e:
             began = tmp.exists()
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._abandon(tmp)
             # where it failed: in the temporary folder once that was made, else the folder that could
             # not be made (the OS names it) or the parent that refused the temporary folder
             raise write_failure(where, e, tmp if began else (e.filename if e.filename and not path.parent.exists()
                                                              else path.parent)) from None
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._abandon(tmp)
             if _is_os_error(e):  # a worker's OSError arrives re-raised (disk full, read-only, ...)
                 raise write_failure(where, e, path.parent) from None
             raise
@@ -284,8 +289,39 @@ class PendingSave:
             self.entries, self.copies = [], []  # release the values (futures) this save held
         return path
 
+    def _abandon(self, tmp: Path) -> None:
+        """Remove the temporary folder of a save that failed or was interrupted, once no write
+        task of it runs: its tasks are cancelled (one already running stops at its next folder,
+        finding the folder gone: :func:`make_dir` never makes it again, or at its next file), the
+        folder removed, and removed again once the workers run none of them (at most
+        :data:`ABANDON_SECONDS`). In a thread of its own, which a second interrupt does not stop."""
+        futures, self._futures = self._futures, []
+        client = getattr(self.runtime, "client", None) if futures else None
+        done = threading.Event()
+
+        def clean() -> None:
+            try:
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        client.cancel(futures)
+                keys = [f.key for f in futures]
+                deadline = time.monotonic() + ABANDON_SECONDS
+                while True:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    if client is None or time.monotonic() > deadline or not _still_running(client, keys):
+                        break
+                    time.sleep(0.05)
+                shutil.rmtree(tmp, ignore_errors=True)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=clean, name="tilegraph-abandoned-save", daemon=False)
+        thread.start()
+        done.wait()
+
     def _write(self, tmp: Path) -> None:
         root = str(tmp)
+        os.mkdir(root)  # here alone: a write task never makes it (one of an abandoned save stops)
         write_meta(root, "", group_meta({ATTR: self.attrs}))
         metas: list[tuple[str, dict]] = []  # written while the workers write their tiles
         groups = {"model", "optimizer"}
@@ -335,7 +371,7 @@ class PendingSave:
                 (job, [v.future if r else v for v, r in zip(values, refs)],
                  [v.index if r else None for v, r in zip(values, refs)], sizes))
         metas += [(group, group_meta()) for group in sorted(groups)]
-        futures = []
+        futures = self._futures = []  # the workers' write tasks (stopped if the save is abandoned)
         shard_futures = {v.key: v for values, _, _ in shard_jobs for v in values if not hasattr(v, "shape")}
         copy_futures = {v.key: v for _, values, _, _ in copy_remote for v in values if not hasattr(v, "shape")}
         holders = _holders(self.runtime.client, [f for f, _ in remote.values()] + list(shard_futures.values())
@@ -422,6 +458,48 @@ class PendingSave:
                                          key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
+
+
+#: how long an abandoned save waits for its running write tasks to stop before it leaves
+ABANDON_SECONDS = 30.0
+
+
+def remove_stale_temporaries(folder: Path, name: str | None = None, keep_own: bool = True) -> list[Path]:
+    """Remove the temporary folders of interrupted saves in ``folder`` (of the checkpoint
+    ``name`` alone, or of any): this host's whose process is gone (the earlier names, without a
+    host, count as this host's) and, unless ``keep_own``, this process's; another host's untouched
+    for ``STALE_OTHER_HOST_SECONDS`` (its process cannot be looked up from here). Returns them."""
+    if not folder.is_dir():
+        return []
+    gone = []
+    for p in folder.iterdir():
+        writer = temp_writer(p.name)
+        if writer is None or not p.is_dir() or (name is not None and not p.name.startswith(f".{name}{TMP_MARK}")):
+            continue
+        pid, host = writer
+        if host is not None and host != host_label():  # a pid of another node says nothing here
+            if untouched_for(p) <= STALE_OTHER_HOST_SECONDS:
+                continue
+        elif pid == os.getpid():
+            if keep_own:
+                continue
+        elif process_alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(p)
+    return gone
+
+
+def _still_running(client, keys: list) -> bool:
+    """Whether a worker still runs (or has queued) one of the tasks ``keys``."""
+    def running(keys, dask_worker=None) -> bool:  # nested: travels by value to the workers
+        tasks = dask_worker.state.tasks
+        return any(k in tasks and tasks[k].state not in ("memory", "error", "released", "forgotten") for k in keys)
+
+    try:
+        return any(client.run(running, keys, nanny=False).values())
+    except Exception:  # no worker left to ask, a closed client: nothing runs there
+        return False
 
 
 def _by_holder(items: Sequence, key: Callable, size: Callable, holders: dict) -> dict[str | None, list]:
@@ -1253,24 +1331,7 @@ class CheckpointManager:
         """Remove temporary folders of interrupted saves: this host's whose process is gone (the
         earlier names, without a host, count as this host's), another host's untouched for
         ``STALE_OTHER_HOST_SECONDS`` (its process cannot be looked up from here); returns them."""
-        if not self.dir.is_dir():
-            return []
-        gone = []
-        for p in self.dir.iterdir():
-            writer = temp_writer(p.name)
-            if writer is None or not p.is_dir():
-                continue
-            pid, host = writer
-            if host is not None and host != host_label():  # a pid of another node says nothing here
-                if untouched_for(p) <= STALE_OTHER_HOST_SECONDS:
-                    continue
-            elif pid == os.getpid() and self._pending is not None:
-                continue
-            elif pid != os.getpid() and process_alive(pid):
-                continue
-            shutil.rmtree(p, ignore_errors=True)
-            gone.append(p)
-        return gone
+        return remove_stale_temporaries(self.dir, keep_own=self._pending is not None)
 
     def save(self, step: int, model, optimizer=None, **kw) -> Path:
         """Save ``step`` (see :func:`save_checkpoint` for ``kw``); in the background with

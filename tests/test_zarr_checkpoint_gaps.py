@@ -140,6 +140,13 @@ def test_temporary_folders_name_their_host_and_only_dead_ones_of_this_host_are_r
         assert p.is_dir() and (p / "zarr.json").is_file(), what
     assert mgr.checkpoints() == [ck / "step-000001"]
 
+    # save_checkpoint itself removes what a killed process's save of the same name left, alone
+    mine = _fake_tmp(ck, f".step-000009.tmp-{dead}-0a1b2c3d-{here}")
+    other_name = _fake_tmp(ck, f".step-000010.tmp-{dead}-0a1b2c3d-{here}")
+    live = _fake_tmp(ck, f".step-000009.tmp-{alive}-0a1b2c3d-{here}")
+    tg.io.save_checkpoint(ck / "step-000009", models.build("gpt2-debug", seed=0), step=9)
+    assert not mine.exists() and other_name.is_dir() and live.is_dir()
+
 
 # ---------------------------------------------------------------------------- D: small ones ----
 @pytest.mark.distributed
@@ -238,3 +245,72 @@ def test_restoring_an_optimizer_without_its_model_says_to_pass_the_model(tmp_pat
     assert len(listed) == len(set(listed)) and "missing: optimizer/weight/exp_avg" in listed, e.value.received
     ck.restore_optimizer(opt, model)  # with it: restored
     assert opt.step_count == ck.optimizer_info["step_count"]
+
+
+def _slow_writes(seconds: float):
+    """Run on each worker (client.run): every chunk file a save writes there waits ``seconds``
+    first, before it makes its folder (undone by :func:`_restore_writes`)."""
+    from tilegraph.io import _store as store
+
+    if not hasattr(store, "_real_make_dir"):
+        store._real_make_dir = store.make_dir
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return store._real_make_dir(*args, **kwargs)
+
+    store.make_dir = slow
+
+
+def _restore_writes():
+    from tilegraph.io import _store as store
+
+    store.make_dir = getattr(store, "_real_make_dir", store.make_dir)
+
+
+@pytest.mark.distributed
+def test_an_interrupted_save_of_values_on_the_workers_leaves_nothing_behind(tmp_path):
+    """Ctrl-C (the notebook's stop button) during a save whose tiles the workers write: the
+    KeyboardInterrupt reaches the caller, the workers' write tasks stop (cancelled; one running
+    finds the temporary folder gone and stops, never making it again) and the temporary folder is
+    removed once none runs. Before, it was removed at once while the workers went on writing, so
+    a hidden folder was left that kept growing. The next save into the same folder works."""
+    import signal
+    import threading
+
+    model = models.build("gpt2-debug", seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    with tg.connect(n_workers=1, threads_per_worker=2, dashboard=False, quiet=True, make_current=False) as rt:
+        cells = [c for p in model.parameters() for c in p.cells.flat]
+        rt.scatter_cells(cells + [c for st in opt.state for g in st for c in g.flat])
+        rt.client.run(_slow_writes, 0.1)  # ~110 chunk files on 2 threads: the save takes several seconds
+        stop = threading.Event()
+
+        def interrupt_once_the_workers_write() -> None:  # the stop button, while the workers write chunks
+            while not stop.is_set():
+                if sum(1 for p in tmp_path.glob(".ck.tmp-*/*/*/c.*")) + sum(
+                        1 for p in tmp_path.glob(".ck.tmp-*/*/*/*/c.*")) >= 4:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=interrupt_once_the_workers_write)
+        watcher.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                tg.io.save_checkpoint(tmp_path / "ck", model, opt, runtime=rt)
+        finally:
+            stop.set()
+            watcher.join()
+        took = time.monotonic() - t0
+        rt.client.run(_restore_writes)
+
+        def leftovers() -> list[str]:
+            return [p.name for p in tmp_path.iterdir()]
+
+        assert leftovers() == [] and took < 20, (leftovers(), took)
+        time.sleep(1.0)  # nothing comes back: no write task runs on
+        assert leftovers() == []
+        tg.io.save_checkpoint(tmp_path / "ck", model, opt, runtime=rt)
+        assert leftovers() == ["ck"] and tg.io.load_checkpoint(tmp_path / "ck").check() == []
