@@ -151,6 +151,38 @@ def test_keyboard_interrupt_in_fit_on_the_cluster_keeps_the_records(embedded_run
         _check_interrupted(tmp_path, embedded_runtime)
 
 
+def test_a_second_interrupt_while_the_steps_run_out_still_logs_them(tmp_path, monkeypatch, capsys):
+    """A second Ctrl-C (the notebook's stop button pressed twice) while fit logs the steps already
+    submitted: they are logged all the same, saying so (before, the records of the steps still
+    waiting were lost while the next fit went on after them: a gap in metrics.jsonl); a third
+    stops at once."""
+    from tilegraph._train import PendingStep
+
+    real, stops = PendingStep.result, []
+
+    def result(self, *args, **kwargs):  # the second stop, while the first step waiting is logged
+        if stops == ["hook"]:
+            stops.append("second")
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    def hook(trainer, stats):
+        if trainer.history[-1]["step"] == 4 and not stops:
+            stops.append("hook")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(PendingStep, "result", result)
+    _, opt, trainer = _trainer(log_dir=tmp_path / "log", steps_per_graph=3, on_step=[hook], progress=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(9)
+    assert stops == ["hook", "second"] and opt.step_count > 4
+    logged = [r["step"] for r in trainer.history if "loss" in r]
+    on_disk = [json.loads(line)["step"] for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == on_disk == list(range(1, opt.step_count + 1))
+    said = capsys.readouterr()
+    assert "stopping: logging the 5 steps already run (interrupt again to stop at once" in said.out + said.err
+
+
 # -- plotting --------------------------------------------------------------------------------------
 def test_plot_writes_the_format_its_path_names(tmp_path):
     """``trainer.plot("run/loss.pdf")`` wrote PNG bytes into loss.pdf (the temporary file's

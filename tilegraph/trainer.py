@@ -566,12 +566,23 @@ class Trainer:
             step count, so their losses are logged too (without hooks, evaluations or
             checkpoints). Before, they were missing from ``metrics.jsonl`` and ``history``
             while the next fit went on after them."""
+            again = False
             while waiting:
-                i, pending, batch = waiting.pop(0)
+                i, pending, batch = waiting[0]
                 try:
                     log_step(i, pending, batch, patient=False)
+                except KeyboardInterrupt:  # a second stop while the steps run out: logged all the same,
+                    if again:  # (the steps are short, each under its time limit); a third stops at once
+                        waiting.clear()
+                        raise
+                    again = True
+                    bar.write(f"stopping: logging the {_plural(len(waiting), 'step')} already run "
+                              "(interrupt again to stop at once, without their records)")
+                    continue
                 except Exception:  # a step that failed itself: the interruption's error is the one raised
                     waiting.clear()
+                    break
+                waiting.pop(0)
 
         def run(i: int) -> None:
             """Steps ``i`` to ``end``."""
