@@ -257,3 +257,33 @@ def test_keyboard_interrupt_while_fit_waits_for_a_loss_keeps_that_steps_record(t
     logged = [r["step"] for r in trainer.history if "loss" in r]
     on_disk = [json.loads(line)["step"] for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert ran >= 5 and logged == on_disk == list(range(1, ran + 1))
+
+
+def test_a_trainer_built_again_on_the_same_log_continues_its_run_or_says_it_is_another(tmp_path):
+    """A notebook cell that builds the Trainer again (same model, optimizer and log_dir): its
+    records go on under the run id of those before it, so history and loss.png cover the whole
+    run (before: a new run id, and the plot showed only the steps since). A fresh model and
+    optimizer on that log_dir get a warning: another run's records are there."""
+    import warnings
+
+    from tilegraph.plotting import plot_training
+
+    model, opt, first = _trainer(log_dir=tmp_path / "log")
+    first.fit(4)
+    again = tg.Trainer(model, opt, _data, loss_fn=_mse, batch_size=32, progress=False,
+                       batch_tiles=[(16, 8), (16, None)], log_dir=tmp_path / "log")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.fit(3)
+    assert again.run_id == first.run_id
+    assert [r["step"] for r in again.history if "loss" in r] == list(range(1, 8))
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["run"] for r in records} == {first.run_id}
+    fig = plot_training(records, run=first.run_id)  # the whole run, steps 1-7
+    assert max(max(line.get_xdata()) for line in fig.axes[0].get_lines()) == 7
+
+    _, _, other = _trainer(log_dir=tmp_path / "log")  # a fresh model and optimizer: another run
+    with pytest.warns(UserWarning, match=r"metrics.jsonl ends with another run's records \(run \w+, up to step 7\), "
+                                         r"and this trainer starts after step 0"):
+        other.fit(2)
+    assert other.run_id != first.run_id and [r["step"] for r in other.history if "loss" in r] == [1, 2]

@@ -482,6 +482,7 @@ class Trainer:
         start = self.optimizer.step_count
         self._check_checkpoint_dir(where, start)
         self._warn_past_schedule(start, start + steps)
+        self._join_logged_run(start)
         result = FitResult(0, [])
         bar = _progress(steps, self.progress)
         if self.log_dir is not None:
@@ -1049,6 +1050,38 @@ class Trainer:
                       + ", ".join(f"{k} {theirs[k]}" for k in differ) + "; this trainer has "
                       + ", ".join(f"{k} {ours[k]}" for k in differ) + f": from step {ck.step + 1} on, {what} "
                       "(build the Trainer with the checkpoint's values to continue that run as it was)", stacklevel=2)
+
+    def _join_logged_run(self, start: int) -> None:
+        """Before this trainer's first record: where ``log_dir/metrics.jsonl`` ends with another
+        run's records (a notebook cell that builds the Trainer run again), a run whose last step is
+        this optimizer's step count is the one this trainer continues, so its records go on under
+        that run's id (and the plot draws the whole run, not the steps since the new Trainer);
+        any other run there gets a warning: this run's records follow its own under another run
+        id, and loss.png shows this run alone. Runs that resumed from a checkpoint
+        (:meth:`load_checkpoint`) already continue theirs."""
+        if self.log_dir is None or self.history or self.lineage:
+            return
+        import warnings
+
+        from tilegraph.plotting import on_lineage, record_lineage
+
+        logged = self._logged()
+        steps = [r for r in logged if isinstance(r.get("step"), int) and "loss" in r and isinstance(r.get("run"), str)]
+        if not steps or steps[-1]["run"] == self.run_id:
+            return
+        last = steps[-1]
+        run, segment, step = last["run"], last.get("segment"), last["step"]
+        if step == start and start > 0:
+            first = next((r for r in logged if r.get("run") == run and r.get("segment") == segment), {})
+            self.run_id = run
+            self.lineage = [*(record_lineage(first.get("lineage")) or []), [segment, step]]
+            self.history = on_lineage([r for r in logged if r.get("run") == run], self.lineage)
+            return
+        warnings.warn(f"tilegraph.Trainer.fit: {self.log_dir / 'metrics.jsonl'} ends with another run's records "
+                      f"(run {run}, up to step {step}), and this trainer starts after step {start}: its records "
+                      "follow them under a run id of their own, and loss.png will show this run alone (give each "
+                      "run a log_dir of its own to keep them apart; a run continued from a checkpoint, "
+                      "load_checkpoint, goes on under its run id)", stacklevel=3)
 
     def _logged(self) -> list[dict]:
         """The records of ``log_dir/metrics.jsonl`` (none without one)."""
