@@ -72,11 +72,14 @@ def test_connect_again_warns_that_the_earlier_cluster_still_runs(closing):
     closing.append(first)
     with pytest.warns(UserWarning, match=r"\[tilegraph.connect\] the embedded cluster of an earlier tg.connect\(\) "
                                          r"is still running \(<tilegraph.Runtime tcp://127.0.0.1:\d+ 1 worker>\)"
-                                         r".*close it first \(rt.close\(\)\)"):
+                                         r".*close it first \(rt.close\(\)\).*once rt names the new one: rt.close\(\), "
+                                         r"then tg.current_runtime\(\).close\(\) closes the earlier one"):
         second = tg.connect(n_workers=1, threads_per_worker=1, dashboard=False, quiet=True)
     closing.append(second)
-    first.close()
-    second.close()
+    second.close()  # the advice, when `rt` was rebound to the second cluster
+    assert tg.current_runtime() is first
+    tg.current_runtime().close()
+    assert first.closed
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # none open: connecting again is quiet
         third = tg.connect(n_workers=1, threads_per_worker=1, dashboard=False, quiet=True)

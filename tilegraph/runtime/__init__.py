@@ -946,7 +946,8 @@ def _warn_open_embedded(where: str) -> None:
         warnings.warn(f"[{where}] the embedded cluster of an earlier tg.connect() is still running "
                       f"({earlier[-1]!r}) and this starts another beside it, on the same cores (a cell run "
                       "again?); what was made on the earlier one (a model's parameters) stays there: close it "
-                      "first (rt.close()), or keep using it instead of connecting again", stacklevel=3)
+                      "first (rt.close()), or keep using it instead of connecting again (once rt names the new "
+                      "one: rt.close(), then tg.current_runtime().close() closes the earlier one)", stacklevel=3)
 
 
 # -- TLS ------------------------------------------------------------------------------------------
