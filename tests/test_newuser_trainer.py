@@ -181,6 +181,7 @@ def test_a_second_interrupt_while_the_steps_run_out_still_logs_them(tmp_path, mo
     assert logged == on_disk == list(range(1, opt.step_count + 1))
     said = capsys.readouterr()
     assert "stopping: logging the 5 steps already run (interrupt again to stop at once" in said.out + said.err
+    assert f"interrupted: stopped after step {opt.step_count}, every step run logged" in said.out + said.err
 
 
 # -- plotting --------------------------------------------------------------------------------------

@@ -666,8 +666,11 @@ class Trainer:
                     bar.n = max(0, resumed - start)
                     bar.refresh()
                     i = resumed + 1
-                except BaseException:
+                except BaseException as e:
                     settle()
+                    if isinstance(e, KeyboardInterrupt):  # a notebook shows the traceback: say where it stands
+                        bar.write(f"interrupted: stopped after step {self.optimizer.step_count}, every step run "
+                                  "logged (fit again to go on from there)")
                     raise
             if self.log_dir is not None:  # drawn while the last checkpoint is written
                 drawing = _Aside(self.plot)
