@@ -461,10 +461,11 @@ def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtyp
         raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard", f"{key}, chunk {idx}")
     with open(path, "rb") as f:
         f.seek(offset)
-        chunk = decode_chunk(f.read(length), chunk_shape, dtype)
+        raw = f.read(length)
+    chunk = decode_chunk(raw, chunk_shape, dtype)
     if chunk is None:
-        raise CheckpointError(where, f"array {name!r}: a chunk failed its checksum (corrupted or truncated)",
-                              f"{key}, chunk {idx}")
+        raise chunk_failed(where, name, f"{key}, chunk {idx}", memoryview(raw)[:want], raw[want:want + 4], len(raw),
+                           want + 4)
     return chunk
 
 

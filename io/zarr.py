@@ -297,27 +297,21 @@ class PendingSave:
         :data:`ABANDON_SECONDS`). In a thread of its own, which a second interrupt does not stop."""
         futures, self._futures = self._futures, []
         client = getattr(self.runtime, "client", None) if futures else None
-        done = threading.Event()
 
         def clean() -> None:
-            try:
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        client.cancel(futures)
-                keys = [f.key for f in futures]
-                deadline = time.monotonic() + ABANDON_SECONDS
-                while True:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    if client is None or time.monotonic() > deadline or not _still_running(client, keys):
-                        break
+            shutil.rmtree(tmp, ignore_errors=True)  # a task still running stops at its next folder
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.cancel(futures)
+                keys, deadline = [f.key for f in futures], time.monotonic() + ABANDON_SECONDS
+                while time.monotonic() < deadline and _still_running(client, keys):
                     time.sleep(0.05)
-                shutil.rmtree(tmp, ignore_errors=True)
-            finally:
-                done.set()
+                    shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # what the last of them wrote
 
         thread = threading.Thread(target=clean, name="tilegraph-abandoned-save", daemon=False)
         thread.start()
-        done.wait()
+        thread.join()
 
     def _write(self, tmp: Path) -> None:
         root = str(tmp)
@@ -720,7 +714,7 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
     writer computed from the values in memory, so a chunk that the disk or the page cache
     garbles after it was written is caught there, naming the chunk. Re-reading 1.5 GB right after
     writing it would only read the page cache, which holds what was written."""
-    missing, wrong = chunk_file_problems(tmp, attrs)
+    missing, wrong = chunk_file_problems(tmp, attrs["arrays"])
     if missing:
         shared = (" (the workers wrote them to a disk this process does not see? the checkpoint folder must be "
                   "on a file system that every worker and this process share)") if remote else ""
@@ -730,13 +724,13 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
                               "failed write)", ", ".join(wrong[:6]))
 
 
-def chunk_file_problems(folder: Path, attrs: dict) -> tuple[list[str], list[str]]:
-    """``(missing, wrong)``: the chunk files (shards, quantized tiles' metadata) of the arrays
-    ``attrs`` lists that are not in ``folder``, and those whose size is not the one their chunks
-    make (``"key: N bytes, expected M"``); one ``stat`` per file, no data read."""
+def chunk_file_problems(folder: Path, arrays: Mapping[str, dict]) -> tuple[list[str], list[str]]:
+    """``(missing, wrong)``: the chunk files (shards, quantized tiles' metadata) of ``arrays``
+    (a checkpoint's array entries) that are not in ``folder``, and those whose size is not the
+    one their chunks make (``"key: N bytes, expected M"``); one ``stat`` per file, no data read."""
     root = Path(folder)
     missing, wrong = [], []
-    for apath, info in attrs["arrays"].items():
+    for apath, info in arrays.items():
         grid = [len(c) for c in info["tiles"]]
         if info["quantized"] is None:
             chunk = [int(c) for c in info["chunks"]]
@@ -746,13 +740,13 @@ def chunk_file_problems(folder: Path, attrs: dict) -> tuple[list[str], list[str]
             counts = [-(-int(n) // c) for n, c in zip(info["shape"], file_shape)]
             inner = [-(-int(n) // c) for n, c in zip(info["shape"], chunk)]  # chunks per dimension
             per = [s // c for s, c in zip(shards, chunk)] if shards else None
+            sep = info.get("separator", CHUNK_SEPARATOR)  # format 1: c/i/j
             for idx in np.ndindex(*counts):
                 if per is None:
                     size = chunk_bytes
                 else:  # the inner chunks inside the array, then the index of every slot and its CRC32C
                     present = np.prod([max(0, min(p, k - i * p)) for i, p, k in zip(idx, per, inner)])
                     size = int(present) * chunk_bytes + 16 * int(np.prod(per)) + 4
-                sep = info.get("separator", CHUNK_SEPARATOR)  # format 1: c/i/j
                 key = f"{apath}/{chunk_key(idx, sep)}"
                 try:
                     got = os.stat(chunk_path(str(root), apath, idx, sep)).st_size
@@ -923,7 +917,7 @@ class Checkpoint:
         missing or of the wrong size (one ``stat`` per file); with ``read``, every array read here
         too, each chunk against its CRC32C (as loads check them; a checkpoint's size in bytes to
         read)."""
-        missing, wrong = chunk_file_problems(self.path, {"arrays": self.arrays})
+        missing, wrong = chunk_file_problems(self.path, self.arrays)
         problems = [f"missing: {k}" for k in missing] + [f"wrong size: {k}" for k in wrong]
         if read and not problems:
             for apath in self.arrays:
@@ -1056,11 +1050,11 @@ class Checkpoint:
         if not isinstance(stored, dict) or not dataclasses.is_dataclass(config):
             return ""
         mine = dataclasses.asdict(config)
-        keys = [k for k in stored if k in mine and stored[k] != mine[k]]
-        if (self.info.get("model") or {}).get("architecture") not in (None, getattr(model, "arch", None)):
-            keys.insert(0, "architecture")
-            stored, mine = dict(stored, architecture=self.info["model"]["architecture"]), dict(mine, architecture=model.arch)
-        return "; ".join(f"{k} {stored[k]!r}, the model's {mine[k]!r}" for k in keys[:_SHOWN])
+        differ = [(k, v, mine[k]) for k, v in stored.items() if k in mine and v != mine[k]]
+        arch = (self.info.get("model") or {}).get("architecture")
+        if arch not in (None, getattr(model, "arch", None)):
+            differ.insert(0, ("architecture", arch, model.arch))
+        return "; ".join(f"{k} {theirs!r}, the model's {ours!r}" for k, theirs, ours in differ[:_SHOWN])
 
     def _quantized_problems(self, pairs) -> list[str]:
         """How the stored arrays differ from the quantized weights they go into (read from the

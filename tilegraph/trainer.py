@@ -1016,11 +1016,12 @@ class Trainer:
         self._begin_segment(ck.trainer_state, ck.step)
         return ck.step
 
-    def _begin_segment(self, state: dict, step: int) -> None:
+    def _begin_segment(self, state: dict, step: int, logged: list[dict] | None = None) -> None:
         """Start a new segment of the run from a checkpoint of ``step`` with trainer state
         ``state``: its lineage is the checkpoint's (one written before lineages were recorded
         stands for the records without a segment, up to its step). A resumed run (another
-        trainer's checkpoint) takes that run's id, and its records on the lineage as history."""
+        trainer's checkpoint) takes that run's id, and its records on the lineage as history
+        (from ``logged``, the records of ``log_dir`` when already read)."""
         from tilegraph.plotting import on_lineage, record_lineage
 
         self.lineage = record_lineage(state.get("lineage")) or [[None, step]]
@@ -1028,7 +1029,8 @@ class Trainer:
         run = state.get("run_id")
         if isinstance(run, str) and run != self.run_id:  # resuming: the run's earlier records, for the plot
             self.run_id = run
-            self.history = on_lineage([r for r in self._logged() if r.get("run") == run], self.lineage)
+            logged = self._logged() if logged is None else logged
+            self.history = on_lineage([r for r in logged if r.get("run") == run], self.lineage)
 
     def _warn_other_batches(self, ck) -> None:
         """Warn where the checkpoint's run read its data otherwise than this trainer will: another
@@ -1066,7 +1068,7 @@ class Trainer:
             return
         import warnings
 
-        from tilegraph.plotting import on_lineage, record_lineage
+        from tilegraph.plotting import record_lineage
 
         logged = self._logged()
         steps = [r for r in logged if isinstance(r.get("step"), int) and "loss" in r and isinstance(r.get("run"), str)]
@@ -1074,11 +1076,10 @@ class Trainer:
             return
         last = steps[-1]
         run, segment, step = last["run"], last.get("segment"), last["step"]
-        if step == start and start > 0:
+        if step == start and start > 0:  # continued as from a checkpoint of that step
             first = next((r for r in logged if r.get("run") == run and r.get("segment") == segment), {})
-            self.run_id = run
-            self.lineage = [*(record_lineage(first.get("lineage")) or []), [segment, step]]
-            self.history = on_lineage([r for r in logged if r.get("run") == run], self.lineage)
+            lineage = [*(record_lineage(first.get("lineage")) or []), [segment, step]]
+            self._begin_segment({"run_id": run, "lineage": lineage}, step, logged)
             return
         warnings.warn(f"tilegraph.Trainer.fit: {self.log_dir / 'metrics.jsonl'} ends with another run's records "
                       f"(run {run}, up to step {step}), and this trainer starts after step {start}: its records "
