@@ -109,6 +109,7 @@ CONFIG_CHECKS = {
     "output.tensorboard": (lambda v: v is False or (v is True and has_tensorboard()),
                            f"false, or true with TensorBoard installed ({TENSORBOARD_INSTALL})"),
     "runtime.address": _text(), "runtime.workers": _int(0), "runtime.scheduler_file": _text(),
+    "runtime.connect_timeout": _number(0, strict=True),
     "runtime.mpi": (lambda v: isinstance(v, bool), "true or false"), "runtime.interface": _text(),
     "runtime.tls_ca_file": _text(), "runtime.tls_cert": _text(), "runtime.tls_key": _text(),
     "runtime.parallel": one_of_check(*PARALLEL_STRATEGIES), "runtime.exchange": one_of_check(*EXCHANGES),

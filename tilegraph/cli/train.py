@@ -66,6 +66,25 @@ def undo_output(job: Job, out: Path) -> Callable[[], None]:
     return undo
 
 
+def connect_cluster(r: dict, tls: dict):
+    """The runtime of the cluster at [runtime] address or scheduler_file, waited for up to
+    [runtime] connect_timeout seconds (for the file to appear, then for the scheduler to answer).
+    An error after the whole wait names the setting that sets it."""
+    import time
+
+    import tilegraph as tg
+
+    timeout, start = r["connect_timeout"], time.monotonic()
+    try:
+        return tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None, timeout=timeout,
+                          quiet=True, **tls)
+    except TileError as e:
+        if time.monotonic() - start < timeout:  # failed before the wait ran out: not the wait's fault
+            raise
+        received = f"{e.received}; " if e.received is not None else ""
+        raise TileError(e.where, e.what, f"{received}[runtime] connect_timeout = {timeout:g} sets the wait") from None
+
+
 def cmd_train(args) -> int:
     job = Job(config=args.config)
     try:
@@ -127,7 +146,7 @@ def _train(args, job: Job) -> int:
         # returns only on rank 1, which runs the rest (so only it reads data and writes files).
         rt = tg.connect(mpi=True, interface=r["interface"] or None, quiet=True, **tls)
     elif r["address"] or r["scheduler_file"]:  # a cluster of the user's: reached (or not) before any data is read
-        rt = tg.connect(r["address"] or None, scheduler_file=r["scheduler_file"] or None, quiet=True, **tls)
+        rt = connect_cluster(r, tls)
     if rt is not None:
         job.release.append(rt.close)  # (closed by the job's end as well; this covers a failure before it)
     # the checkpoint to resume from, read once here and handed on

@@ -399,19 +399,40 @@ class _Greeting:
         return n
 
 
+#: getaddrinfo's answers that a name does not exist (NXDOMAIN, or no address for it): asking again
+#: gives the same answer; EAI_NODATA is glibc's and absent elsewhere (macOS)
+_NO_SUCH_NAME = {socket.EAI_NONAME} | ({socket.EAI_NODATA} if hasattr(socket, "EAI_NODATA") else set())
+
+
+def _name_does_not_resolve(e: socket.gaierror) -> bool:
+    """Whether a lookup failed for good (no such name), not for now (EAI_AGAIN: the DNS server did
+    not answer in time, which asking again may mend)."""
+    return e.errno in _NO_SUCH_NAME or "not known" in str(e).lower()
+
+
 def _dial(where, host, port, deadline, ctx, address, target, timeout):
     """A socket connected (and TLS-handshaken) to host:port; refused attempts are retried until
-    the deadline, as Dask does (a scheduler may still be starting)."""
+    the deadline, as Dask does (a scheduler may still be starting), and so are temporary failures
+    to resolve the host's name. A name that does not exist is an error at once (it was retried
+    for the whole timeout, then called "no Dask scheduler answered")."""
     delay, last = 0.02, None
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
+            if isinstance(last, socket.gaierror):
+                raise TileError(where, f"the scheduler's host name {host!r} could not be resolved within {timeout:g} "
+                                "s (the name service failed for now: is the DNS server reachable from here?)",
+                                f"{target} (gaierror: {last})")
             raise TileError(where, f"no Dask scheduler answered within {timeout:g} s; is it running and reachable?",
                             f"{target} ({type(last).__name__}: {last})" if last else target)
         try:
             sock = socket.create_connection((host, port), timeout=left)
         except OSError as e:
-            last = e
+            if isinstance(e, socket.gaierror) and _name_does_not_resolve(e):
+                raise TileError(where, f"the scheduler's host name {host!r} does not resolve (no such host: is the "
+                                "address spelt right, and the name known to this machine's DNS or hosts file?)",
+                                f"{target} (gaierror: {e})") from None
+            last = e  # refused (a scheduler still starting), or EAI_AGAIN (the name service may answer later)
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(2 * delay, 0.5)
             continue
