@@ -836,10 +836,24 @@ class Checkpoint:
         self._tiling, self._runtime = tiling, runtime
         self._model = None
         missing = [f"model/{n}" for n in self.parameters if f"model/{n}" not in self.arrays]
-        missing += [a for a, info in self.arrays.items()
-                    if not (self.path / a / "zarr.json").is_file()]
+        unreadable = []  # an array's zarr.json that is there but no JSON object (Zarr cannot open it)
+        for a in self.arrays:
+            meta = self.path / a / "zarr.json"
+            if not meta.is_file():
+                missing.append(a if not (self.path / a).is_dir() else f"{a}/zarr.json")
+                continue
+            try:
+                doc = json.loads(meta.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                unreadable.append(f"{a}/zarr.json: {type(e).__name__}: {e}")
+                continue
+            if not isinstance(doc, dict):
+                unreadable.append(f"{a}/zarr.json: a JSON {type(doc).__name__}, not an object")
         if missing:
             raise CheckpointError(self._where, "every array the checkpoint lists", "missing: " + ", ".join(missing[:8]))
+        if unreadable:
+            raise CheckpointError(self._where, "a readable zarr.json (a JSON object) for every array the checkpoint "
+                                  "lists", "; ".join(unreadable[:8]))
 
     def __repr__(self) -> str:
         quant = sorted({a["quantized"]["method"] for a in self.arrays.values() if a.get("quantized")})

@@ -352,8 +352,15 @@ def load_model(folder: Path, where: str):
             return peft.merge_lora(models.from_zarr(folder))
         from tilegraph.cli.runs import latest_checkpoint
 
+        if not folder.is_dir():
+            raise TileError(where, "a tilegraph checkpoint folder (zarr.json) or a Hugging Face folder (config.json)",
+                            f"{folder} is a file, not a folder")
         newest = latest_checkpoint(folder)  # a run folder of tilegraph train: its checkpoints are inside
         hint = f" (a run folder of tilegraph train: its newest checkpoint is {newest})" if newest else ""
+        if not newest and any((folder / part).is_dir() and any((folder / part).glob("*/zarr.json"))
+                              for part in ("model", "optimizer")):  # the arrays of a checkpoint, without its index
+            hint = (" (its model/ or optimizer/ folder holds a checkpoint's arrays, but zarr.json, the checkpoint's "
+                    "index of them, is missing: a damaged or partly copied checkpoint)")
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
                         f"{folder} holds neither{hint}")
     return models.from_hf(folder)
