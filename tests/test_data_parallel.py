@@ -500,6 +500,75 @@ def _held_by_worker(client, futures) -> dict[str, int]:
 
 
 @pytest.mark.distributed
+def test_zero3_tasks_read_at_most_a_process_share_of_the_parameters(embedded_runtime, monkeypatch):
+    """parallel="zero3" gathers a parameter only for the tasks that use it: no task reads more
+    than a process's share of the parameters (half of them on 2 workers), so a process never
+    holds every parameter at once; "sharded" runs a process's forward pass in one task that
+    reads every parameter."""
+    from tilegraph import models
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    most = {}
+    for strategy in ("sharded", "zero3"):
+        model = models.build("gpt2-debug", seed=0)
+        n_bytes = _nbytes(model)
+        cells = {id(c) for p in model.parameters() for c in p.cells.flat}
+        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+        opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
+                            runtime=embedded_runtime, parallel=strategy)
+        exe = step.plan(ids, np.roll(ids, -1, 1))
+        assert exe.strategy == strategy
+        read = [sum(r.nbytes for r in {(id(r.node), r.index): r for r in plan.ext
+                                       if r.node.is_leaf and id(r.node.cell) in cells}.values())
+                for plan in exe.plans]
+        most[strategy] = max(read) / n_bytes
+    assert most["sharded"] >= 0.99, most      # one task reads every parameter
+    assert most["zero3"] <= 0.55, most        # none reads more than about half of them
+
+
+@pytest.mark.distributed
+def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(embedded_runtime, monkeypatch):
+    """The copies of parameters a "zero3" process fetched from their owners are dropped once the
+    tasks there that read them have run (tilegraph's scheduler plugin), not left to Dask's active
+    memory manager (stopped here): the parameters a step read (kept alive by the test after it)
+    are each held once, by their owner, as soon as the step is done. The plugin counts what it
+    dropped."""
+    import time
+
+    from tilegraph import models
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    client = embedded_runtime.client
+    client.amm.stop()
+    try:
+        model = models.build("gpt2-debug", seed=0)
+        n_bytes = _nbytes(model)
+        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+        opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
+                            runtime=embedded_runtime, parallel="zero3")
+        dropped = lambda: client.run_on_scheduler(  # noqa: E731
+            lambda dask_scheduler: dask_scheduler.plugins["tilegraph-drop-fetched"].dropped)
+        step(ids, np.roll(ids, -1, 1))
+        params = [c.value.future for p in model.parameters() for c in p.cells.flat]  # what the next step reads
+        before = dropped()
+        step(ids, np.roll(ids, -1, 1))
+        _held_by_worker(client, [c.value.future for p in model.parameters() for c in p.cells.flat])  # done
+        deadline = time.monotonic() + 10
+        while True:  # the last drops follow the step's last tasks
+            held = _held_by_worker(client, params)
+            if sum(held.values()) <= 1.01 * n_bytes or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert sum(held.values()) <= 1.01 * n_bytes, (held, n_bytes)
+        assert len(held) == 2 and all(v <= 0.65 * n_bytes for v in held.values()), held
+        assert dropped() > before
+    finally:
+        client.amm.start()
+
+
+@pytest.mark.distributed
 def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monkeypatch):
     """parallel="zero3": each process fetches the parameters it reads from their owner, and the
     copies go once read, so between steps each worker holds its share of the parameters and of

@@ -44,7 +44,7 @@ from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured
                                     one_blas_thread, run_cluster)
 from tilegraph.exec.gang import AFTER_INDEX, run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
-from tilegraph.parallel.data_parallel import plan_data_parallel
+from tilegraph.parallel.data_parallel import plan_data_parallel, zero3_task_bytes
 from tilegraph.parallel.gang import plan_gang
 from tilegraph.plan.cluster import (Cluster, by_upward_rank, cluster_nodes, out_bytes, state_writers,  # noqa: F401 - re-exported
                                     place, task_label)
@@ -234,6 +234,13 @@ class Executable:
         # time target shapes them
         total = sum(out_bytes(n) for n in nodes)
         self.max_task_bytes = config.task_memory_fraction * limit if total > 0.5 * limit else float("inf")
+        #: "zero3" asked for: parameters gathered only when used. No task reads more than a
+        #: process's share of them, and the copies a process fetched go once its tasks there have
+        #: read them (not yet for a "sharded" plan that runs as "zero3" under a memory bound,
+        #: the capacity path: not measured there)
+        self.drop_fetched = parallel == "zero3"
+        if self.drop_fetched:
+            self.max_task_bytes = min(self.max_task_bytes, zero3_task_bytes(self.roots, state_groups, groups))
         processes = sum(len(t) for t in groups.values())  # worker processes (of either device class)
         groups = {"cpu": groups.get("cpu") or [1], "gpu": groups.get("gpu") or [1]}
         #: each root's refs: one, or one per replica for the replicated roots of a data-parallel plan
@@ -857,7 +864,8 @@ class Executable:
             want = want + [key for key in call.keys if key not in want]
             return self._submit_gang(runtime, call.layers, call.keys, want, pinned)
         return dict(zip(want, runtime.submit_layers(call.layers, want, workers=pinned,
-                                                    cpu_resource=self._cpu_resource(runtime))))
+                                                    cpu_resource=self._cpu_resource(runtime),
+                                                    drop_fetched=self.drop_fetched and self.strategy == "zero3")))
 
     @staticmethod
     def _kept_refs(futures: dict, source: _Sources, kept: list[tuple[int, int]], moved,

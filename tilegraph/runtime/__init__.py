@@ -21,10 +21,10 @@ from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_security, _embedded_security,  # noqa: F401
                                           _probe_scheduler, _read_scheduler_file, _refuse_unguarded_script,
                                           _tls_files)
-from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, LOG_LENGTH_DASK_CONFIG, _check_worker_versions,
-                                            _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
+from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG,
+                                            _check_worker_versions, _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
                                             _unchain_plugin, scheduler_send_intervals, set_send_interval,
-                                            short_key_sets)
+                                            drop_fetched_plugin, short_key_sets)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
 
@@ -155,6 +155,9 @@ class Runtime:
                             lambda: client.register_plugin(_signals_plugin()))
         # with Dask's batching delays on every hop between dependent tasks
         _optional_setup("shorten Dask's send intervals", lambda: _shorten_send_intervals(client))
+        # a "zero3" step's processes hold every parameter they fetched until the step ends
+        _optional_setup("install the scheduler's drop of fetched parameters",
+                        lambda: client.register_plugin(drop_fetched_plugin()))
         # the workers' task records grow with the steps
         _optional_setup("install the task-record cleanup on the workers",
                         lambda: client.register_plugin(_unchain_plugin()))
@@ -294,7 +297,8 @@ class Runtime:
 
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
-                      workers: dict[str, str] | None = None, cpu_resource: bool | None = None) -> list:
+                      workers: dict[str, str] | None = None, cpu_resource: bool | None = None,
+                      drop_fetched: bool = False) -> list:
         """Submit one lowered step as a single graph; returns futures for ``keys``.
 
         CPU and GPU tasks carry their resource restriction (CPU tasks ask for ``{"CPU": 1}``
@@ -302,7 +306,9 @@ class Runtime:
         None: as of the last snapshot); ``workers`` maps task keys to the worker the plan put
         them on (a loose restriction: Dask would otherwise run every task next to the
         parameters, on one worker; strict for gang tasks and for the tasks of the ``"data"`` and
-        ``"dask"`` layers it names: the inputs of gang tasks).
+        ``"dask"`` layers it names: the inputs of gang tasks). With ``drop_fetched`` (a "zero3"
+        plan), what a CPU or GPU task fetched from another worker is dropped there once it has
+        run and nothing else there waits for it (:func:`~tilegraph.runtime.worker_setup.drop_fetched_plugin`).
         """
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
@@ -334,7 +340,10 @@ class Runtime:
         # a gang task is pinned strictly: two on one worker would wait for each other
         cpu_resource = self.last_workers.cpu_resource if cpu_resource is None else cpu_resource
         cpu = {"resources": {"CPU": 1}} if cpu_resource else {}
-        tasks = (split("cpu", cpu, False) + split("gpu", {"resources": {"GPU": 1}}, False)
+        gpu = {"resources": {"GPU": 1}}
+        if drop_fetched:
+            cpu, gpu = {**cpu, DROP_FETCHED: True}, {**gpu, DROP_FETCHED: True}
+        tasks = (split("cpu", cpu, False) + split("gpu", gpu, False)
                  + split("transfer", {"priority": TRANSFER_PRIORITY}, False) + split("gang", cpu, True))
         # task layers depend on each other in all directions; declare it so culling keeps them all
         for name in tasks:

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+import time
 
 from tilegraph._errors import TileError
 
@@ -349,3 +350,65 @@ CLUSTER_DASK_CONFIG = {
     "distributed.scheduler.worker-ttl": "60s",
     **LOG_LENGTH_DASK_CONFIG,
 }
+
+
+#: the annotation of a task whose inputs fetched from other workers are dropped there once it
+#: has run (:func:`drop_fetched_plugin`): the tasks of a "zero3" plan
+DROP_FETCHED = "tilegraph_drop_fetched"
+
+
+def drop_fetched_plugin():
+    """A scheduler plugin that, when a task annotated :data:`DROP_FETCHED` has run on a worker,
+    drops that worker's copies of the task's inputs that another worker also holds and that no
+    other task pinned there still waits for: a "zero3" step's tasks fetch each layer's
+    parameters from their owner, and a copy then goes once the layer's backward there has read
+    it, where Dask keeps a replica while its key lives (the parameter is replaced at the step's
+    end) unless its memory manager drops it, every 2 s and keeping one per waiting task.
+    Dask's own ``request_remove_replicas`` does it, never the last copy; a worker whose running
+    task still reads the value keeps it (and tells the scheduler)."""
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    class DropFetched(SchedulerPlugin):
+        name = "tilegraph-drop-fetched"
+        idempotent = True
+
+        def __init__(self):
+            self.scheduler = None
+            #: copies dropped so far
+            self.dropped = 0
+
+        async def start(self, scheduler) -> None:
+            self.scheduler = scheduler
+
+        def transition(self, key, start, finish, *args, **kwargs) -> None:
+            if start != "processing" or finish != "memory" or self.scheduler is None:
+                return
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or not (ts.annotations or {}).get(DROP_FETCHED):
+                return
+            addr = kwargs.get("worker")
+            if addr is None and ts.who_has and len(ts.who_has) == 1:
+                addr = next(iter(ts.who_has)).address
+            deps = [d.key for d in ts.dependencies]
+            if addr is not None and deps:  # after the transitions under way: they may still use them
+                self.scheduler.loop.add_callback(self._drop, addr, deps)
+
+        def _drop(self, addr: str, keys: list) -> None:
+            s = self.scheduler
+            ws = s.workers.get(addr)
+            if ws is None:
+                return
+            drop = []
+            for key in keys:
+                ts = s.tasks.get(key)
+                if ts is None or ts.state != "memory" or ws not in ts.who_has or len(ts.who_has) < 2:
+                    continue
+                if any(w.processing_on is ws or (w.worker_restrictions and addr in w.worker_restrictions)
+                       for w in ts.waiters or ()):
+                    continue  # read there again soon
+                drop.append(key)
+            if drop:
+                self.dropped += len(drop)
+                s.request_remove_replicas(addr, drop, stimulus_id=f"tilegraph-drop-fetched-{time.time()}")
+
+    return DropFetched()
