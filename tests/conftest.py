@@ -230,3 +230,19 @@ def lm_ids(vocab: int, seed: int = 0, shape=(2, 8)) -> np.ndarray:
 def lm_loss(model, ids, targets):
     """Next-token cross-entropy of ``model`` (a tg.Trainer loss_fn)."""
     return tg.cross_entropy(model(ids), targets)
+
+
+def mpiexec_or_skip() -> str:
+    """The ``mpiexec`` of this Python's environment (the mpi extra's MPICH) or on PATH; skips the
+    test where it, mpi4py or dask_mpi is missing."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mpi4py")
+    pytest.importorskip("dask_mpi")
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (the mpi extra's mpich provides one)")
+    return found

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import mpiexec_or_skip
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -44,16 +45,6 @@ interface = "lo"
 """
 
 
-def _mpiexec() -> str:
-    pytest.importorskip("mpi4py")
-    pytest.importorskip("dask_mpi")
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec (the mpi extra's mpich provides one)")
-    return found
-
-
 def _tilegraph() -> list[str]:
     """The installed ``tilegraph`` command (the entry point users run), else the module."""
     here = Path(sys.executable).parent / "tilegraph"
@@ -69,7 +60,7 @@ def _launch(cwd: Path, n: int, args: list[str], timeout: float) -> tuple[int, st
     for key in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_SIZE"):
         env.pop(key, None)  # pytest itself run under a launch: this one is a launch of its own
     t0 = time.monotonic()
-    proc = subprocess.Popen([_mpiexec(), "-n", str(n), *_tilegraph(), *args], cwd=cwd, env=env, text=True,
+    proc = subprocess.Popen([mpiexec_or_skip(), "-n", str(n), *_tilegraph(), *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

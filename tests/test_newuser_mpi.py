@@ -5,26 +5,15 @@ forget to close, launch too few ranks, give a setting the scheduler cannot read,
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import stop_process
+from conftest import mpiexec_or_skip, stop_process
 
 import tilegraph as tg
-
-
-def _mpiexec() -> str:
-    pytest.importorskip("mpi4py")
-    pytest.importorskip("dask_mpi")
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec (the mpi extra's mpich provides one)")
-    return found
 
 
 def _launch(tmp_path: Path, n: int, code: str, timeout: float = 90) -> tuple[int, str, str, float]:
@@ -35,7 +24,7 @@ def _launch(tmp_path: Path, n: int, code: str, timeout: float = 90) -> tuple[int
     for key in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_SIZE"):
         env.pop(key, None)
     t0 = time.monotonic()
-    proc = subprocess.Popen([_mpiexec(), "-n", str(n), sys.executable, "job.py"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([mpiexec_or_skip(), "-n", str(n), sys.executable, "job.py"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
