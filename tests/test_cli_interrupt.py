@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,7 +52,13 @@ def test_ctrl_c_while_train_starts_its_cluster(tmp_path):
                              "--no-progress"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        time.sleep(3.0)  # importing and starting the embedded cluster, or reading the corpus
+        # the corpus read (its token file's sidecar written): the embedded cluster starts next. (A
+        # fixed 3 s wait sent the Ctrl-C, on a loaded machine, while `python -m tilegraph.cli` still
+        # imported tilegraph, before any guard: Python's traceback and exit status -2.)
+        sidecar, deadline = tmp_path / "run" / "tokens.bin.json", time.time() + 240
+        while not sidecar.is_file():
+            assert time.time() < deadline and proc.poll() is None, "no corpus read"
+            time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: to the whole process group
         out, err = proc.communicate(timeout=120)
     finally:
@@ -95,10 +102,20 @@ def test_the_console_script_is_the_guarded_entry_point(tmp_path):
     assert "_tilegraph_cli" in script, script  # (pip writes the entry point's module into the script)
     proc = subprocess.Popen([exe, "info", "nothing-here"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # Python is up and importing NumPy, Dask, ... (over a second)
+    # Python is up and importing NumPy, Dask, ... (over a second): NumPy's libraries are mapped.
+    # (A fixed 0.3 s wait sent the SIGINT, on a loaded machine, while Python's own start-up still
+    # ran site-packages' .pth files: "Fatal Python error: init_import_site", before any guard.)
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.time() + 60
+    if not maps.is_file():
+        proc.kill()
+        proc.wait()
+        pytest.skip("no /proc/PID/maps here to see the command's imports")
+    while proc.poll() is None and "/numpy/" not in maps.read_text():
+        assert time.time() < deadline, "NumPy not imported after 60 s"
+        time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    if proc.returncode == 130:  # (a machine that imports faster than that reached the command itself)
+    if proc.returncode == 130:  # (the SIGINT came during the imports, or in the command itself)
         assert err == "tilegraph info: interrupted\n", err
     else:
         assert "Traceback" not in err, err
