@@ -568,6 +568,52 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
         client.amm.start()
 
 
+def _reset_transfer_log(dask_worker) -> None:
+    import collections
+
+    dask_worker.transfer_incoming_log = collections.deque(maxlen=1_000_000)
+
+
+def _fetched(dask_worker) -> dict:
+    """Bytes of each key this worker fetched since :func:`_reset_transfer_log`, summed."""
+    out: dict = {}
+    for entry in dask_worker.transfer_incoming_log:
+        for key, nbytes in entry["keys"].items():
+            out[str(key)] = out.get(str(key), 0) + nbytes
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_fetches_a_parameter_again_for_the_backward(embedded_runtime, monkeypatch, reshard):
+    """As FSDP gathers a layer's parameters again for its backward: a "zero3" process drops the
+    parameters it fetched for the forward once the forward's tasks there have read them, and
+    fetches them again for the backward, so in one step each process fetches the other's half
+    of the parameters about twice; with ``zero3_reshard_after_forward=False`` a copy stays from
+    the forward to the backward: once."""
+    from tilegraph import models
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    monkeypatch.setattr(tg.config, "zero3_reshard_after_forward", reshard)
+    client = embedded_runtime.client
+    model = models.build("gpt2-debug", seed=0)
+    n_bytes = _nbytes(model)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
+                        runtime=embedded_runtime, parallel="zero3")
+    step(ids, np.roll(ids, -1, 1))
+    params = [c.value.future for p in model.parameters() for c in p.cells.flat]  # what the next step reads
+    _held_by_worker(client, params)
+    client.run(_reset_transfer_log)
+    step(ids, np.roll(ids, -1, 1))
+    _held_by_worker(client, [c.value.future for p in model.parameters() for c in p.cells.flat])  # done
+    keys = {str(f.key) for f in params}
+    fetched = sum(n for per_worker in client.run(_fetched).values() for k, n in per_worker.items() if k in keys)
+    low, high = (1.6, 2.4) if reshard else (0.8, 1.4)
+    assert low * n_bytes <= fetched <= high * n_bytes, (fetched, n_bytes)
+
+
 @pytest.mark.distributed
 def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monkeypatch):
     """parallel="zero3": each process fetches the parameters it reads from their owner, and the

@@ -112,9 +112,10 @@ class Config:
     #: parameter tile's gradient sum, update and optimizer state on one owner process, which
     #: sends the new parameter to every other process (ZeRO-2: each holds all parameters);
     #: "zero3" is "sharded" with the parameters kept by their owner alone, each task fetching
-    #: the ones it reads and Dask dropping the copies once read (ZeRO-3, FSDP's full sharding:
-    #: what each worker holds between steps falls with the number of workers, though not the
-    #: peak of a step, measured in the README; the step runs as Dask tasks);
+    #: the ones it reads, no task reading more than a process's share of them, and the copies
+    #: dropped once read (ZeRO-3, FSDP's full sharding: what each worker holds, between steps
+    #: and at a step's peak, falls with the number of workers, measured in the README; the step
+    #: runs as Dask tasks);
     #: "sharded" runs as "zero3" where tasks are kept under a memory bound and no gang runs.
     #: "auto" plans "tiles" and "sharded"; it keeps "sharded" where the tiles plan spans several
     #: processes, else the one whose simulated step finishes first ("sharded" rather than "data":
@@ -128,6 +129,12 @@ class Config:
     #: 1.29 / 1.68 s (0.93 / 0.95 / 0.73 of torch with 16 threads), where tiles across processes
     #: has measured 0.61 / 0.30 / 0.22 of torch; on 2 cores sharded beat tiles for every model
     parallel: str = "auto"
+    #: "zero3": drop the parameters a process fetched for the forward pass once its forward
+    #: tasks have read them, and fetch them again for the backward (FSDP's
+    #: reshard_after_forward): a step's peak holds the fetched parameters of the layers under
+    #: way, not of every layer run, for twice the parameter traffic. False: a copy stays from
+    #: the forward to the backward (measured in the README)
+    zero3_reshard_after_forward: bool = True
     #: a fused task's memory bound (its inputs plus everything its kernels write) stays under
     #: this share of the smallest worker memory limit, so that a worker can hold a task while
     #: Dask spills the other task results it keeps (parameters, optimizer state, activations)
@@ -275,6 +282,7 @@ _CHECKS = {
     "bucket_bytes": _AUTO_OR_POSITIVE, "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
     "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),
     "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
+    "zero3_reshard_after_forward": _BOOL,
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),
     "speeds": (_speeds, 'a dict of device ("cpu", "gpu") -> (flop/s, byte/s, seconds per kernel call), each > 0'),
     "thread_handoff_seconds": number_check(), "kernel_gil_seconds": number_check(),

@@ -865,7 +865,24 @@ class Executable:
             return self._submit_gang(runtime, call.layers, call.keys, want, pinned)
         return dict(zip(want, runtime.submit_layers(call.layers, want, workers=pinned,
                                                     cpu_resource=self._cpu_resource(runtime),
-                                                    drop_fetched=self.drop_fetched and self.strategy == "zero3")))
+                                                    drop_fetched=self._phases(call.keys))))
+
+    def _phases(self, keys: Sequence[str]) -> dict[str, str] | None:
+        """The phase of each task of a "zero3" plan that asks for it (:attr:`drop_fetched`), by
+        key: "update" where it updates the optimizer's state, else "backward" where it has
+        kernels of the backward pass (or their recompute), else "forward" (or "forward-kept"
+        without ``config.zero3_reshard_after_forward``). The scheduler's plugin drops a
+        parameter fetched for the forward once the "forward" tasks there have read it (the
+        backward fetches it again), never while an update there waits for it (its owner's
+        copy). None for any other plan."""
+        if not (self.drop_fetched and self.strategy == "zero3"):
+            return None
+        forward = "forward" if config.zero3_reshard_after_forward else "forward-kept"
+        out = {}
+        for key, c in zip(keys, self.clusters):
+            phases = {n.scope.partition(":")[2] for n in c.nodes}
+            out[key] = "update" if "update" in phases else forward if phases <= {"", "forward"} else "backward"
+        return out
 
     @staticmethod
     def _kept_refs(futures: dict, source: _Sources, kept: list[tuple[int, int]], moved,

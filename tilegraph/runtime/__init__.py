@@ -298,7 +298,7 @@ class Runtime:
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
                       workers: dict[str, str] | None = None, cpu_resource: bool | None = None,
-                      drop_fetched: bool = False) -> list:
+                      drop_fetched: dict[str, str] | None = None) -> list:
         """Submit one lowered step as a single graph; returns futures for ``keys``.
 
         CPU and GPU tasks carry their resource restriction (CPU tasks ask for ``{"CPU": 1}``
@@ -306,9 +306,10 @@ class Runtime:
         None: as of the last snapshot); ``workers`` maps task keys to the worker the plan put
         them on (a loose restriction: Dask would otherwise run every task next to the
         parameters, on one worker; strict for gang tasks and for the tasks of the ``"data"`` and
-        ``"dask"`` layers it names: the inputs of gang tasks). With ``drop_fetched`` (a "zero3"
-        plan), what a CPU or GPU task fetched from another worker is dropped there once it has
-        run and nothing else there waits for it (:func:`~tilegraph.runtime.worker_setup.drop_fetched_plugin`).
+        ``"dask"`` layers it names: the inputs of gang tasks). ``drop_fetched`` (a "zero3" plan)
+        maps task keys to their phase, "forward", "backward" or "update": what such a task
+        fetched from another worker is dropped there once it has run and no task there that
+        would read it soon waits for it (:func:`~tilegraph.runtime.worker_setup.drop_fetched_plugin`).
         """
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
@@ -316,16 +317,20 @@ class Runtime:
         deps: dict[str, set] = {}
         workers = workers or {}
 
+        phases = drop_fetched or {}
+
         def split(name: str, ann0: dict, strict: bool) -> list[str]:
             """Layer ``name`` as one part per worker its tasks are pinned to (one more for the
-            others); the names of the parts."""
-            by_worker: dict[str | None, dict] = {}
+            others) and phase of ``drop_fetched``; the names of the parts."""
+            by_worker: dict[tuple[str, str], dict] = {}
             for key, task in (layers.get(name) or {}).items():
-                by_worker.setdefault(workers.get(key), {})[key] = task
+                by_worker.setdefault((workers.get(key) or "", phases.get(key, "")), {})[key] = task
             names = []
-            for i, (addr, sub) in enumerate(sorted(by_worker.items(), key=lambda kv: kv[0] or "")):
+            for i, ((addr, phase), sub) in enumerate(sorted(by_worker.items())):
                 ann = dict(ann0)
-                if addr is not None:
+                if phase:
+                    ann[DROP_FETCHED] = phase
+                if addr:
                     ann.update(workers=[addr], allow_other_workers=not strict)
                 names.append(f"{name}-{i}")
                 parts[names[-1]] = MaterializedLayer(sub, annotations=ann or None)
@@ -340,10 +345,7 @@ class Runtime:
         # a gang task is pinned strictly: two on one worker would wait for each other
         cpu_resource = self.last_workers.cpu_resource if cpu_resource is None else cpu_resource
         cpu = {"resources": {"CPU": 1}} if cpu_resource else {}
-        gpu = {"resources": {"GPU": 1}}
-        if drop_fetched:
-            cpu, gpu = {**cpu, DROP_FETCHED: True}, {**gpu, DROP_FETCHED: True}
-        tasks = (split("cpu", cpu, False) + split("gpu", gpu, False)
+        tasks = (split("cpu", cpu, False) + split("gpu", {"resources": {"GPU": 1}}, False)
                  + split("transfer", {"priority": TRANSFER_PRIORITY}, False) + split("gang", cpu, True))
         # task layers depend on each other in all directions; declare it so culling keeps them all
         for name in tasks:

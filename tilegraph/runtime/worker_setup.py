@@ -358,12 +358,16 @@ DROP_FETCHED = "tilegraph_drop_fetched"
 
 
 def drop_fetched_plugin():
-    """A scheduler plugin that, when a task annotated :data:`DROP_FETCHED` has run on a worker,
-    drops that worker's copies of the task's inputs that another worker also holds and that no
-    other task pinned there still waits for: a "zero3" step's tasks fetch each layer's
-    parameters from their owner, and a copy then goes once the layer's backward there has read
-    it, where Dask keeps a replica while its key lives (the parameter is replaced at the step's
-    end) unless its memory manager drops it, every 2 s and keeping one per waiting task.
+    """A scheduler plugin that, when a task annotated :data:`DROP_FETCHED` (its phase: "forward",
+    "backward" or "update") has run on a worker, drops that worker's copies of the task's inputs
+    that another worker also holds and that no task pinned there will read soon: after a
+    forward task, none but the backward's waits there; after any other, none at all. A "zero3"
+    step's tasks fetch each layer's parameters from their owner: a copy goes once the layer's
+    forward tasks there have read it, and the backward fetches it again, as FSDP gathers a
+    layer again for its backward, so a process holds the fetched parameters of the layers
+    under way, not of every layer it has run (Dask keeps a replica while its key lives, until
+    the parameter is replaced at the step's end, unless its memory manager drops it, every 2 s
+    and keeping one per waiting task). The owner's copy stays: its update waits for it there.
     Dask's own ``request_remove_replicas`` does it, never the last copy; a worker whose running
     task still reads the value keeps it (and tells the scheduler)."""
     from distributed.diagnostics.plugin import SchedulerPlugin
@@ -384,16 +388,17 @@ def drop_fetched_plugin():
             if start != "processing" or finish != "memory" or self.scheduler is None:
                 return
             ts = self.scheduler.tasks.get(key)
-            if ts is None or not (ts.annotations or {}).get(DROP_FETCHED):
+            phase = (ts.annotations or {}).get(DROP_FETCHED) if ts is not None else None
+            if not phase:
                 return
             addr = kwargs.get("worker")
             if addr is None and ts.who_has and len(ts.who_has) == 1:
                 addr = next(iter(ts.who_has)).address
             deps = [d.key for d in ts.dependencies]
             if addr is not None and deps:  # after the transitions under way: they may still use them
-                self.scheduler.loop.add_callback(self._drop, addr, deps)
+                self.scheduler.loop.add_callback(self._drop, addr, deps, phase)
 
-        def _drop(self, addr: str, keys: list) -> None:
+        def _drop(self, addr: str, keys: list, phase: str) -> None:
             s = self.scheduler
             ws = s.workers.get(addr)
             if ws is None:
@@ -403,9 +408,10 @@ def drop_fetched_plugin():
                 ts = s.tasks.get(key)
                 if ts is None or ts.state != "memory" or ws not in ts.who_has or len(ts.who_has) < 2:
                     continue
-                if any(w.processing_on is ws or (w.worker_restrictions and addr in w.worker_restrictions)
+                if any(w.processing_on is ws or (w.worker_restrictions and addr in w.worker_restrictions and (
+                        phase != "forward" or (w.annotations or {}).get(DROP_FETCHED) != "backward"))
                        for w in ts.waiters or ()):
-                    continue  # read there again soon
+                    continue  # read there soon
                 drop.append(key)
             if drop:
                 self.dropped += len(drop)
