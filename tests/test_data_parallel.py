@@ -499,25 +499,36 @@ def _held_by_worker(client, futures) -> dict[str, int]:
     return out
 
 
+def _debug_gpt2_step(runtime, parallel: str):
+    """The debug GPT-2, a TrainStep of it on ``runtime`` with ``parallel`` (2 row tiles a
+    process on 2 workers), and a batch: ``(model, step, batch)``."""
+    from tilegraph import models
+
+    model = models.build("gpt2-debug", seed=0)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
+                        runtime=runtime, parallel=parallel)
+    return model, step, (ids, np.roll(ids, -1, 1))
+
+
+def _parameter_futures(model) -> list:
+    return [c.value.future for p in model.parameters() for c in p.cells.flat]
+
+
 @pytest.mark.distributed
 def test_zero3_tasks_read_at_most_a_process_share_of_the_parameters(embedded_runtime, monkeypatch):
     """parallel="zero3" gathers a parameter only for the tasks that use it: no task reads more
     than a process's share of the parameters (half of them on 2 workers), so a process never
     holds every parameter at once; "sharded" runs a process's forward pass in one task that
     reads every parameter."""
-    from tilegraph import models
-
     monkeypatch.setattr(tg.config, "exchange", "tasks")
     most = {}
     for strategy in ("sharded", "zero3"):
-        model = models.build("gpt2-debug", seed=0)
+        model, step, batch = _debug_gpt2_step(embedded_runtime, strategy)
         n_bytes = _nbytes(model)
         cells = {id(c) for p in model.parameters() for c in p.cells.flat}
-        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
-        opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
-        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
-                            runtime=embedded_runtime, parallel=strategy)
-        exe = step.plan(ids, np.roll(ids, -1, 1))
+        exe = step.plan(*batch)
         assert exe.strategy == strategy
         read = [sum(r.nbytes for r in {(id(r.node), r.index): r for r in plan.ext
                                        if r.node.is_leaf and id(r.node.cell) in cells}.values())
@@ -536,25 +547,19 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
     dropped."""
     import time
 
-    from tilegraph import models
-
     monkeypatch.setattr(tg.config, "exchange", "tasks")
     client = embedded_runtime.client
     client.amm.stop()
     try:
-        model = models.build("gpt2-debug", seed=0)
+        model, step, batch = _debug_gpt2_step(embedded_runtime, "zero3")
         n_bytes = _nbytes(model)
-        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
-        opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
-        step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
-                            runtime=embedded_runtime, parallel="zero3")
         dropped = lambda: client.run_on_scheduler(  # noqa: E731
             lambda dask_scheduler: dask_scheduler.plugins["tilegraph-drop-fetched"].dropped)
-        step(ids, np.roll(ids, -1, 1))
-        params = [c.value.future for p in model.parameters() for c in p.cells.flat]  # what the next step reads
+        step(*batch)
+        params = _parameter_futures(model)  # what the next step reads
         before = dropped()
-        step(ids, np.roll(ids, -1, 1))
-        _held_by_worker(client, [c.value.future for p in model.parameters() for c in p.cells.flat])  # done
+        step(*batch)
+        _held_by_worker(client, _parameter_futures(model))  # the step is done
         deadline = time.monotonic() + 10
         while True:  # the last drops follow the step's last tasks
             held = _held_by_worker(client, params)
@@ -591,23 +596,17 @@ def test_zero3_fetches_a_parameter_again_for_the_backward(embedded_runtime, monk
     fetches them again for the backward, so in one step each process fetches the other's half
     of the parameters about twice; with ``zero3_reshard_after_forward=False`` a copy stays from
     the forward to the backward: once."""
-    from tilegraph import models
-
     monkeypatch.setattr(tg.config, "exchange", "tasks")
     monkeypatch.setattr(tg.config, "zero3_reshard_after_forward", reshard)
     client = embedded_runtime.client
-    model = models.build("gpt2-debug", seed=0)
+    model, step, batch = _debug_gpt2_step(embedded_runtime, "zero3")
     n_bytes = _nbytes(model)
-    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 32))
-    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
-    step = tg.TrainStep(model, opt, lambda m, i, t: tg.cross_entropy(m(i), t), batch_tiles=[(2, None)] * 2,
-                        runtime=embedded_runtime, parallel="zero3")
-    step(ids, np.roll(ids, -1, 1))
-    params = [c.value.future for p in model.parameters() for c in p.cells.flat]  # what the next step reads
+    step(*batch)
+    params = _parameter_futures(model)  # what the next step reads
     _held_by_worker(client, params)
     client.run(_reset_transfer_log)
-    step(ids, np.roll(ids, -1, 1))
-    _held_by_worker(client, [c.value.future for p in model.parameters() for c in p.cells.flat])  # done
+    step(*batch)
+    _held_by_worker(client, _parameter_futures(model))  # the step is done
     keys = {str(f.key) for f in params}
     fetched = sum(n for per_worker in client.run(_fetched).values() for k, n in per_worker.items() if k in keys)
     low, high = (1.6, 2.4) if reshard else (0.8, 1.4)
