@@ -22,9 +22,10 @@ from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_securit
                                           _probe_scheduler, _read_scheduler_file, _refuse_unguarded_script,
                                           _tls_files)
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG,
-                                            _check_worker_versions, _malloc_plugin, _quiet_logs, _send_interval_plugins, _signals_plugin,
-                                            _unchain_plugin, scheduler_send_intervals, set_send_interval,
-                                            drop_fetched_plugin, short_key_sets)
+                                            _check_worker_versions, _malloc_plugin, _quiet_logs,
+                                            _send_interval_plugins, _signals_plugin, _unchain_plugin,
+                                            drop_fetched_plugin, scheduler_send_intervals, set_send_interval,
+                                            short_key_sets)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
 
