@@ -246,3 +246,18 @@ def mpiexec_or_skip() -> str:
     if not found:
         pytest.skip("no mpiexec (the mpi extra's mpich provides one)")
     return found
+
+
+def connect_refused_within(seconds: float, match: str, *args, **kwargs) -> tuple[str, float]:
+    """``tg.connect(*args, **kwargs)`` (never made current) raising a TileError matching
+    ``match`` in under ``seconds``: (its message, the seconds it took)."""
+    import time
+
+    import tilegraph as tg
+
+    start = time.monotonic()
+    with pytest.raises(tg.TileError, match=match) as e:
+        tg.connect(*args, make_current=False, **kwargs)
+    elapsed = time.monotonic() - start
+    assert elapsed < seconds, f"took {elapsed:.1f} s: {e.value}"
+    return str(e.value), elapsed

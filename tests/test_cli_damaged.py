@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_cli import _cli  # runs `python -m tilegraph.cli` in a subprocess
 
 #: the array the damages below hit (exact float32; its chunk files c.I.J, each with its CRC32C)
 ARRAY = "model/wte.weight"
-
-
-def _cli(*args, cwd) -> subprocess.CompletedProcess:
-    """``python -m tilegraph.cli *args`` in a subprocess (as test_cli.py runs the command)."""
-    return subprocess.run([sys.executable, "-m", "tilegraph.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 @pytest.fixture(scope="module")

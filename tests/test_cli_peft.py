@@ -8,14 +8,12 @@ training from it (the "pretrained" base) -> 10 LoRA steps on another corpus, on 
 saved and on its int8-quantized copy."""
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from test_cli import _cli  # runs `python -m tilegraph.cli` in a subprocess
 
 pytestmark = pytest.mark.distributed
 
@@ -59,11 +57,6 @@ targets = ["c_attn", "c_proj", "c_fc"]
 """
 
 ADAPTED = [f"blocks.{i}.{k}" for i in range(2) for k in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc1", "mlp.fc2")]
-
-
-def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "tilegraph.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def _losses(run_dir):

@@ -14,6 +14,7 @@ import time
 import distributed  # noqa: F401 - imported before any timed connect: a cold import takes 1-2 s
 import distributed.comm  # noqa: F401
 import pytest
+from conftest import connect_refused_within
 
 import tilegraph as tg
 
@@ -90,24 +91,15 @@ def http_peer():
         thread.join(timeout=5)
 
 
-def _raises_within(seconds, match, *args, **kwargs):
-    start = time.monotonic()
-    with pytest.raises(tg.TileError, match=match) as e:
-        tg.connect(*args, make_current=False, **kwargs)
-    elapsed = time.monotonic() - start
-    assert elapsed < seconds, f"took {elapsed:.1f} s"
-    return str(e.value), elapsed
-
-
 def test_a_port_that_accepts_and_stays_silent_fails_within_the_timeout(silent_peer):
-    msg, elapsed = _raises_within(2 + 2.5, r"^\[tilegraph\.connect\] no Dask scheduler answered within 2 s: the peer "
+    msg, elapsed = connect_refused_within(2 + 2.5, r"^\[tilegraph\.connect\] no Dask scheduler answered within 2 s: the peer "
                                            r"at tcp://127\.0\.0\.1:\d+ accepted the connection but sent no Dask "
                                            r"handshake", silent_peer, timeout=2)
     assert msg.endswith(f"received: {silent_peer}") and elapsed > 1.5  # it did wait for the scheduler
 
 
 def test_an_http_server_is_not_a_dask_scheduler(http_peer):
-    msg, _ = _raises_within(3.5, r"the peer at tcp://127\.0\.0\.1:\d+ does not speak the Dask protocol \(is it a "
+    msg, _ = connect_refused_within(3.5, r"the peer at tcp://127\.0\.0\.1:\d+ does not speak the Dask protocol \(is it a "
                                r"dashboard/HTTP port\?\)", http_peer, timeout=5)
     assert f"received: {http_peer}: it answered in HTTP ('<!DOCTYPE HTML>')" in msg
 
@@ -116,18 +108,18 @@ def test_a_dask_dashboard_port_is_not_the_scheduler():
     """The usual mistake: the dashboard's port (Tornado, 8787) instead of the scheduler's (8786)."""
     with tg.connect(n_workers=1, threads_per_worker=1, quiet=True, make_current=False) as rt:
         dashboard = "tcp://" + rt.dashboard_link.split("://", 1)[1].split("/", 1)[0]
-        msg, _ = _raises_within(3.5, r"does not speak the Dask protocol \(is it a dashboard/HTTP port\?\)", dashboard,
+        msg, _ = connect_refused_within(3.5, r"does not speak the Dask protocol \(is it a dashboard/HTTP port\?\)", dashboard,
                                 timeout=5)
         assert f"received: {dashboard}: it answered in HTTP ('HTTP/1.1 400 Bad Request')" in msg
 
 
 def test_a_peer_that_hangs_up_or_talks_another_protocol(http_peer):
     with _peer(lambda conn: conn.close()) as hangs_up:
-        msg, _ = _raises_within(3.5, r"does not speak the Dask protocol \(is it a dashboard/HTTP port, or a tls:// "
+        msg, _ = connect_refused_within(3.5, r"does not speak the Dask protocol \(is it a dashboard/HTTP port, or a tls:// "
                                    r"scheduler\?\)", hangs_up.address, timeout=5)
         assert f"received: {hangs_up.address}: it closed the connection without a Dask handshake" in msg
     with _peer(lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")) as ssh:
-        msg, _ = _raises_within(3.5, r"does not speak the Dask protocol", ssh.address, timeout=5)
+        msg, _ = connect_refused_within(3.5, r"does not speak the Dask protocol", ssh.address, timeout=5)
         assert f"received: {ssh.address}: its first bytes are no Dask handshake: b'SSH-2.0-" in msg
 
 
@@ -147,7 +139,7 @@ def test_a_real_scheduler_still_connects_quickly(embedded_runtime):
 def test_a_broken_scheduler_file_names_the_file_and_the_fault(tmp_path, content, problem):
     path = tmp_path / "sched.json"
     path.write_text(content)
-    msg, _ = _raises_within(0.5 + 2.5, r"a scheduler file: a JSON object with the scheduler's \"address\"",
+    msg, _ = connect_refused_within(0.5 + 2.5, r"a scheduler file: a JSON object with the scheduler's \"address\"",
                             scheduler_file=str(path), timeout=0.5)
     assert f"received: {str(path)!r}: " in msg
     import re
@@ -169,7 +161,7 @@ def test_a_scheduler_file_being_written_is_read_again(embedded_runtime, tmp_path
 def test_a_scheduler_file_naming_a_silent_port_names_both(silent_peer, tmp_path):
     path = tmp_path / "sched.json"
     path.write_text(json.dumps({"address": silent_peer}))
-    msg, _ = _raises_within(1 + 2.5, r"no Dask scheduler answered within 1 s", scheduler_file=str(path), timeout=1)
+    msg, _ = connect_refused_within(1 + 2.5, r"no Dask scheduler answered within 1 s", scheduler_file=str(path), timeout=1)
     assert msg.endswith(f"received: {silent_peer} (scheduler file {path})")
 
 

@@ -14,21 +14,12 @@ import types
 import distributed  # noqa: F401 - imported before any timed connect: a cold import takes 1-2 s
 import numpy as np
 import pytest
-from conftest import stop_process
+from conftest import connect_refused_within, stop_process
 
 import tilegraph as tg
 from tilegraph.runtime import MIN_WORKER_MEMORY_BYTES, Runtime, Workers
 
 FILE_WANTS = r'a scheduler file whose "address" is a scheduler address: "tcp://HOST:PORT"'
-
-
-def _refused_within(seconds: float, match: str, **kwargs) -> str:
-    start = time.monotonic()
-    with pytest.raises(tg.TileError, match=match) as e:
-        tg.connect(make_current=False, **kwargs)
-    elapsed = time.monotonic() - start
-    assert elapsed < seconds, f"took {elapsed:.1f} s"
-    return str(e.value)
 
 
 # -- 1. a scheduler file's "address" ----------------------------------------------------------------
@@ -47,7 +38,7 @@ def test_a_scheduler_file_with_a_malformed_address_names_the_file_and_the_addres
     whole (valid JSON): it is not read again for 2 s, and nothing is dialled."""
     path = tmp_path / "sched.json"
     path.write_text(json.dumps({"address": address, "type": "Scheduler"}))
-    msg = _refused_within(1.5, rf"^\[tilegraph\.connect\] {FILE_WANTS}", scheduler_file=str(path), timeout=5)
+    msg, _ = connect_refused_within(1.5, rf"^\[tilegraph\.connect\] {FILE_WANTS}", scheduler_file=str(path), timeout=5)
     assert f"received: {str(path)!r}: {problem}" in msg, msg
 
 
@@ -71,7 +62,7 @@ def test_the_cli_reports_a_malformed_scheduler_file_address_in_one_line(tmp_path
 def test_a_memory_limit_under_what_a_worker_takes_is_refused_before_anything_starts(limit, shown):
     """The nanny killed and restarted such a worker every second, and after ~32 s Dask's scatter
     raised "TimeoutError: No valid workers found" (with quiet=True the reason never showed)."""
-    msg = _refused_within(2.0, rf"^\[tilegraph\.connect\] a memory limit of at least "
+    msg, _ = connect_refused_within(2.0, rf"^\[tilegraph\.connect\] a memory limit of at least "
                                rf"{MIN_WORKER_MEMORY_BYTES >> 20} MiB per worker", n_workers=1, threads_per_worker=1,
                           memory_limit=limit, dashboard=False, quiet=True)
     assert msg.endswith(f"received: {shown}"), msg
@@ -81,7 +72,7 @@ def test_an_auto_memory_limit_under_what_a_worker_takes_says_why(monkeypatch):
     import distributed.system
 
     monkeypatch.setattr(distributed.system, "MEMORY_LIMIT", 64 << 20)  # a tiny machine
-    msg = _refused_within(2.0, r"a memory limit of at least \d+ MiB per worker.*give fewer workers \(n_workers\)",
+    msg, _ = connect_refused_within(2.0, r"a memory limit of at least \d+ MiB per worker.*give fewer workers \(n_workers\)",
                           n_workers=1, threads_per_worker=1, dashboard=False, quiet=True)
     assert "received: memory_limit='auto': " in msg and "for each worker of 1 thread" in msg, msg
 
