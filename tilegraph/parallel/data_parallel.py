@@ -335,11 +335,11 @@ def zero3_task_bytes(roots: Sequence[TileRef], state_groups: Sequence[Sequence[i
     (their bytes over the processes). A task holds what it reads and makes until it ends: one
     task for a process's whole forward pass gathered every parameter there with every
     activation, one for its backward every gradient, and a step's peak was no lower than
-    "sharded"'s. Measured on the block stack (6 x
-    768, 2 x 1 workers, ``bench_scale.py --strategies zero3 --exchange tasks``): the most memory
-    Dask held on one worker fell from 790 to 520-540 MiB; bounds of a fifth to half of the
-    parameters gave the same peak, the smallest a third more tasks and 15% fewer tokens/s. In one
-    process (nothing to share): no bound."""
+    "sharded"'s. Measured on the block stack (6 x 768, 2 x 1 workers, ``bench_scale.py
+    --strategies zero3 --exchange tasks``): the most memory Dask held on one worker fell from
+    790 to 535-538 MiB with this bound alone (456-462 with the fetched copies dropped, README);
+    bounds of a fifth to half of the parameters gave the same peak, the smallest a third more
+    tasks and 15% fewer tokens/s. In one process (nothing to share): no bound."""
     params = sum(roots[g[0]].nbytes for g in state_groups)
     procs = max([len(t) for t in groups.values()] + [1])
     return max(params / procs, 1.0) if params and procs > 1 else float("inf")  # one process: no sharing
