@@ -1,5 +1,7 @@
 """Data parallelism: the graph rewrite, and training on worker processes that each hold a replica."""
 
+import uuid
+
 import numpy as np
 import pytest
 
@@ -611,6 +613,69 @@ def test_zero3_fetches_a_parameter_again_for_the_backward(embedded_runtime, monk
     fetched = sum(n for per_worker in client.run(_fetched).values() for k, n in per_worker.items() if k in keys)
     low, high = (1.6, 2.4) if reshard else (0.8, 1.4)
     assert low * n_bytes <= fetched <= high * n_bytes, (fetched, n_bytes)
+
+
+def _sees_key_while_running(key: str, seconds: float) -> bool:
+    """A task: whether the value of ``key`` reaches this worker while the task runs (``seconds``)."""
+    import time
+
+    from distributed import get_worker
+
+    worker, deadline = get_worker(), time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if key in worker.data:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _reads_after(previous, value):
+    return previous, value.nbytes
+
+
+def _prefetched(client) -> int:
+    """How many values the scheduler's plugin has had workers fetch ahead so far."""
+    return client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["tilegraph-drop-fetched"].prefetched)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_worker_fetches_its_next_task_s_inputs_while_the_task_before_runs(embedded_runtime, prefetch):
+    """The scheduler plugin's prefetch (FSDP's, for "zero3" steps): once task T is sent to worker
+    B, B fetches what its next task D (pinned there, reading T's result, annotated to prefetch)
+    reads from worker A, while T runs. Without the annotation Dask fetches D's inputs only once
+    D may start, after T: T never sees the value arrive."""
+    client = embedded_runtime.client
+    a, b = sorted(embedded_runtime.workers())
+    value = client.scatter(np.ones(1 << 16), workers=[a])
+    token = uuid.uuid4().hex
+    first, then = f"tg-first-{token}", f"tg-then-{token}"
+    layers = {"cpu": {first: (_sees_key_while_running, value.key, 3.0), then: (_reads_after, first, value)}}
+    before = _prefetched(client)
+    got = embedded_runtime.submit_layers(layers, [then], workers={first: b, then: b},
+                                         drop_fetched={first: "forward", then: "forward"}, prefetch=prefetch)[0]
+    seen, nbytes = got.result(timeout=30)
+    assert nbytes == value.result().nbytes
+    assert seen is prefetch
+    assert (_prefetched(client) > before) is prefetch
+
+
+@pytest.mark.distributed
+def test_zero3_prefetch_changes_no_loss(embedded_runtime, monkeypatch):
+    """A "zero3" step with the parameters fetched ahead (the default) gives the losses of one
+    without, bit for bit; the scheduler's plugin fetched ahead in the first, not the second."""
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    client = embedded_runtime.client
+    losses, ahead = {}, {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(tg.config, "zero3_prefetch", prefetch)
+        model, step, batch = _debug_gpt2_step(embedded_runtime, "zero3")
+        before = _prefetched(client)
+        losses[prefetch] = [step(*batch) for _ in range(3)]
+        _held_by_worker(client, _parameter_futures(model))  # the last step is done
+        ahead[prefetch] = _prefetched(client) - before
+    assert losses[True] == losses[False]
+    assert ahead[True] > 0 and ahead[False] == 0, ahead
 
 
 @pytest.mark.distributed

@@ -135,6 +135,12 @@ class Config:
     #: way, not of every layer run, for twice the parameter traffic. False: a copy stays from
     #: the forward to the backward (measured in the README)
     zero3_reshard_after_forward: bool = True
+    #: "zero3": as soon as a process's task is sent to its worker, that worker fetches what its
+    #: next tasks there read from other workers (their parameters), while the task runs, as
+    #: FSDP prefetches the next layer's parameters; else a task's inputs are fetched only once it
+    #: may start (Dask's rule), with its worker idle meanwhile. Fetched one task ahead: two
+    #: ahead held more and ran no faster (measured in the README)
+    zero3_prefetch: bool = True
     #: a fused task's memory bound (its inputs plus everything its kernels write) stays under
     #: this share of the smallest worker memory limit, so that a worker can hold a task while
     #: Dask spills the other task results it keeps (parameters, optimizer state, activations)
@@ -283,6 +289,7 @@ _CHECKS = {
     "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),
     "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
     "zero3_reshard_after_forward": _BOOL,
+    "zero3_prefetch": _BOOL,
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),
     "speeds": (_speeds, 'a dict of device ("cpu", "gpu") -> (flop/s, byte/s, seconds per kernel call), each > 0'),
     "thread_handoff_seconds": number_check(), "kernel_gil_seconds": number_check(),

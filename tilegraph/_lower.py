@@ -865,7 +865,8 @@ class Executable:
             return self._submit_gang(runtime, call.layers, call.keys, want, pinned)
         return dict(zip(want, runtime.submit_layers(call.layers, want, workers=pinned,
                                                     cpu_resource=self._cpu_resource(runtime),
-                                                    drop_fetched=self._phases(call.keys))))
+                                                    drop_fetched=self._phases(call.keys),
+                                                    prefetch=config.zero3_prefetch)))
 
     def _phases(self, keys: Sequence[str]) -> dict[str, str] | None:
         """The phase of each task of a "zero3" plan that asks for it (:attr:`drop_fetched`), by

@@ -21,7 +21,7 @@ from tilegraph._errors import TileError
 from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_security, _embedded_security,  # noqa: F401
                                           _probe_scheduler, _read_scheduler_file, _refuse_unguarded_script,
                                           _tls_files)
-from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG,
+from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG, PREFETCH,
                                             _check_worker_versions, _malloc_plugin, _quiet_logs,
                                             _send_interval_plugins, _signals_plugin, _unchain_plugin,
                                             drop_fetched_plugin, scheduler_send_intervals, set_send_interval,
@@ -299,7 +299,7 @@ class Runtime:
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
                       workers: dict[str, str] | None = None, cpu_resource: bool | None = None,
-                      drop_fetched: dict[str, str] | None = None) -> list:
+                      drop_fetched: dict[str, str] | None = None, prefetch: bool = False) -> list:
         """Submit one lowered step as a single graph; returns futures for ``keys``.
 
         CPU and GPU tasks carry their resource restriction (CPU tasks ask for ``{"CPU": 1}``
@@ -310,7 +310,9 @@ class Runtime:
         ``"dask"`` layers it names: the inputs of gang tasks). ``drop_fetched`` (a "zero3" plan)
         maps task keys to their phase, "forward", "backward" or "update": what such a task
         fetched from another worker is dropped there once it has run and no task there that
-        would read it soon waits for it (:func:`~tilegraph.runtime.worker_setup.drop_fetched_plugin`).
+        would read it soon waits for it (:func:`~tilegraph.runtime.worker_setup.drop_fetched_plugin`);
+        with ``prefetch``, a worker fetches what such a task reads from other workers as soon as
+        the task before it there is sent there.
         """
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
@@ -331,6 +333,8 @@ class Runtime:
                 ann = dict(ann0)
                 if phase:
                     ann[DROP_FETCHED] = phase
+                    if prefetch:
+                        ann[PREFETCH] = True
                 if addr:
                     ann.update(workers=[addr], allow_other_workers=not strict)
                 names.append(f"{name}-{i}")

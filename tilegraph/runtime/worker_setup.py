@@ -355,6 +355,9 @@ CLUSTER_DASK_CONFIG = {
 #: the annotation of a task whose inputs fetched from other workers are dropped there once it
 #: has run (:func:`drop_fetched_plugin`): the tasks of a "zero3" plan
 DROP_FETCHED = "tilegraph_drop_fetched"
+#: the annotation of a task whose inputs held by other workers its worker fetches as soon as the
+#: task before it there (one whose result it reads) is sent there (:func:`drop_fetched_plugin`)
+PREFETCH = "tilegraph_prefetch"
 
 
 def drop_fetched_plugin():
@@ -369,7 +372,14 @@ def drop_fetched_plugin():
     the parameter is replaced at the step's end, unless its memory manager drops it, every 2 s
     and keeping one per waiting task). The owner's copy stays: its update waits for it there.
     Dask's own ``request_remove_replicas`` does it, never the last copy; a worker whose running
-    task still reads the value keeps it (and tells the scheduler)."""
+    task still reads the value keeps it (and tells the scheduler).
+
+    It also fetches ahead, as FSDP prefetches the next layer: when a task annotated
+    :data:`DROP_FETCHED` is sent to its worker, that worker is asked to fetch (Dask's
+    ``request_acquire_replicas``) the values held elsewhere that its next tasks read: those
+    annotated :data:`PREFETCH`, pinned to that worker, reading the task's result. Dask fetches a
+    task's inputs only once it may start, so each "zero3" task waited for its layer's parameters
+    with its worker idle. A value not yet made is left to the task (Dask fetches it then)."""
     from distributed.diagnostics.plugin import SchedulerPlugin
 
     class DropFetched(SchedulerPlugin):
@@ -380,11 +390,16 @@ def drop_fetched_plugin():
             self.scheduler = None
             #: copies dropped so far
             self.dropped = 0
+            #: values fetched ahead so far
+            self.prefetched = 0
 
         async def start(self, scheduler) -> None:
             self.scheduler = scheduler
 
         def transition(self, key, start, finish, *args, **kwargs) -> None:
+            if finish == "processing" and self.scheduler is not None:
+                self.scheduler.loop.add_callback(self._prefetch, key)
+                return
             if start != "processing" or finish != "memory" or self.scheduler is None:
                 return
             ts = self.scheduler.tasks.get(key)
@@ -397,6 +412,28 @@ def drop_fetched_plugin():
             deps = [d.key for d in ts.dependencies]
             if addr is not None and deps:  # after the transitions under way: they may still use them
                 self.scheduler.loop.add_callback(self._drop, addr, deps, phase)
+
+        def _prefetch(self, key) -> None:
+            """Task ``key`` was sent to its worker: that worker now fetches what its next tasks
+            (annotated :data:`PREFETCH`, pinned there, reading ``key``'s value) read from other
+            workers, while ``key`` runs."""
+            s = self.scheduler
+            ts = s.tasks.get(key)
+            if ts is None or ts.state != "processing" or not (ts.annotations or {}).get(DROP_FETCHED):
+                return
+            ws = ts.processing_on
+            if ws is None or ws.address not in s.workers:
+                return
+            want = set()
+            for d in ts.dependents:
+                if not (d.annotations or {}).get(PREFETCH) or ws.address not in (d.worker_restrictions or ()):
+                    continue
+                want.update(dd.key for dd in d.dependencies
+                            if dd is not ts and dd.state == "memory" and dd.who_has and ws not in dd.who_has)
+            if want:
+                self.prefetched += len(want)
+                s.request_acquire_replicas(ws.address, sorted(want, key=str),
+                                           stimulus_id=f"tilegraph-prefetch-{time.time()}")
 
         def _drop(self, addr: str, keys: list, phase: str) -> None:
             s = self.scheduler
