@@ -119,3 +119,41 @@ def test_the_console_script_is_the_guarded_entry_point(tmp_path):
         assert err == "tilegraph info: interrupted\n", err
     else:
         assert "Traceback" not in err, err
+
+
+def test_the_stop_line_goes_straight_to_stderr_s_descriptor(capfd):
+    """The Ctrl-C / SIGTERM handler of ``tilegraph train`` says it is stopping through stderr's
+    file descriptor, in one write: a signal handler runs between two steps of the main thread,
+    which may be inside a write to ``sys.stderr``, and a second write through it there raises
+    "reentrant call". Nothing goes through ``sys.stderr``'s buffer (replaced here by one that
+    fails on any write)."""
+    from tilegraph.cli.train import say_now
+
+    class Busy:
+        def __init__(self, fd):
+            self.fd, self.encoding = fd, "utf-8"
+
+        def fileno(self):
+            return self.fd
+
+        def write(self, text):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+        flush = write
+
+    real = sys.stderr
+    sys.stderr = Busy(real.fileno())
+    try:
+        say_now("tilegraph train: SIGINT: stopping \u2026\n")
+    finally:
+        sys.stderr = real
+    assert capfd.readouterr().err == "tilegraph train: SIGINT: stopping \u2026\n"
+
+
+def test_the_stop_line_goes_through_sys_stderr_where_it_has_no_descriptor(capsys):
+    """In-process, with ``sys.stderr`` replaced by an object without a file descriptor (a
+    notebook's, pytest's), the line still arrives, through it."""
+    from tilegraph.cli.train import say_now
+
+    say_now("stopping\n")
+    assert capsys.readouterr().err == "stopping\n"

@@ -66,6 +66,28 @@ def undo_output(job: Job, out: Path) -> Callable[[], None]:
     return undo
 
 
+def say_now(text: str) -> None:
+    """Write ``text`` to stderr from a signal handler: straight to its file descriptor, one
+    write. Python runs a handler between two steps of the main thread, which may be inside a
+    write to ``sys.stderr`` (a warning, the progress line): writing through ``sys.stderr`` there
+    raised "reentrant call inside <_io.BufferedWriter name='<stderr>'>" in place of the stop.
+    Where stderr has no descriptor (replaced in-process), through ``sys.stderr``."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    data = text.encode(getattr(sys.stderr, "encoding", None) or "utf-8", "replace")
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except InterruptedError:
+            continue
+        except OSError:  # stderr closed: nothing to tell
+            return
+
+
 def connect_cluster(r: dict, tls: dict):
     """The runtime of the cluster at [runtime] address or scheduler_file, waited for up to
     [runtime] connect_timeout seconds (for the file to appear, then for the scheduler to answer).
@@ -235,9 +257,8 @@ def _train(args, job: Job) -> int:
             signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
             # one write, the line end included: a second Ctrl-C that comes while print() writes its
             # line end separately left "stopped at once" on the same line
-            sys.stderr.write(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way "
-                             "and writing a checkpoint (again to stop at once)\n")
-            sys.stderr.flush()
+            say_now(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way "
+                    "and writing a checkpoint (again to stop at once)\n")
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
