@@ -397,12 +397,15 @@ def drop_fetched_plugin():
             self.scheduler = scheduler
 
         def transition(self, key, start, finish, *args, **kwargs) -> None:
-            if finish == "processing" and self.scheduler is not None:
-                self.scheduler.loop.add_callback(self._prefetch, key)
-                return
-            if start != "processing" or finish != "memory" or self.scheduler is None:
+            if self.scheduler is None or finish not in ("processing", "memory"):
                 return
             ts = self.scheduler.tasks.get(key)
+            if finish == "processing":
+                if ts is not None and (ts.annotations or {}).get(DROP_FETCHED):
+                    self.scheduler.loop.add_callback(self._prefetch, key)
+                return
+            if start != "processing":
+                return
             phase = (ts.annotations or {}).get(DROP_FETCHED) if ts is not None else None
             if not phase:
                 return
