@@ -540,6 +540,13 @@ def test_zero3_tasks_read_at_most_a_process_share_of_the_parameters(embedded_run
     assert most["zero3"] <= 0.55, most        # none reads more than about half of them
 
 
+def _plugin_count(client, counter: str) -> int:
+    """A count kept by tilegraph's scheduler plugin so far: "dropped" (copies of fetched values
+    dropped) or "prefetched" (values workers were asked to fetch ahead)."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: getattr(dask_scheduler.plugins["tilegraph-drop-fetched"], counter))
+
+
 @pytest.mark.distributed
 def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(embedded_runtime, monkeypatch):
     """The copies of parameters a "zero3" process fetched from their owners are dropped once the
@@ -555,11 +562,9 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
     try:
         model, step, batch = _debug_gpt2_step(embedded_runtime, "zero3")
         n_bytes = _nbytes(model)
-        dropped = lambda: client.run_on_scheduler(  # noqa: E731
-            lambda dask_scheduler: dask_scheduler.plugins["tilegraph-drop-fetched"].dropped)
         step(*batch)
         params = _parameter_futures(model)  # what the next step reads
-        before = dropped()
+        before = _plugin_count(client, "dropped")
         step(*batch)
         _held_by_worker(client, _parameter_futures(model))  # the step is done
         deadline = time.monotonic() + 10
@@ -570,19 +575,13 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
             time.sleep(0.05)
         assert sum(held.values()) <= 1.01 * n_bytes, (held, n_bytes)
         assert len(held) == 2 and all(v <= 0.65 * n_bytes for v in held.values()), held
-        assert dropped() > before
+        assert _plugin_count(client, "dropped") > before
     finally:
         client.amm.start()
 
 
-def _reset_transfer_log(dask_worker) -> None:
-    import collections
-
-    dask_worker.transfer_incoming_log = collections.deque(maxlen=1_000_000)
-
-
 def _fetched(dask_worker) -> dict:
-    """Bytes of each key this worker fetched since :func:`_reset_transfer_log`, summed."""
+    """Bytes of each key this worker fetched since :func:`conftest.fresh_transfer_logs`, summed."""
     out: dict = {}
     for entry in dask_worker.transfer_incoming_log:
         for key, nbytes in entry["keys"].items():
@@ -606,7 +605,7 @@ def test_zero3_fetches_a_parameter_again_for_the_backward(embedded_runtime, monk
     step(*batch)
     params = _parameter_futures(model)  # what the next step reads
     _held_by_worker(client, params)
-    client.run(_reset_transfer_log)
+    fresh_transfer_logs(client)
     step(*batch)
     _held_by_worker(client, _parameter_futures(model))  # the step is done
     keys = {str(f.key) for f in params}
@@ -633,9 +632,6 @@ def _reads_after(previous, value):
     return previous, value.nbytes
 
 
-def _prefetched(client) -> int:
-    """How many values the scheduler's plugin has had workers fetch ahead so far."""
-    return client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["tilegraph-drop-fetched"].prefetched)
 
 
 @pytest.mark.distributed
@@ -651,13 +647,13 @@ def test_a_worker_fetches_its_next_task_s_inputs_while_the_task_before_runs(embe
     token = uuid.uuid4().hex
     first, then = f"tg-first-{token}", f"tg-then-{token}"
     layers = {"cpu": {first: (_sees_key_while_running, value.key, 3.0), then: (_reads_after, first, value)}}
-    before = _prefetched(client)
+    before = _plugin_count(client, "prefetched")
     got = embedded_runtime.submit_layers(layers, [then], workers={first: b, then: b},
                                          drop_fetched={first: "forward", then: "forward"}, prefetch=prefetch)[0]
     seen, nbytes = got.result(timeout=30)
     assert nbytes == value.result().nbytes
     assert seen is prefetch
-    assert (_prefetched(client) > before) is prefetch
+    assert (_plugin_count(client, "prefetched") > before) is prefetch
 
 
 @pytest.mark.distributed
@@ -670,10 +666,10 @@ def test_zero3_prefetch_changes_no_loss(embedded_runtime, monkeypatch):
     for prefetch in (True, False):
         monkeypatch.setattr(tg.config, "zero3_prefetch", prefetch)
         model, step, batch = _debug_gpt2_step(embedded_runtime, "zero3")
-        before = _prefetched(client)
+        before = _plugin_count(client, "prefetched")
         losses[prefetch] = [step(*batch) for _ in range(3)]
         _held_by_worker(client, _parameter_futures(model))  # the last step is done
-        ahead[prefetch] = _prefetched(client) - before
+        ahead[prefetch] = _plugin_count(client, "prefetched") - before
     assert losses[True] == losses[False]
     assert ahead[True] > 0 and ahead[False] == 0, ahead
 

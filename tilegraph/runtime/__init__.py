@@ -156,8 +156,9 @@ class Runtime:
                             lambda: client.register_plugin(_signals_plugin()))
         # with Dask's batching delays on every hop between dependent tasks
         _optional_setup("shorten Dask's send intervals", lambda: _shorten_send_intervals(client))
-        # a "zero3" step's processes hold every parameter they fetched until the step ends
-        _optional_setup("install the scheduler's drop of fetched parameters",
+        # a "zero3" step's processes hold every parameter they fetched until the step ends, and
+        # each task waits for its parameters to arrive
+        _optional_setup("install the scheduler's drop and prefetch of fetched parameters",
                         lambda: client.register_plugin(drop_fetched_plugin()))
         # the workers' task records grow with the steps
         _optional_setup("install the task-record cleanup on the workers",

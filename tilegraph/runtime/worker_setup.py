@@ -422,7 +422,7 @@ def drop_fetched_plugin():
             workers, while ``key`` runs."""
             s = self.scheduler
             ts = s.tasks.get(key)
-            if ts is None or ts.state != "processing" or not (ts.annotations or {}).get(DROP_FETCHED):
+            if ts is None or ts.state != "processing":  # (done already, or gone)
                 return
             ws = ts.processing_on
             if ws is None or ws.address not in s.workers:
