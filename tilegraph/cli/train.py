@@ -79,13 +79,11 @@ def say_now(text: str) -> None:
         sys.stderr.flush()
         return
     data = text.encode(getattr(sys.stderr, "encoding", None) or "utf-8", "replace")
-    while data:
-        try:
+    try:
+        while data:  # (os.write retries a write a signal interrupts: PEP 475)
             data = data[os.write(fd, data):]
-        except InterruptedError:
-            continue
-        except OSError:  # stderr closed: nothing to tell
-            return
+    except OSError:  # stderr closed: nothing to tell
+        pass
 
 
 def connect_cluster(r: dict, tls: dict):
