@@ -14,7 +14,10 @@ It prints:
 - ``state``: parameters + gradients + AdamW moments (16 bytes per fp32 parameter) and its ratio
   to one worker's limit (the issue's capacity figure);
 - per step: the loss and the wall seconds;
-- per worker: its peak resident memory (``VmHWM``) against the limit, and what Dask spilled;
+- per worker: its peak resident memory (``VmHWM``) against the limit, what Dask holds on disk
+  after the steps, and over the steps what it wrote to disk, read back and fetched from the
+  other workers; then how many fetched copies tilegraph's scheduler plugin dropped and how many
+  values it had fetched ahead;
 - ``torch``: the same model (transformers' ``GPT2LMHeadModel``, same sizes) trained by PyTorch
   in one process under the same budget: the child imports torch, then limits its address space
   to what it has mapped plus the budget less what it already holds (``RLIMIT_AS``), so the
@@ -68,6 +71,7 @@ def tilegraph_run(args) -> dict:
             f"bound {exe.max_task_bytes / 2**20:.0f} MiB"
         print(f"plan: {exe.strategy}, {exe.n_tasks} tasks, largest task "
               f"{max(c.bytes for c in exe.clusters) / 2**20:.0f} MiB ({bound})", flush=True)
+        rt.client.run(_long_transfer_log)
         losses, seconds = [], []
         for s in range(args.steps):
             t0 = time.perf_counter()
@@ -75,10 +79,16 @@ def tilegraph_run(args) -> dict:
             seconds.append(time.perf_counter() - t0)
             print(f"step {s + 1}: loss {losses[-1]:.4f}, {seconds[-1]:.1f} s", flush=True)
         peaks = rt.client.run(_worker_memory)
+        moved = rt.client.run(_worker_moved)
         for addr, (peak, spilled, spilled_bytes) in sorted(peaks.items()):
             print(f"worker {addr}: peak resident {peak / 2**20:,.0f} MiB of {limit / 2**20:,.0f} MiB "
-                  f"({peak / limit:.0%}); spilled to disk now: {spilled} values, {spilled_bytes / 2**20:,.0f} MiB",
-                  flush=True)
+                  f"({peak / limit:.0%}); spilled to disk now: {spilled} values, {spilled_bytes / 2**20:,.0f} MiB; "
+                  f"over the run: {moved[addr]['disk-write'] / 2**30:.1f} GiB written to disk, "
+                  f"{moved[addr]['disk-read'] / 2**30:.1f} GiB read back, "
+                  f"{moved[addr]['fetched'] / 2**30:.1f} GiB fetched from the other workers", flush=True)
+        counts = rt.client.run_on_scheduler(_plugin_counts)
+        if counts:
+            print(f"fetched copies dropped after use: {counts[0]}; values fetched ahead: {counts[1]}", flush=True)
         return {"params": n_params, "limit": limit, "losses": losses, "seconds": seconds,
                 "peak": max(p for p, _, _ in peaks.values())}
     finally:
@@ -91,6 +101,30 @@ def _worker_memory(dask_worker) -> tuple[int, int, int]:
     peak = peak_resident_bytes()
     spilled = getattr(dask_worker.data, "spilled_total", None)  # (bytes in memory, bytes on disk)
     return peak, len(getattr(dask_worker.data, "slow", ())), int(getattr(spilled, "disk", 0) or 0)
+
+
+def _long_transfer_log(dask_worker) -> None:
+    """Keep every transfer of the run in the worker's log (Dask keeps its last 1,000 only)."""
+    from collections import deque
+
+    dask_worker.transfer_incoming_log = deque(maxlen=1_000_000)
+
+
+def _worker_moved(dask_worker) -> dict[str, int]:
+    """Bytes this worker wrote to and read back from its spill directory since it started
+    (Dask's own metrics), and fetched from other workers during the steps."""
+    out = {"disk-write": 0, "disk-read": 0}
+    for key, value in dask_worker.digests_total.items():
+        if isinstance(key, tuple) and len(key) >= 2 and key[-1] == "bytes" and key[-2] in out:
+            out[key[-2]] += int(value)
+    out["fetched"] = sum(int(t["total"]) for t in dask_worker.transfer_incoming_log)
+    return out
+
+
+def _plugin_counts(dask_scheduler) -> tuple[int, int] | None:
+    """tilegraph's scheduler plugin's counts: fetched copies dropped, values fetched ahead."""
+    plugin = dask_scheduler.plugins.get("tilegraph-drop-fetched")
+    return None if plugin is None else (plugin.dropped, plugin.prefetched)
 
 
 def batch(args, cfg):
