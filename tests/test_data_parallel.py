@@ -580,6 +580,49 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
         client.amm.start()
 
 
+@pytest.mark.distributed
+def test_a_sharded_step_under_a_memory_bound_drops_fetched_copies_and_fetches_nothing_ahead(embedded_runtime,
+                                                                                           monkeypatch):
+    """The capacity path: a "sharded" step whose values outgrow the workers' memory limit runs as
+    "zero3" in small tasks, and its fetched parameter copies are dropped once read there, as a
+    "zero3" step's are (before, Dask kept them, spilled to disk, until the parameter was
+    replaced). Nothing is fetched ahead there: what arrives early would push out to disk what
+    the worker needs sooner. The losses are those of the same step without a bound. (Under a bound
+    each task result reports its exact size, a few bytes over its arrays': 1.05.)"""
+    import time
+
+    from tilegraph import _lower
+
+    monkeypatch.setattr(tg.config, "exchange", "tasks")
+    client = embedded_runtime.client
+    model, step, batch = _debug_gpt2_step(embedded_runtime, "sharded")
+    free = [step(*batch) for _ in range(2)]
+    n_bytes = _nbytes(model)
+    monkeypatch.setattr(_lower, "_memory_limit", lambda workers: 16 * n_bytes)  # state over half of it
+    client.amm.stop()
+    try:
+        model, step, batch = _debug_gpt2_step(embedded_runtime, "sharded")
+        exe = step.plan(*batch)
+        assert (exe.strategy, exe.memory_bound, exe.prefetch) == ("zero3", True, False)
+        dropped, ahead = _plugin_count(client, "dropped"), _plugin_count(client, "prefetched")
+        bounded = [step(*batch)]
+        params = _parameter_futures(model)  # what the next step reads
+        bounded.append(step(*batch))
+        _held_by_worker(client, _parameter_futures(model))  # the step is done
+        deadline = time.monotonic() + 10
+        while True:  # the last drops follow the step's last tasks
+            held = _held_by_worker(client, params)
+            if sum(held.values()) <= 1.05 * n_bytes or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert sum(held.values()) <= 1.05 * n_bytes, (held, n_bytes)
+        assert _plugin_count(client, "dropped") > dropped
+        assert _plugin_count(client, "prefetched") == ahead
+    finally:
+        client.amm.start()
+    np.testing.assert_allclose(bounded, free, rtol=1e-5)
+
+
 def _fetched(dask_worker) -> dict:
     """Bytes of each key this worker fetched since :func:`conftest.fresh_transfer_logs`, summed."""
     out: dict = {}

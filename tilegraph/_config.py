@@ -139,7 +139,8 @@ class Config:
     #: next tasks there read from other workers (their parameters), while the task runs, as
     #: FSDP prefetches the next layer's parameters; else a task's inputs are fetched only once it
     #: may start (Dask's rule), with its worker idle meanwhile. Fetched one task ahead: two
-    #: ahead held more and ran no faster (measured in the README)
+    #: ahead held more and ran no faster (measured in the README). Not under a memory bound
+    #: (a model larger than the workers' memory): there what arrives early is spilled to disk
     zero3_prefetch: bool = True
     #: a fused task's memory bound (its inputs plus everything its kernels write) stays under
     #: this share of the smallest worker memory limit, so that a worker can hold a task while
