@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+from distributed.diagnostics.plugin import WorkerPlugin
 
 import tilegraph as tg
 
@@ -672,3 +673,99 @@ def test_fetching_two_remote_leaves_of_one_shape_at_once_gives_each_its_own_valu
     got = [gather(embedded_runtime, p)[0] for p in pending]
     np.testing.assert_array_equal(got[0], np.zeros((4, 4), np.float32))
     np.testing.assert_array_equal(got[1], np.ones((4, 4), np.float32))
+
+
+def _spill(mib: int, dask_worker=None) -> int:
+    """Store ``mib`` MiB of values on this worker through its spill buffer (what does not fit
+    under its memory target goes to disk); returns how many went to disk."""
+    for i in range(mib // 16):
+        dask_worker.data[f"tg-test-spill-{i}"] = np.ones(16 << 17)  # 16 MiB
+    return len(dask_worker.data.slow)
+
+
+class _SlowClose(WorkerPlugin):
+    """A worker plugin whose teardown takes ``seconds``: a worker that needs that long to close
+    (as one deleting gigabytes of spilled files on a slow disk)."""
+
+    name = "tg-test-slow-close"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def setup(self, worker):
+        pass
+
+    def teardown(self, worker):
+        time.sleep(self.seconds)
+
+
+def test_closing_gives_a_worker_that_spilled_the_time_to_delete_its_files(monkeypatch):
+    """A worker deletes its spill files as it closes; Dask kills one that has not ended within 4 s
+    (and raised TimeoutError from ``close()`` where the killed process took over 5 s more to
+    end). ``Runtime.close`` gives each worker that spilled to disk 10 s per GiB more: a worker
+    that spilled and takes 6 s to close ends by itself (the old close killed it after 4 s)."""
+    from tilegraph import runtime as runtime_mod
+
+    given = {}
+    close_nannies = runtime_mod._close_nannies
+
+    async def recorded(timeouts):
+        given.update({n.worker_address: t for n, t in timeouts.items()})
+        await close_nannies(timeouts)
+
+    monkeypatch.setattr(runtime_mod, "_close_nannies", recorded)
+    rt = tg.connect(n_workers=1, threads_per_worker=1, memory_limit="400MB", quiet=True, dashboard=False,
+                    make_current=False)
+    try:
+        (on_disk,) = rt.client.run(_spill, 512).values()
+        assert on_disk > 0
+        rt.client.register_plugin(_SlowClose(6.0))
+        deadline = time.monotonic() + 10
+        while not any(rt.cluster.sync(runtime_mod._spilled_bytes, rt.cluster).values()):
+            assert time.monotonic() < deadline, "the worker's heartbeat never reported what it spilled"
+            time.sleep(0.2)
+    except BaseException:
+        rt.close()
+        raise
+    t0 = time.monotonic()
+    rt.close()
+    assert rt.closed
+    (timeout,) = given.values()
+    assert timeout >= 5 + 10 * 0.25, given  # over a quarter GiB spilled
+    assert 6 <= time.monotonic() - t0 < 60  # its teardown ran to its end
+
+
+def test_a_worker_that_outlives_dask_s_kill_ends_close_in_a_warning_not_an_exception():
+    """Where ``cluster.close()`` raises TimeoutError (a killed worker process that took longer
+    to end than Dask waits), ``Runtime.close`` closes the scheduler and finishes Dask's close,
+    and says so in a warning, instead of raising at the end of a job that has finished."""
+    import asyncio
+
+    from tilegraph.runtime import _close_cluster
+
+    class Status:
+        name = "running"
+
+    class Scheduler:
+        status = Status()
+        closed = False
+
+        async def close(self):
+            Scheduler.closed = True
+
+    class Cluster:
+        workers = {}
+        scheduler = Scheduler()
+        calls = 0
+
+        def sync(self, func, *args):
+            return asyncio.run(func(*args))
+
+        def close(self):
+            Cluster.calls += 1
+            if Cluster.calls == 1:
+                raise asyncio.TimeoutError()
+
+    with pytest.warns(RuntimeWarning, match="did not end within the time Dask gives it"):
+        _close_cluster(Cluster())
+    assert Scheduler.closed and Cluster.calls == 2
