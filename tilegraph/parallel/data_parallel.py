@@ -39,7 +39,7 @@ import numpy as np
 from tilegraph._config import bucket_size
 from tilegraph._errors import TileError
 from tilegraph._graph import Node, TileRef, topo_order
-from tilegraph.plan.cluster import cluster_nodes, state_writers
+from tilegraph.plan.cluster import STATE_TASK_BYTES, cluster_nodes, state_writers
 
 __all__ = ["split_replicas", "Replicas", "batch_groups", "plan_data_parallel"]
 
@@ -329,6 +329,12 @@ def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
     return order
 
 
+#: the least memory bound of a "zero3" task (:func:`zero3_task_bytes`): that of the optimizer's
+#: update tasks (``plan.cluster.STATE_TASK_BYTES``); a model whose share of parameters per process
+#: is under it has its tasks shaped by time alone, as "sharded"'s
+ZERO3_MIN_TASK_BYTES = STATE_TASK_BYTES
+
+
 def zero3_task_bytes(roots: Sequence[TileRef], state_groups: Sequence[Sequence[int]],
                      groups: dict[str, list[int]]) -> float:
     """The memory bound of a "zero3" plan's tasks: a worker process's share of the parameters
@@ -339,10 +345,15 @@ def zero3_task_bytes(roots: Sequence[TileRef], state_groups: Sequence[Sequence[i
     --strategies zero3 --exchange tasks``): the most memory Dask held on one worker fell from
     790 to 535-538 MiB with this bound alone (456-462 with the fetched copies dropped, README);
     bounds of a fifth to half of the parameters gave the same peak, the smallest a third more
-    tasks and 15% fewer tokens/s. In one process (nothing to share): no bound."""
+    tasks and 15% fewer tokens/s. In one process (nothing to share): no bound. Never under
+    :data:`ZERO3_MIN_TASK_BYTES`: the debug GPT-2's share (58 KiB) cut a step into 257 tasks
+    instead of 11, each a Dask round trip, and it ran 10-20 times slower than "sharded", where
+    the memory it saved was a few kilobytes."""
     params = sum(roots[g[0]].nbytes for g in state_groups)
     procs = max([len(t) for t in groups.values()] + [1])
-    return max(params / procs, 1.0) if params and procs > 1 else float("inf")  # one process: no sharing
+    if not params or procs < 2:  # one process: no sharing
+        return float("inf")
+    return max(params / procs, ZERO3_MIN_TASK_BYTES, 1.0)
 
 
 def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: dict[str, list[int]],
