@@ -36,7 +36,7 @@ import numpy as np
 from tilegraph._autograd import no_grad
 from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef, to_host
-from tilegraph._lower import Executable, Fetching, gather
+from tilegraph._lower import Executable, Fetching, check_values_reachable, gather
 from tilegraph._tensor import TileTensor, from_numpy
 from tilegraph.nn import training
 from tilegraph.runtime import Runtime, current_runtime
@@ -45,7 +45,8 @@ from ._common import CausalLM
 
 __all__ = ["generate", "next_tokens", "penalize_repetition", "find_stop", "Decoder", "STRATEGIES"]
 
-#: "greedy" takes the most likely token; "sample" draws from softmax(logits / temperature),
+#: "greedy" takes the most likely token (and no top_k, top_p or temperature other than 1);
+#: "sample" draws from softmax(logits / temperature),
 #: restricted to the ``top_k`` most likely tokens and then to the smallest set holding ``top_p``
 #: of the probability when those are given; "top_k" and "top_p" are "sample" with that one filter.
 STRATEGIES = ("greedy", "sample", "top_k", "top_p")
@@ -75,6 +76,12 @@ def _check_sampling(where: str, strategy, temperature, top_k, top_p) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
             or not 0 < temperature < np.inf:
         raise TileError(where, "temperature must be a positive finite number", repr(temperature))
+    # the most likely token is the same at any temperature: greedy decoding would ignore one, as it
+    # would top_k and top_p (and as `tilegraph generate --temperature` is refused with greedy)
+    if strategy == "greedy" and temperature != 1:
+        raise TileError(where, "greedy decoding takes no temperature other than the default 1 (the most likely "
+                        "token, whatever the temperature; use strategy='sample', 'top_k' or 'top_p' to sample with "
+                        "one)", f"temperature={temperature!r}")
 
 
 def _check_penalty(where: str, penalty) -> None:
@@ -220,6 +227,24 @@ def _check_runtime(where: str, runtime) -> None:
     if runtime is not None and not isinstance(runtime, Runtime):  # else an AttributeError (scatter_cells)
         raise TileError(where, "runtime must be a tilegraph Runtime (tilegraph.connect()) or None",
                         type(runtime).__name__)
+    if runtime is not None:  # a closed one's client fails with Dask's own errors, naming no argument
+        runtime.require_open(where)
+
+
+def _check_cache_block(where: str, cache_block) -> None:
+    """Here, before anything runs: on a worker (generate's loop as one task) nn.KVCache's own
+    check came back as a page of Dask's worker log and an error naming tilegraph.nn.KVCache."""
+    if not _is_int(cache_block) or cache_block < 1:
+        raise TileError(where, "cache_block must be an int >= 1 (the rows of each KV cache tile)",
+                        f"cache_block={cache_block!r}")
+
+
+def _check_parameters_reachable(where: str, model: CausalLM, runtime) -> None:
+    """Fail before anything is submitted where ``model``'s parameters hold no values, or values
+    on the workers of a closed runtime or of another runtime than ``runtime`` (None: this
+    process), with :func:`tilegraph.compute`'s messages: the decoding task, reading another
+    client's futures, was cancelled by Dask ("lost dependencies"), which read as a lost worker."""
+    check_values_reachable(where, [ref.node for p in model.parameters() for ref in p.grid.flat], runtime)
 
 
 @contextmanager
@@ -293,10 +318,12 @@ class Decoder:
         if not isinstance(model, CausalLM):
             raise TileError(where, "model must be a tilegraph.models model (GPT2, Llama)", type(model).__name__)
         _check_runtime(where, runtime)
+        _check_cache_block(where, cache_block)
         if not isinstance(replay, (bool, np.bool_)):
             raise TileError(where, "replay must be a bool", repr(replay))
         self.model = model
         self.runtime = runtime if runtime is not None else current_runtime()
+        _check_parameters_reachable(where, model, self.runtime)
         self.cache = model.new_cache(cache_block)
         self.batch: int | None = None
         #: whether one-position steps run a recorded step again (see :meth:`feed`)
@@ -496,6 +523,7 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     fill = eos_id if pad_id is None else pad_id
     stops = _check_stop(where, stop, tokenizer, fill)
     _check_runtime(where, runtime)
+    _check_cache_block(where, cache_block)
     try:
         rng = np.random.default_rng(seed)
     except (TypeError, ValueError):  # a negative int, a float, ...: NumPy's message names no argument
@@ -512,6 +540,7 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     loop = _Loop(max_new_tokens, strategy, temperature, top_k, top_p, float(repetition_penalty), eos_id, fill,
                  stops, tokenizer, decodable, cache_block)
     runtime = runtime if runtime is not None else current_runtime()
+    _check_parameters_reachable(where, model, runtime)  # before anything is submitted
     if runtime is not None:
         done = _decode_on_a_worker(runtime, model, loop, out, rng)
         if done is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,7 +159,11 @@ class Config:
     #: tiny tiles takes ~10 us, mostly Python and NumPy dispatch. GPU: an H100 in fp32; a call
     #: takes ~100 us, a few CuPy launches each: GPT-2 124M with every kernel on the GPU spent
     #: ~0.2 s per step on its 1,600 kernels outside attention)
-    speeds: dict = field(default_factory=lambda: {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 1e-4)})
+    #: "cpu" always, "gpu" the default where not given (the planner weighs a kernel on each
+    #: where GPU workers exist). Held
+    #: read-only (:class:`Speeds`): ``config.speeds = {**config.speeds, "gpu": (...)}`` changes
+    #: one device, checked as every assignment is; ``config.speeds["gpu"] = ...`` is refused
+    speeds: Mapping = field(default_factory=lambda: dict(DEFAULT_SPEEDS))
     #: what the threads of one process cannot do at once, for ``plan.cluster.threads_worth_using``
     #: (a task keeps the number of threads, 1, 2, 4, ... or all, that it estimates quickest):
     #: the seconds of a kernel's estimated time that hold the GIL, at most (its Python: the
@@ -180,7 +185,8 @@ class Config:
         ok, want = check
         if not ok(value):
             raise TileError(f"tilegraph.config.{name}", f"must be {want}", repr(value))
-        object.__setattr__(self, name, value)
+        store = _STORED_AS.get(name)
+        object.__setattr__(self, name, value if store is None else store(value))
 
 
 @functools.cache
@@ -272,9 +278,74 @@ def one_of_check(*names: str):
     return (lambda v: isinstance(v, str) and v in names), f"one of {', '.join(map(repr, names))}"
 
 
+#: the devices ``config.speeds`` gives speeds for: the planner reads the CPU's for every kernel,
+#: and the GPU's for each where GPU workers exist (``plan.cluster.place``)
+SPEED_DEVICES = ("cpu", "gpu")
+#: ``config.speeds`` by default; a device an assignment leaves out keeps its default here
+DEFAULT_SPEEDS = {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 1e-4)}
+
+
 def _speeds(v) -> bool:
-    return isinstance(v, dict) and all(
+    return isinstance(v, Mapping) and "cpu" in v and set(v) <= set(SPEED_DEVICES) and all(
         isinstance(s, (tuple, list)) and len(s) == 3 and all(number_check(strict=True)[0](x) for x in s) for s in v.values())
+
+
+class ReadOnlySettingError(TileError, TypeError):
+    """A setting held read-only changed in place (a TypeError, as for a tuple or a mappingproxy,
+    and a TileError that names it)."""
+
+
+def _refusing(method: str):
+    """A dict's mutating ``method`` for :class:`Speeds`: refused, with what was called."""
+    def refused(self, *args, **kwargs):
+        shown = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        self._refuse(f"tilegraph.config.speeds.{method}({shown})")
+    refused.__name__ = method
+    return refused
+
+
+class Speeds(Mapping):
+    """``config.speeds`` as stored: a read-only copy of the mapping assigned (each device's
+    speeds a tuple). Changed in place it would skip the check of the assignment, and the next
+    step's planning would fail on it (a bare KeyError or ValueError); assign a whole mapping."""
+
+    __slots__ = ("_speeds",)
+
+    def __init__(self, speeds: Mapping):
+        object.__setattr__(self, "_speeds", {d: tuple(s) for d, s in {**DEFAULT_SPEEDS, **speeds}.items()})
+
+    def __getitem__(self, device: str) -> tuple:
+        return self._speeds[device]
+
+    def __iter__(self):
+        return iter(self._speeds)
+
+    def __len__(self) -> int:
+        return len(self._speeds)
+
+    def __repr__(self) -> str:
+        return repr(self._speeds)
+
+    def __reduce__(self):
+        return type(self), (self._speeds,)
+
+    def _refuse(self, received: str):
+        raise ReadOnlySettingError("tilegraph.config.speeds", "an assignment of the whole setting (it is checked; "
+                                   "changed in place it would not be): tilegraph.config.speeds = "
+                                   "{**tilegraph.config.speeds, \"cpu\": (flop/s, byte/s, seconds per kernel call)}",
+                                   received)
+
+    def __setitem__(self, device, value) -> None:
+        self._refuse(f"tilegraph.config.speeds[{device!r}] = {value!r}")
+
+    def __delitem__(self, device) -> None:
+        self._refuse(f"del tilegraph.config.speeds[{device!r}]")
+
+    def __setattr__(self, name, value) -> None:
+        self._refuse(f"tilegraph.config.speeds.{name} = {value!r}")
+
+    update, pop, popitem, clear, setdefault = (_refusing(m) for m in ("update", "pop", "popitem", "clear",
+                                                                     "setdefault"))
 
 
 _BOOL = ((lambda v: isinstance(v, bool)), "True or False")
@@ -292,9 +363,13 @@ _CHECKS = {
     "zero3_reshard_after_forward": _BOOL,
     "zero3_prefetch": _BOOL,
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),
-    "speeds": (_speeds, 'a dict of device ("cpu", "gpu") -> (flop/s, byte/s, seconds per kernel call), each > 0'),
+    "speeds": (_speeds, 'a dict of device ("cpu", and "gpu" or its default; no other) -> (flop/s, byte/s, '
+                        'seconds per kernel call), each > 0'),
     "thread_handoff_seconds": number_check(), "kernel_gil_seconds": number_check(),
 }
+
+#: how a setting's value is stored, where not as assigned
+_STORED_AS = {"speeds": Speeds}
 
 
 config = Config()
