@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from tilegraph import _config
 from tilegraph._config import number_check, require_arg
 from tilegraph._errors import TileError
@@ -184,6 +186,8 @@ class Runtime:
         # scheduler may have none yet (worker jobs still queued): a plan waits for them
         if make_current:
             _CURRENT.append(self)
+        if cluster is not None:
+            _close_at_exit(self)
 
     @contextlib.contextmanager
     def as_current(self):
@@ -494,6 +498,7 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        _OPEN_EMBEDDED.pop(id(self), None)  # (a closed runtime is not kept for the exit)
         try:
             self.client.close()
         finally:
@@ -507,6 +512,53 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: the embedded runtimes open, by id, with the process that started them:
+#: :func:`_close_open_embedded` closes them as that process exits
+_OPEN_EMBEDDED: dict[int, tuple[Runtime, int]] = {}
+#: the exit hook, once registered
+_EXIT_HOOK: list = []
+
+
+def _close_at_exit(rt: Runtime) -> None:
+    """Have the embedded runtime ``rt`` closed as the interpreter exits, if the script left it
+    open (its :meth:`~Runtime.close` forgets it).
+
+    Left to Dask, the workers went first, and the scheduler logged each one's end as an ERROR
+    ("Removing worker ... caused the cluster to lose scattered data, which can't be recovered":
+    the parameters) at the end of a script that had done its work. This closes the client, then
+    the cluster, as ``rt.close()`` does, which says nothing.
+
+    It runs as the main thread ends, before Python's thread pools shut down: a
+    ``threading._register_atexit`` hook (these run last registered first, so before that of
+    ``concurrent.futures``, imported with distributed). An ``atexit`` handler runs after them,
+    too late for steps still pending: the scheduler (in this process) reads every graph in such
+    a pool, and the steps' futures run their callbacks in one, and each failed with "cannot
+    schedule new futures after shutdown", logged as an ERROR. Once the pools are shut down, no
+    graph runs on this cluster anyway: a thread of the script still running then loses nothing
+    it could have done (it finds the runtime closed)."""
+    if not _EXIT_HOOK:  # one hook for every runtime: it cannot be unregistered
+        import threading
+
+        try:
+            threading._register_atexit(_close_open_embedded)
+        except (AttributeError, RuntimeError):  # (no such hook, or the interpreter is exiting already)
+            import atexit
+
+            atexit.register(_close_open_embedded)
+        _EXIT_HOOK.append(_close_open_embedded)
+    _OPEN_EMBEDDED[id(rt)] = (rt, os.getpid())
+
+
+def _close_open_embedded() -> None:
+    """Close every embedded runtime this process started that is still open (quietly: an error
+    closing is not the script's). A child forked from it leaves them alone: their client's event
+    loop thread is not there, and the cluster is its parent's."""
+    for rt, pid in list(_OPEN_EMBEDDED.values()):
+        if pid == os.getpid():
+            with contextlib.suppress(Exception):
+                rt.close()
 
 
 #: seconds an embedded cluster's worker gets to close, on top of Dask's 5, per GiB it had
@@ -801,6 +853,10 @@ _CONNECT_CHECKS = {
     "memory_limit": (_memory_limit_ok, _MEMORY_LIMIT),
     "timeout": (number_check(strict=True, finite=True)[0], "a finite number of seconds > 0"),
 }
+#: connect's flags: a truthy string ("no", "False" from a config file) or a number counted as True
+#: (dashboard="no" started the dashboard, mpi="no" an MPI launch)
+_FLAG = ((lambda v: isinstance(v, (bool, np.bool_))), "True or False")
+_CONNECT_CHECKS.update(dict.fromkeys(("mpi", "dashboard", "quiet", "make_current", "tls"), _FLAG))
 
 
 def _check_connect_arguments(where: str, **args) -> None:
@@ -854,7 +910,9 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
 
     where = "tilegraph.connect"
     _check_connect_arguments(where, address=address, scheduler_file=scheduler_file, n_workers=n_workers, gpu=gpu,
-                             threads_per_worker=threads_per_worker, memory_limit=memory_limit, timeout=timeout)
+                             threads_per_worker=threads_per_worker, memory_limit=memory_limit, timeout=timeout,
+                             mpi=mpi, dashboard=dashboard, quiet=quiet, make_current=make_current, tls=tls)
+    mpi, dashboard, quiet, make_current, tls = (bool(v) for v in (mpi, dashboard, quiet, make_current, tls))
     if sum(x is not None and x is not False for x in (address, scheduler_file, mpi or None)) > 1:
         raise TileError(where, "give at most one of address, scheduler_file and mpi=True",
                         f"address={address!r}, scheduler_file={scheduler_file!r}, mpi={mpi!r}")
@@ -972,6 +1030,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         try:  # interrupted from here on (a notebook's stop button), the cluster is closed, not left running
             if interrupted():
                 raise KeyboardInterrupt
+            _stop_gc_diagnosis()  # the scheduler's start turned it on
             client = Client(cluster)  # with the cluster's security
             client.wait_for_workers(n_workers, timeout=60)
             if quiet:  # worker processes take their logging setup from the parent's config: quiet them here
@@ -990,6 +1049,21 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
               f"{f', {gpu} GPU' if gpu else ''}{', TLS' if security is not None else ''}; "
               f"dashboard: {rt.dashboard_link}", flush=True)
     return rt
+
+
+def _stop_gc_diagnosis() -> None:
+    """Take Dask's GC diagnosis out of this process, where the embedded cluster's scheduler runs
+    (its start turns it on). It is a ``gc.callbacks`` hook making psutil calls on every collection,
+    in whichever thread collects, the main one too: a Ctrl-C (a notebook's stop button) landing
+    there raised KeyboardInterrupt inside the hook, where Python prints "Exception ignored in:
+    <bound method GCDiagnosis._gc_callback ...>" and drops it, and training ran on to its end (1
+    run in 7 of a fit interrupted 1.5 s in). Dask counts who asked for it; ``force`` removes it
+    whatever the count (another in-process scheduler or worker would keep it otherwise), and their
+    own disable at close then finds nothing to undo. What is lost: the scheduler's warnings that
+    garbage collection took much of this process's time."""
+    from distributed.gc import disable_gc_diagnosis
+
+    disable_gc_diagnosis(force=True)
 
 
 @contextlib.contextmanager
