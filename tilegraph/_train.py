@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -149,6 +150,14 @@ def check_step_arguments(where: str, model, optimizer, loss_fn, batch_tiles, run
     check_compile_options(where, compile_options)
 
 
+def _structure(model: Module) -> tuple:
+    """What a recorded step of ``model`` depends on besides the batch: its parameters (which
+    objects, in which order) and which of them are frozen. ``peft.apply_lora`` and
+    ``peft.merge_lora`` change a model in place; a step recorded before would go on training the
+    graph of before (the detached adapters, or weights since frozen)."""
+    return tuple((id(p), p.requires_grad) for p in model.parameters())
+
+
 def _loss_of(loss_fn, model, tensors, where: str):
     """``loss_fn(model, *tensors)``; where the batch does not fit loss_fn's parameters (one array
     for a loss_fn of two, say) this says so, naming both, instead of Python's TypeError from inside
@@ -250,6 +259,10 @@ class TrainStep:
         self._cache: dict[tuple, _Recorded] = {}
         self._acc_cells: list[np.ndarray] | None = None  # gradient accumulators, one cell per tile
         self.last: StepStats | None = None
+        self._structure = _structure(model)  # what the recorded graphs were recorded for
+        #: counts the failed steps rolled back: a step submitted before the last one of them
+        #: does not roll back again (it read the failed step's values)
+        self._rollbacks = 0
 
     def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1) -> _Recorded:
         """Record the step for one (micro-)batch. ``kind``: "step" (``k`` whole steps, each one's
@@ -259,6 +272,15 @@ class TrainStep:
         if self.accum_steps > 1:  # the arrays here are micro-batches: say so where their shapes show
             where = f"tilegraph.TrainStep (a micro-batch: 1/{self.accum_steps} of the batch, accum_steps={self.accum_steps})"
         params = self.optimizer.params
+        frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+        if frozen:  # (its update would change a weight frozen since the optimizer was made)
+            i = frozen[0]
+            name = optimizer_param_names(self.optimizer, self.model, where).get(id(params[i]), params[i].name)
+            raise TileError(where, "every optimizer parameter to require a gradient: build the optimizer from the "
+                            "parameters that train ([p for p in model.parameters() if p.requires_grad]; LoRA: "
+                            "peft.trainable_parameters(model)) and a new TrainStep",
+                            f"optimizer.params[{i}] ({name}) has requires_grad=False"
+                            + (f", and {len(frozen) - 1} more" if len(frozen) > 1 else ""))
         # k > 1: step j's scalars come from a hyper cell of its own
         hypers = [None] if k == 1 else [Cell(np.zeros(2), (2,), np.float64, token=f"hyper{j}") for j in range(k)]
         saved = [p.grid for p in params]
@@ -325,6 +347,17 @@ class TrainStep:
         was recorded just now."""
         if not _follows_current(self.executables, self.runtime):
             self.reset_plans()
+        structure = _structure(self.model)
+        if structure != self._structure:  # the model changed in place (LoRA applied or merged)
+            try:
+                optimizer_param_names(self.optimizer, self.model, "tilegraph.TrainStep")
+            except TileError as e:
+                raise TileError("tilegraph.TrainStep", "every optimizer parameter to belong to the model: the model "
+                                "changed since this step was made (peft.merge_lora or apply_lora change it in "
+                                "place); make a new optimizer and TrainStep over its parameters (LoRA: "
+                                "peft.trainable_parameters(model))", e.received) from None
+            self.reset_plans()
+            self._structure = structure
         key = (kind, k, self.signature(batch))
         rec = self._cache.get(key)
         if rec is not None:
@@ -380,22 +413,26 @@ class TrainStep:
         losses = []
         step_no = self.optimizer.step_count + 1
         self.optimizer.lr_at(step_no)  # before any micro-batch runs
+        undo = _Undo(self, step_no - 1)
         for j, (mb, kind) in enumerate(zip(micro, self._kinds())):
             t1 = time.perf_counter()
             rec, recorded = self._lookup(mb, kind)
             if recorded:
                 record_seconds += time.perf_counter() - t1
-            _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}")
+            # (a step again after a failed one rolled back: other keys than those of the failed one)
+            _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}-{self._rollbacks}")
             if j == 0:  # before the step is counted (every micro-batch's graph reads the same parameters)
                 check_values_reachable("tilegraph.TrainStep", rec.exe.leaves, rec.exe.runtime)
             if kind in ("step", "last"):
                 self.optimizer.next_hyper()
-                values = self._run(rec, range(rec.n_fetch))
+                values = self._run(rec, range(rec.n_fetch), undo)
             else:  # the loss comes back later: the next micro-batch's graph follows at once
-                values = self._run(rec, (0,))
+                values = self._run(rec, (0,), undo)
             losses.append(values[0])
         norm = values[1] if rec.n_fetch > 1 else None
-        return PendingStep(self, step_no, losses, norm, self.optimizer.schedule(step_no), t0, record_seconds, rec)
+        undo.until_done(losses)
+        return PendingStep(self, step_no, losses, norm, self.optimizer.schedule(step_no), t0, record_seconds, rec,
+                           undo=undo)
 
     def submit_steps(self, batches: Sequence[Sequence[np.ndarray]]) -> list["PendingStep"]:
         """Submit ``len(batches)`` consecutive optimizer steps as one graph (recorded once per
@@ -424,17 +461,19 @@ class TrainStep:
         record_seconds = time.perf_counter() - t0 if recorded else 0.0
         first = self.optimizer.step_count + 1
         for j, b in enumerate(batches):
-            _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}")
+            _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}-{self._rollbacks}")
         # every value and every step's learning rate checked before the first step is counted
         check_values_reachable(where, rec.exe.leaves, rec.exe.runtime)
         for j in range(k):
             self.optimizer.lr_at(first + j)
+        undo = _Undo(self, first - 1)
         for j in range(k):
             self.optimizer.next_hyper(rec.hypers[j])
-        values = self._run(rec, range(rec.n_fetch))
+        values = self._run(rec, range(rec.n_fetch), undo)
         norms = values[k:rec.n_fetch]
+        undo.until_done(values[:k])
         return [PendingStep(self, first + j, [values[j]], norms[j] if norms else None, self.optimizer.schedule(first + j),
-                            t0, record_seconds if j == 0 else 0.0, rec, group=k, first=first)
+                            t0, record_seconds if j == 0 else 0.0, rec, group=k, first=first, undo=undo)
                 for j in range(k)]
 
     def _require_open(self) -> None:
@@ -442,15 +481,66 @@ class TrainStep:
         if self.runtime is not None:
             self.runtime.require_open("tilegraph.TrainStep")
 
-    def _run(self, rec: _Recorded, fetch) -> list:
-        """Run a recorded graph; its parameter/state cells then hold the new values (futures)."""
+    def _run(self, rec: _Recorded, fetch, undo: "_Undo | None" = None) -> list:
+        """Run a recorded graph; its parameter/state cells then hold the new values (futures)
+        (``undo`` keeps what they held before, see :class:`_Undo`)."""
         if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
             rec.exe.runtime.scatter_cells(rec.assignments, rec.exe.root_workers()[-len(rec.assignments):])
             rec.exe.runtime.scatter_cells(*rec.fixed)  # and frozen weights, to each worker reading them
         values = rec.exe.run(fetch=fetch, wait=False)
         for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
+            if undo is not None:
+                undo.keep(cell)
             cell.set(v)
         return values
+
+
+class _Undo:
+    """What a submitted step's cells (parameters, optimizer state, gradient accumulators) held
+    before it, to put back when it fails: a step whose task failed (a token id out of range, say)
+    left every parameter pointing at its failed update, and every later step, forward or save of
+    the model failed with that first error. Kept only until the step's losses are computed: the
+    errors of the data come before them, and after them the step's update tasks hold what they
+    read anyway (holding it longer would keep the old state beside the new)."""
+
+    def __init__(self, owner: "TrainStep", count: int):
+        self.owner, self.count, self.rollbacks = owner, count, owner._rollbacks
+        self.before: dict[int, tuple[Cell, object, str]] | None = {}
+        self._waiting = 0
+        self._lock = threading.Lock()  # (Dask runs the done callbacks in threads of its own)
+
+    def keep(self, cell: Cell) -> None:
+        if self.before is not None and id(cell) not in self.before:
+            self.before[id(cell)] = (cell, cell.value, cell.token)
+
+    def until_done(self, losses: list) -> None:
+        """Let go of what was kept once every one of ``losses`` is computed."""
+        futures = [v.future for v in losses if isinstance(v, Fetching)]
+        if not futures:  # computed here already (no runtime): nothing to undo
+            self.before = None
+            return
+        self._waiting = len(futures)
+        for f in futures:
+            f.add_done_callback(self._done)
+
+    def _done(self, future) -> None:
+        if future.status == "finished":
+            with self._lock:
+                self._waiting -= 1
+                if self._waiting <= 0:
+                    self.before = None
+
+    def __call__(self) -> bool:
+        """Put the cells back as they were before the step (and the optimizer's step count), once
+        and only where no step failed since this one was submitted; returns whether it did."""
+        before, self.before = self.before, None
+        if before is None or self.rollbacks != self.owner._rollbacks:
+            return False
+        for cell, value, token in before.values():
+            cell.set(value, token)
+        self.owner.optimizer.step_count = self.count
+        self.owner._rollbacks += 1
+        return True
 
 
 # -- lost and stalled workers ------------------------------------------------------------------
@@ -659,8 +749,10 @@ class PendingStep:
     """
 
     def __init__(self, owner: TrainStep, step: int, losses: list, norm, lr: float, t0: float,
-                 record_seconds: float, rec: _Recorded, group: int = 1, first: int | None = None):
+                 record_seconds: float, rec: _Recorded, group: int = 1, first: int | None = None,
+                 undo: _Undo | None = None):
         self.owner, self.step, self._losses, self._norm, self.lr = owner, step, losses, norm, lr
+        self._undo = undo
         self._t0, self._record_seconds, self._rec, self._group = t0, record_seconds, rec, group
         self.steps = range(first if first is not None else step, (first if first is not None else step) + group)
         self.submitted, self.fresh = t0, record_seconds > 0
@@ -684,7 +776,16 @@ class PendingStep:
             runtime = self._rec.exe.runtime
             values = self._losses + ([self._norm] if self._norm is not None else [])
             if runtime is not None:
-                values = self._gather(runtime, values, timeout, patient)
+                try:
+                    values = self._gather(runtime, values, timeout, patient)
+                except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
+                    if not isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())) \
+                            and self._undo is not None and self._undo():
+                        e.add_note(f"[tilegraph.TrainStep] the failed step changed nothing: the model's parameters "
+                                   f"and optimizer state are those after step {self.owner.optimizer.step_count}")
+                    raise
+                if self._undo is not None:
+                    self._undo.before = None
             n = len(self._losses)
             loss = float(np.mean([to_host(v).reshape(()) for v in values[:n]]))
             norm = float(to_host(values[n])[3]) if self._norm is not None else None
@@ -762,6 +863,7 @@ class EvalStep:
         self.runtime, self.compile_options = runtime, compile_options
         self._cache: dict[tuple, tuple[Executable, list]] = {}
         self._calls = 0
+        self._structure = _structure(model)
 
     def reset_plans(self) -> None:
         """Forget the recorded graphs (planned for the workers there were then)."""
@@ -769,8 +871,11 @@ class EvalStep:
 
     def _lookup(self, batch, n: int) -> tuple[Executable, list]:
         """The graph of ``n`` losses for batches like ``batch``, and each one's input cells."""
-        if not _follows_current([exe for exe, _ in self._cache.values()], self.runtime):
+        structure = _structure(self.model)
+        if structure != self._structure or not _follows_current([exe for exe, _ in self._cache.values()],
+                                                                 self.runtime):
             self.reset_plans()
+            self._structure = structure
         key = (n, _signature(batch))
         if key not in self._cache:
             inputs, losses = [], []
