@@ -567,6 +567,21 @@ def test_zero3_tasks_read_at_most_a_process_share_of_the_parameters(embedded_run
     assert most["zero3"] <= 0.55, most        # none reads more than about half of them
 
 
+def _held_once_the_step_is_done(client, model, params, expected: float) -> dict[str, int]:
+    """Bytes of ``params`` (the futures a step read) on each worker once the step of ``model``
+    is done and its last drops have come (they follow its last tasks): waits up to 10 s for
+    them to total ``expected`` bytes or less."""
+    import time
+
+    _held_by_worker(client, _parameter_futures(model))  # the step is done
+    deadline = time.monotonic() + 10
+    while True:
+        held = _held_by_worker(client, params)
+        if sum(held.values()) <= expected or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
+
+
 def _plugin_count(client, counter: str) -> int:
     """A count kept by tilegraph's scheduler plugin so far: "dropped" (copies of fetched values
     dropped) or "prefetched" (values workers were asked to fetch ahead)."""
@@ -581,8 +596,6 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
     memory manager (stopped here): the parameters a step read (kept alive by the test after it)
     are each held once, by their owner, as soon as the step is done. The plugin counts what it
     dropped."""
-    import time
-
     monkeypatch.setattr(tg.config, "exchange", "tasks")
     client = embedded_runtime.client
     client.amm.stop()
@@ -593,13 +606,7 @@ def test_zero3_drops_the_copies_a_process_fetched_once_its_tasks_have_read_them(
         params = _parameter_futures(model)  # what the next step reads
         before = _plugin_count(client, "dropped")
         step(*batch)
-        _held_by_worker(client, _parameter_futures(model))  # the step is done
-        deadline = time.monotonic() + 10
-        while True:  # the last drops follow the step's last tasks
-            held = _held_by_worker(client, params)
-            if sum(held.values()) <= 1.01 * n_bytes or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        held = _held_once_the_step_is_done(client, model, params, 1.01 * n_bytes)
         assert sum(held.values()) <= 1.01 * n_bytes, (held, n_bytes)
         assert len(held) == 2 and all(v <= 0.65 * n_bytes for v in held.values()), held
         assert _plugin_count(client, "dropped") > before
@@ -616,8 +623,6 @@ def test_a_sharded_step_under_a_memory_bound_drops_fetched_copies_and_fetches_no
     replaced). Nothing is fetched ahead there: what arrives early would push out to disk what
     the worker needs sooner. The losses are those of the same step without a bound. (Under a bound
     each task result reports its exact size, a few bytes over its arrays': 1.05.)"""
-    import time
-
     from tilegraph import _lower
 
     monkeypatch.setattr(tg.config, "exchange", "tasks")
@@ -635,13 +640,7 @@ def test_a_sharded_step_under_a_memory_bound_drops_fetched_copies_and_fetches_no
         bounded = [step(*batch)]
         params = _parameter_futures(model)  # what the next step reads
         bounded.append(step(*batch))
-        _held_by_worker(client, _parameter_futures(model))  # the step is done
-        deadline = time.monotonic() + 10
-        while True:  # the last drops follow the step's last tasks
-            held = _held_by_worker(client, params)
-            if sum(held.values()) <= 1.05 * n_bytes or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        held = _held_once_the_step_is_done(client, model, params, 1.05 * n_bytes)
         assert sum(held.values()) <= 1.05 * n_bytes, (held, n_bytes)
         assert _plugin_count(client, "dropped") > dropped
         assert _plugin_count(client, "prefetched") == ahead
