@@ -264,6 +264,20 @@ class BPETokenizer(Tokenizer):
         except Exception as e:  # the library raises plain Exceptions for malformed or truncated JSON
             what = ("a tokenizers JSON file; this one ends early (truncated?)" if "EOF while parsing" in str(e)
                     else "a tokenizers JSON file")
+            try:  # valid JSON of another kind: the library's message names a JSON syntax error it lacks
+                parsed = json.loads(json_text)
+            except (ValueError, RecursionError):  # not JSON (or nested past Python's limit)
+                parsed = e
+            if parsed is not e and not (isinstance(parsed, dict) and "model" in parsed):
+                if isinstance(parsed, dict):
+                    kind = (f"an object with keys {', '.join(map(repr, list(parsed)[:5]))}"
+                            + (", ..." if len(parsed) > 5 else "")) if parsed else "an empty object"
+                else:  # the JSON name of the value's type
+                    kind = "a JSON " + {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+                        type(parsed), "number")
+                raise TileError(where, "expected a tokenizers JSON file (an object with 'model', 'normalizer', "
+                                "'pre_tokenizer', ...); this one is JSON but not a tokenizer",
+                                f"{source}: {kind[:300]}") from None
             raise TileError(where, f"expected {what}", f"{source}: {str(e)[:300]}") from None
         return cls(tok, eos=eos)
 

@@ -118,7 +118,8 @@ def _run(argv) -> int:
     gen.add_argument("--stop", action="append", metavar="STR",
                      help="stop once the new text contains STR; the text printed ends with it (repeatable; "
                           "\\n and \\t are a newline and a tab, \\\\ a backslash, as in --prompt)")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling: the seed of the draws (default: 0); greedy decoding takes none")
     gen.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
     gen.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
     gen.add_argument("--ids", action="store_true", help="also print the token ids")

@@ -27,7 +27,7 @@ def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph g
     from tilegraph.io import BPETokenizer, tokenizer_from_description
 
     if override:
-        return make_tokenizer(override)
+        return make_tokenizer(override, f"{where} --tokenizer")
     recorded = folder / "tilegraph_tokenizer.json"
     if recorded.is_file():
         try:
@@ -112,7 +112,8 @@ _FINITE_POSITIVE = number_check(strict=True, finite=True)
 def generate_options(args) -> dict:
     """generate()'s strategy, sampling options and seed from the flags of ``tilegraph generate``,
     checked before the model loads and named as flags: --strategy defaults to what --top-k and
-    --top-p imply, and greedy decoding refuses all three sampling flags (it would ignore them)."""
+    --top-p imply, and greedy decoding refuses the three sampling flags and --seed (it would
+    ignore them); sampling without --seed draws with seed 0."""
     from tilegraph._errors import TileError
 
     where = "tilegraph generate"
@@ -128,9 +129,11 @@ def generate_options(args) -> dict:
     said = " ".join(f"{SAMPLING_FLAGS[name]} {value}" for name, value in given.items())
     strategy = args.strategy or ("sample" if {"top_k", "top_p"} <= given.keys() else "top_k" if "top_k" in given
                                  else "top_p" if "top_p" in given else "greedy")
-    if strategy == "greedy" and given:
-        raise TileError(where, "greedy decoding (the most likely token, whatever the temperature) takes no --top-k, "
-                        "--top-p or --temperature (to sample: --strategy sample, top_k or top_p)",
+    if strategy == "greedy" and (given or args.seed is not None):  # a seed draws nothing there either
+        said = " ".join([said] * bool(said) + [f"--seed {args.seed}"] * (args.seed is not None))
+        raise TileError(where, "greedy decoding (the most likely token, whatever the temperature; it draws nothing, "
+                        "so no --seed either) takes no --top-k, --top-p or --temperature (to sample: --strategy "
+                        "sample, top_k or top_p)",
                         said + (" with --strategy greedy" if args.strategy else " (greedy: the default strategy "
                                                                                   "without --top-k or --top-p)"))
     if strategy in ("top_k", "top_p"):  # named as the option it needs
@@ -139,11 +142,18 @@ def generate_options(args) -> dict:
             raise TileError(where, f"--strategy {strategy} needs {SAMPLING_FLAGS[strategy]} and no "
                             f"{SAMPLING_FLAGS[other]} (--strategy sample combines both)",
                             f"--strategy {strategy} {said}".rstrip())
+    seed = 0 if args.seed is None else args.seed
     return {"strategy": strategy, "temperature": 1.0, **given, "repetition_penalty": args.repetition_penalty,
-            "seed": args.seed}
+            "seed": seed}
 
 
 def cmd_generate(args) -> int:
+    from tilegraph.cli.signals import run_stoppable
+
+    return run_stoppable("tilegraph generate", lambda: _generate(args))
+
+
+def _generate(args) -> int:
     import tilegraph as tg
     from tilegraph.models.generate import generate
 
@@ -154,7 +164,7 @@ def cmd_generate(args) -> int:
         raise tg.TileError(where, "--stop strings of at least one character", "--stop ''")
     folder = Path(args.checkpoint)
     model = load_model(folder, where)  # first: a wrong path is named as one, not as a missing tokenizer
-    tokenizer = load_tokenizer(folder, args.tokenizer, eos_from_config=True)
+    tokenizer = load_tokenizer(folder, args.tokenizer, where, eos_from_config=True)
     text = unescape(args.prompt)  # as --stop's: "a\nb" is two lines in both
     prompt = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if prompt.size == 0:
@@ -195,6 +205,12 @@ EVAL_DEFAULT_CORPUS = "the shipped config's corpus (the standard library's sourc
 
 def cmd_eval(args) -> int:
     """Loss and perplexity of a checkpoint on a corpus, over windows spread evenly across it."""
+    from tilegraph.cli.signals import run_stoppable
+
+    return run_stoppable("tilegraph eval", lambda: _eval(args))
+
+
+def _eval(args) -> int:
     import tempfile
 
     import tilegraph as tg
@@ -267,6 +283,11 @@ def cmd_convert(args) -> int:
     where = "tilegraph convert"
     if dst.exists():
         raise TileError(where, "a destination that does not exist yet (nothing is overwritten)", f"{dst} exists")
+    a, b = src.resolve(), dst.resolve()
+    if a == b or a in b.parents or b in a.parents:  # the new folder would be written into the source
+        raise TileError(where, "a destination outside the source folder (and not holding it)",
+                        f"{dst}, " + ("the source itself" if a == b else f"inside {src}" if a in b.parents
+                                      else f"which holds {src}"))
     model = load_model(src, where)
     files = {}
     for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json"):
@@ -333,6 +354,7 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
     if (folder / "adapter_config.json").is_file() and not (folder / "zarr.json").is_file():
         raise TileError("tilegraph info", "a Zarr checkpoint folder (a Hugging Face peft adapter folder is described "
                         "by its own adapter_config.json)", f"{folder}, {adapters_only(folder)}")
+    _check_hf_config(folder)
     check_checkpoint_folder(folder, "tilegraph info", f"its config.json describes it, and `tilegraph convert "
                             f"{folder} NEW` writes it as a Zarr checkpoint")
     ck = load_checkpoint(folder)
@@ -381,6 +403,25 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
     print("chunks: every chunk " + ("read, each matching its CRC32C" if verify else
                                     "file there, of its size (--verify reads them against their CRC32C)"))
     return 0
+
+
+def _check_hf_config(folder: Path) -> None:
+    """Refuse a Hugging Face folder (config.json, no zarr.json) whose config.json is no JSON
+    object, naming what is wrong with it: check_checkpoint_folder would suggest converting it,
+    which fails on the same file."""
+    from tilegraph._errors import TileError
+
+    config = folder / "config.json"
+    if (folder / "zarr.json").is_file() or not config.is_file() or (folder / "adapter_config.json").is_file():
+        return
+    try:
+        problem = None if isinstance(json.loads(config.read_text(encoding="utf-8")), dict) else "not a JSON object"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        problem = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+    if problem is not None:
+        raise TileError("tilegraph info", "a checkpoint folder (RUN/checkpoints/step-N of tilegraph train); this is a "
+                        "Hugging Face folder whose config.json, which describes its model, must be a JSON object (no "
+                        "tilegraph command can read the folder until it is)", f"{config}: {problem}")
 
 
 def _print_sketch(folder: Path, ck) -> None:
