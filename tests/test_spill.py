@@ -90,3 +90,34 @@ def test_the_workers_of_a_cluster_with_a_memory_limit_get_it():
                     make_current=False) as rt:
         installed = rt.client.run(lambda dask_worker: getattr(dask_worker.data._slow_uncached, "_tilegraph_spill", False))
         assert list(installed.values()) == [True]
+
+
+def test_a_spilled_value_s_file_is_deleted_aside_from_the_worker_s_event_loop(tmp_path, rng, monkeypatch):
+    """A worker deletes a spilled value's file when it reads the value back or forgets it, on its
+    event loop; on a disk that discards freed blocks that took 0.1-0.15 s a file (14-17 s per
+    worker over three steps of the 4.1x capacity bench). The file is now deleted by a thread of
+    its own: forgetting the value returns at once, and the file goes soon after."""
+    import os
+    import time
+
+    from distributed.spill import SpillBuffer
+
+    data = SpillBuffer(str(tmp_path), target=1)  # everything goes to disk
+    assert spill.install(types.SimpleNamespace(data=data))
+    data["tg-a"] = Results(_arrays(rng))
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) == 1
+    remove = os.remove
+
+    def slow_remove(path, *args, **kwargs):
+        time.sleep(0.5)
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", slow_remove)
+    t0 = time.monotonic()
+    del data["tg-a"]
+    assert time.monotonic() - t0 < 0.25 and "tg-a" not in data
+    deadline = time.monotonic() + 10
+    while files[0].exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not files[0].exists()

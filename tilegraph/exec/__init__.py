@@ -2,9 +2,10 @@
 calls over its worker's threads. Nothing here builds graphs or talks to the scheduler."""
 
 
-def setup_plugin(plugin_name: str, install):
+def setup_plugin(plugin_name: str, install, teardown=None):
     """A Dask worker plugin named ``plugin_name`` calling ``install(worker)`` on every worker of
-    the cluster, also those joining later (idempotent: registered again, it changes nothing)."""
+    the cluster, also those joining later (idempotent: registered again, it changes nothing),
+    and ``teardown(worker)``, if given, as a worker closes."""
     from distributed.diagnostics.plugin import WorkerPlugin
 
     class SetupPlugin(WorkerPlugin):
@@ -13,5 +14,9 @@ def setup_plugin(plugin_name: str, install):
 
         def setup(self, worker) -> None:
             install(worker)
+
+        def teardown(self, worker) -> None:
+            if teardown is not None:
+                teardown(worker)
 
     return SetupPlugin()

@@ -18,7 +18,12 @@ count, :data:`MAGIC` does not read as one).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import queue
+import threading
+import time
 
 import numpy as np
 
@@ -84,9 +89,9 @@ def load(buf, fallback):
 
 
 def install(worker) -> bool:
-    """Give ``worker``'s spill store (a Dask ``SpillBuffer``) this module's format; returns
-    whether it has one (a worker without a memory limit, or with its own ``data`` mapping, has
-    none and keeps what it has)."""
+    """Give ``worker``'s spill store (a Dask ``SpillBuffer``) this module's format, and have its
+    files deleted aside (:func:`delete_aside`); returns whether it has one (a worker without a
+    memory limit, or with its own ``data`` mapping, has none and keeps what it has)."""
     slow = getattr(getattr(worker, "data", None), "_slow_uncached", None)
     if slow is None or not callable(getattr(slow, "dump", None)) or not callable(getattr(slow, "load", None)):
         return False
@@ -95,12 +100,87 @@ def install(worker) -> bool:
     dask_dump, dask_load = slow.dump, slow.load
     slow.dump = lambda value: dump(value, dask_dump)
     slow.load = lambda buf: load(buf, dask_load)
+    delete_aside(getattr(slow, "d", None))
     slow._tilegraph_spill = True
     return True
 
 
+#: the files waiting for the deleting thread (:func:`delete_aside`), and that thread
+_DOOMED: "queue.Queue[str] | None" = None
+_DELETE_LOCK = threading.Lock()
+
+
+#: whether the worker is closing (:func:`finish_deleting`): files are then deleted in place
+_CLOSING = False
+#: the longest a closing worker waits for the files still to delete
+FINISH_SECONDS = 120.0
+
+
+def _delete_in_turn(doomed: "queue.Queue[str]") -> None:
+    while True:
+        path = doomed.get()
+        try:
+            with contextlib.suppress(OSError):  # (gone with the worker's folder already)
+                os.remove(path)
+        finally:
+            doomed.task_done()
+
+
+def finish_deleting(worker=None) -> None:
+    """As the worker closes (before Dask deletes its spill folder, whose listing the deleting
+    thread would change under it: an ERROR line per file), delete the files still waiting, and
+    from then on in place."""
+    global _CLOSING
+    _CLOSING = True
+    doomed = _DOOMED
+    deadline = time.monotonic() + FINISH_SECONDS
+    while doomed is not None and doomed.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _delitem_aside(self, key) -> None:
+    """``zict.File.__delitem__``, the file deleted by the deleting thread: the key is forgotten
+    here and now, the file's name is never used again (zict adds a counter to each)."""
+    global _DOOMED
+    name = self.filenames.pop(key)
+    if _CLOSING:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(self.directory, name))
+        return
+    with _DELETE_LOCK:
+        if _DOOMED is None:
+            _DOOMED = queue.Queue()
+            threading.Thread(target=_delete_in_turn, args=(_DOOMED,), name="tilegraph-spill-delete",
+                             daemon=True).start()
+    _DOOMED.put(os.path.join(self.directory, name))
+
+
+_ASIDE_CLASSES: dict[type, type] = {}
+
+
+def delete_aside(files) -> bool:
+    """Have the files of a spill store's file mapping (``zict.File``) deleted by a thread of
+    their own, not by the worker's event loop, which deletes a spilled value's file when the
+    value is read back or forgotten: on a disk that discards freed blocks a file of tens of MB
+    took 0.1-0.15 s to delete, and a worker of the 4.1x capacity bench deleted 1,300-1,700 of
+    them in three steps, 14-17 s with its event loop (transfers, the scheduler's messages) held.
+    Returns whether it applies (a mapping without zict.File's ``filenames``: left as it is)."""
+    cls = type(files)
+    if getattr(cls, "_tilegraph_aside", False):
+        return True
+    if not isinstance(getattr(files, "filenames", None), dict) or not isinstance(getattr(files, "directory", None), str):
+        return False
+    aside = _ASIDE_CLASSES.get(cls)
+    if aside is None:
+        aside = _ASIDE_CLASSES[cls] = type(cls.__name__, (cls,), {"__delitem__": _delitem_aside,
+                                                                   "_tilegraph_aside": True})
+    files.__class__ = aside
+    return True
+
+
 def spill_plugin():
-    """A worker plugin applying :func:`install` on every worker, also those joining later."""
+    """A worker plugin applying :func:`install` on every worker, also those joining later, and
+    :func:`finish_deleting` as each closes."""
     from tilegraph.exec import setup_plugin
 
-    return setup_plugin("tilegraph-spill", install)
+    return setup_plugin("tilegraph-spill", install, finish_deleting)
