@@ -400,7 +400,7 @@ def test_a_sigterm_to_the_process_group_checkpoints_the_last_step(root):
         proc.wait(timeout=180)
     out_file, err_file = root / "term.out", root / "term.err"
     stdout, err = out_file.read_text(), err_file.read_text()
-    assert proc.returncode == 130 and "lost worker" not in err and "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 143 and "lost worker" not in err and "Traceback" not in err, err[-3000:]
     m = re.search(r"^stopped at step (\d+); checkpoint: (term/checkpoints/step-\d{6}) ", stdout, re.M)
     assert m, stdout[-3000:] + err[-3000:]
     assert tg.io.load_checkpoint(root / m.group(2)).step == int(m.group(1)) >= 8

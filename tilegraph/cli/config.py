@@ -124,10 +124,9 @@ CONFIG_CHECKS = {
 }
 
 
-def check_config(cfg: dict, source: str) -> None:
-    """Every known key holds what it must; all problems in one error."""
-    from tilegraph._errors import TileError
-
+def value_problems(cfg: dict) -> dict[str, str]:
+    """``section.key`` -> what is wrong with its value, for each key of ``cfg`` that holds a value
+    it must not (each key alone: :data:`CONFIG_CHECKS`, and no inf or nan anywhere)."""
     bad = {}  # setting -> what is wrong with it
     for name, (ok, want) in CONFIG_CHECKS.items():
         section, key = name.split(".")
@@ -139,7 +138,14 @@ def check_config(cfg: dict, source: str) -> None:
         for key, value in settings.items():
             if isinstance(value, float) and not math.isfinite(value):
                 bad.setdefault(f"{section}.{key}", f"{section}.{key} must be a finite number, not {value!r}")
-    problems = list(bad.values())
+    return bad
+
+
+def check_config(cfg: dict, source: str) -> None:
+    """Every known key holds what it must; all problems in one error."""
+    from tilegraph._errors import TileError
+
+    problems = list(value_problems(cfg).values())
     t, p = cfg["train"], cfg.get("peft", {})
     if not problems and t["min_lr"] > t["lr"]:  # the cosine would rise from lr to min_lr: warmup_cosine refuses it
         problems.append(f"train.min_lr ({t['min_lr']!r}) must be at most train.lr ({t['lr']!r}): the learning rate "
@@ -179,7 +185,10 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
     for pair in sorted(pairs, key=lambda p: p.partition("=")[0].strip() != "model.flavor"):
         name, eq, text = pair.partition("=")
         section, dot, key = name.strip().partition(".")
-        if not eq or not dot or section not in cfg or (key not in cfg[section] and section != "model"):
+        if not eq:  # "--set train.steps": the key may be right, the value is missing
+            raise TileError("tilegraph train --set", f"section.key=value: an '=' and the value after the key "
+                            f"({name.strip() or 'section.key'}=VALUE)", f"{pair!r} (no '=')")
+        if not dot or section not in cfg or (key not in cfg[section] and section != "model"):
             keys = [f"{s}.{k}" for s, ks in cfg.items() for k in ks]
             near = did_you_mean(name.strip(), keys)
             what = (f"section.key=value with a known key{near}" if near else

@@ -87,12 +87,14 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
             what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
                                          f"checkpoints {found[0]}..{found[-1]}"] if x)
             raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds one ({what}): "
-                            f"pass --resume CHECKPOINT to continue it (--resume {ckdir / found[-1]} continues it), "
+                            "pass --resume CHECKPOINT to continue it "
+                            f"(--resume {quote(ckdir / found[-1])} continues it), "
                             "or another --out", str(out))
         if (out / "metrics.jsonl").exists():  # a run that stopped (an error, a kill) before its first checkpoint
             raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds the "
                             "metrics.jsonl of one that wrote no checkpoint, so nothing there can be resumed: pass "
-                            f"another --out, or delete {out} (or its metrics.jsonl) to start over in it", str(out))
+                            f"another --out, or delete {quote(out)} (or its metrics.jsonl) to start over in it",
+                            str(out))
         return None
     step = resume.checkpoint.step
     if in_folder(resume.path, ckdir) or set_aside_in(resume.path, ckdir):
@@ -106,7 +108,7 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     if clash:
         raise TileError("tilegraph train", f"checkpoint names free for steps {step + 1}..{step + steps}; {ckdir} "
                         f"already holds {', '.join(clash)} (from a run that went past step {step}): pass another --out",
-                        f"--resume {resume.path} --steps {steps}")
+                        f"--resume {quote(resume.path)} --steps {steps}")
     return step
 
 
@@ -195,10 +197,29 @@ def output_folder(out: str | None, configured: str, given: dict[str, str], resum
     text, where = (out, "--out") if out is not None else (configured, "tilegraph train [output] dir")
     if not text.strip():
         raise TileError(where, "an output folder (a path; nothing was written)", repr(text))
+    inside = inside_checkpoints(Path(text))
+    if inside:
+        raise TileError(where, "an output folder outside every checkpoint and every run's checkpoints folder (a run "
+                        "writes its own checkpoints/ in it; nothing was written): pass another", f"{text}: {inside}")
     if resume and out is None and not (named and on_command_line(named)):  # a checkpoint outside a run folder
         print(f"tilegraph train: writing to {text} ([output] dir): {resume} is not in a run's checkpoints folder "
               "(RUN/checkpoints/step-N), whose run would go on; --out names another", file=sys.stderr, flush=True)
     return Path(text), where
+
+
+def inside_checkpoints(out: Path) -> str:
+    """Where ``out`` is, or lies inside, a checkpoint (a folder with a Zarr checkpoint's
+    ``zarr.json``) or a run's checkpoints folder (``RUN/checkpoints``: a checkpoint in it or a run
+    beside it), in words; "" where it is neither."""
+    path = Path(os.path.abspath(os.path.expanduser(out)))
+    for p in (path, *path.parents):
+        if (p / "zarr.json").is_file():
+            return "it is a checkpoint" if p == path else f"inside the checkpoint {p}"
+        if p.name == "checkpoints" and p.is_dir() and (latest_checkpoint(p.parent) is not None or any(
+                (p.parent / name).exists() for name in ("metrics.jsonl", LOCK_NAME))):
+            return (f"the checkpoints folder of the run {p.parent}" if p == path else
+                    f"inside {p}, the checkpoints folder of the run {p.parent}")
+    return ""
 
 
 # -------------------------------------------------------------------------------- resuming ----
@@ -228,7 +249,7 @@ def open_resume(resume: str) -> Resume:
     if (folder / "trainer_state.json").is_file() and not (folder / "zarr.json").is_file():
         raise TileError(where, "a Zarr checkpoint: tilegraph train resumes those; a checkpoint of the earlier "
                         f"format resumes in Python (tilegraph.Trainer.load_checkpoint), or `tilegraph convert "
-                        f"{resume} NEW` writes its weights as one to start a new run from (--init NEW)",
+                        f"{quote(resume)} NEW` writes its weights as one to start a new run from (--init NEW)",
                         f"{resume}: a Hugging Face folder with trainer_state.json (the earlier format)")
     check_checkpoint_folder(folder, where, "--init starts a new run from its weights (with another --out)")
     ck = None if (folder / "adapter_config.json").is_file() else load_checkpoint(resume)  # its metadata read once
@@ -250,7 +271,7 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     if on_command_line(init_from) and cfg["model"].get("init"):
         raise TileError("tilegraph train", "--init or --resume, not both: --init starts a new run from a "
                         "checkpoint's weights, --resume continues the run that wrote it (with the weights it "
-                        "started from)", f"{init_from} --resume {resume}")
+                        "started from)", f"{init_from} --resume {quote(resume)}")
     opened = open_resume(resume)
     ck, record = opened.checkpoint, opened.peft
     if record is not None:  # its adapters, unless the job gives them (resume_settings checks they agree)
@@ -301,7 +322,7 @@ def keep_sketch(resume: Resume, p: dict, given: dict[str, str]) -> None:
     kept = _describe(stored)
     refuse_or_warn(other, f"the weight gradients of the run it continues ({kept}, from its checkpoint's "
                    f"{SKETCH_FILE}): leave them out, or start a new run from the checkpoint's weights "
-                   f"(--init {resume.path} and another --out)",
+                   f"(--init {quote(resume.path)} and another --out)",
                    f"the resumed run computes its weight gradients as its checkpoint's run did ({kept})")
     p.update(stored)
 
@@ -322,7 +343,7 @@ def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) ->
         t[key] = value
     kept = ", ".join(f"{k} {v}" for k, v in stored.items() if v is not None)
     refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
-                   f"start a new run from the checkpoint's weights (--init {resume} and another --out)",
+                   f"start a new run from the checkpoint's weights (--init {quote(resume)} and another --out)",
                    f"the resumed run draws its checkpoint's batches ({kept})")
 
 
@@ -395,7 +416,7 @@ def keep_window(resume: str, state: dict, record: dict | None, d: dict, given: d
     other = [(where, f"seq_len = {d['seq_len']!r}")] if where is not None else []
     d["seq_len"] = seq_len
     refuse_or_warn(other, f"the windows of the run it continues (seq_len {seq_len}, from its checkpoint): leave "
-                   f"[data] seq_len out, or start a new run from the checkpoint's weights (--init {resume} and "
+                   f"[data] seq_len out, or start a new run from the checkpoint's weights (--init {quote(resume)} and "
                    "another --out)", f"the resumed run reads windows of its checkpoint's seq_len {seq_len}")
 
 
@@ -420,7 +441,7 @@ def check_resumed_text(resume: str, state: dict, record: dict | None, meta: dict
     keys = [f"{given[f'data.{k}']}" for k in ("sources", "patterns", "max_mb", "tokenizer") if f"data.{k}" in given]
     raise TileError("tilegraph train --resume", f"the text of the run it continues ({had}): leave [data] sources, "
                     "patterns, max_mb and tokenizer as that run had them, or start a new run from the checkpoint's "
-                    f"weights (--init {resume} and another --out)",
+                    f"weights (--init {quote(resume)} and another --out)",
                     f"{got}" + (f" from {'; '.join(keys)}" if keys else ""))
 
 
@@ -446,7 +467,7 @@ def check_schedule(resume: str, spec: dict, t: dict, given: dict[str, str]) -> N
         other.append((given["train.steps"], f"steps = {t['steps']!r}"))
     refuse_or_warn(other, "no learning-rate settings other than its checkpoint's schedule, which the resumed run "
                    f"keeps ({describe_schedule(spec)}): leave them out, or start a new run from the checkpoint's "
-                   f"weights (--init {resume} and another --out)",
+                   f"weights (--init {quote(resume)} and another --out)",
                    f"the resumed run keeps its checkpoint's learning-rate schedule ({describe_schedule(spec)})")
 
 
@@ -543,7 +564,15 @@ def set_aside_in(checkpoint: str, folder: Path) -> bool:
 
 def resume_command(config: str | None, checkpoint) -> str:
     """The command that continues a run from ``checkpoint``."""
-    return " ".join(["tilegraph train", *([config] if config else []), "--resume", str(checkpoint)])
+    return " ".join(["tilegraph train", *([quote(config)] if config else []), "--resume", quote(checkpoint)])
+
+
+def quote(path) -> str:
+    """``path`` as a shell word, for the commands the messages suggest (a path with a space: in
+    quotes, which a shell reads back as the one path)."""
+    import shlex
+
+    return shlex.quote(str(path))
 
 
 def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
@@ -581,5 +610,6 @@ def diverged(error: FloatingPointError, optimizer, out: Path) -> TileError:
     last = latest_checkpoint(out)
     return TileError("tilegraph train", "a finite loss: train again with a lower learning rate (--lr"
                      + (f"; this run's peak was {lr:g}" if lr is not None else "") + "), in another --out"
-                     + (f" (from the weights of its last checkpoint: --init {last})" if last else
-                        f" or after deleting {out}"), getattr(error, "received", None) or re.sub(r"^\[[^]]*\] *", "", str(error)))
+                     + (f" (from the weights of its last checkpoint: --init {quote(last)})" if last else
+                        f" or after deleting {quote(out)}"),
+                     getattr(error, "received", None) or re.sub(r"^\[[^]]*\] *", "", str(error)))

@@ -18,17 +18,22 @@ import numpy as np
 from tilegraph._errors import TileError
 from tilegraph.runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
-from tilegraph.cli.config import apply_overrides, build_model, check_config, load_config, make_tokenizer
+from tilegraph.cli.config import (apply_overrides, build_model, check_config, load_config, make_tokenizer,
+                                  value_problems)
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
                                     check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
                                     resume_settings, sketch_settings)
 from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
                                 given_settings, keep_branch_point,
-                                latest_checkpoint, keep_architecture, output_folder, plan_resume, resume_command,
+                                latest_checkpoint, keep_architecture, output_folder, plan_resume, quote, resume_command,
                                 take_output)
 
 
 # -------------------------------------------------------------------------------- the job ----
+#: the exit status of a run that Ctrl-C stopped: a shell's 128 + SIGINT (one that SIGTERM stopped
+#: exits 128 + SIGTERM, 143)
+EXIT_INTERRUPTED = 128 + 2
+
 @dataclass
 class Job:
     """What :func:`cmd_train` releases after the job (the output lock, the job's settings) and
@@ -114,7 +119,7 @@ def cmd_train(args) -> int:
         print("tilegraph train: stopped at once; " + (f"last checkpoint: {last} (continue with "
                                                       f"{resume_command(job.config, last)})" if last else
                                                       "no checkpoint written"), file=sys.stderr, flush=True)
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         for release in job.release:
             release()
@@ -130,6 +135,7 @@ def _train(args, job: Job) -> int:
              "train.batch_size": ("--batch-size", args.batch_size), "train.seed": ("--seed", args.seed),
              "model.init": ("--init", args.init)}
     apply_overrides(cfg, list(args.set or []))
+    check_overridden(cfg, list(args.set or []), flags)
     for name, (_, value) in flags.items():
         if value is not None:
             section, key = name.split(".")
@@ -173,7 +179,8 @@ def _train(args, job: Job) -> int:
     resume, steps = plan_resume(args.resume, cfg, given, source) if args.resume else (None, int(t["steps"]))
     check_used_peft_keys(cfg["peft"], given)  # after --resume has brought the run's method
     out, out_named_by = output_folder(args.out, o["dir"], given, args.resume)
-    tokenizer = make_tokenizer(d["tokenizer"], "tilegraph train [data] tokenizer")
+    tokenizer = resumed_tokenizer(resume, d, given) if resume and "data.tokenizer" not in given else \
+        make_tokenizer(d["tokenizer"], "tilegraph train [data] tokenizer")
     # bad model and adapter settings fail before any work
     p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
     if resume:  # the adapters of the checkpoint; its base when the job names none
@@ -250,7 +257,10 @@ def _train(args, job: Job) -> int:
                 print(note, flush=True)
             keep_branch_point(trainer.checkpoints, args.resume, start, trainer.lineage)
 
+        signals = []  # the signal that stopped the run: its exit status is a shell's 128 + it
+
         def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
+            signals.append(signum)
             trainer.request_stop()
             signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
             # one write, the line end included: a second Ctrl-C that comes while print() writes its
@@ -271,14 +281,14 @@ def _train(args, job: Job) -> int:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         for line in save_final_adapters(trainer, res, p):
-            print(line, flush=True)
+            print(line, file=sys.stderr if line.startswith("tilegraph train: warning") else sys.stdout, flush=True)
         sample = ""
         if res.stopped:
             last = res.checkpoints[-1] if res.checkpoints else None
             print(f"stopped at step {opt.step_count}" + (f"; checkpoint: {last} (continue with "
                                                          f"{resume_command(args.config, last)})" if last else ""),
                   flush=True)
-            return 130
+            return 128 + int(signals[0]) if signals else EXIT_INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
         prompt = tokenizer.encode("def ")[None, :]
         room = min(48, model.config.max_seq_len - prompt.shape[1])  # a short max_seq_len leaves none
         try:
@@ -305,6 +315,48 @@ def _train(args, job: Job) -> int:
     return 0
 
 
+def resumed_tokenizer(resume, d: dict, given: dict[str, str]):
+    """The tokenizer of a resumed run that names none: the one its checkpoint holds
+    (``tilegraph_tokenizer.json``, and a BPE tokenizer's ``bpe_tokenizer.json``, as ``tilegraph
+    generate`` reads it), so the file the run started with may have moved; a checkpoint written
+    before it held one: the path its :data:`DATA_FILE` records, named as from there. A run that
+    its :data:`DATA_FILE` records as on the byte tokenizer (no file to move) gets it as it did."""
+    from tilegraph.io import tokenizer_from_description
+
+    if d["tokenizer"] == "byte" and (resume.data or {}).get("tokenizer") == "byte":
+        return make_tokenizer("byte", "tilegraph train [data] tokenizer")
+    folder = Path(resume.checkpoint.path)
+    recorded, bpe = folder / "tilegraph_tokenizer.json", folder / "bpe_tokenizer.json"
+    if not recorded.is_file():
+        where = (f"tilegraph train --resume: [data] tokenizer, as {folder / DATA_FILE} records it (--set "
+                 "data.tokenizer=PATH names another)") if "tokenizer" in (resume.data or {}) else \
+            "tilegraph train [data] tokenizer"
+        return make_tokenizer(d["tokenizer"], where)
+    try:
+        desc = json.loads(recorded.read_text(encoding="utf-8"))
+        return tokenizer_from_description(desc, bpe if bpe.is_file() else None)
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # TileError too: a missing or changed bpe_tokenizer.json
+        received = e.received if isinstance(e, TileError) else str(e)
+        raise TileError("tilegraph train --resume", "the tokenizer its checkpoint holds (tilegraph_tokenizer.json, "
+                        "and bpe_tokenizer.json for a BPE one), or --set data.tokenizer=PATH naming the run's "
+                        f"tokenizer: {e.what if isinstance(e, TileError) else 'a readable JSON description'}",
+                        f"{folder}: {received}") from None
+
+
+def check_overridden(cfg: dict, pairs: list[str], flags: dict[str, tuple[str, object]]) -> None:
+    """Refuse a bad ``--set`` value of a key that a flag then overrides (``--set 'train.steps=[1,2]'
+    --steps 2``): check_config sees only the flag's value, and the --set one went through unread."""
+    named = {pair.partition("=")[0].strip(): pair.strip() for pair in pairs}  # the last of a key's wins
+    over = [name for name, (_, value) in flags.items() if value is not None and name in named]
+    if not over:
+        return
+    bad = value_problems({s: {k: cfg[s][k] for k in cfg[s] if f"{s}.{k}" in over} for s in cfg})
+    if bad:
+        raise TileError("tilegraph train --set", "valid values, for the keys a flag then overrides too",
+                        "; ".join(f"{text} (--set {named[name]}, which {flags[name][0]} {flags[name][1]} overrides)"
+                                  for name, text in bad.items()))
+
+
 def past_schedule_note(resume, start: int, end: int) -> str:
     """The line a resumed run prints when steps ``start + 1 .. end`` go past the total of its
     checkpoint's learning-rate schedule: they run at the schedule's floor (its min_lr), as the
@@ -317,7 +369,8 @@ def past_schedule_note(resume, start: int, end: int) -> str:
         return ""
     return (f"note: steps {past[0]}-{end} go past the {spec['total']} steps of the run's learning-rate schedule "
             f"({describe_schedule(spec)}) and run at its floor, lr {spec.get('min_lr', 0.0):g} (train.min_lr); "
-            f"for a new schedule over more steps, start a run from these weights: --init {resume.path} --out NEW")
+            "for a new schedule over more steps, start a run from these weights: "
+            f"--init {quote(resume.path)} --out NEW")
 
 
 def take_resumed_text(tok_file: Path, resume, meta: dict, given: dict[str, str]) -> None:
@@ -455,12 +508,49 @@ def save_final_adapters(trainer, res, p: dict) -> list[str]:
     peft.save_adapters(last / "adapters", trainer.model)
     lines = [f"adapters: {last / 'adapters'}"]
     if p["method"] == "lora":
+        partial_note = partly_fused(trainer.model, p["targets"])
+        if partial_note:  # expected (the default targets on GPT-2): no peft form, said as such
+            lines.append(f"adapters (peft layout): none, {partial_note}")
+            return lines
         try:
             peft.save_adapters(last / "adapters-peft", trainer.model, format="peft")
             lines.append(f"adapters (peft layout): {last / 'adapters-peft'}")
-        except TileError as e:  # e.g. an adapter on only q of GPT-2's fused c_attn
-            lines.append(f"adapters (peft layout): not written: {e}")
+        except TileError as e:  # a real failure: said as one, on stderr
+            lines.append(f"tilegraph train: warning: adapters (peft layout) not written: {e}")
     return lines
+
+
+def partly_fused(model, targets: list[str]) -> str:
+    """What the run says where its LoRA layers cover only some of the tilegraph layers of a fused
+    Hugging Face module (the default targets attn.q and attn.v of GPT-2, whose c_attn holds q, k
+    and v), which a peft adapter cannot (it covers the whole module): which, and the targets that
+    give one; "" where every fused module is covered whole or not at all (or the model has no
+    Hugging Face form: save_adapters then says so)."""
+    import shlex
+
+    from tilegraph import peft
+    from tilegraph.peft_hf import _targets
+
+    lora = peft.lora_layers(model)
+    try:
+        fused = _targets(model, "tilegraph train")
+    except TileError:
+        return ""
+    partial = [t for t in fused.values() if len(t.parts) > 1 and 0 < sum(x in lora for x in t.parts) < len(t.parts)]
+    if not partial:
+        return ""
+
+    def short(name: str) -> str:  # "blocks.0.attn.k" -> "attn.k", as targets name it
+        return ".".join(name.split(".")[-2:])
+
+    modules = {t.hf.rsplit(".", 1)[-1]: [short(x) for x in t.parts] for t in partial}
+    missing = list(dict.fromkeys(short(x) for t in partial for x in t.parts if x not in lora))
+    wanted = json.dumps(list(dict.fromkeys([*targets, *missing])))
+    arch = getattr(model, "arch", None) or type(model).__name__
+    held = "; ".join(f"{name} holds {', '.join(parts)}" for name, parts in modules.items())
+    return (f"as peft's adapter covers a whole fused module and the targets {', '.join(targets)} adapt only part "
+            f"of {arch}'s ({held}): for a peft layout, adapt all of them: "
+            f"--set {shlex.quote('peft.targets=' + wanted)}")
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
