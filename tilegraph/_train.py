@@ -498,16 +498,16 @@ class TrainStep:
 class _Undo:
     """What a submitted step's cells (parameters, optimizer state, gradient accumulators) held
     before it, to put back when it fails: a step whose task failed (a token id out of range, say)
-    left every parameter pointing at its failed update, and every later step, forward or save of
-    the model failed with that first error. Kept only until the step's losses are computed: the
-    errors of the data come before them, and after them the step's update tasks hold what they
-    read anyway (holding it longer would keep the old state beside the new)."""
+    left every parameter pointing at its failed update, and every later step, forward and save of
+    the model failed with that first error. Kept only until the step's losses are computed
+    (:func:`_watch_losses` looks): the errors of the data come before them, and after them the
+    step's update tasks hold what they read anyway (holding it longer would keep the old state
+    beside the new)."""
 
     def __init__(self, owner: "TrainStep", count: int):
         self.owner, self.count, self.rollbacks = owner, count, owner._rollbacks
         self.before: dict[int, tuple[Cell, object, str]] | None = {}
-        self._waiting = 0
-        self._lock = threading.Lock()  # (Dask runs the done callbacks in threads of its own)
+        self.losses: list = []
 
     def keep(self, cell: Cell) -> None:
         if self.before is not None and id(cell) not in self.before:
@@ -515,20 +515,16 @@ class _Undo:
 
     def until_done(self, losses: list) -> None:
         """Let go of what was kept once every one of ``losses`` is computed."""
-        futures = [v.future for v in losses if isinstance(v, Fetching)]
-        if not futures:  # computed here already (no runtime): nothing to undo
+        self.losses = [v.future for v in losses if isinstance(v, Fetching)]
+        if not self.losses:  # computed here already (no runtime): nothing to undo
             self.before = None
             return
-        self._waiting = len(futures)
-        for f in futures:
-            f.add_done_callback(self._done)
-
-    def _done(self, future) -> None:
-        if future.status == "finished":
-            with self._lock:
-                self._waiting -= 1
-                if self._waiting <= 0:
-                    self.before = None
+        with _WATCH:
+            _WATCHED.append(self)
+            if not _WATCHER:
+                _WATCHER.append(threading.Thread(target=_watch_losses, name="tilegraph-step-undo", daemon=True))
+                _WATCHER[0].start()
+            _WATCH.notify()
 
     def __call__(self) -> bool:
         """Put the cells back as they were before the step (and the optimizer's step count), once
@@ -541,6 +537,35 @@ class _Undo:
         self.owner.optimizer.step_count = self.count
         self.owner._rollbacks += 1
         return True
+
+
+#: the steps whose losses are not all computed yet, looked at by :func:`_watch_losses`
+_WATCHED: list[_Undo] = []
+_WATCH = threading.Condition()
+_WATCHER: list[threading.Thread] = []
+#: how often the watching thread looks at the losses' futures
+WATCH_SECONDS = 0.05
+
+
+def _watch_losses() -> None:
+    """Let go of what each step in :data:`_WATCHED` kept (:class:`_Undo`) once its losses are
+    computed; stop looking at one whose losses failed (it is put back if its result says so).
+    It reads the futures' status, a plain attribute: Dask's ``add_done_callback`` waits on the
+    future in its client's event loop, which made a later wait on it in another test's client
+    fail ("bound to a different event loop")."""
+    while True:
+        with _WATCH:
+            while not _WATCHED:
+                _WATCH.wait()
+            for undo in list(_WATCHED):
+                states = {f.status for f in undo.losses}
+                if undo.before is None or "pending" not in states:
+                    if states == {"finished"}:
+                        undo.before = None
+                    undo.losses = []  # (a loss's future holds its whole task's result)
+                    _WATCHED.remove(undo)
+            undo = None  # nothing held while waiting
+        time.sleep(WATCH_SECONDS)
 
 
 # -- lost and stalled workers ------------------------------------------------------------------
@@ -776,6 +801,7 @@ class PendingStep:
             runtime = self._rec.exe.runtime
             values = self._losses + ([self._norm] if self._norm is not None else [])
             if runtime is not None:
+                runtime.require_open("tilegraph.PendingStep.result")  # (else Dask's "No clients found")
                 try:
                     values = self._gather(runtime, values, timeout, patient)
                 except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
