@@ -39,7 +39,7 @@ def test_no_dask_gc_callback_runs_in_the_process_of_the_embedded_scheduler(one_w
 def test_a_closed_embedded_runtime_is_not_kept_for_the_exit():
     rt = tg.connect(n_workers=1, threads_per_worker=1, quiet=True, dashboard=False, make_current=False)
     try:
-        assert [r for r, _ in tg_runtime._OPEN_EMBEDDED.values()] == [rt]
+        assert rt in [r for r, _ in tg_runtime._OPEN_EMBEDDED.values()]  # (the shared test cluster too)
     finally:
         rt.close()
     assert tg_runtime._OPEN_EMBEDDED == {}

@@ -110,8 +110,6 @@ _DOOMED: "queue.Queue[str] | None" = None
 _DELETE_LOCK = threading.Lock()
 
 
-#: whether the worker is closing (:func:`finish_deleting`): files are then deleted in place
-_CLOSING = False
 #: the longest a closing worker waits for the files still to delete
 FINISH_SECONDS = 120.0
 
@@ -130,8 +128,9 @@ def finish_deleting(worker=None) -> None:
     """As the worker closes (before Dask deletes its spill folder, whose listing the deleting
     thread would change under it: an ERROR line per file), delete the files still waiting, and
     from then on in place."""
-    global _CLOSING
-    _CLOSING = True
+    files = getattr(getattr(getattr(worker, "data", None), "_slow_uncached", None), "d", None)
+    if files is not None:  # (this worker's store only: workers of a test can share a process)
+        files._tilegraph_closing = True
     doomed = _DOOMED
     deadline = time.monotonic() + FINISH_SECONDS
     while doomed is not None and doomed.unfinished_tasks and time.monotonic() < deadline:
@@ -143,7 +142,7 @@ def _delitem_aside(self, key) -> None:
     here and now, the file's name is never used again (zict adds a counter to each)."""
     global _DOOMED
     name = self.filenames.pop(key)
-    if _CLOSING:
+    if getattr(self, "_tilegraph_closing", False):
         with contextlib.suppress(OSError):
             os.remove(os.path.join(self.directory, name))
         return
