@@ -230,8 +230,10 @@ def _idle(rt, worker=None) -> bool:
 
 
 def _channel_files() -> int:
-    return sum(f.startswith(("g-", ".g-")) for d in os.listdir(shm.SHM_ROOT) if d.startswith("tilegraph-")
-               for f in os.listdir(os.path.join(shm.SHM_ROOT, d)))
+    """The channel files in this worker process's own shared-memory folder (not in every
+    process's: another test's worker, killed, or another run on the machine leaves its own)."""
+    folder = os.path.join(shm.SHM_ROOT, f"{shm._PREFIX}{os.getpid()}")
+    return sum(f.startswith(("g-", ".g-")) for f in (os.listdir(folder) if os.path.isdir(folder) else ()))
 
 
 def _mail() -> int:
