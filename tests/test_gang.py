@@ -96,7 +96,7 @@ def test_comm_channel_mail_is_taken_once_and_dropped_once_its_call_ended():
     import asyncio
 
     from tilegraph.exec import comm_channel
-    from tilegraph.exec.gang import PeerFailedError
+    from tilegraph.exec.gang import PeerFailedError, failure_record
 
     values = (np.arange(6.0).reshape(2, 3), np.float32(2.5))
     assert asyncio.run(comm_channel._receive("c1-a", values)) == "OK"
@@ -107,9 +107,10 @@ def test_comm_channel_mail_is_taken_once_and_dropped_once_its_call_ended():
     assert "c1-b" not in comm_channel._box
     assert asyncio.run(comm_channel._receive("c1-c", values)) == "closed"  # late: dropped too
     assert "c1-c" not in comm_channel._box
-    asyncio.run(comm_channel._receive("c2-a", error="MemoryError: out of memory"))
-    with pytest.raises(PeerFailedError, match=r"channel c2-a: worker tcp://h:1 failed: MemoryError: out of memory"):
+    asyncio.run(comm_channel._receive("c2-a", error=failure_record(MemoryError("out of memory"))))
+    with pytest.raises(PeerFailedError, match=r"channel c2-a: worker tcp://h:1 failed: MemoryError: out of memory") as e:
         comm_channel.read("c2-a", "tcp://h:1", timeout=5.0)
+    assert type(e.value.first) is MemoryError and e.value.first.args == ("out of memory",)  # the writer's own error
     asyncio.run(comm_channel._receive("c3-a", values))  # a call whose gang never ran here: dropped when old
     comm_channel.close("c4", max_age=600.0)
     assert "c3-a" in comm_channel._box
@@ -446,14 +447,25 @@ def test_a_gang_on_workers_of_several_threads_equals_the_task_exchange(monkeypat
 
 @needs_shm
 def test_a_failed_writer_leaves_its_error_in_the_channel():
-    from tilegraph.exec.gang import PeerFailedError, _write_failure
+    from tilegraph.exec.gang import PeerFailedError, _write_failure, failure_record
 
-    _write_failure("failed-one", "OSError: [Errno 28] No space left on device")
+    error = tg.TileError("tilegraph.embedding", "ids must lie in [0, 96)", "120")
+    _write_failure("failed-one", failure_record(error))
     t0 = time.perf_counter()
-    with pytest.raises(PeerFailedError, match=rf"channel failed-one: worker process {os.getpid()} failed: OSError: "
-                                              r"\[Errno 28\] No space left"):
+    with pytest.raises(PeerFailedError, match=rf"channel failed-one: worker process {os.getpid()} failed: TileError: "
+                                              r"\[tilegraph.embedding\] ids must lie") as e:
         read_channel("failed-one", os.getpid(), timeout=600.0)
     assert time.perf_counter() - t0 < 1.0
+    assert type(e.value.first) is tg.TileError and str(e.value.first) == str(error)  # the error itself, to raise
+    _write_failure("failed-two", failure_record(OSError(28, "No space left on device", _Unpicklable())))
+    with pytest.raises(PeerFailedError, match=r"failed: OSError: \[Errno 28\] No space left") as e:
+        read_channel("failed-two", os.getpid(), timeout=600.0)
+    assert e.value.first is None  # an error that does not pickle: its text alone
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not this one")
 
 
 def _fail_channel_writes(dask_worker=None):

@@ -75,6 +75,30 @@ def test_a_step_that_fails_on_the_workers_changes_nothing(own_cluster, monkeypat
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("shm", [True, False])
+@pytest.mark.parametrize("row", [0, 3])
+@pytest.mark.parametrize("timeout", [None, 60.0])
+def test_a_bad_row_in_either_process_s_share_raises_the_kernel_s_error(own_cluster, monkeypatch, shm, row, timeout):
+    """A gang step (each worker process runs its share of the batch in one task) with one bad
+    row: the step raises the kernel's own TileError whichever process's share holds it. Before,
+    a bad row in the second process's share raised ``PeerFailedError`` out of the first's (the
+    loss the client waits for comes from there), and ``except tg.TileError`` missed it. Over
+    shared memory and over the workers' comms (between hosts), with and without a time limit."""
+    monkeypatch.setattr(tg.config, "shm_transfers", shm)
+    x, y = _batch(96)
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster, parallel="sharded")
+    step(x, y)
+    assert step.plan(x, y).gang is not None  # one gang task per process
+    bad = x.copy()
+    bad[row, 5] = 96 + row
+    with pytest.raises(tg.TileError, match=rf"ids must lie in \[0, 96\); received: {96 + row}") as e:
+        step.submit(bad, y).result(timeout=timeout)
+    assert any("the failed step changed nothing" in n for n in e.value.__notes__)
+    assert opt.step_count == 1
+
+
+@pytest.mark.distributed
 def test_a_failed_group_of_steps_changes_nothing(own_cluster):
     """Several steps submitted as one graph (submit_steps, as the Trainer does for small models):
     one bad batch among them, and none of them counts; the steps again give a run's losses."""

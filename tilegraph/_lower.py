@@ -42,7 +42,7 @@ from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, Valu
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     one_blas_thread, run_cluster)
-from tilegraph.exec.gang import AFTER_INDEX, run_gang
+from tilegraph.exec.gang import AFTER_INDEX, PeerFailedError, run_gang
 from tilegraph.exec.shm import receive_shm, send_shm
 from tilegraph.parallel.data_parallel import plan_data_parallel, zero3_task_bytes
 from tilegraph.parallel.gang import plan_gang
@@ -1002,12 +1002,24 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)
-    if during is None:
-        got = dict(zip(map(id, futures), runtime.client.gather(futures)))
-    else:
-        got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during, **lost)))
+    try:
+        if during is None:
+            got = dict(zip(map(id, futures), runtime.client.gather(futures)))
+        else:
+            got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during, **lost)))
+    except PeerFailedError as e:
+        raise first_failure(e) from None
     return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching) else v
             for v in values]
+
+
+def first_failure(error: BaseException) -> BaseException:
+    """The error to raise for ``error``: for a gang's :class:`PeerFailedError`, the error of the
+    process that failed first where it crossed (the kernel's own, e.g. a TileError for a token id
+    out of range). Which process's error a gather met first is a race: a bad row in the second
+    process's share of a batch raised PeerFailedError out of the first's, and ``except
+    TileError`` missed it."""
+    return getattr(error, "first", None) or error
 
 
 #: how often a watched wait (compute(), a step without a time limit, an evaluation, a checkpoint)

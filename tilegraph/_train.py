@@ -17,7 +17,8 @@ from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, check_runtime, check_values_reachable,
-                              config, gather)
+                              config, first_failure, gather)
+from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
 from tilegraph.optim import Optimizer
@@ -848,6 +849,8 @@ class PendingStep:
             while key not in got:
                 try:
                     got[key] = future.result(timeout=max(period, 0.01))
+                except PeerFailedError as e:
+                    raise first_failure(e) from None
                 except TimeoutError:
                     now = time.perf_counter()
                     checking = checking or now

@@ -48,7 +48,7 @@ PING_SECONDS = 1.0
 _CLOSED_MAX = 4096
 
 _cond = threading.Condition()
-#: channel name -> (arrival time, its values, or the writer's error message)
+#: channel name -> (arrival time, its values, or the writer's error: ``exec.gang.failure_record``)
 _box: dict[str, tuple[float, Any]] = {}
 #: calls whose gang ended on this worker
 _closed: OrderedDict[str, None] = OrderedDict()
@@ -61,7 +61,7 @@ def _call_of(name: str) -> str:
     return name.split("-", 1)[0]
 
 
-async def _receive(name: str = "", values=None, error: str | None = None) -> str:
+async def _receive(name: str = "", values=None, error: dict | None = None) -> str:
     """The worker handler: file a channel's values (or its writer's error) in the mailbox."""
     with _cond:
         if _call_of(name) in _closed:
@@ -109,16 +109,16 @@ class Sender:
         self.worker = _worker()
         self.pending: list[tuple[str, str, Any]] = []
 
-    def send(self, addr: str, name: str, values: tuple | None = None, error: str | None = None) -> None:
+    def send(self, addr: str, name: str, values: tuple | None = None, error: dict | None = None) -> None:
         """Send channel ``name``'s ``values`` (NumPy arrays, not to be written to afterwards) or
-        its writer's ``error`` to the worker at ``addr``."""
+        its writer's ``error`` (``exec.gang.failure_record``) to the worker at ``addr``."""
         from distributed.protocol.serialize import to_serialize
 
         msg: dict[str, Any] = {"name": name}
         if error is None:
             msg["values"] = to_serialize(list(values))
         else:
-            msg["error"] = error[:2000]
+            msg["error"] = error
         rpc = self.worker.rpc(addr)
 
         async def go():
@@ -188,7 +188,7 @@ def read(name: str, addr: str, timeout: float) -> tuple:
     worker, when the scheduler no longer counts that worker among its workers, when that worker
     sent them (they were lost) or ended its gang without sending them, when Dask cancelled this task, or after ``timeout``
     seconds; PeerFailedError with the writer's error when its gang failed."""
-    from tilegraph.exec.gang import PeerFailedError, check_wait
+    from tilegraph.exec.gang import check_wait, peer_failed
 
     t0 = time.monotonic()
     worker = None
@@ -213,8 +213,8 @@ def read(name: str, addr: str, timeout: float) -> tuple:
                 ping = _submit(worker, _writer_gone(worker, addr, name))
             check_wait(name, now - t0, timeout, f"worker {addr}", gone)
         _, got = _box.pop(name)
-    if isinstance(got, str):
-        raise PeerFailedError(f"tilegraph: gang step: channel {name}: worker {addr} failed: {got}")
+    if isinstance(got, dict):
+        raise peer_failed(name, f"worker {addr}", got)
     return got
 
 

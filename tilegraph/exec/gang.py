@@ -29,9 +29,11 @@ A wait never hangs: it fails when the writer's process is gone, when Dask cancel
 
 from __future__ import annotations
 
+import base64
 import json
 import mmap
 import os
+import pickle
 import time
 import uuid
 import weakref
@@ -98,7 +100,45 @@ class ChannelWaitError(RuntimeError):
 
 class PeerFailedError(RuntimeError):
     """Another process of a gang step failed before it sent what this one waits for: its error
-    (it wrote that in place of the values, so that no process of the step waits on)."""
+    (it wrote that in place of the values, so that no process of the step waits on). ``first``:
+    that error itself where it crossed (see :func:`failure_record`), which the client raises in
+    place of this one (``tilegraph._lower.first_failure``)."""
+
+    def __init__(self, message: str, first: BaseException | None = None):
+        super().__init__(message)
+        self.first = first
+
+
+#: the most bytes of a pickled error a failed gang sends its readers (else its text alone)
+FAILURE_PICKLE_MAX = 1 << 16
+
+
+def failure_record(error: BaseException) -> dict:
+    """What a failed gang sends each reader in place of values: its error's text and, where it
+    pickles within ``FAILURE_PICKLE_MAX`` bytes, the error itself (base64; Dask pickles errors
+    between workers and client the same way), so that the step raises the error that caused it
+    (a TileError for a token id out of range) whichever process's result the client met first."""
+    record = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    try:
+        raw = pickle.dumps(error)
+    except Exception:  # (an error holding something that does not pickle: its text alone)
+        return record
+    if len(raw) <= FAILURE_PICKLE_MAX:
+        record["pickled"] = base64.b64encode(raw).decode("ascii")
+    return record
+
+
+def peer_failed(name: str, who: str, record: dict) -> PeerFailedError:
+    """The error of a reader of channel ``name`` whose writer, ``who``, sent ``record``
+    (:func:`failure_record`) in place of the values."""
+    first = None
+    if record.get("pickled"):
+        try:
+            first = pickle.loads(base64.b64decode(record["pickled"]))
+        except Exception:  # (a class this process cannot import: the text says what it was)
+            first = None
+    return PeerFailedError(f"tilegraph: gang step: channel {name}: {who} failed: {record.get('error')}",
+                           first if isinstance(first, BaseException) else None)
 
 
 def gang_identity() -> tuple[str | None, str | None, int, int]:
@@ -274,8 +314,7 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
     n = int.from_bytes(mm[:8], "little")
     entries = json.loads(bytes(mm[8:8 + n]))
     if isinstance(entries, dict):  # what the writer wrote instead when it failed
-        raise PeerFailedError(f"tilegraph: gang step: channel {name}: worker process {pid} failed: "
-                              f"{entries.get('error')}")
+        raise peer_failed(name, f"worker process {pid}", entries)
     start = -(-(8 + n) // _ALIGN) * _ALIGN
     out = []
     for dtype, shape, offset in entries:
@@ -319,9 +358,9 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
             received[ch] = got
         return got
 
-    def send(name: str, reader: int, values: tuple | None, error: str | None = None) -> int:
-        """Channel ``name`` to process ``reader``: its values, or this gang's error; the bytes
-        it took in shared memory."""
+    def send(name: str, reader: int, values: tuple | None, error: dict | None = None) -> int:
+        """Channel ``name`` to process ``reader``: its values, or this gang's error (a
+        :func:`failure_record`); the bytes it took in shared memory."""
         if spec.shared[reader]:
             if error is not None:
                 _write_failure(f"{call}-{name}", error)
@@ -366,7 +405,7 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
             with meter.meter("channel-write"):  # the comm sends, until delivered
                 sender[0].finish(spec.timeout)
     except BaseException as e:  # the other processes must not wait for what this one will not send
-        message = f"{type(e).__name__}: {e}"
+        message = failure_record(e)
         for stage in spec.stages:
             for name, _, reader in stage.sends:
                 if name not in sent:
@@ -387,9 +426,10 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
     return out
 
 
-def _write_failure(name: str, message: str) -> None:
-    """Write channel ``name`` as failed, with ``message`` (readers raise PeerFailedError)."""
-    head = json.dumps({"error": message[:2000]}).encode()
+def _write_failure(name: str, record: dict) -> None:
+    """Write channel ``name`` as failed, with ``record`` (:func:`failure_record`; readers raise
+    PeerFailedError)."""
+    head = json.dumps(record).encode()
     try:
         folder = _folder()
         tmp = os.path.join(folder, f".g-{name}.tmp")
