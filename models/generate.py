@@ -243,8 +243,13 @@ def _check_parameters_reachable(where: str, model: CausalLM, runtime) -> None:
     """Fail before anything is submitted where ``model``'s parameters hold no values, or values
     on the workers of a closed runtime or of another runtime than ``runtime`` (None: this
     process), with :func:`tilegraph.compute`'s messages: the decoding task, reading another
-    client's futures, was cancelled by Dask ("lost dependencies"), which read as a lost worker."""
-    check_values_reachable(where, [ref.node for p in model.parameters() for ref in p.grid.flat], runtime)
+    client's futures, was cancelled by Dask ("lost dependencies"), which read as a lost worker.
+    Quantized weights (:func:`tilegraph.peft.from_quantized`, a base under adapters) are checked
+    too: they are no Parameters, and the graph reads their parts."""
+    from tilegraph.peft import named_quantized
+
+    check_values_reachable(where, [ref.node for p in model.parameters() for ref in p.grid.flat]
+                           + [n for _, q in named_quantized(model) for n in q.nodes], runtime)
 
 
 @contextmanager

@@ -394,12 +394,12 @@ def test_config_settings_are_checked_as_they_are_set(monkeypatch):
     assert not hasattr(tg.config, "paralel")
     for name, value, want in [("parallel", "ddp", r"one of 'auto', 'tiles', 'data', 'sharded', 'zero3'"),
                               ("shm_transfers", "no", "True or False"),
-                              ("exchange_timeout_seconds", -1, "a number > 0"),
+                              ("exchange_timeout_seconds", -1, "a finite number > 0"),
                               ("max_steps_per_graph", 2.5, "an integer >= 1"),
                               ("task_memory_fraction", 1.5, "a number > 0 and <= 1"),
                               ("bucket_bytes", 0, "\"auto\" or a number > 0"),
                               ("bucket_bytes", "big", "\"auto\" or a number > 0"),
-                              ("speeds", {"cpu": (1e11, 1e10)}, r"a dict of device .* each > 0")]:
+                              ("speeds", {"cpu": (1e11, 1e10)}, r"a dict of device .* each a finite number > 0")]:
         before = getattr(tg.config, name)
         with pytest.raises(tg.TileError, match=rf"\[tilegraph.config.{name}\] must be {want}; received: "):
             setattr(tg.config, name, value)

@@ -46,7 +46,7 @@ def test_assignment_requires_the_cpu_s_speeds(value):
     before = tg.config.speeds
     with pytest.raises(TileError, match=r'^\[tilegraph\.config\.speeds\] must be a dict of device \("cpu", and '
                                         r'"gpu" or its default; no other\) -> \(flop/s, byte/s, seconds per kernel '
-                                        r'call\), each > 0; received: ') as e:
+                                        r'call\), each a finite number > 0; received: ') as e:
         tg.config.speeds = value
     assert e.value.received == repr(value)
     assert tg.config.speeds is before and dict(tg.config.speeds) == DEFAULT

@@ -46,7 +46,8 @@ class Config:
     target_seconds: float = 1.0
     #: a graph spreads over another worker process only when each gets at least this much estimated
     #: work (~20 Dask hops). Measured on the bench MLP, 2 workers x 1 thread: a full task's worth
-    #: (1 s) kept its 1.4 s step on one worker (0.48 of torch); 0.1 s spreads it (0.78)
+    #: (1 s) kept its 1.4 s step on one worker (0.48 of torch); 0.1 s spreads it (0.78). inf: never
+    #: (a "tiles" plan keeps to one worker process)
     min_process_seconds: float = 0.1
     #: training steps whose estimated time is below this are recorded several to a graph
     #: (``TrainStep.auto_steps_per_graph``, used by the Trainer): one graph then pays Dask's
@@ -168,7 +169,8 @@ class Config:
     #: (a task keeps the number of threads, 1, 2, 4, ... or all, that it estimates quickest):
     #: the seconds of a kernel's estimated time that hold the GIL, at most (its Python: the
     #: runner's bookkeeping, argument handling, NumPy's dispatch; a kernel estimated shorter is
-    #: taken to hold it all its time, as NumPy calls on small arrays do)...
+    #: taken to hold it all its time, as NumPy calls on small arrays do; inf: every kernel holds
+    #: it all its time, and a task keeps one thread)...
     kernel_gil_seconds: float = 1e-4
     #: ... and the seconds of it that handing a kernel to another thread adds (waking the thread,
     #: passing the GIL). On 2 cores, 164 kernels of ~40 us took 6.4 ms on one thread and 9.6 ms on two.
@@ -287,7 +289,8 @@ DEFAULT_SPEEDS = {"cpu": (1.2e11, 1e10, 1e-5), "gpu": (2e13, 2e12, 1e-4)}
 
 def _speeds(v) -> bool:
     return isinstance(v, Mapping) and "cpu" in v and set(v) <= set(SPEED_DEVICES) and all(
-        isinstance(s, (tuple, list)) and len(s) == 3 and all(number_check(strict=True)[0](x) for x in s) for s in v.values())
+        isinstance(s, (tuple, list)) and len(s) == 3 and all(number_check(strict=True, finite=True)[0](x) for x in s)
+        for s in v.values())
 
 
 class ReadOnlySettingError(TileError, TypeError):
@@ -352,20 +355,24 @@ _BOOL = ((lambda v: isinstance(v, bool)), "True or False")
 _AUTO_OR_POSITIVE = ((lambda v: v == "auto" or number_check(strict=True)[0](v)), '"auto" or a number > 0')
 #: what each setting may hold
 _CHECKS = {
-    "fuse": _BOOL, "target_seconds": number_check(strict=True), "min_process_seconds": number_check(),
-    "graph_seconds": number_check(), "max_steps_per_graph": number_check(1, whole=True), "split_weight_grads": _BOOL,
+    # seconds are finite (inf: a plan or cost of inf, an int() of it, a wait that overflows), but
+    # for min_process_seconds and kernel_gil_seconds, where inf means "never" (see their comments)
+    "fuse": _BOOL, "target_seconds": number_check(strict=True, finite=True), "min_process_seconds": number_check(),
+    "graph_seconds": number_check(finite=True), "max_steps_per_graph": number_check(1, whole=True),
+    "split_weight_grads": _BOOL,
     "transfer_bytes_per_second": _AUTO_OR_POSITIVE,
     "placement": one_of_check("auto", "cpu", "gpu"),
-    "gpu_min_flops": number_check(), "gpu_array_module": one_of_check("cupy", "numpy"), "hop_seconds": number_check(),
+    "gpu_min_flops": number_check(), "gpu_array_module": one_of_check("cupy", "numpy"),
+    "hop_seconds": number_check(finite=True),
     "bucket_bytes": _AUTO_OR_POSITIVE, "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
-    "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True),
+    "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True, finite=True),
     "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
     "zero3_reshard_after_forward": _BOOL,
     "zero3_prefetch": _BOOL,
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),
     "speeds": (_speeds, 'a dict of device ("cpu", and "gpu" or its default; no other) -> (flop/s, byte/s, '
-                        'seconds per kernel call), each > 0'),
-    "thread_handoff_seconds": number_check(), "kernel_gil_seconds": number_check(),
+                        'seconds per kernel call), each a finite number > 0'),
+    "thread_handoff_seconds": number_check(finite=True), "kernel_gil_seconds": number_check(),
 }
 
 #: how a setting's value is stored, where not as assigned

@@ -862,7 +862,13 @@ class QuantizedTensor:
     @property
     def cells(self) -> list[Cell]:
         """Every part's leaf cell (to move them to the workers once: ``runtime.scatter_cells``)."""
-        return [r.node.cell for _, refs, _ in self._tiles.values() for r in refs]
+        return [n.cell for n in self.nodes]
+
+    @property
+    def nodes(self) -> list:
+        """Every part's leaf node: what a graph reading the weight reads (checked to hold a value
+        it can have before the graph runs, as a Parameter's tiles are)."""
+        return [r.node for _, refs, _ in self._tiles.values() for r in refs]
 
     @property
     def nbytes(self) -> int:

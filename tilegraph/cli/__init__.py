@@ -21,7 +21,7 @@ from tilegraph.cli.config import (CONFIG_CHECKS, DEFAULT_CONFIG, JOB_MODEL_KEYS,
 from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, adapted_model, init_model, load_model,
                                     read_peft_record)
 from tilegraph.cli.runs import LOCK_NAME, check_output, lock_output
-from tilegraph.cli.train import cmd_train, tokenizer_files
+from tilegraph.cli.train import EXIT_TERMINATED, cmd_train, tokenizer_files
 from tilegraph.io.data import stdlib_files
 
 __all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_info", "load_config", "check_config",
@@ -37,6 +37,27 @@ EXIT_INTERRUPTED = 130
 #: the exit status of a command whose reader went away (``tilegraph info | head -1``): a shell's
 #: 128 + SIGPIPE, what it reports for a tool the signal ended
 EXIT_BROKEN_PIPE = 141
+
+#: the exit statuses of ``tilegraph train``, as its --help lists them
+TRAIN_EXIT_STATUSES = {
+    0: "the run finished (its last checkpoint written)",
+    1: "an unexpected error (Python's traceback above it)",
+    2: "a usage or settings error, or a failure it names (a worker lost, a loss that became NaN): one line "
+       "\"tilegraph train: error: ...\"",
+    EXIT_INTERRUPTED: "stopped by Ctrl-C (SIGINT): after the steps under way, with a checkpoint (a second Ctrl-C: "
+                      "at once)",
+    EXIT_BROKEN_PIPE: "the reader of its output went away (tilegraph train | head)",
+    EXIT_TERMINATED: "stopped by SIGTERM (a batch scheduler's cancel): after the steps under way, with a checkpoint",
+}
+
+
+def _exit_statuses(statuses: dict[int, str]) -> str:
+    """A --help epilog listing ``statuses`` (status -> what it means), one a line."""
+    import textwrap
+
+    return "exit status:\n" + "\n".join(textwrap.fill(what, 79, initial_indent=f"  {code:<4} ",
+                                                       subsequent_indent=" " * 7)
+                                         for code, what in sorted(statuses.items()))
 
 
 def main(argv=None) -> int:
@@ -59,7 +80,8 @@ def _run(argv) -> int:
     ap = argparse.ArgumentParser(prog="tilegraph", description="Train neural networks as tile graphs on Dask.")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a TOML config (default: the debug GPT-2 on the stdlib "
-                                      "sources, embedded cluster)")
+                                      "sources, embedded cluster)",
+                        epilog=_exit_statuses(TRAIN_EXIT_STATUSES), formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("config", nargs="?", default=None,
                     help="TOML config; its keys override the shipped examples/configs/default.toml")
     tr.add_argument("--steps", type=int, default=None,

@@ -162,6 +162,12 @@ def check_config(cfg: dict, source: str) -> None:
     if not problems and r.get("parallel") == "zero3" and r.get("exchange") == "gang":
         problems.append("runtime.exchange must be \"auto\" or \"tasks\" with runtime.parallel = \"zero3\" (its "
                         f"parameters stay with their owners: {ZERO3_TASKS_WHY}), not \"gang\"")
+    if not problems and r.get("exchange", "auto") != "auto" and (r.get("parallel") == "tiles" or r.get("workers") == 1):
+        # how the processes of a "data" or "sharded" step exchange values: neither has any here
+        why = ("runtime.parallel = \"tiles\" (no process exchanges a share of the batch)" if r["parallel"] == "tiles"
+               else "runtime.workers = 1 (one worker process, nothing to exchange)")
+        problems.append(f"runtime.exchange must be \"auto\" with {why}: it sets how the worker processes of a "
+                        f"\"data\" or \"sharded\" step exchange values, not {r['exchange']!r}")
     if not problems and p.get("method", "none") != "none" and p.get("grad_sketch", "none") != "none":
         # a sketch replaces the weight gradient of a trained Linear; adapters freeze every base weight
         problems.append(f"peft.grad_sketch must be \"none\" with peft.method = {p['method']!r} (it sketches the "

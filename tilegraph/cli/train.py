@@ -24,7 +24,7 @@ from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_gr
                                     check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
                                     resume_settings, sketch_settings)
 from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
-                                given_settings, keep_branch_point,
+                                given_settings, keep_branch_point, on_command_line,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, quote, resume_command,
                                 take_output)
 
@@ -33,6 +33,8 @@ from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, dat
 #: the exit status of a run that Ctrl-C stopped: a shell's 128 + SIGINT (one that SIGTERM stopped
 #: exits 128 + SIGTERM, 143)
 EXIT_INTERRUPTED = 128 + 2
+#: the exit status of a run that SIGTERM stopped (a batch scheduler's cancel): a shell's 128 + SIGTERM
+EXIT_TERMINATED = 128 + 15
 
 @dataclass
 class Job:
@@ -110,6 +112,36 @@ def connect_cluster(r: dict, tls: dict):
         raise TileError(e.where, e.what, f"{received}[runtime] connect_timeout = {timeout:g} sets the wait") from None
 
 
+def connect_timeout_note(r: dict, given: dict[str, str], mpi: bool) -> str:
+    """The warning line of a [runtime] connect_timeout the user chose where nothing waits for a
+    cluster (the embedded one, an MPI launch, which waits for its ranks itself): it had no effect
+    without a word. A warning, not an error: one config may serve a cluster run (address given
+    with --set) and a local one. The shipped config's value, which every copy of it holds, is no
+    choice of the user's: only another value, or one given on the command line. "" otherwise."""
+    name = "runtime.connect_timeout"
+    if r["address"] or r["scheduler_file"] or name not in given:
+        return ""
+    if not on_command_line(given[name]) and r["connect_timeout"] == load_config(None)[0]["runtime"]["connect_timeout"]:
+        return ""
+    cluster = "--mpi (an MPI launch waits for its worker ranks itself)" if mpi else \
+        "the embedded cluster (no address or scheduler_file: it starts here, nothing to wait for)"
+    shown = given[name] if on_command_line(given[name]) else f"in {given[name]}"
+    return (f"tilegraph train: warning: [runtime] connect_timeout = {r['connect_timeout']:g} ({shown}) has no effect "
+            f"with {cluster}: it is the wait for the cluster at address or scheduler_file")
+
+
+def exchange_note(exchange: str, rt) -> str:
+    """The warning line of a [runtime] exchange other than "auto" on a cluster of one worker
+    process, where it has nothing to exchange (with workers = 1 the config is refused; the
+    embedded cluster's default count, or another cluster's, is known only once it is there);
+    "" otherwise, or where the workers are not known yet (a cluster's still joining)."""
+    workers = len(rt.last_workers.addrs.get("cpu", ()))
+    if exchange == "auto" or workers != 1:
+        return ""
+    return (f"tilegraph train: warning: [runtime] exchange = {exchange!r} has no effect: the cluster has one worker "
+            "process (it sets how the processes of a \"data\" or \"sharded\" step exchange values)")
+
+
 def cmd_train(args) -> int:
     job = Job(config=args.config)
     try:
@@ -163,6 +195,9 @@ def _train(args, job: Job) -> int:
         from tilegraph.runtime.connection import _refuse_mpi_rank
 
         _refuse_mpi_rank("tilegraph train (no --mpi)")
+    note = connect_timeout_note(r, given, bool(args.mpi or r["mpi"]))
+    if note:
+        print(note, file=sys.stderr, flush=True)
     if r["interface"] and not (args.mpi or r["mpi"]):  # (it was ignored without a word)
         raise TileError("tilegraph train [runtime]", "interface only with mpi (--mpi): the network interface the "
                         "MPI ranks listen on; the embedded cluster listens on 127.0.0.1, another cluster on what it "
@@ -232,6 +267,9 @@ def _train(args, job: Job) -> int:
         rt = tg.connect(n_workers=r["workers"] or None, quiet=True, **tls)
     job.release.append(partial(setattr, tg.config, "exchange", tg.config.exchange))  # the caller's, back after the job
     tg.config.exchange = r["exchange"]
+    note = exchange_note(r["exchange"], rt)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     with rt:
         if quantized_base:  # the quantized tiles' parts move to the workers once, as parameters do
             rt.scatter_cells([c for _, m, _ in tg.peft._named_modules(model)

@@ -124,6 +124,9 @@ class Runtime:
     """
 
     def __init__(self, client, cluster=None, mpi: bool = False, make_current: bool = True):
+        # checked as connect checks its flags: make_current="no" made it the current one
+        _check_connect_arguments("tilegraph.Runtime", mpi=mpi, make_current=make_current)
+        mpi, make_current = bool(mpi), bool(make_current)
         self.client = client
         self.cluster = cluster
         #: the scheduler's address, kept for messages (a client that lost its scheduler forgets it)
