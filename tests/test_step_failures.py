@@ -99,6 +99,29 @@ def test_a_bad_row_in_either_process_s_share_raises_the_kernel_s_error(own_clust
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["data", "sharded"])
+def test_the_step_after_a_failed_one_runs_at_once(own_cluster, monkeypatch, parallel):
+    """Bad and good batches in turn, each step submitted as soon as the one before raised: the
+    failed step's gang on the other worker may still be ending then. The next step's gang waited
+    for it, failed with its error without running, and left its peer waiting for its values until
+    the exchange time limit (600 s; here 20): a WorkerLostError though no worker was lost, and
+    every later step failed (3 runs in 4 with "data" before the fix)."""
+    monkeypatch.setattr(tg.config, "exchange_timeout_seconds", 20.0)
+    x, y = _batch(96)
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster, parallel=parallel)
+    want = [step(x, y) for _ in range(4)]
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster, parallel=parallel)
+    got = [step(x, y)]
+    for _ in range(3):
+        with pytest.raises(tg.TileError, match="targets must lie in"):
+            step(x, y + 96)
+        got.append(step.submit(x, y).result(timeout=15.0))
+    assert got == want and opt.step_count == 4
+
+
+@pytest.mark.distributed
 def test_a_failed_group_of_steps_changes_nothing(own_cluster):
     """Several steps submitted as one graph (submit_steps, as the Trainer does for small models):
     one bad batch among them, and none of them counts; the steps again give a run's losses."""

@@ -913,18 +913,25 @@ class Executable:
         (of any graph) until that one has finished: the gangs of different calls then start on
         every worker in the order they were submitted. Without that, two calls in flight at once
         (two models trained side by side) could each hold one worker while waiting for their task
-        queued on the other. A finished gang is forgotten (its result is not kept alive)."""
+        queued on the other. A finished gang is forgotten (its result is not kept alive).
+
+        Nor does a gang wait for one of a call that failed on another process: the failed call's
+        other gangs end at once (the failed one sent them its error), but one still ending when
+        the next call comes (the step after a failed one, say) would pass its error on, and this
+        gang would fail without running while its peers waited for its values until the exchange
+        time limit (then every later step failed: its error read as a lost worker)."""
         with runtime.gang_lock:
             for p, key in enumerate(keys):
-                prev = runtime.last_gang.get(self.gang.addrs[p])
-                if prev is not None and prev.status in ("error", "cancelled", "lost"):
+                prev, call = runtime.last_gang.get(self.gang.addrs[p], (None, ()))
+                if prev is not None and any(f.status in ("error", "cancelled", "lost") for f in call):
                     prev = None
                 task = layers["gang"][key]
                 layers["gang"][key] = task[:AFTER_INDEX] + (prev,) + task[AFTER_INDEX + 1:]
             futures = dict(zip(want, runtime.submit_layers(layers, want, workers=pinned,
                                                            cpu_resource=self._cpu_resource(runtime))))
+            call = tuple(futures[key] for key in keys)
             for p, key in enumerate(keys):
-                runtime.last_gang[self.gang.addrs[p]] = futures[key]
+                runtime.last_gang[self.gang.addrs[p]] = (futures[key], call)
                 futures[key].add_done_callback(partial(runtime.gang_done, self.gang.addrs[p]))
         return futures
 

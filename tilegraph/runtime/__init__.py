@@ -181,9 +181,9 @@ class Runtime:
         self._gang_ids: dict[str, tuple | None] = {}
         #: the measured link between hosts (:meth:`link_bytes_per_second`): (the two workers, bytes/s)
         self._link: tuple[tuple[str, str], float | None] | None = None
-        #: the last gang task submitted to each worker (``Executable._submit_gang``), and the
-        #: lock that keeps their order that of the submissions
-        self.last_gang: dict[str, Any] = {}
+        #: the last gang task submitted to each worker (``Executable._submit_gang``) with every
+        #: gang task of its call, and the lock that keeps their order that of the submissions
+        self.last_gang: dict[str, tuple[Any, tuple]] = {}
         self.gang_lock = threading.Lock()
         self.snapshot(wait=0)  # learn the workers' resources (every plan takes a fresh snapshot); a
         # scheduler may have none yet (worker jobs still queued): a plan waits for them
@@ -465,7 +465,7 @@ class Runtime:
         """Forget ``future``, the last gang task submitted to worker ``addr``, once it is done
         (nothing then needs to wait for it)."""
         with self.gang_lock:
-            if self.last_gang.get(addr) is future:
+            if self.last_gang.get(addr, (None,))[0] is future:
                 del self.last_gang[addr]
 
     def gang_identities(self, addrs) -> dict[str, tuple | None]:
