@@ -82,6 +82,23 @@ def test_evaluation_reads_windows_spread_over_the_split_and_the_same_each_time(t
             trainer.evaluate(bad)
 
 
+def test_evaluation_reads_the_same_windows_whatever_accum_steps_is(tmp_path, corpus):
+    """With accum_steps = k a step reads batch_size windows as k micro-batches, and evaluation
+    reads its eval_batches batches so too: the same windows, the same loss. Before, it read
+    eval_batches micro-batches (a k-th of the windows): validation losses of runs that differ only
+    in accumulation differed (5.0312 against 5.0291 on the debug GPT-2)."""
+    build_token_file([corpus], tmp_path / "tok.bin", ByteTokenizer(eos=True))
+    train = TokenDataset(tmp_path / "tok.bin", SEQ, split="train", val_fraction=0.3)
+    val = TokenDataset(tmp_path / "tok.bin", SEQ, split="val", val_fraction=0.3)
+    model = _model()
+    want = _nll(model, val, val.eval_offsets(4, 3))
+    for k in (1, 2, 4):
+        opt = tg.optim.SGD(model.parameters(), lr=0.0)
+        trainer = tg.Trainer(model, opt, train, batch_size=4, eval_data=val, eval_batches=3, accum_steps=k,
+                             progress=False)
+        assert trainer.evaluate() == pytest.approx(want, rel=1e-6), k
+
+
 def test_perplexity_is_logged_beside_the_validation_loss(tmp_path, capsys):
     w = np.random.default_rng(100).standard_normal((8, 2)).astype(np.float32) / 3
 

@@ -446,7 +446,8 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, batches: int | None = None) -> float:
         """Mean loss over ``batches`` (default ``eval_batches``) batches of ``eval_data``
-        (:func:`perplexity` of it is the validation perplexity).
+        (:func:`perplexity` of it is the validation perplexity). A token dataset's batches are of
+        ``batch_size`` windows, evaluated in micro-batches with ``accum_steps`` > 1.
 
         A token dataset gives the same windows each time, spread evenly over its whole split
         (:meth:`TokenDataset.eval_offsets`); a callable gives batches ``0 .. batches - 1``.
@@ -460,9 +461,10 @@ class Trainer:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise TileError(where, "batches (or eval_batches) must be an int >= 1", repr(n))
         with self._current():
-            if self.token_data:
+            if self.token_data:  # n batches of batch_size windows, read as micro-batches (each one
+                # step's memory): the same windows, and loss, whatever accum_steps is
                 micro = self.batch_size // self.accum_steps
-                batches = [(offsets,) for offsets in self.eval_data.eval_offsets(micro, n)]
+                batches = [(offsets,) for offsets in self.eval_data.eval_offsets(micro, n * self.accum_steps)]
             else:
                 batches = [b if isinstance(b, (tuple, list)) else (b,) for b in map(self.eval_data, range(n))]
             losses = self._eval.losses(batches)
