@@ -591,8 +591,9 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     entries: list[tuple] = []
     deal = itertools.count()  # replicated tiles: which copy writes each
 
-    def add(apath, p, cells, quant):
-        entries.append((apath, tuple(p.shape), np.dtype(p.dtype), p.chunks, _values(cells, p, where, runtime, deal), quant))
+    def add(apath, p, cells, quant, dtype=None):  # dtype: the cells' (optimizer state may differ from p's)
+        dtype = np.dtype(p.dtype if dtype is None else dtype)
+        entries.append((apath, tuple(p.shape), dtype, p.chunks, _values(cells, p, where, runtime, deal, dtype), quant))
 
     from tilegraph.io.quantize import _SPECS, method_bits
 
@@ -610,7 +611,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
         names_of = optimizer_param_names(optimizer, model, where, CheckpointError)
         for i, p in enumerate(optimizer.params):
             for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
-                add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None)
+                add(f"optimizer/{names_of[id(p)]}/{sname}", p, grid, None, optimizer.state_dtype(p))
     _check_runtime(where, runtime)
     arrays = {}
     for apath, shape, dtype, chunks, _, q in entries:
@@ -671,8 +672,9 @@ def _quantized_weights(model, named: dict, where: str, runtime, deal) -> tuple[l
     return held, copies
 
 
-def _values(cells: np.ndarray, p, where: str, runtime, deal) -> list[tuple[tuple[int, ...], Any]]:
-    """The current value of every tile: a reference to a worker's copy, or an array here."""
+def _values(cells: np.ndarray, p, where: str, runtime, deal, dtype=None) -> list[tuple[tuple[int, ...], Any]]:
+    """The current value of every tile: a reference to a worker's copy, or an array here
+    (``dtype``: the cells', default ``p``'s)."""
     out = []
     for idx in np.ndindex(*cells.shape):
         value = cells[idx].value
@@ -698,7 +700,8 @@ def _values(cells: np.ndarray, p, where: str, runtime, deal) -> list[tuple[tuple
 
             one = np.empty((1,) * len(idx), dtype=object)
             one[(0,) * len(idx)] = cells[idx]
-            (value,) = compute(tensor_from_cells(Tiling(tuple((s,) for s in cells[idx].shape)), p.dtype, one))
+            (value,) = compute(tensor_from_cells(Tiling(tuple((s,) for s in cells[idx].shape)),
+                                                 p.dtype if dtype is None else dtype, one))
         out.append((idx, value))
     return out
 

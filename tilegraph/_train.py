@@ -282,6 +282,17 @@ class TrainStep:
                             "peft.trainable_parameters(model)) and a new TrainStep",
                             f"optimizer.params[{i}] ({name}) has requires_grad=False"
                             + (f", and {len(frozen) - 1} more" if len(frozen) > 1 else ""))
+        unfrozen = [p for p in getattr(self.optimizer, "frozen_params", ()) if p.requires_grad]
+        if unfrozen:  # (torch's optimizer would update it; this one left it out, frozen when it was made)
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            listed = ", ".join(names.get(id(p), p.name or f"shape {tuple(p.shape)}") for p in unfrozen[:4])
+            raise TileError(where, "every parameter given to the optimizer that trains now to have been trainable "
+                            "when the optimizer was made: it leaves out the ones frozen then (no state, no update), "
+                            "so an unfrozen one would silently never train; after unfreezing, make a new optimizer "
+                            "over the parameters that train (and a new TrainStep)",
+                            f"{listed}{f' and {len(unfrozen) - 4} more' if len(unfrozen) > 4 else ''} "
+                            f"{'has' if len(unfrozen) == 1 else 'have'} requires_grad=True now, False when "
+                            f"{type(self.optimizer).__name__} was made")
         # k > 1: step j's scalars come from a hyper cell of its own
         hypers = [None] if k == 1 else [Cell(np.zeros(2), (2,), np.float64, token=f"hyper{j}") for j in range(k)]
         saved = [p.grid for p in params]

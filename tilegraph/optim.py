@@ -49,15 +49,15 @@ def _param_groups(where: str, params, keys: tuple, check: dict) -> tuple[list, l
     value}`` with ``key`` among ``keys`` (checked with ``check[key]``), as a flat list of
     Parameters and, for each, the options of its group; a plain iterable of Parameters is one
     group without options. Other keys (SGD's momentum per group, say) are a TileError naming
-    them."""
+    them. Third: the groups as given, ``(members, options)`` each (empty ones included)."""
     try:
         items = list(params) if not isinstance(params, (Module, TileTensor)) else None
     except TypeError:
         items = None
     if not items or not all(isinstance(g, Mapping) for g in items):
         flat = _parameter_list(where, params if items is None else items)
-        return flat, [{}] * len(flat)
-    flat, options = [], []
+        return flat, [{}] * len(flat), [(flat, {})]
+    flat, options, groups = [], [], []
     for i, group in enumerate(items):
         if "params" not in group:
             raise TileError(where, f"each parameter group a dict with 'params' (param_groups[{i}] has none)",
@@ -69,15 +69,21 @@ def _param_groups(where: str, params, keys: tuple, check: dict) -> tuple[list, l
         for k in keys:
             if k in group:
                 check[k](f"{where} param_groups[{i}]", group[k])
-        members = _parameter_list(f"{where} param_groups[{i}]", group["params"])
+        # an empty group is accepted, as torch's (a recipe's "no decay" group on a model without biases)
+        members = _parameter_list(f"{where} param_groups[{i}]", group["params"], empty=True)
         flat += members
-        options += [{k: group[k] for k in keys if k in group}] * len(members)
+        groups.append((members, {k: group[k] for k in keys if k in group}))
+        options += [groups[-1][1]] * len(members)
+    if not flat:
+        raise TileError(where, "at least one Parameter among the parameter groups",
+                        f"{len(items)} parameter groups, all empty")
     _parameter_list(where, flat)  # each Parameter in one group only
-    return flat, options
+    return flat, options, groups
 
 
-def _parameter_list(where: str, params) -> list:
-    """``params`` as a list of Parameters (frozen ones included), or a TileError."""
+def _parameter_list(where: str, params, empty: bool = False) -> list:
+    """``params`` as a list of Parameters (frozen ones included), or a TileError; ``empty``:
+    an empty list is one too (a parameter group's)."""
     if isinstance(params, Module):
         raise TileError(where, "params must be an iterable of Parameters: pass model.parameters(), not the model",
                         f"params={type(params).__name__} (a Module)")
@@ -88,7 +94,7 @@ def _parameter_list(where: str, params) -> list:
         params = list(params)
     except TypeError:
         raise TileError(where, wanted, f"params={params!r}") from None
-    if not params:
+    if not params and not empty:
         raise TileError(where, "params must hold at least one Parameter", "params: empty")
     for i, p in enumerate(params):
         if not isinstance(p, Parameter):
@@ -292,14 +298,16 @@ def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_
 
 
 def _in_float32(update, p, g, m, v, hyper, **params):
-    """``update`` of float16 tiles computed in float32, its results stored back in float16.
+    """``update`` of a float16 parameter tile computed in float32: the parameter stored back in
+    float16, the moments (m, v) kept in float32 (:meth:`Adam.state_dtype`).
 
     Numba has no float16 (the CPU kernel failed with NotImplementedError), the fused GPU kernel
     takes float32/float64 only, and in float16 arithmetic eps=1e-8 is 0: an element whose gradient
-    and moments are 0 would get 0/0 = NaN. As torch, the state (m, v) is kept in the parameter's
-    dtype."""
-    outs = update(*(a.astype(np.float32) for a in (p, g, m, v)), hyper, **params)
-    return tuple(o.astype(np.float16) for o in outs)
+    and moments are 0 would get 0/0 = NaN. Unlike torch, the moments are not stored in float16:
+    there (1 - beta2) * g**2 underflows to 0 for gradients below about 2e-3 where m does not, and
+    the next update is lr * m / eps (GPT-2 went to NaN in 4 steps)."""
+    outs = update(*(a.astype(np.float32, copy=False) for a in (p, g, m, v)), hyper, **params)
+    return (outs[0].astype(np.float16), *(o.astype(np.float32, copy=False) for o in outs[1:]))
 
 
 def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
@@ -388,6 +396,9 @@ class Optimizer:
 
     Parameters with ``requires_grad=False`` (frozen: a LoRA base, say) are left out, as torch's
     optimizers skip parameters without gradients: they get no gradient, no update and no state.
+    Unlike torch's, the optimizer does not take one up once it is unfrozen (``frozen_params``
+    lists them): a :class:`~tilegraph.TrainStep` refuses to run then, naming it; for gradual
+    unfreezing make a new optimizer (and TrainStep) over the parameters that train.
 
     A parameter group may set its own ``lr``, as torch's: the schedule scales it as torch's
     schedulers (LambdaLR and the like) scale each group's initial lr, by the same factor for every
@@ -417,13 +428,16 @@ class Optimizer:
                  clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
         checks = {"lr": lambda where, v: require_arg(where, "lr", v, _NON_NEGATIVE), **self._group_checks()}
-        params, options = _param_groups(where, params, ("lr", *self.group_keys), checks)
+        params, options, self._groups = _param_groups(where, params, ("lr", *self.group_keys), checks)
         if not callable(lr):
             require_arg(where, "lr", lr, _NON_NEGATIVE)
         if clip_grad_norm is not None:
             require_arg(where, "clip_grad_norm", clip_grad_norm, number_check(strict=True))
         frozen = [p for p in params if not p.requires_grad]
         options = [o for p, o in zip(params, options) if p.requires_grad]
+        #: the parameters given that were frozen then, left out (a TrainStep refuses to run once one
+        #: of them trains: this optimizer has no state and no update for it)
+        self.frozen_params = frozen
         params = [p for p in params if p.requires_grad]
         if not params:
             raise TileError(where, "at least one parameter that requires a gradient",
@@ -441,7 +455,11 @@ class Optimizer:
         self.step_count = 0
         self.hyper = Cell(np.zeros(2, np.float64), (2,), np.float64, token="hyper")
         # state[i][k] is the cell grid of state k of parameter i (zeros, same tiles)
-        self.state = [[_zeros_cells(p) for _ in range(self.n_state)] for p in params]
+        self.state = [[_zeros_cells(p, self.state_dtype(p)) for _ in range(self.n_state)] for p in params]
+
+    def state_dtype(self, p: Parameter) -> np.dtype:
+        """The dtype of ``p``'s state tensors: its own (Adam's, AdamW's: float32 for float16)."""
+        return np.dtype(p.dtype)
 
     @property
     def schedule(self) -> Callable[[int], float]:
@@ -472,6 +490,34 @@ class Optimizer:
         raise TileError(f"tilegraph.optim.{type(self).__name__}.lr", "the learning rate comes from the schedule: "
                         "set opt.schedule = tg.optim.constant(lr) (or another schedule) to change it",
                         f"opt.lr = {value!r}"[:120])
+
+    @property
+    def param_groups(self) -> list[Mapping]:
+        """torch's ``opt.param_groups``, to read: per group as given (one for a plain list of
+        parameters), a mapping of its ``params`` (frozen ones included), its ``lr`` now (the
+        schedule's rate of the last update, as :attr:`lr`, times the group's multiple of it,
+        :attr:`lr_scales`) and its other settings (the group's own, else the optimizer's).
+
+        The groups are fixed when the optimizer is made: their settings are parameters of the
+        recorded update kernels, and every update's rate comes from the schedule. So setting an
+        entry (torch's ``g["lr"] = x``) raises a TileError naming the way instead of changing
+        nothing: ``opt.schedule = tg.optim.constant(x)`` (each group keeps its multiple of it).
+
+        >>> import tilegraph as tg
+        >>> layer = tg.nn.Linear(4, 2, seed=0)
+        >>> opt = tg.optim.SGD([{"params": [layer.weight], "lr": 0.01}, {"params": [layer.bias]}], lr=0.1)
+        >>> [(len(g["params"]), g["lr"]) for g in opt.param_groups]
+        [(1, 0.01), (1, 0.1)]
+        """
+        where = f"tilegraph.optim.{type(self).__name__}.param_groups"
+        return [_GroupView(where, i, {"params": list(members), "lr": self.lr * self._lr_scale(options),
+                                             **{k: self._setting(options, k) for k in self.group_keys}})
+                for i, (members, options) in enumerate(self._groups)]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        raise TileError(f"tilegraph.optim.{type(self).__name__}.param_groups", _GROUPS_FIXED,
+                        f"opt.param_groups = {value!r}"[:120])
 
     @property
     def lr_scales(self) -> list[float]:
@@ -668,7 +714,7 @@ class Optimizer:
     def state_tensors(self) -> list[dict[str, TileTensor]]:
         """Per parameter, its state tensors by name (TileTensors over the state cells; compute
         them to fetch the values from wherever they live)."""
-        return [{name: tensor_from_cells(p.tiling, p.dtype, grid, name=f"{p.name}.{name}")
+        return [{name: tensor_from_cells(p.tiling, self.state_dtype(p), grid, name=f"{p.name}.{name}")
                  for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state)]
 
     def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int, *, where: str | None = None) -> None:
@@ -689,8 +735,54 @@ class Optimizer:
             raise TileError(where, "optimizer state does not match the parameters", "; ".join(problems))
         for p, a, state in zip(self.params, arrays, self.state):
             for name, grid in zip(self.state_names, state):
-                assign_cells(grid, p.tiling, np.asarray(a[name], dtype=p.dtype))
+                assign_cells(grid, p.tiling, np.asarray(a[name], dtype=self.state_dtype(p)))
         self.step_count = int(step)
+
+
+_GROUPS_FIXED = ("the parameter groups and their settings are fixed when the optimizer is made (they are "
+                 "parameters of the recorded update kernels; every update's rate comes from the schedule): to "
+                 "change the learning rate set opt.schedule = tg.optim.constant(lr) or another schedule (each "
+                 "group keeps its multiple of it, opt.lr_scales); for other settings make a new optimizer and "
+                 "TrainStep with the groups you want")
+
+
+class _GroupView(Mapping):
+    """One entry of :attr:`Optimizer.param_groups`: read-only; setting a key raises a TileError
+    naming the way (torch's param_groups are dicts whose changes take effect)."""
+
+    def __init__(self, where: str, index: int, values: dict):
+        self._where, self._name, self._values = f"{where}[{index}]", f"param_groups[{index}]", values
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(self._values)
+
+    def _refuse(self, what: str):
+        raise TileError(self._where, _GROUPS_FIXED, what[:120])
+
+    def __setitem__(self, key, value) -> None:
+        self._refuse(f"{self._name}[{key!r}] = {value!r}")
+
+    def __delitem__(self, key) -> None:
+        self._refuse(f"del {self._name}[{key!r}]")
+
+    def update(self, *args, **kwargs) -> None:
+        given = [*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+        self._refuse(f"{self._name}.update({', '.join(given)})")
+
+    def setdefault(self, key, default=None):
+        self._refuse(f"{self._name}.setdefault({key!r}, {default!r})")
+
+    def pop(self, key, *default):
+        self._refuse(f"{self._name}.pop({key!r})")
 
 
 def _base_lr(schedule) -> float | None:
@@ -715,11 +807,12 @@ def _check_group_lrs(where: str, options: list, base_lr: float | None, lr) -> No
                     "which must then be > 0", f"base_lr={base_lr!r} with groups that set lr")
 
 
-def _zeros_cells(p: Parameter) -> np.ndarray:
+def _zeros_cells(p: Parameter, dtype=None) -> np.ndarray:
+    dtype = np.dtype(p.dtype if dtype is None else dtype)
     cells = np.empty(p.tiling.grid, dtype=object)
     for idx in np.ndindex(*p.tiling.grid):
         shape = p.tiling.tile_shape(idx)
-        cells[idx] = Cell(np.zeros(shape, p.dtype), shape, p.dtype, token=f"zeros-{shape}-{p.dtype}")
+        cells[idx] = Cell(np.zeros(shape, dtype), shape, dtype, token=f"zeros-{shape}-{dtype}")
     return cells
 
 
@@ -777,9 +870,20 @@ class Adam(Optimizer):
     def _update(self, p, g, state, hyper, options):
         m, v = state
         beta1, beta2 = self._setting(options, "betas")
-        return emit(self._kernel, [p, g, m, v, hyper], [(p.shape, p.dtype)] * 3, op=self._kernel.name,
+        moments = (p.shape, self._moment_dtype(p.dtype))  # float32 for a float16 parameter
+        return emit(self._kernel, [p, g, m, v, hyper], [(p.shape, p.dtype), moments, moments], op=self._kernel.name,
                     beta1=float(beta1), beta2=float(beta2), eps=float(self._setting(options, "eps")),
                     **self._decay_kw(float(self._setting(options, "weight_decay"))), **self._lr_kw(options))
+
+    def state_dtype(self, p: Parameter) -> np.dtype:
+        """The dtype of ``p``'s moments: its own, float32 for a float16 parameter (in float16,
+        exp_avg_sq = (1 - beta2) * g**2 underflows to 0 where exp_avg does not: an update of lr * m /
+        eps). Checkpoints store them so; a float16 state loaded is widened."""
+        return self._moment_dtype(p.dtype)
+
+    @staticmethod
+    def _moment_dtype(dtype) -> np.dtype:
+        return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
 
     @staticmethod
     def _decay_kw(weight_decay: float) -> dict:

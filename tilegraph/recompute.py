@@ -130,6 +130,8 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
     result = TileTensor(out.tiling, out.dtype, out.grid, name=out.name)
     ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()), dict(kwargs))
     result._record = Record(_CHECKPOINT, inputs + ctx.captured, ctx)
+    if _autograd._REGIONS:  # nested in an outer checkpoint: its op, like any other, is one the outer
+        _autograd._REGIONS[-1].append(result)  # made (so what this fn read counts as the outer's read)
     return result
 
 
