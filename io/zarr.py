@@ -260,34 +260,68 @@ class PendingSave:
         self.runtime, self.files = runtime, dict(files)
         self.workers: set[str] = set()  # the workers that wrote tiles (their addresses)
         self._futures: list = []
+        self._tmp: Path | None = None  # the temporary folder, once started
+        self._plan: tuple | None = None  # what start() left for finish() to write and wait for
 
     def run(self) -> Path:
-        path, where = self.path, self.where
-        tmp = path.parent / temp_name(path.name)  # .NAME.tmp-PID-HEX-HOST
+        self.start()
+        return self.finish()
+
+    def start(self) -> None:
+        """Make the temporary folder and hand the workers their write tasks (at
+        :data:`SAVE_PRIORITY`: a worker runs them before the training tasks waiting with it); the
+        rest is :meth:`finish`'s (any thread). Once: a second call does nothing."""
+        if self._tmp is not None:
+            return
+        path = self.path
+        tmp = self._tmp = path.parent / temp_name(path.name)  # .NAME.tmp-PID-HEX-HOST
         # what a killed process's save of this name left (never loaded as a checkpoint, but on disk)
         remove_stale_temporaries(path.parent, path.name)
-        try:
+        with self._failures(tmp, release=False):
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._write(tmp)
+            self._submit(tmp)
+
+    def finish(self) -> Path:
+        """Wait for the workers' writes, write the rest, verify and commit (:meth:`start`s first
+        when not started); returns the path."""
+        self.start()
+        path, tmp = self.path, self._tmp
+        with self._failures(tmp, release=True):
+            self._complete(tmp)
             if os.path.lexists(path):
-                raise CheckpointError(where, "the checkpoint folder appeared while it was being written",
+                raise CheckpointError(self.where, "the checkpoint folder appeared while it was being written",
                                       f"{path} exists")
             os.rename(tmp, path)
+        return path
+
+    @contextlib.contextmanager
+    def _failures(self, tmp: Path, release: bool):
+        """A failure in the block abandons the save (its temporary folder removed) and is raised
+        as a write failure naming where; the values this save held are released on a failure and,
+        with ``release``, at the end."""
+        path, where = self.path, self.where
+        try:
+            yield
         except OSError as e:
             began = tmp.exists()
+            self._release()
             self._abandon(tmp)
             # where it failed: in the temporary folder once that was made, else the folder that could
             # not be made (the OS names it) or the parent that refused the temporary folder
             raise write_failure(where, e, tmp if began else (e.filename if e.filename and not path.parent.exists()
                                                              else path.parent)) from None
         except BaseException as e:
+            self._release()
             self._abandon(tmp)
             if _is_os_error(e):  # a worker's OSError arrives re-raised (disk full, read-only, ...)
                 raise write_failure(where, e, path.parent) from None
             raise
-        finally:
-            self.entries, self.copies = [], []  # release the values (futures) this save held
-        return path
+        if release:
+            self._release()
+
+    def _release(self) -> None:
+        """Release the values (futures) this save held."""
+        self.entries, self.copies, self._plan = [], [], None
 
     def _abandon(self, tmp: Path) -> None:
         """Remove the temporary folder of a save that failed or was interrupted, once no write
@@ -313,7 +347,9 @@ class PendingSave:
         thread.start()
         thread.join()
 
-    def _write(self, tmp: Path) -> None:
+    def _submit(self, tmp: Path) -> None:
+        """Make the folder and submit the workers' write tasks; what is left to do here is in
+        ``self._plan`` for :meth:`_complete`."""
         root = str(tmp)
         os.mkdir(root)  # here alone: a write task never makes it (one of an abandoned save stops)
         write_meta(root, "", group_meta({ATTR: self.attrs}))
@@ -328,7 +364,7 @@ class PendingSave:
             chunk_shape = chunks_of(chunks)
             shards = self.attrs["arrays"][apath].get("shards")
             if quant is None and shards:
-                metas.append((apath, array_meta(shape, dtype, chunk_shape, shards=shards)))
+                metas.append((apath, (shape, dtype, chunk_shape, shards)))  # zarr.json made in _complete
                 by_shard: dict[tuple, list] = {}
                 for idx, value in tiles:
                     region = slices(chunks, idx)
@@ -341,7 +377,7 @@ class PendingSave:
                     shard_jobs.append((values, indices, spec))
                 continue
             if quant is None:
-                metas.append((apath, array_meta(shape, dtype, chunk_shape)))
+                metas.append((apath, (shape, dtype, chunk_shape, None)))
             else:
                 metas.append((apath, group_meta({"quantized_tiles": [list(c) for c in chunks]})))
             for idx, value in tiles:
@@ -377,15 +413,23 @@ class PendingSave:
             for addr, items in by_worker.items():
                 for batch in _balanced(items, threads.get(addr, 1), lambda it: job_bytes(it[1])):
                     futures.append(client.submit(write_values, [f for f, _ in batch], [j for _, j in batch],
-                                                 key=f"tg-save-{uuid.uuid4().hex[:12]}",
+                                                 key=f"tg-save-{uuid.uuid4().hex[:12]}", priority=SAVE_PRIORITY,
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
             futures += self._write_shards(shard_jobs, holders)
         if copy_remote:
             futures += self._write_copies(copy_remote, holders)
+        self._plan = (metas, local, copy_local, futures)
+
+    def _complete(self, tmp: Path) -> None:
+        """The writes :meth:`_submit` left: the metadata and the tiles held here (while the
+        workers write theirs), the workers' results, the extra files, the check and the
+        metadata that marks the folder complete."""
+        root = str(tmp)
+        metas, local, copy_local, futures = self._plan
         made: set[str] = set()
-        for path, meta in metas:
-            write_meta(root, path, meta, made)
+        for path, meta in metas:  # an array's zarr.json from zarr's (imported here, not in start())
+            write_meta(root, path, meta if isinstance(meta, dict) else array_meta(*meta[:3], shards=meta[3]), made)
         for value, jobs in local:
             write_tiles(value, jobs)
         for (root_, path, names, attrs), values, indices, _ in copy_local:
@@ -423,7 +467,7 @@ class PendingSave:
                     values += vals
                     indices += idxs
                 futures.append(client.submit(write_parts_task, values, indices, jobs,
-                                             key=f"tg-save-copy-{uuid.uuid4().hex[:12]}",
+                                             key=f"tg-save-copy-{uuid.uuid4().hex[:12]}", priority=SAVE_PRIORITY,
                                              workers=[addr] if addr else None, allow_other_workers=True))
         return futures
 
@@ -449,13 +493,19 @@ class PendingSave:
             if best is not None:
                 assigned[best] = assigned.get(best, 0) + sum(weight.values())
             futures.append(client.submit(write_shard_task, values, indices, spec,
-                                         key=f"tg-save-shard-{uuid.uuid4().hex[:12]}",
+                                         key=f"tg-save-shard-{uuid.uuid4().hex[:12]}", priority=SAVE_PRIORITY,
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
 
 
 #: how long an abandoned save waits for its running write tasks to stop before it leaves
 ABANDON_SECONDS = 30.0
+
+#: Dask priority of a save's write tasks: above a training step's tasks (0), so that a worker
+#: writes the checkpoint before the steps submitted after it (a background save waited behind
+#: them on one-thread workers), and below the transfers between processes that a running step
+#: waits for (``tilegraph.runtime.TRANSFER_PRIORITY``, 100)
+SAVE_PRIORITY = 50
 
 
 def remove_stale_temporaries(folder: Path, name: str | None = None, keep_own: bool = True) -> list[Path]:
@@ -1310,9 +1360,12 @@ class CheckpointManager:
                                   f"{folder}: {problem}")
         self.dir, self.keep, self.every = folder, None if keep is None else int(keep), int(every)
         self.async_save = bool(async_save)
+        if self.async_save:  # zarr imported here, not by the first save's thread while training holds the GIL
+            array_meta((1,), np.float32, (1,))
         self._thread = None
         self._error: BaseException | None = None
         self._pending: Path | None = None
+        self._pending_step: int | None = None
         self.committed: list[Path] = []  # saved by this manager, in order (for hooks and restarts)
         self.protected: set[Path] = set()  # never pruned (resolved paths): see protect()
         self.removed_stale = self.clean()
@@ -1354,13 +1407,17 @@ class CheckpointManager:
         if not self.async_save:
             self._finish(pending.run())
             return path
-        import threading
-
-        self._pending = path
+        # the write tasks are submitted here, before the caller submits the next steps, at a
+        # priority above theirs: the workers write first and the commit follows at once. (Submitted
+        # from the thread, they queued behind the steps submitted meanwhile, and the thread's first
+        # save imported zarr while the training loop held the GIL: a step-3 save still uncommitted
+        # after step 6.)
+        pending.start()
+        self._pending, self._pending_step = path, int(step)
 
         def target():
             try:
-                self._finish(pending.run())
+                self._finish(pending.finish())
             except BaseException as e:  # reported by wait()
                 self._error = e
 
@@ -1376,13 +1433,19 @@ class CheckpointManager:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the background save not yet waited for (committed, failed or under way),
+        or None."""
+        return self._pending_step
+
     def wait(self, timeout: float | None = None) -> Path | None:
         """Wait for the background save; re-raises its error. Returns the newest committed path."""
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return None
-            self._thread, self._pending = None, None
+            self._thread, self._pending, self._pending_step = None, None, None
         if self._error is not None:
             error, self._error = self._error, None
             raise error

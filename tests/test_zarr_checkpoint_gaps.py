@@ -108,8 +108,8 @@ def test_temporary_folders_name_their_host_and_only_dead_ones_of_this_host_are_r
 
     # a save names this host in its temporary folder, which reads back as (this pid, this host)
     names = []
-    run = tz.PendingSave._write
-    monkeypatch.setattr(tz.PendingSave, "_write", lambda self, tmp: (names.append(tmp.name), run(self, tmp))[1])
+    run = tz.PendingSave._submit
+    monkeypatch.setattr(tz.PendingSave, "_submit", lambda self, tmp: (names.append(tmp.name), run(self, tmp))[1])
     tg.io.save_checkpoint(tmp_path / "ck" / "step-000001", models.build("gpt2-debug", seed=0), step=1)
     assert len(names) == 1 and names[0].startswith(".step-000001.tmp-") and names[0].endswith(f"-{here}")
     assert _store.temp_writer(names[0]) == (os.getpid(), here)

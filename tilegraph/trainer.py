@@ -34,8 +34,8 @@ from tilegraph._errors import TileError
 from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
-from tilegraph._train import (EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError, _steps_text,
-                              check_step_arguments, lost_worker_error, translate_worker_failure,
+from tilegraph._train import (LOST_STATE_HINT, EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError,
+                              _steps_text, check_step_arguments, lost_worker_error, translate_worker_failure,
                               worker_health)
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]
@@ -653,13 +653,15 @@ class Trainer:
                     self.step.reset_plans()
                     if self._eval is not None:
                         self._eval.reset_plans()
+                    lost_save = None  # the step of a save under way that the worker took with it
                     if self.checkpoints is not None:
+                        saving = self.checkpoints.pending_step
                         try:  # a save under way when the worker went: it committed, or never will
                             self.checkpoints.wait()
                         except Exception:
-                            pass
+                            lost_save = saving
                         self._checkpoint_hooks()
-                    resumed = self._restart(e, len(result.restarts))
+                    resumed = self._restart(e, len(result.restarts), lost_save)
                     record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
                               "checkpoint": str(self._last_checkpoint), "step": resumed}
                     result.restarts.append(record)
@@ -838,9 +840,10 @@ class Trainer:
                 raise out["error"]
         return out["value"]
 
-    def _restart(self, error: WorkerLostError, restarts: int) -> int:
+    def _restart(self, error: WorkerLostError, restarts: int, lost_save: int | None = None) -> int:
         """Reload the last checkpoint after ``error`` (the next steps plan again, on the workers
-        left); returns the checkpoint's step. Raises when restarting is off or cannot be done."""
+        left); returns the checkpoint's step. Raises when restarting is off or cannot be done
+        (``lost_save``: the step of a save under way that the lost worker took with it)."""
         where = "tilegraph.Trainer.fit"
 
         def fail(why: str):
@@ -848,7 +851,11 @@ class Trainer:
                                    stalled=error.stalled, steps=error.steps)
 
         if not self.max_restarts:
-            raise error
+            if LOST_STATE_HINT not in error.what:  # an error of its own (not of the state on the workers)
+                raise error
+            raise WorkerLostError(error.where, error.what.replace(LOST_STATE_HINT, self._lost_state_hint(lost_save)),
+                                  error.received, workers=error.workers, stalled=error.stalled,
+                                  steps=error.steps) from None
         if restarts >= self.max_restarts:
             raise fail(f"restart_on_failure gave up after {_plural(restarts, 'restart')}") from None
         if self._last_checkpoint is None:
@@ -868,6 +875,28 @@ class Trainer:
                        _steps_text(error.steps) if error.steps else "training", self._last_checkpoint, step,
                        len(answering), ", ".join(answering))
         return step
+
+    def _lost_state_hint(self, lost_save: int | None) -> str:
+        """What a lost worker's error tells a trainer without ``restart_on_failure`` to do: the
+        newest checkpoint it can resume from (path and step), or that it has none yet
+        (``lost_save``: the step of a save under way that the worker took with it)."""
+        found = self._checkpoint_steps()
+        lost = (f" (the checkpoint of step {lost_save}, still being written, was lost with the worker)"
+                if lost_save is not None else "")
+        gone = "parameters and optimizer state live on the workers as Dask futures, and what a lost worker held is gone"
+        if found:
+            path, step = max(found.items(), key=lambda ps: ps[1])
+            return (f"{gone}: resume from the newest committed checkpoint, {path} (step {step}){lost}, with "
+                    f"Trainer.load_checkpoint({str(path)!r}) and fit again (the steps after {step} run again), or "
+                    "train with Trainer(restart_on_failure=True) to resume by itself")
+        if self.checkpoints is None:
+            return (f"{gone}, and this trainer has no checkpoint to resume from (checkpoint_dir=None; "
+                    "Trainer.load_checkpoint resumes from one): build the model again and fit from the start, or "
+                    "train with Trainer(restart_on_failure=True, checkpoint_dir=..., checkpoint_every=...) to resume "
+                    "by itself")
+        return (f"{gone}, and no checkpoint was committed yet in {self.checkpoints.dir}{lost}: nothing of this run "
+                "can be resumed; build the model again and fit from the start (checkpoint_every sets how often a "
+                "checkpoint is written; Trainer(restart_on_failure=True) resumes from the last one by itself)")
 
     def _kernel_stats(self, reset: bool = False) -> dict:
         """Kernel time counters of the workers (of this process without a runtime)."""
