@@ -17,38 +17,22 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
 import pytest
 
-import tilegraph as tg
+from conftest import _two_workers
+from test_faults import _trainer as _faults_trainer
 from tilegraph.io.zarr import SAVE_PRIORITY, Checkpoint, complete_checkpoints, prepare_save
 from tilegraph.trainer import WorkerLostError
 
 
 @pytest.fixture
 def rt():
-    rt = tg.connect(n_workers=2, threads_per_worker=1, dashboard=False, quiet=True, make_current=False)
-    try:
-        yield rt
-    finally:
-        rt.close()
-
-
-def _data(step):
-    x = np.random.default_rng(step).standard_normal((256, 16)).astype(np.float32)
-    return x, np.tanh(x[:, :4])
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
+    yield from _two_workers()
 
 
 def _trainer(rt, steps, **kw):
-    model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)
-    opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-2, 4, steps))
-    return tg.Trainer(model, opt, _data, rt, loss_fn=_mse, batch_size=256, batch_tiles=[(64, 8), (64, None)],
-                      progress=False, steps_per_graph=1, **kw)
+    """test_faults.py's trainer, a graph per step (each step's hooks run before the next is submitted)."""
+    return _faults_trainer(rt, steps, steps_per_graph=1, **kw)
 
 
 def _committed(folder) -> list[str]:
