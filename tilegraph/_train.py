@@ -556,7 +556,7 @@ _WATCHED: list[_Undo] = []
 _WATCH = threading.Condition()
 _WATCHER: list[threading.Thread] = []
 #: how often the watching thread looks at the losses' futures
-WATCH_SECONDS = 0.05
+UNDO_WATCH_SECONDS = 0.05
 
 
 def _watch_losses() -> None:
@@ -577,7 +577,7 @@ def _watch_losses() -> None:
                     undo.losses = []  # (a loss's future holds its whole task's result)
                     _WATCHED.remove(undo)
             undo = None  # nothing held while waiting
-        time.sleep(WATCH_SECONDS)
+        time.sleep(UNDO_WATCH_SECONDS)
 
 
 # -- lost and stalled workers ------------------------------------------------------------------

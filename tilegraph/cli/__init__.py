@@ -21,7 +21,7 @@ from tilegraph.cli.config import (CONFIG_CHECKS, DEFAULT_CONFIG, JOB_MODEL_KEYS,
 from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, adapted_model, init_model, load_model,
                                     read_peft_record)
 from tilegraph.cli.runs import LOCK_NAME, check_output, lock_output
-from tilegraph.cli.train import EXIT_TERMINATED, cmd_train, tokenizer_files
+from tilegraph.cli.train import EXIT_INTERRUPTED, EXIT_TERMINATED, cmd_train, tokenizer_files  # 130, 143
 from tilegraph.io.data import stdlib_files
 
 __all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_info", "load_config", "check_config",
@@ -30,9 +30,6 @@ __all__ = ["main", "cmd_train", "cmd_generate", "cmd_eval", "cmd_convert", "cmd_
            "tokenizer_files", "lock_output", "check_output", "stdlib_files", "CONFIG_CHECKS", "DEFAULT_CONFIG",
            "JOB_MODEL_KEYS", "PEFT_METHODS", "PEFT_FILE", "LOCK_NAME", "EVAL_DEFAULT_CORPUS"]
 
-
-#: the exit status of a command stopped by Ctrl-C: a shell's 128 + SIGINT
-EXIT_INTERRUPTED = 130
 
 #: the exit status of a command whose reader went away (``tilegraph info | head -1``): a shell's
 #: 128 + SIGPIPE, what it reports for a tool the signal ended
