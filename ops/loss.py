@@ -26,7 +26,7 @@ from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_fl
 from .embedding import check_index_range, require_integer
 from ._tree import merge_tree
 
-__all__ = ["cross_entropy"]
+__all__ = ["cross_entropy", "mean_parts", "count_weighted", "add_totals"]
 
 _WHERE = "tilegraph.cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -275,6 +275,60 @@ class CrossEntropyBackward(Op):
 
 _ce_op = CrossEntropy()
 _ce_bwd_op = CrossEntropyBackward()
+
+
+# ------------------------------------------------- accumulation over micro-batches of a mean ----
+def mean_parts(loss: TileTensor):
+    """``(tot, rows)`` when ``loss`` is a :func:`cross_entropy` mean (``tot``: the ref of its
+    float64 ``[loss sum, rows counted]``, ``rows``: how many targets it had, ignored ones included);
+    None for any other loss. Gradient accumulation weights micro-batches by their counted rows
+    with it, so that k micro-batches give one batch's token-weighted mean (see :func:`count_weighted`)."""
+    rec = getattr(loss, "_record", None)
+    if rec is None or rec.op is not _ce_op or rec.ctx["reduction"] != "mean":
+        return None
+    return rec.ctx["tot"], numel(rec.ctx["targets"].shape)
+
+
+def _count_weighted_xp(g, *ins, rows, mode):
+    """``mode`` "first": ``g * c/rows``; "add": ``acc + g * c/rows``; "last": ``(acc + g * c/rows)
+    * rows / N`` (0 when N is), where ``c`` is this micro-batch's count of rows (``tot[1]``) and
+    ``N`` the batch's (the accumulated ``[sum, count]`` plus this one's)."""
+    xp = xp_of(g)
+    tot = ins[-1]
+    out = g * (tot[1] / rows).astype(g.dtype)
+    if mode == "first":
+        return out
+    out += ins[0]
+    if mode == "last":
+        n = ins[1][1] + tot[1]
+        out *= xp.where(n > 0, rows / xp.maximum(n, 1), 0).astype(g.dtype)
+    return out
+
+
+_count_weighted_k = kernel("mean_count_weighted", cost=elementwise_cost(3))(_count_weighted_xp)
+
+
+def count_weighted(g: TileTensor, tot, rows: int, mode: str, acc: TileTensor | None = None, acc_tot=None) -> TileTensor:
+    """One micro-batch's gradient ``g`` of a mean over its counted rows, weighted for accumulation.
+
+    The accumulator holds ``sum_j g_j c_j / rows`` (each micro-batch's gradient of its sum, over
+    the rows one has, so nothing grows with the batch: float16 stays in range, and with nothing
+    ignored every weight is exactly 1); the last micro-batch divides by ``N / rows``. The result is
+    the gradient of the batch's mean over all its counted rows, whatever each micro-batch counted:
+    a micro-batch whose rows are all ignored adds nothing (its own mean is nan)."""
+    if mode == "first":
+        ins = lambda idx: [g.grid[idx], tot]  # noqa: E731
+    elif mode == "add":
+        ins = lambda idx: [g.grid[idx], acc.grid[idx], tot]  # noqa: E731
+    else:
+        ins = lambda idx: [g.grid[idx], acc.grid[idx], acc_tot, tot]  # noqa: E731
+    return new_tensor(g.tiling, g.dtype, lambda idx: emit1(_count_weighted_k, ins(idx), g.tiling.tile_shape(idx),
+                                                            g.dtype, op="accumulate", rows=int(rows), mode=mode))
+
+
+def add_totals(a, b):
+    """The ref of ``a + b`` for two ``[loss sum, rows counted]`` refs."""
+    return emit1(_ce_total_k, [a, b], (2,), np.float64, op="accumulate")
 
 
 def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -100,

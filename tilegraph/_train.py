@@ -15,7 +15,7 @@ import numpy as np
 from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, TileRef, ValueRef, to_host
+from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, check_runtime, check_values_reachable,
                               config, first_failure, gather)
 from tilegraph.exec.gang import PeerFailedError
@@ -191,6 +191,8 @@ class _Recorded:
     def __init__(self, exe: Executable, inputs: list[list[tuple[Tiling, np.ndarray]]], assignments, n_fetch, hypers):
         self.exe, self.inputs, self.assignments, self.n_fetch = exe, inputs, assignments, n_fetch
         self.hypers = hypers  # step j's scalar cell (k > 1)
+        #: a micro-batch of a counted mean (see TrainStep._record_micro_batch): its loss's dtype
+        self.counted: np.dtype | None = None
         self.fixed = self._fixed_leaves()
 
     def _fixed_leaves(self) -> tuple[list[Cell], list]:
@@ -238,8 +240,12 @@ class TrainStep:
     With ``accum_steps=k`` each batch input is split along its first dim into k micro-batches that
     run one after another as separate graphs (k-1 that add their gradients into accumulators kept
     next to the parameters, then one that adds the last and updates), so activations of only one
-    micro-batch exist at a time; the loss returned is the mean over the micro-batches. All k graphs
-    are submitted without waiting; the client waits once per optimizer step.
+    micro-batch exist at a time. When ``loss_fn`` returns a :func:`cross_entropy` mean, the
+    micro-batches are weighted by the targets each one counts (those not ``ignore_index``): the
+    loss and gradient are those of one batch's mean over all its counted targets, as with one large
+    batch, and a micro-batch whose targets are all ignored adds nothing. Any other loss is the mean
+    over the micro-batches, each weighted 1/k. All k graphs are submitted without waiting; the
+    client waits once per optimizer step.
 
     The arguments are checked when the step is built (:func:`check_step_arguments`): the
     optimizer's parameters must belong to ``model``, ``runtime`` is None or a Runtime, and the
@@ -259,6 +265,8 @@ class TrainStep:
         self.compile_options = compile_options
         self._cache: dict[tuple, _Recorded] = {}
         self._acc_cells: list[np.ndarray] | None = None  # gradient accumulators, one cell per tile
+        self._acc_tot: np.ndarray | None = None
+        self._weighted: bool | None = None  # whether the micro-batches' losses are counted means
         self.last: StepStats | None = None
         self._structure = _structure(model)  # what the recorded graphs were recorded for
         #: counts the failed steps rolled back: a step submitted before the last one of them
@@ -309,16 +317,9 @@ class TrainStep:
                 if kind == "step":
                     assignments, norm = self.optimizer.record(grads, hyper=hypers[j], current=current)
                 else:
-                    acc = self._accumulators()
-                    scaled = [g * (1.0 / self.accum_steps) for g in grads]
-                    new = scaled if kind == "first" else [a + g for a, g in zip(acc, scaled)]
-                    if kind == "last":
-                        assignments, norm = self.optimizer.record(new)
-                    else:
-                        assignments = [(c, r) for a, t in zip(self._acc_cells, new)
-                                       for c, r in zip(a.flat, t.grid.flat)]
+                    assignments, norm, loss_ref = self._record_micro_batch(loss, grads, kind, where)
                 inputs.append(ins)
-                losses.append(loss.grid.flat[0])
+                losses.append(loss.grid.flat[0] if kind == "step" else loss_ref)
                 norms += [norm] if norm is not None else []
                 if j + 1 < k:  # the next step reads this step's update
                     current.update((id(c), r) for c, r in assignments)
@@ -336,12 +337,55 @@ class TrainStep:
         batch_cells = [cells for ins in inputs for _, cells in ins]
         exe = Executable(roots, runtime=self.runtime, state_groups=state_groups, batch_cells=batch_cells,
                          **self.compile_options)
-        return _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), hypers)
+        rec = _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), hypers)
+        if kind != "step" and self._weighted:  # what comes back is [loss sum, rows counted]
+            rec.counted = loss.dtype
+        return rec
+
+    def _record_micro_batch(self, loss: TileTensor, grads: list[TileTensor], kind: str, where: str):
+        """The assignments (accumulators, or on the last micro-batch the update), the clipping
+        norm and the value that comes back as this micro-batch's loss.
+
+        A :func:`cross_entropy` mean is weighted by the rows each micro-batch counts (not ignored),
+        so the k micro-batches give the gradient and loss of one batch's mean over all its counted
+        rows, as one large batch would (each micro-batch's own mean, weighted 1/k, is not that
+        when they count different rows, and a micro-batch whose rows are all ignored made the
+        loss nan). What comes back is then its ``[loss sum, rows counted]``. Any other loss is the
+        mean of the micro-batches' losses, each weighted 1/k."""
+        from tilegraph.ops.loss import add_totals, count_weighted, mean_parts
+
+        acc = self._accumulators()
+        parts = mean_parts(loss)
+        weighted = parts is not None
+        if self._weighted is None:
+            self._weighted = weighted
+        elif self._weighted != weighted:
+            raise TileError(where, "loss_fn to return the same kind of loss for every micro-batch (a cross_entropy "
+                            "mean for all, or for none)", "a cross_entropy mean for this micro-batch, another loss "
+                            "for another" if weighted else "a cross_entropy mean for another micro-batch, another "
+                            "loss for this one")
+        norm = None
+        if weighted:
+            tot, rows = parts
+            acc_tot = self._acc_tot.flat[0]
+            new = [count_weighted(g, tot, rows, kind, a, leaf(acc_tot)) for g, a in zip(grads, acc)]
+            totals = [(acc_tot, tot if kind == "first" else add_totals(leaf(acc_tot), tot))]
+        else:
+            scaled = [g * (1.0 / self.accum_steps) for g in grads]
+            new = scaled if kind == "first" else [a + g for a, g in zip(acc, scaled)]
+            totals = []
+        if kind == "last":
+            assignments, norm = self.optimizer.record(new)
+        else:
+            assignments = [(c, r) for a, t in zip(self._acc_cells, new) for c, r in zip(a.flat, t.grid.flat)] + totals
+        return assignments, norm, tot if weighted else loss.grid.flat[0]
 
     def _accumulators(self) -> list[TileTensor]:
         if self._acc_cells is None:
             self._acc_cells = [_unbound_cells(p.tiling, p.dtype, f"acc-{id(self):x}-{p.name}")
                                for p in self.optimizer.params]
+            # a cross_entropy mean's [loss sum, rows counted] over the micro-batches so far
+            self._acc_tot = _unbound_cells(Tiling(((2,),)), np.float64, f"acc-{id(self):x}-rows")
         return [tensor_from_cells(p.tiling, p.dtype, cells, name=f"acc.{p.name}")
                 for p, cells in zip(self.optimizer.params, self._acc_cells)]
 
@@ -352,7 +396,7 @@ class TrainStep:
         """Forget the recorded graphs: their plans pin tasks and programs to the workers there were
         then. The next step records and plans again on the runtime's workers of that moment."""
         self._cache.clear()
-        self._acc_cells = None
+        self._acc_cells = self._acc_tot = self._weighted = None
 
     def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
         """The recorded step for this batch signature, kind and number of steps, and whether it
@@ -825,7 +869,11 @@ class PendingStep:
                 if self._undo is not None:
                     self._undo.before = None
             n = len(self._losses)
-            loss = float(np.mean([to_host(v).reshape(()) for v in values[:n]]))
+            if self._rec.counted is not None:  # the batch's mean over its counted rows (nan if none)
+                total, count = np.sum([to_host(v) for v in values[:n]], axis=0)
+                loss = float(np.asarray(total / count if count else np.nan, self._rec.counted))
+            else:
+                loss = float(np.mean([to_host(v).reshape(()) for v in values[:n]]))
             norm = float(to_host(values[n])[3]) if self._norm is not None else None
             seconds = (time.perf_counter() - self._t0) / self._group  # a group's steps share its time
             self.stats = StepStats(loss, norm, self.lr, seconds, self._record_seconds,
