@@ -121,6 +121,53 @@ def test_the_step_after_a_failed_one_runs_at_once(own_cluster, monkeypatch, para
     assert got == want and opt.step_count == 4
 
 
+def _fail_the_next_update(dask_worker=None):
+    """On this worker, the next call of AdamW's kernel raises (then it is AdamW again)."""
+    from tilegraph._graph import get_kernel
+
+    kern = get_kernel("adamw")
+    kept = kern.cpu
+
+    def failing(*args, **kwargs):
+        kern.cpu = kept
+        raise MemoryError("injected: the update failed on this worker")
+
+    kern.cpu = failing
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["data", "sharded"])
+@pytest.mark.parametrize("timeout", [None, 60.0])
+def test_a_step_that_failed_on_one_process_after_its_exchange_fails(own_cluster, monkeypatch, parallel, timeout):
+    """One process's task fails after its last exchange (its update): the other's finished, and
+    the loss the client waits for came from it. Before, that step returned its loss as if it had
+    trained (the two replicas' states then differed, one of them failed values), and the steps
+    submitted after it waited for the exchange time limit and raised a WorkerLostError, no worker
+    lost: the model was gone. Now the step raises the failing process's error and changes nothing;
+    the steps submitted after it raise at once (their tasks on the failed process fail without
+    running, and their peers, which would wait for them, are cancelled), and the next step trains."""
+    monkeypatch.setattr(tg.config, "exchange_timeout_seconds", 30.0)
+    x, y = _batch(96)
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster, parallel=parallel)
+    want = [step(x, y) for _ in range(3)]
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster, parallel=parallel)
+    got = [step(x, y)]
+    assert step.plan(x, y).gang is not None
+    second = sorted(own_cluster.client.scheduler_info()["workers"])[1]
+    own_cluster.client.run(_fail_the_next_update, workers=[second])
+    pending = [step.submit(x, y) for _ in range(3)]
+    for i, p in enumerate(pending):
+        with pytest.raises(MemoryError, match="injected: the update failed on this worker") as e:
+            p.result(timeout=timeout)
+        note = "the failed step changed nothing" if i == 0 else "submitted before an earlier one failed"
+        assert any(note in n and "after step 1" in n for n in e.value.__notes__), e.value.__notes__
+    assert opt.step_count == 1
+    got += [step(x, y) for _ in range(2)]
+    assert got == want and opt.step_count == 3
+
+
 @pytest.mark.distributed
 def test_a_failed_group_of_steps_changes_nothing(own_cluster):
     """Several steps submitted as one graph (submit_steps, as the Trainer does for small models):

@@ -754,8 +754,9 @@ class Executable:
         pinned, pushed = self._pin_tasks(runtime, call, source, moved)
         want += sorted({key for copies in pushed.values() for key, _ in copies.values()})
         futures = self._submit(runtime, call, want, pinned)
+        gang = tuple(futures[key] for key in call.keys) if self.gang is not None else ()
         for pos, (key, index) in fetch_of.items():
-            out[pos] = Fetching(futures[key], index)
+            out[pos] = Fetching(futures[key], index, gang)
         if wait:
             out = gather(runtime, out, during, **lost)
         for pos, refs in self._kept_refs(futures, source, kept, moved, pushed).items():
@@ -933,6 +934,7 @@ class Executable:
             for p, key in enumerate(keys):
                 runtime.last_gang[self.gang.addrs[p]] = (futures[key], call)
                 futures[key].add_done_callback(partial(runtime.gang_done, self.gang.addrs[p]))
+                futures[key].add_done_callback(partial(end_failed_call, runtime, call))
         return futures
 
     def _push_shared(self, layers, keys, source, moved, pinned, runtime) -> dict[int, dict[int, tuple[str, int]]]:
@@ -985,6 +987,9 @@ class Fetching:
 
     future: Any
     index: int | None
+    #: a gang call's tasks, one per worker process (the value is good only if every one of them
+    #: is: a process whose task failed after its last exchange leaves the others' values intact)
+    call: tuple = ()
 
 
 def _is_key_of(arg, tasks: dict) -> bool:
@@ -1009,13 +1014,21 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)
+    calls = list({id(v.call): v.call for v in values if isinstance(v, Fetching) and v.call}.values())
     try:
         if during is None:
+            if calls:
+                _wait_for_calls(runtime, futures, calls)
             got = dict(zip(map(id, futures), runtime.client.gather(futures)))
         else:
-            got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during, **lost)))
+            got = dict(zip(map(id, futures), _watched_gather(runtime, futures, during, calls=calls, **lost)))
     except PeerFailedError as e:
         raise first_failure(e) from None
+    except Exception:
+        failed = call_failure(runtime, calls)
+        if failed is None:
+            raise
+        raise failed from None
     return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching) else v
             for v in values]
 
@@ -1029,24 +1042,86 @@ def first_failure(error: BaseException) -> BaseException:
     return getattr(error, "first", None) or error
 
 
+def call_failure(runtime, calls: Sequence[tuple]) -> BaseException | None:
+    """The error of the first of ``calls`` (gang calls: one task per worker process) one of
+    whose tasks failed, else None; the call's tasks still running are cancelled (they wait for
+    values the failed one will not send). The error is the failing process's own where one
+    raised it (:func:`first_failure`), not a peer's wait for it."""
+    from tilegraph.exec.gang import ChannelWaitError
+
+    for call in calls:
+        erred = [f for f in call if f.status == "error"]
+        if not erred:
+            continue
+        end_failed_call(runtime, call)
+        errors = [first_failure(f.exception()) for f in erred]
+        own = [e for e in errors if not isinstance(e, (PeerFailedError, ChannelWaitError))]
+        return (own or errors)[0]
+    return None
+
+
+def end_failed_call(runtime, call: tuple, future=None) -> None:
+    """Cancel the tasks of gang call ``call`` still running once one failed (``future``: the one
+    whose end called this, as a done callback; nothing to do unless it failed). A task that
+    failed after its last exchange sent its peers all they needed; one that failed without running
+    (its input had failed) sent nothing, and its peers would wait for it until the exchange time
+    limit, holding their worker's thread."""
+    if future is not None and future.status != "error":
+        return
+    pending = [f for f in call if f.status == "pending"]
+    if pending:
+        try:
+            runtime.client.cancel(pending)
+        except Exception:  # (a closing client): the waits end by their time limit
+            pass
+
+
+def _wait_for_calls(runtime, futures: list, calls: list[tuple]) -> None:
+    """Wait for ``futures`` and every task of ``calls``; raise the error of a call that failed
+    (:func:`call_failure`) even where the values asked for were computed."""
+    from distributed import wait
+
+    wait(with_calls(futures, calls))
+    failed = call_failure(runtime, calls)
+    if failed is not None:
+        raise failed
+
+
+def with_calls(futures: list, calls: list[tuple]) -> list:
+    """``futures`` and then the tasks of ``calls`` not among them."""
+    out, seen = list(futures), {id(f) for f in futures}
+    for f in (f for call in calls for f in call):
+        if id(f) not in seen:
+            seen.add(id(f))
+            out.append(f)
+    return out
+
+
 #: how often a watched wait (compute(), a step without a time limit, an evaluation, a checkpoint)
 #: looks at the workers while it has no result (a scheduler round trip of a few milliseconds)
 WATCH_SECONDS = 2.0
 
 
 def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph.compute", steps: range | None = None,
-                    since: float | None = None, **hint) -> list:
+                    since: float | None = None, calls: Sequence[tuple] = (), **hint) -> list:
     from distributed import wait
 
     from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
 
     t0 = time.perf_counter()
+    waited = with_calls(futures, list(calls))
     try:
         while True:
             try:
-                wait(futures, timeout=WATCH_SECONDS)
+                wait(waited, timeout=WATCH_SECONDS)
+                failed = call_failure(runtime, calls)
+                if failed is not None:
+                    raise failed
                 break
             except TimeoutError:
+                failed = call_failure(runtime, calls)
+                if failed is not None:
+                    raise failed from None
                 health = worker_health(runtime)
                 if health.failing:
                     raise lost_worker_error(health, during, f"no result after {time.perf_counter() - t0:.1f} s",

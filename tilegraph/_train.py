@@ -16,8 +16,8 @@ from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
-from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, check_runtime, check_values_reachable,
-                              config, first_failure, gather)
+from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, with_calls, call_failure, check_runtime,
+                              check_values_reachable, config, first_failure, gather)
 from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
@@ -862,9 +862,13 @@ class PendingStep:
                     values = self._gather(runtime, values, timeout, patient)
                 except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
                     if not isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())) \
-                            and self._undo is not None and self._undo():
-                        e.add_note(f"[tilegraph.TrainStep] the failed step changed nothing: the model's parameters "
-                                   f"and optimizer state are those after step {self.owner.optimizer.step_count}")
+                            and self._undo is not None:
+                        earlier = self._undo.rollbacks != self.owner._rollbacks  # a step before this one failed
+                        if self._undo() or earlier:
+                            what = ("this step, submitted before an earlier one failed, read that one's values and"
+                                    if earlier else "the failed step")
+                            e.add_note(f"[tilegraph.TrainStep] {what} changed nothing: the model's parameters and "
+                                       f"optimizer state are those after step {self.owner.optimizer.step_count}")
                     raise
                 if self._undo is not None:
                     self._undo.before = None
@@ -901,21 +905,40 @@ class PendingStep:
         """:func:`gather`, checking the workers after each ``timeout`` seconds without the values
         (a value already computed but held by a stalled worker never arrives either)."""
         futures = {id(v.future): v.future for v in values if isinstance(v, Fetching)}
+        calls = list({id(v.call): v.call for v in values if isinstance(v, Fetching) and v.call}.values())
         got: dict[int, object] = {}
         t0, period = time.perf_counter(), timeout
         checking = None  # when the time limit passed and the workers began to be checked
-        for key, future in futures.items():
-            while key not in got:
-                try:
-                    got[key] = future.result(timeout=max(period, 0.01))
-                except PeerFailedError as e:
-                    raise first_failure(e) from None
-                except TimeoutError:
-                    now = time.perf_counter()
-                    checking = checking or now
-                    period = self._check_workers(runtime, timeout, patient, now - t0, now - checking)
-                    if period == timeout:  # patient, and every worker answered: a new time limit
-                        checking = None
+        try:
+            for future in with_calls(list(futures.values()), calls):  # and a gang call's every task
+                key = id(future)
+                while key not in got:
+                    try:
+                        if key in futures:  # (the transfer too: data held by a stalled worker never comes)
+                            got[key] = future.result(timeout=max(period, 0.01))
+                        else:  # a task of the call whose value is not asked for: waited for, not fetched
+                            got[key] = future.exception(timeout=max(period, 0.01))
+                    except TimeoutError:
+                        failed = call_failure(runtime, calls)  # (a peer waiting for a failed task)
+                        if failed is not None:
+                            raise failed from None
+                        now = time.perf_counter()
+                        checking = checking or now
+                        period = self._check_workers(runtime, timeout, patient, now - t0, now - checking)
+                        if period == timeout:  # patient, and every worker answered: a new time limit
+                            checking = None
+            failed = call_failure(runtime, calls)
+            if failed is not None:
+                raise failed
+        except PeerFailedError as e:
+            raise first_failure(e) from None
+        except (StepTimeoutError, WorkerLostError):
+            raise
+        except Exception:
+            failed = call_failure(runtime, calls)
+            if failed is None:
+                raise
+            raise failed from None
         return [(got[id(v.future)] if v.index is None else got[id(v.future)][v.index]) if isinstance(v, Fetching)
                 else v for v in values]
 
