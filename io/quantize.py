@@ -8,9 +8,9 @@
   (blocks run along dim 0, the input dim of a ``(in, out)`` weight); int4 packs two codes a byte.
   Scales are float16 relative to one float32 maximum: 4.25 bits an entry at block 64.
 - ``"kmeans"`` (1-8): one scalar codebook of ``2**bits`` float32 values per array (1-D Lloyd).
-- ``"kashin"`` (2-6): the Kashin representation ``X = U + Q1 V_hat Q2^T`` (docs/ALGORITHMS.md
-  section 1) with each pair ``(U_ij, V_hat_ij)`` coded jointly by a 2-D k-means codebook of
-  ``2**bits`` points, per array or per ``tile``.
+- ``"kashin"`` (2-6): the Kashin representation ``X = U + Q1 V_hat Q2^T`` (arXiv:2404.09737)
+  with each pair ``(U_ij, V_hat_ij)`` coded jointly by a 2-D k-means codebook of ``2**bits``
+  points, per array or per ``tile``.
 - ``"auto"``: tries every method of the bit budget (16: fp16, bf16; 8: int8, kmeans; 4: int4,
   kashin, kmeans; 2, 3, 5, 6: kashin, kmeans; 7: kmeans) and keeps the lowest relative
   Frobenius error; the errors measured are kept in ``attrs["auto"]``.
@@ -71,7 +71,7 @@ _SPECS: dict[str, _Spec] = {
 #: the method names :func:`quantize` accepts
 METHODS: tuple[str, ...] = tuple(_SPECS)
 TRANSFORMS = ("dct", "qr")
-_MAX_ITER_CAP = 6000  # ALGORITHMS.md: the cap may be raised up to 6000
+_MAX_ITER_CAP = 6000  # a cap on the iterations, raised up to 6000 for slow convergers
 
 
 class KashinNotConverged(RuntimeWarning):
@@ -619,7 +619,7 @@ class _Kashin(NamedTuple):
 
 
 def _kashin(x: np.ndarray, fwd: Callable, inv: Callable, tol: float, max_iter: int) -> _Kashin:
-    """Greedy matching pursuit over {+-1}^N U Q{+-1}^N (ALGORITHMS.md section 1).
+    """Greedy matching pursuit over {+-1}^N U Q{+-1}^N (Kashin quantization, arXiv:2404.09737).
 
     V_hat is accumulated directly: each v-step adds c*Q sign(y) to V, i.e. c*sign(y) to Q^T V.
     """
@@ -806,7 +806,7 @@ def _kmeans_2d(p: np.ndarray, bits: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     fit = p if len(p) <= _FIT_POINTS else p[rng.choice(len(p), _FIT_POINTS, replace=False)]
     small = fit if len(fit) <= _START_POINTS else fit[rng.choice(len(fit), _START_POINTS, replace=False)]
-    # odd bits: a square grid cannot have 2**bits points, so k-means++ only (ALGORITHMS.md)
+    # odd bits: a square grid cannot have 2**bits points, so k-means++ only
     starts = [_grid_init(small, bits)] if bits % 2 == 0 else []
     while len(starts) < max(_MIN_STARTS, _START_WORK // k):
         starts.append(_kmeans_pp(small, k, rng))

@@ -1,5 +1,5 @@
 """LoRA linear layer ``Y = b + X W + (X U) V`` whose forward and backward graphs are chosen among
-RunLoRA's variants (arXiv:2312.03415; ALGORITHMS.md section 2).
+RunLoRA's variants (arXiv:2312.03415).
 
 Shapes: X (..., n) with N rows in all, W (n, m) frozen, U (n, r), V (r, m), b (m,). ``scale``
 (LoRA's alpha / r) multiplies U wherever it is used, so the trainable U keeps peft's meaning.
@@ -139,7 +139,7 @@ def _with_dropout(steps) -> tuple[Step, ...]:
 _FORWARD_DROPOUT = {f: _with_dropout(_FORWARD[f]) for f in DROPOUT_FORWARD}
 _BACKWARD_DROPOUT = {b: _with_dropout(_BACKWARD[b]) for b in DROPOUT_BACKWARD}
 
-#: how a variant is chosen: "flops" (ALGORITHMS.md's formulas) or "time" (measured, then cached)
+#: how a variant is chosen: "flops" (RunLoRA's operation counts) or "time" (measured, then cached)
 CRITERIA = ("flops", "time")
 
 

@@ -1,5 +1,5 @@
 """Randomized matrix multiplication for the weight gradient of a linear layer (RMM,
-arXiv:2201.13195; WTA-CRS, arXiv:2305.15265; ALGORITHMS.md section 4).
+arXiv:2201.13195; WTA-CRS, arXiv:2305.15265).
 
 ``Y = X W + b`` is exact. For the backward, the layer keeps a sketch ``Xs = S^T X`` (k, n) of its
 input instead of X (N, n), ``N`` the rows of X (all leading dims), and the sketch's description: a
@@ -16,7 +16,7 @@ while dX = dY W^T and db = sum(dY) stay exact. Sketches (S is N x k, column j is
   scaled by sqrt(N / k) (the public reference scales by k * N: about k^2 times too large);
 - ``"wta-crs"``: winner-take-all column-row sampling: the rows of largest p_i kept as they are and
   the others sampled from p with scale (1 - P_C) / (p_j (k - |C|)); here p_i is proportional to
-  ||x_i|| alone (the forward has no dY yet; ALGORITHMS.md allows either).
+  ||x_i|| alone (the forward has no dY yet; WTA-CRS's estimator stays unbiased either way).
 
 k = ratio * N rows (at least 1; WTA-CRS: at least 10, as its paper), at most N. Over tiles: each
 row tile of X makes its rows' share ``S_r^T X_r`` (k, tile columns) and a sum tree adds them,

@@ -121,7 +121,7 @@ def test_flops_formulas_of_algorithms_md():
 
 
 def test_flops_choice_follows_the_formulas():
-    # ALGORITHMS.md's checks: a tie of f1 and f2 goes to f1; many rows make f2 and b5 the best
+    # RunLoRA's checks: a tie of f1 and f2 goes to f1; many rows make f2 and b5 the best
     assert L.choose_variant(512, 1024, 1024, 8) == ("f1", "b1")
     assert L.choose_variant(8192, 1024, 1024, 8) == ("f2", "b5")
     assert L.choose_variant(64, 1024, 1024, 8)[0] == "f1"  # few rows: X (W + U V) costs more

@@ -1,4 +1,4 @@
-"""LoTR (ALGORITHMS.md section 3): shared left/right factors per group of same-shape layers and a
+"""LoTR (arXiv:2402.01376): shared left/right factors per group of same-shape layers and a
 core per layer; forward and gradients against torch autograd in float64 over the three tilings,
 the parameter formula, identity at init, training on gpt2-debug, adapter files and bad input."""
 

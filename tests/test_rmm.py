@@ -1,4 +1,4 @@
-"""Randomized matmul for weight gradients (tilegraph.ops.rmm, tilegraph.sketch; ALGORITHMS.md 4):
+"""Randomized matmul for weight gradients (tilegraph.ops.rmm, tilegraph.sketch; arXiv:2201.13195):
 the graph computes exactly the estimator of its seed, the estimator is unbiased for every sketch
 (Monte-Carlo), dX/db/the forward are exact, the backward keeps ratio * N rows instead of N, the
 sketch changes every training step, training still learns, and bad input is refused."""
@@ -221,7 +221,7 @@ def test_bad_inputs():
 # ------------------------------------------------ audit (issue 13): variance, training quality ----
 @by_mode
 def test_gaussian_sketch_variance_matches_the_formula(mode):
-    """ALGORITHMS.md 4: for a Gaussian S (E[S^T S] = I, k rows),
+    """RMM: for a Gaussian S (E[S^T S] = I, k rows),
     E||est - G||_F^2 = (||X||_F^2 ||dY||_F^2 + ||X^T dY||_F^2) / k, G = X^T dY."""
     est, x, dy, k = _draws("gaussian", mode)
     g = x.T @ dy
@@ -249,7 +249,7 @@ def _chain_batches(vocab, n_batches, shape=(8, 33), seed=100):
 
 
 def test_training_with_a_gaussian_sketch_at_ratio_half_reaches_the_exact_loss(local_scheduler):
-    """ALGORITHMS.md 4: a model trained with ratio 0.5 reaches a loss close to exact training. The
+    """RMM: a model trained with ratio 0.5 reaches a loss close to exact training. The
     same gpt2-debug (seed 0), the same 100 batches, SGD with momentum (no per-weight normalisation
     that would hide a mis-scaled estimate): exact weight gradients against a Gaussian sketch of half
     the rows in every Linear."""

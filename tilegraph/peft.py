@@ -181,8 +181,8 @@ def _hash_seed(array: np.ndarray) -> int:
 
 
 class LoTRLinear(Module):
-    """A frozen :class:`~tilegraph.nn.Linear` plus LoTR's update (arXiv:2402.01376, ALGORITHMS.md
-    section 3): ``y = x @ weight + bias + (scale / rank) * ((x @ lotr_left) @ lotr_core) @ lotr_right``.
+    """A frozen :class:`~tilegraph.nn.Linear` plus LoTR's update (arXiv:2402.01376):
+    ``y = x @ weight + bias + (scale / rank) * ((x @ lotr_left) @ lotr_core) @ lotr_right``.
 
     ``lotr_left`` (in, rank) and ``lotr_right`` (rank, out) are the paper's R and L, *shared*: every
     layer of a group holds the same two Parameter objects (one storage, gradients summed over the

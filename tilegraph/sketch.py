@@ -1,4 +1,4 @@
-"""Randomized weight gradients for a model's Linear layers (ALGORITHMS.md section 4).
+"""Randomized weight gradients for a model's Linear layers (RMM, arXiv:2201.13195; WTA-CRS, arXiv:2305.15265).
 
 :func:`apply_grad_sketch` turns on, by module name, the sketched weight gradient of
 :class:`tilegraph.nn.Linear` (``grad_sketch=``, see :mod:`tilegraph.ops.rmm`): the layers keep

@@ -468,7 +468,11 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
         if received and not os.path.isabs(os.path.expanduser(received)) and not os.path.exists(received):
             received += (f" (looked for {Path(received).expanduser().resolve()}: a config's relative paths are "
                          "taken from the folder the command runs in, not the config's)")
-        raise TileError(where, e.what, received) from None
+        what = e.what
+        if what.startswith("no files found"):  # a folder of other files than [data] patterns names
+            what += (f": [data] patterns = {list(d['patterns'])!r} names the files read from folders (the shipped "
+                     "config's reads Python sources); for text, e.g. patterns = [\"*.txt\", \"*.md\"]")
+        raise TileError(where, what, received) from None
     corpus = f"{meta['count']:,} tokens from {_plural(len(meta['sources']), 'file')}"
     left_out = meta.get("files_left_out", 0)
     if left_out or any(entry.get("cut") for entry in meta["sources"]):
