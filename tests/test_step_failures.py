@@ -4,6 +4,8 @@ graph of before."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -158,11 +160,40 @@ def test_a_step_that_failed_on_one_process_after_its_exchange_fails(own_cluster,
     second = sorted(own_cluster.client.scheduler_info()["workers"])[1]
     own_cluster.client.run(_fail_the_next_update, workers=[second])
     pending = [step.submit(x, y) for _ in range(3)]
+    time.sleep(1.0)  # the loss is computed by then: what the step replaced must be kept all the same
     for i, p in enumerate(pending):
         with pytest.raises(MemoryError, match="injected: the update failed on this worker") as e:
             p.result(timeout=timeout)
         note = "the failed step changed nothing" if i == 0 else "submitted before an earlier one failed"
         assert any(note in n and "after step 1" in n for n in e.value.__notes__), e.value.__notes__
+    assert opt.step_count == 1
+    got += [step(x, y) for _ in range(2)]
+    assert got == want and opt.step_count == 3
+
+
+@pytest.mark.distributed
+def test_results_waited_for_out_of_order_put_back_the_earliest_failed_step(own_cluster):
+    """Step 2 fails (a target out of range) and step 3, submitted before it failed, reads its
+    values; step 3's result is waited for first. Before, its rollback put back what step 2 had
+    made (its failed values): step 2's own rollback then did nothing, and every later step failed.
+    Now both are undone, and each error says what the model is."""
+    x, y = _batch(96)
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster)
+    want = [step(x, y) for _ in range(3)]
+    model = models.build("gpt2-debug", seed=0)
+    step, opt = _step(model, own_cluster)
+    got = [step(x, y)]
+    second, third = step.submit(x, y + 96), step.submit(x, y)
+    with pytest.raises(tg.TileError, match="targets must lie in") as e:
+        third.result()
+    assert e.value.__notes__[-1] == ("[tilegraph.TrainStep] step 2 failed, and this step read its values: neither "
+                                     "changed anything: the model's parameters and optimizer state are those after "
+                                     "step 1")
+    with pytest.raises(tg.TileError, match="targets must lie in") as e:
+        second.result()
+    assert e.value.__notes__[-1] == ("[tilegraph.TrainStep] the failed step changed nothing: the model's parameters "
+                                     "and optimizer state are those after step 1")
     assert opt.step_count == 1
     got += [step(x, y) for _ in range(2)]
     assert got == want and opt.step_count == 3

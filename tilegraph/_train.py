@@ -7,6 +7,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -272,6 +273,7 @@ class TrainStep:
         #: counts the failed steps rolled back: a step submitted before the last one of them
         #: does not roll back again (it read the failed step's values)
         self._rollbacks = 0
+        self._last_undo = None  # a weak reference to the last step's _Undo
 
     def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1) -> _Recorded:
         """Record the step for one (micro-)batch. ``kind``: "step" (``k`` whole steps, each one's
@@ -564,14 +566,23 @@ class _Undo:
         self.owner, self.count, self.rollbacks = owner, count, owner._rollbacks
         self.before: dict[int, tuple[Cell, object, str]] | None = {}
         self.losses: list = []
+        self.failed = False  # seen failed by the watcher (which then lets go of its futures)
+        #: the step count put back by a rollback that took this step with it (a later step's, whose
+        #: result was waited for first)
+        self.undone: int | None = None
+        # the step submitted before this one (weak: a chain of them would keep every step's futures)
+        self.prev = owner._last_undo or (lambda: None)
+        owner._last_undo = weakref.ref(self)
 
     def keep(self, cell: Cell) -> None:
         if self.before is not None and id(cell) not in self.before:
             self.before[id(cell)] = (cell, cell.value, cell.token)
 
     def until_done(self, losses: list) -> None:
-        """Let go of what was kept once every one of ``losses`` is computed."""
-        self.losses = [v.future for v in losses if isinstance(v, Fetching)]
+        """Let go of what was kept once every one of ``losses`` is computed (and every task of a
+        gang call: one process's task may fail after the one that computed the loss)."""
+        self.losses = with_calls([v.future for v in losses if isinstance(v, Fetching)],
+                                 [v.call for v in losses if isinstance(v, Fetching) and v.call])
         if not self.losses:  # computed here already (no runtime): nothing to undo
             self.before = None
             return
@@ -582,17 +593,37 @@ class _Undo:
                 _WATCHER[0].start()
             _WATCH.notify()
 
-    def __call__(self) -> bool:
-        """Put the cells back as they were before the step (and the optimizer's step count), once
-        and only where no step failed since this one was submitted; returns whether it did."""
-        before, self.before = self.before, None
-        if before is None or self.rollbacks != self.owner._rollbacks:
-            return False
-        for cell, value, token in before.values():
-            cell.set(value, token)
-        self.owner.optimizer.step_count = self.count
+    def _has_failed(self) -> bool:
+        return self.failed or any(f.status in ("error", "cancelled") for f in self.losses)
+
+    def __call__(self) -> str | None:
+        """After this step failed: put the cells back as they were before it (and the optimizer's
+        step count), or before the earliest step submitted before it that failed too and whose
+        values it read (its result not waited for yet); returns what its error's note says, None
+        where nothing can be said (what it kept was let go)."""
+        after = "the model's parameters and optimizer state are those after step"
+        if self.undone is not None:
+            return f"the failed step changed nothing: {after} {self.undone}"
+        if self.before is None:
+            return None
+        if self.rollbacks != self.owner._rollbacks:  # an earlier step was put back since this one was submitted
+            self.before = None
+            return (f"this step, submitted before an earlier one failed, read that one's values and changed nothing: "
+                    f"{after} {self.owner.optimizer.step_count}")
+        chain = [self]
+        while (p := chain[-1].prev()) is not None and p.before is not None and p.undone is None \
+                and p.rollbacks == self.rollbacks and p._has_failed():
+            chain.append(p)
+        for undo in chain:  # the earliest last: what it kept is what the cells held before it
+            for cell, value, token in undo.before.values():
+                cell.set(value, token)
+            undo.before, undo.undone = None, chain[-1].count
+        self.owner.optimizer.step_count = chain[-1].count
         self.owner._rollbacks += 1
-        return True
+        if len(chain) == 1:
+            return f"the failed step changed nothing: {after} {self.count}"
+        return (f"step {chain[-1].count + 1} failed, and this step read its values: neither changed anything: "
+                f"{after} {chain[-1].count}")
 
 
 #: the steps whose losses are not all computed yet, looked at by :func:`_watch_losses`
@@ -618,6 +649,8 @@ def _watch_losses() -> None:
                 if undo.before is None or "pending" not in states:
                     if states == {"finished"}:
                         undo.before = None
+                    else:
+                        undo.failed = True
                     undo.losses = []  # (a loss's future holds its whole task's result)
                     _WATCHED.remove(undo)
             undo = None  # nothing held while waiting
@@ -863,12 +896,9 @@ class PendingStep:
                 except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
                     if not isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())) \
                             and self._undo is not None:
-                        earlier = self._undo.rollbacks != self.owner._rollbacks  # a step before this one failed
-                        if self._undo() or earlier:
-                            what = ("this step, submitted before an earlier one failed, read that one's values and"
-                                    if earlier else "the failed step")
-                            e.add_note(f"[tilegraph.TrainStep] {what} changed nothing: the model's parameters and "
-                                       f"optimizer state are those after step {self.owner.optimizer.step_count}")
+                        note = self._undo()
+                        if note is not None:
+                            e.add_note(f"[tilegraph.TrainStep] {note}")
                     raise
                 if self._undo is not None:
                     self._undo.before = None
