@@ -431,11 +431,25 @@ def load_hf_weights(model, path, *, where: str | None = None, checkpoint: st.Che
     unexpected and mis-shaped tensor is reported at once. ``checkpoint``: ``path`` already opened."""
     path = Path(path)
     where = where or f"tilegraph.io.hf.load_hf_weights({path})"
-    spec = SPECS[model.arch]
-    names = spec.names
+    ckpt = st.open_checkpoint(path) if checkpoint is None else checkpoint
+    expected, present, problems = _weight_problems(model, ckpt)
+    if problems:
+        raise _mismatch(where, model, problems)
+    params = dict(model.named_parameters())
+    state = {}
+    for n, (r, tg) in expected.items():
+        for t, part in zip(tg, r.to_tilegraph(ckpt[present[n]], [params[t].shape for t in tg])):
+            state[t] = np.asarray(part, dtype=params[t].dtype)
+    model.load_state_dict(state)
+
+
+def _weight_problems(model, ckpt: st.Checkpoint) -> tuple[dict, dict, list[str]]:
+    """``(expected, present, problems)``: HF name -> (rule, tilegraph names) of the tensors the
+    model needs, canonical HF name -> the checkpoint's name of the tensors present, and one line
+    per missing, unexpected, mis-shaped (expected and received shape) or non-float tensor."""
+    names = SPECS[model.arch].names
     params = dict(model.named_parameters())
     expected = names.expand(model.config.n_layers, {n: p.shape for n, p in params.items()})
-    ckpt = st.open_checkpoint(path) if checkpoint is None else checkpoint
     present = {names.canonical(n, expected): n for n in ckpt}
     tied = bool(model.config.tie_embeddings)
     problems = [f"missing: {n}" for n in expected if n not in present]
@@ -449,14 +463,14 @@ def load_hf_weights(model, path, *, where: str | None = None, checkpoint: st.Che
             problems.append(f"shape of {present[n]}: expected {want}, got {info.shape}")
         elif info.numpy_dtype.kind != "f":
             problems.append(f"dtype of {present[n]}: expected a float, got {info.dtype}")
-    if problems:
-        raise TileError(where, f"the checkpoint does not match the {spec.model_type} model "
-                        f"({len(problems)} problems)", "; ".join(problems))
-    state = {}
-    for n, (r, tg) in expected.items():
-        for t, part in zip(tg, r.to_tilegraph(ckpt[present[n]], [params[t].shape for t in tg])):
-            state[t] = np.asarray(part, dtype=params[t].dtype)
-    model.load_state_dict(state)
+    return expected, present, problems
+
+
+def _mismatch(where: str, model, problems: list[str], note: str = "") -> TileError:
+    """The one error of a strict load: every problem of :func:`_weight_problems`, ``note`` after them."""
+    count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    return TileError(where, f"the checkpoint does not match the {SPECS[model.arch].model_type} model ({count})",
+                     "; ".join(problems) + note)
 
 
 def to_hf_state(model, state: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -504,11 +518,23 @@ def _bytes(n: int) -> str:
     return f"{n:,} bytes ({n / 2**30:,.2f} GiB)" if n < 2**80 else f"{_count(n)} bytes"
 
 
-def _check_sizes(spec: HFSpec, config, hf: dict, ckpt: st.Checkpoint, dtype, where: str) -> None:
+#: a model whose config describes more parameters than the weights present hold is still built
+#: (without values) to name the missing and mis-shaped tensors when it has at most this many times
+#: the values present plus _REPORT_SLACK: a few tensors missing from a real checkpoint. Past it
+#: (a config claiming a 10^9 width the absent tensors would have shown) only the counts are reported.
+_REPORT_FACTOR, _REPORT_SLACK = 2, 2**20
+
+
+def _check_sizes(spec: HFSpec, config, hf: dict, ckpt: st.Checkpoint, dtype, where: str) -> TileError | None:
     """The config's sizes against the tensors present (header shapes, no data read) and the
     model's bytes against the memory available, before a model of those sizes is built: a
     config.json claiming a million layers or a 10^9 width fails here in milliseconds instead of
-    building for hours or exhausting memory. Tensors that are absent are left to the strict load."""
+    building for hours or exhausting memory. Tensors that are absent are left to the strict load.
+
+    Returns, instead of raising, the error of a model with more parameters than the weights present
+    hold when that model is small enough to build without values (``_REPORT_FACTOR``): the caller
+    builds it to name every missing and mis-shaped tensor, and raises the returned error only when
+    none is found. None: the sizes fit."""
     names = spec.names
 
     def shown(key: str, field: str) -> str:
@@ -538,14 +564,19 @@ def _check_sizes(spec: HFSpec, config, hf: dict, ckpt: st.Checkpoint, dtype, whe
     n_params = spec.n_params(config)
     present = sum(math.prod(ckpt.info(name).shape) for name in ckpt)
     if n_params > present:
-        raise TileError(where, f"{CONFIG_NAME} describes a {spec.model_type} model of {_count(n_params)} "
-                        "parameters, more than the weights present hold", f"{present:,} values in {ckpt.path}")
+        error = TileError(where, f"{CONFIG_NAME} describes a {spec.model_type} model of {_count(n_params)} "
+                          "parameters, more than the weights present hold", f"{present:,} values in {ckpt.path}")
+        error.n_params, error.present = n_params, present
+        if n_params <= _REPORT_FACTOR * present + _REPORT_SLACK:
+            return error  # the caller names the tensors (memory is not needed: the load fails)
+        raise error
     need = n_params * np.dtype(dtype).itemsize
     available = _available_memory()
     if available is not None and need > available:
         raise TileError(where, f"the {spec.model_type} model of {CONFIG_NAME} needs {_count(n_params)} parameters x "
                         f"{np.dtype(dtype).itemsize} bytes = {_bytes(need)}, more than the memory available",
                         f"{_bytes(max(available, 0))} available")
+    return None
 
 
 # ------------------------------------------------------------------------------ folders ----
@@ -567,11 +598,17 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)
     ckpt = st.open_checkpoint(folder)  # headers only; the data is mapped when loaded
-    _check_sizes(spec, config, hf, ckpt, dtype, where)
+    too_few = _check_sizes(spec, config, hf, ckpt, dtype, where)
     from tilegraph.nn import deferred_init
 
     with deferred_init():  # no random weights: every parameter is loaded (strictly) below
         model = ARCHITECTURES[spec.model_type][1](config, tiling, dtype=dtype)
+    if too_few is not None:  # the weights hold fewer values than the model: name the tensors that lack them
+        problems = _weight_problems(model, ckpt)[2]
+        if problems:
+            raise _mismatch(where, model, problems, f" (in all, the weights in {folder} hold {too_few.present:,} "
+                            f"values of the {too_few.n_params:,} parameters {CONFIG_NAME} describes)")
+        raise too_few
     load_hf_weights(model, folder, where=where, checkpoint=ckpt)
     model.hf_extra = extra  # HF-only keys (token ids, ...) that to_hf writes back
     return model

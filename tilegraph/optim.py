@@ -823,6 +823,36 @@ def _check_betas(where: str, betas) -> None:
         require_arg(where, f"betas[{i}]", beta, _BETA)
 
 
+#: torch's arguments that tilegraph does not implement: (the value(s) accepted, what to say
+#: when another is given). Each is accepted at torch's default, so a ported call that spells it
+#: out works, and refused otherwise (it would change what the call means). torch's ``foreach``,
+#: ``fused`` and ``capturable`` choose how torch computes the same update: any value is taken,
+#: and changes nothing here (the update is one fused kernel per parameter tile, recorded once
+#: with the step and replayed).
+_UNSUPPORTED = {
+    "amsgrad": ((False,), "amsgrad is not implemented ({name} here keeps torch's default, amsgrad=False)"),
+    "maximize": ((False,), "maximize is not implemented: let the loss function return the negated objective and "
+                 "minimise that"),
+    "differentiable": ((False,), "differentiable=True (autograd through the update) is not implemented (leave "
+                       "differentiable out, or False as torch's default)"),
+    "decoupled_weight_decay": ((False,), "decoupled_weight_decay=True is not implemented on Adam: use "
+                               "tg.optim.AdamW, which is Adam with decoupled weight decay (as torch's)"),
+}
+
+
+def _refuse_unsupported(where: str, name: str, **given) -> None:
+    """A TileError for the first of torch's unimplemented arguments (``_UNSUPPORTED``) given at
+    another value than torch's default; ``name``: the optimizer's class name."""
+    for key, value in given.items():
+        accepted, what = _UNSUPPORTED[key]
+        if value is None:
+            ok = None in accepted
+        else:  # False, or an equal 0 (torch takes any falsy value)
+            ok = False in accepted and isinstance(value, (bool, np.bool_, int, np.integer)) and not value
+        if not ok:
+            raise TileError(where, what.format(name=name), f"{key}={value!r}"[:120])
+
+
 class Adam(Optimizer):
     """Adam as in ``torch.optim.Adam``: bias-corrected moments, and ``weight_decay`` as an L2
     penalty, ``weight_decay * param`` added to the gradient before the moments (so the moments
@@ -836,8 +866,15 @@ class Adam(Optimizer):
 
         opt = tg.optim.Adam([{"params": body, "lr": 1e-4}, {"params": head, "weight_decay": 1e-4}], lr=1e-3)
 
-    torch's ``amsgrad=True`` and ``maximize=True`` are not implemented and refused (for
-    ``maximize``, return the negated objective from the loss function).
+    The signature is torch's: the same positional parameters in the same order (``params, lr,
+    betas, eps, weight_decay, amsgrad``) with the same defaults, so a ported call means the same
+    thing. torch's arguments that are not implemented (``amsgrad``, ``maximize``,
+    ``differentiable``, ``decoupled_weight_decay``) are accepted at torch's default and refused
+    with a TileError otherwise; ``foreach``, ``fused`` and ``capturable`` (how torch computes the
+    same update) are taken and change nothing (for ``maximize``, return the negated
+    objective from the loss function; for ``decoupled_weight_decay=True``, use :class:`AdamW`).
+    tilegraph's own ``clip_grad_norm`` (the global gradient norm clipped to it) is keyword-only;
+    ``lr`` may also be a schedule (:func:`warmup_cosine`, :func:`constant`, or a callable).
     """
 
     n_state = 2
@@ -845,15 +882,14 @@ class Adam(Optimizer):
     group_keys = ("weight_decay", "betas", "eps")
     _kernel = _adam_k
 
+    # torch.optim.Adam's signature (torch 2.x), then tilegraph's own keyword-only clip_grad_norm
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad: bool = False, *,
-                 maximize: bool = False, clip_grad_norm: float | None = None):
+                 foreach: bool | None = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None, decoupled_weight_decay: bool = False,
+                 clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
-        if amsgrad:
-            raise TileError(where, "amsgrad is not implemented (Adam here keeps torch's default, amsgrad=False)",
-                            f"amsgrad={amsgrad!r}")
-        if maximize:
-            raise TileError(where, "maximize is not implemented: let the loss function return the negated "
-                            "objective and minimise that", f"maximize={maximize!r}")
+        _refuse_unsupported(where, type(self).__name__, amsgrad=amsgrad, maximize=maximize,
+                            differentiable=differentiable, decoupled_weight_decay=decoupled_weight_decay)
         self._init(where, params, lr, betas, eps, weight_decay, clip_grad_norm)
 
     def _init(self, where, params, lr, betas, eps, weight_decay, clip_grad_norm) -> None:
@@ -904,13 +940,24 @@ class AdamW(Adam):
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         rest = [p for n, p in model.named_parameters() if p.ndim < 2]
         opt = tg.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+
+    The signature is torch's: ``params, lr, betas, eps, weight_decay, amsgrad`` positional, in
+    torch's order with torch's defaults. ``amsgrad``, ``maximize`` and ``differentiable`` are
+    accepted at torch's default and refused with a TileError otherwise; ``foreach``, ``fused``
+    and ``capturable`` are taken and change nothing; tilegraph's own ``clip_grad_norm`` is
+    keyword-only.
     """
 
     _kernel = _adamw_k
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 clip_grad_norm: float | None = None):
-        self._init(f"tilegraph.optim.{type(self).__name__}", params, lr, betas, eps, weight_decay, clip_grad_norm)
+    # torch.optim.AdamW's signature (torch 2.x), then tilegraph's own keyword-only clip_grad_norm
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None, clip_grad_norm: float | None = None):
+        where = f"tilegraph.optim.{type(self).__name__}"
+        _refuse_unsupported(where, type(self).__name__, amsgrad=amsgrad, maximize=maximize,
+                            differentiable=differentiable)
+        self._init(where, params, lr, betas, eps, weight_decay, clip_grad_norm)
 
     @staticmethod
     def _decay_kw(weight_decay: float) -> dict:
@@ -924,18 +971,26 @@ class SGD(Optimizer):
     ``torch.optim.SGD``; parameter groups may set their own ``lr`` (see :class:`Optimizer`) and
     ``weight_decay``.
 
-    ``dampening`` and ``nesterov`` are keyword-only (torch's positional order differs: momentum,
-    dampening, weight_decay, nesterov), and as torch's, Nesterov momentum needs a ``momentum``
-    above 0 and no ``dampening``::
+    The signature is torch's: ``params, lr, momentum, dampening, weight_decay, nesterov``
+    positional, in torch's order with torch's defaults (``lr=1e-3``), so ``SGD(p, 0.1, 0.9, 0.5)``
+    sets dampening 0.5 here as there. As torch's, Nesterov momentum needs a ``momentum`` above 0
+    and no ``dampening``::
 
         opt = tg.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+
+    torch's ``maximize`` and ``differentiable`` are accepted at torch's default and refused with a
+    TileError otherwise; ``foreach`` and ``fused`` are taken and change nothing; tilegraph's own
+    ``clip_grad_norm`` is keyword-only.
     """
 
     group_keys = ("weight_decay",)
 
-    def __init__(self, params, lr=1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
-                 clip_grad_norm: float | None = None, *, dampening: float = 0.0, nesterov: bool = False):
+    # torch.optim.SGD's signature (torch 2.x), then tilegraph's own keyword-only clip_grad_norm
+    def __init__(self, params, lr=1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None, clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
+        _refuse_unsupported(where, type(self).__name__, maximize=maximize, differentiable=differentiable)
         require_arg(where, "momentum", momentum, _MOMENTUM)
         require_arg(where, "dampening", dampening, _DAMPENING)
         require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
