@@ -65,15 +65,27 @@ class Op:
     """A tensor-level operation: ``forward`` records tile kernels, ``backward`` is its vjp.
 
     ``forward(*args, **params) -> (output TileTensor, ctx)`` validates inputs (output meta), emits
-    the tile kernels and returns whatever the vjp needs as ``ctx``. ``backward(ctx, dout)`` returns
-    one cotangent per positional argument (``None`` where there is none). The cost of an op is the
-    sum of its tile kernels' costs, declared with each kernel.
+    the tile kernels and returns whatever the vjp needs as ``ctx``; a forward that returns one of
+    its inputs (an identity: gradient reversal, scaling) or another op's result gets a new tensor
+    over the same tiles as the op's result, and the tensor it returned is left as it was.
+    ``backward(ctx, dout)`` returns a tuple of one cotangent per positional argument (``None``
+    where there is none: a non-tensor argument, or no gradient), each a TileTensor of its
+    input's shape, tiles and dtype; both are checked. The cost of an op is the sum of its tile
+    kernels' costs, declared with each kernel.
     """
 
     name = "op"
 
     def __call__(self, *args, **params) -> TileTensor:
-        out, ctx = self.forward(*args, **params)
+        res = self.forward(*args, **params)
+        if not isinstance(res, tuple) or len(res) != 2 or not isinstance(res[0], TileTensor):
+            _bad_forward(self, res)
+        out, ctx = res
+        if out._record is not None or type(out) is not TileTensor or any(out is a for a in args):
+            # forward handed back a tensor it did not make (one of its inputs: gradient reversal,
+            # a scaling whose forward is the identity; a Parameter; another op's result): the
+            # op's result is a new tensor over the same tiles, and that one keeps its own history
+            out = TileTensor(out.tiling, out.dtype, out.grid)
         if grad_enabled():
             out._record = Record(self, args, ctx)
         if _REGIONS:
@@ -93,6 +105,75 @@ class Op:
 
     def __repr__(self) -> str:
         return f"<op {self.name}>"
+
+
+def _op_where(op: Op) -> str:
+    """``tilegraph.<name>`` of an op, its class name when it set none."""
+    name = getattr(op, "name", None)
+    if not isinstance(name, str) or name in ("", "op"):
+        name = type(op).__qualname__
+    return f"tilegraph.{name}"
+
+
+def _describe(x) -> str:
+    if isinstance(x, TileTensor):
+        return f"TileTensor of shape {x.shape}, tiles {x.chunks}, dtype {x.dtype}"
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} of {len(x)}: ({', '.join(type(v).__name__ for v in x[:4])}{', ...' if len(x) > 4 else ''})"
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(x).__name__} of shape {tuple(shape)}, dtype {dtype}"
+    return type(x).__name__
+
+
+def _bad_forward(op: Op, res) -> None:
+    where = f"{_op_where(op)} ({type(op).__name__}.forward)"
+    if isinstance(res, TileTensor):
+        raise TileError(where, "forward must return a pair (output TileTensor, ctx), ctx being what backward "
+                        "needs (None if nothing): return (out, ctx), not out alone", _describe(res))
+    if isinstance(res, tuple) and len(res) == 2:
+        raise TileError(where, "forward must return a pair (output TileTensor, ctx) whose first element is "
+                        "a TileTensor (made by its tile kernels, e.g. with new_tensor)",
+                        f"({_describe(res[0])}, ...)")
+    raise TileError(where, "forward must return a pair (output TileTensor, ctx)", _describe(res))
+
+
+def _check_grads(rec: Record, grads, needed) -> None:
+    """``grads``, what ``rec.op``'s backward (vjp) returned: one cotangent per positional argument
+    of its forward, each None or a TileTensor of its input's shape, tiles and dtype."""
+    op, args = rec.op, rec.args
+    where = f"{_op_where(op)} ({type(op).__name__}.backward)"
+    if isinstance(grads, TileTensor):
+        raise TileError(where, f"backward must return a tuple of gradients, one per positional argument of "
+                        f"forward ({len(args)}; None where there is none), not a bare tensor: return (g,)",
+                        _describe(grads))
+    if not isinstance(grads, (tuple, list)):
+        raise TileError(where, f"backward must return a tuple of gradients, one per positional argument of "
+                        f"forward ({len(args)}; None where there is none)", _describe(grads))
+    if len(grads) != len(args):
+        raise TileError(where, f"backward must return one gradient per positional argument of forward "
+                        f"(None where there is none): expected {len(args)}",
+                        f"{len(grads)} gradient{'s' if len(grads) != 1 else ''} for {len(args)} "
+                        f"input{'s' if len(args) != 1 else ''}")
+    for i, (a, ga, need) in enumerate(zip(args, grads, needed)):
+        if ga is None or not need:
+            continue
+        if type(ga) is TileTensor and ga.tiling == a.tiling and ga.dtype == a.dtype:
+            continue  # the common case, checked cheaply
+        from tilegraph.nn import Parameter
+
+        what = f"gradient {i}"
+        pname = getattr(a, "name", None)
+        if isinstance(a, Parameter):
+            what += f" (for parameter {pname!r})" if pname else " (for a parameter)"
+        if not isinstance(ga, TileTensor):
+            raise TileError(where, f"{what} must be a TileTensor (or None) of its input's shape {a.shape}, "
+                            f"tiles {a.chunks} and dtype {a.dtype}", _describe(ga))
+        if ga.shape != a.shape or ga.chunks != a.chunks or ga.dtype != a.dtype:
+            diff = [k for k, ok in (("shape", ga.shape == a.shape), ("tiles", ga.chunks == a.chunks),
+                                    ("dtype", ga.dtype == a.dtype)) if not ok]
+            raise TileError(where, f"{what} must have its input's {' and '.join(diff)}: shape {a.shape}, "
+                            f"tiles {a.chunks}, dtype {a.dtype}", _describe(ga))
 
 
 def _walk(roots: Sequence[TileTensor], stop: set[int] = frozenset()) -> list[TileTensor]:
@@ -216,11 +297,10 @@ def vjp(outputs: Sequence[TileTensor], cotangents: Sequence[TileTensor | None], 
             continue
         with scope(f"{rec.scope.split(':')[0]}:backward"):
             grads = rec.op.vjp(rec.ctx, g, needed)
+        _check_grads(rec, grads, needed)
         for a, ga, need in zip(rec.args, grads, needed):
             if ga is None or not need:
                 continue
-            if ga.shape != a.shape:
-                raise AssertionError(f"backward of {rec.op.name} returned shape {ga.shape} for input {a.shape}")
             prev = cot.get(id(a))
             cot[id(a)] = ga if prev is None else ops.add(prev, ga)
 

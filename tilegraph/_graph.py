@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tilegraph._errors import TileError
+
 __all__ = ["Kernel", "Node", "TileRef", "Cell", "ValueRef", "ReplicatedRef", "CopiesRef", "kernel", "get_kernel", "Cost", "xp_of"]
 
 
@@ -168,16 +170,41 @@ class Kernel:
 
 
 def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = None, gpu: Callable | None = None):
-    """Decorator registering ``fn`` as the tile kernel ``name``."""
+    """Decorator registering ``fn`` as the tile kernel ``name``.
+
+    Registering the same function again (same module and qualified name: a notebook cell run
+    again, a module reloaded) replaces the old registration; another function under a name taken
+    is refused, a built-in name (tilegraph's own kernels) included."""
 
     def wrap(fn):
-        if name in _KERNELS:
-            raise ValueError(f"[tilegraph.kernel] kernel {name!r} is registered twice")
+        old = _KERNELS.get(name)
+        if old is not None and not _same_function(old.fn, fn):
+            raise _name_taken(name, old, fn)
         k = Kernel(name, fn, cpu=cpu, cost=cost, gpu=gpu)
         _KERNELS[name] = k
         return k
 
     return wrap
+
+
+def _same_function(a: Callable, b: Callable) -> bool:
+    """Whether ``a`` and ``b`` are one function defined again (same module, same qualified name)."""
+    qa, qb = getattr(a, "__qualname__", None), getattr(b, "__qualname__", None)
+    return qa is not None and qa == qb and getattr(a, "__module__", None) == getattr(b, "__module__", None)
+
+
+def _name_taken(name: str, old: "Kernel", fn: Callable) -> Exception:
+    first = old.module or getattr(old.fn, "__module__", None) or "an unknown module"
+    first_fn = f"{first}.{getattr(old.fn, '__qualname__', '?')}"
+    new_fn = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    if first.split(".")[0] == "tilegraph":
+        what = (f"kernel name {name!r} is a built-in one, registered by {first} ({first_fn}): choose another "
+                "name for your kernel")
+    else:
+        what = (f"kernel name {name!r} is already registered by module {first} ({first_fn}); a kernel name "
+                "names one function (registering the same function again, e.g. a notebook cell run again or "
+                "a module reloaded, replaces it): choose another name")
+    return TileError("tilegraph.kernel", what, new_fn)
 
 
 _PAYLOADS: dict[str, tuple["Kernel", bytes]] = {}

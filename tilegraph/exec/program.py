@@ -175,12 +175,41 @@ def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
     dt = time.perf_counter() - t0
     if len(op.outs) == 1:
         res = (res,)
-    for val, (shape, dtype) in zip(res, op.metas):
-        if val.shape != shape or val.dtype != dtype:
-            raise TileError(f"tile kernel {op.kernel.name} of op {op.op}",
-                            f"computed tile does not match its declared meta {shape} {dtype}",
-                            f"{val.shape} {val.dtype}")
+    elif not isinstance(res, (tuple, list)) or len(res) != len(op.metas):
+        _bad_result(op, res)
+    try:
+        for val, (shape, dtype) in zip(res, op.metas):
+            if val.shape != shape or val.dtype != dtype:
+                raise TileError(f"tile kernel {op.kernel.name} of op {op.op}",
+                                f"computed tile does not match its declared meta {shape} {dtype}",
+                                f"{val.shape} {val.dtype}")
+    except AttributeError:  # not an array (a list, a Python float): no shape or dtype
+        _bad_result(op, res[0] if len(op.outs) == 1 else res)
     return res, dt
+
+
+def _bad_result(op: Call, res) -> None:
+    """Raise the error of a kernel call that returned no array (or no tuple of one array per
+    declared output)."""
+    n = len(op.metas)
+    metas = ", ".join(f"{shape} {dtype}" for shape, dtype in op.metas)
+    if n == 1:
+        what = f"a tile kernel must return an array (NumPy, or CuPy on a GPU) of its declared meta {metas}"
+    else:
+        what = (f"a tile kernel with {n} declared outputs must return a tuple of {n} arrays (NumPy, or CuPy on "
+                f"a GPU) of its declared metas {metas}")
+
+    def describe(v) -> str:
+        if isinstance(v, (tuple, list)):
+            inner = ", ".join(describe(x) for x in v[:4]) + (", ..." if len(v) > 4 else "")
+            return f"{type(v).__name__} of {len(v)}: ({inner})"
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            return f"{type(v).__name__} {tuple(v.shape)} {v.dtype}"
+        import reprlib
+
+        return f"{type(v).__name__} {reprlib.repr(v)}"
+
+    raise TileError(f"tile kernel {op.kernel.name} of op {op.op}", what, describe(res))
 
 
 def _gpu_sync() -> None:
