@@ -7,6 +7,7 @@ import inspect
 import logging
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -314,7 +315,9 @@ class TrainStep:
                 with training():  # train-only behaviour (LoRA dropout), also in a recomputed block's backward
                     loss = _loss_of(self.loss_fn, self.model, tensors, where)
                     _check_loss(loss, where)
-                    grads = grad(loss, params, allow_unused=False)
+                    grads = grad(loss, params, allow_unused=True)
+                if j == 0:
+                    self._check_unused(grads, where)
                 norm = None
                 if kind == "step":
                     assignments, norm = self.optimizer.record(grads, hyper=hypers[j], current=current)
@@ -344,6 +347,27 @@ class TrainStep:
             rec.counted = loss.dtype
         return rec
 
+    def _check_unused(self, grads: list[TileTensor | None], where: str) -> None:
+        """Parameters the loss does not depend on get no update, as torch's optimizers skip one
+        whose ``grad`` is None (no weight decay, no change of its state): said once per recorded
+        graph, a warning (a layer left out of the forward by mistake shows there); none at all
+        used is an error."""
+        unused = [i for i, g in enumerate(grads) if g is None]
+        if not unused:
+            return
+        names = optimizer_param_names(self.optimizer, self.model, where)
+        params = self.optimizer.params
+        listed = ", ".join(names.get(id(params[i]), params[i].name or f"params[{i}]") for i in unused[:6])
+        listed += f" and {len(unused) - 6} more" if len(unused) > 6 else ""
+        if len(unused) == len(grads):
+            raise TileError(where, "a loss that depends on the parameters the optimizer trains, through recorded "
+                            "ops (not computed inside tg.no_grad(), not an integer or a constant)",
+                            f"no parameter affects the loss: {listed}")
+        warnings.warn(f"[{where}] {listed} {'does' if len(unused) == 1 else 'do'} not affect the loss: not updated "
+                      "(no weight decay, no change of the optimizer's state), as torch's optimizers skip a parameter "
+                      "without a gradient; freeze it (requires_grad=False) or leave it out of the optimizer to "
+                      "silence this", stacklevel=4)
+
     def _record_micro_batch(self, loss: TileTensor, grads: list[TileTensor], kind: str, where: str):
         """The assignments (accumulators, or on the last micro-batch the update), the clipping
         norm and the value that comes back as this micro-batch's loss.
@@ -370,16 +394,18 @@ class TrainStep:
         if weighted:
             tot, rows = parts
             acc_tot = self._acc_tot.flat[0]
-            new = [count_weighted(g, tot, rows, kind, a, leaf(acc_tot)) for g, a in zip(grads, acc)]
+            new = [None if g is None else count_weighted(g, tot, rows, kind, a, leaf(acc_tot))
+                   for g, a in zip(grads, acc)]
             totals = [(acc_tot, tot if kind == "first" else add_totals(leaf(acc_tot), tot))]
         else:
-            scaled = [g * (1.0 / self.accum_steps) for g in grads]
-            new = scaled if kind == "first" else [a + g for a, g in zip(acc, scaled)]
+            scaled = [None if g is None else g * (1.0 / self.accum_steps) for g in grads]
+            new = scaled if kind == "first" else [g if g is None else a + g for a, g in zip(acc, scaled)]
             totals = []
         if kind == "last":
             assignments, norm = self.optimizer.record(new)
         else:
-            assignments = [(c, r) for a, t in zip(self._acc_cells, new) for c, r in zip(a.flat, t.grid.flat)] + totals
+            assignments = [(c, r) for a, t in zip(self._acc_cells, new) if t is not None
+                           for c, r in zip(a.flat, t.grid.flat)] + totals
         return assignments, norm, tot if weighted else loss.grid.flat[0]
 
     def _accumulators(self) -> list[TileTensor]:

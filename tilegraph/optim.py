@@ -622,7 +622,8 @@ class Optimizer:
 
     def record(self, grads: Sequence[TileTensor], *, hyper: Cell | None = None,
                current: dict[int, TileRef] | None = None) -> tuple[list[tuple[Cell, TileRef]], TileRef | None]:
-        """Record the update of every parameter tile from ``grads``.
+        """Record the update of every parameter tile from ``grads`` (None: a parameter the loss
+        does not depend on, left as it is with its state, as torch skips one without a gradient).
 
         Returns ``(assignments, norm)``: each assignment pairs a parameter/state cell with the tile
         ref holding its next value; ``norm`` is a (4,) tile [lr, step, clip scale, grad norm] when
@@ -643,13 +644,15 @@ class Optimizer:
         if self.clip_grad_norm is not None:
             from tilegraph.ops.reduce import FAN_IN
 
-            tiles = [r for g in grads for r in g.grid.flat]
+            tiles = [r for g in grads if g is not None for r in g.grid.flat]
             parts = [emit1(_sumsq, tiles[i:i + FAN_IN], (1,), np.float64, op="clip_norm")
                      for i in range(0, len(tiles), FAN_IN)]
             hyper = norm = emit1(_clip_hyper, [hyper, *parts], (4,), np.float64, op="clip_norm",
                                  max_norm=float(self.clip_grad_norm))
         assignments = []
         for p, g, state, options in zip(self.params, grads, self.state, self.param_options):
+            if g is None:
+                continue
             if g.chunks != p.chunks:
                 raise AssertionError(f"gradient tiles {g.chunks} differ from parameter tiles {p.chunks}")
             for idx in np.ndindex(*p.tiling.grid):
