@@ -355,13 +355,20 @@ class Module:
         return {n: v for (n, _), v in zip(named, values)}
 
     def load_state_dict(self, state: dict[str, np.ndarray], strict: bool = True) -> None:
+        """Assign ``state``'s arrays (as :meth:`state_dict` gives) to the parameters of those
+        names; with ``strict``, every parameter must be given and no other name. A tied parameter
+        (one Parameter under two attribute names) is listed once by state_dict, under its first
+        name, and may be given under any of them, as torch's state_dict writes each."""
         if not isinstance(state, Mapping):
             raise TileError(f"{type(self).__name__}.load_state_dict", "state must be a mapping of parameter names to "
                             "arrays (as model.state_dict() gives)", f"{type(state).__name__}")
-        named = dict(self.named_parameters())
+        # every name of every parameter: a tied one (lm_head.weight = wte.weight) has one in
+        # named_parameters and state_dict, and torch's state_dict writes all of them
+        named = dict(self._walk("", _EveryName()))
+        given = {id(named[k]) for k in state if k in named}
         problems = []
         if strict:
-            problems += [f"missing: {k}" for k in named if k not in state]
+            problems += [f"missing: {k}" for k, p in self.named_parameters() if id(p) not in given]
             problems += [f"unexpected: {k}" for k in state if k not in named]
         for k, v in state.items():
             if k in named and tuple(np.shape(v)) != named[k].shape:
@@ -372,6 +379,13 @@ class Module:
         for k, v in state.items():
             if k in named:
                 named[k].assign(np.asarray(v, dtype=named[k].dtype))
+
+
+class _EveryName(set):
+    """A ``seen`` set for :meth:`Module._walk` that sees nothing: every name of a tied parameter."""
+
+    def __contains__(self, item) -> bool:
+        return False
 
 
 def _walk_value(name: str, value, seen: set):
