@@ -35,7 +35,8 @@ class StepStats:
     lr: float
     seconds: float          # wall time of the step as seen by the client (a share of its group's)
     record_seconds: float   # time spent recording/planning (0 when the plan was cached)
-    tasks: int              # Dask tasks of the step's graph (of its group's, see TrainStep.submit_steps)
+    tasks: int              # Dask tasks of the step's graph (of its group's, see TrainStep.submit_steps),
+                            # with those moving values between worker processes and fetching results
     nodes: int              # tile kernels in that graph
 
 
@@ -937,7 +938,7 @@ class PendingStep:
             norm = float(to_host(values[n])[3]) if self._norm is not None else None
             seconds = (time.perf_counter() - self._t0) / self._group  # a group's steps share its time
             self.stats = StepStats(loss, norm, self.lr, seconds, self._record_seconds,
-                                   self._rec.exe.n_tasks, self._rec.exe.n_nodes)
+                                   self._rec.exe.tasks_per_call, self._rec.exe.n_nodes)
             self.owner.last = self.stats
         loss = self.stats.loss
         if not np.isfinite(loss):

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -171,9 +172,11 @@ class Trainer:
       tensorboard): ``True`` under ``log_dir/tensorboard``, or a folder. Checked here: without
       the package, the Trainer is refused with what to install.
     - ``performance_report``: a path: the Dask performance report (HTML: task stream, worker
-      profiles, bandwidth) of the graph holding step ``report_step`` (default: the second step
-      of the fit, after the first one recorded and planned). :attr:`FitResult.kernel_seconds`
-      tells the time per model part, which Dask cannot see inside a task.
+      profiles, bandwidth) of the graph holding step ``report_step`` (default: the fit's second
+      graph, after the first one recorded, planned and compiled; its first where it has one
+      graph). A ``report_step`` outside the fit's steps is a warning (no report). Writing the
+      report does not count in the fit's time. :attr:`FitResult.kernel_seconds` tells the time
+      per model part, which Dask cannot see inside a task.
 
     - ``step_timeout``: how long a step may run (seconds; a graph of k steps: k times that).
       ``"auto"`` (default): ten times the slowest recent step, at least 10 s. When it passes,
@@ -494,9 +497,16 @@ class Trainer:
             self._tb = self._summary_writer(str(self.tensorboard_dir), flush_secs=10)
         self._kernel_stats(reset=True)
         report = contextlib.ExitStack()
-        report_step = self.report_step if self.report_step is not None else start + min(2, steps)
+        report_step = self.report_step  # None: the fit's second graph (its first one where it has one)
+        outside = report_step is not None and not start < report_step <= start + steps
+        if self.performance_report is not None and outside:
+            warnings.warn(f"[tilegraph.Trainer.fit] report_step={report_step} is not among this fit's steps "
+                          f"{start + 1}-{start + steps}: no performance report is written to {self.performance_report}",
+                          stacklevel=2)
+        reported = []  # the groups of steps a report was written for
         t0 = time.perf_counter()
         tokens = 0
+        step_seconds = [0.0]  # the last graph's time per step (see log_step)
         end = start + steps
         clock = t0  # when the graph the loop waits for could start: its submission, or the previous one's end
         fresh = range(0)  # the steps of the last graph that was recorded (and compiled) for its first run
@@ -511,12 +521,15 @@ class Trainer:
             """Wait for step ``i``'s loss and log it."""
             nonlocal tokens, clock, fresh
             # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
+            began = clock
             try:
                 loss = pending.result(self._time_limit(pending, clock), patient=patient)
             except FloatingPointError:
                 raise self._diverged(pending) from None
             clock = time.perf_counter()
             stats: StepStats = pending.stats
+            if i == pending.steps[0]:  # its graph's time from when it could start, shared by its steps
+                step_seconds[0] = (clock - max(began, pending.submitted)) / len(pending.steps)
             fresh = pending.steps if pending.fresh else fresh
             if i not in fresh:  # a first run's time (recording, compilation) says little of the next ones
                 self._recent.append(stats.seconds)
@@ -525,7 +538,7 @@ class Trainer:
             if i > start:  # a restart may go back before this fit's first step
                 result.losses.append(loss)
             self._log(log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                            "tokens_per_s": tokens / elapsed, "step_seconds": stats.seconds, "tasks": stats.tasks,
+                            "tokens_per_s": tokens / elapsed, "step_seconds": step_seconds[0], "tasks": stats.tasks,
                             "time": time.time()})
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
             bar.update(1)
@@ -556,6 +569,17 @@ class Trainer:
 
         # (step, pending, batch) submitted but not finished, oldest first
         waiting: list[tuple[int, object, tuple]] = []
+        graphs: list[range] = []  # the groups of steps submitted, one graph each
+
+        def close_report() -> None:
+            """Write the performance report (if one is open): its time (Dask gathers the task
+            stream and profiles, and draws them) is not training time, so the fit's clock skips it."""
+            nonlocal t0, clock
+            began = time.perf_counter()
+            report.close()
+            spent = time.perf_counter() - began
+            t0 += spent
+            clock += spent
         redraw: list[int] = []  # an evaluation's step after which loss.png is due
 
         def finish_waiting(n: int | None = None) -> None:
@@ -607,7 +631,14 @@ class Trainer:
                 cut = next((n for n, b in enumerate(batches) if self.step.signature(b) != sig), len(batches))
                 ahead.update(zip(group[cut:], batches[cut:]))
                 group, batches = group[:cut], batches[:cut]
-                reporting = self.performance_report is not None and report_step in group
+                graphs.append(group)
+                if report_step is None:  # the second graph, or the first where this one is the last
+                    last = group[-1] == end
+                    reporting = self.performance_report is not None and not reported and (len(graphs) == 2 or last)
+                else:
+                    reporting = self.performance_report is not None and report_step in group
+                if reporting:
+                    reported.append(group)
                 if reporting:
                     self._start_report(report)
                 with self._translate_lost_workers(_steps_text(group), group):
@@ -622,7 +653,7 @@ class Trainer:
                 finish_waiting(earlier)  # the earlier group's, while this one runs
                 if not self.pipeline or waits(group[-1]) or reporting:
                     finish_waiting()
-                    report.close()
+                    close_report()
                 i = group[-1] + 1
             finish_waiting()  # stopped early (request_stop)
 
@@ -647,7 +678,7 @@ class Trainer:
                     waiting.clear()  # steps on lost workers, past a time limit or after a NaN: none to log
                     if not isinstance(e, WorkerLostError):
                         raise
-                    report.close()
+                    close_report()
                     # the cached plans pin tasks and programs to workers that are gone: plan
                     # again (also when the caller resumes by hand after this error)
                     self.step.reset_plans()
@@ -690,6 +721,9 @@ class Trainer:
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
+        if self.performance_report is not None and not reported and result.losses and not outside:
+            warnings.warn(f"[tilegraph.Trainer.fit] no graph of this fit held report_step={report_step}: no "
+                          f"performance report was written to {self.performance_report}", stacklevel=2)
         result.steps = len(result.losses)
         result.seconds = time.perf_counter() - t0
         result.tokens_per_s = tokens / result.seconds

@@ -79,11 +79,24 @@ def task_label(nodes: Sequence[Node]) -> str:
     Dask groups and colours tasks by the alphabetic words at the start of their key (its
     ``key_split``): ``layers.3.attn:backward`` becomes ``layers-attn-bwd-3``, so the task stream
     reads ``tg-layers-attn-bwd`` and the key keeps the layer's index; a task spanning several
-    parts of the model is named after the largest, with ``-etc``."""
+    parts of the model is named after the largest, with ``-etc``, where that one holds at least
+    half of its work. A task where no part does (a whole step in one task: each block and phase
+    is a small part beside the optimizer's update) is named after the part of the model all its
+    work shares, if any, and the phases it spans in order: ``tg-fwd-bwd-update``,
+    ``tg-blocks-fwd-bwd-3``."""
     work: dict[str, float] = {}
     for n in nodes:
         work[n.scope] = work.get(n.scope, 0.0) + est_seconds(n)
     top = max(work, key=work.get, default="")
+    if len(work) > 1 and work[top] < 0.5 * sum(work.values()):
+        shared = [s.partition(":")[0].split(".") for s in work]
+        common = []
+        for level in zip(*shared):
+            if len(set(level)) > 1 or not level[0]:
+                break
+            common.append(level[0])
+        words = ["".join(ch for ch in p if ch.isalpha()) for p in common if not p.isdigit()]
+        return "-".join([w for w in words if w] + [gang_label(nodes)] + [p for p in common if p.isdigit()])
     path, _, phase = top.partition(":")
     parts = path.split(".") if path else [nodes[0].op if nodes else "task"]
     words = ["".join(ch for ch in p if ch.isalpha()) for p in parts if not p.isdigit()]
