@@ -150,6 +150,8 @@ def _check_grads(rec: Record, grads, needed) -> None:
     if not isinstance(grads, (tuple, list)):
         raise TileError(where, f"backward must return a tuple of gradients, one per positional argument of "
                         f"forward ({len(args)}; None where there is none)", _describe(grads))
+    if len(grads) > len(args) and all(g is None for g in grads[len(args):]):
+        grads = grads[:len(args)]  # (an optional argument left out: its gradient None, as the op's own)
     if len(grads) != len(args):
         raise TileError(where, f"backward must return one gradient per positional argument of forward "
                         f"(None where there is none): expected {len(args)}",
