@@ -71,8 +71,9 @@ def build(flavor_or_config, tiling: ModelTiling | None = None, *, seed=0, dtype=
     cls = _model_class(cfg, "tilegraph.models.build")
     if not nn._DEFERRED:  # the weights are drawn here: refuse a model this process cannot hold first
         with nn.deferred_init():
-            shapes = [p.shape for p in cls(cfg, tiling, dtype=dtype, seed=seed).parameters()]
-        _check_memory("tilegraph.models.build", cfg, shapes, np.dtype(dtype))
+            empty = cls(cfg, tiling, dtype=dtype, seed=seed)  # its dtype checked (a TileError naming the model)
+            shapes = [p.shape for p in empty.parameters()]
+        _check_memory("tilegraph.models.build", cfg, shapes, empty.dtype)
     return cls(cfg, tiling, dtype=dtype, seed=seed, recompute=recompute)
 
 
@@ -102,8 +103,13 @@ def from_hf(path, tiling: ModelTiling | None = None, *, dtype=np.float32) -> Cau
 
     Every missing, unexpected and mis-shaped tensor is reported at once in one TileError.
     """
+    from tilegraph._config import require_float_dtype
     from tilegraph.io.hf import load_hf
 
+    try:  # 'fp16' or torch.float16 as the NumPy dtype load_hf reads; a refused one it names, with the folder
+        dtype = require_float_dtype("tilegraph.models.from_hf", dtype)
+    except TileError:
+        pass
     return load_hf(path, tiling, dtype=dtype)
 
 

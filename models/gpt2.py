@@ -92,6 +92,7 @@ class GPT2(CausalLM):
     def __init__(self, config: GPT2Config, tiling: ModelTiling | None = None, *, dtype=np.float32, seed=0,
                  recompute: bool = False):
         t = self._setup(config, tiling, dtype)
+        dtype = self.dtype  # as a NumPy dtype (it may be given as 'fp16' or torch.float16)
         self.recompute = recompute  # see CausalLM.recompute (a bool, checked)
         rng = self._rng(seed)
         self.wte = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,

@@ -7,12 +7,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tilegraph._config import is_int
+from tilegraph._config import FLOAT_DTYPES, is_int  # noqa: F401 - FLOAT_DTYPES: for the op modules
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, xp_of  # noqa: F401 - xp_of is used by the op modules
 from tilegraph._tensor import Default, TileTensor, Tiling, resolve_alias  # noqa: F401 - for the op modules
-
-FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def new_tensor(tiling: Tiling, dtype, fill: Callable[[tuple[int, ...]], object]) -> TileTensor:

@@ -11,6 +11,7 @@ from numba.core import types as nb_types
 from numba.extending import intrinsic
 
 from tilegraph._autograd import Op
+from tilegraph._config import as_dtype  # noqa: F401 - the one parser of dtype arguments (ops.reduce imports it here)
 from tilegraph._errors import TileError
 from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
@@ -875,26 +876,6 @@ class Cast(Op):
 
 
 _cast_op = Cast()
-
-
-def as_dtype(dtype, where: str) -> np.dtype:
-    """``dtype`` (a NumPy dtype, its name, or a torch dtype such as ``torch.float32``) as a NumPy
-    dtype, or a TileError."""
-    if type(dtype).__module__ == "torch":  # torch.float32 -> "float32", without importing torch
-        dtype = str(dtype).removeprefix("torch.")
-    try:
-        if dtype is None or isinstance(dtype, (bool, int, float)):
-            raise TypeError
-        out = np.dtype(dtype)
-    except (TypeError, ValueError):
-        if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
-            raise TileError(where, "bfloat16 is not supported (float16, float32 and float64 are)",
-                            repr(dtype)) from None
-        raise TileError(where, "expected a dtype (np.float32, 'float64', torch.float16, ...); a device is not "
-                        "given here (the planner places every tile)", f"{dtype!r:.60}") from None
-    if out.kind not in "biuf":
-        raise TileError(where, "expected a bool, integer or float dtype", str(out))
-    return out
 
 
 def cast(x: TileTensor, dtype) -> TileTensor:

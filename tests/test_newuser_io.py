@@ -181,7 +181,8 @@ def test_models_config_of_a_non_name(tmp_path):
 
 def test_from_hf_with_a_dtype_numpy_does_not_know(tmp_path):
     tg.models.build("gpt2-debug").to_hf(tmp_path / "hf")
-    with pytest.raises(tg.TileError, match=r"dtype must be a floating dtype.*received: 'bfloat16'"):
+    with pytest.raises(tg.TileError, match=r"bfloat16 is not supported \(float16, float32 and float64 are\); "
+                                           r"received: 'bfloat16'"):
         tg.models.from_hf(tmp_path / "hf", dtype="bfloat16")
 
 

@@ -243,16 +243,84 @@ def require_int(where: str, name: str, value, low: int, high: int | None = None)
         raise TileError(where, f"{name} must be an integer {rng}", repr(value))
 
 
-def require_float_dtype(where: str, dtype) -> np.dtype:
-    """``dtype`` as a NumPy dtype, or a TileError unless it is a floating one NumPy knows
-    (np.dtype("bfloat16") is NumPy's bare TypeError; integer weights would be drawn as zeros)."""
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))  # what tilegraph computes in
+_SUPPORTED_FLOATS = "float16, float32 and float64 are"
+# names NumPy does not know (or reads otherwise) that ML code writes; looked up lower-cased
+_ML_DTYPE_NAMES = {"fp16": "float16", "fp32": "float32", "fp64": "float64"}
+_BFLOAT16_NAMES = ("bfloat16", "bf16")
+_DEVICE_NAMES = ("cpu", "cuda", "gpu", "mps", "xpu", "meta", "tpu", "hip", "npu")
+_F16_NOTE = ("; NumPy reads 'f16' as the 16-byte float128 (np.longdouble): half precision is 'float16', "
+             "'f2', 'half' or 'fp16'")
+
+
+def as_dtype(dtype, where: str, *, floating: bool = False) -> np.dtype:
+    """``dtype`` as a NumPy dtype tilegraph computes in, or one TileError naming ``where``, what is
+    supported and what was received. This is the one parser of every public ``dtype=`` argument
+    (``x.to``, ``tg.zeros``, ``sum(dtype=)``, layers, models, ``from_hf``).
+
+    Accepted: a NumPy dtype or type, its name or code ("float16", "half", "float", "double",
+    "f2", "f4", "f8", "int64", ...), a torch dtype (``torch.float16``: torch is not imported for
+    this), and the ML spellings "fp16", "fp32", "fp64". Refused with a message that says so:
+    bfloat16 ("bf16"), float128 (np.longdouble, and NumPy's "f16", which ML users mean as half),
+    complex and other kinds; with ``floating``, anything but float16, float32 and float64 (a
+    layer's weights: integer weights would be drawn as zeros and never train).
+    """
+    given = dtype
+    shown = f"{given!r:.60}"
+    if type(dtype).__module__.split(".")[0] == "torch":  # torch.float16 -> "float16"; torch.device("cuda") -> "cuda"
+        shown = str(dtype) if str(dtype).startswith("torch.") else shown
+        dtype = str(dtype).removeprefix("torch.")
+    must = "dtype must be a floating dtype (float16, float32 or float64)"
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+        dtype = _ML_DTYPE_NAMES.get(key, dtype)
+        if key in _BFLOAT16_NAMES:
+            raise TileError(where, f"bfloat16 is not supported ({_SUPPORTED_FLOATS})", shown)
+        if key == "f16":  # float128 where NumPy has it (where it has not, np.dtype's error would not say why)
+            raise TileError(where, f"float128 is not supported ({_SUPPORTED_FLOATS}){_F16_NOTE}", shown)
+        if key.split(":")[0] in _DEVICE_NAMES:
+            first = must if floating else "expected a dtype (np.float32, 'float64', 'fp16', torch.float16, ...)"
+            raise TileError(where, f"{first}; a device is not given here (the planner places every tile)", shown)
     try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.kind != "f":
-        raise TileError(where, "dtype must be a floating dtype (float32, float64, float16)", repr(dtype))
-    return dt
+        if dtype is None or isinstance(dtype, (bool, int, float, complex)):
+            raise TypeError
+        out = np.dtype(dtype)
+    except (TypeError, ValueError):
+        if floating:
+            raise TileError(where, f"{must}: a NumPy or torch dtype, or a name such as 'float32', 'fp16' or 'half'",
+                            shown) from None
+        raise TileError(where, "expected a dtype (np.float32, 'float64', 'fp16', torch.float16, ...)", shown) from None
+    if out.name == "bfloat16":  # ml_dtypes' (a NumPy extension type)
+        raise TileError(where, f"bfloat16 is not supported ({_SUPPORTED_FLOATS})", shown)
+    if out.kind == "f" and out not in FLOAT_DTYPES:  # float128 / float96 (np.longdouble, "f16", "g")
+        note = _F16_NOTE if out.itemsize > 8 else ""
+        raise TileError(where, f"{out.name} is not supported ({_SUPPORTED_FLOATS}){note}", shown)
+    if floating and out.kind != "f":
+        raise TileError(where, must, shown if isinstance(given, str) or shown.startswith("torch.") else str(out))
+    if out.kind not in "biuf":
+        raise TileError(where, "expected a bool, integer or float dtype", str(out))
+    return out
+
+
+def require_float_dtype(where: str, dtype) -> np.dtype:
+    """``dtype`` as float16, float32 or float64 (see :func:`as_dtype`), or a TileError naming ``where``."""
+    return as_dtype(dtype, where, floating=True)
+
+
+def check_array_dtype(where: str, dtype, shape=None) -> np.dtype:
+    """The dtype of an array made a tensor or parameter (``from_numpy``, ``nn.Parameter``): bool,
+    integer, float16, float32 or float64, else a TileError naming ``where`` (a float128 or complex
+    array was taken and failed at its first op as "must have a floating dtype")."""
+    dt = np.dtype(dtype)
+    if dt.name != "bfloat16" and (dt.kind in "biu" or dt in FLOAT_DTYPES):
+        return dt
+    got = f"an array{'' if shape is None else f' of shape {tuple(shape)}'}, {dt}"
+    hint = ": convert the array first, e.g. a.astype(np.float64)" if dt.kind in "fcV" else ""
+    if dt.name == "bfloat16":
+        raise TileError(where, f"bfloat16 is not supported ({_SUPPORTED_FLOATS}){hint}", got)
+    if dt.kind == "f":
+        raise TileError(where, f"{dt.name} is not supported ({_SUPPORTED_FLOATS}){hint}", got)
+    raise TileError(where, f"expected an array of bool, integers or float16/float32/float64{hint}", got)
 
 
 def transfer_speed(measured: float | None = None) -> float:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tilegraph._config import as_dtype, check_array_dtype
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, Cost, TileRef, emit1, kernel, leaf, xp_of
 
@@ -407,9 +408,10 @@ class TileTensor:
         return flatten(self, start_dim, end_dim, "tilegraph.TileTensor.flatten")
 
     def to(self, dtype):
-        """``x.to(np.float32)`` (or ``"float32"``, ``torch.float32``): :func:`tilegraph.cast`, the
-        gradient cast back; ``x`` itself when it has that dtype. There is no device to move to: the
-        planner places every tile."""
+        """``x.to(np.float32)`` (or ``"float32"``, ``"fp32"``, ``torch.float32``; float16, float32,
+        float64, bool and integer dtypes): :func:`tilegraph.cast`, the gradient cast back; ``x``
+        itself when it has that dtype. There is no device to move to: the planner places every
+        tile."""
         from tilegraph.ops.elementwise import _cast_checked
 
         return _cast_checked(self, dtype, "tilegraph.TileTensor.to")
@@ -767,6 +769,7 @@ def from_numpy(array, tiles=None, *, name: str | None = None) -> TileTensor:
     or explicit dask-style chunks. A torch tensor (on the CPU) is taken as ``t.detach().numpy()``.
     """
     array = _host_array(array, "tilegraph.from_numpy")
+    check_array_dtype("tilegraph.from_numpy", array.dtype, array.shape)  # not float128 nor complex
     tiling = Tiling.from_sizes(array.shape, tiles, where="tilegraph.from_numpy")
     return tensor_from_cells(tiling, array.dtype, split_into_cells(array, tiling), name=name)
 
@@ -776,6 +779,7 @@ def from_dask_array(x, *, name: str | None = None) -> TileTensor:
     from tilegraph._graph import Cell
     from tilegraph._lower import DaskKey
 
+    check_array_dtype("tilegraph.from_dask_array", x.dtype, x.shape)
     tiling = Tiling(x.chunks)
     cells = np.empty(tiling.grid, dtype=object)
     graph = x.__dask_graph__()
@@ -823,8 +827,6 @@ def _size_arg(size: tuple, where: str) -> tuple[int, ...]:
 def _fill_dtype(value, dtype, where: str) -> np.dtype:
     """``dtype``, or torch's choice for ``value``: bool, int64 for an integer, float32 otherwise."""
     if dtype is not None:
-        from tilegraph.ops.elementwise import as_dtype
-
         return as_dtype(dtype, where)
     if isinstance(value, (bool, np.bool_)):
         return np.dtype(np.bool_)

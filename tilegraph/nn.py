@@ -21,7 +21,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from tilegraph import ops
-from tilegraph._config import is_int, require_float_dtype, require_int
+from tilegraph._config import check_array_dtype, is_int, require_float_dtype, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
@@ -44,7 +44,8 @@ class Parameter(TileTensor):
         array = np.asarray(array)
         where = f"tilegraph.nn.Parameter({name or ''})"
         tiling = Tiling.from_sizes(array.shape, tiles, where=where)
-        if requires_grad and array.dtype.kind not in "fc":
+        check_array_dtype(where, array.dtype, array.shape)  # not float128 nor complex
+        if requires_grad and array.dtype.kind != "f":
             raise TileError(where, "only floating-point parameters can require gradients (as in torch): pass "
                             "requires_grad=False for integer or bool values, or cast them to a float dtype",
                             f"dtype {array.dtype}")
@@ -94,8 +95,10 @@ def _fit(tile, n: int):
 
 
 def _check_layer(where: str, dtype=None, **sizes) -> np.dtype | None:
-    """A layer's sizes (integers >= 1) and dtype (a floating one: integer weights would be drawn
-    as zeros and never train), checked where the layer is built; returns the dtype."""
+    """A layer's sizes (integers >= 1) and dtype (float16, float32 or float64, as
+    :func:`tilegraph._config.as_dtype` reads it: integer weights would be drawn as zeros and never
+    train, and nothing computes in float128 or bfloat16), checked where the layer is built; returns
+    the dtype as a NumPy dtype."""
     for name, value in sizes.items():
         require_int(where, name, value, 1)
     return None if dtype is None else require_float_dtype(where, dtype)
@@ -580,7 +583,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None, out_tile=None,
                  dtype=np.float32, seed=None, init_std: float | None = None, grad_sketch: str | None = None,
                  sketch_ratio: float = 0.2, sketch_seed: int = 0):
-        _check_layer("tilegraph.nn.Linear", dtype, in_features=in_features, out_features=out_features)
+        dtype = _check_layer("tilegraph.nn.Linear", dtype, in_features=in_features, out_features=out_features)
         self.grad_sketch, self.sketch_ratio, self.sketch_seed = ops.rmm.check_grad_sketch(
             grad_sketch, sketch_ratio, sketch_seed, "tilegraph.nn.Linear")
         rng = _rng(seed)
@@ -617,7 +620,7 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, dim: int, padding_idx: int | None = None, *, tile=None,
                  vocab_tile=None, dtype=np.float32, seed=None, init_std: float = 1.0):
         where = "tilegraph.nn.Embedding"
-        _check_layer(where, dtype, num_embeddings=num_embeddings, dim=dim)
+        dtype = _check_layer(where, dtype, num_embeddings=num_embeddings, dim=dim)
         self.padding_idx = check_padding_idx(padding_idx, num_embeddings, where)
         w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
         if self.padding_idx is not None and not _DEFERRED:
@@ -646,7 +649,7 @@ def _normalized_dim(dim, where: str):
 class LayerNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, tile=None, dtype=np.float32):
         dim = _normalized_dim(dim, "tilegraph.nn.LayerNorm")
-        _check_layer("tilegraph.nn.LayerNorm", dtype, dim=dim)
+        dtype = _check_layer("tilegraph.nn.LayerNorm", dtype, dim=dim)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
         self.bias = Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias else None
@@ -658,7 +661,7 @@ class LayerNorm(Module):
 class RMSNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=np.float32):
         dim = _normalized_dim(dim, "tilegraph.nn.RMSNorm")
-        _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim)
+        dtype = _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
 
@@ -673,7 +676,8 @@ class MLP(Module):
                  tile=None, dtype=np.float32, seed=None, init_std: float | None = None):
         if act not in ("gelu", "gelu_tanh", "relu", "silu"):
             raise TileError("tilegraph.nn.MLP", "act must be gelu, gelu_tanh, relu or silu", repr(act))
-        _check_layer("tilegraph.nn.MLP", dim=dim, hidden=hidden, **({} if out_dim is None else {"out_dim": out_dim}))
+        dtype = _check_layer("tilegraph.nn.MLP", dtype, dim=dim, hidden=hidden,
+                             **({} if out_dim is None else {"out_dim": out_dim}))
         rng = _rng(seed)
         self.act = act
         self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -693,7 +697,7 @@ class SwiGLU(Module):
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, *, tile=None, dtype=np.float32, seed=None,
                  init_std: float | None = None):
-        _check_layer("tilegraph.nn.SwiGLU", dim=dim, hidden=hidden)
+        dtype = _check_layer("tilegraph.nn.SwiGLU", dtype, dim=dim, hidden=hidden)
         rng = _rng(seed)
         self.gate = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.up = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -715,7 +719,7 @@ class CausalSelfAttention(Module):
                  init_std: float | None = None):
         where = "tilegraph.nn.CausalSelfAttention"
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        _check_layer(where, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        dtype = _check_layer(where, dtype, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
         if dim % n_heads:
             raise TileError(where, "n_heads must divide dim", f"dim={dim}, n_heads={n_heads}")
         if n_heads % n_kv_heads:
