@@ -859,7 +859,11 @@ _CONNECT_CHECKS = {
 #: connect's flags: a truthy string ("no", "False" from a config file) or a number counted as True
 #: (dashboard="no" started the dashboard, mpi="no" an MPI launch)
 _FLAG = ((lambda v: isinstance(v, (bool, np.bool_))), "True or False")
-_CONNECT_CHECKS.update(dict.fromkeys(("mpi", "dashboard", "quiet", "make_current", "tls"), _FLAG))
+_CONNECT_CHECKS.update(dict.fromkeys(("mpi", "quiet", "make_current", "tls"), _FLAG))
+_CONNECT_CHECKS["dashboard"] = ((lambda v: isinstance(v, (bool, np.bool_)) or (
+    isinstance(v, (int, np.integer)) and 1 <= v <= 65535)),
+    "True, False or the embedded cluster's dashboard port (1-65535, e.g. 8787: on 127.0.0.1, which an "
+    "ssh tunnel reaches)")
 
 
 def _check_connect_arguments(where: str, **args) -> None:
@@ -869,13 +873,14 @@ def _check_connect_arguments(where: str, **args) -> None:
 
 def connect(address: str | None = None, *, scheduler_file: str | None = None, mpi: bool = False,
             n_workers: int | None = None, gpu: int | None = None, threads_per_worker: int | None = None,
-            dashboard: bool = True, timeout: float = 10.0, quiet: bool = False, memory_limit="auto",
+            dashboard: bool | int = True, timeout: float = 10.0, quiet: bool = False, memory_limit="auto",
             make_current: bool = True, interface: str | None = None, dask_config: dict | None = None,
             security=None, tls: bool = False, tls_ca_file: str | None = None, tls_cert: str | None = None,
             tls_key: str | None = None) -> Runtime:
     """Connect to Dask distributed and make it the current runtime.
 
-    - ``connect()``: start the embedded local cluster (bound to 127.0.0.1, dashboard URL printed);
+    - ``connect()``: start the embedded local cluster (bound to 127.0.0.1, dashboard URL printed;
+      ``dashboard=8787`` serves the dashboard on that port, for an ssh tunnel to reach);
       ``n_workers`` processes (default: one per GPU, else one per :data:`CORES_PER_WORKER`
       cores and at least one; one where only ``threads_per_worker`` is given) with
       ``threads_per_worker`` threads (default: the cores divided among the workers), the first ``gpu`` of them
@@ -915,7 +920,11 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     _check_connect_arguments(where, address=address, scheduler_file=scheduler_file, n_workers=n_workers, gpu=gpu,
                              threads_per_worker=threads_per_worker, memory_limit=memory_limit, timeout=timeout,
                              mpi=mpi, dashboard=dashboard, quiet=quiet, make_current=make_current, tls=tls)
+    port = 0 if isinstance(dashboard, (bool, np.bool_)) else int(dashboard)  # 0: a free one
     mpi, dashboard, quiet, make_current, tls = (bool(v) for v in (mpi, dashboard, quiet, make_current, tls))
+    if port and (mpi or address is not None or scheduler_file is not None):
+        raise TileError(where, "dashboard=PORT only for the embedded cluster (a cluster started elsewhere, or by "
+                        "dask-mpi, serves its dashboard where it was started)", f"dashboard={port}")
     if sum(x is not None and x is not False for x in (address, scheduler_file, mpi or None)) > 1:
         raise TileError(where, "give at most one of address, scheduler_file and mpi=True",
                         f"address={address!r}, scheduler_file={scheduler_file!r}, mpi={mpi!r}")
@@ -1004,7 +1013,7 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
         threads_per_worker = max(1, ncpu // n_workers)
     _check_worker_memory(where, memory_limit, threads_per_worker, ncpu, n_workers)
     security = _embedded_security(where, security, tls, tls_files)
-    scheduler_opts = {"host": LOCALHOST, "dashboard": dashboard, "dashboard_address": f"{LOCALHOST}:0"}
+    scheduler_opts = {"host": LOCALHOST, "dashboard": dashboard, "dashboard_address": f"{LOCALHOST}:{port}"}
     if security is not None:
         scheduler_opts.update(security=security, protocol="tls")
     import dask
