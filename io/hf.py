@@ -30,7 +30,7 @@ from . import safetensors as st
 from ._store import user_path, write_failure
 
 __all__ = ["Rule", "NameMap", "ConfigKey", "HFSpec", "SPECS", "load_hf", "save_hf", "load_hf_weights", "to_hf_state",
-           "hf_config"]
+           "hf_config", "hf_dtype"]
 
 CONFIG_NAME = "config.json"
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024  # real config.json files are a few kB; a larger one is not a config
@@ -579,9 +579,66 @@ def _check_sizes(spec: HFSpec, config, hf: dict, ckpt: st.Checkpoint, dtype, whe
     return None
 
 
+# ------------------------------------------------------------------------------ dtypes ----
+#: config.json's torch_dtype (transformers 5: dtype) -> the dtype tilegraph computes in; bfloat16,
+#: which tilegraph stores but does not compute in, is not here
+_HF_DTYPES = {"float16": np.float16, "half": np.float16, "float32": np.float32, "float": np.float32,
+              "float64": np.float64, "double": np.float64}
+#: safetensors dtype -> the same, for a folder whose config.json names none
+_ST_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+
+
+def _folder_dtype(hf: dict, ckpt: st.Checkpoint | None) -> np.dtype | None:
+    """The dtype of a folder's weights: config.json's ``torch_dtype`` (or ``dtype``) when it is
+    float16, float32 or float64; where it names none ("auto", absent) the one float dtype every
+    float tensor is stored in; None otherwise (bfloat16, mixed, unknown)."""
+    for key in ("torch_dtype", "dtype"):
+        named = hf.get(key)
+        if isinstance(named, str) and named.removeprefix("torch.") not in ("", "auto"):
+            found = _HF_DTYPES.get(named.removeprefix("torch."))
+            return None if found is None else np.dtype(found)
+    if ckpt is None:
+        return None
+    stored = {ckpt.info(name).dtype for name in ckpt} - {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64",
+                                                          "BOOL"}
+    return np.dtype(_ST_DTYPES[stored.pop()]) if len(stored) == 1 and stored <= set(_ST_DTYPES) else None
+
+
+def hf_dtype(path) -> np.dtype | None:
+    """The dtype of the weights of the Hugging Face folder ``path``, as :func:`load_hf` with
+    ``dtype=None`` loads them: config.json's ``torch_dtype`` (transformers 5 writes ``dtype``) when
+    it is float16, float32 or float64, else, where it names none, the float dtype the tensors are
+    stored in (all of them); None where neither says one (bfloat16, mixed dtypes) or the folder
+    cannot be read (loading it says what is wrong).
+
+    >>> import numpy as np, tempfile, tilegraph as tg
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     tg.models.build("gpt2-debug", dtype=np.float16).to_hf(tmp + "/hf")
+    ...     hf_dtype(tmp + "/hf")
+    dtype('float16')
+    """
+    folder = user_path(path, "tilegraph.io.hf.hf_dtype")
+    try:
+        hf = _read_config(folder, "tilegraph.io.hf.hf_dtype")
+    except TileError:
+        return None
+    try:
+        ckpt = st.open_checkpoint(folder)  # headers only
+    except (TileError, OSError):
+        ckpt = None
+    return _folder_dtype(hf, ckpt)
+
+
 # ------------------------------------------------------------------------------ folders ----
-def load_hf(path, tiling=None, *, dtype=np.float32):
+def load_hf(path, tiling=None, *, dtype=None):
     """A tilegraph model from an HF folder: config.json, then the (possibly sharded) safetensors.
+
+    ``dtype``: the dtype of the model's parameters (float16, float32 or float64; the weights are
+    converted as they load). None (the default) keeps the folder's (:func:`hf_dtype`: config.json's
+    ``torch_dtype``, else the tensors' own), as transformers' ``torch_dtype="auto"`` does: a float16
+    folder loads float16; a bfloat16 folder, which tilegraph does not compute in, or one whose
+    dtype nothing says, loads float32. Pass ``dtype=np.float32`` to train an fp16 folder in
+    float32 (``tilegraph train --init`` does).
 
     The config is checked against the tensor shapes in the safetensors headers and the model's
     size against the memory available before anything of the model's size is allocated.
@@ -590,7 +647,8 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
 
     folder = user_path(path, "tilegraph.models.from_hf")
     where = f"tilegraph.models.from_hf({folder})"
-    require_float_dtype(where, dtype)  # before any file is read
+    if dtype is not None:
+        dtype = require_float_dtype(where, dtype)  # before any file is read ('fp16', torch.float16: NumPy's)
     if folder.is_file():  # model.safetensors itself: "config.json ... Not a directory" said little
         raise TileError(where, "path must be a Hugging Face model folder (config.json + safetensors), not a file",
                         f"{folder} (its folder: {folder.parent})")
@@ -598,6 +656,8 @@ def load_hf(path, tiling=None, *, dtype=np.float32):
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)
     ckpt = st.open_checkpoint(folder)  # headers only; the data is mapped when loaded
+    if dtype is None:
+        dtype = _folder_dtype(hf, ckpt) or np.dtype(np.float32)
     too_few = _check_sizes(spec, config, hf, ckpt, dtype, where)
     from tilegraph.nn import deferred_init
 

@@ -98,18 +98,22 @@ def _check_memory(where: str, cfg, shapes: list, dtype: np.dtype) -> None:
                         f"{need / gb:.1f} GiB to draw as {dtype}")
 
 
-def from_hf(path, tiling: ModelTiling | None = None, *, dtype=np.float32) -> CausalLM:
+def from_hf(path, tiling: ModelTiling | None = None, *, dtype=None) -> CausalLM:
     """Load a Hugging Face model folder (config.json + safetensors, sharded or not).
 
-    Every missing, unexpected and mis-shaped tensor is reported at once in one TileError.
+    ``dtype``: None (default) keeps the folder's (config.json's ``torch_dtype``, else its
+    tensors'), float32 where that is unknown or bfloat16, as transformers' ``torch_dtype="auto"``;
+    pass ``np.float32`` to train a float16 folder in float32. Every missing, unexpected and
+    mis-shaped tensor is reported at once in one TileError.
     """
     from tilegraph._config import require_float_dtype
     from tilegraph.io.hf import load_hf
 
-    try:  # 'fp16' or torch.float16 as the NumPy dtype load_hf reads; a refused one it names, with the folder
-        dtype = require_float_dtype("tilegraph.models.from_hf", dtype)
-    except TileError:
-        pass
+    if dtype is not None:
+        try:  # 'fp16' or torch.float16 as the NumPy dtype load_hf reads; a refused one it names, with the folder
+            dtype = require_float_dtype("tilegraph.models.from_hf", dtype)
+        except TileError:
+            pass
     return load_hf(path, tiling, dtype=dtype)
 
 

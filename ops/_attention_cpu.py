@@ -14,7 +14,8 @@ keys ``j <= r + lim``; in a (keys x queries) block, key row ``r`` is seen by the
 compiled loop serves both).
 
 float32 uses the vectorised ``exp`` of :mod:`tilegraph.ops.elementwise` (3 ulp, arithmetic only),
-float64 ``np.exp``.
+float64 ``np.exp``. float16 tiles never reach these passes: the attention kernels widen them to
+float32 first (``ops/attention.py``'s ``_in_f32``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ cache. Between a block's two matrix products, its mask, max, exponential and sum
 backward's ``dS``) are one Numba pass (``ops/_attention_cpu.py``) for float32 and float64 NumPy
 arrays, and NumPy array operations otherwise; bench/bench_attention.py times the kernels against
 torch.
+
+float16 (as torch's, and as tilegraph's other ops): every kernel computes in float32 and casts its
+results to float16 last; the row log-sum-exp and the backward's ``delta`` stay float32 tensors.
+Computing in float16 made the gradients 2-4x less accurate than torch's float16.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit, emit1, kernel, to_host
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import (Default, elementwise_cost, numel, require_float, require_same_chunks, require_same_dtype,
-                      require_tensor, resolve_alias, xp_of)
+from ._common import (Default, acc_dtype, elementwise_cost, numel, require_float, require_same_chunks,
+                      require_same_dtype, require_tensor, resolve_alias, xp_of)
 from ._attention_cpu import NO_MASK, one_pass, probs_cols, probs_rows, softmax_rows
 from ._gpu import ROW_THREADS, fused, gpu_or_generic, row_kernel
 
@@ -359,6 +363,18 @@ def _mask_rows(later, r0: int, r1: int, c0: int, c1: int):
     return None if later is None else (later[0][r0:r1], later[1][c0:c1], later[2])
 
 
+def _in_f32(fn, arrays, params: dict, keep: tuple = ()):
+    """``fn`` (a kernel of float16 tiles) on those tiles widened to float32: the project's rule
+    for float16, as torch's (scores, softmax statistics and products accumulate in float32, each
+    result is cast to float16 last). Results at the positions in ``keep`` (the row log-sum-exp)
+    stay float32. Works on NumPy and CuPy arrays alike; int tiles (a position) pass as they are."""
+    wide = [a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
+    out = fn(*wide, **params)
+    if isinstance(out, tuple):
+        return tuple(o if i in keep else o.astype(np.float16) for i, o in enumerate(out))
+    return out.astype(np.float16)
+
+
 def _lse_for_exp(xp, lse):
     """``lse`` with -inf (a row that saw no key) as +inf, so that ``exp(s - lse)`` is 0 there."""
     return xp.where(xp.isneginf(lse), lse.dtype.type(np.inf), lse)
@@ -367,6 +383,9 @@ def _lse_for_exp(xp, lse):
 def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """_sdpa_fwd in a few launches: per head chunk and row block, the scores against every key
     the block sees, one softmax, one product with v."""
+    if q.dtype == np.float16:
+        return _in_f32(_sdpa_fwd_gpu, (q,) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off, k_offs=k_offs,
+                                                      causal=causal, scale=scale), keep=(1,))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
@@ -391,6 +410,9 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
 
 def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """_sdpa_dq in a few launches per head chunk."""
+    if q.dtype == np.float16:
+        return _in_f32(_sdpa_dq_gpu, (q, do, lse, delta) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off,
+                                                                    k_offs=k_offs, causal=causal, scale=scale))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
@@ -414,6 +436,9 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
 
 def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale):
     """_sdpa_dkv in a few launches per head chunk: the query tiles side by side, scores transposed."""
+    if k.dtype == np.float16:
+        return _in_f32(_sdpa_dkv_gpu, (k, v) + qs, dict(n_i=n_i, n_p=n_p, h_lo=h_lo, h_hi=h_hi, groups=groups,
+                                                        q_offs=q_offs, k_off=k_off, causal=causal, scale=scale))
     xp = xp_of(k)
     per = n_i * n_p
     b, g, sk, d = k.shape
@@ -455,7 +480,13 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
 
     The scores of adjacent key tiles go side by side into one buffer (see _spans), so with the
     usual tile sizes each query block takes one softmax pass and no running-max rescaling.
+
+    float16 tiles are computed in float32 (:func:`_in_f32`): the output is cast to float16, the
+    log-sum-exp stays float32 (the backward's ``exp(s - lse)`` needs its digits).
     """
+    if q.dtype == np.float16:
+        return _in_f32(_sdpa_fwd.fn, (q,) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off, k_offs=k_offs,
+                                                     causal=causal, scale=scale), keep=(1,))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
@@ -526,13 +557,19 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
 
 @kernel("sdpa_bwd_delta", cost=elementwise_cost(2))
 def _sdpa_delta(do, o):
-    """``rowsum(dO * O)``, the softmax-gradient correction of each query row.   # (b, h, tq)"""
-    return (do * o).sum(axis=-1)
+    """``rowsum(dO * O)``, the softmax-gradient correction of each query row.   # (b, h, tq)
+    float16 tiles: summed in float32, and kept so (as the log-sum-exp)."""
+    acc = acc_dtype(do.dtype)
+    return (do.astype(acc, copy=False) * o.astype(acc, copy=False)).sum(axis=-1)
 
 
 @kernel("sdpa_bwd_dq", cost=_attn_cost(6.0, 4), gpu=_sdpa_dq_gpu)
 def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
-    """dQ of one q tile: sum over key tiles of ``dS @ k * scale``, ``dS = P * (dO v^T - delta)``."""
+    """dQ of one q tile: sum over key tiles of ``dS @ k * scale``, ``dS = P * (dO v^T - delta)``;
+    float16 tiles are computed in float32 and dQ cast to float16 last."""
+    if q.dtype == np.float16:
+        return _in_f32(_sdpa_dq.fn, (q, do, lse, delta) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off,
+                                                                   k_offs=k_offs, causal=causal, scale=scale))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
@@ -586,8 +623,12 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
     ``qs`` holds q tiles (query-tile major, head-tile minor), then dO, lse and delta tiles in the
     same order; heads ``h_lo:h_hi`` of each concatenation are the query heads of this kv tile.
     Scores are formed transposed, (keys x queries), so dK and dV come out of plain ``a @ b``
-    products without transposing a score block.
+    products without transposing a score block. float16 tiles are computed in float32, dK and
+    dV cast to float16 last.
     """
+    if k.dtype == np.float16:
+        return _in_f32(_sdpa_dkv.fn, (k, v) + qs, dict(n_i=n_i, n_p=n_p, h_lo=h_lo, h_hi=h_hi, groups=groups,
+                                                       q_offs=q_offs, k_off=k_off, causal=causal, scale=scale))
     xp = xp_of(k)
     per = n_i * n_p
     b, g, sk, d = k.shape
@@ -708,15 +749,16 @@ class ScaledDotProductAttention(Op):
         out_grid = np.empty(q.tiling.grid, dtype=object)
         lse_tiling = Tiling(q.chunks[:3])
         lse_grid = np.empty(lse_tiling.grid, dtype=object)
+        stat = acc_dtype(q.dtype)  # lse (and the backward's delta): float32 for float16 q
         for b, hq, i, _ in np.ndindex(*q.tiling.grid):
             shape = q.tiling.tile_shape((b, hq, i, 0))
             ins, params = lay.kv_inputs(k, v, b, hq, i)
-            o, lse = emit(_sdpa_fwd, [q.grid[b, hq, i, 0]] + ins, [(shape, q.dtype), (shape[:3], q.dtype)],
+            o, lse = emit(_sdpa_fwd, [q.grid[b, hq, i, 0]] + ins, [(shape, q.dtype), (shape[:3], stat)],
                           op=self.name, causal=causal, scale=scale, **params)
             out_grid[b, hq, i, 0] = o
             lse_grid[b, hq, i] = lse
         out = TileTensor(q.tiling, q.dtype, out_grid)
-        lse = TileTensor(lse_tiling, q.dtype, lse_grid)
+        lse = TileTensor(lse_tiling, stat, lse_grid)
         return out, (q, k, v, out, lse, lay, scale)
 
     def backward(self, ctx, g):
@@ -728,7 +770,7 @@ class ScaledDotProductAttention(Op):
         delta = np.empty(lse.tiling.grid, dtype=object)
         for idx in np.ndindex(*lse.tiling.grid):
             delta[idx] = emit1(_sdpa_delta, [g.grid[idx + (0,)], out.grid[idx + (0,)]],
-                               lse.tiling.tile_shape(idx), q.dtype, op=f"{self.name}_bwd")
+                               lse.tiling.tile_shape(idx), lse.dtype, op=f"{self.name}_bwd")
 
         dq_grid = np.empty(q.tiling.grid, dtype=object)
         for b, hq, i, _ in np.ndindex(*q.tiling.grid):

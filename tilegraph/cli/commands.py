@@ -275,7 +275,9 @@ def _eval(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    """HF folder <-> Zarr checkpoint, optionally quantized."""
+    """HF folder <-> Zarr checkpoint, optionally quantized, in the source's dtype (a float16 HF
+    folder's weights stay float16, its norms and biases too; a bfloat16 one becomes float32, which
+    tilegraph computes in); the line it prints names that dtype."""
     from tilegraph._errors import TileError
     from tilegraph.io.zarr import save_checkpoint
 
@@ -288,7 +290,7 @@ def cmd_convert(args) -> int:
         raise TileError(where, "a destination outside the source folder (and not holding it)",
                         f"{dst}, " + ("the source itself" if a == b else f"inside {src}" if a in b.parents
                                       else f"which holds {src}"))
-    model = load_model(src, where)
+    model = load_model(src, where, hf_dtype=None)  # a Hugging Face folder's own dtype: float16 stays float16
     files = {}
     for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json"):
         if (src / name).is_file():
@@ -311,7 +313,7 @@ def cmd_convert(args) -> int:
         model.to_hf(dst)
         for name, data in files.items():
             (dst / name).write_bytes(data)
-    print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}"
+    print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}, {np.dtype(model.dtype)}"
           + (f", quantized {args.quantize}" if args.quantize is not None else "") + ")")
     return 0
 

@@ -123,7 +123,10 @@ def init_model(init: str, method: str):
     """The model of ``[model] init`` (a Hugging Face folder or a Zarr checkpoint) and whether its
     Linear weights stay quantized: a quantized checkpoint under adapters opens with
     :func:`tilegraph.peft.from_quantized` (each tile dequantized where a step uses it), else it
-    loads dequantized to train every weight."""
+    loads dequantized to train every weight.
+
+    A Hugging Face folder loads float32, whatever its dtype (tilegraph train trains in float32);
+    a float16 (or bfloat16, float64) folder is converted so, in one line on stderr."""
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph train model.init"
@@ -134,7 +137,35 @@ def init_model(init: str, method: str):
             from tilegraph import peft
 
             return peft.from_quantized(folder, runtime=None, adapters=False), True  # [peft]'s: added after
-    return load_model(folder, where), False
+    model = load_model(folder, where)
+    if not (folder / "zarr.json").is_file() and (folder / "config.json").is_file():
+        _say_widened(folder, where)
+    return model, False
+
+
+def _say_widened(folder: Path, where: str) -> None:
+    """One line on stderr when the weights of the Hugging Face folder ``folder`` (loaded float32
+    for training) were stored in another dtype: silently, a float16 model trained and was
+    checkpointed as float32 (twice the bytes)."""
+    import sys
+
+    from tilegraph.io.hf import hf_dtype
+
+    found = hf_dtype(folder)
+    stored = None if found is None else str(found)
+    if stored is None:  # bfloat16, which tilegraph reads as float32, or nothing says
+        try:
+            cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            cfg = None
+        named = {str(cfg.get(k)).removeprefix("torch.") for k in ("torch_dtype", "dtype")} \
+            if isinstance(cfg, dict) else set()
+        stored = "bfloat16" if "bfloat16" in named else None
+    if stored in (None, "float32"):
+        return
+    how = "rounded" if stored == "float64" else "widened"
+    print(f"{where}: the {stored} weights of {folder} were {how} to float32 for training (tilegraph train "
+          "trains and checkpoints in float32)", file=sys.stderr, flush=True)
 
 
 def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str, str]]:
@@ -326,9 +357,11 @@ def adapted_model(folder: Path, record: dict, where: str):
     return peft.merge_lora(model)
 
 
-def load_model(folder: Path, where: str):
+def load_model(folder: Path, where: str, *, hf_dtype="float32"):
     """The model of a Zarr checkpoint or of a Hugging Face folder; a checkpoint of a run with
-    adapters comes with them merged into its weights."""
+    adapters comes with them merged into its weights. ``hf_dtype``: the dtype a Hugging Face
+    folder loads in (None: the folder's own, :func:`tilegraph.io.hf.hf_dtype`, as convert keeps
+    it); a Zarr checkpoint keeps its stored dtype."""
     from tilegraph._errors import TileError
     from tilegraph import models
     from tilegraph.io.zarr import is_checkpoint
@@ -363,7 +396,7 @@ def load_model(folder: Path, where: str):
                     "index of them, is missing: a damaged or partly copied checkpoint)")
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
                         f"{folder} holds neither{hint}")
-    return models.from_hf(folder)
+    return models.from_hf(folder, dtype=hf_dtype)
 
 
 def adapters_only(folder: Path, attrs: dict | None = None) -> str | None:
