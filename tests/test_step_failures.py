@@ -45,6 +45,16 @@ def _step(model, runtime=None, **options):
     return tg.TrainStep(model, opt, lm_loss, runtime=runtime, batch_tiles=[(2, None)] * 2, **options), opt
 
 
+def _reference_and_fresh(runtime, steps: int, **options):
+    """An uninterrupted run's ``steps`` losses, then a fresh model's step, its optimizer and its
+    first step's loss (the runs the tests below compare)."""
+    x, y = _batch(96)
+    step, _ = _step(models.build("gpt2-debug", seed=0), runtime, **options)
+    want = [step(x, y) for _ in range(steps)]
+    step, opt = _step(models.build("gpt2-debug", seed=0), runtime, **options)
+    return want, step, opt, [step(x, y)]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("exchange", ["auto", "tasks"])
 @pytest.mark.parametrize("bad", ["targets", "ids"])
@@ -110,12 +120,7 @@ def test_the_step_after_a_failed_one_runs_at_once(own_cluster, monkeypatch, para
     every later step failed (3 runs in 4 with "data" before the fix)."""
     monkeypatch.setattr(tg.config, "exchange_timeout_seconds", 20.0)
     x, y = _batch(96)
-    model = models.build("gpt2-debug", seed=0)
-    step, opt = _step(model, own_cluster, parallel=parallel)
-    want = [step(x, y) for _ in range(4)]
-    model = models.build("gpt2-debug", seed=0)
-    step, opt = _step(model, own_cluster, parallel=parallel)
-    got = [step(x, y)]
+    want, step, opt, got = _reference_and_fresh(own_cluster, 4, parallel=parallel)
     for _ in range(3):
         with pytest.raises(tg.TileError, match="targets must lie in"):
             step(x, y + 96)
@@ -150,12 +155,7 @@ def test_a_step_that_failed_on_one_process_after_its_exchange_fails(own_cluster,
     running, and their peers, which would wait for them, are cancelled), and the next step trains."""
     monkeypatch.setattr(tg.config, "exchange_timeout_seconds", 30.0)
     x, y = _batch(96)
-    model = models.build("gpt2-debug", seed=0)
-    step, opt = _step(model, own_cluster, parallel=parallel)
-    want = [step(x, y) for _ in range(3)]
-    model = models.build("gpt2-debug", seed=0)
-    step, opt = _step(model, own_cluster, parallel=parallel)
-    got = [step(x, y)]
+    want, step, opt, got = _reference_and_fresh(own_cluster, 3, parallel=parallel)
     assert step.plan(x, y).gang is not None
     second = sorted(own_cluster.client.scheduler_info()["workers"])[1]
     own_cluster.client.run(_fail_the_next_update, workers=[second])
@@ -178,12 +178,7 @@ def test_results_waited_for_out_of_order_put_back_the_earliest_failed_step(own_c
     made (its failed values): step 2's own rollback then did nothing, and every later step failed.
     Now both are undone, and each error says what the model is."""
     x, y = _batch(96)
-    model = models.build("gpt2-debug", seed=0)
-    step, opt = _step(model, own_cluster)
-    want = [step(x, y) for _ in range(3)]
-    model = models.build("gpt2-debug", seed=0)
-    step, opt = _step(model, own_cluster)
-    got = [step(x, y)]
+    want, step, opt, got = _reference_and_fresh(own_cluster, 3)
     second, third = step.submit(x, y + 96), step.submit(x, y)
     with pytest.raises(tg.TileError, match="targets must lie in") as e:
         third.result()
