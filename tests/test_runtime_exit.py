@@ -111,7 +111,9 @@ def test_a_flag_of_connect_that_is_no_bool_is_refused_before_a_cluster_starts(no
     started an MPI launch: a string is truthy."""
     with pytest.raises(tg.TileError) as e:
         tg.connect(n_workers=1, **{flag: value})
-    assert str(e.value) == f"[tilegraph.connect] {flag} must be True or False; received: {flag}={value!r}"
+    what = ("True, False or the embedded cluster's dashboard port (1024-65535, e.g. 8787: on 127.0.0.1, which an "
+            "ssh tunnel reaches)" if flag == "dashboard" else "True or False")
+    assert str(e.value) == f"[tilegraph.connect] {flag} must be {what}; received: {flag}={value!r}"
 
 
 @pytest.mark.parametrize("flag", _FLAGS)

@@ -485,10 +485,7 @@ class Executable:
         """The Dask tasks the last call ran: its clusters' (or a gang plan's, one per worker
         process) with the tasks that move values between processes, fetch results and keep what
         stays on the workers; embedded values are not tasks. Before a call, :attr:`n_tasks`."""
-        call = getattr(self, "_tasks_of_call", None)
-        if call is None:
-            return self.n_tasks
-        return sum(len(tasks) for name, tasks in call.layers.items() if name != "data")
+        return getattr(self, "_tasks_per_call", self.n_tasks)
 
     def _local_threads(self) -> int:
         """The most kernels that may run at once when this process runs the graph itself: a
@@ -701,7 +698,8 @@ class Executable:
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         call = self._lower_call(runtime)
         source, plain = self._root_sources(call)
-        self._tasks_of_call = call
+        # (the count alone: the call's tasks hold futures of the values they read, kept alive here)
+        self._tasks_per_call = sum(len(tasks) for name, tasks in call.layers.items() if name != "data")
         out: list[Any] = [plain.get(pos) for pos in range(len(self.roots))]
         if runtime is None:  # no futures exist without a runtime: every source is a task key
             return self._run_locally(call, source, out)
