@@ -28,10 +28,10 @@ def test_the_dashboard_on_a_port_of_ones_choice():
         rt.close()
 
 
-@pytest.mark.parametrize("value", [0, 70000, "8787", 1.5])
+@pytest.mark.parametrize("value", [0, 1, 80, 70000, "8787", 1.5])
 def test_a_dashboard_that_is_no_port_is_refused(value):
     with pytest.raises(tg.TileError, match=r"\[tilegraph.connect\] dashboard must be True, False or the embedded "
-                                           r"cluster's dashboard port \(1-65535"):
+                                           r"cluster's dashboard port \(1024-65535"):
         tg.connect(dashboard=value)
 
 

@@ -861,8 +861,8 @@ _CONNECT_CHECKS = {
 _FLAG = ((lambda v: isinstance(v, (bool, np.bool_))), "True or False")
 _CONNECT_CHECKS.update(dict.fromkeys(("mpi", "quiet", "make_current", "tls"), _FLAG))
 _CONNECT_CHECKS["dashboard"] = ((lambda v: isinstance(v, (bool, np.bool_)) or (
-    isinstance(v, (int, np.integer)) and 1 <= v <= 65535)),
-    "True, False or the embedded cluster's dashboard port (1-65535, e.g. 8787: on 127.0.0.1, which an "
+    isinstance(v, (int, np.integer)) and 1024 <= v <= 65535)),
+    "True, False or the embedded cluster's dashboard port (1024-65535, e.g. 8787: on 127.0.0.1, which an "
     "ssh tunnel reaches)")
 
 
