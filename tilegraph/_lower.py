@@ -484,7 +484,8 @@ class Executable:
     def tasks_per_call(self) -> int:
         """The Dask tasks the last call ran: its clusters' (or a gang plan's, one per worker
         process) with the tasks that move values between processes, fetch results and keep what
-        stays on the workers; embedded values are not tasks. Before a call, :attr:`n_tasks`."""
+        stays on the workers, and the values embedded in the graph (each a key Dask runs). Before
+        a call, :attr:`n_tasks`."""
         return getattr(self, "_tasks_per_call", self.n_tasks)
 
     def _local_threads(self) -> int:
@@ -698,8 +699,6 @@ class Executable:
         fetch = set(range(len(self.roots))) if fetch is None else set(fetch)
         call = self._lower_call(runtime)
         source, plain = self._root_sources(call)
-        # (the count alone: the call's tasks hold futures of the values they read, kept alive here)
-        self._tasks_per_call = sum(len(tasks) for name, tasks in call.layers.items() if name != "data")
         out: list[Any] = [plain.get(pos) for pos in range(len(self.roots))]
         if runtime is None:  # no futures exist without a runtime: every source is a task key
             return self._run_locally(call, source, out)
@@ -764,6 +763,8 @@ class Executable:
         pinned, pushed = self._pin_tasks(runtime, call, source, moved)
         want += sorted({key for copies in pushed.values() for key, _ in copies.values()})
         futures = self._submit(runtime, call, want, pinned)
+        # (the count alone: the call's tasks hold futures of the values they read, kept alive here)
+        self._tasks_per_call = sum(len(tasks) for tasks in call.layers.values())
         gang = tuple(futures[key] for key in call.keys) if self.gang is not None else ()
         for pos, (key, index) in fetch_of.items():
             out[pos] = Fetching(futures[key], index, gang)
