@@ -30,6 +30,7 @@ Computing in float16 made the gradients 2-4x less accurate than torch's float16.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
@@ -363,16 +364,26 @@ def _mask_rows(later, r0: int, r1: int, c0: int, c1: int):
     return None if later is None else (later[0][r0:r1], later[1][c0:c1], later[2])
 
 
-def _in_f32(fn, arrays, params: dict, keep: tuple = ()):
-    """``fn`` (a kernel of float16 tiles) on those tiles widened to float32: the project's rule
-    for float16, as torch's (scores, softmax statistics and products accumulate in float32, each
+def _float16_in_float32(keep: tuple = ()):
+    """A kernel of float16 tiles run on those tiles widened to float32: the project's rule for
+    float16, as torch's (scores, softmax statistics and products accumulate in float32, each
     result is cast to float16 last). Results at the positions in ``keep`` (the row log-sum-exp)
-    stay float32. Works on NumPy and CuPy arrays alike; int tiles (a position) pass as they are."""
-    wide = [a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays]
-    out = fn(*wide, **params)
-    if isinstance(out, tuple):
-        return tuple(o if i in keep else o.astype(np.float16) for i, o in enumerate(out))
-    return out.astype(np.float16)
+    stay float32. The kernel's first tile says whether it is float16; works on NumPy and CuPy
+    arrays alike; int tiles (a position) pass as they are."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*arrays, **params):
+            if arrays[0].dtype != np.float16:
+                return fn(*arrays, **params)
+            out = fn(*[a.astype(np.float32) if a.dtype == np.float16 else a for a in arrays], **params)
+            if isinstance(out, tuple):
+                return tuple(o if i in keep else o.astype(np.float16) for i, o in enumerate(out))
+            return out.astype(np.float16)
+
+        return run
+
+    return wrap
 
 
 def _lse_for_exp(xp, lse):
@@ -380,12 +391,10 @@ def _lse_for_exp(xp, lse):
     return xp.where(xp.isneginf(lse), lse.dtype.type(np.inf), lse)
 
 
+@_float16_in_float32(keep=(1,))
 def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """_sdpa_fwd in a few launches: per head chunk and row block, the scores against every key
     the block sees, one softmax, one product with v."""
-    if q.dtype == np.float16:
-        return _in_f32(_sdpa_fwd_gpu, (q,) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off, k_offs=k_offs,
-                                                      causal=causal, scale=scale), keep=(1,))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
@@ -408,11 +417,9 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     return out.reshape(b, h, tq, d), lse.reshape(b, h, tq)
 
 
+@_float16_in_float32()
 def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """_sdpa_dq in a few launches per head chunk."""
-    if q.dtype == np.float16:
-        return _in_f32(_sdpa_dq_gpu, (q, do, lse, delta) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off,
-                                                                    k_offs=k_offs, causal=causal, scale=scale))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
@@ -434,11 +441,9 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
     return dq.reshape(b, h, tq, d)
 
 
+@_float16_in_float32()
 def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale):
     """_sdpa_dkv in a few launches per head chunk: the query tiles side by side, scores transposed."""
-    if k.dtype == np.float16:
-        return _in_f32(_sdpa_dkv_gpu, (k, v) + qs, dict(n_i=n_i, n_p=n_p, h_lo=h_lo, h_hi=h_hi, groups=groups,
-                                                        q_offs=q_offs, k_off=k_off, causal=causal, scale=scale))
     xp = xp_of(k)
     per = n_i * n_p
     b, g, sk, d = k.shape
@@ -475,18 +480,16 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
 
 # ---------------------------------------------------------------------------------- kernels ----
 @kernel("sdpa_fwd", cost=_attn_cost(4.0, 1), gpu=_sdpa_fwd_gpu)
+@_float16_in_float32(keep=(1,))
 def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """Output and row log-sum-exp of one q tile over ``n_k`` key tiles, by online softmax.
 
     The scores of adjacent key tiles go side by side into one buffer (see _spans), so with the
     usual tile sizes each query block takes one softmax pass and no running-max rescaling.
 
-    float16 tiles are computed in float32 (:func:`_in_f32`): the output is cast to float16, the
+    float16 tiles are computed in float32 (:func:`_float16_in_float32`): the output is cast to float16, the
     log-sum-exp stays float32 (the backward's ``exp(s - lse)`` needs its digits).
     """
-    if q.dtype == np.float16:
-        return _in_f32(_sdpa_fwd.fn, (q,) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off, k_offs=k_offs,
-                                                     causal=causal, scale=scale), keep=(1,))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
@@ -564,12 +567,10 @@ def _sdpa_delta(do, o):
 
 
 @kernel("sdpa_bwd_dq", cost=_attn_cost(6.0, 4), gpu=_sdpa_dq_gpu)
+@_float16_in_float32()
 def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
     """dQ of one q tile: sum over key tiles of ``dS @ k * scale``, ``dS = P * (dO v^T - delta)``;
     float16 tiles are computed in float32 and dQ cast to float16 last."""
-    if q.dtype == np.float16:
-        return _in_f32(_sdpa_dq.fn, (q, do, lse, delta) + kv, dict(n_k=n_k, n_h=n_h, heads=heads, q_off=q_off,
-                                                                   k_offs=k_offs, causal=causal, scale=scale))
     xp = xp_of(q)
     b, h, tq, d = q.shape
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
@@ -616,6 +617,7 @@ def _dkv_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 
 
 @kernel("sdpa_bwd_dkv", cost=_dkv_cost, gpu=_sdpa_dkv_gpu)
+@_float16_in_float32()
 def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale):
     """dK and dV of one kv tile, summed over the query tiles that see it and over the ``groups``
     query heads sharing each kv head.
@@ -626,9 +628,6 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
     products without transposing a score block. float16 tiles are computed in float32, dK and
     dV cast to float16 last.
     """
-    if k.dtype == np.float16:
-        return _in_f32(_sdpa_dkv.fn, (k, v) + qs, dict(n_i=n_i, n_p=n_p, h_lo=h_lo, h_hi=h_hi, groups=groups,
-                                                       q_offs=q_offs, k_off=k_off, causal=causal, scale=scale))
     xp = xp_of(k)
     per = n_i * n_p
     b, g, sk, d = k.shape
