@@ -503,10 +503,10 @@ class Trainer:
             warnings.warn(f"[tilegraph.Trainer.fit] report_step={report_step} is not among this fit's steps "
                           f"{start + 1}-{start + steps}: no performance report is written to {self.performance_report}",
                           stacklevel=2)
-        reported = []  # the groups of steps a report was written for
+        reported = False  # whether a graph of this fit was reported on
         t0 = time.perf_counter()
         tokens = 0
-        step_seconds = [0.0]  # the last graph's time per step (see log_step)
+        step_seconds = 0.0  # the last graph's time per step (see log_step)
         end = start + steps
         clock = t0  # when the graph the loop waits for could start: its submission, or the previous one's end
         fresh = range(0)  # the steps of the last graph that was recorded (and compiled) for its first run
@@ -519,7 +519,7 @@ class Trainer:
 
         def log_step(i: int, pending, batch, patient: bool) -> float:
             """Wait for step ``i``'s loss and log it."""
-            nonlocal tokens, clock, fresh
+            nonlocal tokens, clock, fresh, step_seconds
             # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
             began = clock
             try:
@@ -529,7 +529,7 @@ class Trainer:
             clock = time.perf_counter()
             stats: StepStats = pending.stats
             if i == pending.steps[0]:  # its graph's time from when it could start, shared by its steps
-                step_seconds[0] = (clock - max(began, pending.submitted)) / len(pending.steps)
+                step_seconds = (clock - max(began, pending.submitted)) / len(pending.steps)
             fresh = pending.steps if pending.fresh else fresh
             if i not in fresh:  # a first run's time (recording, compilation) says little of the next ones
                 self._recent.append(stats.seconds)
@@ -538,7 +538,7 @@ class Trainer:
             if i > start:  # a restart may go back before this fit's first step
                 result.losses.append(loss)
             self._log(log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                            "tokens_per_s": tokens / elapsed, "step_seconds": step_seconds[0], "tasks": stats.tasks,
+                            "tokens_per_s": tokens / elapsed, "step_seconds": step_seconds, "tasks": stats.tasks,
                             "time": time.time()})
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
             bar.update(1)
@@ -569,7 +569,7 @@ class Trainer:
 
         # (step, pending, batch) submitted but not finished, oldest first
         waiting: list[tuple[int, object, tuple]] = []
-        graphs: list[range] = []  # the groups of steps submitted, one graph each
+        graphs = 0  # the graphs submitted
 
         def close_report() -> None:
             """Write the performance report (if one is open): its time (Dask gathers the task
@@ -613,6 +613,7 @@ class Trainer:
 
         def run(i: int) -> None:
             """Steps ``i`` to ``end``."""
+            nonlocal graphs, reported
             # each step's batch is asked for once (a data callable may be a stream): those asked
             # for ahead of their group wait here
             ahead = {i: self._batch(i)}
@@ -631,14 +632,13 @@ class Trainer:
                 cut = next((n for n, b in enumerate(batches) if self.step.signature(b) != sig), len(batches))
                 ahead.update(zip(group[cut:], batches[cut:]))
                 group, batches = group[:cut], batches[:cut]
-                graphs.append(group)
+                graphs += 1
                 if report_step is None:  # the second graph, or the first where this one is the last
-                    last = group[-1] == end
-                    reporting = self.performance_report is not None and not reported and (len(graphs) == 2 or last)
+                    second_or_last = graphs == 2 or group[-1] == end
+                    reporting = self.performance_report is not None and not reported and second_or_last
                 else:
                     reporting = self.performance_report is not None and report_step in group
-                if reporting:
-                    reported.append(group)
+                reported = reported or reporting
                 if reporting:
                     self._start_report(report)
                 with self._translate_lost_workers(_steps_text(group), group):
