@@ -316,12 +316,10 @@ def count_weighted(g: TileTensor, tot, rows: int, mode: str, acc: TileTensor | N
     ignored every weight is exactly 1); the last micro-batch divides by ``N / rows``. The result is
     the gradient of the batch's mean over all its counted rows, whatever each micro-batch counted:
     a micro-batch whose rows are all ignored adds nothing (its own mean is nan)."""
-    if mode == "first":
-        ins = lambda idx: [g.grid[idx], tot]  # noqa: E731
-    elif mode == "add":
-        ins = lambda idx: [g.grid[idx], acc.grid[idx], tot]  # noqa: E731
-    else:
-        ins = lambda idx: [g.grid[idx], acc.grid[idx], acc_tot, tot]  # noqa: E731
+    def ins(idx):  # g, then the accumulator ("add", "last") and its totals ("last"), then tot
+        held = [] if mode == "first" else [acc.grid[idx]] + ([acc_tot] if mode == "last" else [])
+        return [g.grid[idx], *held, tot]
+
     return new_tensor(g.tiling, g.dtype, lambda idx: emit1(_count_weighted_k, ins(idx), g.tiling.tile_shape(idx),
                                                             g.dtype, op="accumulate", rows=int(rows), mode=mode))
 

@@ -1025,7 +1025,7 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)
-    calls = list({id(v.call): v.call for v in values if isinstance(v, Fetching) and v.call}.values())
+    calls = calls_of(values)
     try:
         if during is None:
             if calls:
@@ -1096,6 +1096,11 @@ def _wait_for_calls(runtime, futures: list, calls: list[tuple]) -> None:
     failed = call_failure(runtime, calls)
     if failed is not None:
         raise failed
+
+
+def calls_of(values: Sequence) -> list[tuple]:
+    """The gang calls (their tasks) of the :class:`Fetching` among ``values``, each once."""
+    return list({id(v.call): v.call for v in values if isinstance(v, Fetching) and v.call}.values())
 
 
 def with_calls(futures: list, calls: list[tuple]) -> list:

@@ -18,8 +18,8 @@ from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
-from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, with_calls, call_failure, check_runtime,
-                              check_values_reachable, config, first_failure, gather)
+from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_failure, calls_of, check_runtime,
+                              check_values_reachable, config, first_failure, gather, with_calls)
 from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
@@ -608,8 +608,7 @@ class _Undo:
     def until_done(self, losses: list) -> None:
         """Let go of what was kept once every one of ``losses`` is computed (and every task of a
         gang call: one process's task may fail after the one that computed the loss)."""
-        self.losses = with_calls([v.future for v in losses if isinstance(v, Fetching)],
-                                 [v.call for v in losses if isinstance(v, Fetching) and v.call])
+        self.losses = with_calls([v.future for v in losses if isinstance(v, Fetching)], calls_of(losses))
         if not self.losses:  # computed here already (no runtime): nothing to undo
             self.before = None
             return
@@ -962,7 +961,7 @@ class PendingStep:
         """:func:`gather`, checking the workers after each ``timeout`` seconds without the values
         (a value already computed but held by a stalled worker never arrives either)."""
         futures = {id(v.future): v.future for v in values if isinstance(v, Fetching)}
-        calls = list({id(v.call): v.call for v in values if isinstance(v, Fetching) and v.call}.values())
+        calls = calls_of(values)
         got: dict[int, object] = {}
         t0, period = time.perf_counter(), timeout
         checking = None  # when the time limit passed and the workers began to be checked
