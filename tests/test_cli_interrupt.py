@@ -93,6 +93,41 @@ def test_ctrl_c_while_the_command_imports_tilegraph_is_one_line(monkeypatch, cap
         assert capsys.readouterr().err == line + "\n"
 
 
+def test_ctrl_c_that_an_extension_s_import_turns_into_another_error_is_one_line(monkeypatch, capsys):
+    """A SIGINT inside NumPy's C import reached Python as an ImportError ("PyCapsule_Import could
+    not import module datetime"), a traceback the guard did not catch (CI, rarely). The entry point
+    notes the signal itself, so whatever error it became ends in the same one line. An error of
+    the import without a Ctrl-C still propagates."""
+    import importlib.abc
+
+    import _tilegraph_cli
+
+    class Converted(importlib.abc.MetaPathFinder):  # the signal arrives; C code reports an ImportError
+        def __init__(self, signal_first):
+            self.signal_first = signal_first
+
+        def find_spec(self, name, path, target=None):
+            if name != "tilegraph.cli":
+                return None
+            if self.signal_first:
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass
+            raise ImportError("PyCapsule_Import could not import module \"datetime\"")
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.delitem(sys.modules, "tilegraph.cli")
+    monkeypatch.setattr(sys, "argv", ["tilegraph", "train"])
+    monkeypatch.setattr(sys, "meta_path", [Converted(True), *sys.meta_path])
+    assert _tilegraph_cli.main() == 130
+    assert capsys.readouterr().err == "tilegraph train: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is before  # (the entry point's handler is gone again)
+    monkeypatch.setattr(sys, "meta_path", [Converted(False), *sys.meta_path[1:]])
+    with pytest.raises(ImportError, match="PyCapsule_Import"):
+        _tilegraph_cli.main()
+
+
 @pytest.mark.slow
 def test_the_console_script_is_the_guarded_entry_point(tmp_path):
     """The installed ``tilegraph`` command goes through _tilegraph_cli (a real SIGINT during its
