@@ -19,7 +19,7 @@ from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_failure, calls_of, check_runtime,
-                              check_values_reachable, config, first_failure, gather, with_calls)
+                              check_values_reachable, config, first_failure, forget_frames, gather, with_calls)
 from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
@@ -974,7 +974,8 @@ class PendingStep:
                             got[key] = future.result(timeout=max(period, 0.01))
                         else:  # a task of the call whose value is not asked for: waited for, not fetched
                             got[key] = future.exception(timeout=max(period, 0.01))
-                    except TimeoutError:
+                    except TimeoutError as e:
+                        forget_frames(e)  # (a cycle with this frame, which holds the step's values)
                         failed = call_failure(runtime, calls)  # (a peer waiting for a failed task)
                         if failed is not None:
                             raise failed from None
