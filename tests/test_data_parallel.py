@@ -262,8 +262,36 @@ def test_a_data_parallel_step_asked_for_on_a_batch_of_one_row_tile_is_refused(em
     with pytest.raises(tg.TileError, match=rf"parallel='{strategy}' gives each of the 2 worker processes a share of "
                                            r"the batch's row tiles.*at least 2 row tiles.*received: a batch of 1 row tile"):
         step.plan(x, y)
+    # (what to give: row tiles of at most 4 of its 8 rows, or none)
+    with pytest.raises(tg.TileError, match=r"at most 4 rows, the first size of each array's tiling; or no batch_tiles"):
+        step.plan(x, y)
     _, step = _step(runtime=embedded_runtime, parallel="auto")
     assert step.plan(x, y).n_replicas == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["data", "sharded", "zero3"])
+def test_a_data_parallel_step_without_batch_tiles_gives_each_process_a_row_tile(embedded_runtime, strategy):
+    """Asked for by name with no batch_tiles (one tile per array before, so refused): each
+    batch array's rows are cut in a tile per process (7 rows: 4 + 3), and it trains as one
+    process does on the same batch. "auto" and "tiles" keep one tile."""
+    x, y = _data(n=7)
+    local_model = tg.nn.MLP(16, 24, out_dim=4, seed=0)
+    local = tg.TrainStep(local_model, tg.optim.AdamW(local_model.parameters(), lr=3e-2), _mse)
+    want = [local(x, y) for _ in range(3)]
+    model = tg.nn.MLP(16, 24, out_dim=4, seed=0)
+    step = tg.TrainStep(model, tg.optim.AdamW(model.parameters(), lr=3e-2), _mse, runtime=embedded_runtime,
+                        parallel=strategy)
+    got = [step(x, y) for _ in range(3)]
+    exe = step.plan(x, y)
+    assert exe.strategy == strategy and exe.n_replicas == 2
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    evaluate = tg.EvalStep(model, _mse, runtime=embedded_runtime, parallel=strategy)
+    np.testing.assert_allclose(evaluate(x, y), tg.EvalStep(local_model, _mse)(x, y), rtol=2e-5)
+    for other in ("auto", "tiles"):
+        step = tg.TrainStep(model, tg.optim.AdamW(model.parameters(), lr=3e-2), _mse, runtime=embedded_runtime,
+                            parallel=other)
+        assert step.plan(x, y).n_replicas == 1
 
 
 @pytest.mark.distributed

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._autograd import grad, no_grad
-from tilegraph._config import _CHECKS as _CONFIG_CHECKS, require_int
+from tilegraph._config import _CHECKS as _CONFIG_CHECKS, BATCH_SPLITTING_STRATEGIES, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_failure, calls_of, check_runtime,
@@ -52,8 +52,11 @@ def _unbound_cells(tiling: Tiling, dtype, token: str) -> np.ndarray:
     return cells
 
 
-def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str):
-    """Leaf cells (unbound) and TileTensors for the arrays of a batch signature."""
+def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str, step=None):
+    """Leaf cells (unbound) and TileTensors for the arrays of a batch signature; no ``batch_tiles``:
+    :func:`split_rows` for ``step`` (a TrainStep or EvalStep: its runtime and strategy)."""
+    if batch_tiles is None and step is not None:
+        batch_tiles = split_rows(batch, step.runtime, step.compile_options.get("parallel"))
     if batch_tiles is not None and len(batch_tiles) != len(batch):
         raise TileError(where, f"batch_tiles must hold one tiling per batch array ({len(batch)} here)",
                         f"batch_tiles={list(batch_tiles)!r} for {len(batch)} arrays of shapes "
@@ -68,6 +71,22 @@ def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str):
         inputs.append((tiling, cells))
         tensors.append(tensor_from_cells(tiling, a.dtype, cells, name=f"batch{i}"))
     return inputs, tensors
+
+
+def split_rows(batch: Sequence[np.ndarray], runtime, parallel: str | None) -> list | None:
+    """The tiling of a batch given no ``batch_tiles``: one tile per array (None), except where a
+    step asked by name for a strategy that shares the batch among worker processes ("data",
+    "sharded", "zero3") runs on several: then each array's rows in a tile per process, so that
+    each process has a share (one tile would have been refused: nothing to share)."""
+    if (parallel or config.parallel) not in BATCH_SPLITTING_STRATEGIES:
+        return None
+    from tilegraph.runtime import current_runtime
+
+    rt = runtime if runtime is not None else current_runtime()
+    procs = 0 if rt is None or rt.closed else len(rt.worker_threads().get("cpu") or ())
+    if procs < 2:
+        return None
+    return [(-(-a.shape[0] // procs),) + (None,) * (a.ndim - 1) if a.ndim else () for a in batch]
 
 
 def _bind_batch(inputs, batch: Sequence[np.ndarray], token: str) -> None:
@@ -234,7 +253,9 @@ class TrainStep:
     optimizer state stay where the step left them (on the workers when a runtime is connected);
     only the loss (and the gradient norm when clipping) come back.
 
-    ``batch_tiles`` gives tile sizes for each batch input (one tuple per input; None: one tile).
+    ``batch_tiles`` gives tile sizes for each batch input (one tuple per input; None: one tile,
+    or with ``parallel`` "data", "sharded" or "zero3" on several worker processes, each input's
+    rows in a tile per process).
 
     :meth:`submit_steps` runs several optimizer steps recorded as one graph (each step's update
     feeding the next step's forward), so a small model pays Dask's per-task latency once per group
@@ -312,7 +333,7 @@ class TrainStep:
         inputs, losses, norms = [], [], []
         try:
             for j in range(k):
-                ins, tensors = _batch_inputs(batch, self.batch_tiles, where)
+                ins, tensors = _batch_inputs(batch, self.batch_tiles, where, self)
                 with training():  # train-only behaviour (LoRA dropout), also in a recomputed block's backward
                     loss = _loss_of(self.loss_fn, self.model, tensors, where)
                     _check_loss(loss, where)
@@ -1048,7 +1069,7 @@ class EvalStep:
         if key not in self._cache:
             inputs, losses = [], []
             for _ in range(n):
-                ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep")
+                ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep", self)
                 with no_grad(), training(False):  # no backward; eval mode, whatever model.train() set
                     loss = _loss_of(self.loss_fn, self.model, tensors, "tilegraph.EvalStep")
                 _check_loss(loss, "tilegraph.EvalStep")

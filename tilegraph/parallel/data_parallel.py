@@ -356,6 +356,17 @@ def zero3_task_bytes(roots: Sequence[TileRef], state_groups: Sequence[Sequence[i
     return max(params / procs, ZERO3_MIN_TASK_BYTES, 1.0)
 
 
+def _row_tiles_hint(batch_cells, procs: int) -> str:
+    """What would give each of ``procs`` processes a row tile of this batch."""
+    counts = [sum(c.shape[0] for c in cells[(slice(None),) + (0,) * (cells.ndim - 1)])
+              for cells in batch_cells if cells.ndim]  # each array's rows: its first column of tiles
+    rows = min(counts, default=1)
+    if rows < 2:
+        return f"this batch has {rows} row"
+    return (f"batch_tiles whose row tiles have at most {-(-rows // procs)} rows, the first size of each "
+            "array's tiling; or no batch_tiles: a row tile per process")
+
+
 def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: dict[str, list[int]],
                        state_groups: Sequence[Sequence[int]], batch_cells: Sequence, target: float, parallel: str,
                        max_task_bytes: float, bandwidth: float | None = None, bucket_bytes: float | None = None):
@@ -386,8 +397,8 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
         if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
             raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
                             f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
-                            "batch needs at least 2 row tiles (batch_tiles); or use parallel='auto' or 'tiles'",
-                            f"a batch of {rows} row tile")
+                            f"batch needs at least 2 row tiles ({_row_tiles_hint(batch_cells, len(groups[dev]))}); "
+                            "or use parallel='auto' or 'tiles'", f"a batch of {rows} row tile")
         return None
     sharded = parallel in ("sharded", "zero3", "auto")
     if sharded:
