@@ -1136,7 +1136,7 @@ class AllDone:
         for f in futures:
             f.add_done_callback(self._one_done)
 
-    def _one_done(self, _future) -> None:
+    def _one_done(self, _future) -> None:  # (also when its value was lost: a status other than "pending")
         with self._lock:
             self._left -= 1
             if self._left <= 0:
@@ -1158,9 +1158,12 @@ def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph
     from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
 
     t0 = time.perf_counter()
-    done = AllDone(with_calls(futures, list(calls)))
+    waited = with_calls(futures, list(calls))
+    done = AllDone(waited)
     try:
-        while not done.wait(WATCH_SECONDS):
+        while not done.wait(WATCH_SECONDS) or any(f.status == "lost" for f in waited):
+            if done.wait(0):  # a value went with its worker: Dask computes it again, or the checks end the wait
+                time.sleep(WATCH_SECONDS)
             failed = call_failure(runtime, calls)
             if failed is not None:
                 raise failed
