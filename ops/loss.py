@@ -329,10 +329,29 @@ def add_totals(a, b):
     return emit1(_ce_total_k, [a, b], (2,), np.float64, op="accumulate")
 
 
+def _targets_like(logits: TileTensor, targets) -> TileTensor:
+    """``targets`` as a TileTensor: one as it is; an array (NumPy, a list, a CPU torch tensor) of
+    the shape of ``logits`` without its class dim, tiled as those dims of ``logits`` are (as torch
+    takes its targets: a model's logits of NumPy ids, the ids shifted, need no tiling of their own)."""
+    if isinstance(targets, TileTensor):
+        return targets
+    from tilegraph._tensor import _host_array, from_numpy
+
+    array = _host_array(targets, f"{_WHERE} targets")
+    if array.dtype.kind not in "iu":
+        raise TileError(_WHERE, "targets must be a TileTensor or an array of integers (class indices: NumPy, a "
+                        "list, a torch tensor)", f"{type(targets).__name__} of dtype {array.dtype}")
+    if array.shape != logits.shape[:-1]:
+        raise TileError(_WHERE, "targets must have the shape of logits without the last (class) dim",
+                        f"logits {logits.shape}, targets {array.shape} ({type(targets).__name__})")
+    return from_numpy(array, logits.chunks[:-1])
+
+
 def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> TileTensor:
     """Cross-entropy of ``logits`` (..., V), classes in the LAST dim, against integer ``targets`` (...)
-    tiled like the leading dims of ``logits``; V may span several tiles.
+    tiled like the leading dims of ``logits`` (an integer NumPy array or torch tensor is tiled so);
+    V may span several tiles.
 
     Rows whose target equals ``ignore_index`` count for nothing. ``reduction``: ``"mean"`` (over the
     rows not ignored; nan when all are, as torch), ``"sum"`` (both give a scalar of shape ()), or
@@ -350,7 +369,7 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
     1.386294
     """
     require_tensor(logits, _WHERE, "logits")
-    require_tensor(targets, _WHERE, "targets")
+    targets = _targets_like(logits, targets)
     require_float(logits, _WHERE, "logits")
     require_integer(targets, _WHERE, "targets")
     if reduction not in _REDUCTIONS:

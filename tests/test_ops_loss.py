@@ -233,3 +233,33 @@ def test_cpu_kernels_over_row_blocks_equal_the_plain_expressions(dtype):
         got, want = L._ce_bwd_cpu(x, tgt, lse, g, *tot, **kw), L._ce_bwd_xp(x, tgt, lse, g, *tot, **kw)
         assert got.dtype == want.dtype == dtype
         np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "list", "torch"])
+def test_cross_entropy_takes_integer_arrays_as_targets_tiled_as_the_logits(kind, local_scheduler):
+    """A model's logits of NumPy ids against the ids shifted, as torch's F.cross_entropy takes a
+    tensor of targets: the array is tiled as the logits' leading dims (ragged here), and the loss
+    and gradients are those of the same targets given as a TileTensor."""
+    from tilegraph import models
+
+    model = models.build("gpt2-debug", models.ModelTiling(batch=1, seq=3, vocab=40), seed=1)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 9))
+    targets = {"numpy": ids[:, 1:], "list": ids[:, 1:].tolist(),
+               "torch": pytest.importorskip("torch").tensor(ids[:, 1:])}[kind]
+    got = tg.cross_entropy(model(ids[:, :-1]), targets)
+    want = tg.cross_entropy(model(ids[:, :-1]), model.tiling.tile_ids(ids[:, 1:]))
+    g, w = tg.compute(got, *tg.grad(got, model.parameters()[:2])), tg.compute(want, *tg.grad(want, model.parameters()[:2]))
+    for a, b in zip(g, w):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (None, r"be a TileTensor or an array of integers .*received: NoneType"),
+    (np.zeros((2, 8)), r"array of integers .*received: ndarray of dtype float64"),
+    (np.zeros((2, 7), dtype=np.int64), r"shape of logits without the last \(class\) dim; received: logits \(2, 8, 5\), "
+                                        r"targets \(2, 7\) \(ndarray\)"),
+])
+def test_cross_entropy_refuses_targets_that_are_not_class_indices_of_the_logits_rows(bad, match):
+    logits = tg.from_numpy(np.zeros((2, 8, 5), dtype=np.float32), tiles=(1, 4, None))
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.cross_entropy\] targets must .*" + match):
+        tg.cross_entropy(logits, bad)
