@@ -1153,6 +1153,30 @@ def forget_frames(error: BaseException) -> None:
     error.__traceback__ = error.__context__ = error.__cause__ = None
 
 
+def own_copy(error: BaseException) -> BaseException:
+    """A copy of a task's ``error`` to raise and annotate, where the original is kept by its Dask
+    future: raised itself, it took into that keeping the frames it passed through (a failed
+    step's, with its values and futures; a frame holding the future keeps it, and so the error,
+    until the client closes), and a note added to it was added again each time it was raised.
+    The copy has the original's traceback (the worker's, and the frames up to here), cause,
+    context and notes; the original lets go of its frames. An error that does not copy is
+    returned as it is."""
+    import copy
+
+    try:
+        twin = copy.copy(error)
+    except Exception:  # (an error whose arguments do not rebuild it)
+        return error
+    if type(twin) is not type(error):
+        return error
+    twin.__traceback__, twin.__cause__, twin.__context__ = error.__traceback__, error.__cause__, error.__context__
+    twin.__suppress_context__ = error.__suppress_context__
+    if hasattr(error, "__notes__"):
+        twin.__notes__ = list(error.__notes__)
+    forget_frames(error)
+    return twin
+
+
 def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph.compute", steps: range | None = None,
                     since: float | None = None, calls: Sequence[tuple] = (), **hint) -> list:
     from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health

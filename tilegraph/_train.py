@@ -19,7 +19,7 @@ from tilegraph._config import _CHECKS as _CONFIG_CHECKS, BATCH_SPLITTING_STRATEG
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_failure, calls_of, check_runtime,
-                              check_values_reachable, config, first_failure, forget_frames, gather, with_calls)
+                              check_values_reachable, config, first_failure, forget_frames, gather, own_copy, with_calls)
 from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, training
@@ -941,12 +941,16 @@ class PendingStep:
                 try:
                     values = self._gather(runtime, values, timeout, patient)
                 except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
-                    if not isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())) \
-                            and self._undo is not None:
+                    if isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())):
+                        raise
+                    error = own_copy(e)  # (e is the task's future's own)
+                    if self._undo is not None:
                         note = self._undo()
                         if note is not None:
-                            e.add_note(f"[tilegraph.TrainStep] {note}")
-                    raise
+                            error.add_note(f"[tilegraph.TrainStep] {note}")
+                    if error is e:
+                        raise
+                    raise error from None
                 if self._undo is not None:
                     self._undo.before = None
             n = len(self._losses)
