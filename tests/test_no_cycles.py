@@ -143,7 +143,7 @@ def test_a_failed_step_s_error_keeps_none_of_its_futures(parallel, own_runtime):
     deadline = time.time() + 10  # (the client lets go of a future on its event loop: a moment later)
     while len(rt.client.futures) > before and time.time() < deadline:
         time.sleep(0.05)
-    assert len(rt.client.futures) == before, [f"{k}: {v.status}" for k, v in rt.client.futures.items()]
+    assert len(rt.client.futures) <= before, [f"{k}: {v.status}" for k, v in rt.client.futures.items()]
     pending = step.submit_steps([(bad[:, :-1], bad[:, 1:])])[-1]
     notes = []
     for _ in range(2):
