@@ -151,3 +151,37 @@ def test_a_failed_step_s_error_keeps_none_of_its_futures(parallel, own_runtime):
             pending.result()
         notes.append([n for n in getattr(info.value, "__notes__", []) if n.startswith("[tilegraph.TrainStep]")])
     assert [len(n) for n in notes] == [1, 1], notes
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["EvalStep", "compute"])
+def test_failed_evaluations_and_computes_keep_none_of_their_futures(how, own_runtime):
+    """The same for tg.compute and EvalStep, whose values come back through tilegraph's gather: the
+    error raised is a copy (the worker's traceback kept), and the failed graphs' futures go."""
+    rt = own_runtime
+    model = models.build("gpt2-debug", models.ModelTiling(), seed=1, dtype=np.float32)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (4, 9))
+    bad = ids.copy()
+    bad[0, 0] = 10 ** 6
+    evaluate = tg.EvalStep(model, lambda m, x, y: tg.cross_entropy(m(x), y), runtime=rt)
+
+    def run(batch):
+        if how == "EvalStep":
+            return evaluate(batch[:, :-1], batch[:, 1:])
+        return tg.compute(model(batch[:, :4]), runtime=rt)
+
+    run(ids)
+    gc.collect()
+    before = len(rt.client.futures)
+    for _ in range(5):
+        with pytest.raises(tg.TileError, match=r"ids must lie in \[0, 96\)") as info:
+            run(bad)
+        assert any("in tile kernel 'embedding'" in n for n in info.value.__notes__)  # (the worker's note, copied)
+        assert info.value.__traceback__ is not None
+        run(ids)
+    del info
+    gc.collect()
+    deadline = time.time() + 10
+    while len(rt.client.futures) > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(rt.client.futures) <= before, [f"{k}: {v.status}" for k, v in rt.client.futures.items()]

@@ -1016,6 +1016,9 @@ def _is_key_of(arg, tasks: dict) -> bool:
 def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list:
     """``values`` with every :class:`Fetching` replaced by its value (one gather for all).
 
+    A task's error is raised as a copy of it (:func:`own_copy`: the one its future keeps would
+    keep the frames it passes through, and with them the futures, until the client closes).
+
     With ``during`` (what is running, for the error), the wait is watched: every
     ``WATCH_SECONDS`` without the values the workers are checked, and one that died, left or
     stopped answering (``tilegraph._train.STALL_SECONDS``) ends it with a WorkerLostError naming
@@ -1023,6 +1026,16 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
     "tilegraph.compute"), ``hint`` (what is gone, how to go on) and ``steps``, as
     :func:`tilegraph._train.lost_worker_error` takes them, and ``since`` (a wall time: workers
     removed from then on count as lost too)."""
+    try:
+        return _gather(runtime, values, during, **lost)
+    except Exception as e:
+        error = own_copy(e)
+        if error is e:
+            raise
+        raise error from error.__cause__  # (the copy's own: "from" also hides e, its context)
+
+
+def _gather(runtime, values: Sequence, during: str | None = None, **lost) -> list:
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)

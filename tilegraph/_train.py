@@ -951,7 +951,7 @@ class PendingStep:
                             error.add_note(f"[tilegraph.TrainStep] {note}")
                     if error is e:
                         raise
-                    raise error from None
+                    raise error from error.__cause__
                 if self._undo is not None:
                     self._undo.before = None
             n = len(self._losses)
