@@ -463,3 +463,17 @@ def test_frozen_base_weights_get_no_weight_gradient_products(arch, targets):
         for p in (layer.lora_u, layer.lora_v):
             made = topo_order(list(grad_of[id(p)].grid.flat))
             assert any(n.op == "matmul_tn" and n.scope == f"{name}:backward" for n in made), name
+
+
+@pytest.mark.parametrize("pattern, want", [("mlp.*", ["mlp.fc1", "mlp.fc2"]), ("fc*", ["mlp.fc1", "mlp.fc2"]),
+                                           ("attn.[qv]", ["attn.q", "attn.v"]), ("*.mlp.*", ["mlp.fc1", "mlp.fc2"]),
+                                           ("blocks.1.mlp.*", None)])
+def test_a_pattern_matches_a_dotted_suffix_as_a_name_does(pattern, want):
+    """"attn.q" matched every block's attn.q (a suffix) while the pattern "mlp.*" matched nothing
+    (fnmatch over the whole name only): a pattern now matches any dotted suffix too."""
+    model = peft.apply_lora(models.build("gpt2-debug", seed=0), [pattern], rank=2)
+    adapted = sorted(name for name, m in model.named_modules() if isinstance(m, peft.LoRALinear))
+    if want is None:  # a whole name's pattern: that block's alone
+        assert adapted == ["blocks.1.mlp.fc1", "blocks.1.mlp.fc2"]
+    else:
+        assert adapted == sorted(f"blocks.{i}.{w}" for i in range(model.config.n_layers) for w in want)

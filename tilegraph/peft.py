@@ -354,9 +354,11 @@ def _patterns(model: Module, targets, where: str) -> dict[str, list[str]]:
 
 
 def _matches(name: str, pattern: str) -> bool:
-    """A pattern matches a module's dotted name, a dotted suffix of it (``attn.q`` matches
-    ``blocks.0.attn.q``) or, with wildcards, as fnmatch does (``blocks.1.*``)."""
-    return name == pattern or name.endswith("." + pattern) or fnmatch.fnmatchcase(name, pattern)
+    """A pattern matches a module's dotted name or a dotted suffix of it (``attn.q`` matches
+    ``blocks.0.attn.q``), with fnmatch's wildcards (``blocks.1.*``; ``mlp.*`` matches
+    ``blocks.0.mlp.fc1`` as ``attn.q`` does, where it matched nothing)."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
 
 
 # ------------------------------------------------------------------------------------- API ----
@@ -368,7 +370,8 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     ``model``.
 
     ``targets``: module names (``"attn.q"`` matches ``blocks.0.attn.q``, ``blocks.1.attn.q``,
-    ...), fnmatch patterns (``"blocks.1.mlp.*"``), or Hugging Face names of the architecture
+    ...), fnmatch patterns, of the whole name or a dotted end of it (``"blocks.1.mlp.*"``;
+    ``"mlp.*"``: every block's), or Hugging Face names of the architecture
     (:data:`HF_TARGETS`: GPT-2's ``c_attn``, ``c_proj``, ``c_fc``; Llama's ``q_proj`` ...
     ``down_proj``). A target matching no Linear is an error naming every Linear of the model.
     ``dropout``: the probability of zeroing an element of each adapter's input in training

@@ -31,7 +31,7 @@ def apply_grad_sketch(model: Module, targets: Sequence[str] | str, kind: str | N
     order) gets base seed ``seed + i``.
 
     Targets are matched as :func:`tilegraph.peft.apply_lora` matches them: a dotted module name
-    (``blocks.0.attn.q``), a dotted suffix (``attn.q``), an fnmatch pattern (``blocks.*.mlp.*``)
+    (``blocks.0.attn.q``), a dotted suffix (``attn.q``), an fnmatch pattern of either (``blocks.*.mlp.*``, ``mlp.*``)
     or a Hugging Face name of the architecture (GPT-2's ``c_fc``, Llama's ``q_proj`` ...). Every
     input is checked before any layer changes; a target that matches no Linear is an error listing
     the model's Linear layers. The model must be recorded again (a new ``TrainStep``) to use it.
