@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -1013,6 +1013,22 @@ def _is_key_of(arg, tasks: dict) -> bool:
         return False
 
 
+def raising_copies(fn):
+    """``fn``, raising a copy of an error it raises (:func:`own_copy`): for the waits that gather
+    tasks' values, where the error may be a task's own, kept by its Dask future."""
+    @wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            error = own_copy(e)
+            if error is e:
+                raise
+            raise error from error.__cause__  # (the copy's own: "from" also hides e, its context)
+    return wrapped
+
+
+@raising_copies
 def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list:
     """``values`` with every :class:`Fetching` replaced by its value (one gather for all).
 
@@ -1026,16 +1042,6 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
     "tilegraph.compute"), ``hint`` (what is gone, how to go on) and ``steps``, as
     :func:`tilegraph._train.lost_worker_error` takes them, and ``since`` (a wall time: workers
     removed from then on count as lost too)."""
-    try:
-        return _gather(runtime, values, during, **lost)
-    except Exception as e:
-        error = own_copy(e)
-        if error is e:
-            raise
-        raise error from error.__cause__  # (the copy's own: "from" also hides e, its context)
-
-
-def _gather(runtime, values: Sequence, during: str | None = None, **lost) -> list:
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
         return list(values)

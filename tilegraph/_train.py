@@ -19,7 +19,7 @@ from tilegraph._config import _CHECKS as _CONFIG_CHECKS, BATCH_SPLITTING_STRATEG
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_failure, calls_of, check_runtime,
-                              check_values_reachable, config, first_failure, forget_frames, gather, own_copy,
+                              check_values_reachable, config, first_failure, forget_frames, gather, raising_copies,
                               with_calls)
 from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
@@ -944,14 +944,11 @@ class PendingStep:
                 except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
                     if isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())):
                         raise
-                    error = own_copy(e)  # (e is the task's future's own)
-                    if self._undo is not None:
+                    if self._undo is not None:  # (e is a copy: both waits raise copies, not the future's own)
                         note = self._undo()
                         if note is not None:
-                            error.add_note(f"[tilegraph.TrainStep] {note}")
-                    if error is e:
-                        raise
-                    raise error from error.__cause__
+                            e.add_note(f"[tilegraph.TrainStep] {note}")
+                    raise
                 if self._undo is not None:
                     self._undo.before = None
             n = len(self._losses)
@@ -983,6 +980,7 @@ class PendingStep:
         self.owner._healthy_since = time.time()
         return values
 
+    @raising_copies
     def _gather_within(self, runtime, values: list, timeout: float, patient: bool) -> list:
         """:func:`gather`, checking the workers after each ``timeout`` seconds without the values
         (a value already computed but held by a stalled worker never arrives either)."""
