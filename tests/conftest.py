@@ -45,6 +45,26 @@ def scheduler_file_written_later(path, address: str, delay: float):
         writer.join()
 
 
+#: the shared-memory files of MPICH's ranks on one node
+MPICH_SHM = "/dev/shm/mpich_shm_*"
+
+
+def mpich_shm_files() -> set[str]:
+    import glob
+
+    return set(glob.glob(MPICH_SHM))
+
+
+def remove_mpich_shm_since(before: set[str]) -> None:
+    """Remove the MPICH shared-memory files made since ``before`` (:func:`mpich_shm_files`): ranks
+    ended by a signal or MPI_Abort leave theirs in /dev/shm (3 MB each), one or two a test run."""
+    for leftover in mpich_shm_files() - before:
+        try:
+            os.remove(leftover)
+        except OSError:
+            pass
+
+
 def stop_process(proc) -> None:
     """End a subprocess a test started (an mpiexec launch, ...) and wait for it, whatever state it
     is in: terminate, then kill after 20 s."""

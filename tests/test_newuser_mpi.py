@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mpiexec_or_skip, stop_process
+from conftest import mpich_shm_files, mpiexec_or_skip, remove_mpich_shm_since, stop_process
 
 import tilegraph as tg
 
@@ -24,6 +24,7 @@ def _launch(tmp_path: Path, n: int, code: str, timeout: float = 90) -> tuple[int
     for key in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_SIZE"):
         env.pop(key, None)
     t0 = time.monotonic()
+    shm_before = mpich_shm_files()
     proc = subprocess.Popen([mpiexec_or_skip(), "-n", str(n), sys.executable, "job.py"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -32,6 +33,9 @@ def _launch(tmp_path: Path, n: int, code: str, timeout: float = 90) -> tuple[int
         stop_process(proc)
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} still ran after {timeout} s (a hang)\n{out[-2000:]}\n{err[-3000:]}")
+    finally:
+        if proc.returncode != 0:  # (ranks ended by MPI_Abort)
+            remove_mpich_shm_since(shm_before)
     return proc.returncode, out, err, time.monotonic() - t0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import stop_process
+from conftest import mpich_shm_files, remove_mpich_shm_since, stop_process
 
 import tilegraph as tg
 
@@ -243,12 +243,14 @@ def dask_mpi_tls_cluster(tmp_path, certs):
     sched = tmp_path / "s.json"
     cmd = [str(mpiexec), "-n", "3", str(bin_dir / "dask-mpi"), "--protocol", "tls", "--scheduler-file", str(sched),
            "--interface", "lo", "--nthreads", "1", "--scheduler-port", "0", "--dashboard-address", "127.0.0.1:0"]
+    shm_before = mpich_shm_files()
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "DASK_CONFIG": str(tmp_path / "tls.yaml")})
     try:
         yield proc, sched
     finally:
         stop_process(proc)
+        remove_mpich_shm_since(shm_before)  # (ranks ended by a signal)
 
 
 @pytest.mark.slow
