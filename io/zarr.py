@@ -215,9 +215,13 @@ def _optimizer_info(optimizer, names: list[str]) -> dict:
         hyper["param_options"] = [as_json(o) for o in options]
         hyper["param_names"] = list(names)
     schedule = getattr(optimizer.schedule, "spec", None)
-    return {"type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
+    info = {"type": type(optimizer).__name__, "step_count": int(optimizer.step_count),
             "state_names": list(optimizer.state_names), "hyper": hyper,
             "schedule": schedule, "lr": float(optimizer.lr)}
+    behind = {n: int(c) for n, c in zip(names, getattr(optimizer, "param_steps", ())) if c != optimizer.step_count}
+    if behind:  # parameters some steps' losses did not depend on: their own update counts, by name
+        info["param_steps"] = behind
+    return info
 
 
 def save_checkpoint(path, model, optimizer=None, *, step: int | None = None, quantize=None,
@@ -1240,9 +1244,16 @@ class Checkpoint:
 
             sched = schedule_from_spec(info["schedule"])
         step_count = int(info.get("step_count", self.step))
+        stored = info.get("param_steps") or {}
+        if not isinstance(stored, Mapping):
+            raise CheckpointError(self._where, "param_steps to map parameter names to their update counts",
+                                  repr(stored)[:200])
+        param_steps = [stored.get(names.get(id(p)), step_count) for p in optimizer.params]
+        param_steps = optimizer.checked_param_steps(self._where, param_steps, step_count)
 
         def finish() -> None:
             optimizer.step_count = step_count
+            optimizer.param_steps = param_steps
             if sched is not None:
                 optimizer.schedule = sched
 

@@ -240,19 +240,23 @@ def _update_tasks(opt) -> list:
 
 def test_updates_without_the_new_settings_record_the_tasks_they_did_before():
     """dampening=0, nesterov=False and groups without an lr leave the update tasks' parameters as
-    they were (the same task keys); AdamW's tasks keep theirs though it shares Adam's kernel code."""
+    they were (the same task keys); AdamW's tasks keep theirs though it shares Adam's kernel code.
+    Each task reads its parameter's update count at ``t_at`` of the hyper tile (the weight's: 4,
+    the bias's: 5)."""
     w0, b0, _ = _data(np.float64, 1)
     model = _Lin(w0, b0, "ragged")
+    at = [{"t_at": 4}] * 6 + [{"t_at": 5}] * 2  # 3 x 2 weight tiles, 2 bias tiles
     sgd = _update_tasks(tg.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert sgd == _update_tasks(tg.optim.SGD([{"params": model.parameters()}], lr=0.1, momentum=0.9, dampening=0.0,
                                              nesterov=False))
-    assert sgd == [("sgd_momentum", "sgd", {"momentum": 0.9, "weight_decay": 0.0})] * 8  # 3 x 2 weight tiles, 2 bias
+    assert sgd == [("sgd_momentum", "sgd", {"momentum": 0.9, "weight_decay": 0.0, **t}) for t in at]
     assert _update_tasks(tg.optim.AdamW(model.parameters(), weight_decay=0.1)) == [
-        ("adamw", "adamw", {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1})] * 8
+        ("adamw", "adamw", {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, **t}) for t in at]
     assert _update_tasks(tg.optim.Adam(_groups(model.parameters(), {"lr": 0.01}, {}), weight_decay=0.1)) == [
         ("adam", "adam", {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "l2": 0.1,
-                          "lr_scale": 10.0})] * 6 + [
-        ("adam", "adam", {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "l2": 0.1})] * 2
+                          "lr_scale": 10.0, **t}) for t in at[:6]] + [
+        ("adam", "adam", {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "l2": 0.1, **t})
+        for t in at[6:]]
 
 
 # --------------------------------------------------------------------------- per-group lr ----

@@ -216,6 +216,8 @@ class _Recorded:
         self.hypers = hypers  # step j's scalar cell (k > 1)
         #: a micro-batch of a counted mean (see TrainStep._record_micro_batch): its loss's dtype
         self.counted: np.dtype | None = None
+        #: the indices of the optimizer's parameters whose update the graph records (None: no update)
+        self.updated: list[int] | None = None
         self.fixed = self._fixed_leaves()
 
     def _fixed_leaves(self) -> tuple[list[Cell], list]:
@@ -328,7 +330,7 @@ class TrainStep:
                             f"{'has' if len(unfrozen) == 1 else 'have'} requires_grad=True now, False when "
                             f"{type(self.optimizer).__name__} was made")
         # k > 1: step j's scalars come from a hyper cell of its own
-        hypers = [None] if k == 1 else [Cell(np.zeros(2), (2,), np.float64, token=f"hyper{j}") for j in range(k)]
+        hypers = [None] if k == 1 else [self.optimizer.hyper_cell(f"hyper{j}") for j in range(k)]
         saved = [p.grid for p in params]
         current: dict[int, TileRef] = {}  # cell -> the ref of its value after the steps recorded so far
         inputs, losses, norms = [], [], []
@@ -352,7 +354,8 @@ class TrainStep:
                 if j + 1 < k:  # the next step reads this step's update
                     current.update((id(c), r) for c, r in assignments)
                     for p in params:
-                        p.grid = _refs_of(p.cells, current)
+                        if id(p.cells.flat[0]) in current:  # (one the loss does not depend on: as it was)
+                            p.grid = _refs_of(p.cells, current)
         finally:
             for p, g in zip(params, saved):
                 p.grid = g
@@ -366,6 +369,8 @@ class TrainStep:
         exe = Executable(roots, runtime=self.runtime, state_groups=state_groups, batch_cells=batch_cells,
                          **self.compile_options)
         rec = _Recorded(exe, inputs, [c for c, _ in assignments], k + len(norms), hypers)
+        assigned = {id(c) for c, _ in assignments}  # (a parameter the loss does not depend on: none)
+        rec.updated = [i for i, p in enumerate(params) if id(p.cells.flat[0]) in assigned]
         if kind != "step" and self._weighted:  # what comes back is [loss sum, rows counted]
             rec.counted = loss.dtype
         return rec
@@ -531,7 +536,7 @@ class TrainStep:
             if j == 0:  # before the step is counted (every micro-batch's graph reads the same parameters)
                 check_values_reachable("tilegraph.TrainStep", rec.exe.leaves, rec.exe.runtime)
             if kind in ("step", "last"):
-                self.optimizer.next_hyper()
+                self.optimizer.next_hyper(updated=rec.updated)
                 values = self._run(rec, range(rec.n_fetch), undo)
             else:  # the loss comes back later: the next micro-batch's graph follows at once
                 values = self._run(rec, (0,), undo)
@@ -575,7 +580,7 @@ class TrainStep:
             self.optimizer.lr_at(first + j)
         undo = _Undo(self, first - 1)
         for j in range(k):
-            self.optimizer.next_hyper(rec.hypers[j])
+            self.optimizer.next_hyper(rec.hypers[j], rec.updated)
         values = self._run(rec, range(rec.n_fetch), undo)
         norms = values[k:rec.n_fetch]
         undo.until_done(values[:k])
@@ -613,6 +618,7 @@ class _Undo:
 
     def __init__(self, owner: "TrainStep", count: int):
         self.owner, self.count, self.rollbacks = owner, count, owner._rollbacks
+        self.param_steps = list(owner.optimizer.param_steps)  # (each parameter's update count before it)
         self.before: dict[int, tuple[Cell, object, str]] | None = {}
         self.losses: list = []
         self.failed = False  # seen failed by the watcher (which then lets go of its futures)
@@ -667,6 +673,7 @@ class _Undo:
                 cell.set(value, token)
             undo.before, undo.undone = None, chain[-1].count
         self.owner.optimizer.step_count = chain[-1].count
+        self.owner.optimizer.param_steps = list(chain[-1].param_steps)
         self.owner._rollbacks += 1
         if len(chain) == 1:
             return f"the failed step changed nothing: {after} {self.count}"

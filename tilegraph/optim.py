@@ -1,9 +1,10 @@
 """Optimizers that record one fused update kernel per parameter tile, plus LR schedules and
 global-norm gradient clipping.
 
-Per step, the varying scalars (learning rate, step number) travel as one tiny "hyper" tile, so a
-recorded training step is replayed unchanged; clipping adds a tree of per-tile squared norms whose
-result scales the gradients inside the update kernels. A parameter group's own ``lr`` is a fixed
+Per step, the varying scalars (learning rate, step number, each parameter's own update count)
+travel as one tiny "hyper" tile (:data:`HYPER`), so a recorded training step is replayed
+unchanged; clipping adds a tree of per-tile squared norms whose result scales the gradients inside
+the update kernels. A parameter group's own ``lr`` is a fixed
 multiple of that rate, a parameter of its update kernels. State (Adam's and AdamW's m and v, SGD's
 momentum buffer) lives in cells next to the parameters: on the workers when a runtime is connected.
 """
@@ -237,15 +238,17 @@ def _clip_hyper_gpu(hyper, *partials, max_norm):
     total = xp.sqrt(parts.sum())
     scale = xp.minimum(1.0, max_norm / (total + 1e-6))
     h = xp.asarray(hyper, dtype=np.float64).reshape(-1)
-    return xp.stack([h[0], h[1], scale, total])
+    return xp.concatenate([h[:HYPER["clip"]], xp.stack([scale, total]), h[HYPER["norm"] + 1:]])
 
 
 @kernel("clip_hyper", cost=_sumsq_cost, gpu=_clip_hyper_gpu)
 def _clip_hyper(hyper, *partials, max_norm):
-    """[lr, step] + squared-norm partials -> [lr, step, clip scale, total norm]."""
+    """A hyper tile (:data:`HYPER`) + squared-norm partials -> the same with its clip scale and
+    total norm set."""
     total = math.sqrt(sum(float(p[0]) for p in partials))
-    scale = min(1.0, max_norm / (total + 1e-6))
-    return np.array([hyper[0], hyper[1], scale, total], dtype=np.float64)
+    out = np.array(hyper, dtype=np.float64).reshape(-1)
+    out[HYPER["clip"]], out[HYPER["norm"]] = min(1.0, max_norm / (total + 1e-6)), total
+    return out
 
 
 # Adam and AdamW, one kernel: they differ only in where the weight decay acts, ``l2`` (Adam's, added
@@ -272,19 +275,28 @@ def _nb_adamw(p, g, m, v, po, mo, vo, decay, step, b1, one_b1, b2, one_b2, inv_s
         po[i] = p[i] * decay - step * mi / (math.sqrt(vi) * inv_sqrt_bc2 + eps)
 
 
-def _hyper(hyper, lr_scale=1.0):
-    """(lr, step, clip scale) of a hyper tile [lr, step] or [lr, step, clip scale, norm]; the lr
-    times ``lr_scale``, the parameter group's (see Optimizer)."""
-    lr, t = float(hyper[0]) * lr_scale, float(hyper[1])
+#: where a hyper tile holds what: the learning rate, the step number, the clip scale and the
+#: gradients' total norm (1 and 0 without clipping), then from ``"counts"`` on each parameter's own
+#: update count, its ``t``, which falls behind the step number while the parameter gets no gradient
+#: (torch's optimizers count each parameter's steps). An update reads its ``t`` at ``t_at`` (a
+#: kernel parameter); a tile of [lr, step] or [lr, step, clip scale, norm] alone serves as well
+#: (``t_at`` 1: the step number).
+HYPER = {"lr": 0, "step": 1, "clip": 2, "norm": 3, "counts": 4}
+
+
+def _hyper(hyper, lr_scale=1.0, t_at=1):
+    """(lr, t, clip scale) of a hyper tile (:data:`HYPER`), ``t`` read at ``t_at``; the lr times
+    ``lr_scale``, the parameter group's (see Optimizer)."""
+    lr, t = float(hyper[0]) * lr_scale, float(hyper[t_at])
     clip = float(hyper[2]) if len(hyper) > 2 else 1.0
     return lr, t, clip
 
 
-def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
+def _adamw_xp(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0, t_at=1):
     if p.dtype.char == "e":
         return _in_float32(_adamw_xp, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale)
-    lr, t, clip = _hyper(hyper, lr_scale)
+                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale, t_at=t_at)
+    lr, t, clip = _hyper(hyper, lr_scale, t_at)
     if clip != 1.0:
         g = g * clip
     if l2:
@@ -310,11 +322,11 @@ def _in_float32(update, p, g, m, v, hyper, **params):
     return (outs[0].astype(np.float16), *(o.astype(np.float32, copy=False) for o in outs[1:]))
 
 
-def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
+def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0, t_at=1):
     if p.dtype.char == "e":
         return _in_float32(_adamw_cpu, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale)
-    lr, t, clip = _hyper(hyper, lr_scale)
+                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale, t_at=t_at)
+    lr, t, clip = _hyper(hyper, lr_scale, t_at)
     arrs = [np.ascontiguousarray(a) for a in (p, g, m, v)]  # no copy when already C-contiguous
     # new output arrays: the inputs may be held by Dask under other keys and are never written
     po, mo, vo = (np.empty_like(a) for a in arrs[:3])
@@ -330,8 +342,8 @@ def _adamw_cpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr
 # device and each element reads it. Arithmetic in double, rounded once to the parameters' dtype.
 _adamw_fused = fused(
     "adamw", "T p, T g, T m, T v, raw float64 hyper, int32 n_hyper, float64 b1, float64 b2, float64 eps, float64 wd, "
-    "float64 l2, float64 lr_scale", "T po, T mo, T vo", """
-    double lr = hyper[0] * lr_scale, t = hyper[1], clip = n_hyper > 2 ? hyper[2] : 1.0;
+    "float64 l2, float64 lr_scale, int32 t_at", "T po, T mo, T vo", """
+    double lr = hyper[0] * lr_scale, t = hyper[t_at], clip = n_hyper > 2 ? hyper[2] : 1.0;
     double gi = (double)g * clip + l2 * (double)p;
     double mi = b1 * (double)m + (1.0 - b1) * gi;
     double vi = b2 * (double)v + (1.0 - b2) * gi * gi;
@@ -339,17 +351,17 @@ _adamw_fused = fused(
     mo = (T)mi;
     vo = (T)vi;
     po = (T)((double)p * (1.0 - lr * wd) - (lr / bc1) * mi / (sqrt(vi) / sqrt(bc2) + eps));
-    """, lambda p, g, m, v, hyper, n, b1, b2, eps, wd, l2, lr_scale: _adamw_xp(
-        p, g, m, v, hyper, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, l2=l2, lr_scale=lr_scale))
+    """, lambda p, g, m, v, hyper, n, b1, b2, eps, wd, l2, lr_scale, t_at: _adamw_xp(
+        p, g, m, v, hyper, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, l2=l2, lr_scale=lr_scale, t_at=int(t_at)))
 
 
-def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0):
+def _adamw_gpu(p, g, m, v, hyper, *, beta1, beta2, eps, weight_decay, l2=0.0, lr_scale=1.0, t_at=1):
     if p.dtype.char == "e":  # the fused kernel takes float32/float64 only
         return _in_float32(_adamw_gpu, p, g, m, v, hyper, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale)
+                           weight_decay=weight_decay, l2=l2, lr_scale=lr_scale, t_at=t_at)
     hyper = xp_of(p).asarray(hyper, dtype=np.float64)  # on the parameters' device (no copy when there)
     return _adamw_fused(p, g, m, v, hyper, np.int32(hyper.size), float(beta1), float(beta2), float(eps),
-                        float(weight_decay), float(l2), float(lr_scale))
+                        float(weight_decay), float(l2), float(lr_scale), np.int32(t_at))
 
 
 def _update_cost(n_state):
@@ -375,10 +387,11 @@ def _sgd(p, g, hyper, *, weight_decay, lr_scale=1.0):
 
 
 @kernel("sgd_momentum", cost=_update_cost(1))
-def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay, dampening=0.0, nesterov=False, lr_scale=1.0):
+def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay, dampening=0.0, nesterov=False, lr_scale=1.0,
+                  t_at=1):
     """torch.optim.SGD's momentum step: the first buffer is the gradient itself (undampened),
     then momentum * buf + (1 - dampening) * d; Nesterov's step is d + momentum * buf."""
-    lr, t, clip = _hyper(hyper, lr_scale)
+    lr, t, clip = _hyper(hyper, lr_scale, t_at)
     d = g * clip if clip != 1.0 else g
     if weight_decay:
         d = d + weight_decay * p
@@ -453,7 +466,11 @@ class Optimizer:
         _check_group_lrs(where, options, self.base_lr, lr)
         self.clip_grad_norm = clip_grad_norm
         self.step_count = 0
-        self.hyper = Cell(np.zeros(2, np.float64), (2,), np.float64, token="hyper")
+        #: per parameter, the updates it got: the step count, less the steps whose loss did not
+        #: depend on it (those leave it and its state as they were, as torch's, and its Adam bias
+        #: corrections count its own updates, as torch's ``state["step"]``)
+        self.param_steps = [0] * len(params)
+        self.hyper = self.hyper_cell("hyper")
         # state[i][k] is the cell grid of state k of parameter i (zeros, same tiles)
         self.state = [[_zeros_cells(p, self.state_dtype(p)) for _ in range(self.n_state)] for p in params]
 
@@ -612,13 +629,23 @@ class Optimizer:
                         f"opt.step(){' with a closure' if closure is not None else ''} ({with_grad} of "
                         f"{len(self.params)} parameters hold a .grad from loss.backward())")
 
-    def next_hyper(self, cell: Cell | None = None) -> None:
+    def hyper_cell(self, token: str) -> Cell:
+        """A cell for one step's scalars (:data:`HYPER`)."""
+        n = HYPER["counts"] + len(self.params)
+        return Cell(np.zeros(n, np.float64), (n,), np.float64, token=token)
+
+    def next_hyper(self, cell: Cell | None = None, updated: Sequence[int] | None = None) -> None:
         """Advance the step counter and publish this step's scalars to the hyper cell (or to
-        ``cell``: the hyper cell of one step of several recorded in one graph)."""
+        ``cell``: the hyper cell of one step of several recorded in one graph). ``updated``: the
+        indices of the parameters the step updates (default: all); the others' counts stay."""
         lr = self.lr_at(self.step_count + 1)  # checked before the step is counted
         self.step_count += 1
-        (cell or self.hyper).set(np.array([lr, self.step_count], np.float64),
-                                 token=f"hyper-{self.step_count}-{lr!r}")
+        for i in range(len(self.params)) if updated is None else updated:
+            self.param_steps[i] += 1
+        behind = sum(self.step_count - c for c in self.param_steps)  # (0 unless a step left a parameter out)
+        (cell or self.hyper).set(np.array([lr, self.step_count, 1.0, 0.0, *self.param_steps], np.float64),
+                                 token=f"hyper-{self.step_count}-{lr!r}" + (f"-{hash(tuple(self.param_steps)):x}"
+                                                                            if behind else ""))
 
     def record(self, grads: Sequence[TileTensor], *, hyper: Cell | None = None,
                current: dict[int, TileRef] | None = None) -> tuple[list[tuple[Cell, TileRef]], TileRef | None]:
@@ -626,11 +653,11 @@ class Optimizer:
         does not depend on, left as it is with its state, as torch skips one without a gradient).
 
         Returns ``(assignments, norm)``: each assignment pairs a parameter/state cell with the tile
-        ref holding its next value; ``norm`` is a (4,) tile [lr, step, clip scale, grad norm] when
-        clipping is on. Parameters are read from their tensors' tiles; the state from its cells,
-        or from ``current[id(cell)]`` when an update recorded earlier in the same graph produced
-        it (several steps in one graph), as are the scalars from ``hyper`` (default: the
-        optimizer's own hyper cell).
+        ref holding its next value; ``norm`` is the step's hyper tile with its clip scale and grad
+        norm (:data:`HYPER`) when clipping is on. Parameters are read from their tensors' tiles;
+        the state from its cells, or from ``current[id(cell)]`` when an update recorded earlier in
+        the same graph produced it (several steps in one graph), as are the scalars from ``hyper``
+        (default: the optimizer's own hyper cell).
         """
         if len(grads) != len(self.params):
             raise TileError("tilegraph.optim.record", f"expected {len(self.params)} gradients", str(len(grads)))
@@ -647,23 +674,26 @@ class Optimizer:
             tiles = [r for g in grads if g is not None for r in g.grid.flat]
             parts = [emit1(_sumsq, tiles[i:i + FAN_IN], (1,), np.float64, op="clip_norm")
                      for i in range(0, len(tiles), FAN_IN)]
-            hyper = norm = emit1(_clip_hyper, [hyper, *parts], (4,), np.float64, op="clip_norm",
+            size = (HYPER["counts"] + len(self.params),)
+            hyper = norm = emit1(_clip_hyper, [hyper, *parts], size, np.float64, op="clip_norm",
                                  max_norm=float(self.clip_grad_norm))
         assignments = []
-        for p, g, state, options in zip(self.params, grads, self.state, self.param_options):
+        for i, (p, g, state, options) in enumerate(zip(self.params, grads, self.state, self.param_options)):
             if g is None:
                 continue
             if g.chunks != p.chunks:
                 raise AssertionError(f"gradient tiles {g.chunks} differ from parameter tiles {p.chunks}")
             for idx in np.ndindex(*p.tiling.grid):
                 outs = self._update(p.grid[idx], g.grid[idx], [current.get(id(s[idx])) or leaf(s[idx]) for s in state],
-                                    hyper, options)
+                                    hyper, options, HYPER["counts"] + i)
                 assignments.append((p.cells[idx], outs[0]))
                 assignments.extend((s[idx], o) for s, o in zip(state, outs[1:]))
         return assignments, norm
 
-    def _update(self, p: TileRef, g: TileRef, state: list[TileRef], hyper: TileRef, options: dict) -> list[TileRef]:
-        """The update of one parameter tile; ``options``: its group's settings (see group_keys)."""
+    def _update(self, p: TileRef, g: TileRef, state: list[TileRef], hyper: TileRef, options: dict,
+                t_at: int) -> list[TileRef]:
+        """The update of one parameter tile; ``options``: its group's settings (see group_keys);
+        ``t_at``: where ``hyper`` holds its parameter's update count (:data:`HYPER`)."""
         raise NotImplementedError
 
     def _group_checks(self) -> dict:
@@ -675,16 +705,18 @@ class Optimizer:
 
     def state_dict(self) -> dict:
         """The optimizer's state as NumPy arrays, for :meth:`load_state_dict`: ``step`` (updates
-        made), ``state`` (per parameter, its state arrays by name: computed/fetched from wherever
-        they live), ``schedule`` (the learning-rate schedule's spec; None for a schedule of
-        your own), ``param_options`` (per parameter, its group's settings) and ``base_lr`` (the
-        rate a group's lr is relative to)."""
+        made), ``param_steps`` (per parameter, the updates it got: fewer than ``step`` where a
+        step's loss did not depend on it), ``state`` (per parameter, its state arrays by name:
+        computed/fetched from wherever they live), ``schedule`` (the learning-rate schedule's
+        spec; None for a schedule of your own), ``param_options`` (per parameter, its group's
+        settings) and ``base_lr`` (the rate a group's lr is relative to)."""
         from tilegraph._lower import compute
 
         tensors = self.state_tensors()
         flat = [t for per in tensors for t in per.values()]
         values = iter(compute(*flat) if flat else [])
-        return {"step": self.step_count, "state": [{name: next(values) for name in per} for per in tensors],
+        return {"step": self.step_count, "param_steps": list(self.param_steps),
+                "state": [{name: next(values) for name in per} for per in tensors],
                 "schedule": getattr(self.schedule, "spec", None),
                 "param_options": [dict(o) for o in self.param_options], "base_lr": self.base_lr}
 
@@ -707,7 +739,8 @@ class Optimizer:
         schedule = schedule_from_spec(spec) if spec is not None else None
         if len(arrays) == len(self.params):  # (load_state names a count that differs)
             self.refuse_other_lr_scales(where, state.get("param_options"), state.get("base_lr"))
-        self.load_state(arrays, state["step"], where=where)  # checks every array before it sets one
+        # checks every array and count before it sets one
+        self.load_state(arrays, state["step"], where=where, param_steps=state.get("param_steps"))
         if schedule is not None:
             self.schedule = schedule
 
@@ -720,10 +753,14 @@ class Optimizer:
         return [{name: tensor_from_cells(p.tiling, self.state_dtype(p), grid, name=f"{p.name}.{name}")
                  for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state)]
 
-    def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int, *, where: str | None = None) -> None:
-        """Restore per-parameter state (as from :meth:`state_tensors`) and the step counter;
-        every mismatch is reported at once and nothing is changed when there is one."""
+    def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int, *, where: str | None = None,
+                   param_steps: Sequence[int] | None = None) -> None:
+        """Restore per-parameter state (as from :meth:`state_tensors`) and the step counter, and
+        each parameter's update count (``param_steps``; default: ``step`` each, the count of a
+        parameter every step updated); every mismatch is reported at once and nothing is changed
+        when there is one."""
         where = where or f"tilegraph.optim.{type(self).__name__}.load_state"
+        param_steps = self.checked_param_steps(where, param_steps, step)
         problems = []
         if len(arrays) != len(self.params):
             problems.append(f"expected state for {len(self.params)} parameters, got {len(arrays)}")
@@ -740,6 +777,20 @@ class Optimizer:
             for name, grid in zip(self.state_names, state):
                 assign_cells(grid, p.tiling, np.asarray(a[name], dtype=self.state_dtype(p)))
         self.step_count = int(step)
+        self.param_steps = param_steps
+
+    def checked_param_steps(self, where: str, param_steps: Sequence[int] | None, step: int) -> list[int]:
+        """Each parameter's update count to restore: ``param_steps`` checked (one count per
+        parameter, each from 0 to ``step``), or ``step`` for each."""
+        if param_steps is None:
+            return [int(step)] * len(self.params)
+        if isinstance(param_steps, (str, bytes)) or not isinstance(param_steps, Sequence) \
+                or len(param_steps) != len(self.params):
+            raise TileError(where, f"param_steps to be a list of {len(self.params)} update counts, one per parameter",
+                            repr(param_steps)[:200])
+        for i, c in enumerate(param_steps):  # (a parameter's updates are some of the steps)
+            require_int(where, f"param_steps[{i}]", c, 0, int(step))
+        return [int(c) for c in param_steps]
 
 
 _GROUPS_FIXED = ("the parameter groups and their settings are fixed when the optimizer is made (they are "
@@ -906,13 +957,13 @@ class Adam(Optimizer):
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE),
                 "eps": lambda where, v: require_arg(where, "eps", v, _EPS), "betas": _check_betas}
 
-    def _update(self, p, g, state, hyper, options):
+    def _update(self, p, g, state, hyper, options, t_at):
         m, v = state
         beta1, beta2 = self._setting(options, "betas")
         moments = (p.shape, self._moment_dtype(p.dtype))  # float32 for a float16 parameter
         return emit(self._kernel, [p, g, m, v, hyper], [(p.shape, p.dtype), moments, moments], op=self._kernel.name,
                     beta1=float(beta1), beta2=float(beta2), eps=float(self._setting(options, "eps")),
-                    **self._decay_kw(float(self._setting(options, "weight_decay"))), **self._lr_kw(options))
+                    **self._decay_kw(float(self._setting(options, "weight_decay"))), **self._lr_kw(options), t_at=t_at)
 
     def state_dtype(self, p: Parameter) -> np.dtype:
         """The dtype of ``p``'s moments: its own, float32 for a float16 parameter (in float16,
@@ -1011,13 +1062,13 @@ class SGD(Optimizer):
     def _group_checks(self) -> dict:
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE)}
 
-    def _update(self, p, g, state, hyper, options):
+    def _update(self, p, g, state, hyper, options, t_at):
         weight_decay = float(self._setting(options, "weight_decay"))
         if self.momentum:
             # dampening and nesterov only where set: plain momentum records the tasks (keys) it did before them
             extra = {**({"dampening": self.dampening} if self.dampening else {}),
                      **({"nesterov": True} if self.nesterov else {})}
             return emit(_sgd_momentum, [p, g, state[0], hyper], [(p.shape, p.dtype)] * 2, op="sgd",
-                        momentum=self.momentum, weight_decay=weight_decay, **extra, **self._lr_kw(options))
+                        momentum=self.momentum, weight_decay=weight_decay, **extra, **self._lr_kw(options), t_at=t_at)
         return [emit1(_sgd, [p, g, hyper], p.shape, p.dtype, op="sgd", weight_decay=weight_decay,
                       **self._lr_kw(options))]
