@@ -203,3 +203,24 @@ def test_a_failed_step_puts_the_counts_back(embedded_runtime, parallel):
     losses += [step(*_batch(i)) for i in range(3, len(ROWS))]
     with embedded_runtime.as_current():
         _check(losses, model.state_dict(), want)
+
+
+def test_every_update_kernel_reads_its_count_where_told():
+    """The CPU kernel, the array code and the GPU entry point (its array code on NumPy arrays)
+    read ``t`` at ``t_at`` of a hyper tile with counts, and the clipping kernels keep the counts."""
+    from tilegraph.optim import HYPER, _adamw_cpu, _adamw_gpu, _adamw_xp, _clip_hyper, _clip_hyper_gpu
+
+    rng = np.random.default_rng(0)
+    p, g, m = (rng.standard_normal((5, 3)) for _ in range(3))
+    v = rng.random((5, 3))
+    kw = dict(beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    hyper = np.array([0.01, 9.0, 1.0, 0.0, 9.0, 2.0])  # parameter 1 updated twice in 9 steps
+    want = [_adamw_cpu(p, g, m, v, np.array([0.01, t]), **kw) for t in (9.0, 2.0)]
+    for fn in (_adamw_cpu, _adamw_xp, _adamw_gpu):
+        for t_at, w in zip((HYPER["counts"], HYPER["counts"] + 1), want):
+            for got, expected in zip(fn(p, g, m, v, hyper, **kw, t_at=t_at), w):
+                np.testing.assert_allclose(got, expected, rtol=1e-13, err_msg=f"{fn.__name__}, t_at={t_at}")
+    parts = [np.array([4.0]), np.array([5.0])]
+    for fn in (_clip_hyper.fn, _clip_hyper_gpu):
+        out = fn(hyper, *parts, max_norm=1.0)
+        np.testing.assert_allclose(out, [0.01, 9.0, 1 / (3 + 1e-6), 3.0, 9.0, 2.0], err_msg=fn.__name__)
