@@ -475,10 +475,19 @@ def _mismatch(where: str, model, problems: list[str], note: str = "") -> TileErr
 
 def to_hf_state(model, state: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """HF-named arrays of the model's parameters, or of ``state`` (any arrays named like the model's
-    parameters, e.g. their gradients)."""
+    parameters, e.g. their gradients). Weights held quantized (:func:`tilegraph.peft.from_quantized`)
+    are written dequantized, as :func:`tilegraph.models.from_zarr` loads them."""
+    from tilegraph._lower import compute
+
+    from .zarr import _held_quantized
+
     spec = SPECS[model.arch]
-    state = model.state_dict() if state is None else state
+    quantized = _held_quantized(model)  # not Parameters: left out, transformers drew them at random
+    if state is None:
+        state = model.state_dict()
+        state.update(zip(quantized, compute(*[q.dequantized() for q in quantized.values()]) if quantized else ()))
     shapes = {n: p.shape for n, p in model.named_parameters()}
+    shapes.update({n: q.shape for n, q in quantized.items() if n in state})
     expected = spec.names.expand(model.config.n_layers, shapes)
     missing = sorted(set(shapes) - set(state))
     if missing:

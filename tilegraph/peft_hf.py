@@ -52,6 +52,9 @@ KEY_PREFIX = "base_model.model."
 BLOCKS_KEY = "tilegraph.lora_blocks"
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024
 _KEY = re.compile(r"(.+)\.lora_([AB])\.weight")
+#: a copy of an adapted module's base weight: peft's save_pretrained writes lm_head's
+#: (save_embedding_layers, "auto": on for the modules it names embeddings)
+_BASE_KEY = re.compile(r"(.+)\.base_layer\.weight")
 
 #: adapter_config.json options that change what the adapter computes or holds beyond lora_A and
 #: lora_B: option -> (the values tilegraph reads, said in words)
@@ -290,7 +293,9 @@ def load_peft(path, model: Module) -> Module:
     layers this call adds (layers the model already has keep theirs). Errors, each listing every problem found: a missing folder or
     file, ``peft_type`` other than LORA, options that change the adapter beyond lora_A and lora_B
     (DoRA, biases, modules_to_save ...), keys for modules the model lacks or of other kinds, shapes
-    of another model's size, and ranks that the config or the model's LoRA layers contradict.
+    of another model's size, ranks that the config or the model's LoRA layers contradict, and a
+    copy of a base weight that is not the model's (peft's save_pretrained writes lm_head's when it
+    is a target, and its from_pretrained loads it over the model's; tilegraph keeps the model's).
     """
     from tilegraph.peft import LoTRLinear, lora_layers
 
@@ -300,8 +305,9 @@ def load_peft(path, model: Module) -> Module:
     _check_config(config, where)
     weights = _open_weights(folder, where)
     targets = _targets(model, where)
-    pairs = _pairs(weights, targets, model.arch, where)
+    pairs, bases = _pairs(weights, targets, model.arch, where)
     plan = _plan(pairs, targets, config, weights, where)
+    _check_base_copies(bases, targets, model, weights, where)
     layers = _layers(model)
     problems = [f"{name} is a LoTR layer" for t, _ in plan for name in t.parts if isinstance(layers[name], LoTRLinear)]
     lora = lora_layers(model)
@@ -405,13 +411,20 @@ def _open_weights(folder: Path, where: str):
     return st.SafetensorsFile(file)
 
 
-def _pairs(weights, targets: dict[str, _Target], arch: str, where: str) -> dict[str, tuple[str, str]]:
-    """HF module name -> (lora_A key, lora_B key); every other key, a module the model lacks and a
-    half pair are errors, all named at once."""
+def _pairs(weights, targets: dict[str, _Target], arch: str,
+           where: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """HF module name -> (lora_A key, lora_B key), and HF module name -> the key of the copy of its
+    base weight (``base_layer.weight``) of the adapted modules that have one; every other key, a
+    module the model lacks and a half pair are errors, all named at once."""
     found: dict[str, dict[str, str]] = {}
+    bases: dict[str, str] = {}
     problems = []
     for key in weights:
         m = _KEY.fullmatch(key)
+        base = _BASE_KEY.fullmatch(key)
+        if base is not None and key.startswith(KEY_PREFIX):
+            bases[base.group(1)[len(KEY_PREFIX):]] = key
+            continue
         if m is None or not key.startswith(KEY_PREFIX):
             problems.append(f"unexpected key {key} (tilegraph reads {KEY_PREFIX}<module>.lora_A.weight and "
                             ".lora_B.weight only)")
@@ -422,12 +435,44 @@ def _pairs(weights, targets: dict[str, _Target], arch: str, where: str) -> dict[
             problems.append(f"no linear module {module} in the {arch} model")
         elif set(ab) != {"A", "B"}:
             problems.append(f"{module} has lora_{''.join(ab)} but not lora_{'B' if 'A' in ab else 'A'}")
+    problems += [f"unexpected key {key} (a base weight of a module without lora_A and lora_B)"
+                 for module, key in sorted(bases.items()) if module not in found]
     if not found and not problems:
         problems.append("no lora_A / lora_B tensors")
     if problems:
         raise TileError(where, f"{ADAPTER_WEIGHTS} to hold LoRA adapters for modules of the model "
                         f"({len(problems)} problems)", "; ".join(problems))
-    return {m: (ab["A"], ab["B"]) for m, ab in found.items()}
+    return {m: (ab["A"], ab["B"]) for m, ab in found.items()}, bases
+
+
+def _check_base_copies(bases: dict[str, str], targets: dict[str, _Target], model: Module, weights,
+                       where: str) -> None:
+    """The copies of base weights in the folder (peft's save_pretrained writes lm_head's when it is
+    a target) equal the model's: peft's from_pretrained loads them over its base model's weights,
+    and tilegraph keeps the model's."""
+    from tilegraph._lower import compute
+    from tilegraph.peft import QuantizedTensor
+
+    layers = _layers(model)
+    problems = []
+    for module, key in sorted(bases.items()):
+        t = targets[module]
+        held = [layers[p].weight for p in t.parts]
+        parts = compute(*[w.dequantized() if isinstance(w, QuantizedTensor) else w for w in held])
+        ours = np.concatenate(parts, axis=1)  # (in, out): a Conv1D's layout, nn.Linear's transposed
+        ours = ours if t.conv1d else ours.T
+        theirs = np.asarray(weights[key], dtype=np.float64)
+        if theirs.shape != ours.shape:
+            problems.append(f"{key}: shape {theirs.shape}, the model's {ours.shape}")
+        elif not np.allclose(theirs, ours, rtol=1e-5, atol=1e-6):
+            problems.append(f"{key} differs from the model's {module}.weight by up to "
+                            f"{np.abs(theirs - ours).max():.3g}")
+    if problems:
+        raise TileError(where, "copies of base weights (base_layer.weight: peft's save_pretrained writes "
+                        "lm_head's, which its from_pretrained loads over the model's) equal to the model's "
+                        "weights, which tilegraph keeps: load the adapters onto the model they were trained "
+                        "on (peft's save_pretrained(..., save_embedding_layers=False) leaves the copy out)",
+                        "; ".join(problems))
 
 
 def _pattern_value(patterns: dict, module: str, default):

@@ -123,7 +123,9 @@ def init_model(init: str, method: str):
     """The model of ``[model] init`` (a Hugging Face folder or a Zarr checkpoint) and whether its
     Linear weights stay quantized: a quantized checkpoint under adapters opens with
     :func:`tilegraph.peft.from_quantized` (each tile dequantized where a step uses it), else it
-    loads dequantized to train every weight.
+    loads dequantized to train every weight. Either way adapters the checkpoint holds (saved with
+    the model, or a fine-tuning run's) come merged into their layers' weights (before, the quantized
+    path dropped the first and dequantized every weight of the second).
 
     A Hugging Face folder loads float32, whatever its dtype (tilegraph train trains in float32);
     a float16 (or bfloat16, float64) folder is converted so, in one line on stderr."""
@@ -131,12 +133,18 @@ def init_model(init: str, method: str):
 
     where = "tilegraph train model.init"
     folder = Path(init)
-    if method != "none" and (folder / "zarr.json").is_file() and read_peft_record(folder, where) is None:
+    record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
+    # a checkpoint of tilegraph train holds its base, unless written before quantized bases were
+    # stored in them (its record names the base checkpoint, which load_model reads)
+    has_base = record is None or record.get("base_in_checkpoint", True)
+    if method != "none" and (folder / "zarr.json").is_file() and has_base:
         ck = load_checkpoint(folder)
         if any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
             from tilegraph import peft
 
-            return peft.from_quantized(folder, runtime=None, adapters=False), True  # [peft]'s: added after
+            # adapters it holds (tilegraph.io.save_checkpoint of an adapted model) merged, as load_model
+            # merges them: those layers dequantized, the others kept quantized; [peft]'s added after
+            return peft.merge_lora(peft.from_quantized(folder, runtime=None)), True
     model = load_model(folder, where)
     if not (folder / "zarr.json").is_file() and (folder / "config.json").is_file():
         _say_widened(folder, where)
