@@ -143,29 +143,43 @@ def test_a_prompt_that_leaves_no_room_is_named(ckpt, capsys):
     assert "a --prompt of fewer tokens than the model's max_seq_len=32 (room for new ones); received: 40 tokens" in err
 
 
-@pytest.mark.parametrize("vocab, message", [
-    (96, r"a tokenizer whose ids fit the model's vocab_size=96 \(--tokenizer: the one the model was trained "
-         r"with\); received: ByteTokenizer\(eos=True\) with 257 ids, \S+ with vocab_size 96$"),
-    (400, r"a tokenizer that decodes every id of the model's vocab_size=400 \(the model may generate any of them; "
-          r"--tokenizer: .*\); received: ByteTokenizer\(eos=True\) with 257 ids, \S+ with vocab_size 400$"),
-])
-def test_generate_refuses_a_tokenizer_that_does_not_fit_the_models_vocabulary(tmp_path, capsys, monkeypatch, vocab,
-                                                                              message):
-    """A checkpoint whose recorded tokenizer (the byte one, 257 ids) is not the model's: its ids
-    past the model's vocabulary (a prompt of spaces fits, so generation ran and failed on the end
-    of text id), or the model's ids past the tokenizer's (a sample failed to decode, after the
-    generation) are named before any generation."""
+def test_generate_refuses_a_tokenizer_whose_ids_the_model_lacks(tmp_path, capsys, monkeypatch):
+    """A checkpoint whose recorded tokenizer (the byte one, 257 ids) has ids past the model's
+    vocabulary (96): named before any generation (a prompt of spaces fits, so generation ran and
+    failed on the end of text id)."""
     from tilegraph import models
     from tilegraph.cli import tokenizer_files
     from tilegraph.io import ByteTokenizer
     from tilegraph.io.zarr import save_checkpoint
 
-    model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=vocab), seed=0)
+    model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=96), seed=0)
     save_checkpoint(tmp_path / "ck", model, files=tokenizer_files(ByteTokenizer(eos=True)))
     generation = sys.modules["tilegraph.models.generate"]  # the module (tilegraph.models.generate is its function)
     monkeypatch.setattr(generation, "generate", lambda *a, **k: pytest.fail("generate() ran"))
     err = _main(capsys, "generate", str(tmp_path / "ck"), "--local", "--prompt", "  ", "--strategy", "sample")
+    message = (r"a tokenizer whose ids fit the model's vocab_size=96 \(--tokenizer: the one the model was trained "
+               r"with\); received: ByteTokenizer\(eos=True\) with 257 ids, \S+ with vocab_size 96$")
     assert err.startswith("tilegraph generate: error: [tilegraph generate] ") and re.search(message, err.strip()), err
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "sample"])
+def test_generate_on_a_model_of_more_ids_than_its_tokenizer_decodes_only_those(tmp_path, capsys, strategy):
+    """A model of vocab_size 400 (a padded vocabulary; an --init model trained on a smaller
+    tokenizer) with the byte tokenizer (257 ids) generates text: only ids the tokenizer decodes are
+    picked. Before, a stale check refused every such checkpoint ("a tokenizer that decodes every
+    id"), which no tokenizer but a larger one could meet, though `tilegraph train` made it."""
+    from tilegraph import models
+    from tilegraph.cli import main, tokenizer_files
+    from tilegraph.io import ByteTokenizer
+    from tilegraph.io.zarr import save_checkpoint
+
+    model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=400), seed=0)
+    save_checkpoint(tmp_path / "ck", model, files=tokenizer_files(ByteTokenizer(eos=True)))
+    assert main(["generate", str(tmp_path / "ck"), "--local", "--prompt", "ab", "--max-new-tokens", "12",
+                 "--strategy", strategy, "--ids"]) == 0
+    text, ids = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    ids = [int(i) for i in ids.split()]
+    assert text.startswith("ab") and len(ids) > 2 and max(ids) < 257, (text, ids)
 
 
 def test_generate_refuses_a_negative_seed(local_scheduler):

@@ -87,21 +87,17 @@ def stopped_text(tokenizer, new_ids, stops, prompt_ids=()) -> tuple[str, int]:
     return _continuation(tokenizer, prompt_ids, new_ids, prompt_text), len(new_ids)
 
 
-def check_vocabulary(model, tokenizer, folder: Path, where: str, decodes: bool) -> None:
+def check_vocabulary(model, tokenizer, folder: Path, where: str) -> None:
     """The tokenizer fits the model of ``folder``: none of its ids past the model's vocab_size
-    (the embedding has no row for them), and, where the model's output is decoded (``decodes``:
-    generate), none of the model's ids past the tokenizer's (the model may emit one, which the
-    tokenizer cannot turn into text)."""
+    (the embedding has no row for them). A model of more ids than the tokenizer's (a padded
+    vocabulary, an --init model trained on a smaller tokenizer) is fine: generate() given the
+    tokenizer picks only ids it decodes."""
     from tilegraph._errors import TileError
 
     have, want = tokenizer.vocab_size, model.config.vocab_size
-    received = f"{tokenizer!r} with {have} ids, {folder} with vocab_size {want}"
     if have > want:
         raise TileError(where, f"a tokenizer whose ids fit the model's vocab_size={want} (--tokenizer: the one "
-                        "the model was trained with)", received)
-    if decodes and have < want:
-        raise TileError(where, f"a tokenizer that decodes every id of the model's vocab_size={want} (the model "
-                        "may generate any of them; --tokenizer: the one the model was trained with)", received)
+                        "the model was trained with)", f"{tokenizer!r} with {have} ids, {folder} with vocab_size {want}")
 
 
 #: generate()'s options that shape sampling -> the flags that set them
@@ -169,7 +165,7 @@ def _generate(args) -> int:
     prompt = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if prompt.size == 0:
         raise tg.TileError(where, "a non-empty --prompt", repr(args.prompt))
-    check_vocabulary(model, tokenizer, folder, where, decodes=True)
+    check_vocabulary(model, tokenizer, folder, where)
     n, limit = args.max_new_tokens, model.config.max_seq_len
     room = limit - prompt.size
     # named as the flags, before any work (generate() would name its own arguments)
@@ -227,7 +223,7 @@ def _eval(args) -> int:
     model = load_model(folder, where)
     tokenizer = load_tokenizer(folder, args.tokenizer, where)
     cfg = model.config
-    check_vocabulary(model, tokenizer, folder, where, decodes=False)
+    check_vocabulary(model, tokenizer, folder, where)
     job, _ = load_config(None)
     d = job["data"]
     seq_len = args.seq_len if args.seq_len is not None else min(int(d["seq_len"]), cfg.max_seq_len)
