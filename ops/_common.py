@@ -40,9 +40,9 @@ def require_same_dtype(where: str, **tensors: TileTensor) -> np.dtype:
     return next(iter(dts.values()))
 
 
-def require_same_chunks(where: str, what: str, a: Sequence[int], b: Sequence[int]) -> None:
+def require_same_chunks(where: str, what: str, a: Sequence[int], b: Sequence[int], hint: str = "") -> None:
     if tuple(a) != tuple(b):
-        raise TileError(where, f"{what} must have the same tiles", f"{tuple(a)} vs {tuple(b)}")
+        raise TileError(where, f"{what} must have the same tiles", f"{tuple(a)} vs {tuple(b)}{hint}")
 
 
 def norm_dim(dim: int, ndim: int, where: str) -> int:

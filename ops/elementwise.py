@@ -41,7 +41,10 @@ def broadcast_tiling(where: str, a: TileTensor, b: TileTensor) -> tuple[Tiling, 
         nb = b.shape[db] if db >= 0 else 1
         if na == nb:
             if da >= 0 and db >= 0 and a.chunks[da] != b.chunks[db]:
-                raise TileError(where, f"dim {d} must have the same tiles in both operands",
+                fix = tuple(a.chunks[e - nd + a.ndim] if e - nd + a.ndim >= 0 and a.shape[e - nd + a.ndim] == n
+                            else None for e, n in zip(range(nd - b.ndim, nd), b.shape))
+                raise TileError(where, f"dim {d} must have the same tiles in both operands (cut b as a: "
+                                f"b.rechunk({fix}), or build them with the same tiles)",
                                 f"{a.chunks[da]} vs {b.chunks[db]} (shapes {a.shape} and {b.shape})")
             chunks.append(a.chunks[da] if da >= 0 else b.chunks[db])
         elif na == 1:

@@ -26,7 +26,7 @@ from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_fl
 from .embedding import check_index_range, require_integer
 from ._tree import merge_tree
 
-__all__ = ["cross_entropy", "mean_parts", "count_weighted", "add_totals"]
+__all__ = ["cross_entropy", "mse_loss", "mean_parts", "count_weighted", "add_totals"]
 
 _WHERE = "tilegraph.cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -384,6 +384,47 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
     if targets.shape != logits.shape[:-1]:
         raise TileError(_WHERE, "targets must have the shape of logits without the last (class) dim",
                         f"logits {logits.shape}, targets {targets.shape}")
-    require_same_chunks(_WHERE, "targets and the leading dims of logits", targets.chunks, logits.chunks[:-1])
+    require_same_chunks(_WHERE, "targets and the leading dims of logits", targets.chunks, logits.chunks[:-1],
+                        f" (cut the targets as the logits' rows: targets.rechunk({logits.chunks[:-1]}); in a step, "
+                        "give the inputs and the targets the same row tiles in batch_tiles)")
     return _ce_op(logits, targets, ignore_index=int(ignore_index), reduction=reduction,
                   label_smoothing=float(label_smoothing))
+
+
+def mse_loss(input: TileTensor, target, reduction: str = "mean") -> TileTensor:
+    """torch's ``F.mse_loss``: the squared differences of ``input`` and ``target`` (of one shape and
+    dtype), their mean (``"mean"``), sum (``"sum"``, both of shape ()) or each (``"none"``).
+    ``target`` may be tiled otherwise than ``input`` (it is rechunked to ``input``'s tiles: a
+    batch given without ``batch_tiles`` against a tiled model's output), or be an array (NumPy, a
+    CPU torch tensor), tiled as ``input``.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.array([[1.0, 2.0, 4.0]]), tiles=(1, 2))
+    >>> float(tg.mse_loss(x, np.zeros((1, 3))))
+    7.0
+    """
+    where = "tilegraph.mse_loss"
+    require_tensor(input, where, "input")
+    require_float(input, where, "input")
+    if reduction not in _REDUCTIONS:
+        raise TileError(where, f"reduction must be one of {_REDUCTIONS}", repr(reduction))
+    if not isinstance(target, TileTensor):
+        from tilegraph._tensor import _host_array, from_numpy
+
+        array = _host_array(target, f"{where} target")
+        if array.shape != input.shape:
+            raise TileError(where, "target must have the shape of input",
+                            f"input {input.shape}, target {array.shape} ({type(target).__name__})")
+        target = from_numpy(array, input.chunks)
+    if target.shape != input.shape:
+        raise TileError(where, "target must have the shape of input", f"input {input.shape}, target {target.shape}")
+    if target.dtype != input.dtype:
+        raise TileError(where, f"target must have the dtype of input, {input.dtype} (cast it: "
+                        f"a.astype(np.{input.dtype}) for an array, t.to('{input.dtype}') for a TileTensor)",
+                        f"target of dtype {target.dtype}")
+    if target.chunks != input.chunks:
+        from .shape import rechunk
+
+        target = rechunk(target, input.chunks, where)
+    d = input - target
+    return d * d if reduction == "none" else (d * d).mean() if reduction == "mean" else (d * d).sum()

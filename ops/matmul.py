@@ -83,7 +83,8 @@ class Matmul(Op):
         if a.shape[-1] != b.shape[kb]:
             raise TileError(where, "contraction dims differ", f"a {a.shape} @ b {b.shape}"
                             + (" (b transposed)" if trans_b else ""))
-        require_same_chunks(where, f"contraction dim (a dim {a.ndim - 1}, b dim {kb})", a.chunks[-1], b.chunks[kb])
+        require_same_chunks(where, f"contraction dim (a dim {a.ndim - 1}, b dim {kb})", a.chunks[-1], b.chunks[kb],
+                            f" (cut a's last dim as b's: a.rechunk(a.chunks[:-1] + (b.chunks[{kb}],)), or build a so)")
         batched = b.ndim > 2
         if batched:
             if b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2]:
@@ -189,8 +190,16 @@ def matmul(a: TileTensor, b: TileTensor, bias: TileTensor | None = None, *, tran
     array([4., 4., 4., 4., 4.])
 
     A 1-D operand is a row (``a``) or a column (``b``) whose dim the result drops, as in torch:
-    ``matrix @ vector`` is a vector, ``vector @ vector`` a scalar.
+    ``matrix @ vector`` is a vector, ``vector @ vector`` a scalar; a 1-D ``a`` takes a ``bias`` and
+    ``trans_b`` too (torch's ``nn.Linear`` on one sample of shape ``(in_features,)``).
     """
+    if isinstance(a, TileTensor) and isinstance(b, TileTensor) and a.ndim == 1 and b.ndim == 2 and \
+            (bias is not None or trans_b):
+        from .shape import checked_reshape
+
+        where = "tilegraph.matmul"
+        out = _matmul_op(checked_reshape(a, (1,) + a.shape, where), b, bias, trans_b=trans_b)
+        return checked_reshape(out, out.shape[1:], where)
     if bias is None and not trans_b and isinstance(a, TileTensor) and isinstance(b, TileTensor) and \
             1 in (a.ndim, b.ndim) and min(a.ndim, b.ndim) >= 1:
         from .shape import checked_reshape
@@ -221,5 +230,5 @@ def linear(x: TileTensor, weight: TileTensor, bias: TileTensor | None = None) ->
                 if weight.ndim == 2 and x.ndim >= 1 and x.shape[-1] == weight.shape[1] else "")
         raise TileError(where, f"weight of shape (in, out) with in = x's last dim{hint}",
                         f"x {x.shape}, weight {weight.shape}")
-    return _matmul_op(x, weight, bias)
+    return matmul(x, weight, bias)  # (a 1-D x: one sample, as torch's F.linear takes it)
 

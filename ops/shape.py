@@ -12,18 +12,20 @@ that names the shape, the tiling and what was asked (and what tiling would allow
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tilegraph._autograd import Op
 from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit1, kernel
-from tilegraph._tensor import TileTensor, Tiling
+from tilegraph._tensor import TileTensor, Tiling, from_numpy
 
 from ._common import new_tensor, norm_dim, numel, require_tensor, xp_of
 
 __all__ = ["permute", "reshape", "transpose", "cat", "stack", "checked_permute", "checked_reshape", "unsqueeze",
-           "squeeze", "flatten", "expand", "expand_as", "checked_expand"]
+           "squeeze", "flatten", "expand", "expand_as", "checked_expand", "rechunk", "fit_last_dim"]
 
 
 def _copy_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
@@ -155,8 +157,9 @@ def _reshape_plan(x: TileTensor, shape: tuple, where: str):
         old = f"dims {go} (sizes {tuple(x.shape[d] for d in go)}, tiles {tuple(x.chunks[d] for d in go)})"
         new = f"dims {gn} (sizes {tuple(shape[d] for d in gn)})"
         if tiled_inner:
-            why = (f"{old} become {new}, and only the first dim of such a group may be split into tiles: "
-                   f"dims {tiled_inner} must be one tile each")
+            fix = tuple(None if d in tiled_inner else x.chunks[d] for d in range(x.ndim))
+            why = (f"{old} become {new}, and only the first dim of such a group may be split into tiles "
+                   f"(x.rechunk({fix}) first makes it so, moving the data): dims {tiled_inner} must be one tile each")
         else:
             why = (f"{old} become {new}: each tile holds a run of {sorted(set(runs))} elements, which must be "
                    f"whole rows of dims {gn[1:]} (multiples of {inner_new})")
@@ -338,8 +341,13 @@ def cat(tensors, dim: int = 0) -> TileTensor:
                 raise TileError(where, f"tensors must have the same size in every dim but dim {d}",
                                 f"shapes {first.shape} (tensors[0]) and {t.shape} (tensors[{i}]) differ in dim {e}")
             if t.chunks[e] != first.chunks[e]:
+                def cut(x, y):  # x rechunked to y's tiles in every dim but d
+                    return tuple(y.chunks[k] if k != d else x.chunks[k] for k in range(x.ndim))
+
                 raise TileError(where, f"tensors must have the same tiles in every dim but dim {d} (tiles are "
-                                "reused, never cut again: build them with the same tiles there)",
+                                "reused, never cut again: build them with the same tiles there, or cut one as the "
+                                f"other, which moves data: tensors[0].rechunk({cut(first, t)}) or "
+                                f"tensors[{i}].rechunk({cut(t, first)}))",
                                 f"tiles {first.chunks[e]} (tensors[0]) and {t.chunks[e]} (tensors[{i}]) in dim {e}")
     if len(tensors) == 1:
         return first
@@ -364,6 +372,106 @@ def stack(tensors, dim: int = 0) -> TileTensor:
                             f"tensors[{i}] of shape {t.shape}")
     d = norm_dim(dim, first.ndim + 1, where)
     return cat([unsqueeze(t, d, where) for t in tensors], d)
+
+
+# ------------------------------------------------------------------------------- rechunk ----
+@kernel("rechunk", cost=_copy_cost)
+def _rechunk(*tiles, grid, index):
+    """One tile made of parts of ``tiles`` (C order over ``grid``, the count of input tiles per
+    dim); ``index[d][k]`` is the (start, stop) in its tile of the k-th input tile along dim d."""
+    shape = tuple(sum(b - a for a, b in pieces) for pieces in index)
+    out = xp_of(tiles[0]).empty(shape, dtype=tiles[0].dtype)
+    starts = [np.cumsum([0] + [b - a for a, b in pieces]) for pieces in index]
+    for t, pos in zip(tiles, np.ndindex(*grid)):
+        src = tuple(slice(*index[d][k]) for d, k in enumerate(pos))
+        dst = tuple(slice(int(starts[d][k]), int(starts[d][k + 1])) for d, k in enumerate(pos))
+        out[dst] = t[src]
+    return out
+
+
+class Rechunk(Op):
+    """``x`` with the tiles ``chunks``: each result tile is one kernel over the input tiles it
+    overlaps (an input tile it equals is reused, no kernel); the gradient is rechunked back."""
+
+    name = "rechunk"
+
+    def forward(self, x, chunks):
+        tiling = Tiling(chunks)
+        # per dim, per result tile: the (input tile, start, stop) parts it is made of
+        per_dim = []
+        for d in range(x.ndim):
+            offsets = x.tiling.offsets(d)
+            parts = []
+            for o, n in zip(tiling.offsets(d), tiling.chunks[d]):
+                parts.append([(k, max(o, s) - s, min(o + n, s + c) - s)
+                              for k, (s, c) in enumerate(zip(offsets, x.chunks[d])) if s < o + n and o < s + c])
+            per_dim.append(parts)
+
+        def fill(idx):
+            parts = [per_dim[d][i] for d, i in enumerate(idx)]
+            shape = tiling.tile_shape(idx)
+            if all(len(p) == 1 for p in parts):
+                ref = x.grid[tuple(p[0][0] for p in parts)]
+                if ref.shape == shape:
+                    return ref  # an input tile as it is
+            ins = [x.grid[src] for src in itertools.product(*[[k for k, _, _ in p] for p in parts])]
+            return emit1(_rechunk, ins, shape, x.dtype, op="rechunk", grid=tuple(len(p) for p in parts),
+                         index=tuple(tuple((a, b) for _, a, b in p) for p in parts))
+
+        return new_tensor(tiling, x.dtype, fill), x.chunks
+
+    def backward(self, chunks, g):
+        return (_rechunk_op(g, chunks=chunks),)
+
+
+_rechunk_op = Rechunk()
+
+
+def rechunk(x: TileTensor, tiles, where: str = "tilegraph.rechunk") -> TileTensor:
+    """``x`` cut into other tiles (``tiles`` as :func:`tilegraph.from_numpy` takes them: one size
+    per dim, None for a whole dim, or each dim's sizes), as dask's ``rechunk``. Unlike a reshape
+    this moves data between tiles: each result tile that is not one of ``x``'s is a copy kernel over
+    the tiles it overlaps. ``x`` itself where the tiles are already those. Also ``x.rechunk(tiles)``.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.arange(10.0).reshape(2, 5))
+    >>> y = tg.rechunk(x, (None, 2))
+    >>> y.chunks, float(y.numpy()[1, 3])
+    (((2,), (2, 2, 1)), 8.0)
+    """
+    require_tensor(x, where, "x")
+    tiling = Tiling.from_sizes(x.shape, tiles, where=where)
+    if tiling.chunks == x.chunks:
+        return x
+    return _rechunk_op(x, chunks=tiling.chunks)
+
+
+def fit_last_dim(x, weight: TileTensor, where: str, what: str) -> TileTensor:
+    """An input of a layer whose ``weight`` tiles its first dim as the input's last: a NumPy array
+    (or a torch tensor) becomes a TileTensor tiled so (one tile in every other dim), a TileTensor of
+    that size tiled otherwise (a batch given without ``batch_tiles``, a concatenation) is rechunked
+    to it, as a torch user expects the layer to take any input of its width. An input of another
+    width or dtype is a TileError naming the layer (its place in the model); anything else goes on
+    as it is, for the op's own checks to name."""
+    from tilegraph._graph import current_scope
+
+    chunks = tuple(weight.chunks[0])
+    scope = current_scope()  # the layer's attribute path in the model (a model of one layer: its type)
+    here = f"{where} ({scope})" if scope and scope != where.rpartition(".")[2].lower() else where
+    if not isinstance(x, TileTensor) and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("torch")):
+        return x
+    if np.ndim(x) < 1 or np.shape(x)[-1] != sum(chunks):
+        raise TileError(here, f"the input's last dim must be the layer's {what} ({sum(chunks)})",
+                        f"{type(x).__name__} of shape {tuple(np.shape(x))}")
+    if not isinstance(x, TileTensor):
+        x = from_numpy(x, (None,) * (np.ndim(x) - 1) + (chunks,))
+    if x.dtype != weight.dtype:
+        raise TileError(here, f"the input's dtype must be the layer's, {weight.dtype} (cast the data, as torch "
+                        f"needs too: a NumPy batch with a.astype(np.{weight.dtype}), a TileTensor with "
+                        f"x.to('{weight.dtype}'))", f"input of dtype {x.dtype}, shape {x.shape}")
+    if x.chunks[-1] != chunks:
+        return rechunk(x, tuple(x.chunks[:-1]) + (chunks,), where)
+    return x
 
 
 # ------------------------------------------------------------------------ expand / expand_as ----

@@ -144,6 +144,29 @@ class Tiling:
         return f"Tiling({self.chunks})"
 
 
+class _Size(int):
+    """:attr:`TileTensor.size`: NumPy's ``x.size`` (an int, the number of elements) that torch's
+    ``x.size()`` / ``x.size(dim)`` calls for the shape, or one dim's size (a negative dim counts
+    from the end)."""
+
+    def __new__(cls, shape: tuple):
+        self = super().__new__(cls, int(np.prod(shape)))
+        self._shape = tuple(shape)
+        return self
+
+    def __call__(self, dim=None):
+        if dim is None:
+            return self._shape
+        n = len(self._shape)
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -n <= dim < n:
+            raise TileError("tilegraph.TileTensor.size", f"dim must be an int in [{-n}, {n}) for the shape "
+                            f"{self._shape} (or none: the shape)", f"{dim!r:.60}")
+        return self._shape[dim]
+
+    def __reduce__(self):
+        return int, (int(self),)  # pickled as the plain int it is
+
+
 class TileTensor:
     """A tensor split into tiles: shape, dtype, tiling and a grid of :class:`TileRef`.
 
@@ -175,8 +198,10 @@ class TileTensor:
         return len(self.shape)
 
     @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
+    def size(self) -> "_Size":
+        """The number of elements, an int (NumPy's ``size``); called, torch's ``x.size()`` (the
+        shape) or ``x.size(dim)`` (one dim's size)."""
+        return _Size(self.shape)
 
     def dim(self) -> int:
         """The number of dims (torch's ``Tensor.dim``; :attr:`ndim`)."""
@@ -184,7 +209,7 @@ class TileTensor:
 
     def numel(self) -> int:
         """The number of elements (torch's ``Tensor.numel``; :attr:`size` is NumPy's, an int)."""
-        return self.size
+        return int(self.size)
 
     def detach(self) -> "TileTensor":
         """The same tiles without autograd history: no gradient flows back through the result
@@ -496,7 +521,27 @@ class TileTensor:
 
     # -- comparisons: bool tensors (tilegraph.ops.where) -------------------------------------------
     # ``==`` and ``!=`` stay Python's identity (tensors are dict keys and set members while a graph is
-    # recorded and differentiated): ``x.eq(y)`` / ``x.ne(y)`` compare values, as torch's do.
+    # recorded and differentiated): ``x.eq(y)`` / ``x.ne(y)`` compare values, as torch's do. Against
+    # an array (``(pred == labels).mean()`` for an accuracy) identity is never what is meant, and
+    # its False made NumPy's mean of it 0.0: that is a TileError naming ``eq``.
+    def __eq__(self, other):
+        return self._identity(other, "==", "eq")
+
+    def __ne__(self, other):
+        return self._identity(other, "!=", "ne")
+
+    __hash__ = object.__hash__
+
+    def _identity(self, other, symbol: str, name: str):
+        if isinstance(other, np.ndarray) or type(other).__module__.startswith("torch"):
+            raise TileError(f"tilegraph.TileTensor.__{name}__", f"{symbol} of a TileTensor is Python's identity "
+                            f"(tensors are dict keys while a graph is recorded): compare values element by element "
+                            f"with x.{name}(y), y a TileTensor (tg.from_numpy(y) for an array) or a number",
+                            f"{type(other).__name__} of shape {tuple(np.shape(other))}")
+        if self is other:
+            return symbol == "=="
+        return NotImplemented  # Python's identity, as object's
+
     def __gt__(self, other):
         return self._compare(other, "gt", "__gt__")
 
@@ -627,6 +672,13 @@ class TileTensor:
         from tilegraph.ops.shape import expand_as
 
         return expand_as(self, other, "tilegraph.TileTensor.expand_as")
+
+    def rechunk(self, tiles):
+        """``x.rechunk((None, 8))``: ``x`` cut into other tiles (:func:`tilegraph.rechunk`, which
+        moves data between tiles where it must; a reshape never does)."""
+        from tilegraph.ops.shape import rechunk
+
+        return rechunk(self, tiles, "tilegraph.TileTensor.rechunk")
 
     def reshape(self, *shape):
         """``x.reshape(2, -1)`` or ``x.reshape((2, -1))``: :func:`tilegraph.reshape`, which moves no

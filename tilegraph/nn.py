@@ -26,8 +26,10 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
 from tilegraph._graph import scope as _scope
-from tilegraph._tensor import TileTensor, Tiling, assign_cells, split_into_cells, tensor_from_cells
+from tilegraph._tensor import (TileTensor, Tiling, _host_array, assign_cells, from_numpy, split_into_cells,
+                               tensor_from_cells)
 from tilegraph.ops.embedding import check_padding_idx
+from tilegraph.ops.shape import fit_last_dim
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
            "CausalSelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
@@ -41,8 +43,8 @@ class Parameter(TileTensor):
     __slots__ = ("cells", "requires_grad", "_grad")
 
     def __init__(self, array: np.ndarray, tiles=None, *, name: str | None = None, requires_grad: bool = True):
-        array = np.asarray(array)
         where = f"tilegraph.nn.Parameter({name or ''})"
+        array = _host_array(array, where)  # a torch tensor's data (a torch Parameter requires grad)
         tiling = Tiling.from_sizes(array.shape, tiles, where=where)
         check_array_dtype(where, array.dtype, array.shape)  # not float128 nor complex
         if requires_grad and array.dtype.kind != "f":
@@ -76,7 +78,7 @@ class Parameter(TileTensor):
 
     def assign(self, array: np.ndarray) -> None:
         """Replace the value (same shape and dtype), keeping the tiling."""
-        array = np.asarray(array)
+        array = _host_array(array, f"tilegraph.nn.Parameter({self.name}).assign")
         if array.shape != self.shape or array.dtype != self.dtype:
             raise TileError(f"tilegraph.nn.Parameter({self.name}).assign", f"expected {self.shape} {self.dtype}",
                             f"{array.shape} {array.dtype}")
@@ -250,7 +252,9 @@ class Module:
         if getattr(self, "_scope_name", None) is not None:
             return
         object.__setattr__(self, "_scope_name", type(self).__name__.lower())
-        stack = [(f"{name}", value) for name, value in vars(self).items()]
+        # a Sequential model's layers by their state_dict names (0, 1, ...), as a ModuleList's inside one
+        items = enumerate(self.layers) if isinstance(self, ModuleList) else vars(self).items()
+        stack = [(f"{name}", value) for name, value in items]
         while stack:
             path, value = stack.pop()
             if isinstance(value, Module):
@@ -266,8 +270,9 @@ class Module:
             elif isinstance(value, dict):
                 stack.extend((f"{path}.{k}", v) for k, v in value.items())
 
-    def forward(self, *args, **kwargs):  # pragma: no cover - interface
-        raise NotImplementedError
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"[tilegraph.nn.Module] {type(self).__name__} defines no forward(self, ...): a "
+                                  "module is called through the forward method it defines, as in torch")
 
     def named_children(self) -> Iterator[tuple[str, "Module"]]:
         """The direct submodules with their attribute names (``blocks.0`` for one in a list), as
@@ -368,20 +373,34 @@ class Module:
         # every name of every parameter: a tied one (lm_head.weight = wte.weight) has one in
         # named_parameters and state_dict, and torch's state_dict writes all of them
         named = dict(self._walk("", _EveryName()))
+        where = f"{type(self).__name__}.load_state_dict"
+        # a torch state dict's tensors as arrays (their data: a Parameter's requires grad)
+        state = {k: _host_array(v, f"{where} {k}") for k, v in state.items()}
         given = {id(named[k]) for k in state if k in named}
         problems = []
         if strict:
             problems += [f"missing: {k}" for k, p in self.named_parameters() if id(p) not in given]
             problems += [f"unexpected: {k}" for k in state if k not in named]
+        modules = dict(self.named_modules())
         for k, v in state.items():
             if k in named and tuple(np.shape(v)) != named[k].shape:
-                problems.append(f"shape of {k}: expected {named[k].shape}, got {tuple(np.shape(v))}")
+                owner, _, attr = k.rpartition(".")
+                flipped = (isinstance(modules.get(owner), Linear) and attr == "weight"
+                           and tuple(np.shape(v))[::-1] == named[k].shape)
+                problems.append(f"shape of {k}: expected {named[k].shape}, got {tuple(np.shape(v))}"
+                                + (" (tilegraph stores a Linear's weight (in, out), torch's is (out, in): give "
+                                   "it transposed, w.T)" if flipped else ""))
         if problems:
-            raise TileError(f"{type(self).__name__}.load_state_dict", "state does not match the model",
-                            "; ".join(problems))
+            raise TileError(where, "state does not match the model", "; ".join(problems))
         for k, v in state.items():
             if k in named:
                 named[k].assign(np.asarray(v, dtype=named[k].dtype))
+
+
+def _check_module(where: str, module) -> "Module":
+    if not isinstance(module, Module):
+        raise TileError(where, "module must be a tilegraph.nn.Module", f"{type(module).__name__} {module!r:.60}")
+    return module
 
 
 class _EveryName(set):
@@ -407,8 +426,26 @@ def _walk_value(name: str, value, seen: set):
 
 
 class ModuleList(Module):
-    def __init__(self, modules):
-        self.layers = list(modules)
+    """torch's ``nn.ModuleList``: modules in a list, named ``0``, ``1``, ... (``append``, ``extend``,
+    ``insert`` as torch's)."""
+
+    def __init__(self, modules=None):
+        self.layers = list(modules or ())
+
+    def append(self, module: Module) -> "ModuleList":
+        """Add ``module`` at the end; returns the list, as torch's."""
+        self.layers.append(_check_module(f"tilegraph.nn.{type(self).__name__}.append", module))
+        return self
+
+    def extend(self, modules) -> "ModuleList":
+        """Add each of ``modules`` at the end; returns the list, as torch's."""
+        where = f"tilegraph.nn.{type(self).__name__}.extend"
+        self.layers.extend([_check_module(where, m) for m in modules])
+        return self
+
+    def insert(self, index: int, module: Module) -> None:
+        """Put ``module`` before ``index``, as torch's."""
+        self.layers.insert(index, _check_module(f"tilegraph.nn.{type(self).__name__}.insert", module))
 
     def __iter__(self):
         return iter(self.layers)
@@ -603,6 +640,7 @@ class Linear(Module):
                                   name="bias")
 
     def forward(self, x: TileTensor) -> TileTensor:
+        x = fit_last_dim(x, self.weight, "tilegraph.nn.Linear", "in_features")
         if self.grad_sketch is not None:
             return ops.sketched_linear(x, self.weight, self.bias, sketch=self.grad_sketch, ratio=self.sketch_ratio,
                                        seed=self.sketch_seed)
@@ -629,6 +667,8 @@ class Embedding(Module):
         self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
 
     def forward(self, ids: TileTensor) -> TileTensor:
+        if isinstance(ids, np.ndarray) or type(ids).__module__.startswith("torch"):  # as torch's: an array of ids
+            ids = from_numpy(ids)
         return ops.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
     def unembed(self, x: TileTensor) -> TileTensor:
@@ -647,15 +687,30 @@ def _normalized_dim(dim, where: str):
 
 
 class LayerNorm(Module):
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, tile=None, dtype=np.float32):
-        dim = _normalized_dim(dim, "tilegraph.nn.LayerNorm")
-        dtype = _check_layer("tilegraph.nn.LayerNorm", dtype, dim=dim)
-        self.eps = eps
-        self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
-        self.bias = Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias else None
+    """torch's ``nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias)`` over the last dim
+    (``elementwise_affine=False``: neither weight nor bias; ``bias=False``: a weight alone)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *, tile=None,
+                 dtype=np.float32):
+        where = "tilegraph.nn.LayerNorm"
+        dim = _normalized_dim(dim, where)
+        dtype = _check_layer(where, dtype, dim=dim)
+        for name, flag in (("elementwise_affine", elementwise_affine), ("bias", bias)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TileError(where, f"{name} must be a bool (torch's LayerNorm(normalized_shape, eps, "
+                                "elementwise_affine, bias))", f"{name}={flag!r:.60}")
+        self.eps, self.dim = eps, dim
+        self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight") if elementwise_affine else None
+        self.bias = (Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias and elementwise_affine
+                     else None)
 
     def forward(self, x: TileTensor) -> TileTensor:
-        return ops.layer_norm(x, self.weight.shape, self.weight, self.bias, eps=self.eps)
+        if self.weight is not None:
+            x = fit_last_dim(x, self.weight, "tilegraph.nn.LayerNorm", "dim")
+        elif isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
+            x = from_numpy(x)
+        return ops.layer_norm(x, (self.dim,) if self.weight is None else self.weight.shape, self.weight, self.bias,
+                              eps=self.eps)
 
 
 class RMSNorm(Module):
@@ -666,6 +721,7 @@ class RMSNorm(Module):
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
 
     def forward(self, x: TileTensor) -> TileTensor:
+        x = fit_last_dim(x, self.weight, "tilegraph.nn.RMSNorm", "dim")
         return ops.rms_norm(x, self.weight, eps=self.eps)
 
 
