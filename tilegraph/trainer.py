@@ -195,7 +195,7 @@ class Trainer:
       restarts per fit, an int that many. Needs ``checkpoint_dir`` (and ``checkpoint_every``
       for checkpoints before the end). The steps after the checkpoint run again (their
       records then appear twice in ``metrics.jsonl``, around a ``"restart"`` record);
-      :attr:`FitResult.losses` keeps the rerun's losses. Without it, or with no checkpoint
+      :attr:`FitResult.losses` and ``val_losses`` keep the rerun's. Without it, or with no checkpoint
       yet, the WorkerLostError ends the fit.
 
     A loss that becomes NaN/inf stops training with a :class:`NonFiniteLossError` (a
@@ -698,6 +698,8 @@ class Trainer:
                     result.restarts.append(record)
                     self._log(log, {**record, "restart": True, "time": time.time()})
                     del result.losses[max(0, resumed - start):]
+                    # the evaluations after the checkpoint run again too (they were kept twice)
+                    result.val_losses[:] = [(s, v) for s, v in result.val_losses if s <= resumed]
                     bar.n = max(0, resumed - start)
                     bar.refresh()
                     i = resumed + 1
@@ -1099,27 +1101,36 @@ class Trainer:
 
     def _warn_other_batches(self, ck) -> None:
         """Warn where the checkpoint's run read its data otherwise than this trainer will: another
-        ``batch_size`` or data seed (the data position, the next step, then means other windows
+        ``batch_size``, data seed, ``seq_len`` or token range of the split (another token file,
+        another ``val_fraction``: the data position, the next step, then means other windows
         than that run's next ones) or another ``accum_steps`` (the same windows, averaged in
         micro-batches of another size: not the losses that run would have had)."""
+        import re
         import warnings
 
         state = ck.trainer_state
         rng = state.get("rng") if isinstance(state.get("rng"), dict) else {}
         ours = {"batch_size": self.batch_size, "accum_steps": self.accum_steps}
-        if self.token_data and state.get("data") is not None:
-            ours["data seed"] = getattr(self.data, "seed", None)
         theirs = {"batch_size": state.get("batch_size"), "accum_steps": state.get("accum_steps"),
                   "data seed": rng.get("data_seed")}
-        differ = [k for k, v in ours.items() if is_int(theirs.get(k)) and is_int(v) and theirs[k] != v]
+        if self.token_data and state.get("data") is not None:
+            ours["data seed"] = getattr(self.data, "seed", None)
+            # the windows: the repr of the run's TokenDataset (its path may differ: a run folder copied)
+            found = re.search(r"seq_len=(\d+),.* tokens \[(\d+), (\d+)\) of (\d+)\)$", str(state["data"]))
+            if found:
+                theirs["seq_len"], ours["seq_len"] = int(found.group(1)), self.data.seq_len
+                theirs["split tokens"] = "[{}, {}) of {}".format(*found.groups()[1:])
+                ours["split tokens"] = f"[{self.data.lo}, {self.data.hi}) of {self.data.count}"
+        differ = [k for k, v in ours.items() if theirs.get(k) is not None and v is not None and theirs[k] != v
+                  and (isinstance(v, str) or is_int(theirs[k]) and is_int(v))]
         if not differ:
             return
-        what = ("the next batches are other windows than that run's" if set(differ) & {"batch_size", "data seed"}
-                else "the same windows, averaged in micro-batches of another size")
+        what = ("the next batches are other windows than that run's"
+                if set(differ) - {"accum_steps"} else "the same windows, averaged in micro-batches of another size")
         warnings.warn(f"tilegraph.Trainer.load_checkpoint: {ck.path} was written by a run with "
                       + ", ".join(f"{k} {theirs[k]}" for k in differ) + "; this trainer has "
                       + ", ".join(f"{k} {ours[k]}" for k in differ) + f": from step {ck.step + 1} on, {what} "
-                      "(build the Trainer with the checkpoint's values to continue that run as it was)", stacklevel=2)
+                      "(build the Trainer with the checkpoint's values to continue that run as it was)", stacklevel=3)
 
     def _join_logged_run(self, start: int) -> None:
         """Before this trainer's first record: where ``log_dir/metrics.jsonl`` ends with another

@@ -283,8 +283,12 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     spec = (ck.optimizer_info or {}).get("schedule") or {}
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
+    keep_update_settings(resume, (ck.optimizer_info or {}).get("hyper") or {}, cfg["train"], given)
     keep_data(opened.data, cfg["data"], given)
     keep_window(resume, ck.trainer_state or {}, opened.data, cfg["data"], given)
+    # the settings as the checkpoint completed them: its batch_size and accum_steps against [runtime]
+    # workers and parallel (checked with the config's alone, they failed inside the first step)
+    check_config(cfg, f"{source}, with the batch settings of --resume {quote(resume)}")
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
 
 
@@ -345,6 +349,32 @@ def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) ->
     refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
                    f"start a new run from the checkpoint's weights (--init {quote(resume)} and another --out)",
                    f"the resumed run draws its checkpoint's batches ({kept})")
+
+
+def keep_update_settings(resume: str, hyper: dict, t: dict, given: dict[str, str]) -> None:
+    """A resumed run updates the weights as the run it continues did: the weight decay and
+    gradient clipping its checkpoint's optimizer records replace [train]'s (a resume without the
+    run's config took the shipped config's weight_decay 0.1 and clip_grad_norm 1.0, and its losses
+    left the uninterrupted run's); other values given are refused or named (:func:`refuse_or_warn`)."""
+    stored = {}
+    if isinstance(hyper.get("weight_decay"), (int, float)):
+        stored["weight_decay"] = hyper["weight_decay"]
+    clip = hyper.get("clip_grad_norm", False)  # (missing in a checkpoint that does not record it)
+    if clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool)):
+        stored["clip_grad_norm"] = clip or 0  # [train]'s 0: no clipping
+    other = []
+    for key, value in stored.items():
+        if math.isclose(t[key], value, rel_tol=1e-9, abs_tol=0.0):
+            continue
+        where = given.get(f"train.{key}")
+        if where is not None:
+            other.append((where, f"{key} = {t[key]!r}"))
+        t[key] = value
+    kept = ", ".join(f"{k} {v:g}" for k, v in stored.items())
+    refuse_or_warn(other, f"the weight decay and gradient clipping of the run it continues ({kept}, from its "
+                   f"checkpoint): leave them out, or start a new run from the checkpoint's weights (--init "
+                   f"{quote(resume)} and another --out)",
+                   f"the resumed run updates the weights as its checkpoint's run did ({kept})")
 
 
 #: in every checkpoint of tilegraph train: the run's [data] settings (paths made absolute), which
@@ -601,6 +631,30 @@ def latest_checkpoint(out: Path) -> Path | None:
 
     found = complete_checkpoints(out / "checkpoints")
     return found[-1] if found else None
+
+
+#: where a lost worker's error (tilegraph._train.lost_worker_error) goes on from what happened to the
+#: Trainer's advice (Trainer.load_checkpoint, Trainer(restart_on_failure=True))
+LOST_STATE = "; parameters and optimizer state live on the workers"
+
+
+def lost_worker(error, config: str | None, out: Path) -> TileError:
+    """The error of a worker lost while training (``error``, a WorkerLostError naming it and the
+    steps) in the command's words: the --resume command of the newest checkpoint and [train]
+    restart_on_failure, where the Trainer's told a command-line user to call
+    ``Trainer.load_checkpoint`` or build ``Trainer(restart_on_failure=True)``."""
+    happened, found, rest = error.what.partition(LOST_STATE)
+    if not found:  # not the error of lost state: as it is
+        return error
+    gave_up = re.search(r"; (restart_on_failure (gave up|has no checkpoint).*)$", rest)
+    last = latest_checkpoint(out)
+    how = (f"continue from the newest checkpoint, {last}, with {resume_command(config, last)} (the steps after it run "
+           "again)" if last else "no checkpoint was written yet: train again, with another --out")
+    auto = (f"[train] {gave_up.group(1)}" if gave_up else
+            "or set [train] restart_on_failure (--set train.restart_on_failure=2) to resume from the last checkpoint "
+            "([output] checkpoint_every) by itself")
+    return TileError("tilegraph train", f"{happened}: what it held of the parameters and optimizer state is gone; "
+                     f"{how}; {auto}", error.received)
 
 
 def diverged(error: FloatingPointError, optimizer, out: Path) -> TileError:

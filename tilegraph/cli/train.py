@@ -24,7 +24,7 @@ from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_gr
                                     check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
                                     resume_settings, sketch_settings)
 from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
-                                given_settings, keep_branch_point, on_command_line,
+                                given_settings, keep_branch_point, lost_worker, on_command_line,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, quote, resume_command,
                                 take_output)
 
@@ -315,6 +315,8 @@ def _train(args, job: Job) -> int:
                 res = trainer.fit(steps)
         except FloatingPointError as e:  # a NaN/inf loss, naming the step
             raise diverged(e, opt, out) from None
+        except tg.WorkerLostError as e:  # the Trainer's advice in the command's words
+            raise lost_worker(e, args.config, out) from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
