@@ -15,6 +15,8 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -22,7 +24,7 @@ import pytest
 
 import tilegraph as tg
 import tilegraph._train
-from conftest import fake_hosts
+from conftest import fake_hosts, stop_process
 from tilegraph.trainer import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN, StepTimeoutError, WorkerLostError
 
 
@@ -265,6 +267,52 @@ def test_restart_on_failure_of_a_sharded_gang_plan(cluster, tmp_path, caplog, ho
     # the restart planned for the workers it found (the replacement of the lost one may have
     # joined by then or not), the reference for those there now: one process's sums or two's
     np.testing.assert_allclose(res.losses[4:], want.losses, rtol=1e-4)
+
+
+@pytest.mark.distributed
+def test_a_restart_goes_on_with_the_lost_workers_replacement(cluster, tmp_path):
+    """The embedded cluster's nanny starts a killed worker again within seconds: the restart waits
+    for it, so training goes on over two worker processes, and the next fit too (before: on the
+    one left, for good, although the replacement had joined)."""
+    addrs = sorted(cluster.pids)
+    lost = {}
+
+    def hook(trainer, stats):
+        if not lost and len(trainer.history) >= 6:
+            lost.update(addr=addrs[1])
+            cluster.kill(addrs[1])
+
+    trainer = _trainer(cluster.rt, 16, steps_per_graph=1, checkpoint_dir=tmp_path / "ck", checkpoint_every=4,
+                       restart_on_failure=True, on_step=[hook], parallel="sharded")
+    res = trainer.fit(12)
+    assert len(res.restarts) == 1 and res.restarts[0]["workers"] == [lost["addr"]], res.restarts
+    workers = set(cluster.rt.workers())
+    assert len(workers) == 2 and lost["addr"] not in workers
+    for exe in trainer.step.executables:
+        assert exe.parallel_summary().startswith("sharded over 2 worker processes"), exe.parallel_summary()
+        assert set(exe.workers.memory_limits) == workers
+    trainer.fit(4)
+    assert all(e.parallel_summary().startswith("sharded over 2 worker processes") for e in trainer.step.executables)
+
+
+@pytest.mark.distributed
+def test_a_fit_plans_again_for_workers_that_joined(cluster):
+    """A worker that joined after the last fit is used by the next one (the recorded plans were
+    for the workers there were)."""
+    rt = cluster.rt
+    trainer = _trainer(rt, 8, steps_per_graph=1, parallel="sharded")
+    trainer.fit(4)
+    assert [e.parallel_summary()[:31] for e in trainer.step.executables] == ["sharded over 2 worker processes"]
+    # a worker started by hand (a batch job's), as tilegraph's declare their threads
+    worker = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", rt.address, "--nthreads", "1",
+                               "--resources", "CPU=1", "--no-dashboard", "--host", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        rt.client.wait_for_workers(3, timeout=60)
+        trainer.fit(4)
+        assert [e.parallel_summary()[:31] for e in trainer.step.executables] == ["sharded over 3 worker processes"]
+    finally:
+        stop_process(worker)
 
 
 @pytest.mark.distributed

@@ -132,6 +132,34 @@ def _follows_current(plans, runtime) -> bool:
                    for exe in plans)
 
 
+def _replan_for_workers(plans, runtime) -> bool:
+    """Whether ``plans`` were made for other workers than the cluster's now (a worker joined, or a
+    lost one's nanny started it again, at another address): planned again, the steps use every
+    worker there is. One scheduler call; False without a cluster."""
+    made = [exe for exe in plans if exe.workers is not None and exe.runtime is not None and not exe.runtime.closed]
+    if not made:
+        return False
+    now = set(made[0].runtime.workers())
+    return any(set(exe.workers.memory_limits) != now for exe in made)
+
+
+#: seconds a restart waits for the nannies of lost workers to start their processes again (the
+#: embedded cluster's take 1-3 s), so that training goes on with as many workers as before
+REPLACEMENT_WAIT_SECONDS = 20.0
+
+
+def wait_for_replacements(runtime, count: int, seconds: float = REPLACEMENT_WAIT_SECONDS) -> int:
+    """Wait up to ``seconds`` until the cluster has ``count`` workers again, where its workers have
+    nannies (which start a lost worker's process again; dask-mpi's ranks have none: not waited
+    for); returns how many it has then."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        info = runtime.workers()
+        if len(info) >= count or not any(w.get("nanny") for w in info.values()) or time.perf_counter() > deadline:
+            return len(info)
+        time.sleep(0.25)
+
+
 def check_compile_options(where: str, options: dict) -> None:
     """The keyword arguments forwarded to :class:`Executable`: known names (:data:`COMPILE_OPTIONS`),
     each None (the ``tilegraph.config`` setting of that name) or a value that setting accepts."""
@@ -453,6 +481,15 @@ class TrainStep:
         then. The next step records and plans again on the runtime's workers of that moment."""
         self._cache.clear()
         self._acc_cells = self._acc_tot = self._weighted = None
+
+    def follow_workers(self) -> bool:
+        """Plan again where the cluster's workers are no longer those the recorded graphs were
+        planned for (a worker that joined, a lost one started again by its nanny after a restart
+        planned for those left); returns whether it did. The Trainer asks at each ``fit``."""
+        if _replan_for_workers(self.executables, self.runtime):
+            self.reset_plans()
+            return True
+        return False
 
     def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
         """The recorded step for this batch signature, kind and number of steps, and whether it
@@ -1067,6 +1104,13 @@ class EvalStep:
     def reset_plans(self) -> None:
         """Forget the recorded graphs (planned for the workers there were then)."""
         self._cache.clear()
+
+    def follow_workers(self) -> bool:
+        """:meth:`TrainStep.follow_workers`."""
+        if _replan_for_workers([exe for exe, _ in self._cache.values()], self.runtime):
+            self.reset_plans()
+            return True
+        return False
 
     def _lookup(self, batch, n: int) -> tuple[Executable, list]:
         """The graph of ``n`` losses for batches like ``batch``, and each one's input cells."""

@@ -37,7 +37,7 @@ from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
 from tilegraph._train import (LOST_STATE_HINT, EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError,
                               _steps_text, check_step_arguments, lost_worker_error, translate_worker_failure,
-                              worker_health)
+                              wait_for_replacements, worker_health)
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]
 
@@ -485,6 +485,10 @@ class Trainer:
         if self.runtime is not None:  # closed after this trainer was built: say so before anything starts
             self.runtime.require_open(where)
         start = self.optimizer.step_count
+        if self.runtime is not None:  # workers joined since the last fit (a lost one started again): use them
+            self.step.follow_workers()
+            if self._eval is not None:
+                self._eval.follow_workers()
         self._check_checkpoint_dir(where, start)
         self._warn_past_schedule(start, start + steps)
         self._join_logged_run(start)
@@ -897,6 +901,7 @@ class Trainer:
         if self._last_checkpoint is None:
             raise fail("restart_on_failure has no checkpoint to resume from: this trainer has written or loaded "
                        "none yet (checkpoint_every sets how often it writes one)") from None
+        before = len(self.runtime.last_workers.memory_limits)  # the workers the lost steps were planned for
         if error.stalled:  # its nanny kills the silent process and starts a fresh one (no nanny: removed)
             _restart_or_remove(self.runtime.client, error.stalled)
         deadline = time.perf_counter() + RESTART_WAIT_SECONDS
@@ -905,6 +910,9 @@ class Trainer:
                 raise fail(f"no worker is left to restart on (none answered within {RESTART_WAIT_SECONDS:g} s)") \
                     from None
             time.sleep(0.5)
+        if len(answering) < before:  # the nannies of lost workers start them again: go on with as many
+            wait_for_replacements(self.runtime, before)
+            answering = worker_health(self.runtime).answering
         step = self.load_checkpoint(self._last_checkpoint)
         logger.warning("tilegraph.Trainer: lost worker(s) %s while %s ran; resuming from checkpoint %s (step %d) "
                        "on %d worker(s): %s", ", ".join(error.workers) or "(none named)",
