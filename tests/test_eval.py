@@ -99,7 +99,9 @@ def test_evaluation_reads_the_same_windows_whatever_accum_steps_is(tmp_path, cor
         assert trainer.evaluate() == pytest.approx(want, rel=1e-6), k
 
 
-def test_perplexity_is_logged_beside_the_validation_loss(tmp_path, capsys):
+def test_a_regressors_validation_loss_is_logged_without_a_perplexity(tmp_path, capsys):
+    """exp of an MSE is no perplexity: it is neither shown nor logged (val_ppl) for a regressor;
+    FitResult.val_perplexities computes it all the same (a language model's: tests/test_e2e36_trainer_data.py)."""
     w = np.random.default_rng(100).standard_normal((8, 2)).astype(np.float32) / 3
 
     def data(seed):
@@ -121,10 +123,11 @@ def test_perplexity_is_logged_beside_the_validation_loss(tmp_path, capsys):
     assert res.val_perplexities == [(s, math.exp(v)) for s, v in res.val_losses]
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
-    assert [(r["step"], r["val_loss"], r["val_ppl"]) for r in evals] == [(s, v, math.exp(v)) for s, v in res.val_losses]
+    assert [(r["step"], r["val_loss"]) for r in evals] == res.val_losses and not any("val_ppl" in r for r in evals)
     out = capsys.readouterr().out
     for step, loss in res.val_losses:
-        assert f"step {step}: loss " in out and f"validation loss {loss:.4f} (perplexity {math.exp(loss):.2f})" in out
+        assert f"step {step}: loss " in out and f"validation loss {loss:.4f}\n" in out
+    assert "perplexity" not in out
     assert tg.trainer.perplexity(1e4) == math.inf and math.isnan(tg.trainer.perplexity(float("nan")))
 
 

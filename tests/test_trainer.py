@@ -42,7 +42,9 @@ def test_fit_logs_metrics_plots_and_evaluates(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 41))
-    assert [r["loss"] for r in steps] == res.losses and all(r["tokens_per_s"] > 0 for r in steps)
+    # an MLP on float features: rows per second (its (B, D) batches are no tokens)
+    assert [r["loss"] for r in steps] == res.losses and all(r["samples_per_s"] > 0 for r in steps)
+    assert not any("tokens_per_s" in r for r in steps)
     assert [(r["step"], r["val_loss"]) for r in records if "val_loss" in r] == res.val_losses
     png = (tmp_path / "run" / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
@@ -198,7 +200,7 @@ def test_fit_writes_every_metric_to_tensorboard(tmp_path, fake_tensorboardx):
     assert writer.logdir == str(tmp_path / "tensorboard") and writer.closed  # closed (flushed) when fit ends
     assert writer.scalars["train/loss"] == list(zip(range(1, 11), res.losses))
     assert [s for s, _ in writer.scalars["train/lr"]] == list(range(1, 11))
-    assert {"train/grad_norm", "train/tokens_per_s", "train/step_seconds"} <= set(writer.scalars)
+    assert {"train/grad_norm", "train/samples_per_s", "train/step_seconds"} <= set(writer.scalars)
     assert writer.scalars["val/loss"] == res.val_losses
     assert not [tag for tag in writer.scalars if tag.endswith(("run", "time", "step"))]
     _, _, trainer = _setup(steps=2, tensorboard=tmp_path / "tb")  # a folder of its own, no log_dir needed

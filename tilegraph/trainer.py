@@ -1,13 +1,14 @@
 """The training loop: ``tilegraph.Trainer(model, optimizer, data, runtime).fit(steps)``.
 
 One :class:`~tilegraph.TrainStep` per optimizer step (forward, backward and update as one Dask
-graph, recorded once and replayed), with gradient accumulation, a progress bar (loss, tokens/s,
-ETA), a JSONL metrics log, a loss-curve PNG, evaluation on held-out data and checkpoints.
+graph, recorded once and replayed), with gradient accumulation, a progress bar (loss, tokens/s
+or samples/s, ETA), a JSONL metrics log, a loss-curve PNG, evaluation on held-out data and
+checkpoints.
 
 ``data`` is either a token dataset (:class:`tilegraph.io.TokenDataset`: a batch is the start
 offsets of its windows, read on the workers; the loss defaults to the next-token cross-entropy of
 ``model(inputs)``) or any callable ``data(step) -> tuple of arrays`` used with ``loss_fn(model,
-*tensors)``.
+*tensors)``, called with the optimizer step's number, counted from 1 (:class:`Trainer`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class FitResult:
     losses: list[float]                # training loss of each step
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
     seconds: float = 0.0
+    #: tokens trained per second, where the batches are tokens (a token dataset, or integer ids
+    #: (B, T) as a callable's first array); 0.0 for other data, whose rate is :attr:`samples_per_s`
     tokens_per_s: float = 0.0
     checkpoints: list[str] = field(default_factory=list)
     #: seconds inside tile kernels per part of the model and phase ("blocks.0.attn:backward",
@@ -111,10 +114,13 @@ class FitResult:
     restarts: list[dict] = field(default_factory=list)
     #: :meth:`Trainer.request_stop` (Ctrl-C, SIGTERM in the CLI) ended the fit before its last step
     stopped: bool = False
+    #: rows (the first dim of a batch's first array: sequences of a token dataset) per second
+    samples_per_s: float = 0.0
 
     @property
     def val_perplexities(self) -> list[tuple[int, float]]:
-        """(step, validation perplexity): :func:`perplexity` of each of :attr:`val_losses`."""
+        """(step, validation perplexity): :func:`perplexity` of each of :attr:`val_losses` (a
+        number that means something for a language model's token cross-entropy only)."""
         return [(step, perplexity(loss)) for step, loss in self.val_losses]
 
     def profile(self, top: int = 8) -> str:
@@ -142,6 +148,29 @@ class Trainer:
       (checked on the first batch, before any step).
     - ``eval_data`` / ``eval_every`` / ``eval_batches``: validation loss every that many steps
       (and at the end) over that many batches of ``eval_data``.
+    - How a callable ``data`` and ``eval_data`` are called: ``data(step)`` with the number of the
+      optimizer step the batch trains, counted from 1 as the progress, ``metrics.jsonl`` and the
+      checkpoints count them: a first ``fit(3)`` calls ``data(1)``, ``data(2)``, ``data(3)``, a
+      second ``fit(3)`` goes on with ``data(4)``..``data(6)``, and a trainer resumed from the
+      checkpoint of step 3 (:meth:`load_checkpoint`) calls ``data(4)`` next, as the
+      uninterrupted run did. Each step's batch is asked for once, in order. Batch ``k`` (from 0)
+      of arrays of ``n`` rows in batches of ``B`` is thus ``X[(step - 1) * B:step * B]``, and an
+      epoch has ``n // B`` steps (``k = (step - 1) % (n // B)`` for several epochs): a batch with
+      no rows is refused naming the step, and an IndexError of ``data(step)`` gets a note of this
+      numbering. ``eval_data(i)`` is called with the batch index ``i = 0 .. eval_batches - 1``
+      at every evaluation (the same held-out batches each time, not a step number).
+    - The rate: ``tokens_per_s`` in ``metrics.jsonl`` (``tok_s`` in the progress,
+      :attr:`FitResult.tokens_per_s`) where the batches are tokens (a token dataset, or a callable
+      whose first array, the model's input, holds integer ids of two or more dims, (B, T): B x T
+      tokens); for other data (float features (B, D), images) ``samples_per_s``, the rows (the
+      first dim of the first array) per second (:attr:`FitResult.samples_per_s`).
+    - ``perplexity``: whether the validation loss is shown and logged (``val_ppl``) with its
+      perplexity ``exp(loss)``, which means something only for a language model's token-level
+      cross-entropy. ``None`` (default): for a token dataset, and for a callable whose batches'
+      first array (the input) and last array (the targets) are integer token ids of one shape
+      (B, T) (one integer (B, T) array alone counts: a loss that shifts it itself); not for float
+      features, class labels (B,) or regression targets. ``True`` / ``False`` say it outright
+      (a model taking float embeddings of a sequence, say).
     - ``log_dir``: writes ``metrics.jsonl`` (one JSON object per step and per evaluation) and
       ``loss.png`` (the loss curve, redrawn at the end and at evaluations, those at least 20
       times the last drawing's time apart: drawing never takes more than ~5% of a run).
@@ -208,7 +237,7 @@ class Trainer:
 
     def __init__(self, model, optimizer, data, runtime=None, *, batch_size: int = BATCH_SIZE,
                  loss_fn: Callable | None = None, accum_steps: int = 1, eval_data=None, eval_every: int = 0,
-                 eval_batches: int = 4,
+                 eval_batches: int = 4, perplexity: bool | None = None,
                  log_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int | None = None,
                  async_checkpoint: bool = True, checkpoint_files: Mapping[str, bytes] | None = None,
@@ -239,6 +268,9 @@ class Trainer:
         for name, value in (("pipeline", pipeline), ("progress", progress), ("async_checkpoint", async_checkpoint)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TileError(where, f"{name} must be True or False", f"{name}={_short_repr(value)}")
+        if perplexity is not None and not isinstance(perplexity, (bool, np.bool_)):
+            raise TileError(where, "perplexity must be None (a language model's data: token ids), True or False",
+                            f"perplexity={_short_repr(perplexity)}")
         if performance_report is not None and not isinstance(performance_report, (str, os.PathLike)):
             raise TileError(where, "performance_report must be a file path (a str or os.PathLike) or None",
                             f"performance_report={_short_repr(performance_report)}")
@@ -332,6 +364,12 @@ class Trainer:
                             "not after training up to the reported step")
         self.performance_report, self.report_step = performance_report, report_step
         self.token_data = _is_token_data(data)
+        #: whether the batches are tokens (the rate is tokens_per_s, else samples_per_s) and whether
+        #: the validation perplexity is shown: a token dataset's are; a callable's are told from its
+        #: first batch (:meth:`_note_batch_kind`; None until then)
+        self.token_batches = True if self.token_data else None
+        self._perplexity_given = perplexity
+        self.language_model = bool(perplexity) if perplexity is not None else (True if self.token_data else None)
         if self.token_data:
             seq_tile = getattr(getattr(model, "tiling", None), "seq", None)
             row_tile = getattr(getattr(model, "tiling", None), "batch", None)
@@ -386,17 +424,14 @@ class Trainer:
     def _batch(self, step: int) -> tuple[np.ndarray, ...]:
         if self.token_data:
             return (self.data.batch_offsets(step, self.batch_size),)
-        batch = self.data(step)
-        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        arrays = tuple(np.asarray(a) for a in batch)
-        for n, (a, array) in enumerate(zip(batch, arrays)):
-            # None, a dict, ragged lists: NumPy makes an object array of them, which would fail
-            # deep inside the recording (or as a missing argument of loss_fn)
-            if array.dtype.kind not in "biuf":
-                raise TileError("tilegraph.Trainer.fit", "data(step) must return an array of numbers, or a tuple "
-                                "of them (the arguments of loss_fn after the model)",
-                                f"data({step}) item {n}: {_short_repr(a)} ({type(a).__name__})")
-        return arrays
+        try:
+            batch = self.data(step)
+        except IndexError as e:  # batches[step] of a list past its end: steps count from 1, not 0
+            e.add_note(f"[tilegraph.Trainer.fit] data(step) is called with the optimizer step's number, counted "
+                       f"from 1 (data({step}) here): batch k (from 0) of a list is batches[step - 1], of arrays "
+                       "X[(step - 1) * B:step * B]")
+            raise
+        return _batch_arrays("tilegraph.Trainer.fit", "data(step)", f"data({step})", batch, _STEP_NUMBERING)
 
     def _check_first_batch(self, step: int, batch: tuple) -> None:
         """A callable data's first batch (``data(step)``, before any step runs): its rows (the first
@@ -440,11 +475,28 @@ class Trainer:
                       f"{floor:g} (min_lr). Give the schedule a total of at least {end} (trainer.optimizer.schedule "
                       "= ...) to train them at a higher rate", UserWarning, stacklevel=3)
 
-    def _tokens(self, batch) -> int:
+    def _note_batch_kind(self, batch: tuple) -> None:
+        """A callable data's first batch tells whether its batches are tokens (the input, its
+        first array, integer ids of two or more dims: the rate is tokens/s) and, unless
+        ``perplexity`` was given, whether its loss is a language model's (input and targets, its
+        first and last arrays, integer ids of one shape (B, T)): exp of an MSE or of a classifier's
+        cross-entropy over class labels is no perplexity."""
+        if self.token_batches is not None:
+            return
+        first, last = (np.asarray(batch[0]), np.asarray(batch[-1])) if batch else (np.empty(()), np.empty(()))
+        ids = first.dtype.kind in "iu" and first.ndim >= 2
+        self.token_batches = ids
+        if self._perplexity_given is None:
+            self.language_model = ids and first.ndim == 2 and last.dtype.kind in "iu" and last.shape == first.shape
+
+    def _counted(self, batch) -> tuple[int, int]:
+        """(tokens, samples) of a step's batch: a token dataset's windows x ``seq_len``, integer ids
+        (B, T, ...) B x T (0 for other data); samples: the rows (the first array's first dim)."""
         if self.token_data:
-            return len(batch[0]) * int(self.data.seq_len)
+            return len(batch[0]) * int(self.data.seq_len), len(batch[0])
         a = np.asarray(batch[0])
-        return int(np.prod(a.shape[:2])) if a.ndim >= 2 else int(a.shape[0]) if a.ndim else 1
+        rows = int(a.shape[0]) if a.ndim else 1
+        return (int(np.prod(a.shape[:2])) if self.token_batches and a.ndim >= 2 else 0), rows
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, batches: int | None = None) -> float:
@@ -469,7 +521,14 @@ class Trainer:
                 micro = self.batch_size // self.accum_steps
                 batches = [(offsets,) for offsets in self.eval_data.eval_offsets(micro, n * self.accum_steps)]
             else:
-                batches = [b if isinstance(b, (tuple, list)) else (b,) for b in map(self.eval_data, range(n))]
+                batches = []
+                for k in range(n):
+                    try:
+                        batch = self.eval_data(k)
+                    except IndexError as e:  # a list of held-out batches shorter than eval_batches
+                        e.add_note(f"[{where}] {_EVAL_NUMBERING} (eval_data({k}) here)")
+                        raise
+                    batches.append(_batch_arrays(where, "eval_data(i)", f"eval_data({k})", batch, _EVAL_NUMBERING))
             losses = self._eval.losses(batches)
         return float(np.mean(losses))
 
@@ -509,7 +568,7 @@ class Trainer:
                           stacklevel=2)
         reported = False  # whether a graph of this fit was reported on
         t0 = time.perf_counter()
-        tokens = 0
+        tokens = samples = 0
         step_seconds = 0.0  # the last graph's time per step (see log_step)
         end = start + steps
         clock = t0  # when the graph the loop waits for could start: its submission, or the previous one's end
@@ -523,7 +582,7 @@ class Trainer:
 
         def log_step(i: int, pending, batch, patient: bool) -> float:
             """Wait for step ``i``'s loss and log it."""
-            nonlocal tokens, clock, fresh, step_seconds
+            nonlocal tokens, samples, clock, fresh, step_seconds
             # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
             began = clock
             try:
@@ -537,14 +596,19 @@ class Trainer:
             fresh = pending.steps if pending.fresh else fresh
             if i not in fresh:  # a first run's time (recording, compilation) says little of the next ones
                 self._recent.append(stats.seconds)
-            tokens += self._tokens(batch)
+            counted = self._counted(batch)
+            tokens, samples = tokens + counted[0], samples + counted[1]
             elapsed = time.perf_counter() - t0
             if i > start:  # a restart may go back before this fit's first step
                 result.losses.append(loss)
+            # tokens where the batches are tokens; rows of other data (a (B, D) batch of float
+            # features counted B x D "tokens")
+            rate, short, count = (("tokens_per_s", "tok_s", tokens) if self.token_batches else
+                                  ("samples_per_s", "samples_per_s", samples))
             self._log(log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                            "tokens_per_s": tokens / elapsed, "step_seconds": step_seconds, "tasks": stats.tasks,
+                            rate: count / elapsed, "step_seconds": step_seconds, "tasks": stats.tasks,
                             "time": time.time()})
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.4f}", **{short: f"{count / elapsed:,.0f}"}, refresh=False)
             bar.update(1)
             return loss
 
@@ -559,8 +623,11 @@ class Trainer:
             if evaluates(i):
                 val = self._watched(self.evaluate, f"the evaluation after step {i}", range(i, i + 1))
                 result.val_losses.append((i, val))
-                self._log(log, {"step": i, "val_loss": val, "val_ppl": perplexity(val), "time": time.time()})
-                bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f} (perplexity {perplexity(val):.2f})")
+                # a perplexity only of a language model's token cross-entropy (exp of an MSE is none)
+                ppl = {"val_ppl": perplexity(val)} if self.language_model else {}
+                self._log(log, {"step": i, "val_loss": val, **ppl, "time": time.time()})
+                bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}"
+                          + (f" (perplexity {perplexity(val):.2f})" if self.language_model else ""))
                 if i != end and self.log_dir is not None and self._plot_due(t0):  # the end draws anyway
                     redraw.append(i)  # drawn once the next steps run (the workers wait for nothing it does)
             if checkpoints(i):
@@ -622,6 +689,7 @@ class Trainer:
             # for ahead of their group wait here
             ahead = {i: self._batch(i)}
             self._check_first_batch(i, ahead[i])
+            self._note_batch_kind(ahead[i])
             per_graph = self._steps_per_graph(ahead[i])
             while i <= end and not self._stop:
                 # this group: up to the next step the loop waits at, cut into near-equal groups
@@ -709,7 +777,10 @@ class Trainer:
                     i = resumed + 1
                 except BaseException as e:
                     settle()
-                    if isinstance(e, KeyboardInterrupt):  # a notebook shows the traceback: say where it stands
+                    # a notebook shows the traceback: say where it stands. Not after request_stop(): a
+                    # program that stops the fit itself (tilegraph train's Ctrl-C handler; its second
+                    # Ctrl-C comes here) says its own thing, where "fit again" means nothing
+                    if isinstance(e, KeyboardInterrupt) and not self._stop:
                         bar.write(f"interrupted: stopped after step {self.optimizer.step_count}, every step run "
                                   "logged (fit again to go on from there)")
                     raise
@@ -733,6 +804,7 @@ class Trainer:
         result.steps = len(result.losses)
         result.seconds = time.perf_counter() - t0
         result.tokens_per_s = tokens / result.seconds
+        result.samples_per_s = samples / result.seconds
         ks = self._kernel_stats()
         result.kernel_seconds = dict(sorted(ks["by_scope"].items(), key=lambda kv: -kv[1]))
         threads = sum(self.runtime.processors().values()) if self.runtime is not None else _config.usable_cores()
@@ -1186,7 +1258,10 @@ class Trainer:
 
     def request_stop(self) -> None:
         """Ask :meth:`fit` to stop after the steps under way (thread- and signal-safe): it then
-        writes a checkpoint of the last step (with ``checkpoint_dir``) and returns early."""
+        writes a checkpoint of the last step (with ``checkpoint_dir``) and returns early. A
+        KeyboardInterrupt after it (a second Ctrl-C the caller's handler lets through, as
+        ``tilegraph train``'s) still logs the steps run, without the line a notebook gets ("fit
+        again to go on"): the caller that asked for the stop says what happens next."""
         self._stop = True
 
     def _load_legacy_checkpoint(self, path: Path) -> int:
@@ -1296,6 +1371,33 @@ def _check_data(where: str, model, data, eval_data) -> None:
             raise TileError(where, f"{name}'s token ids must fit the model: {name}.vocab_size at most the model's "
                             "config.vocab_size (build the model with the tokenizer's vocab_size)",
                             f"{name}.vocab_size={vocab} (ids up to {vocab - 1}), model config.vocab_size={model_vocab}")
+
+
+#: what a batch without elements says of how a callable data is called (a slice past the end of
+#: its arrays, by a user who counted the steps from 0)
+_STEP_NUMBERING = ("data(step) is called with the optimizer step's number, counted from 1 (as the progress and "
+                   "metrics.jsonl count them): batch k (from 0) of arrays of n rows in batches of B is "
+                   "X[(step - 1) * B:step * B], and an epoch has n // B steps")
+_EVAL_NUMBERING = ("eval_data(i) is called with i = 0 .. eval_batches - 1 at each evaluation: batch i of held-out "
+                   "arrays of n rows is X[i * B:(i + 1) * B], so eval_batches is at most n // B")
+
+
+def _batch_arrays(where: str, name: str, call: str, batch, numbering: str) -> tuple[np.ndarray, ...]:
+    """The arrays of a batch that a callable ``data`` or ``eval_data`` returned (``name``:
+    "data(step)", ``call``: "data(3)"): arrays of numbers, each with at least one element.
+    (None, a dict, ragged lists: NumPy makes an object array of them, which would fail deep inside
+    the recording, or as a missing argument of loss_fn; an empty slice, past the end of the user's
+    arrays, failed inside the TrainStep naming neither the call nor how it is numbered.)"""
+    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    arrays = tuple(np.asarray(a) for a in batch)
+    for n, (a, array) in enumerate(zip(batch, arrays)):
+        if array.dtype.kind not in "biuf":
+            raise TileError(where, f"{name} must return an array of numbers, or a tuple of them (the arguments of "
+                            "loss_fn after the model)", f"{call} item {n}: {_short_repr(a)} ({type(a).__name__})")
+        if array.size == 0:
+            raise TileError(where, f"{name} must return arrays with at least one element (no dim of size 0; a slice "
+                            f"past the end of the data?): {numbering}", f"{call} item {n}: shape {array.shape}")
+    return arrays
 
 
 def _same(a, b) -> bool:
