@@ -296,23 +296,28 @@ def test_a_restart_goes_on_with_the_lost_workers_replacement(cluster, tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_fit_plans_again_for_workers_that_joined(cluster):
+@pytest.mark.parametrize("parallel", ["sharded", "data", "zero3"])
+def test_a_fit_plans_again_for_workers_that_joined(cluster, parallel):
     """A worker that joined after the last fit is used by the next one (the recorded plans were
-    for the workers there were)."""
+    for the workers there were), and the steps go on as those of a run on the first workers."""
     rt = cluster.rt
-    trainer = _trainer(rt, 8, steps_per_graph=1, parallel="sharded")
-    trainer.fit(4)
-    assert [e.parallel_summary()[:31] for e in trainer.step.executables] == ["sharded over 2 worker processes"]
+    want = _trainer(rt, 8, steps_per_graph=1, parallel=parallel).fit(8).losses
+    trainer = _trainer(rt, 8, steps_per_graph=1, parallel=parallel)
+    got = trainer.fit(4).losses
+    assert [e.parallel_summary().split(" (")[0].split(",")[0] for e in trainer.step.executables] == \
+        [f"{parallel} over 2 worker processes"]
     # a worker started by hand (a batch job's), as tilegraph's declare their threads
     worker = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", rt.address, "--nthreads", "1",
                                "--resources", "CPU=1", "--no-dashboard", "--host", "127.0.0.1"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         rt.client.wait_for_workers(3, timeout=60)
-        trainer.fit(4)
-        assert [e.parallel_summary()[:31] for e in trainer.step.executables] == ["sharded over 3 worker processes"]
+        got += trainer.fit(4).losses
+        assert [e.parallel_summary().split(" (")[0].split(",")[0] for e in trainer.step.executables] == \
+            [f"{parallel} over 3 worker processes"]
     finally:
         stop_process(worker)
+    np.testing.assert_allclose(got, want, rtol=1e-4)  # (sums over 3 processes' shares, not 2: rounding)
 
 
 @pytest.mark.distributed
