@@ -938,7 +938,7 @@ class Checkpoint:
         self.load_into(model)
         return model
 
-    def new_model(self, seed=0, *, values: bool = True, adapters: bool = True):
+    def new_model(self, seed=0, *, values: bool = True, adapters: bool = True, dtype=None):
         """A model of the stored architecture, config and tiling (``tiling`` of
         :func:`load_checkpoint` instead, when given), its weights freshly initialised from
         ``seed``; with ``values=False`` its parameters hold no values
@@ -946,12 +946,17 @@ class Checkpoint:
         :meth:`load_into` or :meth:`restore` fills them (``tilegraph train --resume``).
         The LoRA / LoTR adapters the stored model had (:func:`tilegraph.peft.adapter_settings`)
         are on it too, on the same layers (``adapters=False``: the base alone).
-        :attr:`model` holds the stored weights."""
+        ``dtype``: the model's float dtype (default: the stored model's); :meth:`load_into` casts
+        the stored weights to it (``tilegraph train --init`` widens a float16 checkpoint to
+        float32 so). :attr:`model` holds the stored weights."""
         import contextlib
 
+        from tilegraph._config import require_float_dtype
         from tilegraph.models import ARCHITECTURES, ModelTiling
         from tilegraph.nn import deferred_init
 
+        if dtype is not None:  # named here, before the stored config is looked at
+            dtype = require_float_dtype(f"{self._where}.new_model", dtype)
         m = self.info.get("model") or {}
         arch = m.get("architecture")
         if arch not in ARCHITECTURES:
@@ -967,7 +972,8 @@ class Checkpoint:
         if tiling is None and m.get("tiling") is not None:
             tiling = ModelTiling(**m["tiling"])
         with contextlib.nullcontext() if values else deferred_init():
-            model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")), seed=seed)
+            model = model_cls(config, tiling, dtype=np.dtype(m.get("dtype", "float32")) if dtype is None else dtype,
+                              seed=seed)
             if adapters and m.get("adapters"):
                 from tilegraph.peft import add_adapters
 
@@ -1019,13 +1025,17 @@ class Checkpoint:
             for idx in np.ndindex(*t.tiling.grid):
                 region = slices(t.chunks, idx)
                 nbytes = int(np.prod(t.tiling.tile_shape(idx))) * np.dtype(info["dtype"]).itemsize
-                jobs.append((cells[idx], apath, region, info, nbytes))
+                jobs.append((cells[idx], apath, region, _info_as(info, cells[idx].dtype), nbytes))
         if not jobs:
             return []
         runtime = self.runtime
         root = str(self.path)
         if runtime is None:
             return [(cell, np.asarray(read_region(root, a, r, i), dtype=cell.dtype)) for cell, a, r, i, _ in jobs]
+        # a model of another dtype than the stored one (new_model(dtype=...)): the workers cast what
+        # they read, so each cell holds a value of its own dtype (a float16 tile in a float32 cell
+        # failed the first op that met a float32 tile)
+        cast = any(np.dtype(i["dtype"]) != cell.dtype for cell, _, _, i, _ in jobs)
         addrs = sorted(runtime.workers())
         if not addrs:
             raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
@@ -1033,9 +1043,12 @@ class Checkpoint:
         client = runtime.client
         futures = []
         for k, b in enumerate(_balanced(jobs, 4 * len(addrs), lambda j: j[4])):
-            futures.append((client.submit(read_regions, root, [(a, r, i) for _, a, r, i, _ in b], pure=False,
-                                          key=f"tg-load-{uuid.uuid4().hex[:12]}", workers=[addrs[k % len(addrs)]],
-                                          allow_other_workers=True), b))
+            if cast:
+                task, group = read_regions_as, [(a, r, i, cell.dtype.str) for cell, a, r, i, _ in b]
+            else:
+                task, group = read_regions, [(a, r, i) for _, a, r, i, _ in b]
+            futures.append((client.submit(task, root, group, pure=False, key=f"tg-load-{uuid.uuid4().hex[:12]}",
+                                          workers=[addrs[k % len(addrs)]], allow_other_workers=True), b))
         from distributed import wait
 
         wait([f for f, _ in futures])
@@ -1318,6 +1331,23 @@ def checkpoint_step(name: str) -> int | None:
     if not name.startswith("step-") or not digits.isascii() or not digits.isdigit():
         return None
     return int(digits)
+
+
+def _info_as(info: dict, dtype: np.dtype) -> dict:
+    """The attributes to read array ``info`` with into a cell of ``dtype``: a quantized array
+    dequantizes straight to it (through the stored dtype, a float16 array's float32 dequantized
+    values were rounded to float16 first, unlike those of a float32 checkpoint of the same
+    weights); an exact one reads as stored, cast after."""
+    if info.get("quantized") and np.dtype(info["dtype"]) != dtype:
+        return dict(info, dtype=str(dtype))
+    return info
+
+
+def read_regions_as(root: str, jobs: Sequence[tuple]) -> tuple:
+    """:func:`read_regions` of ``jobs`` of ``(name, region, info, dtype)``, each region cast to
+    its dtype (a task on a worker: the values stay there)."""
+    return tuple(np.asarray(read_region(root, name, region, info), dtype=np.dtype(dtype))
+                 for name, region, info, dtype in jobs)
 
 
 def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:

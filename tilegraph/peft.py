@@ -1057,7 +1057,7 @@ def _recorded_adapters(ck, stored: list[str], where: str) -> dict | None:
     return settings
 
 
-def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = True):
+def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = True, dtype=None):
     """The model of a quantized Zarr checkpoint (``tilegraph.io.save_checkpoint(path, model,
     quantize="int4" | "int8" | "kashin" ...)``, or a checkpoint of a model holding quantized
     weights, which stores their parts as they are) whose Linear layers stay quantized: each becomes
@@ -1079,9 +1079,14 @@ def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = True):
     arrays without their settings (none is written so now) loads as the base alone, with a
     warning; add them with the rank and alpha they were trained with, then
     ``tilegraph.io.load_checkpoint(ck).load_into(model, strict=False)``.
+
+    ``dtype``: the model's float dtype (default: the stored model's). The quantized weights stay
+    quantized, their tiles dequantized to it; every other weight, and the adapters, load cast to
+    it (``tilegraph train --init`` of a float16 checkpoint trains in float32 so).
     """
     import warnings
 
+    from tilegraph._config import require_float_dtype
     from tilegraph.runtime import current_runtime
     from tilegraph.io._store import quantized_parts, tile_label
     from tilegraph.io.quantize import QuantizedArray
@@ -1093,12 +1098,15 @@ def from_quantized(path, tiling=None, *, runtime=None, adapters: bool = True):
     if not isinstance(adapters, (bool, np.bool_)):
         raise TileError(where, "adapters must be True (restore the checkpoint's adapters) or False (the base alone)",
                         repr(adapters)[:200])
+    if dtype is not None:
+        dtype = require_float_dtype(where, dtype)
     ck = load_checkpoint(path, tiling=tiling, runtime=runtime)
     m = ck.info.get("model") or {}
     if m.get("architecture") not in ARCHITECTURES:
         raise TileError(where, f"a checkpoint of a known architecture; known: {', '.join(ARCHITECTURES)}",
                         repr(m.get("architecture") or m.get("class")))
-    model = ck.new_model(values=False, adapters=False)  # no random draw for weights about to be read
+    # no random draw for weights about to be read; each QuantizedTensor takes its layer's dtype
+    model = ck.new_model(values=False, adapters=False, dtype=dtype)
 
     replace, problems = [], []
     for name, layer, setter in _named_modules(model):

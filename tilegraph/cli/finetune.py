@@ -127,8 +127,10 @@ def init_model(init: str, method: str):
     the model, or a fine-tuning run's) come merged into their layers' weights (before, the quantized
     path dropped the first and dequantized every weight of the second).
 
-    A Hugging Face folder loads float32, whatever its dtype (tilegraph train trains in float32);
-    a float16 (or bfloat16, float64) folder is converted so, in one line on stderr."""
+    The model loads float32, whatever the dtype it was stored in (tilegraph train trains in
+    float32): a float16 (or bfloat16, float64) Hugging Face folder or Zarr checkpoint is
+    converted so, in one line on stderr. A quantized base stays quantized, its tiles dequantized
+    to float32 (a float16 checkpoint trained, adapters included, in float16 before)."""
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph train model.init"
@@ -144,19 +146,45 @@ def init_model(init: str, method: str):
 
             # adapters it holds (tilegraph.io.save_checkpoint of an adapted model) merged, as load_model
             # merges them: those layers dequantized, the others kept quantized; [peft]'s added after
-            return peft.merge_lora(peft.from_quantized(folder, runtime=None)), True
-    model = load_model(folder, where)
-    if not (folder / "zarr.json").is_file() and (folder / "config.json").is_file():
+            model = peft.merge_lora(peft.from_quantized(folder, runtime=None, dtype=TRAIN_DTYPE))
+            _say_widened(folder, where, stored_dtype(ck.info))
+            return model, True
+    model = load_model(folder, where, zarr_dtype=TRAIN_DTYPE)
+    if (folder / "zarr.json").is_file():
+        _say_widened(folder, where, stored_dtype(load_checkpoint(folder).info))
+    elif (folder / "config.json").is_file():
         _say_widened(folder, where)
     return model, False
 
 
-def _say_widened(folder: Path, where: str) -> None:
-    """One line on stderr when the weights of the Hugging Face folder ``folder`` (loaded float32
-    for training) were stored in another dtype: silently, a float16 model trained and was
-    checkpointed as float32 (twice the bytes)."""
+#: the dtype tilegraph train trains and checkpoints in, whatever its --init was stored in
+TRAIN_DTYPE = "float32"
+
+
+def stored_dtype(attrs: dict) -> str:
+    """The dtype of the model a Zarr checkpoint stores (``attrs``: its attributes,
+    :attr:`tilegraph.io.zarr.Checkpoint.info`), as ``Checkpoint.new_model`` builds it."""
+    return str((attrs.get("model") or {}).get("dtype", "float32"))
+
+
+def _say_widened(folder: Path, where: str, stored: str | None = None) -> None:
+    """One line on stderr when the weights of ``folder``, loaded float32 for training, were stored
+    in another dtype: silently, a float16 model trained and was checkpointed as float32 (twice
+    the bytes). ``stored``: a Zarr checkpoint's model dtype (:func:`stored_dtype`); None for a
+    Hugging Face folder, whose dtype is read here."""
     import sys
 
+    if stored is None:
+        stored = _hf_stored_dtype(folder)
+    if stored in (None, TRAIN_DTYPE):
+        return
+    how = "rounded" if stored == "float64" else "widened"
+    print(f"{where}: the {stored} weights of {folder} were {how} to float32 for training (tilegraph train "
+          "trains and checkpoints in float32)", file=sys.stderr, flush=True)
+
+
+def _hf_stored_dtype(folder: Path) -> str | None:
+    """The dtype the weights of the Hugging Face folder ``folder`` are stored in (None: nothing says)."""
     from tilegraph.io.hf import hf_dtype
 
     found = hf_dtype(folder)
@@ -169,11 +197,7 @@ def _say_widened(folder: Path, where: str) -> None:
         named = {str(cfg.get(k)).removeprefix("torch.") for k in ("torch_dtype", "dtype")} \
             if isinstance(cfg, dict) else set()
         stored = "bfloat16" if "bfloat16" in named else None
-    if stored in (None, "float32"):
-        return
-    how = "rounded" if stored == "float64" else "widened"
-    print(f"{where}: the {stored} weights of {folder} were {how} to float32 for training (tilegraph train "
-          "trains and checkpoints in float32)", file=sys.stderr, flush=True)
+    return stored
 
 
 def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str, str]]:
@@ -328,21 +352,21 @@ def peft_record(p: dict, init: str, quantized_base: bool) -> dict:
             "base_in_checkpoint": True}
 
 
-def adapted_model(folder: Path, record: dict, where: str):
+def adapted_model(folder: Path, record: dict, where: str, dtype=None):
     """The model of a checkpoint written by an adapted run, its adapters merged into the weights
     (plain Linear layers): the base from the checkpoint (weights stored quantized read
     dequantized), or, for a checkpoint of a run on a quantized base written before those were
     stored in it (``base_in_checkpoint`` false), from the recorded base checkpoint; then the
-    adapters and every stored weight."""
+    adapters and every stored weight. ``dtype``: the model's (None: the stored one)."""
     import dataclasses
 
-    from tilegraph import models, peft
+    from tilegraph import peft
     from tilegraph._errors import TileError
     from tilegraph.io.zarr import load_checkpoint
 
     ck = load_checkpoint(folder)
     if record.get("base_in_checkpoint", True):
-        model = ck.new_model(values=False, adapters=False)
+        model = ck.new_model(values=False, adapters=False, dtype=dtype)
     else:
         base = record.get("init")
         if not base or not (Path(base) / "zarr.json").is_file():
@@ -350,7 +374,7 @@ def adapted_model(folder: Path, record: dict, where: str):
                             "names it (a checkpoint written before tilegraph stored a quantized base in them holds "
                             "only the adapters and the other weights): put it back there",
                             f"{folder / PEFT_FILE} names {base!r}, which is not a checkpoint (moved or deleted?)")
-        model = models.from_zarr(base)
+        model = _from_zarr(base, dtype)
         stored = (ck.info.get("model") or {}).get("config")
         have = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as stored: tuples are lists
         if have != stored:
@@ -365,11 +389,25 @@ def adapted_model(folder: Path, record: dict, where: str):
     return peft.merge_lora(model)
 
 
-def load_model(folder: Path, where: str, *, hf_dtype="float32"):
+def _from_zarr(path, dtype=None):
+    """:func:`tilegraph.models.from_zarr`, in ``dtype`` (None: the stored one)."""
+    from tilegraph import models
+    from tilegraph.io.zarr import load_checkpoint
+
+    if dtype is None:
+        return models.from_zarr(path)
+    ck = load_checkpoint(path)
+    model = ck.new_model(values=False, dtype=dtype)  # as Checkpoint.model builds it, in dtype
+    ck.load_into(model)
+    return model
+
+
+def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None):
     """The model of a Zarr checkpoint or of a Hugging Face folder; a checkpoint of a run with
     adapters comes with them merged into its weights. ``hf_dtype``: the dtype a Hugging Face
     folder loads in (None: the folder's own, :func:`tilegraph.io.hf.hf_dtype`, as convert keeps
-    it); a Zarr checkpoint keeps its stored dtype."""
+    it); ``zarr_dtype``: a Zarr checkpoint's (None: its stored dtype, as generate, eval and
+    convert keep it)."""
     from tilegraph._errors import TileError
     from tilegraph import models
     from tilegraph.io.zarr import is_checkpoint
@@ -385,12 +423,12 @@ def load_model(folder: Path, where: str, *, hf_dtype="float32"):
                             f"{folder} does not exist")
         record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
         if record is not None:  # a run from init weights or with adapters: rebuilt as it ran, merged
-            return adapted_model(folder, record, where)
+            return adapted_model(folder, record, where, zarr_dtype)
         if is_checkpoint(folder) or (folder / "zarr.json").is_file():
             # raises naming what is wrong with an incomplete one; adapters it holds, merged
             from tilegraph import peft
 
-            return peft.merge_lora(models.from_zarr(folder))
+            return peft.merge_lora(_from_zarr(folder, zarr_dtype))
         from tilegraph.cli.runs import latest_checkpoint
 
         if not folder.is_dir():

@@ -331,6 +331,7 @@ def _train(args, job: Job) -> int:
             return 128 + int(signals[0]) if signals else EXIT_INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
         prompt = tokenizer.encode("def ")[None, :]
         room = min(48, model.config.max_seq_len - prompt.shape[1])  # a short max_seq_len leaves none
+        no_sample = ""  # why there is no sample, when a worker lost while drawing it is the reason
         try:
             from tilegraph.models.generate import generate
 
@@ -340,6 +341,8 @@ def _train(args, job: Job) -> int:
                 sample = tokenizer.decode(ids[0])
         except ImportError:  # generation ships with the models package
             pass
+        except tg.WorkerLostError as e:  # training and its checkpoints are done: not the run's failure
+            no_sample = lost_sample_warning(e, res.checkpoints[-1] if res.checkpoints else latest_checkpoint(out))
     val_loss = res.val_losses[-1][1] if res.val_losses else float("nan")
     print(f"loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} (validation {val_loss:.3f}; uniform guess "
           f"{np.log(tokenizer.vocab_size):.3f}) in {res.seconds:.1f} s, {res.tokens_per_s:,.0f} tokens/s", flush=True)
@@ -349,10 +352,25 @@ def _train(args, job: Job) -> int:
     print(f"checkpoint: {res.checkpoints[-1]}\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
     if sample:
         print(f"sample (top-k 10, temperature 0.8): {sample!r}")
+    elif no_sample:  # a warning, exit status 0: a batch script read the finished run as failed (exit 2)
+        print(no_sample, file=sys.stderr, flush=True)
     elif room <= 0:  # it was an error after training, the run's summary unprinted
         print(f"no sample: max_seq_len {model.config.max_seq_len} leaves no room after the prompt 'def ' "
               f"({_plural(prompt.shape[1], 'token')})")
     return 0
+
+
+def lost_sample_warning(error, last) -> str:
+    """The warning line for a worker lost (``error``, a WorkerLostError) while the sample after
+    training was drawn: the run and its last checkpoint ``last`` are complete, and ``tilegraph
+    generate`` samples it (generate's own advice, to load the model again, is no step of the
+    command's user)."""
+    workers = list(getattr(error, "workers", None) or [])
+    lost = (f"lost worker{'s' if len(workers) > 1 else ''} {', '.join(workers)}" if workers
+            else "the cluster lost its tasks")
+    done = (f"the run and its checkpoint {last} are complete: sample it with tilegraph generate {quote(last)}"
+            if last else "the run is complete")
+    return f"tilegraph train: warning: no sample: {lost} while the sample after training was drawn; {done}"
 
 
 def resumed_tokenizer(resume, d: dict, given: dict[str, str]):
