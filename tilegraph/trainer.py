@@ -184,6 +184,12 @@ class Trainer:
       ``on_checkpoint`` hooks are called with ``(trainer, path)`` once each is committed.
     - ``log_dir`` and ``checkpoint_dir`` are made when missing and checked to be writable here
       (an empty file of a unique name is created in each and removed), not at their first write.
+      :meth:`fit` holds them while it runs (a ``.tilegraph.lock`` file in each, naming the
+      process, as ``tilegraph train`` locks its run folder): a fit of another live process (or
+      another trainer of this one still fitting, in another thread) there is refused at once,
+      naming it and its pid and host; a lock whose process is gone is taken over. The lock goes
+      when the fit ends, however it ends, so a Trainer built again on the same folders (a
+      notebook cell run again) fits there.
     - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
     - ``steps_per_graph``: optimizer steps recorded and submitted as one graph
       (:meth:`TrainStep.submit_steps`). ``"auto"`` (default) takes several when a step's
@@ -473,7 +479,7 @@ class Trainer:
                       f"total of the learning-rate schedule ({spec.get('name', 'schedule')}, total={total}): "
                       f"{_steps_text(past)} {'runs' if len(past) == 1 else 'run'} at its floor, lr "
                       f"{floor:g} (min_lr). Give the schedule a total of at least {end} (trainer.optimizer.schedule "
-                      "= ...) to train them at a higher rate", UserWarning, stacklevel=3)
+                      "= ...) to train them at a higher rate", UserWarning, stacklevel=4)
 
     def _note_batch_kind(self, batch: tuple) -> None:
         """A callable data's first batch tells whether its batches are tokens (the input, its
@@ -543,6 +549,16 @@ class Trainer:
         steps = int(steps)
         if self.runtime is not None:  # closed after this trainer was built: say so before anything starts
             self.runtime.require_open(where)
+        # the folders are this fit's alone while it runs: another process's (or trainer's) run
+        # there would interleave its records with ours and fail at its first checkpoint
+        release = self._hold_folders(where)
+        try:
+            return self._fit(where, steps)
+        finally:
+            release()
+
+    def _fit(self, where: str, steps: int) -> FitResult:
+        """:meth:`fit`'s steps, its arguments checked and its folders held."""
         start = self.optimizer.step_count
         if self.runtime is not None:  # workers joined since the last fit (a lost one started again): use them
             self.step.follow_workers()
@@ -564,8 +580,8 @@ class Trainer:
         outside = report_step is not None and not start < report_step <= start + steps
         if self.performance_report is not None and outside:
             warnings.warn(f"[tilegraph.Trainer.fit] report_step={report_step} is not among this fit's steps "
-                          f"{start + 1}-{start + steps}: no performance report is written to {self.performance_report}",
-                          stacklevel=2)
+                          f"{start + 1}-{start + steps}: no performance report is written to "
+                          f"{self.performance_report}", stacklevel=3)
         reported = False  # whether a graph of this fit was reported on
         t0 = time.perf_counter()
         tokens = samples = 0
@@ -631,7 +647,8 @@ class Trainer:
                 if i != end and self.log_dir is not None and self._plot_due(t0):  # the end draws anyway
                     redraw.append(i)  # drawn once the next steps run (the workers wait for nothing it does)
             if checkpoints(i):
-                path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}", range(i, i + 1))
+                path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}",
+                                     range(i, i + 1))
                 result.checkpoints.append(str(path))
             self._checkpoint_hooks()
 
@@ -742,8 +759,8 @@ class Trainer:
                         bar.write(f"stopping after step {done} (of {end})")
                         if self.checkpoints is not None and done > start \
                                 and str(self.checkpoints.path(done)) not in result.checkpoints:
-                            path = self._watched(lambda: self._start_checkpoint(done), f"the checkpoint of step {done}",
-                                                 range(done, done + 1))
+                            path = self._watched(lambda: self._start_checkpoint(done),
+                                                 f"the checkpoint of step {done}", range(done, done + 1))
                             result.checkpoints.append(str(path))
                     break
                 except (WorkerLostError, StepTimeoutError, FloatingPointError) as e:
@@ -800,7 +817,7 @@ class Trainer:
                 self._tb = None
         if self.performance_report is not None and not reported and result.losses and not outside:
             warnings.warn(f"[tilegraph.Trainer.fit] no graph of this fit held report_step={report_step}: no "
-                          f"performance report was written to {self.performance_report}", stacklevel=2)
+                          f"performance report was written to {self.performance_report}", stacklevel=3)
         result.steps = len(result.losses)
         result.seconds = time.perf_counter() - t0
         result.tokens_per_s = tokens / result.seconds
@@ -892,6 +909,62 @@ class Trainer:
                             "another checkpoint_dir, or move them (tg.io.CheckpointManager(dir).set_aside(step))",
                             f"{self.checkpoints.dir}: {', '.join(p.name for p in later[:4])}"
                             + (f" (and {len(later) - 4} more)" if len(later) > 4 else ""))
+
+    def _hold_folders(self, where: str) -> Callable[[], None]:
+        """Take ``checkpoint_dir`` and ``log_dir`` for this fit (:func:`tilegraph._lock.hold_folder`,
+        the lock ``tilegraph train`` takes on its run folder); returns the release function.
+        Another live process's fit (or ``tilegraph train``) in either is refused here, naming
+        it: two runs there both trained, the second failing only at its first checkpoint ("must
+        not exist yet") and ``metrics.jsonl`` interleaving two run ids. Within this process
+        the folders are the trainer's while its fit runs: another trainer still fitting there
+        (in another thread) is refused; one whose fit ended holds nothing, so a Trainer built
+        again on them (a notebook cell run again) fits; the ``tilegraph train`` job that runs
+        this trainer holds its run folder for it."""
+        import socket
+
+        from tilegraph._lock import LOCK_NAME, hold_folder
+
+        releases: list[Callable[[], None]] = []
+
+        def release() -> None:
+            for undo in reversed(releases):
+                undo()
+
+        def refuser(name: str):
+            def refuse(holder) -> TileError:
+                if holder.here:
+                    who = (f"another Trainer of this process (pid {holder.pid} on {holder.host}), whose fit still "
+                           "runs (in another thread)" if holder.by == where else
+                           f"{holder.by} in this process (pid {holder.pid} on {holder.host})")
+                else:
+                    who = f"{holder.by} (pid {holder.pid} on {holder.host})"
+                gone = "" if holder.here or holder.host == socket.gethostname() else (
+                    f"; if that process is gone, delete {holder.lock} (another machine's processes cannot be "
+                    "looked up from here)")
+                mixed = "two runs' checkpoints there collide" if name == "checkpoint_dir" else \
+                    "two runs' records would interleave in its metrics.jsonl"
+                return TileError(where, f"a {name} no other run is using ({mixed}): {holder.folder} is in use by "
+                                 f"{who}: wait for it to end, or give this Trainer another {name}{gone}",
+                                 str(holder.lock))
+            return refuse
+
+        taken: list[Path] = []
+        try:
+            for name, folder in (("checkpoint_dir", self.checkpoint_dir), ("log_dir", self.log_dir)):
+                if folder is None or folder.resolve() in taken:  # (log_dir the checkpoint_dir: one lock)
+                    continue
+                try:
+                    releases.append(hold_folder(folder, where, refuser(name), owner=self, where=where, name=name))
+                except OSError as e:  # (writable when the Trainer was built; a disk full or remounted since)
+                    from tilegraph.io._store import write_failure
+
+                    raise write_failure(where, e, folder / LOCK_NAME, f"the lock file of {name}",
+                                        "nothing was trained or written") from None
+                taken.append(folder.resolve())
+        except BaseException:
+            release()
+            raise
+        return release
 
     # -- lost workers ----------------------------------------------------------------------------
     def _time_limit(self, pending, clock: float) -> float | None:
@@ -1101,10 +1174,14 @@ class Trainer:
         # The random state of training: a token dataset draws each step's windows from (seed, split,
         # step) alone, so the next step and the seed are the whole data position; nothing else draws
         # (no dropout; gradient sketches seed themselves from the weights).
-        return {"batch_size": self.batch_size, "accum_steps": self.accum_steps, "run_id": self.run_id,
-                "lineage": [*self.lineage, [self.segment, self.optimizer.step_count]],
-                "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1,
-                "rng": {"data_seed": getattr(self.data, "seed", None), "data_split": getattr(self.data, "split", None)}}
+        state = {"batch_size": self.batch_size, "accum_steps": self.accum_steps, "run_id": self.run_id,
+                 "lineage": [*self.lineage, [self.segment, self.optimizer.step_count]],
+                 "data": repr(self.data) if self.token_data else None, "next_step": self.optimizer.step_count + 1,
+                 "rng": {"data_seed": getattr(self.data, "seed", None),
+                         "data_split": getattr(self.data, "split", None)}}
+        if self.eval_data is not None:  # what a validation loss covers: `tilegraph train --resume` keeps them
+            state.update(eval_every=self.eval_every, eval_batches=self.eval_batches)
+        return state
 
     def _save_options(self) -> dict:
         """What every checkpoint of this trainer is saved with, besides the model and optimizer."""
@@ -1241,7 +1318,7 @@ class Trainer:
                       f"(run {run}, up to step {step}), and this trainer starts after step {start}: its records "
                       "follow them under a run id of their own, and loss.png will show this run alone (give each "
                       "run a log_dir of its own to keep them apart; a run continued from a checkpoint, "
-                      "load_checkpoint, goes on under its run id)", stacklevel=3)
+                      "load_checkpoint, goes on under its run id)", stacklevel=4)
 
     def _logged(self) -> list[dict]:
         """The records of ``log_dir/metrics.jsonl`` (none without one)."""

@@ -15,45 +15,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tilegraph._errors import TileError
+from tilegraph._lock import LOCK_NAME, Holder, hold_folder
 from tilegraph.cli.config import check_config
 from tilegraph.cli.finetune import (SKETCH_FILE, SKETCH_KEYS, _describe, adapter_settings, adapters_hint,
                                     adapters_only, read_peft_record, read_sketch_record, sketch_settings)
 
 
 # ---------------------------------------------------------------------------- the folder ----
-LOCK_NAME = ".tilegraph.lock"
-
-
 def lock_output(out: Path):
-    """Take ``out`` for this process (a lock file naming it); returns the release function. A
-    folder locked by a live process is refused, naming it; a lock whose process is gone is taken
-    over."""
-    import socket
+    """Take ``out`` for this process (a lock file naming it: :func:`tilegraph._lock.hold_folder`,
+    which a Trainer's fit takes too); returns the release function. A folder locked by a live
+    process is refused, naming it; a lock whose process is gone is taken over. The job's own
+    Trainer holds it inside the job's hold (the lock is the process's)."""
+    def refuse(holder: Holder) -> TileError:
+        return TileError("tilegraph train", f"an output folder no other run is using; {out} is in use by "
+                         f"{holder.by} (pid {holder.pid} on {holder.host}): wait for it, or pass another --out",
+                         str(holder.lock))
 
-    from tilegraph.io.zarr import process_alive
-
-    out.mkdir(parents=True, exist_ok=True)
-    lock = out / LOCK_NAME
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                held = json.loads(lock.read_text())
-                pid, host = int(held["pid"]), str(held["host"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pid, host = None, me["host"]
-            if pid is not None and (host != me["host"] or process_alive(pid)):
-                raise TileError("tilegraph train", f"an output folder no other run is using; {out} is in use by "
-                                f"tilegraph train (pid {pid} on {host}): wait for it, or pass another --out",
-                                str(lock)) from None
-            lock.unlink(missing_ok=True)  # its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return lambda: lock.unlink(missing_ok=True)
-    raise TileError("tilegraph train", "a lock on the output folder", f"{lock} could not be taken")
+    return hold_folder(out, "tilegraph train", refuse, where="tilegraph train", name="the output folder")
 
 
 def take_output(out: Path, where: str):
@@ -284,6 +263,7 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     check_schedule(resume, spec, cfg["train"], given)
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
     keep_update_settings(resume, (ck.optimizer_info or {}).get("hyper") or {}, cfg["train"], given)
+    keep_eval_settings(ck.trainer_state or {}, ck.step, cfg["train"], given)
     keep_data(opened.data, cfg["data"], given)
     keep_window(resume, ck.trainer_state or {}, opened.data, cfg["data"], given)
     # the settings as the checkpoint completed them: its batch_size and accum_steps against [runtime]
@@ -375,6 +355,42 @@ def keep_update_settings(resume: str, hyper: dict, t: dict, given: dict[str, str
                    f"checkpoint): leave them out, or start a new run from the checkpoint's weights (--init "
                    f"{quote(resume)} and another --out)",
                    f"the resumed run updates the weights as its checkpoint's run did ({kept})")
+
+
+def keep_eval_settings(state: dict, step: int, t: dict, given: dict[str, str]) -> None:
+    """A resumed run evaluates as the run it continues did: the eval_every and eval_batches its
+    checkpoint's ``trainer_state`` records replace [train]'s where the job does not give them (a
+    resume without the run's config took the shipped config's eval_batches, and its validation
+    losses covered another number of batches: the curve jumped at the step it resumed from). A
+    config file's other value is named in a warning and not used, as the neighbouring settings'
+    are (it may be the config the run started from, with --set over it). One given on the
+    command line is used, where theirs are refused: these settings change no weight and no
+    batch, only when and over how much the run measures its validation loss, so another one is
+    a choice the user may make (fewer batches for a quick look, evaluations more often);
+    another eval_batches gets a warning line, as its losses no longer compare with the run's
+    earlier ones. A checkpoint written before they were recorded: the job's, as before."""
+    stored = {k: state[k] for k, low in (("eval_every", 0), ("eval_batches", 1))
+              if isinstance(state.get(k), int) and not isinstance(state[k], bool) and state[k] >= low}
+    def batches(n: int) -> str:
+        return f"{n} batch" + ("es" if n != 1 else "")
+
+    other = []
+    for key, value in stored.items():
+        where = given.get(f"train.{key}")
+        if t[key] == value:
+            continue
+        if where is not None and on_command_line(where):
+            if key == "eval_batches":
+                print(f"tilegraph train: warning: {where}: the validation losses after step {step} cover "
+                      f"{batches(t[key])}, the run's up to it {batches(value)} (its checkpoint's eval_batches): the "
+                      f"validation curve may jump at step {step}", file=sys.stderr, flush=True)
+            continue
+        if where is not None:
+            other.append((where, f"{key} = {t[key]!r}"))
+        t[key] = value
+    kept = ", ".join(f"{k} {v}" for k, v in stored.items())
+    refuse_or_warn(other, "", f"the resumed run evaluates as its checkpoint's run did ({kept}; --set "
+                   "train.KEY=VALUE on the command line sets another)")
 
 
 #: in every checkpoint of tilegraph train: the run's [data] settings (paths made absolute), which
