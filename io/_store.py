@@ -760,8 +760,11 @@ def read_quantized(root: str, name: str, region, info: dict) -> np.ndarray:
 
 
 def read_regions(root: str, jobs: Sequence[tuple]) -> tuple:
-    """Several regions at once (one task per group of tiles): ``jobs`` of ``(name, region, info)``."""
-    return tuple(read_region(root, name, region, info) for name, region, info in jobs)
+    """Several regions at once (one task per group of tiles): ``jobs`` of ``(name, region, info,
+    dtype)``, each region as ``dtype`` (a model of another dtype than the stored one: the worker
+    casts what it reads; no copy where the dtypes agree)."""
+    return tuple(np.asarray(read_region(root, name, region, info), dtype=np.dtype(dtype))
+                 for name, region, info, dtype in jobs)
 
 
 def tile_label(idx: Sequence[int]) -> str:

@@ -933,8 +933,8 @@ class Checkpoint:
             self._model = self._build_model()
         return self._model
 
-    def _build_model(self):
-        model = self.new_model(values=False)
+    def _build_model(self, dtype=None):
+        model = self.new_model(values=False, dtype=dtype)
         self.load_into(model)
         return model
 
@@ -1032,10 +1032,6 @@ class Checkpoint:
         root = str(self.path)
         if runtime is None:
             return [(cell, np.asarray(read_region(root, a, r, i), dtype=cell.dtype)) for cell, a, r, i, _ in jobs]
-        # a model of another dtype than the stored one (new_model(dtype=...)): the workers cast what
-        # they read, so each cell holds a value of its own dtype (a float16 tile in a float32 cell
-        # failed the first op that met a float32 tile)
-        cast = any(np.dtype(i["dtype"]) != cell.dtype for cell, _, _, i, _ in jobs)
         addrs = sorted(runtime.workers())
         if not addrs:
             raise CheckpointError(self._where, "a runtime with workers to read the checkpoint", "no workers")
@@ -1043,11 +1039,10 @@ class Checkpoint:
         client = runtime.client
         futures = []
         for k, b in enumerate(_balanced(jobs, 4 * len(addrs), lambda j: j[4])):
-            if cast:
-                task, group = read_regions_as, [(a, r, i, cell.dtype.str) for cell, a, r, i, _ in b]
-            else:
-                task, group = read_regions, [(a, r, i) for _, a, r, i, _ in b]
-            futures.append((client.submit(task, root, group, pure=False, key=f"tg-load-{uuid.uuid4().hex[:12]}",
+            # each read as its cell's dtype (a model of another dtype than the stored one,
+            # new_model(dtype=...): a float16 tile in a float32 cell failed the first op that met it)
+            group = [(a, r, i, cell.dtype.str) for cell, a, r, i, _ in b]
+            futures.append((client.submit(read_regions, root, group, pure=False, key=f"tg-load-{uuid.uuid4().hex[:12]}",
                                           workers=[addrs[k % len(addrs)]], allow_other_workers=True), b))
         from distributed import wait
 
@@ -1341,13 +1336,6 @@ def _info_as(info: dict, dtype: np.dtype) -> dict:
     if info.get("quantized") and np.dtype(info["dtype"]) != dtype:
         return dict(info, dtype=str(dtype))
     return info
-
-
-def read_regions_as(root: str, jobs: Sequence[tuple]) -> tuple:
-    """:func:`read_regions` of ``jobs`` of ``(name, region, info, dtype)``, each region cast to
-    its dtype (a task on a worker: the values stay there)."""
-    return tuple(np.asarray(read_region(root, name, region, info), dtype=np.dtype(dtype))
-                 for name, region, info, dtype in jobs)
 
 
 def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:

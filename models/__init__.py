@@ -117,11 +117,13 @@ def from_hf(path, tiling: ModelTiling | None = None, *, dtype=None) -> CausalLM:
     return load_hf(path, tiling, dtype=dtype)
 
 
-def from_zarr(path, tiling: ModelTiling | None = None, *, runtime=None) -> CausalLM:
+def from_zarr(path, tiling: ModelTiling | None = None, *, runtime=None, dtype=None) -> CausalLM:
     """The model of a Zarr checkpoint (:func:`tilegraph.io.save_checkpoint`), on ``tiling``
     (default: the stored one); a quantized checkpoint loads dequantized, tile by tile, where the
-    tiles are read (the runtime's workers, or here)."""
+    tiles are read (the runtime's workers, or here). ``dtype``: the model's float dtype (default:
+    the stored one; the stored weights are cast to it where they are read)."""
     from tilegraph.io.zarr import _check_runtime, load_checkpoint
 
     _check_runtime("tilegraph.models.from_zarr", runtime)  # "x", a closed one: named here, not as 'workers'
-    return load_checkpoint(path, tiling=tiling, runtime=runtime).model
+    ck = load_checkpoint(path, tiling=tiling, runtime=runtime)
+    return ck.model if dtype is None else ck._build_model(dtype)

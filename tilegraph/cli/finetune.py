@@ -360,7 +360,7 @@ def adapted_model(folder: Path, record: dict, where: str, dtype=None):
     adapters and every stored weight. ``dtype``: the model's (None: the stored one)."""
     import dataclasses
 
-    from tilegraph import peft
+    from tilegraph import models, peft
     from tilegraph._errors import TileError
     from tilegraph.io.zarr import load_checkpoint
 
@@ -374,7 +374,7 @@ def adapted_model(folder: Path, record: dict, where: str, dtype=None):
                             "names it (a checkpoint written before tilegraph stored a quantized base in them holds "
                             "only the adapters and the other weights): put it back there",
                             f"{folder / PEFT_FILE} names {base!r}, which is not a checkpoint (moved or deleted?)")
-        model = _from_zarr(base, dtype)
+        model = models.from_zarr(base, dtype=dtype)
         stored = (ck.info.get("model") or {}).get("config")
         have = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as stored: tuples are lists
         if have != stored:
@@ -387,19 +387,6 @@ def adapted_model(folder: Path, record: dict, where: str, dtype=None):
                         "unexpected: " + ", ".join(unexpected))
     ck.load_into(model, strict=record.get("base_in_checkpoint", True))
     return peft.merge_lora(model)
-
-
-def _from_zarr(path, dtype=None):
-    """:func:`tilegraph.models.from_zarr`, in ``dtype`` (None: the stored one)."""
-    from tilegraph import models
-    from tilegraph.io.zarr import load_checkpoint
-
-    if dtype is None:
-        return models.from_zarr(path)
-    ck = load_checkpoint(path)
-    model = ck.new_model(values=False, dtype=dtype)  # as Checkpoint.model builds it, in dtype
-    ck.load_into(model)
-    return model
 
 
 def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None):
@@ -428,7 +415,7 @@ def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None)
             # raises naming what is wrong with an incomplete one; adapters it holds, merged
             from tilegraph import peft
 
-            return peft.merge_lora(_from_zarr(folder, zarr_dtype))
+            return peft.merge_lora(models.from_zarr(folder, dtype=zarr_dtype))
         from tilegraph.cli.runs import latest_checkpoint
 
         if not folder.is_dir():
