@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -509,6 +510,18 @@ class TokenDataset:
     def __repr__(self) -> str:
         return (f"TokenDataset({str(self.path)!r}, seq_len={self.seq_len}, split={self.split!r}, "
                 f"tokens [{self.lo}, {self.hi}) of {self.count})")
+
+
+#: the windows a TokenDataset's repr names (its path may hold anything)
+_REPR_WINDOWS = re.compile(r"seq_len=(\d+),.* tokens \[(\d+), (\d+)\) of (\d+)\)$")
+
+
+def described_windows(described: str) -> tuple[int, int, int, int] | None:
+    """``(seq_len, lo, hi, count)`` of the TokenDataset ``described`` by its repr (what a
+    checkpoint's ``trainer_state`` records of the data its run read: its split's tokens [lo, hi)
+    of the file's count); None where it describes none."""
+    found = _REPR_WINDOWS.search(described)
+    return tuple(int(g) for g in found.groups()) if found else None
 
 
 #: folders of the standard library left out of :func:`stdlib_files` (its test suites hold

@@ -883,9 +883,10 @@ def _short(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+#: what a lost worker's error says is gone (the Trainer's and tilegraph train's advice follow it)
+LOST_STATE = "parameters and optimizer state live on the workers as Dask futures, and what a lost worker held is gone"
 #: what a lost worker's error tells to do
-LOST_STATE_HINT = ("parameters and optimizer state live on the workers as Dask futures, and what a lost worker held "
-                   "is gone: resume from a checkpoint (Trainer.load_checkpoint), or train with "
+LOST_STATE_HINT = (f"{LOST_STATE}: resume from a checkpoint (Trainer.load_checkpoint), or train with "
                    "Trainer(restart_on_failure=True, checkpoint_dir=..., checkpoint_every=...)")
 
 

@@ -36,9 +36,9 @@ from tilegraph._errors import TileError
 from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
-from tilegraph._train import (LOST_STATE_HINT, EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError,
-                              _steps_text, check_step_arguments, lost_worker_error, translate_worker_failure,
-                              wait_for_replacements, worker_health)
+from tilegraph._train import (LOST_STATE, LOST_STATE_HINT, EvalStep, StepStats, StepTimeoutError, TrainStep,
+                              WorkerLostError, _steps_text, check_step_arguments, lost_worker_error,
+                              translate_worker_failure, wait_for_replacements, worker_health)
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]
 
@@ -1072,7 +1072,7 @@ class Trainer:
         found = self._checkpoint_steps()
         lost = (f" (the checkpoint of step {lost_save}, still being written, was lost with the worker)"
                 if lost_save is not None else "")
-        gone = "parameters and optimizer state live on the workers as Dask futures, and what a lost worker held is gone"
+        gone = LOST_STATE
         if found:
             path, step = max(found.items(), key=lambda ps: ps[1])
             return (f"{gone}: resume from the newest committed checkpoint, {path} (step {step}){lost}, with "
@@ -1262,8 +1262,9 @@ class Trainer:
         another ``val_fraction``: the data position, the next step, then means other windows
         than that run's next ones) or another ``accum_steps`` (the same windows, averaged in
         micro-batches of another size: not the losses that run would have had)."""
-        import re
         import warnings
+
+        from tilegraph.io.data import described_windows
 
         state = ck.trainer_state
         rng = state.get("rng") if isinstance(state.get("rng"), dict) else {}
@@ -1273,10 +1274,10 @@ class Trainer:
         if self.token_data and state.get("data") is not None:
             ours["data seed"] = getattr(self.data, "seed", None)
             # the windows: the repr of the run's TokenDataset (its path may differ: a run folder copied)
-            found = re.search(r"seq_len=(\d+),.* tokens \[(\d+), (\d+)\) of (\d+)\)$", str(state["data"]))
+            found = described_windows(str(state["data"]))
             if found:
-                theirs["seq_len"], ours["seq_len"] = int(found.group(1)), self.data.seq_len
-                theirs["split tokens"] = "[{}, {}) of {}".format(*found.groups()[1:])
+                theirs["seq_len"], ours["seq_len"] = found[0], self.data.seq_len
+                theirs["split tokens"] = "[{}, {}) of {}".format(*found[1:])
                 ours["split tokens"] = f"[{self.data.lo}, {self.data.hi}) of {self.data.count}"
         differ = [k for k, v in ours.items() if theirs.get(k) is not None and v is not None and theirs[k] != v
                   and (isinstance(v, str) or is_int(theirs[k]) and is_int(v))]

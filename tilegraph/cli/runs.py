@@ -445,9 +445,11 @@ def stored_data(state: dict, record: dict | None = None) -> tuple[int | None, in
     seq_len, count = _whole(record.get("seq_len")), _whole(record.get("tokens"))
     if seq_len is not None and count is not None:
         return seq_len, count
-    found = re.search(r"seq_len=(\d+),.* of (\d+)\)$", str(state.get("data") or ""))
+    from tilegraph.io.data import described_windows
+
+    found = described_windows(str(state.get("data") or ""))
     if found:
-        return seq_len or int(found.group(1)), count or int(found.group(2))
+        return seq_len or found[0], count or found[3]
     return seq_len, count
 
 
@@ -649,17 +651,15 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-#: where a lost worker's error (tilegraph._train.lost_worker_error) goes on from what happened to the
-#: Trainer's advice (Trainer.load_checkpoint, Trainer(restart_on_failure=True))
-LOST_STATE = "; parameters and optimizer state live on the workers"
-
-
 def lost_worker(error, config: str | None, out: Path) -> TileError:
     """The error of a worker lost while training (``error``, a WorkerLostError naming it and the
     steps) in the command's words: the --resume command of the newest checkpoint and [train]
     restart_on_failure, where the Trainer's told a command-line user to call
     ``Trainer.load_checkpoint`` or build ``Trainer(restart_on_failure=True)``."""
-    happened, found, rest = error.what.partition(LOST_STATE)
+    from tilegraph._train import LOST_STATE
+
+    # (what happened, then what is gone and the Trainer's advice: tilegraph._train.lost_worker_error)
+    happened, found, rest = error.what.partition(f"; {LOST_STATE}")
     if not found:  # not the error of lost state: as it is
         return error
     gave_up = re.search(r"; (restart_on_failure (gave up|has no checkpoint).*)$", rest)
