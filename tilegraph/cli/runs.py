@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import sys
@@ -317,18 +318,30 @@ def keep_data_order(resume: str, state: dict, t: dict, given: dict[str, str]) ->
     refused or named (:func:`refuse_or_warn`)."""
     stored = {"seed": (state.get("rng") or {}).get("data_seed"), "batch_size": state.get("batch_size"),
               "accum_steps": state.get("accum_steps")}
+    other = take_stored({k: v for k, v in stored.items() if isinstance(v, int) and not isinstance(v, bool)}, t, given)
+    kept = ", ".join(f"{k} {v}" for k, v in stored.items() if v is not None)
+    refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
+                   f"start a new run from the checkpoint's weights (--init {quote(resume)} and another --out)",
+                   f"the resumed run draws its checkpoint's batches ({kept})")
+
+
+def take_stored(stored: dict, t: dict, given: dict[str, str], same=operator.eq) -> list[tuple[str, str]]:
+    """Put the values ``stored`` (a checkpoint's, of [train] keys) into [train] ``t`` where they
+    differ (not ``same``); returns where the job gave the other values, ``(where, "key = value")``
+    for :func:`refuse_or_warn`."""
     other = []
     for key, value in stored.items():
-        if not isinstance(value, int) or isinstance(value, bool) or t[key] == value:
+        if same(t[key], value):
             continue
         where = given.get(f"train.{key}")
         if where is not None:
             other.append((where, f"{key} = {t[key]!r}"))
         t[key] = value
-    kept = ", ".join(f"{k} {v}" for k, v in stored.items() if v is not None)
-    refuse_or_warn(other, f"the batches of the run it continues ({kept}, from its checkpoint): leave them out, or "
-                   f"start a new run from the checkpoint's weights (--init {quote(resume)} and another --out)",
-                   f"the resumed run draws its checkpoint's batches ({kept})")
+    return other
+
+
+def _batches(n: int) -> str:
+    return f"{n} batch" + ("es" if n != 1 else "")
 
 
 def keep_update_settings(resume: str, hyper: dict, t: dict, given: dict[str, str]) -> None:
@@ -342,14 +355,7 @@ def keep_update_settings(resume: str, hyper: dict, t: dict, given: dict[str, str
     clip = hyper.get("clip_grad_norm", False)  # (missing in a checkpoint that does not record it)
     if clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool)):
         stored["clip_grad_norm"] = clip or 0  # [train]'s 0: no clipping
-    other = []
-    for key, value in stored.items():
-        if math.isclose(t[key], value, rel_tol=1e-9, abs_tol=0.0):
-            continue
-        where = given.get(f"train.{key}")
-        if where is not None:
-            other.append((where, f"{key} = {t[key]!r}"))
-        t[key] = value
+    other = take_stored(stored, t, given, same=lambda a, b: math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0))
     kept = ", ".join(f"{k} {v:g}" for k, v in stored.items())
     refuse_or_warn(other, f"the weight decay and gradient clipping of the run it continues ({kept}, from its "
                    f"checkpoint): leave them out, or start a new run from the checkpoint's weights (--init "
@@ -371,24 +377,16 @@ def keep_eval_settings(state: dict, step: int, t: dict, given: dict[str, str]) -
     earlier ones. A checkpoint written before they were recorded: the job's, as before."""
     stored = {k: state[k] for k, low in (("eval_every", 0), ("eval_batches", 1))
               if isinstance(state.get(k), int) and not isinstance(state[k], bool) and state[k] >= low}
-    def batches(n: int) -> str:
-        return f"{n} batch" + ("es" if n != 1 else "")
-
-    other = []
-    for key, value in stored.items():
+    kept = ", ".join(f"{k} {v}" for k, v in stored.items())
+    for key, value in list(stored.items()):
         where = given.get(f"train.{key}")
-        if t[key] == value:
-            continue
-        if where is not None and on_command_line(where):
+        if t[key] != value and where is not None and on_command_line(where):  # used: not taken from it
+            del stored[key]
             if key == "eval_batches":
                 print(f"tilegraph train: warning: {where}: the validation losses after step {step} cover "
-                      f"{batches(t[key])}, the run's up to it {batches(value)} (its checkpoint's eval_batches): the "
-                      f"validation curve may jump at step {step}", file=sys.stderr, flush=True)
-            continue
-        if where is not None:
-            other.append((where, f"{key} = {t[key]!r}"))
-        t[key] = value
-    kept = ", ".join(f"{k} {v}" for k, v in stored.items())
+                      f"{_batches(t[key])}, the run's up to it {_batches(value)} (its checkpoint's eval_batches): "
+                      f"the validation curve may jump at step {step}", file=sys.stderr, flush=True)
+    other = take_stored(stored, t, given)
     refuse_or_warn(other, "", f"the resumed run evaluates as its checkpoint's run did ({kept}; --set "
                    "train.KEY=VALUE on the command line sets another)")
 
