@@ -20,7 +20,7 @@ from tilegraph._autograd import Op
 from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit1, kernel
-from tilegraph._tensor import TileTensor, Tiling, from_numpy
+from tilegraph._tensor import TileTensor, Tiling, from_numpy, is_array
 
 from ._common import new_tensor, norm_dim, numel, require_tensor, xp_of
 
@@ -458,7 +458,7 @@ def fit_last_dim(x, weight: TileTensor, where: str, what: str) -> TileTensor:
     chunks = tuple(weight.chunks[0])
     scope = current_scope()  # the layer's attribute path in the model (a model of one layer: its type)
     here = f"{where} ({scope})" if scope and scope != where.rpartition(".")[2].lower() else where
-    if not isinstance(x, TileTensor) and not (isinstance(x, np.ndarray) or type(x).__module__.startswith("torch")):
+    if not isinstance(x, TileTensor) and not is_array(x):
         return x
     if np.ndim(x) < 1 or np.shape(x)[-1] != sum(chunks):
         raise TileError(here, f"the input's last dim must be the layer's {what} ({sum(chunks)})",

@@ -533,7 +533,7 @@ class TileTensor:
     __hash__ = object.__hash__
 
     def _identity(self, other, symbol: str, name: str):
-        if isinstance(other, np.ndarray) or type(other).__module__.startswith("torch"):
+        if is_array(other):
             raise TileError(f"tilegraph.TileTensor.__{name}__", f"{symbol} of a TileTensor is Python's identity "
                             f"(tensors are dict keys while a graph is recorded): compare values element by element "
                             f"with x.{name}(y), y a TileTensor (tg.from_numpy(y) for an array) or a number",
@@ -797,6 +797,12 @@ def split_into_cells(array, tiling: Tiling) -> np.ndarray:
         tile = xp.array(array[tiling.slices(idx)], order="C")
         cells[idx] = Cell(tile, tile.shape, tile.dtype, token=f"np-{tokenize(tile)}")
     return cells
+
+
+def is_array(x) -> bool:
+    """Whether ``x`` is a NumPy array or a torch tensor: data a layer or an op takes as a torch
+    user passes it (tiled for them), where a TileTensor is expected."""
+    return isinstance(x, np.ndarray) or type(x).__module__.startswith("torch")
 
 
 def _host_array(array, where: str):

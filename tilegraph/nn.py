@@ -26,7 +26,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
 from tilegraph._graph import scope as _scope
-from tilegraph._tensor import (TileTensor, Tiling, _host_array, assign_cells, from_numpy, split_into_cells,
+from tilegraph._tensor import (TileTensor, Tiling, _host_array, assign_cells, from_numpy, is_array, split_into_cells,
                                tensor_from_cells)
 from tilegraph.ops.embedding import check_padding_idx
 from tilegraph.ops.shape import fit_last_dim
@@ -667,7 +667,7 @@ class Embedding(Module):
         self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
 
     def forward(self, ids: TileTensor) -> TileTensor:
-        if isinstance(ids, np.ndarray) or type(ids).__module__.startswith("torch"):  # as torch's: an array of ids
+        if is_array(ids):  # as torch's: an array of ids
             ids = from_numpy(ids)
         return ops.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
@@ -707,7 +707,7 @@ class LayerNorm(Module):
     def forward(self, x: TileTensor) -> TileTensor:
         if self.weight is not None:
             x = fit_last_dim(x, self.weight, "tilegraph.nn.LayerNorm", "dim")
-        elif isinstance(x, np.ndarray) or type(x).__module__.startswith("torch"):
+        elif is_array(x):
             x = from_numpy(x)
         return ops.layer_norm(x, (self.dim,) if self.weight is None else self.weight.shape, self.weight, self.bias,
                               eps=self.eps)
