@@ -252,6 +252,21 @@ def lm_loss(model, ids, targets):
     return tg.cross_entropy(model(ids), targets)
 
 
+def regression_data(seed: int, rows: int):
+    """A Trainer's ``data(step)`` for the README's first MLP: ``rows`` random (x, tanh(x[:, :4]))
+    of 16 features, drawn from (seed, step)."""
+    def batch(step):
+        x = np.random.default_rng([seed, step]).standard_normal((rows, 16)).astype(np.float32)
+        return x, np.tanh(x[:, :4])
+    return batch
+
+
+def mse(m, x, y):
+    """The mean squared error of ``m(x)`` against ``y`` (a tg.Trainer loss_fn)."""
+    d = m(x) - y
+    return (d * d).mean()
+
+
 def mpiexec_or_skip() -> str:
     """The ``mpiexec`` of this Python's environment (the mpi extra's MPICH) or on PATH; skips the
     test where it, mpi4py or dask_mpi is missing."""

@@ -16,29 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mse, regression_data
 
 import tilegraph as tg
 
 LOCK = ".tilegraph.lock"
 
 
-def _data(seed):
-    def batch(step):
-        x = np.random.default_rng([seed, step]).standard_normal((64, 16)).astype(np.float32)
-        return x, np.tanh(x[:, :4])
-    return batch
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _trainer(model=None, opt=None, **kw):
     """A small MLP trainer in this process (no cluster), evaluating every step."""
     model = model or tg.nn.MLP(16, 32, out_dim=4, tile=8, seed=0)
     opt = opt or tg.optim.AdamW(model.parameters(), lr=1e-2)
-    return tg.Trainer(model, opt, _data(0), loss_fn=_mse, batch_size=64, eval_data=_data(1), eval_batches=1,
+    return tg.Trainer(model, opt, regression_data(0, 64), loss_fn=mse, batch_size=64, eval_data=regression_data(1, 64), eval_batches=1,
                       eval_every=1, progress=False, **kw)
 
 

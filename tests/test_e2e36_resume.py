@@ -11,27 +11,16 @@ import signal
 
 import numpy as np
 import pytest
+from conftest import mse, regression_data
 
 import tilegraph as tg
-
-
-def _data(seed):
-    def batch(step):
-        x = np.random.default_rng([seed, step]).standard_normal((256, 16)).astype(np.float32)
-        return x, np.tanh(x[:, :4])
-    return batch
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
 
 
 def _trainer(rt, steps, **kw):
     model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-2, 4, steps), clip_grad_norm=1.0)
-    return tg.Trainer(model, opt, _data(0), rt, loss_fn=_mse, batch_size=256, batch_tiles=[(64, 8), (64, None)],
-                      eval_data=_data(1), eval_batches=1, progress=False, **kw)
+    return tg.Trainer(model, opt, regression_data(0, 256), rt, loss_fn=mse, batch_size=256, batch_tiles=[(64, 8), (64, None)],
+                      eval_data=regression_data(1, 256), eval_batches=1, progress=False, **kw)
 
 
 @pytest.mark.distributed
