@@ -135,11 +135,13 @@ def init_model(init: str, method: str):
 
     where = "tilegraph train model.init"
     folder = Path(init)
-    record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
+    zarr = (folder / "zarr.json").is_file()
+    record = read_peft_record(folder, where) if zarr else None
     # a checkpoint of tilegraph train holds its base, unless written before quantized bases were
     # stored in them (its record names the base checkpoint, which load_model reads)
     has_base = record is None or record.get("base_in_checkpoint", True)
-    if method != "none" and (folder / "zarr.json").is_file() and has_base:
+    ck = None
+    if method != "none" and zarr and has_base:
         ck = load_checkpoint(folder)
         if any(a.get("quantized") for name, a in ck.arrays.items() if name.startswith("model/")):
             from tilegraph import peft
@@ -150,8 +152,8 @@ def init_model(init: str, method: str):
             _say_widened(folder, where, stored_dtype(ck.info))
             return model, True
     model = load_model(folder, where, zarr_dtype=TRAIN_DTYPE)
-    if (folder / "zarr.json").is_file():
-        _say_widened(folder, where, stored_dtype(load_checkpoint(folder).info))
+    if zarr:  # (opened after load_model, whose errors name what is wrong with an incomplete one)
+        _say_widened(folder, where, stored_dtype((ck or load_checkpoint(folder)).info))
     elif (folder / "config.json").is_file():
         _say_widened(folder, where)
     return model, False
