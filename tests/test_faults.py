@@ -24,7 +24,7 @@ import pytest
 
 import tilegraph as tg
 import tilegraph._train
-from conftest import fake_hosts, stop_process
+from conftest import fake_hosts, mse, stop_process
 from tilegraph.trainer import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN, StepTimeoutError, WorkerLostError
 
 
@@ -64,15 +64,10 @@ def _data(step):
     return x, np.tanh(x[:, :4])
 
 
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _trainer(rt, steps, **kw):
     model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-2, 4, steps))
-    return tg.Trainer(model, opt, _data, rt, loss_fn=_mse, batch_size=256, batch_tiles=[(64, 8), (64, None)],
+    return tg.Trainer(model, opt, _data, rt, loss_fn=mse, batch_size=256, batch_tiles=[(64, 8), (64, None)],
                       progress=False, **kw)
 
 
@@ -171,7 +166,7 @@ def test_a_step_without_a_time_limit_names_a_lost_worker(cluster, how, monkeypat
     monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)
     model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(64, 8), (64, None)], runtime=cluster.rt)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(64, 8), (64, None)], runtime=cluster.rt)
     losses = [step(*_data(i)) for i in (1, 2)]
     addr = _state_worker(cluster.rt, opt)
     (cluster.kill if how == "kill" else cluster.stop)(addr)

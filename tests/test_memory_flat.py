@@ -20,6 +20,7 @@ import pytest
 
 import tilegraph as tg
 from tilegraph.runtime.worker_setup import LOG_LENGTH_DASK_CONFIG
+from conftest import mse
 
 STEPS = 2500
 EVERY = 250  # steps between samples; the first sample is the baseline (the kernels compiled by then)
@@ -36,11 +37,6 @@ WORKER_TASKS = 20
 def _data(step):
     x = np.random.default_rng(step).standard_normal((8, 8)).astype(np.float32)
     return x, np.tanh(x[:, :2])
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
 
 
 def _worker_sample(dask_worker) -> dict:
@@ -87,7 +83,7 @@ def test_client_and_worker_memory_stay_flat_over_thousands_of_steps(runtime):
 
     model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = tg.Trainer(model, opt, _data, runtime, loss_fn=_mse, batch_size=8, progress=False,
+    trainer = tg.Trainer(model, opt, _data, runtime, loss_fn=mse, batch_size=8, progress=False,
                          steps_per_graph=1, on_step=[sample])
     res = trainer.fit(STEPS)
     assert res.steps == STEPS and np.isfinite(res.losses).all()

@@ -10,11 +10,7 @@ import pytest
 
 import tilegraph as tg
 from tilegraph._errors import TileError
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
+from conftest import mse
 
 
 def _data(rows=16, seed=0):
@@ -57,12 +53,12 @@ def second_client(embedded_runtime):
 def test_a_closed_runtime_is_a_clear_error_where_it_is_given(second_client):
     model, opt = _model_and_opt()
     x, y = _data()
-    step = tg.TrainStep(model, opt, _mse, runtime=second_client)  # built while open
+    step = tg.TrainStep(model, opt, mse, runtime=second_client)  # built while open
     second_client.close()
     with pytest.raises(TileError, match=r"\[tilegraph.Runtime.workers\] an open runtime"):
         second_client.processors()  # was RuntimeError: IOLoop is closed
     with pytest.raises(TileError, match=r"\[tilegraph.Trainer\] an open runtime: this one was closed"):
-        tg.Trainer(model, opt, lambda i: (x, y), second_client, loss_fn=_mse, progress=False)
+        tg.Trainer(model, opt, lambda i: (x, y), second_client, loss_fn=mse, progress=False)
     with pytest.raises(TileError, match=r"\[tilegraph.TrainStep\] an open runtime"):
         step(x, y)
     assert opt.step_count == 0  # nothing was counted
@@ -73,7 +69,7 @@ def test_a_step_run_before_connect_runs_on_the_runtime_connected_after(no_curren
                                                                        local_scheduler):
     model, opt = _model_and_opt()
     x, y = _data()
-    step = tg.TrainStep(model, opt, _mse)
+    step = tg.TrainStep(model, opt, mse)
     first = step(x, y)  # a quick check on this machine, before connecting
     assert not _is_remote(model.fc1.weight)
     with embedded_runtime.as_current():  # then tg.connect(): the same step object, re-run
@@ -88,7 +84,7 @@ def test_a_step_over_values_of_a_closed_runtime_says_they_are_gone(second_client
     model, opt = _model_and_opt()
     x, y = _data()
     with second_client.as_current():
-        step = tg.TrainStep(model, opt, _mse)
+        step = tg.TrainStep(model, opt, mse)
         step(x, y)
     second_client.close()
     with embedded_runtime.as_current():  # connected again: the values went with the first runtime
@@ -104,16 +100,16 @@ def test_a_step_over_values_of_another_runtime_is_refused_before_it_changes_anyt
     model, opt = _model_and_opt()
     x, y = _data()
     with embedded_runtime.as_current():
-        first = tg.TrainStep(model, opt, _mse)(x, y)
+        first = tg.TrainStep(model, opt, mse)(x, y)
     with second_client.as_current():  # two runtimes: a new cell's step under the other one
         with pytest.raises(TileError, match="held by another runtime"):
-            tg.TrainStep(model, opt, _mse)(x, y)  # was a WorkerLostError after the step's cells were replaced
+            tg.TrainStep(model, opt, mse)(x, y)  # was a WorkerLostError after the step's cells were replaced
         with pytest.raises(TileError, match=r"^\[tilegraph.compute\] the graph to run on the runtime holding its "
                            r"values.*held by another runtime"):
             model.fc1.weight.numpy()  # was a WorkerLostError saying the cluster lost tasks
     assert opt.step_count == 1
     with embedded_runtime.as_current():  # the model is intact where its values live
-        assert tg.TrainStep(model, opt, _mse)(x, y) < first
+        assert tg.TrainStep(model, opt, mse)(x, y) < first
 
 
 def test_compute_on_something_that_is_not_a_runtime():
@@ -135,7 +131,7 @@ def test_a_schedule_giving_no_learning_rate_is_refused(local_scheduler):
 def test_a_schedule_run_past_its_end_stops_before_a_negative_rate(local_scheduler):
     model, _ = _model_and_opt()
     opt = tg.optim.AdamW(model.parameters(), lr=lambda s: 1e-2 * (1 - s / 2))  # 0 at step 2, < 0 after
-    step = tg.TrainStep(model, opt, _mse)
+    step = tg.TrainStep(model, opt, mse)
     x, y = _data()
     step(x, y)
     step(x, y)
@@ -151,7 +147,7 @@ def test_a_schedule_run_past_its_end_stops_before_a_negative_rate(local_schedule
 def test_fit_takes_a_numpy_count_and_refuses_a_bool(local_scheduler):
     model, opt = _model_and_opt()
     x, y = _data()
-    trainer = tg.Trainer(model, opt, lambda i: (x, y), loss_fn=_mse, progress=False)
+    trainer = tg.Trainer(model, opt, lambda i: (x, y), loss_fn=mse, progress=False)
     assert trainer.fit(np.int64(2)).steps == 2  # was refused: "steps must be a positive int"
     with pytest.raises(TileError, match="steps must be an integer >= 1; received: True"):
         trainer.fit(True)  # was one step
@@ -168,7 +164,7 @@ def test_fit_over_batches_of_changing_shapes(local_scheduler):
         rows = 12 if i % 3 == 0 else 16
         return x[:rows], y[:rows]
 
-    trainer = tg.Trainer(model, opt, data, loss_fn=_mse, progress=False, steps_per_graph=4)
+    trainer = tg.Trainer(model, opt, data, loss_fn=mse, progress=False, steps_per_graph=4)
     result = trainer.fit(7)  # was: [tilegraph.TrainStep.submit_steps] batches with one signature
     assert result.steps == 7 and opt.step_count == 7
     assert asked == list(range(1, 8))  # each batch asked for once, in order
@@ -177,10 +173,10 @@ def test_fit_over_batches_of_changing_shapes(local_scheduler):
 
 def test_data_giving_no_arrays_is_named(local_scheduler):
     model, opt = _model_and_opt()
-    trainer = tg.Trainer(model, opt, lambda i: None, loss_fn=_mse, progress=False)
+    trainer = tg.Trainer(model, opt, lambda i: None, loss_fn=mse, progress=False)
     with pytest.raises(TileError, match=r"\[tilegraph.Trainer.fit\] data\(step\) must return an array.*data\(1\)"
                                         r" item 0: None"):
-        trainer.fit(1)  # was TypeError: _mse() missing 1 required positional argument: 'y'
+        trainer.fit(1)  # was TypeError: mse() missing 1 required positional argument: 'y'
     assert opt.step_count == 0
 
 
@@ -194,7 +190,7 @@ def test_plot_to_a_folder_or_into_a_missing_one(local_scheduler, tmp_path):
         plot_training(records, path=tmp_path / "nope" / "loss.png")
     model, opt = _model_and_opt()
     x, y = _data()
-    trainer = tg.Trainer(model, opt, lambda i: (x, y), loss_fn=_mse, progress=False, log_dir=tmp_path / "run")
+    trainer = tg.Trainer(model, opt, lambda i: (x, y), loss_fn=mse, progress=False, log_dir=tmp_path / "run")
     assert trainer.plot() == tmp_path / "run" / "loss.png"  # before any fit: its log_dir is made
     assert (tmp_path / "run" / "loss.png").is_file()
 
@@ -237,7 +233,7 @@ def test_an_empty_batch_is_refused_before_the_step_counts(local_scheduler):
     x, y = _data()
     with pytest.raises(TileError, match=r"^\[tilegraph.TrainStep batch\[0\]\] a batch array with at least one "
                        r"element.*received: shape \(0, 8\)"):
-        tg.TrainStep(model, opt, _mse)(x[:0], y[:0])  # was a step of NaN loss, after its weight decay
+        tg.TrainStep(model, opt, mse)(x[:0], y[:0])  # was a step of NaN loss, after its weight decay
     assert opt.step_count == 0
 
 
@@ -245,8 +241,8 @@ def test_a_batch_that_does_not_fit_loss_fn_names_both(local_scheduler):
     model, opt = _model_and_opt()
     x, _ = _data()
     with pytest.raises(TileError, match=r"loss_fn\(model, \*batch\) to take the model and the batch's 1 array .*"
-                       r"received: _mse\(m, x, y\): missing a required argument: 'y'"):
-        tg.TrainStep(model, opt, _mse)(x)  # was Python's TypeError from inside the recording
+                       r"received: mse\(m, x, y\): missing a required argument: 'y'"):
+        tg.TrainStep(model, opt, mse)(x)  # was Python's TypeError from inside the recording
     assert opt.step_count == 0
 
 

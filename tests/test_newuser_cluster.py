@@ -15,6 +15,7 @@ import pytest
 
 import tilegraph as tg
 import tilegraph.runtime
+from conftest import mse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,16 +25,11 @@ def _data(step):
     return x, np.tanh(x[:, :4])
 
 
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _trainer(rt, **kw):
     """The README's small MLP on random data: a step of a few milliseconds."""
     model = tg.nn.MLP(16, 32, out_dim=4, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
-    return tg.Trainer(model, opt, _data, rt, loss_fn=_mse, batch_size=64, batch_tiles=[(32, 8), (32, None)],
+    return tg.Trainer(model, opt, _data, rt, loss_fn=mse, batch_size=64, batch_tiles=[(32, 8), (32, None)],
                       progress=False, **kw)
 
 

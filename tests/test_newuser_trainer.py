@@ -8,6 +8,7 @@ import pytest
 
 import tilegraph as tg
 from tilegraph.plotting import plot_training, read_metrics
+from conftest import mse
 
 
 def _data(step):
@@ -15,16 +16,11 @@ def _data(step):
     return x, np.tanh(x[:, :2])
 
 
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _trainer(runtime=None, **kw):
     model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(1e-2, 2, 20))
     kw = {"progress": False, "batch_tiles": [(16, 8), (16, None)], **kw}
-    return model, opt, tg.Trainer(model, opt, kw.pop("data", _data), runtime, loss_fn=_mse, batch_size=32, **kw)
+    return model, opt, tg.Trainer(model, opt, kw.pop("data", _data), runtime, loss_fn=mse, batch_size=32, **kw)
 
 
 # -- the optimizer ---------------------------------------------------------------------------------
@@ -271,7 +267,7 @@ def test_a_trainer_built_again_on_the_same_log_continues_its_run_or_says_it_is_a
 
     model, opt, first = _trainer(log_dir=tmp_path / "log")
     first.fit(4)
-    again = tg.Trainer(model, opt, _data, loss_fn=_mse, batch_size=32, progress=False,
+    again = tg.Trainer(model, opt, _data, loss_fn=mse, batch_size=32, progress=False,
                        batch_tiles=[(16, 8), (16, None)], log_dir=tmp_path / "log")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from conftest import mse
 
 
 def _data(seed=0, n=256):
@@ -13,17 +14,12 @@ def _data(seed=0, n=256):
     return x, np.tanh(x @ w)
 
 
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _train(steps, runtime=None, seed=0, **compile_options):
     x, y = _data()
     model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=seed)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-2, 10, steps), weight_decay=0.0,
                          clip_grad_norm=1.0)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(64, 8), (64, None)], runtime=runtime, **compile_options)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(64, 8), (64, None)], runtime=runtime, **compile_options)
     losses = [step(x, y) for _ in range(steps)]
     return losses, model, step
 
@@ -87,7 +83,7 @@ def _accum_run(k, runtime=None, steps=3):
     x, y = _data(n=64)
     model = tg.nn.MLP(16, 32, out_dim=4, tile=8, seed=1)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-2, clip_grad_norm=0.5)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(8, 8), (8, None)], accum_steps=k, runtime=runtime)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(8, 8), (8, None)], accum_steps=k, runtime=runtime)
     losses = [step(x[16 * i:16 * i + 32], y[16 * i:16 * i + 32]) for i in range(steps)]
     with (runtime.as_current() if runtime else __import__("contextlib").nullcontext()):
         return losses, model.state_dict(), step
@@ -164,7 +160,7 @@ def _grouped_run(groups, runtime=None):
     x, y = _data(n=96)
     model = tg.nn.MLP(16, 32, out_dim=4, tile=8, seed=3)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(2e-2, 3, 8), clip_grad_norm=0.5)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(8, 8), (8, None)], runtime=runtime)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(8, 8), (8, None)], runtime=runtime)
     batches = [(x[8 * i:8 * i + 16], y[8 * i:8 * i + 16]) for i in range(sum(groups))]
     pending, k = [], 0
     for g in groups:
@@ -203,12 +199,12 @@ def test_steps_in_one_graph_on_the_embedded_cluster(embedded_runtime):
 def test_submit_steps_rejects_mixed_batches_and_accumulation():
     x, y = _data(n=32)
     model = tg.nn.MLP(16, 8, out_dim=4, tile=8, seed=0)
-    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse)
+    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), mse)
     with pytest.raises(tg.TileError, match=r"batches with one signature.*received: batch 1: "):
         step.submit_steps([(x[:8], y[:8]), (x[:16], y[:16])])
     with pytest.raises(tg.TileError, match=r"at least one batch; received: an empty list"):
         step.submit_steps([])
-    acc = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse, accum_steps=2,
+    acc = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), mse, accum_steps=2,
                        batch_tiles=[(8, 8), (8, None)])
     with pytest.raises(tg.TileError, match=r"accum_steps=1 .*received: accum_steps=2"):
         acc.submit_steps([(x[:8], y[:8])] * 2)
@@ -218,7 +214,7 @@ def test_submit_steps_rejects_mixed_batches_and_accumulation():
 def test_auto_steps_per_graph_groups_only_short_steps(monkeypatch):
     x, y = _data(n=32)
     model = tg.nn.MLP(16, 8, out_dim=4, tile=8, seed=0)
-    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse, batch_tiles=[(8, 8), (8, None)])
+    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), mse, batch_tiles=[(8, 8), (8, None)])
     est = step.plan(x, y).est_seconds()
     assert 0 < est < tg.config.graph_seconds / 4  # a few dozen tiny kernels
     k = step.auto_steps_per_graph(x, y)
@@ -230,7 +226,7 @@ def test_auto_steps_per_graph_groups_only_short_steps(monkeypatch):
 def test_eval_step_evaluates_several_batches_per_graph():
     x, y = _data(n=64)
     model = tg.nn.MLP(16, 8, out_dim=4, tile=8, seed=0)
-    ev = tg.EvalStep(model, _mse, batch_tiles=[(8, 8), (8, None)])
+    ev = tg.EvalStep(model, mse, batch_tiles=[(8, 8), (8, None)])
     batches = [(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8]) for i in range(8)]
     want = [float(np.mean((tg.compute(model(tg.from_numpy(b[0], (8, 8))))[0] - b[1]) ** 2)) for b in batches]
     got = ev.losses(batches)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+from conftest import mse
 
 
 def _data(seed):
@@ -18,15 +19,10 @@ def _data(seed):
     return batch
 
 
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _setup(tmp_path=None, steps=40, **kw):
     model = tg.nn.MLP(8, 32, out_dim=2, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(2e-2, min(5, steps), steps), clip_grad_norm=1.0)
-    trainer = tg.Trainer(model, opt, _data(0), loss_fn=_mse, batch_size=32, eval_data=_data(1), eval_batches=2,
+    trainer = tg.Trainer(model, opt, _data(0), loss_fn=mse, batch_size=32, eval_data=_data(1), eval_batches=2,
                          batch_tiles=[(16, 8), (16, None)], progress=False, **kw)
     return model, opt, trainer
 
@@ -95,7 +91,7 @@ def test_nan_loss_stops_and_keeps_the_log(tmp_path):
 
     model = tg.nn.MLP(8, 32, out_dim=2, tile=8, seed=0)
     opt = tg.optim.SGD(model.parameters(), lr=0.01)
-    trainer = tg.Trainer(model, opt, bad, loss_fn=_mse, batch_size=32, log_dir=tmp_path, progress=False)
+    trainer = tg.Trainer(model, opt, bad, loss_fn=mse, batch_size=32, log_dir=tmp_path, progress=False)
     with pytest.raises(FloatingPointError, match=r"loss became nan at step 3"):
         trainer.fit(5)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -149,7 +145,7 @@ def test_steps_per_graph_is_checked():
 @pytest.mark.distributed
 def test_fit_reports_time_per_model_part_and_writes_a_dask_performance_report(embedded_runtime, tmp_path):
     model, opt, _ = _setup(steps=6)
-    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=_mse, batch_size=32,
+    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=mse, batch_size=32,
                          batch_tiles=[(16, 8), (16, None)], progress=False, steps_per_graph=1,
                          performance_report=tmp_path / "report" / "step3.html", report_step=3)
     res = trainer.fit(6)
@@ -164,7 +160,7 @@ def test_fit_reports_time_per_model_part_and_writes_a_dask_performance_report(em
     assert res.profile().startswith("kernel time: ") and "outside kernels" in res.profile()
     assert f"{res.no_task:.0%} in no task" in res.profile()
     with pytest.raises(tg.TileError, match=r"performance_report needs a distributed runtime"):
-        tg.Trainer(model, opt, _data(0), loss_fn=_mse, performance_report=tmp_path / "r.html")
+        tg.Trainer(model, opt, _data(0), loss_fn=mse, performance_report=tmp_path / "r.html")
 
 
 # -- TensorBoard, progress lines, the plot ---------------------------------------------------------

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import lm_ids, lm_loss
+from conftest import lm_ids, lm_loss, mse
 from tilegraph import models
 from tilegraph._tensor import tensor_from_cells
 from tilegraph._train import COMPILE_OPTIONS
@@ -163,11 +163,6 @@ def test_trainer_refuses_eval_data_whose_ids_do_not_fit_the_model(byte_tokens):
 
 
 # -- 4. TrainStep's arguments -----------------------------------------------------------------------
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _mlp(seed=0):
     return tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=seed)
 
@@ -186,7 +181,7 @@ def _mlp(seed=0):
 ])
 def test_train_step_checks_its_arguments_when_built(kw, message):
     model = _mlp()
-    args = dict(model=model, optimizer=tg.optim.SGD(model.parameters(), lr=0.1), loss_fn=_mse)
+    args = dict(model=model, optimizer=tg.optim.SGD(model.parameters(), lr=0.1), loss_fn=mse)
     args.update(kw)
     with pytest.raises(tg.TileError, match=r"\[tilegraph.TrainStep\] " + message):
         tg.TrainStep(args.pop("model"), args.pop("optimizer"), args.pop("loss_fn"), **args)
@@ -196,12 +191,12 @@ def test_train_step_refuses_an_optimizer_of_another_model():
     model, other = _mlp(0), _mlp(1)
     with pytest.raises(tg.TileError, match=r"\[tilegraph.TrainStep\] every optimizer parameter must belong to the "
                                            r"model; received: optimizer.params\[0\] \(.*\) is not among"):
-        tg.TrainStep(model, tg.optim.SGD(other.parameters(), lr=0.1), _mse)
+        tg.TrainStep(model, tg.optim.SGD(other.parameters(), lr=0.1), mse)
 
 
 def test_train_step_checks_batch_tiles_against_the_batch():
     model = _mlp()
-    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _mse, batch_tiles=[(8, None)])
+    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), mse, batch_tiles=[(8, None)])
     x, y = np.ones((8, 8), np.float32), np.zeros((8, 2), np.float32)
     with pytest.raises(tg.TileError, match=r"batch_tiles must hold one tiling per batch array \(2 here\); received: "
                                            r"batch_tiles=\[\(8, None\)\] for 2 arrays"):
@@ -211,9 +206,9 @@ def test_train_step_checks_batch_tiles_against_the_batch():
 
 def test_eval_step_checks_runtime_and_compile_options():
     with pytest.raises(tg.TileError, match=r"\[tilegraph.EvalStep\] runtime must be .*; received: runtime='tcp://x'"):
-        tg.EvalStep(_mlp(), _mse, runtime="tcp://x")
+        tg.EvalStep(_mlp(), mse, runtime="tcp://x")
     with pytest.raises(tg.TileError, match=r"\[tilegraph.EvalStep\] keyword arguments .*; received: fuse2=True"):
-        tg.EvalStep(_mlp(), _mse, fuse2=True)
+        tg.EvalStep(_mlp(), mse, fuse2=True)
 
 
 # -- 5. Trainer's arguments -------------------------------------------------------------------------
@@ -225,7 +220,7 @@ def _data(step):
 def _trainer(**kw):
     model = _mlp()
     opt = tg.optim.SGD(model.parameters(), lr=0.1)
-    return tg.Trainer(model, opt, _data, **{"loss_fn": _mse, "batch_size": 8, "progress": False, **kw})
+    return tg.Trainer(model, opt, _data, **{"loss_fn": mse, "batch_size": 8, "progress": False, **kw})
 
 
 #: (Trainer keyword arguments, what the error says after "[tilegraph.Trainer] "); "{tmp}": a folder

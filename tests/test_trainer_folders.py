@@ -15,6 +15,7 @@ import pytest
 
 import tilegraph as tg
 from tilegraph.io.zarr import CheckpointError, CheckpointManager
+from conftest import mse
 
 W = np.random.default_rng(100).standard_normal((8, 2)).astype(np.float32) / 3
 
@@ -26,15 +27,10 @@ def _data(rows=16):
     return batch
 
 
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
 def _trainer(data=None, lr=1e-2, **kw):
     model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=lr)
-    return tg.Trainer(model, opt, _data() if data is None else data, loss_fn=_mse, **{"progress": False, **kw})
+    return tg.Trainer(model, opt, _data() if data is None else data, loss_fn=mse, **{"progress": False, **kw})
 
 
 def _cannot_write(folder) -> bool:

@@ -12,6 +12,7 @@ from tilegraph import models
 from tilegraph._errors import TileError
 from tilegraph._lower import compute
 from test_optim_fp16 import _run_torch_rounded  # torch's optimizer on float16-rounded values
+from conftest import mse
 
 torch = pytest.importorskip("torch")
 tc = pytest.importorskip("torch.utils.checkpoint")
@@ -95,10 +96,6 @@ def _linear_problem():
     return r.standard_normal((8, 4)), r.standard_normal((8, 2))
 
 
-def _mse(m, x, y):
-    return ((m(x) - y) ** 2).mean()
-
-
 def test_unfreezing_a_parameter_the_optimizer_left_out_is_an_error_naming_it():
     """A parameter frozen when the optimizer was made is left out of it; unfrozen later it
     never trained, silently. Now the first step after unfreezing says so, naming it, and says to
@@ -108,7 +105,7 @@ def test_unfreezing_a_parameter_the_optimizer_left_out_is_an_error_naming_it():
     lin.weight.requires_grad = False
     opt = tg.optim.SGD(lin.parameters(), lr=0.1)
     assert opt.params == [lin.bias] and opt.frozen_params == [lin.weight]
-    step = tg.TrainStep(lin, opt, _mse)
+    step = tg.TrainStep(lin, opt, mse)
     step(X, Y)
     step(X, Y)  # still frozen: fine (a LoRA base)
     lin.weight.requires_grad = True
@@ -125,10 +122,10 @@ def test_gradual_unfreezing_with_a_new_optimizer_equals_torch():
     lin = tg.nn.Linear(4, 2, seed=0, dtype=np.float64)
     W0, b0 = lin.weight.numpy().copy(), lin.bias.numpy().copy()
     lin.weight.requires_grad = False
-    step = tg.TrainStep(lin, tg.optim.SGD(lin.parameters(), lr=0.1), _mse)
+    step = tg.TrainStep(lin, tg.optim.SGD(lin.parameters(), lr=0.1), mse)
     step(X, Y)
     lin.weight.requires_grad = True
-    step = tg.TrainStep(lin, tg.optim.SGD(lin.parameters(), lr=0.1), _mse)
+    step = tg.TrainStep(lin, tg.optim.SGD(lin.parameters(), lr=0.1), mse)
     for _ in range(3):
         step(X, Y)
 
@@ -168,7 +165,7 @@ def test_empty_parameter_group_is_accepted_and_trains_as_torch():
     assert opt.params == decay and [len(g["params"]) for g in opt.param_groups] == [2, 0]
     r = np.random.default_rng(3)
     X, Y = r.standard_normal((6, 8)), r.standard_normal((6, 2))
-    step = tg.TrainStep(model, opt, _mse)
+    step = tg.TrainStep(model, opt, mse)
     for _ in range(3):
         step(X, Y)
 
