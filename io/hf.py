@@ -11,6 +11,7 @@ paths with the layout change between them. Nothing here imports torch or transfo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -187,6 +188,8 @@ class HFSpec:
     extents: tuple[Extent, ...]
     #: parameters of a model of a config, from the config alone (the memory check before building)
     n_params: Callable[[Any], int]
+    #: other names HF gives a supported value: key -> {name: the supported value it names}
+    aliases: Mapping[str, Mapping[Any, Any]] = dataclasses.field(default_factory=dict)
 
 
 def _gpt2_spec() -> HFSpec:
@@ -304,7 +307,9 @@ def _llama_spec() -> HFSpec:
         "attention_bias": (False,),
         "mlp_bias": (False,),
     }
-    return HFSpec("llama", ("LlamaForCausalLM",), keys, supported, names, extents, n_params)
+    # transformers' ACT2FN: "swish" is SiLU too (it was refused as a feature tilegraph lacks)
+    aliases = {"hidden_act": {"swish": "silu"}}
+    return HFSpec("llama", ("LlamaForCausalLM",), keys, supported, names, extents, n_params, aliases)
 
 
 SPECS = {"gpt2": _gpt2_spec(), "llama": _llama_spec()}
@@ -346,7 +351,7 @@ def _rope_base(hf: dict, where: str) -> float:
         kind = found[key].get("rope_type", found[key].get("type", "default"))
         if kind != "default":
             raise TileError(where, "only the default rotary embedding is implemented (no rope scaling)",
-                            f"rope_type={st._brief(kind)}")
+                            f"rope_type={st._brief(kind)} (in {CONFIG_NAME}'s {key})")
     theta = found["rope_parameters"].get("rope_theta", hf.get("rope_theta", 10000.0))
     if _finite(theta) is None or theta <= 0:
         raise TileError(where, f"{CONFIG_NAME}: rope_theta must be a finite number > 0", st._brief(theta))
@@ -388,7 +393,10 @@ def hf_config(hf: dict, where: str = "tilegraph.io.hf"):
                         "; ".join(invalid))
     problems = []
     for key, allowed in spec.supported.items():
-        if key in hf and hf[key] not in allowed:
+        value = hf.get(key)
+        if isinstance(value, str):  # (a list or an object from a crafted config.json is no dict key)
+            value = spec.aliases.get(key, {}).get(value, value)
+        if key in hf and value not in allowed:
             problems.append(f"{key}={st._brief(hf[key])} (supported: {', '.join(map(repr, allowed))})")
     if spec.model_type == "llama":
         fields["rope_base"] = _rope_base(hf, where)
@@ -664,6 +672,7 @@ def load_hf(path, tiling=None, *, dtype=None):
     hf = _read_config(folder, where)
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)
+    _check_pickled_weights(folder, where)
     ckpt = st.open_checkpoint(folder)  # headers only; the data is mapped when loaded
     if dtype is None:
         dtype = _folder_dtype(hf, ckpt) or np.dtype(np.float32)
@@ -683,11 +692,30 @@ def load_hf(path, tiling=None, *, dtype=None):
     return model
 
 
+def _check_pickled_weights(folder: Path, where: str) -> None:
+    """A folder whose weights are PyTorch pickles only (``pytorch_model.bin``, sharded or not, as
+    older Hub checkpoints hold them) is named as such: it said only "expected a .safetensors
+    file ...; received: none found", next to the .bin files it did not mention."""
+    if any(folder.glob("*.safetensors")) or (folder / st.INDEX_NAME).is_file():
+        return
+    pickled = sorted(p.name for p in folder.glob("*model*.bin"))  # (not training_args.bin)
+    if pickled:
+        raise TileError(where, "safetensors weights (model.safetensors, or shards with their "
+                        f"{st.INDEX_NAME}); PyTorch's .bin files are pickles, which tilegraph does not read: "
+                        "transformers writes safetensors with AutoModelForCausalLM.from_pretrained(folder)"
+                        ".save_pretrained(new_folder)",
+                        ", ".join(pickled[:3]) + (f" and {len(pickled) - 3} more" if len(pickled) > 3 else "")
+                        + f" in {folder}")
+
+
 def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool = False) -> None:
     """Write ``model`` as an HF folder (config.json + safetensors) that transformers loads.
 
     Everything is written into a temporary folder next to ``path`` and renamed at the end, so a
-    failure leaves neither a partial folder nor a damaged previous one.
+    failure leaves neither a partial folder nor a damaged previous one. A model with LoRA or LoTR
+    layers is written without their adapters, with a warning: the base weights, onto which the
+    folder of ``tilegraph.peft.save_adapters(..., format="peft")`` loads (``tilegraph.peft.merge_lora``
+    first writes them merged).
     """
     path = user_path(path, f"tilegraph.models.{type(model).__name__}.to_hf")
     where = f"tilegraph.models.{type(model).__name__}.to_hf({path})"
@@ -729,3 +757,21 @@ def save_hf(model, path, *, max_shard_bytes: int | None = None, overwrite: bool 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
+    _warn_adapters_left_out(model, where)
+
+
+def _warn_adapters_left_out(model, where: str) -> None:
+    """A warning when ``model`` has LoRA or LoTR layers, which the folder does not hold: it has the
+    base weights under them (what peft's folder of the adapters loads onto). A fine-tuned model
+    written with to_hf was otherwise the untrained base, without a word."""
+    import warnings
+
+    from tilegraph.peft import lora_layers, lotr_layers
+
+    adapted = [*lora_layers(model), *lotr_layers(model)]
+    if adapted:
+        shown = ", ".join(adapted[:3]) + (f" and {len(adapted) - 3} more" if len(adapted) > 3 else "")
+        warnings.warn(f"[{where}] the folder holds the base weights, without the model's {len(adapted)} adapted "
+                      f"layers' adapters ({shown}): tilegraph.peft.save_adapters(path, model, format=\"peft\") "
+                      "writes them as a peft folder that loads onto it, and tilegraph.peft.merge_lora(model) "
+                      "before to_hf writes them merged into the weights", UserWarning, stacklevel=4)

@@ -77,6 +77,8 @@ class Tokenizer:
 
     vocab_size: int
     eos_id: int | None
+    #: the id that starts every encoded text (a Llama tokenizer's "<s>"), None when there is none
+    bos_id: int | None = None
 
     @property
     def dtype(self) -> np.dtype:
@@ -165,23 +167,59 @@ _END_MARK = re.compile(r"end|eos|eot|</s>", re.IGNORECASE)
 
 
 def _only_special_token(tokenizer) -> str | None:
-    """The text of the tokenizer's only special token, when it has exactly one, it is not its
-    model's unknown token and it reads as an end marker (what :meth:`BPETokenizer.train` makes of
-    ``eos="<|eot|>"``; a lone "<pad>" is not taken for one); else None."""
+    """The text of the tokenizer's only special token that reads as an end marker, other than its
+    model's unknown token: what :meth:`BPETokenizer.train` makes of ``eos="<|eot|>"``, and a
+    Llama tokenizer's "</s>" beside its "<unk>" and "<s>" (which left its token files without
+    document ends); a lone "<pad>" is not taken for one, nor one of two end markers; else None."""
     decoder = getattr(tokenizer, "get_added_tokens_decoder", None)
     if decoder is None:
         return None
-    special = [t.content for t in decoder().values() if getattr(t, "special", False)]
     unk = getattr(getattr(tokenizer, "model", None), "unk_token", None)
-    if len(special) == 1 and special[0] != unk and _END_MARK.search(special[0]):
-        return special[0]
-    return None
+    ends = [t.content for t in decoder().values()
+            if getattr(t, "special", False) and t.content != unk and _END_MARK.search(t.content)]
+    return ends[0] if len(ends) == 1 else None
+
+
+def tokenizer_config_eos(path) -> str | None:
+    """``eos_token`` of a Hugging Face ``tokenizer_config.json`` (a str, or an object with its
+    ``content``), which names a tokenizer's end-of-text token beside its ``tokenizer.json``; None
+    when the file is absent, unreadable or names none."""
+    try:
+        if path.stat().st_size > 16 * 2**20:  # a real one is a few kB (with a chat template, some 100)
+            return None
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def _added_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after every single text (a Llama
+    tokenizer's ``[<s>]`` and ``[]``; none for GPT-2's, or one :meth:`BPETokenizer.train` made),
+    as Hugging Face's ``tokenizer(text)`` adds them."""
+    try:
+        enc = tokenizer.encode("a", add_special_tokens=True)
+        plain = len(tokenizer.encode("a", add_special_tokens=False).ids)
+    except Exception:  # a broken model (encode names it) or an object that is not a Tokenizer
+        return [], []
+    ids, mask = enc.ids, enc.special_tokens_mask
+    lead = next((i for i, m in enumerate(mask) if not m), len(ids))
+    if len(ids) - plain < lead:  # not a prefix and suffix around the text's own ids
+        return [], []
+    return list(ids[:lead]), list(ids[lead + plain:])
 
 
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
     ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
     when building token files. Round trips are exact: ``decode(encode(s)) == s``.
+
+    Any ``tokenizer.json`` of the library loads (a Llama tokenizer's byte-fallback BPE too), and
+    encodes as Hugging Face's ``tokenizer(text)`` does: with the special tokens its post-processor
+    adds (a Llama tokenizer's "<s>" first: :attr:`bos_id`), and without the truncation or padding
+    the file may have stored (transformers applies neither unless asked to).
 
     >>> tok = BPETokenizer.train(["corpus/"], vocab_size=1024)  # doctest: +SKIP
     >>> tok.save("bpe.json"); BPETokenizer.load("bpe.json").encode("def f(x):")  # doctest: +SKIP
@@ -199,8 +237,16 @@ class BPETokenizer(Tokenizer):
             raise TileError(where, "tokenizer must be a tokenizers.Tokenizer (a JSON file: BPETokenizer.load(path))",
                             f"{tokenizer!r:.100}")
         _check_eos(where, eos)
+        # the JSON as given (its hash names the tokenizer in token files), before the settings below
+        self._json = tokenizer.to_str() if callable(getattr(tokenizer, "to_str", None)) else None
         if hasattr(tokenizer, "encode_special_tokens"):
             tokenizer.encode_special_tokens = True
+        # a truncation or padding stored in the JSON (a tokenizer saved after a call that asked for
+        # it) cut every document of a token file to its max_length, or padded a prompt with pad ids
+        if getattr(tokenizer, "truncation", None) is not None:
+            tokenizer.no_truncation()
+        if getattr(tokenizer, "padding", None) is not None:
+            tokenizer.no_padding()
         eos_id = tokenizer.token_to_id(eos) if eos is not None else None
         if eos is not None and eos_id is None:
             if eos != DEFAULT_EOS:  # asked for by name: without it no document would end
@@ -214,6 +260,8 @@ class BPETokenizer(Tokenizer):
         self.eos = eos
         self.eos_id = eos_id
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        lead, _ = _added_ids(tokenizer)
+        self.bos_id = lead[0] if len(lead) == 1 else None
 
     @classmethod
     def train(cls, files: Sequence[str | os.PathLike] | str | os.PathLike, vocab_size: int, *,
@@ -283,19 +331,28 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path: str | os.PathLike, eos: str | None = DEFAULT_EOS) -> "BPETokenizer":
-        """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file). ``eos`` is the
-        end-of-text token's text (None: none); the default, when the file lacks it, falls back to
-        the file's only special token (the ``eos`` that :meth:`train` was given), else to none."""
+        """A tokenizer saved by :meth:`save` (or any ``tokenizers`` JSON file: a Hub model's
+        ``tokenizer.json``). ``eos`` is the end-of-text token's text (None: none); the default,
+        when the file lacks it, falls back to the ``eos_token`` of the ``tokenizer_config.json``
+        beside the file (a Hub folder's, as transformers reads it), then to the file's only special
+        token that reads as an end marker (the ``eos`` that :meth:`train` was given, Llama's
+        "</s>"), else to none."""
         from tilegraph.io.data import read_text
 
         where = "tilegraph.io.BPETokenizer.load"
         path = user_path(path, where)
         if not path.is_file():
             raise TileError(where, "expected a tokenizer JSON file", str(path))
-        return cls.from_str(read_text(path, where), eos=eos, where=where, source=str(path))
+        text = read_text(path, where)
+        tok = cls.from_str(text, eos=eos, where=where, source=str(path))
+        if eos == DEFAULT_EOS and tok.eos_id is None:  # the default one absent: the folder's, as transformers reads it
+            named = tokenizer_config_eos(path.parent / "tokenizer_config.json")
+            if named is not None and tok._tok.token_to_id(named) is not None:
+                return cls.from_str(text, eos=named, where=where, source=str(path))
+        return tok
 
     def to_str(self) -> str:
-        return self._tok.to_str()
+        return self._tok.to_str() if self._json is None else self._json
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer as JSON (to a temporary name, then renamed)."""
@@ -315,7 +372,7 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str | bytes) -> np.ndarray:
         """Token ids of ``text`` (a str, or bytes that are UTF-8)."""
         try:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
+            ids = self._tok.encode(text).ids  # with the post-processor's special tokens, as HF's tokenizer(text)
         except TypeError:  # the library's answer to bytes and to lone surrogates alike: as_text says which
             ids = self._encode(as_text(text, "tilegraph.io.BPETokenizer.encode"))
         except Exception as e:  # the library's bare Exception: a model whose unk_token the vocabulary lacks
@@ -324,7 +381,7 @@ class BPETokenizer(Tokenizer):
 
     def _encode(self, text: str) -> list[int]:
         try:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._tok.encode(text).ids
         except Exception as e:
             raise _broken(e) from None
 
@@ -335,10 +392,10 @@ class BPETokenizer(Tokenizer):
                             "encode)", f"{texts!r:.100}")
         texts = list(texts)
         try:
-            encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+            encoded = self._tok.encode_batch(texts)
         except TypeError:  # bytes or lone surrogates somewhere: as_text names the first
             texts = [as_text(t, "tilegraph.io.BPETokenizer.encode_batch") for t in texts]
-            encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+            encoded = self._tok.encode_batch(texts)
         return [np.asarray(e.ids, dtype=self.dtype) for e in encoded]
 
     def decode(self, ids) -> str:
@@ -409,6 +466,17 @@ def _byte_tokenizer_json(eos_id: int | None) -> str:
                        "decoder": byte_level, "model": model}, ensure_ascii=False)
 
 
+def _bos_text(json_text: str) -> str | None:
+    """The text of the id the post-processor of the tokenizer JSON ``json_text`` puts first (see
+    :attr:`BPETokenizer.bos_id`); None where it puts none, or the JSON does not load."""
+    try:
+        tok = _hf().Tokenizer.from_str(json_text)
+    except Exception:  # the tokenizers package missing (a TileError), or JSON it does not read
+        return None
+    lead, _ = _added_ids(tok)
+    return tok.id_to_token(lead[0]) if len(lead) == 1 else None
+
+
 def hf_tokenizer_files(tokenizer, bpe_json: str | bytes | None = None) -> dict[str, bytes]:
     """The files that make a folder load in Hugging Face as ``tokenizer`` (a :class:`ByteTokenizer`
     or :class:`BPETokenizer`, or the description one recorded: ``describe()``, the
@@ -416,19 +484,22 @@ def hf_tokenizer_files(tokenizer, bpe_json: str | bytes | None = None) -> dict[s
     kind "bpe"): ``tokenizer.json``, the ``tokenizers`` library's format, and
     ``tokenizer_config.json``. ``transformers.AutoTokenizer.from_pretrained(folder)`` (and
     ``tokenizers.Tokenizer.from_file``) then encodes any text to the ids tilegraph's tokenizer
-    gives (``add_special_tokens=False`` not needed: none are added) and decodes them back: the
-    end-of-text token is the special token ``eos_token`` of the same id, and text spelling it is
-    encoded as text, as tilegraph does (``split_special_tokens``).
+    gives (the special tokens a BPE tokenizer's post-processor adds included, a Llama tokenizer's
+    "<s>", which is then ``bos_token``) and decodes them back: the end-of-text token is the special
+    token ``eos_token`` of the same id, and text spelling it is encoded as text, as tilegraph does
+    (``split_special_tokens``).
 
     >>> files = hf_tokenizer_files(ByteTokenizer(eos=True))
     >>> sorted(files), json.loads(files["tokenizer_config.json"])["eos_token"]
     (['tokenizer.json', 'tokenizer_config.json'], '<|endoftext|>')
     """
     where = "tilegraph.io.hf_tokenizer_files"
+    bos = None  # the text of the id a BPE tokenizer's post-processor puts first (a Llama tokenizer's "<s>")
     if isinstance(tokenizer, (ByteTokenizer, BPETokenizer)):
         desc = tokenizer.describe()
         if isinstance(tokenizer, BPETokenizer):
             bpe_json = tokenizer.to_str()
+            bos = None if tokenizer.bos_id is None else tokenizer._tok.id_to_token(tokenizer.bos_id)
     elif isinstance(tokenizer, dict):
         desc = tokenizer
     else:
@@ -448,6 +519,8 @@ def hf_tokenizer_files(tokenizer, bpe_json: str | bytes | None = None) -> dict[s
         eos = desc.get("eos") if eos_id is not None else None
         if eos is not None and not isinstance(eos, str):
             raise TileError(where, "a description whose eos is the end-of-text token's text (a str)", repr(eos)[:100])
+        if not isinstance(tokenizer, BPETokenizer):
+            bos = _bos_text(text)
     else:
         raise TileError(where, "a tokenizer of kind 'byte' or 'bpe'", repr(kind)[:100])
     config = {"tokenizer_class": "PreTrainedTokenizerFast",
@@ -456,4 +529,6 @@ def hf_tokenizer_files(tokenizer, bpe_json: str | bytes | None = None) -> dict[s
               "model_input_names": ["input_ids", "attention_mask"]}
     if eos is not None:
         config.update(bos_token=eos, eos_token=eos)  # (the checkpoint's config names its id for both)
+    if bos is not None:
+        config["bos_token"] = bos
     return {"tokenizer.json": text.encode("utf-8"), "tokenizer_config.json": json.dumps(config, indent=1).encode()}
