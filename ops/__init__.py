@@ -19,11 +19,12 @@ from .reduce import max, mean, min, std, sum, var
 from .rope import rope
 from .shape import cat, flatten, permute, rechunk, reshape, squeeze, stack, transpose, unsqueeze
 from .softmax import log_softmax, softmax
-from .where import masked_fill, where
+from .where import logical_and, logical_not, logical_or, logical_xor, masked_fill, where
 
 abs = absolute  # noqa: A001 - torch's name (elementwise keeps Python's abs for its Numba kernels)
 
 __all__ = ["add", "affine", "cross_entropy", "mse_loss", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like",
            "exp", "log", "tanh", "sigmoid", "cast", "cat", "stack", "unsqueeze", "squeeze", "flatten", "max", "min",
-           "var", "std", "rechunk", "narrow", "select", "split", "chunk", "unbind", "abs", "absolute", "clamp", "where", "masked_fill"]
+           "var", "std", "rechunk", "narrow", "select", "split", "chunk", "unbind", "abs", "absolute", "clamp", "where", "masked_fill",
+           "logical_and", "logical_or", "logical_xor", "logical_not"]

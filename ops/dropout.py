@@ -236,15 +236,18 @@ def _check_seed_tensor(seed) -> None:
 _DROPOUT = Dropout()
 
 
-def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, seed=0) -> TileTensor:
+def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool = False, *,
+            seed=None) -> TileTensor:
     """Inverted dropout of ``x``: each element zeroed with probability ``p``, the others scaled by
     1 / (1 - p); ``p = 0`` or ``training=False`` returns ``x`` itself (torch's ``F.dropout``, its
     arguments in its order; ``inplace=True`` is not supported: tensors are never changed in place).
-    ``seed`` (by name): an int (then the mask is the same every time the graph runs) or a (1,)
-    uint64 TileTensor such as :func:`seed_tensor` makes from trainable parameters (a new mask every
-    optimizer step). Apply it only to a training step's graph: pass ``training=self.training`` in a
-    module (True under :func:`tilegraph.nn.training`, as ``TrainStep`` records, or after
-    ``model.train()``). See the module doc."""
+    ``seed`` (by name): None (the default) seeds each run's mask as :class:`tilegraph.nn.Dropout`
+    does, from the values of ``x``'s first tile and the module the call is recorded in, so a
+    replayed step draws a new mask as its input changes; an int gives the same mask every time the
+    graph runs; a (1,) uint64 TileTensor such as :func:`seed_tensor` makes from trainable
+    parameters, a new mask every optimizer step. Apply it only to a training step's graph: pass
+    ``training=self.training`` in a module (True under :func:`tilegraph.nn.training`, as
+    ``TrainStep`` records, or after ``model.train()``). See the module doc."""
     p = check_dropout(p, WHERE, "p")
     if not isinstance(training, (bool, np.bool_)):
         raise TileError(WHERE, "training must be a bool (torch's third argument; pass an int seed by name: "
@@ -258,8 +261,22 @@ def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool 
         from tilegraph._tensor import from_numpy
 
         seed = from_numpy(np.array([int(seed)], dtype=np.uint64))
-    _check_seed_tensor(seed)
+    if seed is not None:
+        _check_seed_tensor(seed)
     require_tensor(x, WHERE, "x")
     if p == 0 or not training:
         return x
+    if seed is None:
+        # (a fixed seed of 0 was the default: every step of a replayed graph, and every call on a
+        # tensor of one shape, dropped the same elements, a fixed pruning rather than dropout)
+        seed = seed_tensor(x, base=_scope_seed())
     return _DROPOUT(x, seed, p=p)
+
+
+def _scope_seed() -> int:
+    """A base seed for the module a call is recorded in (its scope: the attribute path), so that
+    dropout calls of two modules on equal inputs draw different masks."""
+    from tilegraph._graph import current_scope
+
+    digest = hashlib.blake2b(f"dropout/{current_scope()}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -221,9 +221,8 @@ class Pow(Op):
 
     def forward(self, x, exponent):
         convert = {}
-        dtype = x.dtype
-        if dtype.kind not in "fc" and not float(exponent).is_integer():
-            dtype = np.dtype(np.float64)
+        dtype = _pow_dtype(x.dtype, exponent)
+        if dtype != x.dtype:
             convert = {"dtype": dtype.str}
 
         def fill(idx):
@@ -245,11 +244,18 @@ class Pow(Op):
 _pow_op = Pow()
 
 
+def _pow_dtype(dtype: np.dtype, exponent) -> np.dtype:
+    """The dtype of ``x ** exponent`` as NumPy gives it: a float tensor keeps its dtype; an integer
+    one stays integer under an int exponent and becomes float64 under a float one (``ids ** 2.0``
+    was int64, and wrapped around past 2**63; ``ids ** -1.0`` failed in the kernel)."""
+    return dtype if dtype.kind in "fc" or isinstance(exponent, int) else np.dtype(np.float64)
+
+
 def pow(x: TileTensor, exponent) -> TileTensor:  # noqa: A001 - torch name
     """``x ** exponent`` element by element (``torch.pow``) for a real-number ``exponent``; its
     gradient is ``exponent * x ** (exponent - 1)`` (0 for ``exponent == 0``, as torch). A float
-    tensor keeps its dtype; an integer one stays integer under a whole exponent >= 0, and becomes
-    float64 under a fractional one (NumPy's promotion).
+    tensor keeps its dtype; an integer one stays integer under an int exponent >= 0, and becomes
+    float64 under a float one, ``2.0`` too (NumPy's promotion).
 
     >>> import numpy as np, tilegraph as tg
     >>> (tg.from_numpy(np.arange(4.0), tiles=3) ** 2).numpy()
@@ -268,8 +274,9 @@ def pow(x: TileTensor, exponent) -> TileTensor:  # noqa: A001 - torch name
     exponent = _number(exponent)
     if x.dtype.kind in "iu" and isinstance(exponent, int) and exponent < 0:
         raise TileError(where, "an integer tensor to a negative integer power is not supported (as in NumPy and "
-                        "torch; cast to a float dtype first)", f"a {x.dtype} tensor ** {exponent}")
-    if exponent == 1:
+                        "torch; cast to a float dtype first, or give a float exponent)",
+                        f"a {x.dtype} tensor ** {exponent}")
+    if exponent == 1 and _pow_dtype(x.dtype, exponent) == x.dtype:
         return x
     return _pow_op(x, exponent=exponent)
 
@@ -345,8 +352,14 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 # Constants arrive as arguments typed like the data (``_consts``), so float32 tiles are computed
-# in float32 (float64 literals would promote every operation); fastmath lets LLVM vectorise.
-@numba.njit(cache=True, nogil=True, fastmath=True)
+# in float32 (float64 literals would promote every operation). The fastmath flags leave out "nnan"
+# and "ninf", and error_model="numpy" drops Python's division check, as the float32 kernels' do:
+# with fastmath=True a NaN input (a diverged step) raised ZeroDivisionError in tanh-GELU and SiLU
+# instead of giving NaN, as torch does.
+_FAST64 = {"nsz", "arcp", "contract"}
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST64, error_model="numpy")
 def _nb_gelu(x, out, k):
     half, one, inv_sqrt2 = k[0], k[1], k[3]
     for i in range(x.size):
@@ -354,7 +367,7 @@ def _nb_gelu(x, out, k):
         out[i] = half * v * (one + math.erf(v * inv_sqrt2))
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=_FAST64, error_model="numpy")
 def _nb_gelu_bwd(x, g, out, k):
     half, one, inv_sqrt2, inv_sqrt_2pi = k[0], k[1], k[3], k[4]
     for i in range(x.size):
@@ -364,7 +377,7 @@ def _nb_gelu_bwd(x, g, out, k):
         out[i] = g[i] * (cdf + v * pdf)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=_FAST64, error_model="numpy")
 def _nb_gelu_tanh(x, out, k):
     half, one, two, s2pi, c = k[0], k[1], k[2], k[5], k[6]
     for i in range(x.size):
@@ -374,7 +387,7 @@ def _nb_gelu_tanh(x, out, k):
         out[i] = half * v * (one + t)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=_FAST64, error_model="numpy")
 def _nb_gelu_tanh_bwd(x, g, out, k):
     half, one, two, s2pi, c, c3 = k[0], k[1], k[2], k[5], k[6], k[7]
     for i in range(x.size):
@@ -385,7 +398,7 @@ def _nb_gelu_tanh_bwd(x, g, out, k):
         out[i] = g[i] * (half * (one + t) + half * v * (one - t * t) * du)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=_FAST64, error_model="numpy")
 def _nb_silu(x, out, k):
     one = k[1]
     for i in range(x.size):
@@ -393,7 +406,7 @@ def _nb_silu(x, out, k):
         out[i] = v / (one + math.exp(-v))
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=_FAST64, error_model="numpy")
 def _nb_silu_bwd(x, g, out, k):
     one = k[1]
     for i in range(x.size):

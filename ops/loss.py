@@ -24,6 +24,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import (acc_dtype, elementwise_cost, new_tensor, numel, require_float, require_same_chunks,
                       require_tensor, xp_of)
 from .embedding import check_index_range, require_integer
+from .softmax import _finite_or_zero
 from ._tree import merge_tree
 
 __all__ = ["cross_entropy", "mse_loss", "mean_parts", "count_weighted", "add_totals"]
@@ -49,7 +50,8 @@ def _ce_stats_xp(x, tgt, offset, smoothing=0.0, vocab=0):
     rows = tgt.shape
     x2 = x.reshape(-1, x.shape[-1]).astype(acc_dtype(x.dtype), copy=False)
     m = x2.max(axis=1)
-    s = xp.exp(x2 - m[:, None]).sum(axis=1)
+    # a row that is -inf all over this tile (masked or padded classes) adds s = 0, not exp(nan)
+    s = xp.exp(x2 - _finite_or_zero(xp, m)[:, None]).sum(axis=1)
     local = tgt.reshape(-1).astype(xp.int64, copy=False) - offset
     hit = (local >= 0) & (local < x2.shape[1])
     t = xp.take_along_axis(x2, xp.where(hit, local, 0)[:, None], axis=1)[:, 0]
@@ -90,11 +92,12 @@ def _ce_stats_cpu(x, tgt, offset, smoothing=0.0, vocab=0):
     n, v = numel(rows), x.shape[-1]
     x2 = np.ascontiguousarray(x.reshape(n, v))
     m = x2.max(axis=1)
+    m0 = _finite_or_zero(np, m)  # as _ce_stats_xp: a row -inf all over the tile adds s = 0
     s = np.empty(n, x2.dtype)
     buf = np.empty((min(n, _block_rows(v, x2.itemsize)), v), x2.dtype)
     for lo, hi in _row_blocks(n, v, x2.itemsize):
         b = buf[:hi - lo]
-        np.subtract(x2[lo:hi], m[lo:hi, None], out=b)
+        np.subtract(x2[lo:hi], m0[lo:hi, None], out=b)
         np.exp(b, out=b)
         b.sum(axis=1, out=s[lo:hi])
     local = tgt.reshape(-1).astype(np.int64, copy=False) - offset
@@ -348,7 +351,7 @@ def _targets_like(logits: TileTensor, targets) -> TileTensor:
 
 
 def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -100,
-                  reduction: str = "mean", label_smoothing: float = 0.0) -> TileTensor:
+                  reduction: str = "mean", label_smoothing: float = 0.0, *, weight=None) -> TileTensor:
     """Cross-entropy of ``logits`` (..., V), classes in the LAST dim, against integer ``targets`` (...)
     tiled like the leading dims of ``logits`` (an integer NumPy array or torch tensor is tiled so);
     V may span several tiles.
@@ -360,7 +363,9 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
     ``(1 - e) (lse - x_target) + e (lse - mean_j x_j)``. Targets outside ``[0, V)`` that are not
     ``ignore_index`` raise a TileError when the graph runs. Unlike torch, whose class dim is dim 1,
     the classes are last: torch's equivalent is ``F.cross_entropy(logits.reshape(-1, V),
-    targets.reshape(-1))``.
+    targets.reshape(-1))``. Class weights (torch's ``weight=``, its third positional argument, where
+    tilegraph's is ``ignore_index``) are not supported: the TileError shows the rows' weighted mean
+    to write instead.
 
     >>> import numpy as np, tilegraph as tg
     >>> from tilegraph.ops.loss import cross_entropy
@@ -369,6 +374,9 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
     1.386294
     """
     require_tensor(logits, _WHERE, "logits")
+    if weight is None and _is_weights(ignore_index):
+        weight = ignore_index  # torch's third positional argument
+    _no_class_weights(weight)
     targets = _targets_like(logits, targets)
     require_float(logits, _WHERE, "logits")
     require_integer(targets, _WHERE, "targets")
@@ -389,6 +397,24 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
                         "give the inputs and the targets the same row tiles in batch_tiles)")
     return _ce_op(logits, targets, ignore_index=int(ignore_index), reduction=reduction,
                   label_smoothing=float(label_smoothing))
+
+
+def _is_weights(x) -> bool:
+    """Whether ``x``, passed as ``ignore_index``, is torch's third positional argument (``weight``)."""
+    return isinstance(x, (TileTensor, list, tuple)) or getattr(x, "ndim", 0) >= 1
+
+
+def _no_class_weights(weight) -> None:
+    """A TileError for class weights (not supported) that shows what computes torch's weighted mean."""
+    if weight is None:
+        return
+    shape = weight.shape if isinstance(weight, TileTensor) else tuple(np.shape(weight))
+    raise TileError(_WHERE, "class weights (torch's weight=, its third positional argument; tilegraph's third is "
+                    "ignore_index) are not supported: weight each row's loss instead, w_rows = w[targets] in NumPy "
+                    "(0 for ignored rows), then (tg.cross_entropy(logits, targets, reduction='none') * "
+                    "tg.from_numpy(w_rows.astype(logits.dtype), logits.chunks[:-1])).sum() / w_rows.sum(), torch's "
+                    "weighted mean",
+                    f"weight: {type(weight).__name__} of shape {shape}")
 
 
 def mse_loss(input: TileTensor, target, reduction: str = "mean") -> TileTensor:

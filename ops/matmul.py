@@ -193,6 +193,9 @@ def matmul(a: TileTensor, b: TileTensor, bias: TileTensor | None = None, *, tran
     ``matrix @ vector`` is a vector, ``vector @ vector`` a scalar; a 1-D ``a`` takes a ``bias`` and
     ``trans_b`` too (torch's ``nn.Linear`` on one sample of shape ``(in_features,)``).
     """
+    if isinstance(a, TileTensor) and isinstance(b, TileTensor) and 0 in (a.ndim, b.ndim):
+        raise TileError("tilegraph.matmul", "both operands need at least 1 dim, as in torch (a 0-d tensor "
+                        "multiplies with *)", f"shapes {a.shape} and {b.shape}")
     if isinstance(a, TileTensor) and isinstance(b, TileTensor) and a.ndim == 1 and b.ndim == 2 and \
             (bias is not None or trans_b):
         from .shape import checked_reshape

@@ -107,9 +107,11 @@ def _norm_bwd_xp(x, g, *rest, center, has_w, grad_w, grad_b):
 
 # ---------------------------------------------------------------------- fused kernels (Numba) ----
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # vectorised row sums; keeps inf/nan semantics
+# error_model="numpy": a division by 0 gives inf (then NaN), as torch's and the tiled path's, where
+# Python's ZeroDivisionError came out of the kernel (eps=0 with a constant row, or a zero row for RMS)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _nb_norm_fwd(x, w, b, y, mean_out, rstd_out, eps, center, has_w, has_b):
     rows, n = x.shape
     for r in range(rows):
@@ -141,7 +143,7 @@ def _nb_norm_fwd(x, w, b, y, mean_out, rstd_out, eps, center, has_w, has_b):
                 y[r, j] = (x[r, j] - mu) * rs
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH)
+@numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 def _nb_norm_bwd(x, g, mean, rstd, w, dx, dw, db, center, has_w, grad_w, grad_b):
     rows, n = x.shape
     gw = np.empty(n, dtype=np.float64)
@@ -601,6 +603,13 @@ def layer_norm(x: TileTensor, normalized_shape, weight: TileTensor | None = None
 
 
 def rms_norm(x: TileTensor, weight: TileTensor | None = None, eps: float = 1e-6) -> TileTensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Llama's RMSNorm)."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Llama's RMSNorm). The arguments
+    are ``(x, weight, eps)``: torch's ``F.rms_norm(x, normalized_shape, weight, eps)`` is
+    ``rms_norm(x, weight, eps)`` here (its default eps, None, is the dtype's machine epsilon)."""
+    if isinstance(weight, (numbers.Integral, tuple, list)) and not isinstance(weight, bool):
+        raise TileError("tilegraph.rms_norm", "the second argument is the weight: rms_norm(x, weight=None, "
+                        "eps=1e-6) normalises the last dim; torch's F.rms_norm(x, normalized_shape, weight, eps) "
+                        "is tg.rms_norm(x, weight, eps) (torch's default eps is np.finfo(dtype).eps)",
+                        f"{type(weight).__name__} {weight!r:.60} as weight")
     _check("tilegraph.rms_norm", x, weight, None, eps)
     return _rms_norm_op(x, weight, None, eps=float(eps))

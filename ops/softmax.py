@@ -65,6 +65,8 @@ def _finite_or_zero(xp, m):
 def _softmax(x, axis, log):
     """Whole softmax dim in one tile: the fused forward."""
     xp = xp_of(x)
+    if x.shape[axis] == 0:  # a dim of no elements (no keys, say): nothing to normalise, as torch's
+        return x.copy()
     xa = x.astype(acc_dtype(x.dtype), copy=False)
     z = xa - _finite_or_zero(xp, xa.max(axis=axis, keepdims=True))  # a new array: updated in place
     if log:
@@ -211,19 +213,31 @@ _softmax_op = Softmax(log=False)
 _log_softmax_op = Softmax(log=True)
 
 
-def _check(x, dim, where) -> int:
+def _check(x, dim, where, dtype=None) -> tuple[TileTensor, int]:
+    """``x`` (cast to ``dtype`` first, as torch's ``dtype=`` does) and ``dim`` as a dim of it."""
     require_tensor(x, where, "x")
+    if dtype is not None:
+        from .elementwise import _cast_checked, as_dtype
+
+        if as_dtype(dtype, where).kind != "f":
+            raise TileError(where, "dtype must be a floating dtype", repr(dtype))
+        x = _cast_checked(x, dtype, where)
     require_float(x, where, "x")
     if x.ndim == 0:
         raise TileError(where, "needs at least one dim", "a 0-d tensor")
-    return norm_dim(dim, x.ndim, where)
+    return x, norm_dim(dim, x.ndim, where)
 
 
-def softmax(x: TileTensor, dim: int = -1) -> TileTensor:
-    """``exp(x) / sum(exp(x), dim)`` along ``dim``, which may be split into several tiles."""
-    return _softmax_op(x, dim=_check(x, dim, "tilegraph.softmax"))
+def softmax(x: TileTensor, dim: int = -1, *, dtype=None, where: str = "tilegraph.softmax") -> TileTensor:
+    """``exp(x) / sum(exp(x), dim)`` along ``dim``, which may be split into several tiles.
+    ``dtype``: torch's, ``x`` cast to it first (``dtype=np.float32`` for a float16 ``x``; the
+    gradient comes back in ``x``'s dtype)."""
+    x, dim = _check(x, dim, where, dtype)
+    return _softmax_op(x, dim=dim)
 
 
-def log_softmax(x: TileTensor, dim: int = -1) -> TileTensor:
-    """``x - log(sum(exp(x), dim))`` along ``dim``, which may be split into several tiles."""
-    return _log_softmax_op(x, dim=_check(x, dim, "tilegraph.log_softmax"))
+def log_softmax(x: TileTensor, dim: int = -1, *, dtype=None, where: str = "tilegraph.log_softmax") -> TileTensor:
+    """``x - log(sum(exp(x), dim))`` along ``dim``, which may be split into several tiles;
+    ``dtype`` as :func:`softmax`'s."""
+    x, dim = _check(x, dim, where, dtype)
+    return _log_softmax_op(x, dim=dim)

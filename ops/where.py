@@ -13,6 +13,7 @@ array([-9.,  2., -9.,  4.])
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,7 +26,8 @@ from tilegraph._tensor import TileTensor
 from ._common import elementwise_cost, new_tensor, xp_of
 from .elementwise import _number, _pick, _scalar, broadcast_tiling, unbroadcast
 
-__all__ = ["where", "masked_fill", "compare", "COMPARISONS"]
+__all__ = ["where", "masked_fill", "compare", "COMPARISONS", "logical", "LOGICAL", "logical_and", "logical_or",
+           "logical_xor", "logical_not"]
 
 #: torch's names of the comparisons and the NumPy ufunc of each
 COMPARISONS = {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal", "eq": "equal",
@@ -109,6 +111,88 @@ def compare(a, b, op: str, where: str | None = None) -> TileTensor:
     return _compare_op(a, b, op=op)
 
 
+#: the logical ops on bool tensors (torch's ``&``, ``|``, ``^``; ``~`` is "not") and the NumPy ufunc of each
+LOGICAL = {"and": "logical_and", "or": "logical_or", "xor": "logical_xor", "not": "logical_not"}
+_LOGICAL_SYMBOL = {"and": "&", "or": "|", "xor": "^", "not": "~"}
+
+
+@kernel("logical", cost=elementwise_cost(1))
+def _logical(a, b=None, *, how, value=None):
+    ufunc = getattr(xp_of(a), LOGICAL[how])
+    if how == "not":
+        return ufunc(a)
+    return ufunc(a, b if value is None else value)
+
+
+class Logical(Op):
+    """``a & b``, ``a | b``, ``a ^ b`` or ``~a`` of bool tensors (``b`` a bool tensor, or a bool
+    in ``value``): a bool tensor of the broadcast shape, no gradient."""
+
+    name = "logical"
+
+    def forward(self, a, b, how, value=None, where="tilegraph.logical"):
+        tensors = [a] if b is None else [a, b]
+        tiling, maps = _broadcast(where, tensors)
+        params = {} if value is None else {"value": bool(value)}
+
+        def fill(idx):
+            return emit1(_logical, [_pick(t, m, idx) for t, m in zip(tensors, maps)], tiling.tile_shape(idx),
+                         np.bool_, op="logical", how=how, **params)
+
+        return new_tensor(tiling, np.bool_, fill), None
+
+    def backward(self, ctx, g):
+        return None, None
+
+
+_logical_op = Logical()
+
+
+def logical(a, b, how: str, where: str | None = None) -> TileTensor:
+    """torch's ``logical_and`` / ``logical_or`` / ``logical_xor`` (``&``, ``|``, ``^`` of bool
+    tensors) and ``logical_not`` (``~``, ``b`` None) for ``how`` "and", "or", "xor", "not": masks
+    combined element by element, shapes broadcast as NumPy's; ``b`` a bool TileTensor or a bool.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.array([-1.0, 0.5, 2.0]))
+    >>> ((x > 0) & (x < 1)).numpy(), (~(x > 0)).numpy()
+    (array([False,  True, False]), array([ True, False, False]))
+    """
+    where = where or f"tilegraph.logical_{how}"
+    symbol = _LOGICAL_SYMBOL[how]
+    for name, v in (("a", a), ("b", b)):
+        if name == "b" and (how == "not" or isinstance(v, (bool, np.bool_))):
+            continue
+        if not isinstance(v, TileTensor) or v.dtype.kind != "b":
+            got = f"a {v.dtype} tensor" if isinstance(v, TileTensor) else f"{type(v).__name__} {v!r:.60}"
+            hint = " (wrap a NumPy mask with tg.from_numpy)" if isinstance(v, np.ndarray) else ""
+            raise TileError(where, f"{symbol} takes bool tensors (masks, from comparisons such as x > 0) or a bool; "
+                            f"bitwise ops on integers are not supported{hint}", f"{name}: {got}")
+    if isinstance(b, TileTensor):
+        return _logical_op(a, b, how=how, where=where)
+    return _logical_op(a, None, how=how, value=None if how == "not" else bool(b), where=where)
+
+
+def logical_and(input: TileTensor, other) -> TileTensor:  # noqa: A002 - torch names
+    """torch's ``logical_and``: ``input & other`` of bool tensors (:func:`logical`)."""
+    return logical(input, other, "and")
+
+
+def logical_or(input: TileTensor, other) -> TileTensor:  # noqa: A002 - torch names
+    """torch's ``logical_or``: ``input | other`` of bool tensors."""
+    return logical(input, other, "or")
+
+
+def logical_xor(input: TileTensor, other) -> TileTensor:  # noqa: A002 - torch names
+    """torch's ``logical_xor``: ``input ^ other`` of bool tensors."""
+    return logical(input, other, "xor")
+
+
+def logical_not(input: TileTensor) -> TileTensor:  # noqa: A002 - torch names
+    """torch's ``logical_not``: ``~input`` of a bool tensor."""
+    return logical(input, None, "not")
+
+
 class Where(Op):
     """``cond ? a : b``; the gradient of ``a`` is ``g`` where ``cond`` holds (0 elsewhere), that
     of ``b`` the rest, each summed over the dims it was broadcast along."""
@@ -131,9 +215,15 @@ class Where(Op):
 
     def backward(self, ctx, g):
         cond, a, b = ctx
-        ga = unbroadcast(_where_op(cond, g, 0.0, dtype=g.dtype), a) if isinstance(a, TileTensor) else None
-        gb = unbroadcast(_where_op(cond, 0.0, g, dtype=g.dtype), b) if isinstance(b, TileTensor) else None
+        ga = unbroadcast(_where_op(cond, g, 0.0, dtype=g.dtype), a) if _floats(a) else None
+        gb = unbroadcast(_where_op(cond, 0.0, g, dtype=g.dtype), b) if _floats(b) else None
         return None, ga, gb
+
+
+def _floats(x) -> bool:
+    """Whether ``x`` is a tensor that takes a gradient (an integer one, which a number made float,
+    takes none)."""
+    return isinstance(x, TileTensor) and x.dtype.kind == "f"
 
 
 _where_op = Where()
@@ -141,7 +231,8 @@ _where_op = Where()
 
 def where(condition: TileTensor, input, other) -> TileTensor:
     """torch's ``where(condition, input, other)``: ``input`` where ``condition`` (a bool tensor)
-    holds, ``other`` elsewhere; either value may be a real number (then of the other's dtype).
+    holds, ``other`` elsewhere; either value may be a real number (the result has the other's
+    dtype, but for an integer or bool tensor with a float, which is float64: NumPy's rule).
     Shapes broadcast as NumPy's; dims that are not broadcast must have the same tiles."""
     where_ = "tilegraph.where"
     if not isinstance(condition, TileTensor) or condition.dtype.kind != "b":
@@ -159,7 +250,39 @@ def where(condition: TileTensor, input, other) -> TileTensor:
                         f"two numbers, {input!r} and {other!r}")
     if len(tensors) == 2 and input.dtype != other.dtype:
         raise TileError(where_, "input and other of one dtype (cast one first)", f"{input.dtype} and {other.dtype}")
-    return _where_op(condition, input, other, dtype=tensors[0].dtype)
+    dtype = tensors[0].dtype
+    if len(tensors) == 1:
+        dtype = _with_number(dtype, other if tensors[0] is input else input, where_)
+    return _where_op(condition, input, other, dtype=dtype)
+
+
+def _with_number(dtype: np.dtype, value, where: str) -> np.dtype:
+    """The dtype of ``where(cond, tensor, value)`` for a tensor of ``dtype`` and a number, as
+    NumPy's ``np.where`` (and torch's, up to its float32) give it: a float tensor keeps its dtype;
+    an integer or bool tensor with a fraction, or any float, is float64 (0.5 was cut to 0);
+    a bool tensor with an integer is int64; an integer tensor keeps its dtype with an integer it
+    holds (one it cannot hold is a TileError here, not an OverflowError of the kernel)."""
+    if dtype.kind == "f":
+        return dtype
+    if isinstance(value, (float, np.floating)):
+        return np.dtype(np.float64)
+    if dtype.kind == "b":
+        return np.dtype(np.int64)
+    _fits(dtype, value, where)
+    return dtype
+
+
+def _fits(dtype: np.dtype, value, where: str) -> None:
+    """A TileError unless an integer tensor of ``dtype`` holds ``value`` (a float: its whole part, as cut)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if isinstance(value, (int, np.integer)):
+            holds = info.min <= int(value) <= info.max
+        else:
+            holds = math.isfinite(value) and info.min - 1 < value < info.max + 1
+        if not holds:
+            raise TileError(where, f"a number that the {dtype} tensor holds ([{info.min}, {info.max}]; cast the "
+                            "tensor to a wider dtype first)", f"{value!r}")
 
 
 def masked_fill(x: TileTensor, mask: TileTensor, value, where: str = "tilegraph.masked_fill") -> TileTensor:
@@ -179,4 +302,5 @@ def masked_fill(x: TileTensor, mask: TileTensor, value, where: str = "tilegraph.
         fits = False
     if not fits:
         raise TileError(where, f"a mask that broadcasts to x's shape {x.shape}", f"mask of shape {mask.shape}")
+    _fits(x.dtype, value, where)  # x's dtype kept, as torch's (a fraction into an integer x is cut, as there)
     return _where_op(mask, value, x, dtype=x.dtype)

@@ -346,6 +346,47 @@ class TileTensor:
 
         return ops.pow(self, exponent)
 
+    # -- augmented assignment: ``x += y`` rebinds ``x`` to ``x + y`` (a new tensor; a TileTensor is
+    # never changed in place, so another name for the old ``x`` keeps its value, where torch's
+    # in-place add changes it). On a Parameter that is an error: Python would rebind the name (a
+    # module's attribute: ``model.fc.weight *= 0.5``) to a tensor that is no Parameter, and the
+    # module silently lost it (not trained, not in its state_dict).
+    def __iadd__(self, other):
+        return self._augmented("+=", "__iadd__", other)
+
+    def __isub__(self, other):
+        return self._augmented("-=", "__isub__", other)
+
+    def __imul__(self, other):
+        return self._augmented("*=", "__imul__", other)
+
+    def __itruediv__(self, other):
+        return self._augmented("/=", "__itruediv__", other)
+
+    def __ipow__(self, other):
+        return self._augmented("**=", "__ipow__", other)
+
+    def __imatmul__(self, other):
+        return self._augmented("@=", "__imatmul__", other)
+
+    def _augmented(self, symbol: str, name: str, other):
+        from tilegraph import ops
+
+        if getattr(self, "cells", None) is not None:  # a Parameter (tilegraph.nn, which imports this module)
+            raise TileError(f"tilegraph.nn.Parameter.{name}", f"p {symbol} ... would replace the Parameter by a new "
+                            "tensor that is no Parameter (a module holding it would lose it: not trained, not "
+                            "saved); a TileTensor is never changed in place: set new values with p.assign(array) "
+                            f"(e.g. p.assign(p.numpy() * 0.5)), or compute into another name (y = p {symbol[:-1]} ...)",
+                            repr(self))
+        binary = {"+=": ops.add, "-=": ops.sub, "*=": ops.mul, "/=": ops.div, "@=": ops.matmul}
+        return ops.pow(self, other) if symbol == "**=" else binary[symbol](self, other)
+
+    def __setitem__(self, key, value):
+        raise TileError("tilegraph.TileTensor.__setitem__", "x[...] = value is not supported: a TileTensor is never "
+                        "changed in place; make the new tensor: tg.where(mask, value, x) or x.masked_fill(mask, "
+                        "value) (mask, say, from comparisons), or tg.cat of the pieces", f"x[{key!r:.60}] = "
+                        f"{type(value).__name__}")
+
     def __rpow__(self, base):
         """``2.0 ** x`` for a positive number: ``exp(x * log(base))`` (integers as float64)."""
         from tilegraph import ops
@@ -375,17 +416,17 @@ class TileTensor:
 
         return ops.relu(self)
 
-    def softmax(self, dim: int):
-        """:func:`tilegraph.softmax` over ``dim`` (torch's ``Tensor.softmax``)."""
-        from tilegraph import ops
+    def softmax(self, dim: int, dtype=None):
+        """:func:`tilegraph.softmax` over ``dim`` (torch's ``Tensor.softmax``; ``dtype``: ``x`` cast first)."""
+        from tilegraph.ops.softmax import softmax
 
-        return ops.softmax(self, dim)
+        return softmax(self, dim, dtype=dtype, where="tilegraph.TileTensor.softmax")
 
-    def log_softmax(self, dim: int):
+    def log_softmax(self, dim: int, dtype=None):
         """:func:`tilegraph.log_softmax` over ``dim`` (torch's ``Tensor.log_softmax``)."""
-        from tilegraph import ops
+        from tilegraph.ops.softmax import log_softmax
 
-        return ops.log_softmax(self, dim)
+        return log_softmax(self, dim, dtype=dtype, where="tilegraph.TileTensor.log_softmax")
 
     def exp(self):
         """:func:`tilegraph.exp` (torch's ``Tensor.exp``)."""
@@ -515,9 +556,10 @@ class TileTensor:
     def std(self, dim=ALL_DIMS, unbiased=None, keepdim: bool = NO_KEEPDIM, *, correction=None, keepdims=None,
             axis=None):
         """:func:`tilegraph.std` (torch's ``Tensor.std``)."""
-        from tilegraph import ops
+        from tilegraph.ops.reduce import std
 
-        return ops.pow(self.var(dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis), 0.5)
+        return std(self, dim, unbiased, keepdim, correction=correction, keepdims=keepdims, axis=axis,
+                   where="tilegraph.TileTensor.std")
 
     # -- comparisons: bool tensors (tilegraph.ops.where) -------------------------------------------
     # ``==`` and ``!=`` stay Python's identity (tensors are dict keys and set members while a graph is
@@ -583,6 +625,49 @@ class TileTensor:
 
         return compare(self, other, op, f"tilegraph.TileTensor.{name}")
 
+    # -- logical ops on bool tensors (masks): tilegraph.ops.where.logical -----------------------------
+    def __and__(self, other):
+        return self._logical(other, "and", "__and__")
+
+    def __rand__(self, other):
+        return self._logical(other, "and", "__rand__")
+
+    def __or__(self, other):
+        return self._logical(other, "or", "__or__")
+
+    def __ror__(self, other):
+        return self._logical(other, "or", "__ror__")
+
+    def __xor__(self, other):
+        return self._logical(other, "xor", "__xor__")
+
+    def __rxor__(self, other):
+        return self._logical(other, "xor", "__rxor__")
+
+    def __invert__(self):
+        return self._logical(None, "not", "__invert__")
+
+    def logical_and(self, other):
+        """torch's ``logical_and`` of bool tensors: ``self & other``."""
+        return self._logical(other, "and", "logical_and")
+
+    def logical_or(self, other):
+        """torch's ``logical_or`` of bool tensors: ``self | other``."""
+        return self._logical(other, "or", "logical_or")
+
+    def logical_xor(self, other):
+        """torch's ``logical_xor`` of bool tensors: ``self ^ other``."""
+        return self._logical(other, "xor", "logical_xor")
+
+    def logical_not(self):
+        """torch's ``logical_not`` of a bool tensor: ``~self``."""
+        return self._logical(None, "not", "logical_not")
+
+    def _logical(self, other, how: str, name: str):
+        from tilegraph.ops.where import logical
+
+        return logical(self, other, how, f"tilegraph.TileTensor.{name}")
+
     def where(self, condition, other):
         """torch's ``x.where(condition, other)``: :func:`tilegraph.where` ``(condition, x, other)``."""
         from tilegraph.ops.where import where
@@ -629,6 +714,20 @@ class TileTensor:
         from tilegraph import ops
 
         return ops.transpose(self)
+
+    @property
+    def mT(self):
+        """torch's ``mT``: the last two dims swapped (a batch of matrices transposed)."""
+        if self.ndim < 2:
+            raise TileError("tilegraph.TileTensor.mT", "a tensor of at least 2 dims", f"shape {self.shape}")
+        return self.transpose(-2, -1)
+
+    def t(self):
+        """torch's ``t``: a 2-d tensor transposed; a 0-d or 1-d one as it is (no data moves)."""
+        if self.ndim > 2:
+            raise TileError("tilegraph.TileTensor.t", "a tensor of at most 2 dims (x.transpose(d0, d1) or x.mT "
+                            "for more)", f"shape {self.shape}")
+        return self.T if self.ndim == 2 else self
 
     def sum(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM, *, dtype=None, keepdims: bool | None = None, axis=None,
             out=None, **numpy):
