@@ -449,7 +449,7 @@ def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtyp
                 f.seek(max(0, size - 16 * n - 4))
                 raw = f.read()
         except FileNotFoundError:
-            raise CheckpointError(where, f"array {name!r}: a shard is missing", f"{key} (no file {path})") from None
+            raise missing_chunk(where, root, name, "a shard is missing", f"{key} (no file {path})") from None
         if len(raw) != 16 * n + 4 or np.frombuffer(raw, "<u4", 1, 16 * n)[0] != crc32c(raw[:16 * n]):
             raise CheckpointError(where, f"array {name!r}: a shard's index failed its checksum (corrupted or "
                                   "truncated)", f"{key}: {size} bytes")
@@ -458,7 +458,8 @@ def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtyp
     offset, length = (int(x) for x in index[k])
     want = int(np.prod(chunk_shape)) * dtype.itemsize
     if index[k][0] == _EMPTY or length != want + 4:
-        raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard", f"{key}, chunk {idx}")
+        raise CheckpointError(where, f"array {name!r}: a chunk is missing from its shard",
+                              f"{key}, chunk {idx}" + MISSING_CHUNK_WHY)
     with open(path, "rb") as f:
         f.seek(offset)
         raw = f.read(length)
@@ -467,6 +468,77 @@ def read_sharded_chunk(root: str, name: str, idx, chunk_shape, shard_shape, dtyp
         raise chunk_failed(where, name, f"{key}, chunk {idx}", memoryview(raw)[:want], raw[want:want + 4], len(raw),
                            want + 4)
     return chunk
+
+
+def _codec_names(codecs) -> str:
+    """A zarr.json's list of codecs by their names ("bytes, zstd"), or what stands there instead."""
+    if not isinstance(codecs, list) or not all(isinstance(c, dict) for c in codecs):
+        return repr(codecs)[:100]
+    return ", ".join(str(c.get("name")) for c in codecs) or "none"
+
+
+def _codec_problem(codecs, what: str) -> str | None:
+    """How a list of Zarr codecs differs from the ``bytes`` (little-endian) + ``crc32c`` that
+    tilegraph's chunks are stored with, in words, or None."""
+    names = _codec_names(codecs)
+    if names != "bytes, crc32c":
+        return f"{what} {names}, not bytes (little-endian) then crc32c"
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    if endian != "little":
+        return f"{what} bytes ({endian}-endian) then crc32c, not little-endian"
+    return None
+
+
+def layout_problems(meta: dict, info: dict) -> list[str]:
+    """How the zarr.json ``meta`` of a plain (not quantized) checkpoint array differs from the
+    layout tilegraph reads it in (the one it writes): ``info``, its entry in the checkpoint's
+    attributes, with the ``separator`` of format 1 where :class:`~tilegraph.io.Checkpoint` added
+    it. An array made anew by another tool (zarr-python's ``create_array`` compresses with zstd
+    and names chunks ``c/0/1``) failed as a missing chunk or a failed checksum, the file named
+    being there or whole."""
+    if meta.get("node_type") != "array":
+        return [f"a Zarr {meta.get('node_type')!r} node, not an array"]
+    problems = []
+    if meta.get("shape") != [int(n) for n in info["shape"]]:
+        problems.append(f"shape {meta.get('shape')}, the checkpoint's {list(info['shape'])}")
+    try:
+        same = np.dtype(meta.get("data_type")) == np.dtype(info["dtype"])
+    except TypeError:
+        same = False
+    if not same:
+        problems.append(f"data type {meta.get('data_type')!r}, the checkpoint's {info['dtype']!r}")
+    chunks = [int(c) for c in (info.get("chunks") or chunks_of(info["tiles"]))]
+    shards = info.get("shards")
+    grid = meta.get("chunk_grid") or {}
+    want = [int(c) for c in shards] if shards else chunks
+    got = (grid.get("configuration") or {}).get("chunk_shape")
+    if grid.get("name") != "regular" or got != want:
+        problems.append(f"chunks {got}, the checkpoint's {want}" if grid.get("name") == "regular"
+                        else f"chunk grid {grid.get('name')!r}, not 'regular'")
+    encoding = meta.get("chunk_key_encoding") or {}
+    sep = (encoding.get("configuration") or {}).get("separator", "/" if encoding.get("name") == "default" else ".")
+    want_sep = info.get("separator", CHUNK_SEPARATOR)
+    if encoding.get("name") != "default" or sep != want_sep:
+        problems.append(f"chunk key encoding {encoding.get('name')!r} with separator {sep!r}, not 'default' with "
+                        f"{want_sep!r}")
+    codecs = meta.get("codecs")
+    if shards:
+        outer = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else {}
+        conf = outer.get("configuration") or {}
+        if outer.get("name") != "sharding_indexed":
+            problems.append(f"codecs {_codec_names(codecs)}, not sharding_indexed (of bytes then crc32c)")
+        else:
+            if conf.get("chunk_shape") != chunks:
+                problems.append(f"inner chunks {conf.get('chunk_shape')}, the checkpoint's {chunks}")
+            problems += [p for p in (_codec_problem(conf.get("codecs"), "inner codecs"),
+                                     _codec_problem(conf.get("index_codecs"), "index codecs")) if p]
+            if conf.get("index_location", "end") != "end":
+                problems.append(f"shard index at the {conf.get('index_location')}, not the end")
+    else:
+        problem = _codec_problem(codecs, "codecs")
+        if problem:
+            problems.append(problem)
+    return problems
 
 
 def group_meta(attributes: dict | None = None) -> dict:
@@ -517,6 +589,25 @@ def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape, ma
     return written
 
 
+#: why a chunk file can be missing, after the error's chunk key: tilegraph writes every chunk (a save
+#: checks that each is there), and a Zarr writer may leave out one that is all the fill value (the
+#: spec reads a missing chunk so; zarr-python does unless told not to), which tilegraph refuses to
+#: guess at: a file lost in a copy would load as zeros
+MISSING_CHUNK_WHY = ("; tilegraph writes every chunk, so the folder was copied incompletely, or the array was "
+                     "written by another tool: zarr-python leaves out a chunk whose values all equal the fill value "
+                     "0 unless zarr.config.set({'array.write_empty_chunks': True}) is in force when it writes")
+
+
+def missing_chunk(where: str, root: str, name: str, what: str, received: str) -> CheckpointError:
+    """The error of a chunk or shard file of array ``name`` that is not there: the checkpoint
+    itself gone since it was opened (removed, or pruned by a :class:`CheckpointManager`'s
+    ``keep`` in another process, while this one read it), or a file missing from it."""
+    if not os.path.isfile(os.path.join(root, "zarr.json")):
+        return CheckpointError(where, "the checkpoint was removed while it was being read (pruned by a "
+                               "CheckpointManager's keep, or deleted, in another process?)", f"{root} is gone")
+    return CheckpointError(where, f"array {name!r}: {what}", received + MISSING_CHUNK_WHY)
+
+
 def read_chunk(root: str, name: str, idx, chunk_shape, dtype, sep: str = CHUNK_SEPARATOR) -> np.ndarray:
     """One chunk, its checksum verified."""
     path = chunk_path(root, name, idx, sep)
@@ -526,7 +617,7 @@ def read_chunk(root: str, name: str, idx, chunk_shape, dtype, sep: str = CHUNK_S
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
+        raise missing_chunk(where, root, name, "a chunk is missing", f"{key} (no file {path})") from None
     chunk = decode_chunk(raw, chunk_shape, dtype)
     if chunk is None:
         want = int(np.prod(chunk_shape)) * dtype.itemsize
@@ -544,7 +635,7 @@ def read_whole_chunk(root: str, name: str, idx, out: np.ndarray, sep: str = CHUN
     try:
         got = read_file_into(path, (flat, tail))
     except FileNotFoundError:
-        raise CheckpointError(where, f"array {name!r}: a chunk is missing", f"{key} (no file {path})") from None
+        raise missing_chunk(where, root, name, "a chunk is missing", f"{key} (no file {path})") from None
     if got != flat.nbytes + 4 or int.from_bytes(tail[:4], "little") != crc32c(flat):
         raise chunk_failed(where, name, key, flat, tail[:4], got, flat.nbytes + 4)
 

@@ -9,6 +9,13 @@ A checkpoint is a Zarr v3 group (a folder)::
     optimizer/<parameter>/<state> one array per optimizer moment (exp_avg, exp_avg_sq, ...)
     <extra files>                 e.g. the tokenizer, written before the commit
 
+Other tools: zarr-python and other Zarr v3 readers (TensorStore) open every array, a quantized
+parameter's tiles as byte arrays. A checkpoint's values may be changed with zarr-python by
+writing into its arrays, with ``zarr.config.set({"array.write_empty_chunks": True})``: a load
+takes a missing chunk file for damage (a copy cut short), never for the fill value zeros that
+the Zarr spec reads it as. An array made anew in another layout (compressed, ``c/0/1``) is
+refused at opening, named with how it differs.
+
 Every chunk carries a CRC32C checksum (Zarr's ``crc32c`` codec), checked on every read. A
 quantized parameter is a group instead of an array: one subgroup per tile holding that tile's
 quantized parts (codes, scales, codebook); it loads dequantized, tile by tile, on the workers.
@@ -38,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import itertools
 import json
 import os
@@ -54,11 +62,12 @@ from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, array_meta, chunk_key,
-                     chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes, process_alive,
-                     quantized_layout, quantized_parts, read_parts_task, read_region, read_regions, shards_of, slices,
-                     temp_name, temp_writer, tile_label, untouched_for, unwritable_folder, user_path, write_failure,
-                     write_meta, write_parts_task, write_shard_task, write_tiles, write_values)
+from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, SaveAbandoned, array_meta,
+                     chunk_key, chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes,
+                     layout_problems, process_alive, quantized_layout, quantized_parts, read_parts_task, read_region,
+                     read_regions, shards_of, slices, temp_name, temp_writer, tile_label, untouched_for,
+                     unwritable_folder, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
+                     write_tiles, write_values)
 
 __all__ = ["save_checkpoint", "prepare_save", "PendingSave", "load_checkpoint", "Checkpoint", "CheckpointManager",
            "is_checkpoint", "quantize_rule", "FORMAT", "FORMAT_VERSION",
@@ -266,6 +275,7 @@ class PendingSave:
         self._futures: list = []
         self._tmp: Path | None = None  # the temporary folder, once started
         self._plan: tuple | None = None  # what start() left for finish() to write and wait for
+        self._made = False  # the temporary folder was made (a failure after that finds it removed?)
 
     def run(self) -> Path:
         self.start()
@@ -292,10 +302,16 @@ class PendingSave:
         path, tmp = self.path, self._tmp
         with self._failures(tmp, release=True):
             self._complete(tmp)
+            appeared = CheckpointError(self.where, "the checkpoint folder appeared while it was being written "
+                                       "(another save of the same name?)", f"{path} exists")
             if os.path.lexists(path):
-                raise CheckpointError(self.where, "the checkpoint folder appeared while it was being written",
-                                      f"{path} exists")
-            os.rename(tmp, path)
+                raise appeared
+            try:
+                os.rename(tmp, path)
+            except OSError as e:  # made between the check and the rename: "Directory not empty" said less
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise appeared from None
+                raise
         return path
 
     @contextlib.contextmanager
@@ -310,18 +326,32 @@ class PendingSave:
             began = tmp.exists()
             self._release()
             self._abandon(tmp)
+            if not began and self._made:  # made, and gone (an OSError of the rename, or of a file in it)
+                raise self._removed(tmp) from None
             # where it failed: in the temporary folder once that was made, else the folder that could
             # not be made (the OS names it) or the parent that refused the temporary folder
             raise write_failure(where, e, tmp if began else (e.filename if e.filename and not path.parent.exists()
                                                              else path.parent)) from None
         except BaseException as e:
+            gone = self._made and not tmp.is_dir()
             self._release()
             self._abandon(tmp)
+            # a write task found it gone (this save abandoned nothing), or the check did; an interrupt stays one
+            if isinstance(e, Exception) and (gone or isinstance(e, SaveAbandoned)):
+                raise self._removed(tmp) from None
             if _is_os_error(e):  # a worker's OSError arrives re-raised (disk full, read-only, ...)
                 raise write_failure(where, e, path.parent) from None
             raise
         if release:
             self._release()
+
+    def _removed(self, tmp: Path) -> CheckpointError:
+        """The error of a save whose temporary folder was removed while it wrote it (it said that
+        chunks were missing, as if the workers had written to a disk this process does not see,
+        or that "the save was abandoned")."""
+        return CheckpointError(self.where, "the save's temporary folder was removed while the save wrote it (by "
+                               "another process, or a folder above it deleted); earlier checkpoints are untouched",
+                               f"{tmp} removed")
 
     def _release(self) -> None:
         """Release the values (futures) this save held."""
@@ -356,6 +386,7 @@ class PendingSave:
         ``self._plan`` for :meth:`_complete`."""
         root = str(tmp)
         os.mkdir(root)  # here alone: a write task never makes it (one of an abandoned save stops)
+        self._made = True
         write_meta(root, "", group_meta({ATTR: self.attrs}))
         metas: list[tuple[str, dict]] = []  # written while the workers write their tiles
         groups = {"model", "optimizer"}
@@ -615,7 +646,14 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     where = f"tilegraph.io.save_checkpoint({path})"
     if os.path.lexists(path):
         raise CheckpointError(where, "the checkpoint folder must not exist yet (a checkpoint is never overwritten)",
-                              f"{path} exists")
+                              f"{path} exists" + (f" ({_dangling(path)})" if _dangling(path) else ""))
+    # a file where a folder above the checkpoint must be: it failed as "could not write the checkpoint
+    # (File exists)" naming the file, without saying that it is one (checked again when the save starts)
+    in_the_way = file_in_the_way(path.parent)
+    if in_the_way is not None:
+        raise CheckpointError(where, "could not write the checkpoint (a file stands where a folder above it must "
+                              "be); earlier checkpoints are untouched",
+                              f"{in_the_way} is {_dangling(in_the_way) or 'a file'}")
     # a closed one is named below, after the values it held (an error of their own: they are gone)
     _check_runtime(where, runtime, require_open=False)
     runtime = runtime if runtime is not None else current_runtime()
@@ -685,6 +723,14 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
              "trainer": trainer, "metadata": user, "arrays": arrays}
     attrs = _json_ready(attrs, where, "the model config")
     return PendingSave(path, where, entries, attrs, runtime, files or {}, copies)
+
+
+def _dangling(path: Path) -> str:
+    """"a symbolic link to X, which does not exist" for a dangling link ``path``, else ""."""
+    if os.path.islink(path) and not os.path.exists(path):
+        with contextlib.suppress(OSError):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return ""
 
 
 def _quantized_weights(model, named: dict, where: str, runtime, deal) -> tuple[list, list]:
@@ -772,6 +818,8 @@ def _verify(tmp: Path, attrs: dict, where: str, remote: bool) -> None:
     garbles after it was written is caught there, naming the chunk. Re-reading 1.5 GB right after
     writing it would only read the page cache, which holds what was written."""
     missing, wrong = chunk_file_problems(tmp, attrs["arrays"])
+    if (missing or wrong) and not (tmp / "zarr.json").is_file():  # removed meanwhile (PendingSave._removed)
+        raise SaveAbandoned(str(tmp))
     if missing:
         shared = (" (the workers wrote them to a disk this process does not see? the checkpoint folder must be "
                   "on a file system that every worker and this process share)") if remote else ""
@@ -894,6 +942,7 @@ class Checkpoint:
         self._model = None
         missing = [f"model/{n}" for n in self.parameters if f"model/{n}" not in self.arrays]
         unreadable = []  # an array's zarr.json that is there but no JSON object (Zarr cannot open it)
+        relaid = []  # an array's zarr.json of another layout than tilegraph's (another tool made it anew)
         for a in self.arrays:
             meta = self.path / a / "zarr.json"
             if not meta.is_file():
@@ -906,11 +955,24 @@ class Checkpoint:
                 continue
             if not isinstance(doc, dict):
                 unreadable.append(f"{a}/zarr.json: a JSON {type(doc).__name__}, not an object")
+            elif not self.arrays[a].get("quantized"):
+                problems = layout_problems(doc, self.arrays[a])
+                if problems:
+                    relaid.append(f"{a}: " + ", ".join(problems))
         if missing:
+            if not (self.path / "zarr.json").is_file():  # deleted since its attributes were read
+                raise CheckpointError(self._where, "the checkpoint was removed while it was being opened (pruned by "
+                                      "a CheckpointManager's keep, or deleted, in another process?)",
+                                      f"{self.path} is gone")
             raise CheckpointError(self._where, "every array the checkpoint lists", "missing: " + ", ".join(missing[:8]))
         if unreadable:
             raise CheckpointError(self._where, "a readable zarr.json (a JSON object) for every array the checkpoint "
                                   "lists", "; ".join(unreadable[:8]))
+        if relaid:  # made anew by another tool: read as tilegraph's layout, a missing chunk or a failed checksum
+            raise CheckpointError(self._where, "every array in the layout tilegraph wrote it in, the only one it reads "
+                                  "(made anew by another tool? zarr-python's create_array compresses and names chunks "
+                                  "c/0/1: to change a checkpoint's values, write into its arrays, group[name][...] = "
+                                  "values, with zarr.config.set({'array.write_empty_chunks': True}))", _listed(relaid))
 
     def __repr__(self) -> str:
         quant = sorted({a["quantized"]["method"] for a in self.arrays.values() if a.get("quantized")})
@@ -1482,13 +1544,29 @@ class CheckpointManager:
 
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints, and those :meth:`protect`
-        names; returns the deleted ones."""
+        names; returns the deleted ones. A symbolic link among them is removed, never what it
+        points to; each folder is renamed to a temporary name before its files go."""
         if self.keep is None:
             return []
         old = [p for p in self.checkpoints()[:-self.keep] if p.resolve() not in self.protected]
+        gone = []
         for p in old:
-            shutil.rmtree(p, ignore_errors=True)
-        return old
+            if p.is_symlink():  # a link to a checkpoint put here: the link goes, never what it points to
+                with contextlib.suppress(OSError):  # (rmtree refused a link, silently: it stayed, kept forever)
+                    p.unlink()
+                    gone.append(p)
+                continue
+            # renamed first, at once no longer a checkpoint: a kill while the files go leaves a
+            # temporary folder that clean() removes, never a half-deleted one that lists and
+            # opens as a checkpoint and fails to load
+            doomed = p.parent / temp_name(p.name)
+            try:
+                os.rename(p, doomed)
+            except OSError:  # gone meanwhile (another process pruned it), or not ours to move
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+            gone.append(p)
+        return gone
 
     def protect(self, path) -> None:
         """Never :meth:`prune` the checkpoint ``path`` (e.g. the one a run resumed from: its
