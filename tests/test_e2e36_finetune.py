@@ -71,7 +71,8 @@ def test_to_hf_of_a_model_on_a_quantized_base_writes_its_linear_weights(hf_model
     ck = _quantized_base(hf_models, arch, tmp_path)
     model = _fine_tuned(ck, arch)
     adapted = _logits(model)
-    model.to_hf(tmp_path / "base")  # the base under the adapters: what peft's folder loads onto
+    with pytest.warns(UserWarning, match="the folder holds the base weights, without the model's"):
+        model.to_hf(tmp_path / "base")  # the base under the adapters: what peft's folder loads onto
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     np.testing.assert_allclose(_hf_logits(base), _logits(models.from_zarr(ck)), rtol=1e-4, atol=1e-4)
 
@@ -93,7 +94,8 @@ def _randomize_adapters(model, seed=1) -> None:
 def _peft_logits(model, tmp_path) -> np.ndarray:
     """The logits of Hugging Face peft over ``model``'s base (to_hf) with its adapters (peft's layout)."""
     hf_peft = pytest.importorskip("peft")
-    model.to_hf(tmp_path / "ref-base")
+    with pytest.warns(UserWarning, match="the folder holds the base weights, without the model's"):
+        model.to_hf(tmp_path / "ref-base")  # the base: what peft's folder loads onto
     peft.save_adapters(tmp_path / "ref-adapters", model, format="peft")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref-base")
     return _hf_logits(hf_peft.PeftModel.from_pretrained(base, tmp_path / "ref-adapters"))

@@ -47,9 +47,13 @@ def load_tokenizer(folder: Path, override: str | None, where: str = "tilegraph g
 
 def _config_eos(folder: Path, tokenizer) -> str | None:
     """The end-of-text token of a Hugging Face folder, as ``transformers``' generate finds it:
-    ``eos_token_id`` in ``generation_config.json``, else in ``config.json`` (the first of a list);
-    None when neither names one the tokenizer knows. Without it, generation ran past a GPT-2's
-    ``<|endoftext|>`` into the next, unrelated document (the token itself decodes to nothing)."""
+    ``eos_token_id`` in ``generation_config.json``, else in ``config.json`` (the first of a list),
+    else the ``eos_token`` of ``tokenizer_config.json`` (a Zarr checkpoint converted from a Hub
+    folder holds only that one); None when none names one the tokenizer knows. Without it,
+    generation ran past a GPT-2's ``<|endoftext|>`` (or a Llama's ``</s>``) into the next,
+    unrelated document (the token itself decodes to nothing)."""
+    from tilegraph.io.tokenizers import tokenizer_config_eos
+
     for name in ("generation_config.json", "config.json"):
         try:
             eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
@@ -59,7 +63,8 @@ def _config_eos(folder: Path, tokenizer) -> str | None:
             eos = eos[0] if eos else None
         if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < tokenizer.vocab_size:
             return tokenizer._tok.id_to_token(eos)
-    return None
+    named = tokenizer_config_eos(folder / "tokenizer_config.json")
+    return named if named is not None and tokenizer._tok.token_to_id(named) is not None else None
 
 
 def unescape(text: str) -> str:
@@ -288,7 +293,8 @@ def cmd_convert(args) -> int:
                                       else f"which holds {src}"))
     model = load_model(src, where, hf_dtype=None)  # a Hugging Face folder's own dtype: float16 stays float16
     files = {}
-    for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):  # (generate's end-of-text token, and its other defaults)
         if (src / name).is_file():
             files[name] = (src / name).read_bytes()
     files.update(_hf_tokenizer_files(src, files, where))  # a checkpoint written before it held tokenizer.json
@@ -397,6 +403,10 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
             print(f"  {line}", file=sys.stderr)
         if len(problems) > 20:
             print(f"  ... and {len(problems) - 20} more", file=sys.stderr)
+        if any(line.startswith("missing:") for line in problems):  # why a chunk can be missing, once
+            from tilegraph.io._store import MISSING_CHUNK_WHY
+
+            print(f"  (a missing chunk: {MISSING_CHUNK_WHY.lstrip('; ')})", file=sys.stderr)
         return 1
     print("chunks: every chunk " + ("read, each matching its CRC32C" if verify else
                                     "file there, of its size (--verify reads them against their CRC32C)"))

@@ -214,12 +214,17 @@ def _train(args, job: Job) -> int:
     resume, steps = plan_resume(args.resume, cfg, given, source) if args.resume else (None, int(t["steps"]))
     check_used_peft_keys(cfg["peft"], given)  # after --resume has brought the run's method
     out, out_named_by = output_folder(args.out, o["dir"], given, args.resume)
-    tokenizer = resumed_tokenizer(resume, d, given) if resume and "data.tokenizer" not in given else \
-        make_tokenizer(d["tokenizer"], "tilegraph train [data] tokenizer")
     # bad model and adapter settings fail before any work
     p, init, quantized_base = cfg["peft"], cfg["model"].get("init", ""), False
     if resume:  # the adapters of the checkpoint; its base when the job names none
         init = resume_settings(resume.path, resume.peft, p, init)
+    if resume and "data.tokenizer" not in given:
+        tokenizer = resumed_tokenizer(resume, d, given)
+    else:
+        tokenizer = make_tokenizer(d["tokenizer"], "tilegraph train [data] tokenizer") \
+            if resume or not init or "data.tokenizer" in given else None
+        if init and not resume:  # the model's own tokenizer, as its architecture comes from it
+            tokenizer = init_tokenizer(init, tokenizer, d, given)
     # resumed: the base as the run's checkpoint holds it (quantized, if it ran so), else from init
     resumed = resume_model(resume.checkpoint, resume.peft, p["method"]) if resume and init else None
     if init:
@@ -245,7 +250,8 @@ def _train(args, job: Job) -> int:
     job.out = out  # where a Ctrl-C's message looks for the last checkpoint
     check_output(out, resume, steps)
     if tokenizer.eos_id is not None:  # checkpoints name the tokenizer's end-of-text id (not GPT-2's 50256)
-        model.hf_extra = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}
+        bos = getattr(tokenizer, "bos_id", None)  # a Llama tokenizer's <s>; GPT-2's begins with its end-of-text
+        model.hf_extra = {"bos_token_id": tokenizer.eos_id if bos is None else bos, "eos_token_id": tokenizer.eos_id}
     out.mkdir(parents=True, exist_ok=True)
     tok_file = out / "tokens.bin"
     if resume:  # built apart first: a resumed run reads its run's text (check_resumed_text), never replaces it
@@ -399,6 +405,42 @@ def resumed_tokenizer(resume, d: dict, given: dict[str, str]):
                         "and bpe_tokenizer.json for a BPE one), or --set data.tokenizer=PATH naming the run's "
                         f"tokenizer: {e.what if isinstance(e, TileError) else 'a readable JSON description'}",
                         f"{folder}: {received}") from None
+
+
+def init_tokenizer(init: str, named, d: dict, given: dict[str, str]):
+    """The tokenizer of a new run from ``init`` (--init or [model] init): ``named`` when [data]
+    names one (``given``), with a warning where the folder holds another; else the one the folder
+    holds, as ``tilegraph generate`` reads it (a tilegraph checkpoint's own; a Hugging Face
+    folder's ``tokenizer.json``, with its end-of-text token), its file then recorded as the run's
+    ``d["tokenizer"]`` (a --resume reads it from the checkpoint); else the default byte tokenizer.
+    The default byte ids are other tokens to a model trained on another tokenizer (a Hub GPT-2's
+    or Llama's): such a run trained on them without a word, its loss falling as from a random
+    start."""
+    from tilegraph.cli.commands import load_tokenizer
+
+    folder = Path(init)
+    byte = make_tokenizer("byte", "tilegraph train [data] tokenizer")
+    if not any((folder / name).is_file() for name in ("tilegraph_tokenizer.json", "tokenizer.json")):
+        return named if named is not None else byte
+    own = load_tokenizer(folder, None, f"tilegraph train: the tokenizer of [model] init {init}", eos_from_config=True)
+
+    def identity(tok) -> dict:  # (its end-of-text token aside: documents end as the job says)
+        return {k: v for k, v in tok.describe().items() if k in ("kind", "vocab_size", "sha256")}
+
+    if named is None:
+        if identity(own) == identity(byte):  # a tilegraph run's on the default: as before, without a line
+            return byte
+        d["tokenizer"] = str(folder / ("bpe_tokenizer.json" if (folder / "bpe_tokenizer.json").is_file()
+                                       else "tokenizer.json"))
+        print(f"tilegraph train: tokenizer: the one of {init} ({own!r}; [data] tokenizer names another)",
+              file=sys.stderr, flush=True)
+        return own
+    if identity(own) != identity(named):
+        shown = given["data.tokenizer"] if on_command_line(given["data.tokenizer"]) else f"in {given['data.tokenizer']}"
+        print(f"tilegraph train: warning: [data] tokenizer ({named!r}, {shown}) is not the one {init} holds "
+              f"({own!r}): its ids are other tokens to that model (leave [data] tokenizer out to use the model's)",
+              file=sys.stderr, flush=True)
+    return named
 
 
 def check_overridden(cfg: dict, pairs: list[str], flags: dict[str, tuple[str, object]]) -> None:
