@@ -12,7 +12,8 @@ from tilegraph._train import _batch_inputs
 from tilegraph.parallel import batch_groups, split_replicas
 
 
-from test_train import _data as _regression, _mse  # the MLP regression task of the training tests
+from conftest import mse
+from test_train import _data as _regression  # the MLP regression task of the training tests
 
 
 def _data(n=40, seed=0):
@@ -23,7 +24,7 @@ def _step(runtime=None, clip=1.0, row_tile=8, **options):
     model = tg.nn.MLP(16, 24, out_dim=4, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=tg.optim.warmup_cosine(3e-2, 3, 50), weight_decay=0.1,
                          clip_grad_norm=clip)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(row_tile, 8), (row_tile, None)], runtime=runtime, **options)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(row_tile, 8), (row_tile, None)], runtime=runtime, **options)
     return model, step
 
 
@@ -34,7 +35,7 @@ def test_rewrite_keeps_each_share_on_its_replica_and_moves_only_partial_sums(rep
     params = model.parameters()
     x, y = _data(n=8 * rows)
     inputs, (xt, yt) = _batch_inputs([x, y], [(8, 8), (8, None)], "test")
-    loss = _mse(model, xt, yt)
+    loss = mse(model, xt, yt)
     grads = tg.grad(loss, params)
     roots = [loss.grid.flat[0]] + [r for g in grads for r in g.grid.flat]
     cells = [c for _, c in inputs]
@@ -67,7 +68,7 @@ def test_rewrite_reuses_nodes_that_need_no_copy():
     model = tg.nn.MLP(16, 24, out_dim=4, tile=8, seed=0)
     x, y = _data(n=32)
     inputs, (xt, yt) = _batch_inputs([x, y], [(8, 8), (8, None)], "test")
-    loss = _mse(model, xt, yt)
+    loss = mse(model, xt, yt)
     grads = tg.grad(loss, model.parameters())
     roots = [loss.grid.flat[0]] + [r for g in grads for r in g.grid.flat]
     before = [n for n in topo_order(roots) if not n.is_leaf]
@@ -184,11 +185,11 @@ def test_data_parallel_groups_accumulation_and_evaluation(embedded_runtime, stra
     _, acc = _step(runtime=embedded_runtime, parallel=strategy, row_tile=4, accum_steps=2)
     np.testing.assert_allclose([acc(x, y) for _ in range(3)], [big(x, y) for _ in range(3)], rtol=2e-5)
     # evaluation reads the replicas where they are
-    ev = tg.EvalStep(model, _mse, batch_tiles=[(8, 8), (8, None)], runtime=embedded_runtime)
+    ev = tg.EvalStep(model, mse, batch_tiles=[(8, 8), (8, None)], runtime=embedded_runtime)
     local_model, local_step = _step()
     for b in batches:
         local_step(*b)
-    want = tg.EvalStep(local_model, _mse, batch_tiles=[(8, 8), (8, None)])(x, y)
+    want = tg.EvalStep(local_model, mse, batch_tiles=[(8, 8), (8, None)])(x, y)
     np.testing.assert_allclose(ev(x, y), want, rtol=1e-5)
 
 
@@ -216,9 +217,9 @@ def test_auto_takes_sharded_data_parallelism_for_a_large_enough_step(embedded_ru
     0.83)."""
     model, opt = _stack()
     x = np.zeros((4, 256, 256), np.float32)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(2, None, None)] * 2, runtime=embedded_runtime)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(2, None, None)] * 2, runtime=embedded_runtime)
     assert step.plan(x, x).strategy == "sharded"
-    tiles = tg.TrainStep(model, opt, _mse, batch_tiles=[(2, None, None)] * 2, runtime=embedded_runtime,
+    tiles = tg.TrainStep(model, opt, mse, batch_tiles=[(2, None, None)] * 2, runtime=embedded_runtime,
                          parallel="tiles")
     assert tiles.plan(x, x).strategy == "tiles" and tiles.plan(x, x).n_replicas == 1
 
@@ -232,7 +233,7 @@ def test_auto_takes_sharded_where_the_tiles_plan_spans_processes_however_fast_it
     model, opt = _stack()
     x = np.zeros((16, 256, 256), np.float32)
     with tg.connect(n_workers=2, threads_per_worker=8, dashboard=False, quiet=True) as rt:
-        plans = {p: tg.TrainStep(model, opt, _mse, batch_tiles=[(1, None, None)] * 2, runtime=rt,
+        plans = {p: tg.TrainStep(model, opt, mse, batch_tiles=[(1, None, None)] * 2, runtime=rt,
                                  parallel=p).plan(x, x) for p in ("tiles", "sharded", "auto")}
     assert len({c.proc for c in plans["tiles"].clusters}) == 2
     assert plans["tiles"].est_makespan * (1 + tg.config.tiles_across_processes_penalty) < plans["sharded"].est_makespan
@@ -277,19 +278,19 @@ def test_a_data_parallel_step_without_batch_tiles_gives_each_process_a_row_tile(
     process does on the same batch. "auto" and "tiles" keep one tile."""
     x, y = _data(n=7)
     local_model = tg.nn.MLP(16, 24, out_dim=4, seed=0)
-    local = tg.TrainStep(local_model, tg.optim.AdamW(local_model.parameters(), lr=3e-2), _mse)
+    local = tg.TrainStep(local_model, tg.optim.AdamW(local_model.parameters(), lr=3e-2), mse)
     want = [local(x, y) for _ in range(3)]
     model = tg.nn.MLP(16, 24, out_dim=4, seed=0)
-    step = tg.TrainStep(model, tg.optim.AdamW(model.parameters(), lr=3e-2), _mse, runtime=embedded_runtime,
+    step = tg.TrainStep(model, tg.optim.AdamW(model.parameters(), lr=3e-2), mse, runtime=embedded_runtime,
                         parallel=strategy)
     got = [step(x, y) for _ in range(3)]
     exe = step.plan(x, y)
     assert exe.strategy == strategy and exe.n_replicas == 2
     np.testing.assert_allclose(got, want, rtol=2e-5)
-    evaluate = tg.EvalStep(model, _mse, runtime=embedded_runtime, parallel=strategy)
-    np.testing.assert_allclose(evaluate(x, y), tg.EvalStep(local_model, _mse)(x, y), rtol=2e-5)
+    evaluate = tg.EvalStep(model, mse, runtime=embedded_runtime, parallel=strategy)
+    np.testing.assert_allclose(evaluate(x, y), tg.EvalStep(local_model, mse)(x, y), rtol=2e-5)
     for other in ("auto", "tiles"):
-        step = tg.TrainStep(model, tg.optim.AdamW(model.parameters(), lr=3e-2), _mse, runtime=embedded_runtime,
+        step = tg.TrainStep(model, tg.optim.AdamW(model.parameters(), lr=3e-2), mse, runtime=embedded_runtime,
                             parallel=other)
         assert step.plan(x, y).n_replicas == 1
 

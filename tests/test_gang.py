@@ -653,7 +653,7 @@ def test_each_gangs_batch_tiles_are_made_on_its_own_worker(embedded_runtime, hos
     the gangs' inputs were pinned to their workers)."""
     from distributed import get_task_stream
 
-    from test_train import _mse
+    from conftest import mse as _mse
 
     if hosts == 2:
         fake_hosts(monkeypatch, embedded_runtime)

@@ -12,14 +12,15 @@ import tilegraph as tg
 from tilegraph.io.zarr import CheckpointError, CheckpointManager
 
 
-from test_newuser_trainer import _data, _mse  # noqa: E402 - the same toy data and loss
+from conftest import mse  # noqa: E402 - the same loss as test_newuser_trainer
+from test_newuser_trainer import _data  # noqa: E402 - the same toy data
 
 
 def _trainer(runtime=None, data=_data, lr=1e-2, **kw):
     model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
     opt = tg.optim.SGD(model.parameters(), lr=lr)
     kw = {"progress": False, "batch_tiles": [(16, 8), (16, None)], "batch_size": 32, **kw}
-    return model, opt, tg.Trainer(model, opt, data, runtime, loss_fn=_mse, **kw)
+    return model, opt, tg.Trainer(model, opt, data, runtime, loss_fn=mse, **kw)
 
 
 # -- 1. a NaN/inf loss -------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def test_saving_values_held_by_another_runtime_names_it(tmp_path, embedded_runti
     live on the first one failed inside Dask ("Only use allow_other_workers= if using workers=")."""
     model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
-    step = tg.TrainStep(model, opt, _mse, batch_tiles=[(16, 8), (16, None)], runtime=embedded_runtime)
+    step = tg.TrainStep(model, opt, mse, batch_tiles=[(16, 8), (16, None)], runtime=embedded_runtime)
     step(*_data(0))
     with tg.connect(n_workers=1, threads_per_worker=1, quiet=True, dashboard=False, make_current=False) as other:
         with pytest.raises(CheckpointError, match=r"the runtime holding the model's values.*held by another runtime"):

@@ -8,13 +8,14 @@ import json
 import tilegraph as tg
 from tilegraph.plotting import _curves, on_lineage, read_metrics
 
-from test_newuser_trainer import _data, _mse  # the toy data and loss
+from conftest import mse  # the loss
+from test_newuser_trainer import _data  # the toy data
 
 
 def _trainer(tmp_path, data=_data):
     model = tg.nn.MLP(8, 16, out_dim=2, tile=8, seed=0)
     opt = tg.optim.SGD(model.parameters(), lr=1e-2)
-    return tg.Trainer(model, opt, data, loss_fn=_mse, progress=False, batch_tiles=[(16, 8), (16, None)],
+    return tg.Trainer(model, opt, data, loss_fn=mse, progress=False, batch_tiles=[(16, 8), (16, None)],
                       batch_size=32, steps_per_graph=1, log_dir=tmp_path, checkpoint_dir=tmp_path / "ck",
                       checkpoint_every=2, checkpoint_keep=None)
 

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from test_trainer import _data, _mse, _setup
+from conftest import mse
+from test_trainer import _data, _setup
 
 
 @pytest.mark.distributed
 def test_the_default_report_is_of_the_second_graph_and_not_training_time(embedded_runtime, tmp_path):
     model, opt, _ = _setup(steps=6)
-    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=_mse, batch_size=32,
+    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=mse, batch_size=32,
                          batch_tiles=[(16, 8), (16, None)], progress=False, steps_per_graph=2,
                          performance_report=tmp_path / "r.html", log_dir=tmp_path / "run")
     opened = []  # the steps submitted when the report opened: those before its graph
@@ -35,7 +36,7 @@ def test_the_default_report_is_of_the_second_graph_and_not_training_time(embedde
 @pytest.mark.distributed
 def test_a_report_step_outside_the_fit_is_a_warning(embedded_runtime, tmp_path):
     model, opt, _ = _setup(steps=6)
-    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=_mse, batch_size=32,
+    trainer = tg.Trainer(model, opt, _data(0), embedded_runtime, loss_fn=mse, batch_size=32,
                          batch_tiles=[(16, 8), (16, None)], progress=False, performance_report=tmp_path / "r.html",
                          report_step=100)
     with pytest.warns(UserWarning, match=r"report_step=100 is not among this fit's steps 1-3: no performance report "
