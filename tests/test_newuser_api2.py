@@ -55,11 +55,13 @@ def test_integer_parameters_cannot_require_gradients():
 
 
 def test_a_micro_batch_shape_in_an_error_says_it_is_one():
+    # (a row tile of the full batch, larger than a micro-batch's rows, was the example here: it
+    # is one tile of the micro-batch's rows now, tests/test_e2e37_loop.py)
     lin = tg.nn.Linear(8, 2, dtype=np.float64, seed=0)
-    step = tg.TrainStep(lin, tg.optim.SGD(lin.parameters(), lr=0.1), lambda m, x, y: ((m(x) - y) ** 2).mean(),
+    step = tg.TrainStep(lin, tg.optim.SGD(lin.parameters(), lr=0.1), lambda m, x, y: (m(x) - y) ** 2,
                         accum_steps=2, batch_tiles=[(16, None), (16, None)])
-    with pytest.raises(tg.TileError, match=r"a micro-batch: 1/2 of the batch, accum_steps=2.*tile size of dim 0 is "
-                       r"larger than the dimension \(8\)"):
+    with pytest.raises(tg.TileError, match=r"a micro-batch: 1/2 of the batch, accum_steps=2.*loss_fn must return a "
+                       r"scalar TileTensor; received: TileTensor\(shape=\(8, 2\)"):
         step(np.zeros((16, 8)), np.zeros((16, 2)))
 
 

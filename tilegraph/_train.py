@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilegraph._autograd import grad, no_grad
-from tilegraph._config import _CHECKS as _CONFIG_CHECKS, BATCH_SPLITTING_STRATEGIES, require_int
+from tilegraph._config import _CHECKS as _CONFIG_CHECKS, BATCH_SPLITTING_STRATEGIES, is_int, require_int
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
 from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_failure, calls_of, check_runtime,
@@ -67,11 +67,30 @@ def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str, step=Non
         if a.size == 0:  # it would record a step of NaN loss and still apply the weight decay
             raise TileError(f"{where} batch[{i}]", "a batch array with at least one element (no dim of size 0)",
                             f"shape {a.shape}")
-        tiling = Tiling.from_sizes(a.shape, None if batch_tiles is None else batch_tiles[i], where=f"{where} batch[{i}]")
+        tiles = None if batch_tiles is None else _rows_fit(batch_tiles[i], a.shape)
+        tiling = Tiling.from_sizes(a.shape, tiles, where=f"{where} batch[{i}]")
         cells = _unbound_cells(tiling, a.dtype, "unbound")
         inputs.append((tiling, cells))
         tensors.append(tensor_from_cells(tiling, a.dtype, cells, name=f"batch{i}"))
     return inputs, tensors
+
+
+def _rows_fit(tiles, shape: tuple):
+    """A batch array's ``batch_tiles`` entry for an array of ``shape``: a row tile (an integer,
+    the first dim's) larger than the rows there are is one tile of them. The rows are what
+    changes from batch to batch (the last, smaller batch of an epoch; a micro-batch of
+    ``accum_steps``), and a tile size given for the full batch was refused on those ("tile size
+    of dim 0 is larger than the dimension"). The other dims are checked as given."""
+    if not shape or shape[0] == 0:
+        return tiles
+    if isinstance(tiles, (tuple, list)) and tiles:
+        first = tiles[0]
+        if is_int(first) and first > shape[0]:
+            return (shape[0], *tiles[1:])
+        return tiles
+    if is_int(tiles) and tiles > shape[0]:  # one size for every dim
+        return (shape[0], *(tiles,) * (len(shape) - 1))
+    return tiles
 
 
 def split_rows(batch: Sequence[np.ndarray], runtime, parallel: str | None) -> list | None:
@@ -324,10 +343,12 @@ class TrainStep:
         self._weighted: bool | None = None  # whether the micro-batches' losses are counted means
         self.last: StepStats | None = None
         self._structure = _structure(model)  # what the recorded graphs were recorded for
+        self._settings = optimizer.recorded_settings()  # (and with which optimizer settings)
         #: counts the failed steps rolled back: a step submitted before the last one of them
         #: does not roll back again (it read the failed step's values)
         self._rollbacks = 0
         self._last_undo = None  # a weak reference to the last step's _Undo
+        self._said_superseded = False  # (a newer optimizer over the parameters is said once)
 
     def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1) -> _Recorded:
         """Record the step for one (micro-)batch. ``kind``: "step" (``k`` whole steps, each one's
@@ -337,23 +358,29 @@ class TrainStep:
         if self.accum_steps > 1:  # the arrays here are micro-batches: say so where their shapes show
             where = f"tilegraph.TrainStep (a micro-batch: 1/{self.accum_steps} of the batch, accum_steps={self.accum_steps})"
         params = self.optimizer.params
-        frozen = [i for i, p in enumerate(params) if not p.requires_grad]
-        if frozen:  # (its update would change a weight frozen since the optimizer was made)
-            i = frozen[0]
+        # an optimizer parameter frozen since (requires_grad=False) gets no gradient and no update, and
+        # keeps its state and update count, as torch's optimizers skip a parameter without a gradient;
+        # unfrozen, it trains on from there (it was refused before, and a new optimizer lost every
+        # other parameter's state)
+        frozen = {i for i, p in enumerate(params) if not p.requires_grad}
+        if len(frozen) == len(params):  # (apply_lora freezes the weights of an optimizer made before)
+            i = min(frozen)
             name = optimizer_param_names(self.optimizer, self.model, where).get(id(params[i]), params[i].name)
-            raise TileError(where, "every optimizer parameter to require a gradient: build the optimizer from the "
-                            "parameters that train ([p for p in model.parameters() if p.requires_grad]; LoRA: "
-                            "peft.trainable_parameters(model)) and a new TrainStep",
-                            f"optimizer.params[{i}] ({name}) has requires_grad=False"
-                            + (f", and {len(frozen) - 1} more" if len(frozen) > 1 else ""))
+            raise TileError(where, "an optimizer parameter that requires a gradient (each one frozen now gets no "
+                            "update): build the optimizer from the parameters that train ([p for p in "
+                            "model.parameters() if p.requires_grad]; LoRA: peft.trainable_parameters(model)) and a "
+                            "new TrainStep", f"optimizer.params[{i}] ({name}) has requires_grad=False"
+                            + (f", and so have the {len(frozen) - 1} others" if len(frozen) > 1 else ""))
         unfrozen = [p for p in getattr(self.optimizer, "frozen_params", ()) if p.requires_grad]
         if unfrozen:  # (torch's optimizer would update it; this one left it out, frozen when it was made)
             names = {id(p): n for n, p in self.model.named_parameters()}
             listed = ", ".join(names.get(id(p), p.name or f"shape {tuple(p.shape)}") for p in unfrozen[:4])
             raise TileError(where, "every parameter given to the optimizer that trains now to have been trainable "
                             "when the optimizer was made: it leaves out the ones frozen then (no state, no update), "
-                            "so an unfrozen one would silently never train; after unfreezing, make a new optimizer "
-                            "over the parameters that train (and a new TrainStep)",
+                            "so an unfrozen one would silently never train; for gradual unfreezing make the "
+                            "optimizer over every parameter while they all train and freeze some after (a frozen "
+                            "one is skipped and keeps its state until unfrozen, as in torch), or make a new "
+                            "optimizer over the parameters that train now (and a new TrainStep)",
                             f"{listed}{f' and {len(unfrozen) - 4} more' if len(unfrozen) > 4 else ''} "
                             f"{'has' if len(unfrozen) == 1 else 'have'} requires_grad=True now, False when "
                             f"{type(self.optimizer).__name__} was made")
@@ -368,9 +395,11 @@ class TrainStep:
                 with training():  # train-only behaviour (LoRA dropout), also in a recomputed block's backward
                     loss = _loss_of(self.loss_fn, self.model, tensors, where)
                     _check_loss(loss, where)
-                    grads = grad(loss, params, allow_unused=True)
+                    trained = iter(grad(loss, [p for i, p in enumerate(params) if i not in frozen],
+                                        allow_unused=True))
+                    grads = [None if i in frozen else next(trained) for i in range(len(params))]
                 if j == 0:
-                    self._check_unused(grads, where)
+                    self._check_unused(grads, where, frozen)
                 norm = None
                 if kind == "step":
                     assignments, norm = self.optimizer.record(grads, hyper=hypers[j], current=current)
@@ -403,19 +432,19 @@ class TrainStep:
             rec.counted = loss.dtype
         return rec
 
-    def _check_unused(self, grads: list[TileTensor | None], where: str) -> None:
+    def _check_unused(self, grads: list[TileTensor | None], where: str, frozen: set[int] = frozenset()) -> None:
         """Parameters the loss does not depend on get no update, as torch's optimizers skip one
         whose ``grad`` is None (no weight decay, no change of its state): said once per recorded
         graph, a warning (a layer left out of the forward by mistake shows there); none at all
-        used is an error."""
-        unused = [i for i, g in enumerate(grads) if g is None]
+        used is an error. The ``frozen`` ones (indices) get none either, and are not named."""
+        unused = [i for i, g in enumerate(grads) if g is None and i not in frozen]
         if not unused:
             return
         names = optimizer_param_names(self.optimizer, self.model, where)
         params = self.optimizer.params
         listed = ", ".join(names.get(id(params[i]), params[i].name or f"params[{i}]") for i in unused[:6])
         listed += f" and {len(unused) - 6} more" if len(unused) > 6 else ""
-        if len(unused) == len(grads):
+        if len(unused) + len(frozen) == len(grads):
             raise TileError(where, "a loss that depends on the parameters the optimizer trains, through recorded "
                             "ops (not computed inside tg.no_grad(), not an integer or a constant)",
                             f"no parameter affects the loss: {listed}")
@@ -507,6 +536,10 @@ class TrainStep:
                                 "peft.trainable_parameters(model))", e.received) from None
             self.reset_plans()
             self._structure = structure
+        settings = self.optimizer.recorded_settings()
+        if settings != self._settings:  # opt.weight_decay = ... between steps: recorded with the new value
+            self.reset_plans()
+            self._settings = settings
         key = (kind, k, self.signature(batch))
         rec = self._cache.get(key)
         if rec is not None:
@@ -626,9 +659,32 @@ class TrainStep:
                 for j in range(k)]
 
     def _require_open(self) -> None:
-        """A step given a runtime that was closed since says so before it counts a step."""
+        """A step given a runtime that was closed since says so before it counts a step; and one
+        whose optimizer is no longer the newest over its parameters warns, once."""
         if self.runtime is not None:
             self.runtime.require_open("tilegraph.TrainStep")
+        if not self._said_superseded:
+            self._warn_superseded()
+
+    def _warn_superseded(self) -> None:
+        """Warn where another optimizer was made over this step's parameters since its own: a
+        notebook cell making the optimizer run again (a new learning rate, say) changed nothing,
+        as the step goes on with the optimizer it was made with, where torch's loop calls the
+        new one's ``step()``."""
+        newer = self.optimizer.newer_optimizers()
+        if not newer:
+            return
+        self._said_superseded = True
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        listed = ", ".join(names.get(id(p), p.name or f"shape {tuple(p.shape)}") for p, _ in newer[:4])
+        listed += f" and {len(newer) - 4} more" if len(newer) > 4 else ""
+        kinds = " / ".join(sorted({kind for _, kind in newer}))
+        mine = type(self.optimizer).__name__
+        warnings.warn(f"[tilegraph.TrainStep] a newer {kinds} was made over this step's parameters ({listed}) "
+                      f"since the {mine} the step was made with: the step goes on with its own {mine} (its learning "
+                      "rate, settings and state) and the new one changes nothing; after running the optimizer's "
+                      "cell again, make the step (or Trainer) again with it: step = tg.TrainStep(model, opt, loss_fn)",
+                      stacklevel=_outside_tilegraph())
 
     def _run(self, rec: _Recorded, fetch, undo: "_Undo | None" = None) -> list:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)
@@ -642,6 +698,19 @@ class TrainStep:
                 undo.keep(cell)
             cell.set(v)
         return values
+
+
+def _outside_tilegraph() -> int:
+    """The ``stacklevel`` of a warning issued by the caller that names the first frame outside
+    tilegraph's package (the user's line: ``step(x, y)`` in a loop, ``trainer.fit()``)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2  # (level 1: the caller itself)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class _Undo:

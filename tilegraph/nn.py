@@ -84,6 +84,24 @@ class Parameter(TileTensor):
                             f"{array.shape} {array.dtype}")
         assign_cells(self.cells, self.tiling, array)
 
+    def __deepcopy__(self, memo) -> "Parameter":
+        """``copy.deepcopy(model)`` (an EMA or teacher copy, a snapshot to compare with): a
+        Parameter of its own, with cells of its own holding the same values. A value is never
+        changed in place (a step gives a cell a new one), so the copy shares them: arrays on the
+        client, and the references to values on the workers, which deepcopy made into Dask futures
+        of another client (the copy's every compute then failed, "held by another runtime"). The
+        symbolic ``grad`` of ``loss.backward()`` is not copied (it reads the original's values)."""
+        cells = np.empty(self.cells.shape, dtype=object)
+        for idx in np.ndindex(*cells.shape):
+            cell = self.cells[idx]
+            cells[idx] = Cell(cell.value, cell.shape, cell.dtype, token=cell.token)
+        new = object.__new__(type(self))
+        t = tensor_from_cells(self.tiling, self.dtype, cells, name=self.name)
+        TileTensor.__init__(new, t.tiling, t.dtype, t.grid, name=self.name)
+        new.cells, new.requires_grad = cells, self.requires_grad
+        memo[id(self)] = new  # (a tied parameter's other names get this copy too)
+        return new
+
     def __repr__(self) -> str:
         return f"Parameter({self.name}, shape={self.shape}, dtype={self.dtype}, tiles={self.chunks})"
 

@@ -11,7 +11,9 @@ momentum buffer) lives in cells next to the parameters: on the workers when a ru
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from typing import Callable, Mapping, Sequence
 
 import numba
@@ -404,14 +406,57 @@ def _sgd_momentum(p, g, buf, hyper, *, momentum, weight_decay, dampening=0.0, ne
 
 
 # ------------------------------------------------------------------------------ optimizers ----
+class _Setting:
+    """A setting of an optimizer's update (``opt.weight_decay``, ``opt.clip_grad_norm``, ...),
+    a parameter of its recorded kernels: checked when set (by the optimizer's ``_checked``),
+    and a TrainStep records its step again after a change (:meth:`Optimizer.recorded_settings`),
+    as torch's next ``step()`` reads a changed ``param_groups`` entry. Set between steps, one
+    went on with the value it was recorded with, silently (set before the first, it counted)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = obj._checked(self.name, value)
+
+
+#: the optimizers' serial numbers, in the order they are made
+_SERIALS = itertools.count(1)
+#: per parameter (by id), the newest optimizer made over it: (a weak reference to the parameter,
+#: that optimizer's serial, its kind); an entry goes with its parameter
+_NEWEST: dict[int, tuple[weakref.ref, int, str]] = {}
+
+
+def _mark_newest(p: Parameter, serial: int, kind: str) -> None:
+    key = id(p)
+
+    def forget(ref, key=key):
+        entry = _NEWEST.get(key)
+        if entry is not None and entry[0] is ref:  # (not a later parameter's, of the same id)
+            del _NEWEST[key]
+
+    _NEWEST[key] = (weakref.ref(p, forget), serial, kind)
+
+
 class Optimizer:
     """Base class. ``schedule(step) -> lr`` gives the learning rate of update ``step`` (from 1).
 
     Parameters with ``requires_grad=False`` (frozen: a LoRA base, say) are left out, as torch's
     optimizers skip parameters without gradients: they get no gradient, no update and no state.
     Unlike torch's, the optimizer does not take one up once it is unfrozen (``frozen_params``
-    lists them): a :class:`~tilegraph.TrainStep` refuses to run then, naming it; for gradual
-    unfreezing make a new optimizer (and TrainStep) over the parameters that train.
+    lists them): a :class:`~tilegraph.TrainStep` refuses to run then, naming it. One of its
+    parameters frozen later (``requires_grad`` set to False between steps) is skipped as torch
+    skips it: no update, no weight decay, its state and update count kept, and it trains on from
+    there once unfrozen. So for gradual unfreezing make the optimizer while every parameter
+    trains, then freeze the ones to hold (or make a new optimizer over those that train).
 
     A parameter group may set its own ``lr``, as torch's: the schedule scales it as torch's
     schedulers (LambdaLR and the like) scale each group's initial lr, by the same factor for every
@@ -432,6 +477,8 @@ class Optimizer:
     """
 
     n_state = 0
+    #: the global gradient norm is clipped to it (None: no clipping); may change between steps
+    clip_grad_norm = _Setting()
 
     #: the settings a parameter group may give its parameters (torch's param_groups) besides its
     #: ``lr``, which every optimizer takes, and how each is checked (_group_checks)
@@ -456,6 +503,11 @@ class Optimizer:
             raise TileError(where, "at least one parameter that requires a gradient",
                             f"{len(frozen)} parameters, all frozen (requires_grad=False)")
         self.params = params
+        #: this optimizer's place among those made in this process: a TrainStep whose optimizer is no
+        #: longer the newest over its parameters says so (:meth:`newer_optimizers`)
+        self.serial = next(_SERIALS)
+        for p in params:
+            _mark_newest(p, self.serial, type(self).__name__)
         #: per parameter, the settings its group gave it over the optimizer's own (param groups)
         self.param_options = options
         self.schedule = lr if callable(lr) else constant(float(lr))
@@ -473,6 +525,34 @@ class Optimizer:
         self.hyper = self.hyper_cell("hyper")
         # state[i][k] is the cell grid of state k of parameter i (zeros, same tiles)
         self.state = [[_zeros_cells(p, self.state_dtype(p)) for _ in range(self.n_state)] for p in params]
+
+    def _checked(self, name: str, value):
+        """``value`` checked (and as stored) for the setting ``name`` (see :class:`_Setting`)."""
+        where = f"tilegraph.optim.{type(self).__name__}.{name}"
+        if name == "clip_grad_norm":
+            if value is None:
+                return None
+            require_arg(where, name, value, number_check(strict=True))
+            return float(value)
+        raise AttributeError(name)
+
+    def recorded_settings(self) -> tuple:
+        """The settings the update kernels are recorded with: a TrainStep whose optimizer's
+        settings changed since it recorded its step (``opt.weight_decay = 0.1`` between steps)
+        records it again."""
+        return (self.clip_grad_norm, *(getattr(self, k) for k in self.setting_keys))
+
+    def newer_optimizers(self) -> list[tuple[Parameter, str]]:
+        """This optimizer's parameters over which another optimizer was made since, each with
+        that one's kind. A TrainStep (or Trainer) holds the optimizer it was made with: a notebook
+        cell that makes the optimizer again (another learning rate, say) changes nothing of a step
+        made before, where torch's loop would call the new one (TrainStep warns)."""
+        newer = []
+        for p in self.params:
+            entry = _NEWEST.get(id(p))
+            if entry is not None and entry[0]() is p and entry[1] > self.serial:
+                newer.append((p, entry[2]))
+        return newer
 
     def state_dtype(self, p: Parameter) -> np.dtype:
         """The dtype of ``p``'s state tensors: its own (Adam's, AdamW's: float32 for float16)."""
@@ -709,7 +789,9 @@ class Optimizer:
         step's loss did not depend on it), ``state`` (per parameter, its state arrays by name:
         computed/fetched from wherever they live), ``schedule`` (the learning-rate schedule's
         spec; None for a schedule of your own), ``param_options`` (per parameter, its group's
-        settings) and ``base_lr`` (the rate a group's lr is relative to)."""
+        settings), ``base_lr`` (the rate a group's lr is relative to) and ``settings`` (the
+        optimizer's kind and its own settings: betas, eps, weight_decay; SGD's momentum,
+        dampening, nesterov and weight_decay)."""
         from tilegraph._lower import compute
 
         tensors = self.state_tensors()
@@ -718,14 +800,56 @@ class Optimizer:
         return {"step": self.step_count, "param_steps": list(self.param_steps),
                 "state": [{name: next(values) for name in per} for per in tensors],
                 "schedule": getattr(self.schedule, "spec", None),
-                "param_options": [dict(o) for o in self.param_options], "base_lr": self.base_lr}
+                "param_options": [dict(o) for o in self.param_options], "base_lr": self.base_lr,
+                "settings": self._settings()}
+
+    #: the settings of the update that :meth:`state_dict` records and :meth:`load_state_dict`
+    #: checks (those of torch's param_groups; the learning rate is the schedule's)
+    setting_keys: tuple[str, ...] = ()
+
+    def _settings(self) -> dict:
+        return {"kind": type(self).__name__, **{k: getattr(self, k) for k in self.setting_keys}}
+
+    def setting_mismatches(self, state: Mapping) -> list[str]:
+        """Where this optimizer's update differs from that of the optimizer whose
+        :meth:`state_dict` ``state`` is: its kind, or a setting (the optimizer's own, or a
+        parameter's from its group), one line each; none for a state without ``settings`` (a
+        state_dict of before)."""
+        saved = state.get("settings")
+        if not isinstance(saved, Mapping):
+            return []
+        problems = []
+        if saved.get("kind") != type(self).__name__:
+            problems.append(f"kind {type(self).__name__} here, {saved.get('kind')} saved")
+        options = state.get("param_options")
+        if not isinstance(options, Sequence) or len(options) != len(self.params):
+            options = [{}] * len(self.params)
+        options = [o if isinstance(o, Mapping) else {} for o in options]
+        for k in self.setting_keys:
+            mine, theirs = getattr(self, k), saved.get(k)
+            # (a setting every parameter's group sets on both sides is not the optimizer's)
+            used = k not in self.group_keys or any(k not in a and k not in b
+                                                   for a, b in zip(self.param_options, options))
+            if used and not _same_setting(mine, theirs):
+                problems.append(f"{k}={mine!r} here, {theirs!r} saved")
+            if k not in self.group_keys:
+                continue
+            for i, (p, here, there) in enumerate(zip(self.params, self.param_options, options)):
+                a, b = here.get(k, mine), there.get(k, theirs)
+                if (k in here or k in there) and not _same_setting(a, b):
+                    problems.append(f"parameter {i} ({p.name or f'shape {tuple(p.shape)}'}): {k}={a!r} here, "
+                                    f"{b!r} saved")
+        return problems
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` gave: the step count, the state arrays and the schedule
         (where one was saved). Everything is checked first: a state that does not fit changes
-        nothing. The parameter groups' settings are this optimizer's own (made with the saved
-        run's groups), but their learning rates relative to the schedule must be the saved ones:
-        the restored schedule would drive the groups at other rates than the saved run's."""
+        nothing. The settings are this optimizer's own, so they must be the saved ones (torch's
+        load_state_dict restores them; here they are parameters of the recorded update): its kind,
+        betas, eps, weight_decay, SGD's momentum, dampening and nesterov, each parameter's from
+        its group (a state without ``settings``, of before, is not checked), and the groups'
+        learning rates relative to the schedule: the restored schedule would drive the groups at
+        other rates than the saved run's. A difference is a TileError naming each."""
         where = f"tilegraph.optim.{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping) or not {"step", "state"} <= set(state):
             raise TileError(where, "state must be a mapping with 'step' and 'state' (as optimizer.state_dict() "
@@ -737,8 +861,18 @@ class Optimizer:
                             "parameter", type(arrays).__name__)
         spec = state.get("schedule")
         schedule = schedule_from_spec(spec) if spec is not None else None
+        problems = []
         if len(arrays) == len(self.params):  # (load_state names a count that differs)
             self.refuse_other_lr_scales(where, state.get("param_options"), state.get("base_lr"))
+            problems = self.setting_mismatches(state)
+        if problems:  # (torch's load_state_dict restores them; here they are the recorded update's)
+            raise TileError(where, "the optimizer the state was saved from: its kind and settings (torch's "
+                            "load_state_dict restores a group's betas, eps, weight_decay, momentum ...; here they "
+                            "are the optimizer's own, given when it is made): make the "
+                            "optimizer with the saved settings (state['settings'], state['param_options']; change "
+                            "them after loading, opt.weight_decay = ..., to go on with others), or leave 'settings' "
+                            "out of the state to keep this optimizer's own",
+                            "; ".join(problems[:8]) + (f"; {len(problems) - 8} more" if len(problems) > 8 else ""))
         # checks every array and count before it sets one
         self.load_state(arrays, state["step"], where=where, param_steps=state.get("param_steps"))
         if schedule is not None:
@@ -797,7 +931,8 @@ _GROUPS_FIXED = ("the parameter groups and their settings are fixed when the opt
                  "parameters of the recorded update kernels; every update's rate comes from the schedule): to "
                  "change the learning rate set opt.schedule = tg.optim.constant(lr) or another schedule (each "
                  "group keeps its multiple of it, opt.lr_scales); for other settings make a new optimizer and "
-                 "TrainStep with the groups you want")
+                 "TrainStep with the groups you want, or set the optimizer's own (opt.weight_decay = ..., which "
+                 "the groups that set none follow from the next step)")
 
 
 class _GroupView(Mapping):
@@ -837,6 +972,19 @@ class _GroupView(Mapping):
 
     def pop(self, key, *default):
         self._refuse(f"{self._name}.pop({key!r})")
+
+
+def _same_setting(a, b) -> bool:
+    """Whether two values of a setting are the same (betas as a tuple or a list, numbers as
+    written or rounded through JSON)."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b))
+    flags = (bool, np.bool_)
+    if isinstance(a, flags) or isinstance(b, flags):  # (True is no 1.0 here)
+        return isinstance(a, flags) and isinstance(b, flags) and bool(a) == bool(b)
+    if isinstance(a, (int, float, np.number)) and isinstance(b, (int, float, np.number)):
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    return a == b
 
 
 def _base_lr(schedule) -> float | None:
@@ -934,6 +1082,10 @@ class Adam(Optimizer):
     n_state = 2
     state_names = ("exp_avg", "exp_avg_sq")
     group_keys = ("weight_decay", "betas", "eps")
+    setting_keys = ("betas", "eps", "weight_decay")
+    #: the optimizer's own settings (those of the parameters whose group sets none); each may
+    #: change between steps (the next step records its update again)
+    betas, eps, weight_decay = _Setting(), _Setting(), _Setting()
     _kernel = _adam_k
 
     # torch.optim.Adam's signature (torch 2.x), then tilegraph's own keyword-only clip_grad_norm
@@ -956,6 +1108,12 @@ class Adam(Optimizer):
     def _group_checks(self) -> dict:
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE),
                 "eps": lambda where, v: require_arg(where, "eps", v, _EPS), "betas": _check_betas}
+
+    def _checked(self, name: str, value):
+        if name not in self.setting_keys:
+            return super()._checked(name, value)
+        self._group_checks()[name](f"tilegraph.optim.{type(self).__name__}.{name}", value)
+        return tuple(float(b) for b in value) if name == "betas" else float(value)
 
     def _update(self, p, g, state, hyper, options, t_at):
         m, v = state
@@ -1038,6 +1196,10 @@ class SGD(Optimizer):
     """
 
     group_keys = ("weight_decay",)
+    setting_keys = ("momentum", "dampening", "nesterov", "weight_decay")
+    #: the optimizer's own settings; each may change between steps (the next step records its
+    #: update again), momentum only between values above 0 (the buffer is kept where there is one)
+    momentum, dampening, nesterov, weight_decay = _Setting(), _Setting(), _Setting(), _Setting()
 
     # torch.optim.SGD's signature (torch 2.x), then tilegraph's own keyword-only clip_grad_norm
     def __init__(self, params, lr=1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
@@ -1061,6 +1223,33 @@ class SGD(Optimizer):
 
     def _group_checks(self) -> dict:
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE)}
+
+    def _checked(self, name: str, value):
+        where = f"tilegraph.optim.{type(self).__name__}.{name}"
+        if name == "weight_decay":
+            require_arg(where, name, value, _NON_NEGATIVE)
+        elif name == "momentum":
+            require_arg(where, name, value, _MOMENTUM)
+            if (value > 0) != (self.n_state > 0):  # (SGD's state is a buffer with momentum, none without)
+                what = ("momentum above 0: this SGD was made with momentum (its buffers are its state)" if self.n_state
+                        else "momentum 0: this SGD was made without momentum (it has no buffers)")
+                raise TileError(where, f"{what}; momentum may change between values above 0 only: for the other "
+                                "kind make a new SGD (and TrainStep)", f"momentum={value!r}"[:120])
+        elif name == "dampening":
+            require_arg(where, name, value, _DAMPENING)
+            if value and self.__dict__.get("nesterov"):
+                raise TileError(where, "dampening=0 while nesterov=True (as torch.optim.SGD)", f"dampening={value!r}")
+        elif name == "nesterov":
+            if not isinstance(value, (bool, np.bool_)):
+                raise TileError(where, "nesterov must be True or False", f"nesterov={value!r}"[:120])
+            if value and (not self.n_state or self.__dict__.get("dampening")):
+                raise TileError(where, "nesterov=True needs a momentum > 0 and dampening=0 (as torch.optim.SGD)",
+                                f"nesterov=True with momentum={self.__dict__.get('momentum')!r}, "
+                                f"dampening={self.__dict__.get('dampening')!r}")
+            return bool(value)
+        else:
+            return super()._checked(name, value)
+        return float(value)
 
     def _update(self, p, g, state, hyper, options, t_at):
         weight_decay = float(self._setting(options, "weight_decay"))
