@@ -343,3 +343,19 @@ def test_a_setting_is_checked_when_set():
     with pytest.raises(tg.TileError, match=r"nesterov=True needs a momentum > 0 and dampening=0"):
         sgd.nesterov = True
     assert (adam.weight_decay, adam.betas, adam.clip_grad_norm, sgd.momentum) == (0.01, (0.9, 0.999), None, 0.9)
+
+
+def test_a_parameter_attribute_replaced_by_a_plain_tensor_is_named_as_torch_refuses_it():
+    # `m.weight = m.weight * 0.5` made the attribute a plain tensor: the module silently lost its
+    # weight (state_dict ['bias'], not trained, not saved). torch raises a TypeError; so does this.
+    lin = tg.nn.Linear(4, 3, seed=0)
+    with pytest.raises(tg.TileError, match=r"tilegraph\.nn\.Linear\.weight\] a Parameter or None.*"
+                                           r"module\.weight\.assign\(array\)"):
+        lin.weight = lin.weight * 0.5
+    assert isinstance(lin.weight, tg.nn.Parameter) and set(lin.state_dict()) == {"weight", "bias"}
+    w = lin.weight.numpy() * 0.5
+    lin.weight.assign(w)  # the way to set values
+    np.testing.assert_array_equal(lin.weight.numpy(), w)
+    lin.weight = tg.nn.Parameter(w, tiles=(4, 3))  # a Parameter, or None, is taken
+    lin.bias = None
+    assert set(lin.state_dict()) == {"weight"}

@@ -216,6 +216,18 @@ class Module:
 
     _training: bool | None = None  # set by train() / eval(); None: neither called
 
+    def __setattr__(self, name: str, value) -> None:
+        # torch's rule: a parameter attribute takes a Parameter or None. ``m.weight = m.weight * 0.5``
+        # made the attribute a plain tensor, and the module silently lost its weight (not trained,
+        # not in state_dict, not saved).
+        if isinstance(value, TileTensor) and not isinstance(value, Parameter) and \
+                isinstance(self.__dict__.get(name), Parameter):
+            raise TileError(f"tilegraph.nn.{type(self).__name__}.{name}",
+                            "a Parameter or None, as torch's: a tensor that is no Parameter would leave the module "
+                            f"(not trained, not saved); set its values with module.{name}.assign(array), or assign "
+                            "a tg.nn.Parameter", repr(value))
+        object.__setattr__(self, name, value)
+
     @property
     def training(self) -> bool:
         """True where this module records training behaviour (dropout); see the class doc."""
