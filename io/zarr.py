@@ -208,6 +208,25 @@ def _model_info(model) -> dict:
     return info
 
 
+def _warn_other_settings(where: str, optimizer, hyper: Mapping) -> None:
+    """A warning naming each of the optimizer's own settings (weight decay, betas, eps, momentum,
+    clipping ...) that differs from the checkpoint's ``hyper``: the restored run goes on with the
+    optimizer's, where torch's ``load_state_dict`` brings back the saved ones, so a notebook's
+    rebuilt optimizer with another weight decay changed the run without a word."""
+    import warnings
+
+    def plain(v):
+        return list(v) if isinstance(v, tuple) else v
+
+    keys = (*getattr(optimizer, "setting_keys", ()), "clip_grad_norm")
+    other = [f"{k}={plain(getattr(optimizer, k))!r} here, {hyper[k]!r} saved" for k in keys
+             if k in hyper and hasattr(optimizer, k) and plain(getattr(optimizer, k)) != hyper[k]]
+    if other:
+        warnings.warn(f"[{where}] the optimizer's settings differ from the checkpoint's: {'; '.join(other)}; "
+                      "training goes on with this optimizer's (torch's load_state_dict would bring back the saved "
+                      "ones: make the optimizer with them to continue the run as it was)", UserWarning, stacklevel=4)
+
+
 def _optimizer_info(optimizer, names: list[str]) -> dict:
     """The optimizer's record: its kind, settings, schedule and step; ``names``: its parameters'
     names, in its order (each parameter's group settings are recorded in that order)."""
@@ -1308,6 +1327,7 @@ class Checkpoint:
                 by_name = dict(zip(hyper["param_names"], saved))
                 saved = [by_name.get(names.get(id(p)), {}) for p in optimizer.params]
             optimizer.refuse_other_lr_scales(self._where, saved, hyper.get("base_lr"), CheckpointError)
+        _warn_other_settings(self._where, optimizer, info.get("hyper") or {})
         sched = None
         if schedule and info.get("schedule") is not None:
             from tilegraph.optim import schedule_from_spec

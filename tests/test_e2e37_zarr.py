@@ -205,3 +205,30 @@ def test_quantized_tiles_and_every_attribute_are_strict_json(saved, tmp_path):
     assert len(metas) > 100
     for meta in metas:
         json.loads(meta.read_text(), parse_constant=refuse)
+
+
+def test_restoring_into_an_optimizer_of_other_settings_warns_naming_each(tmp_path):
+    # A notebook's optimizer rebuilt with another weight decay (or betas, or clipping) took the
+    # checkpoint's moments and went on with its own settings, without a word; torch's
+    # load_state_dict brings the saved ones back. Now each difference is named in a warning.
+    import warnings
+
+    from conftest import mse
+
+    model = tg.nn.Linear(4, 2, seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 2), np.float32)
+    tg.TrainStep(model, opt, mse)(x, y)
+    tz.save_checkpoint(tmp_path / "ck", model, opt, step=1)
+    ck = tz.load_checkpoint(tmp_path / "ck")
+
+    same = tg.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.restore_optimizer(same, model)  # the run's own settings: nothing to say
+    other = tg.optim.AdamW(model.parameters(), lr=1e-2, clip_grad_norm=1.0)
+    with pytest.warns(UserWarning, match=r"differ from the checkpoint's: betas=\[0\.9, 0\.999\] here, \[0\.9, 0\.95\] "
+                                         r"saved; weight_decay=0\.01 here, 0\.1 saved; clip_grad_norm=1\.0 here, None "
+                                         r"saved; training goes on with this optimizer's"):
+        ck.restore_optimizer(other, model)
+    assert other.step_count == 1 and other.weight_decay == 0.01  # restored, and its own settings kept
