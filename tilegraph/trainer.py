@@ -36,9 +36,10 @@ from tilegraph._errors import TileError
 from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
-from tilegraph._train import (LOST_STATE, LOST_STATE_HINT, EvalStep, StepStats, StepTimeoutError, TrainStep,
-                              WorkerLostError, _steps_text, check_step_arguments, lost_worker_error,
-                              translate_worker_failure, wait_for_replacements, worker_health)
+from tilegraph._train import (EVAL_LENT_HINT, LOST_STATE, LOST_STATE_HINT, STALL_SECONDS, EvalStep, StepStats,
+                              StepTimeoutError, TrainStep, WorkerHealth, WorkerLostError, _steps_text,
+                              check_step_arguments, lost_worker_error, translate_worker_failure,
+                              wait_for_replacements, worker_health)
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]
 
@@ -66,6 +67,11 @@ MAX_RESTARTS = 3
 RESTART_WAIT_SECONDS = 30.0
 
 logger = logging.getLogger("tilegraph")
+
+#: what a trainer whose runtime was closed needs, after connecting again: a Trainer is bound to its
+#: runtime (its values lived on that cluster's workers), so a new connection alone changed nothing
+_REBUILD = ("build the model, optimizer and a Trainer on the new runtime (Trainer(..., runtime=rt)), and "
+            "trainer.load_checkpoint(...) to go on from a checkpoint: this Trainer stays bound to the closed one")
 
 #: ``Trainer(batch_size=...)`` when not given: 8 rows for a token dataset; a callable data's batch
 #: size is then the rows of the first batch it returns (told apart from an explicit ``batch_size=8``)
@@ -413,6 +419,8 @@ class Trainer:
         self._lineage_logged = False
         self._stop = False
         self._first_batch_checked = False  # batch_size against a callable data's first batch
+        #: the source of the code that called the running fit (its performance report shows it)
+        self._caller_code: str | None = None
 
     #: set when the Trainer is built: its training step is recorded for that model, optimizer,
     #: loss, runtime and batch (``trainer.optimizer = AdamW(..., lr=1e-4)`` between fits went on
@@ -517,7 +525,7 @@ class Trainer:
         if self._eval is None:
             raise TileError(where, "needs eval_data", "eval_data=None")
         if self.runtime is not None:
-            self.runtime.require_open(where)
+            self.runtime.require_open(where, then=_REBUILD)
         n = self.eval_batches if batches is None else batches
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise TileError(where, "batches (or eval_batches) must be an int >= 1", repr(n))
@@ -548,7 +556,10 @@ class Trainer:
         require_int(where, "steps", steps, 1)  # NumPy's integers too (a count computed with NumPy); no bool
         steps = int(steps)
         if self.runtime is not None:  # closed after this trainer was built: say so before anything starts
-            self.runtime.require_open(where)
+            self.runtime.require_open(where, then=_REBUILD)
+            self._require_state(where)
+        # the performance report's "Calling Code": the caller's (see _start_report)
+        self._caller_code = _calling_code(sys._getframe(1)) if self.performance_report is not None else None
         # the folders are this fit's alone while it runs: another process's (or trainer's) run
         # there would interleave its records with ours and fail at its first checkpoint
         release = self._hold_folders(where)
@@ -784,6 +795,8 @@ class Trainer:
                     resumed = self._restart(e, len(result.restarts), lost_save)
                     record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
                               "checkpoint": str(self._last_checkpoint), "step": resumed}
+                    if getattr(e, "during", None):  # lost in an evaluation or a checkpoint, not a step's graph
+                        record = {"failed": record["failed"], "during": e.during, **record}
                     result.restarts.append(record)
                     self._log(log, {**record, "restart": True, "time": time.time()})
                     del result.losses[max(0, resumed - start):]
@@ -793,6 +806,10 @@ class Trainer:
                     bar.refresh()
                     i = resumed + 1
                 except BaseException as e:
+                    lost = self._scheduler_lost(e, waiting[0][0] if waiting else self.optimizer.step_count)
+                    if lost is not None:  # nothing of the steps waiting comes from a scheduler that is gone
+                        waiting.clear()
+                        raise lost from e
                     settle()
                     # a notebook shows the traceback: say where it stands. Not after request_stop(): a
                     # program that stops the fit itself (tilegraph train's Ctrl-C handler; its second
@@ -967,6 +984,26 @@ class Trainer:
         return release
 
     # -- lost workers ----------------------------------------------------------------------------
+    def _require_state(self, where: str) -> None:
+        """Refuse, before any step, a fit whose model's values on the workers are gone: a worker
+        lost in an earlier fit (its WorkerLostError) took its parameter and optimizer state tiles
+        with it, and a fit again without a checkpoint loaded ran steps that each failed, with a
+        WorkerLostError naming a worker lost "while step 7 ran" (it was lost during step 5) or
+        "the cluster lost tasks or data of step 8 (no worker was found missing)", counting those
+        steps all the same."""
+        tiles = [c.value for p in self.optimizer.params for c in p.cells.flat]
+        tiles += [c.value for state in self.optimizer.state for grid in state for c in grid.flat]
+        futures = [v.future for v in tiles if getattr(v, "future", None) is not None]
+        gone = sum(f.status in ("cancelled", "lost") for f in futures)
+        if gone:
+            problem = self.runtime.scheduler_problem()
+            if problem is not None:  # (what cancelled them: the scheduler, not a worker)
+                raise self._scheduler_error(problem, "since the last fit", f"{gone} of the {len(futures)} parameter "
+                                            "and optimizer state tiles on the workers are gone")
+            raise TileError(where, f"the model's values on the workers to train on: {self._lost_state_hint(None)}",
+                            f"{gone} of the {len(futures)} parameter and optimizer state tiles on the workers are "
+                            "gone (with a worker lost in an earlier fit: its WorkerLostError)")
+
     def _time_limit(self, pending, clock: float) -> float | None:
         """Seconds left for ``pending``'s graph, which could start at ``clock`` (None: no limit)."""
         if self.step_timeout is None or self.runtime is None:
@@ -983,14 +1020,17 @@ class Trainer:
         return limit - (time.perf_counter() - max(clock, pending.submitted))
 
     @contextlib.contextmanager
-    def _translate_lost_workers(self, during: str, steps: range):
-        """Dask's errors of a lost worker, raised in the block, as a :class:`WorkerLostError`."""
+    def _translate_lost_workers(self, during: str, steps: range, beside: bool = False):
+        """Dask's errors of a lost worker, raised in the block, as a :class:`WorkerLostError`
+        (``beside``: ``during`` is work beside the steps' graphs, an evaluation or a checkpoint)."""
         try:
             yield
         except Exception as e:
             err = translate_worker_failure(self.runtime, e, during, steps=steps, where="tilegraph.Trainer.fit")
             if err is None:
                 raise
+            if beside and isinstance(err, WorkerLostError):
+                _during(err, during)
             raise err from None
 
     def _watched(self, fn: Callable, during: str, steps: range):
@@ -999,9 +1039,10 @@ class Trainer:
         ends the wait with a :class:`WorkerLostError` (``fn``'s thread then ends when Dask gives
         up on the worker, or goes on if it comes back)."""
         if self.runtime is None:
-            with self._translate_lost_workers(during, steps):
+            with self._translate_lost_workers(during, steps, beside=True):
                 return fn()
         out: dict = {}
+        since = time.time()  # workers the scheduler removed from here on were lost during it
 
         def target():
             try:
@@ -1018,12 +1059,31 @@ class Trainer:
                 break
             health = worker_health(self.runtime)
             if health.failing:
-                raise lost_worker_error(health, during, f"still running after {time.perf_counter() - t0:.1f} s",
-                                        steps=steps, where="tilegraph.Trainer.fit")
+                raise _during(lost_worker_error(health, during, f"still running after {time.perf_counter() - t0:.1f} s",
+                                                steps=steps, where="tilegraph.Trainer.fit"), during)
         if "error" in out:
-            with self._translate_lost_workers(during, steps):
+            if isinstance(out["error"], WorkerLostError):  # (an evaluation's own)
+                raise self._lost_during(out["error"], during, steps, since) from None
+            with self._translate_lost_workers(during, steps, beside=True):
                 raise out["error"]
         return out["value"]
+
+    def _lost_during(self, error: WorkerLostError, during: str, steps: range, since: float) -> WorkerLostError:
+        """``error``, a worker lost while ``during`` (an evaluation) ran, as the fit's error: it names
+        ``during`` and ``steps`` (the EvalStep's said "while the evaluation ran", without steps,
+        so a restart was logged as lost "while training ran" and recorded with "failed": null),
+        and the workers removed ``since`` it began (an evaluation planned after the loss, its
+        first, named none: "no worker was found missing")."""
+        hint = next((h for h in (LOST_STATE_HINT, EVAL_LENT_HINT) if h in error.what), LOST_STATE_HINT)
+        try:
+            health = worker_health(self.runtime, since)
+        except TileError:  # (the scheduler went too: the workers the evaluation named)
+            health = None
+        if health is None or not health.failing:
+            health = WorkerHealth(lost=[w for w in error.workers if w not in error.stalled],
+                                  silence={w: STALL_SECONDS for w in error.stalled})
+        return _during(lost_worker_error(health, during, error.received, steps=steps, where="tilegraph.Trainer.fit",
+                                         hint=hint), during)
 
     def _restart(self, error: WorkerLostError, restarts: int, lost_save: int | None = None) -> int:
         """Reload the last checkpoint after ``error`` (the next steps plan again, on the workers
@@ -1061,9 +1121,55 @@ class Trainer:
         step = self.load_checkpoint(self._last_checkpoint)
         logger.warning("tilegraph.Trainer: lost worker(s) %s while %s ran; resuming from checkpoint %s (step %d) "
                        "on %d worker(s): %s", ", ".join(error.workers) or "(none named)",
-                       _steps_text(error.steps) if error.steps else "training", self._last_checkpoint, step,
+                       getattr(error, "during", None) or (_steps_text(error.steps) if error.steps else "training"),
+                       self._last_checkpoint, step,
                        len(answering), ", ".join(answering))
         return step
+
+    def _scheduler_lost(self, error: BaseException, step: int) -> TileError | None:
+        """The error of a fit that failed at ``step`` because its scheduler ended, stopped or hung
+        (``error`` is what Dask's side said of it: a step's health check that timed out, a
+        cancelled future), naming the scheduler and what went with it; None where the scheduler
+        answers (the error is the fit's own) or ``error`` is no failure (an interrupt). Before, a
+        killed scheduler ended the fit after 10 s with "step 5 failed and the Dask scheduler did
+        not answer (TileError: ... within 10 s; received: TimeoutError: timed ...)", which named
+        no scheduler, and a stopped one after 30 s with "the Dask scheduler to answer a health
+        check within 10 s"."""
+        if self.runtime is None or not isinstance(error, Exception) or isinstance(error, FloatingPointError):
+            return None
+        try:
+            problem = self.runtime.scheduler_problem()
+        except Exception:  # (a runtime closed meanwhile, in another thread: the error as it is)
+            return None
+        if problem is None:
+            return None
+        return self._scheduler_error(problem, f"at step {step}", f"{type(error).__name__}: {error}"[:300])
+
+    def _scheduler_error(self, problem: str, when: str, received: str) -> TileError:
+        """The fit's error for a scheduler ``problem`` (:meth:`Runtime.scheduler_problem`) met
+        ``when``: what went with it, and the newest checkpoint to resume from."""
+        found = {}
+        if self.checkpoints is not None:  # committed on disk (a save under way waits on the scheduler)
+            from tilegraph.io.zarr import checkpoint_step
+
+            found = {p: checkpoint_step(p.name) for p in self.checkpoints.checkpoints()}
+        if self._last_checkpoint is not None and self._last_checkpoint.is_dir():
+            from tilegraph.io.zarr import checkpoint_step
+
+            found.setdefault(self._last_checkpoint, checkpoint_step(self._last_checkpoint.name))
+        found = {p: s for p, s in found.items() if s is not None}
+        if found:
+            path, at = max(found.items(), key=lambda ps: ps[1])
+            resume = (f"resume from the newest committed checkpoint, {path} (step {at}): connect again (tg.connect), "
+                      "build the model, optimizer and Trainer on that runtime, then "
+                      f"trainer.load_checkpoint({str(path)!r}) and fit")
+        else:
+            resume = ("this trainer has no committed checkpoint to resume from: connect again (tg.connect) and train "
+                      "from the start (checkpoint_dir and checkpoint_every write checkpoints)")
+        return TileError("tilegraph.Trainer.fit", f"a Dask scheduler that answers: {problem}, {when}. The model's "
+                         "parameters and optimizer state live on its workers: a scheduler that ended took them along "
+                         f"(one that was stopped and goes on answers again: then fit again). To go on, {resume}",
+                         received)
 
     def _lost_state_hint(self, lost_save: int | None) -> str:
         """What a lost worker's error tells a trainer without ``restart_on_failure`` to do: the
@@ -1096,12 +1202,25 @@ class Trainer:
         return kernel_stats(reset)
 
     def _start_report(self, stack: contextlib.ExitStack) -> None:
-        """Open the Dask performance report of the next graph."""
+        """Open the Dask performance report of the next graph (closed, and written, by ``stack``),
+        showing the code that called :meth:`fit` as its calling code (Dask's own, taken as the
+        report closes, was contextlib's ``ExitStack.__exit__``, a frame inside fit). It is the
+        runtime's scheduler's: Dask's ``performance_report`` asks the default client's, which is
+        the last one connected (another ``tg.connect``, ``make_current=False`` or not): the
+        report showed that cluster's workers and none of the fit's tasks."""
         from distributed import performance_report
 
         path = Path(self.performance_report)
         path.parent.mkdir(parents=True, exist_ok=True)
-        stack.enter_context(performance_report(filename=str(path)))
+        client, code = self.runtime.client, self._caller_code
+        report = performance_report(filename=str(path))
+        with client.as_current():  # (the coroutine runs in the client's loop with this context)
+            client.sync(report.__aenter__)
+
+        def write() -> None:
+            with client.as_current():
+                client.sync(report.__aexit__, None, None, None, code=code or "<Code not available>")
+        stack.callback(write)
 
     def _steps_per_graph(self, batch) -> int:
         if self.steps_per_graph != "auto":
@@ -1163,7 +1282,7 @@ class Trainer:
         a failure or a kill leaves no partial checkpoint and never replaces an existing one.
         Waits for the write; the ``on_checkpoint`` hooks run after it."""
         if self.runtime is not None:  # the values are on its workers: a lost scheduler took them along
-            self.runtime.require_open("tilegraph.Trainer.save_checkpoint")
+            self.runtime.require_open("tilegraph.Trainer.save_checkpoint", then=_REBUILD)
         path = self._prepare_checkpoint(path).run()
         self._last_checkpoint = path
         for hook in self.on_checkpoint:
@@ -1222,7 +1341,7 @@ class Trainer:
         from tilegraph.io.zarr import Checkpoint, load_checkpoint
 
         if self.runtime is not None:  # the values go to its workers
-            self.runtime.require_open("tilegraph.Trainer.load_checkpoint")
+            self.runtime.require_open("tilegraph.Trainer.load_checkpoint", then=_REBUILD)
         if isinstance(path, Checkpoint):
             ck = path
         else:
@@ -1629,6 +1748,29 @@ def _in_jupyter() -> bool:
     # by the class's ancestry: Google Colab's shell is a subclass of it (named "Shell"), where
     # the exact name had sent the bar to plain lines on stderr every 10 s
     return shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
+
+
+def _during(error: WorkerLostError, during: str) -> WorkerLostError:
+    """``error`` marked as a loss while ``during`` ran (an evaluation, a checkpoint: not a step's
+    graph): its restart is logged and recorded so."""
+    error.during = during
+    return error
+
+
+def _calling_code(frame) -> str:
+    """The source a performance report shows as the code that ran it: ``frame``'s function or
+    module (a notebook cell: IPython's current cell), as Dask's report takes it around a compute
+    call."""
+    import inspect
+
+    try:
+        return inspect.getsource(frame)
+    except (OSError, TypeError):  # no source file (python -c, stdin)
+        pass
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    cell = getattr(getattr(shell, "history_manager", None), "_i00", None)
+    return cell if isinstance(cell, str) and cell else "<Code not available>"
 
 
 def _progress(total: int, enabled: bool):

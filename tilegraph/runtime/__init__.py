@@ -26,8 +26,8 @@ from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_securit
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG, PREFETCH,
                                             _check_worker_versions, _malloc_plugin, _quiet_logs,
                                             _send_interval_plugins, _signals_plugin, _unchain_plugin,
-                                            drop_fetched_plugin, scheduler_send_intervals, set_send_interval,
-                                            short_key_sets)
+                                            drop_fetched_plugin, event_addresses_plugin, scheduler_send_intervals,
+                                            set_send_interval, short_key_sets)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
 
@@ -165,6 +165,9 @@ class Runtime:
         # each task waits for its parameters to arrive
         _optional_setup("install the scheduler's drop and prefetch of fetched parameters",
                         lambda: client.register_plugin(drop_fetched_plugin()))
+        # a worker lost after a scatter to every worker is reported as a scheduler that did not answer
+        _optional_setup("keep the scheduler's event log readable",
+                        lambda: client.register_plugin(event_addresses_plugin()))
         # the workers' task records grow with the steps
         _optional_setup("install the task-record cleanup on the workers",
                         lambda: client.register_plugin(_unchain_plugin()))
@@ -177,6 +180,8 @@ class Runtime:
         #: it, gangs run only where every worker shares one /dev/shm
         self.comm_channels = _optional_setup("install the gang channel handler on the workers",
                                              lambda: client.register_plugin(channel_plugin()))
+        #: the workers warned of for a memory limit too small to run in (:meth:`_warn_small_workers`)
+        self._memory_warned: set[str] = set()
         #: each worker's ``exec.gang.gang_identity()`` (its shared-memory domain first), as asked so far
         self._gang_ids: dict[str, tuple | None] = {}
         #: the measured link between hosts (:meth:`link_bytes_per_second`): (the two workers, bytes/s)
@@ -240,14 +245,17 @@ class Runtime:
                             "ended, or the network to it is down)", f"{type(e).__name__}: {e}".rstrip(": ")) from None
         return info.get("workers", {})
 
-    def require_open(self, where: str) -> None:
+    def require_open(self, where: str, then: str | None = None) -> None:
         """Raise a TileError naming ``where`` when this runtime was closed, or its client lost
         the scheduler for good: its client can ask nothing any more (Dask's own errors are
         "RuntimeError: IOLoop is closed", "KeyError: 'workers'", "AttributeError: 'NoneType'
-        object has no attribute 'broadcast'" or "No clients found")."""
+        object has no attribute 'broadcast'" or "No clients found"). ``then``: what to do after
+        connecting again, for a caller bound to this runtime (a Trainer is: connecting again
+        alone changed nothing for it)."""
         if self.closed:
             raise TileError(where, "an open runtime: this one was closed (Runtime.close, or the end of its "
-                            "`with` block); connect again with tg.connect(...)", repr(self))
+                            f"`with` block); connect again with tg.connect(...){f', then {then}' if then else ''}",
+                            repr(self))
         status = getattr(self.client, "status", "running")
         if status in ("closing", "closed", "failed"):
             raise TileError(where, f"a connected Dask scheduler: this runtime's client lost the scheduler at "
@@ -255,6 +263,37 @@ class Runtime:
                             "failed); what the workers held (parameters, optimizer state) is gone with it: start a "
                             "cluster, connect again with tg.connect(...) and resume from a checkpoint",
                             f"Dask client status {status!r}")
+
+    def scheduler_problem(self, seconds: float | None = None, probe: bool = True) -> str | None:
+        """What is wrong with the scheduler, said in a few words naming it, or None while it
+        answers: this runtime's client lost its connection to it (Dask's client then reconnects
+        for a while, then gives up), or (``probe``) it does not answer within ``seconds``
+        (default :data:`SCHEDULER_PROBE_SECONDS`: it answers in milliseconds). For an error of
+        work on the workers, which then failed for that reason (the scheduler ended, stopped or
+        hung), not for what Dask's error of it says (a cancelled future, a worker health check
+        that timed out). Without ``probe``, only the client's state is read (no wait)."""
+        if self.closed:
+            return None
+        status = getattr(self.client, "status", "running")
+        if status == "connecting":
+            return (f"the connection to the Dask scheduler at {self.address} was lost (the scheduler ended, or the "
+                    "network to it failed)")
+        if status in ("closing", "closed", "failed"):
+            return (f"the Dask scheduler at {self.address} was lost for good (the scheduler ended, or the network to "
+                    "it failed, and the client stopped reconnecting)")
+        if not probe:
+            return None
+        client = self.client
+        seconds = SCHEDULER_PROBE_SECONDS if seconds is None else seconds
+        try:
+            client.sync(client.scheduler.identity, n_workers=0, callback_timeout=seconds)
+        except TimeoutError:
+            return (f"the Dask scheduler at {self.address} does not answer within {seconds:g} s (stopped or hung, or "
+                    "the network to it down)")
+        except OSError:
+            return (f"the connection to the Dask scheduler at {self.address} failed (the scheduler ended, or the "
+                    "network to it is down)")
+        return None
 
     def processors(self) -> dict[str, int]:
         """Worker threads per device class (a worker with a GPU resource counts as GPU)."""
@@ -291,8 +330,30 @@ class Runtime:
         new = [addr for addr in info if addr not in self._version_checked]
         if new:  # joined after connect (a worker started by hand, a batch job's): checked as there
             self._version_checked |= _check_worker_versions(self.client, new, "tilegraph.Runtime", late=True)
+        self._warn_small_workers(info)
         self.last_workers = Workers.of(info)
         return self.last_workers
+
+    def _warn_small_workers(self, info: Mapping[str, dict]) -> None:
+        """Warn (once per worker) of workers started elsewhere (``dask worker --memory-limit``, a
+        batch job's) under :data:`MIN_WORKER_MEMORY_BYTES`, which ``connect`` refuses for the
+        embedded cluster: such a worker is killed and restarted, or paused, over and over, and
+        the first step failed after 10 s with "No valid workers found" and advice for the
+        embedded cluster (``tg.connect(memory_limit=...)``, refused for this one)."""
+        from dask.utils import format_bytes
+
+        small = {a: w["memory_limit"] for a, w in sorted(info.items()) if a not in self._memory_warned
+                 and 0 < (w.get("memory_limit") or 0) < MIN_WORKER_MEMORY_BYTES}
+        if not small:
+            return
+        self._memory_warned |= set(small)
+        named = ", ".join(f"{a} ({format_bytes(limit)})" for a, limit in small.items())
+        warnings.warn(f"[tilegraph.Runtime] {_plural(len(small), 'worker')} of the scheduler at {self.address} "
+                      f"{'runs' if len(small) == 1 else 'run'} under a memory limit below "
+                      f"{MIN_WORKER_MEMORY_BYTES >> 20} MiB: {named}. A worker process takes 125-187 MiB itself: "
+                      "under such a limit Dask kills and restarts it, or pauses it, over and over, and no task "
+                      "runs there; start the workers with a larger one (dask worker --memory-limit 1GiB, or none)",
+                      RuntimeWarning, stacklevel=3)
 
     def __repr__(self) -> str:
         if self.closed:  # the client's scheduler connection is gone
@@ -633,9 +694,13 @@ def no_worker_alive_error(where: str, what: str, address: str | None = None):
         if "No valid workers found" not in str(e):
             raise
         at = f" of the scheduler at {address}" if address else ""
+        # the embedded cluster's workers take their limit from connect; others from how they were started
+        embedded = any(rt.address == address for rt, _ in _OPEN_EMBEDDED.values())
+        more = "tg.connect(memory_limit=...)" if embedded or not address else \
+            "start them with a larger `dask worker --memory-limit` (or your batch job's setting)"
         raise TileError(where, f"a worker{at} alive and running to take {what}: none is. The workers died, keep "
                         "restarting or are paused (killed by their nanny for exceeding their memory limit, say: "
-                        "give them more memory, tg.connect(memory_limit=...), and see the workers' log)",
+                        f"give them more memory, {more}, and see the workers' log)",
                         f"{type(e).__name__}: {e}") from e
 
 
@@ -645,6 +710,10 @@ MPI_WORKERS_WAIT_SECONDS = 120.0
 #: how long the scheduler may take to answer a question about its workers before the runtime says
 #: it does not answer (a stopped or hung scheduler keeps its connections open and never answers)
 SCHEDULER_ANSWER_SECONDS = 10.0
+
+#: how long :meth:`Runtime.scheduler_problem` waits for the scheduler's answer (it comes within
+#: milliseconds: this is for a scheduler that is stopped or hung)
+SCHEDULER_PROBE_SECONDS = 2.0
 
 #: how long a plan waits for a first worker on a cluster that has none (:meth:`Runtime.snapshot`):
 #: a worker started by hand, or a batch job starting, joins within seconds

@@ -360,6 +360,34 @@ DROP_FETCHED = "tilegraph_drop_fetched"
 PREFETCH = "tilegraph_prefetch"
 
 
+def event_addresses_plugin():
+    """A scheduler plugin that keeps the scheduler's event log sendable to a client: Dask's
+    ``Scheduler.replicate`` (which a scatter with ``broadcast=True`` runs: the programs of a plan
+    on one worker go that way) logs its workers as ``WorkerState`` objects, which do not
+    serialize, and from then on every ``client.get_events("all")`` failed ("cannot pickle
+    'weakref.ReferenceType' object", the connection closed). That is where a failed step looks
+    for the workers removed since it began: a worker lost on a one-worker cluster was reported
+    as "the Dask scheduler did not answer", not as the lost worker it was, and
+    ``restart_on_failure`` did not restart. This puts their addresses in such an event's place
+    (the logged message is the object the plugins get)."""
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    class EventAddresses(SchedulerPlugin):
+        name = "tilegraph-event-addresses"
+        idempotent = True
+
+        def log_event(self, topic, msg) -> None:
+            from distributed.scheduler import WorkerState
+
+            if not isinstance(msg, dict):
+                return
+            for key, value in msg.items():
+                if isinstance(value, (list, tuple, set)) and any(isinstance(w, WorkerState) for w in value):
+                    msg[key] = [w.address if isinstance(w, WorkerState) else w for w in value]
+
+    return EventAddresses()
+
+
 def drop_fetched_plugin():
     """A scheduler plugin that, when a task annotated :data:`DROP_FETCHED` (its phase: "forward",
     "backward" or "update") has run on a worker, drops that worker's copies of the task's inputs
