@@ -857,15 +857,16 @@ class WorkerLostError(TileError):
     """A worker that training needed died, left the cluster or stopped responding.
 
     ``workers``: the addresses (``stalled``: those among them still connected but silent);
-    ``steps``: the steps whose graph was running. Parameters and optimizer state live on the
-    workers as Dask futures, so what the lost workers held is gone: training resumes from a
-    checkpoint (``Trainer(restart_on_failure=True)`` does it by itself).
+    ``steps``: the steps whose graph was running; ``during``: the work beside the steps' graphs
+    that was running instead (``"the evaluation after step 8"``), or None. Parameters and
+    optimizer state live on the workers as Dask futures, so what the lost workers held is gone:
+    training resumes from a checkpoint (``Trainer(restart_on_failure=True)`` does it by itself).
     """
 
     def __init__(self, where: str, what: str, received: str | None = None, *, workers: Sequence[str] = (),
-                 stalled: Sequence[str] = (), steps: range | None = None):
+                 stalled: Sequence[str] = (), steps: range | None = None, during: str | None = None):
         super().__init__(where, what, received)
-        self.workers, self.stalled, self.steps = list(workers), list(stalled), steps
+        self.workers, self.stalled, self.steps, self.during = list(workers), list(stalled), steps, during
 
 
 class StepTimeoutError(TileError):
@@ -925,21 +926,22 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
         return out
 
     client = runtime.client
-    try:
+    try:  # (the event reads too: a scheduler lost between them raised a bare CommClosedError)
         ages = client.run_on_scheduler(heartbeat_ages, callback_timeout=SCHEDULER_ANSWER_SECONDS)
+        paused = {a: p for a, (_, p) in ages.items() if p is not None}
+        ages = {a: age for a, (age, _) in ages.items()}
+        gone = {a for addrs in runtime.last_workers.addrs.values() for a in addrs} - set(ages)
+        if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
+            gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
+                     and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)
+        timed_out = set()
+        if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
+            timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
+                         and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
     except (TimeoutError, OSError) as e:
-        raise TileError("tilegraph.TrainStep", f"the Dask scheduler to answer a health check within "
+        at = f" at {runtime.address}" if getattr(runtime, "address", None) else ""
+        raise TileError("tilegraph.TrainStep", f"the Dask scheduler{at} to answer a health check within "
                         f"{SCHEDULER_ANSWER_SECONDS:g} s", _short(e)) from None
-    paused = {a: p for a, (_, p) in ages.items() if p is not None}
-    ages = {a: age for a, (age, _) in ages.items()}
-    gone = {a for addrs in runtime.last_workers.addrs.values() for a in addrs} - set(ages)
-    if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
-        gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
-                 and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)
-    timed_out = set()
-    if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
-        timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
-                     and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
     return WorkerHealth(sorted(gone), ages, timed_out, paused)
 
 
@@ -998,6 +1000,10 @@ def translate_worker_failure(runtime, error: BaseException, during: str, *, step
     from tilegraph.exec.gang import ChannelWaitError
 
     dask_loss = isinstance(error, _lost_errors())
+    lost_scheduler = getattr(runtime, "scheduler_problem", None)
+    problem = lost_scheduler(probe=False) if dask_loss and lost_scheduler is not None else None
+    if problem is not None:  # the client lost its scheduler: no health check can answer (it waited
+        return TileError(where, f"{during} failed: {problem}", _short(error))  # 10 s), no worker is to blame
     try:
         health = worker_health(runtime, since)
         # a gang task finds its peer's process gone as soon as it looks, the scheduler a moment later

@@ -795,7 +795,7 @@ class Trainer:
                     resumed = self._restart(e, len(result.restarts), lost_save)
                     record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
                               "checkpoint": str(self._last_checkpoint), "step": resumed}
-                    if getattr(e, "during", None):  # lost in an evaluation or a checkpoint, not a step's graph
+                    if e.during:  # lost in an evaluation or a checkpoint, not a step's graph
                         record = {"failed": record["failed"], "during": e.during, **record}
                     result.restarts.append(record)
                     self._log(log, {**record, "restart": True, "time": time.time()})
@@ -1121,7 +1121,7 @@ class Trainer:
         step = self.load_checkpoint(self._last_checkpoint)
         logger.warning("tilegraph.Trainer: lost worker(s) %s while %s ran; resuming from checkpoint %s (step %d) "
                        "on %d worker(s): %s", ", ".join(error.workers) or "(none named)",
-                       getattr(error, "during", None) or (_steps_text(error.steps) if error.steps else "training"),
+                       error.during or (_steps_text(error.steps) if error.steps else "training"),
                        self._last_checkpoint, step,
                        len(answering), ", ".join(answering))
         return step
