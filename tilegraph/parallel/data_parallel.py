@@ -62,12 +62,36 @@ class Replicas:
     exchange: set[int]
 
 
+def _row_tiles(cells) -> int:
+    """Row tiles of a batch array's cell grid (axis 0); 0 for a 0-d array (a scalar: no rows)."""
+    return cells.shape[0] if cells.ndim else 0
+
+
+def _several_row_tiles(batch_cells: Sequence) -> bool:
+    """Whether some array of the batch has several row tiles: arrays of one row tile beside it
+    (a loss scale, per-class weights given whole) are then read whole by every replica, as the
+    parameters are, not shared out as rows."""
+    return any(_row_tiles(c) > 1 for c in batch_cells)
+
+
+def _splittable_rows(batch_cells: Sequence) -> int:
+    """Row tiles of the batch to share among replicas: the fewest of any array of several row
+    tiles (arrays of one row tile beside them, and 0-d ones, are read whole by every replica);
+    1 where no array has several."""
+    counts = [n for n in map(_row_tiles, batch_cells) if n > 1]
+    return min(counts, default=1)
+
+
 def batch_groups(batch_cells: Sequence, replicas: int) -> dict[int, int]:
     """Replica of each batch leaf cell: row tiles (axis 0 of each input's cell grid) split into
-    ``replicas`` contiguous, near-equal groups."""
+    ``replicas`` contiguous, near-equal groups. A 0-d array, and an array of one row tile beside
+    arrays of several, is in no group: every replica reads it, as it reads a parameter."""
     groups: dict[int, int] = {}
+    several = _several_row_tiles(batch_cells)
     for cells in batch_cells:
-        rows = cells.shape[0] if cells.ndim else 1
+        rows = _row_tiles(cells)
+        if rows == 0 or (rows == 1 and several):
+            continue
         for idx in np.ndindex(*cells.shape):
             groups[id(cells[idx])] = (idx[0] if idx else 0) * replicas // rows
     return groups
@@ -363,7 +387,8 @@ def _row_tiles_hint(batch_cells, procs: int) -> str:
     rows = min(counts, default=1)
     if rows < 2:
         return f"this batch has {rows} row"
-    return (f"batch_tiles whose row tiles have at most {-(-rows // procs)} rows, the first size of each "
+    most = -(-rows // procs)
+    return (f"batch_tiles whose row tiles have at most {most} row{'s' if most > 1 else ''}, the first size of each "
             "array's tiling; or no batch_tiles: a row tile per process")
 
 
@@ -387,7 +412,7 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     if not batch_cells or len(devices) != 1:
         return None
     dev = devices.pop()
-    rows = min(cells.shape[0] if cells.ndim else 1 for cells in batch_cells)
+    rows = _splittable_rows(batch_cells)
     procs = min(len(groups[dev]), rows)
     if procs < 2:
         if parallel != "auto" and len(groups[dev]) == 1:  # asked for by name: say why it does nothing
