@@ -83,3 +83,54 @@ def test_a_batch_with_a_scalar_or_an_array_given_whole_shares_its_rows(embedded_
         evaluate = tg.EvalStep(model, fn, batch_tiles=tiles, runtime=embedded_runtime, parallel=strategy)
         np.testing.assert_allclose(evaluate(*batches[0]), tg.EvalStep(local_model, fn, batch_tiles=tiles)(*batches[0]),
                                    rtol=2e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["data", "sharded", "zero3"])
+def test_a_smaller_batch_given_batch_tiles_is_shared_per_process(embedded_runtime, strategy):
+    """An epoch's last, smaller batch (3 rows) and the micro-batches of accum_steps=4 (2 rows),
+    under row tiles of 4 given for the full batch: a tile per process, as without batch_tiles.
+    Before, the row tile larger than the rows made one tile of them, and the step was refused
+    ("the batch needs at least 2 row tiles"), where the README says such a batch trains."""
+    rng = np.random.default_rng(1)
+    tiles = [(4, 8), (4, None)]
+
+    def batch(rows):
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        return x, np.tanh(x[:, :4])
+
+    for accum, sizes in ((1, (8, 8, 3, 8)), (4, (8, 8))):
+        local_model, local = _mlp_step(_scaled_one, tiles, accum_steps=accum)
+        model, step = _mlp_step(_scaled_one, tiles, embedded_runtime, parallel=strategy, accum_steps=accum)
+        batches = [batch(n) for n in sizes]
+        np.testing.assert_allclose([step(*b) for b in batches], [local(*b) for b in batches], rtol=2e-5)
+        with embedded_runtime.as_current():
+            state = model.state_dict()
+        for k, v in local_model.state_dict().items():
+            np.testing.assert_allclose(state[k], v, rtol=1e-4, atol=1e-6)
+    full = batch(8)  # a full batch in one tile still has nothing to share: refused as before
+    _, whole = _mlp_step(_scaled_one, [(8, 8), (8, None)], embedded_runtime, parallel=strategy)
+    with pytest.raises(Exception, match="needs at least 2 row tiles"):
+        whole(*full)
+
+
+def _scaled_one(m, x, y):
+    d = m(x) - y
+    return (d * d).mean()
+
+
+@pytest.mark.distributed
+def test_an_input_of_another_length_is_not_cut_per_process(embedded_runtime):
+    """Without batch_tiles, "data" cut every batch array's first dim per process, per-output
+    weights of shape (4,) too: a tile error naming `b.rechunk` that the user could not act on.
+    Only the arrays of the batch's rows are cut now."""
+    rng = np.random.default_rng(2)
+    w = np.array([1.0, 2.0, 0.5, 3.0], np.float32)
+    local_model, local = _mlp_step(_weighted, None)
+    model, step = _mlp_step(_weighted, None, embedded_runtime, parallel="data")
+    batches = []
+    for _ in range(3):
+        x = rng.standard_normal((6, 16)).astype(np.float32)
+        batches.append((x, np.tanh(x[:, :4]), w))
+    np.testing.assert_allclose([step(*b) for b in batches], [local(*b) for b in batches], rtol=2e-5)
+    assert step.plan(*batches[0]).n_replicas == 2

@@ -55,9 +55,12 @@ def _unbound_cells(tiling: Tiling, dtype, token: str) -> np.ndarray:
 
 def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str, step=None):
     """Leaf cells (unbound) and TileTensors for the arrays of a batch signature; no ``batch_tiles``:
-    :func:`split_rows` for ``step`` (a TrainStep or EvalStep: its runtime and strategy)."""
-    if batch_tiles is None and step is not None:
-        batch_tiles = split_rows(batch, step.runtime, step.compile_options.get("parallel"))
+    :func:`split_rows` for ``step`` (a TrainStep or EvalStep: its runtime and strategy), which
+    also gives the per-process row tile of a smaller batch that ``batch_tiles`` would leave whole
+    (:func:`_rows_fit`)."""
+    shares = split_rows(batch, step.runtime, step.compile_options.get("parallel")) if step is not None else None
+    if batch_tiles is None:
+        batch_tiles, shares = shares, None
     if batch_tiles is not None and len(batch_tiles) != len(batch):
         raise TileError(where, f"batch_tiles must hold one tiling per batch array ({len(batch)} here)",
                         f"batch_tiles={list(batch_tiles)!r} for {len(batch)} arrays of shapes "
@@ -67,7 +70,8 @@ def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str, step=Non
         if a.size == 0:  # it would record a step of NaN loss and still apply the weight decay
             raise TileError(f"{where} batch[{i}]", "a batch array with at least one element (no dim of size 0)",
                             f"shape {a.shape}")
-        tiles = None if batch_tiles is None else _rows_fit(batch_tiles[i], a.shape)
+        share = shares[i][0] if shares and shares[i] else None
+        tiles = None if batch_tiles is None else _rows_fit(batch_tiles[i], a.shape, share)
         tiling = Tiling.from_sizes(a.shape, tiles, where=f"{where} batch[{i}]")
         cells = _unbound_cells(tiling, a.dtype, "unbound")
         inputs.append((tiling, cells))
@@ -75,21 +79,24 @@ def _batch_inputs(batch: Sequence[np.ndarray], batch_tiles, where: str, step=Non
     return inputs, tensors
 
 
-def _rows_fit(tiles, shape: tuple):
+def _rows_fit(tiles, shape: tuple, share: int | None = None):
     """A batch array's ``batch_tiles`` entry for an array of ``shape``: a row tile (an integer,
-    the first dim's) larger than the rows there are is one tile of them. The rows are what
-    changes from batch to batch (the last, smaller batch of an epoch; a micro-batch of
-    ``accum_steps``), and a tile size given for the full batch was refused on those ("tile size
-    of dim 0 is larger than the dimension"). The other dims are checked as given."""
+    the first dim's) larger than the rows there are is one tile of them, or, where worker
+    processes share the rows (``share``: each one's row tile, :func:`split_rows`), a tile per
+    process. The rows are what changes from batch to batch (the last, smaller batch of an epoch;
+    a micro-batch of ``accum_steps``), and a tile size given for the full batch was refused on
+    those ("tile size of dim 0 is larger than the dimension"; under "data" a batch of one row tile
+    has nothing to share). The other dims are checked as given."""
     if not shape or shape[0] == 0:
         return tiles
+    rows = shape[0] if share is None or share >= shape[0] else share
     if isinstance(tiles, (tuple, list)) and tiles:
         first = tiles[0]
         if is_int(first) and first > shape[0]:
-            return (shape[0], *tiles[1:])
+            return (rows, *tiles[1:])
         return tiles
     if is_int(tiles) and tiles > shape[0]:  # one size for every dim
-        return (shape[0], *(tiles,) * (len(shape) - 1))
+        return (rows, *(tiles,) * (len(shape) - 1))
     return tiles
 
 
@@ -97,7 +104,9 @@ def split_rows(batch: Sequence[np.ndarray], runtime, parallel: str | None) -> li
     """The tiling of a batch given no ``batch_tiles``: one tile per array (None), except where a
     step asked by name for a strategy that shares the batch among worker processes ("data",
     "sharded", "zero3") runs on several: then each array's rows in a tile per process, so that
-    each process has a share (one tile would have been refused: nothing to share)."""
+    each process has a share (one tile would have been refused: nothing to share). Only the
+    arrays of the batch's rows (the first array's first dim) are cut: an input of another length
+    (per-class weights, a 0-d scale) is one tile, which every process reads whole."""
     if (parallel or config.parallel) not in BATCH_SPLITTING_STRATEGIES:
         return None
     from tilegraph.runtime import current_runtime
@@ -106,7 +115,9 @@ def split_rows(batch: Sequence[np.ndarray], runtime, parallel: str | None) -> li
     procs = 0 if rt is None or rt.closed else len(rt.worker_threads().get("cpu") or ())
     if procs < 2:
         return None
-    return [(-(-a.shape[0] // procs),) + (None,) * (a.ndim - 1) if a.ndim else () for a in batch]
+    rows = next((a.shape[0] for a in batch if a.ndim), None)
+    return [(-(-a.shape[0] // procs),) + (None,) * (a.ndim - 1) if a.ndim and a.shape[0] == rows
+            else (None,) * a.ndim for a in batch]
 
 
 def _bind_batch(inputs, batch: Sequence[np.ndarray], token: str) -> None:
