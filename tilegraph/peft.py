@@ -386,6 +386,7 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     chosen = _chosen_linears(model, targets, where)
     _check_rank_fits(where, chosen, rank)
     rng = _rng(where, seed)
+    _warn_kept_adapters(model, targets, where)
     _freeze_base(model)
     for name, (m, setter) in chosen.items():
         _replace(setter, m, LoRALinear(m, rank, alpha, dropout=dropout, variant=variant, choose=choose, seed=rng))
@@ -445,6 +446,7 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
             raise TileError(where, f"the ({shape[0]}, {shape[1]}) layers of a group share R and L, so their weights "
                             "must have the same tiles", ", ".join(f"{n} {chosen[n][0].weight.chunks}" for n in names))
     rng = _rng(where, seed)
+    _warn_kept_adapters(model, targets, where)
     _freeze_base(model)
     for (n, m), names in groups.items():
         w = chosen[names[0]][0].weight
@@ -481,9 +483,41 @@ def _chosen_linears(model: Module, targets, where: str) -> dict[str, tuple[Modul
                         f"its Linear layers: {names}", "; ".join(said))
     if unmatched:
         names = ", ".join(name for name, _, _ in found) or "none"
+        said = other_modules_matched(model, patterns, unmatched)
         raise TileError(where, f"targets {unmatched} match no Linear layer of the {type(model).__name__}; its "
-                        f"Linear layers: {names}", f"targets={list(patterns)}")
+                        f"Linear layers: {names}", f"targets={list(patterns)}" + (f" ({said})" if said else ""))
     return chosen
+
+
+def _warn_kept_adapters(model: Module, targets, where: str) -> None:
+    """Warn where ``targets`` also match layers that have an adapter already (``"attn.*"`` after an
+    adapter on ``attn.q``): those keep theirs, of their own rank, and get no second one."""
+    import warnings
+
+    patterns = [p for pats in _patterns(model, targets, where).values() for p in pats]
+    kept = [f"{name} ({type(m).__name__}, rank {m.rank})" for name, m, _ in _named_modules(model)
+            if isinstance(m, (LoRALinear, LoTRLinear)) and any(_matches(name, p) for p in patterns)]
+    if kept:
+        warnings.warn(f"[{where}] the targets also match {len(kept)} layers with an adapter already, which keep it as "
+                      f"it is (no second adapter on a layer; merge_lora folds them in first): {', '.join(kept[:6])}"
+                      f"{' ...' if len(kept) > 6 else ''}", UserWarning, stacklevel=3)
+
+
+def other_modules_matched(model: Module, patterns: dict[str, list[str]], unmatched: list[str]) -> str:
+    """What the ``unmatched`` targets (matching no Linear layer) match instead, by kind: an
+    embedding or a norm (adapters and gradient sketches take Linear layers only), or a module
+    holding Linear layers (``attn``: ``attn.*`` names those in it); "" where none matches anything."""
+    modules = list(_named_modules(model))
+    said = []
+    for t in unmatched:
+        hits = [(name, m) for name, m, _ in modules if any(_matches(name, p) for p in patterns[t])]
+        if not hits:
+            continue
+        kinds = ", ".join(f"{name} ({type(m).__name__})" for name, m in hits[:4]) + (" ..." if len(hits) > 4 else "")
+        holds = any(isinstance(c, (Linear, QuantizedLinear)) for _, m in hits for _, c, _ in _named_modules(m))
+        said.append(f"{t!r} matches {kinds}, " + (f"which hold Linear layers: {t + '.*'!r} names them" if holds
+                                                   else "no Linear layer (only Linear layers are taken)"))
+    return "; ".join(said)
 
 
 def lotr_layers(model: Module) -> dict[str, LoTRLinear]:
@@ -691,9 +725,18 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     groups = (ck.metadata or {}).get("lotr") or []
     if not isinstance(stored, dict) or not isinstance(groups, list) or not (stored or groups):
         inside = Path(path) / "adapters"  # a checkpoint of tilegraph train: its last one holds them there
-        hint = f" (the adapters of this checkpoint are in {inside})" if (inside / "zarr.json").is_file() else ""
-        raise TileError(where, "a folder written by tilegraph.peft.save_adapters",
-                        f"{path} holds no LoRA or LoTR metadata{hint}")
+        held = _stored_adapters(ck)  # a checkpoint of the whole model, adapters included (Trainer, save_checkpoint)
+        if (inside / "zarr.json").is_file():
+            said = f"{path} holds no LoRA or LoTR metadata (the adapters of this checkpoint are in {inside})"
+        elif held:
+            said = (f"{path} is a checkpoint of a whole model with adapters on {len(held)} layers "
+                    f"({', '.join(held[:4])}{' ...' if len(held) > 4 else ''}), not of the adapters alone: "
+                    "tilegraph.io.load_checkpoint(path).model (or tilegraph.models.from_zarr(path)) builds that model "
+                    "with its adapters, and Trainer.load_checkpoint(path) restores them and the optimizer's state "
+                    "into a model with the same adapters")
+        else:
+            said = f"{path} holds no LoRA or LoTR metadata"
+        raise TileError(where, "a folder written by tilegraph.peft.save_adapters", said)
     convert = _conversion_problems(model, stored, groups)
     if convert:
         raise TileError(where, f"the layers that the adapters in {path} were saved for, in the model",

@@ -55,6 +55,8 @@ _KEY = re.compile(r"(.+)\.lora_([AB])\.weight")
 #: a copy of an adapted module's base weight: peft's save_pretrained writes lm_head's
 #: (save_embedding_layers, "auto": on for the modules it names embeddings)
 _BASE_KEY = re.compile(r"(.+)\.base_layer\.weight")
+#: peft's adapter of an nn.Embedding (target_modules with embed_tokens / wte): no tilegraph form
+_EMBEDDING_KEY = re.compile(r"(.+)\.lora_embedding_([AB])")
 
 #: adapter_config.json options that change what the adapter computes or holds beyond lora_A and
 #: lora_B: option -> (the values tilegraph reads, said in words)
@@ -418,12 +420,19 @@ def _pairs(weights, targets: dict[str, _Target], arch: str,
     module the model lacks and a half pair are errors, all named at once."""
     found: dict[str, dict[str, str]] = {}
     bases: dict[str, str] = {}
+    embeddings: dict[str, None] = {}  # modules with peft's Embedding adapter (whose base_layer copy is not named)
     problems = []
     for key in weights:
         m = _KEY.fullmatch(key)
         base = _BASE_KEY.fullmatch(key)
+        embedding = _EMBEDDING_KEY.fullmatch(key)
         if base is not None and key.startswith(KEY_PREFIX):
             bases[base.group(1)[len(KEY_PREFIX):]] = key
+            continue
+        if embedding is not None and key.startswith(KEY_PREFIX):
+            embeddings.setdefault(embedding.group(1)[len(KEY_PREFIX):], None)
+            problems.append(f"unexpected key {key} (peft's adapter of an nn.Embedding, "
+                            f"{embedding.group(1)[len(KEY_PREFIX):]}: tilegraph's LoRA adapts Linear layers only)")
             continue
         if m is None or not key.startswith(KEY_PREFIX):
             problems.append(f"unexpected key {key} (tilegraph reads {KEY_PREFIX}<module>.lora_A.weight and "
@@ -436,7 +445,7 @@ def _pairs(weights, targets: dict[str, _Target], arch: str,
         elif set(ab) != {"A", "B"}:
             problems.append(f"{module} has lora_{''.join(ab)} but not lora_{'B' if 'A' in ab else 'A'}")
     problems += [f"unexpected key {key} (a base weight of a module without lora_A and lora_B)"
-                 for module, key in sorted(bases.items()) if module not in found]
+                 for module, key in sorted(bases.items()) if module not in found and module not in embeddings]
     if not found and not problems:
         problems.append("no lora_A / lora_B tensors")
     if problems:

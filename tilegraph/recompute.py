@@ -22,6 +22,7 @@ same block's backward. The price: each block's forward runs twice.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -51,6 +52,7 @@ class _Ctx(NamedTuple):
     inputs: tuple       # the TileTensors among them (each once): gated in the recompute
     captured: tuple     # the tensors fn read from its closure (parameters, ...): read as they are
     kwargs: dict        # checkpoint's keyword arguments for fn, as given
+    mode: tuple         # the training mode fn was recorded in (:func:`_recording_mode`): the recompute's
 
 
 class Checkpoint(Op):
@@ -67,7 +69,8 @@ class Checkpoint(Op):
             gated = {id(a): _gated(a, dout) for a in ctx.inputs}
         args = tuple(gated[id(a)] if isinstance(a, TileTensor) else a for a in ctx.args)
         kwargs = {k: gated[id(a)] if isinstance(a, TileTensor) else a for k, a in ctx.kwargs.items()}
-        out, _ = _record(ctx.fn, args, "tilegraph.checkpoint (the recompute)", kwargs)
+        with _as_recorded(ctx.mode):  # the forward's dropout masks, wherever the backward is recorded
+            out, _ = _record(ctx.fn, args, "tilegraph.checkpoint (the recompute)", kwargs)
         leaves = [gated[id(a)] for a in ctx.inputs] + list(ctx.captured)
         # the recomputed kernels are named as what they are on the dashboard and in kernel_stats
         _relabel(out, {id(r.node) for t in leaves for r in t.grid.flat}, "recompute")
@@ -94,7 +97,11 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
     like ``args``). ``use_reentrant``: torch's keyword, for code written for it; the recompute is
     always what torch calls non-reentrant (False, torch's recommendation), and True is refused.
     ``preserve_rng_state``: torch's keyword too; tilegraph's random masks (LoRA dropout) are
-    hashes of their seeds, so the recompute draws the same ones either way.
+    hashes of their seeds, so the recompute draws the same ones either way. The recompute records
+    ``fn`` in the training mode of its first call (:func:`tilegraph.nn.training`, and the
+    ``train()`` / ``eval()`` flags of ``fn``'s modules where ``fn`` is a module or its method), so
+    ``loss.backward()`` after the ``with tg.nn.training():`` block of the forward recomputes it
+    with the forward's dropout.
 
     >>> import numpy as np, tilegraph as tg
     >>> block = tg.nn.MLP(4, 8, seed=0, dtype=np.float64)
@@ -114,6 +121,7 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
         raise TileError(where, "fn must be callable (a module, or a function of TileTensors)", type(fn).__name__)
     if not _autograd.grad_enabled():  # no backward to recompute for (tilegraph.no_grad: inference)
         return fn(*args, **kwargs)
+    mode = _recording_mode(fn)
     out, made = _record(fn, args, where, kwargs)
     inside = {id(t) for t in made}
     if id(out) not in inside:  # fn handed on a tensor it was given: nothing of its own to recompute
@@ -128,7 +136,7 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
                 captured.setdefault(id(a), a)
     # the output's tiles as recorded; for autograd, one op over everything fn read from outside
     result = TileTensor(out.tiling, out.dtype, out.grid, name=out.name)
-    ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()), dict(kwargs))
+    ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()), dict(kwargs), mode)
     result._record = Record(_CHECKPOINT, inputs + ctx.captured, ctx)
     if _autograd._REGIONS:  # nested in an outer checkpoint: its op, like any other, is one the outer
         _autograd._REGIONS[-1].append(result)  # made (so what this fn read counts as the outer's read)
@@ -146,6 +154,39 @@ def _record(fn: Callable, args: tuple, where: str, kwargs: dict | None = None) -
     if not isinstance(out, TileTensor):
         raise TileError(where, "fn must return one TileTensor", type(out).__name__)
     return out, made
+
+
+def _recording_mode(fn: Callable) -> tuple:
+    """The training mode ``fn`` records in now: :func:`tilegraph.nn.training`'s (None outside one)
+    and the ``train()`` / ``eval()`` flag of each module of ``fn`` (a Module, or a method of one).
+    The recompute records in it again: a backward recorded outside the forward's
+    ``tg.nn.training()`` block (``loss.backward()`` after it, as in a torch loop), or after
+    ``model.eval()``, recomputed the block without its dropout, and the gradients were not those
+    of the forward's masks."""
+    from tilegraph.nn import _TRAINING, Module
+
+    owner = fn if isinstance(fn, Module) else getattr(fn, "__self__", None)
+    modules = tuple(owner.modules()) if isinstance(owner, Module) else ()
+    return _TRAINING.get(), tuple((m, m.__dict__.get("_training")) for m in modules)
+
+
+@contextlib.contextmanager
+def _as_recorded(mode: tuple):
+    """Record inside the block in the training mode of :func:`_recording_mode`, then put back the
+    mode of now."""
+    from tilegraph.nn import _TRAINING
+
+    step, flags = mode
+    now = [(m, m.__dict__.get("_training")) for m, _ in flags]
+    token = _TRAINING.set(step)
+    try:
+        for m, flag in flags:
+            m._training = flag
+        yield
+    finally:
+        for m, flag in now:
+            m._training = flag
+        _TRAINING.reset(token)
 
 
 def _label(fn: Callable) -> str:

@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 from tilegraph._errors import TileError
@@ -34,11 +35,13 @@ def apply_grad_sketch(model: Module, targets: Sequence[str] | str, kind: str | N
     (``blocks.0.attn.q``), a dotted suffix (``attn.q``), an fnmatch pattern of either (``blocks.*.mlp.*``, ``mlp.*``)
     or a Hugging Face name of the architecture (GPT-2's ``c_fc``, Llama's ``q_proj`` ...). Every
     input is checked before any layer changes; a target that matches no Linear is an error listing
-    the model's Linear layers. The model must be recorded again (a new ``TrainStep``) to use it.
+    the model's Linear layers (one matching only layers with an adapter says so: their base weight
+    is frozen). A frozen weight (``requires_grad=False``, as :func:`tilegraph.peft.apply_lora`
+    leaves every base weight) has no weight gradient to sketch: such layers are named in a
+    warning. The model must be recorded again (a new ``TrainStep``) to use it.
     """
-    from tilegraph.peft import _matches, _named_modules, _patterns
-
-    from tilegraph.peft import _check_model
+    from tilegraph.peft import (LoRALinear, LoTRLinear, QuantizedLinear, _check_model, _matches, _named_modules,
+                                _patterns, other_modules_matched)
 
     where = "tilegraph.sketch.apply_grad_sketch"
     _check_model(where, model)
@@ -52,10 +55,32 @@ def apply_grad_sketch(model: Module, targets: Sequence[str] | str, kind: str | N
         if not hits:
             unmatched.append(target)
         chosen.update(hits)
+    # layers with an adapter (or a quantized base): their base weight is frozen, it has no gradient to sketch
+    frozen_kinds = {name: type(m).__name__ for name, m, _ in _named_modules(model)
+                    if isinstance(m, (LoRALinear, LoTRLinear, QuantizedLinear))}
     if unmatched:
         names = ", ".join(name for name, _ in found) or "none"
+        taken = {t: [f"{name} ({cls})" for name, cls in frozen_kinds.items()
+                     if any(_matches(name, p) for p in patterns[t])] for t in unmatched}
+        if any(taken.values()):  # said so, not as a name that matches nothing
+            said = [f"{t!r} matches only layers whose base weight is frozen: {', '.join(hits)}" if hits
+                    else f"{t!r} matches nothing" for t, hits in taken.items()]
+            raise TileError(where, "targets that match Linear layers with a weight to train: an adapter's (LoRA, LoTR) "
+                            "or a quantized base weight has no weight gradient to sketch, and the adapters' own "
+                            f"gradients are exact; the {type(model).__name__}'s Linear layers: {names}",
+                            "; ".join(said))
+        said = other_modules_matched(model, patterns, unmatched)
         raise TileError(where, f"targets {unmatched} match no Linear layer of the {type(model).__name__}; its "
-                        f"Linear layers: {names}", f"targets={list(patterns)}")
+                        f"Linear layers: {names}", f"targets={list(patterns)}" + (f" ({said})" if said else ""))
+    frozen = [name if name in chosen else f"{name} ({frozen_kinds[name]})" for name, _, _ in _named_modules(model)
+              if (name in chosen and not chosen[name].weight.requires_grad)
+              or (name in frozen_kinds and any(_matches(name, p) for pats in patterns.values() for p in pats))]
+    if kind is not None and frozen:  # their backward computes no weight gradient: the sketch would do nothing
+        warnings.warn(f"[{where}] {len(frozen)} of the layers that {list(patterns)} match have a frozen weight "
+                      f"(requires_grad=False: {', '.join(frozen[:6])}{' ...' if len(frozen) > 6 else ''}), "
+                      "whose backward computes no weight gradient: the sketch changes nothing there (and saves no "
+                      "memory) while they stay frozen. peft.apply_lora / apply_lotr freeze every base weight, and "
+                      "the adapters' own gradients are exact", UserWarning, stacklevel=2)
     for i, (name, _) in enumerate(found):
         if name in chosen:
             layer = chosen[name]
