@@ -171,7 +171,7 @@ _CONSTS = np.array([_GOLDEN, _MIX1, _MIX2], dtype=np.uint64)
 
 
 def _dropout_cpu(seed, a, *, p, shape, offset, itemsize):
-    if a.ndim == 0 or a.size == 0:
+    if a.ndim == 0 or a.size == 0 or a.dtype == np.float16:  # (Numba compiles no float16 kernel)
         return _dropout_k.fn(seed, a, p=p, shape=shape, offset=offset, itemsize=itemsize)
     a2 = np.ascontiguousarray(a).reshape(-1, a.shape[-1])
     base = np.full(a.shape[:-1], offset[-1], dtype=np.uint64)  # each row's first element's index

@@ -195,3 +195,35 @@ def test_a_second_apply_lora_over_adapted_layers_warns_that_they_keep_theirs():
         warnings.simplefilter("error")  # other layers only: nothing to warn of
         peft.apply_lora(model, ["mlp.fc2"], rank=2)
         peft.apply_lora(models.build("gpt2-debug", seed=0), ["attn.*"], rank=2)
+
+
+def test_float16_dropout_draws_the_float32_mask_and_lora_dropout_trains(local_scheduler):
+    # Numba compiles no float16 kernel: tg.dropout of a float16 tensor, and so LoRA dropout on a
+    # float16 model, failed with NotImplementedError in tile kernel 'dropout'.
+    x = np.random.default_rng(0).standard_normal((6, 40))
+    kept = {dt: tg.dropout(tg.from_numpy(x.astype(dt), tiles=(3, 16)), 0.5, seed=1).numpy() != 0
+            for dt in (np.float16, np.float32)}
+    np.testing.assert_array_equal(kept[np.float16], kept[np.float32])
+    model = peft.apply_lora(models.build("gpt2-debug", seed=0, dtype=np.float16), ["c_attn"], rank=4, alpha=8,
+                            dropout=0.2)
+    step = tg.TrainStep(model, tg.optim.AdamW(peft.trainable_parameters(model), lr=1e-3), tg.trainer.lm_loss)
+    ids = np.random.default_rng(1).integers(0, 96, (2, 17))
+    losses = [float(step(ids[:, :-1], ids[:, 1:])) for _ in range(3)]
+    assert all(np.isfinite(losses))
+    v = model.blocks[0].attn.q.lora_v.numpy()
+    assert np.isfinite(v).all() and np.abs(v).max() > 0  # the adapters trained (V starts at 0)
+
+
+def test_train_init_of_a_checkpoint_saved_with_adapters_fine_tunes_every_weight(tmp_path):
+    # `tilegraph train --init CK` (full fine-tuning, [peft] method "none") of a checkpoint of an
+    # adapted model: the adapters come merged, and merge_lora left every weight frozen, so the run
+    # ended with "[tilegraph.optim.AdamW] params must hold at least one Parameter; received: params: empty".
+    from tilegraph.cli.finetune import init_model
+
+    adapted = peft.apply_lora(models.build("gpt2-debug", seed=0), ["c_attn"], rank=4, alpha=8)
+    tg.io.save_checkpoint(tmp_path / "ck", adapted)
+    model, quantized = init_model(str(tmp_path / "ck"), "none")
+    assert not quantized and not peft.lora_layers(model)
+    assert all(p.requires_grad for p in model.parameters())
+    lora_model, _ = init_model(str(tmp_path / "ck"), "lora")  # [peft] adds its own after: as before
+    assert not peft.lora_layers(lora_model)

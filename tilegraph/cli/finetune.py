@@ -152,6 +152,9 @@ def init_model(init: str, method: str):
             _say_widened(folder, where, stored_dtype(ck.info))
             return model, True
     model = load_model(folder, where, zarr_dtype=TRAIN_DTYPE)
+    if method == "none":  # full fine-tuning: adapters an --init holds come merged, and merge_lora leaves
+        for param in model.parameters():  # their weights frozen (every weight was: "params: empty")
+            param.requires_grad = True
     if zarr:  # (opened after load_model, whose errors name what is wrong with an incomplete one)
         _say_widened(folder, where, stored_dtype((ck or load_checkpoint(folder)).info))
     elif (folder / "config.json").is_file():
