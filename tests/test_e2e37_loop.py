@@ -359,3 +359,16 @@ def test_a_parameter_attribute_replaced_by_a_plain_tensor_is_named_as_torch_refu
     lin.weight = tg.nn.Parameter(w, tiles=(4, 3))  # a Parameter, or None, is taken
     lin.bias = None
     assert set(lin.state_dict()) == {"weight"}
+
+
+def test_a_parameter_has_torchs_requires_grad_():
+    # The README's "requires_grad_(False) between steps" on a parameter was an AttributeError
+    # (only Module.requires_grad_ existed).
+    lin = tg.nn.Linear(4, 3, seed=0)
+    assert lin.weight.requires_grad_(False) is lin.weight and not lin.weight.requires_grad
+    assert lin.weight.requires_grad_() is lin.weight and lin.weight.requires_grad
+    with pytest.raises(tg.TileError, match="requires_grad must be a bool"):
+        lin.bias.requires_grad_("no")
+    ids = tg.nn.Parameter(np.arange(4), requires_grad=False)
+    with pytest.raises(tg.TileError, match="only floating-point parameters"):
+        ids.requires_grad_(True)

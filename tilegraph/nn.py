@@ -62,6 +62,17 @@ class Parameter(TileTensor):
         self.cells = cells
         self.requires_grad = requires_grad
 
+    def requires_grad_(self, requires_grad: bool = True) -> "Parameter":
+        """Set ``requires_grad`` (``False`` freezes the parameter); returns it, as torch's."""
+        where = f"tilegraph.nn.Parameter({self.name or ''}).requires_grad_"
+        if not isinstance(requires_grad, (bool, np.bool_)):
+            raise TileError(where, "requires_grad must be a bool", f"{requires_grad!r:.60}")
+        if requires_grad and self.dtype.kind != "f":
+            raise TileError(where, "only floating-point parameters can require gradients (as in torch)",
+                            f"dtype {self.dtype}")
+        self.requires_grad = bool(requires_grad)
+        return self
+
     @property
     def grad(self) -> TileTensor | None:
         """The gradient that ``loss.backward()`` accumulated (a symbolic TileTensor), or None."""
