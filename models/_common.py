@@ -68,7 +68,8 @@ def lookup_flavor(cls, flavors: dict, name: str):
 
 class CausalLM(nn.Module):
     """A decoder-only language model: ``model(ids)`` maps token ids (B, T) to logits (B, T, V);
-    ``model(ids, cache=model.new_cache())`` also keeps the keys and values for decoding."""
+    ``model(ids, cache=model.new_cache())`` also appends the keys and values to the cache, as
+    graph nodes (:class:`tilegraph.models.Decoder` computes them into it)."""
 
     #: the architecture's name in :data:`tilegraph.models.ARCHITECTURES` (and HF's ``model_type``)
     arch = ""
@@ -120,7 +121,10 @@ class CausalLM(nn.Module):
     def new_cache(self, block: int = 64) -> list[nn.KVCache]:
         """One empty :class:`tilegraph.nn.KVCache` per layer, for ``model(ids, cache=...)``: each
         call appends the keys and values of ``ids`` and computes only their positions, attending
-        to everything cached before (see :mod:`tilegraph.models.generate`)."""
+        to everything cached before, as :class:`tilegraph.models.Decoder` uses it
+        (``dec.feed(ids)``), which computes each call's keys and values into the cache. In a loop
+        of your own (``model(ids, cache=cache).numpy()``) the cache holds the earlier calls'
+        graphs, not their values: each call recomputes every earlier position, and warns so."""
         return [nn.KVCache(block) for _ in range(self.config.n_layers)]
 
     def _start(self, cache) -> int:
@@ -135,6 +139,16 @@ class CausalLM(nn.Module):
         lengths = {c.length for c in cache}
         if len(lengths) != 1:
             raise TileError(where, "the layers of the cache hold different numbers of positions", str(sorted(lengths)))
+        if any(c.pending() for c in cache):
+            # a loop of model(ids, cache=cache).numpy() took 1 ms a token at position 3 and 0.7-1.4 s
+            # at positions 80-200 (gpt2-debug): each graph held every earlier step's
+            import warnings
+
+            warnings.warn(f"[{where}] the cache holds keys and values of an earlier call that were never computed "
+                          "into it (graph nodes, not values): this call recomputes every earlier position, and each "
+                          "step takes longer than the last; decode with tilegraph.models.Decoder (dec.feed(ids) "
+                          "returns the next token's logits and keeps the cache computed) or tilegraph.models.generate",
+                          stacklevel=4)
         return lengths.pop()
 
     def _ids(self, ids, start: int = 0) -> TileTensor:

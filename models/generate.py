@@ -223,6 +223,58 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int64)
 
 
+def _check_eos(where: str, eos_id, vocab: int) -> tuple[int, ...]:
+    """``eos_id`` (None, an id, or a non-empty list of ids as Hugging Face's ``eos_token_id``) as
+    a tuple of ids, checked against the model's ``vocab``."""
+    if eos_id is None:
+        return ()
+    ids = list(eos_id) if isinstance(eos_id, (list, tuple)) else [eos_id]
+    if not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
+        raise TileError(where, f"eos_id must be None or a token id in [0, {vocab}) (or a non-empty list of them)",
+                        repr(eos_id))
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _warn_if_padded(where: str, prompt: np.ndarray, pad_id: int) -> None:
+    """Warn where the rows of ``prompt`` (B, P) start or end with runs of ``pad_id`` of different
+    lengths: a batch of prompts padded to one length (a tokenizer's ``padding=True``), which
+    generate, without an attention mask, reads as text of the prompts: the continuation of a
+    padded row is not its prompt's (transformers' generate masks the padding)."""
+    pads = prompt == pad_id
+    lead = np.cumprod(pads, axis=1).sum(axis=1)
+    trail = np.cumprod(pads[:, ::-1], axis=1).sum(axis=1)
+    if len(set(lead.tolist())) > 1 or len(set(trail.tolist())) > 1:
+        import warnings
+
+        rows = np.flatnonzero((lead != lead.min()) | (trail != trail.min())).tolist()
+        warnings.warn(f"[{where}] prompt rows {rows} start or end with more pad_id={pad_id} tokens than others: a "
+                      "batch padded to one length? generate has no attention mask and reads padding as prompt text, "
+                      "which changes the continuation (transformers' generate with attention_mask masks it); "
+                      "generate prompts of different lengths one call each (pad_id fills the rows that ended)",
+                      stacklevel=3)
+
+
+def _pickable(tokenizer, vocab: int, eos_ids: tuple[int, ...]) -> np.ndarray | None:
+    """The ids :func:`generate` may pick (None: all ``vocab`` of them). A model's vocabulary may
+    be larger than its tokenizer's (a padded one, an --init model on a smaller tokenizer): the
+    ids past the tokenizer's are ids it cannot decode, and are left out, but for the ``eos_ids``
+    given. The tokenizer's size is its ``vocab_size`` or, where larger, its ``len()``:
+    transformers' tokenizers leave their added tokens out of ``vocab_size`` (a Qwen chat model's
+    ``<|im_end|>``, a Llama 3's ``<|eot_id|>``), and with one given for its stop strings a row
+    never picked its end-of-text token and ran on to ``max_new_tokens``."""
+    sizes = [getattr(tokenizer, "vocab_size", None)]
+    if tokenizer is not None:
+        try:
+            sizes.append(len(tokenizer))
+        except TypeError:  # no len(): tilegraph's own tokenizers
+            pass
+    sizes = [int(n) for n in sizes if _is_int(n) and n > 0]
+    size = max(sizes, default=vocab)
+    if size >= vocab:
+        return None
+    return np.concatenate([np.arange(size), [i for i in eos_ids if i >= size]]).astype(np.int64)
+
+
 def _check_runtime(where: str, runtime) -> None:
     if runtime is not None and not isinstance(runtime, Runtime):  # else an AttributeError (scatter_cells)
         raise TileError(where, "runtime must be a tilegraph Runtime (tilegraph.connect()) or None",
@@ -306,7 +358,9 @@ class Decoder:
     With a runtime (``runtime`` or the current one) the model's parameters still on the client
     are scattered to the workers once, and put back on :meth:`close` (use ``with``); the cache
     tiles stay on the workers as references (:attr:`cache`), and only the last position's
-    logits are fetched. Without one, everything runs on Dask's local scheduler.
+    logits are fetched. Without one, everything runs on Dask's local scheduler. ``cache_block``:
+    the rows of each cache tile that positions after the prompt's go into (at most the model's
+    ``max_seq_len``: no tile holds more).
 
     >>> import numpy as np
     >>> from tilegraph import models
@@ -329,7 +383,10 @@ class Decoder:
         self.model = model
         self.runtime = runtime if runtime is not None else current_runtime()
         _check_parameters_reachable(where, model, self.runtime)
-        self.cache = model.new_cache(cache_block)
+        # a tile never holds more than max_seq_len positions: a cache_block above it (a cache size
+        # meant, as transformers' max_cache_len) allocated zeros that are never written (10**6 rows
+        # took 6.4 s and 1.2 GB for 20 gpt2-debug tokens, 10**8 would take 13 GB a tile)
+        self.cache = model.new_cache(min(int(cache_block), model.config.max_seq_len))
         self.batch: int | None = None
         #: whether one-position steps run a recorded step again (see :meth:`feed`)
         self.replay = bool(replay)
@@ -470,8 +527,8 @@ class Decoder:
 
 def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str = "greedy",
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             repetition_penalty: float = 1.0, seed=0, eos_id: int | None = None, stop=None, tokenizer=None,
-             pad_id: int | None = None, runtime=None, cache_block: int = 64) -> np.ndarray:
+             repetition_penalty: float = 1.0, seed=0, eos_id: int | list[int] | None = None, stop=None,
+             tokenizer=None, pad_id: int | None = None, runtime=None, cache_block: int = 64) -> np.ndarray:
     """Continue each prompt (B, P) by ``max_new_tokens`` tokens; returns the ids (B, P + N), int64
     (a 1-D prompt is one row).
 
@@ -481,20 +538,23 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     ``repetition_penalty`` (Hugging Face's, 1: none) applies :func:`penalize_repetition` with
     the row's prompt and the tokens generated so far before any other step, for every strategy.
 
-    A row ends when it produces ``eos_id`` (that token kept), or when the text its new tokens
+    A row ends when it produces ``eos_id`` (that token kept; a list of ids, as Hugging Face's
+    ``eos_token_id`` of a Llama 3 chat model: any of them), or when the text its new tokens
     add after the prompt's (``tokenizer.decode`` of both, less the prompt's text; the prompt is
     not searched) contains one of the ``stop`` strings (a string or a list). A stopped row
     keeps the token that completed the stop string, so its text holds the stop string whole,
     and may run past it by the rest of that token: ``text[:find_stop(text, stop)]`` cuts it
     right after the stop string (:func:`find_stop`).
-    Later positions of an ended row hold ``pad_id`` (default ``eos_id``; stop strings need one
-    of the two), and generation stops once all rows have ended (Hugging Face's ``generate``
-    with ``pad_token_id``, padded to full length). P + N may not exceed the model's
+    Later positions of an ended row hold ``pad_id`` (default ``eos_id``, the first of a list; stop
+    strings need one of the two), and generation stops once all rows have ended (Hugging Face's
+    ``generate`` with ``pad_token_id``, padded to full length). P + N may not exceed the model's
     ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`; on a runtime whose
     workers are CPU workers, the loop runs as one task on the worker holding the most of the
     parameters (they gather there, when they take at most :data:`ONE_WORKER_MEMORY_SHARE` of its
     memory), with the same tokens as here. With a ``tokenizer``
-    of fewer ids than the model's vocabulary, only ids it can decode are picked.
+    of fewer ids than the model's vocabulary, only ids it can decode are picked (and ``eos_id``):
+    its ``vocab_size`` or, where larger, its ``len()`` (transformers' tokenizers count their added
+    tokens, ``<|im_end|>`` say, only there).
     """
     where = "tilegraph.models.generate"
     if not isinstance(model, CausalLM):
@@ -502,6 +562,8 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     _check_sampling(where, strategy, temperature, top_k, top_p)
     _check_penalty(where, repetition_penalty)
     cfg = model.config
+    if isinstance(prompt_ids, TileTensor):  # (as model(ids) takes them) its ids computed: NumPy's
+        prompt_ids = prompt_ids.numpy()     # asarray of one raised, read as rows of different lengths
     try:
         prompt = np.asarray(prompt_ids)
     except ValueError:  # rows of different lengths: NumPy's message names no argument
@@ -522,10 +584,12 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     if p + max_new_tokens > cfg.max_seq_len:
         raise TileError(where, f"prompt and new tokens exceed the model's max_seq_len={cfg.max_seq_len}",
                         f"{p} prompt + {max_new_tokens} new = {p + max_new_tokens}")
-    for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
-        if value is not None and (not _is_int(value) or not 0 <= value < cfg.vocab_size):
-            raise TileError(where, f"{name} must be None or a token id in [0, {cfg.vocab_size})", repr(value))
-    fill = eos_id if pad_id is None else pad_id
+    eos_ids = _check_eos(where, eos_id, cfg.vocab_size)
+    if pad_id is not None and (not _is_int(pad_id) or not 0 <= pad_id < cfg.vocab_size):
+        raise TileError(where, f"pad_id must be None or a token id in [0, {cfg.vocab_size})", repr(pad_id))
+    fill = (eos_ids[0] if eos_ids else None) if pad_id is None else int(pad_id)  # HF: pad_token_id or eos[0]
+    if pad_id is not None and b > 1:
+        _warn_if_padded(where, prompt, int(pad_id))
     stops = _check_stop(where, stop, tokenizer, fill)
     _check_runtime(where, runtime)
     _check_cache_block(where, cache_block)
@@ -534,16 +598,12 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     except (TypeError, ValueError):  # a negative int, a float, ...: NumPy's message names no argument
         raise TileError(where, "seed must be None, an int >= 0 or what else np.random.default_rng takes "
                         "(a SeedSequence, a Generator)", repr(seed)) from None
-    # a model's vocabulary may be larger than its tokenizer's (a padded one, an --init model on a
-    # smaller tokenizer): the rows past the tokenizer's are ids it cannot decode
-    limit = getattr(tokenizer, "vocab_size", None)
-    decodable = limit if _is_int(limit) and 0 < limit < cfg.vocab_size else cfg.vocab_size
     out = np.empty((b, p + max_new_tokens), dtype=np.int64)
     out[:, :p] = prompt
     if max_new_tokens == 0:
         return out
-    loop = _Loop(max_new_tokens, strategy, temperature, top_k, top_p, float(repetition_penalty), eos_id, fill,
-                 stops, tokenizer, decodable, cache_block)
+    loop = _Loop(max_new_tokens, strategy, temperature, top_k, top_p, float(repetition_penalty), eos_ids, fill,
+                 stops, tokenizer, _pickable(tokenizer, cfg.vocab_size, eos_ids), cache_block)
     runtime = runtime if runtime is not None else current_runtime()
     _check_parameters_reachable(where, model, runtime)  # before anything is submitted
     if runtime is not None:
@@ -563,17 +623,17 @@ class _Loop:
     top_k: int | None
     top_p: float | None
     penalty: float
-    eos_id: int | None
+    eos_ids: tuple[int, ...]
     fill: int | None
     stops: tuple
     tokenizer: object
-    decodable: int
+    picks: np.ndarray | None   # the ids that may be picked (:func:`_pickable`; None: all)
     cache_block: int
 
     def run(self, model: CausalLM, out: np.ndarray, rng: np.random.Generator, runtime) -> np.ndarray:
         """Fill ``out``'s columns after the prompt (those before it), drawing from ``rng``; with
         ``runtime`` None, on Dask's local scheduler in this process."""
-        max_new_tokens, fill, eos_id, stops, tokenizer = self.new, self.fill, self.eos_id, self.stops, self.tokenizer
+        max_new_tokens, fill, eos_ids, stops, tokenizer = self.new, self.fill, self.eos_ids, self.stops, self.tokenizer
         b, p = out.shape[0], out.shape[1] - max_new_tokens
         prompt = out[:, :p]
         rows = np.arange(b)
@@ -587,15 +647,17 @@ class _Loop:
             for i in range(max_new_tokens):
                 if self.penalty != 1:
                     logits = _penalize(logits, seen, self.penalty)
-                # (ids the tokenizer cannot decode are never picked)
-                tok = next_tokens(logits[:, :self.decodable], rng, strategy=self.strategy,
+                picks = self.picks   # (ids the tokenizer cannot decode are never picked)
+                tok = next_tokens(logits if picks is None else logits[:, picks], rng, strategy=self.strategy,
                                   temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+                if picks is not None:
+                    tok = picks[tok]
                 if done.any():
                     tok[done] = fill
                 out[:, p + i] = tok
                 seen[rows, tok] = True
-                if eos_id is not None:
-                    done |= tok == eos_id
+                if eos_ids:
+                    done |= np.isin(tok, eos_ids)
                 for r in np.flatnonzero(~done) if stops else ():
                     text = _continuation(tokenizer, prompt[r], out[r, p:p + i + 1], prompt_texts[r])
                     done[r] = find_stop(text, stops) is not None
