@@ -194,3 +194,34 @@ def test_a_batch_padded_to_one_length_warns_that_the_padding_is_read_as_text(hf_
         generate(model, np.array([[pad, 5, 6], [pad, 7, 8]]), 2, pad_id=pad)
         generate(model, np.array([[pad], [pad]]), 2, pad_id=pad)
         generate(model, left, 2)   # no pad_id: nothing to tell padding by
+
+
+def test_tilegraph_generate_stops_at_any_eos_id_the_config_lists(tmp_path, capsys):
+    # config.json's eos_token_id [EOS, DE] (as a Llama 3 chat model lists two): `tilegraph
+    # generate` kept the first and ran past the second ("def  de de de de ..."), where
+    # transformers' generate stops at any of them.
+    import dataclasses
+    import json
+
+    from test_newuser_generate import DE, EOS, _tokenizer_json
+    from tilegraph import cli
+    from tilegraph.io.safetensors import load_file, save_file
+
+    model = models.build(dataclasses.replace(models.config("gpt2-debug"), vocab_size=8), seed=0)
+    folder = tmp_path / "eot"
+    model.to_hf(folder)
+    w = {k: v.copy() for k, v in load_file(folder / "model.safetensors").items()}
+    w["transformer.ln_f.weight"][:] = 0.0  # every position's logits: wte @ 1, so DE (0.5) wins
+    w["transformer.ln_f.bias"][:] = 1.0
+    w["transformer.wte.weight"][DE] = 0.5
+    w["transformer.wte.weight"][EOS] = 0.4
+    save_file(w, folder / "model.safetensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["eos_token_id"] = [EOS, DE]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "tokenizer.json").write_text(_tokenizer_json())
+    assert cli.main(["generate", str(folder), "--local", "--ids", "--max-new-tokens", "8"]) == 0
+    text, ids = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    ids = [int(i) for i in ids.split()]
+    assert ids[-1] == DE and ids.count(DE) == 1, ids  # one new id, the second eos id: it stopped there
+    assert text == "def  de"

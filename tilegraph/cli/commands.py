@@ -67,6 +67,21 @@ def _config_eos(folder: Path, tokenizer) -> str | None:
     return named if named is not None and tokenizer._tok.token_to_id(named) is not None else None
 
 
+def config_eos_ids(folder: Path, vocab_size: int) -> list[int]:
+    """Every ``eos_token_id`` of a Hugging Face folder's ``generation_config.json``, else of its
+    ``config.json`` (an id or a list of them), that lies in [0, vocab_size); [] where none does."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        ids = [i for i in (eos if isinstance(eos, list) else [eos])
+               if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size]
+        if ids:
+            return ids
+    return []
+
+
 def unescape(text: str) -> str:
     r"""``\n``, ``\t`` and ``\\`` in a command-line argument as the characters they name (a
     shell passes ``--stop '\n'`` as a backslash and an n): generate's --prompt and --stop alike,
@@ -186,13 +201,17 @@ def _generate(args) -> int:
         raise tg.TileError(where, f"--max-new-tokens of at most {room}: the model's max_seq_len={limit} less the "
                            f"--prompt's {prompt.size} tokens", f"--max-new-tokens={n}")
     eos = getattr(tokenizer, "eos_id", None)
+    # every end-of-text id the folder's config lists (a Llama 3 chat model's <|eot_id|> beside
+    # <|end_of_text|>), as transformers' generate stops at any of them
+    eos_ids = ([] if eos is None else [eos]) + [i for i in config_eos_ids(folder, tokenizer.vocab_size) if i != eos]
     with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
         # the ids after a stop string are cut off below: any pad id will do
-        ids = generate(model, prompt[None, :], n, eos_id=eos, stop=stops or None, tokenizer=tokenizer,
-                       pad_id=0 if stops and eos is None else None, runtime=rt, **options)
+        ids = generate(model, prompt[None, :], n, eos_id=eos_ids or None, stop=stops or None, tokenizer=tokenizer,
+                       pad_id=0 if stops and not eos_ids else None, runtime=rt, **options)
     new = ids[0, prompt.size:]
-    if eos is not None and (new == eos).any():  # the ids after the end of text are padding (eos again)
-        new = new[:int(np.argmax(new == eos)) + 1]
+    ended = np.isin(new, eos_ids)
+    if ended.any():  # the ids after the end of text are padding (eos again)
+        new = new[:int(np.argmax(ended)) + 1]
     text, kept = stopped_text(tokenizer, new, stops, prompt)
     print(tokenizer.decode(prompt) + text)
     if args.ids:
