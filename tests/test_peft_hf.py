@@ -95,7 +95,8 @@ def _adapted_tilegraph(arch: str, tiling) -> models.CausalLM:
 def test_peft_loads_what_save_peft_writes(tmp_path, arch, mode):
     model = _adapted_tilegraph(arch, TILINGS[mode](arch))
     want = _logits(model)
-    model.to_hf(tmp_path / "base")
+    with pytest.warns(UserWarning, match="the folder holds the base weights, without the model's"):
+        model.to_hf(tmp_path / "base")  # the base, onto which peft loads the adapters
     save_peft(tmp_path / "adapter", model, base_model_name_or_path=str(tmp_path / "base"))
 
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
@@ -202,7 +203,8 @@ def test_save_peft_then_load_peft_gives_the_same_adapters(tmp_path):
     merged = load_peft(tmp_path / "a", models.build(_tg_config("gpt2"), tiling, seed=3))
     assert peft.lora_layers(merged)["blocks.0.attn.k"].rank == 12
     assert peft.lora_layers(merged)["blocks.1.attn.k"].rank == 4  # still block-diagonal: split again
-    model.to_hf(tmp_path / "base")
+    with pytest.warns(UserWarning, match="the folder holds the base weights, without the model's"):
+        model.to_hf(tmp_path / "base")  # the base, onto which peft loads the adapters
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     hf = hf_peft.PeftModel.from_pretrained(base, tmp_path / "a")
     hf.eval()
