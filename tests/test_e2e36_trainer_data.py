@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
+import tilegraph._progress
 from tilegraph.io import ByteTokenizer, TokenDataset, build_token_file
 
 B, D, CLASSES = 8, 4, 3
@@ -199,7 +200,7 @@ def test_float_features_report_samples_per_second_not_tokens(tmp_path, capsys, m
     samples a step, reported as samples_per_s (metrics.jsonl, the progress, FitResult)."""
     x, y = _arrays(B)
     _, trainer = _classifier(lambda step: (x, y), log_dir=tmp_path, progress=True)
-    monkeypatch.setattr(tg.trainer, "PROGRESS_LOG_SECONDS", 0.0)
+    monkeypatch.setattr(tilegraph._progress, "PROGRESS_LOG_SECONDS", 0.0)  # a line every step
     res = trainer.fit(3)
     err = capsys.readouterr().err
     steps = [r for r in _records(tmp_path) if "loss" in r]

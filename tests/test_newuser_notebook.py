@@ -129,7 +129,7 @@ def test_progress_bar_in_a_subclass_of_jupyters_shell(monkeypatch):
     stderr not a terminal showed plain progress lines every 10 s instead of the bar."""
     import IPython
 
-    from tilegraph import trainer as trainer_module
+    from tilegraph import _progress as progress  # (the Trainer's progress display)
 
     class ZMQInteractiveShell:  # stands for ipykernel.zmqshell.ZMQInteractiveShell
         pass
@@ -140,9 +140,9 @@ def test_progress_bar_in_a_subclass_of_jupyters_shell(monkeypatch):
     monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
     monkeypatch.setattr(sys, "stderr", open(os.devnull, "w"))  # not a terminal, as in a kernel
     try:
-        assert trainer_module._in_jupyter()
-        bar = trainer_module._progress(5, True)
-        assert not isinstance(bar, trainer_module._ProgressLines)
+        assert progress._in_jupyter()
+        bar = progress._progress(5, True)
+        assert not isinstance(bar, progress._ProgressLines)
         bar.close()
     finally:
         sys.stderr.close()

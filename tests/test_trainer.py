@@ -239,12 +239,12 @@ def test_cli_config_tensorboard_key(monkeypatch):
 def test_progress_to_a_file_prints_plain_lines_with_the_recent_rate(monkeypatch):
     import io
 
-    from tilegraph import trainer as trainer_module
+    from tilegraph import _progress as progress  # (the Trainer's progress display)
 
     clock = [0.0]
-    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
     out = io.StringIO()
-    lines = trainer_module._ProgressLines(100, every=10.0, file=out)
+    lines = progress._ProgressLines(100, every=10.0, file=out)
     for _ in range(20):  # 20 steps at 1 step/s: a line at 10 s and at 20 s
         clock[0] += 1.0
         lines.set_postfix(loss="2.5000", refresh=False)
