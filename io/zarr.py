@@ -215,12 +215,14 @@ def _warn_other_settings(where: str, optimizer, hyper: Mapping) -> None:
     rebuilt optimizer with another weight decay changed the run without a word."""
     import warnings
 
+    from tilegraph.optim import _same_setting  # (as load_state_dict compares them)
+
     def plain(v):
         return list(v) if isinstance(v, tuple) else v
 
     keys = (*getattr(optimizer, "setting_keys", ()), "clip_grad_norm")
     other = [f"{k}={plain(getattr(optimizer, k))!r} here, {hyper[k]!r} saved" for k in keys
-             if k in hyper and hasattr(optimizer, k) and plain(getattr(optimizer, k)) != hyper[k]]
+             if k in hyper and hasattr(optimizer, k) and not _same_setting(getattr(optimizer, k), hyper[k])]
     if other:
         warnings.warn(f"[{where}] the optimizer's settings differ from the checkpoint's: {'; '.join(other)}; "
                       "training goes on with this optimizer's (torch's load_state_dict would bring back the saved "

@@ -54,15 +54,9 @@ def _config_eos(folder: Path, tokenizer) -> str | None:
     unrelated document (the token itself decodes to nothing)."""
     from tilegraph.io.tokenizers import tokenizer_config_eos
 
-    for name in ("generation_config.json", "config.json"):
-        try:
-            eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            continue  # absent or unreadable: the model's loader names a bad config.json
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < tokenizer.vocab_size:
-            return tokenizer._tok.id_to_token(eos)
+    ids = config_eos_ids(folder, tokenizer.vocab_size)
+    if ids:
+        return tokenizer._tok.id_to_token(ids[0])
     named = tokenizer_config_eos(folder / "tokenizer_config.json")
     return named if named is not None and tokenizer._tok.token_to_id(named) is not None else None
 
@@ -74,7 +68,7 @@ def config_eos_ids(folder: Path, vocab_size: int) -> list[int]:
         try:
             eos = json.loads((folder / name).read_text(encoding="utf-8")).get("eos_token_id")
         except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            continue
+            continue  # absent or unreadable: the model's loader names a bad config.json
         ids = [i for i in (eos if isinstance(eos, list) else [eos])
                if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size]
         if ids:
