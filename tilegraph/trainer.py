@@ -33,15 +33,15 @@ import numpy as np
 from tilegraph import _config
 from tilegraph._config import config, is_int, require_int
 from tilegraph._errors import TileError
+from tilegraph._fit import FitRun
 from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
-from tilegraph._train import (EVAL_LENT_HINT, LOST_STATE, LOST_STATE_HINT, STALL_SECONDS, EvalStep, StepStats,
+from tilegraph._train import (EVAL_LENT_HINT, LOST_STATE, LOST_STATE_HINT, STALL_SECONDS, EvalStep,
                               StepTimeoutError, TrainStep, WorkerHealth, WorkerLostError, _steps_text,
                               check_step_arguments, lost_worker_error, translate_worker_failure,
                               wait_for_replacements, worker_health)
-from tilegraph._progress import (_Aside, _import_matplotlib_aside, _matplotlib_imported, _progress, _tensorboard,
-                                 _tensorboard_write)
+from tilegraph._progress import _matplotlib_imported, _tensorboard, _tensorboard_write
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]
 
@@ -476,7 +476,6 @@ class Trainer:
         optimizer's schedule (``tg.optim.warmup_cosine``'s, saved as its ``spec``): from there on,
         every step runs at the schedule's floor (``min_lr``, 0 by default), which kept training
         at lr 0 without a word. A warning, not an error: going on at the floor may be meant."""
-        import warnings
 
         from tilegraph.optim import steps_past_schedule
 
@@ -566,290 +565,9 @@ class Trainer:
         # there would interleave its records with ours and fail at its first checkpoint
         release = self._hold_folders(where)
         try:
-            return self._fit(where, steps)
+            return FitRun(self, where, steps).run()
         finally:
             release()
-
-    def _fit(self, where: str, steps: int) -> FitResult:
-        """:meth:`fit`'s steps, its arguments checked and its folders held."""
-        start = self.optimizer.step_count
-        if self.runtime is not None:  # workers joined since the last fit (a lost one started again): use them
-            self.step.follow_workers()
-            if self._eval is not None:
-                self._eval.follow_workers()
-        self._check_checkpoint_dir(where, start)
-        self._warn_past_schedule(start, start + steps)
-        self._join_logged_run(start)
-        result = FitResult(0, [])
-        bar = _progress(steps, self.progress)
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / "metrics.jsonl", "a") if self.log_dir is not None else None
-        if self._summary_writer is not None:  # flushed every 10 s, so TensorBoard follows the run
-            self._tb = self._summary_writer(str(self.tensorboard_dir), flush_secs=10)
-        self._kernel_stats(reset=True)
-        report = contextlib.ExitStack()
-        report_step = self.report_step  # None: the fit's second graph (its first one where it has one)
-        outside = report_step is not None and not start < report_step <= start + steps
-        if self.performance_report is not None and outside:
-            warnings.warn(f"[tilegraph.Trainer.fit] report_step={report_step} is not among this fit's steps "
-                          f"{start + 1}-{start + steps}: no performance report is written to "
-                          f"{self.performance_report}", stacklevel=3)
-        reported = False  # whether a graph of this fit was reported on
-        t0 = time.perf_counter()
-        tokens = samples = 0
-        step_seconds = 0.0  # the last graph's time per step (see log_step)
-        end = start + steps
-        clock = t0  # when the graph the loop waits for could start: its submission, or the previous one's end
-        fresh = range(0)  # the steps of the last graph that was recorded (and compiled) for its first run
-
-        def evaluates(i: int) -> bool:
-            return self._eval is not None and (i == end or bool(self.eval_every and i % self.eval_every == 0))
-
-        def checkpoints(i: int) -> bool:
-            return self.checkpoints is not None and (i == end or self.checkpoints.due(i))
-
-        def log_step(i: int, pending, batch, patient: bool) -> float:
-            """Wait for step ``i``'s loss and log it."""
-            nonlocal tokens, samples, clock, fresh, step_seconds
-            # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
-            began = clock
-            try:
-                loss = pending.result(self._time_limit(pending, clock), patient=patient)
-            except FloatingPointError:
-                raise self._diverged(pending) from None
-            clock = time.perf_counter()
-            stats: StepStats = pending.stats
-            if i == pending.steps[0]:  # its graph's time from when it could start, shared by its steps
-                step_seconds = (clock - max(began, pending.submitted)) / len(pending.steps)
-            fresh = pending.steps if pending.fresh else fresh
-            if i not in fresh:  # a first run's time (recording, compilation) says little of the next ones
-                self._recent.append(stats.seconds)
-            counted = self._counted(batch)
-            tokens, samples = tokens + counted[0], samples + counted[1]
-            elapsed = time.perf_counter() - t0
-            if i > start:  # a restart may go back before this fit's first step
-                result.losses.append(loss)
-            # tokens where the batches are tokens; rows of other data (a (B, D) batch of float
-            # features counted B x D "tokens")
-            rate, short, count = (("tokens_per_s", "tok_s", tokens) if self.token_batches else
-                                  ("samples_per_s", "samples_per_s", samples))
-            self._log(log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                            rate: count / elapsed, "step_seconds": step_seconds, "tasks": stats.tasks,
-                            "time": time.time()})
-            bar.set_postfix(loss=f"{loss:.4f}", **{short: f"{count / elapsed:,.0f}"}, refresh=False)
-            bar.update(1)
-            return loss
-
-        def finish(i: int, pending, batch) -> None:
-            """Log the oldest step waiting (``i``), taking it off ``waiting`` once logged (an
-            interruption while it waits for the loss leaves it there, for settle() to log), then
-            its hooks, evaluation and checkpoint."""
-            loss = log_step(i, pending, batch, patient=self.step_timeout == "auto")
-            waiting.pop(0)  # logged: a hook that raises below leaves the later ones waiting
-            for hook in self.on_step:
-                hook(self, pending.stats)
-            if evaluates(i):
-                val = self._watched(self.evaluate, f"the evaluation after step {i}", range(i, i + 1))
-                result.val_losses.append((i, val))
-                # a perplexity only of a language model's token cross-entropy (exp of an MSE is none)
-                ppl = {"val_ppl": perplexity(val)} if self.language_model else {}
-                self._log(log, {"step": i, "val_loss": val, **ppl, "time": time.time()})
-                bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}"
-                          + (f" (perplexity {perplexity(val):.2f})" if self.language_model else ""))
-                if i != end and self.log_dir is not None and self._plot_due(t0):  # the end draws anyway
-                    redraw.append(i)  # drawn once the next steps run (the workers wait for nothing it does)
-            if checkpoints(i):
-                path = self._watched(lambda: self._start_checkpoint(i), f"the checkpoint of step {i}",
-                                     range(i, i + 1))
-                result.checkpoints.append(str(path))
-            self._checkpoint_hooks()
-
-        def waits(i: int) -> bool:  # the loop waits after the last step and before an evaluation or checkpoint
-            return i == end or evaluates(i) or checkpoints(i)
-
-        # (step, pending, batch) submitted but not finished, oldest first
-        waiting: list[tuple[int, object, tuple]] = []
-        graphs = 0  # the graphs submitted
-
-        def close_report() -> None:
-            """Write the performance report (if one is open): its time (Dask gathers the task
-            stream and profiles, and draws them) is not training time, so the fit's clock skips it."""
-            nonlocal t0, clock
-            began = time.perf_counter()
-            report.close()
-            spent = time.perf_counter() - began
-            t0 += spent
-            clock += spent
-        redraw: list[int] = []  # an evaluation's step after which loss.png is due
-
-        def finish_waiting(n: int | None = None) -> None:
-            """Finish the ``n`` oldest steps waiting (None: all)."""
-            for _ in range(len(waiting) if n is None else n):
-                finish(*waiting[0])
-
-        def settle() -> None:
-            """After an interruption (KeyboardInterrupt, an error in a hook or in the data): the
-            steps already submitted ran, or run, and their updates are in the parameters and the
-            step count, so their losses are logged too (without hooks, evaluations or
-            checkpoints). Before, they were missing from ``metrics.jsonl`` and ``history``
-            while the next fit went on after them."""
-            again = False
-            while waiting:
-                i, pending, batch = waiting[0]
-                try:
-                    log_step(i, pending, batch, patient=False)
-                except KeyboardInterrupt:  # a second stop while the steps run out: logged all the same,
-                    if again:  # (the steps are short, each under its time limit); a third stops at once
-                        waiting.clear()
-                        raise
-                    again = True
-                    bar.write(f"stopping: logging the {_plural(len(waiting), 'step')} already run "
-                              "(interrupt again to stop at once, without their records)")
-                    continue
-                except Exception:  # a step that failed itself: the interruption's error is the one raised
-                    waiting.clear()
-                    break
-                waiting.pop(0)
-
-        def run(i: int) -> None:
-            """Steps ``i`` to ``end``."""
-            nonlocal graphs, reported
-            # each step's batch is asked for once (a data callable may be a stream): those asked
-            # for ahead of their group wait here
-            ahead = {i: self._batch(i)}
-            self._check_first_batch(i, ahead[i])
-            self._note_batch_kind(ahead[i])
-            per_graph = self._steps_per_graph(ahead[i])
-            while i <= end and not self._stop:
-                # this group: up to the next step the loop waits at, cut into near-equal groups
-                # of at most per_graph steps (one recorded graph serves them all)
-                stop = next(j for j in range(i, end + 1) if waits(j))
-                size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
-                group = range(i, min(stop, i + size - 1) + 1)
-                batches = [ahead.pop(j) if j in ahead else self._batch(j) for j in group]
-                # a group is one graph of one batch signature: a batch of other shapes (a data
-                # callable whose last batch of an epoch is smaller, say) starts the next group
-                sig = self.step.signature(batches[0])
-                cut = next((n for n, b in enumerate(batches) if self.step.signature(b) != sig), len(batches))
-                ahead.update(zip(group[cut:], batches[cut:]))
-                group, batches = group[:cut], batches[:cut]
-                graphs += 1
-                if report_step is None:  # the second graph, or the first where this one is the last
-                    second_or_last = graphs == 2 or group[-1] == end
-                    reporting = self.performance_report is not None and not reported and second_or_last
-                else:
-                    reporting = self.performance_report is not None and report_step in group
-                reported = reported or reporting
-                if reporting:
-                    self._start_report(report)
-                with self._translate_lost_workers(_steps_text(group), group):
-                    pendings = self.step.submit_steps(batches)
-                if redraw:  # while these steps run
-                    redraw.clear()
-                    self.plot()
-                elif self.log_dir is not None and group[0] == start + 1:
-                    _import_matplotlib_aside()  # while the workers run the first steps
-                earlier = len(waiting)
-                waiting.extend(zip(group, pendings, batches))
-                finish_waiting(earlier)  # the earlier group's, while this one runs
-                if not self.pipeline or waits(group[-1]) or reporting:
-                    finish_waiting()
-                    close_report()
-                i = group[-1] + 1
-            finish_waiting()  # stopped early (request_stop)
-
-        self._stop = False
-        drawing = None
-        try:
-            i = start + 1
-            while True:
-                try:
-                    run(i)
-                    done = self.optimizer.step_count
-                    if self._stop and done < end:  # stopped: a checkpoint of the last step run
-                        result.stopped = True
-                        bar.write(f"stopping after step {done} (of {end})")
-                        if self.checkpoints is not None and done > start \
-                                and str(self.checkpoints.path(done)) not in result.checkpoints:
-                            path = self._watched(lambda: self._start_checkpoint(done),
-                                                 f"the checkpoint of step {done}", range(done, done + 1))
-                            result.checkpoints.append(str(path))
-                    break
-                except (WorkerLostError, StepTimeoutError, FloatingPointError) as e:
-                    waiting.clear()  # steps on lost workers, past a time limit or after a NaN: none to log
-                    if not isinstance(e, WorkerLostError):
-                        raise
-                    close_report()
-                    # the cached plans pin tasks and programs to workers that are gone: plan
-                    # again (also when the caller resumes by hand after this error)
-                    self.step.reset_plans()
-                    if self._eval is not None:
-                        self._eval.reset_plans()
-                    lost_save = None  # the step of a save under way that the worker took with it
-                    if self.checkpoints is not None:
-                        saving = self.checkpoints.pending_step
-                        try:  # a save under way when the worker went: it committed, or never will
-                            self.checkpoints.wait()
-                        except Exception:
-                            lost_save = saving
-                        self._checkpoint_hooks()
-                    resumed = self._restart(e, len(result.restarts), lost_save)
-                    record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
-                              "checkpoint": str(self._last_checkpoint), "step": resumed}
-                    if e.during:  # lost in an evaluation or a checkpoint, not a step's graph
-                        record = {"failed": record["failed"], "during": e.during, **record}
-                    result.restarts.append(record)
-                    self._log(log, {**record, "restart": True, "time": time.time()})
-                    del result.losses[max(0, resumed - start):]
-                    # the evaluations after the checkpoint run again too (they were kept twice)
-                    result.val_losses[:] = [(s, v) for s, v in result.val_losses if s <= resumed]
-                    bar.n = max(0, resumed - start)
-                    bar.refresh()
-                    i = resumed + 1
-                except BaseException as e:
-                    lost = self._scheduler_lost(e, waiting[0][0] if waiting else self.optimizer.step_count)
-                    if lost is not None:  # nothing of the steps waiting comes from a scheduler that is gone
-                        waiting.clear()
-                        raise lost from e
-                    settle()
-                    # a notebook shows the traceback: say where it stands. Not after request_stop(): a
-                    # program that stops the fit itself (tilegraph train's Ctrl-C handler; its second
-                    # Ctrl-C comes here) says its own thing, where "fit again" means nothing
-                    if isinstance(e, KeyboardInterrupt) and not self._stop:
-                        bar.write(f"interrupted: stopped after step {self.optimizer.step_count}, every step run "
-                                  "logged (fit again to go on from there)")
-                    raise
-            if self.log_dir is not None:  # drawn while the last checkpoint is written
-                drawing = _Aside(self.plot)
-            if self.checkpoints is not None:
-                last = self.optimizer.step_count
-                self._watched(self.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
-                self._checkpoint_hooks()
-        finally:
-            report.close()
-            bar.close()
-            if log is not None:
-                log.close()
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
-        if self.performance_report is not None and not reported and result.losses and not outside:
-            warnings.warn(f"[tilegraph.Trainer.fit] no graph of this fit held report_step={report_step}: no "
-                          f"performance report was written to {self.performance_report}", stacklevel=3)
-        result.steps = len(result.losses)
-        result.seconds = time.perf_counter() - t0
-        result.tokens_per_s = tokens / result.seconds
-        result.samples_per_s = samples / result.seconds
-        ks = self._kernel_stats()
-        result.kernel_seconds = dict(sorted(ks["by_scope"].items(), key=lambda kv: -kv[1]))
-        threads = sum(self.runtime.processors().values()) if self.runtime is not None else _config.usable_cores()
-        thread_seconds = result.seconds * threads
-        result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / thread_seconds)
-        result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
-        if drawing is not None:
-            drawing.result()
-        return result
 
     def _diverged(self, pending) -> "NonFiniteLossError":
         """The error of step ``pending.step``'s NaN/inf loss: its update (and those of the steps
@@ -1383,7 +1101,6 @@ class Trainer:
         another ``val_fraction``: the data position, the next step, then means other windows
         than that run's next ones) or another ``accum_steps`` (the same windows, averaged in
         micro-batches of another size: not the losses that run would have had)."""
-        import warnings
 
         from tilegraph.io.data import described_windows
 
@@ -1421,7 +1138,6 @@ class Trainer:
         (:meth:`load_checkpoint`) already continue theirs."""
         if self.log_dir is None or self.history or self.lineage:
             return
-        import warnings
 
         from tilegraph.plotting import record_lineage
 

@@ -1,0 +1,359 @@
+"""One call of :meth:`tilegraph.Trainer.fit`: its steps submitted group by group, each step's loss
+waited for and logged, the evaluations, checkpoints and hooks between them, a lost worker's
+restart, and the :class:`~tilegraph.trainer.FitResult` at the end.
+
+:class:`FitRun` holds what the loop shares between its parts (the steps waiting, the clock, the
+counts of tokens and graphs); the :class:`~tilegraph.Trainer` holds what outlives one fit (the
+step, the optimizer, the checkpoints, the folders) and the checks and fault handling that
+:meth:`~tilegraph.Trainer.evaluate` and the CLI use too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+from tilegraph import _config
+from tilegraph._progress import _Aside, _import_matplotlib_aside, _progress
+from tilegraph._train import StepStats, StepTimeoutError, WorkerLostError, _steps_text
+from tilegraph.runtime import _plural
+
+if TYPE_CHECKING:
+    from tilegraph.trainer import FitResult
+
+
+class FitRun:
+    """The steps ``start + 1`` to ``start + steps`` of ``trainer``; :meth:`run` runs them.
+
+    ``waiting`` holds the steps submitted and not yet finished, oldest first, as
+    ``(step, pending, batch)``: with ``trainer.pipeline`` a group's graph is submitted before the
+    previous group's losses are waited for, so the workers never wait for the loop."""
+
+    def __init__(self, trainer, where: str, steps: int):
+        from tilegraph.trainer import FitResult
+
+        self.trainer = trainer
+        self.where = where
+        self.start = trainer.optimizer.step_count
+        self.end = self.start + steps
+        self.result = FitResult(0, [])
+        self.waiting: list[tuple[int, object, tuple]] = []
+        self.redraw: list[int] = []  # an evaluation's step after which loss.png is due
+        self.report = contextlib.ExitStack()
+        self.report_step = trainer.report_step  # None: the fit's second graph (its first one where it has one)
+        self.outside = self.report_step is not None and not self.start < self.report_step <= self.end
+        self.reported = False  # whether a graph of this fit was reported on
+        self.graphs = 0  # the graphs submitted
+        self.tokens = self.samples = 0
+        self.step_seconds = 0.0  # the last graph's time per step (see log_step)
+        self.fresh = range(0)  # the steps of the last graph that was recorded (and compiled) for its first run
+        self.bar = self.log = None
+        self.t0 = self.clock = 0.0  # the fit's start; when the graph the loop waits for could start
+
+    def run(self) -> "FitResult":
+        """Run the steps and return what they did (called by :meth:`Trainer.fit`: the warnings
+        name its caller's line)."""
+        tr, start, end, result = self.trainer, self.start, self.end, self.result
+        if tr.runtime is not None:  # workers joined since the last fit (a lost one started again): use them
+            tr.step.follow_workers()
+            if tr._eval is not None:
+                tr._eval.follow_workers()
+        tr._check_checkpoint_dir(self.where, start)
+        tr._warn_past_schedule(start, end)
+        tr._join_logged_run(start)
+        self.bar = _progress(end - start, tr.progress)
+        if tr.log_dir is not None:
+            tr.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(tr.log_dir / "metrics.jsonl", "a") if tr.log_dir is not None else None
+        if tr._summary_writer is not None:  # flushed every 10 s, so TensorBoard follows the run
+            tr._tb = tr._summary_writer(str(tr.tensorboard_dir), flush_secs=10)
+        tr._kernel_stats(reset=True)
+        if tr.performance_report is not None and self.outside:
+            warnings.warn(f"[tilegraph.Trainer.fit] report_step={self.report_step} is not among this fit's "
+                          f"steps {start + 1}-{end}: no performance report is written to "
+                          f"{tr.performance_report}", stacklevel=3)
+        self.t0 = self.clock = time.perf_counter()
+        tr._stop = False
+        drawing = None
+        try:
+            self._steps_and_restarts()
+            if tr.log_dir is not None:  # drawn while the last checkpoint is written
+                drawing = _Aside(tr.plot)
+            if tr.checkpoints is not None:
+                last = tr.optimizer.step_count
+                tr._watched(tr.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
+                tr._checkpoint_hooks()
+        finally:
+            self.report.close()
+            self.bar.close()
+            if self.log is not None:
+                self.log.close()
+            if tr._tb is not None:
+                tr._tb.close()
+                tr._tb = None
+        if tr.performance_report is not None and not self.reported and result.losses and not self.outside:
+            warnings.warn(f"[tilegraph.Trainer.fit] no graph of this fit held report_step={self.report_step}: no "
+                          f"performance report was written to {tr.performance_report}", stacklevel=3)
+        self._summarize()
+        if drawing is not None:
+            drawing.result()
+        return result
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _steps_and_restarts(self) -> None:
+        """Every step from ``start + 1``; after a lost worker, again from the checkpoint the
+        trainer restarted at (``trainer._restart``); a stop asked for (``request_stop``) ends
+        with a checkpoint of the last step run."""
+        tr, result, end = self.trainer, self.result, self.end
+        i = self.start + 1
+        while True:
+            try:
+                self._submit_from(i)
+                done = tr.optimizer.step_count
+                if tr._stop and done < end:  # stopped: a checkpoint of the last step run
+                    result.stopped = True
+                    self.bar.write(f"stopping after step {done} (of {end})")
+                    if tr.checkpoints is not None and done > self.start \
+                            and str(tr.checkpoints.path(done)) not in result.checkpoints:
+                        path = tr._watched(lambda: tr._start_checkpoint(done),
+                                           f"the checkpoint of step {done}", range(done, done + 1))
+                        result.checkpoints.append(str(path))
+                return
+            except (WorkerLostError, StepTimeoutError, FloatingPointError) as e:
+                self.waiting.clear()  # steps on lost workers, past a time limit or after a NaN: none to log
+                if not isinstance(e, WorkerLostError):
+                    raise
+                i = self._restarted(e) + 1
+            except BaseException as e:
+                lost = tr._scheduler_lost(e, self.waiting[0][0] if self.waiting else tr.optimizer.step_count)
+                if lost is not None:  # nothing of the steps waiting comes from a scheduler that is gone
+                    self.waiting.clear()
+                    raise lost from e
+                self._settle()
+                # a notebook shows the traceback: say where it stands. Not after request_stop(): a
+                # program that stops the fit itself (tilegraph train's Ctrl-C handler; its second
+                # Ctrl-C comes here) says its own thing, where "fit again" means nothing
+                if isinstance(e, KeyboardInterrupt) and not tr._stop:
+                    self.bar.write(f"interrupted: stopped after step {tr.optimizer.step_count}, every step run "
+                                   "logged (fit again to go on from there)")
+                raise
+
+    def _submit_from(self, i: int) -> None:
+        """Steps ``i`` to ``end``, submitted in groups (one recorded graph each), each group's
+        losses finished while the next one runs."""
+        tr, end = self.trainer, self.end
+        # each step's batch is asked for once (a data callable may be a stream): those asked
+        # for ahead of their group wait here
+        ahead = {i: tr._batch(i)}
+        tr._check_first_batch(i, ahead[i])
+        tr._note_batch_kind(ahead[i])
+        per_graph = tr._steps_per_graph(ahead[i])
+        while i <= end and not tr._stop:
+            # this group: up to the next step the loop waits at, cut into near-equal groups
+            # of at most per_graph steps (one recorded graph serves them all)
+            stop = next(j for j in range(i, end + 1) if self._waits(j))
+            size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
+            group = range(i, min(stop, i + size - 1) + 1)
+            batches = [ahead.pop(j) if j in ahead else tr._batch(j) for j in group]
+            # a group is one graph of one batch signature: a batch of other shapes (a data
+            # callable whose last batch of an epoch is smaller, say) starts the next group
+            sig = tr.step.signature(batches[0])
+            cut = next((n for n, b in enumerate(batches) if tr.step.signature(b) != sig), len(batches))
+            ahead.update(zip(group[cut:], batches[cut:]))
+            group, batches = group[:cut], batches[:cut]
+            self.graphs += 1
+            reporting = self._reports(group)
+            self.reported = self.reported or reporting
+            if reporting:
+                tr._start_report(self.report)
+            with tr._translate_lost_workers(_steps_text(group), group):
+                pendings = tr.step.submit_steps(batches)
+            if self.redraw:  # while these steps run
+                self.redraw.clear()
+                tr.plot()
+            elif tr.log_dir is not None and group[0] == self.start + 1:
+                _import_matplotlib_aside()  # while the workers run the first steps
+            earlier = len(self.waiting)
+            self.waiting.extend(zip(group, pendings, batches))
+            self._finish_waiting(earlier)  # the earlier group's, while this one runs
+            if not tr.pipeline or self._waits(group[-1]) or reporting:
+                self._finish_waiting()
+                self._close_report()
+            i = group[-1] + 1
+        self._finish_waiting()  # stopped early (request_stop)
+
+    def _reports(self, group: range) -> bool:
+        """Whether the performance report covers ``group``'s graph: the one holding
+        ``report_step``, else the fit's second graph (its first, where that one is its last)."""
+        tr = self.trainer
+        if tr.performance_report is None:
+            return False
+        if self.report_step is None:
+            return not self.reported and (self.graphs == 2 or group[-1] == self.end)
+        return self.report_step in group
+
+    def _evaluates(self, i: int) -> bool:
+        tr = self.trainer
+        return tr._eval is not None and (i == self.end or bool(tr.eval_every and i % tr.eval_every == 0))
+
+    def _checkpoints(self, i: int) -> bool:
+        tr = self.trainer
+        return tr.checkpoints is not None and (i == self.end or tr.checkpoints.due(i))
+
+    def _waits(self, i: int) -> bool:
+        """Whether the loop waits after step ``i``: the last step, and before an evaluation or checkpoint."""
+        return i == self.end or self._evaluates(i) or self._checkpoints(i)
+
+    # -- each step's end ------------------------------------------------------------------------
+
+    def _log_step(self, i: int, pending, batch, patient: bool) -> float:
+        """Wait for step ``i``'s loss and log it."""
+        tr, result = self.trainer, self.result
+        # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
+        began = self.clock
+        try:
+            loss = pending.result(tr._time_limit(pending, self.clock), patient=patient)
+        except FloatingPointError:
+            raise tr._diverged(pending) from None
+        self.clock = time.perf_counter()
+        stats: StepStats = pending.stats
+        if i == pending.steps[0]:  # its graph's time from when it could start, shared by its steps
+            self.step_seconds = (self.clock - max(began, pending.submitted)) / len(pending.steps)
+        self.fresh = pending.steps if pending.fresh else self.fresh
+        if i not in self.fresh:  # a first run's time (recording, compilation) says little of the next ones
+            tr._recent.append(stats.seconds)
+        counted = tr._counted(batch)
+        self.tokens, self.samples = self.tokens + counted[0], self.samples + counted[1]
+        elapsed = time.perf_counter() - self.t0
+        if i > self.start:  # a restart may go back before this fit's first step
+            result.losses.append(loss)
+        # tokens where the batches are tokens; rows of other data (a (B, D) batch of float
+        # features counted B x D "tokens")
+        rate, short, count = (("tokens_per_s", "tok_s", self.tokens) if tr.token_batches else
+                              ("samples_per_s", "samples_per_s", self.samples))
+        tr._log(self.log, {"step": i, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                           rate: count / elapsed, "step_seconds": self.step_seconds, "tasks": stats.tasks,
+                           "time": time.time()})
+        self.bar.set_postfix(loss=f"{loss:.4f}", **{short: f"{count / elapsed:,.0f}"}, refresh=False)
+        self.bar.update(1)
+        return loss
+
+    def _finish(self, i: int, pending, batch) -> None:
+        """Log the oldest step waiting (``i``), taking it off ``waiting`` once logged (an
+        interruption while it waits for the loss leaves it there, for _settle() to log), then
+        its hooks, evaluation and checkpoint."""
+        from tilegraph.trainer import perplexity
+
+        tr, result = self.trainer, self.result
+        loss = self._log_step(i, pending, batch, patient=tr.step_timeout == "auto")
+        self.waiting.pop(0)  # logged: a hook that raises below leaves the later ones waiting
+        for hook in tr.on_step:
+            hook(tr, pending.stats)
+        if self._evaluates(i):
+            val = tr._watched(tr.evaluate, f"the evaluation after step {i}", range(i, i + 1))
+            result.val_losses.append((i, val))
+            # a perplexity only of a language model's token cross-entropy (exp of an MSE is none)
+            ppl = {"val_ppl": perplexity(val)} if tr.language_model else {}
+            tr._log(self.log, {"step": i, "val_loss": val, **ppl, "time": time.time()})
+            self.bar.write(f"step {i}: loss {loss:.4f}, validation loss {val:.4f}"
+                           + (f" (perplexity {perplexity(val):.2f})" if tr.language_model else ""))
+            if i != self.end and tr.log_dir is not None and tr._plot_due(self.t0):  # the end draws anyway
+                self.redraw.append(i)  # drawn once the next steps run (the workers wait for nothing it does)
+        if self._checkpoints(i):
+            path = tr._watched(lambda: tr._start_checkpoint(i), f"the checkpoint of step {i}", range(i, i + 1))
+            result.checkpoints.append(str(path))
+        tr._checkpoint_hooks()
+
+    def _finish_waiting(self, n: int | None = None) -> None:
+        """Finish the ``n`` oldest steps waiting (None: all)."""
+        for _ in range(len(self.waiting) if n is None else n):
+            self._finish(*self.waiting[0])
+
+    def _close_report(self) -> None:
+        """Write the performance report (if one is open): its time (Dask gathers the task
+        stream and profiles, and draws them) is not training time, so the fit's clock skips it."""
+        began = time.perf_counter()
+        self.report.close()
+        spent = time.perf_counter() - began
+        self.t0 += spent
+        self.clock += spent
+
+    # -- interruptions and lost workers ---------------------------------------------------------
+
+    def _settle(self) -> None:
+        """After an interruption (KeyboardInterrupt, an error in a hook or in the data): the
+        steps already submitted ran, or run, and their updates are in the parameters and the
+        step count, so their losses are logged too (without hooks, evaluations or
+        checkpoints). Before, they were missing from ``metrics.jsonl`` and ``history``
+        while the next fit went on after them."""
+        again = False
+        waiting = self.waiting
+        while waiting:
+            i, pending, batch = waiting[0]
+            try:
+                self._log_step(i, pending, batch, patient=False)
+            except KeyboardInterrupt:  # a second stop while the steps run out: logged all the same,
+                if again:  # (the steps are short, each under its time limit); a third stops at once
+                    waiting.clear()
+                    raise
+                again = True
+                self.bar.write(f"stopping: logging the {_plural(len(waiting), 'step')} already run "
+                               "(interrupt again to stop at once, without their records)")
+                continue
+            except Exception:  # a step that failed itself: the interruption's error is the one raised
+                waiting.clear()
+                break
+            waiting.pop(0)
+
+    def _restarted(self, e: WorkerLostError) -> int:
+        """After worker loss ``e``: plan again, let a save under way end, and have the trainer
+        restart from its last checkpoint (or raise); the records after that checkpoint go.
+        Returns the step the run goes on after."""
+        tr, result = self.trainer, self.result
+        self._close_report()
+        # the cached plans pin tasks and programs to workers that are gone: plan
+        # again (also when the caller resumes by hand after this error)
+        tr.step.reset_plans()
+        if tr._eval is not None:
+            tr._eval.reset_plans()
+        lost_save = None  # the step of a save under way that the worker took with it
+        if tr.checkpoints is not None:
+            saving = tr.checkpoints.pending_step
+            try:  # a save under way when the worker went: it committed, or never will
+                tr.checkpoints.wait()
+            except Exception:
+                lost_save = saving
+            tr._checkpoint_hooks()
+        resumed = tr._restart(e, len(result.restarts), lost_save)
+        record = {"failed": [e.steps[0], e.steps[-1]] if e.steps else None, "workers": e.workers,
+                  "checkpoint": str(tr._last_checkpoint), "step": resumed}
+        if e.during:  # lost in an evaluation or a checkpoint, not a step's graph
+            record = {"failed": record["failed"], "during": e.during, **record}
+        result.restarts.append(record)
+        tr._log(self.log, {**record, "restart": True, "time": time.time()})
+        del result.losses[max(0, resumed - self.start):]
+        # the evaluations after the checkpoint run again too (they were kept twice)
+        result.val_losses[:] = [(s, v) for s, v in result.val_losses if s <= resumed]
+        self.bar.n = max(0, resumed - self.start)
+        self.bar.refresh()
+        return resumed
+
+    # -- the result -----------------------------------------------------------------------------
+
+    def _summarize(self) -> None:
+        """The result's counts, rates and the share of the threads' time outside kernels."""
+        tr, result = self.trainer, self.result
+        result.steps = len(result.losses)
+        result.seconds = time.perf_counter() - self.t0
+        result.tokens_per_s = self.tokens / result.seconds
+        result.samples_per_s = self.samples / result.seconds
+        ks = tr._kernel_stats()
+        result.kernel_seconds = dict(sorted(ks["by_scope"].items(), key=lambda kv: -kv[1]))
+        threads = sum(tr.runtime.processors().values()) if tr.runtime is not None else _config.usable_cores()
+        thread_seconds = result.seconds * threads
+        result.outside_kernels = max(0.0, 1.0 - ks["kernel_seconds"] / thread_seconds)
+        result.no_task = min(result.outside_kernels, max(0.0, 1.0 - ks["task_seconds"] / thread_seconds))
