@@ -42,12 +42,17 @@ Every configuration runs in an embedded cluster of its own, closed after it; eve
 model built afresh (same seed). With ``--mpi`` every configuration of several workers also runs on
 a cluster launched by MPI (``mpiexec -n W+2``: the scheduler, the timing script and W worker ranks,
 as ``tilegraph train --mpi`` launches it; launch ``mpi``), and a line compares it with the embedded
-cluster of the same shape.
+cluster of the same shape. With ``--lab RATE`` every configuration of several workers also runs with
+each worker on a node of its own (launch ``lab``): a network namespace with its own address and
+``/dev/shm``, its cable limited to RATE both ways (``1gbit``, ``10gbit``; ``none``: as fast as the
+kernel copies), as tests/netlab.py makes them (needs root, ``unshare``, ``ip`` and ``tc``); a line
+compares it with the embedded cluster of the same shape, where the workers share memory.
 
     python bench/bench_scale.py                                  # blocks and GPT-2 6x768, tiles/data/sharded
     python bench/bench_scale.py --models gpt2 --gpt2-flavor debug --steps 5
     python bench/bench_scale.py --configs 1x2,2x1 --strategies tiles,data --width 256 --layers 2
     python bench/bench_scale.py --configs 2x1 --strategies data --mpi --no-ddp   # MPI vs embedded
+    python bench/bench_scale.py --configs 2x1 --strategies data,sharded --lab 1gbit --no-ddp   # two nodes
 """
 
 from __future__ import annotations
@@ -168,13 +173,12 @@ def wait_idle(rt, poll: float = 0.01) -> None:
         time.sleep(poll)
 
 
-def time_config(work_of, workers, threads, strategies, args, tg, runtime=None) -> list[dict]:
+def time_config(work_of, workers, threads, strategies, args, tg, runtime=None, launch="embedded") -> list[dict]:
     """Train with each strategy on one embedded cluster of ``workers`` x ``threads`` (or on
-    ``runtime``, a cluster of that shape started otherwise: by MPI)."""
+    ``runtime``, a cluster of that shape started otherwise: ``launch`` "mpi" or "lab")."""
     from tilegraph.runtime.worker_setup import peak_resident_bytes, reset_peak_resident
 
     rows = []
-    launch = "embedded" if runtime is None else "mpi"
     with runtime or tg.connect(n_workers=workers, threads_per_worker=threads, dashboard=False, quiet=True) as rt:
         auto = None
         for strategy in strategies:
@@ -336,8 +340,49 @@ def mpi_child(args, kind, strategies, tg) -> None:
         raise SystemExit(f"bench_scale --mpi: asked {workers}x{threads}, the MPI cluster has "
                          f"{len(rt.workers())} workers and processors {rt.processors()}")
     make = blocks_workload if kind == "blocks" else gpt2_workload
-    for r in time_config(lambda W, T: make(args, tg, W, T), workers, threads, strategies, args, tg, runtime=rt):
+    for r in time_config(lambda W, T: make(args, tg, W, T), workers, threads, strategies, args, tg, runtime=rt,
+                         launch="mpi"):
         print(MPI_ROW + json.dumps(r), flush=True)
+
+
+# -- nodes of a lab (tests/netlab.py) -------------------------------------------------------------
+def _netlab():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import netlab
+
+    return netlab
+
+
+def time_lab(kind, workers, threads, argv, rate: str) -> list[dict]:
+    """The rows of ``workers`` x ``threads`` with each worker on a node of its own: this script
+    again, in a network namespace of its own (``unshare --net``); its rows come back on stdout."""
+    cmd = ["unshare", "--net", sys.executable, str(Path(__file__).resolve()), *argv, "--models", kind,
+           "--lab", rate, "--lab-child", f"{workers}x{threads}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rows = [json.loads(line[len(MPI_ROW):]) for line in proc.stdout.splitlines() if line.startswith(MPI_ROW)]
+    if proc.returncode != 0 or not rows:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return rows
+
+
+def lab_child(args, kind, strategies, tg) -> None:
+    """In the lab's namespace: a scheduler at the lab's address, one worker of ``threads``
+    threads on each of ``workers`` nodes; time the configuration there and print its rows."""
+    import psutil
+
+    workers, threads = parse_configs(args.lab_child, os.cpu_count() or 1)[0]
+    make = blocks_workload if kind == "blocks" else gpt2_workload
+    memory = f"{psutil.virtual_memory().total // workers // 2**20}MiB"
+    with tempfile.TemporaryDirectory(prefix="bench_scale_lab_") as folder, \
+            _netlab().Lab(workers, rate=None if args.lab == "none" else args.lab, folder=folder) as lab:
+        lab.start_scheduler()
+        for k in range(1, workers + 1):
+            lab.start_worker(k, nthreads=threads, memory_limit=memory)
+        rt = tg.connect(scheduler_file=str(lab.scheduler_file), timeout=30, make_current=False, quiet=True)
+        rt.client.wait_for_workers(workers, timeout=120)
+        for r in time_config(lambda W, T: make(args, tg, W, T), workers, threads, strategies, args, tg,
+                             runtime=rt, launch="lab"):
+            print(MPI_ROW + json.dumps(r), flush=True)
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -418,7 +463,12 @@ def main():
                     help='tg.config.bucket_bytes: "auto" (gradients in buckets of 25 MB during the backward where '
                          'the workers span hosts, one exchange after it on one host), or the bytes of a bucket '
                          '(inf: one exchange), e.g. 25e6 with --no-shm to try buckets as between hosts')
+    ap.add_argument("--lab", default=None, metavar="RATE",
+                    help="also run every configuration of several workers with each worker on a node of its own "
+                         "(a network namespace; tests/netlab.py), its cable at RATE both ways: 1gbit, 10gbit, "
+                         "or none (unlimited); needs root, unshare, ip and tc")
     ap.add_argument("--mpi-child", default=None, help=argparse.SUPPRESS)  # set by --mpi, under mpiexec
+    ap.add_argument("--lab-child", default=None, help=argparse.SUPPRESS)  # set by --lab, in the lab's namespace
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be at least 1")
@@ -438,6 +488,10 @@ def main():
         require(ap, "dask_mpi", "mpi4py", what="--mpi")
         if _mpiexec() is None:
             ap.error("--mpi needs mpiexec: pip install -e '.[mpi]'")
+    if args.lab and not args.lab_child:
+        missing = _netlab().lab_missing()
+        if missing is not None:
+            ap.error(f"--lab: {missing}")
 
     import dask
     import distributed
@@ -462,6 +516,8 @@ def main():
         ap.error(f"--heads {args.heads} must divide --width {args.width}")
     if args.mpi_child:
         return mpi_child(args, kinds[0], strategies, tg)
+    if args.lab_child:
+        return lab_child(args, kinds[0], strategies, tg)
     if args.mpi and total != (os.cpu_count() or 1):
         ap.error(f"--mpi: MPI worker ranks share the machine's {os.cpu_count()} cores, so --threads-total must be "
                  f"that (received {total})")
@@ -519,13 +575,16 @@ def main():
             rows = time_config(lambda W, T: make(args, tg, W, T), workers, threads, asked, args, tg)
             if args.mpi and workers > 1:
                 rows += time_mpi(kind, workers, threads, child_argv)
+            if args.lab and workers > 1:
+                rows += time_lab(kind, workers, threads, child_argv, args.lab)
             for r in rows:
                 r["ratio"] = r["tok_s"] / eager[workers * threads]
                 print(fmt_row(r), flush=True)
-            for r in rows:  # the MPI launch against the embedded cluster, strategy by strategy
+            for r in rows:  # the MPI launch and the lab's nodes against the embedded cluster, strategy by strategy
                 same = next((e for e in rows if e["launch"] == "embedded" and e["strategy"] == r["strategy"]), None)
-                if r["launch"] == "mpi" and same:
-                    print(f"# {r['model']} {r['config']} {r['strategy']}: MPI / embedded = "
+                if r["launch"] != "embedded" and same:
+                    name = "MPI" if r["launch"] == "mpi" else f"{workers} nodes at {args.lab}"
+                    print(f"# {r['model']} {r['config']} {r['strategy']}: {name} / embedded = "
                           f"{r['tok_s'] / same['tok_s']:.2f}", flush=True)
             if kind == "blocks" and workers > 1 and not args.no_ddp:
                 if args.batch % workers:

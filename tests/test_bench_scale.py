@@ -74,3 +74,30 @@ def test_bench_scale_debug_gpt2_runs_every_strategy_on_two_workers():
     # torch eager with 2 threads, then tilegraph's three strategies on 2 x 1, each the one used
     assert [(r[1], r[3], r[4]) for r in rows] == [("1x2", "torch", "-"), ("2x1", "tiles", "tiles"),
                                                    ("2x1", "data", "data"), ("2x1", "sharded", "sharded")], proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_scale_lab_runs_each_worker_on_a_node_of_its_own():
+    """``--lab RATE``: the 2 x 1 rows again with the workers on two nodes of a lab (tests/netlab.py),
+    exchanging values over their comms (gang-comm), and the line comparing them with the embedded
+    cluster's."""
+    from netlab import lab_missing
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    missing = lab_missing()
+    if missing is not None:
+        pytest.skip(f"no network namespaces here: {missing}")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_scale.py"), "--models", "gpt2", "--gpt2-flavor", "debug",
+         "--batch", "4", "--seq", "16", "--steps", "1", "--warmup", "1", "--configs", "2x1",
+         "--strategies", "data", "--lab", "1gbit", "--no-ddp"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("gpt2-debug ")]
+    # torch eager, then data parallel on the embedded cluster (shared memory) and on the lab's nodes
+    assert [(r[1], r[2], r[3], r[4], r[5]) for r in rows[1:]] == [
+        ("2x1", "embedded", "data", "data", "gang"), ("2x1", "lab", "data", "data", "gang-comm")], proc.stdout
+    assert float(rows[2][7]) > 0, proc.stdout
+    assert "# gpt2-debug 2x1 data: 2 nodes at 1gbit / embedded = " in proc.stdout, proc.stdout
