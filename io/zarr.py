@@ -405,7 +405,9 @@ class PendingSave:
     def _submit(self, tmp: Path) -> None:
         """Make the folder and submit the workers' write tasks; what is left to do here is in
         ``self._plan`` for :meth:`_complete`."""
-        root = str(tmp)
+        # absolute: the workers write there, and a worker's working folder is its own (a cluster
+        # started elsewhere: `run/checkpoints/...` was another folder to each worker, or none)
+        root = os.path.abspath(tmp)
         os.mkdir(root)  # here alone: a write task never makes it (one of an abandoned save stops)
         self._made = True
         write_meta(root, "", group_meta({ATTR: self.attrs}))
@@ -481,7 +483,7 @@ class PendingSave:
         """The writes :meth:`_submit` left: the metadata and the tiles held here (while the
         workers write theirs), the workers' results, the extra files, the check and the
         metadata that marks the folder complete."""
-        root = str(tmp)
+        root = os.path.abspath(tmp)  # (as the workers were given it)
         metas, local, copy_local, futures = self._plan
         made: set[str] = set()
         for path, meta in metas:  # an array's zarr.json from zarr's (imported here, not in start())
@@ -1112,7 +1114,7 @@ class Checkpoint:
         if not jobs:
             return []
         runtime = self.runtime
-        root = str(self.path)
+        root = os.path.abspath(self.path)  # absolute: read on the workers, whose working folders are their own
         if runtime is None:
             return [(cell, np.asarray(read_region(root, a, r, i), dtype=cell.dtype)) for cell, a, r, i, _ in jobs]
         addrs = sorted(runtime.workers())
@@ -1249,7 +1251,7 @@ class Checkpoint:
                 for apath, q in pairs for idx, (names, refs, _) in q._tiles.items() for i, r in enumerate(refs)]
         if not jobs:
             return []
-        root, runtime = str(self.path), self.runtime
+        root, runtime = os.path.abspath(self.path), self.runtime  # (read on the workers, as in _read)
         tiles: dict[str, tuple] = {}  # tile path -> part names, in the order of its cells
         for _, path, names, _ in jobs:
             tiles.setdefault(path, tuple(names))

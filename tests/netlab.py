@@ -85,9 +85,12 @@ class Lab:
     fast as the kernel copies). Use as a context manager inside a process of its own network
     namespace (:func:`run_lab`)."""
 
-    def __init__(self, nodes: int, rate: str | None = None, folder: str | os.PathLike = "."):
+    def __init__(self, nodes: int, rate: str | None = None, folder: str | os.PathLike = ".",
+                 tls: dict[str, str] | None = None):
         self.n = nodes
         self.rate = rate
+        #: the cluster's TLS files (tls_ca_file, tls_cert, tls_key: tg.connect's names), or None: tcp://
+        self.tls = tls
         self.folder = Path(folder)
         self.names = [f"tglab{os.getpid()}n{k}" for k in range(1, nodes + 1)]
         self.procs: list[subprocess.Popen] = []
@@ -143,7 +146,8 @@ class Lab:
         """A Dask scheduler on the lab's own address; returns the scheduler file's path."""
         self.scheduler_file.unlink(missing_ok=True)
         self._start([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", f"{SUBNET}.1", "--port", "0",
-                     "--no-dashboard", "--scheduler-file", str(self.scheduler_file)])
+                     "--no-dashboard", "--scheduler-file", str(self.scheduler_file), *self._tls_flags(),
+                     *(["--protocol", "tls"] if self.tls else [])])
         deadline = time.monotonic() + 60
         while not self.scheduler_file.exists():
             if time.monotonic() > deadline or self.procs[-1].poll() is not None:
@@ -155,10 +159,17 @@ class Lab:
         """A ``dask worker`` on node ``k`` (1-based), with a ``/dev/shm`` of the node's own."""
         address = json.loads(self.scheduler_file.read_text())["address"]
         worker = (f"exec {sys.executable} -m distributed.cli.dask_worker {address} --host {self.address(k)} "
-                  f"--nthreads {nthreads} --memory-limit {memory_limit} --no-dashboard")
+                  f"--nthreads {nthreads} --memory-limit {memory_limit} --no-dashboard {' '.join(self._tls_flags())}")
         # ip netns exec gives the command a mount namespace of its own: the tmpfs is the node's
         return self._start(["ip", "netns", "exec", self.names[k - 1], "sh", "-c",
                             f"mount -t tmpfs -o size=4g tgshm /dev/shm && {worker}"])
+
+    def _tls_flags(self) -> list[str]:
+        """The dask scheduler and worker flags of the lab's TLS files."""
+        if not self.tls:
+            return []
+        return ["--tls-ca-file", self.tls["tls_ca_file"], "--tls-cert", self.tls["tls_cert"],
+                "--tls-key", self.tls["tls_key"]]
 
     def cut(self, k: int) -> None:
         """Unplug node ``k``'s cable (a network partition: its processes go on running)."""

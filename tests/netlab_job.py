@@ -7,12 +7,17 @@ to check.
   memory, the link speed it measured) and the bytes each step moved over the cables.
 - ``partition``: a data-parallel fit whose second node's cable is unplugged after a few steps:
   how it ends, and how long after the cut.
+- ``cli``: ``tilegraph train`` (the README's main job) on a cluster of two nodes over TLS (the
+  PEM files in ``--tls-dir``), named by its scheduler file, then ``--resume``d there from its
+  middle checkpoint; beside it the same job on one embedded worker, in this namespace.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 import warnings
@@ -137,9 +142,48 @@ def partition(args) -> dict:
     return out
 
 
+def _train_cli(folder: Path, *flags: str) -> list[dict]:
+    """``tilegraph train`` run from ``folder`` with ``flags``; its metrics records."""
+    cmd = [sys.executable, "-m", "tilegraph.cli", "train", "--no-progress", "--out", "run", *flags]
+    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(args) -> dict:
+    folder = Path(args.folder)
+    tls = {k: str(Path(args.tls_dir) / f) for k, f in (("tls_ca_file", "ca.pem"), ("tls_cert", "cert.pem"),
+                                                      ("tls_key", "key.pem"))}
+    steps = ["--steps", str(args.steps), "--set", f"output.checkpoint_every={args.steps // 2}"]
+    out = {}
+    with Lab(2, rate=args.rate, folder=folder, tls=tls) as lab:
+        one = folder / "one"  # (the embedded cluster needs the namespace's loopback, which the lab brings up)
+        one.mkdir()
+        out["one"] = [r["loss"] for r in _train_cli(one, *steps, "--set", "runtime.workers=1") if "loss" in r]
+        lab.start_scheduler()
+        for k in (1, 2):
+            lab.start_worker(k)
+        out["address"] = json.loads(lab.scheduler_file.read_text())["address"]
+        two = folder / "two"
+        two.mkdir()
+        on_lab = ["--set", f"runtime.scheduler_file={lab.scheduler_file}", "--set", "runtime.connect_timeout=60",
+                  "--tls-ca-file", tls["tls_ca_file"], "--tls-cert", tls["tls_cert"], "--tls-key", tls["tls_key"]]
+        before = lab.bytes_moved()
+        first = [r for r in _train_cli(two, *steps, *on_lab) if "loss" in r]
+        middle = two / "run" / "checkpoints" / f"step-{args.steps // 2:06d}"
+        out["checkpoints"] = sorted(p.name for p in (two / "run" / "checkpoints").iterdir())
+        resumed = [r for r in _train_cli(two, "--resume", str(middle), *on_lab) if "loss" in r][len(first):]
+        out["bytes"] = lab.bytes_moved() - before
+    out["two"] = [r["loss"] for r in first]
+    out["resumed"] = {r["step"]: r["loss"] for r in resumed}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["train", "partition"])
+    parser.add_argument("scenario", choices=["train", "partition", "cli"])
     parser.add_argument("folder")
     parser.add_argument("--rate", default=None, help="each cable's rate both ways (tc's units: 1gbit)")
     parser.add_argument("--steps", type=int, default=4)
@@ -147,10 +191,11 @@ def main() -> None:
     parser.add_argument("--cut-after", type=int, default=3)
     parser.add_argument("--step-timeout", default="auto")
     parser.add_argument("--restart", action="store_true", help="restart_on_failure, from checkpoints every 2 steps")
+    parser.add_argument("--tls-dir", default=None, help="cli: the folder of ca.pem, cert.pem and key.pem")
     args = parser.parse_args()
     if args.step_timeout != "auto":
         args.step_timeout = float(args.step_timeout)
-    result = {"train": train, "partition": partition}[args.scenario](args)
+    result = {"train": train, "partition": partition, "cli": cli}[args.scenario](args)
     print(json.dumps(result))
 
 

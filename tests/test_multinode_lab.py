@@ -71,3 +71,25 @@ def test_a_fit_resumes_on_the_node_left_after_a_partition(tmp_path):
     assert [w.split("//")[1].split(":")[0] for w in restart["workers"]] == [f"{SUBNET}.3"], restart
     assert restart["step"] >= 2 and restart["checkpoint"].endswith(f"step-{restart['step']:06d}"), restart
     np.testing.assert_allclose(out["losses"], out["reference"], rtol=1e-5)
+
+
+def test_the_main_job_trains_and_resumes_on_two_nodes_over_tls(tmp_path):
+    """`tilegraph train --out run` on a cluster of two nodes over TLS, named by its scheduler file
+    (`[runtime] scheduler_file` and the `--tls-*` flags), its workers started in other working
+    folders on other nodes: the job trains to the losses of one embedded worker, its workers
+    write the checkpoints into the job's run folder on the shared file system (a relative path
+    was each worker's own folder: the first checkpoint failed), and `--resume` from the middle
+    checkpoint runs the second half again to the same losses."""
+    pytest.importorskip("cryptography")
+    from test_security import make_certificates
+
+    make_certificates(tmp_path / "certs", "lab")
+    steps = 20
+    out = run_lab(JOB, "cli", str(tmp_path), "--steps", str(steps), "--tls-dir", str(tmp_path / "certs"))
+    assert out["address"].startswith(f"tls://{SUBNET}.1:"), out["address"]
+    assert out["checkpoints"] == ["step-000010", "step-000020"], out["checkpoints"]
+    assert len(out["one"]) == len(out["two"]) == steps
+    np.testing.assert_allclose(out["two"], out["one"], rtol=1e-4)
+    assert sorted(map(int, out["resumed"])) == list(range(steps // 2 + 1, steps + 1)), out["resumed"]
+    np.testing.assert_allclose([out["resumed"][str(i)] for i in range(steps // 2 + 1, steps + 1)],
+                               out["two"][steps // 2:], rtol=1e-6)
