@@ -10,6 +10,14 @@ generator instead:
   :mod:`tilegraph.ops.rmm` seeds its sketches. Seeded from trainable parameters (a LoRA layer's U
   and V: every optimizer step changes them), each replay gets a new seed without help from the
   training loop; data-parallel replicas, whose parameters are bitwise equal, get the same one.
+- **a seed per row block** (:func:`row_seed_tensor`, what LoRA's dropout uses): one seed tile
+  per row block of the dropped-out tensor (its tiles along every dim but the last), each a hash
+  of the base seed, the parameters' first tiles *and that row block's first tile*. So the
+  micro-batches of one optimizer step (``accum_steps``), which share the parameters, draw masks
+  of their own from their own rows, as torch draws a new mask at every forward call (one seed
+  for the whole step gave every micro-batch the same mask, element for element); a resumed run
+  reads the same rows and draws the same masks; and a data-parallel replica seeds its rows from
+  its own tiles (no seed crosses processes).
 - **the mask** of element i (its row-major index in the whole tensor) keeps it when the top 53
   bits of splitmix64(seed + (i + 1) * 0x9E3779B97F4A7C15) are at least p * 2^53. Each tile
   computes its elements' bits from its offset, with array ops that run alike on NumPy and CuPy
@@ -22,12 +30,12 @@ generator instead:
 :func:`keep_mask` returns the mask for given seed values (for tests and references), and
 :func:`step_seed` the seed that :func:`seed_tensor`'s kernel computes from tile values.
 
-Limits: the seed hashes the *first tile* of each tensor, so the same values tiled with another
-first tile give another seed, hence other masks (given the seed, the mask is the same for every
-tiling). A mask repeats when those tiles do not change between steps (learning rate 0, zero
-gradients), and the micro-batches of one optimizer step (``accum_steps``) share the parameters,
-hence their masks element for element (data-parallel replicas hold other rows of the batch, and
-rows have masks of their own).
+Limits: the seed hashes the *first tile* of each tensor (of each row block), so the same values
+tiled with another first tile give another seed, hence other masks (given the seed, the mask is
+the same for every tiling); a row-block seed also depends on where the row tiles are cut, and
+on the rows' values to the bit (rows computed with other rounding, on another device or with
+other sums, give other seeds). A mask repeats when those tiles do not change between steps
+(learning rate 0, zero gradients, and for a row-block seed the same rows again).
 
 >>> import numpy as np, tilegraph as tg
 >>> x = tg.from_numpy(np.ones((4, 6)), tiles=(2, 3))
@@ -52,7 +60,7 @@ from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import new_tensor, numel, require_float, require_tensor
 
-__all__ = ["dropout", "seed_tensor", "step_seed", "keep_mask", "check_dropout"]
+__all__ = ["dropout", "seed_tensor", "row_seed_tensor", "step_seed", "keep_mask", "check_dropout"]
 
 WHERE = "tilegraph.dropout"
 #: elements of each tile hashed into a step's seed (a strided sample, as ops.rmm's)
@@ -93,24 +101,57 @@ def _seed_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 
 
 @kernel("dropout_seed", cost=_seed_cost)
-def _seed_k(*tiles, base):
-    """This step's seed: a hash of the base seed and a sample of each tile (moved to the host)."""
+def _seed_k(*tiles, base, ndim=1):
+    """This step's seed: a hash of the base seed and a sample of each tile (moved to the host), as
+    a tile of ``ndim`` dims of one element."""
     xp = xp_of(tiles[0])
     samples = [_sample(t.reshape(-1)) for t in tiles]
     if xp is not np:
         samples = [xp.asnumpy(s) for s in samples]
-    return xp.asarray(np.array([_hash(base, samples)], dtype=np.uint64))
+    return xp.asarray(np.array([_hash(base, samples)], dtype=np.uint64).reshape((1,) * ndim))
+
+
+def _check_base(base) -> int:
+    if isinstance(base, bool) or not isinstance(base, numbers.Integral) or not 0 <= base < 2 ** 64:
+        raise TileError(WHERE, "the base seed must be an int in [0, 2**64)", repr(base))
+    return int(base)
 
 
 def seed_tensor(*tensors: TileTensor, base: int = 0) -> TileTensor:
     """A (1,) uint64 seed that changes whenever the first tile of one of ``tensors`` does (every
     optimizer step, for trainable parameters). It has no autograd record: no gradient flows
     through a seed, and the tensors it hashes need none for it."""
-    if isinstance(base, bool) or not isinstance(base, numbers.Integral) or not 0 <= base < 2 ** 64:
-        raise TileError(WHERE, "the base seed must be an int in [0, 2**64)", repr(base))
+    base = _check_base(base)
     refs = [t.grid[(0,) * t.ndim] for t in tensors]
     return new_tensor(Tiling(((1,),)), np.uint64,
-                      lambda idx: emit1(_seed_k, refs, (1,), np.uint64, op="dropout", base=int(base)))
+                      lambda idx: emit1(_seed_k, refs, (1,), np.uint64, op="dropout", base=base))
+
+
+def row_seed_tensor(x: TileTensor, *tensors: TileTensor, base: int = 0) -> TileTensor:
+    """One uint64 seed per row block of ``x`` (its tiles along every dim but the last): a tensor of
+    shape ``x.tiling.grid[:-1]``, one element per tile, whose element ``i`` is
+    ``step_seed(base, *first tiles of tensors, x's tile (*i, 0))``. It changes whenever the first
+    tile of one of ``tensors`` does (every optimizer step, for trainable parameters) and differs
+    between inputs (each micro-batch of an accumulated step its own). :func:`dropout` given it
+    drops out each row block of a tensor tiled as ``x`` with that block's seed. No autograd record.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.from_numpy(np.arange(12.0).reshape(4, 3), tiles=(2, 3))
+    >>> s = row_seed_tensor(x, base=1).numpy()
+    >>> s.shape, int(s[1]) == step_seed(1, np.arange(6.0, 12.0))
+    ((2,), True)
+    """
+    base = _check_base(base)
+    require_tensor(x, WHERE, "x")
+    if x.ndim < 1:
+        raise TileError(WHERE, "x needs at least 1 dim (its last is the row's)", f"shape {x.shape}")
+    refs = [t.grid[(0,) * t.ndim] for t in tensors]
+    lead = x.tiling.grid[:-1]
+    if not lead:  # a vector: one row
+        return seed_tensor(*tensors, x, base=base)
+    return new_tensor(Tiling(tuple((1,) * g for g in lead)), np.uint64,
+                      lambda idx: emit1(_seed_k, refs + [x.grid[idx + (0,)]], (1,) * len(lead), np.uint64,
+                                        op="dropout", base=base, ndim=len(lead)))
 
 
 # ------------------------------------------------------------------------------- the mask ----
@@ -196,16 +237,28 @@ def _dropout_k(seed, a, *, p, shape, offset, itemsize):
     return out
 
 
+def _seed_of_tile(a: TileTensor, seed: TileTensor):
+    """``idx -> the seed ref of a's tile idx``: the one seed of a (1,) seed, else the seed of the
+    tile's row block (a :func:`row_seed_tensor` of a tensor tiled as ``a``)."""
+    lead = a.tiling.grid[:-1]
+    if seed.ndim == len(lead) and seed.shape == lead and all(set(c) <= {1} for c in seed.chunks):
+        return lambda idx: seed.grid[idx[:-1]]
+    if seed.shape == (1,) and seed.chunks == ((1,),):
+        return lambda idx: seed.grid[(0,)]
+    raise TileError(WHERE, "a (1,) seed or one seed per row block of the tensor dropped out (row_seed_tensor of "
+                    "a tensor tiled as it)", f"seed of shape {seed.shape} for a tensor of tile grid {a.tiling.grid}")
+
+
 def _dropout_tiles(a: TileTensor, seed: TileTensor, p: float) -> TileTensor:
     """The dropout kernels over every tile of ``a`` (no autograd record: ops that use it give
     their own backward, and :class:`Dropout` its own)."""
     offs = [a.tiling.offsets(d) for d in range(a.ndim)]
-    seed_ref = seed.grid[(0,)]
+    seed_of = _seed_of_tile(a, seed)
 
     def fill(idx):
         offset = tuple(int(offs[d][i]) for d, i in enumerate(idx))
-        return emit1(_dropout_k, [seed_ref, a.grid[idx]], a.tiling.tile_shape(idx), a.dtype, op="dropout", p=p,
-                     shape=a.shape, offset=offset, itemsize=a.dtype.itemsize)
+        return emit1(_dropout_k, [seed_of(idx), a.grid[idx]], a.tiling.tile_shape(idx), a.dtype, op="dropout",
+                     p=p, shape=a.shape, offset=offset, itemsize=a.dtype.itemsize)
 
     return new_tensor(a.tiling, a.dtype, fill)
 
@@ -219,7 +272,7 @@ class Dropout(Op):
     def forward(self, x, seed, *, p):
         require_tensor(x, WHERE, "x")
         require_float(x, WHERE, "x")
-        _check_seed_tensor(seed)
+        _check_seed_tensor(seed, x)
         return _dropout_tiles(x, seed, p), (seed, p)
 
     def backward(self, ctx, dy):
@@ -227,10 +280,17 @@ class Dropout(Op):
         return _dropout_tiles(dy, seed, p), None
 
 
-def _check_seed_tensor(seed) -> None:
-    if not isinstance(seed, TileTensor) or seed.shape != (1,) or seed.dtype != np.uint64 or seed.chunks != ((1,),):
-        raise TileError(WHERE, "seed must be an int or a (1,) uint64 TileTensor (ops.dropout.seed_tensor)",
-                        repr(seed))
+def _check_seed_tensor(seed, x: TileTensor | None = None) -> None:
+    """A (1,) uint64 seed, or (given ``x``) one seed per row block of ``x`` (:func:`row_seed_tensor`)."""
+    if isinstance(seed, TileTensor) and seed.dtype == np.uint64:
+        if seed.shape == (1,) and seed.chunks == ((1,),):
+            return
+        if (x is not None and x.ndim >= 2 and seed.shape == x.tiling.grid[:-1]
+                and all(set(c) <= {1} for c in seed.chunks)):
+            return
+    raise TileError(WHERE, "seed must be an int, a (1,) uint64 TileTensor (ops.dropout.seed_tensor) or one seed per "
+                    "row block of x (ops.dropout.row_seed_tensor(x, ...))",
+                    repr(seed) + ("" if x is None else f" for x of tile grid {x.tiling.grid}"))
 
 
 _DROPOUT = Dropout()
@@ -245,7 +305,8 @@ def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool 
     does, from the values of ``x``'s first tile and the module the call is recorded in, so a
     replayed step draws a new mask as its input changes; an int gives the same mask every time the
     graph runs; a (1,) uint64 TileTensor such as :func:`seed_tensor` makes from trainable
-    parameters, a new mask every optimizer step. Apply it only to a training step's graph: pass
+    parameters, a new mask every optimizer step, or :func:`row_seed_tensor` of ``x`` (one seed
+    per row block: a new mask for every input too). Apply it only to a training step's graph: pass
     ``training=self.training`` in a module (True under :func:`tilegraph.nn.training`, as
     ``TrainStep`` records, or after ``model.train()``). See the module doc."""
     p = check_dropout(p, WHERE, "p")
@@ -261,9 +322,9 @@ def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool 
         from tilegraph._tensor import from_numpy
 
         seed = from_numpy(np.array([int(seed)], dtype=np.uint64))
-    if seed is not None:
-        _check_seed_tensor(seed)
     require_tensor(x, WHERE, "x")
+    if seed is not None:
+        _check_seed_tensor(seed, x)
     if p == 0 or not training:
         return x
     if seed is None:

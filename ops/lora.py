@@ -15,10 +15,11 @@ only when U or V need a gradient, W only when X does. W gets no gradient at all.
 
 With ``dropout=p > 0`` (LoRA's dropout on the adapter's input, as Hugging Face peft's) the layer
 is ``Y = b + X W + scale * (D(X) U) V`` with D the inverted dropout of :mod:`tilegraph.ops.dropout`,
-a new mask every optimizer step (its seed hashes a base seed with U's and V's first tiles), no
-mask stored: the backward regenerates D(X) from X and applies the same mask to dX's adapter part
-(dX = dY W^T + D(Z U^T)). Only the variants that keep the adapter branch apart are valid then:
-forward f1, backward b1, b2, b3 (f2, b4 and b5 multiply by W + U V, one X for both branches).
+a new mask every optimizer step and every micro-batch (each row block's seed hashes a base seed
+with U's and V's first tiles and the block's first tile of X), no mask stored: the backward
+regenerates D(X) from X and applies the same mask to dX's adapter part (dX = dY W^T + D(Z U^T)).
+Only the variants that keep the adapter branch apart are valid then: forward f1, backward b1,
+b2, b3 (f2, b4 and b5 multiply by W + U V, one X for both branches).
 
 >>> import numpy as np, tilegraph as tg
 >>> from tilegraph.ops.lora import choose_variant
@@ -45,7 +46,7 @@ from tilegraph._graph import emit1
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import new_tensor, require_float, require_same_chunks, require_same_dtype, require_tensor
-from .dropout import _dropout_tiles, check_dropout, seed_tensor
+from .dropout import _dropout_tiles, check_dropout, row_seed_tensor
 from .matmul import _matmul, _matmul_tn_op
 
 __all__ = ["lora_linear", "choose_variant", "variant_flops", "requires_grad", "merged_weight", "FORWARD", "BACKWARD",
@@ -356,8 +357,8 @@ def _run_tiles(steps, env: dict, wanted) -> dict:
 class LoRAContext(NamedTuple):
     """What the backward needs: the inputs (references, not copies; the workers keep only the
     tiles that the kernels of the gradients actually asked for read), the scale, the chosen
-    backward variant and, with dropout, its probability and the step's seed tile (the mask is
-    regenerated from it, never stored)."""
+    backward variant and, with dropout, its probability and the step's seed tiles, one per row
+    block of x (the mask is regenerated from them, never stored)."""
 
     x: TileTensor
     w: TileTensor
@@ -386,9 +387,11 @@ class LoRALinearOp(Op):
         env = {"x": x, "w": w, "u": _scaled(u, scale), "v": v, "b": bias}
         steps, step_seed = _FORWARD[fwd], None
         if p > 0:
-            # one seed tile per layer and step, hashed from the trainable U and V (new values every
-            # optimizer step, so a replayed step graph draws a new mask); the backward reuses it
-            step_seed = seed_tensor(u, v, base=seed)
+            # one seed tile per row block of X, hashed from the trainable U and V (new values every
+            # optimizer step, so a replayed step graph draws a new mask) and that block's first tile
+            # of X (each micro-batch of an accumulated step, which shares U and V, draws its own
+            # mask, as torch draws one per forward call); the backward reuses them
+            step_seed = row_seed_tensor(x, u, v, base=seed)
             env.update(seed=step_seed, p=p)
             steps = _FORWARD_DROPOUT[fwd]
         y = _run_tiles(steps, env, ("y",))["y"]
@@ -497,9 +500,11 @@ def lora_linear(x: TileTensor, w: TileTensor, u: TileTensor, v: TileTensor, bias
       inferred from the graph (:func:`requires_grad`). Every gradient stays available either way.
     - ``device``: where the "time" criterion measures ("cpu" or "gpu").
     - ``dropout``: the probability of zeroing an element of the adapter's input (the base product
-      reads x as it is), 0 for none; the kept ones are scaled by 1 / (1 - dropout). The mask comes
-      from ``seed`` and a hash of the first tiles of ``u`` and ``v``, so it changes whenever they
-      do (every optimizer step of a replayed step graph; see :mod:`tilegraph.ops.dropout`). It
+      reads x as it is), 0 for none; the kept ones are scaled by 1 / (1 - dropout). Each row block
+      of x (its tiles along the leading dims) draws its mask from ``seed`` and a hash of the first
+      tiles of ``u`` and ``v`` and of the block's first tile of ``x``
+      (:func:`tilegraph.ops.dropout.row_seed_tensor`), so it changes whenever they do: every
+      optimizer step of a replayed step graph, and every micro-batch of an accumulated one. It
       applies whenever given: :class:`tilegraph.nn.LoRALinear` passes it in training only.
       Restricts the variants to :data:`DROPOUT_FORWARD` and :data:`DROPOUT_BACKWARD`.
 

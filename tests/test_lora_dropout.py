@@ -1,6 +1,7 @@
 """LoRA dropout (peft's lora_dropout): the adapter's input dropped out in training steps only, a
-new mask every step from a counter-based generator seeded by the layer's U and V, against torch
-autograd with the exact mask; no dropout in evaluation, generation or a plain forward."""
+new mask every step and every micro-batch from a counter-based generator seeded by the layer's U
+and V and the rows of its input, against torch autograd with the exact mask; no dropout in
+evaluation, generation or a plain forward."""
 
 import math
 
@@ -23,10 +24,19 @@ def _first_tile(p) -> np.ndarray:
     return p.numpy()[tuple(slice(0, c[0]) for c in p.chunks)]
 
 
-def _mask_of(layer, shape) -> np.ndarray:
-    """The keep-mask the layer's dropout uses now (its seed hashes U's and V's first tiles)."""
-    return keep_mask(step_seed(layer.dropout_seed, _first_tile(layer.lora_u), _first_tile(layer.lora_v)), shape,
-                     layer.dropout)
+def _mask_of(layer, x: np.ndarray, chunks=None) -> np.ndarray:
+    """The keep-mask the layer's dropout uses now on ``x`` tiled as ``chunks`` (default: one tile):
+    each row block's seed hashes U's and V's first tiles and the block's first tile of x."""
+    chunks = chunks or tuple((s,) for s in x.shape)
+    u, v = _first_tile(layer.lora_u), _first_tile(layer.lora_v)
+    starts = [np.cumsum((0,) + tuple(c)) for c in chunks[:-1]]
+    mask = np.zeros(x.shape, bool)
+    for lead in np.ndindex(*[len(c) for c in chunks[:-1]]):
+        rows = tuple(slice(b[i], b[i + 1]) for b, i in zip(starts, lead))
+        seed = step_seed(layer.dropout_seed, u, v, x[rows + (slice(0, chunks[-1][0]),)])
+        mask[rows] = keep_mask(seed, x.shape, layer.dropout, offset=[r.start for r in rows] + [0],
+                               tile_shape=x[rows].shape)
+    return mask
 
 
 def _layer(mode, dropout=P, variant=None, seed=0):
@@ -73,7 +83,7 @@ def test_training_forward_and_gradients_match_torch_with_the_mask_used(variant, 
     assert ctx.dropout == P and ctx.backward in L.DROPOUT_BACKWARD
     if variant is not None:
         assert ctx.backward == variant[1]
-    mask = _mask_of(layer, x.shape)
+    mask = _mask_of(layer, x, tx.chunks)
     assert 0 < mask.sum() < mask.size  # some elements dropped, some kept
     want = _torch_lora(layer, x, r, mask)
     rtol, atol = TOL[np.dtype(np.float64)]
@@ -125,9 +135,9 @@ def test_the_mask_is_regenerated_in_the_backward_never_stored():
     drops = [n for n in backward if n.kernel is not None and n.kernel.name == "dropout"]
     # the backward drops out X again (for dU, dV) and dX's adapter part, with its own kernels ...
     assert drops and not any(id(n) in in_forward for n in drops)
-    # ... from the one seed tile of this layer's step, made in the forward
+    # ... from the seed tiles of this layer's step, one per row block of x, made in the forward
     seeds = {id(n) for n in forward + backward if n.kernel is not None and n.kernel.name == "dropout_seed"}
-    assert len(seeds) == 1 and seeds <= in_forward
+    assert len(seeds) == math.prod(x.tiling.grid[:-1]) and seeds <= in_forward
 
 
 # ------------------------------------------------------------------------ the mask itself ----
@@ -198,7 +208,7 @@ def test_mask_changes_every_training_step():
 
     masks = []
     for _ in range(3):
-        mask = _mask_of(layer, x.shape)
+        mask = _mask_of(layer, x)
         want, without = loss_with(mask), loss_with(np.ones_like(mask))
         got = step(x, r)
         assert got == pytest.approx(want, rel=1e-10) and got != pytest.approx(without, rel=1e-6)

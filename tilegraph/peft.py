@@ -111,11 +111,13 @@ class LoRALinear(Module):
     ``dropout`` (peft's ``lora_dropout``): in a training step's graph (recorded under
     :func:`tilegraph.nn.training`, as ``TrainStep`` does) each element of the adapter's input is
     zeroed with this probability and the others scaled by 1 / (1 - dropout), a new mask every
-    optimizer step; the base product reads x as it is. Evaluation, generation and a plain forward
-    have no dropout. The masks' base seed (``dropout_seed``) is a hash of the initial ``lora_u``,
-    so the draws of ``seed`` are those of a layer without dropout. Checkpoints record it
-    (:func:`adapter_settings`), and a layer rebuilt from one or loaded from one takes it back, so a
-    resumed run draws the masks of the run it continues.
+    optimizer step and every micro-batch of an accumulated one (each row block of x seeds its mask
+    from U, V and its own first tile, :func:`tilegraph.ops.dropout.row_seed_tensor`); the base
+    product reads x as it is. Evaluation, generation and a plain forward have no dropout. The
+    masks' base seed (``dropout_seed``) is a hash of the initial ``lora_u``, so the draws of
+    ``seed`` are those of a layer without dropout. Checkpoints record it (:func:`adapter_settings`),
+    and a layer rebuilt from one or loaded from one takes it back, so a resumed run draws the
+    masks of the run it continues.
 
     >>> import numpy as np, tilegraph as tg
     >>> layer = tg.nn.LoRALinear(tg.nn.Linear(6, 5, seed=0), rank=2, alpha=4, seed=0)
@@ -512,12 +514,46 @@ def other_modules_matched(model: Module, patterns: dict[str, list[str]], unmatch
     for t in unmatched:
         hits = [(name, m) for name, m, _ in modules if any(_matches(name, p) for p in patterns[t])]
         if not hits:
+            said.append(_hf_name_matched(model, t, patterns[t], {name: m for name, m, _ in modules}))
             continue
         kinds = ", ".join(f"{name} ({type(m).__name__})" for name, m in hits[:4]) + (" ..." if len(hits) > 4 else "")
         holds = any(isinstance(c, (Linear, QuantizedLinear)) for _, m in hits for _, c, _ in _named_modules(m))
         said.append(f"{t!r} matches {kinds}, " + (f"which hold Linear layers: {t + '.*'!r} names them" if holds
                                                    else "no Linear layer (only Linear layers are taken)"))
-    return "; ".join(said)
+    return "; ".join(line for line in said if line)
+
+
+def _hf_name_matched(model: Module, target: str, patterns: list[str], modules: dict[str, Module]) -> str:
+    """What a target matching no tilegraph module stands for in the model's Hugging Face form: an
+    output layer tied to the embedding (GPT-2's ``lm_head``, peft's usual target), or the HF name
+    of an embedding or a norm (Llama's ``embed_tokens``); "" for none of these."""
+    from tilegraph.io.hf import SPECS
+    from tilegraph.nn import Embedding
+
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_embeddings", False) and any(_matches("lm_head", p) for p in patterns):
+        embedding = next((name for name, m in modules.items() if isinstance(m, Embedding)), "the embedding")
+        return (f"{target!r} is the output layer, which this {type(model).__name__} ties to its embedding "
+                f"{embedding} (tie_embeddings=True): the logits use {embedding}'s weight, not a Linear layer's "
+                "(peft's LoRA on a tied lm_head has no tilegraph form)")
+    spec = SPECS.get(getattr(model, "arch", None))
+    if spec is None or config is None:
+        return ""
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    shapes.update({f"{name}.weight": m.weight.shape for name, m in modules.items() if hasattr(m, "weight")})
+    held = [name.removesuffix(".weight") for hf, (_, names) in spec.names.expand(config.n_layers, shapes).items()
+            if hf.endswith(".weight") and any(_matches(hf.removesuffix(".weight"), p) for p in patterns)
+            for name in names]
+    held = [name for name in dict.fromkeys(held) if name in modules]
+    if not held:
+        return ""
+    kinds = ", ".join(f"{name} ({type(modules[name]).__name__})" for name in held[:4])
+    kinds += " ..." if len(held) > 4 else ""
+    if any(isinstance(modules[name], (Linear, QuantizedLinear)) for name in held):
+        known = ", ".join(HF_TARGETS.get(model.arch, ()))
+        return (f"{target!r} is the Hugging Face name of {kinds}: name them as tilegraph does"
+                + (f", or by the Hugging Face module names {known}" if known else ""))
+    return f"{target!r} is the Hugging Face name of {kinds}: no Linear layer (only Linear layers are taken)"
 
 
 def lotr_layers(model: Module) -> dict[str, LoTRLinear]:

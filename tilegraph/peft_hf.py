@@ -292,12 +292,14 @@ def load_peft(path, model: Module) -> Module:
 
     ``lora_alpha`` / ``alpha_pattern`` / ``rank_pattern`` and ``use_rslora`` (scale
     ``alpha / sqrt(r)``) give each layer's alpha. ``lora_dropout`` becomes the dropout of the LoRA
-    layers this call adds (layers the model already has keep theirs). Errors, each listing every problem found: a missing folder or
-    file, ``peft_type`` other than LORA, options that change the adapter beyond lora_A and lora_B
-    (DoRA, biases, modules_to_save ...), keys for modules the model lacks or of other kinds, shapes
-    of another model's size, ranks that the config or the model's LoRA layers contradict, and a
-    copy of a base weight that is not the model's (peft's save_pretrained writes lm_head's when it
-    is a target, and its from_pretrained loads it over the model's; tilegraph keeps the model's).
+    layers this call adds (layers the model already has keep theirs). Errors, each listing every
+    problem found: a missing folder or file, ``peft_type`` other than LORA, options that change the
+    adapter beyond lora_A and lora_B (DoRA, biases, modules_to_save ...), keys for modules the
+    model lacks or of other kinds (an ``lm_head`` adapter where the model ties its output layer to
+    the embedding, as GPT-2 does), shapes of another model's size, ranks that the config or the
+    model's LoRA layers contradict, and a copy of a base weight that is not the model's (peft's
+    save_pretrained writes lm_head's when it is a target, and its from_pretrained loads it over the
+    model's; tilegraph keeps the model's).
     """
     from tilegraph.peft import LoTRLinear, lora_layers
 
@@ -307,7 +309,8 @@ def load_peft(path, model: Module) -> Module:
     _check_config(config, where)
     weights = _open_weights(folder, where)
     targets = _targets(model, where)
-    pairs, bases = _pairs(weights, targets, model.arch, where)
+    pairs, bases = _pairs(weights, targets, model.arch, where,
+                          tied=bool(getattr(getattr(model, "config", None), "tie_embeddings", False)))
     plan = _plan(pairs, targets, config, weights, where)
     _check_base_copies(bases, targets, model, weights, where)
     layers = _layers(model)
@@ -413,11 +416,12 @@ def _open_weights(folder: Path, where: str):
     return st.SafetensorsFile(file)
 
 
-def _pairs(weights, targets: dict[str, _Target], arch: str,
-           where: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+def _pairs(weights, targets: dict[str, _Target], arch: str, where: str,
+           tied: bool = False) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
     """HF module name -> (lora_A key, lora_B key), and HF module name -> the key of the copy of its
     base weight (``base_layer.weight``) of the adapted modules that have one; every other key, a
-    module the model lacks and a half pair are errors, all named at once."""
+    module the model lacks and a half pair are errors, all named at once. ``tied``: the model
+    ties its output layer to the embedding (then HF's ``lm_head`` is no Linear of its own)."""
     found: dict[str, dict[str, str]] = {}
     bases: dict[str, str] = {}
     embeddings: dict[str, None] = {}  # modules with peft's Embedding adapter (whose base_layer copy is not named)
@@ -440,7 +444,11 @@ def _pairs(weights, targets: dict[str, _Target], arch: str,
             continue
         found.setdefault(m.group(1)[len(KEY_PREFIX):], {})[m.group(2)] = key
     for module, ab in sorted(found.items()):
-        if module not in targets:
+        if module not in targets and tied and module == "lm_head":
+            problems.append(f"lm_head has an adapter, and the {arch} model ties its output layer to the embedding "
+                            "(tie_embeddings=True: the logits use the embedding's weight, no Linear layer to adapt; "
+                            "peft's LoRA on a tied lm_head has no tilegraph form)")
+        elif module not in targets:
             problems.append(f"no linear module {module} in the {arch} model")
         elif set(ab) != {"A", "B"}:
             problems.append(f"{module} has lora_{''.join(ab)} but not lora_{'B' if 'A' in ab else 'A'}")
@@ -450,7 +458,7 @@ def _pairs(weights, targets: dict[str, _Target], arch: str,
         problems.append("no lora_A / lora_B tensors")
     if problems:
         raise TileError(where, f"{ADAPTER_WEIGHTS} to hold LoRA adapters for modules of the model "
-                        f"({len(problems)} problems)", "; ".join(problems))
+                        f"({len(problems)} problem{'s' if len(problems) != 1 else ''})", "; ".join(problems))
     return {m: (ab["A"], ab["B"]) for m, ab in found.items()}, bases
 
 
