@@ -1,9 +1,10 @@
 """Token datasets: text files -> a memory-mapped token file -> batches read on the workers.
 
 :func:`build_token_file` tokenizes text files (or every matching file under folders, in sorted
-order) into one flat file of uint16/uint32 ids plus a JSON sidecar ``<file>.json`` (dtype, count,
-tokenizer, sources and hashes). Both are written under temporary names and renamed only when
-everything succeeded, so a failure never leaves a partial file nor replaces a good one.
+order; a JSON Lines file's records, each a document) into one flat file of uint16/uint32 ids plus
+a JSON sidecar ``<file>.json`` (dtype, count, tokenizer, sources and hashes), a block of a large
+file at a time. Both are written under temporary names and renamed only when everything
+succeeded, so a failure never leaves a partial file nor replaces a good one.
 
 :class:`TokenDataset` opens that file with ``np.memmap`` and splits it into a train and a
 validation range. A batch is just the int64 start offsets of its windows
@@ -22,6 +23,7 @@ the offsets travel from the client. Every worker must see the token file under t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -135,39 +137,246 @@ def _read_text(path, where: str, max_bytes: int | None = None) -> tuple[str, boo
     """The file's text, at most ``max_bytes`` bytes of it (None: all; the rest never read, and a
     character cut in two left out), and whether it was cut. A leading UTF-8 byte order mark is
     not text (Windows editors write one): it is dropped, not tokenized into the corpus."""
+    blocks = _text_blocks(path, where, max_bytes)
+    _, cut = next(blocks)
+    return "".join(blocks), cut
+
+
+#: bytes of a file read and encoded at a time by build_token_file (and BPETokenizer.train), where
+#: the tokenizer's ``split_at`` allows cutting its text. Small: the tokenizers library's encode
+#: holds some 300 bytes a token and slows on long texts (measured on 2 cores, a BPE of about one
+#: token a byte: 0.58 MB/s on 64 KB texts, 0.21 on 1 MB ones, 4.8 GB held for 16 MB blocks),
+#: and the byte tokenizer went fastest with it too (200 MB in 3.0 s; 4.4 s in 1 MB blocks)
+BLOCK_BYTES = 1 << 16
+
+
+def _char_start(data, i: int) -> int:
+    """The start of the UTF-8 character that holds byte ``i`` of ``data`` (at most 3 back)."""
+    j = i
+    while j > max(0, i - 3) and data[j] & 0xC0 == 0x80:
+        j -= 1
+    return j
+
+
+def _not_space(data, i: int, j: int) -> bool:
+    """Whether ``data[i:j]`` is one character, and no whitespace (str.isspace, which holds every
+    character of Unicode's White_Space that regular expressions' \\s matches)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-            skip = len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0
-            f.seek(skip)
-            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        ch = bytes(data[i:j]).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return len(ch) == 1 and not ch.isspace()
+
+
+#: a character's last byte that is no ASCII whitespace, before one that is (whitespace that every
+#: regular expression's \\s matches)
+_BEFORE_SPACE = re.compile(rb"[^ \t\n\r\x0b\x0c](?=[ \t\n\r\x0b\x0c])")
+
+
+def _cut_point(data: bytearray, start: int, split_at: str | None) -> int:
+    """Where to cut ``data`` (text read on beyond its end) so that its two parts encode to the
+    ids of the whole, as the tokenizer's ``split_at`` allows; ``start``: no such place lies
+    before it (searched already). 0 when there is none."""
+    end = len(data)
+    if split_at == "any":  # before the last character that starts in the block (it may go on past it)
+        return _char_start(data, end - 1) if end else 0
+    if split_at != "space":
+        return 0
+    # before an ASCII whitespace character that follows a character that is no whitespace (a
+    # no-break space is, in two bytes that are not ASCII); the last such place, searched from the end
+    first, hi = max(start - 1, 0), end
+    while hi > first:
+        lo = max(hi - 65536, first)
+        for m in reversed(list(_BEFORE_SPACE.finditer(data, lo, hi))):
+            if _not_space(data, _char_start(data, m.start()), m.end()):
+                return m.end()
+        hi = lo + 1 if lo > first else first  # the windows overlap by a byte: no pair is missed
+    return 0
+
+
+def _text_blocks(path, where: str, max_bytes: int | None = None, split_at: str | None = None):
+    """The text of the file at ``path`` (at most ``max_bytes`` bytes of it, a character cut in
+    two left out, a leading UTF-8 byte order mark too), in parts cut where ``split_at`` allows
+    (see :attr:`tilegraph.io.Tokenizer.split_at`; None: the whole text at once), each about
+    :data:`BLOCK_BYTES` long: a file of gigabytes is never held whole. Yields ``(bytes read,
+    cut)`` first (the text's UTF-8 size and whether ``max_bytes`` cut it), then each part as a
+    str. A file that is not UTF-8 text is a TileError naming the byte, wherever it lies."""
+    try:
+        f = open(path, "rb")
     except OSError as e:  # unreadable, or gone since it was found
         raise TileError(where, "a readable text file", f"{path}: {e.strerror or e}") from None
-    other = next((name for bom, name in _OTHER_BOMS if head.startswith(bom)), None)
-    if other is not None:  # its NUL bytes would call it binary
-        raise TileError(where, f"expected a UTF-8 text file; this one is {other} (it starts with a {other} byte "
-                        "order mark): save it as UTF-8", str(path))
-    cut = max_bytes is not None and len(data) > max_bytes
-    if cut:
-        data = data[:max_bytes]
-    nul = data.find(b"\x00")
-    if nul >= 0:  # valid UTF-8, but no text file has NUL bytes: this is a binary file
-        raise TileError(where, "expected a UTF-8 text file; this one contains NUL bytes (binary?)",
-                        f"{path} (first NUL at byte {nul + skip})")
-    try:
-        return data.decode("utf-8"), cut
-    except UnicodeDecodeError as e:
-        start, at_end = e.start, cut and e.reason == "unexpected end of data"
-    if not at_end:
-        raise TileError(where, "expected a UTF-8 text file; this one does not decode as UTF-8",
-                        f"{path} (byte {start + skip}: {data[start:start + 4]!r})")
-    return data[:start].decode("utf-8"), cut  # the budget ended inside a character
+    with f:
+        try:
+            head = f.read(4)
+            size = os.fstat(f.fileno()).st_size
+            if not size and head:  # a file that says it is empty and is not (/proc, some FUSE mounts): small
+                f = io.BytesIO(head + f.read())
+                size = len(f.getbuffer())
+        except OSError as e:
+            raise TileError(where, "a readable text file", f"{path}: {e.strerror or e}") from None
+        other = next((name for bom, name in _OTHER_BOMS if head.startswith(bom)), None)
+        if other is not None:  # its NUL bytes would call it binary
+            raise TileError(where, f"expected a UTF-8 text file; this one is {other} (it starts with a {other} byte "
+                            "order mark): save it as UTF-8", str(path))
+        skip = len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0
+        total = max(size - skip, 0)
+        cut = max_bytes is not None and total > max_bytes
+        n = max_bytes if cut else total
+        try:
+            if cut:  # a character that the budget cuts in two is left out whole
+                f.seek(skip + max(n - 3, 0))
+                tail = f.read(n - max(n - 3, 0) + 1)
+                if len(tail) > 1 and tail[-1] & 0xC0 == 0x80:
+                    lead = _char_start(tail, len(tail) - 1)
+                    if tail[lead] >= 0xC0:
+                        n -= len(tail) - 1 - lead
+            f.seek(skip)
+        except OSError as e:
+            raise TileError(where, "a readable text file", f"{path}: {e.strerror or e}") from None
+        yield n, cut
+        block = BLOCK_BYTES
+        data, at, left, searched, parts = bytearray(), skip, n, 0, 0  # at: the file's byte at data[0]
+        while True:
+            try:
+                more = f.read(min(block, left)) if left else b""
+            except OSError as e:
+                raise TileError(where, "a readable text file", f"{path}: {e.strerror or e}") from None
+            if left and not more:
+                raise TileError(where, "a text file that stays as it is while it is read (it became shorter)",
+                                f"{path}: {n - left} of {n} bytes read")
+            left -= len(more)
+            nul = more.find(b"\x00")
+            if nul >= 0:  # valid UTF-8, but no text file has NUL bytes: this is a binary file (said at once,
+                # a large one not read on to a place to cut)
+                raise TileError(where, "expected a UTF-8 text file; this one contains NUL bytes (binary?)",
+                                f"{path} (first NUL at byte {at + len(data) + nul})")
+            data += more
+            stop = len(data) if not left else _cut_point(data, searched, split_at)
+            searched = len(data)
+            if stop == 0 and left:  # no place to cut yet: read on
+                continue
+            part = bytes(data[:stop])
+            del data[:stop]
+            searched -= stop
+            try:
+                text = part.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TileError(where, "expected a UTF-8 text file; this one does not decode as UTF-8",
+                                f"{path} (byte {at + e.start}: {part[e.start:e.start + 4]!r})") from None
+            at += stop
+            if text or (not left and not parts):  # an empty file too (a tokenizer may give ids for "": a "<s>")
+                parts += 1
+                yield text
+            if not left:
+                return
 
 
 def read_text(path: Path | str, where: str = "tilegraph.io.read_text") -> str:
     """The file's content as text (without a leading byte order mark); a TileError names the
     file when it is not UTF-8 text or cannot be read."""
     return _read_text(path, where)[0]
+
+
+#: files read as JSON Lines: one JSON object a line, each a document (its ``text_field``)
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+#: files that hold no text as they are, by their suffix: what to do instead
+_NOT_TEXT = {".parquet": "a Parquet file", ".arrow": "an Arrow file (a Hugging Face datasets cache?)",
+             ".feather": "an Arrow (Feather) file", ".gz": "a compressed file", ".bz2": "a compressed file",
+             ".xz": "a compressed file", ".zst": "a compressed file", ".zip": "a zip archive",
+             ".tar": "a tar archive"}
+
+
+def _check_text_field(text_field, where: str) -> str:
+    if not isinstance(text_field, str) or not text_field:
+        raise TileError(where, "text_field must be the name of the JSON Lines records' text field (a non-empty str)",
+                        f"{text_field!r:.100}")
+    return text_field
+
+
+class _Source:
+    """The documents of one source file, read as :func:`build_token_file` tokenizes them: a text
+    file is one document (in parts cut where ``split_at`` allows, see :func:`_text_blocks`), a
+    JSON Lines file (:data:`JSONL_SUFFIXES`) one document for each record, its ``text_field``.
+    At most ``budget`` bytes of UTF-8 text (None: all); after :meth:`documents` ran, ``nbytes``,
+    ``cut`` (whether the budget cut the text) and ``count`` (documents) describe what was read."""
+
+    def __init__(self, path: Path, where: str, budget: int | None, split_at: str | None, text_field: str):
+        self.path, self.where, self.budget, self.split_at = path, where, budget, split_at
+        self.text_field = text_field
+        self.jsonl = path.suffix.lower() in JSONL_SUFFIXES
+        self.nbytes, self.cut, self.count = 0, False, 0
+        kind = _NOT_TEXT.get(path.suffix.lower())
+        if kind is not None:  # "contains NUL bytes (binary?)" or "does not decode" said less
+            raise TileError(where, f"UTF-8 text files or JSON Lines files ({', '.join(JSONL_SUFFIXES)}); this one is "
+                            f"{kind}: write its text out as .txt or .jsonl files", str(path))
+
+    def documents(self):
+        """``(bytes, parts)`` for each document: its UTF-8 size, and an iterator of its text."""
+        if not self.jsonl:
+            blocks = _text_blocks(self.path, self.where, self.budget, self.split_at)
+            self.nbytes, self.cut = next(blocks)
+            self.count = 1
+            yield self.nbytes, blocks
+            return
+        for text in self._records():
+            if self.budget is not None and self.nbytes >= self.budget:  # spent on the records before it
+                self.cut = True
+                return
+            raw = text.encode("utf-8")
+            if self.budget is not None and self.nbytes + len(raw) > self.budget:
+                keep = self.budget - self.nbytes  # the record that reaches the budget is cut there
+                raw = raw[:keep].decode("utf-8", errors="ignore").encode("utf-8")  # (a character cut in two: out)
+                text, self.cut = raw.decode("utf-8"), True
+            self.nbytes += len(raw)
+            self.count += 1
+            yield len(raw), iter((text,))
+            if self.cut:
+                return
+
+    def _records(self):
+        path, where, field = self.path, self.where, self.text_field
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise TileError(where, "a readable JSON Lines file", f"{path}: {e.strerror or e}") from None
+        with f:
+            head = f.read(4)
+            other = next((name for bom, name in _OTHER_BOMS if head.startswith(bom)), None)
+            if other is not None:
+                raise TileError(where, f"expected a UTF-8 JSON Lines file; this one is {other} (it starts with a "
+                                f"{other} byte order mark): save it as UTF-8", str(path))
+            f.seek(len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0)
+            for number, line in enumerate(f, 1):
+                if not line.strip():  # a blank line (the last one's newline, say) is no record
+                    continue
+                at = f"{path}, line {number}"
+                try:
+                    record = json.loads(line)
+                except UnicodeDecodeError as e:
+                    raise TileError(where, "a JSON Lines file in UTF-8; this line does not decode as UTF-8",
+                                    f"{at} (byte {e.start} of the line: {line[e.start:e.start + 4]!r})") from None
+                except ValueError as e:  # json.JSONDecodeError
+                    raise TileError(where, "a JSON Lines file: one JSON object a line", f"{at}: {e}") from None
+                except RecursionError:
+                    raise TileError(where, "a JSON Lines file: one JSON object a line",
+                                    f"{at}: nested too deep") from None
+                if not isinstance(record, dict):
+                    raise TileError(where, "a JSON Lines file: one JSON object a line",
+                                    f"{at}: a JSON {type(record).__name__}")
+                if field not in record:
+                    keys = ", ".join(map(repr, list(record)[:8])) + (", ..." if len(record) > 8 else "")
+                    raise TileError(where, f"each record to hold its text in the field {field!r} (text_field names "
+                                    "the field)", f"{at}: a record with {keys or 'no keys'}")
+                text = record[field]
+                if not isinstance(text, str):
+                    raise TileError(where, f"the records' {field!r} to be a string",
+                                    f"{at}: {type(text).__name__} {text!r:.60}")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800"), which no UTF-8 spells
+                    raise TileError(where, f"the records' {field!r} to be valid Unicode text",
+                                    f"{at}: a lone surrogate {text[e.start:e.end]!r} at character {e.start}") from None
+                yield text
 
 
 # -------------------------------------------------------------------------------- token file ----
@@ -177,15 +386,22 @@ def _meta_path(path: Path) -> Path:
 
 def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer | None = None, *,
                      patterns: Sequence[str] | str = DEFAULT_PATTERNS, append_eos: bool = True,
-                     max_bytes: int | None = None) -> dict:
+                     max_bytes: int | None = None, text_field: str = "text") -> dict:
     """Tokenize text ``sources`` (files or folders, see :func:`find_sources`) into ``out_path``: a
     flat file of ``tokenizer.dtype`` ids, and ``out_path + ".json"`` describing it. Files are
     concatenated in order, each followed by the end-of-text token when the tokenizer has one and
     ``append_eos``. Returns the sidecar's content.
 
-    ``max_bytes`` (None: no limit) reads at most that much UTF-8 text: the file that reaches it is
-    cut there (at a character boundary; its sidecar entry says ``"cut": true``) and the files after
-    it are not read (the sidecar's ``"files_left_out"`` counts them).
+    A JSON Lines file (``.jsonl``, ``.ndjson``) holds one document a line: the field
+    ``text_field`` of each record (a JSON object), each followed by the end-of-text token (its
+    sidecar entry counts them: ``"documents"``). Parquet, Arrow and compressed files are refused
+    by name. A text file is read and tokenized a block at a time where the tokenizer allows it
+    (:attr:`~tilegraph.io.Tokenizer.split_at`: the byte tokenizer, byte-level BPE), to the same
+    ids: a file of gigabytes is never held in memory whole.
+
+    ``max_bytes`` (None: no limit) reads at most that much UTF-8 text: the file (or record) that
+    reaches it is cut there (at a character boundary; its sidecar entry says ``"cut": true``) and
+    the files after it are not read (the sidecar's ``"files_left_out"`` counts them).
 
     Nothing is written under the final names unless every file was read and tokenized: an empty
     corpus, a file that is not UTF-8 text, or a missing path raises a TileError and leaves any
@@ -208,6 +424,7 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
         raise TileError(where, "append_eos must be True or False", f"{append_eos!r:.100}")
     if max_bytes is not None and not is_int(max_bytes, 1):
         raise TileError(where, "max_bytes must be None or an int >= 1", repr(max_bytes))
+    text_field = _check_text_field(text_field, where)
     files = find_sources(sources, patterns, where=where)
     written = {out.resolve(), _meta_path(out).resolve()}
     clash = [str(f) for f in files if f in written]
@@ -226,29 +443,40 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
             for path in files:
                 if max_bytes is not None and read_bytes >= max_bytes:
                     break
-                # only the rest of the budget is read (a 10 GB file under max_bytes=1e6: 1 MB of it);
-                # a character cut in two is left out whole
-                text, cut = _read_text(path, where, None if max_bytes is None else max_bytes - read_bytes)
-                raw = text.encode("utf-8")
-                ids = np.asarray(tokenizer.encode(text))
-                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
-                    raise TileError(where, f"the tokenizer produced ids outside [0, {tokenizer.vocab_size})",
-                                    f"{path}: {int(ids.min())}..{int(ids.max())}")
-                ids = ids.astype(dtype)
-                if eos is not None:
-                    ids = np.append(ids, np.array(eos, dtype))
-                buf = ids.tobytes()
-                f.write(buf)
-                tok_hash.update(buf)
-                src_hash.update(len(raw).to_bytes(8, "little"))
-                src_hash.update(raw)
-                entry = {"path": str(path), "bytes": len(raw), "tokens": int(ids.size)}
+                # only the rest of the budget is read (a 10 GB file under max_bytes=1e6: 1 MB of it),
+                # a character cut in two left out whole; a block at a time where the tokenizer's ids
+                # allow cutting the text (its split_at), so a file of gigabytes is never held whole
+                source = _Source(path, where, None if max_bytes is None else max_bytes - read_bytes,
+                                 getattr(tokenizer, "split_at", None), text_field)
+                tokens = 0
+                for nbytes, parts in source.documents():
+                    src_hash.update(nbytes.to_bytes(8, "little"))
+                    for text in parts:
+                        src_hash.update(text.encode("utf-8"))
+                        ids = np.asarray(tokenizer.encode(text))
+                        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
+                            raise TileError(where, f"the tokenizer produced ids outside [0, {tokenizer.vocab_size})",
+                                            f"{path}: {int(ids.min())}..{int(ids.max())}")
+                        buf = ids.astype(dtype, copy=False).tobytes()
+                        del ids
+                        f.write(buf)
+                        tok_hash.update(buf)
+                        tokens += len(buf) // dtype.itemsize
+                        text_chars += len(text)
+                    if eos is not None:  # after each document
+                        buf = np.array([eos], dtype).tobytes()
+                        f.write(buf)
+                        tok_hash.update(buf)
+                        tokens += 1
+                cut = source.cut
+                entry = {"path": str(path), "bytes": source.nbytes, "tokens": tokens}
+                if source.jsonl:
+                    entry["documents"] = source.count
                 if cut:
                     entry["cut"] = True
                 listing.append(entry)
-                count += int(ids.size)
-                text_chars += len(text)
-                read_bytes += len(raw)
+                count += tokens
+                read_bytes += source.nbytes
                 if cut:  # the budget is spent, even where a character cut in two left a byte or two of it
                     break
             f.flush()
@@ -262,6 +490,8 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
             "vocab_size": tokenizer.vocab_size, "eos_id": eos, "tokenizer": tokenizer.describe(),
             "sources": listing, "sources_sha256": src_hash.hexdigest(), "tokens_sha256": tok_hash.hexdigest(),
         }
+        if any("documents" in entry for entry in listing):
+            meta["text_field"] = text_field
         if max_bytes is not None:
             meta["max_bytes"] = int(max_bytes)
             meta["files_left_out"] = len(files) - len(listing)
@@ -330,14 +560,18 @@ def _open_tokens(path: str, dtype: str, count: int) -> np.memmap:
         raise TileError(where, "token file not readable where this task runs (every worker must see it "
                         "under the same path)", f"{path}: {e.strerror}") from None
     stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    want = count * np.dtype(dtype).itemsize
     with _OPEN_LOCK:
         hit = _OPEN.get(path)
-        if hit is not None and hit[0] == stamp:
+        # the map of the file as it is, opened for this dataset's count and dtype: a dataset opened on
+        # the file before it was built again read the new file's tokens (or an IndexError past its
+        # end) once another dataset had opened the new one
+        if hit is not None and hit[0] == stamp and hit[1].dtype == dtype and hit[1].shape == (count,):
             return hit[1]
-        want = count * np.dtype(dtype).itemsize
-        if st.st_size != want:
-            raise TileError(where, f"token file changed since the dataset opened it (expected {want} bytes)",
-                            f"{st.st_size} bytes in {path}")
+        if st.st_size != want or (hit is not None and hit[0] == stamp):  # (the same size: another dtype)
+            now = f", now {hit[1].shape[0]} {hit[1].dtype} tokens" if st.st_size == want else ""
+            raise TileError(where, f"token file changed since the dataset opened it (expected {want} bytes: "
+                            f"{count} {dtype} tokens)", f"{st.st_size} bytes in {path}{now}")
         mm = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
         _OPEN[path] = (stamp, mm)
         return mm

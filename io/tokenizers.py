@@ -79,6 +79,11 @@ class Tokenizer:
     eos_id: int | None
     #: the id that starts every encoded text (a Llama tokenizer's "<s>"), None when there is none
     bos_id: int | None = None
+    #: where a long text may be cut and its parts encoded one by one, to the ids of the whole
+    #: (what lets :func:`~tilegraph.io.build_token_file` read a file of gigabytes a block at a
+    #: time): "any" (at any character), "space" (before an ASCII whitespace character that
+    #: follows a character that is none), None (nowhere: the text is encoded whole)
+    split_at: str | None = None
 
     @property
     def dtype(self) -> np.dtype:
@@ -104,6 +109,7 @@ class ByteTokenizer(Tokenizer):
     """
 
     kind = "byte"
+    split_at = "any"  # each byte is its token
 
     def __init__(self, eos: bool = False):
         if not isinstance(eos, (bool, np.bool_)):  # eos="no" is a true str: a 257th id, silently
@@ -211,6 +217,28 @@ def _added_ids(tokenizer) -> tuple[list[int], list[int]]:
     return list(ids[:lead]), list(ids[lead + plain:])
 
 
+def _splits_at_spaces(json_text: str) -> bool:
+    """Whether the tokenizer JSON ``json_text`` encodes a text cut before a whitespace character
+    that follows one that is none, part by part, to the ids of the whole: GPT-2's byte-level
+    pre-tokenizer (what :meth:`BPETokenizer.train` makes, a Hub GPT-2's) splits every text there
+    (no piece of its pattern runs from a character that is no whitespace over whitespace, and none
+    looks back), and BPE merges only inside a piece. Not so, and False, with a normalizer (one may
+    look across the cut), another pre-tokenizer (a Llama tokenizer's prepends a space to every
+    text), BPE dropout (random ids), or an added token that is not special (matched in the text
+    before the pieces are made; the special ones are encoded as text)."""
+    try:
+        spec = json.loads(json_text)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    if not isinstance(spec, dict):
+        return False
+    pre, model = spec.get("pre_tokenizer"), spec.get("model")
+    return (spec.get("normalizer") is None and isinstance(pre, dict) and pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space", True) and pre.get("use_regex", True) is True
+            and isinstance(model, dict) and model.get("type", "BPE") == "BPE" and not model.get("dropout")
+            and all(isinstance(t, dict) and t.get("special") for t in spec.get("added_tokens") or []))
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
     ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
@@ -260,17 +288,19 @@ class BPETokenizer(Tokenizer):
         self.eos = eos
         self.eos_id = eos_id
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
-        lead, _ = _added_ids(tokenizer)
+        lead, trail = _added_ids(tokenizer)
         self.bos_id = lead[0] if len(lead) == 1 else None
+        self.split_at = "space" if not lead and not trail and _splits_at_spaces(self.to_str()) else None
 
     @classmethod
     def train(cls, files: Sequence[str | os.PathLike] | str | os.PathLike, vocab_size: int, *,
               min_frequency: int = 2, eos: str | None = DEFAULT_EOS,
-              patterns: Sequence[str] | None = None) -> "BPETokenizer":
+              patterns: Sequence[str] | None = None, text_field: str = "text") -> "BPETokenizer":
         """Learn merges from text ``files`` (files or folders, found as by
-        :func:`~tilegraph.io.build_token_file`) until the vocabulary has ``vocab_size`` ids: 256
-        byte tokens, the end-of-text token ``eos`` (None: none) and the merges."""
-        from tilegraph.io.data import DEFAULT_PATTERNS, find_sources, read_text
+        :func:`~tilegraph.io.build_token_file`; a JSON Lines file's documents are its records'
+        ``text_field``) until the vocabulary has ``vocab_size`` ids: 256 byte tokens, the
+        end-of-text token ``eos`` (None: none) and the merges."""
+        from tilegraph.io.data import DEFAULT_PATTERNS, _check_text_field, _Source, find_sources
 
         where = "tilegraph.io.BPETokenizer.train"
         _check_eos(where, eos)
@@ -283,6 +313,7 @@ class BPETokenizer(Tokenizer):
         if vocab_size < n_fixed:
             raise TileError(where, f"vocab_size must be at least {n_fixed} (256 bytes"
                             + (" + the end-of-text token)" if eos is not None else ")"), str(vocab_size))
+        _check_text_field(text_field, where)
         hf = _hf()
         paths = find_sources(files, DEFAULT_PATTERNS if patterns is None else patterns, where=where)
         tok = hf.Tokenizer(hf.models.BPE())
@@ -293,8 +324,11 @@ class BPETokenizer(Tokenizer):
             vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
             special_tokens=[eos] if eos is not None else [],
             initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
-        texts = (read_text(p, where) for p in paths)
-        tok.train_from_iterator(texts, trainer=trainer, length=len(paths))
+        # a block of text at a time, cut before spaces (the pieces the pre-tokenizer counts are those
+        # of the whole): a file of gigabytes is never held whole
+        texts = (text for p in paths for _, parts in _Source(p, where, None, "space", text_field).documents()
+                 for text in parts)
+        tok.train_from_iterator(texts, trainer=trainer)
         got = tok.get_vocab_size(with_added_tokens=True)
         if got < vocab_size:  # the text ran out of pairs to merge (min_frequency): said, not silently smaller
             warnings.warn(f"[{where}] the text gave only {got} of the vocab_size={vocab_size} ids asked for "

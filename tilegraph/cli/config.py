@@ -251,7 +251,14 @@ def make_tokenizer(name: str, where: str = "--tokenizer"):
     want = '"byte", or the path of a BPE tokenizer JSON file (tilegraph.io.BPETokenizer.save)'
     path = Path(name)
     if not name or not path.is_file():  # "bytes" said only "expected a tokenizer JSON file"
-        found = "empty" if not name else "a folder" if path.is_dir() else "no such file"
+        if not name:
+            found = "empty"
+        elif not path.is_dir():
+            found = "no such file"
+        elif (path / "tokenizer.json").is_file():  # a Hub model's folder: the file it holds is the one
+            found = f"a folder; give the file in it: {path / 'tokenizer.json'}"
+        else:
+            found = "a folder"
         raise TileError(where, want, f"{name!r} ({found})")
     try:
         return BPETokenizer.load(name)
