@@ -1,5 +1,6 @@
 """Text generation with a KV cache: greedy decoding, top-k and top-p (nucleus) sampling, a
-repetition penalty and stop strings.
+repetition penalty and stop strings; prompts of different lengths padded to one with their
+``attention_mask``, and the log-probabilities of the new tokens (``return_scores``).
 
 The prompt runs once (prefill) and leaves every layer's keys and values in a cache of leaf tiles;
 each new token then runs a one-position forward that attends to the cache and appends its own
@@ -28,6 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import operator
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -75,7 +77,9 @@ def _check_sampling(where: str, strategy, temperature, top_k, top_p) -> None:
         raise TileError(where, "top_p must be a number in (0, 1]", repr(top_p))
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
             or not 0 < temperature < np.inf:
-        raise TileError(where, "temperature must be a positive finite number", repr(temperature))
+        raise TileError(where, "temperature must be a positive finite number" + (
+            " (for the most likely token, as transformers' do_sample=False: strategy='greedy', the default)"
+            if not isinstance(temperature, bool) and temperature == 0 else ""), repr(temperature))
     # the most likely token is the same at any temperature: greedy decoding would ignore one, as it
     # would top_k and top_p (and as `tilegraph generate --temperature` is refused with greedy)
     if strategy == "greedy" and temperature != 1:
@@ -184,7 +188,9 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     Sampling follows Hugging Face's order: scale by 1 / temperature, keep the ``top_k`` best
     tokens, then keep the best tokens until their probability reaches ``top_p`` (a token is kept
     when the tokens better than it hold less than ``top_p``, so the best one always is), and draw
-    from what is left, renormalised, with one ``rng.random()`` per row. Ties rank by token id.
+    from what is left, renormalised, with one ``rng.random()`` per row. Tokens tied with the
+    ``top_k``-th best are kept too (as transformers' ``top_k``); otherwise ties rank by token id
+    (greedy's pick, top_p's cut). A logit of -inf (a token masked out) is never picked.
 
     >>> rng = np.random.default_rng(0)
     >>> next_tokens(np.array([[0.0, 3.0, 1.0]]), rng)
@@ -194,13 +200,37 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     """
     where = "tilegraph.models.generate.next_tokens"
     _check_sampling(where, strategy, temperature, top_k, top_p)
+    return _pick(_checked_logits(where, logits), rng, strategy, temperature, top_k, top_p)[0]
+
+
+def _checked_logits(where: str, logits) -> np.ndarray:
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[1] == 0 or logits.dtype.kind != "f":
         raise TileError(where, "logits must be floats of shape (batch, vocab)", f"{logits.dtype} {logits.shape}")
-    if not np.isfinite(logits).all():
-        raise TileError(where, "logits must be finite", f"{int((~np.isfinite(logits)).sum())} entries are not")
+    bad = np.isnan(logits) | (logits == np.inf)   # -inf is a token masked out: never picked (as transformers')
+    if bad.any():
+        raise TileError(where, "logits must be finite or -inf (a token masked out)",
+                        f"{int(bad.sum())} entries are NaN or +inf")
+    if (logits == -np.inf).all(axis=-1).any():
+        raise TileError(where, "logits with at least one token not masked out (-inf) in each row",
+                        f"rows {np.flatnonzero((logits == -np.inf).all(axis=-1)).tolist()} all -inf")
+    return logits
+
+
+def _pick(logits: np.ndarray, rng: np.random.Generator, strategy: str, temperature: float, top_k: int | None,
+          top_p: float | None, scores: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`next_tokens`'s tokens (B,), and with ``scores`` the log-probability (B,) of each
+    under the distribution it was picked from (else None): the softmax of the logits for greedy
+    decoding, the filtered and renormalised one when sampling (transformers'
+    ``compute_transition_scores`` with ``normalize_logits=True``)."""
     if strategy == "greedy":
-        return np.argmax(logits, axis=-1).astype(np.int64)
+        tok = np.argmax(logits, axis=-1).astype(np.int64)
+        if not scores:   # (a softmax over the vocabulary a token: not for nothing)
+            return tok, None
+        z = logits.astype(np.float64)
+        best = np.take_along_axis(z, tok[:, None], axis=-1)
+        with np.errstate(under="ignore"):
+            return tok, -np.log(np.exp(z - best).sum(axis=-1))
     # the best logit made 0 before the division: logits / a tiny temperature could overflow to
     # inf, and inf - inf below is NaN, which picked a token at random instead of the best one
     z = logits.astype(np.float64)
@@ -209,8 +239,8 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     order = np.argsort(-z, axis=-1, kind="stable")             # best first; ties by token id
     zs = np.take_along_axis(z, order, axis=-1)
     p = np.exp(zs - zs[:, :1])
-    if top_k is not None:
-        p[:, top_k:] = 0.0
+    if top_k is not None and top_k < p.shape[1]:   # the k best, and any tied with the k-th (as transformers')
+        p[:, top_k:][zs[:, top_k:] < zs[:, top_k - 1:top_k]] = 0.0
     p /= p.sum(axis=-1, keepdims=True)
     if top_p is not None and top_p < 1:
         before = np.cumsum(p, axis=-1) - p                     # mass of the better tokens
@@ -220,7 +250,9 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     c = np.cumsum(p, axis=-1)
     u = rng.random(len(p))[:, None] * c[:, -1:]
     pick = np.minimum((c <= u).sum(axis=-1), (p > 0).sum(axis=-1) - 1)
-    return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int64)
+    with np.errstate(divide="ignore"):
+        logp = np.log(np.take_along_axis(p, pick[:, None], axis=-1)[:, 0])
+    return np.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(np.int64), logp
 
 
 def _check_eos(where: str, eos_id, vocab: int) -> tuple[int, ...]:
@@ -228,6 +260,8 @@ def _check_eos(where: str, eos_id, vocab: int) -> tuple[int, ...]:
     a tuple of ids, checked against the model's ``vocab``."""
     if eos_id is None:
         return ()
+    if isinstance(eos_id, np.ndarray) and eos_id.ndim == 1:   # (a tensor's .numpy(), as transformers' takes)
+        eos_id = eos_id.tolist()
     ids = list(eos_id) if isinstance(eos_id, (list, tuple)) else [eos_id]
     if not ids or not all(_is_int(i) and 0 <= i < vocab for i in ids):
         raise TileError(where, f"eos_id must be None or a token id in [0, {vocab}) (or a non-empty list of them)",
@@ -238,7 +272,7 @@ def _check_eos(where: str, eos_id, vocab: int) -> tuple[int, ...]:
 def _warn_if_padded(where: str, prompt: np.ndarray, pad_id: int) -> None:
     """Warn where the rows of ``prompt`` (B, P) start or end with runs of ``pad_id`` of different
     lengths: a batch of prompts padded to one length (a tokenizer's ``padding=True``), which
-    generate, without an attention mask, reads as text of the prompts: the continuation of a
+    generate, without ``attention_mask``, reads as text of the prompts: the continuation of a
     padded row is not its prompt's (transformers' generate masks the padding)."""
     pads = prompt == pad_id
     lead = np.cumprod(pads, axis=1).sum(axis=1)
@@ -248,9 +282,9 @@ def _warn_if_padded(where: str, prompt: np.ndarray, pad_id: int) -> None:
 
         rows = np.flatnonzero((lead != lead.min()) | (trail != trail.min())).tolist()
         warnings.warn(f"[{where}] prompt rows {rows} start or end with more pad_id={pad_id} tokens than others: a "
-                      "batch padded to one length? generate has no attention mask and reads padding as prompt text, "
-                      "which changes the continuation (transformers' generate with attention_mask masks it); "
-                      "generate prompts of different lengths one call each (pad_id fills the rows that ended)",
+                      "batch padded to one length? Without attention_mask generate reads padding as prompt text, "
+                      "which changes the continuation: pass the tokenizer's attention_mask= (as to transformers' "
+                      "generate), or generate prompts of different lengths one call each",
                       stacklevel=3)
 
 
@@ -528,9 +562,27 @@ class Decoder:
 def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str = "greedy",
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              repetition_penalty: float = 1.0, seed=0, eos_id: int | list[int] | None = None, stop=None,
-             tokenizer=None, pad_id: int | None = None, runtime=None, cache_block: int = 64) -> np.ndarray:
+             tokenizer=None, pad_id: int | None = None, attention_mask=None, return_scores: bool = False,
+             runtime=None, cache_block: int = 64):
     """Continue each prompt (B, P) by ``max_new_tokens`` tokens; returns the ids (B, P + N), int64
     (a 1-D prompt is one row).
+
+    ``attention_mask`` (B, P) of 1s and 0s, a tokenizer's for a batch padded to one length
+    (``padding=True``, left or right), marks each row's prompt: its 1s, which must be one run;
+    the 0s are padding, never read. Each row then continues its prompt as if it were generated
+    alone (transformers' ``generate`` with ``attention_mask``): rows of one prompt length decode
+    together, one batch after another (sampling draws from one ``rng`` across them). The ids
+    come back as given, padding included, followed by the N new ones (``out[:, P:]``, as
+    transformers' layout); the longest prompt plus N must fit ``max_seq_len``.
+
+    ``return_scores=True`` returns ``(ids, scores)``: ``scores`` (B, N) float64 holds the
+    natural log-probability of each new token under the distribution it was picked from (the
+    softmax of the logits, after ``repetition_penalty``; when sampling, after ``temperature``,
+    ``top_k`` and ``top_p`` too, renormalised), as transformers'
+    ``compute_transition_scores(out.sequences, out.scores, normalize_logits=True)``; 0 at the
+    positions after a row ended (their ``pad_id``). ``scores.sum(axis=1)`` is each continuation's
+    log-likelihood. (With a ``tokenizer`` of fewer ids than the model's, below, the softmax is
+    over the ids that may be picked.)
 
     ``strategy`` is one of :data:`STRATEGIES` ("greedy", "sample", "top_k", "top_p"; see
     :func:`next_tokens` for ``temperature``, ``top_k`` and ``top_p``). Sampling draws from
@@ -564,31 +616,43 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     cfg = model.config
     if isinstance(prompt_ids, TileTensor):  # (as model(ids) takes them) its ids computed: NumPy's
         prompt_ids = prompt_ids.numpy()     # asarray of one raised, read as rows of different lengths
+    if isinstance(prompt_ids, Mapping) and "input_ids" in prompt_ids:   # a tokenizer's BatchEncoding, whole
+        raise TileError(where, "prompt_ids as token ids (B, P): a tokenizer's output goes in as "
+                        "generate(model, enc['input_ids'], n, attention_mask=enc['attention_mask'])",
+                        f"a {type(prompt_ids).__name__} with keys {sorted(prompt_ids)}")
     try:
         prompt = np.asarray(prompt_ids)
     except ValueError:  # rows of different lengths: NumPy's message names no argument
         lengths = [len(r) if hasattr(r, "__len__") else "a scalar" for r in prompt_ids]
-        raise TileError(where, "prompt_ids rows of one length (a batch decodes its rows in step; generate "
+        raise TileError(where, "prompt_ids rows of one length (a batch decodes its rows in step: pad the prompts to "
+                        "one length and pass attention_mask=, as a tokenizer's padding=True gives both, or generate "
                         "prompts of different lengths one call each)", f"rows of lengths {lengths}") from None
     if prompt.ndim == 1:
         prompt = prompt[None]
     if prompt.ndim != 2 or prompt.dtype.kind not in "iu" or prompt.shape[0] < 1 or prompt.shape[1] < 1:
         raise TileError(where, "prompt_ids must be integers of shape (batch, prompt length), both at least 1",
                         f"{np.asarray(prompt_ids).dtype} array of shape {np.shape(prompt_ids)}")
-    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
+    b, p = prompt.shape
+    spans = _check_mask(where, attention_mask, prompt.shape)   # (start, length) of each row's prompt; None: all
+    # (the padding is never read: a pad token added past the model's vocabulary, as a "[PAD]"
+    # added to GPT-2's tokenizer, may fill it)
+    read = prompt if spans is None else np.concatenate([prompt[r, s:s + n] for r, (s, n) in enumerate(spans)])
+    if read.min() < 0 or read.max() >= cfg.vocab_size:
         raise TileError(where, f"token ids must lie in [0, vocab_size={cfg.vocab_size})",
-                        f"min {prompt.min()}, max {prompt.max()}")
+                        f"min {read.min()}, max {read.max()}"
+                        + (" (where the attention_mask marks the prompts)" if spans is not None else ""))
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise TileError(where, "max_new_tokens must be an int >= 0", repr(max_new_tokens))
-    b, p = prompt.shape
-    if p + max_new_tokens > cfg.max_seq_len:
+    longest = p if spans is None else max(n for _, n in spans)
+    if longest + max_new_tokens > cfg.max_seq_len:
         raise TileError(where, f"prompt and new tokens exceed the model's max_seq_len={cfg.max_seq_len}",
-                        f"{p} prompt + {max_new_tokens} new = {p + max_new_tokens}")
+                        f"{longest} prompt + {max_new_tokens} new = {longest + max_new_tokens}"
+                        + (" (the longest prompt the attention_mask marks)" if spans is not None else ""))
     eos_ids = _check_eos(where, eos_id, cfg.vocab_size)
     if pad_id is not None and (not _is_int(pad_id) or not 0 <= pad_id < cfg.vocab_size):
         raise TileError(where, f"pad_id must be None or a token id in [0, {cfg.vocab_size})", repr(pad_id))
     fill = (eos_ids[0] if eos_ids else None) if pad_id is None else int(pad_id)  # HF: pad_token_id or eos[0]
-    if pad_id is not None and b > 1:
+    if pad_id is not None and b > 1 and attention_mask is None:
         _warn_if_padded(where, prompt, int(pad_id))
     stops = _check_stop(where, stop, tokenizer, fill)
     _check_runtime(where, runtime)
@@ -598,19 +662,70 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     except (TypeError, ValueError):  # a negative int, a float, ...: NumPy's message names no argument
         raise TileError(where, "seed must be None, an int >= 0 or what else np.random.default_rng takes "
                         "(a SeedSequence, a Generator)", repr(seed)) from None
+    if not isinstance(return_scores, (bool, np.bool_)):
+        raise TileError(where, "return_scores must be a bool", repr(return_scores))
     out = np.empty((b, p + max_new_tokens), dtype=np.int64)
     out[:, :p] = prompt
+    scores = np.zeros((b, max_new_tokens))
     if max_new_tokens == 0:
-        return out
+        return (out, scores) if return_scores else out
     loop = _Loop(max_new_tokens, strategy, temperature, top_k, top_p, float(repetition_penalty), eos_ids, fill,
-                 stops, tokenizer, _pickable(tokenizer, cfg.vocab_size, eos_ids), cache_block)
+                 stops, tokenizer, _pickable(tokenizer, cfg.vocab_size, eos_ids), cache_block, bool(return_scores))
     runtime = runtime if runtime is not None else current_runtime()
     _check_parameters_reachable(where, model, runtime)  # before anything is submitted
+    if spans is None:
+        out, scores = _run(runtime, model, loop, out, rng)
+    else:  # each row its prompt alone (its mask's run of 1s); rows of one prompt length as one batch
+        for n in dict.fromkeys(n for _, n in spans):
+            rows = [r for r, (_, m) in enumerate(spans) if m == n]
+            part = np.empty((len(rows), n + max_new_tokens), dtype=np.int64)
+            part[:, :n] = [prompt[r, spans[r][0]:spans[r][0] + n] for r in rows]
+            done, scores[rows] = _run(runtime, model, loop, part, rng)
+            out[rows, p:] = done[:, n:]
+    return (out, scores) if return_scores else out
+
+
+def _run(runtime, model: CausalLM, loop: "_Loop", out: np.ndarray,
+         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``loop`` filling ``out`` (prompts of one length): as one task on a worker where it can,
+    else here; ``out`` and its scores."""
     if runtime is not None:
         done = _decode_on_a_worker(runtime, model, loop, out, rng)
         if done is not None:
             return done
     return loop.run(model, out, rng, runtime)
+
+
+def _check_mask(where: str, mask, shape: tuple) -> list[tuple[int, int]] | None:
+    """The (start, length) of each row's prompt that ``mask`` (B, P) marks with a run of 1s
+    (a tokenizer's ``attention_mask``, its padding on either side); None where it marks every
+    position, or is None."""
+    if mask is None:
+        return None
+    if isinstance(mask, TileTensor):
+        mask = mask.numpy()
+    try:
+        m = np.asarray(mask)
+    except ValueError:
+        m = np.asarray(None)
+    if m.ndim == 1 and len(shape) == 2 and shape[0] == 1:
+        m = m[None]
+    if m.shape != shape or m.dtype.kind not in "biuf" or not np.isin(m, (0, 1)).all():
+        raise TileError(where, f"attention_mask must be 1s (prompt) and 0s (padding) of prompt_ids' shape {shape}",
+                        f"{m.dtype} array of shape {m.shape}" if m.dtype.kind in "biuf" and m.shape != shape
+                        else repr(mask) if m.dtype.kind not in "biuf" else f"values {np.unique(m)[:6].tolist()}")
+    m = m.astype(bool)
+    if m.all():
+        return None
+    spans = []
+    for r, row in enumerate(m):
+        on = np.flatnonzero(row)
+        if on.size == 0 or on[-1] - on[0] + 1 != on.size:
+            raise TileError(where, "attention_mask rows of one run of 1s each (the prompt), with 0s only before it "
+                            "(left padding) or after it (right padding)",
+                            f"row {r}: {row.astype(int).tolist()}")
+        spans.append((int(on[0]), int(on.size)))
+    return spans
 
 
 @dataclass
@@ -629,16 +744,20 @@ class _Loop:
     tokenizer: object
     picks: np.ndarray | None   # the ids that may be picked (:func:`_pickable`; None: all)
     cache_block: int
+    scores: bool = False       # whether run() computes the new ids' scores (else zeros)
 
-    def run(self, model: CausalLM, out: np.ndarray, rng: np.random.Generator, runtime) -> np.ndarray:
+    def run(self, model: CausalLM, out: np.ndarray, rng: np.random.Generator,
+            runtime) -> tuple[np.ndarray, np.ndarray]:
         """Fill ``out``'s columns after the prompt (those before it), drawing from ``rng``; with
-        ``runtime`` None, on Dask's local scheduler in this process."""
+        ``runtime`` None, on Dask's local scheduler in this process. Returns ``out`` and the
+        scores (B, N) of its new ids (see :func:`generate`'s ``return_scores``)."""
         max_new_tokens, fill, eos_ids, stops, tokenizer = self.new, self.fill, self.eos_ids, self.stops, self.tokenizer
         b, p = out.shape[0], out.shape[1] - max_new_tokens
         prompt = out[:, :p]
         rows = np.arange(b)
         done = np.zeros(b, dtype=bool)
         seen = np.zeros((b, model.config.vocab_size), dtype=bool)   # (B, V): tokens the penalty applies to
+        scores = np.zeros((b, max_new_tokens))
         seen[rows[:, None], prompt] = True
         # the text a row's new tokens add is decoded after its prompt's (see _continuation)
         prompt_texts = [tokenizer.decode(row) for row in prompt] if stops else []
@@ -648,13 +767,16 @@ class _Loop:
                 if self.penalty != 1:
                     logits = _penalize(logits, seen, self.penalty)
                 picks = self.picks   # (ids the tokenizer cannot decode are never picked)
-                tok = next_tokens(logits if picks is None else logits[:, picks], rng, strategy=self.strategy,
-                                  temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+                tok, logp = _pick(_checked_logits("tilegraph.models.generate.next_tokens",
+                                                  logits if picks is None else logits[:, picks]),
+                                  rng, self.strategy, self.temperature, self.top_k, self.top_p, self.scores)
                 if picks is not None:
                     tok = picks[tok]
                 if done.any():
                     tok[done] = fill
                 out[:, p + i] = tok
+                if self.scores:
+                    scores[:, i] = np.where(done, 0.0, logp)
                 seen[rows, tok] = True
                 if eos_ids:
                     done |= np.isin(tok, eos_ids)
@@ -666,7 +788,7 @@ class _Loop:
                     break
                 if i + 1 < max_new_tokens:
                     logits = dec.feed(tok[:, None])
-        return out
+        return out, scores
 
 
 #: the share of the smallest worker memory limit that a model's parameters may take for
@@ -675,7 +797,7 @@ ONE_WORKER_MEMORY_SHARE = 0.5
 
 
 def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.ndarray,
-                        rng: np.random.Generator) -> np.ndarray | None:
+                        rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`generate`'s loop as one task on a worker (the one holding the most of the model's
     parameters, which gather there), decoding on that worker's local scheduler: each token was a
     Dask round trip (submit, run, fetch the logits), about a third of a GPT-2 124M token's time
@@ -714,12 +836,12 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
             key=f"tg-generate-{uuid.uuid4().hex[:12]}", pure=False,
             resources={"CPU": 1} if workers.cpu_resource else None)
         try:  # watched: a worker lost meanwhile is a WorkerLostError naming it, not Dask's CancelledError
-            done, state = gather(runtime, [Fetching(future, None)], "the decoding on a worker",
-                                 where="tilegraph.models.generate", hint=_lost_hint(model, restore))[0]
+            done, scores, state = gather(runtime, [Fetching(future, None)], "the decoding on a worker",
+                                         where="tilegraph.models.generate", hint=_lost_hint(model, restore))[0]
         finally:
             future.cancel()  # (a Ctrl-C: the worker stops decoding)
         rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
-        return done
+        return done, scores
     finally:
         _put_back(restore)
 
@@ -769,8 +891,8 @@ def _ref_pickler(file, refs: list):
     return RefPickler(file, refs)
 
 
-def _decode_task(settings: bytes, blob: bytes, results: list, indexes: list) -> tuple[np.ndarray, dict]:
-    """The worker's side of :func:`_decode_on_a_worker`: the decoded ids and the rng's state."""
+def _decode_task(settings: bytes, blob: bytes, results: list, indexes: list) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The worker's side of :func:`_decode_on_a_worker`: the decoded ids, their scores and the rng's state."""
     import io
     import pickle
 
@@ -784,5 +906,5 @@ def _decode_task(settings: bytes, blob: bytes, results: list, indexes: list) -> 
 
     loop = pickle.loads(settings)
     model, out, rng = Unpickler(io.BytesIO(blob)).load()
-    return loop.run(model, out, rng, None), rng.bit_generator.state
+    return (*loop.run(model, out, rng, None), rng.bit_generator.state)
 

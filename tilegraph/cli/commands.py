@@ -127,6 +127,9 @@ def generate_options(args) -> dict:
     from tilegraph._errors import TileError
 
     where = "tilegraph generate"
+    if args.temperature == 0:  # (an OpenAI-style "temperature 0") named as what it means
+        raise TileError(where, "--temperature > 0 (for the most likely token at each step, greedy decoding: the "
+                        "default, without --strategy, --top-k, --top-p, --temperature and --seed)", "--temperature=0.0")
     for flag, value, check in (("--top-k", args.top_k, number_check(1, whole=True)),
                                ("--top-p", args.top_p, number_check(strict=True, high=1)),
                                ("--temperature", args.temperature, _FINITE_POSITIVE),
@@ -157,6 +160,36 @@ def generate_options(args) -> dict:
             "seed": seed}
 
 
+def sampling_note(folder: Path, args) -> str | None:
+    """A note for stderr where ``folder``'s ``generation_config.json`` asks for sampling
+    (``do_sample``: a chat model's, ``temperature`` 0.6 and ``top_p`` 0.9 say), which
+    transformers' ``generate`` then does by default, and ``tilegraph generate`` was given no flag
+    of its own strategy: it decodes greedily, and the note names the flags that sample as
+    transformers would (its ``top_k`` 50 where the file sets none). None otherwise."""
+    if args.strategy is not None or args.seed is not None or any(getattr(args, n) is not None for n in SAMPLING_FLAGS):
+        return None
+    try:
+        cfg = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or cfg.get("do_sample") is not True:
+        return None
+
+    def number(name, ok):
+        v = cfg.get(name)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v) else None
+
+    top_k = number("top_k", lambda v: v >= 0) if "top_k" in cfg else 50   # (transformers' default; 0: none)
+    top_p = number("top_p", lambda v: 0 < v < 1)
+    temperature = number("temperature", lambda v: 0 < v < float("inf") and v != 1)
+    flags = ([f"--top-k {int(top_k)}"] if top_k else []) + ([f"--top-p {top_p}"] if top_p else []) \
+        + ([f"--temperature {temperature}"] if temperature else [])
+    said = ", ".join(["do_sample=true"] + [f"{n}={cfg[n]}" for n in ("temperature", "top_k", "top_p") if n in cfg])
+    return (f"tilegraph generate: note: {folder / 'generation_config.json'} samples ({said}), as transformers' "
+            f"generate does by default; this decodes greedily (the most likely tokens): "
+            f"{' '.join(flags or ['--strategy sample'])} samples as transformers would")
+
+
 def cmd_generate(args) -> int:
     from tilegraph.cli.signals import run_stoppable
 
@@ -180,6 +213,9 @@ def _generate(args) -> int:
     if prompt.size == 0:
         raise tg.TileError(where, "a non-empty --prompt", repr(args.prompt))
     check_vocabulary(model, tokenizer, folder, where)
+    note = sampling_note(folder, args)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     n, limit = args.max_new_tokens, model.config.max_seq_len
     room = limit - prompt.size
     # named as the flags, before any work (generate() would name its own arguments)
