@@ -172,13 +172,14 @@ class FitRun:
                 tr._start_report(self.report)
             with tr._translate_lost_workers(_steps_text(group), group):
                 pendings = tr.step.submit_steps(batches)
+            # waiting at once: a stop during the redraw below leaves them for _settle to log (they run)
+            earlier = len(self.waiting)
+            self.waiting.extend(zip(group, pendings, batches))
             if self.redraw:  # while these steps run
                 self.redraw.clear()
                 tr.plot()
             elif tr.log_dir is not None and group[0] == self.start + 1:
                 _import_matplotlib_aside()  # while the workers run the first steps
-            earlier = len(self.waiting)
-            self.waiting.extend(zip(group, pendings, batches))
             self._finish_waiting(earlier)  # the earlier group's, while this one runs
             if not tr.pipeline or self._waits(group[-1]) or reporting:
                 self._finish_waiting()

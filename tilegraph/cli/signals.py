@@ -1,11 +1,14 @@
 """A clean stop on Ctrl-C or SIGTERM for the commands that run on the embedded cluster without
 checkpoints to write (``tilegraph eval``, ``generate``): the work under way is abandoned, the
 cluster closed (its worker processes and their semaphores), and the exit status is a shell's
-128 + the signal (130, 143), as ``tilegraph train``'s."""
+128 + the signal (130, 143), as ``tilegraph train``'s. A second signal while it closes ends the
+process at once (its worker processes killed), with the same status."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Callable
 
@@ -24,21 +27,83 @@ class Stopped(BaseException):
 def run_stoppable(where: str, fn: Callable[[], int]) -> int:
     """``fn()`` with SIGINT and SIGTERM stopping it: the first says so in one line, raises
     :class:`Stopped` where the main thread is (the runtime's ``with`` block closes the cluster on
-    the way out) and returns 128 + the signal; a second one while it closes stops at once (the
-    default action). Outside the main thread (no handlers there), ``fn()`` alone."""
+    the way out) and returns 128 + the signal; a second one while it closes ends the process at
+    once (:func:`_end_now`). Outside the main thread (no handlers there), ``fn()`` alone."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
 
     def stop(signum, frame):
-        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+        for sig in previous:  # the next one, of either kind, while the cluster closes
+            signal.signal(sig, again)
         say_now(f"{where}: {signal.Signals(signum).name}: stopping, closing the cluster (again to stop at once)\n")
         raise Stopped(signum)
 
+    def again(signum, frame):
+        from tilegraph._progress import _in_jupyter
+
+        if _in_jupyter():  # (a command run inside a notebook's kernel: the kernel stays)
+            raise KeyboardInterrupt
+        _end_now(where, signum)
+
+    clusters = _clusters()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return fn()
     except Stopped as e:
+        _close_left_clusters(clusters)
         return 128 + e.signum
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _clusters() -> set:
+    """The Dask clusters (``SpecCluster``: the embedded one) of this process, by id."""
+    spec = sys.modules.get("distributed.deploy.spec")
+    return set() if spec is None else {id(c) for c in list(spec.SpecCluster._instances)}
+
+
+def _close_left_clusters(before: set) -> None:
+    """Close the clusters made since ``before`` (:func:`_clusters`) that a stop left open: one
+    whose start it cut short, which nothing of tilegraph holds yet, was closed by Dask's exit
+    hook after the command returned, where a second Ctrl-C printed tracebacks ("Exception
+    ignored in atexit callback") instead of stopping at once. Here a second signal still does."""
+    spec = sys.modules.get("distributed.deploy.spec")
+    if spec is None:
+        return
+    for cluster in list(spec.SpecCluster._instances):
+        if id(cluster) in before or getattr(cluster, "status", spec.Status.closed) == spec.Status.closed:
+            continue
+        try:
+            cluster.close(timeout=10)  # (as the exit hook would)
+        except Exception:  # (what a half-started cluster fails to close: the exit hook tries again)
+            pass
+
+
+def _end_now(where: str, signum: int) -> None:
+    """End this process now, with a shell's 128 + ``signum``: its worker processes (the embedded
+    cluster's) killed first, its output flushed, one line said. Before, a second Ctrl-C raised
+    KeyboardInterrupt inside the cluster's close, which it cut short: Dask's exit hook then
+    closed the cluster again, waiting ~10 s for workers already told to stop (the "stop at
+    once" took longer than the first stop's close), sometimes printing tracebacks. Nothing of
+    these commands is left to write (no checkpoint, no lock)."""
+    import multiprocessing
+
+    say_now(f"{where}: {signal.Signals(signum).name} again: stopped at once\n")
+    for child in multiprocessing.active_children():  # (the nannies' worker processes)
+        try:
+            child.kill()
+        except Exception:  # (already gone)
+            pass
+    try:  # their semaphores unlinked, as an exit would (else the resource tracker warns of them as leaked)
+        from multiprocessing.util import _run_finalizers
+
+        _run_finalizers(0)
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(128 + signum)
