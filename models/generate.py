@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -747,10 +747,11 @@ class _Loop:
     scores: bool = False       # whether run() computes the new ids' scores (else zeros)
 
     def run(self, model: CausalLM, out: np.ndarray, rng: np.random.Generator,
-            runtime) -> tuple[np.ndarray, np.ndarray]:
+            runtime, stopped: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Fill ``out``'s columns after the prompt (those before it), drawing from ``rng``; with
         ``runtime`` None, on Dask's local scheduler in this process. Returns ``out`` and the
-        scores (B, N) of its new ids (see :func:`generate`'s ``return_scores``)."""
+        scores (B, N) of its new ids (see :func:`generate`'s ``return_scores``). ``stopped()``
+        true before a token: stop there (a worker's task that the client cancelled)."""
         max_new_tokens, fill, eos_ids, stops, tokenizer = self.new, self.fill, self.eos_ids, self.stops, self.tokenizer
         b, p = out.shape[0], out.shape[1] - max_new_tokens
         prompt = out[:, :p]
@@ -764,6 +765,8 @@ class _Loop:
         with Decoder(model, runtime=runtime, cache_block=self.cache_block) as dec:
             logits = dec.feed(prompt)
             for i in range(max_new_tokens):
+                if stopped is not None and stopped():
+                    break
                 if self.penalty != 1:
                     logits = _penalize(logits, seen, self.penalty)
                 picks = self.picks   # (ids the tokenizer cannot decode are never picked)
@@ -839,7 +842,7 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
             done, scores, state = gather(runtime, [Fetching(future, None)], "the decoding on a worker",
                                          where="tilegraph.models.generate", hint=_lost_hint(model, restore))[0]
         finally:
-            future.cancel()  # (a Ctrl-C: the worker stops decoding)
+            future.cancel()  # (a Ctrl-C: the worker stops decoding at its next token, see _decode_task)
         rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
         return done, scores
     finally:
@@ -906,5 +909,21 @@ def _decode_task(settings: bytes, blob: bytes, results: list, indexes: list) -> 
 
     loop = pickle.loads(settings)
     model, out, rng = Unpickler(io.BytesIO(blob)).load()
-    return (*loop.run(model, out, rng, None), rng.bit_generator.state)
+    return (*loop.run(model, out, rng, None, stopped=_task_cancelled()), rng.bit_generator.state)
+
+
+def _task_cancelled() -> Callable[[], bool]:
+    """On a worker, in a task: whether the client has let go of this task (cancelled: a Ctrl-C
+    in generate). Dask does not stop a running task; without this the worker decoded on to
+    the last token, holding a thread the next call waited for."""
+    from distributed import get_worker
+    from distributed.worker import thread_state
+
+    worker, key = get_worker(), getattr(thread_state, "key", None)
+
+    def cancelled() -> bool:
+        ts = worker.state.tasks.get(key)
+        return ts is None or ts.state in ("cancelled", "released", "forgotten")
+
+    return cancelled
 

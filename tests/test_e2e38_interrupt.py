@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -201,3 +202,37 @@ def test_a_stop_while_fit_redraws_the_plot_still_logs_the_steps_just_submitted(t
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(10)
     assert [s for s, _ in _losses(trainer)] == list(range(1, opt.step_count + 1)) and opt.step_count > 3
+
+
+@pytest.mark.distributed
+def test_a_stopped_generate_lets_go_of_the_worker_that_decoded(own_runtime):
+    """A Ctrl-C in generate on a cluster cancels the worker's decoding task, and the worker now
+    stops at its next token. Before, it decoded on to the last one (Dask does not stop a running
+    task), holding its thread: the next call to that worker waited for it."""
+    import _thread
+
+    from tilegraph import models
+    from tilegraph.models import generate
+    from tilegraph.models.gpt2 import GPT2Config
+
+    rt = own_runtime
+    model = models.build(GPT2Config(vocab_size=96, max_seq_len=8192, dim=32, n_layers=2, n_heads=4), seed=0)
+    prompt = np.zeros((1, 4), dtype=np.int64)
+    with rt.as_current():
+        t0 = time.perf_counter()
+        generate(model, prompt, 8)
+        per_token = (time.perf_counter() - t0) / 8
+        timer = threading.Timer(1.0, _thread.interrupt_main)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                generate(model, prompt, 8000)  # far longer than the 1 s before the stop
+        finally:
+            timer.cancel()
+        stopped = time.perf_counter()
+        # every worker thread free again soon: one task per thread of the cluster, at once
+        nthreads = sum(w["nthreads"] for w in rt.client.scheduler_info()["workers"].values())
+        futures = [rt.client.submit(time.sleep, 0, pure=False, workers=[a], allow_other_workers=False)
+                   for a in rt.client.scheduler_info()["workers"] for _ in range(nthreads)]
+        rt.client.gather(futures)
+    assert time.perf_counter() - stopped < 5 + 50 * per_token, time.perf_counter() - stopped
