@@ -264,6 +264,39 @@ def _check_loss(loss, where: str) -> None:
         raise TileError(where, "loss_fn must return a scalar TileTensor", repr(loss))
 
 
+def _targets_input(loss: TileTensor, tensors: Sequence[TileTensor]) -> tuple[int, int] | None:
+    """Where ``loss`` is a :func:`cross_entropy` of targets that are one of a step's batch
+    ``tensors`` as given (not sliced inside ``loss_fn``): that one's index and the loss's
+    ``ignore_index``; None otherwise."""
+    from tilegraph.ops.loss import _ce_op
+
+    rec = getattr(loss, "_record", None)
+    if rec is None or rec.op is not _ce_op:
+        return None
+    at = next((i for i, t in enumerate(tensors) if t is rec.ctx["targets"]), None)
+    return None if at is None else (at, int(rec.ctx["ignore_index"]))
+
+
+def _unshifted_targets(batch: Sequence[np.ndarray], targets_at: tuple[int, int] | None) -> int | None:
+    """The index of another integer batch array equal to the cross-entropy targets that
+    ``targets_at`` names (:func:`_targets_input`), where they count (not ``ignore_index``), for
+    token sequences (two dims or more); None where there is none."""
+    if targets_at is None:
+        return None
+    at, ignore_index = targets_at
+    targets = batch[at]
+    if targets.ndim < 2 or targets.dtype.kind not in "iu":
+        return None
+    counted = targets != ignore_index
+    if not counted.any():
+        return None
+    for i, a in enumerate(batch):
+        if i != at and a.shape == targets.shape and a.dtype.kind in "iu" and np.array_equal(a[counted],
+                                                                                             targets[counted]):
+            return i
+    return None
+
+
 class _Recorded:
     """A recorded graph of ``k`` optimizer steps (or one micro-batch of one): the batch input cells
     of each step, the parameter/state cells its final values go to, and how many values come back
@@ -276,6 +309,9 @@ class _Recorded:
         self.counted: np.dtype | None = None
         #: the indices of the optimizer's parameters whose update the graph records (None: no update)
         self.updated: list[int] | None = None
+        #: the batch input a cross_entropy loss takes as its targets as given, and its ignore_index
+        #: (None: another loss)
+        self.targets_at: tuple[int, int] | None = None
         self.fixed = self._fixed_leaves()
 
     def _fixed_leaves(self) -> tuple[list[Cell], list]:
@@ -322,7 +358,9 @@ class TrainStep:
     feeding the next step's forward), so a small model pays Dask's per-task latency once per group
     of steps instead of once per step.
 
-    With ``accum_steps=k`` each batch input is split along its first dim into k micro-batches that
+    With ``accum_steps=k`` each batch input of the batch's rows (whose first dim is that of the
+    first input with one) is split along it into k micro-batches (the other inputs, per-class
+    weights or a 0-d scale, go whole to each, as the data-parallel strategies keep them whole) that
     run one after another as separate graphs (k-1 that add their gradients into accumulators kept
     next to the parameters, then one that adds the last and updates), so activations of only one
     micro-batch exist at a time. When ``loss_fn`` returns a :func:`cross_entropy` mean, the
@@ -360,6 +398,7 @@ class TrainStep:
         self._rollbacks = 0
         self._last_undo = None  # a weak reference to the last step's _Undo
         self._said_superseded = False  # (a newer optimizer over the parameters is said once)
+        self._said_unshifted = False  # (targets equal to the inputs are said once: _warn_unshifted)
 
     def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1) -> _Recorded:
         """Record the step for one (micro-)batch. ``kind``: "step" (``k`` whole steps, each one's
@@ -441,6 +480,7 @@ class TrainStep:
         rec.updated = [i for i, p in enumerate(params) if id(p.cells.flat[0]) in assigned]
         if kind != "step" and self._weighted:  # what comes back is [loss sum, rows counted]
             rec.counted = loss.dtype
+        rec.targets_at = _targets_input(loss, tensors)
         return rec
 
     def _check_unused(self, grads: list[TileTensor | None], where: str, frozen: set[int] = frozenset()) -> None:
@@ -463,6 +503,26 @@ class TrainStep:
                       "(no weight decay, no change of the optimizer's state), as torch's optimizers skip a parameter "
                       "without a gradient; freeze it (requires_grad=False) or leave it out of the optimizer to "
                       "silence this", stacklevel=4)
+
+    def _warn_unshifted(self, batch: Sequence[np.ndarray], rec: _Recorded) -> None:
+        """Warn, once, where a cross-entropy's targets are the very token ids of another input:
+        transformers' ``labels=input_ids`` are shifted inside the model, and a loop ported with them
+        here trained the model to copy its input, without a word, as :func:`cross_entropy` compares
+        each position's logits with its target as given (random ids, whose loss stays at ln 96 for a
+        model that predicts the next one, fell from 4.6 to 2.3 in 30 steps of the debug GPT-2).
+        Looked at on the first batch of each recorded graph."""
+        if self._said_unshifted:
+            return
+        same = _unshifted_targets(batch, rec.targets_at)
+        if same is None:
+            return
+        self._said_unshifted = True
+        at = rec.targets_at[0]
+        warnings.warn(f"[tilegraph.TrainStep] the cross_entropy targets, batch[{at}], are the token ids of "
+                      f"batch[{same}] itself: each position's logits are compared with the target given at that "
+                      "position, so the model learns to copy its input. transformers' labels=input_ids are shifted "
+                      "inside the model; here give the next tokens as the targets, step(ids[:, :-1], ids[:, 1:]) (a "
+                      "copying task meant: ignore this)", stacklevel=_outside_tilegraph())
 
     def _record_micro_batch(self, loss: TileTensor, grads: list[TileTensor], kind: str, where: str):
         """The assignments (accumulators, or on the last micro-batch the update), the clipping
@@ -559,14 +619,26 @@ class TrainStep:
         return rec, True
 
     def _micro_batches(self, batch: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """The ``accum_steps`` micro-batches of ``batch``: the arrays of the batch's rows (those
+        whose first dim is the first array's that has one) cut along it into equal parts, the
+        others (per-class weights, a 0-d scale) whole in each, as :func:`split_rows` keeps them
+        whole for data parallelism. Cut as well, a weight vector of another length went to each
+        micro-batch in parts ("shapes do not broadcast" from inside the loss) and a 0-d array was
+        refused, where the same step without accumulation ran."""
         k = self.accum_steps
         if k == 1:
             return [batch]
-        for i, a in enumerate(batch):
-            if a.ndim == 0 or a.shape[0] % k:
-                raise TileError(f"tilegraph.TrainStep batch[{i}]",
-                                f"first dim must split into accum_steps={k} equal micro-batches", f"shape {a.shape}")
-        return [[a[j * (a.shape[0] // k):(j + 1) * (a.shape[0] // k)] for a in batch] for j in range(k)]
+        rows = next((a.shape[0] for a in batch if a.ndim), None)
+        if rows is None:
+            raise TileError("tilegraph.TrainStep", f"a batch array with rows to split into accum_steps={k} "
+                            "micro-batches (its first dim)", f"{len(batch)} arrays, all 0-d")
+        cut = [a.ndim > 0 and a.shape[0] == rows for a in batch]
+        if rows % k:
+            i = cut.index(True)
+            raise TileError(f"tilegraph.TrainStep batch[{i}]",
+                            f"first dim must split into accum_steps={k} equal micro-batches", f"shape {batch[i].shape}")
+        n = rows // k
+        return [[a[j * n:(j + 1) * n] if c else a for a, c in zip(batch, cut)] for j in range(k)]
 
     def _kinds(self) -> list[str]:
         k = self.accum_steps
@@ -612,6 +684,7 @@ class TrainStep:
             rec, recorded = self._lookup(mb, kind)
             if recorded:
                 record_seconds += time.perf_counter() - t1
+                self._warn_unshifted(mb, rec)
             # (a step again after a failed one rolled back: other keys than those of the failed one)
             _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}-{self._rollbacks}")
             if j == 0:  # before the step is counted (every micro-batch's graph reads the same parameters)
@@ -652,6 +725,8 @@ class TrainStep:
         self._require_open()
         rec, recorded = self._lookup(batches[0], "step", k)
         record_seconds = time.perf_counter() - t0 if recorded else 0.0
+        if recorded:
+            self._warn_unshifted(batches[0], rec)
         first = self.optimizer.step_count + 1
         for j, b in enumerate(batches):
             _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}-{self._rollbacks}")

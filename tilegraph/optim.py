@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 import weakref
 from typing import Callable, Mapping, Sequence
 
@@ -125,11 +126,28 @@ def steps_past_schedule(spec, start: int, end: int) -> range:
     return range(max(start, total) + 1, end + 1)
 
 
-def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) -> Callable[[int], float]:
+def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0, *,
+                  count_from: int = 1) -> Callable[[int], float]:
     """Linear warmup over ``warmup`` steps to ``base_lr``, then cosine decay to ``min_lr`` at ``total``.
 
-    Steps count from 1 (the first update uses ``schedule(1)``). The schedule's ``spec`` (a dict)
-    is saved in checkpoints and rebuilt by :func:`schedule_from_spec`.
+    Steps count from 1 (the first update uses ``schedule(1)``). With the default ``count_from=1``
+    update ``t`` runs at the curve's step ``t``: update 1 at ``base_lr / warmup``, update
+    ``warmup`` at ``base_lr`` and update ``total`` at ``min_lr``. torch's ``LambdaLR`` and so
+    transformers' ``get_cosine_schedule_with_warmup(opt, warmup, total)`` (and
+    ``get_cosine_with_min_lr_schedule_with_warmup``) read the same curve one step later: their
+    update ``t`` runs at step ``t - 1``: the first at lr 0 (with a warmup), ``base_lr`` at update
+    ``warmup + 1``. ``count_from=0`` counts as they do, update for update, so a ported run has
+    their learning rates (and losses). Past ``total`` either stays at ``min_lr`` (transformers'
+    cosine rises again there):
+
+    >>> f = warmup_cosine(1.0, warmup=2, total=4)
+    >>> [f(t) for t in range(1, 6)]
+    [0.5, 1.0, 0.5, 0.0, 0.0]
+    >>> g = warmup_cosine(1.0, warmup=2, total=4, count_from=0)   # as get_cosine_schedule_with_warmup
+    >>> [g(t) for t in range(1, 6)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+
+    The schedule's ``spec`` (a dict) is saved in checkpoints and rebuilt by :func:`schedule_from_spec`.
     """
     where = "tilegraph.optim.warmup_cosine"
     require_arg(where, "base_lr", base_lr, _NON_NEGATIVE)
@@ -138,8 +156,14 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
     require_arg(where, "total", total, number_check(1, whole=True))
     if warmup > total:
         raise TileError(where, "warmup must be <= total", f"warmup={warmup}, total={total}")
+    if isinstance(count_from, bool) or count_from not in (0, 1):
+        raise TileError(where, "count_from must be 1 (update t at the curve's step t) or 0 (at step t - 1, as torch's "
+                        "LambdaLR and transformers' get_cosine_schedule_with_warmup count)",
+                        f"count_from={count_from!r}")
+    shift = 1 - int(count_from)
 
     def lr(step: int) -> float:
+        step -= shift  # the curve's step of update ``step``
         if warmup and step <= warmup:
             return base_lr * step / warmup
         if step >= total:
@@ -149,6 +173,8 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0) 
 
     lr.spec = {"name": "warmup_cosine", "base_lr": float(base_lr), "warmup": int(warmup), "total": int(total),
                "min_lr": float(min_lr)}
+    if shift:  # (only then: the specs of checkpoints saved before count_from read as they did)
+        lr.spec["count_from"] = 0
     return lr
 
 
@@ -462,7 +488,11 @@ class Optimizer:
     schedulers (LambdaLR and the like) scale each group's initial lr, by the same factor for every
     group. Update ``t`` of a group with ``lr`` runs at ``lr * schedule(t) / base_lr``, where
     ``base_lr`` is the optimizer's ``lr``: the number, or the ``base_lr`` of
-    :func:`warmup_cosine` or :func:`constant` (their peak). A schedule of your own (a bare
+    :func:`warmup_cosine` or :func:`constant` (their peak). Updates count from 1 here, where
+    torch's LambdaLR hands its ``lr_lambda`` the updates made before (update ``t`` runs at
+    ``lr * lr_lambda(t - 1)``): a torch schedule ported as a callable is ``lambda t: lr *
+    lr_lambda(t - 1)``, and ``warmup_cosine(..., count_from=0)`` is transformers'
+    ``get_cosine_schedule_with_warmup``. A schedule of your own (a bare
     callable) has no known base rate, so groups with an ``lr`` are refused with one rather than
     scaled by a guess (schedule(1) is a warmup's smallest rate). Each group's multiple
     (``lr_scales``) is fixed when the optimizer is made: setting ``opt.schedule`` later (a lower
@@ -511,6 +541,9 @@ class Optimizer:
         #: per parameter, the settings its group gave it over the optimizer's own (param groups)
         self.param_options = options
         self.schedule = lr if callable(lr) else constant(float(lr))
+        # whether the schedule is one given (lr= a schedule, or opt.schedule = ... since), not a number's
+        # constant rate or a restored one: a saved schedule that replaces it says so (restore_schedule)
+        self._schedule_given = callable(lr)
         self.lr_at(1)  # a schedule that gives no learning rate fails here, not at the first step
         #: the rate a group's ``lr`` is relative to: the optimizer's lr, or its schedule's base_lr
         #: (None: a schedule of your own)
@@ -574,6 +607,7 @@ class Optimizer:
                             f"schedule(step) -> learning rate, such as tg.optim.warmup_cosine(...){hint}",
                             f"schedule={schedule!r}"[:120])
         self._schedule = schedule
+        self._schedule_given = True
 
     @property
     def lr(self) -> float:
@@ -849,7 +883,10 @@ class Optimizer:
         betas, eps, weight_decay, SGD's momentum, dampening and nesterov, each parameter's from
         its group (a state without ``settings``, of before, is not checked), and the groups'
         learning rates relative to the schedule: the restored schedule would drive the groups at
-        other rates than the saved run's. A difference is a TileError naming each."""
+        other rates than the saved run's. A difference is a TileError naming each. The saved
+        schedule replaces this optimizer's, with a warning naming both where it was made with
+        another schedule (torch's scheduler is apart from its optimizer's state;
+        :meth:`restore_schedule`): set ``opt.schedule`` after loading to go on with another."""
         where = f"tilegraph.optim.{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping) or not {"step", "state"} <= set(state):
             raise TileError(where, "state must be a mapping with 'step' and 'state' (as optimizer.state_dict() "
@@ -876,7 +913,26 @@ class Optimizer:
         # checks every array and count before it sets one
         self.load_state(arrays, state["step"], where=where, param_steps=state.get("param_steps"))
         if schedule is not None:
-            self.schedule = schedule
+            self.restore_schedule(schedule, where, stacklevel=2)
+
+    def restore_schedule(self, schedule: Callable[[int], float], where: str, stacklevel: int = 1) -> None:
+        """Set a saved ``schedule`` (one :func:`schedule_from_spec` rebuilt from a state_dict or a
+        checkpoint) in place of this optimizer's, warning where it replaces another schedule given
+        (``lr=`` a schedule, or ``opt.schedule = ...`` since). torch's ``load_state_dict`` leaves
+        the scheduler alone, so a schedule made anew (a longer ``total`` to extend a run, another
+        peak) goes on there; here the saved one replaced it without a word, and a run meant to go on
+        for more steps ran them at ``min_lr``. An optimizer made with a number for ``lr`` takes the
+        saved rates silently, as torch's ``load_state_dict`` restores each group's ``lr``.
+        ``stacklevel``: the warning names the line that many calls above this one's caller."""
+        mine, saved = getattr(self.schedule, "spec", None), getattr(schedule, "spec", None)
+        if getattr(self, "_schedule_given", True) and not _same_spec(mine, saved):
+            here = _describe_spec(mine) if isinstance(mine, Mapping) else "a schedule of your own (a callable)"
+            warnings.warn(f"[{where}] the saved learning-rate schedule, {_describe_spec(saved)}, replaces this "
+                          f"optimizer's, {here}: the run goes on with the saved one, as it was saved (the same step "
+                          "budget). To go on with another, set opt.schedule = ... after loading (parameter groups "
+                          "keep their multiple of it)", stacklevel=stacklevel + 1)
+        self.schedule = schedule
+        self._schedule_given = False  # (the saved one: a later restore of another replaces no schedule of the user's)
 
     #: names of the per-parameter state tensors, as torch.optim calls them
     state_names: tuple[str, ...] = ()
@@ -985,6 +1041,22 @@ def _same_setting(a, b) -> bool:
     if isinstance(a, (int, float, np.number)) and isinstance(b, (int, float, np.number)):
         return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
     return a == b
+
+
+def _same_spec(a, b) -> bool:
+    """Whether two schedule specs (:func:`warmup_cosine`'s, :func:`constant`'s) describe the same
+    schedule (numbers as written or rounded through JSON)."""
+    if not (isinstance(a, Mapping) and isinstance(b, Mapping)) or set(a) != set(b):
+        return False
+    return all(_same_setting(a[k], b[k]) for k in a)
+
+
+def _describe_spec(spec) -> str:
+    """A schedule spec as the call that makes it: ``warmup_cosine(base_lr=0.003, warmup=100, ...)``."""
+    if not isinstance(spec, Mapping):
+        return repr(spec)
+    args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v!r}" for k, v in spec.items() if k != "name")
+    return f"{spec.get('name', 'schedule')}({args})"
 
 
 def _base_lr(schedule) -> float | None:
