@@ -775,10 +775,15 @@ class TrainStep:
     def _run(self, rec: _Recorded, fetch, undo: "_Undo | None" = None) -> list:
         """Run a recorded graph; its parameter/state cells then hold the new values (futures)
         (``undo`` keeps what they held before, see :class:`_Undo`)."""
-        if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
-            rec.exe.runtime.scatter_cells(rec.assignments, rec.exe.root_workers()[-len(rec.assignments):])
-            rec.exe.runtime.scatter_cells(*rec.fixed)  # and frozen weights, to each worker reading them
-        values = rec.exe.run(fetch=fetch, wait=False)
+        try:
+            if rec.exe.runtime is not None:  # parameters and state still on the client move to the workers
+                rec.exe.runtime.scatter_cells(rec.assignments, rec.exe.root_workers()[-len(rec.assignments):])
+                rec.exe.runtime.scatter_cells(*rec.fixed)  # and frozen weights, to each worker reading them
+            values = rec.exe.run(fetch=fetch, wait=False)
+        except BaseException:  # (a Ctrl-C while the parameters are sent, or while this process computes the step)
+            if undo is not None:
+                undo.abandon()
+            raise
         for cell, v in zip(rec.assignments, values[rec.n_fetch:]):
             if undo is not None:
                 undo.keep(cell)
@@ -820,6 +825,19 @@ class _Undo:
         # the step submitted before this one (weak: a chain of them would keep every step's futures)
         self.prev = owner._last_undo or (lambda: None)
         owner._last_undo = weakref.ref(self)
+
+    def abandon(self) -> None:
+        """A step stopped before it was sent whole (a KeyboardInterrupt while its parameters were
+        scattered or its graph submitted, or, without a runtime, while this process computed it):
+        the cells its earlier micro-batches set are put back, and the step and update counts that
+        ``next_hyper`` had advanced. Before, the step counted without its update: a fit after
+        the stop said "stopped after step 4" with none logged, and went on with other losses
+        than an uninterrupted run's."""
+        for cell, value, token in (self.before or {}).values():
+            cell.set(value, token)
+        self.before = None
+        self.owner.optimizer.step_count = self.count
+        self.owner.optimizer.param_steps = list(self.param_steps)
 
     def keep(self, cell: Cell) -> None:
         if self.before is not None and id(cell) not in self.before:
