@@ -6,8 +6,8 @@ imported only when a GPU task runs.
 
 from .attention import scaled_dot_product_attention
 from .dropout import dropout
-from .elementwise import (absolute, add, affine, cast, clamp, div, exp, gelu, log, mul, ones_like, pow, relu, sigmoid, silu,
-                          sub, tanh, zeros_like)
+from .elementwise import (absolute, add, affine, cast, clamp, div, exp, floor_divide, gelu, log, mul, ones_like, pow, relu,
+                          remainder, sigmoid, silu, sub, tanh, zeros_like)
 from .embedding import embedding
 from .index import chunk, narrow, select, split, unbind
 from .loss import cross_entropy, mse_loss
@@ -27,4 +27,4 @@ __all__ = ["add", "affine", "cross_entropy", "mse_loss", "div", "dropout", "embe
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like",
            "exp", "log", "tanh", "sigmoid", "cast", "cat", "stack", "unsqueeze", "squeeze", "flatten", "max", "min",
            "var", "std", "rechunk", "narrow", "select", "split", "chunk", "unbind", "abs", "absolute", "clamp", "where", "masked_fill",
-           "logical_and", "logical_or", "logical_xor", "logical_not"]
+           "logical_and", "logical_or", "logical_xor", "logical_not", "floor_divide", "remainder"]

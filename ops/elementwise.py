@@ -19,8 +19,9 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, require_tensor, xp_of
 from ._gpu import fused
 
-__all__ = ["add", "sub", "mul", "div", "pow", "affine", "gelu", "relu", "silu", "exp", "log", "tanh", "sigmoid", "absolute", "clamp",
-           "cast", "ones_like", "zeros_like", "unbroadcast", "broadcast_tiling"]
+__all__ = ["add", "sub", "mul", "div", "floor_divide", "remainder", "pow", "affine", "gelu", "relu", "silu", "exp",
+           "log", "tanh", "sigmoid", "absolute", "clamp", "cast", "ones_like", "zeros_like", "unbroadcast",
+           "broadcast_tiling"]
 
 
 # ------------------------------------------------------------------------------ broadcasting ----
@@ -153,7 +154,11 @@ def _operands(where: str, a, b) -> None:
     """Each of ``a``, ``b`` a TileTensor or a number (one at least a tensor)."""
     for name, x in (("a", a), ("b", b)):
         if not (isinstance(x, TileTensor) or _scalar(x)):
-            hint = " (wrap a NumPy array with tg.from_numpy)" if isinstance(x, np.ndarray) else ""
+            hint = ""
+            if isinstance(x, np.ndarray):
+                hint = " (wrap a NumPy array with tg.from_numpy)"
+            elif type(x).__module__.startswith("torch"):  # x + torch.tensor(1.0), ported as it was
+                hint = " (wrap a torch tensor with tg.from_numpy; a number as a float: t.item())"
             raise TileError(where, f"{name} must be a TileTensor or a real number (not a bool){hint}",
                             f"{type(x).__name__} {x!r:.60}")
 
@@ -196,6 +201,120 @@ def div(a, b) -> TileTensor:
             b = cast(b, np.float64)
         return mul(pow(b, -1.0), _number(a))
     return _div_op(a, b)
+
+
+# ------------------------------------------------------------- floor division and remainder ----
+# ``a // b`` rounds toward -inf and ``a % b`` takes the sign of ``b`` (Python's rule), for integers
+# and floats alike: torch's floor_divide and remainder, NumPy's floor_divide and remainder (the
+# kernels). An integer divided by zero is an error, as torch's (NumPy would give 0 silently).
+_DIVMOD = {"floor_divide": "//", "remainder": "%"}
+
+
+@kernel("divmod", cost=elementwise_cost(4))
+def _divmod_k(a, b=None, *, how, value=None, reverse=False, dtype):
+    xp = xp_of(a)
+    x, y = (a, b) if b is not None else ((value, a) if reverse else (a, value))
+    if np.dtype(dtype).kind in "iu" and bool((xp.asarray(y) == 0).any()):
+        raise ZeroDivisionError(f"integer {_DIVMOD[how]} by zero (torch refuses it too; cast to a float dtype "
+                                "for inf and NaN)")
+    with np.errstate(divide="ignore", invalid="ignore"):  # a float by zero: inf or NaN, as torch's
+        out = getattr(xp, how)(x, y)
+    return out.astype(dtype, copy=False)
+
+
+class DivMod(Op):
+    """``a // b`` or ``a % b`` (``how``), of two tensors (broadcast) or of a tensor and a number
+    ``value`` (``reverse``: the number on the left). Floor division has no gradient (its derivative
+    is 0 wherever it is defined; torch's has none); the remainder's is ``g`` for ``a`` and
+    ``-g * (a // b)`` for ``b``, as torch's."""
+
+    name = "divmod"
+
+    def forward(self, a, b=None, *, how, value=None, reverse=False):
+        where = f"tilegraph.{how}"
+        tensors = [a] if b is None else [a, b]
+        if b is None:
+            dtype = _divmod_dtype(where, a.dtype, value)
+            tiling, maps = a.tiling, [list(range(a.ndim))]
+            params = {"value": value, "reverse": reverse}
+        else:
+            dtype = require_same_dtype(where, a=a, b=b)
+            tiling, amap, bmap = broadcast_tiling(where, a, b)
+            maps, params = [amap, bmap], {}
+
+        def fill(idx):
+            return emit1(_divmod_k, [_pick(t, m, idx) for t, m in zip(tensors, maps)], tiling.tile_shape(idx),
+                         dtype, op=how, how=how, dtype=dtype.str, **params)
+
+        return new_tensor(tiling, dtype, fill), (a, b, how, value, reverse)
+
+    def backward(self, ctx, g):
+        a, b, how, value, reverse = ctx
+        if how == "floor_divide" or a.dtype.kind not in "fc":  # (an integer a: b has its dtype, or is a number)
+            return (None,) if b is None else (None, None)
+        if b is None:  # a % value: g; value % a = value - a * (value // a): -g * (value // a)
+            return (affine(mul(g, floor_divide(value, a)), -1.0) if reverse else g,)
+        return unbroadcast(g, a), unbroadcast(affine(mul(g, floor_divide(a, b)), -1.0), b)
+
+
+_divmod_op = DivMod()
+
+
+def _divmod_dtype(where: str, dtype: np.dtype, value) -> np.dtype:
+    """The dtype of a ``dtype`` tensor ``//`` or ``%`` a number, as NumPy gives it: a float tensor
+    keeps its dtype, an integer one stays integer beside an int and becomes float64 beside a
+    float (torch would give float32)."""
+    try:
+        return (np.zeros(1, dtype) + value).dtype
+    except OverflowError:
+        raise TileError(where, f"a number that a {dtype} tensor holds (cast it to a wider or signed dtype "
+                        "first)", repr(value)) from None
+
+
+def _divmod(a, b, how: str) -> TileTensor:
+    where = f"tilegraph.{how}"
+    _operands(where, a, b)
+    for x in (a, b):
+        if isinstance(x, TileTensor) and x.dtype.kind not in "fiu":
+            raise TileError(where, f"number tensors ({_DIVMOD[how]} of bool tensors is not supported, as in "
+                            "torch; cast them first)", f"a {x.dtype} tensor of shape {x.shape}")
+    if _scalar(a) and _scalar(b):  # pragma: no cover - one is a tensor (_operands)
+        raise AssertionError("two numbers")
+    if isinstance(a, TileTensor) and isinstance(b, TileTensor):
+        return _divmod_op(a, b, how=how)
+    tensor, number, reverse = (a, b, False) if isinstance(a, TileTensor) else (b, a, True)
+    number = _number(number)
+    dtype = _divmod_dtype(where, tensor.dtype, number)
+    if dtype.kind in "iu" and number == 0 and not reverse:
+        raise TileError(where, f"integer {_DIVMOD[how]} by zero (as torch refuses it; cast to a float dtype for "
+                        "inf and NaN)", f"{tensor.dtype} tensor {_DIVMOD[how]} 0")
+    return _divmod_op(tensor, how=how, value=number, reverse=reverse)
+
+
+def floor_divide(a, b) -> TileTensor:
+    """``a // b`` element by element, rounded toward -inf (torch's ``floor_divide`` and
+    ``div(rounding_mode="floor")``, NumPy's ``floor_divide``): ``-7 // 2 == -4``; either may be a
+    number. An integer tensor stays integer beside an int (dividing by zero is an error, as in
+    torch) and becomes float64 beside a float; a float divided by zero gives inf or NaN. No
+    gradient flows through it (its derivative is 0 wherever it is defined).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> (tg.from_numpy(np.array([-7, 7])) // 2).numpy(), (tg.from_numpy(np.array([-3.5, 3.5])) // 2).numpy()
+    (array([-4,  3]), array([-2.,  1.]))
+    """
+    return _divmod(a, b, "floor_divide")
+
+
+def remainder(a, b) -> TileTensor:
+    """``a % b`` element by element with the sign of ``b`` (torch's ``remainder``, NumPy's, and
+    Python's ``%``): ``-7 % 3 == 2``, ``7 % -3 == -2``; ``a - b * (a // b)``. Its gradient is
+    ``g`` for ``a`` and ``-g * (a // b)`` for ``b``, as torch's.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> (tg.from_numpy(np.array([-7, 7])) % 3).numpy(), (tg.from_numpy(np.array([-3.5, 3.5])) % 2).numpy()
+    (array([2, 1]), array([0.5, 1.5]))
+    """
+    return _divmod(a, b, "remainder")
 
 
 # ------------------------------------------------------------------------------------ power ----
@@ -693,13 +812,16 @@ _relu_bwd_k = kernel("relu_bwd", cost=elementwise_cost(2))(_relu_bwd_xp)
 
 
 class Activation(Op):
-    """``y = f(x)`` tile by tile; the backward kernel recomputes from x (nothing else saved)."""
+    """``y = f(x)`` tile by tile; the backward kernel recomputes from x (nothing else saved).
+    ``ints``: integer tensors are taken too (abs, clamp: torch's), their dtype kept and no
+    gradient flowing."""
 
-    def __init__(self, name, fwd, bwd):
-        self.name, self.fwd, self.bwd = name, fwd, bwd
+    def __init__(self, name, fwd, bwd, ints: bool = False):
+        self.name, self.fwd, self.bwd, self.ints = name, fwd, bwd, ints
 
     def forward(self, x, **params):
-        require_float(x, f"tilegraph.{self.name}")
+        if not (self.ints and x.dtype.kind in "iu"):
+            require_float(x, f"tilegraph.{self.name}")
 
         def fill(idx):
             r = x.grid[idx]
@@ -709,6 +831,8 @@ class Activation(Op):
 
     def backward(self, ctx, g):
         x, params = ctx
+        if x.dtype.kind not in "fc":  # an integer abs or clamp: no gradient, as torch gives none
+            return (None,)
 
         def fill(idx):
             r = x.grid[idx]
@@ -793,8 +917,8 @@ _sigmoid_bwd_k = kernel("sigmoid_bwd", cost=elementwise_cost(15))(_sigmoid_bwd_x
 _gelu_op = Activation("gelu", _gelu_k, _gelu_bwd_k)
 _silu_op = Activation("silu", _silu_k, _silu_bwd_k)
 _relu_op = Activation("relu", _relu_k, _relu_bwd_k)
-_abs_op = Activation("abs", _abs_k, _abs_bwd_k)
-_clamp_op = Activation("clamp", _clamp_k, _clamp_bwd_k)
+_abs_op = Activation("abs", _abs_k, _abs_bwd_k, ints=True)
+_clamp_op = Activation("clamp", _clamp_k, _clamp_bwd_k, ints=True)
 _exp_op = Activation("exp", _exp_k, _exp_bwd_k)
 _log_op = Activation("log", _log_k, _log_bwd_k)
 _tanh_op = Activation("tanh", _tanh_k, _tanh_bwd_k)
@@ -817,28 +941,52 @@ def relu(x: TileTensor) -> TileTensor:
 
 
 def absolute(x: TileTensor) -> TileTensor:
-    """``|x|`` element by element (``torch.abs`` / ``torch.absolute``, a float tensor; ``tg.abs``
-    and ``x.abs()``: the module keeps Python's ``abs`` for its Numba kernels); its gradient is
-    ``sign(x)``, 0 at 0."""
-    return _abs_op(require_tensor(x, "tilegraph.abs", "x"))
+    """``|x|`` element by element (``torch.abs`` / ``torch.absolute``; ``tg.abs`` and ``x.abs()``:
+    the module keeps Python's ``abs`` for its Numba kernels); its gradient is ``sign(x)``, 0 at 0.
+    An integer tensor keeps its dtype (no gradient), as torch's; a bool tensor is refused, as
+    torch refuses it."""
+    _require_number(require_tensor(x, "tilegraph.abs", "x"), "tilegraph.abs")
+    return _abs_op(x)
+
+
+def _require_number(x: TileTensor, where: str) -> None:
+    """``x`` of a float or integer dtype (bool refused, as torch's abs and clamp refuse it)."""
+    if x.dtype.kind not in "fciu":
+        raise TileError(where, "x must have a float or integer dtype (cast a bool tensor first, e.g. "
+                        "x.to(np.int64))", f"a {x.dtype} tensor of shape {x.shape}")
 
 
 def clamp(x: TileTensor, min=None, max=None) -> TileTensor:  # noqa: A002 - torch names
     """``torch.clamp``: ``x`` limited to ``[min, max]`` (either bound may be None, not both); the
-    gradient passes where ``min <= x <= max``.
+    gradient passes where ``min <= x <= max``. An integer tensor between integer bounds stays
+    integer (no gradient), as torch's; with a fractional bound it is clamped as float64 (NumPy's
+    ``np.clip`` promotion, as other numbers beside an integer tensor).
 
     >>> import numpy as np, tilegraph as tg
     >>> tg.clamp(tg.from_numpy(np.array([-2.0, 0.5, 3.0])), -1, 1).numpy()
     array([-1. ,  0.5,  1. ])
     """
     where = "tilegraph.clamp"
-    require_tensor(x, where, "x")
+    _require_number(require_tensor(x, where, "x"), where)
     for name, v in (("min", min), ("max", max)):
         if v is not None and not _scalar(v):
             raise TileError(where, f"{name} must be a real number or None (a tensor bound: tg.where)",
                             f"{type(v).__name__} {v!r:.60}")
     if min is None and max is None:
         raise TileError(where, "at least one of min and max", "min=None, max=None")
+    bounds = [v for v in (min, max) if v is not None]
+    if x.dtype.kind in "iu" and all(isinstance(v, (int, np.integer)) for v in bounds):
+        # an integer tensor between integer bounds stays integer (torch's); a bound past the
+        # dtype's range bounds nothing (uint8 from -1)
+        info = np.iinfo(x.dtype)
+        if (min is not None and min > info.max) or (max is not None and max < info.min):
+            raise TileError(where, f"bounds that a {x.dtype} tensor holds (cast it to a wider or signed dtype "
+                            "first)", f"min={min!r}, max={max!r}")
+        lo = None if min is None or min <= info.min else int(min)
+        hi = None if max is None or max >= info.max else int(max)
+        return x if lo is None and hi is None else _clamp_op(x, lo=lo, hi=hi)
+    if x.dtype.kind in "iu":  # a fractional bound: float64, NumPy's promotion (np.clip(ids, 0.5, None))
+        x = cast(x, np.float64)
     return _clamp_op(x, lo=None if min is None else float(min), hi=None if max is None else float(max))
 
 

@@ -341,6 +341,26 @@ class TileTensor:
 
         return ops.div(other, self)
 
+    def __floordiv__(self, other):
+        from tilegraph.ops.elementwise import floor_divide
+
+        return floor_divide(self, other)
+
+    def __rfloordiv__(self, other):
+        from tilegraph.ops.elementwise import floor_divide
+
+        return floor_divide(other, self)
+
+    def __mod__(self, other):
+        from tilegraph.ops.elementwise import remainder
+
+        return remainder(self, other)
+
+    def __rmod__(self, other):
+        from tilegraph.ops.elementwise import remainder
+
+        return remainder(other, self)
+
     def __pow__(self, exponent):
         from tilegraph import ops
 
@@ -369,6 +389,12 @@ class TileTensor:
     def __imatmul__(self, other):
         return self._augmented("@=", "__imatmul__", other)
 
+    def __ifloordiv__(self, other):
+        return self._augmented("//=", "__ifloordiv__", other)
+
+    def __imod__(self, other):
+        return self._augmented("%=", "__imod__", other)
+
     def _augmented(self, symbol: str, name: str, other):
         from tilegraph import ops
 
@@ -378,7 +404,10 @@ class TileTensor:
                             "saved); a TileTensor is never changed in place: set new values with p.assign(array) "
                             f"(e.g. p.assign(p.numpy() * 0.5)), or compute into another name (y = p {symbol[:-1]} ...)",
                             repr(self))
-        binary = {"+=": ops.add, "-=": ops.sub, "*=": ops.mul, "/=": ops.div, "@=": ops.matmul}
+        from tilegraph.ops.elementwise import floor_divide, remainder
+
+        binary = {"+=": ops.add, "-=": ops.sub, "*=": ops.mul, "/=": ops.div, "@=": ops.matmul, "//=": floor_divide,
+                  "%=": remainder}
         return ops.pow(self, other) if symbol == "**=" else binary[symbol](self, other)
 
     def __setitem__(self, key, value):
@@ -452,6 +481,130 @@ class TileTensor:
 
         return ops.sigmoid(self)
 
+    # -- torch's method forms of the operators ----------------------------------------------------
+    def add(self, other, *, alpha=1):
+        """torch's ``x.add(y, alpha=1)``: ``x + alpha * y``."""
+        from tilegraph import ops
+
+        return ops.add(self, _scaled(other, alpha, "tilegraph.TileTensor.add"))
+
+    def sub(self, other, *, alpha=1):
+        """torch's ``x.sub(y, alpha=1)``: ``x - alpha * y``."""
+        from tilegraph import ops
+
+        return ops.sub(self, _scaled(other, alpha, "tilegraph.TileTensor.sub"))
+
+    subtract = sub
+
+    def mul(self, other):
+        """torch's ``x.mul(y)``: ``x * y``."""
+        from tilegraph import ops
+
+        return ops.mul(self, other)
+
+    multiply = mul
+
+    def div(self, other, *, rounding_mode=None):
+        """torch's ``x.div(y, rounding_mode=None)``: ``x / y``, or ``x // y`` for
+        ``rounding_mode="floor"`` (``"trunc"``, rounding toward 0, is not supported)."""
+        from tilegraph import ops
+        from tilegraph.ops.elementwise import floor_divide
+
+        if rounding_mode is None:
+            return ops.div(self, other)
+        if rounding_mode == "floor":
+            return floor_divide(self, other)
+        raise TileError("tilegraph.TileTensor.div", "rounding_mode None (true division) or 'floor' (x // y); 'trunc' "
+                        "is not supported", repr(rounding_mode))
+
+    divide = true_divide = div
+
+    def floor_divide(self, other):
+        """torch's ``floor_divide``: ``x // y``, rounded toward -inf (:func:`tilegraph.floor_divide`)."""
+        from tilegraph.ops.elementwise import floor_divide
+
+        return floor_divide(self, other)
+
+    def remainder(self, other):
+        """torch's ``remainder``: ``x % y``, with the sign of ``y`` (:func:`tilegraph.remainder`)."""
+        from tilegraph.ops.elementwise import remainder
+
+        return remainder(self, other)
+
+    def neg(self):
+        """torch's ``neg``: ``-x``."""
+        return -self
+
+    negative = neg
+
+    def square(self):
+        """torch's ``square``: ``x ** 2``."""
+        from tilegraph import ops
+
+        return ops.pow(self, 2)
+
+    def rsqrt(self):
+        """torch's ``rsqrt``: ``x ** -0.5`` (an integer tensor as float64)."""
+        from tilegraph import ops
+
+        return ops.pow(self, -0.5)
+
+    def reciprocal(self):
+        """torch's ``reciprocal``: ``1 / x`` (an integer tensor as float64)."""
+        from tilegraph import ops
+
+        return ops.div(1.0, self)
+
+    def matmul(self, other):
+        """torch's ``x.matmul(y)``: ``x @ y``."""
+        from tilegraph import ops
+
+        return ops.matmul(self, other)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """torch's ``x.requires_grad_()`` on a tensor that is no Parameter: a TileError naming
+        :func:`tilegraph.grad`, which differentiates with respect to any tensor without a flag
+        (``loss.backward()`` fills the ``grad`` of Parameters only)."""
+        raise TileError("tilegraph.TileTensor.requires_grad_", "a TileTensor needs no flag to be differentiated: "
+                        "tg.grad(loss, [x]) gives the gradient with respect to any tensor x (loss.backward() fills "
+                        "the .grad of Parameters only; tg.nn.Parameter(array) makes one)", repr(self))
+
+    # -- torch's in-place methods: a TileTensor never changes (module comment at _IN_PLACE) ------------
+    def zero_(self):
+        """torch's ``p.zero_()`` on a Parameter (its values set to 0, as :meth:`Parameter.assign`
+        sets them; returns ``p``). Any other tensor never changes in place: a TileError naming
+        ``x = tg.zeros_like(x)``."""
+        if getattr(self, "cells", None) is None:
+            _not_in_place(self, "zero_", "x = tg.zeros_like(x)")
+        return self.fill_(0)
+
+    def fill_(self, value):
+        """torch's ``p.fill_(value)`` on a Parameter (returns ``p``); a TileError naming
+        ``tg.full_like(x, value)`` on any other tensor."""
+        if getattr(self, "cells", None) is None:
+            _not_in_place(self, "fill_", "x = tg.full_like(x, value)")
+        if isinstance(value, TileTensor) or not isinstance(value, (bool, np.bool_, numbers.Real)):
+            raise TileError(f"tilegraph.nn.Parameter({self.name or ''}).fill_", "value must be a real number",
+                            f"{type(value).__name__} {value!r:.60}")
+        self.assign(np.full(self.shape, value, dtype=self.dtype))
+        return self
+
+    def copy_(self, src):
+        """torch's ``p.copy_(src)`` on a Parameter: its values set to ``src`` (an array, a torch
+        tensor, a number or a TileTensor, computed; broadcast to ``p``'s shape and cast to its
+        dtype, as torch's). Any other tensor never changes in place: a TileError."""
+        where = f"tilegraph.nn.Parameter({self.name or ''}).copy_"
+        if getattr(self, "cells", None) is None:
+            _not_in_place(self, "copy_", "x = src (a TileTensor), or tg.from_numpy(array, x.chunks)")
+        value = src.numpy() if isinstance(src, TileTensor) else _host_array(src, where)
+        try:
+            value = np.broadcast_to(value, self.shape)
+        except ValueError:
+            raise TileError(where, f"src must broadcast to the parameter's shape {self.shape}",
+                            f"shape {np.shape(value)}") from None
+        self.assign(np.asarray(value, dtype=self.dtype))
+        return self
+
     # -- view-like reshapes and casts (torch's names) ----------------------------------------------
     def unsqueeze(self, dim: int):
         """A new dim of size 1 at ``dim`` (torch's ``Tensor.unsqueeze``; moves no data)."""
@@ -473,14 +626,49 @@ class TileTensor:
 
         return flatten(self, start_dim, end_dim, "tilegraph.TileTensor.flatten")
 
-    def to(self, dtype):
-        """``x.to(np.float32)`` (or ``"float32"``, ``"fp32"``, ``torch.float32``; float16, float32,
-        float64, bool and integer dtypes): :func:`tilegraph.cast`, the gradient cast back; ``x``
-        itself when it has that dtype. There is no device to move to: the planner places every
-        tile."""
+    def to(self, *args, dtype=None, device=None, non_blocking: bool = False, copy: bool = False):
+        """``x.to(np.float32)`` (or ``"float32"``, ``"fp32"``, ``torch.float32``, ``dtype=``; float16,
+        float32, float64, bool and integer dtypes), or ``x.to(other)`` (``other``'s dtype, torch's):
+        :func:`tilegraph.cast`, the gradient cast back; ``x`` itself when it has that dtype. There
+        is no device to move to: the planner places every tile, and a device (``x.to("cuda")``,
+        ``x.to(device, dtype)``, ``device=``) is a TileError saying so."""
         from tilegraph.ops.elementwise import _cast_checked
 
-        return _cast_checked(self, dtype, "tilegraph.TileTensor.to")
+        where = "tilegraph.TileTensor.to"
+        if device is not None:
+            _no_device(where, device)
+        if len(args) == 2 or (len(args) == 1 and dtype is not None):  # torch's to(device, dtype)
+            _no_device(where, args[0])
+        if len(args) > 2 or not (args or dtype is not None):
+            raise TileError(where, "one dtype (x.to(dtype), x.to(dtype=...)) or a tensor whose dtype to take",
+                            f"{len(args)} positional argument(s), dtype={dtype!r:.40}")
+        target = args[0] if args else dtype
+        if isinstance(target, TileTensor):
+            target = target.dtype
+        return _cast_checked(self, target, where)
+
+    def type_as(self, other):
+        """torch's ``type_as``: ``x.to(other.dtype)``."""
+        if not isinstance(other, TileTensor):
+            raise TileError("tilegraph.TileTensor.type_as", "other must be a TileTensor (x.to(dtype) for a dtype)",
+                            f"{type(other).__name__} {other!r:.60}")
+        return self.to(other.dtype)
+
+    def cpu(self):
+        """torch's ``cpu``: a TileError (no device is given here: the planner places every tile)."""
+        _no_device("tilegraph.TileTensor.cpu", "cpu")
+
+    def cuda(self, device=None):
+        """torch's ``cuda``: a TileError (no device is given here: the planner places every tile)."""
+        _no_device("tilegraph.TileTensor.cuda", "cuda" if device is None else device)
+
+    def bool(self):
+        """``x.to(np.bool_)`` (torch's ``Tensor.bool``)."""
+        return self.to(np.bool_)
+
+    def int(self):
+        """``x.to(np.int32)`` (torch's ``Tensor.int``)."""
+        return self.to(np.int32)
 
     def float(self):
         """``x.to(np.float32)`` (torch's ``Tensor.float``)."""
@@ -497,6 +685,25 @@ class TileTensor:
     def long(self):
         """``x.to(np.int64)`` (torch's ``Tensor.long``; no gradient flows through it)."""
         return self.to(np.int64)
+
+    # -- any / all (torch's: nonzero elements are True) -----------------------------------------------
+    def any(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM):
+        """torch's ``any``: whether an element is True (nonzero) over ``dim`` (an int, a tuple, or
+        every dim), a bool tensor; no gradient."""
+        return self._any_all(dim, keepdim, "any")
+
+    def all(self, dim=ALL_DIMS, keepdim: bool = NO_KEEPDIM):
+        """torch's ``all``: whether every element is True (nonzero) over ``dim``, a bool tensor."""
+        return self._any_all(dim, keepdim, "all")
+
+    def _any_all(self, dim, keepdim, how: str):
+        from tilegraph import ops
+
+        truth = self if self.dtype.kind == "b" else self.ne(0)
+        if how == "all":
+            truth = ~truth
+        found = ops.sum(truth, dim, keepdim).gt(0)  # a count of the True (or, for all, the False) elements
+        return found if how == "any" else ~found
 
     # -- max / min / var / std ----------------------------------------------------------------------
     def max(self, dim=None, keepdim: bool = False):
@@ -575,11 +782,10 @@ class TileTensor:
     __hash__ = object.__hash__
 
     def _identity(self, other, symbol: str, name: str):
-        if is_array(other):
-            raise TileError(f"tilegraph.TileTensor.__{name}__", f"{symbol} of a TileTensor is Python's identity "
-                            f"(tensors are dict keys while a graph is recorded): compare values element by element "
-                            f"with x.{name}(y), y a TileTensor (tg.from_numpy(y) for an array) or a number",
-                            f"{type(other).__name__} of shape {tuple(np.shape(other))}")
+        # a number too: torch's ``ids != pad_id`` / ``mask == 0`` gave Python's True / False, which
+        # went on silently into an ``if`` or failed far away ('bool' object has no attribute 'float')
+        if is_array(other) or isinstance(other, (numbers.Number, np.bool_)):
+            _identity_refused(symbol, name, other)
         if self is other:
             return symbol == "=="
         return NotImplemented  # Python's identity, as object's
@@ -829,6 +1035,16 @@ class TileTensor:
         raise TileError("tilegraph.TileTensor.__array__", "a TileTensor is symbolic and does not turn into a "
                         "NumPy array implicitly: compute it with x.numpy() (or tg.compute(x, ...))", repr(self))
 
+    # NumPy's functions and ufuncs called on a TileTensor (``np.var(x)``, ``np.exp(x)``): those with a
+    # tilegraph op record it, with NumPy's meaning (np.var divides by N, np.max gives values, not
+    # torch's (values, indices)); the others are a TileError naming the function (np.var(x) was
+    # Python's TypeError about an unexpected keyword, np.transpose(x) an error about dims (None,)).
+    def __array_function__(self, func, types, args, kwargs):
+        return _numpy_call(func, args, kwargs)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _numpy_ufunc(ufunc, method, inputs, kwargs)
+
     def narrow(self, dim: int, start: int, length: int):
         """torch's ``narrow``: ``length`` elements of dim ``dim`` from ``start``."""
         from tilegraph.ops.index import narrow
@@ -858,6 +1074,76 @@ class TileTensor:
         from tilegraph.ops.index import unbind
 
         return unbind(self, dim, "tilegraph.TileTensor.unbind")
+
+
+def _no_device(where: str, device):
+    """A device where torch code names one: tilegraph's planner places every tile."""
+    raise TileError(where, "there is no device to move a TileTensor to: the planner places every tile (drop "
+                    ".to(device) / .cuda() / .cpu(); tg.config.placement and tg.connect(gpu=...) choose the "
+                    "devices; x.to(dtype) converts)", f"{device!r:.60}")
+
+
+def _identity_refused(symbol: str, name: str, other):
+    raise TileError(f"tilegraph.TileTensor.__{name}__", f"{symbol} of a TileTensor is Python's identity (tensors are "
+                    "dict keys while a graph is recorded): compare values element by element with "
+                    f"x.{name}(y), y a TileTensor (tg.from_numpy(y) for an array) or a number",
+                    f"{type(other).__name__} {other!r:.40}" if isinstance(other, (numbers.Number, np.bool_)) else
+                    f"{type(other).__name__} of shape {tuple(np.shape(other))}")
+
+
+def _scaled(other, alpha, where: str):
+    """``alpha * other`` for torch's ``add(other, alpha=)`` / ``sub``: ``other`` itself for 1."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TileError(where, "alpha must be a real number", f"{type(alpha).__name__} {alpha!r:.60}")
+    if alpha == 1:
+        return other
+    return other * alpha
+
+
+# torch's in-place methods and the out-of-place form each error names. A TileTensor is a node of
+# the recorded graph: changing it would change what every op recorded from it reads, their
+# backward passes included (torch counts versions to refuse that; here nothing would notice), so
+# the in-place forms are TileErrors naming the assignment to write. A Parameter takes zero_,
+# fill_ and copy_ (new values, set as assign sets them, outside any graph: a torch init under
+# no_grad); its arithmetic in place names p.assign.
+_IN_PLACE = {
+    "add_": "x = x + y (x.add(y))", "sub_": "x = x - y (x.sub(y))", "mul_": "x = x * y (x.mul(y))",
+    "div_": "x = x / y (x.div(y))", "pow_": "x = x ** y (x.pow(y))", "neg_": "x = -x",
+    "abs_": "x = x.abs()", "clamp_": "x = x.clamp(min, max)", "clip_": "x = x.clamp(min, max)",
+    "exp_": "x = x.exp()", "log_": "x = x.log()", "sqrt_": "x = x.sqrt()", "rsqrt_": "x = x.rsqrt()",
+    "square_": "x = x.square()", "tanh_": "x = x.tanh()", "sigmoid_": "x = x.sigmoid()",
+    "relu_": "x = x.relu()", "floor_divide_": "x = x // y", "remainder_": "x = x % y",
+    "masked_fill_": "x = x.masked_fill(mask, value)", "addcmul_": "x = x + value * a * b",
+    "addcdiv_": "x = x + value * a / b", "lerp_": "x = x + weight * (end - x)",
+    "normal_": "x = tg.from_numpy(rng.normal(mean, std, x.shape), x.chunks) (a Parameter: p.assign(array))",
+    "uniform_": "x = tg.from_numpy(rng.uniform(low, high, x.shape), x.chunks) (a Parameter: p.assign(array))",
+    "t_": "x = x.t()", "transpose_": "x = x.transpose(d0, d1)", "unsqueeze_": "x = x.unsqueeze(dim)",
+    "squeeze_": "x = x.squeeze(dim)",
+}
+
+
+def _not_in_place(x: TileTensor, name: str, form: str):
+    if getattr(x, "cells", None) is not None:  # a Parameter
+        raise TileError(f"tilegraph.nn.Parameter({x.name or ''}).{name}", f"p.{name}(...) would change the "
+                        "parameter in place: set its new values with p.assign(array) (e.g. p.assign(p.numpy() * 0.5)), "
+                        "or p.zero_(), p.fill_(value), p.copy_(src)", repr(x))
+    raise TileError(f"tilegraph.TileTensor.{name}", f"x.{name}(...) would change x in place, and a TileTensor never "
+                    "changes (the ops recorded from it read it, their gradients too): make the new tensor, "
+                    f"{form}", repr(x))
+
+
+def _in_place_method(name: str, form: str):
+    def method(self, *args, **kwargs):
+        _not_in_place(self, name, form)
+
+    method.__name__, method.__qualname__ = name, f"TileTensor.{name}"
+    method.__doc__ = f"torch's in-place ``{name}``: a TileError naming the out-of-place form, ``{form}``."
+    return method
+
+
+for _name, _form in _IN_PLACE.items():
+    setattr(TileTensor, _name, _in_place_method(_name, _form))
+del _name, _form
 
 
 def _sizes(shape: tuple, where: str) -> tuple:
@@ -1072,3 +1358,228 @@ def _like(x: TileTensor, value, dtype, name, where: str) -> TileTensor:
         raise TileError(where, "x must be a TileTensor (for a shape: tg.zeros, tg.ones, tg.full)",
                         f"{type(x).__name__} {x!r:.60}")
     return _filled(x.tiling, value, x.dtype if dtype is None else _fill_dtype(value, dtype, where), name, where)
+
+
+# -- NumPy's protocols (TileTensor.__array_function__ / __array_ufunc__) -----------------------------
+def _numpy_name(func) -> str:
+    module = getattr(func, "__module__", None) or "numpy"
+    name = getattr(func, "__name__", repr(func))
+    return f"np.linalg.{name}" if module.endswith("linalg") else f"np.{name}"
+
+
+def _numpy_refused(name: str, args, why: str = ""):
+    tensors = [a for a in args if isinstance(a, TileTensor)] + \
+        [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, TileTensor)]
+    raise TileError(f"tilegraph.TileTensor ({name})", f"{name} of a TileTensor is not supported{why}: use "
+                    "tilegraph's op where there is one (tg.exp, x.max(dim), x.var(dim, correction=0), ...), or "
+                    f"compute the tensor first ({name}(x.numpy()))", repr(tensors[0]) if tensors else "")
+
+
+def _np_option(name: str, **given) -> None:
+    """NumPy arguments a tilegraph op has no counterpart for, named when given (not None)."""
+    extra = {k: v for k, v in given.items() if v is not None}
+    if extra:
+        raise TileError(f"tilegraph.TileTensor ({name})", f"{name} of a TileTensor takes no "
+                        f"{', '.join(k + '=' for k in extra)} (a TileTensor is never written in place)",
+                        ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()))
+
+
+def _np_axes(axis) -> tuple | None:
+    return None if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _np_var(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, where=None, mean=None, correction=None,
+            _std=False):
+    from tilegraph.ops.reduce import std, var
+
+    name = "np.std" if _std else "np.var"
+    _np_option(name, out=out, where=where, mean=mean)
+    if correction is not None and ddof != 0:
+        raise TileError(f"tilegraph.TileTensor ({name})", "ddof= or correction=, not both (NumPy's rule)",
+                        f"ddof={ddof!r}, correction={correction!r}")
+    if dtype is not None:
+        a = a.to(dtype)
+    return (std if _std else var)(a, _np_axes(axis), keepdim=bool(keepdims),
+                                  correction=ddof if correction is None else correction, where=f"tilegraph.{name}")
+
+
+def _np_extremum(largest: bool):
+    def extremum(a, axis=None, out=None, keepdims=False, initial=None, where=None):
+        from tilegraph.ops.reduce import _extremum
+
+        name = "np.max" if largest else "np.min"
+        _np_option(name, out=out, initial=initial, where=where)
+        axes = _np_axes(axis)
+        if axes is None:  # NumPy's keepdims over every dim: the scalar with each dim kept as 1
+            value = _extremum(a, None, False, largest, f"tilegraph.{name}")
+            return value.reshape((1,) * a.ndim) if keepdims else value
+        for d in sorted((int(d) % max(a.ndim, 1) for d in axes), reverse=True):  # NumPy's values, not (values, indices)
+            a = _extremum(a, d, bool(keepdims), largest, f"tilegraph.{name}").values
+        return a
+
+    return extremum
+
+
+def _np_arg(largest: bool):
+    def arg(a, axis=None, out=None, *, keepdims=False):
+        _np_option("np.argmax" if largest else "np.argmin", out=out)
+        return (a.argmax if largest else a.argmin)(axis, bool(keepdims))
+
+    return arg
+
+
+def _np_any_all(how: str):
+    def reduce(a, axis=None, out=None, keepdims=False, *, where=None):
+        _np_option(f"np.{how}", out=out, where=where)
+        return getattr(a, how)(ALL_DIMS if axis is None else _np_axes(axis), bool(keepdims))
+
+    return reduce
+
+
+def _np_transpose(a, axes=None):
+    return a.permute(tuple(range(a.ndim))[::-1] if axes is None else tuple(axes))
+
+
+def _np_reshape(a, shape=None, order="C", *, newshape=None, copy=None):
+    if order != "C":
+        raise TileError("tilegraph.TileTensor (np.reshape)", "order='C' (the only order of a TileTensor)", repr(order))
+    return a.reshape(newshape if shape is None else shape)
+
+
+def _np_clip(a, a_min=None, a_max=None, out=None, *, min=None, max=None):  # noqa: A002 - NumPy's names
+    from tilegraph.ops.elementwise import clamp
+
+    _np_option("np.clip", out=out)
+    return clamp(a, a_min if min is None else min, a_max if max is None else max)
+
+
+def _np_cumsum(a, axis=None, dtype=None, out=None):
+    _np_option("np.cumsum", out=out)
+    if axis is None:
+        if a.ndim != 1:
+            raise TileError("tilegraph.TileTensor (np.cumsum)", "an axis (the flattened cumulative sum is not "
+                            "supported)", f"a tensor of shape {a.shape}, axis=None")
+        axis = 0
+    return a.cumsum(axis, dtype=dtype)
+
+
+def _np_cat(stack: bool):
+    def join(arrays, axis=0, out=None, *, dtype=None, casting=None):
+        from tilegraph import ops
+
+        _np_option("np.stack" if stack else "np.concatenate", out=out, dtype=dtype, casting=casting)
+        return (ops.stack if stack else ops.cat)(list(arrays), axis)
+
+    return join
+
+
+def _np_where(condition, x=None, y=None):
+    from tilegraph.ops.where import where
+
+    if x is None or y is None:
+        raise TileError("tilegraph.TileTensor (np.where)", "np.where(condition, x, y) (the indices of "
+                        "np.where(condition) depend on the values: compute it first)", "one argument")
+    return where(condition, x, y)
+
+
+def _np_squeeze(a, axis=None):
+    return a.squeeze(axis)
+
+
+def _np_expand_dims(a, axis):
+    for d in sorted(_np_axes(axis)):
+        a = a.unsqueeze(d)
+    return a
+
+
+def _np_dot(a, b, out=None):
+    from tilegraph import ops
+
+    _np_option("np.dot", out=out)
+    if not (isinstance(a, TileTensor) and isinstance(b, TileTensor)) or a.ndim > 2 or b.ndim > 2:
+        raise TileError("tilegraph.TileTensor (np.dot)", "two TileTensors of 1 or 2 dims (x @ y; for more dims "
+                        "np.dot is no matmul)", f"{type(a).__name__} and {type(b).__name__}")
+    return ops.matmul(a, b)
+
+
+def _numpy_own(func):
+    """NumPy's own implementation: the function reads attributes (np.shape) or calls the tensor's
+    method of its name (np.sum and np.mean call x.sum / x.mean with NumPy's arguments)."""
+    return func._implementation
+
+
+def _numpy_functions() -> dict:
+    if not _NUMPY_FUNCTIONS:
+        std = lambda *a, **k: _np_var(*a, _std=True, **k)  # noqa: E731 - np.std: np.var's arguments
+        _NUMPY_FUNCTIONS.update({
+            np.shape: _numpy_own(np.shape), np.ndim: _numpy_own(np.ndim), np.size: _numpy_own(np.size),
+            np.sum: _numpy_own(np.sum), np.mean: _numpy_own(np.mean), np.var: _np_var, np.std: std,
+            np.max: _np_extremum(True), np.amax: _np_extremum(True), np.min: _np_extremum(False),
+            np.amin: _np_extremum(False), np.argmax: _np_arg(True), np.argmin: _np_arg(False),
+            np.transpose: _np_transpose, np.reshape: _np_reshape, np.clip: _np_clip, np.cumsum: _np_cumsum,
+            np.concatenate: _np_cat(False), np.stack: _np_cat(True), np.where: _np_where, np.squeeze: _np_squeeze,
+            np.expand_dims: _np_expand_dims, np.dot: _np_dot, np.any: _np_any_all("any"), np.all: _np_any_all("all"),
+        })
+    return _NUMPY_FUNCTIONS
+
+
+_NUMPY_FUNCTIONS: dict = {}
+
+
+def _numpy_call(func, args, kwargs):
+    handler = _numpy_functions().get(func)
+    if handler is None:
+        _numpy_refused(_numpy_name(func), args)
+    return handler(*args, **kwargs)
+
+
+#: the ufuncs of Python's operators, as the tensor's operator and its reflection: ``array < x``
+#: arrives here as np.less(array, x) and is ``x > array`` (the error an array operand gets names
+#: the operator, as when Python reflects it)
+_UFUNC_OPERATORS = {
+    "add": ("__add__", "__radd__"), "subtract": ("__sub__", "__rsub__"), "multiply": ("__mul__", "__rmul__"),
+    "true_divide": ("__truediv__", "__rtruediv__"), "floor_divide": ("__floordiv__", "__rfloordiv__"),
+    "remainder": ("__mod__", "__rmod__"), "power": ("__pow__", "__rpow__"), "matmul": ("__matmul__", "__rmatmul__"),
+    "greater": ("__gt__", "__lt__"), "greater_equal": ("__ge__", "__le__"), "less": ("__lt__", "__gt__"),
+    "less_equal": ("__le__", "__ge__"), "equal": ("__eq__", "__eq__"), "not_equal": ("__ne__", "__ne__"),
+    "bitwise_and": ("__and__", "__rand__"), "bitwise_or": ("__or__", "__ror__"), "bitwise_xor": ("__xor__", "__rxor__"),
+    "logical_and": ("logical_and", "logical_and"), "logical_or": ("logical_or", "logical_or"),
+    "logical_xor": ("logical_xor", "logical_xor"),
+}
+#: one-operand ufuncs as the tensor's method of that meaning
+_UFUNC_METHODS = {"negative": "__neg__", "absolute": "abs", "invert": "__invert__", "logical_not": "logical_not",
+                  "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "square": "square"}
+
+
+def _numpy_binary(name: str, a, b):
+    method, reflected = _UFUNC_OPERATORS[name]
+    out = getattr(a, method)(b) if isinstance(a, TileTensor) else getattr(b, reflected)(a)
+    if out is NotImplemented:  # == / != of a number: Python's identity, which NumPy's call is not
+        _identity_refused("==" if name == "equal" else "!=", "eq" if name == "equal" else "ne",
+                          b if isinstance(a, TileTensor) else a)
+    return out
+
+
+def _numpy_extreme(name: str, a, b):
+    """np.maximum(x, 0) / np.minimum(x, c): a clamp; of two tensors it is not supported."""
+    from tilegraph.ops.elementwise import clamp
+
+    tensor, number = (a, b) if isinstance(a, TileTensor) else (b, a)
+    if isinstance(number, TileTensor):
+        _numpy_refused(f"np.{name}", (a, b), " of two tensors (tg.where(a > b, a, b))")
+    return clamp(tensor, min=number) if name == "maximum" else clamp(tensor, max=number)
+
+
+def _numpy_ufunc(ufunc, method: str, inputs, kwargs):
+    name = ufunc.__name__
+    if method != "__call__":
+        _numpy_refused(f"np.{name}.{method}", inputs)
+    if kwargs:
+        _np_option(f"np.{name}", **{k: "given" if v is None else v for k, v in kwargs.items()})
+    if name in _UFUNC_OPERATORS:
+        return _numpy_binary(name, *inputs)
+    if name in _UFUNC_METHODS:
+        return getattr(inputs[0], _UFUNC_METHODS[name])()
+    if name in ("maximum", "minimum"):
+        return _numpy_extreme(name, *inputs)
+    _numpy_refused(f"np.{name}", inputs)
