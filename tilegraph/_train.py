@@ -1077,7 +1077,7 @@ def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps
     stalled = health.stalled
     named = [f"{a} (silent past the scheduler's worker-ttl, restarted)" if a in health.timed_out
              else f"{a} (left the cluster)" for a in health.lost]
-    named += [f"{a} (no heartbeat for {s:.0f} s: stopped or hung)" for a, s in sorted(stalled.items())]
+    named += [f"{a} (no heartbeat for {s:.0f} s: stopped, hung or cut off from the network)" for a, s in sorted(stalled.items())]
     stuck = {a: p for a, p in health.stuck.items() if a not in stalled}
     mb = 1 << 20
     named += [f"{a} (paused by Dask's memory manager for {t:.0f} s, its process at {m / mb:,.0f} MiB of its "
