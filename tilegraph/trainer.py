@@ -306,6 +306,11 @@ class Trainer:
                                        or batch_size % accum_steps):
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
+        if batch_size is not None and eval_data is not None and _is_token_data(eval_data) \
+                and eval_data.num_eval_windows < batch_size // accum_steps:  # not after training up to an evaluation
+            raise TileError(where, f"eval_data to hold one evaluation batch of batch_size / accum_steps = "
+                            f"{batch_size // accum_steps} windows: a larger val_fraction, a smaller seq_len or "
+                            "batch_size", f"{eval_data.num_eval_windows} window(s) in {eval_data!r}")
         require_int(where, "checkpoint_every", checkpoint_every, 0)  # (the manager's error named its own "every")
         if checkpoint_keep is not None:
             require_int(where, "checkpoint_keep (None: keep all)", checkpoint_keep, 1)

@@ -1,0 +1,28 @@
+"""Trainer checks made when it is built, not after training up to them (session 38)."""
+
+import pytest
+
+import tilegraph as tg
+from tilegraph import models
+from tilegraph.models.gpt2 import GPT2Config
+
+
+def test_a_validation_split_smaller_than_one_evaluation_batch_is_refused_when_the_trainer_is_built(tmp_path):
+    """Before: the trainer trained every step up to the first evaluation and only then failed
+    ("[tilegraph.io.TokenDataset.eval_offsets] the val split must hold at least batch_size=8
+    windows ..."), after hours of a real run; the CLI checked it up front, the Python API did not."""
+    text = tmp_path / "c.txt"
+    text.write_text("hello world " * 400)
+    tg.io.build_token_file([text], tmp_path / "c.tok", tg.io.ByteTokenizer(eos=True))
+    train = tg.io.TokenDataset(tmp_path / "c.tok", seq_len=64, split="train", val_fraction=0.05)
+    val = tg.io.TokenDataset(tmp_path / "c.tok", seq_len=64, split="val", val_fraction=0.05)
+    assert val.num_eval_windows == 3
+    model = models.build(GPT2Config(vocab_size=257, max_seq_len=64, dim=32, n_layers=1, n_heads=4), seed=0)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(tg.TileError, match=r"eval_data to hold one evaluation batch of batch_size / accum_steps = "
+                                           r"4 windows.*received: 3 window\(s\)"):
+        tg.Trainer(model, opt, train, eval_data=val, eval_every=2, batch_size=8, accum_steps=2, progress=False)
+    # one evaluation batch that fits: built (and it evaluates)
+    trainer = tg.Trainer(model, opt, train, eval_data=val, eval_every=2, batch_size=4, accum_steps=2,
+                         progress=False)
+    assert trainer.fit(2).val_losses
