@@ -98,7 +98,7 @@ def _texts():
 #: val_fraction > 0: the job always validates (at the end, even with eval_every = 0), on at least one window
 CONFIG_CHECKS = {
     "data.sources": _texts(), "data.patterns": _texts(), "data.max_mb": _number(0, strict=True),
-    "data.tokenizer": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, strict=True, high=1),
+    "data.tokenizer": _text(), "data.text_field": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, strict=True, high=1),
     "train.steps": _int(1), "train.batch_size": _int(1), "train.accum_steps": _int(1),
     "train.steps_per_graph": (lambda v: v == "auto" or _int(1)[0](v), '"auto" or an integer >= 1'),
     "train.lr": _number(0, strict=True), "train.warmup": _int(0), "train.min_lr": _number(0),

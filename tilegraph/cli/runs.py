@@ -394,7 +394,7 @@ def keep_eval_settings(state: dict, step: int, t: dict, given: dict[str, str]) -
 #: in every checkpoint of tilegraph train: the run's [data] settings (paths made absolute), which
 #: --resume takes where the job gives none, so a run on one's own text resumes without its config
 DATA_FILE = "tilegraph_data.json"
-DATA_KEYS = ("sources", "patterns", "max_mb", "tokenizer", "seq_len", "val_fraction")
+DATA_KEYS = ("sources", "patterns", "max_mb", "tokenizer", "seq_len", "val_fraction", "text_field")
 
 
 def data_record(d: dict, tokens: int | None = None) -> dict:

@@ -524,7 +524,7 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
     whole = all(s == "stdlib" for s in d["sources"])
     try:
         meta = build_token_file(files, tok_file, tokenizer, patterns=d["patterns"],
-                                max_bytes=None if whole else limit)
+                                max_bytes=None if whole else limit, text_field=d.get("text_field", "text"))
     except TileError as e:  # a missing path, a binary or non-UTF-8 file, nothing found: named as [data]'s
         received = e.received
         if received and not os.path.isabs(os.path.expanduser(received)) and not os.path.exists(received):
@@ -533,7 +533,8 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
         what = e.what
         if what.startswith("no files found"):  # a folder of other files than [data] patterns names
             what += (f": [data] patterns = {list(d['patterns'])!r} names the files read from folders (the shipped "
-                     "config's reads Python sources); for text, e.g. patterns = [\"*.txt\", \"*.md\"]")
+                     "config's reads Python sources); for text, e.g. patterns = [\"*.txt\", \"*.md\"], for JSON Lines "
+                     "patterns = [\"*.jsonl\"]")
         raise TileError(where, what, received) from None
     corpus = f"{meta['count']:,} tokens from {_plural(len(meta['sources']), 'file')}"
     left_out = meta.get("files_left_out", 0)
