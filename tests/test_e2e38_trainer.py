@@ -26,3 +26,24 @@ def test_a_validation_split_smaller_than_one_evaluation_batch_is_refused_when_th
     trainer = tg.Trainer(model, opt, train, eval_data=val, eval_every=2, batch_size=4, accum_steps=2,
                          progress=False)
     assert trainer.fit(2).val_losses
+
+
+@pytest.mark.slow
+def test_tilegraph_train_decays_the_weight_matrices_not_the_biases_and_norm_gains(tmp_path):
+    """The main job's AdamW: [train] weight_decay on the matrices and embeddings, none on biases
+    and norm gains (GPT-2's recipe, and transformers' Trainer's). Before, every LayerNorm gain
+    and bias was pulled toward 0 as well."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "tilegraph.cli", "train", "--steps", "2", "--no-progress", "--out", "run",
+                          "--set", "output.checkpoint_every=0", "--set", "runtime.workers=1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    hyper = tg.io.load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000002").info["optimizer"]["hyper"]
+    assert hyper["weight_decay"] == 0.1
+    decay = {name: opts.get("weight_decay", hyper["weight_decay"])
+             for name, opts in zip(hyper["param_names"], hyper["param_options"])}
+    assert decay["wte.weight"] == decay["blocks.0.attn.q.weight"] == decay["blocks.1.mlp.fc2.weight"] == 0.1
+    assert decay["blocks.0.ln_1.weight"] == decay["blocks.0.attn.q.bias"] == decay["ln_f.weight"] == 0.0
+    assert {v for k, v in decay.items() if k.endswith(".bias") or ".ln" in k or k.startswith("ln")} == {0.0}

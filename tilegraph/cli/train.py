@@ -267,8 +267,12 @@ def _train(args, job: Job) -> int:
               f"learning rate rises over all {steps} to lr = {t['lr']:g} (no decay to min_lr)", file=sys.stderr,
               flush=True)
     sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
-    opt = tg.optim.AdamW(tg.peft.trainable_parameters(model), lr=sched, weight_decay=t["weight_decay"],
-                         clip_grad_norm=t["clip_grad_norm"] or None)  # with adapters: only theirs
+    trainable = tg.peft.trainable_parameters(model)  # with adapters: only theirs
+    # weight decay on the matrices (and embeddings) alone, not on biases and norm gains, as GPT-2's
+    # and transformers' Trainer's recipes (it pulled every LayerNorm gain toward 0)
+    groups = [{"params": [p for p in trainable if p.ndim >= 2]},
+              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    opt = tg.optim.AdamW(groups, lr=sched, weight_decay=t["weight_decay"], clip_grad_norm=t["clip_grad_norm"] or None)
     if rt is None:  # the embedded cluster, started once the job's settings and data have passed
         rt = tg.connect(n_workers=r["workers"] or None, quiet=True, **tls)
     job.release.append(partial(setattr, tg.config, "exchange", tg.config.exchange))  # the caller's, back after the job
