@@ -321,8 +321,12 @@ def time_mpi(kind, workers, threads, argv) -> list[dict]:
     mpiexec = _mpiexec()
     if mpiexec is None:
         raise RuntimeError("--mpi needs mpiexec: pip install -e '.[mpi]'")
-    cmd = [mpiexec, "-n", str(workers + 2), sys.executable, str(Path(__file__).resolve()), *argv,
-           "--models", kind, "--mpi-child", f"{workers}x{threads}"]
+    return child_rows([mpiexec, "-n", str(workers + 2), sys.executable, str(Path(__file__).resolve()), *argv,
+                       "--models", kind, "--mpi-child", f"{workers}x{threads}"])
+
+
+def child_rows(cmd: list[str]) -> list[dict]:
+    """The rows this script printed when run again by ``cmd`` (under mpiexec, in a lab)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     rows = [json.loads(line[len(MPI_ROW):]) for line in proc.stdout.splitlines() if line.startswith(MPI_ROW)]
     if proc.returncode != 0 or not rows:
@@ -356,13 +360,8 @@ def _netlab():
 def time_lab(kind, workers, threads, argv, rate: str) -> list[dict]:
     """The rows of ``workers`` x ``threads`` with each worker on a node of its own: this script
     again, in a network namespace of its own (``unshare --net``); its rows come back on stdout."""
-    cmd = ["unshare", "--net", sys.executable, str(Path(__file__).resolve()), *argv, "--models", kind,
-           "--lab", rate, "--lab-child", f"{workers}x{threads}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    rows = [json.loads(line[len(MPI_ROW):]) for line in proc.stdout.splitlines() if line.startswith(MPI_ROW)]
-    if proc.returncode != 0 or not rows:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return rows
+    return child_rows(["unshare", "--net", sys.executable, str(Path(__file__).resolve()), *argv, "--models", kind,
+                       "--lab", rate, "--lab-child", f"{workers}x{threads}"])
 
 
 def lab_child(args, kind, strategies, tg) -> None:
