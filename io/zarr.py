@@ -53,6 +53,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -1436,6 +1437,15 @@ def load_checkpoint(path, *, tiling=None, runtime=None) -> Checkpoint:
 
 # ------------------------------------------------------------------------------------- manager ----
 
+#: the manager of this process that saves in each folder (resolved path -> weak reference): the
+#: last one to save there (a Trainer built again, a notebook cell run again). Another manager of
+#: this process that saved there before is refused at its next save and no longer prunes there
+#: (both pruned with ``keep``, each deleted the other's checkpoints, and ``latest()`` named the
+#: other's model)
+_SAVING_IN: dict[str, Any] = {}
+_SAVING_GUARD = threading.Lock()
+
+
 class CheckpointManager:
     """Checkpoints ``step-NNNNNN`` in the folder ``dir``: every ``every`` steps (:meth:`due`),
     the newest ``keep`` kept (None: all), written in the background with ``async_save`` (the
@@ -1447,6 +1457,13 @@ class CheckpointManager:
     untouched for ``_store.STALE_OTHER_HOST_SECONDS`` (a day); they are never loaded. A run resumed
     from an earlier checkpoint keeps it (:meth:`protect`) and moves the later ones aside
     (:meth:`set_aside`).
+
+    One manager saves in a folder at a time, so that no two prune each other's checkpoints: within
+    this process the last one to save there (a Trainer or a notebook cell made again); one that
+    saved there before is refused at its next save, and prunes nothing there any more. A save
+    is refused while another process's ``Trainer.fit`` or ``tilegraph train`` holds the folder
+    (its ``.tilegraph.lock``), and so is one of a step that ``keep`` would delete at once (older
+    than the newest ``keep`` checkpoints there).
 
     >>> mgr = CheckpointManager(tmp / "ck", keep=2, every=100)  # doctest: +SKIP
     >>> mgr.save(step, model, optimizer)  # returns at once; mgr.wait() for the commit  # doctest: +SKIP
@@ -1483,6 +1500,7 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self.committed: list[Path] = []  # saved by this manager, in order (for hooks and restarts)
         self.protected: set[Path] = set()  # never pruned (resolved paths): see protect()
+        self._saved_here = False  # whether this manager saved in dir (took it: see _take_folder)
         self.removed_stale = self.clean()
 
     def path(self, step: int) -> Path:
@@ -1518,6 +1536,7 @@ class CheckpointManager:
         checkpoint has once committed."""
         self.wait()
         path = self.path(step)
+        self._take_folder(f"tilegraph.io.CheckpointManager({self.dir}).save", step)
         pending = prepare_save(path, model, optimizer, step=step, **kw)
         if not self.async_save:
             self._finish(pending.run())
@@ -1542,7 +1561,60 @@ class CheckpointManager:
 
     def _finish(self, path: Path) -> None:
         self.committed.append(path)
-        self.prune()
+        if self._saver() is self:  # (one that took the folder since prunes it, not this one)
+            self.prune()
+
+    def _key(self) -> str:
+        return str(self.dir.resolve())
+
+    def _saver(self) -> "CheckpointManager | None":
+        """The manager of this process that last saved in ``dir`` (None: none alive)."""
+        with _SAVING_GUARD:
+            ref = _SAVING_IN.get(self._key())
+        return None if ref is None else ref()
+
+    def _displaced(self, where: str, received: str) -> CheckpointError:
+        return CheckpointError(where, f"a folder this manager still saves in: another CheckpointManager of this "
+                               f"process has saved in {self.dir} since (a Trainer or a notebook cell made again on "
+                               "the same folder), and only that one saves and prunes there now (two would delete "
+                               "each other's checkpoints with keep). Save with that one, or make this one on "
+                               "another dir", received)
+
+    def _take_folder(self, where: str, step: int) -> None:
+        """Before a save of ``step``: make this manager the one of this process saving in ``dir``
+        (refused when another has saved there since this one did); refuse a folder another live
+        process's Trainer.fit or ``tilegraph train`` holds, and a step ``keep`` would prune at once."""
+        import socket
+
+        from tilegraph._lock import LOCK_NAME, _read
+
+        held = _read(self.dir / LOCK_NAME)
+        if held is not None and (held["host"] != socket.gethostname()
+                                 or (held["pid"] != os.getpid() and process_alive(held["pid"]))):
+            gone = "" if held["host"] == socket.gethostname() else (
+                f"; if that process is gone, delete {self.dir / LOCK_NAME} (another machine's processes cannot be "
+                "looked up from here)")
+            raise CheckpointError(where, f"a folder no other run is using: {self.dir} is in use by {held['by']} (pid "
+                                  f"{held['pid']} on {held['host']}), whose checkpoints this manager's would collide "
+                                  f"with or prune: wait for it to end, or save in another dir{gone}",
+                                  str(self.dir / LOCK_NAME))
+        with _SAVING_GUARD:
+            ref = _SAVING_IN.get(self._key())
+            other = None if ref is None else ref()
+            if other is not None and other is not self and self._saved_here:
+                raise self._displaced(where, f"step {step}")
+        if self.keep is not None and self.path(step).resolve() not in self.protected:
+            newer = [p.name for p in self.checkpoints() if checkpoint_step(p.name) > step]
+            if len(newer) >= self.keep:
+                raise CheckpointError(where, f"a step keep={self.keep} keeps: {self.dir} holds {len(newer)} "
+                                      f"checkpoint{'s' if len(newer) > 1 else ''} of later steps, so this one would "
+                                      "be deleted as soon as it is saved. Move them aside first "
+                                      f"(set_aside({step})), or save in another dir",
+                                      f"step {step}; later: {', '.join(newer[:4])}"
+                                      + (f" (and {len(newer) - 4} more)" if len(newer) > 4 else ""))
+        with _SAVING_GUARD:  # (a manager that never saved here takes the folder over)
+            _SAVING_IN[self._key()] = weakref.ref(self)
+            self._saved_here = True
 
     @property
     def busy(self) -> bool:
@@ -1569,9 +1641,13 @@ class CheckpointManager:
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep`` complete checkpoints, and those :meth:`protect`
         names; returns the deleted ones. A symbolic link among them is removed, never what it
-        points to; each folder is renamed to a temporary name before its files go."""
+        points to; each folder is renamed to a temporary name before its files go. Refused in a
+        manager of this process that another has saved in ``dir`` after (see the class)."""
         if self.keep is None:
             return []
+        saver = self._saver()
+        if saver is not None and saver is not self and self._saved_here:
+            raise self._displaced(f"tilegraph.io.CheckpointManager({self.dir}).prune", "prune()")
         old = [p for p in self.checkpoints()[:-self.keep] if p.resolve() not in self.protected]
         gone = []
         for p in old:

@@ -31,6 +31,7 @@ before it ran) are dropped once they are older than the channel time limit.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +42,9 @@ HANDLER = "tilegraph_channel"
 #: the handler telling a reader whether a call's gang ended on this worker, and how its send of a
 #: channel went
 STATE_HANDLER = "tilegraph_channel_state"
+#: the handler answering a worker process's pid (a gang's reader finds a writer's worker started
+#: again by its nanny at the same address: :func:`tilegraph.exec.gang.read_channel`)
+PID_HANDLER = "tilegraph_pid"
 #: seconds between asking the scheduler whether a writer's worker is still there, while a
 #: reader waits
 PING_SECONDS = 1.0
@@ -78,10 +82,33 @@ async def _state(call: str = "", name: str = "") -> dict:
         return {"ended": call in _closed, "sent": _sent.get(name)}
 
 
+async def _pid() -> int:
+    """The worker handler answering this worker process's pid."""
+    return os.getpid()
+
+
 def install(worker) -> None:
     """Install the channel handlers on ``worker`` (a Dask worker; idempotent)."""
     worker.handlers[HANDLER] = _receive
     worker.handlers[STATE_HANDLER] = _state
+    worker.handlers[PID_HANDLER] = _pid
+
+
+async def _pid_of(worker, addr: str) -> int | None:
+    if addr not in await worker.scheduler.ncores(workers=[addr]):  # (gone: no connection tried)
+        return None
+    return int(await getattr(worker.rpc(addr), PID_HANDLER)())
+
+
+def worker_pid(addr: str, timeout: float = 2.0) -> int | None:
+    """The pid of the process of the worker at ``addr`` now, asked from a task of this worker
+    (None: that worker is no longer one of the cluster's, did not answer within ``timeout``
+    seconds, or has no handler: no channel plugin)."""
+    try:
+        worker = _worker()
+        return _submit(worker, _pid_of(worker, addr)).result(timeout)
+    except Exception:
+        return None
 
 
 def channel_plugin():

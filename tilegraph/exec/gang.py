@@ -278,12 +278,39 @@ def check_wait(name: str, waited: float, timeout: float, writer: str, gone: str 
         raise ChannelWaitError(f"tilegraph: gang step: waiting for values of channel {name}: {what}")
 
 
-def read_channel(name: str, pid: int, timeout: float) -> tuple:
-    """The values of channel ``name`` written by process ``pid``: waits until its file exists,
-    maps it (copy-on-write) and takes it out of the channel's name; once the last array over the
-    mapping is gone, the file is left free for its writer to write over (``f-<size>-<id>``, see
-    :func:`write_channel`). Raises ChannelWaitError, naming the channel, when the
-    writer's process is gone, when Dask cancelled this task, or after ``timeout`` seconds."""
+#: writers' pids found stale in this process (their worker started again by its nanny at the same
+#: address, after the client asked its pid): the plan's pid -> the pid of that worker's process now
+_RESTARTED: dict[int, int] = {}
+
+
+def _restarted_as(pid: int, addr: str | None) -> int | None:
+    """The pid of the process now running the worker at ``addr``, which the plan knew as process
+    ``pid`` (gone): a worker its nanny started again at the same address (a fixed
+    ``--worker-port``, a job scheduler's) keeps its address and gets a new process. None where
+    that worker does not answer with another live process of this host."""
+    if addr is None:
+        return None
+    from tilegraph.exec.comm_channel import worker_pid
+
+    now = worker_pid(addr)
+    if now is None or now == pid or not process_alive(now):
+        return None
+    _RESTARTED[pid] = now
+    return now
+
+
+def read_channel(name: str, pid: int, timeout: float, addr: str | None = None) -> tuple:
+    """The values of channel ``name`` written by process ``pid`` (of the worker at ``addr``):
+    waits until its file exists, maps it (copy-on-write) and takes it out of the channel's name;
+    once the last array over the mapping is gone, the file is left free for its writer to write
+    over (``f-<size>-<id>``, see :func:`write_channel`). A writer's process found gone whose
+    worker answers from another process (started again at the same address) is read from there.
+    Raises ChannelWaitError, naming the channel, when the writer's process is gone, when Dask
+    cancelled this task, or after ``timeout`` seconds."""
+    for _ in range(len(_RESTARTED)):  # (restarted more than once: its latest process)
+        if pid not in _RESTARTED:
+            break
+        pid = _RESTARTED[pid]
     path = channel_path(pid, name)
     t0 = time.perf_counter()
     pause, checked = 0.0, t0
@@ -296,8 +323,14 @@ def read_channel(name: str, pid: int, timeout: float) -> tuple:
         now = time.perf_counter()
         if now - checked > 0.05:
             checked = now
-            check_wait(name, now - t0, timeout, f"worker process {pid}",
-                       None if process_alive(pid) else f"its writer, worker process {pid}, is gone")
+            gone = None
+            if not process_alive(pid):
+                again = _restarted_as(pid, addr)
+                if again is not None:
+                    pid, path = again, channel_path(again, name)
+                    continue
+                gone = f"its writer, worker process {pid}{f' (worker {addr})' if addr else ''}, is gone"
+            check_wait(name, now - t0, timeout, f"worker process {pid}", gone)
         time.sleep(pause)
         pause = min(1e-3, pause * 2 or 2e-5)
     try:
@@ -352,7 +385,8 @@ def run_gang(spec: GangSpec, call: str, bound: Bound, programs: list, after, *ar
             name, writer = reads[ch]
             with meter.meter("channel-read"):
                 if spec.shared[writer]:
-                    got = read_channel(f"{call}-{name}", spec.pids[writer], spec.timeout)
+                    got = read_channel(f"{call}-{name}", spec.pids[writer], spec.timeout,
+                                       spec.addrs[writer] if spec.addrs else None)
                 else:
                     got = comm_channel.read(f"{call}-{name}", spec.addrs[writer], spec.timeout)
             received[ch] = got
