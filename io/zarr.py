@@ -311,6 +311,7 @@ class PendingSave:
             return
         path = self.path
         tmp = self._tmp = path.parent / temp_name(path.name)  # .NAME.tmp-PID-HEX-HOST
+        _WRITING.add(os.path.abspath(tmp))  # (until finish() commits it or the save is abandoned)
         # what a killed process's save of this name left (never loaded as a checkpoint, but on disk)
         remove_stale_temporaries(path.parent, path.name)
         with self._failures(tmp, release=False):
@@ -322,18 +323,21 @@ class PendingSave:
         when not started); returns the path."""
         self.start()
         path, tmp = self.path, self._tmp
-        with self._failures(tmp, release=True):
-            self._complete(tmp)
-            appeared = CheckpointError(self.where, "the checkpoint folder appeared while it was being written "
-                                       "(another save of the same name?)", f"{path} exists")
-            if os.path.lexists(path):
-                raise appeared
-            try:
-                os.rename(tmp, path)
-            except OSError as e:  # made between the check and the rename: "Directory not empty" said less
-                if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
-                    raise appeared from None
-                raise
+        try:
+            with self._failures(tmp, release=True):
+                self._complete(tmp)
+                appeared = CheckpointError(self.where, "the checkpoint folder appeared while it was being written "
+                                           "(another save of the same name?)", f"{path} exists")
+                if os.path.lexists(path):
+                    raise appeared
+                try:
+                    os.rename(tmp, path)
+                except OSError as e:  # made between the check and the rename: "Directory not empty" said less
+                    if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                        raise appeared from None
+                    raise
+        finally:
+            _WRITING.discard(os.path.abspath(tmp))
         return path
 
     @contextlib.contextmanager
@@ -385,6 +389,7 @@ class PendingSave:
         finding the folder gone: :func:`make_dir` never makes it again, or at its next file), the
         folder removed, and removed again once the workers run none of them (at most
         :data:`ABANDON_SECONDS`). In a thread of its own, which a second interrupt does not stop."""
+        _WRITING.discard(os.path.abspath(tmp))
         futures, self._futures = self._futures, []
         client = getattr(self.runtime, "client", None) if futures else None
 
@@ -567,11 +572,18 @@ ABANDON_SECONDS = 30.0
 SAVE_PRIORITY = 50
 
 
+#: the temporary folders (absolute paths) that saves of this process are writing now: never stale
+#: (a Trainer made again on a folder, its cell run again right after a stop, removed the one a
+#: save still wrote in the background, and that checkpoint was lost)
+_WRITING: set[str] = set()
+
+
 def remove_stale_temporaries(folder: Path, name: str | None = None, keep_own: bool = True) -> list[Path]:
     """Remove the temporary folders of interrupted saves in ``folder`` (of the checkpoint
     ``name`` alone, or of any): this host's whose process is gone (the earlier names, without a
-    host, count as this host's) and, unless ``keep_own``, this process's; another host's untouched
-    for ``STALE_OTHER_HOST_SECONDS`` (its process cannot be looked up from here). Returns them."""
+    host, count as this host's) and, unless ``keep_own``, this process's that no save of it is
+    writing (:data:`_WRITING`); another host's untouched for ``STALE_OTHER_HOST_SECONDS`` (its
+    process cannot be looked up from here). Returns them."""
     if not folder.is_dir():
         return []
     gone = []
@@ -584,7 +596,7 @@ def remove_stale_temporaries(folder: Path, name: str | None = None, keep_own: bo
             if untouched_for(p) <= STALE_OTHER_HOST_SECONDS:
                 continue
         elif pid == os.getpid():
-            if keep_own:
+            if keep_own or os.path.abspath(p) in _WRITING:
                 continue
         elif process_alive(pid):
             continue

@@ -234,3 +234,22 @@ def test_a_stopped_generate_lets_go_of_the_worker_that_decoded(own_runtime):
                    for a in rt.client.scheduler_info()["workers"] for _ in range(nthreads)]
         rt.client.gather(futures)
     assert time.perf_counter() - stopped < 5 + 50 * per_token, time.perf_counter() - stopped
+
+
+def test_a_manager_made_again_on_a_folder_leaves_the_save_still_being_written(tmp_path):
+    """A Trainer's cell run again right after a stop (its checkpoint of step 10 still written in
+    the background): the new CheckpointManager's clean-up of this process's temporary folders
+    removed the one that save wrote in, and step 10 was lost. A save under way is left to commit."""
+    from tilegraph.io.zarr import CheckpointManager, prepare_save
+
+    model = tg.nn.MLP(16, 24, out_dim=4, tile=8, seed=0)
+    pending = prepare_save(tmp_path / "ck" / "step-000010", model, step=10)
+    pending.start()  # its temporary folder made, its writes under way
+    assert [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".step-000010.tmp-")]
+    again = CheckpointManager(tmp_path / "ck", keep=3)
+    assert again.removed_stale == []
+    assert pending.finish() == tmp_path / "ck" / "step-000010"
+    assert [p.name for p in again.checkpoints()] == ["step-000010"]
+    # and a temporary folder of this process that no save writes is still cleaned up
+    (tmp_path / "ck" / pending._tmp.name).mkdir()
+    assert [p.name for p in CheckpointManager(tmp_path / "ck", keep=3).removed_stale] == [pending._tmp.name]
