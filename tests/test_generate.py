@@ -556,7 +556,7 @@ def _stall_decoding(dask_worker=None, where="loop", stall=True):
     if stall:
         run = getattr(owner, attr)
         setattr(owner, "_unstalled", run)
-        setattr(owner, attr, lambda *a: time.sleep(60) or run(*a))
+        setattr(owner, attr, lambda *a, **kw: time.sleep(60) or run(*a, **kw))
     elif hasattr(owner, "_unstalled"):
         setattr(owner, attr, owner._unstalled)
 
