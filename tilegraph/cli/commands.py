@@ -511,7 +511,9 @@ def _data_lines(folder: Path) -> list[str]:
     data = read_data_record(folder)
     if data is not None:
         tokens = data.get("tokens")
-        lines.append(f"data ({DATA_FILE}): " + ", ".join(f"{k} = {v!r}" for k, v in data.items() if k != "tokens")
+        shown = {k: v for k, v in data.items()
+                 if k != "tokens" and not (k == "text_field" and v == "text")}  # (JSON Lines' default field: said when other)
+        lines.append(f"data ({DATA_FILE}): " + ", ".join(f"{k} = {v!r}" for k, v in shown.items())
                      + (f"; {tokens:,} tokens" if isinstance(tokens, int) else ""))
     try:
         desc = json.loads((folder / "tilegraph_tokenizer.json").read_text(encoding="utf-8"))
