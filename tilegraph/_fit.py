@@ -1,6 +1,7 @@
 """One call of :meth:`tilegraph.Trainer.fit`: its steps submitted group by group, each step's loss
 waited for and logged, the evaluations, checkpoints and hooks between them, a lost worker's
-restart, and the :class:`~tilegraph.trainer.FitResult` at the end.
+restart, and the :class:`FitResult` at the end (``tilegraph.trainer`` imports it from here, with
+:func:`perplexity`).
 
 :class:`FitRun` holds what the loop shares between its parts (the steps waiting, the clock, the
 counts of tokens and graphs); the :class:`~tilegraph.Trainer` holds what outlives one fit (the
@@ -14,15 +15,67 @@ import contextlib
 import math
 import time
 import warnings
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from tilegraph import _config
 from tilegraph._progress import _Aside, _import_matplotlib_aside, _progress
 from tilegraph._train import StepStats, StepTimeoutError, WorkerLostError, _steps_text
 from tilegraph.runtime import _plural
 
-if TYPE_CHECKING:
-    from tilegraph.trainer import FitResult
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean next-token loss in nats (inf past float64's range, not an error)."""
+    return math.inf if loss >= 709.0 else math.exp(loss)  # a NaN loss stays NaN
+
+
+@dataclass
+class FitResult:
+    steps: int                         # optimizer steps run by this call
+    losses: list[float]                # training loss of each step
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    seconds: float = 0.0
+    #: tokens trained per second, where the batches are tokens (a token dataset, or integer ids
+    #: (B, T) as a callable's first array); 0.0 for other data, whose rate is :attr:`samples_per_s`
+    tokens_per_s: float = 0.0
+    checkpoints: list[str] = field(default_factory=list)
+    #: seconds inside tile kernels per part of the model and phase ("blocks.0.attn:backward",
+    #: "optimizer:update"), summed over the workers' threads, largest first
+    kernel_seconds: dict[str, float] = field(default_factory=dict)
+    #: the share of the workers' thread time spent outside kernels (Dask, transfers, waiting)
+    outside_kernels: float = 0.0
+    #: the part of :attr:`outside_kernels` when no tile task held the thread: threads a step
+    #: leaves idle (a small model's step may keep one thread of several busy), Dask's scheduling
+    #: and transfers, a gang's waits for other processes, the client's work between steps
+    #: (validation, checkpoints); the rest is tilegraph's task runner around the kernels
+    no_task: float = 0.0
+    #: ``restart_on_failure``: one record per restart: the steps that were running ("failed"),
+    #: the workers lost, the checkpoint resumed and its step
+    restarts: list[dict] = field(default_factory=list)
+    #: :meth:`Trainer.request_stop` (Ctrl-C, SIGTERM in the CLI) ended the fit before its last step
+    stopped: bool = False
+    #: rows (the first dim of a batch's first array: sequences of a token dataset) per second
+    samples_per_s: float = 0.0
+
+    @property
+    def val_perplexities(self) -> list[tuple[int, float]]:
+        """(step, validation perplexity): :func:`perplexity` of each of :attr:`val_losses` (a
+        number that means something for a language model's token cross-entropy only)."""
+        return [(step, perplexity(loss)) for step, loss in self.val_losses]
+
+    def profile(self, top: int = 8) -> str:
+        """Where the time went: the parts of the model with the most kernel time, and the share
+        outside kernels.
+
+        >>> FitResult(1, [1.0], seconds=2.0, kernel_seconds={"blocks.0.mlp": 1.5, "optimizer:update": 0.5},
+        ...           outside_kernels=0.5, no_task=0.4).profile()
+        'kernel time: blocks.0.mlp 75%, optimizer:update 25%; outside kernels: 50% of worker thread time (40% in no task: idle threads, Dask, waits; 10% in the task runner)'
+        """
+        total = sum(self.kernel_seconds.values()) or 1.0
+        parts = ", ".join(f"{k or '(outside modules)'} {v / total:.0%}" for k, v in list(self.kernel_seconds.items())[:top])
+        runner = max(0.0, self.outside_kernels - self.no_task)
+        return (f"kernel time: {parts}; outside kernels: {self.outside_kernels:.0%} of worker thread time "
+                f"({self.no_task:.0%} in no task: idle threads, Dask, waits; {runner:.0%} in the task runner)")
+
 
 
 class FitRun:
@@ -33,8 +86,6 @@ class FitRun:
     previous group's losses are waited for, so the workers never wait for the loop."""
 
     def __init__(self, trainer, where: str, steps: int):
-        from tilegraph.trainer import FitResult
-
         self.trainer = trainer
         self.where = where
         self.start = trainer.optimizer.step_count
@@ -53,7 +104,7 @@ class FitRun:
         self.bar = self.log = None
         self.t0 = self.clock = 0.0  # the fit's start; when the graph the loop waits for could start
 
-    def run(self) -> "FitResult":
+    def run(self) -> FitResult:
         """Run the steps and return what they did (called by :meth:`Trainer.fit`: the warnings
         name its caller's line)."""
         tr, start, end, result = self.trainer, self.start, self.end, self.result
@@ -247,8 +298,6 @@ class FitRun:
         """Log the oldest step waiting (``i``), taking it off ``waiting`` once logged (an
         interruption while it waits for the loss leaves it there, for _settle() to log), then
         its hooks, evaluation and checkpoint."""
-        from tilegraph.trainer import perplexity
-
         tr, result = self.trainer, self.result
         loss = self._log_step(i, pending, batch, patient=tr.step_timeout == "auto")
         self.waiting.pop(0)  # logged: a hook that raises below leaves the later ones waiting

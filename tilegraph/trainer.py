@@ -24,7 +24,6 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -33,7 +32,7 @@ import numpy as np
 from tilegraph import _config
 from tilegraph._config import config, is_int, require_int
 from tilegraph._errors import TileError
-from tilegraph._fit import FitRun
+from tilegraph._fit import FitResult, FitRun, perplexity  # noqa: F401 (perplexity: tilegraph.trainer's too)
 from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
@@ -87,63 +86,9 @@ def lm_loss(model, inputs, targets):
     return cross_entropy(model(inputs), targets)
 
 
-def perplexity(loss: float) -> float:
-    """``exp(loss)`` of a mean next-token loss in nats (inf past float64's range, not an error)."""
-    return math.inf if loss >= 709.0 else math.exp(loss)  # a NaN loss stays NaN
-
-
 class NonFiniteLossError(TileError, FloatingPointError):
     """A training loss became NaN or inf (:meth:`Trainer.fit`): says the step, that its update
     was applied already, and how to go on (``received``: "loss became nan at step N")."""
-
-
-@dataclass
-class FitResult:
-    steps: int                         # optimizer steps run by this call
-    losses: list[float]                # training loss of each step
-    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
-    seconds: float = 0.0
-    #: tokens trained per second, where the batches are tokens (a token dataset, or integer ids
-    #: (B, T) as a callable's first array); 0.0 for other data, whose rate is :attr:`samples_per_s`
-    tokens_per_s: float = 0.0
-    checkpoints: list[str] = field(default_factory=list)
-    #: seconds inside tile kernels per part of the model and phase ("blocks.0.attn:backward",
-    #: "optimizer:update"), summed over the workers' threads, largest first
-    kernel_seconds: dict[str, float] = field(default_factory=dict)
-    #: the share of the workers' thread time spent outside kernels (Dask, transfers, waiting)
-    outside_kernels: float = 0.0
-    #: the part of :attr:`outside_kernels` when no tile task held the thread: threads a step
-    #: leaves idle (a small model's step may keep one thread of several busy), Dask's scheduling
-    #: and transfers, a gang's waits for other processes, the client's work between steps
-    #: (validation, checkpoints); the rest is tilegraph's task runner around the kernels
-    no_task: float = 0.0
-    #: ``restart_on_failure``: one record per restart: the steps that were running ("failed"),
-    #: the workers lost, the checkpoint resumed and its step
-    restarts: list[dict] = field(default_factory=list)
-    #: :meth:`Trainer.request_stop` (Ctrl-C, SIGTERM in the CLI) ended the fit before its last step
-    stopped: bool = False
-    #: rows (the first dim of a batch's first array: sequences of a token dataset) per second
-    samples_per_s: float = 0.0
-
-    @property
-    def val_perplexities(self) -> list[tuple[int, float]]:
-        """(step, validation perplexity): :func:`perplexity` of each of :attr:`val_losses` (a
-        number that means something for a language model's token cross-entropy only)."""
-        return [(step, perplexity(loss)) for step, loss in self.val_losses]
-
-    def profile(self, top: int = 8) -> str:
-        """Where the time went: the parts of the model with the most kernel time, and the share
-        outside kernels.
-
-        >>> FitResult(1, [1.0], seconds=2.0, kernel_seconds={"blocks.0.mlp": 1.5, "optimizer:update": 0.5},
-        ...           outside_kernels=0.5, no_task=0.4).profile()
-        'kernel time: blocks.0.mlp 75%, optimizer:update 25%; outside kernels: 50% of worker thread time (40% in no task: idle threads, Dask, waits; 10% in the task runner)'
-        """
-        total = sum(self.kernel_seconds.values()) or 1.0
-        parts = ", ".join(f"{k or '(outside modules)'} {v / total:.0%}" for k, v in list(self.kernel_seconds.items())[:top])
-        runner = max(0.0, self.outside_kernels - self.no_task)
-        return (f"kernel time: {parts}; outside kernels: {self.outside_kernels:.0%} of worker thread time "
-                f"({self.no_task:.0%} in no task: idle threads, Dask, waits; {runner:.0%} in the task runner)")
 
 
 class Trainer:
