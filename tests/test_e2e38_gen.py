@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB = 50
+from test_e2e37_generation import VOCAB, _hf_config as _llama_config  # noqa: E402
+
 PAD = 0
 
 
@@ -35,10 +36,7 @@ def _hf_config(arch: str):
     if arch == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=3, n_positions=32,
                                        bos_token_id=None, eos_token_id=None)
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                    rms_norm_eps=1e-5, rope_theta=500.0, bos_token_id=None, eos_token_id=None,
-                                    pad_token_id=None)
+    return _llama_config(arch)  # (the Llama of session 37's generation tests, of the same VOCAB)
 
 
 @pytest.fixture(scope="module")
