@@ -1,10 +1,10 @@
 """Token datasets: text files -> a memory-mapped token file -> batches read on the workers.
 
 :func:`build_token_file` tokenizes text files (or every matching file under folders, in sorted
-order; a JSON Lines file's records, each a document) into one flat file of uint16/uint32 ids plus
-a JSON sidecar ``<file>.json`` (dtype, count, tokenizer, sources and hashes), a block of a large
-file at a time. Both are written under temporary names and renamed only when everything
-succeeded, so a failure never leaves a partial file nor replaces a good one.
+order; the records of a JSON Lines or .json file, each a document) into one flat file of
+uint16/uint32 ids plus a JSON sidecar ``<file>.json`` (dtype, count, tokenizer, sources and
+hashes), a block of a large file at a time. Both are written under temporary names and renamed
+only when everything succeeded, so a failure never leaves a partial file nor replaces a good one.
 
 :class:`TokenDataset` opens that file with ``np.memmap`` and splits it into a train and a
 validation range. A batch is just the int64 start offsets of its windows
@@ -22,6 +22,8 @@ the offsets travel from the client. Every worker must see the token file under t
 
 from __future__ import annotations
 
+import codecs
+import glob
 import hashlib
 import io
 import json
@@ -40,7 +42,7 @@ from tilegraph._graph import Cost, emit, kernel, xp_of
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._store import user_path
-from .tokenizers import ByteTokenizer, Tokenizer
+from .tokenizers import SPACE_CUT, ByteTokenizer, Cut, Tokenizer, _char_start
 
 __all__ = ["DEFAULT_PATTERNS", "find_sources", "read_text", "build_token_file", "read_token_meta",
            "TokenDataset"]
@@ -102,7 +104,9 @@ def find_sources(sources, patterns: Sequence[str] | str = DEFAULT_PATTERNS, *,
                  where: str = "tilegraph.io.find_sources") -> list[Path]:
     """The files to read: files as given, then for each folder every file below it matching one of
     ``patterns`` (``*.py``, ...), in sorted order; hidden files and folders are skipped, links to
-    folders followed. Raises a TileError for a path that does not exist or when no file is found."""
+    folders followed. A glob (``"data/**/*.txt"``) that is no existing path stands for the files
+    and folders it matches, in sorted order. Raises a TileError for a path that does not exist, a
+    glob that matches nothing, or when no file is found."""
     patterns = _check_patterns(patterns, where)
     if not isinstance(sources, (str, os.PathLike)):
         try:
@@ -113,12 +117,18 @@ def find_sources(sources, patterns: Sequence[str] | str = DEFAULT_PATTERNS, *,
     found: list[Path] = []
     for src in _as_list(sources):
         p = user_path(src, where)
-        if p.is_file():
-            found.append(p.resolve())
-        elif p.is_dir():
-            found.extend(_files_below(p, patterns))
-        else:
-            raise TileError(where, "each source must be an existing text file or folder", str(src))
+        matched = [p]
+        if not p.exists() and glob.has_magic(str(p)):  # "data/**/*.txt": what it matches (as [data] sources)
+            matched = [Path(m) for m in sorted(glob.glob(str(p), recursive=True))]
+            if not matched:  # (it was "each source must be an existing text file or folder")
+                raise TileError(where, "a glob that matches files or folders", f"{str(src)!r} matches nothing")
+        for p in matched:
+            if p.is_file():
+                found.append(p.resolve())
+            elif p.is_dir():
+                found.extend(_files_below(p, patterns))
+            else:
+                raise TileError(where, "each source must be an existing text file or folder", str(src))
     unique = list(dict.fromkeys(found))  # a file named twice is read once, first place kept
     if not unique:
         searched = ", ".join(patterns) if patterns else "nothing: patterns is empty"
@@ -131,6 +141,7 @@ def find_sources(sources, patterns: Sequence[str] | str = DEFAULT_PATTERNS, *,
 _OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
                (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
 _UTF8_BOM = b"\xef\xbb\xbf"
+_NEWLINE = b"\n"
 
 
 def _read_text(path, where: str, max_bytes: int | None = None) -> tuple[str, bool]:
@@ -150,57 +161,26 @@ def _read_text(path, where: str, max_bytes: int | None = None) -> tuple[str, boo
 BLOCK_BYTES = 1 << 16
 
 
-def _char_start(data, i: int) -> int:
-    """The start of the UTF-8 character that holds byte ``i`` of ``data`` (at most 3 back)."""
-    j = i
-    while j > max(0, i - 3) and data[j] & 0xC0 == 0x80:
-        j -= 1
-    return j
-
-
-def _not_space(data, i: int, j: int) -> bool:
-    """Whether ``data[i:j]`` is one character, and no whitespace (str.isspace, which holds every
-    character of Unicode's White_Space that regular expressions' \\s matches)."""
-    try:
-        ch = bytes(data[i:j]).decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return len(ch) == 1 and not ch.isspace()
-
-
-#: a character's last byte that is no ASCII whitespace, before one that is (whitespace that every
-#: regular expression's \\s matches)
-_BEFORE_SPACE = re.compile(rb"[^ \t\n\r\x0b\x0c](?=[ \t\n\r\x0b\x0c])")
-
-
-def _cut_point(data: bytearray, start: int, split_at: str | None) -> int:
+def _cut_point(data: bytearray, start: int, split_at) -> int:
     """Where to cut ``data`` (text read on beyond its end) so that its two parts encode to the
-    ids of the whole, as the tokenizer's ``split_at`` allows; ``start``: no such place lies
-    before it (searched already). 0 when there is none."""
+    ids of the whole, as the tokenizer's ``split_at`` ("any", "space") or :class:`Cut` allows;
+    ``start``: no such place lies before it (searched already). 0 when there is none."""
     end = len(data)
     if split_at == "any":  # before the last character that starts in the block (it may go on past it)
         return _char_start(data, end - 1) if end else 0
-    if split_at != "space":
-        return 0
-    # before an ASCII whitespace character that follows a character that is no whitespace (a
-    # no-break space is, in two bytes that are not ASCII); the last such place, searched from the end
-    first, hi = max(start - 1, 0), end
-    while hi > first:
-        lo = max(hi - 65536, first)
-        for m in reversed(list(_BEFORE_SPACE.finditer(data, lo, hi))):
-            if _not_space(data, _char_start(data, m.start()), m.end()):
-                return m.end()
-        hi = lo + 1 if lo > first else first  # the windows overlap by a byte: no pair is missed
-    return 0
+    if split_at == "space":  # before an ASCII whitespace character that follows one that is none
+        split_at = SPACE_CUT
+    return split_at.last(data, start) if isinstance(split_at, Cut) else 0
 
 
-def _text_blocks(path, where: str, max_bytes: int | None = None, split_at: str | None = None):
+def _text_blocks(path, where: str, max_bytes: int | None = None, split_at: str | Cut | None = None):
     """The text of the file at ``path`` (at most ``max_bytes`` bytes of it, a character cut in
     two left out, a leading UTF-8 byte order mark too), in parts cut where ``split_at`` allows
-    (see :attr:`tilegraph.io.Tokenizer.split_at`; None: the whole text at once), each about
-    :data:`BLOCK_BYTES` long: a file of gigabytes is never held whole. Yields ``(bytes read,
-    cut)`` first (the text's UTF-8 size and whether ``max_bytes`` cut it), then each part as a
-    str. A file that is not UTF-8 text is a TileError naming the byte, wherever it lies."""
+    (see :attr:`tilegraph.io.Tokenizer.split_at` and :attr:`~tilegraph.io.Tokenizer.cut`; None:
+    the whole text at once), each about :data:`BLOCK_BYTES` long: a file of gigabytes is never
+    held whole. Yields ``(bytes read, cut)`` first (the text's UTF-8 size and whether
+    ``max_bytes`` cut it), then each part as a str. A file that is not UTF-8 text is a TileError
+    naming the byte (and its line), wherever it lies."""
     try:
         f = open(path, "rb")
     except OSError as e:  # unreadable, or gone since it was found
@@ -236,6 +216,7 @@ def _text_blocks(path, where: str, max_bytes: int | None = None, split_at: str |
         yield n, cut
         block = BLOCK_BYTES
         data, at, left, searched, parts = bytearray(), skip, n, 0, 0  # at: the file's byte at data[0]
+        line = 1  # the file's line at data[0]
         while True:
             try:
                 more = f.read(min(block, left)) if left else b""
@@ -261,9 +242,11 @@ def _text_blocks(path, where: str, max_bytes: int | None = None, split_at: str |
             try:
                 text = part.decode("utf-8")
             except UnicodeDecodeError as e:
+                where_in = f"line {line + part.count(_NEWLINE, 0, e.start)}, byte {at + e.start}"
                 raise TileError(where, "expected a UTF-8 text file; this one does not decode as UTF-8",
-                                f"{path} (byte {at + e.start}: {part[e.start:e.start + 4]!r})") from None
+                                f"{path} ({where_in}: {part[e.start:e.start + 4]!r})") from None
             at += stop
+            line += part.count(_NEWLINE)
             if text or (not left and not parts):  # an empty file too (a tokenizer may give ids for "": a "<s>")
                 parts += 1
                 yield text
@@ -288,27 +271,30 @@ _NOT_TEXT = {".parquet": "a Parquet file", ".arrow": "an Arrow file (a Hugging F
 
 def _check_text_field(text_field, where: str) -> str:
     if not isinstance(text_field, str) or not text_field:
-        raise TileError(where, "text_field must be the name of the JSON Lines records' text field (a non-empty str)",
-                        f"{text_field!r:.100}")
+        raise TileError(where, "text_field must be the name of the records' text field (JSON Lines, .json; a "
+                        "non-empty str)", f"{text_field!r:.100}")
     return text_field
 
 
 class _Source:
     """The documents of one source file, read as :func:`build_token_file` tokenizes them: a text
     file is one document (in parts cut where ``split_at`` allows, see :func:`_text_blocks`), a
-    JSON Lines file (:data:`JSONL_SUFFIXES`) one document for each record, its ``text_field``.
-    At most ``budget`` bytes of UTF-8 text (None: all); after :meth:`documents` ran, ``nbytes``,
-    ``cut`` (whether the budget cut the text) and ``count`` (documents) describe what was read."""
+    JSON Lines file (:data:`JSONL_SUFFIXES`) one document for each record, its ``text_field``, and
+    so is a ``.json`` file: a JSON array of records, or JSON Lines (what ``datasets``' ``to_json``
+    writes). At most ``budget`` bytes of UTF-8 text (None: all); after :meth:`documents` ran,
+    ``nbytes``, ``cut`` (whether the budget cut the text) and ``count`` (documents) describe what
+    was read."""
 
-    def __init__(self, path: Path, where: str, budget: int | None, split_at: str | None, text_field: str):
+    def __init__(self, path: Path, where: str, budget: int | None, split_at, text_field: str):
         self.path, self.where, self.budget, self.split_at = path, where, budget, split_at
         self.text_field = text_field
-        self.jsonl = path.suffix.lower() in JSONL_SUFFIXES
+        self.json = path.suffix.lower() == ".json"
+        self.jsonl = self.json or path.suffix.lower() in JSONL_SUFFIXES  # records, each a document
         self.nbytes, self.cut, self.count = 0, False, 0
         kind = _NOT_TEXT.get(path.suffix.lower())
         if kind is not None:  # "contains NUL bytes (binary?)" or "does not decode" said less
-            raise TileError(where, f"UTF-8 text files or JSON Lines files ({', '.join(JSONL_SUFFIXES)}); this one is "
-                            f"{kind}: write its text out as .txt or .jsonl files", str(path))
+            raise TileError(where, f"UTF-8 text files, JSON Lines files ({', '.join(JSONL_SUFFIXES)}) or .json files "
+                            f"of records; this one is {kind}: write its text out as .txt or .jsonl files", str(path))
 
     def documents(self):
         """``(bytes, parts)`` for each document: its UTF-8 size, and an iterator of its text."""
@@ -333,53 +319,188 @@ class _Source:
             if self.cut:
                 return
 
+    @property
+    def _kind(self) -> str:
+        """What the file must be, as errors say it."""
+        return ("a .json file of records: a JSON array of objects ([{\"text\": ...}, ...]) or JSON Lines (one "
+                "object a line)" if self.json else "a JSON Lines file: one JSON object a line")
+
+    def _text_of(self, record, at: str) -> str:
+        """The text of one record (a JSON object: its ``text_field``), checked."""
+        field, where = self.text_field, self.where
+        if not isinstance(record, dict):
+            raise TileError(where, self._kind, f"{at}: a JSON {type(record).__name__}")
+        if field not in record:
+            keys = ", ".join(map(repr, list(record)[:8])) + (", ..." if len(record) > 8 else "")
+            raise TileError(where, f"each record to hold its text in the field {field!r} (text_field names "
+                            "the field)", f"{at}: a record with {keys or 'no keys'}")
+        text = record[field]
+        if not isinstance(text, str):
+            raise TileError(where, f"the records' {field!r} to be a string",
+                            f"{at}: {type(text).__name__} {text!r:.60}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800"), which no UTF-8 spells
+            raise TileError(where, f"the records' {field!r} to be valid Unicode text",
+                            f"{at}: a lone surrogate {text[e.start:e.end]!r} at character {e.start}") from None
+        return text
+
     def _records(self):
-        path, where, field = self.path, self.where, self.text_field
+        path, where = self.path, self.where
         try:
             f = open(path, "rb")
         except OSError as e:
-            raise TileError(where, "a readable JSON Lines file", f"{path}: {e.strerror or e}") from None
+            raise TileError(where, f"a readable {'.json' if self.json else 'JSON Lines'} file",
+                            f"{path}: {e.strerror or e}") from None
         with f:
             head = f.read(4)
             other = next((name for bom, name in _OTHER_BOMS if head.startswith(bom)), None)
             if other is not None:
-                raise TileError(where, f"expected a UTF-8 JSON Lines file; this one is {other} (it starts with a "
-                                f"{other} byte order mark): save it as UTF-8", str(path))
+                raise TileError(where, f"expected a UTF-8 {'.json' if self.json else 'JSON Lines'} file; this one is "
+                                f"{other} (it starts with a {other} byte order mark): save it as UTF-8", str(path))
             f.seek(len(_UTF8_BOM) if head.startswith(_UTF8_BOM) else 0)
-            for number, line in enumerate(f, 1):
-                if not line.strip():  # a blank line (the last one's newline, say) is no record
-                    continue
-                at = f"{path}, line {number}"
+            if self.json:
+                start = f.tell()
+                first = _first_byte(f)
+                f.seek(start)
+                if first == b"[":
+                    yield from self._array(f)
+                    return
+                if first not in (b"{", b""):  # "": an empty file, no record
+                    shown = first.decode("latin-1")
+                    raise TileError(where, self._kind + ": write other text out as a .txt file",
+                                    f"{path}: it starts with {shown!r}" + (" (a JSON value that is no record)"
+                                                                           if first in b'"-0123456789tfn' else ""))
+            yield from self._lines(f)
+
+    def _lines(self, f):
+        path, where = self.path, self.where
+        for number, line in enumerate(f, 1):
+            if not line.strip():  # a blank line (the last one's newline, say) is no record
+                continue
+            at = f"{path}, line {number}"
+            try:
+                record = json.loads(line)
+            except UnicodeDecodeError as e:
+                raise TileError(where, f"{self._kind}, in UTF-8; this line does not decode as UTF-8",
+                                f"{at} (byte {e.start} of the line: {line[e.start:e.start + 4]!r})") from None
+            except ValueError as e:  # json.JSONDecodeError
+                if self.json and line.strip() == b"{":  # a JSON object written over several lines
+                    raise TileError(where, self._kind, f"{at}: one JSON object over several lines, no array of "
+                                    "records") from None
+                raise TileError(where, self._kind, f"{at}: {e}") from None
+            except RecursionError:
+                raise TileError(where, self._kind, f"{at}: nested too deep") from None
+            yield self._text_of(record, at)
+
+    def _array(self, f):
+        """The texts of the records of a JSON array, read a block at a time (a record at a time
+        held, not the file)."""
+        path, where = self.path, self.where
+        utf8, decoder = codecs.getincrementaldecoder("utf-8")(), json.JSONDecoder()
+        buf, pos, line, done, read = "", 0, 1, False, f.tell()  # line: the file's line at buf[pos]; read: bytes
+
+        def more(need: int) -> bool:  # read on until buf holds need characters past pos, or the file ends
+            nonlocal buf, pos, done, read
+            if pos > len(buf) // 2:
+                buf, pos = buf[pos:], 0
+            while not done and len(buf) - pos < need:
+                block = f.read(max(BLOCK_BYTES, need))
                 try:
-                    record = json.loads(line)
+                    buf += utf8.decode(block, final=not block)
                 except UnicodeDecodeError as e:
-                    raise TileError(where, "a JSON Lines file in UTF-8; this line does not decode as UTF-8",
-                                    f"{at} (byte {e.start} of the line: {line[e.start:e.start + 4]!r})") from None
-                except ValueError as e:  # json.JSONDecodeError
-                    raise TileError(where, "a JSON Lines file: one JSON object a line", f"{at}: {e}") from None
-                except RecursionError:
-                    raise TileError(where, "a JSON Lines file: one JSON object a line",
-                                    f"{at}: nested too deep") from None
-                if not isinstance(record, dict):
-                    raise TileError(where, "a JSON Lines file: one JSON object a line",
-                                    f"{at}: a JSON {type(record).__name__}")
-                if field not in record:
-                    keys = ", ".join(map(repr, list(record)[:8])) + (", ..." if len(record) > 8 else "")
-                    raise TileError(where, f"each record to hold its text in the field {field!r} (text_field names "
-                                    "the field)", f"{at}: a record with {keys or 'no keys'}")
-                text = record[field]
-                if not isinstance(text, str):
-                    raise TileError(where, f"the records' {field!r} to be a string",
-                                    f"{at}: {type(text).__name__} {text!r:.60}")
+                    raise TileError(where, f"{self._kind}, in UTF-8; this one does not decode as UTF-8",
+                                    f"{path} (byte {read + e.start})") from None
+                read += len(block)
+                done = not block
+            return len(buf) - pos >= need
+
+        def skip_space():
+            nonlocal pos, line
+            while True:
+                end = pos
+                while end < len(buf) and buf[end] in " \t\r\n":
+                    end += 1
+                line += buf.count("\n", pos, end)
+                pos = end
+                if pos < len(buf) or not more(1):
+                    return
+
+        def fail(what: str, n: int):
+            raise TileError(where, self._kind, f"{path}, record {n} (line {line}): {what}")
+
+        more(1)
+        skip_space()
+        pos += 1  # the "["
+        n = 0
+        while True:
+            skip_space()
+            if pos >= len(buf):
+                fail("the file ends inside the array (truncated?)", n + 1)
+            if buf[pos] == "]" and n == 0:
+                pos += 1
+                break
+            n += 1
+            if buf[pos] != "{":  # a number at the end of a block would be read short: said by its first character
+                kind = {"[": "array", '"': "string", "t": "boolean", "f": "boolean", "n": "null"}.get(buf[pos],
+                                                                                                  "number")
+                fail(f"a JSON {kind}" if buf[pos] in '["tfn-0123456789' else f"not JSON ({buf[pos:pos + 10]!r})", n)
+            need = BLOCK_BYTES
+            while True:
                 try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800"), which no UTF-8 spells
-                    raise TileError(where, f"the records' {field!r} to be valid Unicode text",
-                                    f"{at}: a lone surrogate {text[e.start:e.end]!r} at character {e.start}") from None
-                yield text
+                    record, end = decoder.raw_decode(buf, pos)
+                    break
+                except ValueError as e:
+                    if done:  # the whole rest of the file is read: no whole object
+                        fail(f"{e.msg} (line {line + buf.count(chr(10), pos, e.pos)} of the file)"
+                             if e.pos < len(buf) else "the file ends inside this record (truncated?)", n)
+                    more(len(buf) - pos + need)  # a record longer than what was read: read on (twice as far each time)
+                    need *= 2
+                except RecursionError:
+                    fail("nested too deep", n)
+            at = f"{path}, record {n} (line {line})"
+            line += buf.count("\n", pos, end)
+            pos = end
+            yield self._text_of(record, at)
+            skip_space()
+            if pos < len(buf) and buf[pos] == ",":
+                pos += 1
+                continue
+            if pos < len(buf) and buf[pos] == "]":
+                pos += 1
+                break
+            fail("expected ',' or ']' after it" + (f", found {buf[pos:pos + 10]!r}" if pos < len(buf) else
+                                                   " (the file ends: truncated?)"), n)
+        skip_space()
+        if pos < len(buf):
+            raise TileError(where, self._kind, f"{path}, line {line}: text after the array ({buf[pos:pos + 10]!r})")
+
+
+def _first_byte(f) -> bytes:
+    """The first byte of the rest of file ``f`` that is no JSON whitespace (b"" at its end)."""
+    while True:
+        block = f.read(BLOCK_BYTES)
+        if not block:
+            return b""
+        rest = block.lstrip(b" \t\r\n")
+        if rest:
+            return rest[:1]
 
 
 # -------------------------------------------------------------------------------- token file ----
+class _Read:
+    """The text that build_token_file gives its tokenizer, as it passes: hashed and counted."""
+
+    def __init__(self, src_hash):
+        self.hash, self.chars = src_hash, 0
+
+    def through(self, parts):
+        for text in parts:
+            self.hash.update(text.encode("utf-8"))
+            self.chars += len(text)
+            yield text
+
+
 def _meta_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
@@ -394,10 +515,13 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
 
     A JSON Lines file (``.jsonl``, ``.ndjson``) holds one document a line: the field
     ``text_field`` of each record (a JSON object), each followed by the end-of-text token (its
-    sidecar entry counts them: ``"documents"``). Parquet, Arrow and compressed files are refused
-    by name. A text file is read and tokenized a block at a time where the tokenizer allows it
-    (:attr:`~tilegraph.io.Tokenizer.split_at`: the byte tokenizer, byte-level BPE), to the same
-    ids: a file of gigabytes is never held in memory whole.
+    sidecar entry counts them: ``"documents"``). A ``.json`` file holds records too: a JSON array
+    of them (read a record at a time), or JSON Lines (what ``datasets``' ``to_json`` writes); one
+    that holds anything else is refused. Parquet, Arrow and compressed files are refused by name.
+    A text file is read and tokenized a block at a time where the tokenizer allows it
+    (:attr:`~tilegraph.io.Tokenizer.split_at`: the byte tokenizer, byte-level BPE; or its
+    :attr:`~tilegraph.io.Tokenizer.cut`: Llama's and Qwen's tokenizer.json files among others),
+    to the same ids: a file of gigabytes is never held in memory whole.
 
     ``max_bytes`` (None: no limit) reads at most that much UTF-8 text: the file (or record) that
     reaches it is cut there (at a character boundary; its sidecar entry says ``"cut": true``) and
@@ -433,11 +557,23 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
                         f"{out} among the sources ({clash[0]})")
     dtype = tokenizer.dtype
     eos = tokenizer.eos_id if append_eos else None
+    # where a text may be cut: anywhere split_at allows (each part encoded alone), else where the
+    # tokenizer's cut allows, the parts given to its encode_parts (which knows the first from the
+    # others: a Llama tokenizer's "<s>" once); a tokenizer with neither gets each text whole
+    split_at = getattr(tokenizer, "split_at", None)
+    encode_parts = getattr(tokenizer, "encode_parts", None)
+    if split_at not in ("any", "space"):
+        split_at = getattr(tokenizer, "cut", None) if callable(encode_parts) else None
+        split_at = split_at if isinstance(split_at, Cut) else None
+    if not callable(encode_parts):
+        def encode_parts(parts):
+            return (tokenizer.encode(text) for text in parts)
     tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp_data = out.with_name(f".{out.name}.{tag}.tmp")
     tmp_meta = out.with_name(f".{out.name}.json.{tag}.tmp")
     src_hash, tok_hash = hashlib.sha256(), hashlib.sha256()
-    listing, count, text_chars, read_bytes = [], 0, 0, 0
+    listing, count, read_bytes = [], 0, 0
+    read = _Read(src_hash)
     try:
         with open(tmp_data, "wb") as f:
             for path in files:
@@ -447,13 +583,12 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
                 # a character cut in two left out whole; a block at a time where the tokenizer's ids
                 # allow cutting the text (its split_at), so a file of gigabytes is never held whole
                 source = _Source(path, where, None if max_bytes is None else max_bytes - read_bytes,
-                                 getattr(tokenizer, "split_at", None), text_field)
+                                 split_at, text_field)
                 tokens = 0
                 for nbytes, parts in source.documents():
                     src_hash.update(nbytes.to_bytes(8, "little"))
-                    for text in parts:
-                        src_hash.update(text.encode("utf-8"))
-                        ids = np.asarray(tokenizer.encode(text))
+                    for ids in encode_parts(read.through(parts)):
+                        ids = np.asarray(ids)
                         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
                             raise TileError(where, f"the tokenizer produced ids outside [0, {tokenizer.vocab_size})",
                                             f"{path}: {int(ids.min())}..{int(ids.max())}")
@@ -462,7 +597,6 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
                         f.write(buf)
                         tok_hash.update(buf)
                         tokens += len(buf) // dtype.itemsize
-                        text_chars += len(text)
                     if eos is not None:  # after each document
                         buf = np.array([eos], dtype).tobytes()
                         f.write(buf)
@@ -481,10 +615,12 @@ def build_token_file(sources, out_path: str | os.PathLike, tokenizer: Tokenizer 
                     break
             f.flush()
             os.fsync(f.fileno())
-        if text_chars == 0:
+        if read.chars == 0:
             shown = ", ".join(str(p) for p in files[:5]) + (", ..." if len(files) > 5 else "")
+            # (the paths first: the command line takes a received that is no path for a missing one)
             raise TileError(where, "the corpus is empty: every file found has no text",
-                            f"{len(files)} empty file(s): {shown}")
+                            f"{shown} ({len(files)} file{'s' if len(files) > 1 else ''}, no text in "
+                            f"{'any' if len(files) > 1 else 'it'})")
         meta = {
             "format": FORMAT, "version": VERSION, "dtype": dtype.name, "count": count,
             "vocab_size": tokenizer.vocab_size, "eos_id": eos, "tokenizer": tokenizer.describe(),

@@ -33,8 +33,8 @@ from tilegraph._errors import TileError
 
 from ._store import user_path
 
-__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "as_text", "token_dtype", "tokenizer_from_description",
-           "hf_tokenizer_files"]
+__all__ = ["Tokenizer", "ByteTokenizer", "BPETokenizer", "Cut", "as_text", "token_dtype",
+           "tokenizer_from_description", "hf_tokenizer_files"]
 
 DEFAULT_EOS = "<|endoftext|>"
 
@@ -84,6 +84,18 @@ class Tokenizer:
     #: time): "any" (at any character), "space" (before an ASCII whitespace character that
     #: follows a character that is none), None (nowhere: the text is encoded whole)
     split_at: str | None = None
+    #: where a long text may be cut when its parts go to :meth:`encode_parts`, which encodes the
+    #: first part, the others and the end of the text each as the whole text's ids have them (a
+    #: Llama tokenizer's "<s>" once, before the first): a :class:`Cut`, or None (nowhere but
+    #: where ``split_at`` allows)
+    cut: "Cut | None" = None
+
+    def encode_parts(self, parts: Iterable[str]):
+        """The ids of the text that ``parts`` make, an array a part: together those of
+        ``encode("".join(parts))``, where the text was cut where :attr:`split_at` or :attr:`cut`
+        allows. Here each part is encoded alone (what ``split_at`` promises)."""
+        for part in parts:
+            yield self.encode(part)
 
     @property
     def dtype(self) -> np.dtype:
@@ -239,6 +251,271 @@ def _splits_at_spaces(json_text: str) -> bool:
             and all(isinstance(t, dict) and t.get("special") for t in spec.get("added_tokens") or []))
 
 
+#: ASCII whitespace (what every regular expression's \\s matches), as a str and as a byte class
+_ASCII_SPACE = " \t\n\r\x0b\x0c"
+_SPACE_BYTES = b" \t\n\r\x0b\x0c"
+
+
+def _char_start(data, i: int) -> int:
+    """The start of the UTF-8 character that holds byte ``i`` of ``data`` (at most 3 back)."""
+    j = i
+    while j > max(0, i - 3) and data[j] & 0xC0 == 0x80:
+        j -= 1
+    return j
+
+
+def _utf8_length(lead: int) -> int:
+    """The bytes of the UTF-8 character whose first byte is ``lead``."""
+    return 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+
+
+class Cut:
+    """Where a text may be cut for :meth:`Tokenizer.encode_parts` (see :attr:`Tokenizer.cut`):
+    before a character of ``before`` (ASCII whitespace) that follows a character that is no
+    whitespace, nor one of ``not_after[that character]``; where ``lines``, also after a line end
+    (\\r or \\n) before a character that is no whitespace; never where a text of ``avoid`` (an
+    added token the tokenizer finds in the text) touches the cut.
+
+    :meth:`last` finds such a place in UTF-8 bytes, as :func:`~tilegraph.io.build_token_file`
+    reads a file a block at a time.
+    """
+
+    def __init__(self, before: str, not_after: dict | None = None, lines: bool = False, avoid: Sequence[str] = ()):
+        self.before, self.lines = before, bool(lines)
+        self.not_after = {c: frozenset(v) for c, v in (not_after or {}).items()}
+        self.avoid = tuple(sorted({a.encode("utf-8") for a in avoid if a}, key=len, reverse=True))
+        alts = []
+        if before:
+            alts.append(b"[^" + re.escape(_SPACE_BYTES) + b"](?=[" + re.escape(before.encode()) + b"])")
+        if lines:
+            alts.append(b"[\r\n](?=[^" + re.escape(_SPACE_BYTES) + b"])")
+        self._candidates = re.compile(b"|".join(alts)) if alts else None
+        self._avoid = re.compile(b"(?=(" + b"|".join(map(re.escape, self.avoid)) + b"))") if self.avoid else None
+        self._longest = len(self.avoid[0]) if self.avoid else 0
+        #: bytes after a place that deciding it may read
+        self.reach = max(self._longest, 4)
+
+    def allows(self, data, p: int) -> bool | None:
+        """Whether the text whose UTF-8 bytes ``data`` begin may be cut before byte ``p``; None
+        when that depends on bytes after the end of ``data``."""
+        n = len(data)
+        if not 0 < p < n:
+            return False
+        c, prev = data[p], data[p - 1]
+        if c < 0x80 and chr(c) in self.before and prev not in _SPACE_BYTES:
+            i = _char_start(data, p - 1)
+            try:
+                x = bytes(data[i:p]).decode("utf-8")
+            except UnicodeDecodeError:  # not text (said where the block is decoded)
+                return False
+            if len(x) != 1 or x.isspace() or x in self.not_after.get(chr(c), ()):
+                return False
+        elif self.lines and prev in b"\r\n" and c not in _SPACE_BYTES:
+            m = _utf8_length(c)
+            if p + m > n:
+                return None
+            try:
+                y = bytes(data[p:p + m]).decode("utf-8")
+            except UnicodeDecodeError:
+                return False
+            if y.isspace():  # a no-break space, U+2028, ...
+                return False
+        else:
+            return False
+        if self._avoid is not None:
+            if p + self._longest > n:
+                return None
+            for m in self._avoid.finditer(data, max(p - self._longest, 0), p + self._longest):
+                if m.start() <= p <= m.start() + len(m.group(1)):
+                    return False
+        return True
+
+    def last(self, data, start: int = 0) -> int:
+        """The last place to cut ``data`` (UTF-8 bytes of a text that goes on past their end),
+        searched from the end; ``start``: none lies more than :attr:`reach` bytes before it
+        (searched already). 0 when there is none."""
+        if self._candidates is None:
+            return 0
+        first, hi = max(start - self.reach - 1, 0), len(data)
+        while hi > first:
+            lo = max(hi - 65536, first)
+            for m in reversed(list(self._candidates.finditer(data, lo, hi))):
+                if self.allows(data, m.end()):
+                    return m.end()
+            hi = lo + 1 if lo > first else first  # the windows overlap by a byte: no pair is missed
+        return 0
+
+    def __repr__(self) -> str:
+        return (f"Cut(before={self.before!r}" + (", lines=True" if self.lines else "")
+                + (f", not_after={ {c: ''.join(sorted(v)) for c, v in self.not_after.items() if v} !r}"
+                   if any(self.not_after.values()) else "")
+                + (f", avoid={[a.decode() for a in self.avoid]!r}" if self.avoid else "") + ")")
+
+
+#: the cut that GPT-2's byte-level pre-tokenizer allows (its pattern's pieces never run from a
+#: character that is no whitespace over whitespace): ``split_at = "space"``
+SPACE_CUT = Cut(_ASCII_SPACE)
+
+#: Split patterns (of a Split pre-tokenizer followed by a ByteLevel one without its own pattern)
+#: and the places where their pieces always end, whatever the text: (``before``, ``lines``) of a
+#: :class:`Cut`. GPT-2's pattern: before any whitespace that follows a character that is none.
+#: Llama 3's (GPT-4's) and Qwen 2's: a piece of punctuation takes the line ends after it ("!\\n"),
+#: so before a space or tab only, and after a line end before a character that is no whitespace
+#: (no piece runs from a line end over one). None of them looks back.
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_PATTERNS = {
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+": (_ASCII_SPACE, False),
+    _LLAMA3_PATTERN: (" \t\x0b\x0c", True),
+    _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"): (" \t\x0b\x0c", True),  # Qwen 2's: a digit a piece
+}
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+#: normalizers that map each character alone (a space stays a starter that nothing composes with)
+_PER_CHAR = ("NFC", "NFD", "NFKC", "NFKD", "Lowercase")
+_POST_PROCESSORS = ("ByteLevel", "TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def _steps(node, key: str) -> list | None:
+    """The steps of a normalizer, pre-tokenizer or post-processor of a tokenizer JSON (a
+    Sequence's, in order; none for null); None where one is not a JSON object."""
+    if node is None:
+        return []
+    if not isinstance(node, dict):
+        return None
+    if node.get("type") != "Sequence":
+        return [node]
+    out = []
+    for sub in node.get(key) or []:
+        got = _steps(sub, key)
+        if got is None:
+            return None
+        out += got
+    return out
+
+
+def _without_prepend(node):
+    """A normalizer as ``node``, its Prepend steps left out (what a text's later parts get)."""
+    if isinstance(node, dict) and node.get("type") == "Prepend":
+        return None
+    if isinstance(node, dict) and node.get("type") == "Sequence":
+        kept = [s for s in (_without_prepend(s) for s in node.get("normalizers") or []) if s is not None]
+        return {**node, "normalizers": kept} if kept else None
+    return node
+
+
+def _cut_plan(spec: dict) -> tuple[Cut, dict] | None:
+    """Where a text may be cut for the tokenizer JSON ``spec`` (a dict), each part encoded alone
+    without the special tokens its post-processor adds, the first by the tokenizer, the others by
+    the tokenizer of the JSON returned beside the :class:`Cut` (a Prepend normalizer, a Metaspace
+    or ByteLevel prefix left out), to the ids of the whole; None where it cannot be said.
+
+    A piece that the pre-tokenizer makes is encoded alone, so a text may be cut where pieces always
+    end (:data:`_SPLIT_PATTERNS`; a Metaspace pre-tokenizer that splits: before each space). With no
+    pre-tokenizer (Llama 2's "legacy" tokenizer.json: its normalizer prepends "▁" and makes spaces
+    "▁") or one that does not split, BPE merges over the whole text, and a text may be cut between
+    two characters that no token of the vocabulary holds side by side: no merge joins them. Per
+    character normalizers (NFC, Lowercase) keep the pieces; other normalizers, pre-tokenizers and
+    models (Unigram, WordPiece, BPE dropout) are not analysed: None. An added token that is not
+    special (found in the text first; the special ones are encoded as text) must not touch a cut."""
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or model.get("dropout"):
+        return None
+    added = spec.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str)
+                                              and t["content"] for t in added):
+        return None
+    plain = [t for t in added if not t.get("special")]
+    avoid = [t["content"] for t in plain]
+    norms = _steps(spec.get("normalizer"), "normalizers")
+    pres = _steps(spec.get("pre_tokenizer"), "pretokenizers")
+    posts = _steps(spec.get("post_processor"), "processors")
+    if norms is None or pres is None or posts is None or any(p.get("type") not in _POST_PROCESSORS for p in posts):
+        return None
+    replaces, per_char = [], False
+    for step in norms:
+        kind, pattern, content = step.get("type"), step.get("pattern"), step.get("content")
+        if kind == "Prepend" and isinstance(step.get("prepend"), str):
+            continue
+        if kind in _PER_CHAR:
+            per_char = True
+        elif (kind == "Replace" and isinstance(pattern, dict) and isinstance(pattern.get("String"), str)
+              and len(pattern["String"]) == 1 and isinstance(content, str) and content):
+            replaces.append((pattern["String"], content))
+        else:
+            return None
+    if norms and any(t.get("normalized", True) for t in plain):  # found in the normalized text: not analysed
+        return None
+    cont = json.loads(json.dumps(spec))
+    cont["normalizer"] = _without_prepend(spec.get("normalizer"))
+    cont["truncation"] = cont["padding"] = None
+    kinds = [p.get("type") for p in pres]
+    space_as = None  # what a Metaspace pre-tokenizer makes of a space, where it does not split there
+    if kinds == ["ByteLevel"] and pres[0].get("use_regex", True) is not False:
+        if pres[0].get("add_prefix_space"):  # a space before each text and each part between added tokens
+            if plain:
+                return None
+            cont["pre_tokenizer"] = {**pres[0], "add_prefix_space": False}
+        before, lines = _ASCII_SPACE, False
+    elif (kinds == ["Split", "ByteLevel"] and isinstance(pres[0].get("pattern"), dict)
+          and pres[0]["pattern"].get("Regex") in _SPLIT_PATTERNS and pres[0].get("behavior") == "Isolated"
+          and not pres[0].get("invert") and pres[1].get("use_regex") is False
+          and not pres[1].get("add_prefix_space")):
+        before, lines = _SPLIT_PATTERNS[pres[0]["pattern"]["Regex"]]
+    elif kinds == ["Metaspace"] and isinstance(pres[0].get("replacement"), str) and len(pres[0]["replacement"]) == 1:
+        meta = pres[0]
+        scheme = meta.get("prepend_scheme") or ("always" if meta.get("add_prefix_space", True) else "never")
+        if scheme not in ("first", "never", "always") or (scheme == "always" and plain):
+            return None
+        cont["pre_tokenizer"] = {**meta, "prepend_scheme": "never",
+                                 **({"add_prefix_space": False} if "add_prefix_space" in meta else {})}
+        if meta.get("split", True):  # pieces start at each "▁" (a space)
+            before, lines = " ", False
+        else:
+            space_as = meta["replacement"]
+    elif kinds:
+        return None
+    if space_as is None and kinds:  # a pre-tokenizer that cuts the text into pieces at `before`
+        if replaces:  # (one that made a space "▁" would not split there)
+            return None
+        return Cut(before, lines=lines, avoid=avoid), cont
+    # BPE over the whole text: a cut between two characters no token holds side by side
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if (per_char or not isinstance(vocab, dict) or not isinstance(merges, list) or model.get("ignore_merges")
+            or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")):
+        return None
+    for merge in merges:  # byte tokens (a byte fallback's) that merge: not analysed
+        pair = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if not isinstance(pair, (list, tuple)) or any(not isinstance(t, str) or _BYTE_TOKEN.fullmatch(t) for t in pair):
+            return None
+
+    def seen(ch: str) -> str:  # a character as the model sees it
+        for pattern, content in replaces:
+            ch = ch.replace(pattern, content)
+        return ch if space_as is None else ch.replace(" ", space_as)
+
+    inside: dict[str, set] = {}  # character -> the characters before it inside a token
+    for token in vocab:
+        if isinstance(token, str):
+            for a, b in zip(token, token[1:]):
+                inside.setdefault(b, set()).add(a)
+    patterns = {p for p, _ in replaces} | ({" "} if space_as is not None else set())
+    before, not_after = "", {}
+    for c in _ASCII_SPACE:
+        head = seen(c)[0]
+        if head not in vocab and model.get("fuse_unk") and not model.get("byte_fallback"):
+            continue  # an unknown character beside another: one unknown token
+        joined = inside.get(head, set())
+        before += c
+        not_after[c] = {x for x in joined | patterns if seen(x) and seen(x)[-1] in joined}
+    return Cut(before, not_after, avoid=avoid), cont
+
+
+#: a text that holds what a cut may fall beside: the probe :meth:`BPETokenizer.encode_parts` is
+#: checked on before it cuts a file (a plan that does not hold is not used)
+_PROBE = ("Hello wörld.  Two\tthree\n\nfour 12345 678, 日本語のテキスト。\n中文，很好。\r\nx  y ▁z ▁ é\u0301 it's "
+          "'ll <s> </s> <|endoftext|> ½ ① \u00a0a\u3000b\x0b\x0cc!\n\n\tdef f(x):\n    return x + 1\n")
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style pre-tokenization, no unknown tokens) from Hugging Face
     ``tokenizers``. Train it once with :meth:`train`, :meth:`save` it as JSON, :meth:`load` it
@@ -291,6 +568,84 @@ class BPETokenizer(Tokenizer):
         lead, trail = _added_ids(tokenizer)
         self.bos_id = lead[0] if len(lead) == 1 else None
         self.split_at = "space" if not lead and not trail and _splits_at_spaces(self.to_str()) else None
+        self._plan, self._planned = None, False  # see _block_plan: worked out when a file is first cut
+
+    @property
+    def cut(self) -> Cut | None:
+        """Where a long text may be cut for :meth:`encode_parts` (None: nowhere, the text is
+        encoded whole); see :func:`_cut_plan` for the tokenizers it is worked out for (GPT-2's,
+        Llama 2's, 3's, Qwen 2's tokenizer.json among them)."""
+        plan = self._block_plan()
+        return None if plan is None else plan[0]
+
+    def _block_plan(self):
+        """``(cut, the tokenizer of a text's later parts, the ids before a text, those after it)``,
+        or None; worked out once, and checked on a probe text cut at every place it allows."""
+        if self._planned:
+            return self._plan
+        self._planned = True
+        try:
+            spec = json.loads(self.to_str())
+            found = _cut_plan(spec) if isinstance(spec, dict) else None
+            if found is None:
+                return None
+            cont = _hf().Tokenizer.from_str(json.dumps(found[1]))
+        except Exception:  # JSON the library reads and this does not (or the other way round): encoded whole
+            return None
+        if hasattr(cont, "encode_special_tokens"):
+            cont.encode_special_tokens = True
+        plan = (found[0], cont, *_added_ids(self._tok))
+        if self._holds(plan):
+            self._plan = plan
+        return self._plan
+
+    def _holds(self, plan) -> bool:
+        """Whether the probe text cut at each place ``plan`` allows, and at all of them, encodes to
+        the ids of the whole."""
+        cut = plan[0]
+        text = _PROBE + " ".join(a.decode("utf-8") for a in cut.avoid) + " end."
+        data = text.encode("utf-8")
+        at = [p for p in range(1, len(data)) if cut.allows(data, p)]
+        try:
+            whole = self.encode(text).tolist()
+            for cuts in [[p] for p in at] + [at]:
+                bounds = [0, *cuts, len(data)]
+                parts = [data[a:b].decode("utf-8") for a, b in zip(bounds, bounds[1:])]
+                if [i for ids in self._encode_parts(plan, parts) for i in ids.tolist()] != whole:
+                    return False
+        except (TileError, UnicodeDecodeError):
+            return False
+        return True
+
+    def _encode_parts(self, plan, parts):
+        _, cont, lead, trail = plan
+        tok, first = self._tok, True
+        for part in parts:
+            try:
+                ids = tok.encode(part, add_special_tokens=False).ids
+            except TypeError:  # bytes, lone surrogates: as_text says which
+                ids = self._encode(as_text(part, "tilegraph.io.BPETokenizer.encode_parts"), tok)
+            except Exception as e:
+                raise _broken(e) from None
+            if first:
+                ids, tok, first = lead + ids, cont, False
+            yield np.asarray(ids, dtype=self.dtype)
+        if first:  # no part at all: the empty text's ids
+            yield self.encode("")
+        elif trail:
+            yield np.asarray(trail, dtype=self.dtype)
+
+    def encode_parts(self, parts: Iterable[str]):
+        """The ids of the text that ``parts`` make, an array a part, together those of
+        ``encode("".join(parts))`` where the text was cut at places :attr:`cut` allows (or
+        :attr:`split_at`): the ids before a text (a Llama tokenizer's "<s>") come once, before
+        the first part, and the later parts are encoded without the prefix a text gets (the "▁"
+        before a Llama 2 text)."""
+        plan = None if self.split_at is not None else self._block_plan()
+        if plan is None:
+            yield from super().encode_parts(parts)
+        else:
+            yield from self._encode_parts(plan, parts)
 
     @classmethod
     def train(cls, files: Sequence[str | os.PathLike] | str | os.PathLike, vocab_size: int, *,
@@ -413,8 +768,10 @@ class BPETokenizer(Tokenizer):
             raise _broken(e) from None
         return np.asarray(ids, dtype=self.dtype)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, tok=None) -> list[int]:
         try:
+            if tok is not None:  # a part of a text (encode_parts)
+                return tok.encode(text, add_special_tokens=False).ids
             return self._tok.encode(text).ids
         except Exception as e:
             raise _broken(e) from None

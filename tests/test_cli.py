@@ -36,12 +36,53 @@ def _cli(*args, cwd):
                           timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def end_group(proc, grace: float = 30.0) -> None:
+    """End ``proc``, started in a process group of its own (``start_new_session=True``), and every
+    process of its group, without leaving multiprocessing's named semaphores behind in /dev/shm
+    (``sem.mp-*``): the process is killed alone and its group left to drain (its Dask workers go
+    when their parent does, then multiprocessing's resource tracker, which unlinks the semaphores
+    left over). A SIGKILL to the whole group killed the tracker with the others: 12 files in
+    /dev/shm for each command so ended. What still runs after ``grace`` seconds is killed."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not _group_runs(proc.pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of process group ``pgid`` still runs (a zombie does not: one that nothing
+    reaps would hold the group forever)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]  # after "pid (name)": state ppid pgrp
+        except (OSError, ValueError):
+            continue
+        if state != "Z" and int(group) == pgid:
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def training(cwd, out: str, *args, records: int):
     """``tilegraph train *args --out OUT --no-progress`` in a process group of its own (a signal
     to the group reaches its workers too, as a terminal's Ctrl-C or Slurm's scancel does), its
     output in OUT.out and OUT.err beside OUT; yields the process once OUT/metrics.jsonl holds
-    ``records`` records; killed with its group if it still runs at the end."""
+    ``records`` records; ended with its group if it still runs at the end (:func:`end_group`)."""
     out_file, err_file = Path(cwd) / f"{out}.out", Path(cwd) / f"{out}.err"
     with open(out_file, "w") as o, open(err_file, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "train", *args, "--out", out, "--no-progress"],
@@ -54,9 +95,7 @@ def training(cwd, out: str, *args, records: int):
             time.sleep(0.2)
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_group(proc)
 
 
 def test_train_writes_a_checkpoint_transformers_loads_and_resumes(tmp_path):

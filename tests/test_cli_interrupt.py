@@ -13,6 +13,7 @@ import pytest
 
 import tilegraph as tg
 import tilegraph.cli as cli
+from test_cli import end_group
 
 
 @pytest.mark.parametrize("command", ["generate", "eval", "info", "convert"])
@@ -62,8 +63,7 @@ def test_ctrl_c_while_train_starts_its_cluster(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: to the whole process group
         out, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)  # (a SIGKILL to the group left multiprocessing's semaphores in /dev/shm)
     # (a worker process that the Ctrl-C reaches while it starts prints its own KeyboardInterrupt:
     # the command's process prints none, nor the "Nanny failed to start" that followed)
     assert proc.returncode == 130 and "tilegraph/cli" not in err and "RuntimeError" not in err, err[-3000:]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import mpiexec_or_skip
+from test_cli import end_group
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -65,16 +66,14 @@ def _launch(cwd: Path, n: int, args: list[str], timeout: float) -> tuple[int, st
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=20)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        # then mpiexec alone, the ranks left to go with it: a SIGKILL to the whole group killed
+        # multiprocessing's resource tracker too, and its semaphores stayed in /dev/shm
+        end_group(proc)
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} tilegraph {' '.join(args)} still ran after {timeout} s (a hang)\n"
                     f"{out[-2000:]}\n{err[-3000:]}")

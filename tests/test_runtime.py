@@ -12,6 +12,7 @@ import pytest
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import tilegraph as tg
+from test_cli import end_group
 
 pytestmark = pytest.mark.distributed
 
@@ -126,8 +127,7 @@ def test_a_signal_to_the_process_group_leaves_the_embedded_workers_to_the_client
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)  # (a SIGKILL to the group left multiprocessing's semaphores in /dev/shm)
     assert proc.returncode == 0, err[-2000:]
     assert "same workers True total 56.0 signals TERM,INT" in out, out + err[-2000:]
 
