@@ -209,25 +209,32 @@ def _model_info(model) -> dict:
     return info
 
 
-def _warn_other_settings(where: str, optimizer, hyper: Mapping) -> None:
+def _warn_other_settings(where: str, optimizer, hyper: Mapping, options: list | None, names: list[str],
+                         stacklevel: int) -> None:
     """A warning naming each of the optimizer's own settings (weight decay, betas, eps, momentum,
-    clipping ...) that differs from the checkpoint's ``hyper``: the restored run goes on with the
-    optimizer's, where torch's ``load_state_dict`` brings back the saved ones, so a notebook's
-    rebuilt optimizer with another weight decay changed the run without a word."""
+    clipping ...) and each of its parameter groups' that differs from the checkpoint's ``hyper``
+    (``options``: per parameter of the optimizer, the settings its saved group gave it; ``names``:
+    the parameters' names): the restored run goes on with the optimizer's, where torch's
+    ``load_state_dict`` brings back the saved ones, so a notebook's rebuilt optimizer with another
+    weight decay changed the run without a word (and one of another decay for its no-decay group,
+    biases and norm gains, as ``tilegraph train`` makes, still did). ``stacklevel``: the warning
+    names the line that many calls up from this one (1: the line that calls it)."""
     import warnings
 
     from tilegraph.optim import _same_setting  # (as load_state_dict compares them)
 
     def plain(v):
-        return list(v) if isinstance(v, tuple) else v
+        return repr(list(v) if isinstance(v, tuple) else v)
 
-    keys = (*getattr(optimizer, "setting_keys", ()), "clip_grad_norm")
-    other = [f"{k}={plain(getattr(optimizer, k))!r} here, {hyper[k]!r} saved" for k in keys
-             if k in hyper and hasattr(optimizer, k) and not _same_setting(getattr(optimizer, k), hyper[k])]
+    other = optimizer.setting_differences(hyper, options, names, show=plain)
+    k = "clip_grad_norm"
+    if k in hyper and not _same_setting(optimizer.clip_grad_norm, hyper[k]):
+        other.append(f"{k}={plain(optimizer.clip_grad_norm)} here, {plain(hyper[k])} saved")
     if other:
         warnings.warn(f"[{where}] the optimizer's settings differ from the checkpoint's: {'; '.join(other)}; "
                       "training goes on with this optimizer's (torch's load_state_dict would bring back the saved "
-                      "ones: make the optimizer with them to continue the run as it was)", UserWarning, stacklevel=4)
+                      "ones: make the optimizer with them to continue the run as it was)", UserWarning,
+                      stacklevel=stacklevel + 1)
 
 
 def _optimizer_info(optimizer, names: list[str]) -> dict:
@@ -1219,6 +1226,36 @@ class Checkpoint:
                 "its own)" if differ else ""), f"{len(problems)} difference{'s' if len(problems) > 1 else ''}: {_listed(problems)}")
         return [(f"model/{n}", p, p.cells) for n, p in named.items() if n in stored], pairs
 
+    def _refuse_other_config(self, model) -> None:
+        """A CheckpointError naming each key of the stored model config that ``model``'s differs
+        in, where its weights fit the stored arrays all the same (another ``n_heads``, ``norm_eps``,
+        ``rope_base``: the same weights, another function), but for ``max_seq_len`` no larger
+        than ``model``'s (a limit of the positions read; where it sizes a weight, GPT-2's position
+        embedding, the shapes differ first)."""
+        stored = (self.info.get("model") or {}).get("config")
+        config = getattr(model, "config", None)
+        if not isinstance(stored, dict) or not dataclasses.is_dataclass(config):
+            return
+        mine = dataclasses.asdict(config)
+        as_stored = json.loads(json.dumps(mine, default=str))  # (a tuple as the stored list)
+
+        def other(k, v) -> bool:
+            if k not in mine or v is None or mine[k] is None:  # None: derived from others (GPT-2's hidden, 4 * dim;
+                return False  # Llama's n_kv_heads, n_heads), and where that differs, so do the shapes
+            if k == "max_seq_len" and is_int(v) and is_int(mine[k]):
+                return mine[k] < v
+            return v != as_stored[k]
+
+        differ = [f"{k} {v!r}, the model's {mine[k]!r}" for k, v in stored.items() if other(k, v)]
+        arch = (self.info.get("model") or {}).get("architecture")
+        if arch not in (None, getattr(model, "arch", None)):
+            differ.insert(0, f"architecture {arch!r}, the model's {getattr(model, 'arch', None)!r}")
+        if differ:
+            raise CheckpointError(self._where, "a model of the checkpoint's config to restore into (its weights fit "
+                                  "this one's shapes, but it computes another function): build it as the checkpoint "
+                                  "does (load_checkpoint(path).model, or its .new_model()), or load the weights alone "
+                                  "on purpose (load_into)", "; ".join(differ))
+
     def _config_differences(self, model) -> str:
         """How the stored model config differs from ``model``'s ("dim 32, the model's 64; ..."),
         or "" where they agree or either has none."""
@@ -1297,24 +1334,43 @@ class Checkpoint:
     def restore_optimizer(self, optimizer, model=None, *, schedule: bool = True) -> None:
         """Restore ``optimizer``'s state tensors (onto its parameters' tilings), step count and,
         with ``schedule``, its learning-rate schedule (as saved: the same total step budget, so
-        the run continues exactly). Parameters are matched by name through ``model`` (default:
-        the optimizer's parameter names). Everything is checked, and every tile read, before
-        the optimizer changes."""
+        the run continues exactly), with a warning naming both where it replaces a schedule the
+        optimizer was given (set ``optimizer.schedule`` after restoring to go on with that one).
+        The optimizer's settings (weight decay, betas, ..., each parameter group's) stay its own,
+        with a warning naming each that differs from the checkpoint's. Parameters are matched by
+        name through ``model`` (default: the optimizer's parameter names). Everything is checked,
+        and every tile read, before the optimizer changes."""
         schedule = _flag(f"{self._where}.restore_optimizer", "schedule", schedule)
-        reads, finish = self._optimizer_reads(optimizer, model, schedule)
+        reads, finish = self._optimizer_reads(optimizer, model, schedule, stacklevel=2)
         self._restore(reads)
         finish()
 
-    def _optimizer_reads(self, optimizer, model, schedule: bool) -> tuple[list, Callable[[], None]]:
+    def _optimizer_reads(self, optimizer, model, schedule: bool, stacklevel: int) -> tuple[list, Callable[[], None]]:
         """Check ``optimizer`` against the stored state (its kind, an array of the right shape per
         parameter and state); returns the ``(array path, parameter, state cells)`` that
-        :meth:`_restore` reads into it, and what sets its step count and schedule afterwards."""
+        :meth:`_restore` reads into it, and what sets its step count and schedule afterwards.
+        ``stacklevel``: the warnings (other settings, another schedule replaced) name the line
+        that many calls up from this one (1: the line that calls it; the user's, above a public method)."""
         info = self.optimizer_info
         if info is None:
             raise CheckpointError(self._where, "a checkpoint with optimizer state", "saved without an optimizer")
-        if info.get("type") != type(optimizer).__name__:
-            raise CheckpointError(self._where, f"optimizer state of a {type(optimizer).__name__}",
-                                  f"state of a {info.get('type')}")
+        kind, saved_kind = type(optimizer).__name__, info.get("type")
+        if saved_kind != kind:  # (Adam's m and v are not AdamW's, nor SGD's buffer either)
+            raise CheckpointError(self._where, f"an optimizer of the kind whose state the checkpoint holds, "
+                                  f"{saved_kind}: make a tg.optim.{saved_kind} with the run's settings to continue "
+                                  f"it; to train on from its weights with another optimizer, load the model alone "
+                                  f"(load_into, or load_checkpoint(...).model) and leave the optimizer's state",
+                                  f"the state of {_article(saved_kind)} for {_article(kind)}")
+        kept, keeps = info.get("state_names"), list(optimizer.state_names)
+        if isinstance(kept, list) and set(keeps) - set(kept):  # an SGD with momentum, the run's without
+            hyper = info.get("hyper") or {}
+            run = ", ".join(f"{k}={hyper[k]!r}" for k in getattr(optimizer, "setting_keys", ()) if k in hyper)
+            raise CheckpointError(self._where, f"an optimizer that keeps the state the checkpoint's {saved_kind} kept "
+                                  f"per parameter ({', '.join(kept) or 'none'}): make it with the run's settings"
+                                  + (f" ({run})" if run else "") + ", or load the model alone (load_into) to train "
+                                  "on from its weights with these", f"this {kind} keeps {', '.join(keeps)}"
+                                  + "".join(f", {k}={getattr(optimizer, k)!r}" for k in ("momentum",)
+                                            if hasattr(optimizer, k)))
         if model is not None:
             from tilegraph._train import optimizer_param_names
 
@@ -1337,14 +1393,15 @@ class Checkpoint:
             hint = (" (the parameters are named by their own names, as no model was given: pass the model, "
                     "restore_optimizer(optimizer, model), to name them as the checkpoint does)") if model is None else ""
             raise CheckpointError(self._where, "optimizer state for every parameter" + hint, _listed(problems))
+        hyper = info.get("hyper") or {}
+        saved = hyper.get("param_options")  # per parameter of the optimizer, its saved group's settings
+        if isinstance(saved, list) and isinstance(hyper.get("param_names"), list):
+            by_name = dict(zip(hyper["param_names"], saved))
+            saved = [by_name.get(names.get(id(p)), {}) for p in optimizer.params]
         if schedule:  # the restored schedule drives each group at its multiple of the schedule's rate
-            hyper = info.get("hyper") or {}
-            saved = hyper.get("param_options")
-            if isinstance(saved, list) and isinstance(hyper.get("param_names"), list):
-                by_name = dict(zip(hyper["param_names"], saved))
-                saved = [by_name.get(names.get(id(p)), {}) for p in optimizer.params]
             optimizer.refuse_other_lr_scales(self._where, saved, hyper.get("base_lr"), CheckpointError)
-        _warn_other_settings(self._where, optimizer, info.get("hyper") or {})
+        _warn_other_settings(self._where, optimizer, hyper, saved, [names.get(id(p)) or p.name
+                                                                    for p in optimizer.params], stacklevel + 1)
         sched = None
         if schedule and info.get("schedule") is not None:
             from tilegraph.optim import schedule_from_spec
@@ -1361,27 +1418,44 @@ class Checkpoint:
         def finish() -> None:
             optimizer.step_count = step_count
             optimizer.param_steps = param_steps
-            if sched is not None:
-                optimizer.schedule = sched
+            if sched is not None:  # with a warning where it replaces a schedule the optimizer was given
+                optimizer.restore_schedule(sched, self._where, stacklevel=stacklevel + 1)
 
         return pairs, finish
 
-    def restore(self, model, optimizer=None, *, strict: bool = True, schedule: bool = True) -> None:
+    def restore(self, model, optimizer=None, *, strict: bool = True, schedule: bool = True,
+                stacklevel: int = 1) -> None:
         """:meth:`load_into` ``model`` and :meth:`restore_optimizer` ``optimizer`` (matched through
         ``model``) as one: every check of both (arrays, shapes and quantized layout of the
         weights; the optimizer's kind, parameters and state) and every read happen before
         anything changes, so a checkpoint that does not fit leaves model and optimizer as they
-        were (what resuming training needs: :meth:`tilegraph.Trainer.load_checkpoint`)."""
+        were (what resuming training needs: :meth:`tilegraph.Trainer.load_checkpoint`).
+
+        With ``strict``, the model's config must also be the stored one wherever it changes what
+        the weights compute (``n_heads``, ``norm_eps``, ``rope_base`` ... of the same shapes; a
+        longer ``max_seq_len`` only lets it read longer sequences, and is taken): the run would
+        otherwise go on as another model, silently. ``stacklevel``: the warnings (the
+        optimizer's settings, the schedule it replaces) name the line that many calls up from
+        this one (1: the line that calls it)."""
         strict = _flag(f"{self._where}.restore", "strict", strict)
         schedule = _flag(f"{self._where}.restore", "schedule", schedule)
         exact, quantized = self._model_reads(model, strict, quantized=True)
-        reads, finish = self._optimizer_reads(optimizer, model, schedule) if optimizer is not None else ([], None)
+        if strict:
+            self._refuse_other_config(model)
+        reads, finish = self._optimizer_reads(optimizer, model, schedule, stacklevel + 1) if optimizer is not None \
+            else ([], None)
         seeds = self._dropout_seeds(model)
         self._restore(exact + reads, quantized)
         for layer, seed in seeds:
             layer.dropout_seed = seed
         if finish is not None:
             finish()
+
+
+def _article(name: str) -> str:
+    """``an AdamW``, ``an SGD``, ``a Lion``: a name (read letter by letter where it is capitals)."""
+    spoken = name[:1] in "AEIOU" or name[:1] in "FHLMNRSX" and name[1:2].isupper()
+    return f"{'an' if spoken else 'a'} {name}"
 
 
 def _flag(where: str, name: str, value) -> bool:

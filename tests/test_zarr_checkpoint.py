@@ -118,7 +118,8 @@ def test_a_model_built_to_be_restored_draws_no_weights_and_resumes_exactly(tmp_p
     with pytest.raises(tg.TileError):  # unrestored: nothing to compute
         tg.compute(second.parameters()[0])
     opt2 = _adamw(second, total=99)
-    ck.restore(second, opt2)
+    with pytest.warns(UserWarning, match="replaces this optimizer.s"):  # (the saved schedule wins)
+        ck.restore(second, opt2)
     _lm_trainer(second, opt2).fit(3)
     _assert_same(_state(second), _state(straight))
     drawn = ck.new_model(seed=0)  # with values: the flavor's seeded initial weights

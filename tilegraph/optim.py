@@ -454,6 +454,16 @@ class _Setting:
         obj.__dict__[self.name] = obj._checked(self.name, value)
 
 
+def _set_settings(opt, where: str, **values) -> None:
+    """Set an optimizer's own settings as its constructor takes them, in the order given, each
+    through the one check a later ``opt.NAME = value`` passes (``_checked``), its error named by
+    the constructor (``where``). The constructors checked each setting once themselves and again
+    as they set it: two checks of one rule, which had drifted apart (``nesterov=np.True_`` was
+    refused by SGD's constructor, taken by ``opt.nesterov = np.True_``)."""
+    for name, value in values.items():
+        opt.__dict__[name] = opt._checked(name, value, where)
+
+
 #: the optimizers' serial numbers, in the order they are made
 _SERIALS = itertools.count(1)
 #: per parameter (by id), the newest optimizer made over it: (a weak reference to the parameter,
@@ -521,8 +531,7 @@ class Optimizer:
         params, options, self._groups = _param_groups(where, params, ("lr", *self.group_keys), checks)
         if not callable(lr):
             require_arg(where, "lr", lr, _NON_NEGATIVE)
-        if clip_grad_norm is not None:
-            require_arg(where, "clip_grad_norm", clip_grad_norm, number_check(strict=True))
+        _set_settings(self, where, clip_grad_norm=clip_grad_norm)
         frozen = [p for p in params if not p.requires_grad]
         options = [o for p, o in zip(params, options) if p.requires_grad]
         #: the parameters given that were frozen then, left out (a TrainStep refuses to run once one
@@ -549,7 +558,6 @@ class Optimizer:
         #: (None: a schedule of your own)
         self.base_lr = _base_lr(self.schedule)
         _check_group_lrs(where, options, self.base_lr, lr)
-        self.clip_grad_norm = clip_grad_norm
         self.step_count = 0
         #: per parameter, the updates it got: the step count, less the steps whose loss did not
         #: depend on it (those leave it and its state as they were, as torch's, and its Adam bias
@@ -559,9 +567,10 @@ class Optimizer:
         # state[i][k] is the cell grid of state k of parameter i (zeros, same tiles)
         self.state = [[_zeros_cells(p, self.state_dtype(p)) for _ in range(self.n_state)] for p in params]
 
-    def _checked(self, name: str, value):
-        """``value`` checked (and as stored) for the setting ``name`` (see :class:`_Setting`)."""
-        where = f"tilegraph.optim.{type(self).__name__}.{name}"
+    def _checked(self, name: str, value, where: str | None = None):
+        """``value`` checked (and as stored) for the setting ``name`` (see :class:`_Setting`);
+        ``where``: what an error names (default: ``tilegraph.optim.KIND.NAME``, the attribute)."""
+        where = where or f"tilegraph.optim.{type(self).__name__}.{name}"
         if name == "clip_grad_norm":
             if value is None:
                 return None
@@ -846,33 +855,66 @@ class Optimizer:
 
     def setting_mismatches(self, state: Mapping) -> list[str]:
         """Where this optimizer's update differs from that of the optimizer whose
-        :meth:`state_dict` ``state`` is: its kind, or a setting (the optimizer's own, or a
-        parameter's from its group), one line each; none for a state without ``settings`` (a
-        state_dict of before)."""
+        :meth:`state_dict` ``state`` is: its kind, or a setting (:meth:`setting_differences`),
+        one line each; none for a state without ``settings`` (a state_dict of before)."""
         saved = state.get("settings")
         if not isinstance(saved, Mapping):
             return []
         problems = []
         if saved.get("kind") != type(self).__name__:
             problems.append(f"kind {type(self).__name__} here, {saved.get('kind')} saved")
-        options = state.get("param_options")
-        if not isinstance(options, Sequence) or len(options) != len(self.params):
-            options = [{}] * len(self.params)
+        return problems + self.setting_differences(saved, state.get("param_options"))
+
+    def setting_differences(self, saved: Mapping, options: Sequence | None = None,
+                            names: Sequence[str] | None = None, show: Callable = repr) -> list[str]:
+        """Where this optimizer's settings differ from a saved optimizer's, one line each: its own
+        (``saved``, by key: ``weight_decay=0.01 here, 0.1 saved``) and those of its parameter
+        groups (``options``: per parameter, in this optimizer's order, the settings its saved
+        group gave it; None: no groups), a line per group and setting, naming the group as
+        :attr:`param_groups` does, and its parameters (``names``, in this optimizer's order;
+        default: their own names)::
+
+            param_groups[1] (22 parameters: ln_1.weight, ln_1.bias, ...): weight_decay=0.05 here, 0.0 saved
+
+        A setting every group sets, here and saved, is not the optimizer's own, and is not
+        compared as one; a setting the saved optimizer did not record is not compared.
+        ``show``: how a value is written."""
+        n = len(self.params)
+        if options is None or isinstance(options, (str, bytes)) or not isinstance(options, Sequence) \
+                or len(options) != n:
+            options = [{}] * n
         options = [o if isinstance(o, Mapping) else {} for o in options]
+        if names is None or len(names) != n:
+            names = [p.name or f"shape {tuple(p.shape)}" for p in self.params]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        groups = [(j, [index[id(p)] for p in members if id(p) in index], given)
+                  for j, (members, given) in enumerate(self._groups)]
+        problems = []
         for k in self.setting_keys:
             mine, theirs = getattr(self, k), saved.get(k)
-            # (a setting every parameter's group sets on both sides is not the optimizer's)
-            used = k not in self.group_keys or any(k not in a and k not in b
-                                                   for a, b in zip(self.param_options, options))
-            if used and not _same_setting(mine, theirs):
-                problems.append(f"{k}={mine!r} here, {theirs!r} saved")
-            if k not in self.group_keys:
-                continue
-            for i, (p, here, there) in enumerate(zip(self.params, self.param_options, options)):
-                a, b = here.get(k, mine), there.get(k, theirs)
-                if (k in here or k in there) and not _same_setting(a, b):
-                    problems.append(f"parameter {i} ({p.name or f'shape {tuple(p.shape)}'}): {k}={a!r} here, "
-                                    f"{b!r} saved")
+            own, lines = k not in self.group_keys, []
+            for j, members, given in groups if k in self.group_keys else ():
+                if not members:
+                    continue
+                if k not in given and all(k not in options[i] for i in members):
+                    own = True  # the group follows the optimizer's own setting, here and saved
+                    continue
+                here = given.get(k, mine)
+                differ: dict[str, list[int]] = {}  # the saved value -> the group's parameters with it
+                for i in members:
+                    if k in options[i] or k in saved:
+                        value = options[i].get(k, theirs)
+                        if not _same_setting(here, value):
+                            differ.setdefault(show(value), []).append(i)
+                label = f"param_groups[{j}] ({_some_names([names[i] for i in members])})"
+                for value, which in differ.items():
+                    listed = _some_names([names[i] for i in which], count=False)
+                    part = "" if len(which) == len(members) else \
+                        f" for {len(which)} of its {len(members)} parameters ({listed})"
+                    lines.append(f"{label}: {k}={show(here)} here, {value} saved{part}")
+            if own and k in saved and not _same_setting(mine, theirs):
+                problems.append(f"{k}={show(mine)} here, {show(theirs)} saved")
+            problems += lines
         return problems
 
     def load_state_dict(self, state: dict) -> None:
@@ -1030,6 +1072,12 @@ class _GroupView(Mapping):
         self._refuse(f"{self._name}.pop({key!r})")
 
 
+def _some_names(names: Sequence[str], count: bool = True, shown: int = 3) -> str:
+    """``22 parameters: a, b, c, ...``: how many (with ``count``), and the first few by name."""
+    listed = ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+    return f"{len(names)} parameter{'s' if len(names) != 1 else ''}: {listed}" if count else listed
+
+
 def _same_setting(a, b) -> bool:
     """Whether two values of a setting are the same (betas as a tuple or a list, numbers as
     written or rounded through JSON)."""
@@ -1171,20 +1219,17 @@ class Adam(Optimizer):
         self._init(where, params, lr, betas, eps, weight_decay, clip_grad_norm)
 
     def _init(self, where, params, lr, betas, eps, weight_decay, clip_grad_norm) -> None:
-        _check_betas(where, betas)
-        require_arg(where, "eps", eps, _EPS)
-        require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
+        _set_settings(self, where, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, lr, clip_grad_norm)
-        self.betas, self.eps, self.weight_decay = tuple(betas), float(eps), float(weight_decay)
 
     def _group_checks(self) -> dict:
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE),
                 "eps": lambda where, v: require_arg(where, "eps", v, _EPS), "betas": _check_betas}
 
-    def _checked(self, name: str, value):
+    def _checked(self, name: str, value, where: str | None = None):
         if name not in self.setting_keys:
-            return super()._checked(name, value)
-        self._group_checks()[name](f"tilegraph.optim.{type(self).__name__}.{name}", value)
+            return super()._checked(name, value, where)
+        self._group_checks()[name](where or f"tilegraph.optim.{type(self).__name__}.{name}", value)
         return tuple(float(b) for b in value) if name == "betas" else float(value)
 
     def _update(self, p, g, state, hyper, options, t_at):
@@ -1279,25 +1324,19 @@ class SGD(Optimizer):
                  differentiable: bool = False, fused: bool | None = None, clip_grad_norm: float | None = None):
         where = f"tilegraph.optim.{type(self).__name__}"
         _refuse_unsupported(where, type(self).__name__, maximize=maximize, differentiable=differentiable)
-        require_arg(where, "momentum", momentum, _MOMENTUM)
-        require_arg(where, "dampening", dampening, _DAMPENING)
-        require_arg(where, "weight_decay", weight_decay, _NON_NEGATIVE)
-        if not isinstance(nesterov, bool):
-            raise TileError(where, "nesterov must be True or False", f"nesterov={nesterov!r}"[:120])
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise TileError(where, "nesterov=True needs a momentum > 0 and dampening=0 (as torch.optim.SGD)",
-                            f"nesterov=True with momentum={momentum!r}, dampening={dampening!r}")
-        self.n_state = 1 if momentum else 0
-        self.state_names = ("momentum_buffer",) if momentum else ()
+        # (a momentum that is no number fails its check below, before n_state is used)
+        self.n_state = 1 if _MOMENTUM[0](momentum) and momentum else 0
+        self.state_names = ("momentum_buffer",) if self.n_state else ()
+        # nesterov last: its check reads the momentum and dampening set
+        _set_settings(self, where, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                      nesterov=nesterov)
         super().__init__(params, lr, clip_grad_norm)
-        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
-        self.dampening, self.nesterov = float(dampening), nesterov
 
     def _group_checks(self) -> dict:
         return {"weight_decay": lambda where, v: require_arg(where, "weight_decay", v, _NON_NEGATIVE)}
 
-    def _checked(self, name: str, value):
-        where = f"tilegraph.optim.{type(self).__name__}.{name}"
+    def _checked(self, name: str, value, where: str | None = None):
+        where = where or f"tilegraph.optim.{type(self).__name__}.{name}"
         if name == "weight_decay":
             require_arg(where, name, value, _NON_NEGATIVE)
         elif name == "momentum":
@@ -1320,7 +1359,7 @@ class SGD(Optimizer):
                                 f"dampening={self.__dict__.get('dampening')!r}")
             return bool(value)
         else:
-            return super()._checked(name, value)
+            return super()._checked(name, value, where)
         return float(value)
 
     def _update(self, p, g, state, hyper, options, t_at):

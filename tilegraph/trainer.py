@@ -788,7 +788,7 @@ class Trainer:
         if len(answering) < before:  # the nannies of lost workers start them again: go on with as many
             wait_for_replacements(self.runtime, before)
             answering = worker_health(self.runtime).answering
-        step = self.load_checkpoint(self._last_checkpoint)
+        step = self._load_checkpoint(self._last_checkpoint, schedule=False, stacklevel=1)
         logger.warning("tilegraph.Trainer: lost worker(s) %s while %s ran; resuming from checkpoint %s (step %d) "
                        "on %d worker(s): %s", ", ".join(error.workers) or "(none named)",
                        error.during or (_steps_text(error.steps) if error.steps else "training"),
@@ -1007,7 +1007,20 @@ class Trainer:
         (:func:`tilegraph.io.load_checkpoint`: its attributes are not read again); the next
         :meth:`fit` continues with the next step's batch. Returns the step. A checkpoint that
         does not fit (another optimizer, parameters of other names or shapes) raises before the
-        model or the optimizer changes."""
+        model or the optimizer changes.
+
+        The checkpoint's learning-rate schedule replaces the optimizer's, with a warning where the
+        optimizer was given another (a longer ``total``, another peak): set
+        ``trainer.optimizer.schedule = ...`` after loading to go on with another (as after a
+        divergence, at a lower rate); the optimizer's other settings stay its own, with a warning
+        naming each (and each parameter group's) that differs from the checkpoint's."""
+        return self._load_checkpoint(path, schedule=True, stacklevel=2)
+
+    def _load_checkpoint(self, path, schedule: bool, stacklevel: int) -> int:
+        """:meth:`load_checkpoint`; ``schedule``: whether the checkpoint's schedule replaces the
+        optimizer's (a restart after a lost worker keeps the one the fit runs with: one set after
+        loading, a lower rate after a divergence, went back to the checkpoint's); ``stacklevel``:
+        the warnings name the line that many calls up from this one (1: the line that calls it)."""
         from tilegraph.io.zarr import Checkpoint, load_checkpoint
 
         if self.runtime is not None:  # the values go to its workers
@@ -1023,8 +1036,9 @@ class Trainer:
                 return self._load_legacy_checkpoint(path)
             ck = load_checkpoint(path, runtime=self.runtime)
         with self._current():  # an opened checkpoint without a runtime of its own reads on the trainer's
-            ck.restore(self.model, self.optimizer)  # all checked and read first: a failure changes nothing
-        self._warn_other_batches(ck)
+            # all checked and read first: a failure changes nothing (the warnings name the caller's line)
+            ck.restore(self.model, self.optimizer, schedule=schedule, stacklevel=stacklevel + 1)
+        self._warn_other_batches(ck, stacklevel + 1)
         self._last_checkpoint = ck.path
         self._begin_segment(ck.trainer_state, ck.step)
         return ck.step
@@ -1045,7 +1059,7 @@ class Trainer:
             logged = self._logged() if logged is None else logged
             self.history = on_lineage([r for r in logged if r.get("run") == run], self.lineage)
 
-    def _warn_other_batches(self, ck) -> None:
+    def _warn_other_batches(self, ck, stacklevel: int) -> None:
         """Warn where the checkpoint's run read its data otherwise than this trainer will: another
         ``batch_size``, data seed, ``seq_len`` or token range of the split (another token file,
         another ``val_fraction``: the data position, the next step, then means other windows
@@ -1076,7 +1090,8 @@ class Trainer:
         warnings.warn(f"tilegraph.Trainer.load_checkpoint: {ck.path} was written by a run with "
                       + ", ".join(f"{k} {theirs[k]}" for k in differ) + "; this trainer has "
                       + ", ".join(f"{k} {ours[k]}" for k in differ) + f": from step {ck.step + 1} on, {what} "
-                      "(build the Trainer with the checkpoint's values to continue that run as it was)", stacklevel=3)
+                      "(build the Trainer with the checkpoint's values to continue that run as it was)",
+                      stacklevel=stacklevel + 1)
 
     def _join_logged_run(self, start: int) -> None:
         """Before this trainer's first record: where ``log_dir/metrics.jsonl`` ends with another

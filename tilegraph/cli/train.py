@@ -266,7 +266,11 @@ def _train(args, job: Job) -> int:
         print(f"tilegraph train: [train] warmup = {t['warmup']} is more than the run's {_plural(steps, 'step')}: the "
               f"learning rate rises over all {steps} to lr = {t['lr']:g} (no decay to min_lr)", file=sys.stderr,
               flush=True)
-    sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
+    saved_spec = (resume.checkpoint.optimizer_info or {}).get("schedule") if resume else None
+    if saved_spec:  # a resumed run's own schedule (which the restore keeps: one made here over `steps` it replaced)
+        sched = tg.optim.schedule_from_spec(saved_spec)
+    else:
+        sched = tg.optim.warmup_cosine(t["lr"], warmup=min(int(t["warmup"]), steps), total=steps, min_lr=t["min_lr"])
     trainable = tg.peft.trainable_parameters(model)  # with adapters: only theirs
     # weight decay on the matrices (and embeddings) alone, not on biases and norm gains, as GPT-2's
     # and transformers' Trainer's recipes (it pulled every LayerNorm gain toward 0)
