@@ -12,6 +12,7 @@ step, the optimizer, the checkpoints, the folders) and the checks and fault hand
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -20,7 +21,9 @@ from dataclasses import dataclass, field
 from tilegraph import _config
 from tilegraph._progress import _Aside, _import_matplotlib_aside, _progress
 from tilegraph._train import StepStats, StepTimeoutError, WorkerLostError, _steps_text
-from tilegraph.runtime import _plural
+from tilegraph.runtime import LEAVING, _plural
+
+logger = logging.getLogger("tilegraph")
 
 
 def perplexity(loss: float) -> float:
@@ -78,6 +81,63 @@ class FitResult:
 
 
 
+def _futures(values) -> list:
+    """The Dask futures behind ``values`` (cells' values: arrays, :class:`ValueRef` s; every copy
+    of a replicated one)."""
+    from tilegraph._graph import CopiesRef, ReplicatedRef, ValueRef
+
+    out = []
+    for v in values:
+        if isinstance(v, ReplicatedRef):
+            out += [r.future for r in v.replicas]
+        elif isinstance(v, CopiesRef):
+            out += [r.future for _, r in v.copies]
+        elif isinstance(v, ValueRef):
+            out.append(v.future)
+    return out
+
+
+def _on_workers(runtime, values, workers: set) -> bool:
+    """Whether every value of ``values`` on the workers is computed and held by one of ``workers``
+    (the scheduler's record: one call)."""
+    futures = list({f.key: f for f in _futures(values)}.values())
+    if any(f.status != "finished" for f in futures):
+        return False
+    if not futures:
+        return True
+    held = runtime.client.who_has(futures)
+    return all(set(held.get(f.key) or ()) & workers for f in futures)
+
+
+def _end_calls(runtime, pendings, seconds: float = 10.0) -> None:
+    """Cancel the tasks of the steps ``pendings`` (their gang calls) still running, and wait up to
+    ``seconds`` until none is pending: the next gang task on a worker runs after the last one
+    submitted there, and would fail with it."""
+    from tilegraph._lower import calls_of
+
+    values = [v for p in pendings for v in [*p._losses, p._norm] if v is not None]
+    futures = list({id(f): f for call in calls_of(values) for f in call}.values())
+    pending = [f for f in futures if f.status == "pending"]
+    if pending:
+        runtime.client.cancel(pending)
+    deadline = time.perf_counter() + seconds
+    while any(f.status == "pending" for f in futures) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
+def _why_removed(runtime, workers) -> str:
+    """How ``workers`` left the cluster, by the scheduler's event log: "retired from the cluster"
+    (a ``retire_workers``: a user's, or a cluster scaling down; or leaving so), else "left the
+    cluster"."""
+    events = runtime.client.get_events("all")
+    retired = {m.get("worker") for _, m in events if isinstance(m, dict) and m.get("action") == "remove-worker"
+               and m.get("expected")}
+    retired |= {w for _, m in events if isinstance(m, dict) and m.get("action") == "retire-workers"
+                for w in m.get("retired", ())}
+    retiring = {a for a, w in runtime.workers().items() if w.get("status") == "closing_gracefully"}
+    return "retired from the cluster" if set(workers) <= retired | retiring else "left the cluster"
+
+
 class FitRun:
     """The steps ``start + 1`` to ``start + steps`` of ``trainer``; :meth:`run` runs them.
 
@@ -92,6 +152,9 @@ class FitRun:
         self.end = self.start + steps
         self.result = FitResult(0, [])
         self.waiting: list[tuple[int, object, tuple]] = []
+        #: batches asked for and not run yet, by step: those asked for ahead of their group, and
+        #: those of steps undone after a worker retired (:meth:`_undone_on_workers_left`)
+        self.ahead: dict[int, tuple] = {}
         self.redraw: list[int] = []  # an evaluation's step after which loss.png is due
         self.report = contextlib.ExitStack()
         self.report_step = trainer.report_step  # None: the fit's second graph (its first one where it has one)
@@ -175,6 +238,11 @@ class FitRun:
                         result.checkpoints.append(str(path))
                 return
             except (WorkerLostError, StepTimeoutError, FloatingPointError) as e:
+                if isinstance(e, WorkerLostError):  # a worker retired: its values moved to the others
+                    undone = self._undone_on_workers_left(e)
+                    if undone is not None:
+                        i = undone + 1
+                        continue
                 self.waiting.clear()  # steps on lost workers, past a time limit or after a NaN: none to log
                 if not isinstance(e, WorkerLostError):
                     raise
@@ -198,8 +266,10 @@ class FitRun:
         losses finished while the next one runs."""
         tr, end = self.trainer, self.end
         # each step's batch is asked for once (a data callable may be a stream): those asked
-        # for ahead of their group wait here
-        ahead = {i: tr._batch(i)}
+        # for ahead of their group wait here (and those of steps undone, to run again)
+        ahead = self.ahead
+        if i not in ahead:
+            ahead[i] = tr._batch(i)
         tr._check_first_batch(i, ahead[i])
         tr._note_batch_kind(ahead[i])
         per_graph = tr._steps_per_graph(ahead[i])
@@ -209,12 +279,14 @@ class FitRun:
             stop = next(j for j in range(i, end + 1) if self._waits(j))
             size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
             group = range(i, min(stop, i + size - 1) + 1)
-            batches = [ahead.pop(j) if j in ahead else tr._batch(j) for j in group]
+            for j in group:
+                if j not in ahead:
+                    ahead[j] = tr._batch(j)
+            batches = [ahead[j] for j in group]
             # a group is one graph of one batch signature: a batch of other shapes (a data
             # callable whose last batch of an epoch is smaller, say) starts the next group
             sig = tr.step.signature(batches[0])
             cut = next((n for n, b in enumerate(batches) if tr.step.signature(b) != sig), len(batches))
-            ahead.update(zip(group[cut:], batches[cut:]))
             group, batches = group[:cut], batches[:cut]
             self.graphs += 1
             reporting = self._reports(group)
@@ -223,6 +295,8 @@ class FitRun:
                 tr._start_report(self.report)
             with tr._translate_lost_workers(_steps_text(group), group):
                 pendings = tr.step.submit_steps(batches)
+            for j in group:  # (kept until submitted: a worker retiring as they are sent, they go again)
+                del ahead[j]
             # waiting at once: a stop during the redraw below leaves them for _settle to log (they run)
             earlier = len(self.waiting)
             self.waiting.extend(zip(group, pendings, batches))
@@ -359,12 +433,71 @@ class FitRun:
                 break
             waiting.pop(0)
 
+    def _undone_on_workers_left(self, e: WorkerLostError) -> int | None:
+        """After worker loss ``e`` while steps ran or were sent: where the worker left the cluster
+        and every value the steps read is on the workers left (a worker retired, by
+        ``client.retire_workers`` or a cluster scaling down: Dask moved what it held first),
+        undo the steps not logged yet (the model's parameters and optimizer state, and the step
+        count, as before them), plan again on the workers left and return the step the run goes
+        on after: the steps run again, with their batches, as if no worker had left. Before, the
+        step failed with a WorkerLostError saying the state was lost, and the next fit was refused
+        as "state lost", although none was. None where it cannot be done (a worker that died took
+        values with it, one stopped or hung holds them): the caller restarts from a checkpoint,
+        or raises ``e``."""
+        tr = self.trainer
+        if tr.runtime is None or e.during is not None or e.stalled or e.steps is None:
+            return None
+        try:
+            info = tr.runtime.workers()
+            staying = {a for a, w in info.items() if w.get("status") not in LEAVING}
+            planned = {a for exe in tr.step.executables if exe.workers is not None for a in exe.workers.memory_limits}
+            left = planned - staying
+            if not staying or not left or set(e.workers) & set(info):  # (a lost worker still there: stalled)
+                return None
+            if self.waiting:  # the oldest step not logged yet failed: what its cells held before it
+                first, pending, _ = self.waiting[0]
+                undo = getattr(pending, "_undo", None)
+                if first not in e.steps or undo is None or undo.before is None or undo.undone is not None \
+                        or undo.rollbacks != tr.step._rollbacks:
+                    return None
+                kept = [value for _, value, _ in undo.before.values()]
+            else:  # its parameters were being sent to the workers: the step was taken back (not counted)
+                first = e.steps[0]
+                if tr.optimizer.step_count != first - 1:
+                    return None
+                kept = [c.value for p in tr.optimizer.params for c in p.cells.flat]
+                kept += [c.value for state in tr.optimizer.state for grid in state for c in grid.flat]
+            if not _on_workers(tr.runtime, kept, staying):
+                return None
+            # the tasks of the steps waiting end first: a gang task waits for the last one on its worker
+            _end_calls(tr.runtime, [p for _, p, _ in self.waiting])
+            why = _why_removed(tr.runtime, left)
+        except Exception:  # (the scheduler gone meanwhile): the caller's error handling says so
+            return None
+        if self.waiting:
+            undo()
+            if undo.undone != first - 1 or tr.optimizer.step_count != first - 1:
+                return None  # (not put back: the cells hold the failed steps' values)
+            self.ahead.update((i, batch) for i, _, batch in self.waiting)  # run again with the same batches
+        steps = range(first, max([first, *e.steps, *(i for i, _, _ in self.waiting)]) + 1)
+        self.waiting.clear()
+        self._close_report()
+        tr.step.reset_plans()  # planned again on the workers there are now
+        if tr._eval is not None:
+            tr._eval.reset_plans()
+        logger.warning("tilegraph.Trainer: worker(s) %s %s while %s ran; the model's values are on the workers left "
+                       "(Dask moved them), so training goes on from step %d (the model as it was before it), planned "
+                       "again for %s", ", ".join(sorted(left)), why, _steps_text(steps), first,
+                       _plural(len(staying), "worker"))
+        return first - 1
+
     def _restarted(self, e: WorkerLostError) -> int:
         """After worker loss ``e``: plan again, let a save under way end, and have the trainer
         restart from its last checkpoint (or raise); the records after that checkpoint go.
         Returns the step the run goes on after."""
         tr, result = self.trainer, self.result
         self._close_report()
+        self.ahead.clear()  # a restarted run asks for its batches again, from the checkpoint's step
         # the cached plans pin tasks and programs to workers that are gone: plan
         # again (also when the caller resumes by hand after this error)
         tr.step.reset_plans()

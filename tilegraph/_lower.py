@@ -30,6 +30,7 @@ import inspect
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any, Callable, Sequence
@@ -651,6 +652,9 @@ class Executable:
             from tilegraph.runtime import no_worker_alive_error
 
             futures = {}
+            # (a worker of the plan retiring meanwhile: the step's error names it, as gone, without
+            # the scheduler's traceback of a scatter to a worker it no longer knows)
+            runtime._require_staying(sorted(a for a in by_worker if a is not None))
             for addr, progs in by_worker.items():
                 where = {"broadcast": True} if addr is None else {"workers": [addr]}
                 with no_worker_alive_error("tilegraph.Executable", "the step's programs",
@@ -946,7 +950,7 @@ class Executable:
             for p, key in enumerate(keys):
                 runtime.last_gang[self.gang.addrs[p]] = (futures[key], call)
                 futures[key].add_done_callback(partial(runtime.gang_done, self.gang.addrs[p]))
-                futures[key].add_done_callback(partial(end_failed_call, runtime, call))
+                futures[key].add_done_callback(partial(end_failed_call, runtime, call, addrs=tuple(self.gang.addrs)))
         return futures
 
     def _push_shared(self, layers, keys, source, moved, pinned, runtime) -> dict[int, dict[int, tuple[str, int]]]:
@@ -1091,20 +1095,94 @@ def call_failure(runtime, calls: Sequence[tuple]) -> BaseException | None:
     return None
 
 
-def end_failed_call(runtime, call: tuple, future=None) -> None:
+def end_failed_call(runtime, call: tuple, future=None, addrs: Sequence[str] = ()) -> None:
     """Cancel the tasks of gang call ``call`` still running once one failed (``future``: the one
-    whose end called this, as a done callback; nothing to do unless it failed). A task that
-    failed after its last exchange sent its peers all they needed; one that failed without running
-    (its input had failed) sent nothing, and its peers would wait for it until the exchange time
-    limit, holding their worker's thread."""
-    if future is not None and future.status != "error":
+    whose end called this, as a done callback). A task that failed after its last exchange sent
+    its peers all they needed; one that failed without running (its input had failed) sent
+    nothing, and its peers would wait for it until the exchange time limit, holding their
+    worker's thread.
+
+    Once every task of a failed call has ended (the done callback of the last one), each of its
+    workers ``addrs`` removes what the call left there (:func:`_end_call_on_worker`): the channel
+    files no reader took stayed in ``/dev/shm/tilegraph-<pid>/`` until the worker closed (a
+    step's gradients each time a step failed), and values sent over the comms to a gang that
+    never ran, in that worker's memory."""
+    if future is not None and future.status == "finished":
         return
+    if not any(f.status in ("error", "cancelled", "lost") for f in call):
+        return  # (a cancelled one's callback, in a call that otherwise ran: nothing failed)
     pending = [f for f in call if f.status == "pending"]
     if pending:
         try:
             runtime.client.cancel(pending)
         except Exception:  # (a closing client): the waits end by their time limit
             pass
+        return  # (their callbacks come: the last one clears up)
+    if future is None or not addrs:
+        return
+    name = str(call[0].key).rsplit("-", 1)[-1]
+    with _ENDED_LOCK:
+        if name in _ENDED:
+            return
+        _ENDED[name] = None
+        while len(_ENDED) > 1024:
+            _ENDED.popitem(last=False)
+    try:  # (the workers still there: a worker gone took its files along, and a message to it
+        # would be logged by the scheduler as a failed broadcast)
+        from tilegraph.runtime import LEAVING
+
+        there = runtime.workers()
+        workers = [a for a in dict.fromkeys(addrs) if a in there and there[a].get("status") not in LEAVING]
+        if workers:
+            runtime.client.run(_end_call_on_worker, name, config.exchange_timeout_seconds, workers=workers,
+                               wait=False, on_error="ignore")
+    except Exception:  # (a closing client, the scheduler gone): a worker's files go when it closes
+        pass
+
+
+#: the gang calls whose workers were asked to clear up after them (:func:`end_failed_call`), the
+#: last 1,024
+_ENDED: "OrderedDict[str, None]" = OrderedDict()
+_ENDED_LOCK = threading.Lock()
+#: a task's states on a worker while its function still runs (a cancelled one runs to its end)
+_RUNNING_STATES = ("executing", "long-running", "cancelled", "resumed")
+#: how long a worker waits for a failed gang call's task there to end before clearing up after it
+END_CALL_WAIT_SECONDS = 60.0
+
+
+async def _end_call_on_worker(call: str, max_age: float, dask_worker=None) -> int:
+    """Run on each worker of gang call ``call``, which failed: once no task of the call runs
+    there (up to :data:`END_CALL_WAIT_SECONDS`), remove the channel files this process wrote for
+    it that no reader took (``g-<call>-...``, and a write cut short), and drop what its channels
+    over the comms left in this worker's mailbox (``max_age``: the exchange time limit, for
+    :func:`tilegraph.exec.comm_channel.close`). Returns how many files it removed."""
+    import asyncio
+    import os
+
+    from tilegraph.exec import comm_channel
+    from tilegraph.exec.shm import _PREFIX, SHM_ROOT
+
+    suffix = f"-{call}"
+    deadline = time.monotonic() + END_CALL_WAIT_SECONDS
+    while dask_worker is not None and time.monotonic() < deadline and any(
+            isinstance(key, str) and key.endswith(suffix) and ts.state in _RUNNING_STATES
+            for key, ts in list(dask_worker.state.tasks.items())):
+        await asyncio.sleep(0.05)
+    comm_channel.close(call, max_age)
+    folder = os.path.join(SHM_ROOT, f"{_PREFIX}{os.getpid()}")
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:  # (no shared memory used)
+        return 0
+    for entry in names:
+        if entry.startswith((f"g-{call}-", f".g-{call}-")):
+            try:
+                os.unlink(os.path.join(folder, entry))
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def _wait_for_calls(runtime, futures: list, calls: list[tuple]) -> None:

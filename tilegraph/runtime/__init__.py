@@ -37,6 +37,23 @@ _CURRENT: list["Runtime"] = []
 LOCALHOST = "127.0.0.1"
 
 
+#: the statuses of a worker leaving the cluster (retired by ``client.retire_workers`` or a cluster
+#: scaling down: Dask moves its values to the others, then removes it; or closing): plans leave
+#: it out, and no value is sent to it
+LEAVING = ("closing_gracefully", "closing", "closed")
+
+#: how long :meth:`Runtime.scatter_cells` waits for a worker it was to send values to, found
+#: leaving the cluster, to be gone (its retirement ends once its values have moved), so that the
+#: error names it as gone
+LEAVING_WAIT_SECONDS = 10.0
+
+
+def _staying(info: Mapping[str, dict]) -> dict[str, dict]:
+    """The workers of ``info`` (the scheduler's records) not leaving the cluster (:data:`LEAVING`);
+    all of them where every one is."""
+    return {a: w for a, w in info.items() if w.get("status") not in LEAVING} or dict(info)
+
+
 def current_runtime() -> "Runtime | None":
     """The runtime that ``tilegraph.compute`` and training use (the last one connected)."""
     while _CURRENT and _CURRENT[-1].closed:
@@ -334,7 +351,9 @@ class Runtime:
         if new:  # joined after connect (a worker started by hand, a batch job's): checked as there
             self._version_checked |= _check_worker_versions(self.client, new, "tilegraph.Runtime", late=True)
         self._warn_small_workers(info)
-        self.last_workers = Workers.of(info)
+        # a worker retiring (its values moving to the others) is left out: a plan for it would
+        # pin tasks to a worker about to go
+        self.last_workers = Workers.of(_staying(info))
         return self.last_workers
 
     def _warn_small_workers(self, info: Mapping[str, dict]) -> None:
@@ -458,6 +477,7 @@ class Runtime:
             if len(addrs) > 1:
                 copies[id(c)] = []
         done: dict[int, ValueRef] = {}
+        self._require_staying(sorted(w for w in by_worker if w is not None))
 
         def send(batch: list, w: str | None) -> None:
             with no_worker_alive_error("tilegraph.Runtime.scatter_cells", "the values sent to the workers (parameters, "
@@ -485,6 +505,33 @@ class Runtime:
                 c.set(CopiesRef(first.future, None, tuple(copies[id(c)])))
             else:
                 c.set(done[id(c)])
+
+    def _require_staying(self, addrs: Sequence[str]) -> None:
+        """Raise Dask's ``CommClosedError`` (what a step's error handling takes for a lost worker)
+        where one of the workers ``addrs`` left the cluster or is leaving it (:data:`LEAVING`),
+        once it is gone (up to :data:`LEAVING_WAIT_SECONDS`). Before, a scatter to such a worker
+        failed in the scheduler, which logged a traceback ("Exception while handling op
+        scatter ... KeyError"), or, for a worker retiring, after 2 s with "No valid workers
+        found", which read as workers that died (an adaptive cluster scaling down as the first
+        step sent the parameters)."""
+        if not addrs:
+            return
+        import time
+
+        deadline = time.perf_counter() + LEAVING_WAIT_SECONDS
+        while True:
+            info = self._workers("tilegraph.Runtime.scatter_cells")
+            leaving = [a for a in addrs if a in info and info[a].get("status") in LEAVING]
+            gone = [a for a in addrs if a not in info]
+            if not leaving and not gone:
+                return
+            if not leaving or time.perf_counter() > deadline:
+                break
+            time.sleep(0.1)
+        from distributed.comm.core import CommClosedError
+
+        raise CommClosedError(f"tilegraph: values to send to worker {(gone + leaving)[0]}, which "
+                              f"{'left the cluster' if gone else 'is leaving the cluster (retiring)'}")
 
     def shm_domains(self, addrs) -> dict[str, str | None]:
         """Which of the workers ``addrs`` share ``/dev/shm`` (equal strings; None: none): the
