@@ -308,15 +308,18 @@ def visit_order(dp: Replicas, bucket_bytes: float) -> list[Node]:
     """
     import heapq
 
-    from tilegraph.plan.cluster import only_feeding, upward_ranks, users_of
+    from tilegraph.plan.cluster import after_inputs, only_feeding, upward_ranks, users_of
 
     users = users_of(dp.nodes)
     pending = {id(n): sum(id(i.node) in users for i in n.inputs) for n in dp.nodes}
     rank = upward_ranks(dp.nodes, users)
     feeds = only_feeding(dp.nodes, users, dp.exchange)  # compute nodes whose every use is in the exchange
-    for n in dp.nodes:  # topological: a feeder's inputs have their final rank
-        if id(n) in feeds:
-            rank[id(n)] = max((rank[id(i.node)] for i in n.inputs if id(i.node) in rank), default=rank[id(n)])
+    # Feeders right after their latest input, not their earliest: ranked as their highest input,
+    # every node of a training step (all of it feeds the updates) took the rank of the first,
+    # and the order became the graph's own, one replica's whole backward after the other's,
+    # and the weight-gradient products after it (so one replica sent all its gradients at the
+    # end, in one message).
+    after_inputs(dp.nodes, rank, feeds)
 
     position = {id(n): k for k, n in enumerate(dp.nodes)}
     compute: list[tuple[float, int, Node]] = []

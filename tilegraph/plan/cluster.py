@@ -150,6 +150,16 @@ def only_feeding(nodes: Sequence[Node], users: dict[int, list[Node]], targets: s
     return feeds
 
 
+def after_inputs(nodes: Sequence[Node], rank: dict[int, float], feeds: set[int]) -> None:
+    """Raise the rank of each node of ``feeds`` (ids; ``nodes`` in a topological order) to just
+    below its latest-visited input's, so that an order by decreasing rank visits it right after
+    its inputs (still after every one of them) rather than where its own path to a sink puts it."""
+    for n in nodes:  # topological: a node's inputs have their final rank
+        made = [rank[id(i.node)] for i in n.inputs if id(i.node) in rank]
+        if id(n) in feeds and made:
+            rank[id(n)] = max(rank[id(n)], math.nextafter(min(made), -math.inf))
+
+
 def by_upward_rank(nodes: Sequence[Node], state: set[int] = frozenset()) -> list[Node]:
     """Nodes in decreasing order of their longest estimated path to a sink (HEFT's upward rank).
 
@@ -166,11 +176,7 @@ def by_upward_rank(nodes: Sequence[Node], state: set[int] = frozenset()) -> list
     """
     users = users_of(nodes)
     rank = upward_ranks(nodes, users)
-    feeds = only_feeding(nodes, users, state)
-    for n in nodes:  # topological: a node's inputs have their final rank
-        made = [rank[id(i.node)] for i in n.inputs if id(i.node) in rank]
-        if id(n) in feeds and made:  # just below its latest-visited input: still after every input
-            rank[id(n)] = max(rank[id(n)], math.nextafter(min(made), -math.inf))
+    after_inputs(nodes, rank, only_feeding(nodes, users, state))
     position = {id(n): k for k, n in enumerate(nodes)}
     return sorted(nodes, key=lambda n: (-rank[id(n)], position[id(n)]))
 
