@@ -101,12 +101,6 @@ class Config:
     #: a gang step's wait for another process's values fails after this long (it fails at once
     #: when that process is gone, or when the step is cancelled)
     exchange_timeout_seconds: float = 600.0
-    #: "auto" parallelism: a tiles plan spread over several worker processes runs this much
-    #: slower than its simulation says (Dask fetches a task's inputs only once it may start, and
-    #: copies take CPU from the kernels). Measured on 2 cores, 2 workers x 1 thread: simulated vs
-    #: real step 0.90 vs 1.06 s (bench MLP), 1.55 vs 1.86 s (block stack); data-parallel plans of
-    #: the same steps: 0.99 vs 0.97 s, 1.67 vs 1.68 s
-    tiles_across_processes_penalty: float = 0.2
     #: how a training step spreads over several worker processes (``PARALLEL_STRATEGIES``):
     #: "tiles" list-schedules the tile kernels over all processes; "data" gives each process a
     #: share of the batch's row tiles and a replica of the parameters and optimizer state
@@ -434,7 +428,7 @@ _CHECKS = {
     "hop_seconds": number_check(finite=True),
     "bucket_bytes": _AUTO_OR_POSITIVE, "shm_transfers": _BOOL, "shm_min_bytes": number_check(whole=True),
     "exchange": one_of_check(*EXCHANGES), "exchange_timeout_seconds": number_check(strict=True, finite=True),
-    "tiles_across_processes_penalty": number_check(), "parallel": one_of_check(*PARALLEL_STRATEGIES),
+    "parallel": one_of_check(*PARALLEL_STRATEGIES),
     "zero3_reshard_after_forward": _BOOL,
     "zero3_prefetch": _BOOL,
     "task_memory_fraction": number_check(strict=True, high=1.0), "local_scheduler": one_of_check("threads", "sync"),

@@ -264,11 +264,8 @@ class Executable:
                                                                 bandwidth=self.link_bytes_per_second, state=state)
             # "auto": the data-parallel plan where the tiles plan would span several processes
             # (config.parallel says why); else whichever plan the simulation finishes first
-            tiles_seconds = self.est_makespan
             spans = len({(c.device, c.proc) for c in self.clusters}) > 1
-            if spans:
-                tiles_seconds *= 1.0 + config.tiles_across_processes_penalty
-            if dp is not None and dp[3] >= tiles_seconds and not spans:
+            if dp is not None and dp[3] >= self.est_makespan and not spans:
                 dp = None
         if dp is not None:
             self.replicas, self.clusters, of, self.est_makespan, nodes, self.n_replicas, self.strategy = dp
