@@ -248,8 +248,9 @@ def test_strategy_names_and_where_data_parallelism_does_not_apply():
     # strategy that did nothing was silent)
     _, step = _step(parallel="data")
     with pytest.warns(UserWarning, match=r"parallel='data' shares the batch among worker processes.*runs as "
-                                         r"parallel='tiles'"):
+                                         r"parallel='tiles'") as caught:
         step(x, y)
+    assert [w.filename for w in caught] == [__file__]  # the user's line (it named tilegraph's _lower.py)
     assert step.plan(x, y).strategy == "tiles"
 
 

@@ -419,9 +419,13 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
     procs = min(len(groups[dev]), rows)
     if procs < 2:
         if parallel != "auto" and len(groups[dev]) == 1:  # asked for by name: say why it does nothing
+            from tilegraph._train import _outside_tilegraph
+
+            # (from the user's line, so once per line: a Trainer plans again after workers left)
             warnings.warn(f"parallel={parallel!r} shares the batch among worker processes, and the step runs in "
-                          "one (a runtime of one worker, or none: this process), so it runs as parallel='tiles' "
-                          "(more processes: tg.connect(n_workers=2), [runtime] workers)", UserWarning, stacklevel=2)
+                          "one (a runtime of one worker, a cluster down to one, or none: this process), so it runs "
+                          "as parallel='tiles' (more processes: tg.connect(n_workers=2), [runtime] workers)",
+                          UserWarning, stacklevel=_outside_tilegraph())
         if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
             raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
                             f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
