@@ -40,6 +40,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import ValueRef, to_host
 from tilegraph._lower import Executable, Fetching, check_values_reachable, gather
 from tilegraph._tensor import TileTensor, from_numpy
+from tilegraph._train import lend_cells, put_back
 from tilegraph.nn import training
 from tilegraph.runtime import Runtime, current_runtime
 
@@ -390,7 +391,10 @@ class Decoder:
     through a per-layer KV cache; returns the logits of each chunk's last position.
 
     With a runtime (``runtime`` or the current one) the model's parameters still on the client
-    are scattered to the workers once, and put back on :meth:`close` (use ``with``); the cache
+    are lent to the workers (sent at the first Decoder or :func:`generate` on that runtime, and
+    kept there for the next ones while each parameter holds the same array: see
+    :func:`tilegraph._train.lend_cells`), and the client's values are put back on :meth:`close`
+    (use ``with``); the cache
     tiles stay on the workers as references (:attr:`cache`), and only the last position's
     logits are fetched. Without one, everything runs on Dask's local scheduler. ``cache_block``:
     the rows of each cache tile that positions after the prompt's go into (at most the model's
@@ -603,7 +607,10 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     ``max_seq_len``. ``runtime`` and ``cache_block``: see :class:`Decoder`; on a runtime whose
     workers are CPU workers, the loop runs as one task on the worker holding the most of the
     parameters (they gather there, when they take at most :data:`ONE_WORKER_MEMORY_SHARE` of its
-    memory), with the same tokens as here. With a ``tokenizer``
+    memory), with the same tokens as here. Parameters held here are lent to the workers: the copy
+    sent at the first call stays there for the next calls while the parameter holds the same array
+    (a parameter given a new value, by an optimizer step run here or ``load_state_dict``, is sent
+    again), and is released with the model or the runtime. With a ``tokenizer``
     of fewer ids than the model's vocabulary, only ids it can decode are picked (and ``eos_id``):
     its ``vocab_size`` or, where larger, its ``len()`` (transformers' tokenizers count their added
     tokens, ``<|im_end|>`` say, only there).
@@ -805,8 +812,9 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
     parameters, which gather there), decoding on that worker's local scheduler: each token was a
     Dask round trip (submit, run, fetch the logits), about a third of a GPT-2 124M token's time
     and nine tenths of a gpt2-debug token's on an embedded cluster. The model travels pickled
-    with its values as references (what the client still holds is scattered first, and put back
-    after), and ``rng`` comes back with its state.
+    with its values as references (what the client still holds is lent first, see
+    :func:`_parameters_to_workers`, and the client's values put back after), and ``rng`` comes
+    back with its state.
     None where it cannot run so (GPU workers, whose kernels a local run would not use; parameters
     over :data:`ONE_WORKER_MEMORY_SHARE` of a worker's memory; a tokenizer that cannot be
     pickled): the caller then decodes with a round trip per token."""
@@ -853,26 +861,35 @@ def _lost_hint(model: CausalLM, restore: list) -> str:
     """What a worker lost while decoding took with it, and how to go on: whether ``restore``
     (:func:`_parameters_to_workers`) holds all of ``model``'s parameters (this process's own,
     only lent to the workers)."""
-    if len(restore) == sum(p.cells.size for p in model.parameters()):
-        return ("the model's parameters are this process's own, only lent to the workers while it decodes: generate "
+    if len(restore) == len(_value_cells(model)):
+        return ("the model's parameters are this process's own, only lent to the workers: generate "
                 "can run again on the workers left")
     return ("the model's parameters that lived on that worker are gone: load the model again (tilegraph.models."
             "from_zarr, tilegraph.io.load_checkpoint) before generating")
 
 
+def _value_cells(model: CausalLM) -> list:
+    """The cells of ``model``'s parameters and of the parts of its quantized weights
+    (:func:`tilegraph.peft.from_quantized`; no Parameters): each decoding graph reads them."""
+    from tilegraph.peft import named_quantized
+
+    return ([c for p in model.parameters() for c in p.cells.flat]
+            + [c for _, q in named_quantized(model) for c in q.cells])
+
+
 def _parameters_to_workers(model: CausalLM, runtime: Runtime) -> list:
-    """Scatter the values of ``model``'s parameters still on the client to ``runtime``'s workers;
-    returns what :func:`_put_back` restores."""
-    cells = [c for p in model.parameters() for c in p.cells.flat if not isinstance(c.value, ValueRef)]
-    restore = [(c, c.value, c.token) for c in cells]
-    runtime.scatter_cells(cells)
-    return restore
+    """Lend the values of ``model``'s parameters still on the client to ``runtime``'s workers
+    (and the parts of its quantized weights: they went inside every call's task, 84 MB a call
+    for GPT-2 124M in int8, with Dask's warning of a large graph, and inside every token's
+    graph where the client decodes): the copy lent at an earlier call where the workers still
+    hold it, else sent now and kept for the next call (:func:`tilegraph._train.lend_cells`: each
+    call sent every value again, under new keys); returns what :func:`_put_back` restores."""
+    return lend_cells(runtime, [c for c in _value_cells(model) if not isinstance(c.value, ValueRef)])
 
 
 def _put_back(restore: list) -> None:
-    """The parameter values :func:`_parameters_to_workers` moved, on the client again."""
-    for cell, value, token in restore:
-        cell.set(value, token)
+    """The parameter values :func:`_parameters_to_workers` lent, on the client again."""
+    put_back(restore)
 
 
 def _ref_pickler(file, refs: list):

@@ -616,7 +616,7 @@ def test_a_worker_lost_while_generate_decodes_on_it_is_a_clear_error_and_the_mod
     assert isinstance(error, tg.TileError) and type(error).__name__ == "WorkerLostError", got
     assert str(error).startswith(f"[tilegraph.models.{'generate' if path == 'one task' else 'Decoder'}] lost worker "
                                  f"{busy[0]} (left the cluster) while")
-    assert "the model's parameters are this process's own, only lent to the workers while it decodes: generate can " \
+    assert "the model's parameters are this process's own, only lent to the workers: generate can " \
            "run again on the workers left" in str(error)
     assert took < 15
     lost = [r.getMessage() for r in records if "lose scattered data" in r.getMessage()]

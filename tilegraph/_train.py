@@ -9,6 +9,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -342,6 +343,141 @@ def _refs_of(cells: np.ndarray, current: dict[int, TileRef]) -> np.ndarray:
     return grid
 
 
+#: the copies of values held here that graphs read again and again (a model's parameters, which
+#: :func:`tilegraph.models.generate`, its ``Decoder`` and :class:`EvalStep` lend to the workers,
+#: putting the client's values back after each call), kept on each runtime's workers for the
+#: next call while the value is unchanged: by the id of the client's array, its weak reference,
+#: the copy's :class:`ValueRef` and the finalizer that forgets the copy once the array is gone. A
+#: parameter changes by being given a new array (an optimizer step run here, ``load_state_dict``,
+#: ``copy_``; trained on the workers, it holds a reference there and is not lent at all), so an
+#: array still alive is still the value that was sent. Each call sent every value again: under
+#: new keys for generate (the time of the upload, GPT-2 124M's 500 MB, and 37 more keys a
+#: gpt2-debug call in the memos of Dask's scheduler, for good: its ``key_split`` cache alone
+#: holds up to 100,000), inside the graph for an evaluation (GPT-2 124M: 475 MB a call, with
+#: Dask's "Sending large graph" warning). A closed or dropped runtime's copies go with it, and a
+#: dropped model's with its arrays; so do those of a model trained since on the workers, once
+#: its first step has run (its parameters then hold references there, and their arrays here go).
+_LENT: "weakref.WeakKeyDictionary[object, dict[int, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def lend_cells(runtime, cells: Sequence[Cell]) -> list:
+    """Give ``cells`` (holding values here) references to copies of their values on ``runtime``'s
+    workers: the copies lent at an earlier call where the workers still hold them, else sent now
+    (``runtime.scatter_cells``) and kept for the next calls (:data:`_LENT`). Returns what
+    :func:`put_back` restores (each cell's value and token here)."""
+    restore = [(c, c.value, c.token) for c in cells]
+    lent = _lent_copies(runtime)
+    reused, fresh = [], []
+    for c in cells:
+        ref = _copy_on_workers(lent, c.value, runtime)
+        if ref is None:
+            fresh.append(c)
+        else:
+            reused.append((c, ref))
+    try:
+        runtime.scatter_cells(fresh)
+        for c, ref in reused:
+            c.set(ref)
+    except BaseException:  # (a Ctrl-C while they are sent: the cells hold their values here again)
+        put_back(restore)
+        raise
+    for c, value, _ in restore:
+        if type(c.value) is ValueRef and c.value.index is None and id(value) not in lent:
+            _keep_lent(lent, value, c.value, runtime)
+    return restore
+
+
+def put_back(restore: list) -> None:
+    """The values :func:`lend_cells` lent, in their cells here again (with their tokens)."""
+    for cell, value, token in restore:
+        cell.set(value, token)
+
+
+def _lent_copies(runtime) -> dict[int, tuple]:
+    """``runtime``'s entries of :data:`_LENT` (those of closed runtimes forgotten first)."""
+    for rt in [rt for rt in list(_LENT.keys()) if rt.closed]:
+        for _, _, finalizer in _LENT.pop(rt).values():
+            finalizer.detach()
+    return _LENT.setdefault(runtime, {})
+
+
+def _copy_on_workers(lent: dict[int, tuple], value, runtime) -> ValueRef | None:
+    """The copy of ``value`` lent before that ``runtime``'s workers still hold, else None."""
+    entry = lent.get(id(value))
+    if entry is None:
+        return None
+    array, ref, finalizer = entry
+    if array() is value and ref.future.status == "finished" and ref.future.client is runtime.client:
+        return ref
+    finalizer.detach()   # (its worker lost, say: sent again)
+    del lent[id(value)]
+    return None
+
+
+def _keep_lent(lent: dict[int, tuple], value, ref: ValueRef, runtime) -> None:
+    try:
+        array = weakref.ref(value)
+    except TypeError:   # (a value that takes no weak reference is sent at every call, as before)
+        return
+    finalizer = weakref.finalize(value, _forget_lent, weakref.ref(runtime), id(value))
+    finalizer.atexit = False   # (at the exit the runtime closes, and its futures with it)
+    lent[id(value)] = (array, ref, finalizer)
+
+
+def _forget_lent(runtime: "weakref.ref", key: int) -> None:
+    """A lent array's finalizer: its copy on the workers is released."""
+    rt = runtime()
+    if rt is not None:
+        _LENT.get(rt, {}).pop(key, None)
+
+
+#: how many recorded plans a :class:`TrainStep` or :class:`EvalStep` keeps (``plans_kept``): those
+#: of the batch signatures (and, for a TrainStep, steps per graph and accumulation phases) used
+#: most recently. Every plan was kept for good: batches of varying length (a loader that does not
+#: pad to one length, an evaluation at several lengths) added one each, with its graph, its
+#: programs on the workers and its last batch (gpt2-debug: about 0.8 MB a plan in this process).
+#: A plan dropped is recorded again (seconds for a large model) when its signature comes back.
+PLANS_KEPT = 16
+
+
+class _Plans(OrderedDict):
+    """Recorded plans by key, the ``kept`` most recently used (:data:`PLANS_KEPT`); a key recorded
+    again after it was dropped warns once per owner: each step with it then records its graph
+    again, which a larger ``plans_kept`` (or fewer batch lengths) avoids."""
+
+    def __init__(self, owner: str):
+        super().__init__()
+        self.owner = owner
+        self.dropped: set = set()  # the keys dropped (forgotten past 1,024 of them: bounded too)
+        self.said = False
+
+    def lookup(self, key):
+        plan = self.get(key)
+        if plan is not None:
+            self.move_to_end(key)
+        return plan
+
+    def keep(self, key, plan, kept) -> None:
+        if key in self.dropped and not self.said:
+            self.said = True
+            warnings.warn(f"[tilegraph.{self.owner}] a batch signature whose plan was dropped comes back and is "
+                          f"recorded again (a {self.owner} keeps the plans of the {kept} signatures used last, "
+                          f"plans_kept={kept}): batches of more shapes than that record a graph at almost every "
+                          f"step; pad them to fewer lengths, or keep more plans (tilegraph.{self.owner}.plans_kept = "
+                          "N for every one, or on one: step.plans_kept = N, a Trainer's trainer.step.plans_kept)",
+                          stacklevel=_outside_tilegraph())
+        self[key] = plan
+        while len(self) > kept:
+            old, _ = self.popitem(last=False)
+            if len(self.dropped) >= 1024:
+                self.dropped.clear()
+            self.dropped.add(old)
+
+    def clear(self) -> None:
+        super().clear()
+        self.dropped.clear()
+
+
 class TrainStep:
     """``loss = step(*batch)`` runs one optimizer step of ``loss_fn(model, *inputs)``.
 
@@ -374,7 +510,14 @@ class TrainStep:
     optimizer's parameters must belong to ``model``, ``runtime`` is None or a Runtime, and the
     other keyword arguments go to :class:`Executable` (``COMPILE_OPTIONS``); the number of
     ``batch_tiles`` is checked against the first batch.
+
+    The recorded plans of the ``plans_kept`` signatures used last are kept (default
+    :data:`PLANS_KEPT`; ``step.plans_kept = N`` changes it for one step): one of a signature
+    dropped is recorded again when it comes back.
     """
+
+    #: how many recorded plans are kept (see :data:`PLANS_KEPT`)
+    plans_kept: int = PLANS_KEPT
 
     def __init__(self, model: Module, optimizer: Optimizer, loss_fn: Callable[..., TileTensor], *,
                  batch_tiles: Sequence | None = None, runtime=None, accum_steps: int = 1, **compile_options):
@@ -386,7 +529,7 @@ class TrainStep:
         self.runtime = runtime
         self.accum_steps = accum_steps
         self.compile_options = compile_options
-        self._cache: dict[tuple, _Recorded] = {}
+        self._cache: _Plans = _Plans("TrainStep")  # key -> _Recorded, the most recently used last
         self._acc_cells: list[np.ndarray] | None = None  # gradient accumulators, one cell per tile
         self._acc_tot: np.ndarray | None = None
         self._weighted: bool | None = None  # whether the micro-batches' losses are counted means
@@ -612,10 +755,12 @@ class TrainStep:
             self.reset_plans()
             self._settings = settings
         key = (kind, k, self.signature(batch))
-        rec = self._cache.get(key)
+        rec = self._cache.lookup(key)
         if rec is not None:
             return rec, False
-        rec = self._cache[key] = self._record(batch, kind, k)
+        require_int("tilegraph.TrainStep", "plans_kept", self.plans_kept, 1)
+        rec = self._record(batch, kind, k)
+        self._cache.keep(key, rec, self.plans_kept)
         return rec, True
 
     def _micro_batches(self, batch: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -1266,10 +1411,24 @@ class PendingStep:
         return timeout
 
 
+def _held_here(exe: Executable, inputs: list) -> list[Cell]:
+    """The cells of ``exe``'s leaves, batch ``inputs`` aside, that hold arrays here too large to
+    travel inside a task (a model's parameters held here: :func:`lend_cells` lends them)."""
+    from tilegraph._lower import INLINE_MAX_BYTES
+
+    batch = {id(c) for ins in inputs for _, cells in ins for c in cells.flat}
+    return list({id(n.cell): n.cell for n in exe.leaves
+                 if id(n.cell) not in batch and isinstance(n.cell.value, np.ndarray)
+                 and n.cell.value.nbytes > INLINE_MAX_BYTES}.values())
+
+
 class EvalStep:
     """``loss = ev(*batch)``: ``loss_fn(model, *inputs)`` without gradients or updates, recorded
     once per batch signature and replayed like :class:`TrainStep` (parameters are read where they
     live; only the loss comes back). :meth:`losses` evaluates several batches per graph."""
+
+    #: how many recorded plans are kept (see :data:`PLANS_KEPT`)
+    plans_kept: int = PLANS_KEPT
 
     def __init__(self, model: Module, loss_fn: Callable[..., TileTensor], *, batch_tiles: Sequence | None = None,
                  runtime=None, **compile_options):
@@ -1277,7 +1436,7 @@ class EvalStep:
         check_compile_options("tilegraph.EvalStep", compile_options)
         self.model, self.loss_fn, self.batch_tiles = model, loss_fn, batch_tiles
         self.runtime, self.compile_options = runtime, compile_options
-        self._cache: dict[tuple, tuple[Executable, list]] = {}
+        self._cache: _Plans = _Plans("EvalStep")  # key -> (Executable, inputs), the most recently used last
         self._calls = 0
         self._structure = _structure(model)
 
@@ -1300,7 +1459,9 @@ class EvalStep:
             self.reset_plans()
             self._structure = structure
         key = (n, _signature(batch))
-        if key not in self._cache:
+        plan = self._cache.lookup(key)
+        if plan is None:
+            require_int("tilegraph.EvalStep", "plans_kept", self.plans_kept, 1)
             inputs, losses = [], []
             for _ in range(n):
                 ins, tensors = _batch_inputs(batch, self.batch_tiles, "tilegraph.EvalStep", self)
@@ -1309,8 +1470,9 @@ class EvalStep:
                 _check_loss(loss, "tilegraph.EvalStep")
                 inputs.append(ins)
                 losses.append(loss.grid.flat[0])
-            self._cache[key] = (Executable(losses, runtime=self.runtime, **self.compile_options), inputs)
-        return self._cache[key]
+            plan = (Executable(losses, runtime=self.runtime, **self.compile_options), inputs)
+            self._cache.keep(key, plan, self.plans_kept)
+        return plan
 
     def __call__(self, *batch) -> float:
         return self.losses([batch])[0]
@@ -1330,15 +1492,29 @@ class EvalStep:
         lost = {"where": "tilegraph.EvalStep", "hint": self._lost_hint()}
         for i in range(0, len(batches), per_graph):
             chunk = batches[i:i + per_graph]
-            exe, inputs = self._lookup(chunk[0], len(chunk))
-            for ins, b in zip(inputs, chunk):
-                self._calls += 1
-                _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
-            try:
-                values = exe.run(during="the evaluation", lost=lost)
-            except WorkerLostError:
-                self.reset_plans()  # planned for the workers there were: the next call plans for those left
-                raise
+            for again in (False, True):
+                exe, inputs = self._lookup(chunk[0], len(chunk))
+                for ins, b in zip(inputs, chunk):
+                    self._calls += 1
+                    _bind_batch(ins, b, f"eval-{id(self):x}-{self._calls}")
+                # the model's values held here are lent to the workers (sent once while unchanged);
+                # in the graph, they were sent with each call (GPT-2 124M: 475 MB a graph)
+                restore = [] if exe.runtime is None else lend_cells(exe.runtime, _held_here(exe, inputs))
+                try:
+                    values = exe.run(during="the evaluation", lost=lost)
+                    break
+                except WorkerLostError:
+                    self.reset_plans()  # planned for the workers there were: the next call plans for those left
+                    raise
+                except Exception:
+                    # workers lost between two calls, their nannies' new ones at other addresses:
+                    # the plan sent its programs to the old ones, and every later call failed with
+                    # Dask's CommClosedError ("values to send to worker ..., which left the
+                    # cluster"); planned again for the workers there are, the chunk runs once more
+                    if again or not self.follow_workers():
+                        raise
+                finally:
+                    put_back(restore)
             out += [float(to_host(v).reshape(())) for v in values]
         return out
 
