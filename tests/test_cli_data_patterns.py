@@ -15,7 +15,8 @@ def test_a_folder_of_text_under_the_shipped_patterns_names_the_key(tmp_path, mon
     d = {"sources": ["corpus/"], "patterns": ["*.py"], "max_mb": 1.0}
     with pytest.raises(tg.TileError, match=r"no files found \(folders are searched for \*\.py\): \[data\] patterns = "
                                            r"\['\*\.py'\] names the files read from folders .*patterns = "
-                                           r"\[\"\*\.txt\", \"\*\.md\"\], for JSON Lines patterns = \[\"\*\.jsonl\"\]; received: corpus/"):
+                                           r"\[\"\*\.txt\", \"\*\.md\"\], for JSON Lines patterns = \[\"\*\.jsonl\"\], "
+                                           r"for \.json records patterns = \[\"\*\.json\"\]; received: corpus/"):
         build_corpus(d, tmp_path / "tokens.bin", ByteTokenizer())
     meta, corpus = build_corpus(dict(d, patterns=["*.txt"]), tmp_path / "tokens.bin", ByteTokenizer())
     assert meta["count"] == 600 and corpus.startswith("600 tokens from 1 file")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from tilegraph._config import (BATCH_SPLITTING_STRATEGIES, EXCHANGES, PARALLEL_STRATEGIES, ZERO3_TASKS_WHY,
@@ -94,11 +95,20 @@ def _texts():
             "a non-empty list of strings")
 
 
+def _patterns():
+    """File name patterns, each relative to the folders of [data] sources (``"/abs/*.txt"`` and
+    ``""`` failed once the job read its data, named as [data] sources)."""
+    return (lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) and x and not os.path.isabs(x)
+                                                              for x in v),
+            'a non-empty list of file name patterns, each relative to the folders of sources (e.g. ["*.txt"])')
+
+
 #: what each key of the job config must hold (checked after merging and --set, before any work);
 #: val_fraction > 0: the job always validates (at the end, even with eval_every = 0), on at least one window
 CONFIG_CHECKS = {
-    "data.sources": _texts(), "data.patterns": _texts(), "data.max_mb": _number(0, strict=True),
-    "data.tokenizer": _text(), "data.text_field": _text(), "data.seq_len": _int(1), "data.val_fraction": _number(0, strict=True, high=1),
+    "data.sources": _texts(), "data.patterns": _patterns(), "data.max_mb": _number(0, strict=True),
+    "data.tokenizer": _text(), "data.text_field": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    "data.seq_len": _int(1), "data.val_fraction": _number(0, strict=True, high=1),
     "train.steps": _int(1), "train.batch_size": _int(1), "train.accum_steps": _int(1),
     "train.steps_per_graph": (lambda v: v == "auto" or _int(1)[0](v), '"auto" or an integer >= 1'),
     "train.lr": _number(0, strict=True), "train.warmup": _int(0), "train.min_lr": _number(0),

@@ -31,6 +31,15 @@ def given_model_keys(cfg: dict, given: dict[str, str]) -> dict:
     return {k: cfg["model"][k] for k in sorted(names - {"init", "recompute"}) if k in cfg["model"]}
 
 
+def inherited_model_keys(cfg: dict, given: dict[str, str]) -> dict:
+    """The [model] keys of the merged ``cfg`` that shape the model and that the user did not give
+    (``given``: :func:`tilegraph.cli.runs.given_settings`): the shipped config's ``dim``, which a
+    config naming the shipped flavor keeps (:func:`tilegraph.cli.config.load_config`), so that a
+    job of that config trains it; neither the flavor nor the keys that fit the job."""
+    return {k: v for k, v in cfg["model"].items()
+            if f"model.{k}" not in given and k != "flavor" and k not in JOB_MODEL_KEYS}
+
+
 def check_used_peft_keys(p: dict, given: dict[str, str]) -> None:
     """[peft] keys given on the command line are keys the run uses: ``--set peft.rank=4`` without
     an adapter method, say, would train every weight, the rank ignored. (A config file's are not
@@ -205,9 +214,13 @@ def _hf_stored_dtype(folder: Path) -> str | None:
     return stored
 
 
-def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str, str]]:
+def architecture_disagreements(model, given: dict, init: str, inherited: dict | None = None) -> list[tuple[str, str]]:
     """``(key, what disagrees)`` for each [model] key of ``given`` (key -> value) that does not
-    agree with the architecture of ``model``, loaded from ``init``."""
+    agree with the architecture of ``model``, loaded from ``init``. ``inherited``: the [model]
+    keys of the job's merged config that the user did not give (:func:`inherited_model_keys`: a
+    config naming the shipped flavor keeps the shipped ``dim``), which shape the model the job
+    describes too; a given flavor agrees with a model of that flavor with them (the model the
+    config trains) or of the flavor alone (one built from the flavor's own shape)."""
     import dataclasses
 
     from tilegraph import models
@@ -223,18 +236,28 @@ def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str,
             problems.append(("flavor", f"flavor = {given['flavor']!r} is a {type(flavor).__name__}, {init} a "
                              f"{type(cfg).__name__}"))
         else:  # its shape; the job's keys (vocab_size, max_seq_len) are checked against the job
-            # the flavor with the shape keys given, and what they derive (GPT-2's hidden from dim)
-            shape = {k: v for k, v in given.items() if k in have and k not in JOB_MODEL_KEYS}
-            try:
-                job = dataclasses.replace(flavor, **shape)
-            except TileError:  # a bad value given: named below, against the stored one
-                job = flavor
-            # runs written before GPT-2's derived hidden followed dim kept the flavor's: theirs too
-            differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS and getattr(job, k) != have[k]
-                      and not (k == "hidden" and have[k] == flavor.hidden)]
-            derived = [k for k in differ if type(getattr(job, k)) is Derived]
-            if len(derived) < len(differ):  # they follow the others named (hidden follows dim)
-                differ = [k for k in differ if k not in derived]
+            def differences(keys: dict):
+                """The job's model (the flavor with the shape ``keys``, and what they derive: GPT-2's
+                hidden from dim) and the fields in which it differs from ``model``."""
+                shape = {k: v for k, v in keys.items() if k in have and k not in JOB_MODEL_KEYS}
+                try:
+                    job = dataclasses.replace(flavor, **shape)
+                except TileError:  # a bad value given: named below, against the stored one
+                    job = flavor
+                # runs written before GPT-2's derived hidden followed dim kept the flavor's: theirs too
+                differ = [k for k in have if k not in given and k not in JOB_MODEL_KEYS
+                          and getattr(job, k) != have[k] and not (k == "hidden" and have[k] == flavor.hidden)]
+                derived = [k for k in differ if type(getattr(job, k)) is Derived]
+                if len(derived) < len(differ):  # they follow the others named (hidden follows dim)
+                    differ = [k for k in differ if k not in derived]
+                return job, differ
+
+            # the config as merged first (a config naming the shipped flavor keeps the shipped dim:
+            # its own run's checkpoints have it), then the flavor with the given keys alone
+            merged = {k: v for k, v in (inherited or {}).items() if k in have and k not in JOB_MODEL_KEYS}
+            job, differ = differences(given)
+            if merged and differ and not differences({**merged, **given})[1]:
+                differ = []  # the model the config trains
             if differ:
                 ours = ", ".join(f"{k} {getattr(job, k)}" for k in differ)
                 problems.append(("flavor", f"flavor = {given['flavor']!r} has {ours}, {init} "
@@ -249,14 +272,16 @@ def architecture_disagreements(model, given: dict, init: str) -> list[tuple[str,
     return problems
 
 
-def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int, source: str = "model.init") -> None:
+def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int, source: str = "model.init",
+                    inherited: dict | None = None) -> None:
     """The [model] keys the user gave agree with the architecture of ``model`` (loaded from
     ``init``: the ``source`` of the job's architecture, model.init or --resume), and it fits the
-    job's tokenizer and windows; every disagreement in one error."""
+    job's tokenizer and windows; every disagreement in one error. ``inherited``: the shape keys
+    the job's config holds without the user's giving them (:func:`inherited_model_keys`)."""
     from tilegraph._errors import TileError
 
     cfg = model.config
-    problems = [text for _, text in architecture_disagreements(model, given, init)]
+    problems = [text for _, text in architecture_disagreements(model, given, init, inherited)]
     if problems:
         raise TileError("tilegraph train [model]", f"[model] keys that agree with {source}'s {type(cfg).__name__} "
                         f"(or none: {source} brings the architecture)", "; ".join(problems))
@@ -416,20 +441,31 @@ def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None)
         record = read_peft_record(folder, where) if (folder / "zarr.json").is_file() else None
         if record is not None:  # a run from init weights or with adapters: rebuilt as it ran, merged
             return adapted_model(folder, record, where, zarr_dtype)
+        from tilegraph.cli.runs import enclosing_checkpoint
+
+        enclosing = enclosing_checkpoint(folder)
+        if enclosing is not None:  # its model/ folder, say: "a Zarr group without tilegraph's attributes"
+            raise TileError(where, f"a checkpoint folder (tilegraph train), not a folder inside one: pass {enclosing}",
+                            f"{folder}, inside the checkpoint {enclosing}")
         if is_checkpoint(folder) or (folder / "zarr.json").is_file():
             # raises naming what is wrong with an incomplete one; adapters it holds, merged
             from tilegraph import peft
 
             return peft.merge_lora(models.from_zarr(folder, dtype=zarr_dtype))
-        from tilegraph.cli.runs import latest_checkpoint
+        from tilegraph.cli.runs import latest_checkpoint, run_without_checkpoint, save_folder
 
         if not folder.is_dir():
             raise TileError(where, "a tilegraph checkpoint folder (zarr.json) or a Hugging Face folder (config.json)",
                             f"{folder} is a file, not a folder")
         newest = latest_checkpoint(folder)  # a run folder of tilegraph train: its checkpoints are inside
         hint = f" (a run folder of tilegraph train: its newest checkpoint is {newest})" if newest else ""
-        if not newest and any((folder / part).is_dir() and any((folder / part).glob("*/zarr.json"))
-                              for part in ("model", "optimizer")):  # the arrays of a checkpoint, without its index
+        empty, saving = run_without_checkpoint(folder), save_folder(folder)
+        if saving:  # (never loaded: its save may be under way)
+            hint = f" (the temporary folder of a save: {saving})"
+        elif empty:  # a run that has written none yet
+            hint = f" ({empty}; a run writes one every [output] checkpoint_every steps and at its end)"
+        elif not newest and any((folder / part).is_dir() and any((folder / part).glob("*/zarr.json"))
+                                for part in ("model", "optimizer")):  # the arrays of a checkpoint, without its index
             hint = (" (its model/ or optimizer/ folder holds a checkpoint's arrays, but zarr.json, the checkpoint's "
                     "index of them, is missing: a damaged or partly copied checkpoint)")
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",

@@ -273,16 +273,20 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
 
 
-def keep_architecture(model, resume: Path, keys: dict, given: dict[str, str], tokenizer, seq_len: int) -> None:
+def keep_architecture(model, resume: Path, keys: dict, given: dict[str, str], tokenizer, seq_len: int,
+                      inherited: dict | None = None) -> None:
     """A resumed run keeps the architecture its checkpoint stores (``model``, built from it): [model]
     ``keys`` given on the command line must agree with it (an error naming each that does not); a
     config file's that do not (the run's own config, say, where --set changed the model) are named
-    in a warning and not used (:func:`refuse_or_warn`)."""
+    in a warning and not used (:func:`refuse_or_warn`). ``inherited``: the shape keys the job's
+    config holds without the user's giving them (the shipped dim under a config naming the shipped
+    flavor: :func:`tilegraph.cli.finetune.inherited_model_keys`), which the run the config started
+    has too."""
     from tilegraph.cli.finetune import architecture_disagreements, check_init_fits
 
     # the keys together (a flavor on the command line, dim in the config file: the flavor with
     # that dim), each disagreement then refused or named by where its key was given
-    problems = architecture_disagreements(model, keys, str(resume))
+    problems = architecture_disagreements(model, keys, str(resume), inherited)
     flagged = [text for k, text in problems if on_command_line(given[f"model.{k}"])]
     if flagged:
         raise TileError("tilegraph train [model]", f"[model] keys that agree with --resume's "
@@ -422,6 +426,22 @@ def read_data_record(folder: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def recorded_sources_gone(error: TileError, resume: Resume, given: dict[str, str]) -> TileError:
+    """The error ``error`` of reading the text of a resumed run, where its [data] sources are the
+    ones its checkpoint's :data:`DATA_FILE` records (the job gives none) and one of them is gone
+    (moved, deleted): it named the path alone, not where it came from nor how to name its new
+    place. Other errors as they are."""
+    recorded = (resume.data or {}).get("sources")
+    if "data.sources" in given or not recorded or not error.what.startswith(("each source must be an existing",
+                                                                              "a glob that matches")):
+        return error
+    record = Path(resume.checkpoint.path) / DATA_FILE
+    return TileError(error.where, f"{error.what}: the resumed run reads the text of the run it continues, from the "
+                     f"[data] sources {record} records ({', '.join(map(str, recorded))}); put them back, or name "
+                     "where they are now: --set 'data.sources=[\"PATH\"]' (the same text: its tokens are checked "
+                     "against the run's)", error.received)
+
+
 def keep_data(record: dict | None, d: dict, given: dict[str, str]) -> None:
     """The [data] settings of the run a checkpoint continues (``record``: its :data:`DATA_FILE`),
     where the job gives none (its own config file or flags win, and :func:`check_resumed_text`
@@ -485,10 +505,39 @@ def check_resumed_text(resume: str, state: dict, record: dict | None, meta: dict
     if same:
         return
     keys = [f"{given[f'data.{k}']}" for k in ("sources", "patterns", "max_mb", "tokenizer") if f"data.{k}" in given]
+    if not keys:  # the job gave none: the run's own sources, whose files changed (it told them to leave the keys)
+        changed = changed_files(meta, earlier)
+        raise TileError("tilegraph train --resume", f"the text of the run it continues ({had}), from the [data] "
+                        "sources its checkpoint records (tilegraph_data.json), which the job reads: they hold other "
+                        "text now than when the run read them (a file edited, added or removed; for \"stdlib\", "
+                        "another Python's standard library): put the run's text back, or start a new run from the "
+                        f"checkpoint's weights (--init {quote(resume)} and another --out)",
+                        f"{got}" + (f"; {changed}" if changed else ""))
     raise TileError("tilegraph train --resume", f"the text of the run it continues ({had}): leave [data] sources, "
                     "patterns, max_mb and tokenizer as that run had them, or start a new run from the checkpoint's "
                     f"weights (--init {quote(resume)} and another --out)",
                     f"{got}" + (f" from {'; '.join(keys)}" if keys else ""))
+
+
+def changed_files(meta: dict, earlier: dict | None) -> str:
+    """What differs between the files a token file was read from (``meta``: its sidecar) and those
+    of the run's earlier one (``earlier``: its sidecar; None: not known), in words: files of
+    another size, files read only then, files read only now; "" where neither lists other files
+    or sizes."""
+    if earlier is None:
+        return ""
+    then = {e.get("path"): e for e in earlier.get("sources") or [] if isinstance(e, dict)}
+    now = {e.get("path"): e for e in meta.get("sources") or [] if isinstance(e, dict)}
+
+    def listed(paths) -> str:
+        paths = sorted(map(str, paths))
+        return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+    other = [p for p in then.keys() & now.keys() if then[p].get("bytes") != now[p].get("bytes")]
+    parts = [f"other size now: {listed(other)}" if other else "",
+             f"read then, not now: {listed(then.keys() - now.keys())}" if then.keys() - now.keys() else "",
+             f"read now, not then: {listed(now.keys() - then.keys())}" if now.keys() - then.keys() else ""]
+    return "; ".join(x for x in parts if x)
 
 
 def refuse_or_warn(other: list[tuple[str, str]], expected: str, kept: str) -> None:
@@ -625,20 +674,98 @@ def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
     """Refuse, naming ``where`` (the command and flag), a path that is no checkpoint folder: one
     that does not exist, a run folder of tilegraph train (or its checkpoints/ folder: the newest
     checkpoint in it named) and a Hugging Face folder (``hf_hint``: what to do with one). Other
-    folders are left to the checkpoint's loader, which names what is wrong with them."""
+    folders are left to the checkpoint's loader, which names what is wrong with them; the temporary
+    folder of a save (``.step-N.tmp-...``: being written, or left by an interrupted save) is refused
+    here, naming the checkpoint it is for and the newest complete one (it was "not a tilegraph
+    checkpoint folder" from the loader, or, its zarr.json written, loaded while it was renamed)."""
+    want = "a checkpoint folder (RUN/checkpoints/step-N of tilegraph train)"
+    saving = save_folder(folder)
+    if saving:
+        raise TileError(where, f"{want}, not the temporary folder of a save: {saving}", f"{folder}, a save's "
+                        "temporary folder")
+    enclosing = enclosing_checkpoint(folder)
+    if enclosing is not None:  # (it was "a Zarr group without tilegraph's attributes is not one")
+        raise TileError(where, f"{want}, not a folder inside one: pass {enclosing}", f"{folder}, inside the "
+                        f"checkpoint {enclosing}")
     if (folder / "zarr.json").is_file():
         return
-    want = "a checkpoint folder (RUN/checkpoints/step-N of tilegraph train)"
     if not folder.exists():
-        raise TileError(where, want, f"{folder} does not exist")
+        raise TileError(where, want, f"{folder} does not exist{checkpoints_beside(folder)}")
     newest, kind = latest_checkpoint(folder), "a run folder"
     if newest is None and folder.name == "checkpoints":
         newest, kind = latest_checkpoint(folder.parent), "the checkpoints folder of a run"
     if newest is not None:
         raise TileError(where, f"{want}, not the folder that holds them: its newest is {newest}", f"{folder}, {kind}")
+    empty = run_without_checkpoint(folder)
+    if empty:  # (it was "a tilegraph checkpoint folder (a Zarr group with zarr.json)" from the loader)
+        raise TileError(where, f"{want}; a run writes one every [output] checkpoint_every steps and at its end",
+                        f"{folder}, {empty}")
     if (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise TileError(where, f"{want}; a Hugging Face folder holds a model alone: {hf_hint}",
                         f"{folder}, a Hugging Face folder")
+
+
+def enclosing_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint that ``folder`` lies inside (its ``model/`` or ``optimizer/`` folder, or an
+    array's), as the path to pass (the outermost: a run's checkpoint, not the adapters checkpoint in
+    it); None where it lies in none, or is a checkpoint or an adapter folder itself (named as such
+    by the commands)."""
+    from tilegraph.io.zarr import is_checkpoint
+
+    # the parents first: a checkpoint elsewhere has none (its zarr.json is read once, by the command)
+    found = [parent for parent in list(folder.parents)[:3]  # CHECKPOINT/adapters/model at most
+             if (parent / "zarr.json").is_file() and is_checkpoint(parent)]
+    if not found or not folder.is_dir() or (folder / "adapter_config.json").is_file() or is_checkpoint(folder):
+        return None
+    return found[-1]
+
+
+def save_folder(folder: Path) -> str:
+    """Where ``folder`` is the temporary folder of a checkpoint's save (``.step-N.tmp-PID-HEX-HOST``),
+    what it becomes and the newest complete checkpoint beside it, in words; "" otherwise."""
+    from tilegraph.io._store import TMP_MARK, temp_writer
+
+    if temp_writer(folder.name) is None or not folder.is_dir():
+        return ""
+    final = folder.parent / folder.name[1:].split(TMP_MARK, 1)[0]
+    newest = latest_checkpoint(folder.parent.parent) if folder.parent.name == "checkpoints" else None
+    return (f"it becomes {final} once its save completes; a save under way, or one that was interrupted, leaves it, "
+            "and it is never loaded" + (f"; the newest complete checkpoint is {newest}" if newest is not None else ""))
+
+
+def run_without_checkpoint(folder: Path) -> str:
+    """Where ``folder`` is the run folder of tilegraph train (or its ``checkpoints/``) that holds no
+    complete checkpoint (a run under way before its first, one stopped before it, a save under way
+    or interrupted), in words; "" otherwise."""
+    from tilegraph.io._store import temp_writer
+
+    run = folder.parent if folder.name == "checkpoints" else folder
+    if not folder.is_dir() or (run / "zarr.json").exists() or latest_checkpoint(run) is not None:
+        return ""
+    ckdir = run / "checkpoints"
+    if not (ckdir.is_dir() or any((run / name).exists() for name in ("metrics.jsonl", "tokens.bin.json", LOCK_NAME))):
+        return ""
+    kind = "the checkpoints folder of a run" if folder.name == "checkpoints" else "a run folder of tilegraph train"
+    saves = sorted(p.name for p in ckdir.iterdir() if temp_writer(p.name) is not None) if ckdir.is_dir() else []
+    return (f"{kind} without a complete checkpoint yet"
+            + (f"; the temporary folder of a save under way or interrupted: {', '.join(saves)}" if saves else ""))
+
+
+def checkpoints_beside(missing: Path) -> str:
+    """For a checkpoint path ``missing`` that does not exist in a run's checkpoints folder (pruned
+    by [output] checkpoint_keep, deleted, mistyped): the complete checkpoints there, in words ("":
+    no such folder, or none in it)."""
+    from tilegraph.io.zarr import complete_checkpoints
+
+    folder = missing.parent
+    if folder.name != "checkpoints" or not folder.is_dir():
+        return ""
+    found = complete_checkpoints(folder)
+    if not found:
+        return f" ({folder} holds no complete checkpoint)"
+    names = ", ".join(p.name for p in found) if len(found) <= 4 else f"{found[0].name} .. {found[-1].name}"
+    return (f" ({folder} holds {names}, the newest {found[-1]}; [output] checkpoint_keep keeps the newest "
+            "checkpoints of a run, deleting older ones)")
 
 
 def latest_checkpoint(out: Path) -> Path | None:

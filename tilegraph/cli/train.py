@@ -21,10 +21,10 @@ from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public 
 from tilegraph.cli.config import (apply_overrides, build_model, check_config, load_config, make_tokenizer,
                                   value_problems)
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
-                                    check_used_peft_keys, given_model_keys, init_model, peft_record, resume_model,
-                                    resume_settings, sketch_settings)
+                                    check_used_peft_keys, given_model_keys, inherited_model_keys, init_model,
+                                    peft_record, resume_model, resume_settings, sketch_settings)
 from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
-                                given_settings, keep_branch_point, lost_worker, on_command_line,
+                                given_settings, keep_branch_point, lost_worker, on_command_line, recorded_sources_gone,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, quote, resume_command,
                                 take_output)
 
@@ -229,10 +229,12 @@ def _train(args, job: Job) -> int:
     resumed = resume_model(resume.checkpoint, resume.peft, p["method"]) if resume and init else None
     if init:
         model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
-        check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"])
+        check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"],
+                        inherited=inherited_model_keys(cfg, given))
     elif resume:  # the run's own architecture, as its checkpoint stores it (the weights: restored below)
         model = resume.checkpoint.new_model(values=False, adapters=False)  # [peft]'s: added below
-        keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"])
+        keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"],
+                          inherited_model_keys(cfg, given))
     else:
         try:
             model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
@@ -255,13 +257,16 @@ def _train(args, job: Job) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tok_file = out / "tokens.bin"
     if resume:  # built apart first: a resumed run reads its run's text (check_resumed_text), never replaces it
-        meta, corpus = build_corpus(d, tok_file.with_name(".tokens.resumed.bin"), tokenizer)
+        try:
+            meta, corpus = build_corpus(d, tok_file.with_name(".tokens.resumed.bin"), tokenizer)
+        except TileError as e:  # the sources its checkpoint records, moved or deleted: said so
+            raise recorded_sources_gone(e, resume, given) from None
         take_resumed_text(tok_file, resume, meta, given)
     else:
         meta, corpus = build_corpus(d, tok_file, tokenizer)
     # --resume reads the same text, config or not, and checks its token count
     files[DATA_FILE] = json.dumps(data_record(d, meta["count"])).encode()
-    train, val = open_splits(tok_file, d, t, meta["count"])
+    train, val = open_splits(tok_file, d, t, meta["count"], meta.get("sources"))
     if not resume and int(t["warmup"]) > steps:  # (a resumed run keeps its checkpoint's schedule)
         print(f"tilegraph train: [train] warmup = {t['warmup']} is more than the run's {_plural(steps, 'step')}: the "
               f"learning rate rises over all {steps} to lr = {t['lr']:g} (no decay to min_lr)", file=sys.stderr,
@@ -519,7 +524,8 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
         elif glob.has_magic(s) and not Path(s).expanduser().exists():  # "data/*.txt": what it matches
             matched = sorted(glob.glob(os.path.expanduser(s), recursive=True))  # ("~/data/*.txt" too)
             if not matched:
-                raise TileError(where, "a glob that matches files or folders", f"{s!r} matches nothing")
+                raise TileError(where, "a glob that matches files or folders",
+                                f"{s!r} matches nothing{relative_path_note(s)}")
             files += matched
         else:
             files.append(s)
@@ -535,14 +541,23 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
                                 max_bytes=None if whole else limit, text_field=d.get("text_field", "text"))
     except TileError as e:  # a missing path, a binary or non-UTF-8 file, nothing found: named as [data]'s
         received = e.received
-        if received and not os.path.isabs(os.path.expanduser(received)) and not os.path.exists(received):
-            received += (f" (looked for {Path(received).expanduser().resolve()}: a config's relative paths are "
-                         "taken from the folder the command runs in, not the config's)")
+        # only a source not found gets the note on relative paths (it was added to any received that
+        # was no existing path: "received: ['/abs/*.txt'] (looked for /cwd/['/abs/*.txt']: ...)")
+        if e.what.startswith("each source must be an existing") and received:
+            received += relative_path_note(received)
         what = e.what
         if what.startswith("no files found"):  # a folder of other files than [data] patterns names
             what += (f": [data] patterns = {list(d['patterns'])!r} names the files read from folders (the shipped "
                      "config's reads Python sources); for text, e.g. patterns = [\"*.txt\", \"*.md\"], for JSON Lines "
-                     "patterns = [\"*.jsonl\"]")
+                     "patterns = [\"*.jsonl\"], for .json records patterns = [\"*.json\"]")
+        token_file = binary_token_file(what, received)
+        if token_file:  # (it said "contains NUL bytes (binary?)")
+            what += (f": {token_file} is a token file of tilegraph (a run's tokens.bin, build_token_file), ids of its "
+                     "tokenizer; [data] sources takes text: the files it was made from (a run's checkpoints name "
+                     "them in tilegraph_data.json)")
+        for key in ("patterns", "text_field"):  # named by the key that holds the bad value
+            if what.startswith(f"{key} must"):
+                where = f"tilegraph train [data] {key}"
         raise TileError(where, what, received) from None
     corpus = f"{meta['count']:,} tokens from {_plural(len(meta['sources']), 'file')}"
     left_out = meta.get("files_left_out", 0)
@@ -552,24 +567,57 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
     return meta, corpus
 
 
-def open_splits(tok_file: Path, d: dict, t: dict, count: int):
-    """The train and validation windows of the token file (``count`` tokens). A corpus too small
-    for a training window, or for one evaluation batch of validation windows (which the job runs
-    at the end, after training), is named here with the keys that size them, before any work."""
+def binary_token_file(what: str, received: str | None) -> str:
+    """The path of a token file (:func:`tilegraph.io.build_token_file`'s, with its sidecar) that a
+    text reader refused as binary (``what`` and ``received``: its error's); "" for anything else."""
+    from tilegraph.io.data import read_token_meta
+
+    if not what.startswith("expected a UTF-8 text file") or not received:
+        return ""
+    path = received.rsplit(" (", 1)[0]
+    try:
+        read_token_meta(path)
+    except (TileError, OSError, ValueError):
+        return ""
+    return path
+
+
+def relative_path_note(path: str) -> str:
+    """For a relative ``path`` of [data] sources that was not found: where it was looked for, and
+    why there (a config's relative paths are the working folder's, not the config's); "" for an
+    absolute one (or one under ``~``), and for one that is there (a FIFO, say: no text file)."""
+    if os.path.isabs(os.path.expanduser(path)) or os.path.lexists(path):
+        return ""
+    return (f" (looked for {Path(path).resolve()}: a config's relative paths are taken from the folder "
+            "the command runs in, not the config's)")
+
+
+def open_splits(tok_file: Path, d: dict, t: dict, count: int, read: list[dict] | None = None):
+    """The train and validation windows of the token file (``count`` tokens, from the files
+    ``read``: the ``sources`` of its sidecar). A corpus too small for a training window, or for
+    one evaluation batch of validation windows (which the job runs at the end, after training),
+    is named here with the user's sources, the keys that size the windows and the largest
+    seq_len that fits, before any work (it named the job's own tokens.bin, which the refused job
+    then removes)."""
     from tilegraph.io import TokenDataset
 
     where = "tilegraph train [data]"
+    micro = t["batch_size"] // t["accum_steps"]  # the windows of one evaluation batch (Trainer.evaluate)
     splits = []
     for split in ("train", "val"):
         try:
             splits.append(TokenDataset(tok_file, d["seq_len"], split=split, val_fraction=d["val_fraction"],
                                        seed=t["seed"]))
         except TileError as e:
+            if not e.what.startswith(f"the {split} split must hold"):  # not the corpus's size: as it is
+                raise
             other = "smaller" if split == "train" else "larger"
+            val = int(count * d["val_fraction"])  # (as TokenDataset splits them)
             raise TileError(where, f"{e.what}: give more text in sources, a smaller seq_len or a {other} "
-                            "val_fraction", e.received) from None
+                            "val_fraction", f"{count - val if split == 'train' else val:,} tokens in the {split} "
+                            f"split of the {count:,} tokens from {describe_read(d, read)} (val_fraction = "
+                            f"{d['val_fraction']:g}); {what_fits(count, d['val_fraction'], micro)}") from None
     train, val = splits
-    micro = t["batch_size"] // t["accum_steps"]  # the windows of one evaluation batch (Trainer.evaluate)
     if val.num_eval_windows < micro:
         raise TileError(where, f"a validation split (val_fraction = {d['val_fraction']:g} of the {count:,} tokens) "
                         f"holding one evaluation batch: train.batch_size / train.accum_steps = {micro} windows of "
@@ -577,6 +625,36 @@ def open_splits(tok_file: Path, d: dict, t: dict, count: int):
                         "val_fraction, a smaller seq_len, or a smaller batch_size (or a larger accum_steps)",
                         f"{val.hi - val.lo:,} tokens, {_plural(val.num_eval_windows, 'window')}")
     return train, val
+
+
+def what_fits(count: int, val_fraction: float, micro: int) -> str:
+    """The largest [data] seq_len whose windows ``count`` tokens hold as the job needs them (as
+    :class:`tilegraph.io.TokenDataset` splits them: one window of seq_len + 1 tokens in the train
+    split, and ``micro``, one evaluation batch, of seq_len in the validation split), in words; or
+    why none does."""
+    val = int(count * val_fraction)
+    fits = min(count - val - 1, (val - 1) // micro if val >= 1 else 0)
+    if fits >= 1:
+        return f"seq_len = {fits} at most fits them"
+    if val - 1 < micro:
+        return (f"no seq_len fits them: the validation split holds {_plural(val, 'token')}, too few for an evaluation "
+                f"batch of {micro} windows (train.batch_size / train.accum_steps): give more text, or a larger "
+                "val_fraction")
+    return "no seq_len fits them: give more text"
+
+
+def describe_read(d: dict, read: list[dict] | None) -> str:
+    """The files a token file was read from (``read``: its sidecar's ``sources``), in words: a
+    file's path, as short as it is from here; else their count and [data] sources."""
+    if read and len(read) == 1:
+        path = str(read[0].get("path", ""))
+        try:
+            rel = os.path.relpath(path)
+        except ValueError:  # another drive
+            rel = path
+        return rel if not rel.startswith("..") else path
+    n = f"{_plural(len(read), 'file')} of " if read else ""
+    return f"{n}[data] sources = {list(d['sources'])!r}"
 
 
 def count_parameters(model) -> str:
