@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from tilegraph import _config
 from tilegraph._progress import _Aside, _import_matplotlib_aside, _progress
-from tilegraph._train import StepStats, StepTimeoutError, WorkerLostError, _steps_text
+from tilegraph._train import (StepStats, StepTimeoutError, WorkerLostError, _steps_text, end_calls, on_workers,
+                              why_removed)
 from tilegraph.runtime import LEAVING, _plural
 
 logger = logging.getLogger("tilegraph")
@@ -78,64 +79,6 @@ class FitResult:
         runner = max(0.0, self.outside_kernels - self.no_task)
         return (f"kernel time: {parts}; outside kernels: {self.outside_kernels:.0%} of worker thread time "
                 f"({self.no_task:.0%} in no task: idle threads, Dask, waits; {runner:.0%} in the task runner)")
-
-
-
-def _futures(values) -> list:
-    """The Dask futures behind ``values`` (cells' values: arrays, :class:`ValueRef` s; every copy
-    of a replicated one)."""
-    from tilegraph._graph import CopiesRef, ReplicatedRef, ValueRef
-
-    out = []
-    for v in values:
-        if isinstance(v, ReplicatedRef):
-            out += [r.future for r in v.replicas]
-        elif isinstance(v, CopiesRef):
-            out += [r.future for _, r in v.copies]
-        elif isinstance(v, ValueRef):
-            out.append(v.future)
-    return out
-
-
-def _on_workers(runtime, values, workers: set) -> bool:
-    """Whether every value of ``values`` on the workers is computed and held by one of ``workers``
-    (the scheduler's record: one call)."""
-    futures = list({f.key: f for f in _futures(values)}.values())
-    if any(f.status != "finished" for f in futures):
-        return False
-    if not futures:
-        return True
-    held = runtime.client.who_has(futures)
-    return all(set(held.get(f.key) or ()) & workers for f in futures)
-
-
-def _end_calls(runtime, pendings, seconds: float = 10.0) -> None:
-    """Cancel the tasks of the steps ``pendings`` (their gang calls) still running, and wait up to
-    ``seconds`` until none is pending: the next gang task on a worker runs after the last one
-    submitted there, and would fail with it."""
-    from tilegraph._lower import calls_of
-
-    values = [v for p in pendings for v in [*p._losses, p._norm] if v is not None]
-    futures = list({id(f): f for call in calls_of(values) for f in call}.values())
-    pending = [f for f in futures if f.status == "pending"]
-    if pending:
-        runtime.client.cancel(pending)
-    deadline = time.perf_counter() + seconds
-    while any(f.status == "pending" for f in futures) and time.perf_counter() < deadline:
-        time.sleep(0.05)
-
-
-def _why_removed(runtime, workers) -> str:
-    """How ``workers`` left the cluster, by the scheduler's event log: "retired from the cluster"
-    (a ``retire_workers``: a user's, or a cluster scaling down; or leaving so), else "left the
-    cluster"."""
-    events = runtime.client.get_events("all")
-    retired = {m.get("worker") for _, m in events if isinstance(m, dict) and m.get("action") == "remove-worker"
-               and m.get("expected")}
-    retired |= {w for _, m in events if isinstance(m, dict) and m.get("action") == "retire-workers"
-                for w in m.get("retired", ())}
-    retiring = {a for a, w in runtime.workers().items() if w.get("status") == "closing_gracefully"}
-    return "retired from the cluster" if set(workers) <= retired | retiring else "left the cluster"
 
 
 class FitRun:
@@ -342,7 +285,7 @@ class FitRun:
         # raises on a NaN/inf loss naming the step, and on a lost or stalled worker
         began = self.clock
         try:
-            loss = pending.result(tr._time_limit(pending, self.clock), patient=patient)
+            loss = pending.result(tr._time_limit(pending, self.clock), patient=patient, undo_retired=False)
         except FloatingPointError:
             raise tr._diverged(pending) from None
         self.clock = time.perf_counter()
@@ -467,11 +410,11 @@ class FitRun:
                     return None
                 kept = [c.value for p in tr.optimizer.params for c in p.cells.flat]
                 kept += [c.value for state in tr.optimizer.state for grid in state for c in grid.flat]
-            if not _on_workers(tr.runtime, kept, staying):
+            if not on_workers(tr.runtime, kept, staying):
                 return None
             # the tasks of the steps waiting end first: a gang task waits for the last one on its worker
-            _end_calls(tr.runtime, [p for _, p, _ in self.waiting])
-            why = _why_removed(tr.runtime, left)
+            end_calls(tr.runtime, [p for _, p, _ in self.waiting])
+            why = why_removed(tr.runtime, left)
         except Exception:  # (the scheduler gone meanwhile): the caller's error handling says so
             return None
         if self.waiting:

@@ -1432,13 +1432,49 @@ def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
         if not isinstance(t, TileTensor):
             raise TileError("tilegraph.compute", f"argument {i} must be a TileTensor", type(t).__name__)
     exe = compile(tensors, **kw)
-    values = exe.run()
+    restore = []
+    if exe.runtime is not None:  # the model's parameters held here are lent to the workers (sent once while
+        from tilegraph._train import lend_cells, put_back  # unchanged); in the graph, they were sent with each call
+
+        restore = lend_cells(exe.runtime, _parameters_held_here(exe, tensors))
+    try:
+        values = exe.run()
+    finally:
+        if restore:
+            put_back(restore)
     out, k = [], 0
     for t in tensors:
         n = t.ntiles
         out.append(_assemble(t, values[k:k + n]))
         k += n
     return out
+
+
+def _parameters_held_here(exe: Executable, tensors: Sequence[TileTensor]) -> list[Cell]:
+    """The cells of the :class:`tilegraph.nn.Parameter` s that ``tensors`` were computed from
+    (found through their autograd records: every op records its arguments while gradients are
+    enabled) whose arrays here are too large to travel inside a task, and that ``exe`` reads.
+    Each ``tg.compute(model(ids))`` sent them inside its graph (GPT-2 124M: 475 MB and Dask's
+    "Sending large graph" warning at every call); lent (:func:`tilegraph._train.lend_cells`),
+    they are sent once while unchanged. Other arrays (a user's inputs) still travel with the
+    graph: lent, a copy would stay on the workers as long as the array lives here."""
+    read = {id(n.cell) for n in exe.leaves}
+    cells: dict[int, Cell] = {}
+    seen: set[int] = set()
+    todo: list = list(tensors)
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        grid = getattr(t, "cells", None)  # (a Parameter: tilegraph.nn imports this module)
+        if isinstance(grid, np.ndarray):
+            for c in grid.flat:
+                if id(c) in read and isinstance(c.value, np.ndarray) and c.value.nbytes > INLINE_MAX_BYTES:
+                    cells[id(c)] = c
+        if t._record is not None:
+            todo += [a for a in t._record.args if isinstance(a, TileTensor)]
+    return list(cells.values())
 
 
 def to_dask_array(t: TileTensor):

@@ -809,8 +809,47 @@ class TrainStep:
         return _per_graph(self.plan(*batch).est_seconds())
 
     def __call__(self, *batch) -> float:
-        """Run one optimizer step on ``batch`` and return its loss."""
-        return self.submit(*batch).result()
+        """Run one optimizer step on ``batch`` and return its loss. A worker retired while it ran
+        (``client.retire_workers``, a cluster scaling down) whose values Dask moved to the
+        workers left: the step is undone, planned again for those and run again (see
+        :meth:`PendingStep.result`); one retired as the step was sent (its plan names it): the
+        step, not counted, is planned again for the workers left and sent again."""
+        while True:
+            try:
+                pending = self.submit(*batch)
+            except _lost_errors():  # (Dask's "values to send to worker ..., which left the cluster")
+                if self._drop_plans_off_cluster():
+                    continue
+                raise
+            try:
+                return pending.result()
+            except WorkerLostError:
+                if pending.undone_on_workers_left is None:
+                    raise
+                left, why = pending.undone_on_workers_left
+                logging.getLogger("tilegraph").warning("tilegraph.TrainStep: worker(s) %s %s while %s ran; the "
+                                                       "model's values are on the workers left (Dask moved them), so "
+                                                       "the step runs again, planned for the workers "
+                                                       "there are now", ", ".join(left), why,
+                                                       _steps_text(pending.steps))
+
+    def _drop_plans_off_cluster(self) -> bool:
+        """Where a recorded plan names a worker no longer in the cluster, or leaving it (retired),
+        forget the plans (the next step plans for the workers staying) and return True."""
+        from tilegraph.runtime import LEAVING
+
+        made = [exe for exe in self.executables
+                if exe.workers is not None and exe.runtime is not None and not exe.runtime.closed]
+        if not made:
+            return False
+        try:
+            staying = {a for a, w in made[0].runtime.workers().items() if w.get("status") not in LEAVING}
+        except Exception:  # (the scheduler gone too: the caller's error stands)
+            return False
+        if not staying or all(set(exe.workers.memory_limits) <= staying for exe in made):
+            return False
+        self.reset_plans()
+        return True
 
     def submit(self, *batch) -> "PendingStep":
         """Submit one optimizer step without waiting for it; ``.result()`` waits and returns the
@@ -1132,6 +1171,8 @@ class WorkerHealth:
     timed_out: set[str] = field(default_factory=set)  # lost workers the scheduler removed for silence
     #: workers Dask's memory manager paused: (seconds since, process memory, memory limit) in bytes
     paused: dict[str, tuple[float, int, int]] = field(default_factory=dict)
+    #: lost workers the scheduler's event log shows retired (:func:`retired_in`)
+    retired: set[str] = field(default_factory=set)
 
     @property
     def stalled(self) -> dict[str, float]:
@@ -1183,15 +1224,84 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
         if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
             gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
                      and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)
-        timed_out = set()
+        timed_out, retired = set(), set()
         if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
             timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
                          and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
+            retired = retired_in(client.get_events("all")) & gone
     except (TimeoutError, OSError) as e:
         at = f" at {runtime.address}" if getattr(runtime, "address", None) else ""
         raise TileError("tilegraph.TrainStep", f"the Dask scheduler{at} to answer a health check within "
                         f"{SCHEDULER_ANSWER_SECONDS:g} s", _short(e)) from None
-    return WorkerHealth(sorted(gone), ages, timed_out, paused)
+    return WorkerHealth(sorted(gone), ages, timed_out, paused, retired)
+
+
+def retired_in(events) -> set[str]:
+    """The workers that the scheduler's event log (``client.get_events("all")``) shows retired:
+    removed as expected, or named by a ``retire-workers`` (``client.retire_workers``, a user's or
+    a cluster's scaling down, ``adapt``); Dask moves what such a worker holds to the others
+    before it goes."""
+    retired = {m.get("worker") for _, m in events if isinstance(m, dict) and m.get("action") == "remove-worker"
+               and m.get("expected")}
+    retired |= {w for _, m in events if isinstance(m, dict) and m.get("action") == "retire-workers"
+                for w in m.get("retired", ())}
+    return retired
+
+
+def why_removed(runtime, workers) -> str:
+    """How ``workers`` left the cluster, by the scheduler's event log: "retired from the cluster"
+    (a ``retire_workers``: a user's, or a cluster scaling down; or leaving so), else "left the
+    cluster"."""
+    retiring = {a for a, w in runtime.workers().items() if w.get("status") == "closing_gracefully"}
+    if set(workers) <= retired_in(runtime.client.get_events("all")) | retiring:
+        return "retired from the cluster"
+    return "left the cluster"
+
+
+def _futures(values) -> list:
+    """The Dask futures behind ``values`` (cells' values: arrays, :class:`ValueRef` s; every copy
+    of a replicated one)."""
+    from tilegraph._graph import CopiesRef, ReplicatedRef
+
+    out = []
+    for v in values:
+        if isinstance(v, ReplicatedRef):
+            out += [r.future for r in v.replicas]
+        elif isinstance(v, CopiesRef):
+            out += [r.future for _, r in v.copies]
+        elif isinstance(v, ValueRef):
+            out.append(v.future)
+    return out
+
+
+def on_workers(runtime, values, workers: set) -> bool:
+    """Whether every value of ``values`` on the workers is computed and held by one of ``workers``
+    (the scheduler's record: one call)."""
+    futures = list({f.key: f for f in _futures(values)}.values())
+    if any(f.status != "finished" for f in futures):
+        return False
+    if not futures:
+        return True
+    held = runtime.client.who_has(futures)
+    return all(set(held.get(f.key) or ()) & workers for f in futures)
+
+
+def end_calls(runtime, pendings, seconds: float = 10.0) -> None:
+    """Cancel the tasks of the steps ``pendings`` (their gang calls) still running, and wait up to
+    ``seconds`` until none is pending: the next gang task on a worker runs after the last one
+    submitted there, and would fail with it."""
+    values = [v for p in pendings for v in [*p._losses, p._norm] if v is not None]
+    futures = list({id(f): f for call in calls_of(values) for f in call}.values())
+    pending = [f for f in futures if f.status == "pending"]
+    if pending:
+        runtime.client.cancel(pending)
+    deadline = time.perf_counter() + seconds
+    while any(f.status == "pending" for f in futures) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
+#: what a lost worker's error says of one that retired (:func:`retired_in`)
+RETIRED = "retired from the cluster: retire_workers, by a user or a cluster scaling down"
 
 
 def _steps_text(steps: range) -> str:
@@ -1221,7 +1331,7 @@ def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps
     while ``during`` ran; ``hint`` says what is gone and how to go on."""
     stalled = health.stalled
     named = [f"{a} (silent past the scheduler's worker-ttl, restarted)" if a in health.timed_out
-             else f"{a} (left the cluster)" for a in health.lost]
+             else f"{a} ({RETIRED})" if a in health.retired else f"{a} (left the cluster)" for a in health.lost]
     named += [f"{a} (no heartbeat for {s:.0f} s: stopped, hung or cut off from the network)" for a, s in sorted(stalled.items())]
     stuck = {a: p for a, p in health.stuck.items() if a not in stalled}
     mb = 1 << 20
@@ -1289,8 +1399,11 @@ class PendingStep:
         self.submitted, self.fresh = t0, record_seconds > 0
         self._since = time.time()  # workers removed from here on are suspects when it fails
         self.stats: StepStats | None = None
+        #: (the workers, how they left) where the step failed as workers left whose values Dask
+        #: moved to the workers left, and was undone (see :meth:`result`); else None
+        self.undone_on_workers_left: tuple[list[str], str] | None = None
 
-    def result(self, timeout: float | None = None, *, patient: bool = False) -> float:
+    def result(self, timeout: float | None = None, *, patient: bool = False, undo_retired: bool = True) -> float:
         """Wait for the step and return its loss.
 
         A worker lost while the step's graph runs ends the wait with a :class:`WorkerLostError`
@@ -1302,6 +1415,15 @@ class PendingStep:
         ``WATCH_SECONDS`` (2 s) all the same: a lost or stalled one ends the wait as above, and
         a step never waits on a stopped worker (Dask alone would, for its worker-ttl: a minute
         on the embedded cluster, 5 minutes by default).
+
+        A worker that left as a retired one does (``client.retire_workers``, a cluster scaling
+        down or ``adapt``: Dask moves what it holds to the workers left first) is no loss: when
+        every value the step read is held by a worker left, the step is undone (the model's
+        parameters and optimizer state, and the step count, as before it), the step's plans are
+        dropped (the next step is planned for the workers there are) and the WorkerLostError says
+        to submit the step again (:attr:`undone_on_workers_left`); ``step(x, y)`` does so by
+        itself. Before, every later step failed with Dask's "lost dependencies", though no value
+        was lost. ``undo_retired=False``: left to the caller (:meth:`tilegraph.Trainer.fit`).
         """
         if self.stats is None:
             runtime = self._rec.exe.runtime
@@ -1311,6 +1433,10 @@ class PendingStep:
                 try:
                     values = self._gather(runtime, values, timeout, patient)
                 except Exception as e:  # a task failed (not a worker: what it held is gone, not undone)
+                    if isinstance(e, WorkerLostError) and undo_retired:
+                        undone = self._undone_on_workers_left(runtime, e)
+                        if undone is not None:
+                            raise undone from None
                     if isinstance(e, (StepTimeoutError, WorkerLostError, *_lost_errors())):
                         raise
                     if self._undo is not None:  # (e is a copy: both waits raise copies, not the future's own)
@@ -1335,6 +1461,42 @@ class PendingStep:
         if not np.isfinite(loss):
             raise FloatingPointError(f"[tilegraph.TrainStep] loss became {loss} at step {self.step}")
         return loss
+
+    def _undone_on_workers_left(self, runtime, e: WorkerLostError) -> WorkerLostError | None:
+        """After worker loss ``e``: where the workers left the cluster (none of them still there,
+        stalled) and every value the step read is held by a worker left, undo the step, drop the
+        owner's plans and return the error that says so. None where that cannot be done (a
+        worker that died took values with it): ``e`` stands."""
+        from tilegraph.runtime import LEAVING
+
+        undo, owner = self._undo, self.owner
+        if undo is None or e.stalled or e.during is not None or e.steps is None or self.steps[0] not in e.steps:
+            return None
+        try:
+            info = runtime.workers()
+            staying = {a for a, w in info.items() if w.get("status") not in LEAVING}
+            planned = {a for exe in owner.executables if exe.workers is not None for a in exe.workers.memory_limits}
+            left = sorted(planned - staying)
+            if not staying or not left or set(e.workers) & set(info):
+                return None
+            if undo.before is None or undo.undone is not None or undo.rollbacks != owner._rollbacks \
+                    or not on_workers(runtime, [v for _, v, _ in undo.before.values()], staying):
+                return None
+            end_calls(runtime, [self])  # (a gang task left waits for its peer; the next one would wait for it)
+            why = why_removed(runtime, left)
+        except Exception:  # (the scheduler gone meanwhile): e stands
+            return None
+        first = self.steps[0]
+        note = undo()
+        if undo.undone != first - 1 or owner.optimizer.step_count != first - 1:
+            return None  # (a rollback that took earlier failed steps too: e stands, with its note)
+        owner.reset_plans()  # planned again for the workers there are now
+        self.undone_on_workers_left = (left, why)
+        again = ("the step is planned again for the workers left: submit it again (step(*batch) does so by itself)"
+                 if len(self.steps) == 1 else "the steps are planned again for the workers left: submit them again")
+        return WorkerLostError("tilegraph.TrainStep", f"worker{'s' if len(left) > 1 else ''} {', '.join(left)} {why} "
+                               f"while {_steps_text(self.steps)} ran; the workers left hold the model's values (Dask "
+                               f"moved them): {note}, and {again}", _short(e, 200), workers=left, steps=self.steps)
 
     def _gather(self, runtime, values: list, timeout: float | None, patient: bool) -> list:
         since = getattr(self.owner, "_healthy_since", self._since)
