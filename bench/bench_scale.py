@@ -21,8 +21,10 @@ processes x threads each, T = ``--threads-total``, default: the cores), each wit
   each worker's tile-kernel threads do not count;
 - ``MB/step``: bytes moved between worker processes per step, estimated from the plan: for every
   task (cluster), the bytes of its external inputs made by a task on another worker process, each
-  value counted once per process that reads it (Dask fetches it once per worker); leaf inputs
-  (parameters, optimizer state, the batch) count as not moved;
+  value counted once per process that reads it (Dask fetches it once per worker), and the new
+  parameters of a sharded plan, which their owner sends to every other process (zero3: which the
+  next step's tasks fetch, twice with reshard_after_forward); other leaf inputs (optimizer state,
+  the batch) count as not moved (``Executable.step_bytes``);
 - ``peak_MiB``: the most resident memory one worker process held during the row (warmup and
   timed steps; Linux ``VmHWM``, reset before the row); it includes the freed memory a worker
   keeps for reuse (up to 1 GiB, README "Worker memory allocation");
@@ -217,7 +219,7 @@ def time_config(work_of, workers, threads, strategies, args, tg, runtime=None, l
                          "used": exe.strategy, "exch": exchange, "auto": auto, "tok_s": w.tokens * args.steps / wall,
                          "outside": 1.0 - ks["kernel_seconds"] / (wall * workers * threads),
                          "dask_cpu": dask_cpu / (wall * workers * threads),
-                         "moved": exe.cross_bytes(), "step_s": wall / args.steps, "first_s": first_s,
+                         "moved": exe.step_bytes(), "step_s": wall / args.steps, "first_s": first_s,
                          "peak": peak, "held": held})
             del step, opt, model, exe
     return rows

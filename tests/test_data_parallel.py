@@ -341,6 +341,25 @@ def test_gradients_go_in_buckets_by_default_only_where_the_workers_span_hosts(em
 
 
 @pytest.mark.distributed
+def test_a_sharded_step_moves_as_many_bytes_as_a_data_parallel_one_on_two_processes(embedded_runtime):
+    """What a step moves between processes (bench_scale's MB/step, the gang's room in /dev/shm):
+    on 2 processes each sends the other its gradients (data: all of them; sharded: those the
+    other owns) and, sharded, the parameters it updated, so both move the same bytes; zero3's
+    tasks fetch each parameter for the forward and again for the backward. bench_scale showed
+    sharded at half data's: the parameters sent after the update were not counted."""
+    model, opt = _stack()
+    x = np.zeros((4, 64, 256), np.float32)
+    plans = {p: tg.TrainStep(model, opt, mse, batch_tiles=[(2, None, None)] * 2, runtime=embedded_runtime,
+                             parallel=p).plan(x, x) for p in ("data", "sharded", "zero3")}
+    params = sum(c.value.nbytes for p in model.parameters() for c in p.cells.flat)
+    assert plans["data"].strategy == "data" and plans["sharded"].strategy == "sharded"
+    assert plans["data"].step_bytes() == plans["data"].cross_bytes()
+    assert plans["sharded"].step_bytes() == plans["sharded"].cross_bytes() + params  # each owner's half, to the other
+    assert abs(plans["sharded"].step_bytes() - plans["data"].step_bytes()) < 0.02 * plans["data"].step_bytes()
+    assert plans["zero3"].step_bytes() > plans["sharded"].step_bytes()
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("parallel", ["data", "sharded"])
 def test_between_hosts_each_replica_sends_its_gradients_in_buckets_during_its_backward(embedded_runtime,
                                                                                        monkeypatch, parallel):

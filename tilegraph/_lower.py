@@ -528,6 +528,16 @@ class Executable:
         another one runs (:attr:`cross`), each value counted once per reading process."""
         return sum(self.plans[cid].outputs[k].nbytes for (cid, _), read in self.cross.items() for k in read)
 
+    def step_bytes(self) -> int:
+        """Bytes one call moves between worker processes in all: :meth:`cross_bytes`, and a
+        sharded plan's new parameters, which each owner sends to every other process once its
+        update made them; a "zero3" plan's tasks fetch them in the next call instead, for the
+        forward pass and, with ``config.zero3_reshard_after_forward``, again for the backward."""
+        pushed = sum(self.roots[pos].nbytes for pos in self.shared_roots) * max(self.n_replicas - 1, 0)
+        if self.strategy == "zero3" and config.zero3_reshard_after_forward:
+            pushed *= 2
+        return self.cross_bytes() + pushed
+
     def critical_path(self) -> tuple[int, float]:
         """(tasks, estimated kernel seconds) along the longest chain of dependent tasks: each task
         on it pays Dask's per-hop latency, so this bounds how much fusion can still save."""

@@ -140,8 +140,7 @@ def _links(exe, runtime, addrs: list[str]) -> tuple[list[list[bool]] | None, str
         if not runtime.comm_channels:
             return None, f"tilegraph.config.shm_transfers is off, and {no_handler}"
         return comms_only, None
-    moved = exe.cross_bytes()
-    moved += sum(exe.roots[pos].nbytes for pos in exe.shared_roots) * (exe.n_replicas - 1)
+    moved = exe.step_bytes()
     if any(same[p][q] for p in range(n) for q in range(n) if p != q):
         free = min(ids[a][3] for a in addrs)
         if free < moved + SHM_MARGIN_BYTES:  # (an over-estimate where some pairs use comms anyway)
