@@ -205,6 +205,36 @@ def fresh_transfer_logs(client) -> None:
     client.run(_unbounded_log)
 
 
+def counting_scatters(monkeypatch, rt) -> list:
+    """The number of values each ``rt.scatter_cells`` call sends (those not on the workers yet),
+    one entry a call, from now on."""
+    sent = []
+    real = rt.scatter_cells
+
+    def scatter_cells(cells, workers=None):
+        sent.append(sum(not isinstance(c.value, tg._graph.ValueRef) for c in cells))
+        return real(cells, workers)
+
+    monkeypatch.setattr(rt, "scatter_cells", scatter_cells)
+    return sent
+
+
+def retire_as_values_are_sent(monkeypatch, rt) -> str:
+    """Have ``rt``'s second worker (by address) retired the moment values are next sent to the
+    workers (an adaptive cluster scaling an idle worker down as the first step starts); returns
+    its address."""
+    victim = sorted(rt.workers())[1]
+    real = type(rt).scatter_cells
+
+    def retire_first(self, cells, workers=None):
+        if victim in self.workers():
+            self.client.retire_workers([victim])
+        return real(self, cells, workers)
+
+    monkeypatch.setattr(type(rt), "scatter_cells", retire_first)
+    return victim
+
+
 def fake_hosts(monkeypatch, runtime, host_of=None):
     """Make ``runtime``'s workers look as if they ran on several hosts: worker ``a`` on host
     ``host_of[a]`` (default: each on a host of its own), by the shared-memory identities the

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import mse, regression_data
+from conftest import mse, regression_data, retire_as_values_are_sent
 
 
 def _trainer(rt, data=None, parallel="data", **kw):
@@ -73,15 +73,7 @@ def test_a_worker_retiring_as_the_first_step_sends_the_parameters(own_runtime, m
     step is planned again on the workers left. (The retirement is made to come at that moment;
     the slow test below runs the adaptive cluster itself.)"""
     rt = own_runtime
-    victim = sorted(rt.workers())[1]
-    real = type(rt).scatter_cells
-
-    def retire_first(self, cells, workers=None):
-        if victim in self.workers():
-            self.client.retire_workers([victim])
-        return real(self, cells, workers)
-
-    monkeypatch.setattr(type(rt), "scatter_cells", retire_first)
+    victim = retire_as_values_are_sent(monkeypatch, rt)
     with caplog.at_level(logging.WARNING):
         got = _trainer(rt).fit(4).losses
     np.testing.assert_allclose(got, _trainer(None).fit(4).losses, rtol=1e-5)

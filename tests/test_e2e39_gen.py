@@ -25,6 +25,7 @@ import pytest
 import tilegraph as tg
 from tilegraph import models
 from tilegraph import _train
+from conftest import counting_scatters
 from tilegraph.models import Decoder, generate
 
 
@@ -41,19 +42,6 @@ def _own_greedy(model, prompt: np.ndarray, n: int, runtime=None) -> np.ndarray:
     return ids
 
 
-def _counting_scatters(monkeypatch, rt) -> list:
-    """The number of values each ``rt.scatter_cells`` call sends (those not on the workers yet)."""
-    sent = []
-    real = rt.scatter_cells
-
-    def scatter_cells(cells, workers=None):
-        sent.append(sum(not isinstance(c.value, tg._graph.ValueRef) for c in cells))
-        return real(cells, workers)
-
-    monkeypatch.setattr(rt, "scatter_cells", scatter_cells)
-    return sent
-
-
 def _lent(rt) -> int:
     return len(_train._LENT.get(rt, {}))
 
@@ -63,7 +51,7 @@ def test_repeated_generate_calls_send_the_parameters_once_and_again_only_once_ch
     rt = embedded_runtime
     model = models.build("gpt2-debug", seed=3)
     n_cells = sum(p.cells.size for p in model.parameters())
-    sent = _counting_scatters(monkeypatch, rt)
+    sent = counting_scatters(monkeypatch, rt)
     want = _own_greedy(model, PROMPT, 6)
     first = generate(model, PROMPT, 6, runtime=rt)
     np.testing.assert_array_equal(first, want)
@@ -120,7 +108,7 @@ def test_lent_copies_go_with_the_model_and_are_sent_again_when_the_workers_lost_
     assert _lent(rt) == base + n_cells
     # the workers no longer hold the copies (a lost worker's, say): sent again, the same tokens
     rt.client.cancel([ref.future for _, ref, _ in _train._LENT[rt].values()])
-    sent = _counting_scatters(monkeypatch, rt)
+    sent = counting_scatters(monkeypatch, rt)
     np.testing.assert_array_equal(generate(model, PROMPT, 5, runtime=rt), want)
     assert sent == [n_cells], sent
     # a dropped model's copies are released (before: none was kept; now none may stay for good)
@@ -142,7 +130,7 @@ def test_the_parts_of_quantized_weights_held_here_are_lent_once_too(embedded_run
     quantized = sum(len(q.cells) for _, q in peft.named_quantized(model))
     assert quantized > 0
     want = _own_greedy(model, PROMPT, 5)
-    sent = _counting_scatters(monkeypatch, rt)
+    sent = counting_scatters(monkeypatch, rt)
     for _ in range(2):
         np.testing.assert_array_equal(generate(model, PROMPT, 5, runtime=rt), want)
     assert sent == [sum(p.cells.size for p in model.parameters()) + quantized, 0], sent
@@ -162,7 +150,7 @@ def test_an_evaluation_of_a_model_held_here_sends_its_large_values_once(embedded
     x, y = ids[:, :-1], ids[:, 1:]
     want = torch.nn.functional.cross_entropy(torch.tensor(model(x).numpy()).reshape(-1, 512),
                                              torch.tensor(y).reshape(-1)).item()
-    sent = _counting_scatters(monkeypatch, rt)
+    sent = counting_scatters(monkeypatch, rt)
     ev = tg.EvalStep(model, lambda m, a, b: tg.cross_entropy(m(a), b), runtime=rt)
     for _ in range(3):
         assert ev(x, y) == pytest.approx(want, rel=1e-5)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from conftest import mse, regression_data
+from conftest import counting_scatters, mse, regression_data, retire_as_values_are_sent
 from tilegraph import _train
 
 
@@ -83,15 +83,7 @@ def test_a_step_called_as_a_worker_retires_while_it_is_sent_runs_on_the_worker_l
     which left the cluster``, and the same at every later call (the plan still named it). Now
     the step, not counted, is planned again for the worker left and sent again."""
     rt, data = own_runtime, regression_data(0, 64)
-    victim = sorted(rt.workers())[1]
-    real = type(rt).scatter_cells
-
-    def retire_first(self, cells, workers=None):
-        if victim in self.workers():
-            self.client.retire_workers([victim])
-        return real(self, cells, workers)
-
-    monkeypatch.setattr(type(rt), "scatter_cells", retire_first)
+    victim = retire_as_values_are_sent(monkeypatch, rt)
     step = _step(rt)
     got = [step(*data(i)) for i in (1, 2, 3)]
     assert victim not in rt.workers() and step.optimizer.step_count == 3
@@ -114,19 +106,6 @@ def test_a_retired_worker_is_named_so_in_a_lost_worker_error():
 
 # -- the weights held here inside every tg.compute graph -------------------------------------------
 
-def _counting_scatters(monkeypatch, rt) -> list:
-    """The number of values each ``rt.scatter_cells`` call sends (those not on the workers yet)."""
-    sent = []
-    real = rt.scatter_cells
-
-    def scatter_cells(cells, workers=None):
-        sent.append(sum(not isinstance(c.value, tg._graph.ValueRef) for c in cells))
-        return real(cells, workers)
-
-    monkeypatch.setattr(rt, "scatter_cells", scatter_cells)
-    return sent
-
-
 @pytest.mark.distributed
 def test_repeated_compute_of_a_forward_sends_the_parameters_once(embedded_runtime, monkeypatch):
     """``tg.compute(model(x))`` on a cluster, again and again (a notebook's cell): the parameters
@@ -140,7 +119,7 @@ def test_repeated_compute_of_a_forward_sends_the_parameters_once(embedded_runtim
     model = tg.nn.Linear(1024, 3072, tile=512, out_tile=1024, seed=0)   # a 12 MiB weight in 6 tiles
     x = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
     want = tg.compute(model(tg.from_numpy(x)))[0]   # (in this process)
-    sent = _counting_scatters(monkeypatch, rt)
+    sent = counting_scatters(monkeypatch, rt)
     with rt.as_current():
         for i in range(3):
             with warnings.catch_warnings(record=True) as caught:
