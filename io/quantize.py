@@ -185,7 +185,10 @@ def method_bits(method, bits, where: str, error: type[TileError] = TileError) ->
     spec = _SPECS[method]
     if bits is None:
         if spec.default is None:
-            raise error(where, f"method {method!r} needs a bit budget, bits= one of {list(spec.bits)}", "None")
+            raise error(where, f"method {method!r} needs a bit budget, one of {list(spec.bits)}: "
+                        f"quantize(x, {method!r}, 4), or '{method}:4' as a checkpoint's quantize (save_checkpoint, "
+                        "tilegraph convert --quantize)",
+                        "None")
         return spec.default
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
         raise error(where, "bits must be an integer", repr(bits))

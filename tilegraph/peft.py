@@ -628,7 +628,9 @@ def save_adapters(path, model: Module, format: str = "zarr") -> None:
     """Write only the adapter tensors of ``model`` into the folder ``path``.
 
     ``format="zarr"``: a Zarr checkpoint (:func:`tilegraph.io.save_checkpoint`) with each LoRA
-    layer's rank, alpha and dropout and each LoTR group's layers, rank and scale.
+    layer's rank, alpha and dropout and each LoTR group's layers, rank and scale, and a
+    fingerprint of each adapted layer's base weight (:func:`base_probes`: 16 numbers a layer),
+    which :func:`load_adapters` checks.
     ``format="peft"``: Hugging Face peft's folder (``adapter_config.json`` +
     ``adapter_model.safetensors``, :func:`tilegraph.peft_hf.save_peft`), which
     ``peft.PeftModel.from_pretrained`` loads onto the model that ``model.to_hf`` writes (LoRA
@@ -647,12 +649,81 @@ def save_adapters(path, model: Module, format: str = "zarr") -> None:
                         "LoTR layers (apply_lotr)", f"{type(model).__name__} has none")
     from tilegraph.io._store import CheckpointError
 
+    metadata = {**adapter_settings(model), BASE_PROBE: base_probes(model)}
     try:
-        save_checkpoint(path, _Adapters(model), metadata=adapter_settings(model))
+        save_checkpoint(path, _Adapters(model), metadata=metadata)
     except (TileError, CheckpointError) as e:
         if type(e) not in (TileError, CheckpointError):
             raise
         raise type(e)(where, e.what, e.received) from None  # named as the call the user made
+
+
+#: the metadata key of the base weights' fingerprint that :func:`save_adapters` records
+BASE_PROBE = "base_probe"
+_PROBES = 4  # p_i^T W q_j for 4 x 4 fixed random vectors: 16 numbers a layer
+
+
+def _adapted_bases(model: Module) -> dict:
+    """Each adapted layer's frozen base weight (a Parameter or a :class:`QuantizedTensor`) by name."""
+    return {name: m.weight for name, m in {**lora_layers(model), **lotr_layers(model)}.items()}
+
+
+def base_probes(model: Module, names=None) -> dict:
+    """A fingerprint of the base weight of each adapted layer of ``model`` (those in ``names``;
+    None: all): ``P^T W Q`` for fixed random ``P`` (in, 4) and ``Q`` (out, 4), 16 numbers, as
+    lists of floats by layer name. Computed where the weight's tiles are (a quantized one
+    dequantized per tile), so only these numbers come back. :func:`save_adapters` records it and
+    :func:`load_adapters` compares it with the base it loads onto: a base other than the one the
+    adapters were trained on (another checkpoint, one with other adapters merged in, or the float
+    weights of a quantized base) gives other numbers."""
+    from tilegraph import ops
+    from tilegraph._lower import compute
+    from tilegraph._tensor import from_numpy
+
+    bases = _adapted_bases(model)
+    names = sorted(bases) if names is None else [n for n in names if n in bases]
+    outs = []
+    for name in names:
+        w = bases[name]
+        dense = w.dequantized() if isinstance(w, QuantizedTensor) else w
+        n, m = w.shape
+        rng = np.random.default_rng([n, m])  # the same vectors for the same shape, whatever the model
+        left = from_numpy(rng.standard_normal((_PROBES, n)).astype(w.dtype), ((_PROBES,), w.chunks[0]))
+        right = from_numpy(rng.standard_normal((m, _PROBES)).astype(w.dtype), (w.chunks[1], (_PROBES,)))
+        outs.append(ops.matmul(ops.matmul(left, dense), right))
+    values = compute(*outs) if outs else []
+    return {name: [float(x) for x in np.asarray(v, dtype=np.float64).ravel()] for name, v in zip(names, values)}
+
+
+def _check_base(path, model: Module, stored, where: str) -> None:
+    """Warn where the base weights of ``model``'s adapted layers are not those the adapters in
+    ``path`` were saved on (their :func:`base_probes` recorded there differ)."""
+    import warnings
+
+    if not isinstance(stored, dict) or not stored:
+        return  # adapters saved before the fingerprint was recorded
+    bases = _adapted_bases(model)
+    now = base_probes(model, [n for n in stored if n in bases])
+    differ = []
+    for name, got in now.items():
+        want = np.asarray(stored[name], dtype=np.float64)
+        if want.shape != (len(got),):
+            continue
+        got = np.asarray(got)
+        tol = 1e-4 if np.dtype(bases[name].dtype).itemsize >= 4 else 1e-2  # sums in another order, other tiles
+        rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        if rel > tol:
+            differ.append((rel, name))
+    if differ:
+        differ.sort(key=lambda d: -d[0])  # the most different first
+        shown = ", ".join(f"{name} ({rel:.2g})" for rel, name in differ[:4]) + (" ..." if len(differ) > 4 else "")
+        warnings.warn(f"[{where}] the base weights of {len(differ)} of the {len(now)} adapted layers are not the "
+                      f"ones the adapters in {path} were trained on (relative difference of their fingerprint: "
+                      f"{shown}): they were saved on another base (another checkpoint; a base with other adapters "
+                      "merged in, as a tilegraph train run started from an adapted checkpoint has; or a quantized "
+                      "base, here loaded onto float weights, or the other way round), so the model is not the one "
+                      "that was trained. Load them onto that base (a tilegraph train run's own: "
+                      "tilegraph.io.load_checkpoint(run).model)", UserWarning, stacklevel=3)
 
 
 def adapter_settings(model: Module) -> dict:
@@ -740,7 +811,10 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     """Read adapters written by :func:`save_adapters` into ``model``: into its LoRA and LoTR layers,
     or, when it has none, into new ones on the layers named in the checkpoint (as
     :func:`apply_lora` and :func:`apply_lotr`). Every missing, unexpected and mis-shaped adapter is
-    reported at once. Returns ``model``.
+    reported at once. Returns ``model``. A warning names the adapted layers whose base weights are
+    not those the adapters were saved on (:func:`base_probes`): another checkpoint of the same
+    shapes, a base with other adapters merged in (a ``tilegraph train`` run started from an
+    adapted checkpoint), or a quantized base's float weights.
 
     ``format``: ``"zarr"`` or ``"peft"`` (a folder of Hugging Face peft, written by peft's
     ``save_pretrained`` or by ``save_adapters(..., format="peft")``:
@@ -779,6 +853,7 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
                         "; ".join(convert))
     with _unchanged_on_failure(model):  # a failure below leaves the model as it was given
         _load_adapters(path, ck, model, stored, groups, where)
+    _check_base(path, model, (ck.metadata or {}).get(BASE_PROBE), where)
     return model
 
 
