@@ -1437,6 +1437,9 @@ def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
 
     Uses the connected runtime (:func:`tilegraph.connect`) when there is one, else Dask's local
     threaded scheduler. Keyword arguments go to :class:`Executable` (``fuse``, ``placement``...).
+    On a runtime, the arrays of the :class:`tilegraph.nn.Parameter` s the graph reads that are
+    too large to travel inside a task are lent to its workers once, with gradients enabled or not
+    (sent again once a parameter holds a new array); other arrays travel with each graph.
     """
     for i, t in enumerate(tensors):
         if not isinstance(t, TileTensor):
@@ -1446,7 +1449,7 @@ def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
     if exe.runtime is not None:  # the model's parameters held here are lent to the workers (sent once while
         from tilegraph._train import lend_cells, put_back  # unchanged); in the graph, they were sent with each call
 
-        restore = lend_cells(exe.runtime, _parameters_held_here(exe, tensors))
+        restore = lend_cells(exe.runtime, _parameters_held_here(exe))
     try:
         values = exe.run()
     finally:
@@ -1460,30 +1463,24 @@ def compute(*tensors: TileTensor, **kw) -> list[np.ndarray]:
     return out
 
 
-def _parameters_held_here(exe: Executable, tensors: Sequence[TileTensor]) -> list[Cell]:
-    """The cells of the :class:`tilegraph.nn.Parameter` s that ``tensors`` were computed from
-    (found through their autograd records: every op records its arguments while gradients are
-    enabled) whose arrays here are too large to travel inside a task, and that ``exe`` reads.
+def _parameters_held_here(exe: Executable) -> list[Cell]:
+    """The cells of the :class:`tilegraph.nn.Parameter` s that ``exe`` reads (those of
+    :data:`tilegraph.nn.PARAMETER_CELLS`) whose arrays here are too large to travel inside a task.
     Each ``tg.compute(model(ids))`` sent them inside its graph (GPT-2 124M: 475 MB and Dask's
-    "Sending large graph" warning at every call); lent (:func:`tilegraph._train.lend_cells`),
-    they are sent once while unchanged. Other arrays (a user's inputs) still travel with the
-    graph: lent, a copy would stay on the workers as long as the array lives here."""
-    read = {id(n.cell) for n in exe.leaves}
+    "Sending large graph" warning at every call, with gradients enabled or under ``tg.no_grad()``);
+    lent (:func:`tilegraph._train.lend_cells`), they are sent once while unchanged. Other arrays
+    (a user's inputs) still travel with the graph: lent, a copy would stay on the workers as long
+    as the array lives here. A parameter asked for itself (``model.weight.numpy()``) is not lent:
+    its value is the array here, where lent it was sent to the workers and fetched back."""
+    from tilegraph.nn import PARAMETER_CELLS  # (tilegraph.nn imports this module)
+
+    asked = {id(r.node.cell) for r in exe.roots if r.node.is_leaf}
     cells: dict[int, Cell] = {}
-    seen: set[int] = set()
-    todo: list = list(tensors)
-    while todo:
-        t = todo.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        grid = getattr(t, "cells", None)  # (a Parameter: tilegraph.nn imports this module)
-        if isinstance(grid, np.ndarray):
-            for c in grid.flat:
-                if id(c) in read and isinstance(c.value, np.ndarray) and c.value.nbytes > INLINE_MAX_BYTES:
-                    cells[id(c)] = c
-        if t._record is not None:
-            todo += [a for a in t._record.args if isinstance(a, TileTensor)]
+    for n in exe.leaves:
+        c = n.cell
+        if (id(c) not in asked and c in PARAMETER_CELLS and isinstance(c.value, np.ndarray)
+                and c.value.nbytes > INLINE_MAX_BYTES):
+            cells[id(c)] = c
     return list(cells.values())
 
 

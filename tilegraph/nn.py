@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import weakref
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -34,6 +35,13 @@ from tilegraph.ops.shape import fit_last_dim
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
            "CausalSelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
            "Identity", "Dropout", "deferred_init", "training", "is_training"]
+
+#: the cells of every :class:`Parameter` of this process (held weakly: a model dropped takes its
+#: cells with it). :func:`tilegraph.compute` lends those holding large arrays here to the workers
+#: once (:func:`tilegraph._lower._parameters_held_here`), also under ``tg.no_grad()``, where no
+#: recorded op leads from an output to its model's parameters. The cells of other weights held here
+#: (a quantized weight's parts) are lent the same way once added.
+PARAMETER_CELLS: "weakref.WeakSet[Cell]" = weakref.WeakSet()
 
 
 class Parameter(TileTensor):
@@ -60,6 +68,7 @@ class Parameter(TileTensor):
         t = tensor_from_cells(tiling, array.dtype, cells, name=name)
         super().__init__(t.tiling, t.dtype, t.grid, name=name)
         self.cells = cells
+        PARAMETER_CELLS.update(cells.flat)
         self.requires_grad = requires_grad
 
     def requires_grad_(self, requires_grad: bool = True) -> "Parameter":
@@ -110,8 +119,18 @@ class Parameter(TileTensor):
         t = tensor_from_cells(self.tiling, self.dtype, cells, name=self.name)
         TileTensor.__init__(new, t.tiling, t.dtype, t.grid, name=self.name)
         new.cells, new.requires_grad = cells, self.requires_grad
+        PARAMETER_CELLS.update(cells.flat)
         memo[id(self)] = new  # (a tied parameter's other names get this copy too)
         return new
+
+    def __setstate__(self, state) -> None:
+        """Unpickled (a model saved with pickle and loaded here): its cells are a Parameter's too
+        (:data:`PARAMETER_CELLS`), lent to the workers as the original's are."""
+        attributes, slots = state if isinstance(state, tuple) else (state, None)  # (a subclass's __dict__, slots)
+        for part in (attributes, slots):
+            for name, value in (part or {}).items():
+                setattr(self, name, value)
+        PARAMETER_CELLS.update(self.cells.flat)
 
     def __repr__(self) -> str:
         return f"Parameter({self.name}, shape={self.shape}, dtype={self.dtype}, tiles={self.chunks})"

@@ -37,7 +37,7 @@ from tilegraph._autograd import Op
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, emit1, kernel, leaf
 from tilegraph._tensor import TileTensor, Tiling
-from tilegraph.nn import Linear, Module, ModuleList, Parameter
+from tilegraph.nn import PARAMETER_CELLS, Linear, Module, ModuleList, Parameter
 
 __all__ = ["LoRALinear", "LoTRLinear", "apply_lora", "apply_lotr", "merge_lora", "lora_layers", "lotr_layers",
            "trainable_parameters", "save_adapters", "load_adapters", "QuantizedTensor", "QuantizedLinear",
@@ -998,6 +998,12 @@ class QuantizedTensor:
             refs = tuple(leaf(Cell(np.ascontiguousarray(arrays[k]), arrays[k].shape, arrays[k].dtype))
                          for k in names)
             self._tiles[idx] = (names, refs, json.dumps(attrs, sort_keys=True, separators=(",", ":")))
+        PARAMETER_CELLS.update(self.cells)  # tg.compute sends them to the workers once, as a Parameter's tiles
+
+    def __setstate__(self, state) -> None:
+        """Unpickled or deep-copied: its new cells are a weight's too (:data:`tilegraph.nn.PARAMETER_CELLS`)."""
+        self.__dict__.update(state)
+        PARAMETER_CELLS.update(self.cells)
 
     @classmethod
     def from_array(cls, array, tiles, method: str = "int4", bits: int | None = None, *, name=None):
