@@ -48,6 +48,7 @@ import datetime
 import errno
 import itertools
 import json
+import warnings
 import os
 import shutil
 import threading
@@ -740,6 +741,17 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
             quant = dict(quant, bits=method_bits(quant["method"], None, where, CheckpointError))
         add(f"model/{name}", p, p.cells, quant)
     held, copies = _quantized_weights(model, dict(named), where, runtime, deal)
+    if quantize is not None:  # weights held quantized are stored as they are, whatever quantize asks of them
+        other = [(name, spec) for name, q, spec in held
+                 if (asked := rule(name, q.shape)) is not None
+                 and (asked["method"], asked.get("bits") or spec.get("bits")) != (spec.get("method"), spec.get("bits"))]
+        if other:
+            kept = ", ".join(sorted({f"{s.get('method')}" + (f":{s['bits']}" if s.get("bits") else "") for _, s in other}))
+            warnings.warn(f"[{where}] quantize={quantize!r}: the model holds {len(other)} weight"
+                          f"{'s' if len(other) > 1 else ''} quantized already ({kept}: {other[0][0]}"
+                          f"{', ...' if len(other) > 1 else ''}), stored as they are, not quantized anew "
+                          "(tilegraph.peft.merge_lora, or tilegraph.models.from_zarr of the checkpoint, gives float "
+                          "weights to quantize)", UserWarning, stacklevel=3)
     if optimizer is not None:
         from tilegraph._train import optimizer_param_names
 

@@ -104,3 +104,16 @@ def test_a_method_without_its_bit_budget_says_how_to_give_one(tmp_path):
     with pytest.raises(tg.TileError, match=r"'auto:4' as a checkpoint's quantize"):
         quantize(np.ones((4, 4), np.float32), "auto")
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_checkpoint_of_a_model_holding_quantized_weights_says_they_are_stored_as_they_are(saved, tmp_path):
+    """save_checkpoint(quantize="int8") of a model on an int4 base wrote its held weights as int4
+    without a word: weights held quantized are stored as they are. Now a warning names them;
+    asking for what they are (int4) or for nothing says nothing."""
+    model = peft.from_quantized(saved["base"])
+    with pytest.warns(UserWarning, match=r"quantize='int8': the model holds \d+ weights quantized already \(int4:4"):
+        tg.io.save_checkpoint(tmp_path / "q8", model, quantize="int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tg.io.save_checkpoint(tmp_path / "q4", model, quantize="int4")
+        tg.io.save_checkpoint(tmp_path / "plain", model)
