@@ -155,7 +155,11 @@ def _run(argv) -> int:
                          "reads all of it (default: %(default)s)")
     ev.add_argument("--batch-size", type=int, default=8, help="windows per batch (default: %(default)s)")
     ev.add_argument("--seq-len", type=int, default=None,
-                    help="tokens per window (default: the shipped config's seq_len, at most the model's max_seq_len)")
+                    help="tokens per window (default: the run's [data] seq_len its checkpoint records, else the "
+                         "shipped config's; at most the model's max_seq_len)")
+    ev.add_argument("--text-field", default=None, metavar="FIELD",
+                    help="the field of JSON Lines / .json records that holds their text (default: the run's [data] "
+                         "text_field, else 'text')")
     ev.add_argument("--tokenizer", default=None, help="'byte' or a BPE tokenizer JSON (default: the checkpoint's)")
     ev.add_argument("--local", action="store_true", help="run in this process instead of the embedded cluster")
     ev.set_defaults(func=cmd_eval)

@@ -114,6 +114,65 @@ def check_vocabulary(model, tokenizer, folder: Path, where: str) -> None:
                         "the model was trained with)", f"{tokenizer!r} with {have} ids, {folder} with vocab_size {want}")
 
 
+def other_tokenizer_warning(folder: Path, override: str | None, tokenizer, where: str) -> None:
+    """A warning on stderr where ``--tokenizer`` (``override``, loaded as ``tokenizer``) is not the
+    tokenizer that ``folder`` holds (its ``tilegraph_tokenizer.json``, else its ``tokenizer.json``):
+    its ids are other tokens to the model (a byte tokenizer's 101 is "e", a BPE id 101 another
+    piece), so a loss or a text of it means nothing, and nothing else says so. None where the folder
+    holds no tokenizer, or one that cannot be read (--tokenizer is then the way round it)."""
+    from tilegraph._errors import TileError
+
+    if not override or not any((folder / n).is_file() for n in ("tilegraph_tokenizer.json", "tokenizer.json")):
+        return
+    try:
+        own = load_tokenizer(folder, None, where)
+    except (TileError, OSError, ValueError):  # (a TileError is a ValueError)
+        return
+
+    def identity(tok) -> dict:  # (a BPE tokenizer's sha256 is its JSON's, eos aside)
+        return {k: v for k, v in tok.describe().items() if k in ("kind", "vocab_size", "sha256")}
+
+    if identity(own) != identity(tokenizer):
+        print(f"{where}: warning: --tokenizer {override} ({tokenizer!r}) is not the tokenizer {folder} holds "
+              f"({own!r}): its ids are other tokens to that model (leave --tokenizer out to use the model's)",
+              file=sys.stderr, flush=True)
+
+
+def run_data(folder: Path) -> dict:
+    """The settings of ``tilegraph eval`` that a checkpoint of tilegraph train records of its run's
+    [data] (``tilegraph_data.json``): ``seq_len``, the length of the windows its validation loss
+    was measured on; ``text_field``, its JSON Lines records' field; ``text``, the [data] keys that
+    name its text (``sources``, ``patterns``, ``max_mb``, ``val_fraction``: the held-out part it
+    validated on); ``tokens``, the count it read. Those it holds, checked (a record written by hand
+    or damaged: none of its bad values)."""
+    from tilegraph.cli.runs import read_data_record
+
+    record = read_data_record(folder) or {}
+
+    def whole(v, low: int = 1) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    def strings(v) -> bool:
+        return isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) and x for x in v)
+
+    def fraction(v, high: float) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= high
+
+    out = {}
+    seq_len, field = record.get("seq_len"), record.get("text_field")
+    if whole(seq_len):
+        out["seq_len"] = seq_len
+    if isinstance(field, str) and field:
+        out["text_field"] = field
+    if whole(record.get("tokens"), 0):
+        out["tokens"] = record["tokens"]
+    text = {k: record.get(k) for k in ("sources", "patterns", "max_mb", "val_fraction")}
+    if strings(text["sources"]) and strings(text["patterns"]) and fraction(text["max_mb"], float("inf")) \
+            and fraction(text["val_fraction"], 1) and text["val_fraction"] < 1:
+        out["text"] = text
+    return out
+
+
 #: generate()'s options that shape sampling -> the flags that set them
 SAMPLING_FLAGS = {"top_k": "--top-k", "top_p": "--top-p", "temperature": "--temperature"}
 _FINITE_POSITIVE = number_check(strict=True, finite=True)
@@ -213,6 +272,7 @@ def _generate(args) -> int:
     if prompt.size == 0:
         raise tg.TileError(where, "a non-empty --prompt", repr(args.prompt))
     check_vocabulary(model, tokenizer, folder, where)
+    other_tokenizer_warning(folder, args.tokenizer, tokenizer, where)
     note = sampling_note(folder, args)
     if note:
         print(note, file=sys.stderr, flush=True)
@@ -249,8 +309,10 @@ def _generate(args) -> int:
     return 0
 
 
-#: the default corpus of `tilegraph eval`, as `tilegraph train` builds it with the shipped config
-EVAL_DEFAULT_CORPUS = "the shipped config's corpus (the standard library's sources), its validation split"
+#: the default corpus of `tilegraph eval`: a run's own (its checkpoint's tilegraph_data.json), else
+#: as `tilegraph train` builds it with the shipped config
+EVAL_DEFAULT_CORPUS = ("the validation split of the text the checkpoint's run trained on (its tilegraph_data.json), "
+                       "else of the shipped config's corpus (the standard library's sources)")
 
 
 def cmd_eval(args) -> int:
@@ -267,6 +329,7 @@ def _eval(args) -> int:
     from tilegraph._errors import TileError
     from tilegraph.io import TokenDataset, build_token_file
     from tilegraph.io.data import DEFAULT_PATTERNS
+    from tilegraph.cli.runs import DATA_FILE
     from tilegraph.trainer import _default_row_tile, lm_loss, perplexity
 
     where = "tilegraph eval"
@@ -278,14 +341,22 @@ def _eval(args) -> int:
     tokenizer = load_tokenizer(folder, args.tokenizer, where)
     cfg = model.config
     check_vocabulary(model, tokenizer, folder, where)
+    other_tokenizer_warning(folder, args.tokenizer, tokenizer, where)
     job, _ = load_config(None)
     d = job["data"]
-    seq_len = args.seq_len if args.seq_len is not None else min(int(d["seq_len"]), cfg.max_seq_len)
+    run = run_data(folder)  # a tilegraph train checkpoint's [data]: its windows' seq_len, its text's field
+    seq_len = args.seq_len if args.seq_len is not None else min(run.get("seq_len", int(d["seq_len"])),
+                                                                cfg.max_seq_len)
+    text_field = getattr(args, "text_field", None) or run.get("text_field", "text")
     if seq_len > cfg.max_seq_len:
         raise TileError(where, f"--seq-len of at most the model's max_seq_len={cfg.max_seq_len}", str(seq_len))
     if args.data:  # the whole of the user's corpus
         sources, split, val_fraction, what = list(args.data), "train", 0.0, "the corpus"
         patterns = DEFAULT_PATTERNS
+    elif "text" in run:  # the text the run trained on; only its held-out part, as its validation loss
+        sources, val_fraction, split = run["text"]["sources"], run["text"]["val_fraction"], "val"
+        what = f"the validation split (last {val_fraction:.0%}) of the run's text ({DATA_FILE})"
+        patterns = run["text"]["patterns"]
     else:  # what `tilegraph train` trains on by default; only its held-out part
         sources, split, val_fraction = stdlib_files(d["patterns"], int(d["max_mb"] * 1e6)), "val", d["val_fraction"]
         what = f"the validation split (last {val_fraction:.0%}) of the default training corpus"
@@ -293,12 +364,39 @@ def _eval(args) -> int:
     batch_size = args.batch_size
     with tempfile.TemporaryDirectory(prefix="tilegraph-eval-") as tmp:
         try:
-            meta = build_token_file(sources, Path(tmp) / "tokens.bin", tokenizer, patterns=patterns)
+            if "text" in run and not args.data:  # read as the run read it (its max_mb, its globs)
+                from tilegraph.cli.train import build_corpus
+
+                meta, _ = build_corpus({**run["text"], "text_field": text_field}, Path(tmp) / "tokens.bin", tokenizer)
+            else:
+                meta = build_token_file(sources, Path(tmp) / "tokens.bin", tokenizer, patterns=patterns,
+                                        text_field=text_field)
         except TileError as e:  # a missing path, a binary or non-UTF-8 file, nothing found: named as --data's
-            raise TileError(f"{where} --data" if args.data else where, e.what, e.received) from None
+            from tilegraph.cli.train import binary_token_file
+
+            if "text" in run and not args.data:  # the run's sources, moved or changed since
+                raise TileError(where, f"{e.what}: without --data, eval reads the held-out part of the text the run "
+                                f"trained on, the [data] sources that {folder / DATA_FILE} records "
+                                f"({', '.join(map(str, sources))}); put them back, or name text to evaluate on with "
+                                "--data", e.received) from None
+            what, token_file = e.what, binary_token_file(e.what, e.received)
+            if token_file:  # a run's tokens.bin: "contains NUL bytes (binary?)" said no more
+                what += (f": {token_file} is a token file of tilegraph (a run's tokens.bin), ids of its tokenizer; "
+                         "--data takes text: the files it was made from (a run's checkpoints name them in "
+                         f"{DATA_FILE})")
+            elif what.startswith("each record to hold its text in the field") and "text_field" in run \
+                    and not getattr(args, "text_field", None):  # where the field came from
+                what += f" (the run's [data] text_field, which {folder / DATA_FILE} records)"
+            raise TileError(f"{where} --data" if args.data else where, what, e.received) from None
         if meta["count"] < seq_len + 1 or (meta["count"] - 1) // seq_len < batch_size:
             raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
                             f"{seq_len + 1} tokens", f"{meta['count']:,} tokens from {len(sources)} source(s)")
+        recorded = run.get("tokens")
+        if "text" in run and not args.data and recorded is not None and recorded != meta["count"] \
+                and not args.tokenizer:  # (another tokenizer: other counts, and its own warning)
+            print(f"{where}: warning: the run's text is not what it trained on: {meta['count']:,} tokens now, "
+                  f"{recorded:,} then ({folder / DATA_FILE}); its validation split holds other windows",
+                  file=sys.stderr, flush=True)
         ds = TokenDataset(Path(tmp) / "tokens.bin", seq_len, split=split, val_fraction=val_fraction)
         # the default corpus is read in its validation part only (5% of it), which may hold fewer
         # windows (eval_offsets' error named the temporary token file and batch_size, no flag)
@@ -309,9 +407,10 @@ def _eval(args) -> int:
                             f"{ds.hi - ds.lo:,} tokens, {ds.num_eval_windows:,} window(s), from {len(sources)} "
                             "source(s)")
         batches = ds.eval_offsets(batch_size, args.batches)
+        seq_from = " (the run's [data] seq_len)" if args.seq_len is None and "seq_len" in run else ""
         windows = len(batches) * batch_size
         print(f"tilegraph eval: {type(model).__name__} ({model.num_parameters():,} parameters) from {folder}; "
-              f"{what}: {ds.hi - ds.lo:,} tokens, {windows:,} windows of {seq_len} spread over "
+              f"{what}: {ds.hi - ds.lo:,} tokens, {windows:,} windows of {seq_len}{seq_from} spread over "
               f"{'all of it' if windows == ds.num_eval_windows else 'it'} "
               f"({windows * seq_len / (ds.hi - ds.lo):.1%} of its tokens)", flush=True)
         with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
@@ -342,8 +441,10 @@ def cmd_convert(args) -> int:
                                       else f"which holds {src}"))
     model = load_model(src, where, hf_dtype=None)  # a Hugging Face folder's own dtype: float16 stays float16
     files = {}
+    # (generate's end-of-text token, and its other defaults; eval's text and seq_len: the run's
+    # tilegraph_data.json, so that a quantized copy is measured on what the checkpoint is)
     for name in ("tilegraph_tokenizer.json", "bpe_tokenizer.json", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):  # (generate's end-of-text token, and its other defaults)
+                 "generation_config.json", "tilegraph_data.json"):
         if (src / name).is_file():
             files[name] = (src / name).read_bytes()
     files.update(_hf_tokenizer_files(src, files, where))  # a checkpoint written before it held tokenizer.json
