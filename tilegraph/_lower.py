@@ -661,7 +661,9 @@ class Executable:
             futures = {}
             # (a worker of the plan retiring meanwhile: the step's error names it, as gone, without
             # the scheduler's traceback of a scatter to a worker it no longer knows)
-            runtime._require_staying(sorted(a for a in by_worker if a is not None))
+            pinned = sorted(a for a in by_worker if a is not None)
+            if pinned:  # (none: each program goes to every worker there is)
+                runtime._require_staying(pinned)
             for addr, progs in by_worker.items():
                 where = {"broadcast": True} if addr is None else {"workers": [addr]}
                 with no_worker_alive_error("tilegraph.Executable", "the step's programs",
