@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from tilegraph import _config
 from tilegraph._progress import _Aside, _import_matplotlib_aside, _progress
 from tilegraph._train import (StepStats, StepTimeoutError, WorkerLostError, _steps_text, end_calls, on_workers,
-                              why_removed)
-from tilegraph.runtime import LEAVING, _plural
+                              why_removed, workers_left)
+from tilegraph.runtime import _plural
 
 logger = logging.getLogger("tilegraph")
 
@@ -392,9 +392,7 @@ class FitRun:
             return None
         try:
             info = tr.runtime.workers()
-            staying = {a for a, w in info.items() if w.get("status") not in LEAVING}
-            planned = {a for exe in tr.step.executables if exe.workers is not None for a in exe.workers.memory_limits}
-            left = planned - staying
+            staying, left = workers_left(info, tr.step.executables)
             if not staying or not left or set(e.workers) & set(info):  # (a lost worker still there: stalled)
                 return None
             if self.waiting:  # the oldest step not logged yet failed: what its cells held before it

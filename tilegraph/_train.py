@@ -836,17 +836,15 @@ class TrainStep:
     def _drop_plans_off_cluster(self) -> bool:
         """Where a recorded plan names a worker no longer in the cluster, or leaving it (retired),
         forget the plans (the next step plans for the workers staying) and return True."""
-        from tilegraph.runtime import LEAVING
-
         made = [exe for exe in self.executables
                 if exe.workers is not None and exe.runtime is not None and not exe.runtime.closed]
         if not made:
             return False
         try:
-            staying = {a for a, w in made[0].runtime.workers().items() if w.get("status") not in LEAVING}
+            staying, left = workers_left(made[0].runtime.workers(), made)
         except Exception:  # (the scheduler gone too: the caller's error stands)
             return False
-        if not staying or all(set(exe.workers.memory_limits) <= staying for exe in made):
+        if not staying or not left:
             return False
         self.reset_plans()
         return True
@@ -1248,6 +1246,17 @@ def retired_in(events) -> set[str]:
     return retired
 
 
+def workers_left(info, executables) -> tuple[set[str], set[str]]:
+    """``(staying, left)``: the workers of ``info`` (a runtime's ``workers()``, the scheduler's
+    records) not leaving the cluster (:data:`tilegraph.runtime.LEAVING`), and those the plans of
+    ``executables`` name that are gone or leaving."""
+    from tilegraph.runtime import LEAVING
+
+    staying = {a for a, w in info.items() if w.get("status") not in LEAVING}
+    planned = {a for exe in executables if exe.workers is not None for a in exe.workers.memory_limits}
+    return staying, planned - staying
+
+
 def why_removed(runtime, workers) -> str:
     """How ``workers`` left the cluster, by the scheduler's event log: "retired from the cluster"
     (a ``retire_workers``: a user's, or a cluster scaling down; or leaving so), else "left the
@@ -1467,16 +1476,13 @@ class PendingStep:
         stalled) and every value the step read is held by a worker left, undo the step, drop the
         owner's plans and return the error that says so. None where that cannot be done (a
         worker that died took values with it): ``e`` stands."""
-        from tilegraph.runtime import LEAVING
-
         undo, owner = self._undo, self.owner
         if undo is None or e.stalled or e.during is not None or e.steps is None or self.steps[0] not in e.steps:
             return None
         try:
             info = runtime.workers()
-            staying = {a for a, w in info.items() if w.get("status") not in LEAVING}
-            planned = {a for exe in owner.executables if exe.workers is not None for a in exe.workers.memory_limits}
-            left = sorted(planned - staying)
+            staying, gone = workers_left(info, owner.executables)
+            left = sorted(gone)
             if not staying or not left or set(e.workers) & set(info):
                 return None
             if undo.before is None or undo.undone is not None or undo.rollbacks != owner._rollbacks \
