@@ -98,6 +98,7 @@ class Lab:
 
     def __enter__(self) -> "Lab":
         _stale_namespaces()
+        self.folder.mkdir(parents=True, exist_ok=True)  # (the logs and the scheduler file)
         try:
             _ip("link", "set", "lo", "up")
             _ip("link", "add", _BRIDGE, "type", "bridge")

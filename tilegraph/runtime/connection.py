@@ -43,11 +43,59 @@ def _tls_files(where: str, ca_file, cert, key) -> tuple[str, str, str] | None:
     except ssl.SSLError as e:
         raise TileError(where, "tls_ca_file: a PEM CA certificate", f"{ca_file!r} ({e})") from None
     try:
-        ctx.load_cert_chain(cert, key)
+        ctx.load_cert_chain(cert, key, password=_no_passphrase)
+    except _NeedsPassphrase:
+        # (without the callback OpenSSL asked for it on the terminal, or, with none, failed with a
+        # bare "OSError: [Errno 22] Invalid argument"; Dask's processes load the key with no passphrase)
+        raise TileError(where, "tls_key: a private key without a passphrase, which Dask's scheduler, workers and "
+                        "clients cannot give (make it with openssl's -nodes, as the README's Security section does, "
+                        "or write it out without one: openssl pkey -in KEY -out key.pem)",
+                        f"{key!r}: an encrypted private key") from None
     except ssl.SSLError as e:
         raise TileError(where, "tls_cert and tls_key: a PEM certificate and its private key",
                         f"tls_cert={cert!r}, tls_key={key!r} ({e})") from None
+    _check_valid_now(where, "tls_cert", cert, [_decoded_certificate(cert)])
+    _check_valid_now(where, "tls_ca_file", ca_file, ctx.get_ca_certs())
     return ca_file, cert, key
+
+
+class _NeedsPassphrase(Exception):
+    pass
+
+
+def _no_passphrase():
+    """``load_cert_chain``'s password callback: an encrypted key is refused, not asked about."""
+    raise _NeedsPassphrase
+
+
+def _decoded_certificate(path: str) -> dict | None:
+    """The first certificate of a PEM file as ``ssl`` decodes a peer's (its notBefore and
+    notAfter), or None where this Python cannot say (the decoder is CPython's, not public API)."""
+    try:
+        return ssl._ssl._test_decode_cert(path)
+    except Exception:  # (absent elsewhere, or a file it cannot read: the peer will tell)
+        return None
+
+
+def _check_valid_now(where: str, name: str, path: str, certificates: list[dict | None]) -> None:
+    """Refuse certificates none of which is valid now (expired, or not yet valid). Every peer
+    refuses such a certificate in its TLS handshake, and says only "bad certificate" or
+    "certificate expired" there (an expired CA: "certificate verify failed" for every peer's);
+    an embedded cluster's workers could not join its scheduler at all."""
+    now, found = time.time(), []
+    for info in certificates:
+        try:
+            start, end = (ssl.cert_time_to_seconds(info[k]) for k in ("notBefore", "notAfter"))
+        except (TypeError, KeyError, ValueError):
+            return  # not decoded: the handshake decides
+        if start <= now <= end:
+            return
+        found.append(f"expired {info['notAfter']}" if now > end else f"not valid before {info['notBefore']}")
+    if found:  # (the dates as the certificate's own are written)
+        today = time.strftime("%b %d %H:%M:%S %Y GMT", time.gmtime(now))
+        raise TileError(where, f"{name}: a certificate valid now (every peer refuses it in the TLS handshake; "
+                        "make a new one, as the README's Security section does, or check this machine's clock)",
+                        f"{path!r}: {'; '.join(found)} (now {today})")
 
 
 def _security_from_files(files: tuple[str, str, str]):
@@ -319,6 +367,7 @@ def _probe_scheduler(where: str, address: str, target: str, timeout: float, secu
             done = greeting.read(min(deadline, time.monotonic() + _HTTP_CHECK_AFTER))
             if not done and ctx is None:
                 _check_not_http(host, port, deadline)
+                _check_not_tls(host, port, deadline)
             done = done or greeting.read(deadline)
         except ssl.SSLError as e:  # TLS 1.3: a refused client certificate shows at the first read
             raise TileError(where, f"a TLS connection the scheduler at {address} accepts (is this client's "
@@ -445,6 +494,12 @@ def _dial(where, host, port, deadline, ctx, address, target, timeout):
             sock.close()
             raise TileError(where, f"no Dask scheduler answered within {timeout:g} s: the peer at {address} did not "
                             "complete a TLS handshake (is it a tcp:// scheduler?)", target) from None
+        except ssl.SSLCertVerificationError as e:
+            sock.close()  # a TLS server, whose certificate this client's CA file does not vouch for
+            raise TileError(where, f"a TLS handshake with the scheduler at {address}: its certificate failed "
+                            f"verification against tls_ca_file ({e.verify_message}: is tls_ca_file the CA that "
+                            "signed the cluster's certificates, and are they valid now?)",
+                            f"{target} ({type(e).__name__}: {e})") from None
         except (ssl.SSLError, OSError) as e:
             sock.close()
             raise TileError(where, f"a TLS handshake with the scheduler at {address} (is it a tls:// scheduler, "
@@ -470,3 +525,38 @@ def _check_not_http(host, port, deadline) -> None:
         if _is_http(first) or first[:2] == b"\x15\x03":
             raise _classify(first, closed=False)
         # anything else (a slow Dask server's greeting): the first connection decides
+
+
+def _client_hello() -> bytes:
+    """The first bytes a TLS client sends (a ClientHello record), made by ``ssl`` in memory."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def _check_not_tls(host, port, deadline) -> None:
+    """A peer silent on a plain connection (and no HTTP server): ask on another one whether it
+    is a TLS server (a tls:// scheduler dialled as tcp://, or as HOST:PORT without certificates),
+    which waits for a client's hello and answers one with its own (``16 03``) or an alert.
+    Without this, such a client waited out the whole timeout for "no Dask handshake".
+
+    A plain Dask server still starting that gets the hello reads its first 8 bytes as a message
+    length, refuses it and drops this connection (it logs a failed handshake); the first
+    connection then decides."""
+    try:
+        sock = socket.create_connection((host, port), timeout=max(0.001, deadline - time.monotonic()))
+    except OSError:
+        return
+    with contextlib.closing(sock):
+        try:
+            sock.sendall(_client_hello())
+            sock.settimeout(max(0.001, min(deadline, time.monotonic() + 1.0) - time.monotonic()))
+            first = sock.recv(16)
+        except OSError:
+            return
+        if first[:1] in (b"\x16", b"\x15") and first[1:2] == b"\x03":  # a handshake record, or an alert
+            raise _NotDask("it answered a TLS client's hello as a TLS server does", _TLS_HINT)
