@@ -955,7 +955,8 @@ def _read_attrs(path: Path, where: str) -> dict:
         doc = json.loads(meta.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(where, "a readable zarr.json", f"{meta}: {e}") from None
-    attrs = (doc.get("attributes") or {}).get(ATTR) if isinstance(doc, dict) else None
+    group = doc.get("attributes") if isinstance(doc, dict) else None  # (any JSON: a damaged or foreign file)
+    attrs = group.get(ATTR) if isinstance(group, dict) else None
     if not isinstance(attrs, dict) or attrs.get("format") != FORMAT:
         raise CheckpointError(where, "a tilegraph checkpoint (a Zarr group without tilegraph's attributes is not one)",
                               str(path))

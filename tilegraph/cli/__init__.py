@@ -183,6 +183,10 @@ def _run(argv) -> int:
     from tilegraph._errors import TileError
 
     try:
+        for name in ("checkpoint", "src", "dst"):  # "" is the current folder to Path: named as what it is
+            if getattr(args, name, None) == "":
+                raise TileError(f"tilegraph {args.command}", f"{name.upper()}, a path",
+                                "'' (an empty string: an unset shell variable?)")
         return args.func(args)
     except TileError as e:  # bad input: one clear line, no traceback
         print(f"tilegraph {args.command}: error: {e}", file=sys.stderr)

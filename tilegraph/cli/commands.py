@@ -329,13 +329,15 @@ def _eval(args) -> int:
     from tilegraph._errors import TileError
     from tilegraph.io import TokenDataset, build_token_file
     from tilegraph.io.data import DEFAULT_PATTERNS
-    from tilegraph.cli.runs import DATA_FILE
+    from tilegraph.cli.runs import DATA_FILE, data_record_problem
     from tilegraph.trainer import _default_row_tile, lm_loss, perplexity
 
     where = "tilegraph eval"
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise TileError(where, f"{flag} must be an integer >= 1", str(value))
+    if getattr(args, "text_field", None) == "":  # (it fell back to the run's field, or "text", unsaid)
+        raise TileError(where, "--text-field, the name of the field of JSON records that holds their text", "''")
     folder = Path(args.checkpoint)
     model = load_model(folder, where)
     tokenizer = load_tokenizer(folder, args.tokenizer, where)
@@ -345,6 +347,11 @@ def _eval(args) -> int:
     job, _ = load_config(None)
     d = job["data"]
     run = run_data(folder)  # a tilegraph train checkpoint's [data]: its windows' seq_len, its text's field
+    damaged = data_record_problem(folder)
+    if damaged and not args.data:  # else it measured the default corpus instead of the run's text, unsaid
+        raise TileError(where, f"a readable {DATA_FILE} in the checkpoint: without --data, eval reads the held-out "
+                        "part of the text the run trained on, which it records (or name text to evaluate on with "
+                        "--data)", damaged)
     seq_len = args.seq_len if args.seq_len is not None else min(run.get("seq_len", int(d["seq_len"])),
                                                                 cfg.max_seq_len)
     text_field = getattr(args, "text_field", None) or run.get("text_field", "text")
@@ -387,6 +394,8 @@ def _eval(args) -> int:
             elif what.startswith("each record to hold its text in the field") and "text_field" in run \
                     and not getattr(args, "text_field", None):  # where the field came from
                 what += f" (the run's [data] text_field, which {folder / DATA_FILE} records)"
+            elif what.startswith("no files found") and args.data:  # a folder of .jsonl, say: how to name them
+                what += _other_files_hint(args.data)
             raise TileError(f"{where} --data" if args.data else where, what, e.received) from None
         if meta["count"] < seq_len + 1 or (meta["count"] - 1) // seq_len < batch_size:
             raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
@@ -409,10 +418,17 @@ def _eval(args) -> int:
         batches = ds.eval_offsets(batch_size, args.batches)
         seq_from = " (the run's [data] seq_len)" if args.seq_len is None and "seq_len" in run else ""
         windows = len(batches) * batch_size
+        # the settings that make two evals (and the run's val_loss) comparable, named as the flags
+        asked = "" if len(batches) == args.batches else f" (--batches {args.batches}: the text holds {len(batches)})"
         print(f"tilegraph eval: {type(model).__name__} ({model.num_parameters():,} parameters) from {folder}; "
               f"{what}: {ds.hi - ds.lo:,} tokens, {windows:,} windows of {seq_len}{seq_from} spread over "
               f"{'all of it' if windows == ds.num_eval_windows else 'it'} "
-              f"({windows * seq_len / (ds.hi - ds.lo):.1%} of its tokens)", flush=True)
+              f"({windows * seq_len / (ds.hi - ds.lo):.1%} of its tokens); {len(batches):,} "
+              f"batch{'es' if len(batches) != 1 else ''} of {batch_size}{asked}", flush=True)
+        if "text" in run and not args.data and not args.tokenizer:  # the run's own validation text
+            note = _run_validation_note(folder, args.batches, batch_size, seq_len)
+            if note:
+                print(note, flush=True)
         with (contextlib.nullcontext() if args.local else tg.connect(quiet=True, dashboard=False)) as rt:
             rows = getattr(model.tiling, "batch", None) or _default_row_tile(rt, batch_size, seq_len * cfg.dim)
             seq_tile = getattr(model.tiling, "seq", None)
@@ -421,6 +437,60 @@ def _eval(args) -> int:
             loss = float(np.mean(ev.losses([(b,) for b in batches])))
     print(f"loss {loss:.4f}, perplexity {perplexity(loss):.3f}")
     return 0
+
+
+def _other_files_hint(sources: list[str]) -> str:
+    """For --data folders in which no file matched the patterns eval reads: the kinds of file
+    they hold, and the glob that names them ('' where they hold none): a folder of JSON Lines was
+    "no files found" alone, and eval has no flag of [data] patterns."""
+    from collections import Counter
+
+    kinds = Counter()
+    for source in sources:
+        folder = Path(source)
+        if folder.is_dir():
+            for f in folder.rglob("*"):
+                if f.is_file() and not f.name.startswith(".") and f.suffix:
+                    kinds[(source, f.suffix)] += 1
+    if not kinds:
+        return ""
+    shown = ", ".join(f"{n} {suffix} file{'s' if n != 1 else ''} in {source}" for (source, suffix), n in
+                      kinds.most_common(4))
+    (source, suffix), _ = kinds.most_common(1)[0]
+    glob = f"{source.rstrip('/')}/**/*{suffix}"
+    return f"; they hold {shown}: name them with a glob, e.g. --data '{glob}'"
+
+
+def _run_validation_note(folder: Path, n_batches: int, batch_size: int, seq_len: int) -> str | None:
+    """How an eval of a run's checkpoint ``folder`` on the run's validation text, in windows of
+    ``seq_len`` (the run's) with ``n_batches`` (--batches) of ``batch_size`` (--batch-size), stands
+    to the run's own validation loss: the same (its metrics.jsonl's val_loss at that step, where
+    it evaluated there) or, with other settings, not comparable, naming the flags that give it.
+    None where the checkpoint does not record the run's validation settings (a converted one, a
+    Hugging Face folder) or they differ in seq_len."""
+    from tilegraph.io.zarr import load_checkpoint
+
+    if not (folder / "zarr.json").is_file():
+        return None
+    try:
+        ck = load_checkpoint(folder)
+        trainer, step = ck.info.get("trainer") or {}, ck.step
+    except ValueError:  # (a TileError: load_model read it; a damaged one is named there)
+        return None
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    run_batches, rows, accum = (trainer.get(k) for k in ("eval_batches", "batch_size", "accum_steps"))
+    run_seq_len = run_data(folder).get("seq_len")
+    if not (whole(run_batches) and whole(rows) and whole(accum) and rows % accum == 0) or run_seq_len != seq_len:
+        return None
+    flags = f"--batches {run_batches} --batch-size {rows // accum}"
+    if (n_batches, batch_size) == (run_batches, rows // accum):
+        return (f"the run's own validation settings ({flags}: its eval_batches, batch_size / accum_steps): the loss "
+                f"below is its val_loss at step {step} (metrics.jsonl, where it evaluated at that step)")
+    return (f"the run validated with {flags} (its eval_batches, batch_size / accum_steps), not these settings: the "
+            f"loss below is not comparable with its val_loss at step {step} (metrics.jsonl); {flags} gives that one")
 
 
 def cmd_convert(args) -> int:
@@ -440,6 +510,7 @@ def cmd_convert(args) -> int:
                         f"{dst}, " + ("the source itself" if a == b else f"inside {src}" if a in b.parents
                                       else f"which holds {src}"))
     model = load_model(src, where, hf_dtype=None)  # a Hugging Face folder's own dtype: float16 stays float16
+    requantized = _quantized_source_note(src, dst, args.quantize, where)
     files = {}
     # (generate's end-of-text token, and its other defaults; eval's text and seq_len: the run's
     # tilegraph_data.json, so that a quantized copy is measured on what the checkpoint is)
@@ -465,9 +536,29 @@ def cmd_convert(args) -> int:
         model.to_hf(dst)
         for name, data in files.items():
             (dst / name).write_bytes(data)
+    if requantized:
+        print(requantized, file=sys.stderr, flush=True)
     print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}, {np.dtype(model.dtype)}"
           + (f", quantized {args.quantize}" if args.quantize is not None else "") + ")")
     return 0
+
+
+def _quantized_source_note(src: Path, dst: Path, quantize: str | None, where: str) -> str | None:
+    """The note of a convert whose source ``src`` is a quantized Zarr checkpoint: the destination
+    holds its dequantized weights (in float, or quantized again by ``quantize``: that error on
+    top of the source's), not the float weights it was quantized from; silently, an int4 copy
+    converted to int8 read as an int8 quantization of the model. None for any other source."""
+    from tilegraph.cli.finetune import quantization_summary
+    from tilegraph.io.zarr import load_checkpoint
+
+    if not (src / "zarr.json").is_file():
+        return None
+    summary = quantization_summary(load_checkpoint(src))  # (load_model has read it: no error here)
+    if summary is None:
+        return None
+    how = f"quantized again as {quantize}: its error on top of theirs" if quantize is not None else "unquantized"
+    return (f"{where}: note: {src} is a quantized checkpoint ({summary}): {dst} holds its dequantized weights "
+            f"({how}), not the float weights they were quantized from")
 
 
 def _hf_tokenizer_files(src: Path, files: dict[str, bytes], where: str) -> dict[str, bytes]:
@@ -520,11 +611,16 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
         tiling = model.get("tiling")
         print(f"model: {model['architecture']} {model.get('config')} tiling {tiling}"
               + (" (None: the dim in one tile)" if isinstance(tiling, dict) and None in tiling.values() else ""))
+    stored = model.get("adapters")
+    if isinstance(stored, dict) and not (folder / PEFT_FILE).is_file():  # (a run's: its fine-tuning line)
+        for line in _adapter_lines(stored.get("lora"), stored.get("lotr"),
+                                   " (saved with the model; generate, eval and convert merge them)"):
+            print(line)
     opt = ck.optimizer_info
     if opt:
         print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}")
-    if ck.metadata:
-        print(f"metadata: {json.dumps(ck.metadata)}")
+    for line in _metadata_lines(folder, ck):
+        print(line)
     record = read_peft_record(folder, "tilegraph info")
     if record is not None:
         kept = record.get("base_in_checkpoint", True)
@@ -561,6 +657,110 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
     print("chunks: every chunk " + ("read, each matching its CRC32C" if verify else
                                     "file there, of its size (--verify reads them against their CRC32C)"))
     return 0
+
+
+def _metadata_lines(folder: Path, ck) -> list[str]:
+    """A checkpoint's metadata, in words: the adapters a ``save_adapters`` folder (or a model saved
+    with them) records and the fingerprint of their base, summarised (its numbers, 16 a layer,
+    stay in zarr.json: printed whole they buried the rest); any other keys as JSON."""
+    from tilegraph.peft import BASE_PROBE
+
+    meta = dict(ck.metadata or {})
+    lora, lotr, probe = meta.pop("lora", None), meta.pop("lotr", None), meta.pop(BASE_PROBE, None)
+    lines = []
+    alone = adapters_only(folder, ck.info)
+    if alone:
+        lines.append(f"{alone}: no model (tilegraph.peft.load_adapters loads them onto their base)")
+    lines += _adapter_lines(lora, lotr)
+    if isinstance(probe, dict) and probe:
+        lines.append(f"base fingerprint ({BASE_PROBE}): {_base_summary(folder, lora, lotr, len(probe))}; digest "
+                     f"{_digest(probe)} (of its 16 numbers a layer, in {folder / 'zarr.json'}, which "
+                     "tilegraph.peft.load_adapters checks the base it loads onto against)")
+    elif probe is not None:
+        meta[BASE_PROBE] = probe  # not what save_adapters writes: shown as it is
+    if meta:
+        lines.append(f"metadata: {json.dumps(meta)}")
+    return lines
+
+
+def _adapter_lines(lora, lotr, how: str = "") -> list[str]:
+    """The adapters that :func:`tilegraph.peft.adapter_settings` records (``lora``: layer ->
+    settings; ``lotr``: its groups), a line a kind, layers grouped by their settings; ``how``
+    follows the kind's name."""
+    lines = []
+    if isinstance(lora, dict) and lora:
+        lines.append(f"LoRA adapters{how}: " + _adapter_groups(
+            {name: ("rank", s.get("rank"), "alpha", s.get("alpha"), "dropout", s.get("dropout"))
+             for name, s in lora.items() if isinstance(s, dict)}))
+    if isinstance(lotr, list) and lotr:
+        lines.append(f"LoTR adapters{how}: " + "; ".join(
+            _adapter_groups({name: ("rank", g.get("rank"), "scale", g.get("scale")) for name in g.get("layers") or []})
+            + ", sharing one R and L" for g in lotr if isinstance(g, dict)))
+    return lines
+
+
+def _digest(value) -> str:
+    """The first 12 hex digits of the SHA-256 of ``value`` as canonical JSON."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+
+
+def _layer_names(names: list[str]) -> str:
+    """Layer names, short: ``attn.q, attn.v of blocks 0-11`` for the same layers of consecutive
+    blocks, else the names (the first 8 and how many)."""
+    import re
+
+    parts = [re.fullmatch(r"(.*?blocks)\.(\d+)\.(.+)", n) for n in names]
+    if names and all(parts) and len({m.group(1) for m in parts}) == 1:
+        blocks = sorted({int(m.group(2)) for m in parts})
+        suffixes = sorted({m.group(3) for m in parts})
+        if len(names) == len(blocks) * len(suffixes):  # every suffix in every block
+            span = (f"{blocks[0]}-{blocks[-1]}" if len(blocks) > 1 and blocks == list(range(blocks[0], blocks[-1] + 1))
+                    else ", ".join(map(str, blocks)))
+            return (f"{', '.join(suffixes)} of {parts[0].group(1)} {span} ({len(names)} layer"
+                    f"{'s' if len(names) != 1 else ''})")
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+
+def _adapter_groups(settings: dict[str, tuple]) -> str:
+    """Layers grouped by their settings (name -> (key, value, key, value, ...)), in words."""
+    groups: dict[tuple, list[str]] = {}
+    for name, values in settings.items():
+        groups.setdefault(values, []).append(name)
+    return "; ".join(f"{_layer_names(names)}: " + ", ".join(f"{values[i]} {values[i + 1]:g}"
+                                                            if isinstance(values[i + 1], (int, float))
+                                                            else f"{values[i]} {values[i + 1]!r}"
+                                                            for i in range(0, len(values), 2))
+                     for values, names in groups.items())
+
+
+def _base_summary(folder: Path, lora, lotr, layers: int) -> str:
+    """The base an adapters folder was saved on, as far as it is known: the model of the
+    checkpoint it lies in (a tilegraph train run's), and the shapes of the adapted weights."""
+    from collections import Counter
+
+    shapes = Counter()
+    for s in (lora or {}).values() if isinstance(lora, dict) else ():
+        if isinstance(s, dict) and isinstance(s.get("shape"), list):
+            shapes["x".join(map(str, s["shape"]))] += 1
+    for g in lotr or [] if isinstance(lotr, list) else ():
+        if isinstance(g, dict) and isinstance(g.get("shape"), list):
+            shapes["x".join(map(str, g["shape"]))] += len(g.get("layers") or [])
+    said = f"{layers} layer{'s' if layers != 1 else ''}"
+    if shapes:
+        said += " of weights " + ", ".join(f"{shape} ({n})" for shape, n in shapes.most_common())
+    parent = folder.parent if folder.name not in ("", "..") else folder.resolve().parent
+    if not (parent / PEFT_FILE).is_file():  # not in the checkpoint of a tilegraph train run: its base unknown
+        return said
+    try:
+        model = json.loads((parent / "zarr.json").read_text(encoding="utf-8"))["attributes"]["tilegraph"]["model"]
+        config = model["config"]
+        said += (f", on the {model['architecture']} model of {parent} ({config['n_layers']} layers x {config['dim']} "
+                 "wide)")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        pass
+    return said
 
 
 def _check_hf_config(folder: Path) -> None:
@@ -606,9 +806,12 @@ def _print_sketch(folder: Path, ck) -> None:
 def _data_lines(folder: Path) -> list[str]:
     """What a checkpoint of tilegraph train records of its text (``tilegraph_data.json``) and its
     tokenizer (``tilegraph_tokenizer.json``), in words; none for a checkpoint without them."""
-    from tilegraph.cli.runs import DATA_FILE, read_data_record
+    from tilegraph.cli.runs import DATA_FILE, data_record_problem, read_data_record
 
     lines = []
+    damaged = data_record_problem(folder)
+    if damaged:  # (it was left out without a word; eval and --resume read it)
+        lines.append(f"data ({DATA_FILE}): unreadable, {damaged}")
     data = read_data_record(folder)
     if data is not None:
         tokens = data.get("tokens")
@@ -616,12 +819,18 @@ def _data_lines(folder: Path) -> list[str]:
                  if k != "tokens" and not (k == "text_field" and v == "text")}  # (JSON Lines' default field: said when other)
         lines.append(f"data ({DATA_FILE}): " + ", ".join(f"{k} = {v!r}" for k, v in shown.items())
                      + (f"; {tokens:,} tokens" if isinstance(tokens, int) else ""))
+    recorded = folder / "tilegraph_tokenizer.json"
+    if not recorded.exists():
+        return lines
     try:
-        desc = json.loads((folder / "tilegraph_tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        desc = None
+        desc = json.loads(recorded.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # (left out without a word: generate and eval refuse it)
+        desc = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
     if isinstance(desc, dict):
         lines.append("tokenizer (tilegraph_tokenizer.json): " + ", ".join(f"{k} = {v!r}" for k, v in desc.items()))
+    else:
+        lines.append(f"tokenizer (tilegraph_tokenizer.json): unreadable, {recorded}: "
+                     + (desc if isinstance(desc, str) else f"{type(desc).__name__}, not a JSON object"))
     return lines
 
 

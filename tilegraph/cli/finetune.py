@@ -159,13 +159,16 @@ def init_model(init: str, method: str):
             # merges them: those layers dequantized, the others kept quantized; [peft]'s added after
             model = peft.merge_lora(peft.from_quantized(folder, runtime=None, dtype=TRAIN_DTYPE))
             _say_widened(folder, where, stored_dtype(ck.info))
+            _say_quantized(folder, where, ck, kept=True)
             return model, True
     model = load_model(folder, where, zarr_dtype=TRAIN_DTYPE)
     if method == "none":  # full fine-tuning: adapters an --init holds come merged, and merge_lora leaves
         for param in model.parameters():  # their weights frozen (every weight was: "params: empty")
             param.requires_grad = True
     if zarr:  # (opened after load_model, whose errors name what is wrong with an incomplete one)
-        _say_widened(folder, where, stored_dtype((ck or load_checkpoint(folder)).info))
+        ck = ck or load_checkpoint(folder)
+        _say_widened(folder, where, stored_dtype(ck.info))
+        _say_quantized(folder, where, ck, kept=False)
     elif (folder / "config.json").is_file():
         _say_widened(folder, where)
     return model, False
@@ -195,6 +198,38 @@ def _say_widened(folder: Path, where: str, stored: str | None = None) -> None:
     how = "rounded" if stored == "float64" else "widened"
     print(f"{where}: the {stored} weights of {folder} were {how} to float32 for training (tilegraph train "
           "trains and checkpoints in float32)", file=sys.stderr, flush=True)
+
+
+def quantization_summary(ck) -> str | None:
+    """How the model weights of the Zarr checkpoint ``ck`` (opened:
+    :class:`tilegraph.io.zarr.Checkpoint`) are quantized, in words, as ``tilegraph info`` names a
+    quantization (``int4``, ``kashin:4``): "int4: 14 of its 36 arrays" (norms and biases are never
+    quantized); None where none is."""
+    from collections import Counter
+
+    model = {name: a for name, a in ck.arrays.items() if name.startswith("model/")}
+    kinds = Counter(q["method"] + (f":{q['bits']}" if q.get("bits") else "")
+                    for q in (a.get("quantized") for a in model.values()) if q)
+    if not kinds:
+        return None
+    return "; ".join(f"{kind}: {n} of its {len(model)} arrays" for kind, n in kinds.most_common())
+
+
+def _say_quantized(folder: Path, where: str, ck, kept: bool) -> None:
+    """One note on stderr when the init checkpoint ``ck`` (of ``folder``) stores quantized
+    weights: the run starts from their dequantized values, not from the float weights they were
+    quantized from (silently, an int4 checkpoint was trained as if it were the model).
+    ``kept``: its Linear weights stay quantized and frozen under adapters."""
+    import sys
+
+    summary = quantization_summary(ck)
+    if summary is None:
+        return
+    how = ("its Linear weights stay quantized and frozen, each tile dequantized to float32 where a step uses it, "
+           "and the adapters train in float32" if kept else
+           f"every weight trains in {TRAIN_DTYPE} from those values, stored unquantized in the run's checkpoints")
+    print(f"{where}: note: {folder} is a quantized checkpoint ({summary}): the run starts from its dequantized "
+          f"weights, not the float weights they were quantized from; {how}", file=sys.stderr, flush=True)
 
 
 def _hf_stored_dtype(folder: Path) -> str | None:

@@ -426,6 +426,20 @@ def read_data_record(folder: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def data_record_problem(folder: Path) -> str | None:
+    """What is wrong with the :data:`DATA_FILE` of a checkpoint that has one which
+    :func:`read_data_record` cannot read (damaged, edited by hand), in words with its path; None
+    for a readable one or none at all."""
+    f = Path(folder) / DATA_FILE
+    if not f.exists():
+        return None
+    try:
+        record = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{f}: " + (f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
+    return None if isinstance(record, dict) else f"{f}: {type(record).__name__}, not a JSON object"
+
+
 def recorded_sources_gone(error: TileError, resume: Resume, given: dict[str, str]) -> TileError:
     """The error ``error`` of reading the text of a resumed run, where its [data] sources are the
     ones its checkpoint's :data:`DATA_FILE` records (the job gives none) and one of them is gone
@@ -673,8 +687,10 @@ def quote(path) -> str:
 def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
     """Refuse, naming ``where`` (the command and flag), a path that is no checkpoint folder: one
     that does not exist, a run folder of tilegraph train (or its checkpoints/ folder: the newest
-    checkpoint in it named) and a Hugging Face folder (``hf_hint``: what to do with one). Other
-    folders are left to the checkpoint's loader, which names what is wrong with them; the temporary
+    checkpoint in it named), a Hugging Face folder (``hf_hint``: what to do with one), a file and a
+    folder without zarr.json (a damaged checkpoint, its arrays without it, named so). A folder with
+    zarr.json is left to the checkpoint's loader, which names what is wrong with it, and a peft
+    adapters folder (adapter_config.json) to the command, which names it as one; the temporary
     folder of a save (``.step-N.tmp-...``: being written, or left by an interrupted save) is refused
     here, naming the checkpoint it is for and the newest complete one (it was "not a tilegraph
     checkpoint folder" from the loader, or, its zarr.json written, loaded while it was renamed)."""
@@ -703,6 +719,16 @@ def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
     if (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise TileError(where, f"{want}; a Hugging Face folder holds a model alone: {hf_hint}",
                         f"{folder}, a Hugging Face folder")
+    if (folder / "adapter_config.json").is_file():  # a peft adapters folder: each command names it as one
+        return
+    # named by the command (the loader named itself, tilegraph.io.load_checkpoint(...), and "is not one")
+    if not folder.is_dir():
+        raise TileError(where, want, f"{folder} is a file, not a folder")
+    if any((folder / part).is_dir() and any((folder / part).glob("*/zarr.json")) for part in ("model", "optimizer")):
+        raise TileError(where, want, f"{folder}, whose model/ or optimizer/ folder holds a checkpoint's arrays but "
+                        "whose zarr.json, the checkpoint's index of them, is missing: a damaged or partly copied "
+                        "checkpoint")
+    raise TileError(where, want, f"{folder} holds none (no zarr.json)")
 
 
 def enclosing_checkpoint(folder: Path) -> Path | None:
