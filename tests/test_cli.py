@@ -42,19 +42,33 @@ def end_group(proc, grace: float = 30.0) -> None:
     (``sem.mp-*``): the process is killed alone and its group left to drain (its Dask workers go
     when their parent does, then multiprocessing's resource tracker, which unlinks the semaphores
     left over). A SIGKILL to the whole group killed the tracker with the others: 12 files in
-    /dev/shm for each command so ended. What still runs after ``grace`` seconds is killed."""
+    /dev/shm for each command so ended. What still runs after ``grace`` seconds is killed, the
+    resource trackers last: they unlink what is left once the others are gone (killed with them
+    at once, a child that outlived the command, say a rank or a loader's process, left 12 files)."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not _group_runs(proc.pid):
-            return
-        time.sleep(0.1)
+    if _drained(proc.pid, grace):
+        return
+    for pid, args in _group_members(proc.pid):
+        if "multiprocessing.resource_tracker" not in args:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    _drained(proc.pid, 10.0)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _drained(pgid: int, seconds: float) -> bool:
+    """Wait up to ``seconds`` until no process of group ``pgid`` runs; returns whether none does."""
+    deadline = time.monotonic() + seconds
+    while _group_runs(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _group_runs(pgid: int) -> bool:
@@ -64,17 +78,24 @@ def _group_runs(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    if not os.path.isdir("/proc"):
-        return True
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    return not os.path.isdir("/proc") or bool(_group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """The processes of group ``pgid`` that run (not zombies), with their command lines, by /proc
+    (none where there is no /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else ()):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state, _, group = f.read().rsplit(")", 1)[1].split()[:3]  # after "pid (name)": state ppid pgrp
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError):
             continue
         if state != "Z" and int(group) == pgid:
-            return True
-    return False
+            out.append((int(pid), args))
+    return out
 
 
 @contextlib.contextmanager

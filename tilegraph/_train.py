@@ -540,6 +540,9 @@ class TrainStep:
         #: does not roll back again (it read the failed step's values)
         self._rollbacks = 0
         self._last_undo = None  # a weak reference to the last step's _Undo
+        #: a step was sent as a worker its plans name left (:meth:`_sent_as_workers_left`): the
+        #: next one plans again (kept till then: the Trainer reads the plans' workers to undo it)
+        self._plans_off_cluster = False
         self._said_superseded = False  # (a newer optimizer over the parameters is said once)
         self._said_unshifted = False  # (targets equal to the inputs are said once: _warn_unshifted)
 
@@ -724,6 +727,7 @@ class TrainStep:
         then. The next step records and plans again on the runtime's workers of that moment."""
         self._cache.clear()
         self._acc_cells = self._acc_tot = self._weighted = None
+        self._plans_off_cluster = False
 
     def follow_workers(self) -> bool:
         """Plan again where the cluster's workers are no longer those the recorded graphs were
@@ -737,7 +741,7 @@ class TrainStep:
     def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
         """The recorded step for this batch signature, kind and number of steps, and whether it
         was recorded just now."""
-        if not _follows_current(self.executables, self.runtime):
+        if self._plans_off_cluster or not _follows_current(self.executables, self.runtime):
             self.reset_plans()
         structure = _structure(self.model)
         if structure != self._structure:  # the model changed in place (LoRA applied or merged)
@@ -817,7 +821,7 @@ class TrainStep:
         while True:
             try:
                 pending = self.submit(*batch)
-            except _lost_errors():  # (Dask's "values to send to worker ..., which left the cluster")
+            except (WorkerLostError, *_lost_errors()):  # a worker left as the step was sent: not counted
                 if self._drop_plans_off_cluster():
                     continue
                 raise
@@ -832,6 +836,46 @@ class TrainStep:
                                                        "the step runs again, planned for the workers "
                                                        "there are now", ", ".join(left), why,
                                                        _steps_text(pending.steps))
+
+    def _sent_as_workers_left(self, runtime, e: BaseException, steps: range) -> BaseException:
+        """What to raise for Dask's lost-worker error ``e``, met as ``steps`` were sent to the
+        workers (their values scattered, their graph submitted) and taken back (not counted).
+
+        Where a worker the plans name left the cluster or is leaving it (retired: Dask moved what
+        it held to the workers left) and every value the steps read is on the workers staying (or
+        here): a :class:`WorkerLostError` naming the worker and the steps that says to submit them
+        again, and the next step is planned for the workers there are. Before, ``step.submit``
+        raised Dask's bare ``CommClosedError`` ("values to send to worker ..., which left the
+        cluster"), and so did every later submit (the plans still named the worker). Otherwise a
+        worker was lost: the WorkerLostError of :func:`translate_worker_failure` (``e`` where
+        the scheduler names no cause)."""
+        where = "tilegraph.TrainStep"
+        if runtime is None:
+            return e
+        try:
+            info = runtime.workers()
+            staying, left = workers_left(info, self.executables)
+            kept = [c.value for p in self.optimizer.params for c in p.cells.flat]
+            kept += [c.value for state in self.optimizer.state for grid in state for c in grid.flat]
+            recoverable = bool(staying and left) and self.optimizer.step_count == steps[0] - 1 \
+                and on_workers(runtime, kept, staying)
+            why = why_removed(runtime, sorted(left)) if recoverable else ""
+        except Exception:  # (the scheduler gone too): said as a lost worker, or e
+            recoverable = False
+        if not recoverable:
+            return translate_worker_failure(runtime, e, _steps_text(steps), steps=steps, where=where) or e
+        self._plans_off_cluster = True  # (not dropped now: the Trainer reads their workers to undo the steps)
+        left = sorted(left)
+        one = len(steps) == 1
+        held = ("the workers left hold the model's values (Dask moved them)" if _futures(kept)
+                else "the model's values are this process's own (none was sent yet)")
+        return WorkerLostError(where, f"worker{'' if len(left) == 1 else 's'} {', '.join(left)} {why} as "
+                               f"{_steps_text(steps)} {'was' if one else 'were'} sent to the workers; {held}: "
+                               f"the failed step{'' if one else 's'} changed nothing (the model's parameters and "
+                               f"optimizer state are those after step {steps[0] - 1}), and "
+                               f"{'it is' if one else 'they are'} planned again for the workers left: submit "
+                               f"{'it' if one else 'them'} again (step(*batch) does so by itself)",
+                               _short(e, 200), workers=left, steps=steps)
 
     def _drop_plans_off_cluster(self) -> bool:
         """Where a recorded plan names a worker no longer in the cluster, or leaving it (retired),
@@ -852,7 +896,12 @@ class TrainStep:
     def submit(self, *batch) -> "PendingStep":
         """Submit one optimizer step without waiting for it; ``.result()`` waits and returns the
         loss. The next step may be submitted before this one finished: its graph starts from this
-        step's parameters (futures), so consecutive steps overlap Dask's round-trip latency."""
+        step's parameters (futures), so consecutive steps overlap Dask's round-trip latency.
+
+        A worker that leaves as the step is sent (retired: ``client.retire_workers``, a cluster
+        scaling down) raises a :class:`WorkerLostError` naming it and the step, which changed
+        nothing: submitted again, the step is planned for the workers left (see
+        :meth:`_sent_as_workers_left`)."""
         t0 = time.perf_counter()
         self._require_open()
         micro = self._micro_batches([np.asarray(a) for a in batch])
@@ -869,13 +918,17 @@ class TrainStep:
                 self._warn_unshifted(mb, rec)
             # (a step again after a failed one rolled back: other keys than those of the failed one)
             _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}-{self._rollbacks}")
-            if j == 0:  # before the step is counted (every micro-batch's graph reads the same parameters)
-                check_values_reachable("tilegraph.TrainStep", rec.exe.leaves, rec.exe.runtime)
-            if kind in ("step", "last"):
-                self.optimizer.next_hyper(updated=rec.updated)
-                values = self._run(rec, range(rec.n_fetch), undo)
-            else:  # the loss comes back later: the next micro-batch's graph follows at once
-                values = self._run(rec, (0,), undo)
+            try:
+                if j == 0:  # before the step is counted (every micro-batch's graph reads the same parameters)
+                    check_values_reachable("tilegraph.TrainStep", rec.exe.leaves, rec.exe.runtime)
+                if kind in ("step", "last"):
+                    self.optimizer.next_hyper(updated=rec.updated)
+                    values = self._run(rec, range(rec.n_fetch), undo)
+                else:  # the loss comes back later: the next micro-batch's graph follows at once
+                    values = self._run(rec, (0,), undo)
+            except _lost_errors() as e:
+                undo.abandon()  # (the earlier micro-batches' cells too)
+                raise self._sent_as_workers_left(rec.exe.runtime, e, range(step_no, step_no + 1)) from None
             losses.append(values[0])
         norm = values[1] if rec.n_fetch > 1 else None
         undo.until_done(losses)
@@ -913,13 +966,19 @@ class TrainStep:
         for j, b in enumerate(batches):
             _bind_batch(rec.inputs[j], b, f"{id(self):x}-step{first + j}-{self._rollbacks}")
         # every value and every step's learning rate checked before the first step is counted
-        check_values_reachable(where, rec.exe.leaves, rec.exe.runtime)
+        try:
+            check_values_reachable(where, rec.exe.leaves, rec.exe.runtime)
+        except _lost_errors() as e:
+            raise self._sent_as_workers_left(rec.exe.runtime, e, range(first, first + k)) from None
         for j in range(k):
             self.optimizer.lr_at(first + j)
         undo = _Undo(self, first - 1)
         for j in range(k):
             self.optimizer.next_hyper(rec.hypers[j], rec.updated)
-        values = self._run(rec, range(rec.n_fetch), undo)
+        try:
+            values = self._run(rec, range(rec.n_fetch), undo)
+        except _lost_errors() as e:  # (_run put the cells and counts back)
+            raise self._sent_as_workers_left(rec.exe.runtime, e, range(first, first + k)) from None
         norms = values[k:rec.n_fetch]
         undo.until_done(values[:k])
         return [PendingStep(self, first + j, [values[j]], norms[j] if norms else None, self.optimizer.schedule(first + j),

@@ -25,7 +25,7 @@ from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_securit
                                           _tls_files)
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG, PREFETCH,
                                             _check_worker_versions, _malloc_plugin, _quiet_logs,
-                                            _send_interval_plugins, _signals_plugin, _unchain_plugin,
+                                            _send_interval_plugins, _signals_plugin, _stop_queue_plugin, _unchain_plugin,
                                             bounded_spans_plugins, drop_fetched_plugin, event_addresses_plugin, scheduler_send_intervals,
                                             set_send_interval, short_key_sets)
 
@@ -172,6 +172,9 @@ class Runtime:
         _optional_setup("tune worker malloc", lambda: client.register_plugin(_malloc_plugin()))
         # slower: every value a worker spilled to disk is copied again where a task reads it
         _optional_setup("read spilled values back aligned", lambda: client.register_plugin(spill_plugin()))
+        # a retired worker's process may log Dask's false "Worker process died unexpectedly" (a TypeError)
+        _optional_setup("quiet the false error of a retired worker's process",
+                        lambda: client.register_plugin(_stop_queue_plugin()))
         if cluster is not None:  # the workers of the cluster it started: a signal to the process group
             # would stop them, and lose the state they hold, before this process writes its checkpoint
             _optional_setup("leave SIGINT/SIGTERM to this process",
@@ -341,8 +344,11 @@ class Runtime:
             try:
                 self.client.wait_for_workers(1, timeout=wait)
             except (TimeoutError, OSError):
+                start = f"dask worker {self.address}"
+                if str(self.address).startswith("tls://"):  # without them a worker cannot join (it ends at once)
+                    start += " --tls-ca-file ca.pem --tls-cert cert.pem --tls-key key.pem"
                 raise TileError("tilegraph.Runtime", "a cluster with at least one worker to run on: start "
-                                f"workers (`dask worker {self.address}`, or your batch job's), or "
+                                f"workers (`{start}`, or your batch job's), or "
                                 f"wait for them first (rt.client.wait_for_workers(n))",
                                 f"the scheduler at {self.address} had no worker for "
                                 f"{wait:g} s") from None
@@ -1044,6 +1050,10 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     the embedded cluster and the MPI ranks serve with them. ``tls=True`` without files gives the
     embedded cluster temporary certificates of its own (MPI ranks need the files: no key is sent
     between them).
+
+    ``quiet=True`` keeps the scheduler's and workers' logs below ERROR off the console (the line
+    naming the embedded cluster and its dashboard is still printed; ``dashboard=False`` leaves it
+    out with the dashboard).
 
     Connecting to a scheduler first checks, within ``timeout`` seconds, that the peer greets in
     the Dask protocol: a silent port, an HTTP server (a dashboard) or a TLS/plain mismatch is a
