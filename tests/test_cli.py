@@ -61,6 +61,19 @@ def end_group(proc, grace: float = 30.0) -> None:
         pass
 
 
+def group_semaphores(pgid: int) -> set[str]:
+    """The multiprocessing named semaphores (``/dev/shm/sem.mp-*``) that the processes of group
+    ``pgid`` have open now, by their memory maps."""
+    made = set()
+    for pid, _ in _group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                made |= set(re.findall(r"/dev/shm/sem\.mp-\S+", f.read()))
+        except OSError:
+            pass
+    return made
+
+
 def _drained(pgid: int, seconds: float) -> bool:
     """Wait up to ``seconds`` until no process of group ``pgid`` runs; returns whether none does."""
     deadline = time.monotonic() + seconds

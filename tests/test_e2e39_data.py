@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import textwrap
@@ -349,21 +348,14 @@ def test_ending_a_process_group_leaves_no_semaphores_in_dev_shm(tmp_path):
     such process group): the signal killed multiprocessing's resource tracker too, which unlinks
     them once the processes that made them are gone. end_group kills the process alone and lets
     its group go after it."""
-    from test_cli import end_group
+    from test_cli import end_group, group_semaphores
 
     (tmp_path / "cluster.py").write_text(textwrap.dedent(_CLUSTER))
     proc = subprocess.Popen([sys.executable, str(tmp_path / "cluster.py")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
-        group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        made = set()
-        for pid in group:  # the semaphores this group's processes have open
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    made |= set(re.findall(r"/dev/shm/sem\.mp-\S+", f.read()))
-            except OSError:
-                pass
+        made = group_semaphores(proc.pid)  # the semaphores this group's processes have open
         assert made, "no semaphore seen: nothing to check"
     finally:
         t0 = time.monotonic()

@@ -32,27 +32,9 @@ import pytest
 
 from tilegraph import cli
 
-pytestmark = pytest.mark.distributed
+from test_e2e39_cli import SMALL  # the debug GPT-2 on a little of the stdlib, one worker process
 
-#: tests/test_e2e39_cli.py's SMALL: the debug GPT-2 on a little of the stdlib, one worker process
-SMALL = """
-[model]
-flavor = "gpt2-debug"
-vocab_size = "tokenizer"
-[data]
-max_mb = 0.05
-seq_len = 32
-[train]
-steps = 2
-batch_size = 4
-warmup = 1
-eval_every = 0
-eval_batches = 1
-[output]
-checkpoint_every = 0
-[runtime]
-workers = 1
-"""
+pytestmark = pytest.mark.distributed
 
 
 def _main(root: Path, *args) -> tuple[int, str, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ import pytest
 
 import tilegraph as tg
 from conftest import mse, regression_data, retire_as_values_are_sent
-from test_cli import end_group
+from test_cli import end_group, group_semaphores
 from tilegraph.runtime import worker_setup
 
 pytestmark = pytest.mark.distributed
@@ -192,16 +191,9 @@ def test_a_group_still_running_after_the_grace_leaves_no_semaphores_in_dev_shm(t
     (tmp_path / "outlived.py").write_text(textwrap.dedent(_OUTLIVED))
     proc = subprocess.Popen([sys.executable, str(tmp_path / "outlived.py")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    made = set()
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
-        group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        for pid in group:  # the semaphores this group's processes have open
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    made |= set(re.findall(r"/dev/shm/sem\.mp-\S+", f.read()))
-            except OSError:
-                pass
+        made = group_semaphores(proc.pid)  # the semaphores this group's processes have open
         assert made, "no semaphore seen: nothing to check"
     finally:
         end_group(proc, grace=2.0)
