@@ -93,7 +93,7 @@ def test_lost_worker_names_the_committed_checkpoint(rt, tmp_path):
         trainer.fit(12)
     msg = str(info.value)
     ck = tmp_path / "ck" / "step-000003"
-    assert f"lost worker {killed['addr']} (left the cluster)" in msg
+    assert f"lost worker {killed['addr']} (left the cluster" in msg
     assert f"resume from the newest committed checkpoint, {ck} (step 3)" in msg, msg
     assert f"Trainer.load_checkpoint({str(ck)!r})" in msg and "restart_on_failure=True" in msg
     assert "resume from a checkpoint (Trainer.load_checkpoint)" not in msg  # the generic hint, replaced

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 import tilegraph as tg
+from tilegraph import _train
 from conftest import mse, regression_data, retire_as_values_are_sent
 from test_cli import end_group, group_semaphores
 from tilegraph.runtime import worker_setup
@@ -201,3 +202,26 @@ def test_a_group_still_running_after_the_grace_leaves_no_semaphores_in_dev_shm(t
     for p in left:  # (this test's own: removed, so that a failure leaves nothing behind either)
         os.remove(p)
     assert not left, left
+
+
+def test_a_lost_workers_error_says_how_the_scheduler_lost_it():
+    """A worker the scheduler removed unexpectedly was named "(left the cluster)" alone, whether
+    its nanny reported its process's end or its connection closed (a process killed, a network
+    that failed). The scheduler's event log says which (the remove-worker's stimulus), and the
+    error says it; a removal it cannot place (or an expected one: retired) keeps the old words."""
+    events = [(1.0, {"action": "remove-worker", "worker": "tcp://a:1", "expected": False,
+                     "stimulus_id": "handle-worker-cleanup-1.0"}),
+              (2.0, {"action": "remove-worker", "worker": "tcp://b:1", "expected": False,
+                     "stimulus_id": "nanny-close-2.0"}),
+              (3.0, {"action": "remove-worker", "worker": "tcp://c:1", "expected": False, "stimulus_id": "other-3.0"}),
+              (4.0, {"action": "remove-worker", "worker": "tcp://d:1", "expected": True,
+                     "stimulus_id": "handle-worker-cleanup-4.0"}),
+              (5.0, "not a dict")]
+    causes = _train.removal_causes(events)
+    assert causes == {"tcp://a:1": "disconnected", "tcp://b:1": "exited"}
+    health = _train.WorkerHealth(lost=["tcp://a:1", "tcp://b:1", "tcp://c:1"], causes=causes)
+    text = str(_train.lost_worker_error(health, "step 3", None))
+    assert ("tcp://a:1 (left the cluster: its connection to the scheduler closed (its process ended, or the network "
+            "between them failed))") in text
+    assert "tcp://b:1 (left the cluster: its process ended, as its nanny reported" in text
+    assert "tcp://c:1 (left the cluster), " in text or "tcp://c:1 (left the cluster) while" in text

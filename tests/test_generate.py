@@ -615,7 +615,7 @@ def test_a_worker_lost_while_generate_decodes_on_it_is_a_clear_error_and_the_mod
     error = got.get("error")
     assert isinstance(error, tg.TileError) and type(error).__name__ == "WorkerLostError", got
     assert str(error).startswith(f"[tilegraph.models.{'generate' if path == 'one task' else 'Decoder'}] lost worker "
-                                 f"{busy[0]} (left the cluster) while")
+                                 f"{busy[0]} (left the cluster")
     assert "the model's parameters are this process's own, only lent to the workers: generate can " \
            "run again on the workers left" in str(error)
     assert took < 15

@@ -57,7 +57,10 @@ def test_a_node_cut_off_mid_fit_is_named_with_the_step(tmp_path):
     out = run_lab(JOB, "partition", str(tmp_path), "--steps", "200", "--cut-after", "5")
     assert out["ended"] == "WorkerLostError", out
     assert f"lost worker tcp://{SUBNET}.3:" in out["message"] and "while step" in out["message"], out["message"]
-    assert "cut off from the network" in out["message"], out["message"]
+    # (stalled: no heartbeat; or, on a loaded machine, removed first by the scheduler when TCP gave up on its
+    # connection: both name the network)
+    assert "cut off from the network" in out["message"] or "the network between them failed" in out["message"], \
+        out["message"]
     assert out["seconds_after_cut"] < 120, out
     assert 5 <= out["step_count"] < 200
 

@@ -1230,6 +1230,10 @@ class WorkerHealth:
     paused: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     #: lost workers the scheduler's event log shows retired (:func:`retired_in`)
     retired: set[str] = field(default_factory=set)
+    #: lost workers the scheduler removed unexpectedly, and why, by its event log
+    #: (:func:`removal_causes`): "exited" (its nanny saw its process end) or "disconnected" (its
+    #: connection to the scheduler closed: the process ended, or the network between them failed)
+    causes: dict[str, str] = field(default_factory=dict)
 
     @property
     def stalled(self) -> dict[str, float]:
@@ -1281,16 +1285,18 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
         if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
             gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
                      and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)
-        timed_out, retired = set(), set()
+        timed_out, retired, causes = set(), set(), {}
         if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
             timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
                          and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
-            retired = retired_in(client.get_events("all")) & gone
+            events = client.get_events("all")
+            retired = retired_in(events) & gone
+            causes = {a: c for a, c in removal_causes(events).items() if a in gone}
     except (TimeoutError, OSError) as e:
         at = f" at {runtime.address}" if getattr(runtime, "address", None) else ""
         raise TileError("tilegraph.TrainStep", f"the Dask scheduler{at} to answer a health check within "
                         f"{SCHEDULER_ANSWER_SECONDS:g} s", _short(e)) from None
-    return WorkerHealth(sorted(gone), ages, timed_out, paused, retired)
+    return WorkerHealth(sorted(gone), ages, timed_out, paused, retired, causes)
 
 
 def retired_in(events) -> set[str]:
@@ -1303,6 +1309,34 @@ def retired_in(events) -> set[str]:
     retired |= {w for _, m in events if isinstance(m, dict) and m.get("action") == "retire-workers"
                 for w in m.get("retired", ())}
     return retired
+
+
+#: what a lost worker's error says of one the scheduler removed, by :func:`removal_causes`
+LEFT_BECAUSE = {
+    "exited": "left the cluster: its process ended, as its nanny reported (killed, crashed, out of memory, or "
+              "closed with its nanny)",
+    "disconnected": "left the cluster: its connection to the scheduler closed (its process ended, or the network "
+                    "between them failed)",
+}
+
+
+def removal_causes(events) -> dict[str, str]:
+    """Why the scheduler removed workers unexpectedly, by its event log (``client.get_events("all")``,
+    the stimulus of each ``remove-worker``): "exited" where the worker's nanny reported its
+    process's end, "disconnected" where its connection to the scheduler closed first (a process
+    killed before its nanny said so, or a network that failed: TCP gave up on it); the latest removal of
+    each worker counts, and others are left out (Dask's stimulus ids: ``nanny-close-...`` of a
+    nanny unregistering its worker, ``handle-worker-cleanup-...`` of a closed stream)."""
+    causes: dict[str, str] = {}
+    for _, m in events:
+        if not (isinstance(m, dict) and m.get("action") == "remove-worker") or m.get("expected"):
+            continue
+        stimulus = str(m.get("stimulus_id", ""))
+        cause = ("exited" if stimulus.startswith("nanny-close") else
+                 "disconnected" if stimulus.startswith("handle-worker-cleanup") else None)
+        if cause is not None:
+            causes[m.get("worker")] = cause
+    return causes
 
 
 def workers_left(info, executables) -> tuple[set[str], set[str]]:
@@ -1399,7 +1433,8 @@ def lost_worker_error(health: WorkerHealth, during: str, received: str, *, steps
     while ``during`` ran; ``hint`` says what is gone and how to go on."""
     stalled = health.stalled
     named = [f"{a} (silent past the scheduler's worker-ttl, restarted)" if a in health.timed_out
-             else f"{a} ({RETIRED})" if a in health.retired else f"{a} (left the cluster)" for a in health.lost]
+             else f"{a} ({RETIRED})" if a in health.retired
+             else f"{a} ({LEFT_BECAUSE.get(health.causes.get(a), 'left the cluster')})" for a in health.lost]
     named += [f"{a} (no heartbeat for {s:.0f} s: stopped, hung or cut off from the network)" for a, s in sorted(stalled.items())]
     stuck = {a: p for a, p in health.stuck.items() if a not in stalled}
     mb = 1 << 20
