@@ -670,9 +670,10 @@ def load_hf(path, tiling=None, *, dtype=None):
         raise TileError(where, "path must be a Hugging Face model folder (config.json + safetensors), not a file",
                         f"{folder} (its folder: {folder.parent})")
     hf = _read_config(folder, where)
+    check_float_weights(hf, folder, where)  # before its architecture: a quantized one's is a float one's
     config, extra = hf_config(hf, where)
     spec = _spec_for(hf, where)
-    _check_pickled_weights(folder, where)
+    check_weight_files(folder, where)
     ckpt = st.open_checkpoint(folder)  # headers only; the data is mapped when loaded
     if dtype is None:
         dtype = _folder_dtype(hf, ckpt) or np.dtype(np.float32)
@@ -690,6 +691,39 @@ def load_hf(path, tiling=None, *, dtype=None):
     load_hf_weights(model, folder, where=where, checkpoint=ckpt)
     model.hf_extra = extra  # HF-only keys (token ids, ...) that to_hf writes back
     return model
+
+
+#: how to quantize in tilegraph's own format, as a quantized folder's error says it (the CLI: its command)
+QUANTIZE_HINT = 'tilegraph.io.save_checkpoint(..., quantize="int4")'
+
+
+def check_float_weights(hf: dict, folder: Path, where: str, quantize_hint: str = QUANTIZE_HINT) -> None:
+    """A folder whose config.json (``hf``) holds a ``quantization_config`` (GPTQ, AWQ,
+    bitsandbytes: packed integer weights under other tensor names, qweight, qzeros, scales, ...)
+    is named as quantized, with how to get float weights: it failed as every Linear weight
+    "missing" and its integer tensors "unexpected"."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return
+    keys = [k for k in ("quant_method", "bits", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type")
+            if isinstance(q, dict) and k in q]
+    how = ", ".join(f"{k} {q[k]!r}" for k in keys) if keys else repr(q)[:80]
+    raise TileError(where, "a Hugging Face folder of float weights (float32, float16 or bfloat16): this one is "
+                    "quantized, its Linear weights packed integers under other names (qweight, qzeros, scales, ...), "
+                    "which tilegraph does not read; dequantize it with the tool that quantized it (GPTQ, AWQ, "
+                    "bitsandbytes) and save the float weights with save_pretrained, or start from the float model it "
+                    f"was quantized from ({quantize_hint} quantizes that in tilegraph's own format)",
+                    f"{folder}: {CONFIG_NAME} quantization_config ({how})")
+
+
+def check_weight_files(folder: Path, where: str) -> None:
+    """Refuse a folder without safetensors weights before any is read: one of PyTorch pickles
+    only (:func:`_check_pickled_weights`), or one of none (it was named by the reader,
+    "[tilegraph.io.safetensors.open_checkpoint(PATH)] ... none found")."""
+    _check_pickled_weights(folder, where)
+    if not any(folder.glob("*.safetensors")) and not (folder / st.INDEX_NAME).is_file():
+        raise TileError(where, f"a Hugging Face folder with its weights: {st.SINGLE_NAME}, or shards with "
+                        f"{st.INDEX_NAME}, beside {CONFIG_NAME}", f"{folder} holds no safetensors file")
 
 
 def _check_pickled_weights(folder: Path, where: str) -> None:

@@ -509,6 +509,12 @@ def cmd_convert(args) -> int:
         raise TileError(where, "a destination outside the source folder (and not holding it)",
                         f"{dst}, " + ("the source itself" if a == b else f"inside {src}" if a in b.parents
                                       else f"which holds {src}"))
+    from tilegraph.io._store import file_in_the_way
+
+    in_the_way = file_in_the_way(dst.parent)  # (else "could not write the Hugging Face folder (File exists)")
+    if in_the_way is not None:
+        raise TileError(where, "a destination that can be made: a file stands where a folder above it must be "
+                        "(nothing was written)", f"{dst}: {in_the_way} is a file")
     model = load_model(src, where, hf_dtype=None)  # a Hugging Face folder's own dtype: float16 stays float16
     requantized = _quantized_source_note(src, dst, args.quantize, where)
     files = {}
@@ -525,7 +531,8 @@ def cmd_convert(args) -> int:
             from tilegraph.io.zarr import quantize_rule
 
             quantize_rule(args.quantize, f"{where} --quantize")
-        save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
+        with _named_by(where, dst):
+            save_checkpoint(dst, model, quantize=args.quantize, files=files, metadata={"converted_from": str(src)})
     else:
         if args.quantize is not None:
             raise TileError(where, "--quantize applies to a Zarr destination (a Hugging Face folder holds the "
@@ -533,7 +540,8 @@ def cmd_convert(args) -> int:
                             f"--quantize {args.quantize} with " + (
                                 "--to hf" if args.to else f"a Hugging Face destination, inferred from the source "
                                 f"(convert writes the other format, and {src} is a Zarr checkpoint)"))
-        model.to_hf(dst)
+        with _named_by(where, dst):
+            model.to_hf(dst)
         for name, data in files.items():
             (dst / name).write_bytes(data)
     if requantized:
@@ -541,6 +549,33 @@ def cmd_convert(args) -> int:
     print(f"{src} -> {dst} ({'Zarr checkpoint' if to_zarr else 'Hugging Face folder'}, {np.dtype(model.dtype)}"
           + (f", quantized {args.quantize}" if args.quantize is not None else "") + ")")
     return 0
+
+
+#: what the writers of the Python API say was kept by a failed write: earlier checkpoints, a folder
+#: already at the path; a convert's destination did not exist, and nothing of it is left
+_KEPT = ("; earlier checkpoints are untouched", "; a folder already there is untouched")
+
+
+@contextlib.contextmanager
+def _named_by(where: str, dst: Path):
+    """The errors of the Python API's writers (``tilegraph.io.save_checkpoint``,
+    ``tilegraph.models.X.to_hf``) of convert's destination ``dst``, named by the command as its
+    other errors are (they named the function, "[tilegraph.io.save_checkpoint(DST)]", and said
+    "earlier checkpoints are untouched", of a folder made new): what was wrong and the path, as
+    they say it; nothing was written."""
+    from tilegraph._errors import TileError
+
+    try:
+        yield
+    except TileError as e:
+        if not e.where.startswith(("tilegraph.io.save_checkpoint", "tilegraph.models.")):
+            raise
+        what = e.what
+        for kept in _KEPT:
+            what = what.removesuffix(kept)
+        if what.startswith("could not write"):
+            what += f"; nothing was written ({dst} was not made)"
+        raise TileError(where, what, e.received) from None
 
 
 def _quantized_source_note(src: Path, dst: Path, quantize: str | None, where: str) -> str | None:

@@ -505,7 +505,26 @@ def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None)
                     "index of them, is missing: a damaged or partly copied checkpoint)")
         raise TileError(where, "a tilegraph checkpoint (zarr.json) or a Hugging Face folder (config.json)",
                         f"{folder} holds neither{hint}")
+    check_hf_weights(folder, where)
     return models.from_hf(folder, dtype=hf_dtype)
+
+
+def check_hf_weights(folder: Path, where: str) -> None:
+    """Refuse, before any weight is read, a Hugging Face folder whose weights tilegraph cannot
+    load, named by the command: a quantized one (a ``quantization_config`` in its config.json; it
+    failed as the model's "missing" and "unexpected" tensors), one of PyTorch pickles only, and one
+    without weights (:func:`tilegraph.io.hf.check_float_weights`, ``check_weight_files``; they
+    named ``tilegraph.models.from_hf`` or the safetensors reader). A config.json that cannot be
+    read is left to the loader, which names what is wrong with it."""
+    from tilegraph.io.hf import check_float_weights, check_weight_files
+
+    try:
+        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(hf, dict):
+        check_float_weights(hf, folder, where, "`tilegraph convert FOLDER NEW --to zarr --quantize int4`")
+    check_weight_files(folder, where)
 
 
 def adapters_only(folder: Path, attrs: dict | None = None) -> str | None:

@@ -217,6 +217,7 @@ class Resume:
     peft: dict | None  # its PEFT_FILE: the adapters and the base (None: none)
     sketch: dict | None  # its SKETCH_FILE: the weight-gradient sketch (None: written before it was recorded)
     data: dict | None = None  # its DATA_FILE: the run's [data] and token count (None: written before either)
+    data_problem: str | None = None  # what is wrong with its DATA_FILE, where it cannot be read (data then None)
 
 
 def open_resume(resume: str) -> Resume:
@@ -239,8 +240,8 @@ def open_resume(resume: str) -> Resume:
                         "folder holds the adapters alone: " + adapters_hint(folder), f"{resume}, {adapters}")
     if ck is None:  # a peft folder with a model beside it (config.json): named as no checkpoint
         ck = load_checkpoint(resume)
-    return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where),
-                  read_data_record(ck.path))
+    data, data_problem = read_data_file(ck.path)
+    return Resume(resume, ck, read_peft_record(ck.path, where), read_sketch_record(ck.path, where), data, data_problem)
 
 
 def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> tuple[Resume, int]:
@@ -265,6 +266,7 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     keep_data_order(resume, ck.trainer_state or {}, cfg["train"], given)
     keep_update_settings(resume, (ck.optimizer_info or {}).get("hyper") or {}, cfg["train"], given)
     keep_eval_settings(ck.trainer_state or {}, ck.step, cfg["train"], given)
+    check_data_record(opened, given)
     keep_data(opened.data, cfg["data"], given)
     keep_window(resume, ck.trainer_state or {}, opened.data, cfg["data"], given)
     # the settings as the checkpoint completed them: its batch_size and accum_steps against [runtime]
@@ -416,28 +418,33 @@ def data_record(d: dict, tokens: int | None = None) -> dict:
     return record
 
 
+def read_data_file(folder: Path) -> tuple[dict | None, str | None]:
+    """The record :data:`DATA_FILE` of a checkpoint, read once, and what is wrong with it where it
+    cannot be read (damaged, edited by hand: in words with its path): ``(record, None)``;
+    ``(None, problem)``; ``(None, None)`` for a checkpoint without one."""
+    f = Path(folder) / DATA_FILE
+    try:
+        record = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"{f}: " + (f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
+    if not isinstance(record, dict):
+        return None, f"{f}: {type(record).__name__}, not a JSON object"
+    return record, None
+
+
 def read_data_record(folder: Path) -> dict | None:
     """The record :data:`DATA_FILE` of a checkpoint (None when it has none, or not a readable
-    JSON object: the job's own [data] then)."""
-    try:
-        record = json.loads((Path(folder) / DATA_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    JSON object: :func:`data_record_problem` says what is wrong)."""
+    return read_data_file(folder)[0]
 
 
 def data_record_problem(folder: Path) -> str | None:
     """What is wrong with the :data:`DATA_FILE` of a checkpoint that has one which
     :func:`read_data_record` cannot read (damaged, edited by hand), in words with its path; None
     for a readable one or none at all."""
-    f = Path(folder) / DATA_FILE
-    if not f.exists():
-        return None
-    try:
-        record = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return f"{f}: " + (f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
-    return None if isinstance(record, dict) else f"{f}: {type(record).__name__}, not a JSON object"
+    return read_data_file(folder)[1]
 
 
 def recorded_sources_gone(error: TileError, resume: Resume, given: dict[str, str]) -> TileError:
@@ -454,6 +461,29 @@ def recorded_sources_gone(error: TileError, resume: Resume, given: dict[str, str
                      f"[data] sources {record} records ({', '.join(map(str, recorded))}); put them back, or name "
                      "where they are now: --set 'data.sources=[\"PATH\"]' (the same text: its tokens are checked "
                      "against the run's)", error.received)
+
+
+def check_data_record(resume: Resume, given: dict[str, str]) -> None:
+    """A checkpoint whose :data:`DATA_FILE` cannot be read (damaged, edited by hand): the resumed
+    run would read the job's own [data] in place of the run's text, which the record names. Where
+    the job names no [data] sources, that is the shipped default corpus (the standard library),
+    which the user did not choose: refused, naming the file and what is wrong with it, before any
+    text is read (it was read in full, then refused as the run's sources having "other text now").
+    Where the job names its sources (a config file, --set), the user chose the text: one warning
+    line names the record not read, and :func:`check_resumed_text` still checks that text's tokens
+    against the run's."""
+    damaged = resume.data_problem
+    if damaged is None:
+        return
+    named = given.get("data.sources")
+    if named is None:
+        raise TileError("tilegraph train --resume", f"a readable {DATA_FILE} in the checkpoint: a resumed run reads "
+                        "the text of the run it continues, which it records; put the run's record back (the same "
+                        "file of another of its checkpoints), or name that text: [data] sources in the job's config, "
+                        "or --set 'data.sources=[\"PATH\"]' (its tokens are checked against the run's)", damaged)
+    shown = named if on_command_line(named) else f"in {named}"
+    print(f"tilegraph train: warning: {damaged}: not read; the resumed run reads the [data] sources the job names "
+          f"({shown}), checked against the run's tokens", file=sys.stderr, flush=True)
 
 
 def keep_data(record: dict | None, d: dict, given: dict[str, str]) -> None:
