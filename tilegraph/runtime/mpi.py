@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -35,7 +36,8 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     """
     try:
         from dask_mpi import initialize
-        from mpi4py import MPI
+        with _start_watchdog():
+            from mpi4py import MPI
     except ImportError as e:
         raise TileError("tilegraph.connect(mpi=True)", "needs the mpi extra: pip install 'tilegraph[mpi]'",
                         f"ImportError: {e}") from None
@@ -48,14 +50,25 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     if comm.Get_size() < 3:
         if comm.Get_rank() != 1 and comm.Get_size() > 1:  # rank 1 (the client's) says why, once
             raise SystemExit(1)
+        from tilegraph.runtime.connection import _MPI_RANK_ENV
+
+        launched = any(os.environ.get(size) for _, size in _MPI_RANK_ENV)
         raise TileError("tilegraph.connect(mpi=True)", "dask-mpi needs at least 3 ranks (scheduler, client, "
-                        "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank"))
+                        "one worker): mpiexec -n 3 or more", _plural(comm.Get_size(), "rank") + (
+                            "" if launched else " (this process was not started by mpiexec: run it as "
+                            "`mpiexec -n 4 python script.py`, or `mpiexec -n 4 tilegraph train --mpi`)"))
     if dask_config is not None and not (isinstance(dask_config, Mapping)
                                         and all(isinstance(k, str) for k in dask_config)):
         if comm.Get_rank() != 1:  # the same on every rank: the client rank says why, once
             raise SystemExit(1)
         raise TileError("tilegraph.connect(mpi=True)", "dask_config must be a dict of Dask config keys "
                         "(\"distributed.admin.tick.interval\": \"1s\", ...) and their values", _short(dask_config))
+    tls_config = {}
+    if problem is None:  # (a Security naming files this rank lacks: every rank must hear of it)
+        try:
+            tls_config = _tls_config(security, tls, tls_files)
+        except TileError as e:
+            problem = e
     _agree_on_problems(comm, interface, problem)
     from tilegraph.runtime import _visible_gpus
     from tilegraph.runtime.worker_setup import CLUSTER_DASK_CONFIG, _quiet_logs, ignore_stop_signals, short_key_sets
@@ -79,7 +92,6 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     # x 1 thread went from 0.89-0.96 to 0.96-1.02 of the embedded cluster's tokens/s
     # (bench_scale --mpi on 2 cores, GPT-2 6x768 and the block stack, data and sharded).
     dask.config.set({**CLUSTER_DASK_CONFIG, **(dask_config or {})})
-    tls_config = _tls_config(security, tls, tls_files)
     if tls_config:
         dask.config.set(tls_config)
     if comm.Get_rank() != 1:  # a job scheduler's SIGTERM (Slurm signals every rank) is the client's to
@@ -117,6 +129,73 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
     atexit.register(_close_clients)
     _LAUNCH = {"settings": (interface, tls_config, dask_config or {}), "workers": comm.Get_size() - 2}
     return _LAUNCH["workers"]
+
+
+#: how long a rank waits in MPI's start for every rank of the launch (``TILEGRAPH_MPI_START_SECONDS``
+#: overrides it): MPICH's MPI_Init waits for them all, without limit and spinning a core, and its
+#: mpiexec does not end a job one of whose ranks exited before starting MPI
+MPI_START_WAIT_SECONDS = 120.0
+
+
+@contextlib.contextmanager
+def _start_watchdog():
+    """End this rank if MPI's start (mpi4py's import, which runs MPI_Init) takes longer than
+    :data:`MPI_START_WAIT_SECONDS`: a rank that failed before it (an import error on its node, a
+    script that raised) never joins, and the others waited in MPI_Init until the batch system
+    killed the job (seen with `mpiexec -n 4`, one rank failing an import: 3 ranks spinning).
+
+    MPI_Init holds the GIL, so no Python thread or signal handler runs while it waits: a forked
+    watcher process, which only waits on a pipe, does. When the wait ends without the pipe closing,
+    the client rank's watcher says why (the dead rank's own error is above it), and each watcher
+    kills its rank (SIGKILL: a signal handler of Python's would never run), which ends the job."""
+    import select
+    import signal
+    import socket
+    import sys
+
+    if "mpi4py.MPI" in sys.modules or not hasattr(os, "fork"):
+        yield  # MPI started before (or a platform without fork: MPI_Init's own behaviour)
+        return
+    wait = _start_wait_seconds()
+    from tilegraph.runtime.connection import _MPI_RANK_ENV
+
+    rank, size = next(((os.environ[r], os.environ.get(n, "?")) for r, n in _MPI_RANK_ENV if r in os.environ),
+                      ("?", "?"))  # (MPICH, Open MPI, PMIx)
+    message = (f"[tilegraph.connect(mpi=True)] every rank of the launch to start MPI within {wait:g} s (a rank that "
+               "ended before, its error above, leaves the others waiting in MPI_Init without end; so the job "
+               "ends; TILEGRAPH_MPI_START_SECONDS sets this wait); received: rank "
+               f"{rank} of {size} on {socket.gethostname()} still waiting\n").encode()
+    readable, writable = os.pipe()
+    watcher = os.fork()
+    if watcher == 0:  # the watcher: os calls alone (a forked copy of a process that may run threads)
+        try:
+            os.close(writable)
+            # the others give the client rank time to say why (once) before the job goes down
+            if not select.select([readable], [], [], wait if rank == "1" else wait + 3)[0]:  # (closed: MPI started)
+                if rank == "1":
+                    os.write(2, message)
+                    select.select([], [], [], 0.5)  # (for mpiexec to pass the line on before the ranks go)
+                os.kill(os.getppid(), signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(readable)
+    try:
+        yield
+    finally:
+        os.close(writable)
+        os.waitpid(watcher, 0)
+
+
+def _start_wait_seconds() -> float:
+    text = os.environ.get("TILEGRAPH_MPI_START_SECONDS", "")
+    try:
+        wait = float(text) if text else MPI_START_WAIT_SECONDS
+    except ValueError:
+        wait = -1.0
+    if not wait > 0:
+        raise TileError("tilegraph.connect(mpi=True)", "TILEGRAPH_MPI_START_SECONDS: a number of seconds > 0 (how "
+                        "long a rank waits for the others to start MPI)", repr(text))
+    return wait
 
 
 def _end_job(comm, error: Exception) -> None:
@@ -245,19 +324,18 @@ def _tls_config(security, tls: bool, tls_files) -> dict:
 
     Each rank reads the files itself, so no key travels between ranks: MPI's own network is
     usually not encrypted, which is why ``tls=True`` without files (temporary certificates made
-    on one rank) is refused here.
+    on one rank) is refused here, and so is a ``distributed.Security`` that holds no files (an
+    empty one ran the job over plain tcp:// without a word; ``Security.temporary()``'s
+    certificates, made on each rank apart, would not know each other's).
     """
+    where = "tilegraph.connect(mpi=True)"
     if tls_files:
         ca_file, cert, key = tls_files
         roles = {role: (cert, key) for role in ("scheduler", "worker", "client")}
     elif security is not None:
-        ca_file = security.tls_ca_file
-        roles = {role: (getattr(security, f"tls_{role}_cert"), getattr(security, f"tls_{role}_key"))
-                 for role in ("scheduler", "worker", "client")}
-        if not ca_file:
-            return {}
+        ca_file, roles = _security_files(where, security)
     elif tls:
-        raise TileError("tilegraph.connect(mpi=True)", "TLS under MPI needs certificate files every rank can read: "
+        raise TileError(where, "TLS under MPI needs certificate files every rank can read: "
                         "tls_ca_file, tls_cert and tls_key (temporary certificates would have to travel between "
                         "ranks over MPI's network, which is usually not encrypted)", "tls=True without files")
     else:
@@ -267,3 +345,32 @@ def _tls_config(security, tls: bool, tls_files) -> dict:
         config[f"distributed.comm.tls.{role}.cert"] = cert
         config[f"distributed.comm.tls.{role}.key"] = key
     return config
+
+
+def _security_files(where: str, security) -> tuple[str, dict[str, tuple[str, str | None]]]:
+    """The CA file and each role's (certificate, key) files of a ``distributed.Security`` given
+    under MPI, checked on this rank as ``connect`` checks its ``tls_*`` files. A user who asked
+    for security gets TLS on every rank or this error, never plain tcp://."""
+    from tilegraph.runtime.connection import _check_security, _tls_files
+
+    security = _check_security(where, security)
+    roles = ("scheduler", "worker", "client")
+    paths = {"tls_ca_file": security.tls_ca_file}
+    for role in roles:
+        paths[f"tls_{role}_cert"] = getattr(security, f"tls_{role}_cert")
+        paths[f"tls_{role}_key"] = getattr(security, f"tls_{role}_key")
+    needs = ("security=: a distributed.Security naming TLS files every rank can read, its tls_ca_file and a "
+             "certificate (and key) for each of the scheduler, worker and client roles, e.g. Security(tls_ca_file=..., "
+             "tls_scheduler_cert=..., ...) (or give tls_ca_file, tls_cert and tls_key instead); the MPI ranks "
+             "would otherwise speak plain tcp://")
+    in_memory = [name for name, value in paths.items() if isinstance(value, str) and "-----BEGIN" in value]
+    if in_memory:  # Security.temporary(): each rank would make certificates of its own
+        raise TileError(where, needs, f"{security!r} holds certificates in memory ({', '.join(in_memory)}), not "
+                        "files: each rank would make its own, which the others' do not trust")
+    missing = [name for name, value in paths.items() if not value and not name.endswith("_key")]
+    if missing:
+        raise TileError(where, needs, f"{security!r} without {', '.join(missing)}")
+    for role in roles:  # each file there and readable on this rank, a certificate and its key a pair
+        cert, key = paths[f"tls_{role}_cert"], paths[f"tls_{role}_key"]
+        _tls_files(f"{where} security= ({role})", paths["tls_ca_file"], cert, key or cert)
+    return paths["tls_ca_file"], {role: (paths[f"tls_{role}_cert"], paths[f"tls_{role}_key"]) for role in roles}
