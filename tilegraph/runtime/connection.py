@@ -507,24 +507,33 @@ def _dial(where, host, port, deadline, ctx, address, target, timeout):
                             f"{target} ({type(e).__name__}: {e})") from None
 
 
-def _check_not_http(host, port, deadline) -> None:
-    """A peer silent on a first connection: ask on a second one whether it is an HTTP server."""
+def _ask(host, port, deadline, probe: bytes, n: int) -> bytes | None:
+    """Send ``probe`` to the peer on a connection of its own and return the first bytes it
+    answers within a second (at most ``n``; b"": it closed the connection), or None where it
+    could not be reached or did not answer."""
     try:
         sock = socket.create_connection((host, port), timeout=max(0.001, deadline - time.monotonic()))
     except OSError:
-        return
+        return None
     with contextlib.closing(sock):
         try:
-            sock.sendall(_HTTP_PROBE)
+            sock.sendall(probe)
             sock.settimeout(max(0.001, min(deadline, time.monotonic() + 1.0) - time.monotonic()))
-            first = sock.recv(256)
+            return sock.recv(n)
         except OSError:
-            return
-        if not first:
-            raise _classify(b"", closed=True)
-        if _is_http(first) or first[:2] == b"\x15\x03":
-            raise _classify(first, closed=False)
-        # anything else (a slow Dask server's greeting): the first connection decides
+            return None
+
+
+def _check_not_http(host, port, deadline) -> None:
+    """A peer silent on a first connection: ask on a second one whether it is an HTTP server."""
+    first = _ask(host, port, deadline, _HTTP_PROBE, 256)
+    if first is None:
+        return
+    if not first:
+        raise _classify(b"", closed=True)
+    if _is_http(first) or first[:2] == b"\x15\x03":
+        raise _classify(first, closed=False)
+    # anything else (a slow Dask server's greeting): the first connection decides
 
 
 def _client_hello() -> bytes:
@@ -547,16 +556,6 @@ def _check_not_tls(host, port, deadline) -> None:
     A plain Dask server still starting that gets the hello reads its first 8 bytes as a message
     length, refuses it and drops this connection (it logs a failed handshake); the first
     connection then decides."""
-    try:
-        sock = socket.create_connection((host, port), timeout=max(0.001, deadline - time.monotonic()))
-    except OSError:
-        return
-    with contextlib.closing(sock):
-        try:
-            sock.sendall(_client_hello())
-            sock.settimeout(max(0.001, min(deadline, time.monotonic() + 1.0) - time.monotonic()))
-            first = sock.recv(16)
-        except OSError:
-            return
-        if first[:1] in (b"\x16", b"\x15") and first[1:2] == b"\x03":  # a handshake record, or an alert
-            raise _NotDask("it answered a TLS client's hello as a TLS server does", _TLS_HINT)
+    first = _ask(host, port, deadline, _client_hello(), 16)
+    if first and first[:1] in (b"\x16", b"\x15") and first[1:2] == b"\x03":  # a handshake record, or an alert
+        raise _NotDask("it answered a TLS client's hello as a TLS server does", _TLS_HINT)
