@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mpich_shm_files, mpiexec_or_skip, remove_mpich_shm_since, stop_process
+from test_newuser_mpi import _launch as launch
 from test_security import make_certificates
 
 pytestmark = pytest.mark.distributed
@@ -24,23 +24,8 @@ def certs(tmp_path_factory):
 
 def _launch(cwd: Path, n: int, code: str, *args: str, timeout: float = 90) -> tuple[int, str, str]:
     """``mpiexec -n n python job.py *args`` with ``code`` as job.py: (status, stdout, stderr); a
-    launch still running after ``timeout`` is stopped and fails the test (a hang)."""
-    (cwd / "job.py").write_text(code)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_COMM_WORLD_", "PMIX_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    shm_before = mpich_shm_files()
-    proc = subprocess.Popen([mpiexec_or_skip(), "-n", str(n), sys.executable, "job.py", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop_process(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec -n {n} still ran after {timeout} s (a hang)\n{out[-2000:]}\n{err[-3000:]}")
-    finally:
-        if proc.returncode != 0:  # (ranks ended by MPI_Abort or a signal)
-            remove_mpich_shm_since(shm_before)
-    return proc.returncode, out, err
+    launch still running after ``timeout`` fails the test (a hang)."""
+    return launch(cwd, n, code, *args, timeout=timeout)[:3]
 
 
 # -- a distributed.Security under MPI ---------------------------------------------------------------

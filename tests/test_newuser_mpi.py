@@ -16,16 +16,15 @@ from conftest import mpich_shm_files, mpiexec_or_skip, remove_mpich_shm_since, s
 import tilegraph as tg
 
 
-def _launch(tmp_path: Path, n: int, code: str, timeout: float = 90) -> tuple[int, str, str, float]:
-    """``mpiexec -n n python job.py`` with ``code`` as job.py: (status, stdout, stderr, seconds);
-    a launch still running after ``timeout`` is stopped and fails the test (a hang)."""
+def _launch(tmp_path: Path, n: int, code: str, *args: str, timeout: float = 90) -> tuple[int, str, str, float]:
+    """``mpiexec -n n python job.py *args`` with ``code`` as job.py: (status, stdout, stderr,
+    seconds); a launch still running after ``timeout`` is stopped and fails the test (a hang)."""
     (tmp_path / "job.py").write_text(code)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for key in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_SIZE"):
-        env.pop(key, None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_COMM_WORLD_", "PMIX_"))}
+    env["PYTHONUNBUFFERED"] = "1"
     t0 = time.monotonic()
     shm_before = mpich_shm_files()
-    proc = subprocess.Popen([mpiexec_or_skip(), "-n", str(n), sys.executable, "job.py"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([mpiexec_or_skip(), "-n", str(n), sys.executable, "job.py", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -34,7 +33,7 @@ def _launch(tmp_path: Path, n: int, code: str, timeout: float = 90) -> tuple[int
         out, err = proc.communicate()
         pytest.fail(f"mpiexec -n {n} still ran after {timeout} s (a hang)\n{out[-2000:]}\n{err[-3000:]}")
     finally:
-        if proc.returncode != 0:  # (ranks ended by MPI_Abort)
+        if proc.returncode != 0:  # (ranks ended by MPI_Abort or a signal)
             remove_mpich_shm_since(shm_before)
     return proc.returncode, out, err, time.monotonic() - t0
 
