@@ -74,6 +74,22 @@ def group_semaphores(pgid: int) -> set[str]:
     return made
 
 
+@contextlib.contextmanager
+def semaphore_group(script, grace: float = 30.0):
+    """Run ``python script`` in a process group of its own until it prints "ready"; yield the
+    process and the semaphores its group has open then (some: else there is nothing to check),
+    and end the group on leaving (:func:`end_group`, ``grace`` seconds)."""
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+        made = group_semaphores(proc.pid)
+        assert made, "no semaphore seen: nothing to check"
+        yield proc, made
+    finally:
+        end_group(proc, grace)
+
+
 def _drained(pgid: int, seconds: float) -> bool:
     """Wait up to ``seconds`` until no process of group ``pgid`` runs; returns whether none does."""
     deadline = time.monotonic() + seconds

@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 import time
 import tracemalloc
@@ -348,17 +346,10 @@ def test_ending_a_process_group_leaves_no_semaphores_in_dev_shm(tmp_path):
     such process group): the signal killed multiprocessing's resource tracker too, which unlinks
     them once the processes that made them are gone. end_group kills the process alone and lets
     its group go after it."""
-    from test_cli import end_group, group_semaphores
+    from test_cli import semaphore_group
 
     (tmp_path / "cluster.py").write_text(textwrap.dedent(_CLUSTER))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "cluster.py")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
-        made = group_semaphores(proc.pid)  # the semaphores this group's processes have open
-        assert made, "no semaphore seen: nothing to check"
-    finally:
-        t0 = time.monotonic()
-        end_group(proc)
+    with semaphore_group(tmp_path / "cluster.py") as (_, made):
+        t0 = time.monotonic()  # (the group is ended on leaving)
     assert time.monotonic() - t0 < 30
     assert not [p for p in made if os.path.exists(p)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -19,7 +18,7 @@ import pytest
 import tilegraph as tg
 from tilegraph import _train
 from conftest import mse, regression_data, retire_as_values_are_sent
-from test_cli import end_group, group_semaphores
+from test_cli import semaphore_group
 from tilegraph.runtime import worker_setup
 
 pytestmark = pytest.mark.distributed
@@ -190,14 +189,8 @@ def test_a_group_still_running_after_the_grace_leaves_no_semaphores_in_dev_shm(t
     cluster stayed in /dev/shm (sem.mp-*). Now the tracker is killed last, after it unlinked
     them."""
     (tmp_path / "outlived.py").write_text(textwrap.dedent(_OUTLIVED))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "outlived.py")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
-        made = group_semaphores(proc.pid)  # the semaphores this group's processes have open
-        assert made, "no semaphore seen: nothing to check"
-    finally:
-        end_group(proc, grace=2.0)
+    with semaphore_group(tmp_path / "outlived.py", grace=2.0) as (_, made):
+        pass
     left = [p for p in made if os.path.exists(p)]
     for p in left:  # (this test's own: removed, so that a failure leaves nothing behind either)
         os.remove(p)
