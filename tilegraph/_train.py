@@ -1282,14 +1282,15 @@ def worker_health(runtime, since: float | None = None) -> WorkerHealth:
         paused = {a: p for a, (_, p) in ages.items() if p is not None}
         ages = {a: age for a, (age, _) in ages.items()}
         gone = {a for addrs in runtime.last_workers.addrs.values() for a in addrs} - set(ages)
-        if since is not None:  # workers that joined after the plan (a nanny's replacement) count too
-            gone |= {m["worker"] for t, m in client.get_events("all") if t >= since and isinstance(m, dict)
+        events = client.get_events("all") if since is not None else None  # (read once: one scheduler call)
+        if events is not None:  # workers that joined after the plan (a nanny's replacement) count too
+            gone |= {m["worker"] for t, m in events if t >= since and isinstance(m, dict)
                      and m.get("action") == "remove-worker" and not m.get("expected")} - set(ages)
         timed_out, retired, causes = set(), set(), {}
         if gone:  # the scheduler restarts (or removes) a worker silent for distributed.scheduler.worker-ttl
             timed_out = {w for _, m in client.get_events("scheduler") if isinstance(m, dict)
                          and m.get("action") == "worker-ttl-timed-out" for w in m.get("workers", ())} & gone
-            events = client.get_events("all")
+            events = events if events is not None else client.get_events("all")
             retired = retired_in(events) & gone
             causes = {a: c for a, c in removal_causes(events).items() if a in gone}
     except (TimeoutError, OSError) as e:
