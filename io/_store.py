@@ -337,6 +337,19 @@ def untouched_for(path) -> float:
     return time.time() - max(times) if times else math.inf
 
 
+def write_file_in(path: str, parts: Sequence, root: str, made: set | None = None) -> int:
+    """:func:`write_file` of a file under a save's temporary folder ``root``, its folder made
+    (:func:`make_dir`) only when the file cannot be created for want of it: a save makes its
+    arrays' folders before its write tasks start, so a chunk costs one file creation and no
+    ``mkdir`` (a file system's metadata calls are what a checkpoint of many small arrays spends
+    its time on). Returns the bytes written."""
+    try:
+        return write_file(path, parts)
+    except FileNotFoundError:
+        make_dir(os.path.dirname(path), made, root)  # (SaveAbandoned when root itself is gone)
+    return write_file(path, parts)
+
+
 def make_dir(folder: str, made: set | None, root: str) -> None:
     """Make ``folder`` and the folders missing between it and ``root`` (a save's temporary
     folder), at most once per ``made`` (a set of the folders made so far; None: no record),
@@ -404,7 +417,6 @@ def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shap
     at = {tuple(lo // c for (lo, _), c in zip(r, chunk_shape)): t for t, r in zip(tiles, regions)}
     index = np.full((int(np.prod(per)), 2), _EMPTY, np.uint64)
     path = chunk_path(root, name, shard_idx, CHUNK_SEPARATOR)
-    make_dir(os.path.dirname(path), None, root)
     offset, parts = 0, []
     for k, rel in enumerate(np.ndindex(*per)):
         idx = tuple(si * p + r for si, p, r in zip(shard_idx, per, rel))
@@ -419,7 +431,7 @@ def write_shard(root: str, name: str, tiles: Sequence[np.ndarray], regions, shap
         index[k] = (offset, data.nbytes + 4)
         offset += data.nbytes + 4
     raw = index.astype("<u8").tobytes()
-    write_file(path, [*parts, raw, crc_bytes(raw)])
+    write_file_in(path, [*parts, raw, crc_bytes(raw)], root)
     return offset
 
 
@@ -583,8 +595,7 @@ def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape, ma
         src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
         data, crc = encode_chunk(tile[src], chunk_shape)
         path = chunk_path(root, name, [f + r for f, r in zip(first, rel)], CHUNK_SEPARATOR)
-        make_dir(os.path.dirname(path), made, root)
-        write_file(path, (data, crc))
+        write_file_in(path, (data, crc), root, made)
         written += data.nbytes
     return written
 
@@ -697,7 +708,7 @@ def write_values(values: Sequence, jobs: Sequence[Sequence[tuple]]) -> dict:
 
 
 def job_bytes(jobs: Sequence[tuple]) -> int:
-    return sum(int(np.prod([hi - lo for lo, hi in job[3]])) for job in jobs)
+    return sum(math.prod(hi - lo for lo, hi in job[3]) for job in jobs)
 
 
 def write_job(value, job: tuple, made: set | None = None) -> int:

@@ -526,9 +526,35 @@ def test_the_checksum_in_use_is_zarrs_crc32c():
     assert _store.crc_bytes(floats.reshape(-1).view(np.uint8)) == google_crc32c.value(floats.tobytes()).to_bytes(4, "little")
 
 
+def _as_format_2(path):
+    """Rewrite a checkpoint as tilegraph's format 2 wrote it: the optimizer's arrays
+    ``optimizer/<parameter>/<state>`` (a group per parameter) instead of
+    ``optimizer/<state>/<parameter>``, and version 2."""
+    import shutil
+
+    root = json.loads((path / "zarr.json").read_text())
+    attrs = root["attributes"]["tilegraph"]
+    moved = {}
+    for state in [p for p in (path / "optimizer").iterdir() if p.is_dir()]:
+        for param in [p for p in state.iterdir() if p.is_dir()]:
+            target = path / "optimizer" / param.name
+            if not target.is_dir():
+                target.mkdir()
+                (target / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+            param.rename(target / state.name)
+            moved[f"optimizer/{state.name}/{param.name}"] = f"optimizer/{param.name}/{state.name}"
+        shutil.rmtree(state)
+    attrs["arrays"] = {moved.get(k, k): v for k, v in attrs["arrays"].items()}
+    attrs["version"] = 2
+    (path / "zarr.json").write_text(json.dumps(root))
+    return moved
+
+
 def _as_format_1(path):
-    """Rewrite a checkpoint as tilegraph's format 1 wrote it: chunk files ``c/i/j`` (Zarr's
-    default "/" separator) instead of ``c.i.j``, and version 1."""
+    """Rewrite a checkpoint as tilegraph's format 1 wrote it: the optimizer's arrays as format 2
+    has them, chunk files ``c/i/j`` (Zarr's default "/" separator) instead of ``c.i.j``, and
+    version 1."""
+    _as_format_2(path)
     for meta_file in path.rglob("zarr.json"):
         doc = json.loads(meta_file.read_text())
         if doc.get("node_type") == "array":
@@ -541,6 +567,49 @@ def _as_format_1(path):
     root = json.loads((path / "zarr.json").read_text())
     root["attributes"]["tilegraph"]["version"] = 1
     (path / "zarr.json").write_text(json.dumps(root))
+
+
+@pytest.mark.parametrize("tiling", ["single", "ragged"])
+def test_optimizer_state_one_group_per_state_and_format_2_checkpoints_still_load(tmp_path, tiling):
+    """Format 3 keeps the optimizer's arrays as ``optimizer/<state>/<parameter>``: one group per
+    state (exp_avg, exp_avg_sq), the parameters named as under ``model/``, and zarr-python reads
+    them. A checkpoint of format 2 (``optimizer/<parameter>/<state>``, a group per parameter)
+    restores the same optimizer state; one of its arrays that is gone is named by its format-2 path."""
+    import shutil
+
+    import zarr
+
+    model = models.build("gpt2-debug", TILINGS[tiling], seed=4)
+    opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
+    for grid in (g for st in opt.state for g in st):
+        for cell in grid.flat:
+            cell.set(np.random.default_rng(5).standard_normal(cell.shape).astype(np.float32))
+    path = tg.io.save_checkpoint(tmp_path / "new", model, opt, step=2)
+    assert sorted(p.name for p in (path / "optimizer").iterdir()) == ["exp_avg", "exp_avg_sq", "zarr.json"]
+    names = sorted(n for n, _ in model.named_parameters())
+    assert sorted(p.name for p in (path / "optimizer" / "exp_avg").iterdir() if p.is_dir()) == names
+    group = zarr.open_group(str(path), mode="r")
+    want = {f"{n}/{k}": v.numpy() for (n, _), st in zip(model.named_parameters(), opt.state_tensors())
+            for k, v in st.items()}
+    for key, value in want.items():
+        name, state = key.split("/")
+        np.testing.assert_array_equal(group["optimizer"][state][name][...], value, err_msg=key)
+    old_path = tmp_path / "old"
+    shutil.copytree(path, old_path)
+    moved = _as_format_2(old_path)
+    assert len(moved) == 2 * len(names) and not (old_path / "optimizer" / "exp_avg").exists()
+    for ck in (tg.io.load_checkpoint(path), tg.io.load_checkpoint(old_path)):
+        model2 = models.build("gpt2-debug", TILINGS["even"], seed=9)
+        opt2 = tg.optim.AdamW(model2.parameters(), lr=1e-3)
+        ck.load_into(model2)
+        ck.restore_optimizer(opt2, model2)
+        assert ck.step == 2
+        for (n, _), st in zip(model2.named_parameters(), opt2.state_tensors()):
+            for k, v in st.items():
+                np.testing.assert_array_equal(v.numpy(), want[f"{n}/{k}"], err_msg=f"{ck.path.name}: {n}/{k}")
+    shutil.rmtree(old_path / "optimizer" / "wte.weight" / "exp_avg_sq")
+    with pytest.raises(tz.CheckpointError, match=r"optimizer/wte.weight/exp_avg_sq"):
+        tg.io.load_checkpoint(old_path)
 
 
 @pytest.mark.parametrize("tiling,quantize", [("single", None), ("even", None), ("ragged", "int8")])
@@ -580,6 +649,7 @@ def test_one_folder_per_zarr_node_and_format_1_checkpoints_still_load(tmp_path, 
     for a, b in zip(opt_old.state_tensors(), opt_new.state_tensors()):
         for name in a:
             np.testing.assert_array_equal(a[name].numpy(), b[name].numpy(), err_msg=name)
+    assert (old_path / "optimizer" / "blocks.0.ln_1.weight" / "exp_avg").is_dir()
     # a format-1 chunk that is gone is named by its format-1 key
     victim = next(p for p in (old_path / "model" / "blocks.0.ln_1.weight" / "c").rglob("*") if p.is_file())
     victim.unlink()
