@@ -208,6 +208,7 @@ def test_connect_to_a_dask_mpi_cluster_by_its_scheduler_file(dask_mpi_cluster):
         # the README's settings reached the ranks: no profiler, no root-task queuing
         assert all("profile" not in cbs for cbs in rt.client.run(lambda dask_worker: list(dask_worker.periodic_callbacks)).values())
         assert rt.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.WORKER_SATURATION) == float("inf")
+        assert rt.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.worker_ttl) == 60
         x = tg.from_numpy(np.arange(64.0).reshape(8, 8), (4, 4))
         with rt.as_current():
             np.testing.assert_allclose(((x @ x) + 1.0).numpy(), np.arange(64.0).reshape(8, 8) @
