@@ -143,6 +143,28 @@ def test_a_rank_that_dies_before_mpi_starts_ends_the_job_instead_of_hanging(tmp_
     assert not _processes_in(tmp_path), "ranks (or their watchers) left running"
 
 
+def test_a_bad_start_wait_is_said_once_by_the_client_rank(tmp_path, monkeypatch):
+    """Before: ``TILEGRAPH_MPI_START_SECONDS=soon mpiexec -n 3 ...`` raised the same TileError on
+    every rank (mpiexec passes the environment on): three tracebacks for one mistake. Now the
+    client rank says it once and the others exit with status 1."""
+    pytest.importorskip("mpi4py")
+    monkeypatch.setenv("TILEGRAPH_MPI_START_SECONDS", "soon")
+    rc, out, err = _launch(tmp_path, 3, CONNECTS)
+    assert rc != 0 and "connected" not in out, out + err[-3000:]
+    assert err.count("TileError:") == 1, err[-3000:]
+    assert ("[tilegraph.connect(mpi=True)] TILEGRAPH_MPI_START_SECONDS: a number of seconds > 0 (how long a rank "
+            "waits for the others to start MPI); received: 'soon'") in err, err[-3000:]
+    assert not _processes_in(tmp_path), "ranks (or their watchers) left running"
+
+
+CONNECTS = """
+import tilegraph as tg
+
+with tg.connect(mpi=True, interface="lo") as rt:
+    print("connected", len(rt.workers()), flush=True)
+"""
+
+
 def test_connect_mpi_without_mpiexec_says_how_to_launch(monkeypatch):
     """Before: ``tg.connect(mpi=True)`` in a script run with plain ``python`` said "dask-mpi needs
     at least 3 ranks ...; received: 1 rank", which did not tell that mpiexec was missing."""

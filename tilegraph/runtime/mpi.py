@@ -156,11 +156,11 @@ def _start_watchdog():
     if "mpi4py.MPI" in sys.modules or not hasattr(os, "fork"):
         yield  # MPI started before (or a platform without fork: MPI_Init's own behaviour)
         return
-    wait = _start_wait_seconds()
     from tilegraph.runtime.connection import _MPI_RANK_ENV
 
     rank, size = next(((os.environ[r], os.environ.get(n, "?")) for r, n in _MPI_RANK_ENV if r in os.environ),
                       ("?", "?"))  # (MPICH, Open MPI, PMIx)
+    wait = _start_wait_seconds(rank)
     message = (f"[tilegraph.connect(mpi=True)] every rank of the launch to start MPI within {wait:g} s (a rank that "
                "ended before, its error above, leaves the others waiting in MPI_Init without end; so the job "
                "ends; TILEGRAPH_MPI_START_SECONDS sets this wait); received: rank "
@@ -186,12 +186,18 @@ def _start_watchdog():
         os.waitpid(watcher, 0)
 
 
-def _start_wait_seconds() -> float:
+def _start_wait_seconds(rank: str = "?") -> float:
+    """``TILEGRAPH_MPI_START_SECONDS`` (default :data:`MPI_START_WAIT_SECONDS`). A bad value is the
+    same on every rank (mpiexec passes the environment on): the client rank (``rank`` "1", or
+    one whose rank is unknown) raises the error, the others exit with status 1 without a word (as
+    many copies of it as ranks before)."""
     text = os.environ.get("TILEGRAPH_MPI_START_SECONDS", "")
     try:
         wait = float(text) if text else MPI_START_WAIT_SECONDS
     except ValueError:
         wait = -1.0
+    if not wait > 0 and rank not in ("1", "?"):
+        raise SystemExit(1)
     if not wait > 0:
         raise TileError("tilegraph.connect(mpi=True)", "TILEGRAPH_MPI_START_SECONDS: a number of seconds > 0 (how "
                         "long a rank waits for the others to start MPI)", repr(text))
