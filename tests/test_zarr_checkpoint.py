@@ -457,8 +457,8 @@ def test_a_short_chunk_write_fails_the_save_and_a_longer_chunk_fails_the_load(tm
         model = models.build("gpt2-debug", TILINGS[tiling], seed=0)
         info = tg.io.load_checkpoint(tg.io.save_checkpoint(tmp_path / tiling, model)).arrays[victim.split("/c.")[0]]
         assert bool(info["shards"]) == sharded  # a file per chunk, then a shard file of several
-        def short(path, parts, victim=victim):
-            n = write_file(path, parts)
+        def short(path, parts, victim=victim, **kw):
+            n = write_file(path, parts, **kw)
             if victim in path.replace(os.sep, "/"):
                 os.truncate(path, n - 1)  # a write that stopped one byte early and said nothing
             return n
