@@ -142,7 +142,7 @@ def test_a_worker_paused_for_memory_is_named(embedded_runtime, monkeypatch):
     an error naming it and its memory, never a hang."""
     from distributed.core import Status
 
-    from tilegraph import _train
+    from tilegraph import _health
 
     rt = embedded_runtime
     addr = sorted(rt.snapshot().memory_limits)[0]
@@ -161,24 +161,24 @@ def test_a_worker_paused_for_memory_is_named(embedded_runtime, monkeypatch):
     rt.client.run(set_status, "paused", workers=[addr])
     try:
         for _ in range(100):
-            health = _train.worker_health(rt)
+            health = _health.worker_health(rt)
             if addr in health.paused:
                 break
             time.sleep(0.05)
         assert addr in health.paused and not health.stuck  # paused just now: not yet stuck
-        monkeypatch.setattr(_train, "PAUSED_SECONDS", 0.0)
-        health = _train.worker_health(rt)
+        monkeypatch.setattr(_health, "PAUSED_SECONDS", 0.0)
+        health = _health.worker_health(rt)
         assert list(health.stuck) == [addr]
-        err = _train.lost_worker_error(health, "step 3", "no result after 70.0 s", steps=range(3, 4))
-        assert isinstance(err, _train.WorkerLostError) and err.stalled == [addr]
+        err = _health.lost_worker_error(health, "step 3", "no result after 70.0 s", steps=range(3, 4))
+        assert isinstance(err, _health.WorkerLostError) and err.stalled == [addr]
         assert "paused by Dask's memory manager" in str(err) and "memory limit" in str(err) and addr in str(err)
     finally:
         rt.client.run(set_status, "running", workers=[addr])
         for _ in range(100):  # the scheduler hears of it a moment later
-            if addr not in _train.worker_health(rt).paused:
+            if addr not in _health.worker_health(rt).paused:
                 break
             time.sleep(0.05)
-    assert addr not in _train.worker_health(rt).paused
+    assert addr not in _health.worker_health(rt).paused
 
 
 def test_sharded_parameters_are_kept_apart_from_their_state(embedded_runtime, monkeypatch):

@@ -241,9 +241,9 @@ def test_a_reader_gone_ends_the_command_quietly(ckpt, tmp_path, which):
 
 # ---------------------------------------------------------------------------- step time limit ----
 def test_the_still_running_warning_says_what_it_waits_for(monkeypatch, caplog):
-    from tilegraph import _train
+    from tilegraph import _health, _train
 
-    monkeypatch.setattr(_train, "worker_health", lambda runtime: _train.WorkerHealth(silence={"tcp://w:1": 0.2}))
+    monkeypatch.setattr(_train, "worker_health", lambda runtime: _health.WorkerHealth(silence={"tcp://w:1": 0.2}))
     step = _train.PendingStep.__new__(_train.PendingStep)  # only its steps are read
     step.steps = range(1, 2)
     with caplog.at_level(logging.WARNING, logger="tilegraph"):

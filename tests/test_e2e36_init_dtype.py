@@ -187,7 +187,7 @@ def test_a_worker_lost_while_sampling_after_training_is_a_warning(tmp_path, caps
     `tilegraph train` exit 2 ("load the model again"); now one warning line, exit 0."""
     import importlib
 
-    from tilegraph._train import WorkerHealth, lost_worker_error
+    from tilegraph._health import WorkerHealth, lost_worker_error
     from tilegraph.cli import main
 
     generation = importlib.import_module("tilegraph.models.generate")

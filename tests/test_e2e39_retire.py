@@ -10,7 +10,7 @@ import pytest
 
 import tilegraph as tg
 from conftest import counting_scatters, mse, regression_data, retire_as_values_are_sent
-from tilegraph import _train
+from tilegraph import _health
 
 
 def _step(rt, parallel="data"):
@@ -97,9 +97,9 @@ def test_a_retired_worker_is_named_so_in_a_lost_worker_error():
               (2.0, {"action": "remove-worker", "worker": "tcp://b:1", "expected": False}),
               (3.0, {"action": "retire-workers", "retired": ["tcp://c:1"], "could-not-retire": []}),
               (4.0, "a plain message")]
-    assert _train.retired_in(events) == {"tcp://a:1", "tcp://c:1"}
-    health = _train.WorkerHealth(lost=["tcp://a:1", "tcp://b:1"], retired={"tcp://a:1"})
-    text = str(_train.lost_worker_error(health, "step 4", None))
+    assert _health.retired_in(events) == {"tcp://a:1", "tcp://c:1"}
+    health = _health.WorkerHealth(lost=["tcp://a:1", "tcp://b:1"], retired={"tcp://a:1"})
+    text = str(_health.lost_worker_error(health, "step 4", None))
     assert "tcp://a:1 (retired from the cluster: retire_workers, by a user or a cluster scaling down)" in text
     assert "tcp://b:1 (left the cluster" in text
 

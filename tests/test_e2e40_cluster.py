@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import tilegraph as tg
-from tilegraph import _train
+from tilegraph import _health
 from conftest import mse, regression_data, retire_as_values_are_sent
 from test_cli import semaphore_group
 from tilegraph.runtime import worker_setup
@@ -210,10 +210,10 @@ def test_a_lost_workers_error_says_how_the_scheduler_lost_it():
               (4.0, {"action": "remove-worker", "worker": "tcp://d:1", "expected": True,
                      "stimulus_id": "handle-worker-cleanup-4.0"}),
               (5.0, "not a dict")]
-    causes = _train.removal_causes(events)
+    causes = _health.removal_causes(events)
     assert causes == {"tcp://a:1": "disconnected", "tcp://b:1": "exited"}
-    health = _train.WorkerHealth(lost=["tcp://a:1", "tcp://b:1", "tcp://c:1"], causes=causes)
-    text = str(_train.lost_worker_error(health, "step 3", None))
+    health = _health.WorkerHealth(lost=["tcp://a:1", "tcp://b:1", "tcp://c:1"], causes=causes)
+    text = str(_health.lost_worker_error(health, "step 3", None))
     assert ("tcp://a:1 (left the cluster: its connection to the scheduler closed (its process ended, or the network "
             "between them failed))") in text
     assert "tcp://b:1 (left the cluster: its process ended, as its nanny reported" in text

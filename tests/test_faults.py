@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-import tilegraph._train
+import tilegraph._health
 from conftest import fake_hosts, mse, stop_process
 from tilegraph.trainer import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_MIN, StepTimeoutError, WorkerLostError
 
@@ -129,7 +129,7 @@ def test_stopped_worker_is_named_within_the_deadline(cluster):
                      r"step 6 ran; parameters and optimizer state live on the workers", str(info.value)), info.value
     assert info.value.stalled == [lost["addr"]] and info.value.steps == range(6, 7)
     # the "auto" limit grows with the slowest recent step (a loaded machine's steps can pass 1 s)
-    deadline = max(STEP_TIMEOUT_MIN, tilegraph._train.STALL_SECONDS,
+    deadline = max(STEP_TIMEOUT_MIN, tilegraph._health.STALL_SECONDS,
                    STEP_TIMEOUT_FACTOR * max(trainer._recent, default=0.0))
     assert deadline - 0.5 < elapsed < deadline + 4.0, (elapsed, deadline)
 
@@ -165,7 +165,7 @@ def test_a_step_without_a_time_limit_names_a_lost_worker(cluster, how, monkeypat
     # killed, or stopped (SIGSTOP: its connections stay open, and Dask alone would wait for its
     # worker-ttl, a minute here), ends the next step with a WorkerLostError naming it; a worker
     # silent for 3 s counts as stalled here (10 s by default)
-    monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)
+    monkeypatch.setattr(tilegraph._health, "STALL_SECONDS", 3.0)
     model = tg.nn.MLP(16, 64, out_dim=4, tile=8, seed=0)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-2)
     step = tg.TrainStep(model, opt, mse, batch_tiles=[(64, 8), (64, None)], runtime=cluster.rt)
@@ -352,7 +352,7 @@ def test_restart_on_failure_restarts_a_stopped_worker(cluster, tmp_path, monkeyp
     # its nanny restarts it (~5 s: the nanny's kill of a stopped process times out first), and
     # training resumes from the checkpoint of step 4. Pipelined: the stop after step 6 catches
     # step 7 or 8 in flight
-    monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)
+    monkeypatch.setattr(tilegraph._health, "STALL_SECONDS", 3.0)
     hook, lost = _lose_at(cluster, 6, "stop")
     trainer = _trainer(cluster.rt, 10, steps_per_graph=1, checkpoint_dir=tmp_path / "ck", checkpoint_every=4,
                        restart_on_failure=True, on_step=[hook], step_timeout=5)

@@ -218,10 +218,10 @@ def test_restart_on_failure_removes_a_stopped_worker_that_has_no_nanny(workers_w
     the others."""
     import signal
 
-    import tilegraph._train
+    import tilegraph._health
 
     rt, pids = workers_without_nanny
-    monkeypatch.setattr(tilegraph._train, "STALL_SECONDS", 3.0)  # 10 s by default
+    monkeypatch.setattr(tilegraph._health, "STALL_SECONDS", 3.0)  # 10 s by default
     stopped = {}
 
     def hook(trainer, stats):

@@ -14,7 +14,8 @@ from tilegraph._lower import compile, compute, config
 from tilegraph.runtime import Runtime, connect, current_runtime
 
 from tilegraph import ops, nn, optim
-from tilegraph._train import EvalStep, StepStats, StepTimeoutError, TrainStep, WorkerLostError
+from tilegraph._health import StepTimeoutError, WorkerLostError
+from tilegraph._train import EvalStep, StepStats, TrainStep
 from tilegraph.trainer import FitResult, NonFiniteLossError, Trainer
 from tilegraph.ops import *  # noqa: F401,F403 - functional ops live in the tilegraph namespace
 from tilegraph.ops import __all__ as _ops_all

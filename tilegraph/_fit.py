@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 from tilegraph import _config
 from tilegraph._progress import _Aside, _import_matplotlib_aside, _progress
-from tilegraph._train import (StepStats, StepTimeoutError, WorkerLostError, _steps_text, end_calls, on_workers,
-                              why_removed, workers_left)
+from tilegraph._health import (StepTimeoutError, WorkerLostError, _steps_text, end_calls, on_workers, why_removed,
+                               workers_left)
+from tilegraph._train import StepStats
 from tilegraph.runtime import _plural
 
 logger = logging.getLogger("tilegraph")

@@ -1050,10 +1050,10 @@ def gather(runtime, values: Sequence, during: str | None = None, **lost) -> list
 
     With ``during`` (what is running, for the error), the wait is watched: every
     ``WATCH_SECONDS`` without the values the workers are checked, and one that died, left or
-    stopped answering (``tilegraph._train.STALL_SECONDS``) ends it with a WorkerLostError naming
+    stopped answering (``tilegraph._health.STALL_SECONDS``) ends it with a WorkerLostError naming
     it, never a hang or Dask's traceback. ``lost``: the error's ``where`` (default
     "tilegraph.compute"), ``hint`` (what is gone, how to go on) and ``steps``, as
-    :func:`tilegraph._train.lost_worker_error` takes them, and ``since`` (a wall time: workers
+    :func:`tilegraph._health.lost_worker_error` takes them, and ``since`` (a wall time: workers
     removed from then on count as lost too)."""
     futures = list({id(v.future): v.future for v in values if isinstance(v, Fetching)}.values())
     if not futures:
@@ -1285,7 +1285,7 @@ def own_copy(error: BaseException) -> BaseException:
 
 def _watched_gather(runtime, futures: list, during: str, where: str = "tilegraph.compute", steps: range | None = None,
                     since: float | None = None, calls: Sequence[tuple] = (), **hint) -> list:
-    from tilegraph._train import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
+    from tilegraph._health import _lost_errors, lost_worker_error, translate_worker_failure, worker_health
 
     t0 = time.perf_counter()
     waited = with_calls(futures, list(calls))

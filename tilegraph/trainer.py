@@ -36,10 +36,10 @@ from tilegraph._fit import FitResult, FitRun, perplexity  # noqa: F401 (perplexi
 from tilegraph._lower import WATCH_SECONDS
 from tilegraph._tensor import Default
 from tilegraph.runtime import _plural
-from tilegraph._train import (EVAL_LENT_HINT, LOST_STATE, LOST_STATE_HINT, STALL_SECONDS, EvalStep,
-                              StepTimeoutError, TrainStep, WorkerHealth, WorkerLostError, _steps_text,
-                              check_step_arguments, lost_worker_error, translate_worker_failure,
-                              wait_for_replacements, worker_health)
+from tilegraph._health import (EVAL_LENT_HINT, LOST_STATE, LOST_STATE_HINT, STALL_SECONDS, StepTimeoutError,
+                               WorkerHealth, WorkerLostError, _steps_text, lost_worker_error, translate_worker_failure,
+                               worker_health)
+from tilegraph._train import EvalStep, TrainStep, check_step_arguments, wait_for_replacements
 from tilegraph._progress import _matplotlib_imported, _tensorboard, _tensorboard_write
 
 __all__ = ["Trainer", "FitResult", "lm_loss", "WorkerLostError", "StepTimeoutError", "NonFiniteLossError"]

@@ -837,9 +837,9 @@ def lost_worker(error, config: str | None, out: Path) -> TileError:
     steps) in the command's words: the --resume command of the newest checkpoint and [train]
     restart_on_failure, where the Trainer's told a command-line user to call
     ``Trainer.load_checkpoint`` or build ``Trainer(restart_on_failure=True)``."""
-    from tilegraph._train import LOST_STATE
+    from tilegraph._health import LOST_STATE
 
-    # (what happened, then what is gone and the Trainer's advice: tilegraph._train.lost_worker_error)
+    # (what happened, then what is gone and the Trainer's advice: tilegraph._health.lost_worker_error)
     happened, found, rest = error.what.partition(f"; {LOST_STATE}")
     if not found:  # not the error of lost state: as it is
         return error

@@ -384,7 +384,7 @@ def _quiet_logs() -> None:
 #: over the first 1,000 steps of one step per graph, and for far longer with several steps per
 #: graph; with 100, 134.8 MB at step 500 and 136.0 MB at step 1,000); 100 entries keep a few seconds of history, which is what debugging a hung step reads
 #: (``Client.story``, the worker's ``story``) and what the failure checks read (a worker's
-#: removal among the scheduler's events, see ``_train.worker_health``).
+#: removal among the scheduler's events, see ``_health.worker_health``).
 LOG_LENGTH_DASK_CONFIG = {
     "distributed.admin.low-level-log-length": 100,
 }
