@@ -194,9 +194,6 @@ def crc_bytes(data) -> bytes:
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _OVERWRITE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
-#: a file that a save fills in its own fresh temporary folder: made empty beforehand
-#: (:func:`create_empty`), or made by this open; never truncated
-_FILL_FLAGS = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 
 
 def _advance(views: list, i: int, n: int) -> int:
@@ -226,15 +223,14 @@ def _write_all(fd: int, view: memoryview, path: str) -> None:
             block = block[n:]
 
 
-def write_file(path: str, parts: Sequence, *, overwrite: bool = False, fill: bool = False) -> int:
+def write_file(path: str, parts: Sequence, *, overwrite: bool = False) -> int:
     """Create ``path`` holding ``parts`` (bytes or C-contiguous arrays) one after the other,
     large parts straight from their memory in :data:`WRITE_BLOCK` blocks, small ones gathered
     first (no Python file object). With ``overwrite``, ``path`` exists and is written over from
-    its start, its blocks kept (then cut to the new length). With ``fill``, ``path`` is a file of
-    a save's fresh folder, empty (:func:`create_empty`) or not there yet: written without a
-    truncation. An OSError (a full disk, ...) propagates. Returns the bytes written."""
+    its start, its blocks kept (then cut to the new length). An OSError (a full disk, ...)
+    propagates. Returns the bytes written."""
     total = 0
-    fd = os.open(path, _OVERWRITE_FLAGS if overwrite else _FILL_FLAGS if fill else _WRITE_FLAGS, 0o666)
+    fd = os.open(path, _OVERWRITE_FLAGS if overwrite else _WRITE_FLAGS, 0o666)
     try:
         small = bytearray()
         for part in parts:
@@ -348,20 +344,10 @@ def write_file_in(path: str, parts: Sequence, root: str, made: set | None = None
     ``mkdir`` (a file system's metadata calls are what a checkpoint of many small arrays spends
     its time on). Returns the bytes written."""
     try:
-        return write_file(path, parts, fill=True)
+        return write_file(path, parts)
     except FileNotFoundError:
         make_dir(os.path.dirname(path), made, root)  # (SaveAbandoned when root itself is gone)
-    return write_file(path, parts, fill=True)
-
-
-def create_empty(paths: Sequence[str]) -> None:
-    """Create the files ``paths`` (in folders that exist), empty, for a save's writes to fill.
-    A file system's create is a journal operation: made before any data is written it costs
-    10-50 us on the 2-core machine, made while gigabytes of a save's data are written back it
-    took 0.2-0.5 ms (ext4, data=ordered: a new journal handle waits for the data of the
-    transaction being committed), where opening an existing file to fill it took 5-10 us."""
-    for path in paths:
-        os.close(os.open(path, _WRITE_FLAGS | os.O_EXCL, 0o666))
+    return write_file(path, parts)
 
 
 def make_dir(folder: str, made: set | None, root: str) -> None:
@@ -571,12 +557,10 @@ def group_meta(attributes: dict | None = None) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
 
 
-def write_meta(root: str, path: str, meta: dict, made: set | None = None, fill: bool = False) -> None:
-    """The zarr.json of group or array ``path`` in ``root`` (``fill``: a file of a save's fresh
-    folder, see :func:`write_file`)."""
+def write_meta(root: str, path: str, meta: dict, made: set | None = None) -> None:
     folder = os.path.join(root, path) if path else root
     make_dir(folder, made, root)
-    write_file(os.path.join(folder, "zarr.json"), (json.dumps(meta).encode(),), fill=fill)
+    write_file(os.path.join(folder, "zarr.json"), (json.dumps(meta).encode(),))
 
 
 def chunk_key(idx: Sequence[int], sep: str = CHUNK_SEPARATOR) -> str:
@@ -604,21 +588,16 @@ def write_chunks(root: str, name: str, tile: np.ndarray, region, chunk_shape, ma
     bytes written. ``made``: the folders already made (shared by the calls of one task)."""
     tile = tile_bytes(tile)
     written = 0
+    first = [lo // c for (lo, _), c in zip(region, chunk_shape)]
+    counts = [-(-(hi - lo) // c) for (lo, hi), c in zip(region, chunk_shape)]
     made = set() if made is None else made
-    for rel, path in tile_chunks(root, name, region, chunk_shape):
+    for rel in np.ndindex(*counts):
         src = tuple(slice(i * c, min((i + 1) * c, hi - lo)) for i, c, (lo, hi) in zip(rel, chunk_shape, region))
         data, crc = encode_chunk(tile[src], chunk_shape)
+        path = chunk_path(root, name, [f + r for f, r in zip(first, rel)], CHUNK_SEPARATOR)
         write_file_in(path, (data, crc), root, made)
         written += data.nbytes
     return written
-
-
-def tile_chunks(root: str, name: str, region, chunk_shape) -> list[tuple[tuple[int, ...], str]]:
-    """The chunks of the tile ``region`` of array ``name``: (index in the tile, file path) each."""
-    first = [lo // c for (lo, _), c in zip(region, chunk_shape)]
-    counts = [-(-(hi - lo) // c) for (lo, hi), c in zip(region, chunk_shape)]
-    return [(rel, chunk_path(root, name, [f + r for f, r in zip(first, rel)], CHUNK_SEPARATOR))
-            for rel in np.ndindex(*counts)]
 
 
 #: why a chunk file can be missing, after the error's chunk key: tilegraph writes every chunk (a save

@@ -67,9 +67,9 @@ from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, SaveAbandoned, array_meta,
-                     chunk_key, chunk_path, chunks_of, create_empty, file_in_the_way, group_meta, host_label, job_bytes,
+                     chunk_key, chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes,
                      layout_problems, process_alive, quantized_layout, quantized_parts, read_parts_task, read_region,
-                     read_regions, shards_of, slices, temp_name, temp_writer, tile_chunks, tile_label, untouched_for,
+                     read_regions, shards_of, slices, temp_name, temp_writer, tile_label, untouched_for,
                      unwritable_folder, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
                      write_tiles, write_values)
 
@@ -435,7 +435,6 @@ class PendingSave:
         local: list[tuple[Any, list]] = []        # (array, jobs) written here
         remote: dict[Any, tuple[Any, list]] = {}  # future key -> (future, jobs)
         shard_jobs = []                           # (values, tuple positions, spec) of each shard
-        files: list[str] = []                     # the chunk files, made empty before the writes
         for apath, shape, dtype, chunks, tiles, quant in self.entries:
             parts = apath.split("/")
             groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
@@ -453,7 +452,6 @@ class PendingSave:
                     indices = [v.index if isinstance(v, ValueRef) else None for v, _ in items]
                     spec = (root, apath, [r for _, r in items], shape, chunk_shape, tuple(shards), at)
                     shard_jobs.append((values, indices, spec))
-                    files.append(chunk_path(root, apath, at))
                 continue
             if quant is None:
                 metas.append((apath, (shape, dtype, chunk_shape, None)))
@@ -461,8 +459,6 @@ class PendingSave:
                 metas.append((apath, group_meta({"quantized_tiles": [list(c) for c in chunks]})))
             for idx, value in tiles:
                 job = (root, apath, slices(chunks, idx), chunk_shape, quant, tile_label(idx))
-                if quant is None:
-                    files += [path for _, path in tile_chunks(root, apath, job[2], chunk_shape)]
                 if isinstance(value, ValueRef):
                     _, jobs = remote.setdefault(value.future.key, (value.future, []))
                     jobs.append((value.index, *job))
@@ -482,15 +478,6 @@ class PendingSave:
                 (job, [v.future if r else v for v, r in zip(values, refs)],
                  [v.index if r else None for v, r in zip(values, refs)], sizes))
         metas += [(group, group_meta()) for group in sorted(groups)]
-        # every group's and array's folder, parents first, and every file but the quantized tiles'
-        # (their parts' sizes are known once quantized), empty, before any write task starts: the
-        # file system then creates them while no data of the save is being written back (see
-        # create_empty), and writing one is an open and its bytes, with no mkdir beside it
-        made: set[str] = set()
-        for folder in sorted({p for p, _ in metas if p}, key=lambda p: p.count("/")):
-            os.mkdir(os.path.join(root, folder))
-            made.add(os.path.join(root, folder))
-        create_empty([os.path.join(root, p, "zarr.json") for p, _ in metas if p] + files)
         futures = self._futures = []  # the workers' write tasks (stopped if the save is abandoned)
         shard_futures = {v.key: v for values, _, _ in shard_jobs for v in values if not hasattr(v, "shape")}
         copy_futures = {v.key: v for _, values, _, _ in copy_remote for v in values if not hasattr(v, "shape")}
@@ -509,6 +496,14 @@ class PendingSave:
             futures += self._write_shards(shard_jobs, holders)
         if copy_remote:
             futures += self._write_copies(copy_remote, holders)
+        # every group's and array's folder, parents first, while the workers begin: their chunks and
+        # the zarr.json files are then one file creation each, with no mkdir beside it (a write task
+        # that finds its folder not made yet makes it: either side takes the other's for done)
+        made: set[str] = set()
+        for folder in sorted({p for p, _ in metas if p}, key=lambda p: p.count("/")):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.join(root, folder))
+            made.add(os.path.join(root, folder))
         self._plan = (metas, made, local, copy_local, futures)
 
     def _complete(self, tmp: Path) -> None:
@@ -518,8 +513,7 @@ class PendingSave:
         root = os.path.abspath(tmp)  # (as the workers were given it)
         metas, made, local, copy_local, futures = self._plan
         for path, meta in metas:  # an array's zarr.json from zarr's (imported here, not in start())
-            write_meta(root, path, meta if isinstance(meta, dict) else array_meta(*meta[:3], shards=meta[3]), made,
-                       fill=bool(path))
+            write_meta(root, path, meta if isinstance(meta, dict) else array_meta(*meta[:3], shards=meta[3]), made)
         for value, jobs in local:
             write_tiles(value, jobs)
         for (root_, path, names, attrs), values, indices, _ in copy_local:
