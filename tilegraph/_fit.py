@@ -61,6 +61,30 @@ class FitResult:
     #: rows (the first dim of a batch's first array: sequences of a token dataset) per second
     samples_per_s: float = 0.0
 
+    def __repr__(self) -> str:
+        """A short summary: a notebook shows it as the value of a cell ending in ``trainer.fit(n)``,
+        where the dataclass's repr printed every loss and every kernel time (~60 entries for
+        gpt2-debug: 2.7 kB for a 3-step fit). The fields hold them all."""
+        def last(items: list, text, keep: int) -> str:  # the newest ``keep``, after a count of the others
+            earlier = [f"... {len(items) - keep} earlier"] if len(items) > keep else []
+            return "[" + ", ".join(earlier + [text(x) for x in items[-keep:]]) + "]"
+
+        losses = [f"{v:.4g}" for v in self.losses]
+        shown = losses if len(losses) <= 6 else [*losses[:3], "...", *losses[-2:]]
+        rate = (f"tokens_per_s={self.tokens_per_s:,.0f}" if self.tokens_per_s else
+                f"samples_per_s={self.samples_per_s:,.0f}")
+        parts = [f"steps={self.steps}", f"losses=[{', '.join(shown)}]"]
+        if self.val_losses:
+            parts.append("val_losses=" + last(self.val_losses, lambda sv: f"({sv[0]}, {sv[1]:.4g})", 3))
+        parts += [f"seconds={self.seconds:.3g}", rate]
+        if self.checkpoints:
+            parts.append("checkpoints=" + last(self.checkpoints, repr, 1))
+        if self.restarts:
+            parts.append(f"restarts={len(self.restarts)}")
+        if self.stopped:
+            parts.append("stopped=True")
+        return f"FitResult({', '.join(parts)})"
+
     @property
     def val_perplexities(self) -> list[tuple[int, float]]:
         """(step, validation perplexity): :func:`perplexity` of each of :attr:`val_losses` (a

@@ -84,7 +84,7 @@ def _progress(total: int, enabled: bool):
     """The progress display of a fit: a tqdm bar on a terminal and in Jupyter, plain lines when
     stderr is a file or a pipe. (A bar redrawn seldom into a file showed, at each later write such
     as an evaluation's line or the end, the rate of its last redraw up to 10 s before.)"""
-    if enabled and not sys.stderr.isatty() and not _in_jupyter():
+    if enabled and not _on_a_terminal(sys.stderr) and not _in_jupyter():
         return _ProgressLines(total)
     import warnings
 
@@ -94,6 +94,14 @@ def _progress(total: int, enabled: bool):
         warnings.simplefilter("ignore", TqdmWarning)
         from tqdm.auto import tqdm
     return tqdm(total=total, desc="train", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def _on_a_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal: not None (pythonw, a service), not closed, and a TTY."""
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):  # (a closed file: "I/O operation on closed file")
+        return False
 
 
 class _ProgressLines:
@@ -113,6 +121,7 @@ class _ProgressLines:
         self._t0 = self._since_t = time.perf_counter()
         self._since_n = 0
         self._closed = False
+        self._gone = False  # a stream that cannot be written (see _print)
 
     def set_postfix(self, refresh: bool = True, **values) -> None:
         self._postfix = ", ".join(f"{k}={v}" for k, v in values.items())
@@ -127,7 +136,19 @@ class _ProgressLines:
         self._since_t, self._since_n = time.perf_counter(), self.n
 
     def write(self, text: str) -> None:
-        print(text, flush=True)  # as tqdm.write: to stdout
+        self._print(text, None)  # as tqdm.write: to stdout
+
+    def _print(self, text: str, file) -> None:
+        """``text`` as a line of ``file`` (None: stdout). A stream that cannot be written (stderr
+        closed, ``2>&-``; the terminal of a run left behind by a logout) ends the lines, not the
+        fit: the last line, at the end, raised "OSError: [Errno 9] Bad file descriptor" after
+        every step had run, and the fit's result was lost (its records are in metrics.jsonl)."""
+        if self._gone:
+            return
+        try:
+            print(text, file=file, flush=True)
+        except (OSError, ValueError):  # (ValueError: "I/O operation on closed file")
+            self._gone = True
 
     def close(self) -> None:
         if not self._closed:
@@ -147,7 +168,7 @@ class _ProgressLines:
             parts.append(f"ETA {(self.total - self.n) / rate:.1f} s")
         if self._postfix:
             parts.append(self._postfix)
-        print(", ".join(parts), file=self.file or sys.stderr, flush=True)
+        self._print(", ".join(parts), self.file or sys.stderr)
         self._since_t, self._since_n = now, self.n
 
 
@@ -163,6 +184,9 @@ def _tensorboard(setting, log_dir: Path | None) -> tuple[Path | None, type | Non
                             "tensorboard=True, log_dir=None")
         folder = log_dir / "tensorboard"
     elif isinstance(setting, (str, os.PathLike)):
+        if isinstance(setting, str) and not setting:  # (refused by user_path without the argument's name)
+            raise TileError(where, "tensorboard must be True, False or a folder (a non-empty str or os.PathLike)",
+                            repr(setting))
         from tilegraph.io._store import user_path
 
         folder = user_path(setting, where)

@@ -242,8 +242,9 @@ def _png_path(path) -> Path:
     """``plot_training``'s ``path``: a file in an existing folder (a folder given for it would
     fail only at the rename, with the temporary file's name in Python's error)."""
     where = "tilegraph.plotting.plot_training"
-    if not isinstance(path, (str, os.PathLike)):
-        raise TileError(where, "path must be a file name (str or os.PathLike) or None", repr(path))
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, str) and not path:
+        # ("" was Path("."): "not a folder ... received: path='.'", naming a path not given)
+        raise TileError(where, "path must be a file name (a non-empty str or os.PathLike) or None", repr(path))
     path = Path(path)
     if path.is_dir():
         raise TileError(where, "path must name the PNG file to write, not a folder (e.g. FOLDER/loss.png)",

@@ -217,9 +217,10 @@ class Trainer:
             raise TileError(where, "eval_every evaluates on eval_data: give an eval_data, or eval_every=0",
                             f"eval_every={eval_every!r}, eval_data=None")
         on_step, on_checkpoint = _hooks(where, "on_step", on_step), _hooks(where, "on_checkpoint", on_checkpoint)
-        if steps_per_graph != "auto" and (isinstance(steps_per_graph, bool) or not isinstance(steps_per_graph, int)
-                                          or steps_per_graph < 1):
+        # (NumPy's integers too, as for accum_steps: np.int64(2) was refused as not "an int >= 1")
+        if not (isinstance(steps_per_graph, str) and steps_per_graph == "auto" or is_int(steps_per_graph, 1)):
             raise TileError(where, "steps_per_graph must be 'auto' or an int >= 1", repr(steps_per_graph))
+        steps_per_graph = steps_per_graph if isinstance(steps_per_graph, str) else int(steps_per_graph)
         if steps_per_graph != "auto" and steps_per_graph > 1 and accum_steps > 1:
             raise TileError(where, "steps_per_graph > 1 does not combine with accum_steps > 1",
                             f"steps_per_graph={steps_per_graph}, accum_steps={accum_steps}")
@@ -230,8 +231,9 @@ class Trainer:
         if perplexity is not None and not isinstance(perplexity, (bool, np.bool_)):
             raise TileError(where, "perplexity must be None (a language model's data: token ids), True or False",
                             f"perplexity={_short_repr(perplexity)}")
-        if performance_report is not None and not isinstance(performance_report, (str, os.PathLike)):
-            raise TileError(where, "performance_report must be a file path (a str or os.PathLike) or None",
+        if performance_report is not None and (not isinstance(performance_report, (str, os.PathLike))
+                                               or isinstance(performance_report, str) and not performance_report):
+            raise TileError(where, "performance_report must be a file path (a non-empty str or os.PathLike) or None",
                             f"performance_report={_short_repr(performance_report)}")
         if report_step is not None:
             require_int(where, "report_step (None: the fit's second step)", report_step, 1)
@@ -247,8 +249,8 @@ class Trainer:
             batch_size = batch_size.value if _is_token_data(data) else None
         if is_int(batch_size):  # NumPy's integers too, as for accum_steps
             batch_size = int(batch_size)
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1
-                                       or batch_size % accum_steps):
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size < 1 or batch_size % accum_steps):  # (True trained 1 row)
             raise TileError(where, "batch_size must be a positive multiple of accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
         if batch_size is not None and eval_data is not None and _is_token_data(eval_data) \
@@ -267,14 +269,20 @@ class Trainer:
 
         # checked here, not at the first checkpoint after training up to it
         checkpoint_files = check_files(checkpoint_files, where, "checkpoint_files", TileError)
-        if not (step_timeout is None or step_timeout == "auto" or (isinstance(step_timeout, (int, float))
-                                                                  and not isinstance(step_timeout, bool)
-                                                                  and 0 < step_timeout < math.inf)):
+        # (NumPy's numbers too: np.int64(5) was refused as not "a finite number of seconds")
+        seconds = isinstance(step_timeout, (int, float, np.integer, np.floating)) \
+            and not isinstance(step_timeout, (bool, np.bool_))
+        if not (step_timeout is None or isinstance(step_timeout, str) and step_timeout == "auto"
+                or seconds and 0 < step_timeout < math.inf):
             raise TileError(where, "step_timeout must be 'auto', None (no limit) or a finite number of seconds > 0",
-                            repr(step_timeout))
-        if not isinstance(restart_on_failure, (bool, int)) or restart_on_failure < 0:
-            raise TileError(where, "restart_on_failure must be a bool or the number of restarts allowed",
-                            repr(restart_on_failure))
+                            _short_repr(step_timeout))
+        step_timeout = float(step_timeout) if isinstance(step_timeout, (np.integer, np.floating)) else step_timeout
+        if isinstance(restart_on_failure, np.bool_):
+            restart_on_failure = bool(restart_on_failure)
+        if not (isinstance(restart_on_failure, bool) or is_int(restart_on_failure, 0)):
+            raise TileError(where, "restart_on_failure must be a bool or the number of restarts allowed (an int >= 0)",
+                            _short_repr(restart_on_failure))
+        restart_on_failure = restart_on_failure if isinstance(restart_on_failure, bool) else int(restart_on_failure)
         if restart_on_failure and checkpoint_dir is None:
             raise TileError(where, "restart_on_failure resumes from checkpoints: it needs a checkpoint_dir",
                             f"restart_on_failure={restart_on_failure!r}, checkpoint_dir=None")
@@ -373,6 +381,9 @@ class Trainer:
         self._first_batch_checked = False  # batch_size against a callable data's first batch
         #: the source of the code that called the running fit (its performance report shows it)
         self._caller_code: str | None = None
+        #: held while a fit runs: one fit of a trainer at a time (see :meth:`fit`)
+        self._fit_lock = threading.Lock()
+        self._fitting: tuple[int, int] | None = None  # the running fit's (steps, first step)
 
     #: set when the Trainer is built: its training step is recorded for that model, optimizer,
     #: loss, runtime and batch (``trainer.optimizer = AdamW(..., lr=1e-4)`` between fits went on
@@ -511,13 +522,32 @@ class Trainer:
             self._require_state(where)
         # the performance report's "Calling Code": the caller's (see _start_report)
         self._caller_code = _calling_code(sys._getframe(1)) if self.performance_report is not None else None
-        # the folders are this fit's alone while it runs: another process's (or trainer's) run
-        # there would interleave its records with ours and fail at its first checkpoint
-        release = self._hold_folders(where)
+        # one fit at a time: a second one (a notebook cell run while `threading.Thread(target=
+        # trainer.fit, ...)` trains, a hook calling fit) ran beside the first on the same step
+        # count, asking data() for the same steps twice and logging steps 6, 5, 7, 6, ...
+        self._refuse_while_fitting(where, f"fit({steps})")
         try:
-            return FitRun(self, where, steps).run()
+            self._fitting = (steps, self.optimizer.step_count + 1)
+            # the folders are this fit's alone while it runs: another process's (or trainer's) run
+            # there would interleave its records with ours and fail at its first checkpoint
+            release = self._hold_folders(where)
+            try:
+                return FitRun(self, where, steps).run()
+            finally:
+                release()
         finally:
-            release()
+            self._fitting = None
+            self._fit_lock.release()
+
+    def _refuse_while_fitting(self, where: str, call: str) -> None:
+        """Take the trainer's fit lock (the caller releases it), or raise naming the fit that holds it."""
+        if not self._fit_lock.acquire(blocking=False):
+            steps, first = self._fitting or (0, 0)
+            raise TileError(where, "no other fit of this Trainer running: its fit is still running (in another "
+                            "thread, or a hook of it made this call); wait for it to end, or call "
+                            "trainer.request_stop() and wait, then call again",
+                            f"{call} while fit({steps}) runs from step {first} (now at step "
+                            f"{self.optimizer.step_count})")
 
     def _diverged(self, pending) -> "NonFiniteLossError":
         """The error of step ``pending.step``'s NaN/inf loss: its update (and those of the steps
@@ -914,8 +944,10 @@ class Trainer:
         """Draw this run's curves to ``path`` (default ``log_dir/loss.png``) with
         :func:`tilegraph.plotting.plot_training`: training loss (raw and smoothed), validation
         loss, learning rate and, for a language model, the uniform guess ``ln(vocab_size)``.
-        Returns the path written; without a ``path`` or a ``log_dir``, the matplotlib Figure
-        (a notebook shows it inline), where it drew nothing and returned None."""
+        Returns the path written (a :class:`~pathlib.Path` that a notebook shows as the image:
+        ``trainer.plot()`` at the end of a cell draws the curve, where it showed
+        ``PosixPath('run/loss.png')``); without a ``path`` or a ``log_dir``, the matplotlib
+        Figure (a notebook shows it inline), where it drew nothing and returned None."""
         _matplotlib_imported()
         from tilegraph.plotting import plot_training
 
@@ -931,7 +963,7 @@ class Trainer:
             return fig
         end = time.perf_counter()
         self._plotted = (end, end - t0)
-        return Path(path)
+        return _ImagePath(path)
 
     def _plot_due(self, fit_start: float) -> bool:
         """Whether :meth:`fit` redraws ``loss.png`` at an evaluation now: once
@@ -951,6 +983,7 @@ class Trainer:
         ``checkpoint_files``. It is written under a temporary name and renamed when complete, so
         a failure or a kill leaves no partial checkpoint and never replaces an existing one.
         Waits for the write; the ``on_checkpoint`` hooks run after it."""
+        _require_path("tilegraph.Trainer.save_checkpoint", path, "the checkpoint folder to write")
         if self.runtime is not None:  # the values are on its workers: a lost scheduler took them along
             self.runtime.require_open("tilegraph.Trainer.save_checkpoint", then=_REBUILD)
         path = self._prepare_checkpoint(path).run()
@@ -1014,7 +1047,12 @@ class Trainer:
         ``trainer.optimizer.schedule = ...`` after loading to go on with another (as after a
         divergence, at a lower rate); the optimizer's other settings stay its own, with a warning
         naming each (and each parameter group's) that differs from the checkpoint's."""
-        return self._load_checkpoint(path, schedule=True, stacklevel=2)
+        # (not while a fit runs: its steps would go on from the checkpoint's step halfway)
+        self._refuse_while_fitting("tilegraph.Trainer.load_checkpoint", f"load_checkpoint({_short_repr(str(path))})")
+        try:
+            return self._load_checkpoint(path, schedule=True, stacklevel=2)
+        finally:
+            self._fit_lock.release()
 
     def _load_checkpoint(self, path, schedule: bool, stacklevel: int) -> int:
         """:meth:`load_checkpoint`; ``schedule``: whether the checkpoint's schedule replaces the
@@ -1031,6 +1069,8 @@ class Trainer:
             from tilegraph.io._store import user_path
 
             # None, 42: a TypeError of Path(); "~/ck" a folder named "~" here
+            _require_path("tilegraph.Trainer.load_checkpoint", path,
+                          "a checkpoint folder, or a checkpoint opened with tilegraph.io.load_checkpoint")
             path = user_path(path, "tilegraph.Trainer.load_checkpoint")
             if (path / "trainer_state.json").is_file():
                 return self._load_legacy_checkpoint(path)
@@ -1188,6 +1228,21 @@ class Trainer:
         return arrays
 
 
+class _ImagePath(type(Path())):  # (Path itself takes subclasses only from Python 3.12)
+    """The path :meth:`Trainer.plot` wrote, shown by IPython as the PNG image it names (a notebook
+    cell ending in ``trainer.plot()``); anything else (a folder, a PDF, a file gone) shows as a path."""
+
+    def __repr__(self) -> str:  # as the Path it is (PosixPath('run/loss.png'))
+        return f"{type(Path()).__name__}({str(self)!r})"
+
+    def _repr_png_(self) -> bytes | None:
+        try:
+            data = self.read_bytes() if self.suffix.lower() == ".png" and self.is_file() else b""
+        except OSError:
+            return None
+        return data if data.startswith(b"\x89PNG\r\n\x1a\n") else None
+
+
 def _legacy_trainer_state(path: Path, where: str) -> dict:
     """The ``trainer_state.json`` of a legacy checkpoint folder ``path``, with its step."""
     file = path / "trainer_state.json"
@@ -1315,13 +1370,22 @@ def _check_writable(where: str, name: str, folder: Path, instead: str) -> None:
                         f"{instead})", f"{name}={str(folder)!r}: {problem}")
 
 
+def _require_path(where: str, path, what: str) -> None:
+    """``path``, the argument of ``save_checkpoint`` / ``load_checkpoint``, is a non-empty str or
+    os.PathLike (``None`` was refused as "a path (a str or pathlib.Path, not empty)", naming no
+    argument, and by save_checkpoint as tilegraph.io.save_checkpoint's)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, str) and not path:
+        raise TileError(where, f"a path (a non-empty str or os.PathLike) as path: {what}", f"path={_short_repr(path)}")
+
+
 def _folder(where: str, name: str, value) -> Path | None:
     """``log_dir`` / ``checkpoint_dir`` as a Path (None stays None): a folder, or a path where one
     can be made (no file on the way)."""
     if value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TileError(where, f"{name} must be a folder (a str or os.PathLike) or None", repr(value))
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, str) and not value:
+        # ("" was refused as "a path (a str or pathlib.Path, not empty)", naming no argument)
+        raise TileError(where, f"{name} must be a folder (a non-empty str or os.PathLike) or None", repr(value))
     from tilegraph.io._store import file_in_the_way, user_path
 
     path = user_path(value, where)  # a leading ~ expanded, as checkpoint_dir's always was
