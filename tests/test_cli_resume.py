@@ -382,7 +382,8 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(root):
     err = err_file.read_text()
     assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     m = re.search(r"^tilegraph train: stopped at once; last checkpoint: (int/checkpoints/step-\d{6}) \(continue with "
-                  r"tilegraph train small\.toml --resume (\S+)\)$", err.strip().splitlines()[-1])
+                  r"tilegraph train small\.toml --set output\.checkpoint_every=5 --resume (\S+)\)$",
+                  err.strip().splitlines()[-1])
     assert m and m.group(1) == m.group(2), err[-3000:]
     assert tg.io.load_checkpoint(root / m.group(1)).step >= 5
     assert not (root / "int" / ".tilegraph.lock").exists()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -37,9 +38,16 @@ def load_config(path: str | None) -> tuple[dict, str]:
     source = f"shipped {DEFAULT_CONFIG} (examples/configs/)"
     if path is not None:
         try:
-            user = tomllib.loads(Path(path).read_text(encoding="utf-8"))  # TOML is UTF-8 whatever the locale
+            text = Path(path).read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
+            if text.startswith("\ufeff"):  # tomllib's "Invalid statement (at line 1, column 1)" hid it
+                raise TileError("tilegraph train", "a TOML config file in UTF-8 without a byte-order mark (an "
+                                "editor's \"UTF-8 with BOM\": save it as plain UTF-8)", f"{path} (begins with a BOM)")
+            user = tomllib.loads(text)
         except FileNotFoundError:
-            raise TileError("tilegraph train", "an existing TOML config file", path) from None
+            # "--set train.lr= 1e-3": the space made the value the command's config file
+            stray = ("" if isinstance(override_value(path), str) else
+                     " (no such file: a value of --set after a space? write --set SECTION.KEY=VALUE as one word)")
+            raise TileError("tilegraph train", "an existing TOML config file", f"{path}{stray}") from None
         except IsADirectoryError:
             raise TileError("tilegraph train", "a TOML config file, not a folder", f"{path} (a folder)") from None
         except OSError as e:
@@ -47,14 +55,21 @@ def load_config(path: str | None) -> tuple[dict, str]:
         except UnicodeDecodeError as e:
             raise TileError("tilegraph train", "a TOML config file in UTF-8", f"{path}: {e}") from None
         except tomllib.TOMLDecodeError as e:
-            raise TileError("tilegraph train", "a valid TOML config file", f"{path}: {e}") from None
+            # tomllib's words for a key or section given twice name neither
+            twice = (" (a key given twice in one section, or a section twice: keep one)"
+                     if "Cannot overwrite" in str(e) or "twice" in str(e) else "")
+            raise TileError("tilegraph train", "a valid TOML config file" + other_format(path),
+                            f"{path}: {e}{twice}") from None
         not_tables = [f"{k} = {v!r}" for k, v in user.items() if k in cfg and not isinstance(v, dict)]
         if not_tables:
             raise TileError("tilegraph train", "sections ([train], ...) that are tables of settings",
                             f"{', '.join(not_tables)} in {path}")
-        unknown = [f"[{k}]{did_you_mean(k, cfg, '[{}]')}" for k in user if k not in cfg]
-        unknown += [f"{k}.{f}{did_you_mean(f, cfg[k])}" for k, v in user.items() if k in cfg and k != "model"
-                    for f in v if f not in cfg[k]]
+        # a key outside any section ("steps = 5" above the first [train]) reads as a section of its own
+        unknown = [f"{k} = {v!r} outside any section{key_hint('', k, cfg)}" if not isinstance(v, dict) else
+                   f"[{k}]{did_you_mean(k, cfg, '[{}]')}" for k, v in user.items() if k not in cfg]
+        # each with its hint, else the keys its section has (the message lists only the sections)
+        unknown += [f"{k}.{f}{key_hint(k, f, cfg) or ' ([{}] has {})'.format(k, ', '.join(cfg[k]))}"
+                    for k, v in user.items() if k in cfg and k != "model" for f in v if f not in cfg[k]]
         if unknown:
             raise TileError("tilegraph train", f"only known sections and keys ({', '.join(f'[{k}]' for k in cfg)})",
                             f"unknown {', '.join(unknown)} in {path}")
@@ -67,6 +82,61 @@ def load_config(path: str | None) -> tuple[dict, str]:
             cfg[k] = {**cfg[k], **v}
         source = path
     return cfg, source
+
+
+def other_format(path: str) -> str:
+    """What to say of a config that is no TOML but another format's (JSON; YAML, or INI-style
+    ``key: value`` lines), by its text, else its name's suffix; "" when it looks like neither."""
+    import re
+
+    suffix = Path(path).suffix.lower()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    try:
+        json.loads(text)
+        looks = "JSON"
+    except ValueError:
+        # "key: value" (YAML's mapping, "- item" its list) where TOML has "key = value"
+        looks = "YAML" if text.lstrip().startswith("---") or re.search(r"(?m)^\s*(- )?[\w.-]+\s*:(\s|$)", text) else ""
+    looks = looks or {".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}.get(suffix, "")
+    if not looks:
+        return ""
+    return (f" (it reads as {looks}: tilegraph train reads TOML only, [section] headers and key = value lines, "
+            'e.g. [train] then steps = 100 and lr = 3e-3; see examples/configs/default.toml)')
+
+
+def key_hint(section: str, key: str, cfg: dict, form: str = "{}") -> str:
+    """`` (did you mean ...?)`` for an unknown ``key`` of ``[section]`` ("": outside any section):
+    the section that holds a key of that name (``lr`` under [model]: [train]'s), else a close
+    name in ``[section]``, else in any section; "" when none fits."""
+    from tilegraph.models import FLAVORS, config
+
+    homes = [s for s, keys in cfg.items() if key in keys and s != section]
+    if not homes and section != "model" and key in model_fields(FLAVORS, config):  # [model] takes the flavor's fields
+        homes = ["model"]
+    if homes:
+        return f" (a key of [{homes[0]}]: {homes[0]}.{key})"
+    near = did_you_mean(key, cfg.get(section, {}), form)
+    if near:
+        return near
+    return did_you_mean(key, {f"{s}.{k}": None for s, keys in cfg.items() for k in keys})
+
+
+def model_fields(flavors, config) -> frozenset[str]:
+    """The fields of every flavor's model config (what [model] may set)."""
+    import dataclasses
+
+    return frozenset(f.name for name in flavors for f in dataclasses.fields(config(name)))
+
+
+def model_key_hint(key: str, fields) -> str:
+    """The hint for ``key``, no field of the model config whose ``fields`` [model] may set: a close
+    field (`` (did you mean n_layers?)``), else the section that holds it (`` (a key of [train]:
+    train.lr)``); "" when neither."""
+    sections = {s: keys for s, keys in load_config(None)[0].items() if s != "model"}
+    return did_you_mean(key, fields) or key_hint("model", key, sections)
 
 
 def did_you_mean(name: str, known, form: str = "{}") -> str:
@@ -134,6 +204,29 @@ CONFIG_CHECKS = {
 }
 
 
+#: spellings of a yes or no that TOML does not read as a boolean (it writes only true and false)
+BOOL_SPELLINGS = ("true", "false", "yes", "no", "on", "off", "y", "n", "1", "0")
+
+
+def value_hint(want: str, value) -> str:
+    """`` (TOML writes ...)`` where a setting wants true or false and ``value`` is one spelt another
+    way ("True", "yes", 1); `` (a string: ...)`` where it wants a list and ``value`` is one string, or
+    a number and ``value`` is one in quotes ("1e-3"); "" otherwise."""
+    if "true" in want and ((isinstance(value, str) and value.strip().lower() in BOOL_SPELLINGS) or
+                           (not isinstance(value, bool) and isinstance(value, int) and value in (0, 1))):
+        return " (TOML writes a boolean as true or false, lowercase and unquoted)"
+    if "list" in want and isinstance(value, str) and value:  # sources = "data/*.txt"
+        return f" (a string: write a list, {json.dumps([value])})"
+    if "number" in want or "integer" in want or "seconds" in want:
+        try:
+            number = float(value) if isinstance(value, str) and value.strip() else None
+        except ValueError:
+            number = None
+        if number is not None and math.isfinite(number):
+            return f" (a string: write the number without quotes, {value.strip()})"
+    return ""
+
+
 def value_problems(cfg: dict) -> dict[str, str]:
     """``section.key`` -> what is wrong with its value, for each key of ``cfg`` that holds a value
     it must not (each key alone: :data:`CONFIG_CHECKS`, and no inf or nan anywhere)."""
@@ -141,7 +234,7 @@ def value_problems(cfg: dict) -> dict[str, str]:
     for name, (ok, want) in CONFIG_CHECKS.items():
         section, key = name.split(".")
         if key in cfg.get(section, {}) and not ok(cfg[section][key]):
-            bad[name] = f"{name} must be {want}, not {cfg[section][key]!r}"
+            bad[name] = f"{name} must be {want}, not {cfg[section][key]!r}" + value_hint(want, cfg[section][key])
     # no setting takes inf or nan ([model] ones included): TOML and float() read both, number_check
     # lets inf through, and the job would fail on it (int(max_mb * 1e6), a time limit of inf s)
     for section, settings in cfg.items():
@@ -192,9 +285,7 @@ def check_config(cfg: dict, source: str) -> None:
 
 def apply_overrides(cfg: dict, pairs: list[str]) -> None:
     """``--set section.key=value`` (the value as TOML: 1e-3, 4, true, "text"; a bare word is a
-    string)."""
-    import tomllib
-
+    string: :func:`override_value`)."""
     from tilegraph._errors import TileError
 
     # a flavor first: switching it drops the default flavor's shape keys, never the ones given here
@@ -206,18 +297,39 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
                             f"({name.strip() or 'section.key'}=VALUE)", f"{pair!r} (no '=')")
         if not dot or section not in cfg or (key not in cfg[section] and section != "model"):
             keys = [f"{s}.{k}" for s, ks in cfg.items() for k in ks]
-            near = did_you_mean(name.strip(), keys)
+            # "lr=1e-3" or "model.lr=1e-3": the section that has the key; else a close name
+            near = key_hint(section, key, cfg, f"{section}.{{}}") if dot and section in cfg else \
+                key_hint("", name.strip(), cfg) if not dot else did_you_mean(name.strip(), keys)
             what = (f"section.key=value with a known key{near}" if near else
                     f"section.key=value with a known key ({', '.join(keys)})")
             raise TileError("tilegraph train --set", what, repr(pair))
-        try:
-            value = tomllib.loads(f"v = {text.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()
+        value = override_value(text.strip())
+        if "list" in CONFIG_CHECKS.get(f"{section}.{key}", (None, ""))[1] and not isinstance(value, list):
+            # "data.sources=a.txt,b.txt" or "[a.txt]": TOML's list needs each string quoted, and the
+            # shell takes off quotes not inside others; one bare word read as a string is no list either
+            items = [i.strip().strip("'\"") for i in text.strip().strip("[]").split(",")]
+            raise TileError("tilegraph train --set", f"{name.strip()}=LIST: a TOML list of strings, each in double "
+                            "quotes, the whole in single quotes for the shell, e.g. "
+                            f"--set '{name.strip()}={json.dumps([i for i in items if i] or ['...'])}'", repr(pair))
         if (section, key) == ("model", "flavor") and value != cfg["model"].get("flavor"):
             # as in a config file: another flavor keeps only the keys that fit the job
             cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
         cfg[section][key] = value
+
+
+def override_value(text: str):
+    """The value of ``--set KEY=text``: TOML's (1e-3, 4, true, "text", [...]); a number that TOML
+    does not read and Python does (".5", "5.") as that number; else the text itself, as a string."""
+    import re
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+)([eE][+-]?\d+)?", text):  # ".001", "5.": TOML wants digits both sides
+        return float(text)
+    return text
 
 
 def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = None):
@@ -233,12 +345,15 @@ def build_model(model_cfg: dict, tokenizer, seed: int, seq_len: int | None = Non
     base = models.config(flavor)
     if fields.get("vocab_size") == "tokenizer":
         fields["vocab_size"] = tokenizer.vocab_size
+    elif isinstance(fields.get("vocab_size"), str):  # "Tokenizer", "auto", "50257": the config's only word is one
+        raise TileError("tilegraph train [model]", f"vocab_size: an integer >= the tokenizer's {tokenizer.vocab_size}, "
+                        'or "tokenizer" (the tokenizer\'s own)', f"vocab_size = {fields['vocab_size']!r}")
     known = {f.name for f in dataclasses.fields(base)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        near = "".join(did_you_mean(u, known) for u in unknown)
+        named = [u + model_key_hint(u, known) for u in unknown]
         raise TileError("tilegraph train [model]", f"fields of {type(base).__name__}: {', '.join(sorted(known))}",
-                        f"unknown {', '.join(unknown)}{near}")
+                        f"unknown {', '.join(named)}")
     # a field derived from others and not given (GPT-2's hidden: 4 * dim) is derived from the given ones
     cfg = dataclasses.replace(base, **fields)
     if cfg.vocab_size < tokenizer.vocab_size:  # else training dies at the first batch holding a large id

@@ -300,8 +300,11 @@ def architecture_disagreements(model, given: dict, init: str, inherited: dict | 
     for key, value in given.items():
         if key == "flavor" or (key == "vocab_size" and value == "tokenizer"):
             continue
-        if key not in have:
-            problems.append((key, f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})"))
+        if key not in have:  # (a misspelt field, or another section's key: named, as build_model does)
+            from tilegraph.cli.config import model_key_hint
+
+            problems.append((key, f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})"
+                                  f"{model_key_hint(key, have)}"))
         elif value != have[key]:
             problems.append((key, f"{key} = {value!r}, {init} has {have[key]!r}"))
     return problems

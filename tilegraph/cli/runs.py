@@ -701,9 +701,14 @@ def set_aside_in(checkpoint: str, folder: Path) -> bool:
     return parent.parent == folder.resolve() and parent.name.startswith("abandoned")
 
 
-def resume_command(config: str | None, checkpoint) -> str:
-    """The command that continues a run from ``checkpoint``."""
-    return " ".join(["tilegraph train", *([quote(config)] if config else []), "--resume", quote(checkpoint)])
+def resume_command(config: str | None, checkpoint, sets=()) -> str:
+    """The command that continues a run from ``checkpoint``: the run's config and its ``--set``
+    pairs, whose settings no checkpoint records (model.recompute, [runtime]'s, [output]'s: without
+    them the resumed run took the config's without a word); all but model.init, which --resume
+    refuses (it brings the run's base)."""
+    kept = [word for pair in sets if pair.partition("=")[0].strip() != "model.init"
+            for word in ("--set", quote(pair.strip()))]
+    return " ".join(["tilegraph train", *([quote(config)] if config else []), *kept, "--resume", quote(checkpoint)])
 
 
 def quote(path) -> str:
@@ -832,7 +837,7 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def lost_worker(error, config: str | None, out: Path) -> TileError:
+def lost_worker(error, config: str | None, out: Path, sets=()) -> TileError:
     """The error of a worker lost while training (``error``, a WorkerLostError naming it and the
     steps) in the command's words: the --resume command of the newest checkpoint and [train]
     restart_on_failure, where the Trainer's told a command-line user to call
@@ -845,8 +850,8 @@ def lost_worker(error, config: str | None, out: Path) -> TileError:
         return error
     gave_up = re.search(r"; (restart_on_failure (gave up|has no checkpoint).*)$", rest)
     last = latest_checkpoint(out)
-    how = (f"continue from the newest checkpoint, {last}, with {resume_command(config, last)} (the steps after it run "
-           "again)" if last else "no checkpoint was written yet: train again, with another --out")
+    how = (f"continue from the newest checkpoint, {last}, with {resume_command(config, last, sets)} (the steps "
+           "after it run again)" if last else "no checkpoint was written yet: train again, with another --out")
     auto = (f"[train] {gave_up.group(1)}" if gave_up else
             "or set [train] restart_on_failure (--set train.restart_on_failure=2) to resume from the last checkpoint "
             "([output] checkpoint_every) by itself")

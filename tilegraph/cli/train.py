@@ -43,6 +43,7 @@ class Job:
     release: list = field(default_factory=list)
     out: Path | None = None
     config: str | None = None
+    sets: tuple = ()  # its --set pairs, which the command to resume it repeats
     training: bool = False  # set as training starts: what the job wrote from then on stays
 
 
@@ -143,13 +144,13 @@ def exchange_note(exchange: str, rt) -> str:
 
 
 def cmd_train(args) -> int:
-    job = Job(config=args.config)
+    job = Job(config=args.config, sets=tuple(args.set or ()))
     try:
         return _train(args, job)
     except KeyboardInterrupt:  # a second Ctrl-C ("again to stop at once"), or one before training
         last = latest_checkpoint(job.out) if job.out is not None else None
         print("tilegraph train: stopped at once; " + (f"last checkpoint: {last} (continue with "
-                                                      f"{resume_command(job.config, last)})" if last else
+                                                      f"{resume_command(job.config, last, job.sets)})" if last else
                                                       "no checkpoint written"), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
@@ -335,7 +336,7 @@ def _train(args, job: Job) -> int:
         except FloatingPointError as e:  # a NaN/inf loss, naming the step
             raise diverged(e, opt, out) from None
         except tg.WorkerLostError as e:  # the Trainer's advice in the command's words
-            raise lost_worker(e, args.config, out) from None
+            raise lost_worker(e, args.config, out, args.set or ()) from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -344,9 +345,9 @@ def _train(args, job: Job) -> int:
         sample = ""
         if res.stopped:
             last = res.checkpoints[-1] if res.checkpoints else None
-            print(f"stopped at step {opt.step_count}" + (f"; checkpoint: {last} (continue with "
-                                                         f"{resume_command(args.config, last)})" if last else ""),
-                  flush=True)
+            where = (f"; checkpoint: {last} (continue with {resume_command(args.config, last, args.set or ())})"
+                     if last else "")
+            print(f"stopped at step {opt.step_count}{where}", flush=True)
             return 128 + int(signals[0]) if signals else EXIT_INTERRUPTED  # 130 for SIGINT, 143 for SIGTERM
         prompt = tokenizer.encode("def ")[None, :]
         room = min(48, model.config.max_seq_len - prompt.shape[1])  # a short max_seq_len leaves none
@@ -468,6 +469,13 @@ def check_overridden(cfg: dict, pairs: list[str], flags: dict[str, tuple[str, ob
         raise TileError("tilegraph train --set", "valid values, for the keys a flag then overrides too",
                         "; ".join(f"{text} (--set {named[name]}, which {flags[name][0]} {flags[name][1]} overrides)"
                                   for name, text in bad.items()))
+    # both given, as two values: one of them is a slip, and which the user meant is theirs to say
+    # (the flag won without a word: --set train.steps=500 --steps 5 ran 5 steps)
+    differ = [name for name in over if cfg[name.split(".")[0]][name.split(".")[1]] != flags[name][1]]
+    if differ:
+        raise TileError("tilegraph train --set", "one value per key: a --set and the flag that sets the same key "
+                        "agree, or only one of them is given",
+                        "; ".join(f"--set {named[name]} and {flags[name][0]} {flags[name][1]}" for name in differ))
 
 
 def past_schedule_note(resume, start: int, end: int) -> str:
