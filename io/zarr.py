@@ -1161,10 +1161,10 @@ class Checkpoint:
             if other in self.arrays:
                 return other
             version = self.info.get("version")
+            states = ", ".join(self._optimizer_states()) or "none: saved without an optimizer"
             raise CheckpointError(f"{self._where}.array", "an array the checkpoint holds (its optimizer's: "
                                   f"{optimizer_array('<parameter>', '<state>', version)}, format {version}; "
-                                  f"states {', '.join(self._optimizer_states()) or 'none: saved without an optimizer'})",
-                                  f"{name!r} is not in it")
+                                  f"states {states})", f"{name!r} is not in it")
         apath = f"model/{name}"
         if apath not in self.arrays:
             raise CheckpointError(f"{self._where}.array", "an array the checkpoint holds (model/<parameter>, "

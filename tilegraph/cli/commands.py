@@ -653,7 +653,12 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
             print(line)
     opt = ck.optimizer_info
     if opt:
-        print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}")
+        from tilegraph.io.zarr import optimizer_array
+
+        states = opt.get("state_names") or []
+        print(f"optimizer: {opt['type']} step {opt['step_count']} lr {opt['lr']:.3g} schedule {opt.get('schedule')}"
+              + (f"; its state ({', '.join(states)}) in {optimizer_array('<parameter>', '<state>', info['version'])}"
+                 if states else ""))
     for line in _metadata_lines(folder, ck):
         print(line)
     record = read_peft_record(folder, "tilegraph info")
@@ -671,7 +676,8 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
     for line in _data_lines(folder):
         print(line)
     print(f"{len(ck.arrays)} arrays:")
-    for name, a in ck.arrays.items():
+    for name in _by_group(ck.arrays):
+        a = ck.arrays[name]
         q = a.get("quantized")
         how = f"{q['method']}" + (f":{q['bits']}" if q.get("bits") else "") if q else a["dtype"]
         size = _size(folder / name)
@@ -692,6 +698,17 @@ def _print_checkpoint(folder: Path, verify: bool = False) -> int:
     print("chunks: every chunk " + ("read, each matching its CRC32C" if verify else
                                     "file there, of its size (--verify reads them against their CRC32C)"))
     return 0
+
+
+def _by_group(names) -> list[str]:
+    """The array paths ``names`` with each group's together (``model``, ``optimizer/exp_avg``, ...),
+    the groups in the order of their first array: a checkpoint lists a parameter's optimizer states
+    one after the other, which format 3 stores in a group per state (printed in that order, the
+    list went to and fro between optimizer/exp_avg/ and optimizer/exp_avg_sq/)."""
+    first: dict[str, int] = {}
+    for name in names:
+        first.setdefault(name.rpartition("/")[0], len(first))
+    return sorted(names, key=lambda name: first[name.rpartition("/")[0]])  # (stable: stored order within)
 
 
 def _metadata_lines(folder: Path, ck) -> list[str]:
