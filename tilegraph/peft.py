@@ -389,10 +389,28 @@ def apply_lora(model: Module, targets: Sequence[str] | str, rank: int, alpha: fl
     _check_rank_fits(where, chosen, rank)
     rng = _rng(where, seed)
     _warn_kept_adapters(model, targets, where)
+    return _put_lora(model, chosen, rank, alpha, dropout, variant, choose, rng)
+
+
+def _put_lora(model: Module, chosen: dict, rank, alpha, dropout, variant, choose, rng) -> Module:
+    """LoRA layers on the ``chosen`` Linear layers (name -> (layer, setter), all checked), the rest frozen."""
     _freeze_base(model)
     for name, (m, setter) in chosen.items():
         _replace(setter, m, LoRALinear(m, rank, alpha, dropout=dropout, variant=variant, choose=choose, seed=rng))
     return model
+
+
+def _named_linears(model: Module, names, kind: str, where: str) -> dict[str, tuple[Module, Callable]]:
+    """The Linear layers (plain or quantized) named exactly ``names`` (no pattern, no dotted end:
+    a checkpoint's adapter on ``fc1`` is not one on ``mlp.fc1`` too), with their setters; a name
+    that is no such layer is an error naming the model's Linear layers."""
+    found = {name: (m, setter) for name, m, setter in _named_modules(model) if isinstance(m, (Linear, QuantizedLinear))}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise TileError(where, f"the layers of the {kind} adapters to be Linear layers of the {type(model).__name__} "
+                        f"without an adapter; its Linear layers: {', '.join(found) or 'none'}",
+                        f"{', '.join(missing)}")
+    return {name: found[name] for name in names}
 
 
 def _freeze_base(model: Module) -> None:
@@ -434,10 +452,23 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
     """
     where = "tilegraph.peft.apply_lotr"
     _check_model(where, model)
+    _check_lotr_args(where, rank, scale, variant, choose)  # every check before the model changes
+    chosen = _chosen_linears(model, targets, where)
+    groups = _lotr_groups_of(chosen, rank, where)
+    rng = _rng(where, seed)
+    _warn_kept_adapters(model, targets, where)
+    return _put_lotr(model, chosen, groups, rank, scale, variant, choose, rng)
+
+
+def _check_lotr_args(where: str, rank, scale, variant, choose) -> None:
     _check_rank_alpha(where, rank, 1.0, 0.0)
     _check_scale(where, scale)
-    _check_choice(where, variant, choose)  # every check before the model changes
-    chosen = _chosen_linears(model, targets, where)
+    _check_choice(where, variant, choose)
+
+
+def _lotr_groups_of(chosen: dict, rank: int, where: str) -> dict[tuple, list[str]]:
+    """The ``chosen`` Linear layers (name -> (layer, setter)) grouped by weight shape, the rank and
+    each group's tiles checked."""
     _check_rank_fits(where, chosen, rank)
     groups: dict[tuple, list[str]] = {}
     for name, (m, _) in chosen.items():
@@ -447,8 +478,11 @@ def apply_lotr(model: Module, targets: Sequence[str] | str, rank: int, scale: fl
         if len(tilings) > 1:
             raise TileError(where, f"the ({shape[0]}, {shape[1]}) layers of a group share R and L, so their weights "
                             "must have the same tiles", ", ".join(f"{n} {chosen[n][0].weight.chunks}" for n in names))
-    rng = _rng(where, seed)
-    _warn_kept_adapters(model, targets, where)
+    return groups
+
+
+def _put_lotr(model: Module, chosen: dict, groups: dict, rank, scale, variant, choose, rng) -> Module:
+    """A LoTR group (shared R and L) on each of ``groups`` (:func:`_lotr_groups_of`), the rest frozen."""
     _freeze_base(model)
     for (n, m), names in groups.items():
         w = chosen[names[0]][0].weight
@@ -536,7 +570,12 @@ def _hf_name_matched(model: Module, target: str, patterns: list[str], modules: d
         return (f"{target!r} is the output layer, which this {type(model).__name__} ties to its embedding "
                 f"{embedding} (tie_embeddings=True): the logits use {embedding}'s weight, not a Linear layer's "
                 "(peft's LoRA on a tied lm_head has no tilegraph form)")
-    spec = SPECS.get(getattr(model, "arch", None))
+    arch = getattr(model, "arch", None)
+    others = [other for other, names in HF_TARGETS.items() if other != arch and target in names]
+    if others and arch in HF_TARGETS:  # another architecture's Hugging Face name (q_proj on GPT-2)
+        return (f"{target!r} is a Hugging Face module name of {others[0]}, not of {arch}, whose Hugging Face "
+                f"module names are {', '.join(HF_TARGETS[arch])}")
+    spec = SPECS.get(arch)
     if spec is None or config is None:
         return ""
     shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -695,9 +734,11 @@ def base_probes(model: Module, names=None) -> dict:
     return {name: [float(x) for x in np.asarray(v, dtype=np.float64).ravel()] for name, v in zip(names, values)}
 
 
-def _check_base(path, model: Module, stored, where: str) -> None:
+def _check_base(path, model: Module, stored, where: str, saved_itemsize: int | None = None) -> None:
     """Warn where the base weights of ``model``'s adapted layers are not those the adapters in
-    ``path`` were saved on (their :func:`base_probes` recorded there differ)."""
+    ``path`` were saved on (their :func:`base_probes` recorded there differ). ``saved_itemsize``:
+    the bytes of the floats the adapters were saved in; a half-precision side (a float16 run's
+    adapters onto its float32 base) is compared to its rounding, not as another base."""
     import warnings
 
     if not isinstance(stored, dict) or not stored:
@@ -710,7 +751,8 @@ def _check_base(path, model: Module, stored, where: str) -> None:
         if want.shape != (len(got),):
             continue
         got = np.asarray(got)
-        tol = 1e-4 if np.dtype(bases[name].dtype).itemsize >= 4 else 1e-2  # sums in another order, other tiles
+        size = min(np.dtype(bases[name].dtype).itemsize, saved_itemsize or 8)
+        tol = 1e-4 if size >= 4 else 1e-2  # sums in another order, other tiles; a half-precision side's rounding
         rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         if rel > tol:
             differ.append((rel, name))
@@ -766,13 +808,26 @@ def add_adapters(model: Module, settings: dict) -> Module:
     values (under :func:`tilegraph.nn.deferred_init`: none) for a checkpoint to fill; returns
     ``model``."""
     stored, groups = settings.get("lora") or {}, settings.get("lotr") or []
+    where = "tilegraph.peft.add_adapters"
+    # each adapter on the very layer it names: as a target, "fc1" would also match a module's "mlp.fc1"
     if stored and not lora_layers(model):
         for name, info in stored.items():
-            apply_lora(model, [name], info["rank"], info["alpha"], info.get("dropout", 0.0), **_graph_choice(info))
+            choice = {"variant": None, "choose": "flops", **_graph_choice(info)}
+            dropout = info.get("dropout", 0.0)
+            _check_rank_alpha(where, info["rank"], info["alpha"], dropout)
+            _check_choice_dropout(where, choice["variant"], choice["choose"], dropout)
+            chosen = _named_linears(model, [name], "LoRA", where)
+            _check_rank_fits(where, chosen, info["rank"])
+            _put_lora(model, chosen, info["rank"], info["alpha"], dropout, choice["variant"], choice["choose"],
+                      _rng(where, 0))
         restore_dropout_seeds(model, stored)
     if groups and not lotr_layers(model):
         for g in groups:
-            apply_lotr(model, g["layers"], g["rank"], g["scale"], **_graph_choice(g))
+            choice = {"variant": None, "choose": "flops", **_graph_choice(g)}
+            _check_lotr_args(where, g["rank"], g["scale"], choice["variant"], choice["choose"])
+            chosen = _named_linears(model, g["layers"], "LoTR", where)
+            _put_lotr(model, chosen, _lotr_groups_of(chosen, g["rank"], where), g["rank"], g["scale"],
+                      choice["variant"], choice["choose"], _rng(where, 0))
     return model
 
 
@@ -825,12 +880,25 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
     where = "tilegraph.peft.load_adapters"
     _check_model(where, model)
     if format is None:
-        format = "peft" if (Path(path) / "adapter_config.json").is_file() else "zarr"
+        from tilegraph.peft_hf import named_adapter_folders
+
+        # peft's save_pretrained puts an adapter not named "default" in a subfolder: load_peft names them
+        peft_folder = (Path(path) / "adapter_config.json").is_file() or (
+            not (Path(path) / "zarr.json").is_file() and bool(named_adapter_folders(path)))
+        format = "peft" if peft_folder else "zarr"
     if _check_format(where, format) == "peft":
         from tilegraph.peft_hf import load_peft
 
         return load_peft(path, model)
-    ck = load_checkpoint(path)
+    from tilegraph.io._store import CheckpointError
+
+    try:
+        ck = load_checkpoint(path)
+    except CheckpointError as e:
+        if type(e) is not CheckpointError:
+            raise
+        raise CheckpointError(where, e.what, f"{e.received} (a folder of save_adapters, format 'zarr'; a Hugging Face "
+                              "peft folder holds adapter_config.json)") from None
     stored = (ck.metadata or {}).get("lora") or {}
     groups = (ck.metadata or {}).get("lotr") or []
     if not isinstance(stored, dict) or not isinstance(groups, list) or not (stored or groups):
@@ -853,7 +921,9 @@ def load_adapters(path, model: Module, format: str | None = None) -> Module:
                         "; ".join(convert))
     with _unchanged_on_failure(model):  # a failure below leaves the model as it was given
         _load_adapters(path, ck, model, stored, groups, where)
-    _check_base(path, model, (ck.metadata or {}).get(BASE_PROBE), where)
+    saved = [np.dtype(info["dtype"]).itemsize for info in ck.arrays.values()
+             if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"].startswith("float")]
+    _check_base(path, model, (ck.metadata or {}).get(BASE_PROBE), where, min(saved, default=None))
     return model
 
 
@@ -890,6 +960,8 @@ def _conversion_problems(model: Module, stored: dict, groups: list) -> list[str]
     """Where ``model`` has no adapters of a kind that the checkpoint holds, what keeps them from
     being added to the very layers they were saved for (a missing layer, another shape)."""
     linears = {name: m for name, m, _ in _named_modules(model) if isinstance(m, (Linear, QuantizedLinear))}
+    # a layer holding the other kind of adapter is there, not missing: said so
+    adapted = {name: m for name, m, _ in _named_modules(model) if isinstance(m, (LoRALinear, LoTRLinear))}
     wanted = []
     if stored and not lora_layers(model):
         wanted += [("LoRA", name, info["shape"]) for name, info in stored.items()]
@@ -898,7 +970,11 @@ def _conversion_problems(model: Module, stored: dict, groups: list) -> list[str]
     problems = []
     for kind, name, shape in wanted:
         m = linears.get(name)
-        if m is None:
+        if m is None and name in adapted:
+            problems.append(f"{name} has a {'LoTR' if isinstance(adapted[name], LoTRLinear) else 'LoRA'} adapter "
+                            f"({type(adapted[name]).__name__}), the checkpoint a {kind} adapter for it (one adapter "
+                            "a layer: load them into a model without the other kind there, or merge_lora first)")
+        elif m is None:
             problems.append(f"no Linear layer {name} (of its {kind} adapter) in the {type(model).__name__}")
         elif list(m.weight.shape) != list(shape):
             problems.append(f"{name}: model ({m.weight.shape[0]}, {m.weight.shape[1]}), {kind} adapter for "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -75,6 +76,14 @@ _UNSUPPORTED = {
     "monteclora_config": ((None,), "null"),
     "kasa_config": ((None,), "null"),
     "velora_config": ((None,), "null"),
+    # PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA subtract their initial B A from the base weights (or
+    # quantize them), and peft's from_pretrained redoes that: the adapter is not one of the base
+    "init_lora_weights": ((None, True, False, "gaussian", "orthogonal", "mica", "eva"),
+                          'true, false, "gaussian", "orthogonal", "mica" or "eva": other initializations (PiSSA, '
+                          "OLoRA, CorDA, LoftQ, LoRA-GA) change the base weights, which peft redoes when it loads "
+                          "the adapter, so these adapters are not adapters of the base model; peft's "
+                          "save_pretrained(..., path_initial_model_for_weight_conversion=<the initial adapter>) "
+                          "writes them as a LoRA adapter of the original base"),
 }
 
 
@@ -140,7 +149,9 @@ def save_peft(path, model: Module, *, base_model_name_or_path: str | None = None
     ``lora_alpha``; layers that differ get entries in ``rank_pattern`` / ``alpha_pattern`` (full
     module names). ``target_modules`` names the adapted HF modules by the shortest name suffixes
     that match no module left without an adapter. Errors: a model without an HF name map or
-    without LoRA layers, LoTR layers (no peft equivalent), an adapter on part of a fused HF module.
+    without LoRA layers, LoTR layers (no peft equivalent), an adapter on part of a fused HF module,
+    a folder holding a Zarr checkpoint (``save_adapters``' own format). The config is written
+    last, so a failure leaves the folder as it was.
     """
     from tilegraph._lower import compute
     from tilegraph.io import safetensors as st
@@ -177,12 +188,23 @@ def save_peft(path, model: Module, *, base_model_name_or_path: str | None = None
     config["lora_dropout"] = rates[0]
     if path.exists() and not path.is_dir():
         raise TileError(where, "a folder to write the adapters into", f"{path} is a file")
+    if (path / "zarr.json").is_file():  # load_adapters would then read the peft files, not the checkpoint
+        raise TileError(where, "a folder that is not a tilegraph checkpoint (a peft folder beside a Zarr "
+                        "checkpoint's files would hide the checkpoint from load_adapters, which reads the peft "
+                        "files of a folder holding adapter_config.json): another path",
+                        f"{path} holds a Zarr checkpoint (zarr.json)")
     path.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt"}
     if blocks:
         metadata[BLOCKS_KEY] = json.dumps(blocks, sort_keys=True)
-    st.save_file(tensors, path / ADAPTER_WEIGHTS, metadata=metadata)
-    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # the config under a temporary name until the weights are written: a failure leaves the folder as it was
+    tmp = path / f".{ADAPTER_CONFIG}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        st.save_file(tensors, path / ADAPTER_WEIGHTS, metadata=metadata)
+        os.replace(tmp, path / ADAPTER_CONFIG)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _adapted_targets(targets: dict[str, _Target], lora: dict, where: str) -> list[_Target]:
@@ -294,7 +316,9 @@ def load_peft(path, model: Module) -> Module:
     ``alpha / sqrt(r)``) give each layer's alpha. ``lora_dropout`` becomes the dropout of the LoRA
     layers this call adds (layers the model already has keep theirs). Errors, each listing every
     problem found: a missing folder or file, ``peft_type`` other than LORA, options that change the
-    adapter beyond lora_A and lora_B (DoRA, biases, modules_to_save ...), keys for modules the
+    adapter beyond lora_A and lora_B (DoRA, biases, modules_to_save ...) or its base (an
+    ``init_lora_weights`` such as PiSSA's, which changed the base weights: peft's
+    ``path_initial_model_for_weight_conversion`` converts such adapters), keys for modules the
     model lacks or of other kinds (an ``lm_head`` adapter where the model ties its output layer to
     the embedding, as GPT-2 does), shapes of another model's size, ranks that the config or the
     model's LoRA layers contradict, and a copy of a base weight that is not the model's (peft's
@@ -356,7 +380,11 @@ def _read_adapter_config(folder: Path, where: str) -> dict:
     file = folder / ADAPTER_CONFIG
     if not file.is_file():
         held = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-        raise TileError(where, f"a peft adapter folder holds {ADAPTER_CONFIG}", f"none in {folder} (holds: {held})")
+        named = named_adapter_folders(folder)
+        said = (f"; peft's save_pretrained wrote its adapters named other than 'default' into subfolders: load one of "
+                f"{', '.join(str(folder / n) for n in named)}" if named else "")
+        raise TileError(where, f"a peft adapter folder holds {ADAPTER_CONFIG}",
+                        f"none in {folder} (holds: {held}){said}")
     if file.stat().st_size > _MAX_CONFIG_BYTES:
         raise TileError(where, f"{ADAPTER_CONFIG} of at most {_MAX_CONFIG_BYTES} bytes", f"{file.stat().st_size} bytes")
     try:
@@ -366,6 +394,16 @@ def _read_adapter_config(folder: Path, where: str) -> dict:
     if not isinstance(config, dict):
         raise TileError(where, f"{ADAPTER_CONFIG} must be a JSON object", f"{type(config).__name__}")
     return config
+
+
+def named_adapter_folders(folder) -> list[str]:
+    """The subfolders of ``folder`` holding an ``adapter_config.json``: peft's ``save_pretrained``
+    writes each adapter not named "default" into one named after it."""
+    folder = Path(folder)
+    try:
+        return sorted(p.name for p in folder.iterdir() if (p / ADAPTER_CONFIG).is_file())
+    except OSError:
+        return []
 
 
 def _positive(v) -> bool:
