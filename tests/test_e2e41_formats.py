@@ -16,10 +16,7 @@ format 2 ``optimizer/<parameter>/<state>`` and format 1 as 2 with chunk keys ``c
   `convert` read format-2 and format-1 checkpoints as the format-3 one they were made from;
 - a damaged format-2 checkpoint's errors name the array by its path in that checkpoint."""
 
-import contextlib
-import io
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -27,26 +24,14 @@ import numpy as np
 import pytest
 
 import tilegraph as tg
-from tilegraph import cli, models
+from tilegraph import models
 from tilegraph.io import zarr as tz
 
 from test_e2e39_cli import SMALL  # the debug GPT-2 on a little of the stdlib, one worker process
+from test_e2e40_cli import _main  # tilegraph ARGS in a folder: (status, stdout, stderr)
 from test_zarr_checkpoint import TILINGS, _as_format_1, _as_format_2
 
 pytestmark = pytest.mark.distributed
-
-
-def _main(root: Path, *args) -> tuple[int, str, str]:
-    """``tilegraph ARGS`` run in ``root``: exit status, stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    here = Path.cwd()
-    try:
-        os.chdir(root)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main([str(a) for a in args])
-    finally:
-        os.chdir(here)
-    return code, out.getvalue(), err.getvalue()
 
 
 def _version(path: Path) -> int:
