@@ -206,6 +206,7 @@ def test_cli_lost_worker_says_how_to_resume_in_the_commands_words(tmp_path):
     assert "Trainer.load_checkpoint" not in line and "Trainer(restart_on_failure" not in line, line
     found = re.search(r"\[tilegraph train\] lost worker \S+ \(left the cluster.*\) while .* ran: what it held of the "
                       r"parameters and optimizer state is gone; continue from the newest checkpoint, (\S+), with "
-                      r"tilegraph train own.toml --resume (\S+) \(the steps after it run again\); or set \[train\] "
+                      r"tilegraph train own.toml --set runtime.workers=2 --set runtime.parallel=sharded --resume (\S+) \(the "
+                      r"steps after it run again\); or set \[train\] "
                       r"restart_on_failure \(--set train.restart_on_failure=2\)", line)
     assert found and found.group(1) == found.group(2), line
