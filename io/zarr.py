@@ -68,7 +68,7 @@ from tilegraph._graph import ReplicatedRef, ValueRef
 
 from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, SaveAbandoned, array_meta,
                      chunk_key, chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes,
-                     layout_problems, process_alive, quantized_layout, quantized_parts, read_parts_task, read_region,
+                     layout_problems, Opaque, process_alive, quantized_layout, quantized_parts, read_parts_task, read_region,
                      read_regions, shards_of, slices, temp_name, temp_writer, tile_label, untouched_for,
                      unwritable_folder, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
                      write_tiles, write_values)
@@ -481,21 +481,22 @@ class PendingSave:
         futures = self._futures = []  # the workers' write tasks (stopped if the save is abandoned)
         shard_futures = {v.key: v for values, _, _ in shard_jobs for v in values if not hasattr(v, "shape")}
         copy_futures = {v.key: v for _, values, _, _ in copy_remote for v in values if not hasattr(v, "shape")}
+        threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()} \
+            if remote or shard_futures or copy_futures else {}
         holders = _holders(self.runtime.client, [f for f, _ in remote.values()] + list(shard_futures.values())
-                           + list(copy_futures.values())) if remote or shard_futures or copy_futures else {}
+                           + list(copy_futures.values()), threads) if threads else {}
         if remote:  # one task per worker thread, writing tiles that worker holds (a task per tile costs more)
             client = self.runtime.client
-            threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
             by_worker = _by_holder(list(remote.values()), lambda it: it[0].key, lambda it: job_bytes(it[1]), holders)
             for addr, items in by_worker.items():
                 for batch in _balanced(items, threads.get(addr, 1), lambda it: job_bytes(it[1])):
-                    futures.append(client.submit(write_values, [f for f, _ in batch], [j for _, j in batch],
+                    futures.append(client.submit(write_values, [f for f, _ in batch], Opaque([j for _, j in batch]),
                                                  key=f"tg-save-{uuid.uuid4().hex[:12]}", priority=SAVE_PRIORITY,
                                                  workers=[addr] if addr else None, allow_other_workers=True))
         if shard_jobs:
             futures += self._write_shards(shard_jobs, holders)
         if copy_remote:
-            futures += self._write_copies(copy_remote, holders)
+            futures += self._write_copies(copy_remote, holders, threads)
         # every group's and array's folder, parents first, while the workers begin: their chunks and
         # the zarr.json files are then one file creation each, with no mkdir beside it (a write task
         # that finds its folder not made yet makes it: either side takes the other's for done)
@@ -527,12 +528,11 @@ class PendingSave:
         write_meta(root, "", group_meta({ATTR: dict(self.attrs, complete=True)}))
         _fsync(tmp / "zarr.json")
 
-    def _write_copies(self, copies: list, holders: dict) -> list:
+    def _write_copies(self, copies: list, holders: dict, threads: dict) -> list:
         """Copy quantized tiles whose parts are on the workers: each tile by a worker holding its
-        largest part (Dask brings it the others, small), a task per worker thread, as tiles of
-        parameters are written. Returns futures."""
+        largest part (Dask brings it the others, small), a task per worker thread (``threads``:
+        each worker's), as tiles of parameters are written. Returns futures."""
         client = self.runtime.client
-        threads = {a: int(w.get("nthreads", 1)) for a, w in self.runtime.workers().items()}
 
         def size(item) -> int:
             return sum(item[3]) or 1
@@ -550,7 +550,7 @@ class PendingSave:
                     jobs.append((root, path, names, len(values), attrs))
                     values += vals
                     indices += idxs
-                futures.append(client.submit(write_parts_task, values, indices, jobs,
+                futures.append(client.submit(write_parts_task, values, indices, Opaque(jobs),
                                              key=f"tg-save-copy-{uuid.uuid4().hex[:12]}", priority=SAVE_PRIORITY,
                                              workers=[addr] if addr else None, allow_other_workers=True))
         return futures
@@ -576,7 +576,7 @@ class PendingSave:
             best = max(weight, key=lambda a: (weight[a], -assigned.get(a, 0))) if weight else None
             if best is not None:
                 assigned[best] = assigned.get(best, 0) + sum(weight.values())
-            futures.append(client.submit(write_shard_task, values, indices, spec,
+            futures.append(client.submit(write_shard_task, values, indices, Opaque(spec),
                                          key=f"tg-save-shard-{uuid.uuid4().hex[:12]}", priority=SAVE_PRIORITY,
                                          workers=[best] if best else None, allow_other_workers=True))
         return futures
@@ -663,12 +663,19 @@ def _balanced(items: Sequence, n: int, weight: Callable) -> list[list]:
     return [b for b in bins if b]
 
 
-def _holders(client, futures: list) -> dict:
-    """Which workers hold each future's value, once computed (a value still being computed has
-    no holder yet, and its write would go wherever Dask likes)."""
+def _holders(client, futures: list, workers: Mapping) -> dict:
+    """Which of ``workers`` (addresses) hold each future's value, once computed (a value still
+    being computed has no holder yet, and its write would go wherever Dask likes). One worker
+    holds them all; of several, the scheduler is asked once (and waited on first only for
+    values this client does not know to be finished)."""
     from distributed import wait
 
-    wait(futures)
+    pending = [f for f in futures if f.status != "finished"]
+    if pending:
+        wait(pending)
+    if len(workers) == 1:
+        (addr,) = workers
+        return {f.key: (addr,) for f in futures}
     return client.who_has(futures)
 
 
