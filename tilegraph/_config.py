@@ -199,6 +199,38 @@ def usable_cores() -> int:
     return max(1, min(os.cpu_count() or 1, cpu_count()))
 
 
+#: ``tilegraph train``'s embedded cluster starts at most this many worker processes per usable
+#: core ([runtime] workers): each is a Python process (and its Dask nanny) on this machine, and
+#: beyond a few per core they only share the cores out (`--set runtime.workers=100000` on 2
+#: cores began spawning processes). Tests run up to 2 per core; the README's measurements 1 per core
+WORKERS_PER_CORE = 4
+#: the environment variable that sets another limit, for one who means more
+MAX_WORKERS_VARIABLE = "TILEGRAPH_MAX_WORKERS"
+
+
+def max_local_workers(where: str) -> tuple[int, str]:
+    """The most worker processes an embedded cluster may start on this machine, and why, in words:
+    ``$TILEGRAPH_MAX_WORKERS`` where it is set, else :data:`WORKERS_PER_CORE` per usable core
+    (:func:`usable_cores`). A bad value of the variable is a TileError naming it (``where``: the
+    command)."""
+    import os
+
+    text = os.environ.get(MAX_WORKERS_VARIABLE, "").strip()
+    if text:
+        try:
+            most = int(text)
+        except ValueError:
+            most = 0
+        if most < 1:
+            raise TileError(where, f"{MAX_WORKERS_VARIABLE}: an integer >= 1 (the most worker processes an "
+                            "embedded cluster may start)", repr(os.environ[MAX_WORKERS_VARIABLE]))
+        return most, f"{MAX_WORKERS_VARIABLE}={most}"
+    cores, machine = usable_cores(), os.cpu_count() or 1
+    of = f" of the machine's {machine}" if machine != cores else ""
+    return WORKERS_PER_CORE * cores, (f"{WORKERS_PER_CORE} per core, of the {cores} "
+                                      f"core{'s' if cores > 1 else ''}{of} this process may use")
+
+
 def number_check(low: float = 0.0, strict: bool = False, high: float | None = None, below: bool = False,
                  whole: bool = False, finite: bool = False):
     """(check, what it wants) of a number (not a bool; an integer where ``whole``; not inf where

@@ -17,7 +17,7 @@ import sys
 from tilegraph.cli.commands import (EVAL_DEFAULT_CORPUS, cmd_convert, cmd_eval, cmd_generate, cmd_info,
                                     load_tokenizer, stopped_text, unescape)
 from tilegraph.cli.config import (CONFIG_CHECKS, DEFAULT_CONFIG, JOB_MODEL_KEYS, PEFT_METHODS, apply_overrides,
-                                  build_model, check_config, load_config, make_tokenizer)
+                                  build_model, check_config, load_config, make_tokenizer, refuse_split_set_pair)
 from tilegraph.cli.finetune import (PEFT_FILE, add_adapters, add_grad_sketch, adapted_model, init_model, load_model,
                                     read_peft_record)
 from tilegraph.cli.runs import LOCK_NAME, check_output, lock_output
@@ -94,7 +94,8 @@ def _run(argv) -> int:
                     help="seed of the weights and the batch order ([train] seed; a resumed run keeps its "
                          "checkpoint's)")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                    help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable)")
+                    help="override any config key, e.g. --set model.n_layers=4 --set data.seq_len=128 (repeatable, "
+                         "each key once; KEY=VALUE as one word, no spaces around '=', or the pair in quotes)")
     tr.add_argument("--init", default=None, metavar="PATH",
                     help="start from pretrained weights: a Hugging Face folder (config.json + safetensors) or a "
                          "Zarr checkpoint, quantized ones too; the architecture comes from it (overrides [model] init; "
@@ -179,9 +180,18 @@ def _run(argv) -> int:
                       help="store weight matrices quantized (fp16, bf16, int8, int4, kashin:4, auto:4, ...); "
                            "norms and biases stay exact")
     conv.set_defaults(func=cmd_convert)
-    args = ap.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args, extras = ap.parse_known_args(words)
     from tilegraph._errors import TileError
 
+    if args.command == "train":
+        try:  # a --set pair split at spaces: said so before argparse's "unrecognized arguments"
+            refuse_split_set_pair(words, extras)
+        except TileError as e:
+            print(f"tilegraph train: error: {e}", file=sys.stderr)
+            return 2
+    if extras:  # what parse_args says of them
+        ap.error(f"unrecognized arguments: {' '.join(extras)}")
     try:
         for name in ("checkpoint", "src", "dst"):  # "" is the current folder to Path: named as what it is
             if getattr(args, name, None) == "":

@@ -8,8 +8,8 @@ import math
 import os
 from pathlib import Path
 
-from tilegraph._config import (BATCH_SPLITTING_STRATEGIES, EXCHANGES, PARALLEL_STRATEGIES, ZERO3_TASKS_WHY,
-                               number_check, one_of_check)
+from tilegraph._config import (BATCH_SPLITTING_STRATEGIES, EXCHANGES, MAX_WORKERS_VARIABLE, PARALLEL_STRATEGIES,
+                               ZERO3_TASKS_WHY, is_int, max_local_workers, number_check, one_of_check)
 from tilegraph.ops.rmm import SKETCHES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
@@ -262,6 +262,8 @@ def check_config(cfg: dict, source: str) -> None:
         problems.append(f"train.batch_size / train.accum_steps ({t['batch_size']} / {t['accum_steps']}) must give "
                         f"each of the runtime.workers ({r['workers']}) worker processes a sequence with "
                         f"runtime.parallel = {r['parallel']!r} (or runtime.parallel = \"auto\" or \"tiles\")")
+    if not problems:
+        problems += worker_count_problems(r)
     if not problems and r.get("parallel") == "zero3" and r.get("exchange") == "gang":
         problems.append("runtime.exchange must be \"auto\" or \"tasks\" with runtime.parallel = \"zero3\" (its "
                         f"parameters stay with their owners: {ZERO3_TASKS_WHY}), not \"gang\"")
@@ -283,11 +285,29 @@ def check_config(cfg: dict, source: str) -> None:
         raise TileError("tilegraph train", "valid settings", f"{'; '.join(problems)} (in {source})")
 
 
+def worker_count_problems(runtime: dict) -> list[str]:
+    """What is wrong with [runtime] workers as the number of worker processes the embedded cluster
+    starts on this machine (:func:`tilegraph._config.max_local_workers`): [] where it is within
+    the limit, or where address, scheduler_file or mpi names a cluster of its own (whose workers
+    it does not start; workers there is refused apart, with the launch it goes with)."""
+    workers = runtime.get("workers", 0)
+    if runtime.get("address") or runtime.get("scheduler_file") or runtime.get("mpi") or not is_int(workers, 1):
+        return []  # (0: tilegraph's default count)
+    most, why = max_local_workers("tilegraph train")
+    if workers <= most:
+        return []
+    return [f"runtime.workers must be at most {most} ({why}): the embedded cluster starts that many worker "
+            f"processes on this machine, not {workers} (to start more on purpose: {MAX_WORKERS_VARIABLE}={workers} "
+            "tilegraph train ...; under --mpi, runtime.address or runtime.scheduler_file the cluster brings its "
+            "own workers: leave runtime.workers = 0)"]
+
+
 def apply_overrides(cfg: dict, pairs: list[str]) -> None:
     """``--set section.key=value`` (the value as TOML: 1e-3, 4, true, "text"; a bare word is a
     string: :func:`override_value`)."""
     from tilegraph._errors import TileError
 
+    refuse_repeated_keys(pairs)
     # a flavor first: switching it drops the default flavor's shape keys, never the ones given here
     for pair in sorted(pairs, key=lambda p: p.partition("=")[0].strip() != "model.flavor"):
         name, eq, text = pair.partition("=")
@@ -295,6 +315,9 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
         if not eq:  # "--set train.steps": the key may be right, the value is missing
             raise TileError("tilegraph train --set", f"section.key=value: an '=' and the value after the key "
                             f"({name.strip() or 'section.key'}=VALUE)", f"{pair!r} (no '=')")
+        if not name.strip():  # "--set =2": it listed every known key as if one were misspelt
+            raise TileError("tilegraph train --set", "section.key=value: the key before '=' (e.g. "
+                            f"runtime.workers{pair.strip() if text.strip() else '=2'})", f"{pair!r} (no key)")
         if not dot or section not in cfg or (key not in cfg[section] and section != "model"):
             keys = [f"{s}.{k}" for s, ks in cfg.items() for k in ks]
             # "lr=1e-3" or "model.lr=1e-3": the section that has the key; else a close name
@@ -303,6 +326,12 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
             what = (f"section.key=value with a known key{near}" if near else
                     f"section.key=value with a known key ({', '.join(keys)})")
             raise TileError("tilegraph train --set", what, repr(pair))
+        check = CONFIG_CHECKS.get(f"{section}.{key}")
+        if not text.strip() and (check is None or not check[0]("")):  # "--set runtime.workers=" (or "= 2")
+            want = f": {name.strip()} must be {check[1]}" if check else ""
+            raise TileError("tilegraph train --set", f"section.key=value with a value after '='{want} (no spaces "
+                            f"around '=', or the pair quoted: --set '{name.strip()}=VALUE')",
+                            f"{pair!r} (an empty value)")
         value = override_value(text.strip())
         if "list" in CONFIG_CHECKS.get(f"{section}.{key}", (None, ""))[1] and not isinstance(value, list):
             # "data.sources=a.txt,b.txt" or "[a.txt]": TOML's list needs each string quoted, and the
@@ -315,6 +344,60 @@ def apply_overrides(cfg: dict, pairs: list[str]) -> None:
             # as in a config file: another flavor keeps only the keys that fit the job
             cfg["model"] = {k: v for k, v in cfg["model"].items() if k in JOB_MODEL_KEYS}
         cfg[section][key] = value
+
+
+def refuse_split_set_pair(words: list[str], extras: list[str] = ()) -> None:
+    """Refuse, naming --set and its form, a ``--set`` pair that the shell split at spaces around
+    its '=' (``--set runtime.workers = 2``, ``--set runtime.workers =2``), or whose value after a
+    space argparse could not place (``extras``: the words it did not recognise; ``my.toml --set
+    train.lr= 1e-3``, ``my.toml --set train.lr 1e-3``). ``words``: the command line after
+    ``tilegraph``. Argparse took the words after the key for the config file and ended in
+    "unrecognized arguments: 2", or the config file in "an existing TOML config file; received: =2"."""
+    import shlex
+
+    from tilegraph._errors import TileError
+
+    for i, word in enumerate(words):
+        if word == "--set" and i + 1 < len(words):
+            pair, rest, flag = words[i + 1], words[i + 2:], ["--set", words[i + 1]]
+        elif word.startswith("--set="):
+            pair, rest, flag = word[len("--set="):], words[i + 1:], [word]
+        else:
+            continue
+        if not rest or rest[0].startswith("-"):
+            continue
+        if "=" not in pair and rest[0].startswith("="):  # "KEY = 2", "KEY =2", "KEY ="
+            apart = rest[:2] if rest[0] == "=" and len(rest) > 1 and not rest[1].startswith("-") else rest[:1]
+        elif rest[0] in extras and ("=" not in pair or pair.endswith("=")):  # "KEY= 2", "KEY 2" after a config
+            apart = rest[:1]
+        else:
+            continue
+        joined = (pair + "".join(apart)) if "=" in pair + apart[0] else f"{pair}={apart[0]}"
+        joined += "VALUE" if joined.endswith("=") else ""  # "--set KEY =": the value is still to come
+        raise TileError("tilegraph train --set", "SECTION.KEY=VALUE as one word: no spaces around '=' (or the pair "
+                        "in quotes: --set 'SECTION.KEY=VALUE')",
+                        f"{shlex.join(flag + apart)} (did you mean --set {shlex.quote(joined)}?)")
+
+
+def refuse_repeated_keys(pairs: list[str]) -> None:
+    """Refuse ``--set`` pairs that give one key two values (``--set train.steps=10 --set
+    train.steps=20``): the last won without a word, and in a long command line one of the two is
+    a slip, which the user is to say. The same value twice passes (nothing to choose)."""
+    from tilegraph._errors import TileError
+
+    first, clashes = {}, []  # key -> its first pair
+    for pair in pairs:
+        name, eq, text = pair.partition("=")
+        if not eq or not name.strip():
+            continue  # refused by apply_overrides, naming the pair
+        earlier = first.setdefault(name.strip(), pair)
+        if earlier is not pair:
+            a, b = override_value(earlier.partition("=")[2].strip()), override_value(text.strip())
+            if type(a) is not type(b) or a != b:
+                clashes.append(f"--set {earlier.strip()} and --set {pair.strip()}")
+    if clashes:
+        raise TileError("tilegraph train --set", "one value per key: each key given once (a later --set does not "
+                        "override an earlier one: keep the one you mean)", "; ".join(clashes))
 
 
 def override_value(text: str):
