@@ -160,28 +160,37 @@ class FitRun:
         self.t0 = self.clock = time.perf_counter()
         tr._stop = False
         drawing = None
+        ended = False  # every step ran: an interruption from here on lands in the end-of-fit work
         try:
-            self._steps_and_restarts()
-            if tr.log_dir is not None:  # drawn while the last checkpoint is written
-                drawing = _Aside(tr.plot)
-            if tr.checkpoints is not None:
-                last = tr.optimizer.step_count
-                tr._watched(tr.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
-                tr._checkpoint_hooks()
-        finally:
-            self.report.close()
-            self.bar.close()
-            if self.log is not None:
-                self.log.close()
-            if tr._tb is not None:
-                tr._tb.close()
-                tr._tb = None
-        if tr.performance_report is not None and not self.reported and result.losses and not self.outside:
-            warnings.warn(f"[tilegraph.Trainer.fit] no graph of this fit held report_step={self.report_step}: no "
-                          f"performance report was written to {tr.performance_report}", stacklevel=3)
-        self._summarize()
-        if drawing is not None:
-            drawing.result()
+            try:
+                self._steps_and_restarts()
+                ended = True
+                if tr.log_dir is not None:  # drawn while the last checkpoint is written
+                    drawing = _Aside(tr.plot)
+                if tr.checkpoints is not None:
+                    last = tr.optimizer.step_count
+                    tr._watched(tr.checkpoints.wait, f"the checkpoint of step {last}", range(last, last + 1))
+                    tr._checkpoint_hooks()
+            finally:
+                self.report.close()
+                self.bar.close()
+                if self.log is not None:
+                    self.log.close()
+                if tr._tb is not None:
+                    tr._tb.close()
+                    tr._tb = None
+            if tr.performance_report is not None and not self.reported and result.losses and not self.outside:
+                warnings.warn(f"[tilegraph.Trainer.fit] no graph of this fit held report_step={self.report_step}: no "
+                              f"performance report was written to {tr.performance_report}", stacklevel=3)
+            self._summarize()
+            if drawing is not None:
+                drawing.result()
+        except KeyboardInterrupt:
+            # (one during the steps said so in _steps_and_restarts; after them the loop had
+            # returned, and the traceback came with no word of the state left)
+            if ended and not tr._stop:
+                self.bar.write(self._interrupted_text())
+            raise
         return result
 
     # -- the loop -----------------------------------------------------------------------------
@@ -225,8 +234,7 @@ class FitRun:
                 # program that stops the fit itself (tilegraph train's Ctrl-C handler; its second
                 # Ctrl-C comes here) says its own thing, where "fit again" means nothing
                 if isinstance(e, KeyboardInterrupt) and not tr._stop:
-                    self.bar.write(f"interrupted: stopped after step {tr.optimizer.step_count}, every step run "
-                                   "logged (fit again to go on from there)")
+                    self.bar.write(self._interrupted_text())
                 raise
 
     def _submit_from(self, i: int) -> None:
@@ -400,6 +408,31 @@ class FitRun:
                 waiting.clear()
                 break
             waiting.pop(0)
+
+    def _interrupted_text(self) -> str:
+        """What a KeyboardInterrupt leaves, said above the traceback a notebook shows: the step
+        the model is at, and after the fit's last step (in its hooks, the evaluation, the final
+        checkpoint or the end-of-fit work) whether that checkpoint was written, and the last one
+        complete."""
+        tr = self.trainer
+        done, ck = tr.optimizer.step_count, tr.checkpoints
+        said = f"interrupted: stopped after step {done}, every step run logged"
+        if done < self.end or ck is None:
+            return f"{said} (fit again to go on from there)"
+        said += ", the fit's last"
+        path = ck.path(done)
+        if path.is_dir():  # renamed into place when complete: a folder under its name is whole
+            return f"{said}; the checkpoint of step {done} was written: {path}"
+        if ck.busy and ck.pending_step == done:  # a daemon thread: it commits unless the process ends first
+            state = f"is still being written in the background ({path}; it completes unless the process ends first)"
+        else:
+            state = "was not written (trainer.save_checkpoint(path) writes one)"
+            if ck.busy:  # an earlier one, interrupted while the final save waited for it
+                state += (f"; that of step {ck.pending_step} is still being written in the background (it "
+                          "completes unless the process ends first)")
+        complete = ck.checkpoints()
+        last = f"the last complete one: {complete[-1]}" if complete else f"no complete checkpoint in {ck.dir}"
+        return f"{said}; the checkpoint of step {done} {state}; {last}"
 
     def _undone_on_workers_left(self, e: WorkerLostError) -> int | None:
         """After worker loss ``e`` while steps ran or were sent: where the worker left the cluster

@@ -1051,9 +1051,11 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
     embedded cluster temporary certificates of its own (MPI ranks need the files: no key is sent
     between them).
 
-    ``quiet=True`` keeps the scheduler's and workers' logs below ERROR off the console (the line
-    naming the embedded cluster and its dashboard is still printed; ``dashboard=False`` leaves it
-    out with the dashboard).
+    The embedded cluster prints one line saying what it started: its workers, their threads and
+    memory limit, the scheduler's address and the dashboard's (or "dashboard: off").
+    ``quiet=True`` keeps the scheduler's and workers' logs below ERROR off the console; the line
+    is still printed where there is a dashboard (its link is found nowhere else), and left out
+    with ``dashboard=False`` (quiet and no dashboard: nothing printed).
 
     Connecting to a scheduler first checks, within ``timeout`` seconds, that the peer greets in
     the Dask protocol: a silent port, an HTTP server (a dashboard) or a TLS/plain mismatch is a
@@ -1217,11 +1219,31 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
                     _forget_closed_servers()
             raise
     rt.has_dashboard = bool(dashboard)
-    if dashboard:
-        print(f"tilegraph: embedded cluster with {_plural(n_workers, 'worker')} x {_plural(threads_per_worker, 'thread')}"
-              f"{f', {gpu} GPU' if gpu else ''}{', TLS' if security is not None else ''}; "
-              f"dashboard: {rt.dashboard_link}", flush=True)
+    if dashboard or not quiet:  # quiet without a dashboard: silent (the CLI; scripts and tests)
+        print(_started_line(rt, n_workers, threads_per_worker, gpu, security is not None), flush=True)
     return rt
+
+
+def _started_line(rt: Runtime, n_workers: int, threads: int, gpu: int, tls: bool) -> str:
+    """The line :func:`connect` prints for the embedded cluster it started, e.g.
+    ``tilegraph: embedded cluster with 2 workers x 4 threads, 7.45 GiB each; scheduler
+    tcp://127.0.0.1:40213; dashboard: http://127.0.0.1:8787/status`` (``dashboard: off``)."""
+    from dask.utils import format_bytes
+
+    try:  # the limits the workers run under (memory_limit="auto": the machine's, in their share of cores)
+        limits = {w.get("memory_limit") or 0 for w in rt.workers().values()}
+    except Exception:  # (a scheduler that does not answer: the line without them)
+        limits = set()
+    if limits == {0}:
+        memory = ", no memory limit"
+    elif len(limits) == 1:
+        memory = f", {format_bytes(limits.pop())} each"
+    else:
+        memory = ""
+    link = rt.dashboard_link
+    return (f"tilegraph: embedded cluster with {_plural(n_workers, 'worker')} x {_plural(threads, 'thread')}"
+            f"{memory}{f', {gpu} GPU' if gpu else ''}{', TLS' if tls else ''}; scheduler {rt.address}; "
+            f"dashboard: {link if link else 'off'}")
 
 
 def _stop_gc_diagnosis() -> None:
