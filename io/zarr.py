@@ -66,9 +66,9 @@ from tilegraph._config import is_int
 from tilegraph._errors import TileError
 from tilegraph._graph import ReplicatedRef, ValueRef
 
-from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, SaveAbandoned, array_meta,
-                     chunk_key, chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes,
-                     layout_problems, Opaque, process_alive, quantized_layout, quantized_parts, read_parts_task, read_region,
+from ._store import (CHUNK_SEPARATOR, STALE_OTHER_HOST_SECONDS, TMP_MARK, CheckpointError, Opaque, SaveAbandoned,
+                     array_meta, chunk_key, chunk_path, chunks_of, file_in_the_way, group_meta, host_label, job_bytes,
+                     layout_problems, process_alive, quantized_layout, quantized_parts, read_parts_task, read_region,
                      read_regions, shards_of, slices, temp_name, temp_writer, tile_label, untouched_for,
                      unwritable_folder, user_path, write_failure, write_meta, write_parts_task, write_shard_task,
                      write_tiles, write_values)
