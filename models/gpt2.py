@@ -64,18 +64,21 @@ FLAVORS = {
 }
 
 
+INIT_STD = 0.02  # of every weight, but the position table's (0.01) and the residual projections' (below)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPT2Config, tile, rng, dtype):
-        std = 0.02
-        self.ln_1 = nn.LayerNorm(cfg.dim, cfg.norm_eps, tile=tile, dtype=dtype)
-        self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, bias=True, tile=tile, dtype=dtype, seed=rng,
-                                           init_std=std)
-        self.ln_2 = nn.LayerNorm(cfg.dim, cfg.norm_eps, tile=tile, dtype=dtype)
-        self.mlp = nn.MLP(cfg.dim, cfg.hidden, act="gelu_tanh", tile=tile, dtype=dtype, seed=rng, init_std=std)
+    """A pre-norm block; its layers take their tile, dtype, seed and init from the model's
+    :func:`tilegraph.nn.defaults` block."""
+
+    def __init__(self, cfg: GPT2Config):
+        self.ln_1 = nn.LayerNorm(cfg.dim, cfg.norm_eps)
+        self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, bias=True)
+        self.ln_2 = nn.LayerNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = nn.MLP(cfg.dim, cfg.hidden, act="gelu_tanh")
         # GPT-2 scales the init of the projections back into the residual stream by 1/sqrt(2 * layers)
-        res_std = std / math.sqrt(2 * cfg.n_layers)
-        self.attn.o = nn.Linear(cfg.dim, cfg.dim, tile=tile, dtype=dtype, seed=rng, init_std=res_std)
-        self.mlp.fc2 = nn.Linear(cfg.hidden, cfg.dim, tile=tile, dtype=dtype, seed=rng, init_std=res_std)
+        for proj in (self.attn.o, self.mlp.fc2):
+            proj.reset_parameters(init_std=INIT_STD / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, x: TileTensor, cache: nn.KVCache | None = None) -> TileTensor:
         x = x + self.attn(self.ln_1(x), cache)
@@ -94,17 +97,16 @@ class GPT2(CausalLM):
         t = self._setup(config, tiling, dtype)
         dtype = self.dtype  # as a NumPy dtype (it may be given as 'fp16' or torch.float16)
         self.recompute = recompute  # see CausalLM.recompute (a bool, checked)
-        rng = self._rng(seed)
-        self.wte = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
-                                seed=rng, init_std=0.02)
-        self.wpe = nn.Embedding(config.max_seq_len, config.dim, tile=t.feature, dtype=dtype, seed=rng,
-                                init_std=0.01)
-        self.blocks = nn.ModuleList(Block(config, t.feature, rng, dtype) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.dim, config.norm_eps, tile=t.feature, dtype=dtype)
-        self.lm_head = None
-        if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, tile=t.feature, out_tile=t.vocab,
-                                     dtype=dtype, seed=rng, init_std=0.02)
+        # every layer's settings from this block alone (inherit=False: none from a block the model is built in)
+        with nn.defaults(tile=t.feature, dtype=dtype, seed=self._rng(seed), init_std=INIT_STD,
+                         inherit=False):
+            self.wte = nn.Embedding(config.vocab_size, config.dim, vocab_tile=t.vocab)
+            self.wpe = nn.Embedding(config.max_seq_len, config.dim, init_std=0.01)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.ln_f = nn.LayerNorm(config.dim, config.norm_eps)
+            self.lm_head = None
+            if not config.tie_embeddings:
+                self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, out_tile=t.vocab)
 
     def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
         start = self._start(cache)                                 # positions already cached

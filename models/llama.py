@@ -77,13 +77,15 @@ FLAVORS = {
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tile, rng, dtype):
-        std = 0.02
-        self.attn_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps, tile=tile, dtype=dtype)
+    """A pre-norm block; its layers take their tile, dtype, seed and init from the model's
+    :func:`tilegraph.nn.defaults` block."""
+
+    def __init__(self, cfg: LlamaConfig):
+        self.attn_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, bias=False, rope=True,
-                                           rope_base=cfg.rope_base, tile=tile, dtype=dtype, seed=rng, init_std=std)
-        self.mlp_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps, tile=tile, dtype=dtype)
-        self.mlp = nn.SwiGLU(cfg.dim, cfg.hidden, tile=tile, dtype=dtype, seed=rng, init_std=std)
+                                           rope_base=cfg.rope_base)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = nn.SwiGLU(cfg.dim, cfg.hidden)
 
     def forward(self, x: TileTensor, cache: nn.KVCache | None = None) -> TileTensor:
         x = x + self.attn(self.attn_norm(x), cache)
@@ -102,15 +104,15 @@ class Llama(CausalLM):
         t = self._setup(config, tiling, dtype)
         dtype = self.dtype  # as a NumPy dtype (it may be given as 'fp16' or torch.float16)
         self.recompute = recompute  # see CausalLM.recompute (a bool, checked)
-        rng = self._rng(seed)
-        self.embed = nn.Embedding(config.vocab_size, config.dim, tile=t.feature, vocab_tile=t.vocab, dtype=dtype,
-                                  seed=rng, init_std=0.02)
-        self.blocks = nn.ModuleList(Block(config, t.feature, rng, dtype) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.dim, config.norm_eps, tile=t.feature, dtype=dtype)
-        self.lm_head = None
-        if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, tile=t.feature, out_tile=t.vocab,
-                                     dtype=dtype, seed=rng, init_std=0.02)
+        # every layer's settings from this block alone (inherit=False: none from a block the model is built in)
+        with nn.defaults(tile=t.feature, dtype=dtype, seed=self._rng(seed), init_std=0.02,
+                         inherit=False):
+            self.embed = nn.Embedding(config.vocab_size, config.dim, vocab_tile=t.vocab)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.norm = nn.RMSNorm(config.dim, config.norm_eps)
+            self.lm_head = None
+            if not config.tie_embeddings:
+                self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, out_tile=t.vocab)
 
     def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
         x = self.embed(self._ids(ids, self._start(cache)))   # (B, T, C); RoPE takes positions from the cache

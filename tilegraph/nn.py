@@ -34,7 +34,7 @@ from tilegraph.ops.shape import fit_last_dim
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
            "CausalSelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
-           "Identity", "Dropout", "deferred_init", "training", "is_training"]
+           "Identity", "Dropout", "defaults", "deferred_init", "training", "is_training"]
 
 #: the cells of every :class:`Parameter` of this process (held weakly: a model dropped takes its
 #: cells with it). :func:`tilegraph.compute` lends those holding large arrays here to the workers
@@ -144,20 +144,106 @@ def _fit(tile, n: int):
     return None if tile >= n else tile
 
 
-def _check_layer(where: str, dtype=None, **sizes) -> np.dtype | None:
+def _check_layer(where: str, dtype=None, **sizes) -> np.dtype:
     """A layer's sizes (integers >= 1) and dtype (float16, float32 or float64, as
     :func:`tilegraph._config.as_dtype` reads it: integer weights would be drawn as zeros and never
-    train, and nothing computes in float128 or bfloat16), checked where the layer is built; returns
-    the dtype as a NumPy dtype."""
+    train, and nothing computes in float128 or bfloat16; None: the :func:`defaults` block's, else
+    float32), checked where the layer is built; returns the dtype as a NumPy dtype."""
     for name, value in sizes.items():
         require_int(where, name, value, 1)
-    return None if dtype is None else require_float_dtype(where, dtype)
+    return require_float_dtype(where, _default("dtype", dtype, np.float32))
 
 
-def _rng(seed) -> np.random.Generator:
+def _rng(seed, where: str = "tilegraph.nn") -> np.random.Generator:
+    """The generator a layer draws its initial values from: ``seed`` (an int >= 0 or a Generator;
+    None: the :func:`defaults` block's, else fresh entropy, as torch's unseeded layers)."""
+    seed = _default("seed", seed)
+    if seed is not None and not isinstance(seed, (np.random.Generator, _NoDraw)) and not is_int(seed, 0):
+        raise TileError(where, "seed must be an int >= 0, a numpy.random.Generator or None (the seed of the "
+                        "tilegraph.nn.defaults() block in force, else a fresh one)", f"seed={seed!r:.60}")
     if _DEFERRED:
         return _NO_DRAW
-    return seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    return seed if isinstance(seed, (np.random.Generator, _NoDraw)) else np.random.default_rng(seed)
+
+
+#: what :func:`defaults` blocks in force set (the innermost wins), by argument name
+_DEFAULTS: contextvars.ContextVar[dict] = contextvars.ContextVar("tilegraph_layer_defaults", default={})
+
+
+def _default(name: str, value, fallback=None):
+    """``value`` where it is given (not None), else the :func:`defaults` block's, else ``fallback``."""
+    if value is not None:
+        return value
+    return _DEFAULTS.get().get(name, fallback)
+
+
+def _init_std(where: str, init_std, fallback=None) -> float | None:
+    """A layer's ``init_std`` (given, else the :func:`defaults` block's, else ``fallback``), checked:
+    a finite number > 0, or None."""
+    init_std = _default("init_std", init_std, fallback)
+    if init_std is not None and (isinstance(init_std, (bool, np.bool_)) or not isinstance(init_std, (int, float, np.number))
+                                 or not math.isfinite(init_std) or init_std <= 0):
+        raise TileError(where, "init_std must be a finite number > 0 (the standard deviation of the normal initial "
+                        "weights) or None", f"init_std={init_std!r:.60}")
+    return None if init_std is None else float(init_std)
+
+
+@contextlib.contextmanager
+def defaults(*, tile=None, dtype=None, seed=None, init_std=None, inherit: bool = True):
+    """Defaults for the layers built inside the block, for each argument a layer is not given (or
+    given as None), so a model reads as its architecture, as a torch one does::
+
+        with tg.nn.defaults(tile=256, dtype="float32", seed=0, init_std=0.02):
+            self.attn = tg.nn.CausalSelfAttention(768, 12)
+            self.mlp = tg.nn.MLP(768, 3072, act="gelu_tanh")
+
+    - ``tile``: the feature tile of every layer (a Linear's ``out_tile`` follows it unless
+      given; an Embedding's vocabulary tile does not);
+    - ``dtype``: of the parameters (float16, float32 or float64; float32 outside any block);
+    - ``seed``: an int >= 0 or a ``numpy.random.Generator``; the layers of the block draw from one
+      generator made from it, one after another, so the same code and seed give the same weights
+      (outside a block, a layer given no seed draws fresh ones, as torch's do without
+      ``torch.manual_seed``);
+    - ``init_std``: weights drawn from N(0, init_std^2) and zero biases instead of torch's uniform
+      init (an Embedding's default is N(0, 1), torch's).
+
+    Blocks nest; an inner one changes only what it sets (``inherit=False``: it sets all of it, what
+    it leaves None as outside any block; the shipped models build so, as their tiling, dtype and
+    seed say, whatever block they are built in). Re-draw a layer's weights after it is
+    built with :meth:`Linear.reset_parameters` (GPT-2's smaller init of the projections into the
+    residual stream).
+
+    >>> import tilegraph as tg
+    >>> with tg.nn.defaults(tile=4, dtype="float64", seed=0):
+    ...     mlp = tg.nn.MLP(8, 16)
+    >>> mlp.fc1.weight.chunks, mlp.fc2.weight.dtype
+    (((4, 4), (4, 4, 4, 4)), dtype('float64'))
+    """
+    where = "tilegraph.nn.defaults"
+    if not isinstance(inherit, (bool, np.bool_)):
+        raise TileError(where, "inherit must be a bool", f"inherit={inherit!r:.60}")
+    given = {}
+    if tile is not None:
+        if not is_int(tile, 1):
+            raise TileError(where, "tile must be an int >= 1 (the feature tile of the layers built in the block) or "
+                            "None", f"tile={tile!r:.60}")
+        given["tile"] = int(tile)
+    if dtype is not None:
+        given["dtype"] = require_float_dtype(where, dtype)
+    if seed is not None:
+        if isinstance(seed, np.random.Generator):
+            given["seed"] = seed
+        elif is_int(seed, 0):
+            given["seed"] = np.random.default_rng(int(seed))
+        else:
+            raise TileError(where, "seed must be an int >= 0, a numpy.random.Generator or None", f"seed={seed!r:.60}")
+    if init_std is not None:
+        given["init_std"] = _init_std(where, init_std)
+    token = _DEFAULTS.set({**_DEFAULTS.get(), **given} if inherit else given)
+    try:
+        yield
+    finally:
+        _DEFAULTS.reset(token)
 
 
 _DEFERRED: list[bool] = []  # non-empty inside deferred_init()
@@ -661,6 +747,20 @@ class Dropout(Module):
         return f"Dropout(p={self.p:g})"
 
 
+def _linear_init(where: str, n_in: int, n_out: int, bias, seed, init_std):
+    """A Linear's initial weight (n_in, n_out) and bias (or None), in float64: torch's uniform
+    init, or N(0, init_std^2) weights and zero biases (the bias is drawn either way, so that the
+    layers after it draw the same numbers whatever ``init_std`` is)."""
+    init_std = _init_std(where, init_std)
+    rng = _rng(seed, where)
+    bound = 1.0 / math.sqrt(n_in)
+    w = rng.uniform(-bound, bound, (n_in, n_out)) if init_std is None else rng.normal(0.0, init_std, (n_in, n_out))
+    if not bias:
+        return w, None
+    b = rng.uniform(-bound, bound, n_out)
+    return w, (b if init_std is None else np.zeros(n_out))
+
+
 class Linear(Module):
     """``y = x @ weight + bias`` with ``weight`` stored (in, out); torch's default init.
 
@@ -678,26 +778,39 @@ class Linear(Module):
     sketch_seed: int = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tile=None, out_tile=None,
-                 dtype=np.float32, seed=None, init_std: float | None = None, grad_sketch: str | None = None,
+                 dtype=None, seed=None, init_std: float | None = None, grad_sketch: str | None = None,
                  sketch_ratio: float = 0.2, sketch_seed: int = 0):
-        dtype = _check_layer("tilegraph.nn.Linear", dtype, in_features=in_features, out_features=out_features)
+        where = "tilegraph.nn.Linear"
+        dtype = _check_layer(where, dtype, in_features=in_features, out_features=out_features)
         self.grad_sketch, self.sketch_ratio, self.sketch_seed = ops.rmm.check_grad_sketch(
-            grad_sketch, sketch_ratio, sketch_seed, "tilegraph.nn.Linear")
-        rng = _rng(seed)
+            grad_sketch, sketch_ratio, sketch_seed, where)
+        tile = _default("tile", tile)
         out_tile = tile if out_tile is None else out_tile
-        if init_std is None:
-            bound = 1.0 / math.sqrt(in_features)
-            w = rng.uniform(-bound, bound, (in_features, out_features))
-        else:
-            w = rng.normal(0.0, init_std, (in_features, out_features))
+        w, b = _linear_init(where, in_features, out_features, bias, seed, init_std)
         self.weight = Parameter(w.astype(dtype, copy=False), (_fit(tile, in_features), _fit(out_tile, out_features)),
                                 name="weight")
-        self.bias = None
-        if bias:
-            b = rng.uniform(-1.0 / math.sqrt(in_features), 1.0 / math.sqrt(in_features), out_features)
-            self.bias = Parameter((b if init_std is None else np.zeros(out_features)).astype(dtype, copy=False),
-                                  (_fit(out_tile, out_features),),
-                                  name="bias")
+        self.bias = None if b is None else Parameter(b.astype(dtype, copy=False), (_fit(out_tile, out_features),),
+                                                     name="bias")
+
+    def reset_parameters(self, *, init_std: float | None = None, seed=None) -> None:
+        """Draw the weight and bias again as the constructor does, keeping their tiles and dtype:
+        ``init_std`` N(0, init_std^2) weights and zero biases (None: the :func:`defaults` block's,
+        else torch's uniform init), from ``seed`` (an int, a Generator, or None: the block's, else
+        fresh). E.g. GPT-2's smaller init of the projections into the residual stream, after the
+        layers are built::
+
+            for proj in (self.attn.o, self.mlp.fc2):
+                proj.reset_parameters(init_std=0.02 / math.sqrt(2 * n_layers))
+
+        Under :func:`deferred_init` nothing is drawn."""
+        n_in, n_out = self.weight.shape
+        w, b = _linear_init("tilegraph.nn.Linear.reset_parameters", n_in, n_out, self.bias is not None, seed,
+                            init_std)
+        if _DEFERRED:
+            return
+        self.weight.assign(w.astype(self.weight.dtype, copy=False))
+        if self.bias is not None:
+            self.bias.assign(b.astype(self.bias.dtype, copy=False))
 
     def forward(self, x: TileTensor) -> TileTensor:
         x = fit_last_dim(x, self.weight, "tilegraph.nn.Linear", "in_features")
@@ -716,11 +829,12 @@ class Embedding(Module):
     padding_idx: int | None = None  # class default: also for Embeddings made without __init__
 
     def __init__(self, num_embeddings: int, dim: int, padding_idx: int | None = None, *, tile=None,
-                 vocab_tile=None, dtype=np.float32, seed=None, init_std: float = 1.0):
+                 vocab_tile=None, dtype=None, seed=None, init_std: float | None = None):
         where = "tilegraph.nn.Embedding"
         dtype = _check_layer(where, dtype, num_embeddings=num_embeddings, dim=dim)
         self.padding_idx = check_padding_idx(padding_idx, num_embeddings, where)
-        w = _rng(seed).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
+        tile, init_std = _default("tile", tile), _init_std(where, init_std, 1.0)
+        w = _rng(seed, where).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
         if self.padding_idx is not None and not _DEFERRED:
             w = np.array(w)  # writable (a deferred layer's zeros are a read-only broadcast)
             w[self.padding_idx] = 0
@@ -751,10 +865,10 @@ class LayerNorm(Module):
     (``elementwise_affine=False``: neither weight nor bias; ``bias=False``: a weight alone)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *, tile=None,
-                 dtype=np.float32):
+                 dtype=None):
         where = "tilegraph.nn.LayerNorm"
         dim = _normalized_dim(dim, where)
-        dtype = _check_layer(where, dtype, dim=dim)
+        dtype, tile = _check_layer(where, dtype, dim=dim), _default("tile", tile)
         for name, flag in (("elementwise_affine", elementwise_affine), ("bias", bias)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TileError(where, f"{name} must be a bool (torch's LayerNorm(normalized_shape, eps, "
@@ -774,9 +888,9 @@ class LayerNorm(Module):
 
 
 class RMSNorm(Module):
-    def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=np.float32):
+    def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=None):
         dim = _normalized_dim(dim, "tilegraph.nn.RMSNorm")
-        dtype = _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim)
+        dtype, tile = _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim), _default("tile", tile)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
 
@@ -789,12 +903,12 @@ class MLP(Module):
     """``fc2(act(fc1(x)))``; ``act`` is "gelu", "gelu_tanh", "relu" or "silu"."""
 
     def __init__(self, dim: int, hidden: int, act: str = "gelu", bias: bool = True, *, out_dim: int | None = None,
-                 tile=None, dtype=np.float32, seed=None, init_std: float | None = None):
+                 tile=None, dtype=None, seed=None, init_std: float | None = None):
+        where = "tilegraph.nn.MLP"
         if act not in ("gelu", "gelu_tanh", "relu", "silu"):
-            raise TileError("tilegraph.nn.MLP", "act must be gelu, gelu_tanh, relu or silu", repr(act))
-        dtype = _check_layer("tilegraph.nn.MLP", dtype, dim=dim, hidden=hidden,
-                             **({} if out_dim is None else {"out_dim": out_dim}))
-        rng = _rng(seed)
+            raise TileError(where, "act must be gelu, gelu_tanh, relu or silu", repr(act))
+        dtype = _check_layer(where, dtype, dim=dim, hidden=hidden, **({} if out_dim is None else {"out_dim": out_dim}))
+        rng, init_std = _rng(seed, where), _init_std(where, init_std)
         self.act = act
         self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.fc2 = Linear(hidden, out_dim or dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -811,10 +925,11 @@ class MLP(Module):
 class SwiGLU(Module):
     """Gated MLP of Llama: ``down(silu(gate(x)) * up(x))``, no biases by default."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False, *, tile=None, dtype=np.float32, seed=None,
+    def __init__(self, dim: int, hidden: int, bias: bool = False, *, tile=None, dtype=None, seed=None,
                  init_std: float | None = None):
-        dtype = _check_layer("tilegraph.nn.SwiGLU", dtype, dim=dim, hidden=hidden)
-        rng = _rng(seed)
+        where = "tilegraph.nn.SwiGLU"
+        dtype = _check_layer(where, dtype, dim=dim, hidden=hidden)
+        rng, init_std = _rng(seed, where), _init_std(where, init_std)
         self.gate = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.up = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.down = Linear(hidden, dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -831,7 +946,7 @@ class CausalSelfAttention(Module):
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
-                 rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=np.float32, seed=None,
+                 rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=None, seed=None,
                  init_std: float | None = None):
         where = "tilegraph.nn.CausalSelfAttention"
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -841,13 +956,14 @@ class CausalSelfAttention(Module):
         if n_heads % n_kv_heads:
             raise TileError(where, "n_kv_heads must divide n_heads", f"n_heads={n_heads}, n_kv_heads={n_kv_heads}")
         self.head_dim = dim // n_heads
+        tile = _default("tile", tile)
         if tile is not None and not is_int(tile, 1):
             raise TileError(where, "tile must be a positive int (a multiple of the head dim) or None",
                             f"tile={tile!r} ({type(tile).__name__})")
         if tile is not None and tile % self.head_dim:
             raise TileError(where, f"the feature tile must hold whole heads (a multiple of {self.head_dim})",
                             f"tile={tile}")
-        rng = _rng(seed)
+        rng, init_std = _rng(seed, where), _init_std(where, init_std)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.rope, self.rope_base = rope, rope_base
         # The kv width is a whole number of heads, so its tiles (a multiple of head_dim, or the
