@@ -231,6 +231,37 @@ def max_local_workers(where: str) -> tuple[int, str]:
                                       f"core{'s' if cores > 1 else ''}{of} this process may use")
 
 
+def over_worker_limit(where: str, workers) -> tuple[int, str] | None:
+    """(the limit, why, in words) where ``workers`` worker processes are more than an embedded
+    cluster may start on this machine (:func:`max_local_workers`), else None. The one place of
+    the rule, for ``tilegraph train``'s [runtime] workers and ``tilegraph.connect``'s n_workers;
+    each caller says it in its own words. No integer >= 1 (0 or None: the default count, one
+    per 4 cores or per GPU) is never over it, and the variable is then not read."""
+    if not is_int(workers, 1):
+        return None
+    most, why = max_local_workers(where)
+    return (most, why) if workers > most else None
+
+
+#: an embedded cluster's worker runs at most this many threads per usable core: threads past the
+#: cores only share them out, and a worker's threads shape the plans made for it. Declaring more
+#: threads than cores has its uses (tests make plans for 2 workers x 8 threads on 2 cores), so the
+#: bound stops only what no machine runs (`threads_per_worker=10**6` was taken without a word)
+THREADS_PER_CORE = 64
+
+
+def over_thread_limit(threads) -> tuple[int, str] | None:
+    """(the limit, why, in words) where ``threads`` threads per worker are more than
+    :data:`THREADS_PER_CORE` per usable core (:func:`usable_cores`), else None (also for no
+    integer >= 1: refused apart, as the type or range it must have)."""
+    if not is_int(threads, 1):
+        return None
+    cores = usable_cores()
+    most = THREADS_PER_CORE * cores
+    return (most, f"{THREADS_PER_CORE} per core, of the {cores} core{'s' if cores > 1 else ''} this process "
+                  "may use") if threads > most else None
+
+
 def number_check(low: float = 0.0, strict: bool = False, high: float | None = None, below: bool = False,
                  whole: bool = False, finite: bool = False):
     """(check, what it wants) of a number (not a bool; an integer where ``whole``; not inf where

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from tilegraph._config import (BATCH_SPLITTING_STRATEGIES, EXCHANGES, MAX_WORKERS_VARIABLE, PARALLEL_STRATEGIES,
-                               ZERO3_TASKS_WHY, is_int, max_local_workers, number_check, one_of_check)
+                               ZERO3_TASKS_WHY, number_check, one_of_check, over_worker_limit)
 from tilegraph.ops.rmm import SKETCHES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
@@ -244,8 +244,10 @@ def value_problems(cfg: dict) -> dict[str, str]:
     return bad
 
 
-def check_config(cfg: dict, source: str) -> None:
-    """Every known key holds what it must; all problems in one error."""
+def check_config(cfg: dict, source: str, mpi: bool = False) -> None:
+    """Every known key holds what it must; all problems in one error. ``mpi``: ``--mpi`` was
+    given (as [runtime] mpi = true): [runtime] workers is then no count of this machine's
+    processes, and ``tilegraph train`` refuses it apart, naming the launch it goes with."""
     from tilegraph._errors import TileError
 
     problems = list(value_problems(cfg).values())
@@ -257,17 +259,21 @@ def check_config(cfg: dict, source: str) -> None:
         problems.append(f"train.batch_size ({t['batch_size']}) must be a multiple of train.accum_steps "
                         f"({t['accum_steps']})")
     r = cfg.get("runtime", {})
-    if not problems and r.get("parallel") in BATCH_SPLITTING_STRATEGIES and r.get("workers", 0) > 1 \
+    # workers is the embedded cluster's: with a cluster of another launch it is refused apart
+    # (tilegraph train: "workers only for the embedded cluster"), which no check of it here precedes
+    embedded = not (mpi or r.get("mpi") or r.get("address") or r.get("scheduler_file"))
+    if not problems and embedded and r.get("parallel") in BATCH_SPLITTING_STRATEGIES and r.get("workers", 0) > 1 \
             and t["batch_size"] // t["accum_steps"] < r["workers"]:  # a share of each (micro-)batch per process
         problems.append(f"train.batch_size / train.accum_steps ({t['batch_size']} / {t['accum_steps']}) must give "
                         f"each of the runtime.workers ({r['workers']}) worker processes a sequence with "
                         f"runtime.parallel = {r['parallel']!r} (or runtime.parallel = \"auto\" or \"tiles\")")
-    if not problems:
+    if not problems and embedded:
         problems += worker_count_problems(r)
     if not problems and r.get("parallel") == "zero3" and r.get("exchange") == "gang":
         problems.append("runtime.exchange must be \"auto\" or \"tasks\" with runtime.parallel = \"zero3\" (its "
                         f"parameters stay with their owners: {ZERO3_TASKS_WHY}), not \"gang\"")
-    if not problems and r.get("exchange", "auto") != "auto" and (r.get("parallel") == "tiles" or r.get("workers") == 1):
+    one_worker = embedded and r.get("workers") == 1
+    if not problems and r.get("exchange", "auto") != "auto" and (r.get("parallel") == "tiles" or one_worker):
         # how the processes of a "data" or "sharded" step exchange values: neither has any here
         why = ("runtime.parallel = \"tiles\" (no process exchanges a share of the batch)" if r["parallel"] == "tiles"
                else "runtime.workers = 1 (one worker process, nothing to exchange)")
@@ -287,15 +293,16 @@ def check_config(cfg: dict, source: str) -> None:
 
 def worker_count_problems(runtime: dict) -> list[str]:
     """What is wrong with [runtime] workers as the number of worker processes the embedded cluster
-    starts on this machine (:func:`tilegraph._config.max_local_workers`): [] where it is within
+    starts on this machine (:func:`tilegraph._config.over_worker_limit`): [] where it is within
     the limit, or where address, scheduler_file or mpi names a cluster of its own (whose workers
     it does not start; workers there is refused apart, with the launch it goes with)."""
     workers = runtime.get("workers", 0)
-    if runtime.get("address") or runtime.get("scheduler_file") or runtime.get("mpi") or not is_int(workers, 1):
-        return []  # (0: tilegraph's default count)
-    most, why = max_local_workers("tilegraph train")
-    if workers <= most:
+    if runtime.get("address") or runtime.get("scheduler_file") or runtime.get("mpi"):
         return []
+    over = over_worker_limit("tilegraph train", workers)  # (None for 0: tilegraph's default count)
+    if over is None:
+        return []
+    most, why = over
     return [f"runtime.workers must be at most {most} ({why}): the embedded cluster starts that many worker "
             f"processes on this machine, not {workers} (to start more on purpose: {MAX_WORKERS_VARIABLE}={workers} "
             "tilegraph train ...; under --mpi, runtime.address or runtime.scheduler_file the cluster brings its "

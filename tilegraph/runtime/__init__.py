@@ -954,6 +954,32 @@ def default_workers(ncpu: int, gpu: int, threads_per_worker: int | None) -> int:
     return max(1, ncpu // CORES_PER_WORKER)
 
 
+def _check_embedded_size(where: str, n_workers: int | None, gpu: int | None, threads_per_worker: int | None) -> None:
+    """Refuse, before any process starts, an embedded cluster of more worker processes than this
+    machine may run (:func:`tilegraph._config.over_worker_limit`, the limit of ``tilegraph
+    train``'s [runtime] workers: ``n_workers=100000`` began spawning processes) or of more threads
+    per worker than it has any use for (:func:`tilegraph._config.over_thread_limit`). Only what
+    was given is checked: ``gpu`` where it sets the count (a worker per GPU, n_workers not
+    given); the default count, one per 4 cores or per visible GPU, is within the limit."""
+    name, count = ("n_workers", n_workers) if n_workers is not None else ("gpu", gpu)
+    over = _config.over_worker_limit(where, count)
+    if over is not None:
+        most, why = over
+        starts = ("that many worker processes" if n_workers is not None
+                  else "a worker process per GPU (n_workers not given)")
+        raise TileError(where, f"{name} at most {most} ({why}): the embedded cluster starts {starts} on this "
+                        "machine (to start more on purpose: "
+                        f"{_config.MAX_WORKERS_VARIABLE}={count} in the environment, e.g. os.environ, before "
+                        "tilegraph.connect; a cluster started elsewhere, reached by address, scheduler_file or "
+                        "mpi=True, brings its own workers and has no such limit)", f"{name}={count}")
+    over = _config.over_thread_limit(threads_per_worker)
+    if over is not None:
+        most, why = over
+        raise TileError(where, f"threads_per_worker at most {most} ({why}): threads past the cores only share them "
+                        "out, and each worker plans work for every thread it declares",
+                        f"threads_per_worker={threads_per_worker}")
+
+
 def _worker_spec(n_workers: int, threads: int, gpu: int, memory_limit, quiet: bool, security=None) -> dict:
     from distributed import Nanny
 
@@ -1035,7 +1061,10 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
       ``n_workers`` processes (default: one per GPU, else one per :data:`CORES_PER_WORKER`
       cores and at least one; one where only ``threads_per_worker`` is given) with
       ``threads_per_worker`` threads (default: the cores divided among the workers), the first ``gpu`` of them
-      declaring the resource ``{"GPU": 1}`` (default: one per visible CUDA device).
+      declaring the resource ``{"GPU": 1}`` (default: one per visible CUDA device). At most
+      :data:`tilegraph._config.WORKERS_PER_CORE` worker processes per usable core, as
+      ``tilegraph train`` (``$TILEGRAPH_MAX_WORKERS`` sets another limit), each of at most
+      :data:`tilegraph._config.THREADS_PER_CORE` threads per core: more is refused before any starts.
     - ``connect("tcp://host:8786")``: an existing scheduler.
     - ``connect(scheduler_file="scheduler.json")``: a scheduler started with ``--scheduler-file``.
     - ``connect(mpi=True)``: inside ``mpiexec -n N``, dask-mpi makes rank 0 the scheduler, ranks
@@ -1096,6 +1125,8 @@ def connect(address: str | None = None, *, scheduler_file: str | None = None, mp
             "an existing cluster keeps the workers and settings it was started with"
         raise TileError(where, f"{', '.join(given)} only for the embedded cluster ({cluster})",
                         ", ".join(f"{k}={v!r}" for k, v in given.items()))
+    if not mpi and address is None and scheduler_file is None:  # (else none of the three is given by now)
+        _check_embedded_size(where, n_workers, gpu, threads_per_worker)
     if interface is not None and not mpi and address is None and scheduler_file is None:
         raise TileError(where, "interface only with mpi=True (the network interface the ranks listen on); the "
                         "embedded cluster listens on 127.0.0.1 alone", f"interface={interface!r}")
