@@ -83,7 +83,7 @@ def test_init_from_a_quantized_checkpoint_says_it_trains_its_dequantized_weights
     assert code == 0, err
     notes = _notes(err)
     assert len(notes) == 1, err
-    assert notes[0].startswith("tilegraph train model.init: note: q4 is a quantized checkpoint (int4: 14 of its 36 "
+    assert notes[0].startswith("tilegraph train --init: note: q4 is a quantized checkpoint (int4: 14 of its 36 "
                                "arrays)"), notes
     assert "dequantized" in notes[0] and "every weight trains in float32" in notes[0]
     # what it says of the run's checkpoints: no quantized array in them

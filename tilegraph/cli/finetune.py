@@ -128,7 +128,7 @@ def _is_sketch_record(record) -> bool:
     return set(record) == set(keys) and all(CONFIG_CHECKS[f"peft.{k}"][0](record[k]) for k in keys)
 
 
-def init_model(init: str, method: str):
+def init_model(init: str, method: str, named: str = "model.init"):
     """The model of ``[model] init`` (a Hugging Face folder or a Zarr checkpoint) and whether its
     Linear weights stay quantized: a quantized checkpoint under adapters opens with
     :func:`tilegraph.peft.from_quantized` (each tile dequantized where a step uses it), else it
@@ -139,10 +139,15 @@ def init_model(init: str, method: str):
     The model loads float32, whatever the dtype it was stored in (tilegraph train trains in
     float32): a float16 (or bfloat16, float64) Hugging Face folder or Zarr checkpoint is
     converted so, in one line on stderr. A quantized base stays quantized, its tiles dequantized
-    to float32 (a float16 checkpoint trained, adapters included, in float16 before)."""
+    to float32 (a float16 checkpoint trained, adapters included, in float16 before).
+
+    ``named``: what gave ``init``, as the notes on stderr name it (``--init``, ``--set model.init``,
+    ``[model] init (in CONFIG)``: :func:`tilegraph.cli.train.init_source`); errors name
+    ``model.init``, the setting."""
     from tilegraph.io.zarr import load_checkpoint
 
     where = "tilegraph train model.init"
+    said = f"tilegraph train {named}"  # (it was model.init, the setting, whatever the user gave)
     folder = Path(init)
     zarr = (folder / "zarr.json").is_file()
     record = read_peft_record(folder, where) if zarr else None
@@ -158,8 +163,8 @@ def init_model(init: str, method: str):
             # adapters it holds (tilegraph.io.save_checkpoint of an adapted model) merged, as load_model
             # merges them: those layers dequantized, the others kept quantized; [peft]'s added after
             model = peft.merge_lora(peft.from_quantized(folder, runtime=None, dtype=TRAIN_DTYPE))
-            _say_widened(folder, where, stored_dtype(ck.info))
-            _say_quantized(folder, where, ck, kept=True)
+            _say_widened(folder, said, stored_dtype(ck.info))
+            _say_quantized(folder, said, ck, kept=True)
             return model, True
     model = load_model(folder, where, zarr_dtype=TRAIN_DTYPE)
     if method == "none":  # full fine-tuning: adapters an --init holds come merged, and merge_lora leaves
@@ -167,10 +172,10 @@ def init_model(init: str, method: str):
             param.requires_grad = True
     if zarr:  # (opened after load_model, whose errors name what is wrong with an incomplete one)
         ck = ck or load_checkpoint(folder)
-        _say_widened(folder, where, stored_dtype(ck.info))
-        _say_quantized(folder, where, ck, kept=False)
+        _say_widened(folder, said, stored_dtype(ck.info))
+        _say_quantized(folder, said, ck, kept=False)
     elif (folder / "config.json").is_file():
-        _say_widened(folder, where)
+        _say_widened(folder, said)
     return model, False
 
 

@@ -766,19 +766,34 @@ def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
     raise TileError(where, want, f"{folder} holds none (no zarr.json)")
 
 
+#: how many folders up from a folder inside a checkpoint its root can be: the deepest folder a
+#: checkpoint holds is an array of the adapters checkpoint in an adapted run's (``adapters/``, then
+#: ``optimizer/<state>/<parameter>``, or a quantized parameter's tile ``model/<parameter>/<tile>``:
+#: 4), and in one of format 1 (chunk keys ``c/i/j``) the chunk folders of its 2-D tiles below that
+#: (``c/<i>``: 2 more). Each level costs a stat; a zarr.json is read only where one is found.
+CHECKPOINT_DEPTH = 6
+
+
 def enclosing_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint that ``folder`` lies inside (its ``model/`` or ``optimizer/`` folder, or an
-    array's), as the path to pass (the outermost: a run's checkpoint, not the adapters checkpoint in
-    it); None where it lies in none, or is a checkpoint or an adapter folder itself (named as such
-    by the commands)."""
+    """The checkpoint that ``folder`` lies inside (its ``model/`` or ``optimizer/`` folder, an
+    array's, or one of the adapters checkpoint in it), as the path to pass (the outermost: a run's
+    checkpoint, not the adapters checkpoint in it); None where it lies in none, or is a checkpoint
+    or an adapter folder itself (named as such by the commands). A relative ``folder`` is looked at
+    from the working directory up (``model/wte.weight`` given inside a checkpoint's ``adapters/``
+    names the checkpoint, not ``.``), the checkpoint then named relative to it where it lies in it."""
     from tilegraph.io.zarr import is_checkpoint
 
+    path = Path(os.path.abspath(os.path.expanduser(folder)))
     # the parents first: a checkpoint elsewhere has none (its zarr.json is read once, by the command)
-    found = [parent for parent in list(folder.parents)[:3]  # CHECKPOINT/adapters/model at most
+    found = [parent for parent in path.parents[:CHECKPOINT_DEPTH]
              if (parent / "zarr.json").is_file() and is_checkpoint(parent)]
     if not found or not folder.is_dir() or (folder / "adapter_config.json").is_file() or is_checkpoint(folder):
         return None
-    return found[-1]
+    outermost = found[-1]
+    if Path(os.path.expanduser(folder)).is_absolute():
+        return outermost
+    named = Path(os.path.relpath(outermost))  # as the user gave the folder: relative, where it is below here
+    return outermost if named.parts[:1] in ((os.pardir,), ()) else named
 
 
 def save_folder(folder: Path) -> str:

@@ -229,7 +229,8 @@ def _train(args, job: Job) -> int:
     # resumed: the base as the run's checkpoint holds it (quantized, if it ran so), else from init
     resumed = resume_model(resume.checkpoint, resume.peft, p["method"]) if resume and init else None
     if init:
-        model, quantized_base = resumed if resumed is not None else init_model(init, p["method"])
+        model, quantized_base = resumed if resumed is not None else \
+            init_model(init, p["method"], init_source(given))
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"],
                         inherited=inherited_model_keys(cfg, given))
     elif resume:  # the run's own architecture, as its checkpoint stores it (the weights: restored below)
@@ -673,6 +674,18 @@ def count_parameters(model) -> str:
     quantized = sum(q.size for _, q in peft.named_quantized(model))
     total = f"{model.num_parameters() + quantized:,} parameters"
     return f"{total} ({quantized:,} of them quantized)" if quantized else total
+
+
+def init_source(given: dict[str, str]) -> str:
+    """What gave the run's init, as its notes name it (a :func:`given_settings` source): the flag
+    (``--init``, ``--set model.init``) or the config file's ``[model] init``; where the job gave
+    none, the run that --resume continues, whose checkpoint records its base."""
+    where = given.get("model.init")
+    if where is None:
+        return "--resume (the base its run recorded)"
+    if on_command_line(where):
+        return "--init" if where.startswith("--init ") else "--set model.init"
+    return f"[model] init (in {where})"
 
 
 def describe_start(model, p: dict, init: str, quantized_base: bool) -> str:
