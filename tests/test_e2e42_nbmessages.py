@@ -120,7 +120,8 @@ def _check_final_save_interrupted(tmp_path, capsys, monkeypatch, runtime=None):
     assert interrupted == [4]
     assert line == ("interrupted: stopped after step 4, every step run logged, the fit's last; the "
                     f"checkpoint of step 4 is still being written in the background ({ck.path(4)}; it completes "
-                    f"unless the process ends first); the last complete one: {ck.path(2)}")
+                    "unless the process ends first: trainer.wait_for_checkpoint() waits for it and runs the "
+                    f"on_checkpoint hooks); the last complete one: {ck.path(2)}")
     assert [r["step"] for r in trainer.history if "loss" in r] == [1, 2, 3, 4]
     ck.wait = real_wait
     assert ck.wait() == ck.path(4)

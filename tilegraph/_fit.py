@@ -424,12 +424,13 @@ class FitRun:
         if path.is_dir():  # renamed into place when complete: a folder under its name is whole
             return f"{said}; the checkpoint of step {done} was written: {path}"
         if ck.busy and ck.pending_step == done:  # a daemon thread: it commits unless the process ends first
-            state = f"is still being written in the background ({path}; it completes unless the process ends first)"
+            state = (f"is still being written in the background ({path}; it completes unless the process ends first: "
+                     "trainer.wait_for_checkpoint() waits for it and runs the on_checkpoint hooks)")
         else:
             state = "was not written (trainer.save_checkpoint(path) writes one)"
             if ck.busy:  # an earlier one, interrupted while the final save waited for it
                 state += (f"; that of step {ck.pending_step} is still being written in the background (it "
-                          "completes unless the process ends first)")
+                          "completes unless the process ends first: trainer.wait_for_checkpoint() waits for it)")
         complete = ck.checkpoints()
         last = f"the last complete one: {complete[-1]}" if complete else f"no complete checkpoint in {ck.dir}"
         return f"{said}; the checkpoint of step {done} {state}; {last}"

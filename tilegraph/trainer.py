@@ -1020,6 +1020,18 @@ class Trainer:
         with self._current():
             return self.checkpoints.save(step, self.model, self.optimizer, **self._save_options())
 
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for the checkpoint being written in the background, if any (``async_checkpoint``:
+        the one a fit interrupted after its last step leaves, which completes unless the process
+        ends first, or the runtime is closed under it), re-raising its error; then run the
+        ``on_checkpoint`` hooks of the checkpoints committed since they last ran (a fit runs them
+        as it goes, and an interrupted one left them to the next fit). Returns the last checkpoint
+        written or loaded (where a restart resumes; None: none yet)."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+            self._checkpoint_hooks()
+        return self._last_checkpoint
+
     def _checkpoint_hooks(self) -> None:
         """Run the ``on_checkpoint`` hooks of checkpoints committed since the last call."""
         if self.checkpoints is None:
