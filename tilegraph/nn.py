@@ -177,15 +177,33 @@ def _default(name: str, value, fallback=None):
     return _DEFAULTS.get().get(name, fallback)
 
 
-def _init_std(where: str, init_std, fallback=None) -> float | None:
+def _init_std(where: str, init_std, dtype=None, fallback=None) -> float | None:
     """A layer's ``init_std`` (given, else the :func:`defaults` block's, else ``fallback``), checked:
-    a finite number > 0, or None."""
+    a finite real number > 0 whose draws ``dtype`` holds (float64 where None), or None."""
     init_std = _default("init_std", init_std, fallback)
-    if init_std is not None and (isinstance(init_std, (bool, np.bool_)) or not isinstance(init_std, (int, float, np.number))
-                                 or not math.isfinite(init_std) or init_std <= 0):
+    if init_std is None:
+        return None
+    std = None  # (a bool, a complex, a string, ...: no standard deviation)
+    if not isinstance(init_std, (bool, np.bool_)) and isinstance(init_std, (int, float, np.integer, np.floating)):
+        try:
+            std = float(init_std)
+        except OverflowError:  # an int past float64's range
+            std = math.inf
+    said = f"init_std={init_std!r:.60}"
+    if std is None or not math.isfinite(std) or std <= 0:
         raise TileError(where, "init_std must be a finite number > 0 (the standard deviation of the normal initial "
-                        "weights) or None", f"init_std={init_std!r:.60}")
-    return None if init_std is None else float(init_std)
+                        "weights) or None", said)
+    dt = np.dtype(np.float64 if dtype is None else dtype)
+    info = np.finfo(dt)
+    low, high = float(info.smallest_normal), float(info.max) / _INIT_SIGMAS
+    if not low <= std <= high:  # weights of inf, or underflowing ones
+        raise TileError(where, f"init_std between {low:.3g} and {high:.3g} for {dt.name} weights (a larger one draws "
+                        "weights of inf, a smaller one weights that underflow to subnormals or zeros)", said)
+    return std
+
+
+#: how many standard deviations a drawn initial weight may reach, for the largest ``init_std`` a dtype holds
+_INIT_SIGMAS = 16
 
 
 @contextlib.contextmanager
@@ -207,7 +225,9 @@ def defaults(*, tile=None, dtype=None, seed=None, init_std=None, inherit: bool =
     - ``init_std``: weights drawn from N(0, init_std^2) and zero biases instead of torch's uniform
       init (an Embedding's default is N(0, 1), torch's).
 
-    Blocks nest; an inner one changes only what it sets (``inherit=False``: it sets all of it, what
+    A block holds for the code that runs inside it (a context variable: its thread, and what that
+    thread runs with ``contextvars.copy_context().run``), not for threads started from it. Blocks
+    nest; an inner one changes only what it sets (``inherit=False``: it sets all of it, what
     it leaves None as outside any block; the shipped models build so, as their tiling, dtype and
     seed say, whatever block they are built in). Re-draw a layer's weights after it is
     built with :meth:`Linear.reset_parameters` (GPT-2's smaller init of the projections into the
@@ -238,7 +258,7 @@ def defaults(*, tile=None, dtype=None, seed=None, init_std=None, inherit: bool =
         else:
             raise TileError(where, "seed must be an int >= 0, a numpy.random.Generator or None", f"seed={seed!r:.60}")
     if init_std is not None:
-        given["init_std"] = _init_std(where, init_std)
+        given["init_std"] = _init_std(where, init_std, given.get("dtype"))
     token = _DEFAULTS.set({**_DEFAULTS.get(), **given} if inherit else given)
     try:
         yield
@@ -747,11 +767,11 @@ class Dropout(Module):
         return f"Dropout(p={self.p:g})"
 
 
-def _linear_init(where: str, n_in: int, n_out: int, bias, seed, init_std):
+def _linear_init(where: str, n_in: int, n_out: int, bias, seed, init_std, dtype):
     """A Linear's initial weight (n_in, n_out) and bias (or None), in float64: torch's uniform
     init, or N(0, init_std^2) weights and zero biases (the bias is drawn either way, so that the
     layers after it draw the same numbers whatever ``init_std`` is)."""
-    init_std = _init_std(where, init_std)
+    init_std = _init_std(where, init_std, dtype)
     rng = _rng(seed, where)
     bound = 1.0 / math.sqrt(n_in)
     w = rng.uniform(-bound, bound, (n_in, n_out)) if init_std is None else rng.normal(0.0, init_std, (n_in, n_out))
@@ -786,7 +806,7 @@ class Linear(Module):
             grad_sketch, sketch_ratio, sketch_seed, where)
         tile = _default("tile", tile)
         out_tile = tile if out_tile is None else out_tile
-        w, b = _linear_init(where, in_features, out_features, bias, seed, init_std)
+        w, b = _linear_init(where, in_features, out_features, bias, seed, init_std, dtype)
         self.weight = Parameter(w.astype(dtype, copy=False), (_fit(tile, in_features), _fit(out_tile, out_features)),
                                 name="weight")
         self.bias = None if b is None else Parameter(b.astype(dtype, copy=False), (_fit(out_tile, out_features),),
@@ -805,7 +825,7 @@ class Linear(Module):
         Under :func:`deferred_init` nothing is drawn."""
         n_in, n_out = self.weight.shape
         w, b = _linear_init("tilegraph.nn.Linear.reset_parameters", n_in, n_out, self.bias is not None, seed,
-                            init_std)
+                            init_std, self.weight.dtype)
         if _DEFERRED:
             return
         self.weight.assign(w.astype(self.weight.dtype, copy=False))
@@ -833,7 +853,7 @@ class Embedding(Module):
         where = "tilegraph.nn.Embedding"
         dtype = _check_layer(where, dtype, num_embeddings=num_embeddings, dim=dim)
         self.padding_idx = check_padding_idx(padding_idx, num_embeddings, where)
-        tile, init_std = _default("tile", tile), _init_std(where, init_std, 1.0)
+        tile, init_std = _default("tile", tile), _init_std(where, init_std, dtype, 1.0)
         w = _rng(seed, where).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
         if self.padding_idx is not None and not _DEFERRED:
             w = np.array(w)  # writable (a deferred layer's zeros are a read-only broadcast)
@@ -908,7 +928,7 @@ class MLP(Module):
         if act not in ("gelu", "gelu_tanh", "relu", "silu"):
             raise TileError(where, "act must be gelu, gelu_tanh, relu or silu", repr(act))
         dtype = _check_layer(where, dtype, dim=dim, hidden=hidden, **({} if out_dim is None else {"out_dim": out_dim}))
-        rng, init_std = _rng(seed, where), _init_std(where, init_std)
+        rng, init_std = _rng(seed, where), _init_std(where, init_std, dtype)
         self.act = act
         self.fc1 = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.fc2 = Linear(hidden, out_dim or dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -929,7 +949,7 @@ class SwiGLU(Module):
                  init_std: float | None = None):
         where = "tilegraph.nn.SwiGLU"
         dtype = _check_layer(where, dtype, dim=dim, hidden=hidden)
-        rng, init_std = _rng(seed, where), _init_std(where, init_std)
+        rng, init_std = _rng(seed, where), _init_std(where, init_std, dtype)
         self.gate = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.up = Linear(dim, hidden, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
         self.down = Linear(hidden, dim, bias, tile=tile, dtype=dtype, seed=rng, init_std=init_std)
@@ -956,14 +976,16 @@ class CausalSelfAttention(Module):
         if n_heads % n_kv_heads:
             raise TileError(where, "n_kv_heads must divide n_heads", f"n_heads={n_heads}, n_kv_heads={n_kv_heads}")
         self.head_dim = dim // n_heads
+        block = " (the tile of the tilegraph.nn.defaults() block in force; tile= given here wins)" \
+            if tile is None and _default("tile", None) is not None else ""
         tile = _default("tile", tile)
         if tile is not None and not is_int(tile, 1):
             raise TileError(where, "tile must be a positive int (a multiple of the head dim) or None",
                             f"tile={tile!r} ({type(tile).__name__})")
         if tile is not None and tile % self.head_dim:
             raise TileError(where, f"the feature tile must hold whole heads (a multiple of {self.head_dim})",
-                            f"tile={tile}")
-        rng, init_std = _rng(seed, where), _init_std(where, init_std)
+                            f"tile={tile}{block}")
+        rng, init_std = _rng(seed, where), _init_std(where, init_std, dtype)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.rope, self.rope_base = rope, rope_base
         # The kv width is a whole number of heads, so its tiles (a multiple of head_dim, or the
