@@ -190,3 +190,59 @@ def test_a_shipped_model_ignores_the_block_it_is_built_in(flavor):
     with pytest.raises(TileError, match=r"inherit must be a bool; received: inherit='no'"):
         with nn.defaults(inherit="no"):
             pass
+
+
+def test_apply_is_an_init_pass_as_nanogpts():
+    class Net(nn.Module):
+        def __init__(self):
+            self.wte = nn.Embedding(50, 64, padding_idx=0, seed=0)
+            self.blocks = nn.ModuleList([nn.MLP(64, 256, seed=i) for i in range(2)])
+            self.ln = nn.LayerNorm(64)
+            self.shared = self.blocks[0]  # one module under two names: visited once
+
+    order = []
+    net = Net()
+
+    def init(m):
+        order.append(m)
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.reset_parameters(init_std=0.02)
+
+    with nn.defaults(seed=1):
+        assert net.apply(init) is net
+    assert len(order) == len({id(m) for m in order}) == len(list(net.modules()))
+    assert order[-1] is net and order.index(net.blocks[0].fc1) < order.index(net.blocks[0])  # children first
+    for name, p in net.named_parameters():
+        v = p.numpy()
+        if name.endswith("bias") and not name.startswith("ln"):
+            assert np.all(v == 0), name
+        elif name.endswith("weight") and not name.startswith("ln"):
+            assert 0.015 < v[1:].std() < 0.025, name
+    assert np.all(net.wte.weight.numpy()[0] == 0)  # the padding row stays zeros
+    again = Net()
+    with nn.defaults(seed=1):
+        again.apply(init)
+    assert all(np.array_equal(v, again.state_dict()[k]) for k, v in net.state_dict().items())  # same seed, same pass
+    with pytest.raises(TileError, match=r"\[Net.apply\] a function of a module .*; received: 3 \(int\)"):
+        net.apply(3)
+
+
+def test_embedding_and_norms_reset_parameters():
+    e = nn.Embedding(300, 40, padding_idx=-1, tile=16, vocab_tile=128, dtype="float64", seed=0)
+    chunks = e.weight.chunks
+    e.reset_parameters(init_std=0.5, seed=3)
+    w = e.weight.numpy()
+    assert e.weight.chunks == chunks and w.dtype == np.float64 and np.all(w[-1] == 0)
+    assert 0.48 < w[:-1].std() < 0.52
+    assert np.array_equal(w, nn.Embedding(300, 40, padding_idx=-1, dtype="float64", seed=3, init_std=0.5).weight.numpy())
+    ln, rms = nn.LayerNorm(8, tile=4), nn.RMSNorm(8)
+    ln.weight.assign(np.full(8, 3, np.float32))
+    ln.bias.assign(np.full(8, 2, np.float32))
+    rms.weight.assign(np.zeros(8, np.float32))
+    ln.reset_parameters()
+    rms.reset_parameters()
+    assert np.all(ln.weight.numpy() == 1) and np.all(ln.bias.numpy() == 0) and ln.weight.chunks == ((4, 4),)
+    assert np.all(rms.weight.numpy() == 1)
+    nn.LayerNorm(8, elementwise_affine=False).reset_parameters()  # nothing to reset
+    with pytest.raises(TileError, match=r"\[tilegraph.nn.Embedding.reset_parameters\] init_std"):
+        e.reset_parameters(init_std=-1)

@@ -464,6 +464,30 @@ class Module:
         """The direct submodules (torch's ``children``)."""
         return (m for _, m in self.named_children())
 
+    def apply(self, fn) -> "Module":
+        """Call ``fn(module)`` on every submodule, each once and its children before it, then on
+        this module; returns this module, as torch's ``apply``. An init pass, as nanoGPT's::
+
+            def init(m):
+                if isinstance(m, (tg.nn.Linear, tg.nn.Embedding)):
+                    m.reset_parameters(init_std=0.02)
+            model.apply(init)
+        """
+        if not callable(fn):
+            raise TileError(f"{type(self).__name__}.apply", "a function of a module (called on each)",
+                            f"{fn!r:.60} ({type(fn).__name__})")
+        seen: set[int] = set()
+
+        def visit(module: Module) -> None:
+            seen.add(id(module))
+            for child in module.children():
+                if id(child) not in seen:
+                    visit(child)
+            fn(module)
+
+        visit(self)
+        return self
+
     def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
         """This module (named ``prefix``) and every submodule with its dotted path, each once, as
         torch's ``named_modules``."""
@@ -853,12 +877,25 @@ class Embedding(Module):
         where = "tilegraph.nn.Embedding"
         dtype = _check_layer(where, dtype, num_embeddings=num_embeddings, dim=dim)
         self.padding_idx = check_padding_idx(padding_idx, num_embeddings, where)
-        tile, init_std = _default("tile", tile), _init_std(where, init_std, dtype, 1.0)
-        w = _rng(seed, where).normal(0.0, init_std, (num_embeddings, dim)).astype(dtype, copy=False)
+        tile = _default("tile", tile)
+        w = self._draw(where, (num_embeddings, dim), dtype, init_std, seed)
+        self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
+
+    def _draw(self, where: str, shape, dtype, init_std, seed) -> np.ndarray:
+        w = _rng(seed, where).normal(0.0, _init_std(where, init_std, dtype, 1.0), shape).astype(dtype, copy=False)
         if self.padding_idx is not None and not _DEFERRED:
             w = np.array(w)  # writable (a deferred layer's zeros are a read-only broadcast)
             w[self.padding_idx] = 0
-        self.weight = Parameter(w, (_fit(vocab_tile, num_embeddings), _fit(tile, dim)), name="weight")
+        return w
+
+    def reset_parameters(self, *, init_std: float | None = None, seed=None) -> None:
+        """Draw the weight again as the constructor does, keeping its tiles and dtype: N(0,
+        init_std^2) (None: the :func:`defaults` block's, else 1, torch's), the ``padding_idx`` row
+        zeros, from ``seed`` (None: the block's, else fresh). Under :func:`deferred_init` nothing
+        is drawn."""
+        w = self._draw("tilegraph.nn.Embedding.reset_parameters", self.weight.shape, self.weight.dtype, init_std, seed)
+        if not _DEFERRED:
+            self.weight.assign(w)
 
     def forward(self, ids: TileTensor) -> TileTensor:
         if is_array(ids):  # as torch's: an array of ids
@@ -898,6 +935,10 @@ class LayerNorm(Module):
         self.bias = (Parameter(np.zeros(dim, dtype), (_fit(tile, dim),), name="bias") if bias and elementwise_affine
                      else None)
 
+    def reset_parameters(self) -> None:
+        """The weight back to ones and the bias to zeros (their init), keeping tiles and dtype."""
+        _reset_norm(self)
+
     def forward(self, x: TileTensor) -> TileTensor:
         if self.weight is not None:
             x = fit_last_dim(x, self.weight, "tilegraph.nn.LayerNorm", "dim")
@@ -907,12 +948,25 @@ class LayerNorm(Module):
                               eps=self.eps)
 
 
+def _reset_norm(norm) -> None:
+    """A norm's weight to ones and bias to zeros (nothing under :func:`deferred_init`)."""
+    if _DEFERRED:
+        return
+    for p, fill in ((getattr(norm, "weight", None), 1), (getattr(norm, "bias", None), 0)):
+        if p is not None:
+            p.assign(np.full(p.shape, fill, p.dtype))
+
+
 class RMSNorm(Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=None):
         dim = _normalized_dim(dim, "tilegraph.nn.RMSNorm")
         dtype, tile = _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim), _default("tile", tile)
         self.eps = eps
         self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
+
+    def reset_parameters(self) -> None:
+        """The weight back to ones (its init), keeping tiles and dtype."""
+        _reset_norm(self)
 
     def forward(self, x: TileTensor) -> TileTensor:
         x = fit_last_dim(x, self.weight, "tilegraph.nn.RMSNorm", "dim")
