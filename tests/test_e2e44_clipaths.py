@@ -12,35 +12,19 @@
 One 1-step LoRA run of the debug GPT-2 (its last checkpoint holds ``adapters/``) and its int4
 copy serve the tests."""
 
-import contextlib
-import io
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tilegraph import cli
 
 from test_e2e39_cli import SMALL  # the debug GPT-2 on a little of the stdlib, one worker process
+from test_e2e40_cli import _main  # tilegraph ARGS run in a folder: exit status, stdout, stderr
 
 pytestmark = pytest.mark.distributed
 
 LORA = SMALL.replace("steps = 2", "steps = 1") + '[peft]\nmethod = "lora"\ntargets = ["attn.q", "attn.v"]\n'
-
-
-def _main(cwd: Path, *args) -> tuple[int, str, str]:
-    """``tilegraph ARGS`` run in ``cwd``: exit status, stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    here = Path.cwd()
-    try:
-        os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main([str(a) for a in args])
-    finally:
-        os.chdir(here)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

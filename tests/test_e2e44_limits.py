@@ -23,8 +23,8 @@ import pytest
 import tilegraph
 import tilegraph as tg
 from tilegraph import _config
-from tilegraph.cli import main
 from tilegraph.cli.config import check_config, load_config
+from test_e2e42_setflags import _error  # the one error line of tilegraph train ARGV (status 2)
 
 MAX_WORKERS = "TILEGRAPH_MAX_WORKERS"  # (the name users type, not tilegraph._config's constant)
 WHERE = "[tilegraph.connect] "
@@ -185,14 +185,6 @@ def no_cluster(monkeypatch, tmp_path, two_cores):
 
     monkeypatch.setattr(tilegraph, "connect", refused)
     return tmp_path
-
-
-def _error(argv, capsys) -> str:
-    """The one error line of ``tilegraph train ARGV`` (which must exit with status 2)."""
-    assert main(["train", *argv, "--out", "run", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    return err.strip()
 
 
 @pytest.mark.parametrize("argv, launch", [

@@ -11,7 +11,6 @@ import math
 import numpy as np
 import pytest
 
-import tilegraph as tg
 from tilegraph import models, nn
 from tilegraph._errors import TileError
 from tilegraph.models.tiling import ModelTiling
