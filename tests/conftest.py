@@ -45,20 +45,39 @@ def scheduler_file_written_later(path, address: str, delay: float):
         writer.join()
 
 
-#: the shared-memory files of MPICH's ranks on one node
+#: the shared-memory files of MPICH's ranks on one node, and the POSIX semaphores of Python's
+#: multiprocessing (dask-mpi's ranks make 6, which a rank ended by a signal leaves behind)
 MPICH_SHM = "/dev/shm/mpich_shm_*"
+MP_SEMAPHORES = "/dev/shm/sem.mp-*"
 
 
 def mpich_shm_files() -> set[str]:
     import glob
 
-    return set(glob.glob(MPICH_SHM))
+    return set(glob.glob(MPICH_SHM)) | set(glob.glob(MP_SEMAPHORES))
+
+
+def _mapped_shm() -> set[str]:
+    """The /dev/shm files some live process has mapped (a semaphore in use is)."""
+    import glob
+
+    held = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                held.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:  # (a process gone meanwhile, or not ours to read)
+            continue
+    return held
 
 
 def remove_mpich_shm_since(before: set[str]) -> None:
-    """Remove the MPICH shared-memory files made since ``before`` (:func:`mpich_shm_files`): ranks
-    ended by a signal or MPI_Abort leave theirs in /dev/shm (3 MB each), one or two a test run."""
-    for leftover in mpich_shm_files() - before:
+    """Remove the MPICH shared-memory files and multiprocessing semaphores made since ``before``
+    (:func:`mpich_shm_files`) that no live process holds: ranks ended by a signal or MPI_Abort leave
+    theirs in /dev/shm (an MPICH file is 3 MB; a dask-mpi launch leaves 6 semaphores)."""
+    new = mpich_shm_files() - before
+    held = _mapped_shm() if new else set()
+    for leftover in new - held:
         try:
             os.remove(leftover)
         except OSError:
