@@ -57,15 +57,18 @@ def mpich_shm_files() -> set[str]:
     return set(glob.glob(MPICH_SHM)) | set(glob.glob(MP_SEMAPHORES))
 
 
-def _mapped_shm() -> set[str]:
-    """The /dev/shm files some live process has mapped (a semaphore in use is)."""
+def shm_mapped(pids=None) -> set[str]:
+    """The /dev/shm files that the processes ``pids`` (None: every live process) have mapped, by
+    their memory maps (a semaphore in use is mapped)."""
     import glob
 
+    maps = glob.glob("/proc/[0-9]*/maps") if pids is None else [f"/proc/{pid}/maps" for pid in pids]
     held = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
+    for path in maps:
         try:
-            with open(maps) as f:
-                held.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+            with open(path) as f:
+                # the path field, without a " (deleted)" after it (a file unlinked while mapped)
+                held.update(line.split()[5] for line in f if "/dev/shm/" in line)
         except OSError:  # (a process gone meanwhile, or not ours to read)
             continue
     return held
@@ -76,7 +79,7 @@ def remove_mpich_shm_since(before: set[str]) -> None:
     (:func:`mpich_shm_files`) that no live process holds: ranks ended by a signal or MPI_Abort leave
     theirs in /dev/shm (an MPICH file is 3 MB; a dask-mpi launch leaves 6 semaphores)."""
     new = mpich_shm_files() - before
-    held = _mapped_shm() if new else set()
+    held = shm_mapped() if new else set()
     for leftover in new - held:
         try:
             os.remove(leftover)

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import shm_mapped
+
 pytestmark = pytest.mark.distributed
 
 SMALL = """
@@ -64,14 +66,8 @@ def end_group(proc, grace: float = 30.0) -> None:
 def group_semaphores(pgid: int) -> set[str]:
     """The multiprocessing named semaphores (``/dev/shm/sem.mp-*``) that the processes of group
     ``pgid`` have open now, by their memory maps."""
-    made = set()
-    for pid, _ in _group_members(pgid):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                made |= set(re.findall(r"/dev/shm/sem\.mp-\S+", f.read()))
-        except OSError:
-            pass
-    return made
+    return {path for path in shm_mapped(pid for pid, _ in _group_members(pgid))
+            if os.path.basename(path).startswith("sem.mp-")}
 
 
 @contextlib.contextmanager
