@@ -93,37 +93,47 @@ def _assert_resumes(model, path, tmp_path) -> None:
         np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=name)
 
 
-def _check_final_save_interrupted(tmp_path, capsys, monkeypatch, runtime=None):
+def _stop_during_final_save(trainer, monkeypatch, step: int, then=None):
+    """Hold ``trainer``'s background save of ``step`` until the returned event is set, and press
+    the stop button (a KeyboardInterrupt) the first time the fit waits for that save; once the
+    event is set the save finishes (``then(save)`` in place of its own finish, e.g. a failure).
+    Returns the event and the list of the step counts at the stop."""
     from tilegraph.io.zarr import PendingSave
 
-    model, opt, trainer = _trainer(tmp_path, runtime)
     ck = trainer.checkpoints
-    real_finish, real_wait, go_on, interrupted = PendingSave.finish, ck.wait, threading.Event(), []
+    real_finish, real_wait, go_on, stops = PendingSave.finish, ck.wait, threading.Event(), []
 
-    def finish(self):  # step 4's background save commits once the interrupt has been said
-        if self.path == ck.path(4):
-            assert go_on.wait(120)
-        return real_finish(self)
+    def finish(self):  # the save of ``step`` commits once the interrupt has been said
+        if self.path != ck.path(step):
+            return real_finish(self)
+        assert go_on.wait(120)
+        return (then or real_finish)(self)
 
-    def wait(*args, **kwargs):  # the stop button while fit waits for step 4's save
-        if ck.busy and ck.pending_step == 4 and not interrupted:
-            interrupted.append(opt.step_count)
+    def wait(*args, **kwargs):  # the stop button while fit waits for that save
+        if not stops and ck.busy and ck.pending_step == step:
+            stops.append(trainer.optimizer.step_count)
             raise KeyboardInterrupt
         return real_wait(*args, **kwargs)
 
     monkeypatch.setattr(PendingSave, "finish", finish)
     ck.wait = wait
+    return go_on, stops
+
+
+def _check_final_save_interrupted(tmp_path, capsys, monkeypatch, runtime=None):
+    model, opt, trainer = _trainer(tmp_path, runtime)
+    ck = trainer.checkpoints
+    go_on, stops = _stop_during_final_save(trainer, monkeypatch, 4)
     try:
         line = _interrupted(trainer, 4, capsys)
     finally:
         go_on.set()
-    assert interrupted == [4]
+    assert stops == [4]
     assert line == ("interrupted: stopped after step 4, every step run logged, the fit's last; the "
                     f"checkpoint of step 4 is still being written in the background ({ck.path(4)}; it completes "
                     "unless the process ends first: trainer.wait_for_checkpoint() waits for it and runs the "
                     f"on_checkpoint hooks); the last complete one: {ck.path(2)}")
     assert [r["step"] for r in trainer.history if "loss" in r] == [1, 2, 3, 4]
-    ck.wait = real_wait
     assert ck.wait() == ck.path(4)
     _assert_resumes(model, ck.path(4), tmp_path)
 

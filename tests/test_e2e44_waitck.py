@@ -5,40 +5,22 @@ user closed the runtime under it."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from test_e2e42_nbmessages import _assert_resumes, _interrupted, _trainer
+from test_e2e42_nbmessages import _assert_resumes, _interrupted, _stop_during_final_save, _trainer
 
 
 def test_wait_for_checkpoint_after_an_interrupted_final_save_runs_its_hooks(local_scheduler, tmp_path, capsys,
                                                                             monkeypatch):
-    from tilegraph.io.zarr import PendingSave
-
     seen = []
     model, opt, trainer = _trainer(tmp_path, on_checkpoint=[lambda tr, path: seen.append(path)])
     ck = trainer.checkpoints
-    real_finish, real_wait, go_on = PendingSave.finish, ck.wait, threading.Event()
-
-    def finish(self):  # step 4's save commits only once the fit has been interrupted
-        if self.path == ck.path(4):
-            assert go_on.wait(120)
-        return real_finish(self)
-
-    def wait(*args, **kwargs):  # the stop button while the fit waits for step 4's save
-        if ck.busy and ck.pending_step == 4:
-            ck.wait = real_wait
-            go_on.set()
-            raise KeyboardInterrupt
-        return real_wait(*args, **kwargs)
-
-    monkeypatch.setattr(PendingSave, "finish", finish)
-    ck.wait = wait
+    go_on, stops = _stop_during_final_save(trainer, monkeypatch, 4)
     try:
         line = _interrupted(trainer, 4, capsys)
     finally:
-        go_on.set()
+        go_on.set()  # (after the line: the save still under way as it is said)
+    assert stops == [4]
     assert "trainer.wait_for_checkpoint() waits for it and runs the on_checkpoint hooks" in line
     assert seen == [ck.path(2)]  # step 4's hook has not run: the fit was stopped before
     assert trainer.wait_for_checkpoint() == ck.path(4)
@@ -48,34 +30,18 @@ def test_wait_for_checkpoint_after_an_interrupted_final_save_runs_its_hooks(loca
 
 
 def test_wait_for_checkpoint_raises_the_error_of_a_background_save(local_scheduler, tmp_path, capsys, monkeypatch):
-    from tilegraph.io.zarr import PendingSave
+    def fail(save):  # step 4's save fails once the fit has been interrupted (a full disk, say)
+        raise OSError(28, "No space left on device")
 
     seen = []
     _, _, trainer = _trainer(tmp_path, on_checkpoint=[lambda tr, path: seen.append(path)])
     ck = trainer.checkpoints
-    real_wait, go_on = ck.wait, threading.Event()
-
-    def finish(self):  # step 4's save fails once the fit has been interrupted (a full disk, say)
-        assert go_on.wait(120)
-        raise OSError(28, "No space left on device")
-
-    def wait(*args, **kwargs):
-        if ck.busy and ck.pending_step == 4:
-            ck.wait = real_wait
-            go_on.set()
-            raise KeyboardInterrupt
-        return real_wait(*args, **kwargs)
-
-    ck.wait = wait
-    real_start = trainer._start_checkpoint
-
-    def start(step):  # step 4's save is the one that fails
-        if step == 4:
-            monkeypatch.setattr(PendingSave, "finish", finish)
-        return real_start(step)
-
-    trainer._start_checkpoint = start
-    _interrupted(trainer, 4, capsys)
+    go_on, stops = _stop_during_final_save(trainer, monkeypatch, 4, then=fail)
+    try:
+        _interrupted(trainer, 4, capsys)
+    finally:
+        go_on.set()
+    assert stops == [4]
     with pytest.raises(OSError, match="No space left on device"):
         trainer.wait_for_checkpoint()
     assert not ck.path(4).exists() and seen == [ck.path(2)]
