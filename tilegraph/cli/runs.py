@@ -783,14 +783,15 @@ def enclosing_checkpoint(folder: Path) -> Path | None:
     names the checkpoint, not ``.``), the checkpoint then named relative to it where it lies in it."""
     from tilegraph.io.zarr import is_checkpoint
 
-    path = Path(os.path.abspath(os.path.expanduser(folder)))
+    given = Path(os.path.expanduser(folder))
+    path = Path(os.path.abspath(given))
     # the parents first: a checkpoint elsewhere has none (its zarr.json is read once, by the command)
     found = [parent for parent in path.parents[:CHECKPOINT_DEPTH]
              if (parent / "zarr.json").is_file() and is_checkpoint(parent)]
     if not found or not folder.is_dir() or (folder / "adapter_config.json").is_file() or is_checkpoint(folder):
         return None
     outermost = found[-1]
-    if Path(os.path.expanduser(folder)).is_absolute():
+    if given.is_absolute():
         return outermost
     named = Path(os.path.relpath(outermost))  # as the user gave the folder: relative, where it is below here
     return outermost if named.parts[:1] in ((os.pardir,), ()) else named
