@@ -173,7 +173,7 @@ def test_a_quantized_hugging_face_folder_is_refused_as_one_by_every_command(root
         assert _error(root, command, folder, *args) == (
             f"tilegraph {command}: error: [tilegraph {command}] {QUANTIZED}{received}")
     assert _error(root, "train", "small.toml", "--init", folder, "--out", tmp_path / "r", "--steps", 1,
-                  "--no-progress") == f"tilegraph train: error: [tilegraph train model.init] {QUANTIZED}{received}"
+                  "--no-progress") == f"tilegraph train: error: [tilegraph train --init] {QUANTIZED}{received}"
     assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists()
     # its float original converts (the check reads config.json alone)
     code, _, err = _main(root, "convert", _hf_folder(tmp_path), tmp_path / "z", "--to", "zarr")

@@ -62,7 +62,7 @@ COMMANDS = [(["eval", "{folder}", "--local"], "tilegraph eval"),
             (["generate", "{folder}", "--local", "--prompt", "hi"], "tilegraph generate"),
             (["info", "{folder}"], "tilegraph info"),
             (["convert", "{folder}", "{out}"], "tilegraph convert"),
-            (["train", "{config}", "--init", "{folder}", "--out", "{out}"], "tilegraph train model.init"),
+            (["train", "{config}", "--init", "{folder}", "--out", "{out}"], "tilegraph train --init"),
             (["train", "{config}", "--resume", "{folder}", "--out", "{out}"], "tilegraph train --resume")]
 IDS = [head for _, head in COMMANDS]
 

@@ -142,12 +142,11 @@ def init_model(init: str, method: str, named: str = "model.init"):
     to float32 (a float16 checkpoint trained, adapters included, in float16 before).
 
     ``named``: what gave ``init``, as the notes on stderr name it (``--init``, ``--set model.init``,
-    ``[model] init (in CONFIG)``: :func:`tilegraph.cli.train.init_source`); errors name
-    ``model.init``, the setting."""
+    ``[model] init (in CONFIG)``: :func:`tilegraph.cli.train.init_source`); errors and notes
+    name it so (before, an error named ``model.init``, the setting, when the user typed --init)."""
     from tilegraph.io.zarr import load_checkpoint
 
-    where = "tilegraph train model.init"
-    said = f"tilegraph train {named}"  # (it was model.init, the setting, whatever the user gave)
+    where = f"tilegraph train {named}"
     folder = Path(init)
     zarr = (folder / "zarr.json").is_file()
     record = read_peft_record(folder, where) if zarr else None
@@ -163,8 +162,8 @@ def init_model(init: str, method: str, named: str = "model.init"):
             # adapters it holds (tilegraph.io.save_checkpoint of an adapted model) merged, as load_model
             # merges them: those layers dequantized, the others kept quantized; [peft]'s added after
             model = peft.merge_lora(peft.from_quantized(folder, runtime=None, dtype=TRAIN_DTYPE))
-            _say_widened(folder, said, stored_dtype(ck.info))
-            _say_quantized(folder, said, ck, kept=True)
+            _say_widened(folder, where, stored_dtype(ck.info))
+            _say_quantized(folder, where, ck, kept=True)
             return model, True
     model = load_model(folder, where, zarr_dtype=TRAIN_DTYPE)
     if method == "none":  # full fine-tuning: adapters an --init holds come merged, and merge_lora leaves
@@ -172,10 +171,10 @@ def init_model(init: str, method: str, named: str = "model.init"):
             param.requires_grad = True
     if zarr:  # (opened after load_model, whose errors name what is wrong with an incomplete one)
         ck = ck or load_checkpoint(folder)
-        _say_widened(folder, said, stored_dtype(ck.info))
-        _say_quantized(folder, said, ck, kept=False)
+        _say_widened(folder, where, stored_dtype(ck.info))
+        _say_quantized(folder, where, ck, kept=False)
     elif (folder / "config.json").is_file():
-        _say_widened(folder, said)
+        _say_widened(folder, where)
     return model, False
 
 
