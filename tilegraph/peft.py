@@ -37,7 +37,7 @@ from tilegraph._autograd import Op
 from tilegraph._errors import TileError
 from tilegraph._graph import Cell, emit1, kernel, leaf
 from tilegraph._tensor import TileTensor, Tiling
-from tilegraph.nn import PARAMETER_CELLS, Linear, Module, ModuleList, Parameter
+from tilegraph.nn import PARAMETER_CELLS, Linear, Module, ModuleList, Parameter, _default
 
 __all__ = ["LoRALinear", "LoTRLinear", "apply_lora", "apply_lotr", "merge_lora", "lora_layers", "lotr_layers",
            "trainable_parameters", "save_adapters", "load_adapters", "QuantizedTensor", "QuantizedLinear",
@@ -105,7 +105,8 @@ class LoRALinear(Module):
     ``weight`` and ``bias`` are the base layer's parameters (same objects, so the model's parameter
     names do not change), frozen. ``lora_u`` (in, rank) starts uniform in +-1/sqrt(in) and
     ``lora_v`` (rank, out) at zero (peft's A and B, transposed), so the layer starts equal to its
-    base. ``variant``/``choose``: see :func:`tilegraph.ops.lora.lora_linear` (default: the graphs
+    base; ``seed`` None draws from the :func:`tilegraph.nn.defaults` block's seed, else fresh
+    (:meth:`reset_parameters` starts the adapter again). ``variant``/``choose``: see :func:`tilegraph.ops.lora.lora_linear` (default: the graphs
     with the fewest FLOPs for each call's shapes).
 
     ``dropout`` (peft's ``lora_dropout``): in a training step's graph (recorded under
@@ -144,14 +145,30 @@ class LoRALinear(Module):
         for p in (self.weight, self.bias):
             if isinstance(p, Parameter):  # a QuantizedTensor has no gradient at all
                 p.requires_grad = False
-        rng = _rng(where, seed)
-        dtype = self.weight.dtype
-        bound = 1.0 / math.sqrt(n)  # torch's kaiming_uniform_(a=sqrt(5)), as peft initialises A
-        u = rng.uniform(-bound, bound, (n, rank)).astype(dtype)
+        u, v = self._draw(where, seed)
         self.lora_u = Parameter(u, (self.weight.chunks[0], None), name="lora_u")
-        self.lora_v = Parameter(np.zeros((rank, m), dtype), (None, self.weight.chunks[1]), name="lora_v")
+        self.lora_v = Parameter(v, (None, self.weight.chunks[1]), name="lora_v")
         # each layer's own masks, drawing nothing from rng (the adapters' initial values stay those
         # of a layer without dropout); every step's seed also hashes the current U and V
+        self.dropout_seed = _hash_seed(u)
+
+    def _draw(self, where: str, seed) -> tuple[np.ndarray, np.ndarray]:
+        """Initial (U, V): U uniform in +-1/sqrt(in) (torch's kaiming_uniform_(a=sqrt(5)), as peft
+        initialises A), V zeros; from ``seed``, else the :func:`tilegraph.nn.defaults` block's."""
+        rng = _rng(where, _default("seed", seed))
+        n, m = self.weight.shape
+        bound = 1.0 / math.sqrt(n)
+        u = rng.uniform(-bound, bound, (n, self.rank)).astype(self.weight.dtype)
+        return u, np.zeros((self.rank, m), self.weight.dtype)
+
+    def reset_parameters(self, *, seed=None) -> None:
+        """Start the adapter again: U drawn anew as the constructor draws it, V zeros (so the layer
+        equals its base), on the same tiles; the dropout masks' base seed follows the new U.
+        ``seed``: an int >= 0, a numpy Generator, or None (the :func:`tilegraph.nn.defaults`
+        block's, else fresh). The base weight and bias are not touched."""
+        u, v = self._draw("tilegraph.nn.LoRALinear.reset_parameters", seed)
+        self.lora_u.assign(u)
+        self.lora_v.assign(v)
         self.dropout_seed = _hash_seed(u)
 
     @property
