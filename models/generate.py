@@ -26,9 +26,9 @@ Dask round trip per token.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
-import operator
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,10 +37,10 @@ import numpy as np
 
 from tilegraph._autograd import no_grad
 from tilegraph._errors import TileError
-from tilegraph._graph import ValueRef, to_host
-from tilegraph._lower import Executable, Fetching, check_values_reachable, gather
+from tilegraph._graph import to_host
+from tilegraph._lower import Executable
+from tilegraph._remote import NotPicklable, check_model_reachable, lend_model, lent_all, own_futures, put_back, run_on_a_worker
 from tilegraph._tensor import TileTensor, from_numpy
-from tilegraph._train import lend_cells, put_back
 from tilegraph.nn import training
 from tilegraph.runtime import Runtime, current_runtime
 
@@ -333,10 +333,7 @@ def _check_parameters_reachable(where: str, model: CausalLM, runtime) -> None:
     client's futures, was cancelled by Dask ("lost dependencies"), which read as a lost worker.
     Quantized weights (:func:`tilegraph.peft.from_quantized`, a base under adapters) are checked
     too: they are no Parameters, and the graph reads their parts."""
-    from tilegraph.peft import named_quantized
-
-    check_values_reachable(where, [ref.node for p in model.parameters() for ref in p.grid.flat]
-                           + [n for _, q in named_quantized(model) for n in q.nodes], runtime)
+    check_model_reachable(where, model, runtime)
 
 
 @contextmanager
@@ -433,7 +430,7 @@ class Decoder:
         #: how many :meth:`feed` calls ran a recorded step again instead of recording one
         self.replayed = 0
         self._step: _Step | None = None
-        self._restore = _parameters_to_workers(model, self.runtime) if self.runtime is not None else []
+        self._restore = lend_model(model, self.runtime) if self.runtime is not None else []
 
     @property
     def length(self) -> int:
@@ -537,23 +534,16 @@ class Decoder:
         A value left on the workers is an element of its fused task's result tuple, which keeps
         the task's other outputs (activations of the prefill, say) alive while it is referenced.
         Every tile but the last along the sequence is final (only the last one grows), so those
-        get their own small future (taken on the worker that holds the tuple) and the tuple can go.
+        get their own small future and the tuple can go.
         """
-        client = self.runtime.client
-        for c in self.cache:
-            for t in (c.k, c.v):
-                for ref in t.grid[:, :, :-1].flat:
-                    cell = ref.node.cell
-                    v = cell.value
-                    if isinstance(v, ValueRef) and v.index is not None:
-                        cell.set(ValueRef(client.submit(operator.getitem, v.future, v.index), None), cell.token)
+        own_futures(self.runtime, [ref.node.cell for c in self.cache for t in (c.k, c.v) for ref in t.grid[:, :, :-1].flat])
 
     def close(self) -> None:
         """Drop the cache and put back the parameter values that were on the client."""
         self.cache = self.model.new_cache(self.cache[0].block)
         self._step = None
         self.batch = None  # the empty cache takes a batch of any size again
-        _put_back(self._restore)
+        put_back(self._restore)
         self._restore = []
 
     def __enter__(self) -> "Decoder":
@@ -813,16 +803,11 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
     Dask round trip (submit, run, fetch the logits), about a third of a GPT-2 124M token's time
     and nine tenths of a gpt2-debug token's on an embedded cluster. The model travels pickled
     with its values as references (what the client still holds is lent first, see
-    :func:`_parameters_to_workers`, and the client's values put back after), and ``rng`` comes
-    back with its state.
+    :func:`tilegraph._remote.lend_model`, and the client's values put back after), and ``rng``
+    comes back with its state (:func:`tilegraph._remote.run_on_a_worker`).
     None where it cannot run so (GPU workers, whose kernels a local run would not use; parameters
     over :data:`ONE_WORKER_MEMORY_SHARE` of a worker's memory; a tokenizer that cannot be
     pickled): the caller then decodes with a round trip per token."""
-    import io
-    import uuid
-
-    import cloudpickle
-
     workers = runtime.snapshot()
     if workers.threads["gpu"]:
         return None
@@ -830,117 +815,32 @@ def _decode_on_a_worker(runtime: Runtime, model: CausalLM, loop: _Loop, out: np.
     nbytes = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in model.parameters())
     if limits and nbytes > ONE_WORKER_MEMORY_SHARE * min(limits):
         return None
-    try:  # before the parameters move: the per-token path scatters them itself
-        settings = cloudpickle.dumps(loop)
-    except Exception:  # a tokenizer (for stop strings) that does not pickle: decode from here
-        return None
-    restore = _parameters_to_workers(model, runtime)
+    restore = lend_model(model, runtime)
     try:
-        refs: list[ValueRef] = []
-        blob = io.BytesIO()
-        try:
-            _ref_pickler(blob, refs).dump((model, out, rng))
-        except Exception:
-            return None
-        future = runtime.client.submit(
-            _decode_task, settings, blob.getvalue(), [r.future for r in refs], [r.index for r in refs],
-            key=f"tg-generate-{uuid.uuid4().hex[:12]}", pure=False,
-            resources={"CPU": 1} if workers.cpu_resource else None)
-        try:  # watched: a worker lost meanwhile is a WorkerLostError naming it, not Dask's CancelledError
-            done, scores, state = gather(runtime, [Fetching(future, None)], "the decoding on a worker",
-                                         where="tilegraph.models.generate", hint=_lost_hint(model, restore))[0]
-        finally:
-            future.cancel()  # (a Ctrl-C: the worker stops decoding at its next token, see _decode_task)
-        rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
-        return done, scores
+        done, scores, state = run_on_a_worker(
+            runtime, functools.partial(_decode_task, loop), (model, out, rng), what="the decoding on a worker",
+            where="tilegraph.models.generate", hint=_lost_hint(model, restore), cpu_resource=workers.cpu_resource,
+            key="tg-generate")
+    except NotPicklable:  # a tokenizer (for stop strings) that does not pickle, say: decode from here
+        return None
     finally:
-        _put_back(restore)
+        put_back(restore)
+    rng.bit_generator.state = state  # a Generator passed as seed goes on from there, as here
+    return done, scores
 
 
 def _lost_hint(model: CausalLM, restore: list) -> str:
     """What a worker lost while decoding took with it, and how to go on: whether ``restore``
-    (:func:`_parameters_to_workers`) holds all of ``model``'s parameters (this process's own,
-    only lent to the workers)."""
-    if len(restore) == len(_value_cells(model)):
+    (:func:`tilegraph._remote.lend_model`) holds all of ``model``'s parameters (this process's
+    own, only lent to the workers)."""
+    if lent_all(model, restore):
         return ("the model's parameters are this process's own, only lent to the workers: generate "
                 "can run again on the workers left")
     return ("the model's parameters that lived on that worker are gone: load the model again (tilegraph.models."
             "from_zarr, tilegraph.io.load_checkpoint) before generating")
 
 
-def _value_cells(model: CausalLM) -> list:
-    """The cells of ``model``'s parameters and of the parts of its quantized weights
-    (:func:`tilegraph.peft.from_quantized`; no Parameters): each decoding graph reads them."""
-    from tilegraph.peft import named_quantized
-
-    return ([c for p in model.parameters() for c in p.cells.flat]
-            + [c for _, q in named_quantized(model) for c in q.cells])
-
-
-def _parameters_to_workers(model: CausalLM, runtime: Runtime) -> list:
-    """Lend the values of ``model``'s parameters still on the client to ``runtime``'s workers
-    (and the parts of its quantized weights: they went inside every call's task, 84 MB a call
-    for GPT-2 124M in int8, with Dask's warning of a large graph, and inside every token's
-    graph where the client decodes): the copy lent at an earlier call where the workers still
-    hold it, else sent now and kept for the next call (:func:`tilegraph._train.lend_cells`: each
-    call sent every value again, under new keys); returns what :func:`_put_back` restores."""
-    return lend_cells(runtime, [c for c in _value_cells(model) if not isinstance(c.value, ValueRef)])
-
-
-def _put_back(restore: list) -> None:
-    """The parameter values :func:`_parameters_to_workers` lent, on the client again."""
-    put_back(restore)
-
-
-def _ref_pickler(file, refs: list):
-    import cloudpickle
-
-    class RefPickler(cloudpickle.CloudPickler):
-        """Pickles every :class:`ValueRef` as its place in ``refs`` (the worker task gets their values)."""
-
-        def __init__(self, file, refs: list):
-            super().__init__(file)
-            self.refs = refs
-
-        def persistent_id(self, obj):
-            if isinstance(obj, ValueRef):
-                self.refs.append(obj)
-                return len(self.refs) - 1
-            return None
-
-    return RefPickler(file, refs)
-
-
-def _decode_task(settings: bytes, blob: bytes, results: list, indexes: list) -> tuple[np.ndarray, np.ndarray, dict]:
+def _decode_task(loop: _Loop, model: CausalLM, out: np.ndarray, rng: np.random.Generator,
+                 stopped: Callable[[], bool]) -> tuple[np.ndarray, np.ndarray, dict]:
     """The worker's side of :func:`_decode_on_a_worker`: the decoded ids, their scores and the rng's state."""
-    import io
-    import pickle
-
-    from tilegraph.exec.program import realigned
-
-    values = [realigned(v if i is None else v[i]) for v, i in zip(results, indexes)]
-
-    class Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid):
-            return values[pid]
-
-    loop = pickle.loads(settings)
-    model, out, rng = Unpickler(io.BytesIO(blob)).load()
-    return (*loop.run(model, out, rng, None, stopped=_task_cancelled()), rng.bit_generator.state)
-
-
-def _task_cancelled() -> Callable[[], bool]:
-    """On a worker, in a task: whether the client has let go of this task (cancelled: a Ctrl-C
-    in generate). Dask does not stop a running task; without this the worker decoded on to
-    the last token, holding a thread the next call waited for."""
-    from distributed import get_worker
-    from distributed.worker import thread_state
-
-    worker, key = get_worker(), getattr(thread_state, "key", None)
-
-    def cancelled() -> bool:
-        ts = worker.state.tasks.get(key)
-        return ts is None or ts.state in ("cancelled", "released", "forgotten")
-
-    return cancelled
-
+    return (*loop.run(model, out, rng, None, stopped=stopped), rng.bit_generator.state)
