@@ -181,6 +181,8 @@ def _text_blocks(path, where: str, max_bytes: int | None = None, split_at: str |
     held whole. Yields ``(bytes read, cut)`` first (the text's UTF-8 size and whether
     ``max_bytes`` cut it), then each part as a str. A file that is not UTF-8 text is a TileError
     naming the byte (and its line), wherever it lies."""
+    if not isinstance(path, (str, os.PathLike)):  # open(None) is a bare TypeError, open(3) reads file descriptor 3
+        raise TileError(where, "a readable text file (its path)", f"{type(path).__name__} {path!r:.60}")
     try:
         f = open(path, "rb")
     except OSError as e:  # unreadable, or gone since it was found

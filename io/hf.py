@@ -489,6 +489,13 @@ def to_hf_state(model, state: Mapping[str, np.ndarray] | None = None) -> dict[st
 
     from .zarr import _held_quantized
 
+    where = "tilegraph.io.to_hf_state"
+    if getattr(model, "arch", None) not in SPECS:
+        raise TileError(where, f"no Hugging Face export for this model; supported: {', '.join(SPECS)}",
+                        f"{type(model).__name__} {model!r:.60}")
+    if state is not None and not isinstance(state, Mapping):
+        raise TileError(where, "state must be a mapping of parameter names to arrays (or None)",
+                        f"{type(state).__name__} {state!r:.60}")
     spec = SPECS[model.arch]
     quantized = _held_quantized(model)  # not Parameters: left out, transformers drew them at random
     if state is None:

@@ -975,7 +975,10 @@ def default_method(name: str, shape, method: str = "int8") -> str | None:
     if method not in _SPECS:
         raise TileError("tilegraph.io.default_method", f"unknown method; expected one of {list(METHODS)}",
                         repr(method))
-    shape = tuple(shape)
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise TileError("tilegraph.io.default_method", "shape must be a tuple of ints", repr(shape)) from None
     if len(shape) != 2 or 0 in shape or _EXACT_NAME.search(str(name)) or _ADAPTER_NAME.search(str(name)):
         return None
     return method

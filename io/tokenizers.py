@@ -41,7 +41,7 @@ DEFAULT_EOS = "<|endoftext|>"
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id of a ``vocab_size`` vocabulary fits (ids < 65,536), else uint32."""
-    if not 0 < vocab_size <= 2**32:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or not 0 < vocab_size <= 2**32:
         raise TileError("tilegraph.io.token_dtype", "vocabulary size must lie in [1, 2**32]", str(vocab_size))
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 

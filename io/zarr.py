@@ -737,6 +737,9 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
     user = _json_ready(dict(metadata or {}), where, "metadata")
     trainer = _json_ready(dict(trainer_state or {}), where, "trainer_state")
     check_files(files, where)
+    if optimizer is not None and not hasattr(optimizer, "step_count"):  # save_checkpoint(path, model, 5)
+        raise CheckpointError(where, "optimizer must be a tilegraph.optim optimizer or None (the step is step=...)",
+                              f"{type(optimizer).__name__} {optimizer!r:.60}")
     if step is None:
         step = int(optimizer.step_count) if optimizer is not None else 0
     elif not is_int(step, 0):  # int() would make 1.7 step 1 and fail on "x" with a bare ValueError

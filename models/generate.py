@@ -201,6 +201,9 @@ def next_tokens(logits, rng: np.random.Generator, *, strategy: str = "greedy", t
     """
     where = "tilegraph.models.generate.next_tokens"
     _check_sampling(where, strategy, temperature, top_k, top_p)
+    if strategy != "greedy" and not isinstance(rng, np.random.Generator):  # (greedy draws nothing)
+        raise TileError(where, "rng must be a numpy.random.Generator (np.random.default_rng(seed)) to sample",
+                        f"{type(rng).__name__} {rng!r:.60}")
     return _pick(_checked_logits(where, logits), rng, strategy, temperature, top_k, top_p)[0]
 
 

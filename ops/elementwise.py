@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import numba
 import numpy as np
@@ -457,6 +458,10 @@ _affine_op = Affine()
 def affine(x: TileTensor, scale: float = 1.0, shift: float = 0.0) -> TileTensor:
     if not isinstance(x, TileTensor):
         raise TileError("tilegraph.affine", "expected a TileTensor", type(x).__name__)
+    for name, value in (("scale", scale), ("shift", shift)):
+        # float() would take "0.1" and refuse None or a list with a bare TypeError
+        if not isinstance(value, (numbers.Real, np.integer, np.floating)):
+            raise TileError("tilegraph.affine", f"{name} must be a real number", f"{name}={value!r:.60}")
     return _affine_op(x, scale=scale, shift=shift)
 
 

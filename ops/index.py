@@ -19,7 +19,7 @@ import numpy as np
 
 from tilegraph._autograd import Op
 from tilegraph._config import is_int
-from tilegraph._errors import TileError
+from tilegraph._errors import TileError, TileIndexError  # (defined there: TileTensor.tile raises it too)
 from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
@@ -27,11 +27,6 @@ from ._common import new_tensor, norm_dim, require_tensor, xp_of
 from .shape import _copy_cost, checked_reshape
 
 __all__ = ["narrow", "select", "split", "chunk", "unbind", "getitem", "TileIndexError"]
-
-
-class TileIndexError(TileError, IndexError):
-    """An index out of range, or more indices than dims: an IndexError (as torch's and NumPy's),
-    so that ``for row in x`` and code that catches IndexError behave as they do with arrays."""
 
 
 @kernel("slice", cost=_copy_cost)

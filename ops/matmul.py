@@ -75,6 +75,8 @@ class Matmul(Op):
         where = "tilegraph.matmul"
         require_tensor(a, where, "a")
         require_tensor(b, where, "b")
+        if bias is not None:
+            require_tensor(bias, where, "bias")
         require_same_dtype(where, a=a, b=b, bias=bias)
         require_float(a, where, "a")
         if a.ndim < 2 or b.ndim < 2:

@@ -98,7 +98,11 @@ def checked_permute(x: TileTensor, dims, where: str) -> TileTensor:
     require_tensor(x, where, "x")
     if isinstance(dims, (int, np.integer)):
         dims = (dims,)
-    dims = tuple(dims)
+    try:
+        dims = tuple(dims)
+    except TypeError:  # None, a float: tuple() would say only "not iterable"
+        raise TileError(where, f"expected a permutation of the {x.ndim} dims of a tensor of shape {x.shape}",
+                        f"dims {dims!r:.60}") from None
     if len(dims) != x.ndim or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) for d in dims):
         raise TileError(where, f"expected a permutation of the {x.ndim} dims of a tensor of shape {x.shape}",
                         f"dims {dims!r}")
@@ -216,7 +220,15 @@ def checked_reshape(x: TileTensor, shape, where: str) -> TileTensor:
     require_tensor(x, where, "x")
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
-    shape = tuple(int(s) for s in shape)
+    try:
+        sizes = tuple(shape)
+    except TypeError:  # None, a float
+        sizes = None
+    if sizes is None or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in sizes):
+        # int() would take "4" or 2.5 (as 2) and raise a bare TypeError for None or a nested tuple
+        raise TileError(where, f"the new shape must be a tuple of ints (reshaping a tensor of shape {x.shape})",
+                        f"{shape!r:.60}")
+    shape = tuple(int(s) for s in sizes)
     if shape.count(-1) > 1:
         raise TileError(where, f"at most one -1 in the new shape (of a tensor of shape {x.shape})", repr(shape))
     if any(s < -1 for s in shape):
@@ -404,7 +416,8 @@ class Rechunk(Op):
             parts = []
             for o, n in zip(tiling.offsets(d), tiling.chunks[d]):
                 parts.append([(k, max(o, s) - s, min(o + n, s + c) - s)
-                              for k, (s, c) in enumerate(zip(offsets, x.chunks[d])) if s < o + n and o < s + c])
+                              for k, (s, c) in enumerate(zip(offsets, x.chunks[d])) if s < o + n and o < s + c]
+                             or [(0, 0, 0)])  # a dim of size 0 overlaps nothing: an empty slice of its one tile
             per_dim.append(parts)
 
         def fill(idx):
@@ -519,6 +532,9 @@ def checked_expand(x: TileTensor, sizes, where: str, tiles=None) -> TileTensor:
         raise TileError(where, "expected sizes (ints, -1 to keep a dim), or one tuple of them",
                         f"{sizes!r:.80}")
     sizes = tuple(int(s) for s in sizes)
+    from tilegraph._tensor import check_numel
+
+    check_numel(tuple(max(s, 1) for s in sizes), where)
     lead = len(sizes) - x.ndim
     if lead < 0:
         raise TileError(where, f"expected at least {x.ndim} sizes, one per dim of the tensor of shape {x.shape} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TileError", "check"]
+__all__ = ["TileError", "TileIndexError", "check"]
 
 
 class TileError(ValueError):
@@ -20,6 +20,11 @@ class TileError(ValueError):
         # it was made with, and its other attributes (a subclass's) as its state: the default
         # rebuilds it from the message alone, which fails ("missing 'what'")
         return type(self), (self.where, self.what, self.received), dict(self.__dict__)
+
+
+class TileIndexError(TileError, IndexError):
+    """An index out of range, or more indices than dims: an IndexError (as torch's and NumPy's),
+    so that ``for row in x`` and code that catches IndexError behave as they do with arrays."""
 
 
 def check(cond: bool, where: str, what: str, received: str | None = None) -> None:

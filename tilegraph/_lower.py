@@ -714,6 +714,11 @@ class Executable:
         call = self._lower_call(runtime)
         source, plain = self._root_sources(call)
         out: list[Any] = [plain.get(pos) for pos in range(len(self.roots))]
+        for pos, v in enumerate(out):
+            if isinstance(v, DaskKey):  # a tile of tg.from_dask_array asked for as it is: its chunk, computed here
+                from dask.threaded import get as dask_get
+
+                out[pos] = dask_get(dict(v.graph), v.key)
         if runtime is None:  # no futures exist without a runtime: every source is a task key
             return self._run_locally(call, source, out)
         return self._run_on_workers(runtime, call, source, out, fetch, wait, during, lost or {})
@@ -1416,12 +1421,20 @@ def compile(outputs: Sequence[TileTensor | TileRef], **kw) -> Executable:
     if unknown:
         raise TileError("tilegraph.compile", f"keyword arguments among {', '.join(EXECUTABLE_OPTIONS)}",
                         ", ".join(f"{k}={kw[k]!r:.40}" for k in unknown))
+    if isinstance(outputs, (TileTensor, TileRef)):
+        outputs = [outputs]
+    if isinstance(outputs, (str, bytes)) or not hasattr(outputs, "__iter__"):
+        raise TileError("tilegraph.compile", "outputs must be a list of TileTensors (or tile refs)",
+                        f"{type(outputs).__name__} {outputs!r:.60}")
     roots: list[TileRef] = []
-    for o in outputs:
+    for i, o in enumerate(outputs):
         if isinstance(o, TileTensor):
             roots.extend(o.grid.flat)
-        else:
+        elif isinstance(o, TileRef):
             roots.append(o)
+        else:
+            raise TileError("tilegraph.compile", "outputs must be a list of TileTensors (or tile refs)",
+                            f"outputs[{i}]: {type(o).__name__} {o!r:.60}")
     return Executable(roots, **kw)
 
 

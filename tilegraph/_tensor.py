@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from typing import Sequence
 
 import numpy as np
 
 from tilegraph._config import as_dtype, check_array_dtype
-from tilegraph._errors import TileError
+from tilegraph._errors import TileError, TileIndexError
 from tilegraph._graph import Cell, Cost, TileRef, emit1, kernel, leaf, xp_of
 
 __all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array", "zeros", "ones", "full", "zeros_like", "ones_like",
@@ -54,6 +55,9 @@ NO_KEEPDIM = Default(False)
 ALL_DIMS = Default(None)
 
 
+_MAX_TILES_PER_DIM = 2**31  # 16 GiB for one dim's tuple of sizes: far beyond any graph Dask runs
+
+
 class Tiling:
     """Tile sizes per dimension, as dask-style chunks: ``((4, 4, 2), (8,))``.
 
@@ -67,7 +71,13 @@ class Tiling:
     __slots__ = ("chunks",)
 
     def __init__(self, chunks: Sequence[Sequence[int]]):
-        self.chunks = tuple(tuple(int(c) for c in dim) for dim in chunks)
+        try:
+            self.chunks = tuple(tuple(int(c) for c in dim) for dim in chunks)
+        except (TypeError, ValueError, OverflowError):  # Tiling(4), Tiling(("a",)), a dask chunk of unknown size
+            raise TileError("tilegraph.Tiling", "chunks must be the tile sizes of each dim, as ints: ((4, 4, 2), (8,))",
+                            f"{chunks!r:.80}") from None
+        if any(c < 0 for dim in self.chunks for c in dim):
+            raise TileError("tilegraph.Tiling", "tile sizes must be >= 0", f"{self.chunks!r:.80}")
 
     @classmethod
     def from_sizes(cls, shape: Sequence[int], sizes, where: str = "tilegraph.Tiling") -> "Tiling":
@@ -105,6 +115,9 @@ class Tiling:
                 chunks.append((0,))
                 continue
             full, rest = divmod(n, t)
+            if full > _MAX_TILES_PER_DIM:  # the tuple alone would not fit in memory (or overflow)
+                raise TileError(where, f"tile size of dim {d} makes more tiles than a graph can hold "
+                                f"({full} > {_MAX_TILES_PER_DIM}): use larger tiles", f"tile size {t} for shape {shape}")
             chunks.append((t,) * full + ((rest,) if rest else ()))
         return cls(chunks)
 
@@ -230,6 +243,11 @@ class TileTensor:
         return int(self.grid.size)
 
     def tile(self, *index) -> TileRef:
+        """The tile at grid position ``index`` (one int per dim; ``self.grid.shape`` tiles)."""
+        if (len(index) != self.ndim or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in index)
+                or any(not -n <= i < n for i, n in zip(index, self.grid.shape))):
+            raise TileIndexError("tilegraph.TileTensor.tile", f"a tile index is one int per dim within the grid of "
+                                 f"tiles {self.grid.shape} (tiles {self.chunks})", f"index {index!r:.60}")
         return self.grid[tuple(index)]
 
     def __repr__(self) -> str:
@@ -1202,7 +1220,11 @@ def _host_array(array, where: str):
         if getattr(array, "device", None) is not None and array.device.type != "cpu":
             array = array.cpu()
         return array.detach().numpy()
-    return np.asarray(array)
+    try:
+        return np.asarray(array)
+    except (ValueError, TypeError) as e:  # a ragged list: NumPy's "inhomogeneous shape"
+        raise TileError(where, f"expected an array, or something NumPy makes one of ({str(e).partition('.')[0]})",
+                        f"{type(array).__name__} {array!r:.60}") from None
 
 
 def from_numpy(array, tiles=None, *, name: str | None = None) -> TileTensor:
@@ -1222,7 +1244,14 @@ def from_dask_array(x, *, name: str | None = None) -> TileTensor:
     from tilegraph._graph import Cell
     from tilegraph._lower import DaskKey
 
-    check_array_dtype("tilegraph.from_dask_array", x.dtype, x.shape)
+    where = "tilegraph.from_dask_array"
+    if not hasattr(x, "__dask_graph__") or not hasattr(x, "chunks"):
+        hint = " (tg.from_numpy takes a NumPy array)" if is_array(x) else ""
+        raise TileError(where, f"expected a dask array{hint}", f"{type(x).__name__} {x!r:.60}")
+    if any(isinstance(c, float) and math.isnan(c) for dim in x.chunks for c in dim):
+        raise TileError(where, "the dask array's chunks must have known sizes (call x.compute_chunk_sizes() "
+                        "first, as dask asks after boolean indexing)", f"chunks {x.chunks!r:.80}")
+    check_array_dtype(where, x.dtype, x.shape)
     tiling = Tiling(x.chunks)
     cells = np.empty(tiling.grid, dtype=object)
     graph = x.__dask_graph__()
@@ -1264,7 +1293,17 @@ def _size_arg(size: tuple, where: str) -> tuple[int, ...]:
         raise TileError(where, "expected a shape: sizes as ints, or one tuple of them", f"{size!r:.80}")
     if any(n < 0 for n in size):
         raise TileError(where, "sizes must be >= 0", f"shape {tuple(int(n) for n in size)}")
-    return tuple(int(n) for n in size)
+    shape = tuple(int(n) for n in size)
+    check_numel(shape, where)
+    return shape
+
+
+def check_numel(shape: tuple[int, ...], where: str) -> None:
+    """A TileError where no NumPy array can have ``shape`` (its element count past the index type:
+    NumPy's bare "Maximum allowed dimension exceeded" or OverflowError)."""
+    if math.prod(shape) > np.iinfo(np.intp).max or any(n > np.iinfo(np.intp).max for n in shape):
+        raise TileError(where, f"a shape of at most {np.iinfo(np.intp).max} elements (what a NumPy array holds)",
+                        f"shape {shape!r:.120}")
 
 
 def _fill_dtype(value, dtype, where: str) -> np.dtype:

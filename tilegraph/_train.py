@@ -1377,8 +1377,17 @@ class EvalStep:
 
     def __init__(self, model: Module, loss_fn: Callable[..., TileTensor], *, batch_tiles: Sequence | None = None,
                  runtime=None, **compile_options):
-        check_runtime("tilegraph.EvalStep", runtime)
-        check_compile_options("tilegraph.EvalStep", compile_options)
+        where = "tilegraph.EvalStep"
+        if not isinstance(model, Module):
+            raise TileError(where, "model must be a tilegraph.nn.Module", f"{type(model).__name__} {model!r:.60}")
+        if not callable(loss_fn):
+            raise TileError(where, "loss_fn must be callable: loss_fn(model, *tensors) -> scalar TileTensor",
+                            f"loss_fn={loss_fn!r:.60}")
+        if batch_tiles is not None and not isinstance(batch_tiles, (list, tuple)):
+            raise TileError(where, "batch_tiles must be None or a list of tilings, one per batch array "
+                            "(e.g. [(8, None), (8, None)])", f"batch_tiles={batch_tiles!r:.60}")
+        check_runtime(where, runtime)
+        check_compile_options(where, compile_options)
         self.model, self.loss_fn, self.batch_tiles = model, loss_fn, batch_tiles
         self.runtime, self.compile_options = runtime, compile_options
         self._cache: _Plans = _Plans("EvalStep")  # key -> (Executable, inputs), the most recently used last

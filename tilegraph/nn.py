@@ -23,7 +23,7 @@ import numpy as np
 
 from tilegraph import ops
 from tilegraph._config import check_array_dtype, is_int, require_float_dtype, require_int
-from tilegraph._errors import TileError
+from tilegraph._errors import TileError, TileIndexError
 from tilegraph._graph import Cell, TileRef, leaf
 from tilegraph._graph import _SCOPES as _scopes_stack
 from tilegraph._graph import scope as _scope
@@ -582,6 +582,14 @@ class Module:
                                    "it transposed, w.T)" if flipped else ""))
         if problems:
             raise TileError(where, "state does not match the model", "; ".join(problems))
+        for k, v in state.items():  # (all checked first: a bad value leaves every parameter as it was)
+            if k not in named:
+                continue
+            dt = v.dtype if isinstance(getattr(v, "dtype", None), np.dtype) else np.asarray(v).dtype
+            if dt.kind not in "biuf":  # a complex one lost its imaginary part, an object one failed in astype
+                problems.append(f"dtype of {k}: {dt} is not a real number type")
+        if problems:
+            raise TileError(where, "state does not match the model", "; ".join(problems))
         for k, v in state.items():
             if k in named:
                 named[k].assign(np.asarray(v, dtype=named[k].dtype))
@@ -615,12 +623,29 @@ def _walk_value(name: str, value, seen: set):
             yield from _walk_value(f"{name}.{k}", v, seen)
 
 
+def _layer_index(where: str, i, n: int):
+    """``i`` as a list index of ``n`` layers (a slice as it is); an int out of range is an
+    IndexError (TileIndexError), as a list's, so loops that stop at one still stop."""
+    if isinstance(i, slice):
+        return i
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        raise TileError(where, "an index must be an int or a slice", f"{type(i).__name__} {i!r:.60}")
+    if not -n <= i < n:
+        raise TileIndexError(where, f"index out of range for {n} layers", f"{int(i)}")
+    return int(i)
+
+
 class ModuleList(Module):
     """torch's ``nn.ModuleList``: modules in a list, named ``0``, ``1``, ... (``append``, ``extend``,
     ``insert`` as torch's)."""
 
     def __init__(self, modules=None):
-        self.layers = list(modules or ())
+        where = f"tilegraph.nn.{type(self).__name__}"
+        if isinstance(modules, Module) or not (modules is None or hasattr(modules, "__iter__")) \
+                or isinstance(modules, (str, bytes, Mapping)):
+            raise TileError(where, "modules must be a list of tilegraph.nn.Modules (ModuleList([m0, m1]))",
+                            f"{type(modules).__name__} {modules!r:.60}")
+        self.layers = [_check_module(where, m) for m in (modules or ())]
 
     def append(self, module: Module) -> "ModuleList":
         """Add ``module`` at the end; returns the list, as torch's."""
@@ -630,12 +655,18 @@ class ModuleList(Module):
     def extend(self, modules) -> "ModuleList":
         """Add each of ``modules`` at the end; returns the list, as torch's."""
         where = f"tilegraph.nn.{type(self).__name__}.extend"
+        if isinstance(modules, (Module, str, bytes, Mapping)) or not hasattr(modules, "__iter__"):
+            raise TileError(where, "modules must be a list of tilegraph.nn.Modules (append adds one)",
+                            f"{type(modules).__name__} {modules!r:.60}")
         self.layers.extend([_check_module(where, m) for m in modules])
         return self
 
     def insert(self, index: int, module: Module) -> None:
         """Put ``module`` before ``index``, as torch's."""
-        self.layers.insert(index, _check_module(f"tilegraph.nn.{type(self).__name__}.insert", module))
+        where = f"tilegraph.nn.{type(self).__name__}.insert"
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TileError(where, "index must be an int", f"index={index!r:.60}")
+        self.layers.insert(int(index), _check_module(where, module))
 
     def __iter__(self):
         return iter(self.layers)
@@ -644,7 +675,7 @@ class ModuleList(Module):
         return len(self.layers)
 
     def __getitem__(self, i):
-        return self.layers[i]
+        return self.layers[_layer_index(f"tilegraph.nn.{type(self).__name__}.__getitem__", i, len(self.layers))]
 
     def _walk(self, prefix, seen):
         for i, m in enumerate(self.layers):
@@ -678,7 +709,7 @@ class Sequential(ModuleList):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return Sequential(*self.layers[i])
-        return self.layers[i]
+        return self.layers[_layer_index("tilegraph.nn.Sequential.__getitem__", i, len(self.layers))]
 
     def forward(self, x):
         for m in self.layers:
@@ -1062,6 +1093,9 @@ class CausalSelfAttention(Module):
             raise TileError("tilegraph.nn.CausalSelfAttention", f"x must be a (B, T, C) TileTensor with C = "
                             f"{self.n_heads * self.head_dim} (the layer's dim)",
                             f"shape {x.shape}" if isinstance(x, TileTensor) else type(x).__name__)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TileError("tilegraph.nn.CausalSelfAttention", "cache must be a tilegraph.nn.KVCache or None",
+                            f"cache={cache!r:.60}")
         b, t, c = x.shape
         start = 0 if cache is None else cache.length
         q = self._heads(self.q(x), self.n_heads)

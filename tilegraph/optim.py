@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import warnings
 import weakref
 from typing import Callable, Mapping, Sequence
@@ -163,6 +164,9 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, min_lr: float = 0.0, 
     shift = 1 - int(count_from)
 
     def lr(step: int) -> float:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TileError("tilegraph.optim.warmup_cosine", "the schedule is called with a step number (an int)",
+                            f"step={step!r:.60}")
         step -= shift  # the curve's step of update ``step``
         if warmup and step <= warmup:
             return base_lr * step / warmup

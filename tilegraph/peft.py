@@ -29,6 +29,7 @@ import json
 import math
 import numbers
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -312,6 +313,12 @@ def _merged_linear(layer, u, v, scale) -> Linear:
 
 
 # ---------------------------------------------------------------------------- module walk ----
+def _require_model(where: str, model) -> None:
+    """A tilegraph module, before its submodules are walked (an int failed in ``vars()``)."""
+    if not isinstance(model, Module):
+        raise TileError(where, "model must be a tilegraph.nn.Module", f"{type(model).__name__} {model!r:.60}")
+
+
 def _named_modules(module: Module, prefix: str = "") -> Iterator[tuple[str, Module, Callable[[Module], None]]]:
     """(dotted name, module, setter that replaces it in its parent) for every submodule, named as
     ``named_parameters`` names them (``blocks.0.attn.q``)."""
@@ -614,6 +621,7 @@ def _hf_name_matched(model: Module, target: str, patterns: list[str], modules: d
 
 def lotr_layers(model: Module) -> dict[str, LoTRLinear]:
     """The model's LoTR layers by name."""
+    _require_model("tilegraph.peft.lotr_layers", model)
     return {name: m for name, m, _ in _named_modules(model) if isinstance(m, LoTRLinear)}
 
 
@@ -627,6 +635,7 @@ def _lotr_groups(model: Module) -> list[list[str]]:
 
 def lora_layers(model: Module) -> dict[str, LoRALinear]:
     """The model's LoRA layers by name."""
+    _require_model("tilegraph.peft.lora_layers", model)
     return {name: m for name, m, _ in _named_modules(model) if isinstance(m, LoRALinear)}
 
 
@@ -732,6 +741,7 @@ def base_probes(model: Module, names=None) -> dict:
     :func:`load_adapters` compares it with the base it loads onto: a base other than the one the
     adapters were trained on (another checkpoint, one with other adapters merged in, or the float
     weights of a quantized base) gives other numbers."""
+    _require_model("tilegraph.peft.base_probes", model)
     from tilegraph import ops
     from tilegraph._lower import compute
     from tilegraph._tensor import from_numpy
@@ -792,6 +802,7 @@ def adapter_settings(model: Module) -> dict:
     ({} for none). :func:`save_adapters` and :func:`tilegraph.io.save_checkpoint` record it;
     ``dropout_seed`` (:attr:`LoRALinear.dropout_seed`) makes a resumed run draw the masks of the
     run it continues."""
+    _require_model("tilegraph.peft.adapter_settings", model)
     layers, lotr = lora_layers(model), lotr_layers(model)
     out: dict = {}
 
@@ -824,8 +835,12 @@ def add_adapters(model: Module, settings: dict) -> Module:
     (LoRA where the model has no LoRA layers, LoTR where it has no LoTR layers), with fresh
     values (under :func:`tilegraph.nn.deferred_init`: none) for a checkpoint to fill; returns
     ``model``."""
-    stored, groups = settings.get("lora") or {}, settings.get("lotr") or []
     where = "tilegraph.peft.add_adapters"
+    _require_model(where, model)
+    if not isinstance(settings, Mapping):
+        raise TileError(where, "settings must be a dict (as adapter_settings gives)",
+                        f"{type(settings).__name__} {settings!r:.60}")
+    stored, groups = settings.get("lora") or {}, settings.get("lotr") or []
     # each adapter on the very layer it names: as a target, "fc1" would also match a module's "mlp.fc1"
     if stored and not lora_layers(model):
         for name, info in stored.items():

@@ -144,6 +144,9 @@ class Runtime:
         # checked as connect checks its flags: make_current="no" made it the current one
         _check_connect_arguments("tilegraph.Runtime", mpi=mpi, make_current=make_current)
         mpi, make_current = bool(mpi), bool(make_current)
+        if not hasattr(client, "scheduler") or not hasattr(client, "submit"):  # Runtime(address): use connect
+            raise TileError("tilegraph.Runtime", "client must be a dask.distributed Client (tg.connect(address) "
+                            "connects to a scheduler by its address)", f"{type(client).__name__} {client!r:.60}")
         self.client = client
         self.cluster = cluster
         #: the scheduler's address, kept for messages (a client that lost its scheduler forgets it)
