@@ -989,19 +989,38 @@ def _reset_norm(norm) -> None:
 
 
 class RMSNorm(Module):
-    def __init__(self, dim: int, eps: float = 1e-6, *, tile=None, dtype=None):
-        dim = _normalized_dim(dim, "tilegraph.nn.RMSNorm")
-        dtype, tile = _check_layer("tilegraph.nn.RMSNorm", dtype, dim=dim), _default("tile", tile)
-        self.eps = eps
-        self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight")
+    """torch's ``nn.RMSNorm(normalized_shape, eps, elementwise_affine)`` over the last dim
+    (``elementwise_affine=False``: no weight). The default ``eps`` is Llama's 1e-6, not torch's:
+    torch's ``eps=None`` is the machine epsilon of the input's dtype (``np.finfo(dtype).eps``),
+    and ``eps=None`` here is that too, so a ported ``nn.RMSNorm(dim)`` computes as torch's with
+    ``RMSNorm(dim, eps=None)`` (``None`` was refused at the first forward)."""
+
+    def __init__(self, dim: int, eps: float | None = 1e-6, elementwise_affine: bool = True, *, tile=None,
+                 dtype=None):
+        where = "tilegraph.nn.RMSNorm"
+        dim = _normalized_dim(dim, where)
+        dtype, tile = _check_layer(where, dtype, dim=dim), _default("tile", tile)
+        if not isinstance(elementwise_affine, (bool, np.bool_)):
+            raise TileError(where, "elementwise_affine must be a bool (torch's RMSNorm(normalized_shape, eps, "
+                            "elementwise_affine))", f"elementwise_affine={elementwise_affine!r:.60}")
+        self.eps, self.dim = eps, dim
+        self.weight = Parameter(np.ones(dim, dtype), (_fit(tile, dim),), name="weight") if elementwise_affine else None
 
     def reset_parameters(self) -> None:
         """The weight back to ones (its init), keeping tiles and dtype."""
         _reset_norm(self)
 
     def forward(self, x: TileTensor) -> TileTensor:
-        x = fit_last_dim(x, self.weight, "tilegraph.nn.RMSNorm", "dim")
-        return ops.rms_norm(x, self.weight, eps=self.eps)
+        if self.weight is not None:
+            x = fit_last_dim(x, self.weight, "tilegraph.nn.RMSNorm", "dim")
+        elif is_array(x):
+            x = from_numpy(x)
+        # torch's eps=None: the machine epsilon of the input's dtype (a float one; an integer
+        # input is refused by rms_norm as before)
+        eps = self.eps
+        if eps is None and isinstance(x, TileTensor) and np.dtype(x.dtype).kind == "f":
+            eps = float(np.finfo(x.dtype).eps)
+        return ops.rms_norm(x, self.weight, eps=eps)
 
 
 class MLP(Module):

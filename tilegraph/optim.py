@@ -276,10 +276,12 @@ def _clip_hyper_gpu(hyper, *partials, max_norm):
 @kernel("clip_hyper", cost=_sumsq_cost, gpu=_clip_hyper_gpu)
 def _clip_hyper(hyper, *partials, max_norm):
     """A hyper tile (:data:`HYPER`) + squared-norm partials -> the same with its clip scale and
-    total norm set."""
+    total norm set. A NaN norm (a NaN gradient) gives a NaN scale, as torch's clip_grad_norm_
+    (``clamp(max=1)`` keeps a NaN) and the GPU kernel's ``minimum``: every gradient is then NaN.
+    Python's ``min(1.0, nan)`` is 1.0, which applied the other parameters' gradients unclipped."""
     total = math.sqrt(sum(float(p[0]) for p in partials))
     out = np.array(hyper, dtype=np.float64).reshape(-1)
-    out[HYPER["clip"]], out[HYPER["norm"]] = min(1.0, max_norm / (total + 1e-6)), total
+    out[HYPER["clip"]], out[HYPER["norm"]] = np.minimum(1.0, max_norm / (total + 1e-6)), total
     return out
 
 
@@ -755,6 +757,20 @@ class Optimizer:
                         "(or tg.Trainer for whole runs)",
                         f"opt.step(){' with a closure' if closure is not None else ''} ({with_grad} of "
                         f"{len(self.params)} parameters hold a .grad from loss.backward())")
+
+    def add_param_group(self, param_group) -> None:
+        """torch's ``opt.add_param_group({...})`` (gradual unfreezing, a head added later) has no
+        counterpart: the groups are fixed when the optimizer is made (:attr:`param_groups`).
+        Raises a TileError naming the ways (a bare AttributeError before): make the optimizer over
+        every parameter while all train and freeze those to hold (they train on once unfrozen,
+        their state kept), or make a new optimizer and TrainStep with the groups wanted."""
+        name = type(self).__name__
+        given = sorted(param_group) if isinstance(param_group, Mapping) else type(param_group).__name__
+        raise TileError(f"tilegraph.optim.{name}.add_param_group", "the parameter groups are fixed when the "
+                        "optimizer is made (they are parameters of the recorded update kernels): for gradual "
+                        "unfreezing make the optimizer over every parameter while all train, then freeze the ones "
+                        "to hold (requires_grad_(False); each trains on once unfrozen); otherwise make a new "
+                        "optimizer and TrainStep with all the groups wanted", f"opt.add_param_group({given})"[:120])
 
     def hyper_cell(self, token: str) -> Cell:
         """A cell for one step's scalars (:data:`HYPER`)."""

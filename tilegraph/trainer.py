@@ -143,7 +143,12 @@ class Trainer:
       naming it and its pid and host; a lock whose process is gone is taken over. The lock goes
       when the fit ends, however it ends, so a Trainer built again on the same folders (a
       notebook cell run again) fits there.
-    - ``on_step`` hooks are called with ``(trainer, stats)`` after each step.
+    - ``on_step`` hooks are called with ``(trainer, stats)`` after each step. What a hook does to
+      the run (an early stop, :meth:`request_stop`; a new ``optimizer.schedule`` or setting) takes
+      effect after the steps already submitted: those of the hook's graph (``steps_per_graph``: a
+      small model's ``"auto"`` may hold every step of the fit) and, with ``pipeline``, the next
+      graph's. For it to act right after the step the hook saw, as in a torch loop (a ``break``),
+      give ``steps_per_graph=1, pipeline=False``.
     - ``steps_per_graph``: optimizer steps recorded and submitted as one graph
       (:meth:`TrainStep.submit_steps`). ``"auto"`` (default) takes several when a step's
       estimated time is short (a small model's step is shorter than Dask's per-task latency)
@@ -1306,8 +1311,12 @@ def _check_data(where: str, model, data, eval_data) -> None:
             raise TileError(where, "eval_data must be None or a token dataset (eval_offsets, tensors), as data is",
                             f"eval_data={_short_repr(eval_data)}")
     elif not callable(data):
+        # a list of batches, a generator or a torch DataLoader (a torch loop's ``for x, y in loader``)
+        hint = ("; for a list of batches, data=lambda step: batches[step - 1]; for an iterator or a "
+                "DataLoader, it = iter(loader) and data=lambda step: next(it) (each step's batch is asked "
+                "for once, in order)") if hasattr(data, "__iter__") and not isinstance(data, (str, bytes)) else ""
         raise TileError(where, "data must be a token dataset (batch_offsets, tensors) or a callable "
-                        "data(step) -> tuple of arrays", type(data).__name__)
+                        "data(step) -> tuple of arrays" + hint, type(data).__name__)
     elif eval_data is not None and not callable(eval_data):
         raise TileError(where, "eval_data must be None or a callable eval_data(batch) -> tuple of arrays, as data is",
                         f"eval_data={_short_repr(eval_data)}")
