@@ -998,6 +998,26 @@ def _read_attrs(path: Path, where: str) -> dict:
     return attrs
 
 
+def _check_attr_types(where: str, attrs: dict, meta: Path) -> None:
+    """Refuse tilegraph attributes of ``meta`` (a checkpoint's zarr.json) of another type than a
+    save writes (a damaged or hand-edited file): a "step" of "x" or null, "parameters" of 3, a
+    "model" of "x" were a ValueError, TypeError or AttributeError of whichever command read it."""
+    wrong = []
+    if "step" in attrs and not is_int(attrs["step"], 0):
+        wrong.append(f"step {attrs['step']!r} (an int >= 0)")
+    for key in ("metadata", "arrays", "optimizer", "trainer", "model"):
+        if attrs.get(key) is not None and not isinstance(attrs[key], dict):
+            wrong.append(f"{key} {attrs[key]!r} (an object)")
+    if isinstance(attrs.get("arrays"), dict) and not all(isinstance(v, dict) for v in attrs["arrays"].values()):
+        wrong.append("arrays whose entries are not all objects")
+    params = attrs.get("parameters")
+    if params is not None and not (isinstance(params, list) and all(isinstance(n, str) for n in params)):
+        wrong.append(f"parameters {params!r} (a list of names)")
+    if wrong:
+        raise CheckpointError(where, "a zarr.json whose tilegraph attributes have the types a save writes (this "
+                              "one is damaged or was edited)", f"{meta}: " + "; ".join(w[:200] for w in wrong))
+
+
 class Checkpoint:
     """A checkpoint opened by :func:`load_checkpoint`.
 
@@ -1014,6 +1034,7 @@ class Checkpoint:
         self._where = f"tilegraph.io.load_checkpoint({self.path})"
         _check_runtime(self._where, runtime)
         self.info = _read_attrs(self.path, self._where)
+        _check_attr_types(self._where, self.info, self.path / "zarr.json")
         self.step = int(self.info.get("step", 0))
         self.metadata = self.info.get("metadata") or {}
         self.arrays: dict[str, dict] = self.info.get("arrays") or {}

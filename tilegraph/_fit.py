@@ -252,7 +252,11 @@ class FitRun:
         while i <= end and not tr._stop:
             # this group: up to the next step the loop waits at, cut into near-equal groups
             # of at most per_graph steps (one recorded graph serves them all)
-            stop = next(j for j in range(i, end + 1) if self._waits(j))
+            # (looked for no further than per_graph**2 steps ahead: one farther cuts the same groups,
+            # of per_graph steps each, and a run of 10**12 steps without checkpoints or evaluations
+            # scanned them all in Python before its first step, as if it hung)
+            horizon = min(end, i + per_graph * per_graph)
+            stop = next((j for j in range(i, horizon + 1) if self._waits(j)), horizon)
             size = math.ceil((stop - i + 1) / math.ceil((stop - i + 1) / per_graph))
             group = range(i, min(stop, i + size - 1) + 1)
             for j in group:

@@ -10,6 +10,7 @@ the loss fall and writes a checkpoint.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -46,6 +47,65 @@ TRAIN_EXIT_STATUSES = {
     EXIT_BROKEN_PIPE: "the reader of its output went away (tilegraph train | head)",
     EXIT_TERMINATED: "stopped by SIGTERM (a batch scheduler's cancel): after the steps under way, with a checkpoint",
 }
+
+
+#: the flags whose value "" was taken for the flag left out (and what each wants): --resume "$CK"
+#: with CK unset started a new run, --init a fresh model, --tokenizer the checkpoint's, a TLS file
+#: the config's (none: plain tcp://)
+EMPTY_FLAGS = {
+    "--init": "a path: a checkpoint folder or a Hugging Face folder (for a fresh model, leave --init out)",
+    "--resume": "a path: a checkpoint folder (RUN/checkpoints/step-N)",
+    "--tls-ca-file": "a path: a PEM file", "--tls-cert": "a path: a PEM file", "--tls-key": "a path: a PEM file",
+    "--tokenizer": "'byte' or the path of a BPE tokenizer JSON (for the checkpoint's own, leave --tokenizer out)",
+}
+
+
+#: what a path whose name is longer than the file system takes is refused as (each command
+#: stat()ed it somewhere first: "OSError: [Errno 36] File name too long", a traceback)
+LONG_NAME = "a path whose every name fits the file system (at most {most} bytes a name)"
+
+
+def _name_max() -> int:
+    try:
+        return os.pathconf(".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _shown(path) -> str:
+    """``path`` for an error line: its first 40 characters, and its length."""
+    text = os.fsdecode(path) if path is not None else "?"
+    return (repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)")
+
+
+def _up_to_long(path):
+    """``path`` up to its first name longer than the file system takes (the path the user gave,
+    not a file looked for in it: "LONG", not "LONG/adapter_config.json"); as it is without one."""
+    from pathlib import Path
+
+    if path is None:
+        return None
+    parts = Path(os.fsdecode(path)).parts
+    long = [i for i, part in enumerate(parts) if len(os.fsencode(part)) > _name_max()]
+    return str(Path(*parts[:long[0] + 1])) if long else path
+
+
+def refuse_overlong_paths(args) -> None:
+    """Refuse, naming the argument, a path argument with a name longer than the file system
+    takes (a prompt given as generate's CHECKPOINT, say)."""
+    from pathlib import Path
+
+    from tilegraph._errors import TileError
+
+    most = _name_max()
+    named = [(f"tilegraph {args.command}", f"{n.upper()}, ", getattr(args, n, None))
+             for n in ("checkpoint", "src", "dst", "config")]
+    named += [(f"tilegraph {args.command} {flag}", "", getattr(args, flag[2:].replace("-", "_"), None))
+              for flag in (*EMPTY_FLAGS, "--out")]
+    named += [(f"tilegraph {args.command} --data", "", d) for d in getattr(args, "data", None) or []]
+    for where, label, value in named:
+        if isinstance(value, str) and any(len(os.fsencode(part)) > most for part in Path(value).parts):
+            raise TileError(where, label + LONG_NAME.format(most=most), _shown(value))
 
 
 def _exit_statuses(statuses: dict[int, str]) -> str:
@@ -147,9 +207,10 @@ def _run(argv) -> int:
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint on a corpus (windows spread evenly "
                                      "over it)")
     ev.add_argument("checkpoint", help="a checkpoint folder (tilegraph train) or a Hugging Face GPT-2/Llama folder")
-    ev.add_argument("--data", nargs="+", metavar="FILES_OR_DIRS",
+    # (extend: "--data a.txt --data b.txt" evaluated b.txt alone, a.txt dropped without a word)
+    ev.add_argument("--data", nargs="+", action="extend", metavar="FILES_OR_DIRS",
                     help="text files, or folders (their *.txt, *.md, *.rst and *.py files), to evaluate on, all "
-                         "of it (default: "
+                         "of it (repeatable: --data a.txt --data b.txt reads both; default: "
                          f"{EVAL_DEFAULT_CORPUS}, the held-out text `tilegraph train` validates on)")
     ev.add_argument("--batches", type=int, default=64,
                     help="batches to evaluate, their windows spread evenly over the corpus; more than it holds "
@@ -193,13 +254,25 @@ def _run(argv) -> int:
     if extras:  # what parse_args says of them
         ap.error(f"unrecognized arguments: {' '.join(extras)}")
     try:
-        for name in ("checkpoint", "src", "dst"):  # "" is the current folder to Path: named as what it is
+        for name in ("checkpoint", "src", "dst", "config"):  # "" is the current folder to Path: named as what it is
             if getattr(args, name, None) == "":
                 raise TileError(f"tilegraph {args.command}", f"{name.upper()}, a path",
                                 "'' (an empty string: an unset shell variable?)")
+        for flag, what in EMPTY_FLAGS.items():  # "" was taken for the flag left out: a fresh run
+            if getattr(args, flag[2:].replace("-", "_"), None) == "":  # for --resume "$CK", say
+                raise TileError(f"tilegraph {args.command} {flag}", what,
+                                "'' (an empty string: an unset shell variable?)")
+        refuse_overlong_paths(args)
         return args.func(args)
     except TileError as e:  # bad input: one clear line, no traceback
         print(f"tilegraph {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a name too long in a path of a config or --set (the flags': refused above)
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        error = TileError(f"tilegraph {args.command}", LONG_NAME.format(most=_name_max()),
+                          _shown(_up_to_long(e.filename)))
+        print(f"tilegraph {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line and a shell's 128 + SIGINT, not a traceback
         print(f"tilegraph {args.command}: interrupted", file=sys.stderr)

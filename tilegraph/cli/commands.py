@@ -264,6 +264,10 @@ def _generate(args) -> int:
     stops = [unescape(s) for s in args.stop or []]
     if "" in stops:  # named as the flag (generate() would name its own argument, a list)
         raise tg.TileError(where, "--stop strings of at least one character", "--stop ''")
+    from tilegraph.io.tokenizers import as_text
+
+    for stop in stops:  # non-UTF-8 bytes (a Latin-1 terminal): a stop that no text can hold went unsaid
+        as_text(stop, f"{where} --stop")
     folder = Path(args.checkpoint)
     model = load_model(folder, where)  # first: a wrong path is named as one, not as a missing tokenizer
     tokenizer = load_tokenizer(folder, args.tokenizer, where, eos_from_config=True)
@@ -537,7 +541,7 @@ def cmd_convert(args) -> int:
         if args.quantize is not None:
             raise TileError(where, "--quantize applies to a Zarr destination (a Hugging Face folder holds the "
                             "dequantized weights; --to zarr writes a quantized Zarr checkpoint)",
-                            f"--quantize {args.quantize} with " + (
+                            f"--quantize {args.quantize or repr(args.quantize)} with " + (
                                 "--to hf" if args.to else f"a Hugging Face destination, inferred from the source "
                                 f"(convert writes the other format, and {src} is a Zarr checkpoint)"))
         with _named_by(where, dst):

@@ -468,8 +468,10 @@ def make_tokenizer(name: str, where: str = "--tokenizer"):
     if not name or not path.is_file():  # "bytes" said only "expected a tokenizer JSON file"
         if not name:
             found = "empty"
-        elif not path.is_dir():
+        elif not path.exists():
             found = "no such file"
+        elif not path.is_dir():  # /dev/null, a pipe: there, but no file to read a tokenizer from
+            found = "not a regular file"
         elif (path / "tokenizer.json").is_file():  # a Hub model's folder: the file it holds is the one
             found = f"a folder; give the file in it: {path / 'tokenizer.json'}"
         else:

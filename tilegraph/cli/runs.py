@@ -55,7 +55,7 @@ def take_output(out: Path, where: str):
 def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
     """Refuse, before any work, a run whose output would mix with or overwrite an earlier run's;
     returns the step of the ``resume`` checkpoint (None without one)."""
-    from tilegraph.io.zarr import checkpoint_step
+    from tilegraph.io.zarr import checkpoint_step, complete_checkpoints
 
     ckdir = out / "checkpoints"
     at = {p.name: checkpoint_step(p.name) for p in ckdir.iterdir() if p.name.startswith("step-")} \
@@ -66,9 +66,13 @@ def check_output(out: Path, resume: Resume | None, steps: int) -> int | None:
         if found:
             what = ", ".join(x for x in ["metrics.jsonl" if (out / "metrics.jsonl").exists() else "",
                                          f"checkpoints {found[0]}..{found[-1]}"] if x)
+            # the newest complete one: a save that did not finish (step-N.tmp-...) sorts last, and
+            # was named as the one to resume, which --resume then refused as no checkpoint
+            complete = complete_checkpoints(ckdir)
+            which = f"--resume {quote(complete[-1])} continues it" if complete else \
+                "none of them is a complete checkpoint to continue from"
             raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds one ({what}): "
-                            "pass --resume CHECKPOINT to continue it "
-                            f"(--resume {quote(ckdir / found[-1])} continues it), "
+                            f"pass --resume CHECKPOINT to continue it ({which}), "
                             "or another --out", str(out))
         if (out / "metrics.jsonl").exists():  # a run that stopped (an error, a kill) before its first checkpoint
             raise TileError("tilegraph train", f"an output folder without an earlier run; {out} holds the "
