@@ -17,47 +17,8 @@ from tilegraph.optim import HYPER, _clip_hyper
 
 torch = pytest.importorskip("torch")
 
-F64 = np.float64
-
-
-def _model(seed: int = 0):
-    return tg.nn.MLP(16, 24, act="relu", out_dim=4, tile=8, seed=seed, dtype=F64)
-
-
-def _torch_model(model):
-    """torch's Sequential with ``model``'s weights (tilegraph stores a Linear's weight (in, out))."""
-    sd = model.state_dict()
-    net = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4)).double()
-    with torch.no_grad():
-        for i, name in ((0, "fc1"), (2, "fc2")):
-            net[i].weight.copy_(torch.from_numpy(sd[f"{name}.weight"].T.copy()))
-            net[i].bias.copy_(torch.from_numpy(sd[f"{name}.bias"]))
-    return net
-
-
-def _as_ours(net) -> dict:
-    return {f"{name}.{k}": getattr(net[i], k).detach().numpy().T if k == "weight" else net[i].bias.detach().numpy()
-            for i, name in ((0, "fc1"), (2, "fc2")) for k in ("weight", "bias")}
-
-
-def _batch(i: int, rows: int = 20):
-    x = np.random.default_rng([7, i]).standard_normal((rows, 16))
-    return x, np.tanh(x[:, :4])
-
-
-def _mse(m, x, y):
-    d = m(x) - y
-    return (d * d).mean()
-
-
-def _torch_mse(net, x, y):
-    return ((net(torch.from_numpy(x)) - torch.from_numpy(y)) ** 2).mean()
-
-
-def _same_weights(model, net, rtol=1e-10):
-    got, want = model.state_dict(), _as_ours(net)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=rtol * float(np.abs(want[k]).max()), err_msg=k)
+# the MLP and its torch twin of the loop audit (an MLP 16 -> 24 -> 4 in float64, its batches, the MSE)
+from test_e2e37_loop import F64, _as_ours, _batch, _model, _mse, _same_weights, _torch_model, _torch_mse  # noqa: E402
 
 
 # ----------------------------------------------------------------- a NaN gradient clipped ----

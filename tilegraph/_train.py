@@ -218,14 +218,17 @@ def optimizer_param_names(optimizer, model, where: str, error: type[TileError] =
     return names
 
 
-def check_step_arguments(where: str, model, optimizer, loss_fn, batch_tiles, runtime, compile_options) -> None:
-    """What :class:`TrainStep` (and :class:`tilegraph.Trainer`) check when built."""
+def check_step_arguments(where: str, model, optimizer, loss_fn, batch_tiles, runtime, compile_options,
+                         *, eval_only: bool = False) -> None:
+    """What :class:`TrainStep` (and :class:`tilegraph.Trainer`) check when built; with
+    ``eval_only`` (:class:`EvalStep`), all but the optimizer."""
     if not isinstance(model, Module):
-        raise TileError(where, "model must be a tilegraph.nn.Module", type(model).__name__)
-    if not isinstance(optimizer, Optimizer):
-        raise TileError(where, "optimizer must be a tilegraph.optim optimizer (e.g. "
-                        "tg.optim.AdamW(model.parameters()))", f"optimizer={optimizer!r}")
-    optimizer_param_names(optimizer, model, where)
+        raise TileError(where, "model must be a tilegraph.nn.Module", f"{type(model).__name__} {model!r:.60}")
+    if not eval_only:
+        if not isinstance(optimizer, Optimizer):
+            raise TileError(where, "optimizer must be a tilegraph.optim optimizer (e.g. "
+                            "tg.optim.AdamW(model.parameters()))", f"optimizer={optimizer!r}")
+        optimizer_param_names(optimizer, model, where)
     if not callable(loss_fn):
         raise TileError(where, "loss_fn must be callable: loss_fn(model, *tensors) -> scalar TileTensor",
                         f"loss_fn={loss_fn!r}")
@@ -1377,17 +1380,8 @@ class EvalStep:
 
     def __init__(self, model: Module, loss_fn: Callable[..., TileTensor], *, batch_tiles: Sequence | None = None,
                  runtime=None, **compile_options):
-        where = "tilegraph.EvalStep"
-        if not isinstance(model, Module):
-            raise TileError(where, "model must be a tilegraph.nn.Module", f"{type(model).__name__} {model!r:.60}")
-        if not callable(loss_fn):
-            raise TileError(where, "loss_fn must be callable: loss_fn(model, *tensors) -> scalar TileTensor",
-                            f"loss_fn={loss_fn!r:.60}")
-        if batch_tiles is not None and not isinstance(batch_tiles, (list, tuple)):
-            raise TileError(where, "batch_tiles must be None or a list of tilings, one per batch array "
-                            "(e.g. [(8, None), (8, None)])", f"batch_tiles={batch_tiles!r:.60}")
-        check_runtime(where, runtime)
-        check_compile_options(where, compile_options)
+        check_step_arguments("tilegraph.EvalStep", model, None, loss_fn, batch_tiles, runtime, compile_options,
+                             eval_only=True)
         self.model, self.loss_fn, self.batch_tiles = model, loss_fn, batch_tiles
         self.runtime, self.compile_options = runtime, compile_options
         self._cache: _Plans = _Plans("EvalStep")  # key -> (Executable, inputs), the most recently used last
