@@ -299,7 +299,7 @@ def test_lora_on_a_quantized_base_checkpoints_hold_it(root, pretrained, lora):
     (["--set", "peft.grad_sketch=rows", "--set", 'peft.sketch_targets=["lm"]'],
      r"\[tilegraph train \[peft\] sketch_targets\] targets \['lm'\] match no Linear layer"),
     (["--set", "model.init=3"], r"model\.init must be a string, not 3"),
-    (["--init", "missing"], r"\[tilegraph train model\.init\] a checkpoint folder .*received: missing does not exist"),
+    (["--init", "missing"], r"\[tilegraph train --init\] a checkpoint folder .*received: missing does not exist"),
     (["--init", "hf", "--set", "peft.method=lora", "--set", "peft.rank=40"],
      r"\[tilegraph train \[peft\]\] rank must be at most min\(in, out\) of every targeted layer; too small: "
      r"blocks\.0\.attn\.q \(32, 32\)"),
