@@ -166,9 +166,17 @@ def test_train_counts_the_quantized_weights_of_its_base(tmp_path, capsys, monkey
 
 def test_an_output_folder_past_step_999999_suggests_its_newest_checkpoint(tmp_path):
     from tilegraph.cli.runs import check_output
+    from tilegraph.io import save_checkpoint
 
     for name in ("step-999999", "step-1000000"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    # folders only (a copy that stopped, say): none is a checkpoint to name (b72c00b)
+    with pytest.raises(TileError, match=r"checkpoints step-999999\.\.step-1000000\): pass --resume CHECKPOINT .*"
+                       r"none of them is a complete checkpoint"):
+        check_output(tmp_path, None, 10)
+    for name in ("step-999999", "step-1000000"):  # complete ones: the newest by step is named
+        (tmp_path / "checkpoints" / name).rmdir()
+        save_checkpoint(tmp_path / "checkpoints" / name, Linear(2, 2, seed=0))
     with pytest.raises(TileError, match=r"checkpoints step-999999\.\.step-1000000\): pass --resume CHECKPOINT .*"
                        r"step-1000000 continues it"):
         check_output(tmp_path, None, 10)
