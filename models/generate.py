@@ -329,16 +329,6 @@ def _check_cache_block(where: str, cache_block) -> None:
                         f"cache_block={cache_block!r}")
 
 
-def _check_parameters_reachable(where: str, model: CausalLM, runtime) -> None:
-    """Fail before anything is submitted where ``model``'s parameters hold no values, or values
-    on the workers of a closed runtime or of another runtime than ``runtime`` (None: this
-    process), with :func:`tilegraph.compute`'s messages: the decoding task, reading another
-    client's futures, was cancelled by Dask ("lost dependencies"), which read as a lost worker.
-    Quantized weights (:func:`tilegraph.peft.from_quantized`, a base under adapters) are checked
-    too: they are no Parameters, and the graph reads their parts."""
-    check_model_reachable(where, model, runtime)
-
-
 @contextmanager
 def _collector_paused():
     """Python's cyclic garbage collector held off for one decoding step (then back as it was).
@@ -420,7 +410,9 @@ class Decoder:
             raise TileError(where, "replay must be a bool", repr(replay))
         self.model = model
         self.runtime = runtime if runtime is not None else current_runtime()
-        _check_parameters_reachable(where, model, self.runtime)
+        # before anything is submitted: the decoding task, reading another client's futures, was
+        # cancelled by Dask ("lost dependencies"), which read as a lost worker; quantized weights too
+        check_model_reachable(where, model, self.runtime)
         # a tile never holds more than max_seq_len positions: a cache_block above it (a cache size
         # meant, as transformers' max_cache_len) allocated zeros that are never written (10**6 rows
         # took 6.4 s and 1.2 GB for 20 gpt2-debug tokens, 10**8 would take 13 GB a tile)
@@ -672,7 +664,7 @@ def generate(model: CausalLM, prompt_ids, max_new_tokens: int, *, strategy: str 
     loop = _Loop(max_new_tokens, strategy, temperature, top_k, top_p, float(repetition_penalty), eos_ids, fill,
                  stops, tokenizer, _pickable(tokenizer, cfg.vocab_size, eos_ids), cache_block, bool(return_scores))
     runtime = runtime if runtime is not None else current_runtime()
-    _check_parameters_reachable(where, model, runtime)  # before anything is submitted
+    check_model_reachable(where, model, runtime)  # before anything is submitted
     if spans is None:
         out, scores = _run(runtime, model, loop, out, rng)
     else:  # each row its prompt alone (its mask's run of 1s); rows of one prompt length as one batch

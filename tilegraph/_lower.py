@@ -714,11 +714,6 @@ class Executable:
         call = self._lower_call(runtime)
         source, plain = self._root_sources(call)
         out: list[Any] = [plain.get(pos) for pos in range(len(self.roots))]
-        for pos, v in enumerate(out):
-            if isinstance(v, DaskKey):  # a tile of tg.from_dask_array asked for as it is: its chunk, computed here
-                from dask.threaded import get as dask_get
-
-                out[pos] = dask_get(dict(v.graph), v.key)
         if runtime is None:  # no futures exist without a runtime: every source is a task key
             return self._run_locally(call, source, out)
         return self._run_on_workers(runtime, call, source, out, fetch, wait, during, lost or {})
@@ -755,6 +750,10 @@ class Executable:
                     value = value.on(proc) if isinstance(value, ReplicatedRef) else value
                     source[(pos, proc)] = (value.future, value.index)
                 elif proc == 0:
+                    if isinstance(value, DaskKey):  # a tile of tg.from_dask_array asked for as it is: its chunk
+                        from dask.threaded import get as dask_get
+
+                        value = dask_get(dict(value.graph), value.key)
                     plain[pos] = value
         return source, plain
 

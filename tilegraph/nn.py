@@ -580,15 +580,10 @@ class Module:
                 problems.append(f"shape of {k}: expected {named[k].shape}, got {tuple(np.shape(v))}"
                                 + (" (tilegraph stores a Linear's weight (in, out), torch's is (out, in): give "
                                    "it transposed, w.T)" if flipped else ""))
-        if problems:
-            raise TileError(where, "state does not match the model", "; ".join(problems))
-        for k, v in state.items():  # (all checked first: a bad value leaves every parameter as it was)
-            if k not in named:
-                continue
-            dt = v.dtype if isinstance(getattr(v, "dtype", None), np.dtype) else np.asarray(v).dtype
-            if dt.kind not in "biuf":  # a complex one lost its imaginary part, an object one failed in astype
-                problems.append(f"dtype of {k}: {dt} is not a real number type")
-        if problems:
+            if k in named and np.asarray(v).dtype.kind not in "biuf":
+                # (a complex value lost its imaginary part, an object one failed in astype)
+                problems.append(f"dtype of {k}: {np.asarray(v).dtype} is not a real number type")
+        if problems:  # (all checked first: a bad value leaves every parameter as it was)
             raise TileError(where, "state does not match the model", "; ".join(problems))
         for k, v in state.items():
             if k in named:
@@ -599,6 +594,14 @@ def _check_module(where: str, module) -> "Module":
     if not isinstance(module, Module):
         raise TileError(where, "module must be a tilegraph.nn.Module", f"{type(module).__name__} {module!r:.60}")
     return module
+
+
+def _check_modules(where: str, modules, hint: str) -> list["Module"]:
+    """``modules`` (an iterable of Modules, not one Module, a string or a dict) as a list, each checked."""
+    if isinstance(modules, (Module, str, bytes, Mapping)) or not hasattr(modules, "__iter__"):
+        raise TileError(where, f"modules must be a list of tilegraph.nn.Modules {hint}",
+                        f"{type(modules).__name__} {modules!r:.60}")
+    return [_check_module(where, m) for m in modules]
 
 
 class _EveryName(set):
@@ -640,12 +643,8 @@ class ModuleList(Module):
     ``insert`` as torch's)."""
 
     def __init__(self, modules=None):
-        where = f"tilegraph.nn.{type(self).__name__}"
-        if isinstance(modules, Module) or not (modules is None or hasattr(modules, "__iter__")) \
-                or isinstance(modules, (str, bytes, Mapping)):
-            raise TileError(where, "modules must be a list of tilegraph.nn.Modules (ModuleList([m0, m1]))",
-                            f"{type(modules).__name__} {modules!r:.60}")
-        self.layers = [_check_module(where, m) for m in (modules or ())]
+        self.layers = [] if modules is None else \
+            _check_modules(f"tilegraph.nn.{type(self).__name__}", modules, "(ModuleList([m0, m1]))")
 
     def append(self, module: Module) -> "ModuleList":
         """Add ``module`` at the end; returns the list, as torch's."""
@@ -654,11 +653,7 @@ class ModuleList(Module):
 
     def extend(self, modules) -> "ModuleList":
         """Add each of ``modules`` at the end; returns the list, as torch's."""
-        where = f"tilegraph.nn.{type(self).__name__}.extend"
-        if isinstance(modules, (Module, str, bytes, Mapping)) or not hasattr(modules, "__iter__"):
-            raise TileError(where, "modules must be a list of tilegraph.nn.Modules (append adds one)",
-                            f"{type(modules).__name__} {modules!r:.60}")
-        self.layers.extend([_check_module(where, m) for m in modules])
+        self.layers.extend(_check_modules(f"tilegraph.nn.{type(self).__name__}.extend", modules, "(append adds one)"))
         return self
 
     def insert(self, index: int, module: Module) -> None:
