@@ -12,6 +12,7 @@ where namespaces cannot be made, saying why.
 from __future__ import annotations
 
 import datetime
+import ssl
 import subprocess
 import sys
 import time
@@ -97,6 +98,50 @@ def test_an_expired_or_not_yet_valid_certificate_is_named_before_anything_dials(
     # the embedded cluster too: its workers could not have joined its scheduler
     with pytest.raises(tg.TileError, match=r"tls_cert: a certificate valid now.*expired "):
         tg.connect(n_workers=1, dashboard=False, quiet=True, **pems["expired"])
+
+
+def test_certificate_dates_are_read_without_cpythons_private_decoder(tmp_path):
+    """The validity check read the certificate with ``ssl._ssl._test_decode_cert`` (CPython's
+    test hook, not public API: absent on other Pythons, where the check silently did nothing).
+    tilegraph reads the dates from the DER itself: both ASN.1 time forms (UTCTime up to 2049,
+    GeneralizedTime from 2050), the first certificate of a file whose key comes first, and None
+    (the handshake decides) for a file with no certificate or a damaged one."""
+    pytest.importorskip("cryptography")
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from tilegraph.runtime.connection import _decoded_certificate
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dates")])
+    utc = datetime.timezone.utc
+    cases = [(datetime.datetime(2026, 3, 7, 4, 5, 6, tzinfo=utc), datetime.datetime(2049, 12, 31, 23, 59, 59, tzinfo=utc)),
+             (datetime.datetime(1999, 1, 2, 3, 4, 5, tzinfo=utc), datetime.datetime(2061, 10, 20, 11, 22, 33, tzinfo=utc))]
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    for i, (start, end) in enumerate(cases):
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+                .sign(key, hashes.SHA256()))
+        other = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                 .serial_number(1).not_valid_before(end - datetime.timedelta(days=1)).not_valid_after(end)
+                 .sign(key, hashes.SHA256()))
+        path = tmp_path / f"c{i}.pem"
+        path.write_bytes(key_pem + cert.public_bytes(serialization.Encoding.PEM)
+                         + other.public_bytes(serialization.Encoding.PEM))
+        info = _decoded_certificate(str(path))
+        assert ssl.cert_time_to_seconds(info["notBefore"]) == int(start.timestamp()), info
+        assert ssl.cert_time_to_seconds(info["notAfter"]) == int(end.timestamp()), info
+        decoder = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+        if decoder is not None:  # the same strings as CPython's own decoder prints
+            assert {k: decoder(str(path))[k] for k in info} == info
+    (tmp_path / "key.pem").write_bytes(key_pem)
+    damaged = tmp_path / "damaged.pem"
+    damaged.write_text("-----BEGIN CERTIFICATE-----\nMIIBkzCCATmgAwIBAgIU\n-----END CERTIFICATE-----\n")
+    for path in (tmp_path / "key.pem", damaged, tmp_path / "absent.pem"):
+        assert _decoded_certificate(str(path)) is None, path
 
 
 def test_tilegraph_train_refuses_an_expired_certificate_before_any_work(pems, tmp_path):

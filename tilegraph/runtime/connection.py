@@ -3,9 +3,11 @@ peer that must greet in the Dask protocol, and the main guard of a script that s
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import re
 import socket
 import ssl
 import struct
@@ -69,12 +71,77 @@ def _no_passphrase():
 
 
 def _decoded_certificate(path: str) -> dict | None:
-    """The first certificate of a PEM file as ``ssl`` decodes a peer's (its notBefore and
-    notAfter), or None where this Python cannot say (the decoder is CPython's, not public API)."""
+    """The validity of the first certificate of a PEM file, as ``ssl`` reports a peer's
+    (``notBefore`` and ``notAfter``, in the form :func:`ssl.cert_time_to_seconds` reads), or None
+    where the file holds no certificate that can be read (then the TLS handshake decides)."""
     try:
-        return ssl._ssl._test_decode_cert(path)
-    except Exception:  # (absent elsewhere, or a file it cannot read: the peer will tell)
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read()
+        found = _PEM_CERTIFICATE.search(text)
+        return _der_validity(base64.b64decode("".join(found.group(1).split()), validate=True))
+    except (OSError, AttributeError, ValueError, IndexError):
         return None
+
+
+#: a PEM certificate block (the first one of a file is the one a peer is shown)
+_PEM_CERTIFICATE = re.compile(r"-----BEGIN CERTIFICATE-----(.*?)-----END CERTIFICATE-----", re.S)
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _der_item(der: bytes, at: int) -> tuple[int, int, int]:
+    """The DER item at ``at``: its tag, where its content starts and where it ends."""
+    tag, size = der[at], der[at + 1]
+    at += 2
+    if size & 0x80:  # long form: the next (size & 0x7f) bytes hold the length
+        n = size & 0x7F
+        if not 1 <= n <= 4:
+            raise ValueError("DER length")
+        size, at = int.from_bytes(der[at:at + n], "big"), at + n
+    if at + size > len(der):
+        raise ValueError("DER item past the end")
+    return tag, at, at + size
+
+
+def _der_validity(der: bytes) -> dict:
+    """``notBefore`` and ``notAfter`` of an X.509 certificate in DER (RFC 5280: Certificate =
+    SEQUENCE {tbsCertificate SEQUENCE {[0] version OPTIONAL, serialNumber, signature, issuer,
+    validity SEQUENCE {notBefore, notAfter}, ...}, ...}); ValueError where it is not one."""
+    tag, at, _ = _der_item(der, 0)
+    if tag != 0x30:
+        raise ValueError("not a certificate")
+    tag, at, _ = _der_item(der, at)  # tbsCertificate
+    if tag != 0x30:
+        raise ValueError("no tbsCertificate")
+    tag, start, end = _der_item(der, at)
+    if tag == 0xA0:  # the explicit version
+        tag, start, end = _der_item(der, end)
+    for expected in (0x02, 0x30, 0x30):  # serialNumber, signature, issuer
+        if tag != expected:
+            raise ValueError("unexpected field before the validity")
+        tag, start, end = _der_item(der, end)
+    if tag != 0x30:
+        raise ValueError("no validity")
+    times = {}
+    for key in ("notBefore", "notAfter"):
+        tag, at, start = _der_item(der, start)
+        times[key] = _asn1_time(tag, der[at:start].decode("ascii"))
+    return times
+
+
+def _asn1_time(tag: int, text: str) -> str:
+    """A UTCTime (YYMMDDHHMMSSZ, years 1950-2049) or GeneralizedTime (YYYYMMDDHHMMSSZ) as
+    OpenSSL prints it ("Jan  5 09:34:43 2027 GMT")."""
+    if tag == 0x17 and len(text) == 13 and text.endswith("Z"):
+        year = int(text[:2])
+        year, rest = year + (1900 if year >= 50 else 2000), text[2:]
+    elif tag == 0x18 and len(text) == 15 and text.endswith("Z"):
+        year, rest = int(text[:4]), text[4:]
+    else:
+        raise ValueError(f"ASN.1 time {text!r}")
+    month, day, hour, minute, second = (int(rest[i:i + 2]) for i in range(0, 10, 2))
+    if not 1 <= month <= 12:
+        raise ValueError(f"ASN.1 time {text!r}")
+    return f"{_MONTHS[month - 1]} {day:2d} {hour:02d}:{minute:02d}:{second:02d} {year} GMT"
 
 
 def _check_valid_now(where: str, name: str, path: str, certificates: list[dict | None]) -> None:
