@@ -9,16 +9,37 @@ import numpy as np
 
 from tilegraph._config import FLOAT_DTYPES, is_int  # noqa: F401 - FLOAT_DTYPES: for the op modules
 from tilegraph._errors import TileError
-from tilegraph._graph import Cost, xp_of  # noqa: F401 - xp_of is used by the op modules
+from tilegraph._graph import Cost, TileRef, xp_of  # noqa: F401 - xp_of is used by the op modules
 from tilegraph._tensor import Default, TileTensor, Tiling, resolve_alias  # noqa: F401 - for the op modules
 
 
 def new_tensor(tiling: Tiling, dtype, fill: Callable[[tuple[int, ...]], object]) -> TileTensor:
-    """A TileTensor whose tile at grid index ``idx`` is ``fill(idx)`` (a TileRef)."""
+    """A TileTensor whose tile at grid index ``idx`` is ``fill(idx)``: a TileRef of the shape
+    ``tiling.tile_shape(idx)`` and of ``dtype``, which is checked here, as the graph is recorded
+    (a tile declared otherwise made a tensor whose tiles disagreed with it: a wrong result, or an
+    error at compute naming a kernel whose output matched what it had been declared)."""
+    dtype = np.dtype(dtype)
     grid = np.empty(tiling.grid, dtype=object)
+    chunks = tiling.chunks
     for idx in np.ndindex(*tiling.grid):
-        grid[idx] = fill(idx)
+        ref = grid[idx] = fill(idx)
+        if (type(ref) is not TileRef or (ref.dtype is not dtype and ref.dtype != dtype)
+                or ref.shape != tuple([c[i] for c, i in zip(chunks, idx)])):
+            _bad_tile(tiling, dtype, idx, ref)
     return TileTensor(tiling, dtype, grid)
+
+
+def _bad_tile(tiling: Tiling, dtype: np.dtype, idx: tuple, ref) -> None:
+    want = f"shape {tiling.tile_shape(idx)} and dtype {dtype}"
+    if type(ref) is not TileRef:
+        got = type(ref).__name__ + (f" of shape {tuple(ref.shape)}" if hasattr(ref, "shape") else "")
+        raise TileError("tilegraph.new_tensor", f"fill({idx}) must return a TileRef (what emit1 returns) of "
+                        f"tile {idx}'s {want}", got)
+    node = ref.node
+    made = f" by kernel {node.kernel.name!r} of op {node.op!r}" if node.kernel is not None else ""
+    raise TileError("tilegraph.new_tensor", f"tile {idx} of a tensor with tiles {tiling.chunks} must have {want} "
+                    "(declare it so in emit1: tiling.tile_shape(idx), and the tensor's dtype)",
+                    f"a tile of shape {ref.shape}, dtype {ref.dtype}{made}")
 
 
 def require_tensor(x, where: str, name: str) -> TileTensor:

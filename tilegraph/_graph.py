@@ -176,7 +176,22 @@ def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = No
     again, a module reloaded) replaces the old registration; another function under a name taken
     is refused, a built-in name (tilegraph's own kernels) included."""
 
+    where = "tilegraph.kernel"
+    if callable(name) and not isinstance(name, str):  # @kernel without its name: wrap() would replace the function
+        raise TileError(where, "a kernel needs a name: decorate with @kernel('my_name'), not a bare @kernel",
+                        f"{getattr(name, '__qualname__', type(name).__name__)} in place of the name")
+    if not isinstance(name, str) or not name:
+        raise TileError(where, "the kernel name must be a non-empty str", f"{name!r} ({type(name).__name__})")
+    for what, f in (("cost", cost), ("cpu", cpu), ("gpu", gpu)):
+        if f is not None and not callable(f):
+            hint = (" (e.g. elementwise_cost(4), a function returning a Cost)" if what == "cost" else "")
+            raise TileError(f"{where}({name!r})", f"{what}= must be a function or None{hint}",
+                            f"{f!r} ({type(f).__name__})")
+
     def wrap(fn):
+        if not callable(fn):
+            raise TileError(f"{where}({name!r})", "@kernel decorates a function of tiles",
+                            f"{fn!r} ({type(fn).__name__})")
         old = _KERNELS.get(name)
         if old is not None and not _same_function(old.fn, fn):
             raise _name_taken(name, old, fn)
@@ -210,14 +225,34 @@ def _name_taken(name: str, old: "Kernel", fn: Callable) -> Exception:
 _PAYLOADS: dict[str, tuple["Kernel", bytes]] = {}
 
 
+#: in a worker, the payload each kernel that arrived by value was made from
+_RECEIVED: dict[str, bytes] = {}
+
+
 def _kernel_by_value(name: str, module: str | None, payload: bytes) -> Kernel:
+    # a kernel that came by value before is replaced when another payload comes under its name:
+    # the client defined it again (a notebook cell edited and run again), and the workers ran the
+    # first definition for as long as they lived
+    if name in _RECEIVED and _RECEIVED[name] != payload:
+        return _load_payload(name, module, payload)
     try:
         return get_kernel(name, module)
     except (KeyError, ImportError):
-        import pickle
+        return _load_payload(name, module, payload)
 
-        fn, cpu, cost, gpu = pickle.loads(payload)
-        return _KERNELS.setdefault(name, Kernel(name, fn, cpu=cpu, cost=cost, module=module, gpu=gpu))
+
+def _load_payload(name: str, module: str | None, payload: bytes) -> Kernel:
+    import pickle
+
+    fn, cpu, cost, gpu = pickle.loads(payload)
+    with _RECEIVE_LOCK:  # (a worker's threads unpickle tasks side by side)
+        if _RECEIVED.get(name) != payload:
+            _KERNELS[name] = Kernel(name, fn, cpu=cpu, cost=cost, module=module, gpu=gpu)
+            _RECEIVED[name] = payload
+        return _KERNELS[name]
+
+
+_RECEIVE_LOCK = threading.Lock()
 
 
 def get_kernel(name: str, module: str | None = None) -> Kernel:
@@ -349,7 +384,7 @@ class Node:
         self.device: str | None = None
         if kernel is not None:
             itemsize = max((np.dtype(r.dtype).itemsize for r in inputs), default=4)
-            self.cost = kernel.cost([r.shape for r in inputs], [m[0] for m in out_meta], itemsize, params)
+            self.cost = _kernel_cost(kernel, [r.shape for r in inputs], [m[0] for m in out_meta], itemsize, params)
         else:
             self.cost = Cost()
 
@@ -360,6 +395,23 @@ class Node:
     def __repr__(self) -> str:
         what = self.kernel.name if self.kernel else "leaf"
         return f"Node({what}, op={self.op}, outs={[m[0] for m in self.out_meta]})"
+
+
+def _kernel_cost(kern: Kernel, in_shapes, out_shapes, itemsize: int, params: dict) -> Cost:
+    """``kern``'s cost of one call, checked: a :class:`Cost` of finite, non-negative flops and
+    bytes (the planner divides them by speeds and sums them; a NaN or a negative one ordered
+    and placed the kernels wrongly without a word, anything else failed deep in the planner)."""
+    try:
+        c = kern.cost(in_shapes, out_shapes, itemsize, params)
+    except Exception as e:
+        e.add_note(f"in the cost function of tile kernel {kern.name!r}: cost(in_shapes, out_shapes, itemsize, "
+                   f"params) -> Cost, called with in_shapes {in_shapes}, out_shapes {out_shapes}")
+        raise
+    if not isinstance(c, Cost) or not (0 <= c.flops < math.inf and 0 <= c.bytes < math.inf):
+        raise TileError(f"tilegraph.kernel({kern.name!r}) cost", "cost(in_shapes, out_shapes, itemsize, params) "
+                        "must return a Cost(flops, bytes) of finite numbers >= 0",
+                        f"{c!r} for in_shapes {in_shapes}, out_shapes {out_shapes}")
+    return c
 
 
 class TileRef:
@@ -387,13 +439,38 @@ def leaf(cell: Cell) -> TileRef:
 
 def emit(kern: Kernel, inputs, out_meta, /, *, op: str, **params) -> list[TileRef]:
     """Record one kernel call; returns one :class:`TileRef` per declared output."""
-    out_meta = tuple((tuple(int(d) for d in s), np.dtype(dt)) for s, dt in out_meta)
-    node = Node(kern, params, tuple(inputs), out_meta, op=op)
+    inputs = tuple(inputs)
+    if type(kern) is not Kernel:
+        _bad_emit(kern, inputs, op)
+    for r in inputs:  # (a loop: recording calls this per tile, and all() of a generator costs more)
+        if type(r) is not TileRef:
+            _bad_emit(kern, inputs, op)
+    try:
+        out_meta = tuple((tuple(int(d) for d in s), np.dtype(dt)) for s, dt in out_meta)
+    except (TypeError, ValueError) as e:
+        raise TileError(f"tilegraph.emit (kernel {kern.name!r} of op {op!r})", "out_meta must be a list of "
+                        "(shape, dtype) pairs, one per output (emit1: a shape tuple and a dtype)",
+                        f"{out_meta!r} ({type(e).__name__}: {e})") from None
+    node = Node(kern, params, inputs, out_meta, op=op)
     return [TileRef(node, i) for i in range(len(out_meta))]
 
 
 def emit1(kern: Kernel, inputs, out_shape, out_dtype, /, *, op: str, **params) -> TileRef:
+    """:func:`emit` of a kernel with one output (of ``out_shape`` and ``out_dtype``): its TileRef."""
     return emit(kern, inputs, [(out_shape, out_dtype)], op=op, **params)[0]
+
+
+def _bad_emit(kern, inputs: tuple, op: str) -> None:
+    where = f"tilegraph.emit (op {op!r})"
+    if type(kern) is not Kernel:
+        raise TileError(where, "the kernel must be a Kernel: a function decorated with @kernel('name')",
+                        f"{getattr(kern, '__qualname__', None) or type(kern).__name__} ({type(kern).__name__})")
+    for i, r in enumerate(inputs):
+        if type(r) is not TileRef:
+            hint = (": one tile of it, t.grid[idx]" if hasattr(r, "grid") and hasattr(r, "tiling") else
+                    " (a tile of a TileTensor: t.grid[idx])")
+            raise TileError(f"tilegraph.emit (kernel {kern.name!r} of op {op!r})",
+                            f"inputs[{i}] must be a TileRef{hint}", type(r).__name__)
 
 
 def topo_order(roots: list[TileRef]) -> list[Node]:

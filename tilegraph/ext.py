@@ -2,8 +2,10 @@
 :class:`~tilegraph.Op` with a forward and a backward (README "Your own ops").
 
 - :func:`kernel` registers a function of tiles (NumPy arrays on CPU workers, CuPy on GPU ones:
-  ``cupy.get_array_module`` style code runs on both) under a unique name; ``cost`` estimates its
-  flops and bytes for the scheduler (:func:`elementwise_cost` for elementwise work).
+  ``cupy.get_array_module`` style code runs on both) under a unique name; it returns new arrays
+  and never writes into its inputs (they may be a parameter's own value). ``cost(in_shapes,
+  out_shapes, itemsize, params)`` returns a :class:`Cost` of the call's flops and bytes (finite,
+  >= 0) for the scheduler (:func:`elementwise_cost` for elementwise work).
 - :func:`emit` / :func:`emit1` record one call of a kernel on some tiles (a node of the graph),
   returning references to its outputs; :func:`new_tensor` builds a TileTensor from one such
   reference per tile.

@@ -159,6 +159,17 @@ def _where(op: Call) -> str:
     return f"in tile kernel {op.kernel.name!r} of op {op.op!r}" + (f" in {op.scope}" if op.scope else "")
 
 
+def _tiles(op: Call, regs: list) -> str:
+    """Which tiles a failed call had (its inputs, as they came) and was to make (as declared)."""
+    def meta(v) -> str:
+        shape, dtype = getattr(v, "shape", None), getattr(v, "dtype", None)
+        return f"{tuple(shape)} {dtype}" if shape is not None and dtype is not None else type(v).__name__
+
+    ins = ", ".join(meta(regs[i]) for i in op.ins) or "none"
+    outs = ", ".join(f"{shape} {np.dtype(dtype)}" for shape, dtype in op.metas)
+    return f"on input tiles {ins} making {outs}"
+
+
 def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
     """Run one kernel call on its input registers; returns (output values, seconds)."""
     fn = op.kernel.impl(device)
@@ -169,8 +180,8 @@ def _call(op: Call, regs: list, device: str) -> tuple[tuple, float]:
         res = fn(*[regs[i] for i in op.ins], **op.params)
         if SYNC_GPU_KERNELS and device == "gpu":
             _gpu_sync()
-    except Exception as e:  # say which op failed; the traceback keeps the cause
-        e.add_note(_where(op))
+    except Exception as e:  # say which op failed, on which tiles; the traceback keeps the cause
+        e.add_note(f"{_where(op)}, {_tiles(op, regs)}")
         raise
     dt = time.perf_counter() - t0
     if len(op.outs) == 1:
