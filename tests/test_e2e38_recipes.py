@@ -253,9 +253,17 @@ def test_accumulation_keeps_inputs_that_are_not_per_row_whole_as_torch():
         topt.step()
         assert loss == pytest.approx(ref.item(), rel=1e-12)
     np.testing.assert_allclose(layer.state_dict()["weight"], tw.detach().numpy(), rtol=1e-10, atol=1e-12)
-    # rows that do not split into the micro-batches are still refused, naming the array
-    with pytest.raises(tg.TileError, match=r"batch\[0\]\] first dim must split into accum_steps=2"):
-        step(np.ones((7, 16)), np.ones((7, 4)), feature_weights, scale)
+    # rows that do not divide by accum_steps run as micro-batches of 4 and 3 rows, weighted by
+    # their rows, the weights and scale whole in each: torch's step of the whole batch still
+    x = rng.standard_normal((7, 16))
+    y = np.tanh(x[:, :4])
+    loss = step(x, y, feature_weights, scale)
+    topt.zero_grad()
+    ref = ((((torch.tensor(x) @ tw + tb) - torch.tensor(y)) * torch.tensor(feature_weights)) ** 2).mean() * 0.7
+    ref.backward()
+    topt.step()
+    assert loss == pytest.approx(ref.item(), rel=1e-12)
+    np.testing.assert_allclose(layer.state_dict()["weight"], tw.detach().numpy(), rtol=1e-10, atol=1e-12)
 
 
 # -- transformers' labels=input_ids --------------------------------------------------------------

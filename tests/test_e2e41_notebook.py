@@ -103,8 +103,8 @@ def test_a_hook_calling_fit_is_refused_and_the_fit_goes_on(local_scheduler, mode
 # -- arguments -------------------------------------------------------------------------------------
 def test_batch_size_true_is_refused(model_opt):
     """``batch_size=True`` was taken, as a batch size of True (1 row)."""
-    with pytest.raises(tg.TileError, match=r"\[tilegraph.Trainer\] batch_size must be a positive multiple of "
-                       r"accum_steps; received: batch_size=True, accum_steps=1"):
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.Trainer\] batch_size must be an int >= 1 \(the rows of a "
+                       r"step's batch\); received: batch_size=True"):
         _trainer(model_opt, batch_size=True)
 
 

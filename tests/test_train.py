@@ -97,9 +97,9 @@ def test_gradient_accumulation_matches_one_big_batch(k):
     for name, v in want_state.items():
         np.testing.assert_allclose(state[name], v, rtol=2e-5, atol=1e-6, err_msg=name)
     assert step.optimizer.step_count == 3  # one update per call, not per micro-batch
-    with pytest.raises(tg.TileError, match=rf"batch\[0\]\] first dim must split into accum_steps={k} equal "
-                                           r"micro-batches; received: shape \(33, 16\)"):
-        step(np.ones((33, 16), np.float32), np.ones((33, 4), np.float32))
+    # rows that do not divide by k run as micro-batches of unequal rows (tests/test_e2e47_accum.py)
+    assert np.isfinite(step(np.ones((33, 16), np.float32), np.ones((33, 4), np.float32)))
+    assert step.optimizer.step_count == 4
 
 
 @pytest.mark.distributed

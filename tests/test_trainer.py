@@ -71,8 +71,8 @@ def test_checkpoint_hooks_and_bad_folders(tmp_path):
         trainer.load_checkpoint(tmp_path)
     with pytest.raises(tg.TileError, match=r"checkpoint_every needs a checkpoint_dir"):
         _setup(checkpoint_every=2)
-    with pytest.raises(tg.TileError, match=r"batch_size must be a positive multiple of accum_steps"):
-        _setup(accum_steps=3)
+    # a callable data's 32 rows that do not divide by accum_steps run as 11, 11, 10 (tests/test_e2e47_accum.py)
+    assert _setup(accum_steps=3)[2].batch_size == 32
 
 
 def test_accumulation_in_the_trainer_matches_one_batch():

@@ -470,7 +470,7 @@ class FitRun:
                 if tr.optimizer.step_count != first - 1:
                     return None
                 kept = [c.value for p in tr.optimizer.params for c in p.cells.flat]
-                kept += [c.value for state in tr.optimizer.state for grid in state for c in grid.flat]
+                kept += [c.value for state in tr.optimizer.state_cells for grid in state for c in grid.flat]
             if not on_workers(tr.runtime, kept, staying):
                 return None
             # the tasks of the steps waiting end first: a gang task waits for the last one on its worker

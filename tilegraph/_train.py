@@ -10,7 +10,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -304,6 +304,18 @@ def _unshifted_targets(batch: Sequence[np.ndarray], targets_at: tuple[int, int] 
     return None
 
 
+class _Share(NamedTuple):
+    """Where a micro-batch's graph stands in its batch (``accum_steps`` > 1): its rows of the
+    batch's ``total``, and ``count_rows``, the normaliser of a counted mean's accumulation that
+    the batch's first micro-batch set (:meth:`TrainStep._record_micro_batch`; None for that one
+    and for other losses). Part of the graph's key: the weight ``rows / total`` and the
+    normaliser are recorded into it."""
+
+    rows: int
+    total: int
+    count_rows: int | None = None
+
+
 class _Recorded:
     """A recorded graph of ``k`` optimizer steps (or one micro-batch of one): the batch input cells
     of each step, the parameter/state cells its final values go to, and how many values come back
@@ -314,6 +326,9 @@ class _Recorded:
         self.hypers = hypers  # step j's scalar cell (k > 1)
         #: a micro-batch of a counted mean (see TrainStep._record_micro_batch): its loss's dtype
         self.counted: np.dtype | None = None
+        #: a micro-batch of a counted mean: the count its accumulation is normalised by (the first
+        #: micro-batch's targets, which every later micro-batch of the batch is recorded with)
+        self.count_rows: int | None = None
         #: the indices of the optimizer's parameters whose update the graph records (None: no update)
         self.updated: list[int] | None = None
         #: the batch input a cross_entropy loss takes as its targets as given, and its ignore_index
@@ -509,8 +524,11 @@ class TrainStep:
     micro-batches are weighted by the targets each one counts (those not ``ignore_index``): the
     loss and gradient are those of one batch's mean over all its counted targets, as with one large
     batch, and a micro-batch whose targets are all ignored adds nothing. Any other loss is the mean
-    over the micro-batches, each weighted 1/k. All k graphs are submitted without waiting; the
-    client waits once per optimizer step.
+    over the micro-batches, each weighted by its share of the rows (1/k). Rows that do not divide
+    by k are split as ``numpy.array_split`` splits them (10 rows, k=4: 3, 3, 2, 2; fewer rows than
+    k: one each), weighted as said: the step is that of the whole batch (a torch loop scales each
+    micro-batch's loss by its rows over the batch's), at the cost of graphs of a second shape. All
+    k graphs are submitted without waiting; the client waits once per optimizer step.
 
     The arguments are checked when the step is built (:func:`check_step_arguments`): the
     optimizer's parameters must belong to ``model``, ``runtime`` is None or a Runtime, and the
@@ -552,13 +570,17 @@ class TrainStep:
         self._said_superseded = False  # (a newer optimizer over the parameters is said once)
         self._said_unshifted = False  # (targets equal to the inputs are said once: _warn_unshifted)
 
-    def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1) -> _Recorded:
+    def _record(self, batch: Sequence[np.ndarray], kind: str, k: int = 1, share: _Share | None = None) -> _Recorded:
         """Record the step for one (micro-)batch. ``kind``: "step" (``k`` whole steps, each one's
-        parameters and state the previous one's update), or with accumulation "first" (acc = g/k),
-        "add" (acc += g/k), "last" (update with acc + g/k)."""
+        parameters and state the previous one's update), or with accumulation (``share``: the
+        micro-batch's place in its batch) "first" (acc = w g), "add" (acc += w g), "last" (update
+        with acc + w g), where ``w`` is the micro-batch's share of the batch (its rows / the
+        batch's, 1/k for equal ones; a counted mean's: :meth:`_record_micro_batch`)."""
         where = "tilegraph.TrainStep"
-        if self.accum_steps > 1:  # the arrays here are micro-batches: say so where their shapes show
-            where = f"tilegraph.TrainStep (a micro-batch: 1/{self.accum_steps} of the batch, accum_steps={self.accum_steps})"
+        if share is not None:  # the arrays here are micro-batches: say so where their shapes show
+            part = (f"1/{self.accum_steps} of the batch" if share.rows * self.accum_steps == share.total
+                    else f"{share.rows} of the batch's {share.total} rows")
+            where = f"tilegraph.TrainStep (a micro-batch: {part}, accum_steps={self.accum_steps})"
         params = self.optimizer.params
         # an optimizer parameter frozen since (requires_grad=False) gets no gradient and no update, and
         # keeps its state and update count, as torch's optimizers skip a parameter without a gradient;
@@ -606,7 +628,8 @@ class TrainStep:
                 if kind == "step":
                     assignments, norm = self.optimizer.record(grads, hyper=hypers[j], current=current)
                 else:
-                    assignments, norm, loss_ref = self._record_micro_batch(loss, grads, kind, where)
+                    assignments, norm, loss_ref, count_rows = self._record_micro_batch(loss, grads, kind, where,
+                                                                                        share)
                 inputs.append(ins)
                 losses.append(loss.grid.flat[0] if kind == "step" else loss_ref)
                 norms += [norm] if norm is not None else []
@@ -631,7 +654,7 @@ class TrainStep:
         assigned = {id(c) for c, _ in assignments}  # (a parameter the loss does not depend on: none)
         rec.updated = [i for i, p in enumerate(params) if id(p.cells.flat[0]) in assigned]
         if kind != "step" and self._weighted:  # what comes back is [loss sum, rows counted]
-            rec.counted = loss.dtype
+            rec.counted, rec.count_rows = loss.dtype, count_rows
         rec.targets_at = _targets_input(loss, tensors)
         return rec
 
@@ -676,16 +699,22 @@ class TrainStep:
                       "inside the model; here give the next tokens as the targets, step(ids[:, :-1], ids[:, 1:]) (a "
                       "copying task meant: ignore this)", stacklevel=_outside_tilegraph())
 
-    def _record_micro_batch(self, loss: TileTensor, grads: list[TileTensor], kind: str, where: str):
+    def _record_micro_batch(self, loss: TileTensor, grads: list[TileTensor], kind: str, where: str, share: _Share):
         """The assignments (accumulators, or on the last micro-batch the update), the clipping
-        norm and the value that comes back as this micro-batch's loss.
+        norm, the value that comes back as this micro-batch's loss and, for a counted mean, the
+        count its accumulation is normalised by.
 
         A :func:`cross_entropy` mean is weighted by the rows each micro-batch counts (not ignored),
         so the k micro-batches give the gradient and loss of one batch's mean over all its counted
         rows, as one large batch would (each micro-batch's own mean, weighted 1/k, is not that
         when they count different rows, and a micro-batch whose rows are all ignored made the
-        loss nan). What comes back is then its ``[loss sum, rows counted]``. Any other loss is the
-        mean of the micro-batches' losses, each weighted 1/k."""
+        loss nan). What comes back is then its ``[loss sum, rows counted]``. The accumulators
+        hold each micro-batch's gradient of its sum over one count for the whole batch, the
+        first micro-batch's targets (``count_rows``; its own each, where they were equal): with
+        micro-batches of unequal rows (a batch whose rows do not divide by ``accum_steps``) each
+        one's own count gave the smaller ones too much weight. Any other loss is the mean of the
+        micro-batches' losses, each weighted by its share of the batch's rows (1/k for equal ones),
+        as torch users scale each micro-batch's loss by its rows over the batch's."""
         from tilegraph.ops.loss import add_totals, count_weighted, mean_parts
 
         acc = self._accumulators()
@@ -698,15 +727,17 @@ class TrainStep:
                             "mean for all, or for none)", "a cross_entropy mean for this micro-batch, another loss "
                             "for another" if weighted else "a cross_entropy mean for another micro-batch, another "
                             "loss for this one")
-        norm = None
+        norm = count_rows = None
         if weighted:
             tot, rows = parts
+            count_rows = rows if kind == "first" else share.count_rows
             acc_tot = self._acc_tot.flat[0]
-            new = [None if g is None else count_weighted(g, tot, rows, kind, a, leaf(acc_tot))
+            new = [None if g is None else count_weighted(g, tot, count_rows, kind, a, leaf(acc_tot))
                    for g, a in zip(grads, acc)]
             totals = [(acc_tot, tot if kind == "first" else add_totals(leaf(acc_tot), tot))]
         else:
-            scaled = [None if g is None else g * (1.0 / self.accum_steps) for g in grads]
+            # (share.rows / share.total is 1.0 / k, correctly rounded alike, for equal micro-batches)
+            scaled = [None if g is None else g * (share.rows / share.total) for g in grads]
             new = scaled if kind == "first" else [g if g is None else a + g for a, g in zip(acc, scaled)]
             totals = []
         if kind == "last":
@@ -714,7 +745,7 @@ class TrainStep:
         else:
             assignments = [(c, r) for a, t in zip(self._acc_cells, new) if t is not None
                            for c, r in zip(a.flat, t.grid.flat)] + totals
-        return assignments, norm, tot if weighted else loss.grid.flat[0]
+        return assignments, norm, tot if weighted else loss.grid.flat[0], count_rows
 
     def _accumulators(self) -> list[TileTensor]:
         if self._acc_cells is None:
@@ -744,9 +775,9 @@ class TrainStep:
             return True
         return False
 
-    def _lookup(self, batch, kind: str = "step", k: int = 1) -> tuple[_Recorded, bool]:
-        """The recorded step for this batch signature, kind and number of steps, and whether it
-        was recorded just now."""
+    def _lookup(self, batch, kind: str = "step", k: int = 1, share: _Share | None = None) -> tuple[_Recorded, bool]:
+        """The recorded step for this batch signature, kind and number of steps (and a
+        micro-batch's ``share`` of its batch), and whether it was recorded just now."""
         if self._plans_off_cluster or not _follows_current(self.executables, self.runtime):
             self.reset_plans()
         structure = _structure(self.model)
@@ -764,40 +795,65 @@ class TrainStep:
         if settings != self._settings:  # opt.weight_decay = ... between steps: recorded with the new value
             self.reset_plans()
             self._settings = settings
-        key = (kind, k, self.signature(batch))
+        key = (kind, k, self.signature(batch), share)
         rec = self._cache.lookup(key)
         if rec is not None:
             return rec, False
         require_int("tilegraph.TrainStep", "plans_kept", self.plans_kept, 1)
-        rec = self._record(batch, kind, k)
+        rec = self._record(batch, kind, k, share)
         self._cache.keep(key, rec, self.plans_kept)
         return rec, True
 
-    def _micro_batches(self, batch: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """The ``accum_steps`` micro-batches of ``batch``: the arrays of the batch's rows (those
-        whose first dim is the first array's that has one) cut along it into equal parts, the
-        others (per-class weights, a 0-d scale) whole in each, as :func:`split_rows` keeps them
-        whole for data parallelism. Cut as well, a weight vector of another length went to each
-        micro-batch in parts ("shapes do not broadcast" from inside the loss) and a 0-d array was
-        refused, where the same step without accumulation ran."""
+    def _micro_batches(self, batch: list[np.ndarray]) -> tuple[list[list[np.ndarray]], list[_Share | None]]:
+        """The ``accum_steps`` micro-batches of ``batch`` and each one's :class:`_Share` of it
+        (None: the batch whole, one plain step): the arrays of the batch's rows (those whose
+        first dim is the first array's that has one) cut along it, the others (per-class weights,
+        a 0-d scale) whole in each, as :func:`split_rows` keeps them whole for data parallelism.
+        Cut as well, a weight vector of another length went to each micro-batch in parts
+        ("shapes do not broadcast" from inside the loss) and a 0-d array was refused, where the
+        same step without accumulation ran.
+
+        Rows that do not divide by k are cut as ``numpy.array_split`` and ``torch.tensor_split``
+        cut them, the first ``rows % k`` parts one row longer (10 rows, k=4: 3, 3, 2, 2), each
+        weighted by its rows (:meth:`_record_micro_batch`): the step is the one of the whole
+        batch. A batch of fewer rows than k runs as one micro-batch per row (one row: one plain
+        step). They were refused, a callable ``data``'s short last batch of an epoch after every
+        step before it had run. The parts of unequal rows are graphs of two shapes (4 recorded
+        graphs at most, 3 for equal ones)."""
         k = self.accum_steps
         if k == 1:
-            return [batch]
+            return [batch], [None]
         rows = next((a.shape[0] for a in batch if a.ndim), None)
         if rows is None:
             raise TileError("tilegraph.TrainStep", f"a batch array with rows to split into accum_steps={k} "
                             "micro-batches (its first dim)", f"{len(batch)} arrays, all 0-d")
         cut = [a.ndim > 0 and a.shape[0] == rows for a in batch]
-        if rows % k:
-            i = cut.index(True)
-            raise TileError(f"tilegraph.TrainStep batch[{i}]",
-                            f"first dim must split into accum_steps={k} equal micro-batches", f"shape {batch[i].shape}")
-        n = rows // k
-        return [[a[j * n:(j + 1) * n] if c else a for a, c in zip(batch, cut)] for j in range(k)]
+        n = min(k, rows)
+        if n <= 1:  # (no rows: refused, naming the array, by _batch_inputs)
+            return [batch], [None]
+        sizes = [rows // n + (j < rows % n) for j in range(n)]
+        ends = np.cumsum([0, *sizes]).tolist()
+        micro = [[a[ends[j]:ends[j + 1]] if c else a for a, c in zip(batch, cut)] for j in range(n)]
+        return micro, [_Share(size, rows) for size in sizes]
 
-    def _kinds(self) -> list[str]:
-        k = self.accum_steps
-        return ["step"] if k == 1 else ["first"] + ["add"] * (k - 2) + ["last"]
+    @staticmethod
+    def _kinds(n: int) -> list[str]:
+        """The kinds of the graphs of ``n`` micro-batches (:meth:`_record`)."""
+        return ["step"] if n == 1 else ["first"] + ["add"] * (n - 2) + ["last"]
+
+    def _micro_plans(self, micro: list, shares: list, upto: Sequence[int] | None = None):
+        """Each micro-batch's recorded graph (only those at ``upto``, besides the first) with
+        whether it was recorded just now and the seconds that took, in order: the later ones
+        are recorded with the normaliser the first one's counted mean set (:class:`_Share`)."""
+        count_rows = None
+        for j, (mb, kind, share) in enumerate(zip(micro, self._kinds(len(micro)), shares)):
+            if j and upto is not None and j not in upto:
+                continue
+            t0 = time.perf_counter()
+            rec, recorded = self._lookup(mb, kind, share=share if j == 0 else share._replace(count_rows=count_rows))
+            if j == 0:
+                count_rows = rec.count_rows
+            yield j, mb, kind, rec, recorded, time.perf_counter() - t0
 
     @property
     def executables(self) -> list[Executable]:
@@ -807,8 +863,9 @@ class TrainStep:
 
     def plan(self, *batch) -> Executable:
         """The cached executable of the update for this batch signature (recorded on first use)."""
-        micro = self._micro_batches([np.asarray(a) for a in batch])
-        return self._lookup(micro[-1], self._kinds()[-1])[0].exe
+        micro, shares = self._micro_batches([np.asarray(a) for a in batch])
+        *_, (_, _, _, rec, _, _) = self._micro_plans(micro, shares, upto=[len(micro) - 1])
+        return rec.exe
 
     def auto_steps_per_graph(self, *batch) -> int:
         """How many steps :meth:`submit_steps` should take at once for batches like ``batch``:
@@ -862,7 +919,7 @@ class TrainStep:
             info = runtime.workers()
             staying, left = workers_left(info, self.executables)
             kept = [c.value for p in self.optimizer.params for c in p.cells.flat]
-            kept += [c.value for state in self.optimizer.state for grid in state for c in grid.flat]
+            kept += [c.value for state in self.optimizer.state_cells for grid in state for c in grid.flat]
             recoverable = bool(staying and left) and self.optimizer.step_count == steps[0] - 1 \
                 and on_workers(runtime, kept, staying)
             why = why_removed(runtime, sorted(left)) if recoverable else ""
@@ -910,17 +967,15 @@ class TrainStep:
         :meth:`_sent_as_workers_left`)."""
         t0 = time.perf_counter()
         self._require_open()
-        micro = self._micro_batches([np.asarray(a) for a in batch])
+        micro, shares = self._micro_batches([np.asarray(a) for a in batch])
         record_seconds = 0.0
         losses = []
         step_no = self.optimizer.step_count + 1
         self.optimizer.lr_at(step_no)  # before any micro-batch runs
         undo = _Undo(self, step_no - 1)
-        for j, (mb, kind) in enumerate(zip(micro, self._kinds())):
-            t1 = time.perf_counter()
-            rec, recorded = self._lookup(mb, kind)
+        for j, mb, kind, rec, recorded, seconds in self._micro_plans(micro, shares):
             if recorded:
-                record_seconds += time.perf_counter() - t1
+                record_seconds += seconds
                 self._warn_unshifted(mb, rec)
             # (a step again after a failed one rolled back: other keys than those of the failed one)
             _bind_batch(rec.inputs[0], mb, f"{id(self):x}-step{step_no}.{j}-{self._rollbacks}")
@@ -938,8 +993,10 @@ class TrainStep:
             losses.append(values[0])
         norm = values[1] if rec.n_fetch > 1 else None
         undo.until_done(losses)
+        # (another loss than a counted mean: the micro-batches' mean weighted by their rows, where unequal)
+        rows = [s.rows for s in shares] if len(set(shares)) > 1 else None
         return PendingStep(self, step_no, losses, norm, self.optimizer.schedule(step_no), t0, record_seconds, rec,
-                           undo=undo)
+                           undo=undo, weights=rows)
 
     def submit_steps(self, batches: Sequence[Sequence[np.ndarray]]) -> list["PendingStep"]:
         """Submit ``len(batches)`` consecutive optimizer steps as one graph (recorded once per
@@ -1180,8 +1237,9 @@ class PendingStep:
 
     def __init__(self, owner: TrainStep, step: int, losses: list, norm, lr: float, t0: float,
                  record_seconds: float, rec: _Recorded, group: int = 1, first: int | None = None,
-                 undo: _Undo | None = None):
+                 undo: _Undo | None = None, weights: list[int] | None = None):
         self.owner, self.step, self._losses, self._norm, self.lr = owner, step, losses, norm, lr
+        self._weights = weights  # the micro-batches' rows, where unequal (None: a plain mean of the losses)
         self._undo = undo
         self._t0, self._record_seconds, self._rec, self._group = t0, record_seconds, rec, group
         self.steps = range(first if first is not None else step, (first if first is not None else step) + group)
@@ -1240,7 +1298,7 @@ class PendingStep:
                 total, count = np.sum([to_host(v) for v in values[:n]], axis=0)
                 loss = float(np.asarray(total / count if count else np.nan, self._rec.counted))
             else:
-                loss = float(np.mean([to_host(v).reshape(()) for v in values[:n]]))
+                loss = float(np.average([to_host(v).reshape(()) for v in values[:n]], weights=self._weights))
             norm = float(to_host(values[n])[3]) if self._norm is not None else None
             seconds = (time.perf_counter() - self._t0) / self._group  # a group's steps share its time
             self.stats = StepStats(loss, norm, self.lr, seconds, self._record_seconds,

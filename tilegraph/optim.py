@@ -28,7 +28,7 @@ from tilegraph._tensor import TileTensor, assign_cells, tensor_from_cells
 from tilegraph.nn import Module, Parameter
 from tilegraph.ops._gpu import fused
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "warmup_cosine", "constant", "schedule_from_spec"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "StateKeyError", "warmup_cosine", "constant", "schedule_from_spec"]
 
 
 # ------------------------------------------------------------------------ argument checks ----
@@ -570,8 +570,32 @@ class Optimizer:
         #: corrections count its own updates, as torch's ``state["step"]``)
         self.param_steps = [0] * len(params)
         self.hyper = self.hyper_cell("hyper")
-        # state[i][k] is the cell grid of state k of parameter i (zeros, same tiles)
-        self.state = [[_zeros_cells(p, self.state_dtype(p)) for _ in range(self.n_state)] for p in params]
+        #: state_cells[i][k] is the cell grid of state k (``state_names[k]``) of parameter i (zeros,
+        #: the parameter's tiles); :attr:`state` reads it as torch's ``opt.state[p]``
+        self.state_cells = [[_zeros_cells(p, self.state_dtype(p)) for _ in range(self.n_state)] for p in params]
+
+    @property
+    def state(self) -> "_ParamStates":
+        """torch's ``opt.state``: ``opt.state[p]`` is parameter ``p``'s state, a read-only mapping
+        with torch's keys (Adam and AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``; SGD with momentum:
+        ``momentum_buffer``; without: none, as torch's), each value a TileTensor over the state's
+        tiles, as a Parameter is (``.numpy()`` fetches it from wherever it lives; one kept reads
+        the state as it is when computed, as torch's tensors updated in place do), ``step`` an
+        int (the updates ``p`` got; torch's is a 0-d float tensor). ``opt.state.items()`` gives
+        ``(p, state)`` for each parameter. Unlike torch's, every parameter has its state (zeros,
+        step 0) before the first step.
+
+        It is also the list it always was, one list of state cell grids per parameter
+        (:attr:`state_cells`): ``opt.state[i]``, ``len`` and iteration read that.
+
+        >>> import numpy as np, tilegraph as tg
+        >>> layer = tg.nn.Linear(4, 2, seed=0)
+        >>> opt = tg.optim.AdamW(layer.parameters())
+        >>> s = opt.state[layer.weight]
+        >>> list(s), s["step"], float(np.abs(s["exp_avg"].numpy()).max())
+        (['step', 'exp_avg', 'exp_avg_sq'], 0, 0.0)
+        """
+        return _ParamStates(self)
 
     def _checked(self, name: str, value, where: str | None = None):
         """``value`` checked (and as stored) for the setting ``name`` (see :class:`_Setting`);
@@ -821,7 +845,7 @@ class Optimizer:
             hyper = norm = emit1(_clip_hyper, [hyper, *parts], size, np.float64, op="clip_norm",
                                  max_norm=float(self.clip_grad_norm))
         assignments = []
-        for i, (p, g, state, options) in enumerate(zip(self.params, grads, self.state, self.param_options)):
+        for i, (p, g, state, options) in enumerate(zip(self.params, grads, self.state_cells, self.param_options)):
             if g is None:
                 continue
             if g.chunks != p.chunks:
@@ -998,12 +1022,14 @@ class Optimizer:
 
     #: names of the per-parameter state tensors, as torch.optim calls them
     state_names: tuple[str, ...] = ()
+    #: whether torch's state of a parameter holds its update count, ``step`` (Adam's does, SGD's not)
+    state_step: bool = False
 
     def state_tensors(self) -> list[dict[str, TileTensor]]:
         """Per parameter, its state tensors by name (TileTensors over the state cells; compute
         them to fetch the values from wherever they live)."""
         return [{name: tensor_from_cells(p.tiling, self.state_dtype(p), grid, name=f"{p.name}.{name}")
-                 for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state)]
+                 for name, grid in zip(self.state_names, state)} for p, state in zip(self.params, self.state_cells)]
 
     def load_state(self, arrays: Sequence[dict[str, np.ndarray]], step: int, *, where: str | None = None,
                    param_steps: Sequence[int] | None = None) -> None:
@@ -1025,7 +1051,7 @@ class Optimizer:
                                     f"expected {p.shape}")
         if problems:
             raise TileError(where, "optimizer state does not match the parameters", "; ".join(problems))
-        for p, a, state in zip(self.params, arrays, self.state):
+        for p, a, state in zip(self.params, arrays, self.state_cells):
             for name, grid in zip(self.state_names, state):
                 assign_cells(grid, p.tiling, np.asarray(a[name], dtype=self.state_dtype(p)))
         self.step_count = int(step)
@@ -1090,6 +1116,128 @@ class _GroupView(Mapping):
 
     def pop(self, key, *default):
         self._refuse(f"{self._name}.pop({key!r})")
+
+
+class StateKeyError(TileError, KeyError):
+    """A key that ``opt.state`` or ``opt.state[p]`` does not hold (a parameter of another
+    optimizer, a state name the optimizer does not keep): a KeyError too, as a dict's, so that
+    ``.get`` and ``in`` answer as they do for torch's ``opt.state``."""
+
+    def __str__(self) -> str:  # (KeyError's would show the message quoted, as a repr)
+        return BaseException.__str__(self)
+
+
+def _param_name(p, i: int | None = None) -> str:
+    """``params[i] (name, shape (4, 2))``: a parameter as an error names it."""
+    said = ", ".join(x for x in (getattr(p, "name", None), f"shape {tuple(p.shape)}") if x)
+    return f"params[{i}] ({said})" if i is not None else f"a parameter ({said})"
+
+
+class _ParamStates(list):
+    """:attr:`Optimizer.state`: the per-parameter lists of state cell grids (``state[i]``, ``len``
+    and iteration, as the list ``opt.state`` always was: ``state_cells``), which also answers
+    torch's ``state[p]`` with a parameter (a :class:`_ParamState`), ``items``, ``keys``,
+    ``values``, ``get`` and ``p in state``."""
+
+    def __init__(self, opt: Optimizer):
+        super().__init__(opt.state_cells)
+        self._opt = opt
+        self._where = f"tilegraph.optim.{type(opt).__name__}.state"
+
+    def _index(self, p) -> int:
+        """The index of parameter ``p`` in the optimizer; a StateKeyError naming it otherwise."""
+        opt = self._opt
+        for i, q in enumerate(opt.params):
+            if q is p:
+                return i
+        if not isinstance(p, TileTensor):
+            raise StateKeyError(self._where, "a key that is one of the optimizer's parameters (opt.state[p], p in "
+                                f"opt.params: {len(opt.params)} of them; an int index reads state_cells[i], its "
+                                "cell grids), as torch's opt.state", f"{type(p).__name__} {p!r:.60}")
+        if any(q is p for q in opt.frozen_params):
+            raise StateKeyError(self._where, "a parameter the optimizer trains: this one was frozen (requires_grad="
+                                "False) when the optimizer was made, which left it out (no state, no update); make "
+                                "the optimizer while it trains to keep its state", _param_name(p))
+        raise StateKeyError(self._where, f"one of the optimizer's {len(opt.params)} parameters (opt.params), "
+                            "the parameters it was made with", f"{_param_name(p)}, which is not among them")
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) or (not isinstance(key, TileTensor) and hasattr(type(key), "__index__")):
+            return super().__getitem__(key)  # (an int: the cell grids, as before)
+        return _ParamState(self._opt, self._index(key))
+
+    def __setitem__(self, key, value) -> None:
+        if isinstance(key, TileTensor):
+            raise TileError(self._where, "opt.state is read-only here: the state lives in the update's cells; "
+                            "restore it with opt.load_state_dict(saved) (a state_dict()) or a checkpoint",
+                            f"opt.state[{_param_name(key)}] = {type(value).__name__}")
+        super().__setitem__(key, value)
+
+    def __contains__(self, key) -> bool:
+        if isinstance(key, TileTensor):
+            return any(q is key for q in self._opt.params)
+        return any(key is grids for grids in self)
+
+    def get(self, p, default=None):
+        try:
+            return self[p]
+        except StateKeyError:
+            return default
+
+    def keys(self) -> list:
+        return list(self._opt.params)
+
+    def values(self) -> list["_ParamState"]:
+        return [_ParamState(self._opt, i) for i in range(len(self._opt.params))]
+
+    def items(self) -> list[tuple]:
+        return list(zip(self.keys(), self.values()))
+
+
+class _ParamState(Mapping):
+    """``opt.state[p]``: parameter ``p``'s state with torch's keys, read each time from the
+    optimizer (its state cells and update counts): see :attr:`Optimizer.state`."""
+
+    def __init__(self, opt: Optimizer, index: int):
+        self._opt, self._i = opt, index
+        p = opt.params[index]
+        self._where = f"tilegraph.optim.{type(opt).__name__}.state[{_param_name(p, index)}]"
+
+    def _keys(self) -> tuple[str, ...]:
+        return (("step",) if self._opt.state_step else ()) + tuple(self._opt.state_names)
+
+    def __getitem__(self, key):
+        opt, i = self._opt, self._i
+        if isinstance(key, str) and key == "step" and opt.state_step:
+            return int(opt.param_steps[i])
+        if isinstance(key, str) and key in opt.state_names:
+            p = opt.params[i]
+            grid = opt.state_cells[i][opt.state_names.index(key)]
+            return tensor_from_cells(p.tiling, opt.state_dtype(p), grid, name=f"{p.name}.{key}")
+        kind = type(opt).__name__
+        why = ""
+        if key == "momentum_buffer" and isinstance(opt, SGD):
+            why = " (SGD keeps a momentum_buffer only with momentum > 0, as torch's)"
+        elif key == "max_exp_avg_sq":
+            why = " (amsgrad, whose state it is, is not implemented)"
+        raise StateKeyError(self._where, f"a key of {kind}'s state of a parameter: "
+                            f"{', '.join(map(repr, self._keys())) or 'none (it keeps no state)'}{why}", repr(key))
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __setitem__(self, key, value) -> None:
+        raise TileError(self._where, "opt.state[p] is read-only here: the state lives in the update's cells; "
+                        "restore it with opt.load_state_dict(saved) (a state_dict()) or a checkpoint",
+                        f"[{key!r}] = {type(value).__name__}")
+
+    def __repr__(self) -> str:
+        shown = {k: (self[k] if k == "step" else f"TileTensor(shape={self._opt.params[self._i].shape}, "
+                     f"dtype={self._opt.state_dtype(self._opt.params[self._i])})") for k in self._keys()}
+        return "{" + ", ".join(f"{k!r}: {v}" for k, v in shown.items()) + "}"
 
 
 def _some_names(names: Sequence[str], count: bool = True, shown: int = 3) -> str:
@@ -1221,6 +1369,7 @@ class Adam(Optimizer):
 
     n_state = 2
     state_names = ("exp_avg", "exp_avg_sq")
+    state_step = True
     group_keys = ("weight_decay", "betas", "eps")
     setting_keys = ("betas", "eps", "weight_decay")
     #: the optimizer's own settings (those of the parameters whose group sets none); each may

@@ -98,7 +98,10 @@ class Trainer:
       micro-batches whose gradients are summed on the workers before the update. With a callable
       ``data``, its batches are trained as returned: ``batch_size`` may be left out (it is then
       the rows of the first batch, None until the first fit reads it); given, it must match them
-      (checked on the first batch, before any step).
+      (checked on the first batch, before any step). A batch whose rows do not divide by k (the
+      short last batch of an epoch, 10 rows with k=4) runs as micro-batches of unequal rows (3, 3,
+      2, 2), each weighted by its rows: the update is that of the whole batch
+      (:class:`TrainStep`). A token dataset's ``batch_size`` must be a multiple of k.
     - ``eval_data`` / ``eval_every`` / ``eval_batches``: validation loss every that many steps
       (and at the end) over that many batches of ``eval_data``.
     - How a callable ``data`` and ``eval_data`` are called: ``data(step)`` with the number of the
@@ -255,8 +258,18 @@ class Trainer:
         if is_int(batch_size):  # NumPy's integers too, as for accum_steps
             batch_size = int(batch_size)
         if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
-                                       or batch_size < 1 or batch_size % accum_steps):  # (True trained 1 row)
-            raise TileError(where, "batch_size must be a positive multiple of accum_steps",
+                                       or batch_size < 1):  # (True trained 1 row)
+            raise TileError(where, "batch_size must be an int >= 1 (the rows of a step's batch)",
+                            f"batch_size={batch_size!r}")
+        # a callable data's batches of rows that do not divide by accum_steps run as micro-batches
+        # of unequal rows (TrainStep._micro_batches); a token dataset's evaluation batches are its
+        # micro-batches' windows, batch_size / accum_steps, and so are its row tiles
+        if batch_size is not None and _is_token_data(data) and batch_size % accum_steps:
+            near = [m for m in (batch_size // accum_steps * accum_steps, -(-batch_size // accum_steps) * accum_steps)
+                    if m]
+            raise TileError(where, "batch_size must be a multiple of accum_steps for a token dataset (its "
+                            "micro-batches, and evaluation batches, are of batch_size / accum_steps windows): "
+                            f"batch_size={' or '.join(map(str, near))}, or another accum_steps",
                             f"batch_size={batch_size!r}, accum_steps={accum_steps!r}")
         if batch_size is not None and eval_data is not None and _is_token_data(eval_data) \
                 and eval_data.num_eval_windows < batch_size // accum_steps:  # not after training up to an evaluation
@@ -697,7 +710,7 @@ class Trainer:
         "the cluster lost tasks or data of step 8 (no worker was found missing)", counting those
         steps all the same."""
         tiles = [c.value for p in self.optimizer.params for c in p.cells.flat]
-        tiles += [c.value for state in self.optimizer.state for grid in state for c in grid.flat]
+        tiles += [c.value for state in self.optimizer.state_cells for grid in state for c in grid.flat]
         futures = [v.future for v in tiles if getattr(v, "future", None) is not None]
         gone = sum(f.status in ("cancelled", "lost") for f in futures)
         if gone:
