@@ -118,11 +118,16 @@ def test_eval_without_a_record_keeps_the_shipped_defaults(tmp_path, capsys, json
     code, out, err = _eval(capsys, ck, "--data", jsonl / "text.jsonl", "--batches", 2, "--batch-size", 2, "--local")
     assert code == 0, err
     assert "4 windows of 32 spread over it" in out  # min(shipped 64, max_seq_len 32); JSON Lines' field "text"
-    # a damaged record (seq_len no integer, text_field empty): its values are not used
+    # a damaged record (seq_len no integer, text_field empty): refused where eval would take its seq_len (it
+    # measured windows of the shipped 64 without a word); with --seq-len its values are not used, and said so
     (ck / "tilegraph_data.json").write_text(json.dumps({"seq_len": "16", "text_field": ""}))
     code, out, err = _eval(capsys, ck, "--data", jsonl / "text.jsonl", "--batches", 2, "--batch-size", 2, "--local")
+    assert code == 2 and "without --seq-len, eval's windows are as long as the run's" in err, err
+    assert "seq_len = '16' (not an integer >= 1), text_field = '' (not a non-empty string)" in err
+    code, out, err = _eval(capsys, ck, "--data", jsonl / "text.jsonl", "--batches", 2, "--batch-size", 2,
+                           "--seq-len", 32, "--local")
     assert code == 0, err
-    assert "4 windows of 32 spread over it" in out
+    assert "4 windows of 32 spread over it" in out and "not used (the flags given replace it)" in err
 
 
 def test_eval_and_generate_warn_of_another_tokenizer(capsys, jsonl, run_checkpoint):

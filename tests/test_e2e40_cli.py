@@ -211,8 +211,9 @@ def test_a_damaged_data_record_is_named_not_replaced_by_the_default_corpus(root,
         err = _error(root, "eval", ck, "--local")
         assert err.startswith("tilegraph eval: error: [tilegraph eval] a readable tilegraph_data.json in the "
                               "checkpoint: without --data, eval reads the held-out part of the text the run trained "
-                              f"on, which it records (or name text to evaluate on with --data); received: {ck}/"
-                              "tilegraph_data.json: "), err
+                              "on, which it records (or name text to evaluate on with --data); without --seq-len, "
+                              "eval's windows are as long as the run's, its [data] seq_len, which it records (or give "
+                              f"--seq-len); received: {ck}/tilegraph_data.json: "), err
         assert problem in err
         code, out, err = _main(root, "info", ck)
         assert code == 0, err

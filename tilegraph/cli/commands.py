@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tilegraph._config import number_check, require_arg
-from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
+from tilegraph.io.data import JSONL_SUFFIXES, stdlib_files  # stdlib_files: the train corpus "stdlib"; public there
 from tilegraph.cli.config import load_config, make_tokenizer
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, _describe, adapter_settings, adapters_only, load_model,
                                     read_peft_record, read_sketch_record)
@@ -144,7 +144,21 @@ def run_data(folder: Path) -> dict:
     was measured on; ``text_field``, its JSON Lines records' field; ``text``, the [data] keys that
     name its text (``sources``, ``patterns``, ``max_mb``, ``val_fraction``: the held-out part it
     validated on); ``tokens``, the count it read. Those it holds, checked (a record written by hand
-    or damaged: none of its bad values)."""
+    or damaged: none of its bad values; :func:`run_data_problems` says what they are)."""
+    return _checked_run_data(folder)[0]
+
+
+def run_data_problems(folder: Path) -> tuple[str | None, dict[str, str]]:
+    """What is wrong with the ``tilegraph_data.json`` of ``folder``: (in words with its path, where
+    it cannot be read as a JSON object, else None; key -> its value and what it must be, for each
+    value that :func:`run_data` leaves out, a seq_len "16" say)."""
+    from tilegraph.cli.runs import data_record_problem
+
+    return data_record_problem(folder), _checked_run_data(folder)[1]
+
+
+def _checked_run_data(folder: Path) -> tuple[dict, dict[str, str]]:
+    """(:func:`run_data`, key -> what is wrong with its value, for each bad one)."""
     from tilegraph.cli.runs import read_data_record
 
     record = read_data_record(folder) or {}
@@ -158,19 +172,21 @@ def run_data(folder: Path) -> dict:
     def fraction(v, high: float) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= high
 
-    out = {}
-    seq_len, field = record.get("seq_len"), record.get("text_field")
-    if whole(seq_len):
-        out["seq_len"] = seq_len
-    if isinstance(field, str) and field:
-        out["text_field"] = field
-    if whole(record.get("tokens"), 0):
-        out["tokens"] = record["tokens"]
+    checks = {"seq_len": (whole, "an integer >= 1"), "text_field": (lambda v: isinstance(v, str) and bool(v),
+                                                                      "a non-empty string"),
+              "tokens": (lambda v: whole(v, 0), "an integer >= 0"),
+              "sources": (strings, "a non-empty list of paths"), "patterns": (strings, "a non-empty list of globs"),
+              "max_mb": (lambda v: fraction(v, float("inf")), "a number > 0"),
+              "val_fraction": (lambda v: fraction(v, 1) and v < 1, "a number > 0 and < 1")}
+    # a key it lacks is no problem (an older record); one that holds what no run writes is
+    bad = {key: f"{key} = {record[key]!r:.60} (not {want})" for key, (ok, want) in checks.items()
+           if key in record and not ok(record[key])}
+    out = {k: record[k] for k in ("seq_len", "text_field", "tokens")
+           if k in record and checks[k][0](record[k])}
     text = {k: record.get(k) for k in ("sources", "patterns", "max_mb", "val_fraction")}
-    if strings(text["sources"]) and strings(text["patterns"]) and fraction(text["max_mb"], float("inf")) \
-            and fraction(text["val_fraction"], 1) and text["val_fraction"] < 1:
+    if all(k in record and checks[k][0](v) for k, v in text.items()):
         out["text"] = text
-    return out
+    return out, bad
 
 
 #: generate()'s options that shape sampling -> the flags that set them
@@ -332,8 +348,8 @@ def _eval(args) -> int:
     import tilegraph as tg
     from tilegraph._errors import TileError
     from tilegraph.io import TokenDataset, build_token_file
-    from tilegraph.io.data import DEFAULT_PATTERNS
-    from tilegraph.cli.runs import DATA_FILE, data_record_problem
+    from tilegraph.io.data import DEFAULT_PATTERNS, find_sources
+    from tilegraph.cli.runs import DATA_FILE
     from tilegraph.trainer import _default_row_tile, lm_loss, perplexity
 
     where = "tilegraph eval"
@@ -351,11 +367,26 @@ def _eval(args) -> int:
     job, _ = load_config(None)
     d = job["data"]
     run = run_data(folder)  # a tilegraph train checkpoint's [data]: its windows' seq_len, its text's field
-    damaged = data_record_problem(folder)
-    if damaged and not args.data:  # else it measured the default corpus instead of the run's text, unsaid
-        raise TileError(where, f"a readable {DATA_FILE} in the checkpoint: without --data, eval reads the held-out "
-                        "part of the text the run trained on, which it records (or name text to evaluate on with "
-                        "--data)", damaged)
+    unreadable, bad = run_data_problems(folder)
+    # what a damaged record would have given, unless the flags name it: it measured the default
+    # corpus (without --data) or windows of the shipped config's seq_len (without --seq-len), unsaid
+    text_keys = ("sources", "patterns", "max_mb", "val_fraction", "tokens")
+    needed = []
+    if (unreadable or any(k in bad for k in text_keys)) and not args.data:
+        needed.append("without --data, eval reads the held-out part of the text the run trained on, which it records "
+                      "(or name text to evaluate on with --data)")
+    if (unreadable or "seq_len" in bad) and args.seq_len is None:
+        needed.append("without --seq-len, eval's windows are as long as the run's, its [data] seq_len, which it "
+                      "records (or give --seq-len)")
+    if "text_field" in bad and not (args.data or args.text_field):
+        needed.append("without --text-field, eval reads the run's records by the field it records, its [data] "
+                      "text_field (or give --text-field)")
+    damaged = unreadable or (f"{folder / DATA_FILE}: " + ", ".join(bad.values()) if bad else None)
+    if needed:
+        raise TileError(where, f"a readable {DATA_FILE} in the checkpoint: " + "; ".join(needed), damaged)
+    if damaged:  # the flags given replace what it would give: one line of what is not used
+        print(f"{where}: warning: {damaged}: " + ("not read" if unreadable else "not used")
+              + " (the flags given replace it)", file=sys.stderr, flush=True)
     seq_len = args.seq_len if args.seq_len is not None else min(run.get("seq_len", int(d["seq_len"])),
                                                                 cfg.max_seq_len)
     text_field = getattr(args, "text_field", None) or run.get("text_field", "text")
@@ -373,6 +404,13 @@ def _eval(args) -> int:
         what = f"the validation split (last {val_fraction:.0%}) of the default training corpus"
         patterns = d["patterns"]
     batch_size = args.batch_size
+    if args.text_field and args.data:  # refused before the text is read: a field of records a text file has not
+        try:
+            found = find_sources(sources, patterns)
+        except TileError:  # (build_token_file names what is wrong with the sources, below)
+            found = None
+        if found is not None and not any(Path(f).suffix.lower() in RECORD_SUFFIXES for f in found):
+            raise _text_field_unused(args.text_field, found, "")
     with tempfile.TemporaryDirectory(prefix="tilegraph-eval-") as tmp:
         try:
             if "text" in run and not args.data:  # read as the run read it (its max_mb, its globs)
@@ -401,6 +439,9 @@ def _eval(args) -> int:
             elif what.startswith("no files found") and args.data:  # a folder of .jsonl, say: how to name them
                 what += _other_files_hint(args.data)
             raise TileError(f"{where} --data" if args.data else where, what, e.received) from None
+        if args.text_field and "text_field" not in meta:  # the run's text: text files alone (none of records)
+            raise _text_field_unused(args.text_field, [src["path"] for src in meta["sources"]],
+                                     f"the run's text ({folder / DATA_FILE}): ")
         if meta["count"] < seq_len + 1 or (meta["count"] - 1) // seq_len < batch_size:
             raise TileError(where, f"a corpus of at least --batch-size={batch_size} windows of --seq-len + 1 = "
                             f"{seq_len + 1} tokens", f"{meta['count']:,} tokens from {len(sources)} source(s)")
@@ -441,6 +482,24 @@ def _eval(args) -> int:
             loss = float(np.mean(ev.losses([(b,) for b in batches])))
     print(f"loss {loss:.4f}, perplexity {perplexity(loss):.3f}")
     return 0
+
+
+#: the files whose records --text-field names a field of (the others are text, read whole)
+RECORD_SUFFIXES = (*JSONL_SUFFIXES, ".json")
+
+
+def _text_field_unused(field: str, files: list, whose: str):
+    """The error of eval's --text-field ``field`` given for ``files`` that are text files alone
+    (``whose``: what they are, before the count): a text file has no fields, and the flag was
+    ignored without a word."""
+    from tilegraph._errors import TileError
+
+    shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    return TileError("tilegraph eval --text-field", "files of records among the sources (JSON Lines: "
+                     f"{', '.join(JSONL_SUFFIXES)}; or .json): it names the field of their records that holds the "
+                     "text; a text file is read whole and has no fields (leave --text-field out)",
+                     f"--text-field {field!r} with {whose}{len(files)} text file{'s' if len(files) != 1 else ''} "
+                     f"({shown})")
 
 
 def _other_files_hint(sources: list[str]) -> str:
@@ -528,6 +587,13 @@ def cmd_convert(args) -> int:
                  "generation_config.json", "tilegraph_data.json"):
         if (src / name).is_file():
             files[name] = (src / name).read_bytes()
+    damaged = _damaged_files(src, files)
+    if damaged:  # (they were copied as they were: the destination as damaged as the source, unsaid)
+        them = "it" if len(damaged) == 1 else "them"
+        raise TileError(where, "readable files beside the model (JSON objects; tilegraph_tokenizer.json describing "
+                        f"a tokenizer): convert copies them into the destination as they are; restore {them} (from "
+                        f"another checkpoint of the run, or where the model came from), or remove {them} to convert "
+                        f"the model without {them} (nothing was written)", "; ".join(damaged))
     files.update(_hf_tokenizer_files(src, files, where))  # a checkpoint written before it held tokenizer.json
     to_zarr = args.to == "zarr" if args.to else (src / "config.json").is_file() and not (src / "zarr.json").is_file()
     if to_zarr:
@@ -598,6 +664,37 @@ def _quantized_source_note(src: Path, dst: Path, quantize: str | None, where: st
     how = f"quantized again as {quantize}: its error on top of theirs" if quantize is not None else "unquantized"
     return (f"{where}: note: {src} is a quantized checkpoint ({summary}): {dst} holds its dequantized weights "
             f"({how}), not the float weights they were quantized from")
+
+
+def _damaged_files(src: Path, files: dict[str, bytes]) -> list[str]:
+    """What is wrong with each of the JSON files convert copies from ``src`` (``files``: name ->
+    bytes) that cannot be read as the commands read it, ``PATH: what`` each: not a JSON object, and
+    ``tilegraph_tokenizer.json`` that describes no tokenizer (with ``bpe_tokenizer.json``) one can
+    build; [] where all are readable."""
+    from tilegraph._errors import TileError
+    from tilegraph.io import tokenizer_from_description
+
+    problems, read = [], {}
+    for name, data in files.items():
+        try:
+            read[name] = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            problems.append(f"{src / name}: {type(e).__name__}: {e}")
+            continue
+        if not isinstance(read[name], dict):
+            problems.append(f"{src / name}: {type(read[name]).__name__}, not a JSON object")
+            del read[name]
+    bpe_damaged = "bpe_tokenizer.json" in files and "bpe_tokenizer.json" not in read  # (said above)
+    if "tilegraph_tokenizer.json" in read and not bpe_damaged:
+        bpe = src / "bpe_tokenizer.json"
+        if read["tilegraph_tokenizer.json"].get("kind") == "bpe" and "bpe_tokenizer.json" not in read:
+            return problems + [f"{src / 'tilegraph_tokenizer.json'}: the record of a BPE tokenizer without its "
+                               f"vocabulary, {bpe}"]
+        try:
+            tokenizer_from_description(read["tilegraph_tokenizer.json"], bpe if bpe.is_file() else None)
+        except TileError as e:  # an unknown kind, a BPE record without its file or of another file
+            problems.append(f"{src / 'tilegraph_tokenizer.json'}: {e.what} ({e.received})")
+    return problems
 
 
 def _hf_tokenizer_files(src: Path, files: dict[str, bytes], where: str) -> dict[str, bytes]:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from tilegraph._config import (BATCH_SPLITTING_STRATEGIES, EXCHANGES, MAX_WORKERS_VARIABLE, PARALLEL_STRATEGIES,
-                               ZERO3_TASKS_WHY, number_check, one_of_check, over_worker_limit)
+                               ZERO3_TASKS_WHY, is_int, number_check, one_of_check, over_worker_limit)
 from tilegraph.ops.rmm import SKETCHES
 from tilegraph.plotting import TENSORBOARD_INSTALL, has_tensorboard
 
@@ -173,6 +173,11 @@ def _patterns():
             'a non-empty list of file name patterns, each relative to the folders of sources (e.g. ["*.txt"])')
 
 
+#: the largest [train] seed (--seed): a TOML integer is a signed 64-bit one, so a config cannot hold
+#: more, and a seed past it failed mid-run in a kernel (a gradient sketch hashes seed + layer as 8
+#: bytes: "OverflowError: int too big to convert" from 2**64 - layers on) instead of being refused
+SEED_MAX = 2 ** 63 - 1
+
 #: what each key of the job config must hold (checked after merging and --set, before any work);
 #: val_fraction > 0: the job always validates (at the end, even with eval_every = 0), on at least one window
 CONFIG_CHECKS = {
@@ -183,7 +188,8 @@ CONFIG_CHECKS = {
     "train.steps_per_graph": (lambda v: v == "auto" or _int(1)[0](v), '"auto" or an integer >= 1'),
     "train.lr": _number(0, strict=True), "train.warmup": _int(0), "train.min_lr": _number(0),
     "train.weight_decay": _number(0), "train.clip_grad_norm": _number(0), "train.eval_every": _int(0),
-    "train.eval_batches": _int(1), "train.seed": _int(0),
+    "train.eval_batches": _int(1),
+    "train.seed": (lambda v: is_int(v, 0, SEED_MAX), "an integer in [0, 2**63 - 1]"),
     "output.dir": _text(), "output.checkpoint_every": _int(0),
     "output.checkpoint_keep": _int(0),
     "output.tensorboard": (lambda v: v is False or (v is True and has_tensorboard()),
@@ -244,13 +250,17 @@ def value_problems(cfg: dict) -> dict[str, str]:
     return bad
 
 
-def check_config(cfg: dict, source: str, mpi: bool = False) -> None:
+def check_config(cfg: dict, source: str, mpi: bool = False, flags: dict[str, str] | None = None) -> None:
     """Every known key holds what it must; all problems in one error. ``mpi``: ``--mpi`` was
     given (as [runtime] mpi = true): [runtime] workers is then no count of this machine's
-    processes, and ``tilegraph train`` refuses it apart, naming the launch it goes with."""
+    processes, and ``tilegraph train`` refuses it apart, naming the launch it goes with.
+    ``flags``: ``section.key`` -> the flag that set its value (``--seed``), named beside it (the
+    key alone left a user of the flag looking for it in the config)."""
     from tilegraph._errors import TileError
 
-    problems = list(value_problems(cfg).values())
+    flags = flags or {}
+    problems = [text + (f" (set by {flags[name]})" if name in flags else "")
+                for name, text in value_problems(cfg).items()]
     t, p = cfg["train"], cfg.get("peft", {})
     if not problems and t["min_lr"] > t["lr"]:  # the cosine would rise from lr to min_lr: warmup_cosine refuses it
         problems.append(f"train.min_lr ({t['min_lr']!r}) must be at most train.lr ({t['lr']!r}): the learning rate "

@@ -499,6 +499,7 @@ def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None)
         if not folder.is_dir():
             raise TileError(where, "a tilegraph checkpoint folder (zarr.json) or a Hugging Face folder (config.json)",
                             f"{folder} is a file, not a folder")
+        refuse_weights_without_config(folder, where)
         newest = latest_checkpoint(folder)  # a run folder of tilegraph train: its checkpoints are inside
         hint = f" (a run folder of tilegraph train: its newest checkpoint is {newest})" if newest else ""
         empty, saving = run_without_checkpoint(folder), save_folder(folder)
@@ -514,6 +515,35 @@ def load_model(folder: Path, where: str, *, hf_dtype="float32", zarr_dtype=None)
                         f"{folder} holds neither{hint}")
     check_hf_weights(folder, where)
     return models.from_hf(folder, dtype=hf_dtype)
+
+
+def weights_without_config(folder: Path) -> str | None:
+    """What a folder of Hugging Face weights (``*.safetensors``) without the ``config.json`` that
+    describes their model holds, in words that name both (it was "holds neither", as of a folder
+    with nothing of a model in it); None for any other folder."""
+    if not folder.is_dir() or (folder / "config.json").is_file():
+        return None
+    weights = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
+    if not weights:
+        return None
+    shown = weights[0] if len(weights) == 1 else (f"{len(weights)} weight files ({', '.join(weights[:3])}"
+                                                  + (", ...)" if len(weights) > 3 else ")"))
+    # another spelling of it (Config.json, CONFIG.JSON): the loaders look for config.json alone
+    other = sorted(p.name for p in folder.iterdir() if p.name.lower() == "config.json")
+    return (f"{folder} holds {shown} but no config.json"
+            + (f" ({other[0]} is there: the name must be config.json, in lower case)" if other else ""))
+
+
+def refuse_weights_without_config(folder: Path, where: str) -> None:
+    """Refuse, naming the weights and the file missing, a folder of Hugging Face weights without
+    their config.json (:func:`weights_without_config`) given as a model; nothing for another."""
+    from tilegraph._errors import TileError
+
+    held = weights_without_config(folder)
+    if held is not None:
+        raise TileError(where, "a Hugging Face folder with its config.json beside the weights: config.json "
+                        "describes the model (architecture and sizes), which is built before the weights are "
+                        "read; put the config.json that came with the weights into the folder", held)
 
 
 def check_hf_weights(folder: Path, where: str) -> None:

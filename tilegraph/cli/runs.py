@@ -19,7 +19,8 @@ from tilegraph._errors import TileError
 from tilegraph._lock import LOCK_NAME, Holder, hold_folder
 from tilegraph.cli.config import check_config
 from tilegraph.cli.finetune import (SKETCH_FILE, SKETCH_KEYS, _describe, adapter_settings, adapters_hint,
-                                    adapters_only, read_peft_record, read_sketch_record, sketch_settings)
+                                    adapters_only, read_peft_record, read_sketch_record, sketch_settings,
+                                    weights_without_config)
 
 
 # ---------------------------------------------------------------------------- the folder ----
@@ -763,6 +764,10 @@ def check_checkpoint_folder(folder: Path, where: str, hf_hint: str) -> None:
     # named by the command (the loader named itself, tilegraph.io.load_checkpoint(...), and "is not one")
     if not folder.is_dir():
         raise TileError(where, want, f"{folder} is a file, not a folder")
+    held = weights_without_config(folder)
+    if held is not None:  # (a Hugging Face model's weights: "holds none (no zarr.json)" said nothing of them)
+        raise TileError(where, want, f"{held}, the weights of a Hugging Face model without the file that describes "
+                        f"it, and no zarr.json")
     if any((folder / part).is_dir() and any((folder / part).glob("*/zarr.json")) for part in ("model", "optimizer")):
         raise TileError(where, want, f"{folder}, whose model/ or optimizer/ folder holds a checkpoint's arrays but "
                         "whose zarr.json, the checkpoint's index of them, is missing: a damaged or partly copied "

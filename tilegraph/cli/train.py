@@ -175,7 +175,7 @@ def _train(args, job: Job) -> int:
             cfg[section][key] = value
     if args.set or any(v is not None for _, v in flags.values()):
         source += " and the command line"
-    check_config(cfg, source, mpi=args.mpi)
+    check_config(cfg, source, mpi=args.mpi, flags={name: flag for name, (flag, v) in flags.items() if v is not None})
     given = given_settings(args.config, list(args.set or []), flags)
     d, t, o, r = cfg["data"], cfg["train"], cfg["output"], cfg["runtime"]
     rt = None
