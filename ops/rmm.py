@@ -69,6 +69,10 @@ _SEED_SAMPLE = 16384
 
 
 # ------------------------------------------------------------------------------ checking ----
+#: the largest seed of a sketched layer (the step's seed kernel hashes it as 8 bytes)
+SEED_MAX = 2**64 - 1
+
+
 def check_grad_sketch(sketch, ratio, seed, where: str = WHERE) -> tuple[str | None, float, int]:
     """The validated ``(sketch, ratio, seed)``; ``sketch=None`` means an exact weight gradient."""
     if sketch is not None and sketch not in SKETCHES:
@@ -76,8 +80,10 @@ def check_grad_sketch(sketch, ratio, seed, where: str = WHERE) -> tuple[str | No
     if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio)
             or not 0.0 < ratio <= 1.0):
         raise TileError(where, "sketch_ratio must be a number in (0, 1] (the share of rows kept)", repr(ratio))
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise TileError(where, "sketch_seed must be an int >= 0", repr(seed))
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
+        # (the step's seed hashes it as 8 bytes: 2**64 and past failed in the first step's kernel,
+        # "int too big to convert")
+        raise TileError(where, "sketch_seed must be an int >= 0 and <= 2**64 - 1", repr(seed))
     return sketch, float(ratio), int(seed)
 
 

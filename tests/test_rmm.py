@@ -183,6 +183,32 @@ def test_training_with_sketched_gradients_learns_and_draws_a_new_sketch_every_st
     assert len(per_layer) == 12 and all(len(set(s)) == len(s) == 8 for s in per_layer.values())
 
 
+def test_the_largest_seeds_train_and_larger_ones_are_refused_up_front():
+    """A seed of 2**64 or more was accepted and failed in the first step, inside the kernel that
+    hashes it as 8 bytes ("OverflowError: int too big to convert"), and so did apply_grad_sketch's
+    seed when a later layer's seed + i passed 2**64 - 1. Seeds that fit train (2**63 - 1, TOML's
+    largest integer, for a whole model; 2**64 - 1 for one layer); larger ones are refused where
+    they are given, the model's with the layer that does not fit."""
+    model = apply_grad_sketch(models.build("gpt2-debug", seed=0), ["*.mlp.*"], "rows", 0.5, seed=2**63 - 1)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (4, 17))
+    step = tg.TrainStep(model, tg.optim.SGD(model.parameters(), lr=0.1), _lm_loss)
+    assert np.isfinite([step(ids[:, :-1], ids[:, 1:]) for _ in range(2)]).all()
+    layer = tg.nn.Linear(6, 3, grad_sketch="rows", sketch_ratio=0.5, sketch_seed=2**64 - 1, seed=0)
+    x = np.random.default_rng(2).standard_normal((8, 6)).astype(np.float32)
+    step = tg.TrainStep(layer, tg.optim.SGD(layer.parameters(), lr=0.1), lambda m, x: tg.sum(m(x) * m(x)))
+    assert np.isfinite(step(x))
+    for seed in (2**64, 2**70):
+        with pytest.raises(tg.TileError, match=r"sketch_seed must be an int >= 0 and <= 2\*\*64 - 1; "
+                                               rf"received: {seed}"):
+            apply_grad_sketch(models.build("gpt2-debug", seed=0), ["*.mlp.*"], "rows", 0.5, seed=seed)
+        with pytest.raises(tg.TileError, match=r"\[tilegraph.nn.Linear\] sketch_seed must be"):
+            tg.nn.Linear(4, 4, grad_sketch="rows", sketch_seed=seed)
+    with pytest.raises(tg.TileError, match=r"\[tilegraph.sketch.apply_grad_sketch\] seed \+ i <= 2\*\*64 - 1 for every "
+                                           r"chosen layer .*the last chosen is layer \d+, blocks.1.mlp.fc2\): seed <= "
+                                           rf"2\*\*64 - 1 - \d+; received: {2**64 - 1}"):
+        apply_grad_sketch(models.build("gpt2-debug", seed=0), ["*.mlp.*"], "rows", 0.5, seed=2**64 - 1)
+
+
 # -------------------------------------------------------------------------- bad input ----
 def test_apply_grad_sketch_targets_and_turning_it_off():
     model = models.build("gpt2-debug", seed=0)

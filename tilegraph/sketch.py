@@ -19,7 +19,7 @@ from typing import Sequence
 
 from tilegraph._errors import TileError
 from tilegraph.nn import Linear, Module
-from tilegraph.ops.rmm import SKETCHES, check_grad_sketch
+from tilegraph.ops.rmm import SEED_MAX, SKETCHES, check_grad_sketch
 
 __all__ = ["apply_grad_sketch", "sketched_layers", "SKETCHES"]
 
@@ -81,6 +81,10 @@ def apply_grad_sketch(model: Module, targets: Sequence[str] | str, kind: str | N
                       "whose backward computes no weight gradient: the sketch changes nothing there (and saves no "
                       "memory) while they stay frozen. peft.apply_lora / apply_lotr freeze every base weight, and "
                       "the adapters' own gradients are exact", UserWarning, stacklevel=2)
+    last = max(i for i, (name, _) in enumerate(found) if name in chosen)
+    if seed + last > SEED_MAX:  # (layer i gets seed + i)
+        raise TileError(where, f"seed + i <= 2**64 - 1 for every chosen layer (the i-th Linear layer gets seed + i; "
+                        f"the last chosen is layer {last}, {found[last][0]}): seed <= 2**64 - 1 - {last}", repr(seed))
     for i, (name, _) in enumerate(found):
         if name in chosen:
             layer = chosen[name]
