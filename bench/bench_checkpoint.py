@@ -93,11 +93,11 @@ def throughput(args, tmp: Path) -> list[dict]:
             model = models.build(args.flavor, seed=0)
             opt = tg.optim.AdamW(model.parameters(), lr=1e-4)
             rng = np.random.default_rng(0)
-            for grid in (g for st in opt.state for g in st):  # moments of a trained model, not zeros
+            for grid in (g for st in opt.state_cells for g in st):  # moments of a trained model, not zeros
                 for cell in grid.flat:
                     cell.set(rng.standard_normal(cell.shape).astype(np.float32) * 1e-3)
             cells = [c for p in model.parameters() for c in p.cells.flat]
-            cells += [c for st in opt.state for g in st for c in g.flat]
+            cells += [c for st in opt.state_cells for g in st for c in g.flat]
             rt.scatter_cells(cells)  # the state lives on the workers, spread over them
             nbytes = sum(int(np.prod(c.shape)) * 4 for c in cells)
             arrays = _state_arrays(model, opt)  # the same bytes, here, for the baselines

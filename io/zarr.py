@@ -779,7 +779,7 @@ def prepare_save(path, model, optimizer=None, *, step: int | None = None, quanti
 
         names_of = optimizer_param_names(optimizer, model, where, CheckpointError)
         for i, p in enumerate(optimizer.params):
-            for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
+            for sname, grid in zip(optimizer.state_names, optimizer.state_cells[i]):
                 add(optimizer_array(names_of[id(p)], sname), p, grid, None, optimizer.state_dtype(p))
     _check_runtime(where, runtime)
     arrays = {}
@@ -1471,7 +1471,7 @@ class Checkpoint:
         pairs, problems = [], []
         for i, p in enumerate(optimizer.params):
             n = names.get(id(p))
-            for sname, grid in zip(optimizer.state_names, optimizer.state[i]):
+            for sname, grid in zip(optimizer.state_names, optimizer.state_cells[i]):
                 apath = optimizer_array(n, sname, self.info.get("version"))
                 if apath not in self.arrays:
                     problems.append(f"missing: {apath}")

@@ -196,5 +196,5 @@ def test_sharded_parameters_are_kept_apart_from_their_state(embedded_runtime, mo
     params = {r.future.key for p in step.optimizer.params for c in p.cells.flat
               for r in getattr(c.value, "replicas", (c.value,))}
     assert params and all(k.startswith(("tg-params-", "tg-pushed-")) for k in params), params
-    state = {c.value.future.key for per_param in step.optimizer.state for cells in per_param for c in cells.flat}
+    state = {c.value.future.key for per_param in step.optimizer.state_cells for cells in per_param for c in cells.flat}
     assert state and not state & params

@@ -116,7 +116,7 @@ def test_data_parallel_training_matches_one_process(embedded_runtime, rows, clip
             a, b = (v[r.index] for v, r in zip(copies, c.value.replicas))
             np.testing.assert_array_equal(a, b)  # the replicas stay bitwise equal
             np.testing.assert_allclose(a, lc.value, rtol=1e-4, atol=1e-6)
-    state = [c.value for grids in step.optimizer.state for g in grids for c in g.flat]
+    state = [c.value for grids in step.optimizer.state_cells for g in grids for c in g.flat]
     if strategy in ("sharded", "zero3"):
         # each parameter updated by its owner, and ("sharded") sent to the other process as soon
         # as it is (a copy per process, bitwise equal: checked above); the optimizer state only
@@ -851,7 +851,7 @@ def test_zero3_leaves_each_parameter_with_its_owner_alone(embedded_runtime, monk
         assert step.plan(ids, np.roll(ids, -1, 1)).strategy == strategy
         params = [r.future for p in model.parameters() for c in p.cells.flat
                   for r in getattr(c.value, "replicas", (c.value,))]
-        moments = [c.value.future for per_param in opt.state for cells in per_param for c in cells.flat]
+        moments = [c.value.future for per_param in opt.state_cells for cells in per_param for c in cells.flat]
         for _ in range(50):  # Dask's active memory manager drops the copies no task waits for
             client.amm.run_once()
             held[strategy] = (_held_by_worker(client, params), _held_by_worker(client, moments))

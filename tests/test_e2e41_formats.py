@@ -47,7 +47,7 @@ def saved(tmp_path_factory):
     model = models.build("gpt2-debug", TILINGS["even"], seed=4)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(5)
-    for grid in (g for st in opt.state for g in st):
+    for grid in (g for st in opt.state_cells for g in st):
         for cell in grid.flat:
             cell.set(rng.standard_normal(cell.shape).astype(np.float32))
     tg.io.save_checkpoint(folder / "v3", model, opt, step=2)

@@ -329,10 +329,18 @@ def test_state_is_read_only_with_a_pointer_to_load_state_dict():
         opt.state[model.weight] = {}
 
 
-def test_state_is_still_the_list_of_cell_grids():
-    """Integer indices, len and iteration read the per-parameter cell grids, as before
-    (tilegraph.io's checkpoints and the tests that scatter the state read them so)."""
+def test_state_iterates_as_torchs_and_the_cells_are_state_cells():
+    """``opt.state`` is keyed by parameter as torch's: ``len`` counts the parameters, iteration
+    gives them, ``dict(opt.state)`` maps each to its state; an int index is refused, naming
+    ``opt.state_cells``, where the per-parameter cell grids are (tilegraph.io's checkpoints read
+    them there)."""
     model, opt, _, _ = _stepped("AdamW", steps=0)
-    assert len(opt.state) == 2 and opt.state[1] is opt.state_cells[1]
-    assert [len(grids) for grids in opt.state] == [2, 2] and opt.state[0][0].shape == (3, 2)
-    assert tg.optim.SGD(model.parameters(), lr=0.1).state == [[], []]
+    assert len(opt.state) == 2 and list(opt.state) == [model.weight, model.bias]
+    assert {k: list(v) for k, v in dict(opt.state).items()} == {model.weight: ["step", "exp_avg", "exp_avg_sq"],
+                                                                 model.bias: ["step", "exp_avg", "exp_avg_sq"]}
+    assert [len(grids) for grids in opt.state_cells] == [2, 2] and opt.state_cells[0][0].shape == (3, 2)
+    with pytest.raises(tg.TileError, match=r"a key that is one of the optimizer's parameters .*opt.state_cells\[i\]"
+                                           r"\); received: int 0"):
+        opt.state[0]
+    sgd = tg.optim.SGD(model.parameters(), lr=0.1)
+    assert sgd.state_cells == [[], []] and [dict(v) for v in sgd.state.values()] == [{}, {}]

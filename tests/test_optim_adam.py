@@ -227,7 +227,7 @@ def test_sgd_dampening_without_momentum_changes_nothing():
     """As torch's: no momentum buffer, so nothing to dampen (and no state)."""
     opt = _against_torch(lambda p: tg.optim.SGD(p, lr=0.1, dampening=0.5),
                          lambda p: (torch.optim.SGD(p, lr=0.1, dampening=0.5), None))
-    assert opt.state_names == () and opt.state == [[], []]
+    assert opt.state_names == () and opt.state_cells == [[], []]
 
 
 def _update_tasks(opt) -> list:

@@ -22,7 +22,7 @@ def _lm_data():
 
 def _values(model, optimizer) -> list[np.ndarray]:
     """Every parameter and every optimizer state tensor, computed."""
-    state = [tensor_from_cells(p.tiling, p.dtype, grid) for p, grids in zip(optimizer.params, optimizer.state)
+    state = [tensor_from_cells(p.tiling, p.dtype, grid) for p, grids in zip(optimizer.params, optimizer.state_cells)
              for grid in grids]
     return tg.compute(*model.parameters(), *state)
 

@@ -581,7 +581,7 @@ def test_optimizer_state_one_group_per_state_and_format_2_checkpoints_still_load
 
     model = models.build("gpt2-debug", TILINGS[tiling], seed=4)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
-    for grid in (g for st in opt.state for g in st):
+    for grid in (g for st in opt.state_cells for g in st):
         for cell in grid.flat:
             cell.set(np.random.default_rng(5).standard_normal(cell.shape).astype(np.float32))
     path = tg.io.save_checkpoint(tmp_path / "new", model, opt, step=2)
@@ -623,7 +623,7 @@ def test_one_folder_per_zarr_node_and_format_1_checkpoints_still_load(tmp_path, 
 
     model = models.build("gpt2-debug", TILINGS[tiling], seed=4)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
-    for grid in (g for st in opt.state for g in st):
+    for grid in (g for st in opt.state_cells for g in st):
         for cell in grid.flat:
             cell.set(np.random.default_rng(5).standard_normal(cell.shape).astype(np.float32))
     path = tg.io.save_checkpoint(tmp_path / "new", model, opt, step=2, quantize=quantize)

@@ -154,7 +154,7 @@ def test_save_on_one_worker_load_on_two(tmp_path, embedded_runtime):
     model = models.build("gpt2-debug", ModelTiling(feature=16, vocab=48), seed=3)
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(5)
-    state_cells = [c for st in opt.state for grid in st for c in grid.flat]
+    state_cells = [c for st in opt.state_cells for grid in st for c in grid.flat]
     for cell in state_cells:  # moments of their own, to find again bit for bit
         cell.set(rng.standard_normal(cell.shape).astype(np.float32))
     want = _state(model)
@@ -175,7 +175,7 @@ def test_save_on_one_worker_load_on_two(tmp_path, embedded_runtime):
         opt2 = tg.optim.AdamW(loaded.parameters(), lr=1e-3)
         ck.restore_optimizer(opt2, loaded)
         refs = [c.value for p in loaded.parameters() for c in p.cells.flat]
-        refs += [c.value for st in opt2.state for grid in st for c in grid.flat]
+        refs += [c.value for st in opt2.state_cells for grid in st for c in grid.flat]
         assert all(isinstance(v, tg._graph.ValueRef) for v in refs)  # loaded on the workers
         holders = rt.client.who_has(list({v.future.key: v.future for v in refs}.values()))
         assert {w for ws in holders.values() for w in ws} == set(rt.workers())  # both hold tiles
@@ -282,7 +282,7 @@ def test_an_interrupted_save_of_values_on_the_workers_leaves_nothing_behind(tmp_
     opt = tg.optim.AdamW(model.parameters(), lr=1e-3)
     with tg.connect(n_workers=1, threads_per_worker=2, dashboard=False, quiet=True, make_current=False) as rt:
         cells = [c for p in model.parameters() for c in p.cells.flat]
-        rt.scatter_cells(cells + [c for st in opt.state for g in st for c in g.flat])
+        rt.scatter_cells(cells + [c for st in opt.state_cells for g in st for c in g.flat])
         rt.client.run(_slow_writes, 0.1)  # ~110 chunk files on 2 threads: the save takes several seconds
         stop = threading.Event()
 

@@ -583,10 +583,7 @@ class Optimizer:
         the state as it is when computed, as torch's tensors updated in place do), ``step`` an
         int (the updates ``p`` got; torch's is a 0-d float tensor). ``opt.state.items()`` gives
         ``(p, state)`` for each parameter. Unlike torch's, every parameter has its state (zeros,
-        step 0) before the first step.
-
-        It is also the list it always was, one list of state cell grids per parameter
-        (:attr:`state_cells`): ``opt.state[i]``, ``len`` and iteration read that.
+        step 0) before the first step. The cells themselves are :attr:`state_cells`.
 
         >>> import numpy as np, tilegraph as tg
         >>> layer = tg.nn.Linear(4, 2, seed=0)
@@ -1133,14 +1130,12 @@ def _param_name(p, i: int | None = None) -> str:
     return f"params[{i}] ({said})" if i is not None else f"a parameter ({said})"
 
 
-class _ParamStates(list):
-    """:attr:`Optimizer.state`: the per-parameter lists of state cell grids (``state[i]``, ``len``
-    and iteration, as the list ``opt.state`` always was: ``state_cells``), which also answers
-    torch's ``state[p]`` with a parameter (a :class:`_ParamState`), ``items``, ``keys``,
-    ``values``, ``get`` and ``p in state``."""
+class _ParamStates(Mapping):
+    """:attr:`Optimizer.state`: torch's ``opt.state``, keyed by parameter (``state[p]``, a
+    :class:`_ParamState`; ``len``, iteration, ``items``, ``keys``, ``values``, ``get`` and
+    ``p in state`` as a dict's), read-only. The state's cells are :attr:`Optimizer.state_cells`."""
 
     def __init__(self, opt: Optimizer):
-        super().__init__(opt.state_cells)
         self._opt = opt
         self._where = f"tilegraph.optim.{type(opt).__name__}.state"
 
@@ -1152,8 +1147,8 @@ class _ParamStates(list):
                 return i
         if not isinstance(p, TileTensor):
             raise StateKeyError(self._where, "a key that is one of the optimizer's parameters (opt.state[p], p in "
-                                f"opt.params: {len(opt.params)} of them; an int index reads state_cells[i], its "
-                                "cell grids), as torch's opt.state", f"{type(p).__name__} {p!r:.60}")
+                                f"opt.params: {len(opt.params)} of them), as torch's opt.state (the cell grids of "
+                                "parameter i are opt.state_cells[i])", f"{type(p).__name__} {p!r:.60}")
         if any(q is p for q in opt.frozen_params):
             raise StateKeyError(self._where, "a parameter the optimizer trains: this one was frozen (requires_grad="
                                 "False) when the optimizer was made, which left it out (no state, no update); make "
@@ -1161,37 +1156,26 @@ class _ParamStates(list):
         raise StateKeyError(self._where, f"one of the optimizer's {len(opt.params)} parameters (opt.params), "
                             "the parameters it was made with", f"{_param_name(p)}, which is not among them")
 
-    def __getitem__(self, key):
-        if isinstance(key, slice) or (not isinstance(key, TileTensor) and hasattr(type(key), "__index__")):
-            return super().__getitem__(key)  # (an int: the cell grids, as before)
+    def __getitem__(self, key) -> "_ParamState":
         return _ParamState(self._opt, self._index(key))
 
-    def __setitem__(self, key, value) -> None:
-        if isinstance(key, TileTensor):
-            raise TileError(self._where, "opt.state is read-only here: the state lives in the update's cells; "
-                            "restore it with opt.load_state_dict(saved) (a state_dict()) or a checkpoint",
-                            f"opt.state[{_param_name(key)}] = {type(value).__name__}")
-        super().__setitem__(key, value)
+    def __iter__(self):
+        return iter(list(self._opt.params))
+
+    def __len__(self) -> int:
+        return len(self._opt.params)
 
     def __contains__(self, key) -> bool:
-        if isinstance(key, TileTensor):
-            return any(q is key for q in self._opt.params)
-        return any(key is grids for grids in self)
+        return any(q is key for q in self._opt.params)
 
-    def get(self, p, default=None):
-        try:
-            return self[p]
-        except StateKeyError:
-            return default
+    def __setitem__(self, key, value) -> None:
+        said = _param_name(key) if isinstance(key, TileTensor) else repr(key)
+        raise TileError(self._where, "opt.state is read-only here: the state lives in the update's cells; "
+                        "restore it with opt.load_state_dict(saved) (a state_dict()) or a checkpoint",
+                        f"opt.state[{said}] = {type(value).__name__}")
 
-    def keys(self) -> list:
-        return list(self._opt.params)
-
-    def values(self) -> list["_ParamState"]:
-        return [_ParamState(self._opt, i) for i in range(len(self._opt.params))]
-
-    def items(self) -> list[tuple]:
-        return list(zip(self.keys(), self.values()))
+    def __repr__(self) -> str:
+        return f"<{type(self._opt).__name__}.state of {len(self)} parameters>"
 
 
 class _ParamState(Mapping):
