@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import uuid
 import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,7 +27,8 @@ from tilegraph.runtime.connection import (_ADDRESS, _address_ok, _client_securit
 from tilegraph.runtime.worker_setup import (CLUSTER_DASK_CONFIG, DROP_FETCHED, LOG_LENGTH_DASK_CONFIG, PREFETCH,
                                             _check_worker_versions, _malloc_plugin, _quiet_logs,
                                             _send_interval_plugins, _signals_plugin, _stop_queue_plugin, _unchain_plugin,
-                                            bounded_spans_plugins, drop_fetched_plugin, event_addresses_plugin, scheduler_send_intervals,
+                                            bounded_spans_plugins, drop_fetched_plugin, event_addresses_plugin,
+                                            live_group_dependencies_plugin, scheduler_send_intervals,
                                             set_send_interval, short_key_sets)
 
 __all__ = ["Runtime", "Workers", "connect", "current_runtime"]
@@ -46,6 +48,10 @@ LEAVING = ("closing_gracefully", "closing", "closed")
 #: leaving the cluster, to be gone (its retirement ends once its values have moved), so that the
 #: error names it as gone
 LEAVING_WAIT_SECONDS = 10.0
+
+#: the name of the keys of the values :meth:`Runtime.scatter_cells` sends to the workers
+#: (parameters, batches): what Dask's dashboard shows for them (``tg-value-<uuid>``)
+VALUE_KEY_PREFIX = "tg-value"
 
 
 def _staying(info: Mapping[str, dict]) -> dict[str, dict]:
@@ -197,6 +203,9 @@ class Runtime:
         # the scheduler keeps a span per graph run on an idle cluster, and the workers their metrics
         _optional_setup("bound the scheduler's spans and the workers' span metrics",
                         lambda: [client.register_plugin(p) for p in bounded_spans_plugins()])
+        # the dashboard's task-group graph fails on every refresh between training steps
+        _optional_setup("keep the dashboard's task-group graph drawable",
+                        lambda: client.register_plugin(live_group_dependencies_plugin()))
         # values still go through shared memory, but what a dead worker left there stays until
         # the host restarts
         _optional_setup("install the shared-memory cleanup on the workers",
@@ -396,6 +405,29 @@ class Runtime:
         link = self.dashboard_link
         return f"<tilegraph.Runtime {self.address} {state}{f' dashboard={link}' if link else ''}>"
 
+    def _repr_html_(self) -> str:
+        """What Jupyter shows for a runtime: the scheduler, the workers and the dashboard as a link
+        (the text repr's link cannot be clicked), as for Dask's own Client."""
+        from html import escape
+
+        if self.closed:
+            return "<p><b>tilegraph.Runtime</b>: closed</p>"
+        try:
+            workers = self.workers()
+        except TileError as e:  # (a repr never raises)
+            return f"<p><b>tilegraph.Runtime</b> {escape(str(self.address))}: unreachable ({escape(e.what)})</p>"
+        from dask.utils import format_bytes
+
+        threads = sum(int(w.get("nthreads", 0)) for w in workers.values())
+        limits = [w.get("memory_limit") or 0 for w in workers.values()]
+        memory = f", {format_bytes(sum(limits))} memory limit in all" if limits and all(limits) else ""
+        link = self.dashboard_link
+        dash = f'<a href="{escape(link, quote=True)}" target="_blank">{escape(link)}</a>' if link else "off"
+        kind = "embedded cluster" if self.cluster is not None else "MPI launch" if self.mpi else "cluster"
+        return (f"<p><b>tilegraph.Runtime</b> ({kind}): scheduler <code>{escape(str(self.address))}</code>, "
+                f"{_plural(len(workers), 'worker')}, {_plural(threads, 'thread')}{memory}<br>"
+                f"Dask dashboard: {dash}</p>")
+
     # -- execution ------------------------------------------------------------------------------
     def submit_layers(self, layers: dict[str, dict], keys: Sequence[str],
                       workers: dict[str, str] | None = None, cpu_resource: bool | None = None,
@@ -491,9 +523,11 @@ class Runtime:
         def send(batch: list, w: str | None) -> None:
             with no_worker_alive_error("tilegraph.Runtime.scatter_cells", "the values sent to the workers (parameters, "
                                        "a batch)", self.address):
-                futures = self.client.scatter([c.value for c in batch], hash=False,
-                                              workers=None if w is None else [w])
-            for c, f in zip(batch, futures):
+                # named as tilegraph's tasks are (Dask's own names, "ndarray-<uuid>", said nothing
+                # on the dashboard): a key of its own per value, as hash=False gives
+                named = {f"{VALUE_KEY_PREFIX}-{uuid.uuid4().hex}": c.value for c in batch}
+                futures = self.client.scatter(named, workers=None if w is None else [w])
+            for c, f in zip(batch, (futures[k] for k in named)):
                 if id(c) in copies:
                     copies[id(c)].append((w, ValueRef(f, None)))
                 else:

@@ -563,6 +563,62 @@ def bounded_spans_plugins():
     return BoundedSpans(), FoldSpanDigests()
 
 
+def prune_group_dependencies(scheduler) -> int:
+    """Take out of every task group's ``dependencies`` on ``scheduler`` the groups the scheduler
+    no longer has; returns how many it took out.
+
+    Dask removes a task group once all its tasks are forgotten, but leaves it among the
+    dependencies of the groups that read it. Training keeps such a pair for good: the group of
+    the step tasks (``tg-fwd-bwd-update``, whose newest task holds the parameters) read the
+    values sent to the workers (``tg-value``, a batch), which are forgotten after the step. The
+    dashboard's task-group graph (``/groups``, ``/individual-groups``) looks every dependency up
+    among the live groups: between two steps (and after training) it failed on every refresh
+    with a KeyError naming the batch's group ("KeyError: 'ndarray'", logged by the scheduler; the
+    page stayed blank), and each step's batch group, made anew, joined the stale one there."""
+    live = scheduler.task_groups
+    removed = 0
+    for group in list(live.values()):
+        stale = [d for d in group.dependencies if live.get(d.name) is not d]
+        if stale:
+            group.dependencies.difference_update(stale)
+            removed += len(stale)
+    return removed
+
+
+def live_group_dependencies_plugin():
+    """A scheduler plugin applying :func:`prune_group_dependencies` once the scheduler has
+    forgotten tasks: on its event loop right after the transitions that forgot them (Dask removes
+    an emptied group after its plugins have seen the transition), once per such batch."""
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    class LiveGroupDependencies(SchedulerPlugin):
+        name = "tilegraph-live-group-dependencies"
+        idempotent = True
+
+        def __init__(self):
+            self.scheduler = None
+            self.due = False
+
+        async def start(self, scheduler) -> None:
+            self.scheduler = scheduler
+
+        def transition(self, key, start, finish, *args, **kwargs) -> None:
+            if finish == "forgotten" and not self.due and self.scheduler is not None:
+                self.due = True
+                self.scheduler.loop.add_callback(self._prune)
+
+        def _prune(self) -> None:
+            self.due = False
+            try:
+                prune_group_dependencies(self.scheduler)
+            except Exception as e:  # another Dask's task groups: left as Dask keeps them, said once
+                self.scheduler = None
+                logging.getLogger("tilegraph").warning("tilegraph: the scheduler's task-group dependencies are no "
+                                                       "longer pruned (%s: %s)", type(e).__name__, e)
+
+    return LiveGroupDependencies()
+
+
 #: the annotation of a task whose inputs fetched from other workers are dropped there once it
 #: has run (:func:`drop_fetched_plugin`): the tasks of a "zero3" plan
 DROP_FETCHED = "tilegraph_drop_fetched"
