@@ -214,13 +214,13 @@ def test_a_train_step_keeps_the_plans_of_the_signatures_used_last_and_frees_the_
     dropped = []
     for rows in range(1, PLANS_KEPT + 9):
         if rows > 1:
-            dropped.append(weakref.ref(step._cache[("step", 1, step.signature(_batch(rows - 1)))].exe))
+            dropped.append(weakref.ref(step._cache[("step", 1, step.signature(_batch(rows - 1)), None)].exe))
         assert step(*_batch(rows)) == same(*_batch(rows))
         step(*_batch(1))   # used at every step: the most recent, never dropped
         same(*_batch(1))
     assert len(step._cache) == PLANS_KEPT   # before: one per signature, 24 here
     assert len(same._cache) == PLANS_KEPT + 8
-    assert ("step", 1, step.signature(_batch(1))) in step._cache
+    assert ("step", 1, step.signature(_batch(1)), None) in step._cache
     gc.collect()
     assert sum(r() is None for r in dropped) == 8   # the dropped plans (and their graphs) are freed
     # one dropped comes back: recorded again, the same loss as the step that kept it, and a warning once

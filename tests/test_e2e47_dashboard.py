@@ -84,11 +84,16 @@ def test_the_values_sent_are_named_and_the_groups_stay_few(embedded_runtime):
     prefix is ``tg-...`` (the values ``tg-value``), and more steps add no prefix or group (the
     step is in no name; measured: 31 prefixes after 50 and after 200 steps, a task per part)."""
     rt = embedded_runtime
+    before, _ = rt.client.run_on_scheduler(_prefixes)  # (the shared cluster ran other tests' tasks)
     trainer = _trainer(rt, fuse=False, steps_per_graph=1)
     trainer.fit(2)
     prefixes, _ = rt.client.run_on_scheduler(_prefixes)
-    assert VALUE_KEY_PREFIX in prefixes and "ndarray" not in prefixes, prefixes
-    assert all(p.startswith("tg-") for p in prefixes), prefixes
+    new = set(prefixes) - set(before)
+    assert VALUE_KEY_PREFIX in prefixes and "ndarray" not in new, new
+    assert all(p.startswith("tg-") for p in new), new
+    cells = [c for p in tg.nn.Linear(3, 2, seed=0).parameters() for c in p.cells.flat]
+    rt.scatter_cells(cells)  # (whatever other tests left on the shared cluster: these keys are ours)
+    assert all(c.value.future.key.startswith(VALUE_KEY_PREFIX + "-") for c in cells), [c.value for c in cells]
     assert any(p.startswith("tg-blocks-") for p in prefixes), prefixes  # (a task per part of the model)
     trainer.fit(4)
     later, later_groups = rt.client.run_on_scheduler(_prefixes)
