@@ -144,24 +144,19 @@ def run_data(folder: Path) -> dict:
     was measured on; ``text_field``, its JSON Lines records' field; ``text``, the [data] keys that
     name its text (``sources``, ``patterns``, ``max_mb``, ``val_fraction``: the held-out part it
     validated on); ``tokens``, the count it read. Those it holds, checked (a record written by hand
-    or damaged: none of its bad values; :func:`run_data_problems` says what they are)."""
+    or damaged: none of its bad values; :func:`_checked_run_data` says what they are)."""
     return _checked_run_data(folder)[0]
 
 
-def run_data_problems(folder: Path) -> tuple[str | None, dict[str, str]]:
-    """What is wrong with the ``tilegraph_data.json`` of ``folder``: (in words with its path, where
-    it cannot be read as a JSON object, else None; key -> its value and what it must be, for each
-    value that :func:`run_data` leaves out, a seq_len "16" say)."""
-    from tilegraph.cli.runs import data_record_problem
+def _checked_run_data(folder: Path) -> tuple[dict, str | None, dict[str, str]]:
+    """The ``tilegraph_data.json`` of ``folder`` read once: (:func:`run_data`; what is wrong with
+    the file, in words with its path, where it cannot be read as a JSON object, else None; key ->
+    its value and what it must be, for each value that :func:`run_data` leaves out, a seq_len
+    "16" say)."""
+    from tilegraph.cli.runs import read_data_file
 
-    return data_record_problem(folder), _checked_run_data(folder)[1]
-
-
-def _checked_run_data(folder: Path) -> tuple[dict, dict[str, str]]:
-    """(:func:`run_data`, key -> what is wrong with its value, for each bad one)."""
-    from tilegraph.cli.runs import read_data_record
-
-    record = read_data_record(folder) or {}
+    record, unreadable = read_data_file(folder)
+    record = record or {}
 
     def whole(v, low: int = 1) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= low
@@ -186,7 +181,7 @@ def _checked_run_data(folder: Path) -> tuple[dict, dict[str, str]]:
     text = {k: record.get(k) for k in ("sources", "patterns", "max_mb", "val_fraction")}
     if all(k in record and checks[k][0](v) for k, v in text.items()):
         out["text"] = text
-    return out, bad
+    return out, unreadable, bad
 
 
 #: generate()'s options that shape sampling -> the flags that set them
@@ -366,8 +361,8 @@ def _eval(args) -> int:
     other_tokenizer_warning(folder, args.tokenizer, tokenizer, where)
     job, _ = load_config(None)
     d = job["data"]
-    run = run_data(folder)  # a tilegraph train checkpoint's [data]: its windows' seq_len, its text's field
-    unreadable, bad = run_data_problems(folder)
+    # a tilegraph train checkpoint's [data] (its windows' seq_len, its text's field) and what is wrong with it
+    run, unreadable, bad = _checked_run_data(folder)
     # what a damaged record would have given, unless the flags name it: it measured the default
     # corpus (without --data) or windows of the shipped config's seq_len (without --seq-len), unsaid
     text_keys = ("sources", "patterns", "max_mb", "val_fraction", "tokens")
