@@ -10,7 +10,9 @@ then times each sdpa kernel on those inputs (summed over all its tiles) next to 
 
 Run it with one thread (the line above) so the numbers compare kernels, not thread pools. Each
 number is the best of ``--repeat`` runs; torch's backward is its forward+backward minus its
-forward. tilegraph's backward is the sum of its delta, dQ and dK/dV kernels.
+forward. tilegraph's backward is the sum of its backward kernels: with one tile along T the fused
+``sdpa_bwd`` (and, for comparison, the delta, dQ and dK/dV kernels it replaces), with more tiles
+the delta, dQ and dK/dV kernels.
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ def kernel_calls(roots):
     return calls
 
 
-def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int) -> dict[str, float]:
+def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int, fused: bool = True) -> dict[str, float]:
     import tilegraph as tg
+    import tilegraph.ops.attention as attention
     from tilegraph.ops.attention import scaled_dot_product_attention as sdpa
+
+    attention._FUSED_BACKWARD = fused
 
     T = q.shape[2]
     chunks = tuple(np.diff(np.linspace(0, T, n_tiles + 1).round().astype(int)))
@@ -72,7 +77,7 @@ def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int) -> dict[str, float]:
     roots = [r for t in (out, dq, dk, dv) for r in t.grid.flat]
     calls = kernel_calls(roots)
     ms: dict[str, float] = {}
-    for name in ("sdpa_fwd", "sdpa_bwd_delta", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+    for name in dict.fromkeys(n for n, *_ in calls):   # the kernels in graph order
         mine = [(fn, args, params) for n, fn, args, params in calls if n == name]
 
         def run(mine=mine):
@@ -120,10 +125,12 @@ def main() -> None:
     ref = bench_torch(q, k, v, do, args.repeat)
     print(f"shape {tuple(args.shape)} {args.dtype}, causal, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(f"torch SDPA: fwd {ref['fwd']:.2f} ms, bwd {ref['bwd']:.2f} ms, fwd+bwd {ref['fwd'] + ref['bwd']:.2f} ms")
-    for n in args.tiles:
-        ms = bench_tilegraph(q, k, v, do, n, args.repeat)
-        bwd = ms["sdpa_bwd_delta"] + ms["sdpa_bwd_dq"] + ms["sdpa_bwd_dkv"]
-        print(f"tilegraph, {n} tile(s) along T (all tiles summed):")
+    # one tile along T: the fused backward (one sdpa_bwd task), then the split kernels it replaces
+    runs = [(n, fused) for n in args.tiles for fused in ((True, False) if n == 1 else (True,))]
+    for n, fused in runs:
+        ms = bench_tilegraph(q, k, v, do, n, args.repeat, fused)
+        bwd = sum(t for name, t in ms.items() if name != "sdpa_fwd")
+        print(f"tilegraph, {n} tile(s) along T (all tiles summed){'' if fused or n > 1 else ', split backward'}:")
         for name, t in ms.items():
             print(f"  {name:15s} {t:8.2f} ms")
         print(f"  fwd     {ms['sdpa_fwd']:8.2f} ms   {ms['sdpa_fwd'] / ref['fwd']:5.2f}x torch")

@@ -14,7 +14,9 @@ log-sum-exp ``lse = m + log(l)``, the only thing backward keeps besides q, k, v 
 
 Backward (flash-attention 2): ``delta_i = rowsum(dO_i * O_i)``; one kernel per kv tile (b, g, j)
 recomputes ``P = exp(q k^T * scale - lse)`` for every query tile and query head that reads it and
-accumulates dK_j and dV_j; one kernel per q tile (b, h, i) does the same for dQ_i.
+accumulates dK_j and dV_j; one kernel per q tile (b, h, i) does the same for dQ_i. Where T and S
+are one tile each and the head tiles pair up (the usual CPU tiling), one kernel per (b, head)
+tile pair does all of it, forming each score block once (``_sdpa_bwd``).
 
 Inside a kernel (see ``_BLOCK``) the rows of a tile are walked in blocks, so that a causal kernel
 skips the keys above the diagonal, and batch x heads in groups, so that each score block stays in
@@ -79,6 +81,9 @@ def _pick_heads(x, heads: tuple):
 # Both values were measured on (2, 12, 256, 64) float32, single thread (bench/bench_attention.py).
 _BLOCK = 64
 _GROUP_BYTES = 512 * 1024
+#: one _sdpa_bwd task per tile pair where the tiling allows it (False: the delta, dQ and dK/dV
+#: kernels everywhere, for tests and bench/bench_attention.py)
+_FUSED_BACKWARD = True
 
 
 def _blocks(n: int) -> list[tuple[int, int]]:
@@ -676,6 +681,77 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
     return _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)
 
 
+# One kernel for the whole backward of a tile pair: when the queries and the keys are one tile each
+# along T (the usual CPU tiling: batch and heads tiled, the sequence whole) and the head tiles pair
+# up, the dQ and dK/dV kernels above would each recompute the same score and dO v^T products. Here
+# every (keys x queries) block is formed once and feeds all three gradients: 5 products per block
+# instead of 7, one exponential pass instead of two, and delta made in the same task (GPT-2 124M's
+# (2, 12, 256, 64) float32 tiles, one thread: 8.5 ms instead of 12.3 for delta, dQ and dK/dV;
+# bench/bench_attention.py).
+def _bwd_gpu(q, k, v, o, do, lse, *, groups, q_off, causal, scale):
+    """_sdpa_bwd from the GPU kernels above (a few launches each): delta, dQ, then dK and dV."""
+    delta = _sdpa_delta.impl("cpu")(do, o)
+    heads = tuple(hq // groups for hq in range(q.shape[1]))
+    dq = _sdpa_dq_gpu(q, do, lse, delta, k, v, n_k=1, n_h=1, heads=heads, q_off=q_off, k_offs=(0,),
+                      causal=causal, scale=scale)
+    dk, dv = _sdpa_dkv_gpu(k, v, q, do, lse, delta, n_i=1, n_p=1, h_lo=0, h_hi=q.shape[1], groups=groups,
+                           q_offs=(q_off,), k_off=0, causal=causal, scale=scale)
+    return dq, dk, dv
+
+
+def _bwd_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
+    """Five (T x S x D) products per (batch, query head) pair."""
+    b, h, tq, d = in_shapes[0]
+    nbytes = (sum(numel(s) for s in in_shapes) + sum(numel(s) for s in out_shapes)) * itemsize
+    return Cost(10.0 * b * h * tq * in_shapes[1][2] * d, float(nbytes))
+
+
+@kernel("sdpa_bwd", cost=_bwd_cost, gpu=_bwd_gpu)
+@_float16_in_float32()
+def _sdpa_bwd(q, k, v, o, do, lse, *, groups, q_off, causal, scale):
+    """dQ, dK and dV of one query tile and the one key tile it reads (``groups`` query heads per kv
+    head; the queries sit ``q_off`` positions after the first key), scores formed transposed as in
+    _sdpa_dkv; float16 tiles are computed in float32 and the gradients cast to float16 last."""
+    xp = xp_of(q)
+    b, h, tq, d = q.shape
+    g, sk = k.shape[1], k.shape[2]
+    sc = q.dtype.type(scale)
+    delta = _flat((do * o).sum(axis=-1))                      # (n, tq), n = b * h
+    k_rep = _flat(xp.repeat(k, groups, axis=1) if groups > 1 else k)
+    v_rep = _flat(xp.repeat(v, groups, axis=1) if groups > 1 else v)
+    q, do, lse = _flat(q), _flat(do), _flat(lse)
+    dq = xp.zeros(q.shape, dtype=q.dtype)
+    dk = xp.zeros(k_rep.shape, dtype=k.dtype)
+    dv = xp.zeros(v_rep.shape, dtype=v.dtype)
+    fuse = one_pass(xp, q.dtype)
+    for c0, c1 in _blocks(sk):
+        r0 = max(0, c0 - q_off) if causal else 0              # the first query row that sees key c0
+        if r0 >= tq:
+            break                                             # no query sees this key or any later one
+        lim = c0 - q_off - r0 if causal else None             # key row r is seen by the queries j >= r + lim
+        for g0, g1 in _head_groups(k_rep.shape[0], c1 - c0, tq - r0, q.itemsize):
+            kb = k_rep[g0:g1, c0:c1] * sc                     # (heads, rows, D)
+            q_r, do_r = q[g0:g1, r0:], do[g0:g1, r0:]
+            lse_r, delta_r = xp.ascontiguousarray(lse[g0:g1, r0:]), xp.ascontiguousarray(delta[g0:g1, r0:])
+            pt = kb @ q_r.swapaxes(-1, -2)                    # (heads, rows, queries): P^T logits
+            dst = v_rep[g0:g1, c0:c1] @ do_r.swapaxes(-1, -2)  # (dO v^T)^T
+            if fuse:  # P^T and dS^T in one pass
+                probs_cols(pt, dst, lse_r, delta_r, NO_MASK if lim is None else lim)
+            else:
+                mask = None if lim is None else _past_queries(xp, c1 - c0, pt.shape[-1], lim)
+                if mask is not None:
+                    xp.copyto(pt[..., :mask[0]], q.dtype.type(-np.inf), where=mask[1])
+                pt -= lse_r[:, None]
+                xp.exp(pt, out=pt)
+                dst -= delta_r[:, None]
+                dst *= pt
+            dv[g0:g1, c0:c1] += pt @ do_r
+            dk[g0:g1, c0:c1] += dst @ q_r
+            dq[g0:g1, r0:] += dst.swapaxes(-1, -2) @ kb       # dS K scale (kb holds the scale)
+    dk *= sc
+    return dq.reshape(b, h, tq, d), _sum_groups(dk, b, g, groups), _sum_groups(dv, b, g, groups)
+
+
 # ------------------------------------------------------------------------------ tile mapping ----
 def _overlapping(chunks: tuple, lo: int, hi: int) -> tuple[list[int], int]:
     """Tiles of a dim with ``chunks`` that overlap ``[lo, hi)``, and the offset of the first one."""
@@ -716,6 +792,13 @@ class _Layout:
         hi = lo + self.k.chunks[1][hk] * g
         tiles, start = _overlapping(self.q.chunks[1], lo, hi)
         return tiles, lo - start, hi - start
+
+    def one_tile_pairs(self) -> bool:
+        """Whether the queries and the keys are one tile each along T and query head tile p reads
+        exactly kv head tile p (and only it reads that): the backward is then one _sdpa_bwd
+        task per (batch, head) tile."""
+        return (len(self.q.chunks[2]) == 1 and len(self.k.chunks[2]) == 1
+                and self.q.chunks[1] == tuple(n * self.groups for n in self.k.chunks[1]))
 
     def keys_for(self, i: int) -> list[int]:
         return _visible_keys(self.causal, self.q_offs[i], self.q.chunks[2][i], self.k_offs)
@@ -766,6 +849,8 @@ class ScaledDotProductAttention(Op):
         if g.chunks != out.chunks:
             raise TileError(WHERE, "the output gradient must have the tiles of the output",
                             f"{g.chunks} vs {out.chunks}")
+        if _FUSED_BACKWARD and lay.one_tile_pairs():
+            return self._fused_backward(q, k, v, out, lse, lay, scale, g)
         delta = np.empty(lse.tiling.grid, dtype=object)
         for idx in np.ndindex(*lse.tiling.grid):
             delta[idx] = emit1(_sdpa_delta, [g.grid[idx + (0,)], out.grid[idx + (0,)]],
@@ -795,6 +880,19 @@ class ScaledDotProductAttention(Op):
             dv_grid[b, hk, j, 0] = dv
         return (TileTensor(q.tiling, q.dtype, dq_grid), TileTensor(k.tiling, k.dtype, dk_grid),
                 TileTensor(v.tiling, v.dtype, dv_grid))
+
+    def _fused_backward(self, q, k, v, out, lse, lay, scale, g):
+        """One _sdpa_bwd task per (batch, head) tile pair: see _Layout.one_tile_pairs."""
+        grids = [np.empty(t.tiling.grid, dtype=object) for t in (q, k, v)]
+        for b, h, _, _ in np.ndindex(*q.tiling.grid):
+            at = (b, h, 0, 0)
+            ins = [q.grid[at], k.grid[at], v.grid[at], out.grid[at], g.grid[at], lse.grid[b, h, 0]]
+            grads = emit(_sdpa_bwd, ins, [(t.tiling.tile_shape(at), t.dtype) for t in (q, k, v)],
+                         op=f"{self.name}_bwd", groups=lay.groups, q_off=lay.q_offs[0], causal=lay.causal,
+                         scale=scale)
+            for grid, grad in zip(grids, grads):
+                grid[at] = grad
+        return tuple(TileTensor(t.tiling, t.dtype, grid) for t, grid in zip((q, k, v), grids))
 
 
 def _validate(q, k, v, causal: bool, q_offset: int = 0) -> None:

@@ -26,7 +26,7 @@ TILINGS = {"single": None, "even": (1, 2, 16, 16), "ragged": (1, (1, 3), (20, 20
 def kernels(request, monkeypatch):
     """The CPU kernels, or the GPU versions run on NumPy (a GPU worker runs that code on CuPy)."""
     if request.param == "gpu-code":
-        for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+        for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv", "sdpa_bwd"):
             k = get_kernel(name)
             monkeypatch.setattr(k, "fn", k.gpu)
     return request.param

@@ -247,11 +247,13 @@ def test_bench_attention_smallest_runs():
     pytest.importorskip("torch")
     proc = _bench("bench_attention.py", "--shape", "1", "2", "32", "8", "--tiles", "1", "3", "--repeat", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("tile(s) along T") == 2, proc.stdout
-    for name in ("sdpa_fwd", "sdpa_bwd_delta", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+    # 1 tile: the fused backward, then the split one; 3 tiles: split
+    assert proc.stdout.count("tile(s) along T") == 3 and proc.stdout.count("split backward") == 1, proc.stdout
+    assert proc.stdout.count("  sdpa_fwd ") == 3 and proc.stdout.count("  sdpa_bwd ") == 1, proc.stdout
+    for name in ("sdpa_bwd_delta", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
         assert proc.stdout.count(f"  {name} ") == 2, proc.stdout
     ratios = [float(line.split()[-2].rstrip("x")) for line in proc.stdout.splitlines() if line.endswith("x torch")]
-    assert len(ratios) == 6 and all(math.isfinite(x) and x > 0 for x in ratios), proc.stdout
+    assert len(ratios) == 9 and all(math.isfinite(x) and x > 0 for x in ratios), proc.stdout
 
 
 def test_fit_kernel_coeffs_help_shows_usage_without_fitting():

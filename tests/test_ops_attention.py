@@ -37,7 +37,7 @@ def kernels(request, monkeypatch):
 
         monkeypatch.setattr(attention, "one_pass", lambda xp, dtype: False)
     elif request.param != "cpu":
-        for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+        for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv", "sdpa_bwd"):
             k = get_kernel(name)
             assert k.gpu is not None, name
             monkeypatch.setattr(k, "fn", k.gpu)  # what the local scheduler's CPU tasks call
@@ -115,7 +115,7 @@ def test_sdpa_gpu_kernels_in_head_chunks(rng, monkeypatch, mode, causal):
     # one pair each)
     import tilegraph.ops.attention as attention
 
-    for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv"):
+    for name in ("sdpa_fwd", "sdpa_bwd_dq", "sdpa_bwd_dkv", "sdpa_bwd"):
         monkeypatch.setattr(get_kernel(name), "fn", get_kernel(name).gpu)
     monkeypatch.setattr(attention, "_GPU_SCORE_BYTES", 1)
     check_against_torch(lambda q, k, v: sdpa(q, k, v, is_causal=causal), lambda q, k, v: torch_sdpa(q, k, v, causal),
@@ -190,8 +190,10 @@ def test_sdpa_structure_never_materialises_t_by_t(rng, n):
     by_name = {}
     for node in nodes:
         by_name[node.kernel.name] = by_name.get(node.kernel.name, 0) + 1
-    assert {name: by_name[name] for name in by_name if name.startswith("sdpa")} == {
+    # one tile along T: the whole backward of a tile pair is one task (_sdpa_bwd)
+    want = {"sdpa_fwd": 1, "sdpa_bwd": 1} if n == 1 else {
         "sdpa_fwd": n, "sdpa_bwd_delta": n, "sdpa_bwd_dq": n, "sdpa_bwd_dkv": n}
+    assert {name: by_name[name] for name in by_name if name.startswith("sdpa")} == want
     if n > 1:  # no tile anywhere in forward or backward spans the whole sequence
         for node in nodes:
             shapes = [r.shape for r in node.inputs] + [m[0] for m in node.out_meta]
