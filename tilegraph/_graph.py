@@ -110,6 +110,14 @@ def to_host(x) -> np.ndarray:
 
 
 _KERNELS: dict[str, "Kernel"] = {}
+#: how many times a kernel was registered again (a notebook cell run again): graphs recorded
+#: before hold the old Kernel, so TrainStep and EvalStep record theirs again when it changes
+_REDEFINED = 0
+
+
+def kernels_redefined() -> int:
+    """The count of kernels registered again since tilegraph was imported (see ``kernel``)."""
+    return _REDEFINED
 
 
 def _default_cost(in_shapes, out_shapes, in_itemsize, params) -> Cost:
@@ -173,8 +181,9 @@ def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = No
     """Decorator registering ``fn`` as the tile kernel ``name``.
 
     Registering the same function again (same module and qualified name: a notebook cell run
-    again, a module reloaded) replaces the old registration; another function under a name taken
-    is refused, a built-in name (tilegraph's own kernels) included."""
+    again, a module reloaded) replaces the old registration (TrainStep and EvalStep then record
+    their graphs again, with the new kernel); another function under a name taken is refused, a
+    built-in name (tilegraph's own kernels) included."""
 
     where = "tilegraph.kernel"
     if callable(name) and not isinstance(name, str):  # @kernel without its name: wrap() would replace the function
@@ -197,6 +206,9 @@ def kernel(name: str, *, cost: Callable | None = None, cpu: Callable | None = No
             raise _name_taken(name, old, fn)
         k = Kernel(name, fn, cpu=cpu, cost=cost, gpu=gpu)
         _KERNELS[name] = k
+        if old is not None:
+            global _REDEFINED
+            _REDEFINED += 1
         return k
 
     return wrap

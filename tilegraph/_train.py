@@ -17,7 +17,7 @@ import numpy as np
 from tilegraph._autograd import grad, no_grad
 from tilegraph._config import _CHECKS as _CONFIG_CHECKS, BATCH_SPLITTING_STRATEGIES, is_int, require_int
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, TileRef, ValueRef, leaf, to_host
+from tilegraph._graph import Cell, TileRef, ValueRef, kernels_redefined, leaf, to_host
 from tilegraph import _health  # (its time constants are read there: a test may change them)
 from tilegraph._health import (EVAL_LENT_HINT, LOST_STATE_HINT, StepTimeoutError, WorkerLostError, _futures,
                                _lost_errors, _short, _steps_text, end_calls, lost_worker_error, on_workers,
@@ -560,6 +560,7 @@ class TrainStep:
         self.last: StepStats | None = None
         self._structure = _structure(model)  # what the recorded graphs were recorded for
         self._settings = optimizer.recorded_settings()  # (and with which optimizer settings)
+        self._kernels = kernels_redefined()  # (and kernels)
         #: counts the failed steps rolled back: a step submitted before the last one of them
         #: does not roll back again (it read the failed step's values)
         self._rollbacks = 0
@@ -795,6 +796,9 @@ class TrainStep:
         if settings != self._settings:  # opt.weight_decay = ... between steps: recorded with the new value
             self.reset_plans()
             self._settings = settings
+        if kernels_redefined() != self._kernels:  # a kernel defined again (a notebook cell): its new form
+            self.reset_plans()
+            self._kernels = kernels_redefined()
         key = (kind, k, self.signature(batch), share)
         rec = self._cache.lookup(key)
         if rec is not None:
@@ -1445,6 +1449,7 @@ class EvalStep:
         self._cache: _Plans = _Plans("EvalStep")  # key -> (Executable, inputs), the most recently used last
         self._calls = 0
         self._structure = _structure(model)
+        self._kernels = kernels_redefined()
 
     def reset_plans(self) -> None:
         """Forget the recorded graphs (planned for the workers there were then)."""
@@ -1460,10 +1465,10 @@ class EvalStep:
     def _lookup(self, batch, n: int) -> tuple[Executable, list]:
         """The graph of ``n`` losses for batches like ``batch``, and each one's input cells."""
         structure = _structure(self.model)
-        if structure != self._structure or not _follows_current([exe for exe, _ in self._cache.values()],
-                                                                 self.runtime):
+        if (structure != self._structure or kernels_redefined() != self._kernels
+                or not _follows_current([exe for exe, _ in self._cache.values()], self.runtime)):
             self.reset_plans()
-            self._structure = structure
+            self._structure, self._kernels = structure, kernels_redefined()
         key = (n, _signature(batch))
         plan = self._cache.lookup(key)
         if plan is None:
