@@ -383,11 +383,16 @@ def zero3_task_bytes(roots: Sequence[TileRef], state_groups: Sequence[Sequence[i
     return max(params / procs, ZERO3_MIN_TASK_BYTES, 1.0)
 
 
-def _row_tiles_hint(batch_cells, procs: int) -> str:
-    """What would give each of ``procs`` processes a row tile of this batch."""
+def _batch_rows(batch_cells) -> int:
+    """The batch's rows: the fewest of any array's first dim (1 where every array is 0-d)."""
     counts = [sum(c.shape[0] for c in cells[(slice(None),) + (0,) * (cells.ndim - 1)])
               for cells in batch_cells if cells.ndim]  # each array's rows: its first column of tiles
-    rows = min(counts, default=1)
+    return min(counts, default=1)
+
+
+def _row_tiles_hint(batch_cells, procs: int) -> str:
+    """What would give each of ``procs`` processes a row tile of this batch."""
+    rows = _batch_rows(batch_cells)
     if rows < 2:
         return f"this batch has {rows} row"
     most = -(-rows // procs)
@@ -426,6 +431,16 @@ def plan_data_parallel(roots: Sequence[TileRef], work: Sequence[Node], groups: d
                           "one (a runtime of one worker, a cluster down to one, or none: this process), so it runs "
                           "as parallel='tiles' (more processes: tg.connect(n_workers=2), [runtime] workers)",
                           UserWarning, stacklevel=_outside_tilegraph())
+        if parallel != "auto" and len(groups[dev]) > 1 and _batch_rows(batch_cells) < 2:
+            # one row (the last batch of an epoch, a micro-batch of an uneven accumulation): nothing
+            # to share, and refusing it stopped a run at the end of its first epoch
+            from tilegraph._train import _outside_tilegraph
+
+            warnings.warn(f"parallel={parallel!r} shares a batch's rows among the {len(groups[dev])} worker "
+                          "processes, and this batch has 1 row: its step runs as parallel='tiles' (the same "
+                          "update; batches of 2 rows or more are shared)", UserWarning,
+                          stacklevel=_outside_tilegraph())
+            return None
         if parallel != "auto" and len(groups[dev]) > 1:  # asked for, and there are processes to share
             raise TileError("tilegraph.Executable", f"parallel={parallel!r} gives each of the "
                             f"{len(groups[dev])} worker processes a share of the batch's row tiles, so the "
