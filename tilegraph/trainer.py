@@ -170,7 +170,9 @@ class Trainer:
     - ``performance_report``: a path: the Dask performance report (HTML: task stream, worker
       profiles, bandwidth) of the graph holding step ``report_step`` (default: the fit's second
       graph, after the first one recorded, planned and compiled; its first where it has one
-      graph). A ``report_step`` outside the fit's steps is a warning (no report). Writing the
+      graph). A ``report_step`` outside the fit's steps is a warning (no report). The workers'
+      profiler (off on tilegraph's clusters) samples their tasks for that graph only, so the
+      report's profile tab shows where their time went; it is off again after it. Writing the
       report does not count in the fit's time. :attr:`FitResult.kernel_seconds` tells the time
       per model part, which Dask cannot see inside a task.
 
@@ -925,8 +927,13 @@ class Trainer:
         report closes, was contextlib's ``ExitStack.__exit__``, a frame inside fit). It is the
         runtime's scheduler's: Dask's ``performance_report`` asks the default client's, which is
         the last one connected (another ``tg.connect``, ``make_current=False`` or not): the
-        report showed that cluster's workers and none of the fit's tasks."""
+        report showed that cluster's workers and none of the fit's tasks. The workers' profiler
+        samples the tasks while it is open (:func:`~tilegraph.runtime.profiler.worker_profiler`:
+        tilegraph's clusters run with it off, and the report's profile tab was empty), and is
+        put back as it was before the report is written (also after an error or an interrupt)."""
         from distributed import performance_report
+
+        from tilegraph.runtime.profiler import worker_profiler
 
         path = Path(self.performance_report)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -939,6 +946,8 @@ class Trainer:
             with client.as_current():
                 client.sync(report.__aexit__, None, None, None, code=code or "<Code not available>")
         stack.callback(write)
+        # (closed first: the samples are filed in the workers' profile history as it stops)
+        stack.enter_context(worker_profiler(client))
 
     def _steps_per_graph(self, batch) -> int:
         if self.steps_per_graph != "auto":
