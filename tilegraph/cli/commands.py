@@ -152,36 +152,51 @@ def _checked_run_data(folder: Path) -> tuple[dict, str | None, dict[str, str]]:
     """The ``tilegraph_data.json`` of ``folder`` read once: (:func:`run_data`; what is wrong with
     the file, in words with its path, where it cannot be read as a JSON object, else None; key ->
     its value and what it must be, for each value that :func:`run_data` leaves out, a seq_len
-    "16" say)."""
+    "16" say: :func:`checked_data_record`)."""
     from tilegraph.cli.runs import read_data_file
 
     record, unreadable = read_data_file(folder)
-    record = record or {}
-
-    def whole(v, low: int = 1) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-    def strings(v) -> bool:
-        return isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) and x for x in v)
-
-    def fraction(v, high: float) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= high
-
-    checks = {"seq_len": (whole, "an integer >= 1"), "text_field": (lambda v: isinstance(v, str) and bool(v),
-                                                                      "a non-empty string"),
-              "tokens": (lambda v: whole(v, 0), "an integer >= 0"),
-              "sources": (strings, "a non-empty list of paths"), "patterns": (strings, "a non-empty list of globs"),
-              "max_mb": (lambda v: fraction(v, float("inf")), "a number > 0"),
-              "val_fraction": (lambda v: fraction(v, 1) and v < 1, "a number > 0 and < 1")}
-    # a key it lacks is no problem (an older record); one that holds what no run writes is
-    bad = {key: f"{key} = {record[key]!r:.60} (not {want})" for key, (ok, want) in checks.items()
-           if key in record and not ok(record[key])}
-    out = {k: record[k] for k in ("seq_len", "text_field", "tokens")
-           if k in record and checks[k][0](record[k])}
-    text = {k: record.get(k) for k in ("sources", "patterns", "max_mb", "val_fraction")}
-    if all(k in record and checks[k][0](v) for k, v in text.items()):
-        out["text"] = text
+    out, bad = checked_data_record(record or {})
     return out, unreadable, bad
+
+
+def _whole(v, low: int = 1) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _strings(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(x, str) and x for x in v)
+
+
+def _fraction(v, high: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= high
+
+
+#: the values of a ``tilegraph_data.json`` (tilegraph train's record of its run's [data]) -> (whether
+#: one is as a run writes it, what it must be): tilegraph eval, tilegraph info and train --resume
+#: check a record with them (:func:`checked_data_record`)
+DATA_RECORD_CHECKS = {
+    "seq_len": (_whole, "an integer >= 1"), "text_field": (lambda v: isinstance(v, str) and bool(v),
+                                                           "a non-empty string"),
+    "tokens": (lambda v: _whole(v, 0), "an integer >= 0"),
+    "sources": (_strings, "a non-empty list of paths"), "patterns": (_strings, "a non-empty list of globs"),
+    "max_mb": (lambda v: _fraction(v, float("inf")), "a number > 0"),
+    "val_fraction": (lambda v: _fraction(v, 1) and v < 1, "a number > 0 and < 1"),
+    "tokenizer": (lambda v: isinstance(v, str) and bool(v), 'a non-empty string: "byte" or a path')}
+
+
+def checked_data_record(record: dict) -> tuple[dict, dict[str, str]]:
+    """A ``tilegraph_data.json`` record (a JSON object) checked: (its values that :func:`run_data`
+    returns, those of them that are as a run writes them; key -> ``"key = value (not what it must
+    be)"`` for each value that is not: :data:`DATA_RECORD_CHECKS`). A key it lacks is no problem
+    (an older record); one that holds what no run writes is."""
+    bad = {key: f"{key} = {record[key]!r:.60} (not {want})" for key, (ok, want) in DATA_RECORD_CHECKS.items()
+           if key in record and not ok(record[key])}
+    out = {k: record[k] for k in ("seq_len", "text_field", "tokens") if k in record and k not in bad}
+    text = {k: record.get(k) for k in ("sources", "patterns", "max_mb", "val_fraction")}
+    if all(k in record and k not in bad for k in text):
+        out["text"] = text
+    return out, bad
 
 
 #: generate()'s options that shape sampling -> the flags that set them
@@ -363,6 +378,7 @@ def _eval(args) -> int:
     d = job["data"]
     # a tilegraph train checkpoint's [data] (its windows' seq_len, its text's field) and what is wrong with it
     run, unreadable, bad = _checked_run_data(folder)
+    bad.pop("tokenizer", None)  # (not eval's: it reads the tokenizer files of the checkpoint)
     # what a damaged record would have given, unless the flags name it: it measured the default
     # corpus (without --data) or windows of the shipped config's seq_len (without --seq-len), unsaid
     text_keys = ("sources", "patterns", "max_mb", "val_fraction", "tokens")
@@ -483,18 +499,21 @@ def _eval(args) -> int:
 RECORD_SUFFIXES = (*JSONL_SUFFIXES, ".json")
 
 
-def _text_field_unused(field: str, files: list, whose: str):
-    """The error of eval's --text-field ``field`` given for ``files`` that are text files alone
-    (``whose``: what they are, before the count): a text file has no fields, and the flag was
-    ignored without a word."""
+def _text_field_unused(field: str, files: list, whose: str, where: str = "tilegraph eval --text-field",
+                       given: str | None = None):
+    """The error of a text field ``field`` given for ``files`` that are text files alone (``whose``:
+    what they are, before the count): a text file has no fields, and the setting was ignored
+    without a word. ``where`` names the setting: eval's --text-field, or (``given``: where the
+    user set it, a config file or ``--set``) train's [data] text_field."""
     from tilegraph._errors import TileError
 
     shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
-    return TileError("tilegraph eval --text-field", "files of records among the sources (JSON Lines: "
+    named = f"--text-field {field!r}" if given is None else f"text_field = {field!r} ({given})"
+    setting = "--text-field" if given is None else "[data] text_field"
+    return TileError(where, "files of records among the sources (JSON Lines: "
                      f"{', '.join(JSONL_SUFFIXES)}; or .json): it names the field of their records that holds the "
-                     "text; a text file is read whole and has no fields (leave --text-field out)",
-                     f"--text-field {field!r} with {whose}{len(files)} text file{'s' if len(files) != 1 else ''} "
-                     f"({shown})")
+                     f"text; a text file is read whole and has no fields (leave {setting} out)",
+                     f"{named} with {whose}{len(files)} text file{'s' if len(files) != 1 else ''} ({shown})")
 
 
 def _other_files_hint(sources: list[str]) -> str:
@@ -954,19 +973,23 @@ def _print_sketch(folder: Path, ck) -> None:
 def _data_lines(folder: Path) -> list[str]:
     """What a checkpoint of tilegraph train records of its text (``tilegraph_data.json``) and its
     tokenizer (``tilegraph_tokenizer.json``), in words; none for a checkpoint without them."""
-    from tilegraph.cli.runs import DATA_FILE, data_record_problem, read_data_record
+    from tilegraph.cli.runs import DATA_FILE, read_data_file
 
     lines = []
-    damaged = data_record_problem(folder)
+    data, damaged = read_data_file(folder)
     if damaged:  # (it was left out without a word; eval and --resume read it)
         lines.append(f"data ({DATA_FILE}): unreadable, {damaged}")
-    data = read_data_record(folder)
     if data is not None:
         tokens = data.get("tokens")
         shown = {k: v for k, v in data.items()
                  if k != "tokens" and not (k == "text_field" and v == "text")}  # (JSON Lines' default field: said when other)
         lines.append(f"data ({DATA_FILE}): " + ", ".join(f"{k} = {v!r}" for k, v in shown.items())
-                     + (f"; {tokens:,} tokens" if isinstance(tokens, int) else ""))
+                     + (f"; {tokens:,} tokens" if isinstance(tokens, int) and not isinstance(tokens, bool) else ""))
+        _, bad = checked_data_record(data)
+        if bad:  # values no run writes (edited by hand, damaged): shown above without a word
+            lines.append(f"data ({DATA_FILE}): bad values, {folder / DATA_FILE}: {', '.join(bad.values())} (values no "
+                         "run writes: edited or damaged; tilegraph eval and train --resume refuse them where they read "
+                         "them)")
     recorded = folder / "tilegraph_tokenizer.json"
     if not recorded.exists():
         return lines

@@ -259,6 +259,7 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
                         "checkpoint's weights, --resume continues the run that wrote it (with the weights it "
                         "started from)", f"{init_from} --resume {quote(resume)}")
     opened = open_resume(resume)
+    check_recorded_values(opened)  # before any of them is taken
     ck, record = opened.checkpoint, opened.peft
     if record is not None:  # its adapters, unless the job gives them (resume_settings checks they agree)
         cfg["peft"].update({k: v for k, v in adapter_settings(record).items() if f"peft.{k}" not in given})
@@ -278,6 +279,81 @@ def plan_resume(resume: str, cfg: dict, given: dict[str, str], source: str) -> t
     # workers and parallel (checked with the config's alone, they failed inside the first step)
     check_config(cfg, f"{source}, with the batch settings of --resume {quote(resume)}")
     return opened, steps_to_run(resume, ck.step, spec, cfg["train"], given)
+
+
+#: the values a resumed run takes from its checkpoint's zarr.json (the tilegraph attributes: the
+#: Trainer's state, the optimizer's settings and learning-rate schedule), by their path there ->
+#: the [train] key they stand for, whose check (:data:`tilegraph.cli.config.CONFIG_CHECKS`) they pass
+RECORDED_TRAIN_KEYS = {
+    ("trainer", "batch_size"): "train.batch_size", ("trainer", "accum_steps"): "train.accum_steps",
+    ("trainer", "rng", "data_seed"): "train.seed", ("trainer", "eval_every"): "train.eval_every",
+    ("trainer", "eval_batches"): "train.eval_batches",
+    ("optimizer", "hyper", "weight_decay"): "train.weight_decay",
+    ("optimizer", "hyper", "clip_grad_norm"): "train.clip_grad_norm",
+    ("optimizer", "schedule", "base_lr"): "train.lr", ("optimizer", "schedule", "warmup"): "train.warmup",
+    ("optimizer", "schedule", "total"): "train.steps", ("optimizer", "schedule", "min_lr"): "train.min_lr"}
+
+
+def recorded_value_problems(resume: Resume) -> list[str]:
+    """The values of ``resume``'s records that a resumed run takes and that no run writes (edited
+    by hand, damaged), each as ``"FILE: key = value (not what it must be)"``: its :data:`DATA_FILE`
+    (checked as tilegraph eval and info check it,
+    :func:`tilegraph.cli.commands.checked_data_record`), the Trainer's and the optimizer's values
+    in its zarr.json (:data:`RECORDED_TRAIN_KEYS`, checked as the [train] keys they stand for) and
+    the adapters' settings in its PEFT_FILE (as the [peft] keys). A key a record lacks is no
+    problem (a checkpoint written before it was recorded)."""
+    from tilegraph.cli.commands import checked_data_record
+    from tilegraph.cli.config import CONFIG_CHECKS
+    from tilegraph.cli.finetune import PEFT_FILE
+
+    folder = Path(resume.checkpoint.path)
+    problems = []
+    if resume.data is not None:
+        _, bad = checked_data_record(resume.data)
+        problems += [f"{folder / DATA_FILE}: {text}" for text in bad.values()]
+    attributes = {"trainer": resume.checkpoint.trainer_state, "optimizer": resume.checkpoint.optimizer_info}
+    for path, name in RECORDED_TRAIN_KEYS.items():
+        value = attributes
+        for i, part in enumerate(path):
+            if value is not None and not isinstance(value, dict):  # no JSON object: named once
+                problem = f"{folder / 'zarr.json'}: {'.'.join(path[:i])} = {value!r:.60} (not a JSON object)"
+                problems += [problem] * (problem not in problems)
+                value = None
+            if value is None:
+                break
+            value = value.get(part)
+        if value is None:  # not recorded (a run writes null where it knows none; clip_grad_norm: no clipping)
+            continue
+        ok, want = CONFIG_CHECKS[name]
+        if not ok(value):
+            section, key = name.split(".")
+            problems.append(f"{folder / 'zarr.json'}: {'.'.join(path)} = {value!r:.60} (not {want}, as [{section}] "
+                            f"{key})")
+    if resume.peft is not None:
+        settings = {**adapter_settings(resume.peft), **({"dropout": resume.peft["dropout"]}
+                                                        if "dropout" in resume.peft else {})}
+        for key, value in settings.items():
+            ok, want = CONFIG_CHECKS[f"peft.{key}"]
+            if not ok(value):
+                problems.append(f"{folder / PEFT_FILE}: {key} = {value!r:.60} (not {want}, as [peft] {key})")
+    return problems
+
+
+def check_recorded_values(resume: Resume) -> None:
+    """Refuse, before any of them is taken and before anything is read or written, a resumed
+    run whose checkpoint records values no run writes (:func:`recorded_value_problems`): they
+    were passed over without a word (a seq_len of -3, a weight_decay "x": the run went on with
+    other values), failed inside the first step (a batch_size "2") or on the schedule (a total
+    "x"), or were refused as the job's settings ("in default.toml and the command line"), not
+    the file's."""
+    problems = recorded_value_problems(resume)
+    if problems:
+        raise TileError("tilegraph train --resume", "a checkpoint whose records hold values as tilegraph train writes "
+                        f"them: a resumed run takes the run's settings from them ({DATA_FILE}: its [data] and token "
+                        "count; zarr.json: its batches, evaluations, optimizer and learning-rate schedule; the "
+                        "adapters' record: its [peft]); put the run's files back (the same file of another of its "
+                        f"checkpoints), or start a new run from its weights (--init {quote(resume.path)} and "
+                        "another --out)", "; ".join(problems))
 
 
 def keep_architecture(model, resume: Path, keys: dict, given: dict[str, str], tokenizer, seq_len: int,

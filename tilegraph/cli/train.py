@@ -260,12 +260,13 @@ def _train(args, job: Job) -> int:
     tok_file = out / "tokens.bin"
     if resume:  # built apart first: a resumed run reads its run's text (check_resumed_text), never replaces it
         try:
-            meta, corpus = build_corpus(d, tok_file.with_name(".tokens.resumed.bin"), tokenizer)
+            meta, corpus = build_corpus(d, tok_file.with_name(".tokens.resumed.bin"), tokenizer,
+                                        text_field_choice(d, given))
         except TileError as e:  # the sources its checkpoint records, moved or deleted: said so
             raise recorded_sources_gone(e, resume, given) from None
         take_resumed_text(tok_file, resume, meta, given)
     else:
-        meta, corpus = build_corpus(d, tok_file, tokenizer)
+        meta, corpus = build_corpus(d, tok_file, tokenizer, text_field_choice(d, given))
     # --resume reads the same text, config or not, and checks its token count
     files[DATA_FILE] = json.dumps(data_record(d, meta["count"])).encode()
     train, val = open_splits(tok_file, d, t, meta["count"], meta.get("sources"))
@@ -518,10 +519,26 @@ def take_resumed_text(tok_file: Path, resume, meta: dict, given: dict[str, str])
     os.replace(sidecars[0], sidecars[1])
 
 
-def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
+def text_field_choice(d: dict, given: dict[str, str]) -> str | None:
+    """Where the user chose [data] text_field (a :func:`given_settings` source, in words: ``--set
+    data.text_field=body``, ``in c.toml``); None where the job's is not the user's choice: not
+    given (the shipped config's, or the one a resumed run's record holds), or the shipped
+    config's value in a config file (every copy of the shipped config holds it)."""
+    where = given.get("data.text_field")
+    if where is None:
+        return None
+    if on_command_line(where):
+        return where
+    return None if d["text_field"] == load_config(None)[0]["data"]["text_field"] else f"in {where}"
+
+
+def build_corpus(d: dict, tok_file: Path, tokenizer, text_field_given: str | None = None) -> tuple[dict, str]:
     """Tokenize the [data] ``sources`` into ``tok_file``, at most ``max_mb`` of their text (files in
     sorted order, the one that reaches it cut there); returns the token file's sidecar and what
-    the train line says of it (the files read, and those that max_mb left out)."""
+    the train line says of it (the files read, and those that max_mb left out). A [data]
+    text_field the user chose (``text_field_given``: where, :func:`text_field_choice`) for
+    sources that hold no file of records is refused before any is read (it was ignored without
+    a word, as eval's --text-field was)."""
     from tilegraph.io import build_token_file
 
     where = "tilegraph train [data] sources"
@@ -545,6 +562,8 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
     # as tilegraph eval reads them for its default corpus; other sources are cut at max_mb, so
     # that one large file is not read in full
     whole = all(s == "stdlib" for s in d["sources"])
+    if text_field_given is not None:
+        check_text_field_used(d, files, text_field_given)
     try:
         meta = build_token_file(files, tok_file, tokenizer, patterns=d["patterns"],
                                 max_bytes=None if whole else limit, text_field=d.get("text_field", "text"))
@@ -574,6 +593,22 @@ def build_corpus(d: dict, tok_file: Path, tokenizer) -> tuple[dict, str]:
         corpus += (f" (the first {d['max_mb']:g} MB of text, [data] max_mb"
                    + (f"; {_plural(left_out, 'file')} after it not read)" if left_out else ")"))
     return meta, corpus
+
+
+def check_text_field_used(d: dict, files: list, given: str) -> None:
+    """Refuse a [data] text_field the user set (``given``: where) for ``files`` (the sources, their
+    globs and "stdlib" expanded) that hold no file of records (JSON Lines, .json), as eval refuses
+    its --text-field: a text file is read whole and has no fields. Sources that cannot be listed
+    are left to :func:`tilegraph.io.build_token_file`, which names what is wrong with them."""
+    from tilegraph.cli.commands import RECORD_SUFFIXES, _text_field_unused
+    from tilegraph.io.data import find_sources
+
+    try:
+        found = find_sources(files, d["patterns"])
+    except TileError:
+        return
+    if not any(Path(f).suffix.lower() in RECORD_SUFFIXES for f in found):
+        raise _text_field_unused(d["text_field"], found, "", "tilegraph train [data] text_field", given)
 
 
 def binary_token_file(what: str, received: str | None) -> str:
