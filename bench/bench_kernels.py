@@ -8,6 +8,9 @@ the torch equivalents on the same data:
     silu / silu_bwd        the same for SiLU vs F.silu
     adamw                  tilegraph.optim's fused AdamW tile update (new p, m, v arrays)
                            vs torch.optim.AdamW.step() (default and fused=True, both in place)
+    gemm                   the matrix products of the CPU matmul kernels (ops/_blas.py: MKL where
+                           installed, ``TILEGRAPH_BLAS``) vs NumPy's ``@`` (OpenBLAS) and torch's
+                           (MKL), on a GPT-2 layer's shapes, in GFLOP/s
 
     OMP_NUM_THREADS=1 python bench/bench_kernels.py                     # float32, default sizes
     OMP_NUM_THREADS=1 python bench/bench_kernels.py --dtype float64 --repeat 50
@@ -75,7 +78,7 @@ def main():
     ap.add_argument("--gelu-shape", type=at_least(1), nargs="+", default=[1024, 3072])
     ap.add_argument("--adamw-shape", type=at_least(1), nargs="+", default=[768, 3072])
     ap.add_argument("--repeat", type=at_least(1), default=20)
-    ap.add_argument("--only", choices=["gelu", "silu", "adamw"], default=None)
+    ap.add_argument("--only", choices=["gelu", "silu", "adamw", "gemm"], default=None)
     ap.add_argument("--hold", type=at_least(0), default=0, help="keep the last N results alive (fresh output memory)")
     args = ap.parse_args()
     require(ap, "torch", what="bench_kernels.py (it times torch's kernels beside tilegraph's)")
@@ -161,6 +164,35 @@ def main():
         row("adamw vs torch", p.size, 7, dtype.itemsize, ours, res.get("default"))
         if "fused" in res:
             row("adamw vs torch fused", p.size, 7, dtype.itemsize, ours, res["fused"])
+
+    if args.only in (None, "gemm"):
+        gemm_rows(rng, dtype, args.repeat, torch)
+
+
+#: (rows, inner, cols, first operand transposed): a GPT-2 124M layer's products over a tile of 512
+#: rows (batch 2 x 256): q/k/v/o, MLP up and down, and the weight gradients x^T dy
+GEMM_SHAPES = [(512, 768, 768, False), (512, 768, 3072, False), (512, 3072, 768, False),
+               (768, 512, 3072, True), (3072, 512, 768, True)]
+
+
+def gemm_rows(rng, dtype, repeat: int, torch) -> None:
+    from tilegraph.ops import _blas as blas
+
+    print(f"gemm (tilegraph: {blas.backend()}; GFLOP/s)  {'numpy @':>9} {'tilegraph':>10} {'torch':>8} | "
+          f"{'tg/torch time':>13}")
+    for m, k, n, tn in GEMM_SHAPES:
+        a = rng.standard_normal((k, m) if tn else (m, k)).astype(dtype)
+        b = rng.standard_normal((k, n)).astype(dtype)
+        a_op = a.T if tn else a
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        ta_op = ta.T if tn else ta
+        flops = 2.0 * m * k * n
+        t_np = best_s(lambda: a_op @ b, repeat)
+        t_tg = best_s(lambda: blas.matmul(a_op, b), repeat)
+        t_pt = best_s(lambda: ta_op @ tb, repeat)
+        name = f"{m} x {k} x {n}{' (a^T)' if tn else ''}"
+        print(f"{name:<32} {flops / t_np / 1e9:9.0f} {flops / t_tg / 1e9:10.0f} {flops / t_pt / 1e9:8.0f} | "
+              f"{t_tg / t_pt:13.2f}")
 
 
 if __name__ == "__main__":

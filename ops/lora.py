@@ -47,6 +47,7 @@ from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import new_tensor, require_float, require_same_chunks, require_same_dtype, require_tensor
 from .dropout import _dropout_tiles, check_dropout, row_seed_tensor
+from . import _blas as blas
 from .matmul import _matmul, _matmul_tn_op
 
 __all__ = ["lora_linear", "choose_variant", "variant_flops", "requires_grad", "merged_weight", "FORWARD", "BACKWARD",
@@ -240,12 +241,12 @@ def _evaluate(steps, env: dict, wanted, xp) -> dict:
         acc = None
         for t in s.terms:
             a, b = env[t.a], env[t.b]
-            if t.kind == "nn":
-                p = a @ b
+            if t.kind == "nn":   # (through the kernels' BLAS: the times the choice compares are theirs)
+                p = blas.matmul(a, b)
             elif t.kind == "nt":
-                p = a @ b.T
+                p = blas.matmul(a, b.T)
             else:
-                p = a.T @ b
+                p = blas.matmul(a.T, b)
             acc = p if acc is None else acc + p
         if s.add is not None and env.get(s.add) is not None:
             acc = acc + env[s.add]

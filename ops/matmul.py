@@ -9,6 +9,7 @@ from tilegraph._errors import TileError
 from tilegraph._graph import Cost, emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
+from . import _blas as blas
 from ._common import new_tensor, numel, require_float, require_same_chunks, require_same_dtype, require_tensor
 
 __all__ = ["matmul", "linear"]
@@ -28,14 +29,15 @@ def _matmul(*tiles, nk, trans_b, bias):
     for a, b in zip(tiles[:nk], tiles[nk:2 * nk]):
         if trans_b:
             b = b.swapaxes(-1, -2)
-        if b.ndim == 2 and a.ndim > 2:  # one GEMM over all leading rows, not one per batch
-            p = (a.reshape(-1, a.shape[-1]) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
+        if b.ndim == 2:  # one GEMM over all leading rows, not one per batch; later K tiles add into it
+            rows = a.reshape(-1, a.shape[-1])
+            flat = blas.matmul(rows, b, None if acc is None else acc.reshape(rows.shape[0], b.shape[1]))
+            if acc is None:
+                acc = flat.reshape(a.shape[:-1] + (b.shape[-1],))
+        elif acc is None:
+            acc = a @ b
         else:
-            p = a @ b
-        if acc is None:
-            acc = p
-        else:
-            acc += p
+            acc += a @ b
     if bias:
         acc += tiles[-1]
     return acc
@@ -52,14 +54,12 @@ def _tn_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 def _matmul_tn(*tiles, n, batched):
     acc = None
     for a, g in zip(tiles[:n], tiles[n:]):
-        if batched:
-            p = a.swapaxes(-1, -2) @ g
+        if not batched:  # later row tiles add into the first one's product
+            acc = blas.matmul(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]), acc)
+        elif acc is None:
+            acc = a.swapaxes(-1, -2) @ g
         else:
-            p = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
-        if acc is None:
-            acc = p
-        else:
-            acc += p
+            acc += a.swapaxes(-1, -2) @ g
     return acc
 
 
