@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 from test_cli import _cli  # `python -m tilegraph.cli` in a subprocess
-from test_e2e47_clidamage import ck, good  # noqa: F401  (fixtures: a small checkpoint recording a run's [data])
+from test_e2e47_clidamage import _error, _main, ck, good  # noqa: F401  (ck, good: a small checkpoint recording a run's [data])
 
-from tilegraph import cli
 
 CONFIG = """
 [model]
@@ -48,20 +47,6 @@ BAD_RECORDS = ("tilegraph train: error: [tilegraph train --resume] a checkpoint 
                "and token count; zarr.json: its batches, evaluations, optimizer and learning-rate schedule; the "
                "adapters' record: its [peft]); put the run's files back (the same file of another of its "
                "checkpoints), or start a new run from its weights (--init {ck} and another --out); received: ")
-
-
-def _main(capsys, *args) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _error(capsys, *args) -> str:
-    """The one error line of ``tilegraph ARGS`` (exit status 2, no traceback, nothing on stdout)."""
-    code, out, err = _main(capsys, *args)
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and out == "", (code, out, err)
-    return lines[0]
 
 
 def _snapshot(folder: Path) -> dict[str, tuple]:
