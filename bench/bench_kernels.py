@@ -8,9 +8,9 @@ the torch equivalents on the same data:
     silu / silu_bwd        the same for SiLU vs F.silu
     adamw                  tilegraph.optim's fused AdamW tile update (new p, m, v arrays)
                            vs torch.optim.AdamW.step() (default and fused=True, both in place)
-    gemm                   the matrix products of the CPU matmul kernels (ops/_blas.py: MKL where
-                           installed, ``TILEGRAPH_BLAS``) vs NumPy's ``@`` (OpenBLAS) and torch's
-                           (MKL), on a GPT-2 layer's shapes, in GFLOP/s
+    gemm                   the matrix products of the CPU matmul kernels: NumPy's ``@`` (OpenBLAS)
+                           and MKL as a cluster's workers call it (ops/_blas.py, where installed)
+                           vs torch's (MKL), on a GPT-2 layer's shapes, in GFLOP/s
 
     OMP_NUM_THREADS=1 python bench/bench_kernels.py                     # float32, default sizes
     OMP_NUM_THREADS=1 python bench/bench_kernels.py --dtype float64 --repeat 50
@@ -176,10 +176,16 @@ GEMM_SHAPES = [(512, 768, 768, False), (512, 768, 3072, False), (512, 3072, 768,
 
 
 def gemm_rows(rng, dtype, repeat: int, torch) -> None:
+    """NumPy's and MKL's products (MKL as a cluster's workers call it, ops/_blas.py; "-" where it
+    is not installed) and torch's, in GFLOP/s, and MKL's time over torch's."""
     from tilegraph.ops import _blas as blas
 
-    print(f"gemm (tilegraph: {blas.backend()}; GFLOP/s)  {'numpy @':>9} {'tilegraph':>10} {'torch':>8} | "
-          f"{'tg/torch time':>13}")
+    gemm, why = blas._load_mkl()  # (this process imported torch first: its MKL keeps its threads)
+    if gemm is None:
+        print(f"gemm: MKL not measured ({why})")
+    else:  # the kernels' products here take MKL, as in a worker process
+        blas._state.update(gemm=gemm, backend="mkl")
+    print(f"gemm (GFLOP/s)                    {'numpy @':>9} {'mkl':>10} {'torch':>8} | {'mkl/torch time':>14}")
     for m, k, n, tn in GEMM_SHAPES:
         a = rng.standard_normal((k, m) if tn else (m, k)).astype(dtype)
         b = rng.standard_normal((k, n)).astype(dtype)
@@ -188,11 +194,12 @@ def gemm_rows(rng, dtype, repeat: int, torch) -> None:
         ta_op = ta.T if tn else ta
         flops = 2.0 * m * k * n
         t_np = best_s(lambda: a_op @ b, repeat)
-        t_tg = best_s(lambda: blas.matmul(a_op, b), repeat)
+        t_mkl = best_s(lambda: blas.matmul(a_op, b), repeat) if gemm else None
         t_pt = best_s(lambda: ta_op @ tb, repeat)
         name = f"{m} x {k} x {n}{' (a^T)' if tn else ''}"
-        print(f"{name:<32} {flops / t_np / 1e9:9.0f} {flops / t_tg / 1e9:10.0f} {flops / t_pt / 1e9:8.0f} | "
-              f"{t_tg / t_pt:13.2f}")
+        mkl = f"{flops / t_mkl / 1e9:10.0f}" if t_mkl else f"{'-':>10}"
+        ratio = f"{t_mkl / t_pt:14.2f}" if t_mkl else f"{'-':>14}"
+        print(f"{name:<32} {flops / t_np / 1e9:9.0f} {mkl} {flops / t_pt / 1e9:8.0f} | {ratio}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,14 @@ strict (the same inputs give the same bits whatever their alignment), called thr
 which lets go of the GIL for the call as NumPy does.
 
 ``TILEGRAPH_BLAS`` chooses, in every process that runs kernels (the workers inherit it from the
-process that starts them): ``auto`` (the default: MKL where its library loads and the CPU is
-GenuineIntel, NumPy elsewhere: on other CPUs MKL may take slower code paths), ``mkl`` (MKL, or an
-error saying why it cannot load) or ``numpy``. :func:`backend` says which one this process uses.
+process that starts them): ``auto`` (the default), ``mkl`` (MKL, or an error saying why it cannot
+load) or ``numpy``. ``auto`` takes MKL in a Dask worker process (where a cluster's kernels run) on
+a GenuineIntel CPU where the library is installed and torch is not loaded, and NumPy elsewhere:
+on other CPUs MKL may take slower code paths, and MKL loaded into a process before torch is
+imported there takes over torch's own MKL, which then runs its products on one thread (torch's
+matmuls 2x slower on 2 cores), so a user's own process (a notebook's, a script's: where torch
+may come later, and where kernels run only without a cluster) never loads it unless asked by
+``mkl``. :func:`backend` says which one this process uses.
 
 Products MKL cannot take as they are (other dtypes, strides that are not a row-major matrix or its
 transpose, empty dims, CuPy arrays) go to NumPy, so a kernel never copies an operand to reach MKL.
@@ -99,19 +104,28 @@ def _load_mkl() -> tuple[dict | None, str]:
     return None, "; ".join(errors)
 
 
+def _in_worker() -> bool:
+    """Whether this process is a Dask worker's (a Worker lives in it)."""
+    module = sys.modules.get("distributed.worker")
+    return bool(module is not None and getattr(module.Worker, "_instances", None))
+
+
+def _torch_loaded() -> bool:
+    return "torch" in sys.modules
+
+
 def backend() -> str:
     """``"mkl"`` or ``"numpy"``: the library this process's CPU kernels multiply with (decided
-    at the first product, from ``TILEGRAPH_BLAS``)."""
+    at the first product, from ``TILEGRAPH_BLAS``; the module docstring says what ``auto`` takes)."""
     if "backend" not in _state:
         choice = os.environ.get(BLAS_ENV, "auto").strip().lower() or "auto"
         if choice not in _CHOICES:
             raise TileError(f"the {BLAS_ENV} environment variable", f"one of {', '.join(_CHOICES)}",
                             repr(os.environ[BLAS_ENV]))
-        gemm, why = (None, "") if choice == "numpy" else _load_mkl()
+        wanted = choice == "mkl" or (choice == "auto" and _in_worker() and _intel_cpu() and not _torch_loaded())
+        gemm, why = _load_mkl() if wanted else (None, "")  # (loaded only to be used: see above)
         if choice == "mkl" and gemm is None:
             raise TileError(f"{BLAS_ENV}=mkl", "MKL's runtime library, loadable here", why)
-        if choice == "auto" and not _intel_cpu():
-            gemm = None
         _state["gemm"] = gemm or {}
         _state["backend"] = "mkl" if gemm else "numpy"
     return _state["backend"]

@@ -14,6 +14,10 @@ import tilegraph as tg
 from tilegraph._errors import TileError
 from tilegraph.ops import _blas as blas
 
+try:  # torch first: MKL loaded into a process before torch takes over torch's own (ops/_blas.py), and
+    import torch  # noqa: F401  the rest of the suite compares with torch in this process
+except ImportError:
+    pass
 GEMM, WHY = blas._load_mkl()
 needs_mkl = pytest.mark.skipif(GEMM is None, reason=f"MKL's library is not installed here ({WHY}); the test extra "
                                                     "installs it on Linux x86-64")
@@ -111,6 +115,43 @@ def test_the_environment_chooses_the_library(monkeypatch, value, want):
     np.testing.assert_array_equal(blas.matmul(a, a.T), np.full((3, 3), 2.0, np.float32))
 
 
+@pytest.mark.parametrize("worker,intel,torch_loaded", [(True, True, False), (False, True, False),
+                                                       (True, False, False), (True, True, True)])
+def test_auto_takes_mkl_in_a_worker_on_intel_without_torch_only(monkeypatch, worker, intel, torch_loaded):
+    """auto: MKL only in a Dask worker process, on an Intel CPU, where torch is not loaded; and
+    elsewhere MKL is not even loaded (loaded before torch, it takes over torch's own MKL)."""
+    monkeypatch.setattr(blas, "_state", {})
+    monkeypatch.setenv(blas.BLAS_ENV, "auto")
+    monkeypatch.setattr(blas, "_in_worker", lambda: worker)
+    monkeypatch.setattr(blas, "_intel_cpu", lambda: intel)
+    monkeypatch.setattr(blas, "_torch_loaded", lambda: torch_loaded)
+    loads = []
+    monkeypatch.setattr(blas, "_load_mkl", lambda: loads.append(1) or (GEMM, WHY))
+    want = "mkl" if worker and intel and not torch_loaded and GEMM is not None else "numpy"
+    assert blas.backend() == want
+    assert loads == ([1] if worker and intel and not torch_loaded else [])
+
+
+def test_a_users_own_process_never_loads_mkl_by_default():
+    """A script that multiplies without a cluster (kernels in its own process) and imports torch
+    afterwards: MKL is not in the process, and torch keeps its threads."""
+    code = ("import numpy as np, tilegraph as tg\n"
+            "x = tg.from_numpy(np.ones((64, 64), np.float32), tiles=32)\n"
+            "(x @ x).numpy()\n"
+            "from tilegraph.ops import _blas\n"
+            "print(_blas.backend(), any('libmkl' in line for line in open('/proc/self/maps')))\n")
+    env = {k: v for k, v in os.environ.items() if k != blas.BLAS_ENV}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["numpy", "False"], proc.stdout
+
+
+@pytest.mark.distributed
+def test_the_workers_of_a_cluster_multiply_with_mkl_where_installed(embedded_runtime):
+    got = set(embedded_runtime.client.run(blas.backend).values())
+    assert got == {"mkl" if GEMM is not None and blas._intel_cpu() else "numpy"}
+
+
 def test_a_bad_choice_or_mkl_missing_is_named(monkeypatch):
     monkeypatch.setattr(blas, "_state", {})
     monkeypatch.setenv(blas.BLAS_ENV, "openblas")
@@ -159,7 +200,7 @@ def test_bench_kernels_times_the_products():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if " x " in line and "|" in line]
     assert len(rows) == 5, proc.stdout
-    for r in rows:
-        numbers = [float(v) for v in r[-5:-2]] + [float(r[-1])]
-        assert all(np.isfinite(v) and v > 0 for v in numbers), r
-    assert f"tilegraph: {'mkl' if GEMM is not None and blas._intel_cpu() else 'numpy'}" in proc.stdout
+    for r in rows:  # numpy, mkl, torch GFLOP/s | mkl / torch time ("-" without MKL)
+        numbers = [r[-5], r[-3]] + ([r[-4], r[-1]] if GEMM is not None else [])
+        assert all(np.isfinite(float(v)) and float(v) > 0 for v in numbers), r
+        assert GEMM is not None or r[-4] == r[-1] == "-", r
