@@ -1,26 +1,28 @@
-"""Matrix products of the CPU kernels through Intel MKL, where it is installed and the CPU is Intel's.
+"""Matrix products of the CPU kernels through Intel MKL, where installed and asked for (``TILEGRAPH_BLAS``).
 
 NumPy's wheels multiply with OpenBLAS; PyTorch's CPU wheels with MKL, which runs the GEMM shapes of
 a transformer's layers 12-21% faster on one core of an Intel Xeon (Sapphire Rapids, float32, a
 GPT-2 layer's products over 512 rows: NumPy 142-153 GFLOP/s, MKL 163-172, torch 162-174;
 ``OMP_NUM_THREADS=1 python bench/bench_kernels.py --only gemm``). Those products are most of a
 training step (GPT-2 124M LoRA: matmul kernel seconds 3.68 -> 3.30 per step), so with
-``pip install "tilegraph[mkl]"`` (the ``mkl``
-wheel, Intel's runtime library) the CPU kernels' 2-D float32/float64 products go to MKL's
+``pip install "tilegraph[mkl]"`` (the ``mkl`` wheel, Intel's runtime library) and
+``TILEGRAPH_BLAS=auto`` the CPU kernels' 2-D float32/float64 products go to MKL's
 ``cblas_?gemm``: one thread per call (MKL's sequential layer: the kernels' parallelism is the
 worker's threads, as with OpenBLAS at one thread), conditional numerical reproducibility set
 strict (the same inputs give the same bits whatever their alignment), called through ctypes,
 which lets go of the GIL for the call as NumPy does.
 
 ``TILEGRAPH_BLAS`` chooses, in every process that runs kernels (the workers inherit it from the
-process that starts them): ``auto`` (the default), ``mkl`` (MKL, or an error saying why it cannot
-load) or ``numpy``. ``auto`` takes MKL in a Dask worker process (where a cluster's kernels run) on
-a GenuineIntel CPU where the library is installed and torch is not loaded, and NumPy elsewhere:
-on other CPUs MKL may take slower code paths, and MKL loaded into a process before torch is
-imported there takes over torch's own MKL, which then runs its products on one thread (torch's
-matmuls 2x slower on 2 cores), so a user's own process (a notebook's, a script's: where torch
-may come later, and where kernels run only without a cluster) never loads it unless asked by
-``mkl``. :func:`backend` says which one this process uses.
+process that starts them): ``numpy`` (the default), ``auto`` or ``mkl`` (MKL, or an error saying
+why it cannot load). ``auto`` takes MKL in a Dask worker process (where a cluster's kernels run)
+on a GenuineIntel CPU where the library is installed and torch is not loaded, and NumPy
+elsewhere: on other CPUs MKL may take slower code paths, and MKL loaded into a process before
+torch is imported there takes over torch's own MKL, which then runs its products on one thread
+(torch's matmuls 2x slower on 2 cores), so under ``auto`` a user's own process (a notebook's, a
+script's: where torch may come later, and where kernels run only without a cluster) never loads
+it. The default stays NumPy: MKL's products differ from OpenBLAS's in the last bits, so with
+``auto`` a graph computed on a cluster and the same graph computed in-process no longer agree
+bit for bit. :func:`backend` says which one this process uses.
 
 Products MKL cannot take as they are (other dtypes, strides that are not a row-major matrix or its
 transpose, empty dims, CuPy arrays) go to NumPy, so a kernel never copies an operand to reach MKL.
@@ -42,7 +44,7 @@ __all__ = ["backend", "matmul", "BLAS_ENV"]
 
 #: the environment variable that chooses the library
 BLAS_ENV = "TILEGRAPH_BLAS"
-_CHOICES = ("auto", "mkl", "numpy")
+_CHOICES = ("numpy", "auto", "mkl")
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_THREADING_SEQUENTIAL = 1
@@ -118,7 +120,7 @@ def backend() -> str:
     """``"mkl"`` or ``"numpy"``: the library this process's CPU kernels multiply with (decided
     at the first product, from ``TILEGRAPH_BLAS``; the module docstring says what ``auto`` takes)."""
     if "backend" not in _state:
-        choice = os.environ.get(BLAS_ENV, "auto").strip().lower() or "auto"
+        choice = os.environ.get(BLAS_ENV, "numpy").strip().lower() or "numpy"
         if choice not in _CHOICES:
             raise TileError(f"the {BLAS_ENV} environment variable", f"one of {', '.join(_CHOICES)}",
                             repr(os.environ[BLAS_ENV]))

@@ -103,14 +103,16 @@ def test_the_same_inputs_give_the_same_bits_at_any_alignment(use):
     assert len(results) == 1
 
 
-@pytest.mark.parametrize("value,want", [("numpy", "numpy"), ("NumPy", "numpy"), ("", "auto")])
-def test_the_environment_chooses_the_library(monkeypatch, value, want):
+@pytest.mark.parametrize("value", ["numpy", "NumPy", "", None])
+def test_numpy_is_the_default(monkeypatch, value):
     monkeypatch.setattr(blas, "_state", {})
-    monkeypatch.setenv(blas.BLAS_ENV, value)
-    if want == "auto":
-        monkeypatch.setattr(blas, "_intel_cpu", lambda: False)  # auto: NumPy off Intel CPUs
-        want = "numpy"
-    assert blas.backend() == want
+    if value is None:
+        monkeypatch.delenv(blas.BLAS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(blas.BLAS_ENV, value)
+    monkeypatch.setattr(blas, "_in_worker", lambda: True)  # (even in a worker, on an Intel CPU)
+    monkeypatch.setattr(blas, "_intel_cpu", lambda: True)
+    assert blas.backend() == "numpy"
     a = np.ones((3, 2), np.float32)
     np.testing.assert_array_equal(blas.matmul(a, a.T), np.full((3, 3), 2.0, np.float32))
 
@@ -132,30 +134,38 @@ def test_auto_takes_mkl_in_a_worker_on_intel_without_torch_only(monkeypatch, wor
     assert loads == ([1] if worker and intel and not torch_loaded else [])
 
 
-def test_a_users_own_process_never_loads_mkl_by_default():
-    """A script that multiplies without a cluster (kernels in its own process) and imports torch
-    afterwards: MKL is not in the process, and torch keeps its threads."""
+@pytest.mark.parametrize("value", ["auto", None])
+def test_a_users_own_process_never_loads_mkl_by_default_or_under_auto(value):
+    """A script that multiplies without a cluster (kernels in its own process) and may import
+    torch afterwards: MKL is not in the process (loaded first, it would take over torch's)."""
     code = ("import numpy as np, tilegraph as tg\n"
             "x = tg.from_numpy(np.ones((64, 64), np.float32), tiles=32)\n"
             "(x @ x).numpy()\n"
             "from tilegraph.ops import _blas\n"
             "print(_blas.backend(), any('libmkl' in line for line in open('/proc/self/maps')))\n")
     env = {k: v for k, v in os.environ.items() if k != blas.BLAS_ENV}
+    if value is not None:
+        env[blas.BLAS_ENV] = value
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["numpy", "False"], proc.stdout
 
 
 @pytest.mark.distributed
-def test_the_workers_of_a_cluster_multiply_with_mkl_where_installed(embedded_runtime):
-    got = set(embedded_runtime.client.run(blas.backend).values())
-    assert got == {"mkl" if GEMM is not None and blas._intel_cpu() else "numpy"}
+def test_the_workers_of_a_cluster_multiply_as_the_environment_says(embedded_runtime, monkeypatch):
+    """The default: NumPy in the workers. TILEGRAPH_BLAS=auto where a cluster starts: its workers
+    take MKL (where installed, on an Intel CPU), and their products train as NumPy's do."""
+    assert set(embedded_runtime.client.run(blas.backend).values()) == {"numpy"}
+    monkeypatch.setenv(blas.BLAS_ENV, "auto")
+    with tg.connect(n_workers=1, threads_per_worker=1, dashboard=False, quiet=True, make_current=False) as rt:
+        assert set(rt.client.run(blas.backend).values()) == {"mkl" if GEMM is not None and blas._intel_cpu()
+                                                             else "numpy"}
 
 
 def test_a_bad_choice_or_mkl_missing_is_named(monkeypatch):
     monkeypatch.setattr(blas, "_state", {})
     monkeypatch.setenv(blas.BLAS_ENV, "openblas")
-    with pytest.raises(TileError, match=r"TILEGRAPH_BLAS environment variable\] one of auto, mkl, numpy; "
+    with pytest.raises(TileError, match=r"TILEGRAPH_BLAS environment variable\] one of numpy, auto, mkl; "
                                         r"received: 'openblas'"):
         blas.backend()
     monkeypatch.setattr(blas, "_state", {})
