@@ -120,6 +120,13 @@ def kernels_redefined() -> int:
     return _REDEFINED
 
 
+def current_kernel(k: "Kernel") -> "Kernel":
+    """The kernel registered now under ``k``'s name: ``k`` itself, or its new definition where the
+    name was registered again since ``k`` was (graphs recorded before hold ``k``)."""
+    now = _KERNELS.get(k.name)
+    return k if now is None else now
+
+
 def _default_cost(in_shapes, out_shapes, in_itemsize, params) -> Cost:
     n_in = sum(int(np.prod(s)) for s in in_shapes)
     n_out = sum(int(np.prod(s)) for s in out_shapes)

@@ -40,7 +40,8 @@ import numpy as np
 from tilegraph import _config
 from tilegraph._config import PARALLEL_STRATEGIES, Config, config, transfer_speed  # noqa: F401 - re-exported
 from tilegraph._errors import TileError
-from tilegraph._graph import Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, to_host, topo_order
+from tilegraph._graph import (Cell, CopiesRef, Node, ReplicatedRef, TileRef, ValueRef, current_kernel, kernels_redefined,
+                              to_host, topo_order)
 from tilegraph._tensor import TileTensor
 from tilegraph.exec.program import (Bound, Call, Program, kernel_stats, measured_exactly,  # noqa: F401 - re-exported
                                     one_blas_thread, run_cluster)
@@ -325,6 +326,8 @@ class Executable:
         # program keys of this executable's own: another of the same plan, dropped just before
         # this one scatters, would have Dask forget a shared key after it was sent again
         self._program_id = uuid.uuid4().hex[:8]
+        #: kernels registered again (``_graph.kernels_redefined``) when the programs were made
+        self._kernels = kernels_redefined()
 
     def _cpu_resource(self, runtime) -> bool | None:
         """Whether this plan's CPU tasks ask for the "CPU" resource on ``runtime`` (None: as
@@ -428,7 +431,8 @@ class Executable:
         ops = []
         for step, (n, ins, outs) in enumerate(body):
             free = tuple(r for r in set(ins) if last_use[r] == step and r not in keep)
-            ops.append(Call(n.kernel, n.params, tuple(ins), tuple(outs), n.out_meta, free, n.op, n.scope))
+            ops.append(Call(current_kernel(n.kernel), n.params, tuple(ins), tuple(outs), n.out_meta, free, n.op,
+                            n.scope))
         # Dependencies between the task's own ops, for running them on several threads.
         made_by = {r: step for step, (_, _, outs) in enumerate(body) for r in outs}
         uses = [0] * n_regs
@@ -558,11 +562,12 @@ class Executable:
         return max(best.values(), default=(0, 0.0))
 
     def values_token(self) -> str:
-        """A token of the plan and of its leaves' values (their cells' tokens): what a call's
-        task keys are named after by default."""
+        """A token of the plan, of its leaves' values (their cells' tokens) and of the kernels'
+        definitions (a kernel defined again makes other tasks): what a call's task keys are
+        named after by default."""
         from dask.base import tokenize
 
-        return tokenize(self.structure, [n.cell.token for n in self.leaves])
+        return tokenize(self.structure, [n.cell.token for n in self.leaves], self._kernels)
 
     def lower(self, token: str | None = None, programs: Sequence | None = None):
         """Write the Dask graph for one call.
@@ -718,10 +723,32 @@ class Executable:
             return self._run_locally(call, source, out)
         return self._run_on_workers(runtime, call, source, out, fetch, wait, during, lost or {})
 
+    def _follow_redefined_kernels(self) -> None:
+        """Where a kernel was defined again since the programs were made (a notebook cell run
+        again), its calls take the new definition, and the programs go to the workers again
+        under new keys (they carry a kernel of ``__main__`` by value; a worker replaces its
+        definition when another comes). A compiled graph then runs what the name names now, in
+        this process and on the workers alike: the workers ran the old definition until another
+        graph brought them the new one, and this process ran the old one for good."""
+        count = kernels_redefined()
+        if count == self._kernels:
+            return
+        self._kernels = count
+        changed = False
+        for plan in self.plans:
+            ops = tuple(op._replace(kernel=current_kernel(op.kernel)) for op in plan.prog.ops)
+            if any(a.kernel is not b.kernel for a, b in zip(ops, plan.prog.ops)):
+                plan.prog.ops = ops
+                changed = True
+        if changed:
+            self._program_futures = None
+            self._program_id = uuid.uuid4().hex[:8]
+
     def _lower_call(self, runtime) -> _Call:
         """Write the Dask graph of one call on ``runtime`` (None: this process runs it): one task
         per worker process for a gang plan, else one per cluster; on a runtime, the tasks carry
         futures of the programs already on its workers."""
+        self._follow_redefined_kernels()
         if runtime is not None and self.gang is not None:
             layers, keys, locate = self.lower_gang(runtime, programs=self._programs(runtime))
             return _Call(layers, keys, dict(zip(keys, self.gang.outputs)), locate)
