@@ -164,14 +164,28 @@ def _operands(where: str, a, b) -> None:
                             f"{type(x).__name__} {x!r:.60}")
 
 
+def _promote_int(a, b):
+    """torch's promotion of an integer or bool tensor beside a float one: it takes the float
+    tensor's dtype (``x * mask`` with a tokenizer's int64 attention mask was refused, "inputs must
+    share one dtype"). Two float dtypes stay refused (cast one), as do two integer ones."""
+    if isinstance(a, TileTensor) and isinstance(b, TileTensor):
+        ka, kb = a.dtype.kind, b.dtype.kind
+        if ka == "f" and kb in "biu":
+            b = cast(b, a.dtype)
+        elif kb == "f" and ka in "biu":
+            a = cast(a, b.dtype)
+    return a, b
+
+
 def add(a, b) -> TileTensor:
-    """``a + b`` with NumPy broadcasting; either may be a Python number."""
+    """``a + b`` with NumPy broadcasting; either may be a Python number. An integer or bool tensor
+    beside a float one is taken in the float one's dtype, as torch promotes it."""
     _operands("tilegraph.add", a, b)
     if _scalar(b):
         return affine(a, 1, _number(b))
     if _scalar(a):
         return affine(b, 1, _number(a))
-    return _add_op(a, b)
+    return _add_op(*_promote_int(a, b))
 
 
 def sub(a, b) -> TileTensor:
@@ -180,7 +194,7 @@ def sub(a, b) -> TileTensor:
         return affine(a, 1, -_number(b))
     if _scalar(a):
         return affine(b, -1, _number(a))
-    return _sub_op(a, b)
+    return _sub_op(*_promote_int(a, b))
 
 
 def mul(a, b) -> TileTensor:
@@ -189,7 +203,7 @@ def mul(a, b) -> TileTensor:
         return affine(a, _number(b))
     if _scalar(a):
         return affine(b, _number(a))
-    return _mul_op(a, b)
+    return _mul_op(*_promote_int(a, b))
 
 
 def div(a, b) -> TileTensor:
@@ -201,7 +215,7 @@ def div(a, b) -> TileTensor:
         if b.dtype.kind not in "fc":
             b = cast(b, np.float64)
         return mul(pow(b, -1.0), _number(a))
-    return _div_op(a, b)
+    return _div_op(*_promote_int(a, b))
 
 
 # ------------------------------------------------------------- floor division and remainder ----
