@@ -937,8 +937,13 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
     h // (H // Hkv), torch's ``enable_gqa=True``, which may be passed; ``enable_gqa=False`` asks,
     as in torch, for as many kv heads as query heads); ``scale`` defaults to 1/sqrt(D). T, S, B and
     the heads may be tiled, D not. As in torch, attention is NOT causal unless ``is_causal=True``.
-    ``attn_mask`` and ``dropout_p`` exist so that ported calls bind as in torch; only
-    ``attn_mask=None`` and ``dropout_p=0`` are supported. ``q_offset`` (tilegraph's own): with
+    ``attn_mask`` is torch's: a bool mask (True where a query attends to a key) or a float one
+    (added to the scores), a TileTensor or a NumPy array broadcasting to (B, H, T, S), with
+    ``is_causal=True`` too where given; the scores then exist as tiles (this takes the ops
+    :func:`tilegraph.ops.attention_masked.masked_attention` records: memory B H T S, where the
+    unmasked and causal kernels never form them), and a query that attends to no key gives
+    zeros, as in torch. Not with grouped-query heads. ``dropout_p`` exists so that ported calls
+    bind as in torch; only 0 is supported. ``q_offset`` (tilegraph's own): with
     ``is_causal``, query row t sits at position ``q_offset + t`` and sees keys ``0..q_offset + t``,
     so ``S == q_offset + T`` (new positions against a KV cache of the ``q_offset`` before them);
     without ``is_causal`` it changes nothing. ``causal=`` is the older name of ``is_causal``, still
@@ -953,10 +958,9 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
         warnings.warn("scaled_dot_product_attention(causal=...) is deprecated: use is_causal=... (torch's "
                       "name; the default is False, as in torch)", DeprecationWarning, stacklevel=2)
     is_causal = resolve_alias(WHERE, "is_causal", is_causal, "causal", causal)
-    if attn_mask is not None:
-        raise TileError(WHERE, "attn_mask is not supported (only is_causal=True masks); a positional 4th "
-                        "argument is attn_mask, as in torch: pass is_causal=True by name",
-                        f"attn_mask of type {type(attn_mask).__name__}")
+    if isinstance(attn_mask, (bool, np.bool_)):
+        raise TileError(WHERE, "attn_mask must be a mask tensor or None; a positional 4th argument is attn_mask, "
+                        "as in torch: pass is_causal=True by name", f"attn_mask={attn_mask!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         raise TileError(WHERE, "dropout_p is not supported: only 0 (no attention dropout)", repr(dropout_p))
     if not isinstance(is_causal, (bool, np.bool_)):
@@ -975,6 +979,13 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
             raise TileError(WHERE, "with enable_gqa=False q, k and v need the same number of heads (as in "
                             "torch); pass enable_gqa=True (or leave it out) for grouped-query attention",
                             f"q heads {q.shape[1]}, k heads {k.shape[1]}")
+    if attn_mask is not None:
+        from .attention_masked import masked_attention
+
+        _validate(q, k, v, bool(is_causal), int(q_offset))
+        return masked_attention(q, k, v, attn_mask, causal=bool(is_causal),
+                                scale=1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale),
+                                q_offset=int(q_offset))
     return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset))
 
 

@@ -43,8 +43,9 @@ FEATURE_TILE = {"single": None, "even": 8, "ragged": 16}  # tiles hold whole hea
 
 
 class Attention(tg.nn.Module):
-    """Non-causal multi-head self-attention with an additive mask (B, 1, 1, T): tg's
-    scaled_dot_product_attention takes no attn_mask, so it is written out."""
+    """Non-causal multi-head self-attention with an additive mask (B, 1, 1, T), written out as a
+    user would without a mask argument (tg.nn.SelfAttention and scaled_dot_product_attention's
+    attn_mask do it since: tests/test_e2e49_attn_mask.py)."""
 
     def __init__(self, dim, heads):
         self.h, self.hd = heads, dim // heads

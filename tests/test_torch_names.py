@@ -66,8 +66,8 @@ def test_sdpa_unsupported_or_conflicting_arguments_are_errors(rng):
                                                    rf"received: is_causal={is_causal}, causal=True"):
                 tg.scaled_dot_product_attention(q, k, v, is_causal=is_causal, causal=True)
     # tilegraph's old positional 4th argument (causal) is torch's attn_mask: an error, never a mask
-    with pytest.raises(tg.TileError, match=r"attn_mask is not supported .* pass is_causal=True by name; "
-                                           r"received: attn_mask of type bool"):
+    with pytest.raises(tg.TileError, match=r"a positional 4th argument is attn_mask, as in torch: pass "
+                                           r"is_causal=True by name; received: attn_mask=True"):
         tg.scaled_dot_product_attention(q, k, v, True)
     with pytest.raises(tg.TileError, match=r"dropout_p is not supported: only 0 \(no attention dropout\); "
                                            r"received: 0.1"):

@@ -33,7 +33,7 @@ from tilegraph.ops.embedding import check_padding_idx
 from tilegraph.ops.shape import fit_last_dim
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
-           "CausalSelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
+           "CausalSelfAttention", "SelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
            "Identity", "Dropout", "defaults", "deferred_init", "training", "is_training"]
 
 #: the cells of every :class:`Parameter` of this process (held weakly: a model dropped takes its
@@ -1067,7 +1067,7 @@ class CausalSelfAttention(Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
                  rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=None, seed=None,
                  init_std: float | None = None):
-        where = "tilegraph.nn.CausalSelfAttention"
+        where = f"tilegraph.nn.{type(self).__name__}"
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         dtype = _check_layer(where, dtype, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
         if dim % n_heads:
@@ -1142,6 +1142,80 @@ class CausalSelfAttention(Module):
         k, v = cache.write(k, v)
         y = sdpa_at(q, k, v, cache.position)                            # (B, H, 1, hd)
         return ops.reshape(ops.transpose(y, 1, 2), (b, 1, c))
+
+
+class SelfAttention(CausalSelfAttention):
+    """Multi-head self-attention that is not causal unless ``causal=True`` (an encoder's, as BERT's),
+    with the masks of an encoder: ``attn(x, padding_mask=m)`` with ``m`` (B, T), True or 1 for a
+    real token and False or 0 for padding (a tokenizer's ``attention_mask``): no query attends to
+    padding. ``attn_mask=`` is torch's SDPA mask (bool, True where a query attends to a key, or
+    float, added to the scores; broadcasting to (B, H, T, T)); given both, both apply. Parameters
+    as :class:`CausalSelfAttention` (grouped-query heads only without masks). The masks are
+    NumPy arrays or TileTensors (a step's inputs).
+
+    >>> import numpy as np, tilegraph as tg
+    >>> attn = tg.nn.SelfAttention(8, 2, seed=0)
+    >>> x = np.ones((2, 3, 8), np.float32)
+    >>> attn(tg.from_numpy(x), padding_mask=np.array([[1, 1, 1], [1, 1, 0]])).shape
+    (2, 3, 8)
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, causal: bool = False,
+                 bias: bool = True, rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=None, seed=None,
+                 init_std: float | None = None):
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TileError("tilegraph.nn.SelfAttention", "causal must be a bool",
+                            f"{causal!r} ({type(causal).__name__})")
+        super().__init__(dim, n_heads, n_kv_heads, bias=bias, rope=rope, rope_base=rope_base, tile=tile, dtype=dtype,
+                         seed=seed, init_std=init_std)
+        self.causal = bool(causal)
+
+    def forward(self, x: TileTensor, attn_mask=None, padding_mask=None) -> TileTensor:
+        """``x`` (B, T, C) -> (B, T, C), with the masks above."""
+        where = "tilegraph.nn.SelfAttention"
+        if not isinstance(x, TileTensor) or x.ndim != 3 or x.shape[2] != self.n_heads * self.head_dim:
+            raise TileError(where, f"x must be a (B, T, C) TileTensor with C = {self.n_heads * self.head_dim} "
+                            "(the layer's dim)", f"shape {x.shape}" if isinstance(x, TileTensor) else type(x).__name__)
+        b, t, c = x.shape
+        mask = _with_padding(attn_mask, padding_mask, b, t, where)
+        q = self._heads(self.q(x), self.n_heads)
+        k = self._heads(self.k(x), self.n_kv_heads)
+        v = self._heads(self.v(x), self.n_kv_heads)
+        if self.rope:
+            q, k = ops.rope(q, base=self.rope_base), ops.rope(k, base=self.rope_base)
+        y = ops.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)  # (B, H, T, hd)
+        return self.o(ops.reshape(ops.transpose(y, 1, 2), (b, t, c)))
+
+
+def _with_padding(attn_mask, padding_mask, b: int, t: int, where: str):
+    """``attn_mask`` with the keys that ``padding_mask`` (B, T) marks as padding masked out: a bool
+    (B, 1, 1, T) mask where there is no ``attn_mask``; else both, as a bool or float mask."""
+    if padding_mask is None:
+        return attn_mask
+    if isinstance(padding_mask, TileTensor):
+        ok = padding_mask.shape == (b, t) and padding_mask.dtype.kind in "biu"
+        keep = padding_mask if padding_mask.dtype.kind == "b" else padding_mask.gt(0)
+        keep = ops.reshape(keep, (b, 1, 1, t)) if ok else None
+    else:
+        arr = np.asarray(padding_mask) if is_array(padding_mask) or isinstance(padding_mask, (list, tuple)) else None
+        ok = arr is not None and arr.shape == (b, t) and arr.dtype.kind in "biu"
+        keep = (arr != 0)[:, None, None, :] if ok else None
+    if not ok:
+        got = (f"shape {tuple(padding_mask.shape)}, dtype {padding_mask.dtype}" if hasattr(padding_mask, "dtype")
+               else type(padding_mask).__name__)
+        raise TileError(where, f"padding_mask must be (B, T) = ({b}, {t}) bool or 0/1 integers (True or 1: a real "
+                        "token), a NumPy array or a TileTensor", got)
+    if attn_mask is None:
+        return keep
+    if isinstance(attn_mask, np.ndarray) and isinstance(keep, np.ndarray):
+        return (attn_mask & keep) if attn_mask.dtype.kind == "b" else np.where(keep, attn_mask, -np.inf)
+    if not isinstance(keep, TileTensor):
+        keep = from_numpy(np.ascontiguousarray(keep))
+    if not isinstance(attn_mask, TileTensor):
+        attn_mask = from_numpy(np.ascontiguousarray(attn_mask))
+    if attn_mask.dtype.kind == "b":
+        return ops.logical_and(attn_mask, keep)
+    return ops.where(keep, attn_mask, -np.inf)
 
 
 class KVCache:
