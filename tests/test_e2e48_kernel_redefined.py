@@ -10,16 +10,16 @@ from tilegraph._graph import _KERNELS, kernels_redefined
 from tilegraph.ext import elementwise_cost, emit1, kernel, new_tensor
 
 CELL = '''
-@kernel("e2e48_scaled", cost=elementwise_cost(1))
+@kernel("{name}", cost=elementwise_cost(1))
 def scaled(x):
     return x * {factor}
 '''
 
 
-def _run_cell(factor):
-    """The notebook cell (module ``__main__``), run with ``factor`` in its kernel."""
+def _run_cell(factor, name="e2e48_scaled"):
+    """The notebook cell (module ``__main__``), run with ``factor`` in its kernel ``name``."""
     ns = {"kernel": kernel, "elementwise_cost": elementwise_cost, "__name__": "__main__"}
-    exec(compile(CELL.format(factor=factor), "<notebook cell>", "exec"), ns)
+    exec(compile(CELL.format(factor=factor, name=name), "<notebook cell>", "exec"), ns)
     return ns["scaled"]
 
 

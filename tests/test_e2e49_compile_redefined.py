@@ -9,20 +9,14 @@ import pytest
 
 import tilegraph as tg
 from tilegraph._graph import _KERNELS, kernels_redefined
-from tilegraph.ext import elementwise_cost, emit1, kernel, new_tensor
+from tilegraph.ext import emit1, kernel, new_tensor
 
-CELL = '''
-@kernel("e2e49_scaled", cost=elementwise_cost(1))
-def scaled(x):
-    return x * {factor}
-'''
+from test_e2e48_kernel_redefined import _run_cell as _cell_of
 
 
 def _run_cell(factor):
     """The notebook cell (module ``__main__``), run with ``factor`` in its kernel."""
-    ns = {"kernel": kernel, "elementwise_cost": elementwise_cost, "__name__": "__main__"}
-    exec(compile(CELL.format(factor=factor), "<notebook cell>", "exec"), ns)
-    return ns["scaled"]
+    return _cell_of(factor, "e2e49_scaled")
 
 
 def _scaled(x, k):
