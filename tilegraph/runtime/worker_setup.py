@@ -151,9 +151,38 @@ def ignore_stop_signals() -> bool:
     return True
 
 
+def _exit_collection() -> None:
+    """At a process's exit: collect the garbage there is now (its finalizers run, as the
+    interpreter's own collection would run them), then freeze what is left, so the interpreter's
+    collections while it tears its modules down no longer walk every object still alive."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+#: set once :func:`_exit_collection` is registered in this process
+_QUICK_EXIT: list = []
+
+
+def quick_exit() -> None:
+    """Have this process end without the interpreter's walks of every live object as it tears
+    its modules down (:func:`_exit_collection`, once however often it is asked): after a
+    `tilegraph train` the client holds ~240,000 objects, and those walks took 0.7 s between the
+    last line printed and the exit; an embedded cluster's worker process (NumPy, Numba, Dask and
+    tilegraph) spent 0.2-0.3 s of its end on them, which its cluster's close waits for. The
+    `tilegraph` command and the embedded workers ask for it."""
+    import atexit
+
+    if not _QUICK_EXIT:
+        atexit.register(_exit_collection)
+        _QUICK_EXIT.append(_exit_collection)
+
+
 def _signals_plugin():
     """A worker plugin applying :func:`ignore_stop_signals` on every worker, also those joining
-    later (a nanny's replacement)."""
+    later (a nanny's replacement), and :func:`quick_exit` (the workers of a cluster tilegraph
+    started: their processes end with it)."""
     from distributed.diagnostics.plugin import WorkerPlugin
 
     class SignalsPlugin(WorkerPlugin):
@@ -161,6 +190,7 @@ def _signals_plugin():
         idempotent = True
 
         def setup(self, worker) -> None:
+            quick_exit()
             if not ignore_stop_signals():
                 logging.getLogger("tilegraph").warning(
                     "worker %s could not leave SIGINT/SIGTERM to the client (its plugins run outside the main "
