@@ -121,12 +121,7 @@ def initialize_mpi(interface: str | None = None, quiet: bool = True, *, security
         if comm.Get_rank() != 0:
             raise  # a worker rank that fails to start: the client rank names it after its wait for them
         _end_job(comm, e)
-    import atexit
-
-    # before dask-mpi's own exit handler (atexit runs the last registered first), which shuts the
-    # scheduler down: a client still open then (the script's runtime, unclosed) logged "Failed to
-    # reconnect to scheduler after 30.00 seconds" and tracebacks as the job ended
-    atexit.register(_close_clients)
+    _end_launch_at_exit()
     _LAUNCH = {"settings": (interface, tls_config, dask_config or {}), "workers": comm.Get_size() - 2}
     return _LAUNCH["workers"]
 
@@ -226,6 +221,39 @@ def _end_job(comm, error: Exception) -> None:
 def _short(value, limit: int = 300) -> str:
     text = repr(value) if not isinstance(value, BaseException) else str(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _end_launch_at_exit() -> None:
+    """Have this client rank end the launch as its script ends: its open clients closed first (a
+    client still open as the scheduler shut down logged "Failed to reconnect to scheduler after
+    30.00 seconds" and tracebacks), then the scheduler and workers shut down, through a client
+    of its own, as dask-mpi's ``send_close_signal`` does.
+
+    dask-mpi does it from an ``atexit`` handler whose client starts its event loop's thread
+    there, which CPython 3.12.0 and 3.12.1 refuse at shutdown ("can't create new thread at
+    interpreter shutdown", gh-113964): the workers never heard, and mpiexec waited for them for
+    good after the training had ended. So the loop's thread starts here, and the closing client
+    runs on it; dask-mpi's handler is taken back."""
+    import atexit
+
+    from dask_mpi.initialize import send_close_signal
+    from distributed.utils import LoopRunner
+
+    runner = LoopRunner(asynchronous=False)
+    runner.start()  # (its thread, started now; at exit no thread need start)
+
+    def end_launch() -> None:
+        from distributed import Client
+
+        _close_clients()
+        try:
+            with Client(loop=runner.loop) as client:
+                client.shutdown()
+        finally:
+            runner.stop()
+
+    atexit.unregister(send_close_signal)
+    atexit.register(end_launch)
 
 
 def _close_clients() -> None:
