@@ -6,8 +6,8 @@ imported only when a GPU task runs.
 
 from .attention import scaled_dot_product_attention
 from .dropout import dropout
-from .elementwise import (absolute, add, affine, cast, clamp, div, exp, floor_divide, gelu, log, mul, ones_like, pow, relu,
-                          remainder, sigmoid, silu, sub, tanh, zeros_like)
+from .elementwise import (absolute, add, affine, cast, clamp, div, exp, floor_divide, gelu, leaky_relu, log, mul,
+                          ones_like, pow, relu, remainder, sigmoid, silu, sub, tanh, zeros_like)
 from .embedding import embedding
 from .index import chunk, narrow, select, split, unbind
 from .loss import cross_entropy, mse_loss
@@ -23,7 +23,7 @@ from .where import logical_and, logical_not, logical_or, logical_xor, masked_fil
 
 abs = absolute  # noqa: A001 - torch's name (elementwise keeps Python's abs for its Numba kernels)
 
-__all__ = ["add", "affine", "cross_entropy", "mse_loss", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu",
+__all__ = ["add", "affine", "cross_entropy", "mse_loss", "div", "dropout", "embedding", "layer_norm", "log_softmax", "rms_norm", "softmax", "gelu", "linear", "matmul", "mean", "mul", "ones_like", "permute", "pow", "relu", "leaky_relu",
            "reshape", "rope", "scaled_dot_product_attention", "silu", "sub", "sum", "transpose", "zeros_like",
            "exp", "log", "tanh", "sigmoid", "cast", "cat", "stack", "unsqueeze", "squeeze", "flatten", "max", "min",
            "var", "std", "rechunk", "narrow", "select", "split", "chunk", "unbind", "abs", "absolute", "clamp", "where", "masked_fill",

@@ -17,7 +17,8 @@ from tilegraph._errors import TileError
 from tilegraph._graph import emit1, kernel
 from tilegraph._tensor import TileTensor, Tiling
 
-from ._common import elementwise_cost, new_tensor, require_float, require_same_dtype, require_tensor, xp_of
+from ._common import (acc_dtype, elementwise_cost, new_tensor, require_float, require_same_dtype, require_tensor,
+                      xp_of)
 from ._gpu import fused
 
 __all__ = ["add", "sub", "mul", "div", "floor_divide", "remainder", "pow", "affine", "gelu", "relu", "silu", "exp",
@@ -795,6 +796,21 @@ def _relu_bwd_xp(x, g):
     return g * (x > 0)
 
 
+def _leaky_relu_xp(x, negative_slope=0.01):
+    # torch's: x where x > 0, else x * negative_slope computed in at least float32 (a float16 x is
+    # scaled in float32, then rounded once)
+    acc = acc_dtype(x.dtype)
+    scaled = (x.astype(acc, copy=False) * acc.type(negative_slope)).astype(x.dtype, copy=False)
+    return xp_of(x).where(x > 0, x, scaled)
+
+
+def _leaky_relu_bwd_xp(x, g, negative_slope=0.01):
+    # torch's: g where x > 0, else g * negative_slope (the slope side at exactly 0, and at NaN)
+    acc = acc_dtype(g.dtype)
+    scaled = (g.astype(acc, copy=False) * acc.type(negative_slope)).astype(g.dtype, copy=False)
+    return xp_of(x).where(x > 0, g, scaled)
+
+
 # GPU: one fused kernel each (ops._gpu), the formulas of _gelu_xp/_gelu_bwd_xp in double
 _GELU_TANH_ARG = "0.7978845608028654 * (v + 0.044715 * v * v * v)"  # sqrt(2 / pi) (x + 0.044715 x^3)
 _gelu_gpu_tanh = fused("gelu_tanh", "T x", "T y", f"double v = x; y = (T)(0.5 * v * (1.0 + tanh({_GELU_TANH_ARG})));",
@@ -828,6 +844,8 @@ _silu_bwd_k = kernel("silu_bwd", cost=elementwise_cost(12),
                      cpu=_numba_binary(_nb_silu_bwd, _nb_silu_bwd_f32))(_silu_bwd_xp)
 _relu_k = kernel("relu", cost=elementwise_cost(1))(_relu_xp)
 _relu_bwd_k = kernel("relu_bwd", cost=elementwise_cost(2))(_relu_bwd_xp)
+_leaky_relu_k = kernel("leaky_relu", cost=elementwise_cost(2))(_leaky_relu_xp)
+_leaky_relu_bwd_k = kernel("leaky_relu_bwd", cost=elementwise_cost(2))(_leaky_relu_bwd_xp)
 
 
 class Activation(Op):
@@ -936,6 +954,7 @@ _sigmoid_bwd_k = kernel("sigmoid_bwd", cost=elementwise_cost(15))(_sigmoid_bwd_x
 _gelu_op = Activation("gelu", _gelu_k, _gelu_bwd_k)
 _silu_op = Activation("silu", _silu_k, _silu_bwd_k)
 _relu_op = Activation("relu", _relu_k, _relu_bwd_k)
+_leaky_relu_op = Activation("leaky_relu", _leaky_relu_k, _leaky_relu_bwd_k)
 _abs_op = Activation("abs", _abs_k, _abs_bwd_k, ints=True)
 _clamp_op = Activation("clamp", _clamp_k, _clamp_bwd_k, ints=True)
 _exp_op = Activation("exp", _exp_k, _exp_bwd_k)
@@ -957,6 +976,30 @@ def silu(x: TileTensor) -> TileTensor:
 
 def relu(x: TileTensor) -> TileTensor:
     return _relu_op(require_tensor(x, "tilegraph.relu", "x"))
+
+
+def check_negative_slope(negative_slope, where: str) -> float:
+    """``negative_slope`` of a leaky ReLU as a float: a finite real number (not a bool)."""
+    if (isinstance(negative_slope, (bool, np.bool_)) or not isinstance(negative_slope, numbers.Real)
+            or not math.isfinite(negative_slope)):
+        raise TileError(where, "negative_slope must be a real number (finite; torch's default is 0.01)",
+                        f"{negative_slope!r:.60}")
+    return float(negative_slope)
+
+
+def leaky_relu(x: TileTensor, negative_slope: float = 0.01) -> TileTensor:
+    """torch's ``F.leaky_relu``: ``x`` where ``x > 0``, ``negative_slope * x`` elsewhere; its
+    gradient is 1 where ``x > 0`` and ``negative_slope`` elsewhere, at exactly 0 too (torch's).
+    One kernel per tile each way (a float16 ``x`` is scaled in float32, as torch's). Floating
+    tensors only, as torch's.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> tg.leaky_relu(tg.from_numpy(np.array([-2.0, 0.0, 3.0])), 0.1).numpy()
+    array([-0.2,  0. ,  3. ])
+    """
+    where = "tilegraph.leaky_relu"
+    require_tensor(x, where, "x")
+    return _leaky_relu_op(x, negative_slope=check_negative_slope(negative_slope, where))
 
 
 def absolute(x: TileTensor) -> TileTensor:

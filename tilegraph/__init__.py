@@ -19,9 +19,9 @@ from tilegraph._train import EvalStep, StepStats, TrainStep
 from tilegraph.trainer import FitResult, NonFiniteLossError, Trainer
 from tilegraph.ops import *  # noqa: F401,F403 - functional ops live in the tilegraph namespace
 from tilegraph.ops import __all__ as _ops_all
-# torch's creators (after the star import: these zeros_like / ones_like take dtype= and read nothing of x),
+# torch's creators (arange; after the star import: these zeros_like / ones_like take dtype= and read nothing of x),
 # expand, cumsum and norm
-from tilegraph._tensor import full, full_like, ones, ones_like, zeros, zeros_like
+from tilegraph._tensor import arange, full, full_like, ones, ones_like, zeros, zeros_like
 from tilegraph.ops.reduce import norm
 from tilegraph.ops.scan import cumsum
 from tilegraph.ops.shape import expand, expand_as
@@ -41,5 +41,5 @@ def __getattr__(name: str):
 __all__ = ["TileError", "TileTensor", "Tiling", "from_numpy", "from_dask_array", "Op", "grad", "no_grad", "checkpoint", "compile",
            "compute", "config", "Runtime", "connect", "current_runtime", "ops", "nn", "optim", "TrainStep", "StepStats", "EvalStep", "Trainer", "FitResult",
            "WorkerLostError", "StepTimeoutError", "NonFiniteLossError", *_ops_all,
-           *(n for n in ("zeros", "ones", "full", "full_like", "zeros_like", "ones_like", "expand", "expand_as",
+           *(n for n in ("arange", "zeros", "ones", "full", "full_like", "zeros_like", "ones_like", "expand", "expand_as",
                          "cumsum", "norm") if n not in _ops_all)]

@@ -14,7 +14,7 @@ from tilegraph._errors import TileError, TileIndexError
 from tilegraph._graph import Cell, Cost, TileRef, emit1, kernel, leaf, xp_of
 
 __all__ = ["Tiling", "TileTensor", "from_numpy", "from_dask_array", "zeros", "ones", "full", "zeros_like", "ones_like",
-           "full_like"]
+           "full_like", "arange"]
 
 
 # -- parameter aliases ---------------------------------------------------------------------------
@@ -1369,6 +1369,67 @@ def ones(*size, tiles=None, dtype=None, name: str | None = None) -> TileTensor:
     where = "tilegraph.ones"
     shape = _size_arg(size, where)
     return _filled(Tiling.from_sizes(shape, tiles, where), 1, _fill_dtype(1.0, dtype, where), name, where)
+
+
+def arange(start, end=None, step=1, *, dtype=None, tiles=None, name: str | None = None) -> TileTensor:
+    """torch's ``arange``: ``arange(end)`` or ``arange(start, end, step)``, the numbers from
+    ``start`` up to ``end`` (not included) by ``step``, split into ``tiles`` (as
+    :func:`from_numpy`'s). Without ``dtype``, torch's: int64 where ``start``, ``end`` and ``step``
+    are all integers, float32 (torch's default float dtype, as :func:`zeros`) otherwise. The
+    values are made on the client, one NumPy array cut into tiles (a leaf, as :func:`from_numpy`).
+
+    As torch's: a float dtype has ``ceil((end - start) / step)`` elements ``start + i * step``
+    (computed in float64, float32 for float16, then rounded); an integer dtype takes ``start``,
+    ``end`` and ``step`` truncated to integers first (``arange(0, 5, 1.5, dtype=np.int64)``
+    steps by 1; torch's int64 rule, which tilegraph applies to every integer dtype). A step of 0,
+    one leading away from ``end``, a bound that is not finite, a bool argument and a bool dtype
+    are TileErrors.
+
+    >>> import numpy as np, tilegraph as tg
+    >>> x = tg.arange(5, tiles=2)
+    >>> x.dtype, x.chunks, x.numpy()
+    (dtype('int64'), ((2, 2, 1),), array([0, 1, 2, 3, 4]))
+    >>> tg.arange(1, 2.5, 0.5).numpy()
+    array([1. , 1.5, 2. ], dtype=float32)
+    """
+    where = "tilegraph.arange"
+    if end is None:
+        start, end = 0, start
+    args = {"start": start, "end": end, "step": step}
+    for arg, v in args.items():
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+            raise TileError(where, f"{arg} must be a real number (an int or a float)", f"{type(v).__name__} {v!r:.60}")
+        if not math.isfinite(v):
+            raise TileError(where, "start, end and step must be finite (torch's 'unsupported range')", f"{arg}={v!r}")
+    ints = all(isinstance(v, numbers.Integral) for v in args.values())
+    if dtype is None:
+        dtype = np.dtype(np.int64 if ints else np.float32)
+    else:
+        dtype = as_dtype(dtype, where)
+        if dtype.kind not in "iuf":
+            raise TileError(where, "dtype must be an integer or float dtype (torch's arange makes no bool tensor)",
+                            str(dtype))
+    shown = f"start={start!r}, end={end!r}, step={step!r}"
+    if dtype.kind in "iu":
+        lo, hi, st = (int(v) for v in (start, end, step))  # truncated toward 0, as torch's cast
+        if not all(np.iinfo(np.int64).min <= v <= np.iinfo(np.int64).max for v in (lo, hi, st)):
+            raise TileError(where, "start, end and step must fit int64", shown)
+    else:
+        lo, hi, st = float(start), float(end), float(step)
+    if st == 0:
+        raise TileError(where, "step must be nonzero", shown)
+    if not ((st > 0 and hi >= lo) or (st < 0 and hi <= lo)):
+        raise TileError(where, "step must lead from start to end (step > 0 with end >= start, or step < 0 with "
+                        "end <= start), as torch's", shown)
+    n = -((lo - hi) // st) if dtype.kind in "iu" else math.ceil((hi - lo) / st)
+    check_numel((n,), where)
+    if dtype.kind in "iu":
+        values = (np.arange(n, dtype=np.int64) * st + lo).astype(dtype, copy=False)
+    else:
+        acc = np.dtype(np.float32 if dtype == np.float16 else np.float64)
+        values = (acc.type(lo) + np.arange(n, dtype=acc) * acc.type(st)).astype(dtype, copy=False)
+    tiling = Tiling.from_sizes(values.shape, tiles, where=where)
+    return tensor_from_cells(tiling, dtype, split_into_cells(values, tiling), name=name)
 
 
 def full_like(x: TileTensor, fill_value, *, dtype=None, name: str | None = None) -> TileTensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import numbers
 import weakref
 from typing import Iterator, Mapping
 
@@ -34,7 +35,8 @@ from tilegraph.ops.shape import fit_last_dim
 
 __all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "MLP", "SwiGLU",
            "CausalSelfAttention", "SelfAttention", "KVCache", "ModuleList", "Sequential", "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid",
-           "Identity", "Dropout", "defaults", "deferred_init", "training", "is_training"]
+           "Identity", "Dropout", "Flatten", "Softmax", "LogSoftmax", "LeakyReLU", "CrossEntropyLoss", "MSELoss",
+           "defaults", "deferred_init", "training", "is_training"]
 
 #: the cells of every :class:`Parameter` of this process (held weakly: a model dropped takes its
 #: cells with it). :func:`tilegraph.compute` lends those holding large arrays here to the workers
@@ -815,6 +817,138 @@ class Dropout(Module):
 
     def __repr__(self) -> str:
         return f"Dropout(p={self.p:g})"
+
+
+class LeakyReLU(_Activation):
+    """torch's ``nn.LeakyReLU(negative_slope=0.01)``: :func:`tilegraph.leaky_relu` (``inplace`` is
+    accepted and changes nothing, as :class:`ReLU`'s)."""
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False):
+        from tilegraph.ops.elementwise import check_negative_slope
+
+        self.negative_slope = check_negative_slope(negative_slope, "tilegraph.nn.LeakyReLU")
+        super().__init__(inplace)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return ops.leaky_relu(x, self.negative_slope)
+
+    def __repr__(self) -> str:
+        return f"LeakyReLU(negative_slope={self.negative_slope!r}{', inplace=True' if self.inplace else ''})"
+
+
+def _module_dim(where: str, name: str, value) -> int:
+    """A dim argument of a module (checked against the input's rank when it is called)."""
+    if not is_int(value):
+        raise TileError(where, f"{name} must be an int (negative counts from the end)",
+                        f"{value!r:.60} ({type(value).__name__})")
+    return int(value)
+
+
+class Flatten(Module):
+    """torch's ``nn.Flatten(start_dim=1, end_dim=-1)``: :func:`tilegraph.flatten` of dims
+    ``start_dim`` to ``end_dim`` (the batch dim kept by default). As every reshape, the tiles must
+    allow it: of the merged dims only the first may be split into several tiles."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1):
+        self.start_dim = _module_dim("tilegraph.nn.Flatten", "start_dim", start_dim)
+        self.end_dim = _module_dim("tilegraph.nn.Flatten", "end_dim", end_dim)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        from tilegraph.ops.shape import flatten
+
+        return flatten(x, self.start_dim, self.end_dim, where="tilegraph.nn.Flatten")
+
+    def __repr__(self) -> str:
+        return f"Flatten(start_dim={self.start_dim}, end_dim={self.end_dim})"
+
+
+class _SoftmaxModule(Module):
+    """torch's ``nn.Softmax(dim)`` / ``nn.LogSoftmax(dim)`` over the op ``fn``. ``dim`` must be
+    given: torch's ``dim=None`` (deprecated there, with a warning) picks dim 0 for 0-, 1- and
+    3-d inputs and dim 1 otherwise, which is rarely the class dim; here it is a TileError when
+    the module is made."""
+
+    fn = staticmethod(ops.softmax)
+
+    def __init__(self, dim: int | None = None):
+        where = f"tilegraph.nn.{type(self).__name__}"
+        if dim is None:
+            raise TileError(where, f"dim must be given, e.g. {type(self).__name__}(dim=-1) (torch's implicit "
+                            "choice when dim is None is deprecated: dim 0 for 0-, 1- and 3-d inputs, 1 otherwise)",
+                            "dim=None")
+        self.dim = _module_dim(where, "dim", dim)
+
+    def forward(self, x: TileTensor) -> TileTensor:
+        return type(self).fn(x, self.dim, where=f"tilegraph.nn.{type(self).__name__}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
+
+class Softmax(_SoftmaxModule):
+    """torch's ``nn.Softmax(dim)``: :func:`tilegraph.softmax` along ``dim`` (which may span
+    several tiles). ``dim`` is required (torch's deprecated ``dim=None`` guess is a TileError)."""
+
+    fn = staticmethod(ops.softmax)
+
+
+class LogSoftmax(_SoftmaxModule):
+    """torch's ``nn.LogSoftmax(dim)``: :func:`tilegraph.log_softmax` along ``dim``; ``dim`` is
+    required (torch's deprecated ``dim=None`` guess is a TileError)."""
+
+    fn = staticmethod(ops.log_softmax)
+
+
+def _reduction(where: str, reduction, size_average, reduce) -> str:
+    """A loss module's ``reduction``; torch's deprecated ``size_average`` / ``reduce`` refused."""
+    from tilegraph.ops.loss import _REDUCTIONS
+
+    if size_average is not None or reduce is not None:
+        raise TileError(where, "size_average and reduce are not supported (deprecated in torch): pass "
+                        "reduction='mean', 'sum' or 'none'", f"size_average={size_average!r:.40}, reduce={reduce!r:.40}")
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        raise TileError(where, f"reduction must be one of {_REDUCTIONS}", f"{reduction!r:.60}")
+    return reduction
+
+
+class CrossEntropyLoss(Module):
+    """torch's ``nn.CrossEntropyLoss``: ``loss(logits, targets)`` is
+    :func:`tilegraph.cross_entropy` with this module's ``ignore_index``, ``reduction`` and
+    ``label_smoothing``. The arguments bind in torch's order, but class weights (``weight``, torch's
+    first) are refused with the op's TileError (which shows the weighted mean to write), and
+    torch's deprecated ``size_average`` / ``reduce`` with one naming ``reduction``. As the op's,
+    the classes are the LAST dim of the logits (torch's are dim 1 for inputs of more than 2 dims).
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0):
+        from tilegraph.ops.loss import _no_class_weights
+
+        where = "tilegraph.nn.CrossEntropyLoss"
+        _no_class_weights(weight)
+        self.reduction = _reduction(where, reduction, size_average, reduce)
+        if not is_int(ignore_index):
+            raise TileError(where, "ignore_index must be an int", f"{ignore_index!r:.60}")
+        if (isinstance(label_smoothing, (bool, np.bool_)) or not isinstance(label_smoothing, numbers.Real)
+                or not 0 <= label_smoothing <= 1):
+            raise TileError(where, "label_smoothing must be a number in [0, 1] (as torch's)", f"{label_smoothing!r:.60}")
+        self.ignore_index = int(ignore_index)
+        self.label_smoothing = float(label_smoothing)
+
+    def forward(self, input: TileTensor, target) -> TileTensor:  # noqa: A002 - torch's names
+        return ops.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
+
+
+class MSELoss(Module):
+    """torch's ``nn.MSELoss(reduction="mean")``: ``loss(input, target)`` is
+    :func:`tilegraph.mse_loss`; torch's deprecated ``size_average`` / ``reduce`` are refused with a
+    TileError naming ``reduction``."""
+
+    def __init__(self, size_average=None, reduce=None, reduction: str = "mean"):
+        self.reduction = _reduction("tilegraph.nn.MSELoss", reduction, size_average, reduce)
+
+    def forward(self, input: TileTensor, target) -> TileTensor:  # noqa: A002 - torch's names
+        return ops.mse_loss(input, target, self.reduction)
 
 
 def _linear_init(where: str, n_in: int, n_out: int, bias, seed, init_std, dtype):
