@@ -31,6 +31,13 @@ __all__ = ["cross_entropy", "mse_loss", "mean_parts", "count_weighted", "add_tot
 
 _WHERE = "tilegraph.cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_reduction(reduction, where: str) -> str:
+    """A loss's ``reduction``: one of :data:`_REDUCTIONS` (the ops and the nn loss modules)."""
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        raise TileError(where, f"reduction must be one of {_REDUCTIONS}", repr(reduction))
+    return reduction
 _CPU_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -380,8 +387,7 @@ def cross_entropy(logits: TileTensor, targets: TileTensor, ignore_index: int = -
     targets = _targets_like(logits, targets)
     require_float(logits, _WHERE, "logits")
     require_integer(targets, _WHERE, "targets")
-    if reduction not in _REDUCTIONS:
-        raise TileError(_WHERE, f"reduction must be one of {_REDUCTIONS}", repr(reduction))
+    check_reduction(reduction, _WHERE)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise TileError(_WHERE, "ignore_index must be an int", repr(ignore_index))
     if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float, np.integer, np.floating))
@@ -432,8 +438,7 @@ def mse_loss(input: TileTensor, target, reduction: str = "mean") -> TileTensor:
     where = "tilegraph.mse_loss"
     require_tensor(input, where, "input")
     require_float(input, where, "input")
-    if reduction not in _REDUCTIONS:
-        raise TileError(where, f"reduction must be one of {_REDUCTIONS}", repr(reduction))
+    check_reduction(reduction, where)
     if not isinstance(target, TileTensor):
         from tilegraph._tensor import _host_array, from_numpy
 

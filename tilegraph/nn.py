@@ -868,8 +868,6 @@ class _SoftmaxModule(Module):
     3-d inputs and dim 1 otherwise, which is rarely the class dim; here it is a TileError when
     the module is made."""
 
-    fn = staticmethod(ops.softmax)
-
     def __init__(self, dim: int | None = None):
         where = f"tilegraph.nn.{type(self).__name__}"
         if dim is None:
@@ -901,14 +899,12 @@ class LogSoftmax(_SoftmaxModule):
 
 def _reduction(where: str, reduction, size_average, reduce) -> str:
     """A loss module's ``reduction``; torch's deprecated ``size_average`` / ``reduce`` refused."""
-    from tilegraph.ops.loss import _REDUCTIONS
+    from tilegraph.ops.loss import check_reduction
 
     if size_average is not None or reduce is not None:
         raise TileError(where, "size_average and reduce are not supported (deprecated in torch): pass "
                         "reduction='mean', 'sum' or 'none'", f"size_average={size_average!r:.40}, reduce={reduce!r:.40}")
-    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
-        raise TileError(where, f"reduction must be one of {_REDUCTIONS}", f"{reduction!r:.60}")
-    return reduction
+    return check_reduction(reduction, where)
 
 
 class CrossEntropyLoss(Module):
@@ -1233,32 +1229,44 @@ class CausalSelfAttention(Module):
         b, t, _ = x.shape
         return ops.transpose(ops.reshape(x, (b, t, n, self.head_dim)), 1, 2)  # (B, n, T, hd)
 
+    def _check_input(self, x, where: str) -> None:
+        if not isinstance(x, TileTensor) or x.ndim != 3 or x.shape[2] != self.n_heads * self.head_dim:
+            raise TileError(where, f"x must be a (B, T, C) TileTensor with C = {self.n_heads * self.head_dim} "
+                            "(the layer's dim)", f"shape {x.shape}" if isinstance(x, TileTensor) else type(x).__name__)
+
+    def _qkv(self, x: TileTensor) -> tuple[TileTensor, TileTensor, TileTensor]:
+        """The heads of the queries (B, H, T, hd), keys and values (B, Hkv, T, hd) of ``x``."""
+        return (self._heads(self.q(x), self.n_heads), self._heads(self.k(x), self.n_kv_heads),
+                self._heads(self.v(x), self.n_kv_heads))
+
+    def _rope(self, q: TileTensor, k: TileTensor, start: int = 0) -> tuple[TileTensor, TileTensor]:
+        if not self.rope:
+            return q, k
+        return (ops.rope(q, base=self.rope_base, position_offset=start),
+                ops.rope(k, base=self.rope_base, position_offset=start))
+
+    def _out(self, y: TileTensor) -> TileTensor:
+        """The heads' outputs (B, H, T, hd) merged to (B, T, C), then the output projection."""
+        b, _, t, _ = y.shape
+        return self.o(ops.reshape(ops.transpose(y, 1, 2), (b, t, self.n_heads * self.head_dim)))
+
     def forward(self, x: TileTensor, cache: "KVCache | None" = None) -> TileTensor:
         """``x`` (B, T, C) -> (B, T, C). With a ``cache``, x holds the positions after the
         ``cache.length`` ones already in it: their keys and values are appended to the cache and
         the queries attend to all of them (decoding; the earlier positions are not recomputed)."""
-        if not isinstance(x, TileTensor) or x.ndim != 3 or x.shape[2] != self.n_heads * self.head_dim:
-            raise TileError("tilegraph.nn.CausalSelfAttention", f"x must be a (B, T, C) TileTensor with C = "
-                            f"{self.n_heads * self.head_dim} (the layer's dim)",
-                            f"shape {x.shape}" if isinstance(x, TileTensor) else type(x).__name__)
+        self._check_input(x, "tilegraph.nn.CausalSelfAttention")
         if cache is not None and not isinstance(cache, KVCache):
             raise TileError("tilegraph.nn.CausalSelfAttention", "cache must be a tilegraph.nn.KVCache or None",
                             f"cache={cache!r:.60}")
         b, t, c = x.shape
         start = 0 if cache is None else cache.length
-        q = self._heads(self.q(x), self.n_heads)
-        k = self._heads(self.k(x), self.n_kv_heads)
-        v = self._heads(self.v(x), self.n_kv_heads)
+        q, k, v = self._qkv(x)
         if cache is not None and cache.position is not None:   # one position, held in a tile (a replayed step)
             return self.o(self._at_position(q, k, v, cache, b, c))
-        if self.rope:
-            q = ops.rope(q, base=self.rope_base, position_offset=start)
-            k = ops.rope(k, base=self.rope_base, position_offset=start)
+        q, k = self._rope(q, k, start)
         if cache is not None:
             k, v = cache.append(k, v)                                   # (B, Hkv, start + T, hd)
-        y = ops.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=start)  # (B, H, T, hd)
-        y = ops.reshape(ops.transpose(y, 1, 2), (b, t, c))
-        return self.o(y)
+        return self._out(ops.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=start))  # (B, H, T, hd)
 
     def _at_position(self, q, k, v, cache: "KVCache", b: int, c: int) -> TileTensor:
         """Attention of one new position whose index is the value of ``cache.position`` (so that
@@ -1307,18 +1315,11 @@ class SelfAttention(CausalSelfAttention):
     def forward(self, x: TileTensor, attn_mask=None, padding_mask=None) -> TileTensor:
         """``x`` (B, T, C) -> (B, T, C), with the masks above."""
         where = "tilegraph.nn.SelfAttention"
-        if not isinstance(x, TileTensor) or x.ndim != 3 or x.shape[2] != self.n_heads * self.head_dim:
-            raise TileError(where, f"x must be a (B, T, C) TileTensor with C = {self.n_heads * self.head_dim} "
-                            "(the layer's dim)", f"shape {x.shape}" if isinstance(x, TileTensor) else type(x).__name__)
-        b, t, c = x.shape
-        mask = _with_padding(attn_mask, padding_mask, b, t, where)
-        q = self._heads(self.q(x), self.n_heads)
-        k = self._heads(self.k(x), self.n_kv_heads)
-        v = self._heads(self.v(x), self.n_kv_heads)
-        if self.rope:
-            q, k = ops.rope(q, base=self.rope_base), ops.rope(k, base=self.rope_base)
-        y = ops.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)  # (B, H, T, hd)
-        return self.o(ops.reshape(ops.transpose(y, 1, 2), (b, t, c)))
+        self._check_input(x, where)
+        mask = _with_padding(attn_mask, padding_mask, x.shape[0], x.shape[1], where)
+        q, k, v = self._qkv(x)
+        q, k = self._rope(q, k)
+        return self._out(ops.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal))
 
 
 def _with_padding(attn_mask, padding_mask, b: int, t: int, where: str):
