@@ -150,6 +150,7 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "size": ("a positive integer", lambda v: type(v) is int and v > 0),
     "eps": ("a finite number >= 0", lambda v: _finite(v) is not None and v >= 0),
     "bool": ("true or false", lambda v: type(v) is bool),
+    "prob": ("a number in [0, 1)", lambda v: _finite(v) is not None and 0 <= v < 1),
 }
 
 
@@ -229,6 +230,10 @@ def _gpt2_spec() -> HFSpec:
         ConfigKey("n_inner", "hidden", None),
         ConfigKey("layer_norm_epsilon", "norm_eps", 1e-5, "eps"),
         ConfigKey("tie_word_embeddings", "tie_embeddings", True, "bool"),
+        # dropout in training, HF's defaults where absent (transformers' GPT2Config: 0.1 each)
+        ConfigKey("embd_pdrop", "embd_dropout", 0.1, "prob"),
+        ConfigKey("attn_pdrop", "attn_dropout", 0.1, "prob"),
+        ConfigKey("resid_pdrop", "resid_dropout", 0.1, "prob"),
     )
     extents = (
         Extent("vocab_size", "vocab_size", "transformer.wte.weight", 0, lambda c: c.vocab_size),
@@ -286,6 +291,7 @@ def _llama_spec() -> HFSpec:
         ConfigKey("intermediate_size", "hidden", 11008),
         ConfigKey("rms_norm_eps", "norm_eps", 1e-6, "eps"),
         ConfigKey("tie_word_embeddings", "tie_embeddings", False, "bool"),
+        ConfigKey("attention_dropout", "attn_dropout", 0.0, "prob"),
     )
     extents = (
         Extent("vocab_size", "vocab_size", "model.embed_tokens.weight", 0, lambda c: c.vocab_size),

@@ -1333,6 +1333,8 @@ class Checkpoint:
         def other(k, v) -> bool:
             if k not in mine or v is None or mine[k] is None:  # None: derived from others (GPT-2's hidden, 4 * dim;
                 return False  # Llama's n_kv_heads, n_heads), and where that differs, so do the shapes
+            if k.endswith("_dropout"):  # training only: the same function (a resumed run may change it)
+                return False
             if k == "max_seq_len" and is_int(v) and is_int(mine[k]):
                 return mine[k] < v
             return v != as_stored[k]

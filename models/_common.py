@@ -47,10 +47,23 @@ def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
     rope_base = getattr(config, "rope_base", None)  # Llama's only
     if rope_base is not None and not (_is_number(rope_base) and rope_base > 0):
         raise TileError(where, "rope_base must be a finite positive number", repr(rope_base)[:100])
+    for name in dropout_fields(config):  # the dropout probabilities (attn_dropout, ...)
+        v = getattr(config, name)
+        if not (_is_number(v) and 0 <= v < 1):
+            raise TileError(where, f"{name} must be a number in [0, 1) (the probability of zeroing an element)",
+                            repr(v)[:100])
+        object.__setattr__(config, name, float(v))  # (0 from a TOML file: 0.0, as HF writes it)
     # the switches (tie_embeddings): "no" from a crafted config.json is a non-empty str, so true
     for f in dataclasses.fields(config):
         if isinstance(f.default, bool) and not isinstance(getattr(config, f.name), bool):
             raise TileError(where, f"{f.name} must be true or false", repr(getattr(config, f.name))[:100])
+
+
+def dropout_fields(config) -> tuple[str, ...]:
+    """The fields of a model config that are dropout probabilities (``attn_dropout``, ...): they
+    apply in training only and leave the weights as they are, so a loaded model may change them
+    (:meth:`CausalLM.set_dropout`)."""
+    return tuple(f.name for f in dataclasses.fields(config) if f.name.endswith("_dropout"))
 
 
 def _is_number(v) -> bool:
@@ -90,6 +103,37 @@ class CausalLM(nn.Module):
             raise TileError(f"tilegraph.models.{type(self).__name__}.recompute", "recompute must be True or False",
                             f"{value!r:.100}")
         self._recompute = bool(value)
+
+    def set_dropout(self, **probs) -> "CausalLM":
+        """Change the dropout probabilities of the config (``attn_dropout=0.0``, ...: the config's
+        fields named ``*_dropout``) and of the layers that apply them, for the steps recorded
+        afterwards (a step already recorded keeps the values it was recorded with). A model from
+        ``models.from_hf`` takes its folder's dropout (HF's 0.1 for GPT-2); this turns it off or
+        changes it. Returns the model.
+
+        >>> from tilegraph import models
+        >>> models.build("gpt2-debug").set_dropout(attn_dropout=0.1).config.attn_dropout
+        0.1
+        """
+        import dataclasses
+
+        where = f"tilegraph.models.{type(self).__name__}.set_dropout"
+        known = dropout_fields(self.config)
+        unknown = [k for k in probs if k not in known]
+        if unknown:
+            raise TileError(where, f"only dropout fields of {type(self.config).__name__} ({', '.join(known)})",
+                            ", ".join(f"{k}={probs[k]!r:.40}" for k in unknown))
+        try:
+            config = dataclasses.replace(self.config, **probs)
+        except TileError as e:  # a value out of [0, 1): named as the config names it
+            raise TileError(where, e.what, e.received) from None
+        self.config = config
+        self._apply_dropout()
+        return self
+
+    def _apply_dropout(self) -> None:
+        """Set the layers' dropout from ``self.config`` (each architecture its own)."""
+        raise NotImplementedError
 
     def _setup(self, config, tiling: ModelTiling | None, dtype) -> ModelTiling:
         tiling = ModelTiling.default(config) if tiling is None else tiling

@@ -39,6 +39,11 @@ class GPT2Config:
     hidden: int | None = None  # MLP width; None means 4 * dim (also after replace(cfg, dim=...))
     norm_eps: float = 1e-5
     tie_embeddings: bool = True  # the output projection reuses the token embedding
+    # dropout in training (HF's embd_pdrop, attn_pdrop, resid_pdrop): on the embeddings' sum, on the
+    # attention weights, on each block's attention and MLP outputs before the residual add
+    embd_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
 
     def __post_init__(self):
         if Derived.wanted(self.hidden) and isinstance(self.dim, (int, np.integer)) and not isinstance(self.dim, bool):
@@ -73,16 +78,18 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPT2Config):
         self.ln_1 = nn.LayerNorm(cfg.dim, cfg.norm_eps)
-        self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, bias=True)
+        self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, bias=True, dropout=cfg.attn_dropout)
         self.ln_2 = nn.LayerNorm(cfg.dim, cfg.norm_eps)
         self.mlp = nn.MLP(cfg.dim, cfg.hidden, act="gelu_tanh")
+        self.attn_drop = nn.Dropout(cfg.resid_dropout)  # HF's attn.resid_dropout
+        self.mlp_drop = nn.Dropout(cfg.resid_dropout)   # HF's mlp.dropout
         # GPT-2 scales the init of the projections back into the residual stream by 1/sqrt(2 * layers)
         for proj in (self.attn.o, self.mlp.fc2):
             proj.reset_parameters(init_std=INIT_STD / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, x: TileTensor, cache: nn.KVCache | None = None) -> TileTensor:
-        x = x + self.attn(self.ln_1(x), cache)
-        x = x + self.mlp(self.ln_2(x))
+        x = x + self.attn_drop(self.attn(self.ln_1(x), cache))
+        x = x + self.mlp_drop(self.mlp(self.ln_2(x)))
         return x
 
 
@@ -102,16 +109,24 @@ class GPT2(CausalLM):
                          inherit=False):
             self.wte = nn.Embedding(config.vocab_size, config.dim, vocab_tile=t.vocab)
             self.wpe = nn.Embedding(config.max_seq_len, config.dim, init_std=0.01)
+            self.drop = nn.Dropout(config.embd_dropout)  # HF's transformer.drop
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
             self.ln_f = nn.LayerNorm(config.dim, config.norm_eps)
             self.lm_head = None
             if not config.tie_embeddings:
                 self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, out_tile=t.vocab)
 
+    def _apply_dropout(self) -> None:
+        cfg = self.config
+        self.drop.p = cfg.embd_dropout
+        for block in self.blocks:
+            block.attn.dropout = cfg.attn_dropout
+            block.attn_drop.p = block.mlp_drop.p = cfg.resid_dropout
+
     def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
         start = self._start(cache)                                 # positions already cached
         ids = self._ids(ids, start)                                # (B, T)
-        x = self.wte(ids) + self.wpe(self._positions(ids, start, cache))  # (B, T, C) + (T, C)
+        x = self.drop(self.wte(ids) + self.wpe(self._positions(ids, start, cache)))  # (B, T, C) + (T, C)
         for i, block in enumerate(self.blocks):
             x = self._block(block, x, None if cache is None else cache[i])
         x = self.ln_f(x)

@@ -41,6 +41,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_base: float = 10000.0  # "rope_theta": the longest rotary wavelength is 2 pi * rope_base
     tie_embeddings: bool = False
+    attn_dropout: float = 0.0  # dropout on the attention weights in training (HF's attention_dropout)
 
     def __post_init__(self):
         if Derived.wanted(self.n_kv_heads) and isinstance(self.n_heads, (int, np.integer)) \
@@ -83,7 +84,7 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         self.attn_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = nn.CausalSelfAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, bias=False, rope=True,
-                                           rope_base=cfg.rope_base)
+                                           rope_base=cfg.rope_base, dropout=cfg.attn_dropout)
         self.mlp_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = nn.SwiGLU(cfg.dim, cfg.hidden)
 
@@ -113,6 +114,10 @@ class Llama(CausalLM):
             self.lm_head = None
             if not config.tie_embeddings:
                 self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, out_tile=t.vocab)
+
+    def _apply_dropout(self) -> None:
+        for block in self.blocks:
+            block.attn.dropout = self.config.attn_dropout
 
     def forward(self, ids, cache: list[nn.KVCache] | None = None) -> TileTensor:
         x = self.embed(self._ids(ids, self._start(cache)))   # (B, T, C); RoPE takes positions from the cache

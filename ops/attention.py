@@ -939,11 +939,15 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
     the heads may be tiled, D not. As in torch, attention is NOT causal unless ``is_causal=True``.
     ``attn_mask`` is torch's: a bool mask (True where a query attends to a key) or a float one
     (added to the scores), a TileTensor or a NumPy array broadcasting to (B, H, T, S), with
-    ``is_causal=True`` too where given; the scores then exist as tiles (this takes the ops
-    :func:`tilegraph.ops.attention_masked.masked_attention` records: memory B H T S, where the
-    unmasked and causal kernels never form them), and a query that attends to no key gives
-    zeros, as in torch. Not with grouped-query heads. ``dropout_p`` exists so that ported calls
-    bind as in torch; only 0 is supported. ``q_offset`` (tilegraph's own): with
+    ``is_causal=True`` too where given; a query that attends to no key gives zeros, as in torch.
+    ``dropout_p`` (in [0, 1)) is torch's too: each attention weight is zeroed with that
+    probability after the softmax and the others scaled by 1 / (1 - p), whenever it is given
+    (as torch's functional form does: a module passes ``p if self.training else 0``); the mask
+    is seeded from the first tiles of q and k and the module recording the call, and regenerated
+    in the backward (:mod:`tilegraph.ops.attention_masked`). With a mask or dropout the scores
+    exist as tiles (the ops :func:`tilegraph.ops.attention_masked.masked_attention` records:
+    memory B H T S, where the unmasked and causal kernels never form them); grouped-query heads
+    are repeated to q's heads there. ``q_offset`` (tilegraph's own): with
     ``is_causal``, query row t sits at position ``q_offset + t`` and sees keys ``0..q_offset + t``,
     so ``S == q_offset + T`` (new positions against a KV cache of the ``q_offset`` before them);
     without ``is_causal`` it changes nothing. ``causal=`` is the older name of ``is_causal``, still
@@ -961,8 +965,9 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
     if isinstance(attn_mask, (bool, np.bool_)):
         raise TileError(WHERE, "attn_mask must be a mask tensor or None; a positional 4th argument is attn_mask, "
                         "as in torch: pass is_causal=True by name", f"attn_mask={attn_mask!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
-        raise TileError(WHERE, "dropout_p is not supported: only 0 (no attention dropout)", repr(dropout_p))
+    from .dropout import check_dropout
+
+    dropout_p = check_dropout(dropout_p, WHERE, "dropout_p")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TileError(WHERE, "is_causal must be a bool", f"{is_causal!r} ({type(is_causal).__name__})")
     if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)) or q_offset < 0:
@@ -979,13 +984,13 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
             raise TileError(WHERE, "with enable_gqa=False q, k and v need the same number of heads (as in "
                             "torch); pass enable_gqa=True (or leave it out) for grouped-query attention",
                             f"q heads {q.shape[1]}, k heads {k.shape[1]}")
-    if attn_mask is not None:
+    if attn_mask is not None or dropout_p > 0:
         from .attention_masked import masked_attention
 
         _validate(q, k, v, bool(is_causal), int(q_offset))
         return masked_attention(q, k, v, attn_mask, causal=bool(is_causal),
                                 scale=1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale),
-                                q_offset=int(q_offset))
+                                q_offset=int(q_offset), dropout_p=dropout_p)
     return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset))
 
 

@@ -1,12 +1,21 @@
-"""Attention with an explicit mask (torch's ``attn_mask``): an encoder's padding mask, a mask of
-any pattern, an additive bias. Written with the tile ops (``q k^T``, the mask, softmax, ``p v``),
-so the score matrix (B, H, T, S) exists as tiles and autograd derives the backward; the causal
-attention of :mod:`tilegraph.ops.attention` never forms it, and stays the path without a mask.
+"""Attention with an explicit mask (torch's ``attn_mask``: an encoder's padding mask, a mask of
+any pattern, an additive bias) or with dropout on the attention weights (``dropout_p``).
+Written with the tile ops (``q k^T``, the mask, softmax, dropout, ``p v``), so the score matrix
+(B, H, T, S) exists as tiles and autograd derives the backward; the attention kernels of
+:mod:`tilegraph.ops.attention` never form it, and stay the path without either.
 
 Semantics are torch's: a bool mask holds True where a query attends to a key; a float mask is
 added to the scores (``-inf`` where it must not); either broadcasts to (B, H, T, S). With
 ``is_causal=True`` as well, both apply. A query row that attends to no key gives zeros (and
-zero gradients), as torch's SDPA gives them.
+zero gradients), as torch's SDPA gives them. Grouped-query heads (k and v with fewer heads than
+q) are repeated to q's heads here (torch's ``enable_gqa``), their gradients summed back.
+
+Dropout (torch's ``dropout_p``) zeroes each attention weight with probability p after the softmax
+and scales the others by 1 / (1 - p), with :func:`tilegraph.ops.dropout`'s counter-based mask:
+element i of the (B, H, T, S) weights keeps ``keep_mask(seed, (B, H, T, S), p)[i]`` for a seed
+that hashes the first tiles of q and k with the module the call is recorded in (so a replayed
+step draws a new mask as its input changes, and a recomputed block the same mask again); the
+backward regenerates the mask, none is stored.
 """
 
 from __future__ import annotations
@@ -16,8 +25,9 @@ import numpy as np
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor, from_numpy
 
+from .dropout import _DROPOUT, _scope_seed, seed_tensor
 from .matmul import matmul
-from .shape import rechunk
+from .shape import expand, rechunk, reshape
 from .softmax import softmax
 from .where import logical_and, where
 
@@ -98,22 +108,37 @@ def _tile_mask(mask: TileTensor, causal: np.ndarray | None, chunks: tuple):
     return keep, add
 
 
+def attention_dropout_seed(q: TileTensor, k: TileTensor) -> TileTensor:
+    """The (1,) uint64 seed of the attention weights' dropout mask: a hash of the first tiles of
+    ``q`` and ``k`` and of the module the call is recorded in (see the module doc)."""
+    return seed_tensor(q, k, base=_scope_seed("attention_dropout"))
+
+
+def _repeat_heads(t: TileTensor, heads: int) -> TileTensor:
+    """k or v (B, Hkv, S, D) as (B, heads, S, D): query head h reads kv head h // (heads // Hkv)."""
+    b, hkv, s, d = t.shape
+    group = heads // hkv
+    grouped = expand(reshape(t, (b, hkv, 1, s, d)), b, hkv, group, s, d)
+    return reshape(grouped, (b, heads, s, d))
+
+
 def masked_attention(q: TileTensor, k: TileTensor, v: TileTensor, attn_mask, *, causal: bool, scale: float,
-                     q_offset: int = 0) -> TileTensor:
-    """``softmax(q k^T * scale + mask) v`` for q (B, H, T, D), k and v (B, H, S, D), checked by
-    the caller (:func:`tilegraph.ops.scaled_dot_product_attention`) but for the mask and the heads."""
+                     q_offset: int = 0, dropout_p: float = 0.0) -> TileTensor:
+    """``dropout(softmax(q k^T * scale + mask)) v`` for q (B, H, T, D), k and v (B, Hkv, S, D)
+    with Hkv dividing H, checked by the caller (:func:`tilegraph.ops.scaled_dot_product_attention`)
+    but for the mask; ``attn_mask`` None: no mask (the path of ``dropout_p > 0`` alone)."""
     B, H, T, D = q.shape
     S = k.shape[2]
-    if k.shape[1] != H:
-        raise TileError(WHERE, "attn_mask with as many kv heads as query heads (grouped-query attention takes "
-                        "no mask yet: repeat k's and v's heads)", f"q heads {H}, k heads {k.shape[1]}")
-    if not isinstance(attn_mask, (TileTensor, np.ndarray)):
+    if attn_mask is not None and not isinstance(attn_mask, (TileTensor, np.ndarray)):
         raise TileError(WHERE, "attn_mask must be a TileTensor or a NumPy array (bool: True where a query attends "
                         "to a key; float: added to the scores)", f"{type(attn_mask).__name__} {attn_mask!r:.60}")
-    problem = _mask_problem(attn_mask, q.dtype, (B, H, T, S))
+    problem = None if attn_mask is None else _mask_problem(attn_mask, q.dtype, (B, H, T, S))
     if problem is not None:
         raise TileError(WHERE, f"attn_mask must be {problem}", f"attn_mask of shape {tuple(attn_mask.shape)} and "
                         f"dtype {attn_mask.dtype}, for q {q.shape} and k {k.shape}")
+    seed = attention_dropout_seed(q, k) if dropout_p > 0 else None
+    if k.shape[1] != H:  # grouped-query heads: each kv head serves H // Hkv query heads
+        k, v = _repeat_heads(k, H), _repeat_heads(v, H)
     if tuple(k.chunks[1]) != tuple(q.chunks[1]):  # (the heads of q k^T go tile by tile)
         k = rechunk(k, (k.chunks[0], q.chunks[1], k.chunks[2], k.chunks[3]), WHERE)
         v = rechunk(v, (v.chunks[0], q.chunks[1], v.chunks[2], v.chunks[3]), WHERE)
@@ -121,15 +146,24 @@ def masked_attention(q: TileTensor, k: TileTensor, v: TileTensor, attn_mask, *, 
     keep_causal = _causal_keep(T, S, q_offset) if causal else None
     if isinstance(attn_mask, TileTensor):
         keep, add = _tile_mask(attn_mask, keep_causal, chunks)
-    else:
+    elif attn_mask is not None:
         keep, add = _numpy_mask(attn_mask, q.dtype, keep_causal, chunks)
+    elif causal:  # dropout alone: the causal pattern is the mask
+        keep, add = _numpy_mask(keep_causal, q.dtype, None, chunks)
+    else:
+        keep, add = None, None
     scores = matmul(q * float(scale), k, trans_b=True)     # (B, H, T, S)
     if add is not None:
         scores = scores + add
     if keep is None:
-        return matmul(softmax(scores, -1), v)
-    # masked scores at the dtype's lowest, not -inf: a row that sees no key then has a finite
-    # softmax (uniform), which the keep mask zeroes, and no NaN reaches the gradients
-    lowest = float(np.finfo(q.dtype).min)
-    probs = where(keep, softmax(where(keep, scores, lowest), -1), 0.0)
+        probs = softmax(scores, -1)
+    else:
+        # masked scores at the dtype's lowest, not -inf: a row that sees no key then has a finite
+        # softmax (uniform), which the keep mask zeroes, and no NaN reaches the gradients
+        lowest = float(np.finfo(q.dtype).min)
+        probs = softmax(where(keep, scores, lowest), -1)
+        if attn_mask is not None:  # (causal alone leaves every row its first key: exp(lowest - max) is 0)
+            probs = where(keep, probs, 0.0)
+    if seed is not None:
+        probs = _DROPOUT(probs, seed, p=float(dropout_p))
     return matmul(probs, v)                                 # (B, H, T, D)

@@ -334,10 +334,11 @@ def dropout(x: TileTensor, p: float = 0.5, training: bool = True, inplace: bool 
     return _DROPOUT(x, seed, p=p)
 
 
-def _scope_seed() -> int:
+def _scope_seed(kind: str = "dropout") -> int:
     """A base seed for the module a call is recorded in (its scope: the attribute path), so that
-    dropout calls of two modules on equal inputs draw different masks."""
+    dropout calls of two modules on equal inputs draw different masks (``kind``: which use of
+    dropout, so that two in one module differ too)."""
     from tilegraph._graph import current_scope
 
-    digest = hashlib.blake2b(f"dropout/{current_scope()}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{kind}/{current_scope()}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -3,6 +3,7 @@ argument order, ``permute`` / ``view`` / ``reshape``. Each is measured against t
 (forward and gradients) over single, even and ragged tilings; old spellings either keep working
 or fail with an error that says what to write, never bind silently to something else."""
 
+import re
 import warnings
 
 import numpy as np
@@ -69,9 +70,10 @@ def test_sdpa_unsupported_or_conflicting_arguments_are_errors(rng):
     with pytest.raises(tg.TileError, match=r"a positional 4th argument is attn_mask, as in torch: pass "
                                            r"is_causal=True by name; received: attn_mask=True"):
         tg.scaled_dot_product_attention(q, k, v, True)
-    with pytest.raises(tg.TileError, match=r"dropout_p is not supported: only 0 \(no attention dropout\); "
-                                           r"received: 0.1"):
-        tg.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    for p in (1.0, -0.1, "0.1", True):  # dropout_p: a probability in [0, 1), as torch's F.dropout's
+        with pytest.raises(tg.TileError, match=r"dropout_p must be a number in \[0, 1\) .*; received: "
+                                               + re.escape(repr(p))):
+            tg.scaled_dot_product_attention(q, k, v, dropout_p=p)
     with pytest.raises(tg.TileError, match=r"is_causal must be a bool; received: 'yes'"):
         tg.scaled_dot_product_attention(q, k, v, is_causal="yes")
     with pytest.raises(TypeError):  # scale is keyword-only, as in torch

@@ -1192,12 +1192,19 @@ class CausalSelfAttention(Module):
 
     Activations are (B, T, C); the feature tile ``tile`` must hold whole heads (a multiple of
     ``dim // n_heads``) so that splitting C into (heads, head_dim) moves no data between tiles.
+    ``dropout`` (torch's ``nn.MultiheadAttention`` name; HF's ``attn_pdrop``) drops attention
+    weights in training (``self.training``), as ``scaled_dot_product_attention(dropout_p=...)``
+    does: the scores are then formed as tiles (B, H, T, S), which the attention kernels without
+    dropout never form.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
                  rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=None, seed=None,
-                 init_std: float | None = None):
+                 init_std: float | None = None, dropout: float = 0.0):
+        from tilegraph.ops.dropout import check_dropout
+
         where = f"tilegraph.nn.{type(self).__name__}"
+        self.dropout = check_dropout(dropout, where)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         dtype = _check_layer(where, dtype, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
         if dim % n_heads:
@@ -1266,7 +1273,11 @@ class CausalSelfAttention(Module):
         q, k = self._rope(q, k, start)
         if cache is not None:
             k, v = cache.append(k, v)                                   # (B, Hkv, start + T, hd)
-        return self._out(ops.scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=start))  # (B, H, T, hd)
+        return self._out(ops.scaled_dot_product_attention(q, k, v, dropout_p=self._dropout_p(), is_causal=True,
+                                                          q_offset=start))  # (B, H, T, hd)
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
 
     def _at_position(self, q, k, v, cache: "KVCache", b: int, c: int) -> TileTensor:
         """Attention of one new position whose index is the value of ``cache.position`` (so that
@@ -1278,6 +1289,10 @@ class CausalSelfAttention(Module):
         if q.shape[2] != 1:
             raise TileError("tilegraph.nn.CausalSelfAttention", "a cache with a position tile takes one new "
                             "position per call", f"{q.shape[2]} positions")
+        if self._dropout_p():
+            raise TileError("tilegraph.nn.CausalSelfAttention", "a cache with a position tile (decoding) in "
+                            "evaluation mode: attention dropout applies in training only (record it under "
+                            "tg.nn.training(False) or call model.eval())", f"dropout={self.dropout:g}, training")
         if self.rope:
             q = rope_at(q, cache.position, self.rope_base)
             k = rope_at(k, cache.position, self.rope_base)
@@ -1292,7 +1307,7 @@ class SelfAttention(CausalSelfAttention):
     real token and False or 0 for padding (a tokenizer's ``attention_mask``): no query attends to
     padding. ``attn_mask=`` is torch's SDPA mask (bool, True where a query attends to a key, or
     float, added to the scores; broadcasting to (B, H, T, T)); given both, both apply. Parameters
-    as :class:`CausalSelfAttention` (grouped-query heads only without masks). The masks are
+    as :class:`CausalSelfAttention` (grouped-query heads too, with masks or not). The masks are
     NumPy arrays or TileTensors (a step's inputs).
 
     >>> import numpy as np, tilegraph as tg
@@ -1304,12 +1319,12 @@ class SelfAttention(CausalSelfAttention):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, causal: bool = False,
                  bias: bool = True, rope: bool = False, rope_base: float = 10000.0, tile=None, dtype=None, seed=None,
-                 init_std: float | None = None):
+                 init_std: float | None = None, dropout: float = 0.0):
         if not isinstance(causal, (bool, np.bool_)):
             raise TileError("tilegraph.nn.SelfAttention", "causal must be a bool",
                             f"{causal!r} ({type(causal).__name__})")
         super().__init__(dim, n_heads, n_kv_heads, bias=bias, rope=rope, rope_base=rope_base, tile=tile, dtype=dtype,
-                         seed=seed, init_std=init_std)
+                         seed=seed, init_std=init_std, dropout=dropout)
         self.causal = bool(causal)
 
     def forward(self, x: TileTensor, attn_mask=None, padding_mask=None) -> TileTensor:
@@ -1319,7 +1334,8 @@ class SelfAttention(CausalSelfAttention):
         mask = _with_padding(attn_mask, padding_mask, x.shape[0], x.shape[1], where)
         q, k, v = self._qkv(x)
         q, k = self._rope(q, k)
-        return self._out(ops.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal))
+        return self._out(ops.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self._dropout_p(),
+                                                          is_causal=self.causal))
 
 
 def _with_padding(attn_mask, padding_mask, b: int, t: int, where: str):

@@ -264,10 +264,13 @@ def architecture_disagreements(model, given: dict, init: str, inherited: dict | 
 
     from tilegraph import models
     from tilegraph._errors import TileError
-    from tilegraph.models._common import Derived
+    from tilegraph.models._common import Derived, dropout_fields
 
     cfg = model.config
-    have = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    # (dropout leaves the weights as they are: a job sets it on any model, see apply_dropout_keys)
+    drops = dropout_fields(cfg)
+    have = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in drops}
+    given = {k: v for k, v in given.items() if k not in drops}
     problems = []
     if "flavor" in given:
         flavor = models.config(given["flavor"])  # an unknown name: the flavor list
@@ -312,6 +315,23 @@ def architecture_disagreements(model, given: dict, init: str, inherited: dict | 
         elif value != have[key]:
             problems.append((key, f"{key} = {value!r}, {init} has {have[key]!r}"))
     return problems
+
+
+def apply_dropout_keys(model, given: dict, source: str) -> None:
+    """The dropout keys of [model] (``given``: key -> value, the user's) set on ``model``, loaded
+    from ``source`` (model.init, --resume): dropout is no part of the architecture a loaded model
+    brings (a Hugging Face GPT-2 comes with its folder's 0.1), so ``--set model.attn_dropout=0``
+    changes it rather than disagreeing with it."""
+    from tilegraph._errors import TileError
+    from tilegraph.models._common import dropout_fields
+
+    drops = dropout_fields(model.config)
+    asked = {k: v for k, v in given.items() if k in drops}
+    if asked:
+        try:
+            model.set_dropout(**asked)
+        except TileError as e:
+            raise TileError("tilegraph train [model]", e.what, f"{e.received} (on {source}'s model)") from None
 
 
 def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int, source: str = "model.init",

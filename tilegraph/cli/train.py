@@ -20,9 +20,9 @@ from tilegraph.runtime import _plural
 from tilegraph.io.data import stdlib_files  # the train corpus "stdlib"; public there
 from tilegraph.cli.config import (apply_overrides, build_model, check_config, load_config, make_tokenizer,
                                   value_problems)
-from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, check_init_fits,
-                                    check_used_peft_keys, given_model_keys, inherited_model_keys, init_model,
-                                    peft_record, resume_model, resume_settings, sketch_settings)
+from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, apply_dropout_keys,
+                                    check_init_fits, check_used_peft_keys, given_model_keys, inherited_model_keys,
+                                    init_model, peft_record, resume_model, resume_settings, sketch_settings)
 from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
                                 given_settings, keep_branch_point, lost_worker, on_command_line, recorded_sources_gone,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, quote, resume_command,
@@ -233,10 +233,12 @@ def _train(args, job: Job) -> int:
             init_model(init, p["method"], init_source(given))
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"],
                         inherited=inherited_model_keys(cfg, given))
+        apply_dropout_keys(model, given_model_keys(cfg, given), init)
     elif resume:  # the run's own architecture, as its checkpoint stores it (the weights: restored below)
         model = resume.checkpoint.new_model(values=False, adapters=False)  # [peft]'s: added below
         keep_architecture(model, resume.path, given_model_keys(cfg, given), given, tokenizer, d["seq_len"],
                           inherited_model_keys(cfg, given))
+        apply_dropout_keys(model, given_model_keys(cfg, given), "--resume")
     else:
         try:
             model = build_model(cfg["model"], tokenizer, t["seed"], d["seq_len"])
@@ -734,6 +736,12 @@ def describe_start(model, p: dict, init: str, quantized_base: bool) -> str:
     if p["grad_sketch"] != "none":
         parts.append(f"{p['grad_sketch']} weight-gradient sketch {p['sketch_ratio']:g} on "
                      f"{', '.join(p['sketch_targets'])}")
+    from tilegraph.models._common import dropout_fields
+
+    drops = [f"{name} {getattr(model.config, name):g}" for name in dropout_fields(model.config)
+             if getattr(model.config, name)]
+    if drops:  # (a Hugging Face init brings its folder's: GPT-2's 0.1, which [model] keys may change)
+        parts.append("dropout " + ", ".join(drops))
     return "".join(f", {x}" for x in parts)
 
 
