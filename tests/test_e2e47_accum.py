@@ -307,8 +307,9 @@ def test_parameters_not_in_the_optimizer_are_named():
     model, opt, _, _ = _stepped("AdamW", steps=0)
     other = _Lin(np.zeros((7, 5)), np.zeros(5))
     with pytest.raises(tg.optim.StateKeyError, match=r"^\[tilegraph.optim.AdamW.state\] one of the optimizer's 2 "
-                       r"parameters \(opt.params\), the parameters it was made with; received: a parameter \(weight, "
-                       r"shape \(7, 5\)\), which is not among them$"):
+                       r"parameters \(opt.params\), the parameters it was made with; received: a Parameter of shape "
+                       r"\(7, 5\), its own name 'weight', which is not among them \(an optimizer is given "
+                       r"parameters, not the model: its dotted name is model.named_parameters\(\)'s\)$"):
         opt.state[other.weight]
     assert opt.state.get(other.weight) is None and other.weight not in opt.state
     with pytest.raises(tg.TileError, match=r"a key that is one of the optimizer's parameters .*; received: str "
@@ -317,7 +318,7 @@ def test_parameters_not_in_the_optimizer_are_named():
     other.bias.requires_grad = False
     frozen = tg.optim.AdamW(other.parameters())
     with pytest.raises(tg.TileError, match=r"this one was frozen \(requires_grad=False\) when the optimizer was made.*"
-                       r"received: a parameter \(bias, shape \(5,\)\)"):
+                       r"received: a Parameter of shape \(5,\), its own name 'bias'"):
         frozen.state[other.bias]
 
 

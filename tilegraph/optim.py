@@ -1125,9 +1125,24 @@ class StateKeyError(TileError, KeyError):
 
 
 def _param_name(p, i: int | None = None) -> str:
-    """``params[i] (name, shape (4, 2))``: a parameter as an error names it."""
+    """``params[i] (name, shape (4, 2))``: a parameter as an error names it. One that is not among
+    the optimizer's (no ``i``): see :func:`_unknown_param`."""
+    if i is None:
+        return _unknown_param(p)
     said = ", ".join(x for x in (getattr(p, "name", None), f"shape {tuple(p.shape)}") if x)
-    return f"params[{i}] ({said})" if i is not None else f"a parameter ({said})"
+    return f"params[{i}] ({said})"
+
+
+def _unknown_param(p, then: str = "") -> str:
+    """A parameter that is not among the optimizer's, as an error names it: its shape and its own
+    name, said to be only that. An optimizer is given parameters, not the model, so it cannot
+    tell their dotted names in it ("blocks.0.attn.q.weight"); "a parameter (weight, shape (8, 8))"
+    read as if "weight" were that name, which matches every Linear of the model. ``then``: words
+    said of it before the note."""
+    own = getattr(p, "name", None)
+    own = f"its own name {own!r}" if own else "no name of its own"
+    return (f"a Parameter of shape {tuple(p.shape)}, {own}{then} (an optimizer is given parameters, not the "
+            "model: its dotted name is model.named_parameters()'s)")
 
 
 class _ParamStates(Mapping):
@@ -1154,7 +1169,7 @@ class _ParamStates(Mapping):
                                 "False) when the optimizer was made, which left it out (no state, no update); make "
                                 "the optimizer while it trains to keep its state", _param_name(p))
         raise StateKeyError(self._where, f"one of the optimizer's {len(opt.params)} parameters (opt.params), "
-                            "the parameters it was made with", f"{_param_name(p)}, which is not among them")
+                            "the parameters it was made with", _unknown_param(p, ", which is not among them"))
 
     def __getitem__(self, key) -> "_ParamState":
         return _ParamState(self._opt, self._index(key))
@@ -1169,7 +1184,8 @@ class _ParamStates(Mapping):
         return any(q is key for q in self._opt.params)
 
     def __setitem__(self, key, value) -> None:
-        said = _param_name(key) if isinstance(key, TileTensor) else repr(key)
+        index = next((i for i, q in enumerate(self._opt.params) if q is key), None)
+        said = _param_name(key, index) if isinstance(key, TileTensor) else repr(key)
         raise TileError(self._where, "opt.state is read-only here: the state lives in the update's cells; "
                         "restore it with opt.load_state_dict(saved) (a state_dict()) or a checkpoint",
                         f"opt.state[{said}] = {type(value).__name__}")

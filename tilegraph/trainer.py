@@ -164,6 +164,8 @@ class Trainer:
     - ``progress``: a tqdm bar on a terminal and in Jupyter (``tqdm.auto``: a widget where
       ipywidgets is installed); when stderr is a file or a pipe, a plain line every
       ``PROGRESS_LOG_SECONDS`` instead, whose rate is that of the steps since the line before.
+      ``progress=False`` leaves the bar out, not the results: each evaluation's line ("step 20:
+      loss ..., validation loss ...") and the notes of a stop or an interrupt still print.
     - ``tensorboard``: also write every metric to TensorBoard (tensorboardX, or torch with
       tensorboard): ``True`` under ``log_dir/tensorboard``, or a folder. Checked here: without
       the package, the Trainer is refused with what to install.
