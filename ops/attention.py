@@ -47,6 +47,7 @@ from tilegraph._tensor import TileTensor, Tiling
 from ._common import (Default, acc_dtype, elementwise_cost, numel, require_float, require_same_chunks,
                       require_same_dtype, require_tensor, resolve_alias, xp_of)
 from ._attention_cpu import NO_MASK, one_pass, probs_cols, probs_rows, softmax_rows
+from .dropout import check_dropout, scale_mask
 from ._gpu import ROW_THREADS, fused, gpu_or_generic, row_kernel
 
 __all__ = ["scaled_dot_product_attention", "kv_cache_append", "kv_cache_write", "sdpa_at"]
@@ -396,11 +397,30 @@ def _lse_for_exp(xp, lse):
     return xp.where(xp.isneginf(lse), lse.dtype.type(np.inf), lse)
 
 
+# Dropout on the attention weights inside the kernels (``drop``: the probability and where the
+# tile sits, (p, B, H, T, S, b0, h0); the step's seed tile comes last among the inputs). Only where
+# queries and keys are one tile each along T and S (_Layout.one_tile_pairs): the weights' rows are
+# then the tile's queries and their columns its keys, both from 0. Weight (b, h, t, s) keeps as
+# element ((b * H + h) * T + t) * S + s of ops.dropout.keep_mask(seed, (B, H, T, S), p): the mask of
+# the composed path (ops.attention_masked), element for element.
+def _drop_factors(xp, seed, drop, heads: int, g0: int, g1: int, r0: int, r1: int, cols: int, dtype,
+                  transposed: bool = False, c0: int = 0):
+    """keep / (1 - p) for the weights of flat heads ``g0:g1`` (``heads`` per batch row of the tile),
+    query rows ``r0:r1`` and keys ``c0:c0 + cols``: (heads, rows, cols), or (heads, cols, rows)
+    ``transposed`` (the backward's P^T blocks)."""
+    p, _, H, T, S, b0, h0 = drop
+    n = np.arange(g0, g1, dtype=np.int64)
+    head = (b0 + n // heads) * H + h0 + n % heads
+    base = ((head[:, None] * T + np.arange(r0, r1, dtype=np.int64)[None, :]) * S + c0).astype(np.uint64)
+    return scale_mask(xp, seed, p, base, cols, dtype, transposed)
+
+
 @_float16_in_float32(keep=(1,))
-def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
+def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
     """_sdpa_fwd in a few launches: per head chunk and row block, the scores against every key
     the block sees, one softmax, one product with v."""
     xp = xp_of(q)
+    kv, seed = (kv[:-1], kv[-1]) if drop is not None else (kv, None)
     b, h, tq, d = q.shape
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf = _flat(q)
@@ -415,6 +435,8 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
                     continue
                 p = xp.matmul(qf[g0:g1, a0:a1] * sc, k[g0:g1, :w].swapaxes(-1, -2))      # (heads, rows, w)
                 shift, l = _softmax_rows(p, _mask_rows(later, a0, a1, 0, w))
+                if seed is not None:
+                    p *= _drop_factors(xp, seed, drop, h, g0, g1, a0, a1, w, p.dtype)
                 o = xp.matmul(p, v[g0:g1, :w])
                 o /= l[..., None]
                 out[g0:g1, a0:a1] = o
@@ -423,8 +445,8 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
 
 
 @_float16_in_float32()
-def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
-    """_sdpa_dq in a few launches per head chunk."""
+def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, seed=None, drop=None):
+    """_sdpa_dq in a few launches per head chunk (``seed``, ``drop``: from _bwd_gpu, one key tile)."""
     xp = xp_of(q)
     b, h, tq, d = q.shape
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
@@ -440,6 +462,8 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
             p = xp.matmul(qf[g0:g1, a0:a1] * sc, k[g0:g1, :w].swapaxes(-1, -2))          # (heads, rows, w)
             _exp_shifted(lse[g0:g1, a0:a1, None], *_mask_args(xp, _mask_rows(later, a0, a1, 0, w)), p)
             ds = xp.matmul(dof[g0:g1, a0:a1], v[g0:g1, :w].swapaxes(-1, -2))
+            if seed is not None:  # the gradient of the undropped weights: dO v^T times the factors
+                ds *= _drop_factors(xp, seed, drop, h, g0, g1, a0, a1, w, ds.dtype)
             _ds_of(delta[g0:g1, a0:a1, None], p, ds)
             dq[g0:g1, a0:a1] = xp.matmul(ds, k[g0:g1, :w])
     dq *= sc
@@ -447,8 +471,9 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
 
 
 @_float16_in_float32()
-def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale):
-    """_sdpa_dkv in a few launches per head chunk: the query tiles side by side, scores transposed."""
+def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale, seed=None, drop=None):
+    """_sdpa_dkv in a few launches per head chunk: the query tiles side by side, scores transposed
+    (``seed``, ``drop``: from _bwd_gpu, one query and one key tile)."""
     xp = xp_of(k)
     per = n_i * n_p
     b, g, sk, d = k.shape
@@ -475,8 +500,12 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
                 continue
             pt = xp.matmul(k_rep[g0:g1, a0:a1] * sc, q[g0:g1, c0:].swapaxes(-1, -2))  # (heads, rows, TQ - c0): P^T logits
             _exp_shifted(lse[g0:g1, None, c0:], *_mask_args(xp, _mask_rows(later, a0, a1, c0, tq)), pt)
-            dv[g0:g1, a0:a1] = xp.matmul(pt, do[g0:g1, c0:])
+            factors = None if seed is None else _drop_factors(xp, seed, drop, h_hi - h_lo, g0, g1, c0, tq, a1 - a0,
+                                                              pt.dtype, transposed=True, c0=a0)
+            dv[g0:g1, a0:a1] = xp.matmul(pt if factors is None else pt * factors, do[g0:g1, c0:])
             dst = xp.matmul(v_rep[g0:g1, a0:a1], do[g0:g1, c0:].swapaxes(-1, -2))       # (dO v^T)^T
+            if factors is not None:
+                dst *= factors
             _ds_of(delta[g0:g1, None, c0:], pt, dst)
             dk[g0:g1, a0:a1] = xp.matmul(dst, q[g0:g1, c0:])
     dk *= sc
@@ -486,16 +515,19 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
 # ---------------------------------------------------------------------------------- kernels ----
 @kernel("sdpa_fwd", cost=_attn_cost(4.0, 1), gpu=_sdpa_fwd_gpu)
 @_float16_in_float32(keep=(1,))
-def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
+def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
     """Output and row log-sum-exp of one q tile over ``n_k`` key tiles, by online softmax.
 
     The scores of adjacent key tiles go side by side into one buffer (see _spans), so with the
     usual tile sizes each query block takes one softmax pass and no running-max rescaling.
 
     float16 tiles are computed in float32 (:func:`_float16_in_float32`): the output is cast to float16, the
-    log-sum-exp stays float32 (the backward's ``exp(s - lse)`` needs its digits).
+    log-sum-exp stays float32 (the backward's ``exp(s - lse)`` needs its digits). With ``drop``
+    (see _drop_factors; one key tile) the weights are dropped after their row sums, before the
+    product with v: the log-sum-exp is the undropped softmax's.
     """
     xp = xp_of(q)
+    kv, seed = (kv[:-1], kv[-1]) if drop is not None else (kv, None)
     b, h, tq, d = q.shape
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
     q = _flat(q)                                              # (n, tq, D), n = b * h
@@ -551,6 +583,8 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
                         l = l * alpha + p.sum(axis=-1)
                         acc *= alpha[..., None]
                     m = m_new
+                if seed is not None:  # (one key tile: the buffer's columns are the keys from 0)
+                    p *= _drop_factors(xp, seed, drop, h, g0, g1, a0, a1, p.shape[-1], p.dtype)
                 c = 0
                 for k, v, w, _ in span:
                     pv = p[..., c:c + w] @ v[g0:g1, :w]
@@ -688,14 +722,15 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
 # instead of 7, one exponential pass instead of two, and delta made in the same task (GPT-2 124M's
 # (2, 12, 256, 64) float32 tiles, one thread: 8.5 ms instead of 12.3 for delta, dQ and dK/dV;
 # bench/bench_attention.py).
-def _bwd_gpu(q, k, v, o, do, lse, *, groups, q_off, causal, scale):
+def _bwd_gpu(q, k, v, o, do, lse, *seed, groups, q_off, causal, scale, drop=None):
     """_sdpa_bwd from the GPU kernels above (a few launches each): delta, dQ, then dK and dV."""
-    delta = _sdpa_delta.impl("cpu")(do, o)
+    delta = _sdpa_delta.impl("cpu")(do, o)  # (with dropout too: o is the dropped weights' output)
     heads = tuple(hq // groups for hq in range(q.shape[1]))
+    seed = seed[0] if drop is not None else None
     dq = _sdpa_dq_gpu(q, do, lse, delta, k, v, n_k=1, n_h=1, heads=heads, q_off=q_off, k_offs=(0,),
-                      causal=causal, scale=scale)
+                      causal=causal, scale=scale, seed=seed, drop=drop)
     dk, dv = _sdpa_dkv_gpu(k, v, q, do, lse, delta, n_i=1, n_p=1, h_lo=0, h_hi=q.shape[1], groups=groups,
-                           q_offs=(q_off,), k_off=0, causal=causal, scale=scale)
+                           q_offs=(q_off,), k_off=0, causal=causal, scale=scale, seed=seed, drop=drop)
     return dq, dk, dv
 
 
@@ -708,11 +743,13 @@ def _bwd_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 
 @kernel("sdpa_bwd", cost=_bwd_cost, gpu=_bwd_gpu)
 @_float16_in_float32()
-def _sdpa_bwd(q, k, v, o, do, lse, *, groups, q_off, causal, scale):
+def _sdpa_bwd(q, k, v, o, do, lse, *seed, groups, q_off, causal, scale, drop=None):
     """dQ, dK and dV of one query tile and the one key tile it reads (``groups`` query heads per kv
     head; the queries sit ``q_off`` positions after the first key), scores formed transposed as in
-    _sdpa_dkv; float16 tiles are computed in float32 and the gradients cast to float16 last."""
+    _sdpa_dkv; float16 tiles are computed in float32 and the gradients cast to float16 last. With
+    ``drop`` (the seed tile last): dV from the dropped weights, dS from dO v^T times the factors."""
     xp = xp_of(q)
+    seed = seed[0] if drop is not None else None
     b, h, tq, d = q.shape
     g, sk = k.shape[1], k.shape[2]
     sc = q.dtype.type(scale)
@@ -735,6 +772,10 @@ def _sdpa_bwd(q, k, v, o, do, lse, *, groups, q_off, causal, scale):
             lse_r, delta_r = xp.ascontiguousarray(lse[g0:g1, r0:]), xp.ascontiguousarray(delta[g0:g1, r0:])
             pt = kb @ q_r.swapaxes(-1, -2)                    # (heads, rows, queries): P^T logits
             dst = v_rep[g0:g1, c0:c1] @ do_r.swapaxes(-1, -2)  # (dO v^T)^T
+            factors = None if seed is None else _drop_factors(xp, seed, drop, h, g0, g1, r0, tq, c1 - c0,
+                                                              q.dtype, transposed=True, c0=c0)
+            if factors is not None:
+                dst *= factors
             if fuse:  # P^T and dS^T in one pass
                 probs_cols(pt, dst, lse_r, delta_r, NO_MASK if lim is None else lim)
             else:
@@ -745,6 +786,8 @@ def _sdpa_bwd(q, k, v, o, do, lse, *, groups, q_off, causal, scale):
                 xp.exp(pt, out=pt)
                 dst -= delta_r[:, None]
                 dst *= pt
+            if factors is not None:
+                pt *= factors
             dv[g0:g1, c0:c1] += pt @ do_r
             dk[g0:g1, c0:c1] += dst @ q_r
             dq[g0:g1, r0:] += dst.swapaxes(-1, -2) @ kb       # dS K scale (kb holds the scale)
@@ -800,6 +843,11 @@ class _Layout:
         return (len(self.q.chunks[2]) == 1 and len(self.k.chunks[2]) == 1
                 and self.q.chunks[1] == tuple(n * self.groups for n in self.k.chunks[1]))
 
+    def drop_at(self, p: float, b: int, hq: int) -> tuple:
+        """The kernels' ``drop`` parameter for query tile (b, hq, 0): see _drop_factors."""
+        B, H, T, _ = self.q.shape
+        return (float(p), B, H, T, self.k.shape[2], int(self.q.tiling.offsets(0)[b]), int(self.qh_offs[hq]))
+
     def keys_for(self, i: int) -> list[int]:
         return _visible_keys(self.causal, self.q_offs[i], self.q.chunks[2][i], self.k_offs)
 
@@ -823,11 +871,15 @@ class _Layout:
 class ScaledDotProductAttention(Op):
     name = "scaled_dot_product_attention"
 
-    def forward(self, q, k, v, causal, scale=None, q_offset=0):
+    def forward(self, q, k, v, causal, scale=None, q_offset=0, dropout=0.0, seed=None):
+        """``dropout`` > 0 (with ``seed``, the step's (1,) seed tile) only where
+        :func:`dropout_in_kernels` says so."""
         _validate(q, k, v, causal, q_offset)
         d = q.shape[3]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         lay = _Layout(q, k, causal, q_offset)
+        if dropout and not dropout_in_kernels(lay):  # pragma: no cover - the caller's choice
+            raise TileError(WHERE, "dropout in the attention kernels with one tile of queries and of keys")
         out_grid = np.empty(q.tiling.grid, dtype=object)
         lse_tiling = Tiling(q.chunks[:3])
         lse_grid = np.empty(lse_tiling.grid, dtype=object)
@@ -835,22 +887,24 @@ class ScaledDotProductAttention(Op):
         for b, hq, i, _ in np.ndindex(*q.tiling.grid):
             shape = q.tiling.tile_shape((b, hq, i, 0))
             ins, params = lay.kv_inputs(k, v, b, hq, i)
+            if dropout:
+                ins, params = ins + [seed.grid[(0,)]], {**params, "drop": lay.drop_at(dropout, b, hq)}
             o, lse = emit(_sdpa_fwd, [q.grid[b, hq, i, 0]] + ins, [(shape, q.dtype), (shape[:3], stat)],
                           op=self.name, causal=causal, scale=scale, **params)
             out_grid[b, hq, i, 0] = o
             lse_grid[b, hq, i] = lse
         out = TileTensor(q.tiling, q.dtype, out_grid)
         lse = TileTensor(lse_tiling, stat, lse_grid)
-        return out, (q, k, v, out, lse, lay, scale)
+        return out, (q, k, v, out, lse, lay, scale, dropout, seed)
 
     def backward(self, ctx, g):
-        q, k, v, out, lse, lay, scale = ctx
+        q, k, v, out, lse, lay, scale, dropout, seed = ctx
         causal = lay.causal
         if g.chunks != out.chunks:
             raise TileError(WHERE, "the output gradient must have the tiles of the output",
                             f"{g.chunks} vs {out.chunks}")
-        if _FUSED_BACKWARD and lay.one_tile_pairs():
-            return self._fused_backward(q, k, v, out, lse, lay, scale, g)
+        if dropout or (_FUSED_BACKWARD and lay.one_tile_pairs()):
+            return self._fused_backward(q, k, v, out, lse, lay, scale, g, dropout, seed)
         delta = np.empty(lse.tiling.grid, dtype=object)
         for idx in np.ndindex(*lse.tiling.grid):
             delta[idx] = emit1(_sdpa_delta, [g.grid[idx + (0,)], out.grid[idx + (0,)]],
@@ -881,18 +935,28 @@ class ScaledDotProductAttention(Op):
         return (TileTensor(q.tiling, q.dtype, dq_grid), TileTensor(k.tiling, k.dtype, dk_grid),
                 TileTensor(v.tiling, v.dtype, dv_grid))
 
-    def _fused_backward(self, q, k, v, out, lse, lay, scale, g):
+    def _fused_backward(self, q, k, v, out, lse, lay, scale, g, dropout=0.0, seed=None):
         """One _sdpa_bwd task per (batch, head) tile pair: see _Layout.one_tile_pairs."""
         grids = [np.empty(t.tiling.grid, dtype=object) for t in (q, k, v)]
         for b, h, _, _ in np.ndindex(*q.tiling.grid):
             at = (b, h, 0, 0)
             ins = [q.grid[at], k.grid[at], v.grid[at], out.grid[at], g.grid[at], lse.grid[b, h, 0]]
+            drop = {}
+            if dropout:
+                ins, drop = ins + [seed.grid[(0,)]], {"drop": lay.drop_at(dropout, b, h)}
             grads = emit(_sdpa_bwd, ins, [(t.tiling.tile_shape(at), t.dtype) for t in (q, k, v)],
                          op=f"{self.name}_bwd", groups=lay.groups, q_off=lay.q_offs[0], causal=lay.causal,
-                         scale=scale)
+                         scale=scale, **drop)
             for grid, grad in zip(grids, grads):
                 grid[at] = grad
         return tuple(TileTensor(t.tiling, t.dtype, grid) for t, grid in zip((q, k, v), grids))
+
+
+def dropout_in_kernels(lay: "_Layout") -> bool:
+    """Whether attention dropout runs inside the attention kernels (queries and keys one tile each
+    along T and S, the usual tiling: the fused backward); elsewhere the composed ops of
+    :mod:`tilegraph.ops.attention_masked` drop the weights, formed as tiles."""
+    return _FUSED_BACKWARD and lay.one_tile_pairs()
 
 
 def _validate(q, k, v, causal: bool, q_offset: int = 0) -> None:
@@ -944,10 +1008,12 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
     probability after the softmax and the others scaled by 1 / (1 - p), whenever it is given
     (as torch's functional form does: a module passes ``p if self.training else 0``); the mask
     is seeded from the first tiles of q and k and the module recording the call, and regenerated
-    in the backward (:mod:`tilegraph.ops.attention_masked`). With a mask or dropout the scores
-    exist as tiles (the ops :func:`tilegraph.ops.attention_masked.masked_attention` records:
-    memory B H T S, where the unmasked and causal kernels never form them); grouped-query heads
-    are repeated to q's heads there. ``q_offset`` (tilegraph's own): with
+    in the backward (:mod:`tilegraph.ops.attention_masked`). Dropout without a mask, where T and S
+    are one tile each (:func:`dropout_in_kernels`), runs inside the attention kernels; with a mask,
+    or dropout on other tilings, the scores exist as tiles (the ops
+    :func:`tilegraph.ops.attention_masked.masked_attention` records: memory B H T S, where the
+    attention kernels never form them), with the same dropout mask; grouped-query heads are
+    repeated to q's heads there. ``q_offset`` (tilegraph's own): with
     ``is_causal``, query row t sits at position ``q_offset + t`` and sees keys ``0..q_offset + t``,
     so ``S == q_offset + T`` (new positions against a KV cache of the ``q_offset`` before them);
     without ``is_causal`` it changes nothing. ``causal=`` is the older name of ``is_causal``, still
@@ -965,8 +1031,6 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
     if isinstance(attn_mask, (bool, np.bool_)):
         raise TileError(WHERE, "attn_mask must be a mask tensor or None; a positional 4th argument is attn_mask, "
                         "as in torch: pass is_causal=True by name", f"attn_mask={attn_mask!r}")
-    from .dropout import check_dropout
-
     dropout_p = check_dropout(dropout_p, WHERE, "dropout_p")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TileError(WHERE, "is_causal must be a bool", f"{is_causal!r} ({type(is_causal).__name__})")
@@ -984,6 +1048,13 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
             raise TileError(WHERE, "with enable_gqa=False q, k and v need the same number of heads (as in "
                             "torch); pass enable_gqa=True (or leave it out) for grouped-query attention",
                             f"q heads {q.shape[1]}, k heads {k.shape[1]}")
+    if attn_mask is None and dropout_p > 0:
+        _validate(q, k, v, bool(is_causal), int(q_offset))
+        if dropout_in_kernels(_Layout(q, k, bool(is_causal), int(q_offset))):
+            from .attention_masked import attention_dropout_seed
+
+            return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset), dropout=dropout_p,
+                            seed=attention_dropout_seed(q, k))
     if attn_mask is not None or dropout_p > 0:
         from .attention_masked import masked_attention
 

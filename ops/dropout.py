@@ -163,6 +163,12 @@ def _keep(xp, key, shape, offset, tile_shape, p: float):
         r = xp.arange(offset[d], offset[d] + tile_shape[d], dtype=np.uint64) * np.uint64(stride)
         z += r.reshape([-1 if e == d else 1 for e in range(len(shape))])
         stride *= int(shape[d])
+    return _keep_of_index(z, key, p)
+
+
+def _keep_of_index(z, key, p: float):
+    """The keep-mask of the elements whose row-major indices in the whole tensor are ``z`` (a
+    uint64 array, overwritten)."""
     z += np.uint64(1)
     z *= _GOLDEN
     z += key  # splitmix64's state for draw i of a generator seeded with key; then its output mix
@@ -209,6 +215,48 @@ def _nb_dropout(a, out, base, key, threshold, scale, k):
 
 
 _CONSTS = np.array([_GOLDEN, _MIX1, _MIX2], dtype=np.uint64)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nb_scale_mask(out, base, key, threshold, scale, k, transposed):
+    """``scale`` where the element is kept, 0 where dropped: element ``[n, a, j]`` of ``out`` (or
+    ``[n, j, a]`` when ``transposed``) has the index ``base[n, a] + j`` in the whole tensor."""
+    one, s30, s27, s31, s11 = np.uint64(1), np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+    zero = scale * 0
+    cols = out.shape[1] if transposed else out.shape[2]
+    for n in range(base.shape[0]):
+        for a in range(base.shape[1]):
+            b0 = base[n, a] + one
+            for j in range(cols):
+                z = (b0 + np.uint64(j)) * k[0] + key
+                z = (z ^ (z >> s30)) * k[1]
+                z = (z ^ (z >> s27)) * k[2]
+                z = z ^ (z >> s31)
+                v = scale if (z >> s11) >= threshold else zero
+                if transposed:
+                    out[n, j, a] = v
+                else:
+                    out[n, a, j] = v
+
+
+def scale_mask(xp, seed, p: float, base, cols: int, dtype, transposed: bool = False):
+    """The dropout factors ``keep / (1 - p)`` (0 where dropped) of a block of a tensor: element
+    ``[n, a, j]`` (``[n, j, a]`` when ``transposed``) is the element of row-major index
+    ``base[n, a] + j`` in the whole tensor, and keeps as :func:`keep_mask` says for the step seed
+    in the (1,) tile ``seed``. ``base``: a NumPy uint64 array (n, A). For the kernels that apply
+    dropout inside (the attention kernels: ``tilegraph.ops.attention``)."""
+    dtype = np.dtype(dtype)
+    key = np.uint64(int(seed.reshape(-1)[0]))
+    scale = dtype.type(1.0 / (1.0 - p))
+    n, rows = base.shape
+    shape = (n, cols, rows) if transposed else (n, rows, cols)
+    if xp is np and dtype in (np.float32, np.float64):
+        out = np.empty(shape, dtype=dtype)
+        _nb_scale_mask(out, base, key, _threshold(p), scale, _CONSTS, transposed)
+        return out
+    z = xp.asarray(base)[..., None] + xp.arange(cols, dtype=np.uint64)
+    out = xp.where(_keep_of_index(z, key, p), scale, dtype.type(0)).astype(dtype)
+    return out.swapaxes(-1, -2) if transposed else out
 
 
 def _dropout_cpu(seed, a, *, p, shape, offset, itemsize):

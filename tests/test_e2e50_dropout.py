@@ -69,6 +69,68 @@ def test_sdpa_dropout_matches_torch_with_the_same_mask(mode, case, rng):
     assert not np.allclose(out.numpy(), full)
 
 
+def _kernel_names(t: tg.TileTensor) -> set:
+    from tilegraph._graph import topo_order
+
+    return {n.kernel.name for n in topo_order(list(t.grid.flat)) if not n.is_leaf}
+
+
+@by_mode
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("kv_heads,causal", [(H, True), (H, False), (2, True)])
+def test_dropout_inside_the_attention_kernels_matches_torch(mode, dtype, kv_heads, causal, rng):
+    """T and S one tile each (batch and heads tiled by ``mode``): the weights are dropped inside
+    the attention kernels (sdpa_fwd, the fused sdpa_bwd), never formed as tiles, with the mask of
+    the composed path, element for element."""
+    p = 0.25
+    q, k, v = (randn(rng, B, h, T, D, dtype=dtype) for h in (H, kv_heads, kv_heads))
+    seen = {}
+
+    def ours(q, k, v):
+        seen["seed"] = step_seed(_scope_seed("attention_dropout"), _first_tile(q), _first_tile(k))
+        out = sdpa(q, k, v, dropout_p=p, is_causal=causal)
+        seen["kernels"] = _kernel_names(out)
+        return out
+
+    def theirs(q, k, v):
+        return _torch_dropped_sdpa(q, k, v, keep_mask(seen["seed"], (B, H, T, S), p), p, None, causal)
+
+    check_against_torch(ours, theirs, [q, k, v], "bhTD,bgSD,bgSD", mode)
+    if kv_heads == H or mode == "single":  # (grouped heads tiled apart from q's pair with no kv tile: composed)
+        assert "sdpa_fwd" in seen["kernels"] and not {"softmax", "dropout"} & seen["kernels"]
+    # the composed ops (what other tilings take) on the same tiles draw the same mask: the same values
+    from tilegraph.ops.attention_masked import masked_attention
+
+    qt = tg.from_numpy(q, (1, 2, None, None))
+    kt, vt = (tg.from_numpy(a, (1, 2 * kv_heads // H, None, None)) for a in (k, v))  # head tiles paired with q's
+    fused = sdpa(qt, kt, vt, dropout_p=p, is_causal=causal)
+    composed = masked_attention(qt, kt, vt, None, causal=causal, scale=1 / np.sqrt(D), dropout_p=p)
+    assert "dropout" in _kernel_names(composed) and "dropout" not in _kernel_names(fused)
+    np.testing.assert_allclose(fused.numpy(), composed.numpy(), rtol=1e-5 if dtype == np.float32 else 1e-12,
+                               atol=1e-6 if dtype == np.float32 else 1e-13)
+
+
+@pytest.mark.distributed
+def test_dropout_in_the_gpu_versions_of_the_kernels_matches_the_cpu(monkeypatch, rng):
+    """The attention kernels' GPU versions (run on NumPy here, as an emulated GPU worker runs
+    them) drop the same weights as the CPU kernels: forward and the three gradients."""
+    q, k, v, r = (randn(rng, B, h, T, D) for h in (H, 2, 2, H))
+
+    def run(**kw):
+        qt, kt, vt = (tg.from_numpy(a, (1, None, None, None)) for a in (q, k, v))
+        out = sdpa(qt, kt, vt, dropout_p=0.3, is_causal=True)
+        grads = tg.grad((out * tg.from_numpy(r, out.chunks)).sum(), [qt, kt, vt])
+        return tg.compute(out, *grads, **kw)
+
+    want = run()
+    monkeypatch.setattr(tg.config, "gpu_array_module", "numpy")
+    with tg.connect(n_workers=1, gpu=1, dashboard=False, quiet=True):
+        got = run(placement="gpu")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    assert not np.allclose(want[0], sdpa(*(tg.from_numpy(a) for a in (q, k, v)), is_causal=True).numpy())
+
+
 @by_mode
 def test_grouped_query_heads_with_a_mask_match_torch(mode, rng):
     """4 query heads on 2 kv heads with a padding mask (refused before: "grouped-query attention

@@ -1194,8 +1194,7 @@ class CausalSelfAttention(Module):
     ``dim // n_heads``) so that splitting C into (heads, head_dim) moves no data between tiles.
     ``dropout`` (torch's ``nn.MultiheadAttention`` name; HF's ``attn_pdrop``) drops attention
     weights in training (``self.training``), as ``scaled_dot_product_attention(dropout_p=...)``
-    does: the scores are then formed as tiles (B, H, T, S), which the attention kernels without
-    dropout never form.
+    does (inside the attention kernels where T is one tile, the models' default).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
