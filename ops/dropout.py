@@ -223,20 +223,25 @@ def _nb_scale_mask(out, base, key, threshold, scale, k, transposed):
     ``[n, j, a]`` when ``transposed``) has the index ``base[n, a] + j`` in the whole tensor."""
     one, s30, s27, s31, s11 = np.uint64(1), np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
     zero = scale * 0
-    cols = out.shape[1] if transposed else out.shape[2]
+    if transposed:  # (j outer: out written in its own order)
+        for n in range(base.shape[0]):
+            for j in range(out.shape[1]):
+                for a in range(base.shape[1]):
+                    z = (base[n, a] + one + np.uint64(j)) * k[0] + key
+                    z = (z ^ (z >> s30)) * k[1]
+                    z = (z ^ (z >> s27)) * k[2]
+                    z = z ^ (z >> s31)
+                    out[n, j, a] = scale if (z >> s11) >= threshold else zero
+        return
     for n in range(base.shape[0]):
         for a in range(base.shape[1]):
             b0 = base[n, a] + one
-            for j in range(cols):
+            for j in range(out.shape[2]):
                 z = (b0 + np.uint64(j)) * k[0] + key
                 z = (z ^ (z >> s30)) * k[1]
                 z = (z ^ (z >> s27)) * k[2]
                 z = z ^ (z >> s31)
-                v = scale if (z >> s11) >= threshold else zero
-                if transposed:
-                    out[n, j, a] = v
-                else:
-                    out[n, a, j] = v
+                out[n, a, j] = scale if (z >> s11) >= threshold else zero
 
 
 def scale_mask(xp, seed, p: float, base, cols: int, dtype, transposed: bool = False):
