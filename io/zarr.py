@@ -1329,11 +1329,14 @@ class Checkpoint:
             return
         mine = dataclasses.asdict(config)
         as_stored = json.loads(json.dumps(mine, default=str))  # (a tuple as the stored list)
+        from tilegraph.models._common import dropout_fields
+
+        drops = dropout_fields(config)
 
         def other(k, v) -> bool:
             if k not in mine or v is None or mine[k] is None:  # None: derived from others (GPT-2's hidden, 4 * dim;
                 return False  # Llama's n_kv_heads, n_heads), and where that differs, so do the shapes
-            if k.endswith("_dropout"):  # training only: the same function (a resumed run may change it)
+            if k in drops:  # training only: the same function (a resumed run may change it)
                 return False
             if k == "max_seq_len" and is_int(v) and is_int(mine[k]):
                 return mine[k] < v

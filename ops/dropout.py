@@ -198,20 +198,25 @@ def _threshold(p: float) -> np.uint64:
     return np.uint64(round(p * 2.0 ** 53))
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nb_bits(i1, key, k):
+    """The top 53 bits that decide element ``i1 - 1`` (``i1``: its row-major index plus one, uint64),
+    as ``_keep_of_index`` computes them: splitmix64's draw for the seed ``key``."""
+    z = i1 * k[0] + key
+    z = (z ^ (z >> np.uint64(30))) * k[1]
+    z = (z ^ (z >> np.uint64(27))) * k[2]
+    return (z ^ (z >> np.uint64(31))) >> np.uint64(11)
+
+
 @numba.njit(cache=True, nogil=True)
 def _nb_dropout(a, out, base, key, threshold, scale, k):
     """The CPU kernel: ``_keep``'s bits element by element, without its ~10 temporaries."""
     zero = scale * 0
-    one, s30, s27, s31, s11 = np.uint64(1), np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
     for r in range(a.shape[0]):
-        b0 = base[r] + one
+        b0 = base[r] + np.uint64(1)
         for j in range(a.shape[1]):
-            z = (b0 + np.uint64(j)) * k[0] + key
-            z = (z ^ (z >> s30)) * k[1]
-            z = (z ^ (z >> s27)) * k[2]
-            z = z ^ (z >> s31)
             y = a[r, j] * scale
-            out[r, j] = y if (z >> s11) >= threshold else y * zero  # as x * 0: NaN stays NaN
+            out[r, j] = y if _nb_bits(b0 + np.uint64(j), key, k) >= threshold else y * zero  # NaN stays NaN
 
 
 _CONSTS = np.array([_GOLDEN, _MIX1, _MIX2], dtype=np.uint64)
@@ -221,27 +226,19 @@ _CONSTS = np.array([_GOLDEN, _MIX1, _MIX2], dtype=np.uint64)
 def _nb_scale_mask(out, base, key, threshold, scale, k, transposed):
     """``scale`` where the element is kept, 0 where dropped: element ``[n, a, j]`` of ``out`` (or
     ``[n, j, a]`` when ``transposed``) has the index ``base[n, a] + j`` in the whole tensor."""
-    one, s30, s27, s31, s11 = np.uint64(1), np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
     zero = scale * 0
     if transposed:  # (j outer: out written in its own order)
         for n in range(base.shape[0]):
             for j in range(out.shape[1]):
                 for a in range(base.shape[1]):
-                    z = (base[n, a] + one + np.uint64(j)) * k[0] + key
-                    z = (z ^ (z >> s30)) * k[1]
-                    z = (z ^ (z >> s27)) * k[2]
-                    z = z ^ (z >> s31)
-                    out[n, j, a] = scale if (z >> s11) >= threshold else zero
+                    kept = _nb_bits(base[n, a] + np.uint64(1) + np.uint64(j), key, k) >= threshold
+                    out[n, j, a] = scale if kept else zero
         return
     for n in range(base.shape[0]):
         for a in range(base.shape[1]):
-            b0 = base[n, a] + one
+            b0 = base[n, a] + np.uint64(1)
             for j in range(out.shape[2]):
-                z = (b0 + np.uint64(j)) * k[0] + key
-                z = (z ^ (z >> s30)) * k[1]
-                z = (z ^ (z >> s27)) * k[2]
-                z = z ^ (z >> s31)
-                out[n, a, j] = scale if (z >> s11) >= threshold else zero
+                out[n, a, j] = scale if _nb_bits(b0 + np.uint64(j), key, k) >= threshold else zero
 
 
 def scale_mask(xp, seed, p: float, base, cols: int, dtype, transposed: bool = False):
