@@ -84,6 +84,46 @@ def test_run_stoppable_returns_128_plus_the_signal_and_restores_the_handlers(cap
     assert "tilegraph eval: SIGTERM: stopping" in err and "tilegraph eval: SIGINT: stopping" in err
 
 
+def test_a_stop_that_lands_in_a_finalizer_is_raised_again_when_it_returns(capfd):
+    # CI, stop 55: SIGTERM reached `tilegraph eval` while a Dask future's finalizer ran; Python
+    # printed the Stopped as "Exception ignored in" and the eval ran on to exit 0
+    from tilegraph.cli.signals import run_stoppable
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the finalizer
+
+    def work():
+        Finalized()  # dropped at once: its __del__ runs
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        return 0
+
+    hook = sys.unraisablehook
+    start = time.monotonic()
+    assert run_stoppable("tilegraph eval", work) == 143
+    assert time.monotonic() - start < 4
+    assert sys.unraisablehook is hook
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and err.count("SIGTERM: stopping") == 1, err
+
+
+def test_a_stop_swallowed_by_the_work_still_exits_with_the_signal(capfd):
+    from tilegraph.cli.signals import run_stoppable
+
+    def work():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except BaseException:  # (code that swallows everything)
+            pass
+        return 0
+
+    assert run_stoppable("tilegraph eval", work) == 130
+    assert "SIGINT: stopping" in capfd.readouterr().err
+
+
 def test_sigterm_during_eval_closes_the_cluster_and_exits_143(ckpt, tmp_path):
     (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 20000)
     proc = subprocess.Popen([sys.executable, "-m", "tilegraph.cli", "eval", str(ckpt / "zarr"), "--tokenizer", "byte",

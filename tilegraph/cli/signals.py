@@ -7,9 +7,11 @@ process at once (its worker processes killed), with the same status."""
 from __future__ import annotations
 
 import os
+import _thread
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 from tilegraph.cli.train import say_now
@@ -28,33 +30,99 @@ def run_stoppable(where: str, fn: Callable[[], int]) -> int:
     """``fn()`` with SIGINT and SIGTERM stopping it: the first says so in one line, raises
     :class:`Stopped` where the main thread is (the runtime's ``with`` block closes the cluster on
     the way out) and returns 128 + the signal; a second one while it closes ends the process at
-    once (:func:`_end_now`). Outside the main thread (no handlers there), ``fn()`` alone."""
+    once (:func:`_end_now`). Outside the main thread (no handlers there), ``fn()`` alone.
+
+    A signal that lands while the main thread runs a finalizer (a ``__del__``, a
+    ``weakref.finalize`` callback: Dask's futures have them) raises :class:`Stopped` where Python
+    only prints it ("Exception ignored in ...") and goes on: the command then ran to its end and
+    exited 0, though it had said it was stopping. Such a swallowed stop is raised again as soon as
+    the finalizer returns, and a ``fn()`` that returns after a stop was asked still exits with
+    128 + the signal."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
+    asked: list[int] = []  # the signal of the stop, once asked
+    swallowed: list[int] = []  # the signal of a stop a finalizer swallowed, to be raised again
+    done: list[bool] = []  # once fn() has ended
+    sending = threading.Lock()  # held while the stop is sent again
 
     def stop(signum, frame):
         for sig in previous:  # the next one, of either kind, while the cluster closes
             signal.signal(sig, again)
+        asked.append(signum)
         say_now(f"{where}: {signal.Signals(signum).name}: stopping, closing the cluster (again to stop at once)\n")
         raise Stopped(signum)
 
     def again(signum, frame):
+        if swallowed:  # (not a second signal: the first one's stop, raised again out of the finalizer)
+            if _running(frame, unraisable.__code__):  # (it landed in the hook itself: sent again shortly)
+                return
+            signum = swallowed.pop()
+            if done:  # (fn() ended first: its status is already 128 + the signal)
+                return
+            raise Stopped(signum)
         from tilegraph._progress import _in_jupyter
 
         if _in_jupyter():  # (a command run inside a notebook's kernel: the kernel stays)
             raise KeyboardInterrupt
         _end_now(where, signum)
 
+    def unraisable(info):
+        if not isinstance(info.exc_value, Stopped):
+            hook(info)
+        elif not swallowed:  # the signal again, from another thread: `again` raises the stop where it lands
+            swallowed.append(info.exc_value.signum)
+            _resend(info.exc_value.signum, lambda: bool(swallowed) and not done, sending)
+
     clusters = _clusters()
+    hook = sys.unraisablehook
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sys.unraisablehook = unraisable
     try:
-        return fn()
+        code = fn()
+        if asked:  # (its stop swallowed where no finalizer reports it: the command is still stopped)
+            _close_left_clusters(clusters)
+            return 128 + asked[0]
+        return code
     except Stopped as e:
         _close_left_clusters(clusters)
         return 128 + e.signum
     finally:
-        for sig, handler in previous.items():
+        done.append(True)  # (a stop raised again after this would escape the command)
+        with sending:  # (one sent as fn() ended is pending here, handled first by `again` below)
+            pass
+        for sig, handler in previous.items():  # (a pending signal is handled first, by `again`)
             signal.signal(sig, handler)
+        sys.unraisablehook = hook
+
+
+def _resend(signum: int, pending: Callable[[], bool], lock: threading.Lock) -> None:
+    """``signum`` to the main thread again, every 50 ms while ``pending()``, sent from another
+    thread (sent from the main thread, its handler would run at once, inside the unraisable hook)
+    holding ``lock``. A signal, not ``_thread.interrupt_main``: it also cuts short a wait of the
+    main thread's."""
+    main = threading.main_thread().ident
+
+    def send():
+        while True:
+            time.sleep(0.05)
+            with lock:
+                if not pending():
+                    return
+                if hasattr(signal, "pthread_kill"):
+                    signal.pthread_kill(main, signum)
+                else:
+                    _thread.interrupt_main(signum)
+
+    threading.Thread(target=send, name="tilegraph-stop-again", daemon=True).start()
+
+
+def _running(frame, code) -> bool:
+    """Whether ``code`` runs in ``frame`` or a frame that called it."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _clusters() -> set:
