@@ -7,12 +7,14 @@ then times each sdpa kernel on those inputs (summed over all its tiles) next to 
 
     OMP_NUM_THREADS=1 python bench/bench_attention.py                 # (2, 12, 256, 64), 1 and 4 tiles
     OMP_NUM_THREADS=1 python bench/bench_attention.py --dtype float64 --tiles 1 2
+    OMP_NUM_THREADS=1 python bench/bench_attention.py --dropout 0.1    # dropout on the weights, both sides
 
 Run it with one thread (the line above) so the numbers compare kernels, not thread pools. Each
 number is the best of ``--repeat`` runs; torch's backward is its forward+backward minus its
 forward. tilegraph's backward is the sum of its backward kernels: with one tile along T the fused
 ``sdpa_bwd`` (and, for comparison, the delta, dQ and dK/dV kernels it replaces), with more tiles
-the delta, dQ and dK/dV kernels.
+the delta, dQ and dK/dV kernels. With ``--dropout P`` both drop the attention weights (torch's
+``dropout_p``; tilegraph's kernels draw the factors of the mask from the step's seed themselves).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def kernel_calls(roots):
     return calls
 
 
-def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int, fused: bool = True) -> dict[str, float]:
+def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int, fused: bool = True, dropout: float = 0.0) -> dict[str, float]:
     import tilegraph as tg
     import tilegraph.ops.attention as attention
     from tilegraph.ops.attention import scaled_dot_product_attention as sdpa
@@ -72,7 +74,7 @@ def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int, fused: bool = True) 
     T = q.shape[2]
     chunks = tuple(np.diff(np.linspace(0, T, n_tiles + 1).round().astype(int)))
     tq, tk, tv = (tg.from_numpy(a, (None, None, chunks, None)) for a in (q, k, v))
-    out = sdpa(tq, tk, tv, is_causal=True)
+    out = sdpa(tq, tk, tv, is_causal=True, dropout_p=dropout)
     dq, dk, dv = tg.grad((out * tg.from_numpy(do, out.chunks)).sum(), [tq, tk, tv])
     roots = [r for t in (out, dq, dk, dv) for r in t.grid.flat]
     calls = kernel_calls(roots)
@@ -88,7 +90,7 @@ def bench_tilegraph(q, k, v, do, n_tiles: int, repeat: int, fused: bool = True) 
     return ms
 
 
-def bench_torch(q, k, v, do, repeat: int) -> dict[str, float]:
+def bench_torch(q, k, v, do, repeat: int, dropout: float = 0.0) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)
@@ -98,10 +100,10 @@ def bench_torch(q, k, v, do, repeat: int) -> dict[str, float]:
 
     def fwd():
         with torch.no_grad():
-            F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, dropout_p=dropout)
 
     def fwd_bwd():
-        out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, dropout_p=dropout)
         torch.autograd.grad(out, (tq, tk, tv), tdo)
 
     f = best_ms(fwd, repeat)
@@ -115,20 +117,24 @@ def main() -> None:
     ap.add_argument("--tiles", type=at_least(1), nargs="+", default=(1, 4), help="query/key tiles along T")
     ap.add_argument("--dtype", choices=["float16", "float32", "float64"], default="float32")
     ap.add_argument("--repeat", type=at_least(1), default=20)
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout_p of the attention weights")
     args = ap.parse_args()
+    if not 0 <= args.dropout < 1:
+        ap.error(f"--dropout must be in [0, 1), received {args.dropout}")
     require(ap, "torch", what="bench_attention.py (it times torch's SDPA beside the kernels)")
     if max(args.tiles) > args.shape[2]:
         ap.error(f"--tiles {max(args.tiles)}: more tiles than T = {args.shape[2]} positions")
 
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal(args.shape).astype(args.dtype) for _ in range(4))
-    ref = bench_torch(q, k, v, do, args.repeat)
-    print(f"shape {tuple(args.shape)} {args.dtype}, causal, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    ref = bench_torch(q, k, v, do, args.repeat, args.dropout)
+    print(f"shape {tuple(args.shape)} {args.dtype}, causal{f', dropout {args.dropout}' if args.dropout else ''}, "
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(f"torch SDPA: fwd {ref['fwd']:.2f} ms, bwd {ref['bwd']:.2f} ms, fwd+bwd {ref['fwd'] + ref['bwd']:.2f} ms")
     # one tile along T: the fused backward (one sdpa_bwd task), then the split kernels it replaces
     runs = [(n, fused) for n in args.tiles for fused in ((True, False) if n == 1 else (True,))]
     for n, fused in runs:
-        ms = bench_tilegraph(q, k, v, do, n, args.repeat, fused)
+        ms = bench_tilegraph(q, k, v, do, n, args.repeat, fused, args.dropout)
         bwd = sum(t for name, t in ms.items() if name != "sdpa_fwd")
         print(f"tilegraph, {n} tile(s) along T (all tiles summed){'' if fused or n > 1 else ', split backward'}:")
         for name, t in ms.items():

@@ -150,23 +150,23 @@ def _attn_cost(mult: float, first_k: int):
 
 
 def _query_block_plan(kvs, causal: bool, q_off: int, a0: int, a1: int):
-    """For query rows ``[a0, a1)`` of a tile at ``q_off``: ``(k, v, w, lim)`` per key tile with
-    visible keys, ``w`` of its leading keys visible to the last row; with a causal mask row r sees
-    the keys ``j <= r + lim`` (``lim`` None: every key)."""
+    """For query rows ``[a0, a1)`` of a tile at ``q_off``: ``(k, v, w, lim, k_off)`` per key tile
+    with visible keys, ``w`` of its leading keys visible to the last row; with a causal mask row r
+    sees the keys ``j <= r + lim`` (``lim`` None: every key); ``k_off`` the tile's first key."""
     plan = []
     for k, v, k_off in kvs:
         w = min(k.shape[1], q_off + a1 - k_off) if causal else k.shape[1]
         if w > 0:
-            plan.append((k, v, w, q_off + a0 - k_off if causal else None))
+            plan.append((k, v, w, q_off + a0 - k_off if causal else None, k_off))
     return plan
 
 
 def _span_layout(span) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where each key tile of ``span`` starts in its score buffer, its width and its ``lim``
     (NO_MASK where there is no mask): the arguments of the fused pass, ``softmax_rows``."""
-    widths = [w for _, _, w, _ in span]
+    widths = [w for _, _, w, _, _ in span]
     return (np.cumsum([0] + widths[:-1]).astype(np.int64), np.array(widths, dtype=np.int64),
-            np.array([NO_MASK if lim is None else lim for *_, lim in span], dtype=np.int64))
+            np.array([NO_MASK if lim is None else lim for _, _, _, lim, _ in span], dtype=np.int64))
 
 
 def _spans(plan, rows: int, itemsize: int) -> list[list]:
@@ -398,17 +398,22 @@ def _lse_for_exp(xp, lse):
 
 
 # Dropout on the attention weights inside the kernels (``drop``: the probability and where the
-# tile sits, (p, B, H, T, S, b0, h0); the step's seed tile comes last among the inputs). Only where
-# queries and keys are one tile each along T and S (_Layout.one_tile_pairs): the weights' rows are
-# then the tile's queries and their columns its keys, both from 0. Weight (b, h, t, s) keeps as
-# element ((b * H + h) * T + t) * S + s of ops.dropout.keep_mask(seed, (B, H, T, S), p): the mask of
-# the composed path (ops.attention_masked), element for element.
+# task's tiles sit, (p, B, H, T, S, b0, h0, q_offset): its first batch row and query head, and the
+# positions before the queries; the step's seed tile comes last among the inputs). Weight
+# (b, h, t, s) keeps as element ((b * H + h) * T + t) * S + s of
+# ops.dropout.keep_mask(seed, (B, H, T, S), p): the mask of the composed path
+# (ops.attention_masked), element for element, on any tiling.
+def _first_row(drop, q_off: int) -> int:
+    """Query row (0..T) of the first query of a tile at position ``q_off``; 0 without ``drop``."""
+    return 0 if drop is None else q_off - drop[7]
+
+
 def _drop_factors(xp, seed, drop, heads: int, g0: int, g1: int, r0: int, r1: int, cols: int, dtype,
                   transposed: bool = False, c0: int = 0):
-    """keep / (1 - p) for the weights of flat heads ``g0:g1`` (``heads`` per batch row of the tile),
-    query rows ``r0:r1`` and keys ``c0:c0 + cols``: (heads, rows, cols), or (heads, cols, rows)
-    ``transposed`` (the backward's P^T blocks)."""
-    p, _, H, T, S, b0, h0 = drop
+    """keep / (1 - p) for the weights of flat heads ``g0:g1`` (``heads`` per batch row of the task),
+    query rows ``r0:r1`` (of T) and keys ``c0:c0 + cols`` (of S): (heads, rows, cols), or
+    (heads, cols, rows) ``transposed`` (the backward's P^T blocks)."""
+    p, _, H, T, S, b0, h0, _ = drop
     n = np.arange(g0, g1, dtype=np.int64)
     head = (b0 + n // heads) * H + h0 + n % heads
     base = ((head[:, None] * T + np.arange(r0, r1, dtype=np.int64)[None, :]) * S + c0).astype(np.uint64)
@@ -422,6 +427,7 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=No
     xp = xp_of(q)
     kv, seed = (kv[:-1], kv[-1]) if drop is not None else (kv, None)
     b, h, tq, d = q.shape
+    t0 = _first_row(drop, q_off)
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf = _flat(q)
     sc = q.dtype.type(scale)
@@ -435,8 +441,8 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=No
                     continue
                 p = xp.matmul(qf[g0:g1, a0:a1] * sc, k[g0:g1, :w].swapaxes(-1, -2))      # (heads, rows, w)
                 shift, l = _softmax_rows(p, _mask_rows(later, a0, a1, 0, w))
-                if seed is not None:
-                    p *= _drop_factors(xp, seed, drop, h, g0, g1, a0, a1, w, p.dtype)
+                if seed is not None:  # (the key tiles side by side: the keys from k_offs[0] on)
+                    p *= _drop_factors(xp, seed, drop, h, g0, g1, t0 + a0, t0 + a1, w, p.dtype, c0=k_offs[0])
                 o = xp.matmul(p, v[g0:g1, :w])
                 o /= l[..., None]
                 out[g0:g1, a0:a1] = o
@@ -446,9 +452,13 @@ def _sdpa_fwd_gpu(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=No
 
 @_float16_in_float32()
 def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, seed=None, drop=None):
-    """_sdpa_dq in a few launches per head chunk (``seed``, ``drop``: from _bwd_gpu, one key tile)."""
+    """_sdpa_dq in a few launches per head chunk (with ``drop``, the seed tile last among ``kv``
+    unless given as ``seed``, as _bwd_gpu does)."""
     xp = xp_of(q)
+    if drop is not None and seed is None:
+        kv, seed = kv[:-1], kv[-1]
     b, h, tq, d = q.shape
+    t0 = _first_row(drop, q_off)
     k, v, later, spans = _whole_keys(xp, kv, n_k, n_h, heads, q_off, tq, k_offs, causal)
     qf, dof, delta = _flat(q), _flat(do), _flat(delta)
     lse = _lse_for_exp(xp, _flat(lse))
@@ -463,7 +473,7 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
             _exp_shifted(lse[g0:g1, a0:a1, None], *_mask_args(xp, _mask_rows(later, a0, a1, 0, w)), p)
             ds = xp.matmul(dof[g0:g1, a0:a1], v[g0:g1, :w].swapaxes(-1, -2))
             if seed is not None:  # the gradient of the undropped weights: dO v^T times the factors
-                ds *= _drop_factors(xp, seed, drop, h, g0, g1, a0, a1, w, ds.dtype)
+                ds *= _drop_factors(xp, seed, drop, h, g0, g1, t0 + a0, t0 + a1, w, ds.dtype, c0=k_offs[0])
             _ds_of(delta[g0:g1, a0:a1, None], p, ds)
             dq[g0:g1, a0:a1] = xp.matmul(ds, k[g0:g1, :w])
     dq *= sc
@@ -473,8 +483,11 @@ def _sdpa_dq_gpu(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal,
 @_float16_in_float32()
 def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale, seed=None, drop=None):
     """_sdpa_dkv in a few launches per head chunk: the query tiles side by side, scores transposed
-    (``seed``, ``drop``: from _bwd_gpu, one query and one key tile)."""
+    (with ``drop``, the seed tile last among ``qs`` unless given as ``seed``, as _bwd_gpu does)."""
     xp = xp_of(k)
+    if drop is not None and seed is None:
+        qs, seed = qs[:-1], qs[-1]
+    t0 = _first_row(drop, q_offs[0])  # (the query tiles side by side: the queries from q_offs[0] on)
     per = n_i * n_p
     b, g, sk, d = k.shape
 
@@ -500,8 +513,8 @@ def _sdpa_dkv_gpu(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal
                 continue
             pt = xp.matmul(k_rep[g0:g1, a0:a1] * sc, q[g0:g1, c0:].swapaxes(-1, -2))  # (heads, rows, TQ - c0): P^T logits
             _exp_shifted(lse[g0:g1, None, c0:], *_mask_args(xp, _mask_rows(later, a0, a1, c0, tq)), pt)
-            factors = None if seed is None else _drop_factors(xp, seed, drop, h_hi - h_lo, g0, g1, c0, tq, a1 - a0,
-                                                              pt.dtype, transposed=True, c0=a0)
+            factors = None if seed is None else _drop_factors(xp, seed, drop, h_hi - h_lo, g0, g1, t0 + c0, t0 + tq,
+                                                              a1 - a0, pt.dtype, transposed=True, c0=k_off + a0)
             dv[g0:g1, a0:a1] = xp.matmul(pt if factors is None else pt * factors, do[g0:g1, c0:])
             dst = xp.matmul(v_rep[g0:g1, a0:a1], do[g0:g1, c0:].swapaxes(-1, -2))       # (dO v^T)^T
             if factors is not None:
@@ -523,12 +536,13 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
 
     float16 tiles are computed in float32 (:func:`_float16_in_float32`): the output is cast to float16, the
     log-sum-exp stays float32 (the backward's ``exp(s - lse)`` needs its digits). With ``drop``
-    (see _drop_factors; one key tile) the weights are dropped after their row sums, before the
-    product with v: the log-sum-exp is the undropped softmax's.
+    (see _drop_factors; the seed tile last among ``kv``) the weights are dropped after their row
+    sums, before the product with v: the log-sum-exp is the undropped softmax's.
     """
     xp = xp_of(q)
     kv, seed = (kv[:-1], kv[-1]) if drop is not None else (kv, None)
     b, h, tq, d = q.shape
+    t0 = _first_row(drop, q_off)
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
     q = _flat(q)                                              # (n, tq, D), n = b * h
     sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
@@ -540,7 +554,7 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
             out[:, a0:a1], lse[:, a0:a1] = np.nan, -np.inf
             continue
         spans = _spans(plan, a1 - a0, q.itemsize)
-        width = max(sum(w for _, _, w, _ in span) for span in spans)
+        width = max(sum(w for _, _, w, _, _ in span) for span in spans)
         # each score buffer's mask, max, exp and sum in one pass (per span: where, columns, lim)
         fuse = one_pass(xp, q.dtype)
         layouts = [_span_layout(span) for span in spans] if fuse else [None] * len(spans)
@@ -548,9 +562,9 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
             qb = q[g0:g1, a0:a1] * sc                         # (heads, rows, D): scale folded in once
             m = l = acc = None  # running row max, row sum of exp(s - m), sum of exp(s - m) @ v
             for span, layout in zip(spans, layouts):
-                s = xp.empty((g1 - g0, a1 - a0, sum(w for _, _, w, _ in span)), dtype=q.dtype)
+                s = xp.empty((g1 - g0, a1 - a0, sum(w for _, _, w, _, _ in span)), dtype=q.dtype)
                 c = 0
-                for k, v, w, lim in span:
+                for k, v, w, lim, _ in span:
                     xp.matmul(qb, k[g0:g1, :w].swapaxes(-1, -2), out=s[..., c:c + w])
                     mask = None if fuse or lim is None else _future_keys(xp, a1 - a0, w, lim)
                     if mask is not None:
@@ -583,10 +597,11 @@ def _sdpa_fwd(q, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
                         l = l * alpha + p.sum(axis=-1)
                         acc *= alpha[..., None]
                     m = m_new
-                if seed is not None:  # (one key tile: the buffer's columns are the keys from 0)
-                    p *= _drop_factors(xp, seed, drop, h, g0, g1, a0, a1, p.shape[-1], p.dtype)
                 c = 0
-                for k, v, w, _ in span:
+                for k, v, w, _, k_off in span:
+                    if seed is not None:  # (after the row sums: they are the undropped softmax's)
+                        p[..., c:c + w] *= _drop_factors(xp, seed, drop, h, g0, g1, t0 + a0, t0 + a1, w, p.dtype,
+                                                         c0=k_off)
                     pv = p[..., c:c + w] @ v[g0:g1, :w]
                     if beta is not None:
                         pv *= beta[..., None]
@@ -607,11 +622,14 @@ def _sdpa_delta(do, o):
 
 @kernel("sdpa_bwd_dq", cost=_attn_cost(6.0, 4), gpu=_sdpa_dq_gpu)
 @_float16_in_float32()
-def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale):
-    """dQ of one q tile: sum over key tiles of ``dS @ k * scale``, ``dS = P * (dO v^T - delta)``;
-    float16 tiles are computed in float32 and dQ cast to float16 last."""
+def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, scale, drop=None):
+    """dQ of one q tile: sum over key tiles of ``dS @ k * scale``, ``dS = P * (dO v^T - delta)``
+    (with ``drop``, the seed tile last among ``kv``: dO v^T times the dropout factors); float16
+    tiles are computed in float32 and dQ cast to float16 last."""
     xp = xp_of(q)
+    kv, seed = (kv[:-1], kv[-1]) if drop is not None else (kv, None)
     b, h, tq, d = q.shape
+    t0 = _first_row(drop, q_off)
     kvs = _kv_blocks(kv, n_k, n_h, heads, k_offs)
     q, do, lse, delta = _flat(q), _flat(do), _flat(lse), _flat(delta)
     sc, ninf = q.dtype.type(scale), q.dtype.type(-np.inf)
@@ -621,16 +639,18 @@ def _sdpa_dq(q, do, lse, delta, *kv, n_k, n_h, heads, q_off, k_offs, causal, sca
         plan = _query_block_plan(kvs, causal, q_off, a0, a1)
         if not plan:
             continue
-        for g0, g1 in _head_groups(b * h, a1 - a0, max(w for _, _, w, _ in plan), q.itemsize):
+        for g0, g1 in _head_groups(b * h, a1 - a0, max(w for _, _, w, _, _ in plan), q.itemsize):
             qb = q[g0:g1, a0:a1] * sc                         # (heads, rows, D)
             do_b = do[g0:g1, a0:a1]
             dq_b = dq[g0:g1, a0:a1]
             # (contiguous: the fused pass then has one compiled form per dtype)
             lse_b, delta_b = xp.ascontiguousarray(lse[g0:g1, a0:a1]), xp.ascontiguousarray(delta[g0:g1, a0:a1])
-            for k, v, w, lim in plan:
+            for k, v, w, lim, k_off in plan:
                 k_w = k[g0:g1, :w]
                 p = qb @ k_w.swapaxes(-1, -2)                 # (heads, rows, w)
                 ds = do_b @ v[g0:g1, :w].swapaxes(-1, -2)
+                if seed is not None:  # the gradient of the undropped weights: dO v^T times the factors
+                    ds *= _drop_factors(xp, seed, drop, h, g0, g1, t0 + a0, t0 + a1, w, ds.dtype, c0=k_off)
                 if fuse:  # P = exp(s - lse) and dS = P * (dP - delta) in one pass
                     probs_rows(p, ds, lse_b, delta_b, NO_MASK if lim is None else lim)
                 else:
@@ -657,7 +677,7 @@ def _dkv_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
 
 @kernel("sdpa_bwd_dkv", cost=_dkv_cost, gpu=_sdpa_dkv_gpu)
 @_float16_in_float32()
-def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale):
+def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, scale, drop=None):
     """dK and dV of one kv tile, summed over the query tiles that see it and over the ``groups``
     query heads sharing each kv head.
 
@@ -665,9 +685,11 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
     same order; heads ``h_lo:h_hi`` of each concatenation are the query heads of this kv tile.
     Scores are formed transposed, (keys x queries), so dK and dV come out of plain ``a @ b``
     products without transposing a score block. float16 tiles are computed in float32, dK and
-    dV cast to float16 last.
+    dV cast to float16 last. With ``drop`` (the seed tile last among ``qs``): dV from the dropped
+    weights, dS from dO v^T times the dropout factors.
     """
     xp = xp_of(k)
+    qs, seed = (qs[:-1], qs[-1]) if drop is not None else (qs, None)
     per = n_i * n_p
     b, g, sk, d = k.shape
     sc, ninf = k.dtype.type(scale), k.dtype.type(-np.inf)
@@ -694,11 +716,17 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
             kb = k_rep[g0:g1, c0:c1] * sc                     # (heads, rows, D)
             vb = v_rep[g0:g1, c0:c1]
             dk_b, dv_b = dk[g0:g1, c0:c1], dv[g0:g1, c0:c1]
-            for (q, do, lse, delta, _), r0, lim in plan:
+            for (q, do, lse, delta, q_off), r0, lim in plan:
                 q_r, do_r = q[g0:g1, r0:], do[g0:g1, r0:]
                 lse_r, delta_r = xp.ascontiguousarray(lse[g0:g1, r0:]), xp.ascontiguousarray(delta[g0:g1, r0:])
                 pt = kb @ q_r.swapaxes(-1, -2)                # (heads, rows, queries): P^T logits
                 dst = vb @ do_r.swapaxes(-1, -2)              # (dO v^T)^T
+                factors = None
+                if seed is not None:
+                    t0 = _first_row(drop, q_off) + r0
+                    factors = _drop_factors(xp, seed, drop, h_hi - h_lo, g0, g1, t0, t0 + q.shape[1] - r0, c1 - c0,
+                                            k.dtype, transposed=True, c0=k_off + c0)
+                    dst *= factors
                 if fuse:  # P^T and dS^T in one pass
                     probs_cols(pt, dst, lse_r, delta_r, NO_MASK if lim is None else lim)
                 else:
@@ -709,6 +737,8 @@ def _sdpa_dkv(k, v, *qs, n_i, n_p, h_lo, h_hi, groups, q_offs, k_off, causal, sc
                     xp.exp(pt, out=pt)
                     dst -= delta_r[:, None]
                     dst *= pt
+                if factors is not None:
+                    pt *= factors
                 dv_b += pt @ do_r
                 dk_b += dst @ q_r
     dk *= sc
@@ -751,6 +781,7 @@ def _sdpa_bwd(q, k, v, o, do, lse, *seed, groups, q_off, causal, scale, drop=Non
     xp = xp_of(q)
     seed = seed[0] if drop is not None else None
     b, h, tq, d = q.shape
+    t0 = _first_row(drop, q_off)
     g, sk = k.shape[1], k.shape[2]
     sc = q.dtype.type(scale)
     delta = _flat((do * o).sum(axis=-1))                      # (n, tq), n = b * h
@@ -772,7 +803,7 @@ def _sdpa_bwd(q, k, v, o, do, lse, *seed, groups, q_off, causal, scale, drop=Non
             lse_r, delta_r = xp.ascontiguousarray(lse[g0:g1, r0:]), xp.ascontiguousarray(delta[g0:g1, r0:])
             pt = kb @ q_r.swapaxes(-1, -2)                    # (heads, rows, queries): P^T logits
             dst = v_rep[g0:g1, c0:c1] @ do_r.swapaxes(-1, -2)  # (dO v^T)^T
-            factors = None if seed is None else _drop_factors(xp, seed, drop, h, g0, g1, r0, tq, c1 - c0,
+            factors = None if seed is None else _drop_factors(xp, seed, drop, h, g0, g1, t0 + r0, t0 + tq, c1 - c0,
                                                               q.dtype, transposed=True, c0=c0)
             if factors is not None:
                 dst *= factors
@@ -812,7 +843,7 @@ class _Layout:
     """Tile bookkeeping shared by forward and backward: offsets and the GQA head mapping."""
 
     def __init__(self, q: TileTensor, k: TileTensor, causal: bool, q_offset: int = 0):
-        self.q, self.k, self.causal = q, k, causal
+        self.q, self.k, self.causal, self.q_offset = q, k, causal, q_offset
         self.groups = q.shape[1] // k.shape[1]
         # positions of the query tiles among the keys: the kernels compare them with key offsets
         self.q_offs = tuple(o + q_offset for o in q.tiling.offsets(2))
@@ -843,10 +874,12 @@ class _Layout:
         return (len(self.q.chunks[2]) == 1 and len(self.k.chunks[2]) == 1
                 and self.q.chunks[1] == tuple(n * self.groups for n in self.k.chunks[1]))
 
-    def drop_at(self, p: float, b: int, hq: int) -> tuple:
-        """The kernels' ``drop`` parameter for query tile (b, hq, 0): see _drop_factors."""
+    def drop_at(self, p: float, b: int, h0: int) -> tuple:
+        """The kernels' ``drop`` parameter for a task of batch tile ``b`` whose first query head is
+        ``h0``: see _drop_factors."""
         B, H, T, _ = self.q.shape
-        return (float(p), B, H, T, self.k.shape[2], int(self.q.tiling.offsets(0)[b]), int(self.qh_offs[hq]))
+        return (float(p), B, H, T, self.k.shape[2], int(self.q.tiling.offsets(0)[b]), int(h0),
+                self.q_offset)
 
     def keys_for(self, i: int) -> list[int]:
         return _visible_keys(self.causal, self.q_offs[i], self.q.chunks[2][i], self.k_offs)
@@ -872,14 +905,11 @@ class ScaledDotProductAttention(Op):
     name = "scaled_dot_product_attention"
 
     def forward(self, q, k, v, causal, scale=None, q_offset=0, dropout=0.0, seed=None):
-        """``dropout`` > 0 (with ``seed``, the step's (1,) seed tile) only where
-        :func:`dropout_in_kernels` says so."""
+        """``dropout`` > 0 with ``seed``, the (1,) seed tile of the mask (attention_dropout_seed)."""
         _validate(q, k, v, causal, q_offset)
         d = q.shape[3]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         lay = _Layout(q, k, causal, q_offset)
-        if dropout and not dropout_in_kernels(lay):  # pragma: no cover - the caller's choice
-            raise TileError(WHERE, "dropout in the attention kernels with one tile of queries and of keys")
         out_grid = np.empty(q.tiling.grid, dtype=object)
         lse_tiling = Tiling(q.chunks[:3])
         lse_grid = np.empty(lse_tiling.grid, dtype=object)
@@ -888,7 +918,7 @@ class ScaledDotProductAttention(Op):
             shape = q.tiling.tile_shape((b, hq, i, 0))
             ins, params = lay.kv_inputs(k, v, b, hq, i)
             if dropout:
-                ins, params = ins + [seed.grid[(0,)]], {**params, "drop": lay.drop_at(dropout, b, hq)}
+                ins, params = ins + [seed.grid[(0,)]], {**params, "drop": lay.drop_at(dropout, b, lay.qh_offs[hq])}
             o, lse = emit(_sdpa_fwd, [q.grid[b, hq, i, 0]] + ins, [(shape, q.dtype), (shape[:3], stat)],
                           op=self.name, causal=causal, scale=scale, **params)
             out_grid[b, hq, i, 0] = o
@@ -903,7 +933,7 @@ class ScaledDotProductAttention(Op):
         if g.chunks != out.chunks:
             raise TileError(WHERE, "the output gradient must have the tiles of the output",
                             f"{g.chunks} vs {out.chunks}")
-        if dropout or (_FUSED_BACKWARD and lay.one_tile_pairs()):
+        if _FUSED_BACKWARD and lay.one_tile_pairs():
             return self._fused_backward(q, k, v, out, lse, lay, scale, g, dropout, seed)
         delta = np.empty(lse.tiling.grid, dtype=object)
         for idx in np.ndindex(*lse.tiling.grid):
@@ -914,6 +944,8 @@ class ScaledDotProductAttention(Op):
         for b, hq, i, _ in np.ndindex(*q.tiling.grid):
             ins, params = lay.kv_inputs(k, v, b, hq, i)
             ins = [q.grid[b, hq, i, 0], g.grid[b, hq, i, 0], lse.grid[b, hq, i], delta[b, hq, i]] + ins
+            if dropout:
+                ins, params = ins + [seed.grid[(0,)]], {**params, "drop": lay.drop_at(dropout, b, lay.qh_offs[hq])}
             dq_grid[b, hq, i, 0] = emit1(_sdpa_dq, ins, q.tiling.tile_shape((b, hq, i, 0)), q.dtype,
                                          op=f"{self.name}_bwd", causal=causal, scale=scale, **params)
 
@@ -926,10 +958,13 @@ class ScaledDotProductAttention(Op):
             for src, tail in ((q.grid, (0,)), (g.grid, (0,)), (lse.grid, ()), (delta, ())):
                 ins += [src[(b, p, i) + tail] for i in queries for p in htiles]
             shape = k.tiling.tile_shape((b, hk, j, 0))
+            drop = {}
+            if dropout:  # (the first of this kv tile's query heads)
+                ins, drop = ins + [seed.grid[(0,)]], {"drop": lay.drop_at(dropout, b, lay.kh_offs[hk] * lay.groups)}
             dk, dv = emit(_sdpa_dkv, ins, [(shape, k.dtype), (shape, v.dtype)], op=f"{self.name}_bwd",
                           n_i=len(queries), n_p=len(htiles), h_lo=h_lo, h_hi=h_hi, groups=lay.groups,
                           q_offs=tuple(lay.q_offs[i] for i in queries), k_off=lay.k_offs[j],
-                          causal=causal, scale=scale)
+                          causal=causal, scale=scale, **drop)
             dk_grid[b, hk, j, 0] = dk
             dv_grid[b, hk, j, 0] = dv
         return (TileTensor(q.tiling, q.dtype, dq_grid), TileTensor(k.tiling, k.dtype, dk_grid),
@@ -943,20 +978,13 @@ class ScaledDotProductAttention(Op):
             ins = [q.grid[at], k.grid[at], v.grid[at], out.grid[at], g.grid[at], lse.grid[b, h, 0]]
             drop = {}
             if dropout:
-                ins, drop = ins + [seed.grid[(0,)]], {"drop": lay.drop_at(dropout, b, h)}
+                ins, drop = ins + [seed.grid[(0,)]], {"drop": lay.drop_at(dropout, b, lay.qh_offs[h])}
             grads = emit(_sdpa_bwd, ins, [(t.tiling.tile_shape(at), t.dtype) for t in (q, k, v)],
                          op=f"{self.name}_bwd", groups=lay.groups, q_off=lay.q_offs[0], causal=lay.causal,
                          scale=scale, **drop)
             for grid, grad in zip(grids, grads):
                 grid[at] = grad
         return tuple(TileTensor(t.tiling, t.dtype, grid) for t, grid in zip((q, k, v), grids))
-
-
-def dropout_in_kernels(lay: "_Layout") -> bool:
-    """Whether attention dropout runs inside the attention kernels (queries and keys one tile each
-    along T and S, the usual tiling: the fused backward); elsewhere the composed ops of
-    :mod:`tilegraph.ops.attention_masked` drop the weights, formed as tiles."""
-    return _FUSED_BACKWARD and lay.one_tile_pairs()
 
 
 def _validate(q, k, v, causal: bool, q_offset: int = 0) -> None:
@@ -1008,9 +1036,8 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
     probability after the softmax and the others scaled by 1 / (1 - p), whenever it is given
     (as torch's functional form does: a module passes ``p if self.training else 0``); the mask
     is seeded from the first tiles of q and k and the module recording the call, and regenerated
-    in the backward (:mod:`tilegraph.ops.attention_masked`). Dropout without a mask, where T and S
-    are one tile each (:func:`dropout_in_kernels`), runs inside the attention kernels; with a mask,
-    or dropout on other tilings, the scores exist as tiles (the ops
+    in the backward. Without a mask, dropout runs inside the attention kernels, on any tiling;
+    with a mask the scores exist as tiles (the ops
     :func:`tilegraph.ops.attention_masked.masked_attention` records: memory B H T S, where the
     attention kernels never form them), with the same dropout mask; grouped-query heads are
     repeated to q's heads there. ``q_offset`` (tilegraph's own): with
@@ -1049,13 +1076,12 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
                             "torch); pass enable_gqa=True (or leave it out) for grouped-query attention",
                             f"q heads {q.shape[1]}, k heads {k.shape[1]}")
     if attn_mask is None and dropout_p > 0:
-        _validate(q, k, v, bool(is_causal), int(q_offset))
-        if dropout_in_kernels(_Layout(q, k, bool(is_causal), int(q_offset))):
-            from .attention_masked import attention_dropout_seed
+        from .attention_masked import attention_dropout_seed
 
-            return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset), dropout=dropout_p,
-                            seed=attention_dropout_seed(q, k))
-    if attn_mask is not None or dropout_p > 0:
+        _validate(q, k, v, bool(is_causal), int(q_offset))
+        return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset), dropout=dropout_p,
+                        seed=attention_dropout_seed(q, k))
+    if attn_mask is not None:
         from .attention_masked import masked_attention
 
         _validate(q, k, v, bool(is_causal), int(q_offset))

@@ -3,7 +3,7 @@ any pattern, an additive bias) or with dropout on the attention weights (``dropo
 Written with the tile ops (``q k^T``, the mask, softmax, dropout, ``p v``), so the score matrix
 (B, H, T, S) exists as tiles and autograd derives the backward; the attention kernels of
 :mod:`tilegraph.ops.attention` never form it, and stay the path without a mask (with dropout
-too, where T and S are one tile each: they drop the same weights inside).
+too: they drop the same weights inside, on any tiling).
 
 Semantics are torch's: a bool mask holds True where a query attends to a key; a float mask is
 added to the scores (``-inf`` where it must not); either broadcasts to (B, H, T, S). With
