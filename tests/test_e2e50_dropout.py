@@ -110,13 +110,16 @@ def test_dropout_inside_the_attention_kernels_matches_torch(mode, dtype, kv_head
 
 
 @pytest.mark.distributed
-def test_dropout_in_the_gpu_versions_of_the_kernels_matches_the_cpu(monkeypatch, rng):
+@pytest.mark.parametrize("q_tiles,kv_tiles", [((1, None, None, None),) * 2, ((1, 3, 4, None), (1, 1, 5, None))],
+                         ids=["one tile of T and S", "T, S and heads in ragged tiles"])
+def test_dropout_in_the_gpu_versions_of_the_kernels_matches_the_cpu(monkeypatch, q_tiles, kv_tiles, rng):
     """The attention kernels' GPU versions (run on NumPy here, as an emulated GPU worker runs
-    them) drop the same weights as the CPU kernels: forward and the three gradients."""
+    them) drop the same weights as the CPU kernels: forward and the three gradients, with the
+    fused backward (one tile of T and S) and with the dQ and dK/dV kernels (session 51)."""
     q, k, v, r = (randn(rng, B, h, T, D) for h in (H, 2, 2, H))
 
     def run(**kw):
-        qt, kt, vt = (tg.from_numpy(a, (1, None, None, None)) for a in (q, k, v))
+        qt, kt, vt = (tg.from_numpy(a, t) for a, t in ((q, q_tiles), (k, kv_tiles), (v, kv_tiles)))
         out = sdpa(qt, kt, vt, dropout_p=0.3, is_causal=True)
         grads = tg.grad((out * tg.from_numpy(r, out.chunks)).sum(), [qt, kt, vt])
         return tg.compute(out, *grads, **kw)
