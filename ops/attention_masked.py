@@ -8,7 +8,10 @@ too: they drop the same weights inside, on any tiling).
 Semantics are torch's: a bool mask holds True where a query attends to a key; a float mask is
 added to the scores (``-inf`` where it must not); either broadcasts to (B, H, T, S). With
 ``is_causal=True`` as well, both apply. A query row that attends to no key gives zeros (and
-zero gradients), as torch's SDPA gives them. Grouped-query heads (k and v with fewer heads than
+zero gradients), as torch's SDPA gives them. A NumPy float mask is cast to the scores' dtype
+first (as torch needs ``mask.to(q.dtype)``): what overflows it, -1e9 in float16, is -inf there
+and masks out; NaN in it is refused. A TileTensor's NaN, known only when it runs, gives NaN, as
+in torch. Grouped-query heads (k and v with fewer heads than
 q) are repeated to q's heads here (torch's ``enable_gqa``), their gradients summed back.
 
 Dropout (torch's ``dropout_p``) zeroes each attention weight with probability p after the softmax
@@ -51,6 +54,34 @@ def _mask_problem(attn_mask, dtype: np.dtype, target: tuple) -> str | None:
     return None
 
 
+def check_mask(attn_mask, dtype: np.dtype, target: tuple, where: str = WHERE, against: str = "") -> None:
+    """Raise the TileError that says what is wrong with ``attn_mask`` (None: no mask) for scores of
+    ``target`` shape (B, H, T, S) and ``dtype``: not a TileTensor nor a NumPy array, neither bool
+    nor float, a float TileTensor of another dtype, a shape that does not broadcast to ``target``,
+    NaN in a NumPy mask (a TileTensor's NaN, known only when it runs, gives NaN, as in torch).
+    ``against`` ends the message's received part (what the target came from)."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, (TileTensor, np.ndarray)):
+        raise TileError(where, "attn_mask must be a TileTensor or a NumPy array (bool: True where a query attends "
+                        "to a key; float: added to the scores)", f"{type(attn_mask).__name__} {attn_mask!r:.60}")
+    problem = _mask_problem(attn_mask, np.dtype(dtype), tuple(target))
+    if problem is not None:
+        raise TileError(where, f"attn_mask must be {problem}", f"attn_mask of shape {tuple(attn_mask.shape)} and "
+                        f"dtype {attn_mask.dtype}{against}")
+    if isinstance(attn_mask, np.ndarray) and attn_mask.dtype.kind == "f" and np.isnan(attn_mask).any():
+        raise TileError(where, "attn_mask must be a float mask without NaN (-inf masks a score out)",
+                        f"a mask holding NaN, of shape {tuple(attn_mask.shape)}")
+
+
+def numpy_float_mask(mask: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A NumPy float mask in the scores' ``dtype``, as it is added to them: a value past the
+    dtype's range (-1e9 in float16) becomes -inf and masks its score out, as torch's
+    ``mask.to(q.dtype)`` makes it."""
+    with np.errstate(over="ignore"):
+        return np.asarray(mask).astype(dtype)
+
+
 def _causal_keep(t: int, s: int, q_offset: int) -> np.ndarray:
     """(T, S): query t (at position q_offset + t) sees keys 0..q_offset + t."""
     return np.arange(s)[None, :] <= q_offset + np.arange(t)[:, None]
@@ -75,9 +106,8 @@ def _numpy_mask(mask: np.ndarray, dtype: np.dtype, causal: np.ndarray | None, ch
     if mask.dtype.kind == "b":
         keep = mask
     else:
+        mask = numpy_float_mask(mask, dtype)  # (what overflows the dtype is -inf: masked out, not NaN)
         keep = mask > -np.inf
-        if np.isnan(mask).any():
-            raise TileError(WHERE, "a float mask without NaN (-inf masks a score out)", "a mask holding NaN")
         values = np.where(keep, mask, 0).astype(dtype)
         add = values if values.any() else None
         if keep.all():
@@ -101,7 +131,8 @@ def _tile_mask(mask: TileTensor, causal: np.ndarray | None, chunks: tuple):
     if mask.dtype.kind == "b":
         keep, add = mask, None
     else:
-        keep = mask.gt(-np.inf)
+        # ne, not gt: a NaN is kept and gives NaN, as in torch (gt made its row silently zeros)
+        keep = mask.ne(-np.inf)
         add = where(keep, mask, 0.0)
     if causal is not None:
         c = _as_4d(causal, causal.shape)
@@ -130,13 +161,7 @@ def masked_attention(q: TileTensor, k: TileTensor, v: TileTensor, attn_mask, *, 
     but for the mask; ``attn_mask`` None: no mask (the path of ``dropout_p > 0`` alone)."""
     B, H, T, D = q.shape
     S = k.shape[2]
-    if attn_mask is not None and not isinstance(attn_mask, (TileTensor, np.ndarray)):
-        raise TileError(WHERE, "attn_mask must be a TileTensor or a NumPy array (bool: True where a query attends "
-                        "to a key; float: added to the scores)", f"{type(attn_mask).__name__} {attn_mask!r:.60}")
-    problem = None if attn_mask is None else _mask_problem(attn_mask, q.dtype, (B, H, T, S))
-    if problem is not None:
-        raise TileError(WHERE, f"attn_mask must be {problem}", f"attn_mask of shape {tuple(attn_mask.shape)} and "
-                        f"dtype {attn_mask.dtype}, for q {q.shape} and k {k.shape}")
+    check_mask(attn_mask, q.dtype, (B, H, T, S), against=f", for q {q.shape} and k {k.shape}")
     seed = attention_dropout_seed(q, k) if dropout_p > 0 else None
     if k.shape[1] != H:  # grouped-query heads: each kv head serves H // Hkv query heads
         k, v = _repeat_heads(k, H), _repeat_heads(v, H)

@@ -1262,8 +1262,11 @@ class CausalSelfAttention(Module):
         the queries attend to all of them (decoding; the earlier positions are not recomputed)."""
         self._check_input(x, "tilegraph.nn.CausalSelfAttention")
         if cache is not None and not isinstance(cache, KVCache):
-            raise TileError("tilegraph.nn.CausalSelfAttention", "cache must be a tilegraph.nn.KVCache or None",
-                            f"cache={cache!r:.60}")
+            hint = (" (it takes no mask: tg.nn.SelfAttention(dim, heads, causal=True) takes attn_mask= and "
+                    "padding_mask=)" if isinstance(cache, TileTensor) or is_array(cache) else "")
+            got = (f"{type(cache).__name__} of shape {tuple(cache.shape)}" if hint else f"cache={cache!r:.60}")
+            raise TileError("tilegraph.nn.CausalSelfAttention", f"cache must be a tilegraph.nn.KVCache or None{hint}",
+                            got)
         b, t, c = x.shape
         start = 0 if cache is None else cache.length
         q, k, v = self._qkv(x)
@@ -1330,16 +1333,26 @@ class SelfAttention(CausalSelfAttention):
         """``x`` (B, T, C) -> (B, T, C), with the masks above."""
         where = "tilegraph.nn.SelfAttention"
         self._check_input(x, where)
-        mask = _with_padding(attn_mask, padding_mask, x.shape[0], x.shape[1], where)
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x)   # (first: a wrong dtype of x is named as such, not as the mask's)
+        mask = _with_padding(attn_mask, padding_mask, x.shape[0], x.shape[1], where, self.n_heads, q.dtype)
         q, k = self._rope(q, k)
         return self._out(ops.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self._dropout_p(),
                                                           is_causal=self.causal))
 
 
-def _with_padding(attn_mask, padding_mask, b: int, t: int, where: str):
+def _aligned_tiles(shape: tuple, ref: TileTensor) -> tuple:
+    """Tiles for a mask of ``shape`` that broadcasts against the mask ``ref`` (dims aligned from the
+    right): ``ref``'s tiles where both have the same size past one, the whole dim elsewhere."""
+    lead = len(shape) - ref.ndim
+    return tuple(tuple(ref.chunks[i - lead]) if n > 1 and 0 <= i - lead and ref.shape[i - lead] == n else None
+                 for i, n in enumerate(shape))
+
+
+def _with_padding(attn_mask, padding_mask, b: int, t: int, where: str, heads: int, dtype: np.dtype):
     """``attn_mask`` with the keys that ``padding_mask`` (B, T) marks as padding masked out: a bool
-    (B, 1, 1, T) mask where there is no ``attn_mask``; else both, as a bool or float mask."""
+    (B, 1, 1, T) mask where there is no ``attn_mask``; else both, as a bool or float mask. The
+    ``attn_mask`` is checked first, as scaled_dot_product_attention checks it (for scores (B,
+    ``heads``, T, T) of ``dtype``): what it refuses alone is refused with a padding mask too."""
     if padding_mask is None:
         return attn_mask
     if isinstance(padding_mask, TileTensor):
@@ -1357,12 +1370,23 @@ def _with_padding(attn_mask, padding_mask, b: int, t: int, where: str):
                         "token), a NumPy array or a TileTensor", got)
     if attn_mask is None:
         return keep
+    from tilegraph.ops.attention_masked import check_mask, numpy_float_mask
+
+    # (combined, an int or list mask became a float one, a bad shape a raw NumPy error, ...)
+    check_mask(attn_mask, dtype, (b, heads, t, t), where, f", for {heads} heads and x of (B, T) = ({b}, {t})")
     if isinstance(attn_mask, np.ndarray) and isinstance(keep, np.ndarray):
         return (attn_mask & keep) if attn_mask.dtype.kind == "b" else np.where(keep, attn_mask, -np.inf)
-    if not isinstance(keep, TileTensor):
-        keep = from_numpy(np.ascontiguousarray(keep))
-    if not isinstance(attn_mask, TileTensor):
-        attn_mask = from_numpy(np.ascontiguousarray(attn_mask))
+    # one of them is a TileTensor: both become TileTensors, with the same tiles where they meet
+    if isinstance(attn_mask, TileTensor):
+        if isinstance(keep, TileTensor):
+            keep = ops.rechunk(keep, tuple(w if w is not None else c
+                                           for w, c in zip(_aligned_tiles(keep.shape, attn_mask), keep.chunks)), where)
+        else:
+            keep = from_numpy(np.ascontiguousarray(keep), _aligned_tiles(keep.shape, attn_mask))
+    else:
+        if attn_mask.dtype.kind == "f":  # (as a NumPy mask alone is cast, in masked_attention)
+            attn_mask = numpy_float_mask(attn_mask, np.dtype(dtype))
+        attn_mask = from_numpy(np.ascontiguousarray(attn_mask), _aligned_tiles(attn_mask.shape, keep))
     if attn_mask.dtype.kind == "b":
         return ops.logical_and(attn_mask, keep)
     return ops.where(keep, attn_mask, -np.inf)
