@@ -1135,6 +1135,9 @@ class Checkpoint:
             config = config_cls(**m.get("config", {}))
         except TypeError as e:
             raise CheckpointError(self._where, f"a stored config that {config_cls.__name__} accepts", str(e)) from None
+        except TileError as e:  # a value out of range (attn_dropout 1.5 edited in): named with the checkpoint
+            raise CheckpointError(self._where, f"a stored config that {config_cls.__name__} accepts: {e.what}",
+                                  f"{e.received} (its model config in zarr.json)") from None
         tiling = self._tiling
         if tiling is None and m.get("tiling") is not None:
             tiling = ModelTiling(**m["tiling"])
@@ -1360,7 +1363,11 @@ class Checkpoint:
         if not isinstance(stored, dict) or not dataclasses.is_dataclass(config):
             return ""
         mine = dataclasses.asdict(config)
-        differ = [(k, v, mine[k]) for k, v in stored.items() if k in mine and v != mine[k]]
+        from tilegraph.models._common import dropout_fields
+
+        # not the dropout (training only, no part of the weights' shapes: as _refuse_other_config)
+        drops = dropout_fields(config)
+        differ = [(k, v, mine[k]) for k, v in stored.items() if k in mine and k not in drops and v != mine[k]]
         arch = (self.info.get("model") or {}).get("architecture")
         if arch not in (None, getattr(model, "arch", None)):
             differ.insert(0, ("architecture", arch, model.arch))

@@ -310,8 +310,11 @@ def architecture_disagreements(model, given: dict, init: str, inherited: dict | 
         if key not in have:  # (a misspelt field, or another section's key: named, as build_model does)
             from tilegraph.cli.config import model_key_hint
 
-            problems.append((key, f"{key} is not a field of {type(cfg).__name__} ({', '.join(have)})"
-                                  f"{model_key_hint(key, have)}"))
+            # every field, the dropout ones too: they were left out of the list and of the hint, so
+            # that Llama's attn_dropout read as no key of [model] (attention_dropout: no "did you mean")
+            fields = [f.name for f in dataclasses.fields(cfg)]
+            problems.append((key, f"{key} is not a field of {type(cfg).__name__} ({', '.join(fields)})"
+                                  f"{model_key_hint(key, fields)}"))
         elif value != have[key]:
             problems.append((key, f"{key} = {value!r}, {init} has {have[key]!r}"))
     return problems
@@ -332,6 +335,26 @@ def apply_dropout_keys(model, given: dict, source: str) -> None:
             model.set_dropout(**asked)
         except TileError as e:
             raise TileError("tilegraph train [model]", e.what, f"{e.received} (on {source}'s model)") from None
+
+
+def keep_stored_dropout(model, ck, where: str) -> None:
+    """Set on ``model``, built from elsewhere (the base checkpoint of a run on a quantized base
+    written before checkpoints held that base), the dropout that the config of checkpoint ``ck``
+    (opened: :class:`tilegraph.io.zarr.Checkpoint`) stores: the run's, which its base's (a Hugging
+    Face GPT-2's 0.1, say) replaced without a word. Keys the stored config lacks (a checkpoint
+    written before the configs had dropout) leave the model's as they are."""
+    from tilegraph._errors import TileError
+    from tilegraph.models._common import dropout_fields
+
+    stored = (ck.info.get("model") or {}).get("config")
+    if not isinstance(stored, dict):
+        return
+    asked = {k: stored[k] for k in dropout_fields(model.config) if k in stored}
+    if asked:
+        try:
+            model.set_dropout(**asked)
+        except TileError as e:  # a value edited by hand: named with the checkpoint holding it
+            raise TileError(where, e.what, f"{e.received} (in the model config of {ck.path})") from None
 
 
 def check_init_fits(model, given: dict, init: str, tokenizer, seq_len: int, source: str = "model.init",
@@ -455,6 +478,7 @@ def adapted_model(folder: Path, record: dict, where: str, dtype=None):
     from tilegraph import models, peft
     from tilegraph._errors import TileError
     from tilegraph.io.zarr import load_checkpoint
+    from tilegraph.models._common import dropout_fields
 
     ck = load_checkpoint(folder)
     if record.get("base_in_checkpoint", True):
@@ -468,9 +492,15 @@ def adapted_model(folder: Path, record: dict, where: str, dtype=None):
                             f"{folder / PEFT_FILE} names {base!r}, which is not a checkpoint (moved or deleted?)")
         model = models.from_zarr(base, dtype=dtype)
         stored = (ck.info.get("model") or {}).get("config")
-        have = json.loads(json.dumps(dataclasses.asdict(model.config)))  # as stored: tuples are lists
-        if have != stored:
+        # the architecture alone: dropout is no part of it (a run may set its own, and a checkpoint
+        # written before the configs had dropout has no such keys, where the base built now has them)
+        drops = dropout_fields(model.config)
+        have = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(model.config))).items()  # as stored:
+                if k not in drops}  # tuples are lists
+        theirs = {k: v for k, v in stored.items() if k not in drops} if isinstance(stored, dict) else stored
+        if have != theirs:
             raise TileError(where, f"the base checkpoint {base} to have the run's config", f"{stored}, the base {have}")
+        keep_stored_dropout(model, ck, where)  # the run's, not its base's
     add_adapters(model, record, seed=0, where=where)
     named = dict(model.named_parameters())
     unexpected = [n for n in ck.parameters if n not in named]

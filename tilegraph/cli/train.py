@@ -22,7 +22,8 @@ from tilegraph.cli.config import (apply_overrides, build_model, check_config, lo
                                   value_problems)
 from tilegraph.cli.finetune import (PEFT_FILE, SKETCH_FILE, add_adapters, add_grad_sketch, apply_dropout_keys,
                                     check_init_fits, check_used_peft_keys, given_model_keys, inherited_model_keys,
-                                    init_model, peft_record, resume_model, resume_settings, sketch_settings)
+                                    init_model, keep_stored_dropout, peft_record, resume_model, resume_settings,
+                                    sketch_settings)
 from tilegraph.cli.runs import (DATA_FILE, check_output, check_resumed_text, data_record, describe_schedule, diverged,
                                 given_settings, keep_branch_point, lost_worker, on_command_line, recorded_sources_gone,
                                 latest_checkpoint, keep_architecture, output_folder, plan_resume, quote, resume_command,
@@ -231,6 +232,8 @@ def _train(args, job: Job) -> int:
     if init:
         model, quantized_base = resumed if resumed is not None else \
             init_model(init, p["method"], init_source(given))
+        if resume and resumed is None:  # built from the base (an old run on a quantized base): the run's dropout
+            keep_stored_dropout(model, resume.checkpoint, "tilegraph train --resume")
         check_init_fits(model, given_model_keys(cfg, given), init, tokenizer, d["seq_len"],
                         inherited=inherited_model_keys(cfg, given))
         apply_dropout_keys(model, given_model_keys(cfg, given), init)
