@@ -106,8 +106,8 @@ class CausalLM(nn.Module):
 
     def set_dropout(self, **probs) -> "CausalLM":
         """Change the dropout probabilities of the config (``attn_dropout=0.0``, ...: the config's
-        fields named ``*_dropout``) and of the layers that apply them, for the steps recorded
-        afterwards (a step already recorded keeps the values it was recorded with). A model from
+        fields named ``*_dropout``) and of the layers that apply them (a ``TrainStep``, and the
+        Trainer's, already recorded records its step again at its next call). A model from
         ``models.from_hf`` takes its folder's dropout (HF's 0.1 for GPT-2); this turns it off or
         changes it. Returns the model.
 

@@ -27,7 +27,7 @@ from tilegraph._lower import (EXECUTABLE_OPTIONS, Executable, Fetching, call_fai
                               with_calls)
 from tilegraph.exec.gang import PeerFailedError
 from tilegraph._tensor import TileTensor, Tiling, assign_cells, tensor_from_cells
-from tilegraph.nn import Module, training
+from tilegraph.nn import Dropout, Module, training
 from tilegraph.optim import Optimizer
 
 __all__ = ["TrainStep", "PendingStep", "StepStats", "EvalStep", "WorkerLostError", "StepTimeoutError"]
@@ -245,6 +245,15 @@ def _structure(model: Module) -> tuple:
     ``peft.merge_lora`` change a model in place; a step recorded before would go on training the
     graph of before (the detached adapters, or weights since frozen)."""
     return tuple((id(p), p.requires_grad) for p in model.parameters())
+
+
+def _dropouts(model: Module) -> tuple:
+    """The dropout probabilities of ``model``'s layers (``nn.Dropout``'s ``p``, an attention
+    layer's or a LoRA adapter's ``dropout``), in module order: a recorded step drops with the
+    values of its recording, so ``model.set_dropout(...)`` (or ``layer.dropout = ...``) between
+    steps records again. Before, the step went on dropping with the old values, unsaid."""
+    return tuple(m.p if isinstance(m, Dropout) else m.dropout for m in model.modules()
+                 if isinstance(m, Dropout) or isinstance(getattr(m, "dropout", None), float))
 
 
 def _loss_of(loss_fn, model, tensors, where: str):
@@ -560,6 +569,7 @@ class TrainStep:
         self.last: StepStats | None = None
         self._structure = _structure(model)  # what the recorded graphs were recorded for
         self._settings = optimizer.recorded_settings()  # (and with which optimizer settings)
+        self._dropouts = _dropouts(model)  # (and dropout probabilities)
         self._kernels = kernels_redefined()  # (and kernels)
         #: counts the failed steps rolled back: a step submitted before the last one of them
         #: does not roll back again (it read the failed step's values)
@@ -796,6 +806,10 @@ class TrainStep:
         if settings != self._settings:  # opt.weight_decay = ... between steps: recorded with the new value
             self.reset_plans()
             self._settings = settings
+        dropouts = _dropouts(self.model)
+        if dropouts != self._dropouts:  # model.set_dropout(...) between steps: recorded with the new values
+            self.reset_plans()
+            self._dropouts = dropouts
         if kernels_redefined() != self._kernels:  # a kernel defined again (a notebook cell): its new form
             self.reset_plans()
             self._kernels = kernels_redefined()
