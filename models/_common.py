@@ -52,7 +52,7 @@ def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
         if not (_is_number(v) and 0 <= v < 1):
             raise TileError(where, f"{name} must be a number in [0, 1) (the probability of zeroing an element)",
                             repr(v)[:100])
-        object.__setattr__(config, name, float(v))  # (0 from a TOML file: 0.0, as HF writes it)
+        object.__setattr__(config, name, float(v) + 0.0)  # (0 from a TOML file: 0.0, as HF writes it; -0.0: 0.0)
     # the switches (tie_embeddings): "no" from a crafted config.json is a non-empty str, so true
     for f in dataclasses.fields(config):
         if isinstance(f.default, bool) and not isinstance(getattr(config, f.name), bool):

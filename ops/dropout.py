@@ -75,7 +75,7 @@ def check_dropout(p, where: str = WHERE, name: str = "dropout") -> float:
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p) or not 0 <= p < 1:
         raise TileError(where, f"{name} must be a number in [0, 1) (the probability of zeroing an element)",
                         repr(p))
-    return float(p)
+    return float(p) + 0.0  # (-0.0 as 0.0: a config read with attn_pdrop -0.0 wrote it back so)
 
 
 # ------------------------------------------------------------------------------- the seed ----

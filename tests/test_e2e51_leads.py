@@ -37,3 +37,12 @@ def test_a_layer_s_dropout_set_by_hand_is_recorded_too():
     assert step(x) != first
     layer.dropout = 0.0
     assert step(x) == first
+
+
+def test_a_dropout_of_minus_zero_is_zero():
+    import math
+
+    from tilegraph.ops.dropout import check_dropout
+
+    assert math.copysign(1.0, check_dropout(-0.0)) == 1.0
+    assert math.copysign(1.0, models.GPT2Config(attn_dropout=-0.0).attn_dropout) == 1.0
