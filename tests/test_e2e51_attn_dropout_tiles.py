@@ -130,3 +130,18 @@ def test_a_sequence_in_tiles_with_dropout_takes_the_memory_of_one_without(rng):
     composed = peak(lambda a, b, c: masked_attention(a, b, c, None, causal=True, scale=0.25, dropout_p=0.1))
     assert inside <= without + 64, (inside, without)
     assert composed > without + B * H * t * t * 8, (composed, without)
+
+
+def test_a_llama_with_its_sequence_in_tiles_drops_inside_the_kernels():
+    """A model in training with attention dropout and the sequence in tiles (as ModelTiling
+    makes it past 1,024 positions): sdpa kernels, no score tiles (no softmax op)."""
+    from tilegraph import models
+    from tilegraph.models.tiling import ModelTiling
+
+    cfg = models.LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden=64, max_seq_len=64,
+                             attn_dropout=0.1)
+    model = models.Llama(cfg, ModelTiling(seq=16, batch=1))
+    model.train()
+    logits = model(np.random.default_rng(0).integers(0, 64, (2, 48)))
+    names = _kernels(logits)
+    assert {"sdpa_fwd", "dropout_seed"} <= names and "softmax" not in names, names
