@@ -11,6 +11,7 @@ from tilegraph import nn
 from tilegraph._config import is_int, require_float_dtype
 from tilegraph._errors import TileError
 from tilegraph._tensor import TileTensor, from_numpy
+from tilegraph.ops.dropout import check_dropout
 from tilegraph.recompute import checkpoint
 
 from .tiling import ModelTiling
@@ -47,12 +48,9 @@ def check_config(config, where: str, sizes: tuple[str, ...]) -> None:
     rope_base = getattr(config, "rope_base", None)  # Llama's only
     if rope_base is not None and not (_is_number(rope_base) and rope_base > 0):
         raise TileError(where, "rope_base must be a finite positive number", repr(rope_base)[:100])
-    for name in dropout_fields(config):  # the dropout probabilities (attn_dropout, ...)
-        v = getattr(config, name)
-        if not (_is_number(v) and 0 <= v < 1):
-            raise TileError(where, f"{name} must be a number in [0, 1) (the probability of zeroing an element)",
-                            repr(v)[:100])
-        object.__setattr__(config, name, float(v) + 0.0)  # (0 from a TOML file: 0.0, as HF writes it; -0.0: 0.0)
+    for name in dropout_fields(config):  # the dropout probabilities (attn_dropout, ...), as floats
+        # (0 from a TOML file: 0.0, as HF writes it)
+        object.__setattr__(config, name, check_dropout(getattr(config, name), where, name))
     # the switches (tie_embeddings): "no" from a crafted config.json is a non-empty str, so true
     for f in dataclasses.fields(config):
         if isinstance(f.default, bool) and not isinstance(getattr(config, f.name), bool):

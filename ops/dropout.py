@@ -47,7 +47,6 @@ other sums, give other seeds). A mask repeats when those tiles do not change bet
 from __future__ import annotations
 
 import hashlib
-import math
 import numbers
 
 import numba
@@ -71,10 +70,12 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 def check_dropout(p, where: str = WHERE, name: str = "dropout") -> float:
-    """``p`` as a float, or a TileError naming ``name`` unless it is a real number in [0, 1)."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p) or not 0 <= p < 1:
+    """``p`` as a float, or a TileError naming ``name`` unless it is a real number in [0, 1) (the
+    one check of a dropout probability: the layers', the ops' and the model configs')."""
+    # (the range alone refuses NaN and inf; math.isfinite gave OverflowError on an int past any float)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
         raise TileError(where, f"{name} must be a number in [0, 1) (the probability of zeroing an element)",
-                        repr(p))
+                        repr(p)[:100])
     return float(p) + 0.0  # (-0.0 as 0.0: a config read with attn_pdrop -0.0 wrote it back so)
 
 

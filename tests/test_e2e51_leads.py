@@ -46,3 +46,15 @@ def test_a_dropout_of_minus_zero_is_zero():
 
     assert math.copysign(1.0, check_dropout(-0.0)) == 1.0
     assert math.copysign(1.0, models.GPT2Config(attn_dropout=-0.0).attn_dropout) == 1.0
+
+
+def test_an_int_past_any_float_is_refused_as_a_dropout_by_name():
+    # (nn.Dropout and SDPA raised Python's OverflowError: math.isfinite of the int; the model
+    # configs had their own copy of the check, which refused it)
+    import pytest
+
+    from tilegraph.ops.dropout import check_dropout
+
+    for make in (check_dropout, tg.nn.Dropout, lambda p: models.GPT2Config(attn_dropout=p)):
+        with pytest.raises(tg.TileError, match=r"must be a number in \[0, 1\)"):
+            make(10**400)
