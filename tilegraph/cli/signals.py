@@ -2,7 +2,10 @@
 checkpoints to write (``tilegraph eval``, ``generate``): the work under way is abandoned, the
 cluster closed (its worker processes and their semaphores), and the exit status is a shell's
 128 + the signal (130, 143), as ``tilegraph train``'s. A second signal while it closes ends the
-process at once (its worker processes killed), with the same status."""
+process at once (its worker processes killed), with the same status.
+
+``tilegraph train``'s second Ctrl-C (:class:`InterruptAgain`) is kept from the same loss: one
+that lands inside a finalizer is raised again once the finalizer returns."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from tilegraph.cli.train import say_now
 
@@ -93,6 +97,54 @@ def run_stoppable(where: str, fn: Callable[[], int]) -> int:
         for sig, handler in previous.items():  # (a pending signal is handled first, by `again`)
             signal.signal(sig, handler)
         sys.unraisablehook = hook
+
+
+class InterruptAgain:
+    """SIGINT's handler once a first stop has asked ``tilegraph train`` to finish the steps under
+    way: the second Ctrl-C raises KeyboardInterrupt there and then ("again to stop at once").
+
+    Raised while the main thread runs a finalizer (a ``__del__``, a ``weakref.finalize``
+    callback: Dask's futures have them), Python only prints that KeyboardInterrupt ("Exception
+    ignored in ...") and goes on: the run went on to its graceful stop, ignoring the second
+    Ctrl-C. Within :meth:`catching`, such a swallowed interrupt is taken by the unraisable hook
+    (nothing printed) and SIGINT sent again from a thread every 50 ms until it lands outside a
+    finalizer, as :func:`run_stoppable` does for its stop."""
+
+    def __init__(self):
+        self._pending: list[bool] = []  # a swallowed interrupt, to be raised again
+        self._ended: list[bool] = []  # once the block of catching() has ended
+        self._sending = threading.Lock()  # held while SIGINT is sent again
+        self._hook = sys.unraisablehook
+
+    def __call__(self, signum, frame) -> None:
+        if _running(frame, InterruptAgain._unraisable.__code__):  # (a resend inside the hook: sent again shortly)
+            return
+        self._pending.clear()
+        raise KeyboardInterrupt
+
+    def _unraisable(self, info) -> None:
+        if not isinstance(info.exc_value, KeyboardInterrupt) or signal.getsignal(signal.SIGINT) is not self:
+            self._hook(info)
+        elif not self._pending:
+            self._pending.append(True)
+            _resend(signal.SIGINT, lambda: bool(self._pending) and not self._ended, self._sending)
+
+    @contextmanager
+    def catching(self) -> Iterator[None]:
+        """The block during which a second Ctrl-C swallowed by a finalizer is raised again (only
+        in the main thread, where signal handlers run)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        try:
+            yield
+        finally:
+            self._ended.append(True)
+            with self._sending:  # (a resend under way lands first; none follows)
+                pass
+            sys.unraisablehook = self._hook
 
 
 def _resend(signum: int, pending: Callable[[], bool], lock: threading.Lock) -> None:

@@ -323,11 +323,14 @@ def _train(args, job: Job) -> int:
             keep_branch_point(trainer.checkpoints, args.resume, start, trainer.lineage)
 
         signals = []  # the signal that stopped the run: its exit status is a shell's 128 + it
+        from tilegraph.cli.signals import InterruptAgain
+
+        again = InterruptAgain()  # the second Ctrl-C: KeyboardInterrupt, not lost in a finalizer
 
         def stop(signum, frame):  # Ctrl-C / SIGTERM: finish the steps under way, checkpoint, exit
             signals.append(signum)
             trainer.request_stop()
-            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+            signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else again)
             # one write, the line end included: a second Ctrl-C that comes while print() writes its
             # line end separately left "stopped at once" on the same line
             say_now(f"tilegraph train: {signal.Signals(signum).name}: stopping after the steps under way "
@@ -335,7 +338,7 @@ def _train(args, job: Job) -> int:
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            with warnings.catch_warnings():  # said above in the command's words (past_schedule_note)
+            with warnings.catch_warnings(), again.catching():  # (warnings: said above, past_schedule_note)
                 warnings.filterwarnings("ignore", message=r"tilegraph\.Trainer\.fit: .* go past the total of the "
                                         "learning-rate schedule", category=UserWarning)
                 job.training = True
