@@ -77,9 +77,9 @@ def check_grad_sketch(sketch, ratio, seed, where: str = WHERE) -> tuple[str | No
     """The validated ``(sketch, ratio, seed)``; ``sketch=None`` means an exact weight gradient."""
     if sketch is not None and sketch not in SKETCHES:
         raise TileError(where, f"grad_sketch must be None or one of {', '.join(SKETCHES)}", repr(sketch))
-    if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not math.isfinite(ratio)
-            or not 0.0 < ratio <= 1.0):
-        raise TileError(where, "sketch_ratio must be a number in (0, 1] (the share of rows kept)", repr(ratio))
+    # (the range alone refuses NaN and inf; math.isfinite raised OverflowError on an int past any float, 10**400)
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0.0 < ratio <= 1.0:
+        raise TileError(where, "sketch_ratio must be a number in (0, 1] (the share of rows kept)", repr(ratio)[:100])
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= SEED_MAX:
         # (the step's seed hashes it as 8 bytes: 2**64 and past failed in the first step's kernel,
         # "int too big to convert")

@@ -30,7 +30,7 @@ import numpy as np
 from tilegraph import _autograd
 from tilegraph._autograd import Op, Record
 from tilegraph._errors import TileError
-from tilegraph._graph import Cost, Node, emit1, kernel, scope
+from tilegraph._graph import Cost, Node, current_scope, emit1, kernel, scope
 from tilegraph._tensor import TileTensor
 
 __all__ = ["checkpoint", "Checkpoint"]
@@ -53,6 +53,8 @@ class _Ctx(NamedTuple):
     captured: tuple     # the tensors fn read from its closure (parameters, ...): read as they are
     kwargs: dict        # checkpoint's keyword arguments for fn, as given
     mode: tuple         # the training mode fn was recorded in (:func:`_recording_mode`): the recompute's
+    scope: str          # the scope fn was recorded in: the recompute's (seeds of ops.dropout, sdpa's dropout_p)
+    meta: tuple         # the output's (shape, dtype, tiles): the recompute's must be the same
 
 
 class Checkpoint(Op):
@@ -69,8 +71,13 @@ class Checkpoint(Op):
             gated = {id(a): _gated(a, dout) for a in ctx.inputs}
         args = tuple(gated[id(a)] if isinstance(a, TileTensor) else a for a in ctx.args)
         kwargs = {k: gated[id(a)] if isinstance(a, TileTensor) else a for k, a in ctx.kwargs.items()}
-        with _as_recorded(ctx.mode):  # the forward's dropout masks, wherever the backward is recorded
-            out, _ = _record(ctx.fn, args, "tilegraph.checkpoint (the recompute)", kwargs)
+        # the forward's dropout masks, wherever the backward is recorded: its training mode, and its
+        # scope, which seeds the masks of dropout called outside a module (ops.dropout, sdpa's
+        # dropout_p: ops.dropout._scope_seed); recorded in the backward's ("...:backward") a plain
+        # function's recompute drew other masks than its forward, and its gradients were wrong
+        with _as_recorded(ctx.mode), scope(ctx.scope):
+            out, made = _record(ctx.fn, args, "tilegraph.checkpoint (the recompute)", kwargs)
+        _check_same(ctx.fn, out, made, ctx.meta)
         leaves = [gated[id(a)] for a in ctx.inputs] + list(ctx.captured)
         # the recomputed kernels are named as what they are on the dashboard and in kernel_stats
         _relabel(out, {id(r.node) for t in leaves for r in t.grid.flat}, "recompute")
@@ -121,7 +128,7 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
         raise TileError(where, "fn must be callable (a module, or a function of TileTensors)", type(fn).__name__)
     if not _autograd.grad_enabled():  # no backward to recompute for (tilegraph.no_grad: inference)
         return fn(*args, **kwargs)
-    mode = _recording_mode(fn)
+    mode, recorded_in = _recording_mode(fn), current_scope()
     out, made = _record(fn, args, where, kwargs)
     inside = {id(t) for t in made}
     if id(out) not in inside:  # fn handed on a tensor it was given: nothing of its own to recompute
@@ -136,7 +143,8 @@ def checkpoint(fn: Callable[..., TileTensor], *args: Any, use_reentrant: bool = 
                 captured.setdefault(id(a), a)
     # the output's tiles as recorded; for autograd, one op over everything fn read from outside
     result = TileTensor(out.tiling, out.dtype, out.grid, name=out.name)
-    ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()), dict(kwargs), mode)
+    ctx = _Ctx(fn, tuple(args), inputs, tuple(captured.values()), dict(kwargs), mode, recorded_in,
+               (out.shape, np.dtype(out.dtype), out.chunks))
     result._record = Record(_CHECKPOINT, inputs + ctx.captured, ctx)
     if _autograd._REGIONS:  # nested in an outer checkpoint: its op, like any other, is one the outer
         _autograd._REGIONS[-1].append(result)  # made (so what this fn read counts as the outer's read)
@@ -154,6 +162,22 @@ def _record(fn: Callable, args: tuple, where: str, kwargs: dict | None = None) -
     if not isinstance(out, TileTensor):
         raise TileError(where, "fn must return one TileTensor", type(out).__name__)
     return out, made
+
+
+def _check_same(fn: Callable, out: TileTensor, made: list, want: tuple) -> None:
+    """The recompute's output must be what the forward's was (``want``: its shape, dtype and tiles)
+    and made by ``fn``: a ``fn`` that records another graph when called again (state that
+    changes between calls) gave gradients of that other graph, silently (an output cut to fewer
+    rows, or an input handed on, differentiated as if it were the forward's)."""
+    got = (out.shape, np.dtype(out.dtype), out.chunks)
+    handed_on = all(out is not t for t in made)
+    if got != want or handed_on:
+        name = getattr(fn, "_scope_name", None) or getattr(fn, "__qualname__", None) or type(fn).__name__
+        said = "an input handed on as it is" if handed_on else f"shape {got[0]}, dtype {got[1]}, tiles {got[2]}"
+        raise TileError("tilegraph.checkpoint (the recompute)",
+                        f"fn ({name}) to record the same graph when called again for the backward: its first "
+                        f"call returned shape {want[0]}, dtype {want[1]}, tiles {want[2]} made by its own ops (no "
+                        "state that changes between calls: a counter, a KV cache)", f"the second call returned {said}")
 
 
 def _recording_mode(fn: Callable) -> tuple:
