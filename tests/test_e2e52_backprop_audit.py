@@ -16,20 +16,11 @@ import pytest
 import tilegraph as tg
 from tilegraph import models, peft
 from tilegraph._graph import topo_order
-from tilegraph.models import ModelTiling
 from tilegraph.ops import rmm
 from tilegraph.sketch import apply_grad_sketch
 
 from conftest import MODES, lm_ids, tiles_for
-
-ARCHS = ["gpt2-debug", "llama-debug"]
-# gpt2-debug: dim 32, 2 blocks, vocab 96; llama-debug: dim 64, vocab 128
-TILINGS = {
-    "single": lambda arch: ModelTiling(),
-    "even": lambda arch: ModelTiling(feature=8 if arch.startswith("gpt2") else 16, vocab=24 if arch.startswith("gpt2") else 32,
-                                     batch=1, seq=4),
-    "ragged": lambda arch: ModelTiling(feature=24 if arch.startswith("gpt2") else 48, vocab=20, batch=2, seq=3),
-}
+from test_recompute import ARCHS, TILINGS  # gpt2-debug and llama-debug; single, even and ragged tilings
 
 
 @pytest.fixture(autouse=True)
