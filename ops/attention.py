@@ -901,6 +901,11 @@ class _Layout:
 
 
 # --------------------------------------------------------------------------------------- op ----
+def _scale(scale, q: TileTensor) -> float:
+    """The scores' scale: ``scale`` as given, or torch's default 1/sqrt(D) (D, q's head dim)."""
+    return 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+
+
 class ScaledDotProductAttention(Op):
     name = "scaled_dot_product_attention"
 
@@ -908,7 +913,7 @@ class ScaledDotProductAttention(Op):
         """``dropout`` > 0 with ``seed``, the (1,) seed tile of the mask (attention_dropout_seed)."""
         _validate(q, k, v, causal, q_offset)
         d = q.shape[3]
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        scale = _scale(scale, q)
         lay = _Layout(q, k, causal, q_offset)
         out_grid = np.empty(q.tiling.grid, dtype=object)
         lse_tiling = Tiling(q.chunks[:3])
@@ -1086,7 +1091,7 @@ def scaled_dot_product_attention(q: TileTensor, k: TileTensor, v: TileTensor, at
 
         _validate(q, k, v, bool(is_causal), int(q_offset))
         return masked_attention(q, k, v, attn_mask, causal=bool(is_causal),
-                                scale=1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale),
+                                scale=_scale(scale, q),
                                 q_offset=int(q_offset), dropout_p=dropout_p)
     return _sdpa_op(q, k, v, causal=bool(is_causal), scale=scale, q_offset=int(q_offset))
 
@@ -1204,7 +1209,7 @@ def sdpa_at(q: TileTensor, k: TileTensor, v: TileTensor, position: TileTensor, *
     _validate(q, k, v, False)
     if len(q.chunks[2]) != 1:
         raise TileError(WHERE, "sdpa_at takes queries in one sequence tile", f"tiles {q.chunks[2]}")
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    scale = _scale(scale, q)
     lay = _Layout(q, k, False)
     pos = position.grid[0]
     grid = np.empty(q.tiling.grid, dtype=object)
