@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import signal
@@ -270,7 +272,7 @@ class Runtime:
         client = self.client
         address = self.address
         try:
-            info = client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=SCHEDULER_ANSWER_SECONDS)
+            info = _scheduler_identity(client, -1, SCHEDULER_ANSWER_SECONDS)
         except TimeoutError as e:
             raise TileError(where, f"the Dask scheduler at {address} to answer within {SCHEDULER_ANSWER_SECONDS:g} s "
                             "(is it stopped or hung, or the network to it down?)",
@@ -321,7 +323,7 @@ class Runtime:
         client = self.client
         seconds = SCHEDULER_PROBE_SECONDS if seconds is None else seconds
         try:
-            client.sync(client.scheduler.identity, n_workers=0, callback_timeout=seconds)
+            _scheduler_identity(client, 0, seconds)
         except TimeoutError:
             return (f"the Dask scheduler at {self.address} does not answer within {seconds:g} s (stopped or hung, or "
                     "the network to it down)")
@@ -825,6 +827,30 @@ def no_worker_alive_error(where: str, what: str, address: str | None = None):
 
 #: how long ``connect(mpi=True)`` waits for every worker rank to join the scheduler
 MPI_WORKERS_WAIT_SECONDS = 120.0
+
+
+@functools.cache
+def _identity_takes_n_workers() -> bool:
+    """Whether this Dask distributed's ``Scheduler.identity`` takes ``n_workers`` (2025.4.0 on);
+    before it, it has no such parameter and answers with every worker's record."""
+    from distributed import Scheduler
+
+    return "n_workers" in inspect.signature(Scheduler.identity).parameters
+
+
+def _scheduler_identity(client, n_workers: int, timeout: float) -> dict:
+    """The scheduler's ``identity`` with the records of at most ``n_workers`` workers (-1: all;
+    0: none, a cheap question), within ``timeout`` seconds (Dask's TimeoutError past it). A
+    scheduler of distributed < 2025.4 (this process's own, or a remote one older than it) has no
+    ``n_workers`` and sends every record: asked with it, it answered with a TypeError."""
+    if _identity_takes_n_workers():
+        try:
+            return client.sync(client.scheduler.identity, n_workers=n_workers, callback_timeout=timeout)
+        except TypeError as e:  # a remote scheduler older than this client
+            if "n_workers" not in str(e):
+                raise
+    return client.sync(client.scheduler.identity, callback_timeout=timeout)
+
 
 #: how long the scheduler may take to answer a question about its workers before the runtime says
 #: it does not answer (a stopped or hung scheduler keeps its connections open and never answers)
