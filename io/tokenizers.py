@@ -19,6 +19,7 @@ same ids (the byte tokenizer's JSON is written by hand: no library needed).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -154,6 +155,29 @@ class ByteTokenizer(Tokenizer):
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(eos={self.eos_id is not None})"
+
+
+@functools.cache
+def _library_takes_lone_surrogates() -> bool:
+    """Whether this tokenizers library encodes a str holding lone surrogates (0.15 to 0.20.0 at
+    least did, as the bytes of U+FFFD, without a word) where later ones (0.20.3 on) refuse it with
+    a TypeError, which :func:`as_text` turns into the error that names them."""
+    hf = _hf()
+    try:
+        hf.Tokenizer(hf.models.BPE()).encode("\udcff")
+    except TypeError:  # refused as it reached the library
+        return False
+    except Exception:  # (taken, then the empty model's own error)
+        return True
+    return True
+
+
+def _no_lone_surrogates(text, where: str):
+    """``text`` as given; a str holding lone surrogates is :func:`as_text`'s TileError where this
+    tokenizers library would encode it silently (bytes and the rest: the library's TypeError)."""
+    if isinstance(text, str) and not text.isascii() and _library_takes_lone_surrogates():
+        as_text(text, where)
+    return text
 
 
 def _hf():
@@ -622,7 +646,8 @@ class BPETokenizer(Tokenizer):
         tok, first = self._tok, True
         for part in parts:
             try:
-                ids = tok.encode(part, add_special_tokens=False).ids
+                ids = tok.encode(_no_lone_surrogates(part, "tilegraph.io.BPETokenizer.encode_parts"),
+                                 add_special_tokens=False).ids
             except TypeError:  # bytes, lone surrogates: as_text says which
                 ids = self._encode(as_text(part, "tilegraph.io.BPETokenizer.encode_parts"), tok)
             except Exception as e:
@@ -761,7 +786,8 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str | bytes) -> np.ndarray:
         """Token ids of ``text`` (a str, or bytes that are UTF-8)."""
         try:
-            ids = self._tok.encode(text).ids  # with the post-processor's special tokens, as HF's tokenizer(text)
+            # with the post-processor's special tokens, as HF's tokenizer(text)
+            ids = self._tok.encode(_no_lone_surrogates(text, "tilegraph.io.BPETokenizer.encode")).ids
         except TypeError:  # the library's answer to bytes and to lone surrogates alike: as_text says which
             ids = self._encode(as_text(text, "tilegraph.io.BPETokenizer.encode"))
         except Exception as e:  # the library's bare Exception: a model whose unk_token the vocabulary lacks
@@ -781,7 +807,7 @@ class BPETokenizer(Tokenizer):
         if isinstance(texts, (str, bytes, bytearray, memoryview)):  # else encoded one character each
             raise TileError("tilegraph.io.BPETokenizer.encode_batch", "texts must be a list of texts (one text: "
                             "encode)", f"{texts!r:.100}")
-        texts = list(texts)
+        texts = [_no_lone_surrogates(t, "tilegraph.io.BPETokenizer.encode_batch") for t in texts]
         try:
             encoded = self._tok.encode_batch(texts)
         except TypeError:  # bytes or lone surrogates somewhere: as_text names the first
