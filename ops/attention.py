@@ -912,7 +912,6 @@ class ScaledDotProductAttention(Op):
     def forward(self, q, k, v, causal, scale=None, q_offset=0, dropout=0.0, seed=None):
         """``dropout`` > 0 with ``seed``, the (1,) seed tile of the mask (attention_dropout_seed)."""
         _validate(q, k, v, causal, q_offset)
-        d = q.shape[3]
         scale = _scale(scale, q)
         lay = _Layout(q, k, causal, q_offset)
         out_grid = np.empty(q.tiling.grid, dtype=object)
