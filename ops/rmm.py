@@ -23,11 +23,15 @@ row tile of X makes its rows' share ``S_r^T X_r`` (k, tile columns) and a sum tr
 so Xs has one tile per column tile of X; dY's row tiles are those of X, so the backward's
 ``S_r`` is the forward's.
 
-The seed changes every step without help from the training loop: one tiny kernel hashes the
-layer's base seed with a sample of the weight's first tile, which every optimizer step changes;
-replayed steps (``TrainStep``) therefore draw a fresh sketch each time, and data-parallel
-replicas, whose weights are bitwise equal, draw the same one. If a weight does not change
-between two steps (learning rate 0, gradients exactly zero) the sketch repeats.
+Seeds change every step without help from the training loop, and every input draws its own
+sketch: a dense sketch ("gaussian", "rademacher") is drawn per row tile, from a hash of the layer's
+base seed, a sample of the weight's first tile (which every optimizer step changes) and a sample
+of that row tile of X; the sketches drawn over all rows at once ("rows", "dct", "wta-crs") hash the
+weight's first tile and X's first tile. Replayed steps (``TrainStep``) therefore draw a fresh sketch
+each time; each micro-batch of an accumulated step, which shares the weights, draws its own (with
+one seed from the weights alone they all drew the same S, and their estimates' errors added up
+instead of averaging out); data-parallel replicas, which share out the row tiles of one graph,
+draw the one-process run's sketch. The same weights and the same input draw the same sketch.
 
 >>> import numpy as np, tilegraph as tg
 >>> x = tg.from_numpy(np.ones((20, 4))); w = tg.from_numpy(np.ones((4, 3)))
@@ -39,7 +43,6 @@ array([4., 4., 4.])
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 from typing import NamedTuple
@@ -52,6 +55,7 @@ from tilegraph._graph import Cost, emit, emit1, kernel, xp_of
 from tilegraph._tensor import TileTensor, Tiling
 
 from ._common import new_tensor, numel
+from .dropout import _seed_k, row_seed_tensor
 from .matmul import _matmul_op, _matmul_tn_op
 from .reduce import _tree
 
@@ -61,11 +65,9 @@ WHERE = "tilegraph.sketched_linear"
 #: the sketches of the weight gradient (None in ``tg.nn.Linear`` means exact)
 SKETCHES = ("gaussian", "rademacher", "rows", "dct", "wta-crs")
 _SAMPLED = ("rows", "wta-crs")  # S^T A gathers k scaled rows of A (no dense S)
+_DENSE = ("gaussian", "rademacher")  # S drawn per row tile, each from its own seed
 #: WTA-CRS keeps at least this many rows (its paper's k = min(max(floor(N * ratio), 10), N))
 WTA_MIN_ROWS = 10
-#: elements of the weight's first tile hashed into the seed (a strided sample: ~0.1 ms, and every
-#: optimizer step changes them all, weight decay alone does)
-_SEED_SAMPLE = 16384
 
 
 # ------------------------------------------------------------------------------ checking ----
@@ -179,21 +181,9 @@ def _box_rows(lead_shape, offset, shape) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------------- kernels ----
-def _seed_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
-    return Cost(float(_SEED_SAMPLE), float(min(numel(in_shapes[0]), _SEED_SAMPLE) * itemsize))
-
-
-@kernel("rmm_seed", cost=_seed_cost)
-def _seed_k(w, *, base):
-    """This step's seed: a hash of the base seed and a sample of the weight's first tile."""
-    xp = xp_of(w)
-    flat = w.reshape(-1)
-    sample = flat[::max(1, flat.size // _SEED_SAMPLE)]
-    if xp is not np:
-        sample = xp.asnumpy(sample)
-    h = hashlib.blake2b(int(base).to_bytes(8, "little"), digest_size=8)
-    h.update(np.ascontiguousarray(sample).tobytes())
-    return xp.asarray(np.frombuffer(h.digest(), dtype=np.uint64).copy())
+def _seed_of(tile) -> int:
+    """The seed held by a one-element tile (on the host or a GPU)."""
+    return int(tile.reshape(-1)[0])
 
 
 def _sketch_cost(in_shapes, out_shapes, itemsize, params) -> Cost:
@@ -211,10 +201,10 @@ def _sketch_k(*ins, kind, k, n_rows, lead_shape, offset):
     a2 = a.reshape(-1, a.shape[-1])
     rows = _box_rows(lead_shape, offset, a.shape[:-1])
     if kind not in _SAMPLED:
-        block = sketch_block(kind, int(ins[0][0]), rows, k, n_rows)
+        block = sketch_block(kind, _seed_of(ins[0]), rows, k, n_rows)
         return xp.asarray(block.astype(a.dtype)) @ a2
     if kind == "rows":
-        idx, scale = _uniform_rows(int(ins[0][0]), k, n_rows)
+        idx, scale = _uniform_rows(_seed_of(ins[0]), k, n_rows)
     else:
         idx, scale = (np.asarray(v.get() if xp is not np else v) for v in ins[:2])
     pos = np.minimum(np.searchsorted(rows, idx), rows.size - 1)
@@ -237,7 +227,7 @@ def _wta_plan_k(seed, *parts, k, n_rows, lead_shape, boxes, n_col_tiles):
     """WTA-CRS's rows and scales from every tile's row norms (float64, summed over column tiles)."""
     xp = xp_of(parts[0])
     host = [np.asarray(p.get() if xp is not np else p) for p in (seed, *parts)]
-    seed, parts = int(host[0][0]), host[1:]
+    seed, parts = int(host[0].reshape(-1)[0]), host[1:]
     sumsq = np.zeros(n_rows)
     for i, (offset, shape) in enumerate(boxes):
         sumsq[_box_rows(lead_shape, offset, shape)] = sum(parts[i * n_col_tiles:(i + 1) * n_col_tiles])
@@ -254,10 +244,15 @@ def _row_tiles(a: TileTensor):
         yield li, tuple(offs[d][i] for d, i in enumerate(li)), tuple(a.chunks[d][i] for d, i in enumerate(li))
 
 
-def _plan(x: TileTensor, w: TileTensor, sketch: str, k: int, seed: int) -> tuple:
-    """The sketch's description, as tile refs: (seed,) or, for WTA-CRS, (rows, scales)."""
+def _plan(x: TileTensor, w: TileTensor, sketch: str, k: int, seed: int):
+    """The sketch's description: for a dense sketch, a tensor of one seed per row tile of ``x``
+    (hashing the base seed, the weight's first tile and that row tile's first tile: each input
+    draws its own sketch, and no row tile waits for another's); for the others, tile refs: (seed,)
+    or, for WTA-CRS, (rows, scales), from one seed hashing the weight's and ``x``'s first tiles."""
+    if sketch in _DENSE:
+        return row_seed_tensor(x, w, base=seed)
     n_rows = math.prod(x.shape[:-1])
-    seed_ref = emit1(_seed_k, [w.grid[(0,) * w.ndim]], (1,), np.uint64, op="rmm", base=seed)
+    seed_ref = emit1(_seed_k, [w.grid[(0,) * w.ndim], x.grid[(0,) * x.ndim]], (1,), np.uint64, op="rmm", base=seed)
     if sketch != "wta-crs":
         return (seed_ref,)
     parts, boxes = [], []
@@ -270,7 +265,14 @@ def _plan(x: TileTensor, w: TileTensor, sketch: str, k: int, seed: int) -> tuple
                       n_col_tiles=x.tiling.grid[-1]))
 
 
-def _sketch(a: TileTensor, plan: tuple, sketch: str, k: int) -> TileTensor:
+def _plan_refs(plan, li) -> list:
+    """The plan's inputs to the sketch kernel of row tile ``li``."""
+    if isinstance(plan, TileTensor):  # one seed per row tile (a vector x: one, at (0,))
+        return [plan.grid[li if li else (0,)]]
+    return list(plan)
+
+
+def _sketch(a: TileTensor, plan, sketch: str, k: int) -> TileTensor:
     """``S^T A`` (k, columns of A): one kernel per tile of A, summed over the row tiles."""
     tiling = Tiling(((k,), a.chunks[-1]))
     tiles = list(_row_tiles(a))
@@ -279,7 +281,7 @@ def _sketch(a: TileTensor, plan: tuple, sketch: str, k: int) -> TileTensor:
     def fill(idx):
         c = idx[1]
         shape = tiling.tile_shape(idx)
-        parts = [emit1(_sketch_k, [*plan, a.grid[li + (c,)]], shape, a.dtype, op="rmm", kind=sketch, k=k,
+        parts = [emit1(_sketch_k, [*_plan_refs(plan, li), a.grid[li + (c,)]], shape, a.dtype, op="rmm", kind=sketch, k=k,
                        n_rows=n_rows, lead_shape=a.shape[:-1], offset=offset) for li, offset, _ in tiles]
         return parts[0] if len(parts) == 1 else _tree(parts, shape, a.dtype, (), 1.0, "rmm")
 
@@ -288,13 +290,13 @@ def _sketch(a: TileTensor, plan: tuple, sketch: str, k: int) -> TileTensor:
 
 class RMMContext(NamedTuple):
     """What the backward keeps: the weight (for the exact dX), the sketched activations
-    ``xs = S^T X`` (k, n), the sketch's description (a seed, or WTA-CRS's rows and scales),
+    ``xs = S^T X`` (k, n), the sketch's description (seeds, or WTA-CRS's rows and scales),
     never X itself."""
 
     w: TileTensor
     has_bias: bool
     xs: TileTensor
-    plan: tuple
+    plan: tuple | TileTensor
     sketch: str
     k: int
 

@@ -172,8 +172,9 @@ _CHUNKS = {"single": (20,), "even": (5, 5, 5, 5), "ragged": (8, 8, 4)}
 
 
 def _kernel_estimate(kind, seed, x, dy, chunks, dtype):
-    """X_s^T (S^T dY) computed by the layer's own tile kernels (rmm_seed's output given: ``seed``),
-    over the row tiles ``chunks``: the seed/plan, the sketch of every row tile, their sum."""
+    """X_s^T (S^T dY) computed by the layer's own tile kernels (the seed kernel's output given:
+    ``seed``, and for a dense sketch one seed per row tile from it), over the row tiles ``chunks``:
+    the seed/plan, the sketch of every row tile, their sum."""
     k = rmm.sketch_size(kind, _RATIO, _N)
     offsets = np.cumsum((0,) + chunks[:-1])
     seed_tile = np.array([seed], np.uint64)
@@ -184,9 +185,12 @@ def _kernel_estimate(kind, seed, x, dy, chunks, dtype):
     else:
         plan = (seed_tile,)
 
+    def plan_of(i):
+        return (np.array([seed * len(chunks) + i], np.uint64),) if kind in rmm._DENSE else plan
+
     def sketch(a):
-        return sum(rmm._sketch_k.fn(*plan, a[o:o + c], kind=kind, k=k, n_rows=_N, lead_shape=(_N,), offset=(o,))
-                   for o, c in zip(offsets, chunks))
+        return sum(rmm._sketch_k.fn(*plan_of(i), a[o:o + c], kind=kind, k=k, n_rows=_N, lead_shape=(_N,), offset=(o,))
+                   for i, (o, c) in enumerate(zip(offsets, chunks)))
 
     xs, ys = sketch(x.astype(dtype)), sketch(dy.astype(dtype))
     assert xs.dtype == dtype and xs.shape == (k, _n)
@@ -214,9 +218,9 @@ def _seed_recorder(monkeypatch):
     seeds: list = []
     fn = rmm._seed_k.fn
 
-    def recording(w, *, base):
-        out = fn(w, base=base)
-        seeds.append((base, int(out[0])))
+    def recording(*tiles, base, ndim=1):
+        out = fn(*tiles, base=base, ndim=ndim)
+        seeds.append((base, int(out.reshape(-1)[0])))
         return out
 
     monkeypatch.setattr(rmm._seed_k, "fn", recording)
@@ -239,8 +243,10 @@ def test_a_replayed_and_a_multi_step_train_step_draw_a_new_sketch_every_step(mon
     per_layer: dict = {}
     for base, seed in seeds:
         per_layer.setdefault(base, []).append(seed)
-    # 4 sketched layers (fc1, fc2 of 2 blocks), 5 steps: 5 different seeds each (a new S every step)
-    assert len(per_layer) == 4 and all(len(s) == 5 == len(set(s)) for s in per_layer.values()), per_layer
+    # 4 sketched layers (fc1, fc2 of 2 blocks), 5 steps: a new seed for every row tile of every step
+    # (a new S every step; a Gaussian S is drawn per row tile)
+    assert len(per_layer) == 4, per_layer
+    assert all(len(s) == len(set(s)) and len(s) % 5 == 0 for s in per_layer.values()), per_layer
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 

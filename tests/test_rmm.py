@@ -14,6 +14,7 @@ import tilegraph as tg
 from tilegraph import models
 from tilegraph._graph import topo_order
 from tilegraph.ops import rmm
+from tilegraph.ops.dropout import step_seed
 from tilegraph.sketch import apply_grad_sketch, sketched_layers
 
 from conftest import by_mode, tiles_for
@@ -28,15 +29,27 @@ def _row_boxes(x: tg.TileTensor) -> list[np.ndarray]:
 
 
 def _sketch_matrix(kind, seed, k, n_rows, boxes, x2d) -> np.ndarray:
-    """S (N, k) as the tile kernels build it, assembled over the row tiles ``boxes``."""
+    """S (N, k) as the tile kernels build it, assembled over the row tiles ``boxes``; ``seed``: one
+    per row tile for a dense sketch (a list), else the one seed."""
     s = np.zeros((n_rows, k))
     if kind == "wta-crs":
         idx, scale = rmm.wta_crs_plan(np.linalg.norm(x2d, axis=1), k, seed)
         s[idx, np.arange(k)] = scale
         return s
-    for rows in boxes:
-        s[rows] = rmm.sketch_block(kind, seed, rows, k, n_rows).T
+    seeds = seed if kind in rmm._DENSE else [seed] * len(boxes)
+    for rows, one in zip(boxes, seeds):
+        s[rows] = rmm.sketch_block(kind, one, rows, k, n_rows).T
     return s
+
+
+def _step_seeds(kind, base, w_np, w, x_np, x):
+    """The seeds the graph draws with: a dense sketch's one per row tile of x, hashing the base
+    seed, the weight's first tile and the row tile's first tile; the others' one, hashing the
+    weight's and x's first tiles."""
+    first_w = w_np[w.tiling.slices((0,) * w.ndim)]
+    if kind not in rmm._DENSE:
+        return step_seed(base, first_w, x_np[x.tiling.slices((0,) * x.ndim)])
+    return [step_seed(base, first_w, x_np[x.tiling.slices(li + (0,))]) for li, _, _ in rmm._row_tiles(x)]
 
 
 # --------------------------------------------------------------------- graph vs estimator ----
@@ -58,10 +71,10 @@ def test_graph_computes_the_estimator_of_its_seed_and_dx_db_forward_are_exact(ki
     np.testing.assert_array_equal(dx, dxe)    # dX = dY W^T, exact (needs W, not X)
     np.testing.assert_array_equal(db, dbe)
     np.testing.assert_allclose(dx, r_np @ w_np.T, rtol=1e-12)
-    # dW is the estimate (S^T X)^T (S^T dY) for this step's seed (a hash of the weight)
+    # dW is the estimate (S^T X)^T (S^T dY) for this step's seeds (hashes of the weight and the input)
     n_rows = 21
     k = rmm.sketch_size(kind, 0.3, n_rows)
-    seed = int(rmm._seed_k.fn(w_np[w.tiling.slices((0, 0))], base=7)[0])
+    seed = _step_seeds(kind, 7, w_np, w, x_np, x)
     s = _sketch_matrix(kind, seed, k, n_rows, _row_boxes(x), x_np.reshape(n_rows, 6))
     want = (s.T @ x_np.reshape(n_rows, 6)).T @ (s.T @ r_np.reshape(n_rows, 5))
     np.testing.assert_allclose(dw, want, rtol=1e-10, atol=1e-10)
@@ -83,7 +96,8 @@ def _draws(kind, mode, transform=None):
     offsets = np.cumsum((0,) + _CHUNKS[mode][:-1])
     boxes = [np.arange(o, o + c) for o, c in zip(offsets, _CHUNKS[mode])]
     k = rmm.sketch_size(kind, _RATIO, _N)
-    s = np.stack([_sketch_matrix(kind, t, k, _N, boxes, x) for t in range(_TRIALS)])  # (trials, N, k)
+    seeds = [[t * len(boxes) + i for i in range(len(boxes))] if kind in rmm._DENSE else t for t in range(_TRIALS)]
+    s = np.stack([_sketch_matrix(kind, t, k, _N, boxes, x) for t in seeds])  # (trials, N, k)
     if transform is not None:
         s = transform(s, k)
     xs, ys = np.einsum("tik,in->tkn", s, x), np.einsum("tik,im->tkm", s, dy)
@@ -150,7 +164,8 @@ def test_backward_keeps_ratio_times_the_activation_bytes_and_never_x(kind):
         assert kept == x.size * 4
         return
     k = rmm.sketch_size(kind, 0.2, 1000)
-    plan = 8 if kind != "wta-crs" else k * 16  # the seed, or WTA-CRS's rows and scales
+    # the seeds (one per row tile of x for a dense sketch, 4 x 2 here), or WTA-CRS's rows and scales
+    plan = {"gaussian": 8 * 8, "rademacher": 8 * 8, "rows": 8, "dct": 8}.get(kind, k * 16)
     assert kept == k * 64 * 4 + plan  # S^T X (k, n) and the sketch's description
     assert not ids & {id(r.node) for r in x.grid.flat}
     assert kept / (x.size * 4) <= 0.2125  # measured: 0.2000 (0.2125 wta-crs): >= 4.7x less
@@ -168,9 +183,10 @@ def test_training_with_sketched_gradients_learns_and_draws_a_new_sketch_every_st
     seeds = []
     fn = rmm._seed_k.fn
 
-    def recording(w, *, base):
-        seeds.append((base, int(fn(w, base=base)[0])))
-        return fn(w, base=base)
+    def recording(*tiles, base, ndim=1):
+        out = fn(*tiles, base=base, ndim=ndim)
+        seeds.append((base, int(out.reshape(-1)[0])))
+        return out
 
     monkeypatch.setattr(rmm._seed_k, "fn", recording)
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (4, 17))
@@ -180,7 +196,9 @@ def test_training_with_sketched_gradients_learns_and_draws_a_new_sketch_every_st
     per_layer: dict = {}
     for base, seed in seeds:
         per_layer.setdefault(base, []).append(seed)
-    assert len(per_layer) == 12 and all(len(set(s)) == len(s) == 8 for s in per_layer.values())
+    # a new seed every step (and for a dense sketch every row tile of each step)
+    assert len(per_layer) == 12, per_layer.keys()
+    assert all(len(set(s)) == len(s) and len(s) % 8 == 0 for s in per_layer.values()), per_layer
 
 
 def test_the_largest_seeds_train_and_larger_ones_are_refused_up_front():
